@@ -1,0 +1,32 @@
+"""Background loops of a control plane (scheduler, node reaper), started by the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from service.context import Context
+
+log = logging.getLogger(__name__)
+
+
+async def start(ctx: Context) -> None:
+    import importlib
+
+    try:
+        scheduler = importlib.import_module("service.scheduler")
+    except ModuleNotFoundError as exc:
+        if exc.name != "service.scheduler":
+            raise
+        return
+    ctx.tasks.append(asyncio.create_task(scheduler.run(ctx), name="scheduler"))
+
+
+async def stop(ctx: Context) -> None:
+    for task in ctx.tasks:
+        task.cancel()
+    for task in ctx.tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    ctx.tasks.clear()

@@ -1,0 +1,26 @@
+"""Everything a request handler or a background loop of one control plane needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.etcd import Etcd
+from service.jobs import JobStore
+from service.keys import Keys
+from service.settings import Settings
+
+
+@dataclass
+class Context:
+    settings: Settings
+    etcd: Etcd
+    keys: Keys
+    jobs: JobStore
+    # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
+    tasks: list = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: Settings) -> Context:
+        etcd = Etcd(settings.etcd_endpoints, settings.etcd_timeout_s)
+        keys = Keys(settings.etcd_prefix.rstrip("/"))
+        return cls(settings=settings, etcd=etcd, keys=keys, jobs=JobStore(etcd, keys))

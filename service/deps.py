@@ -1,0 +1,86 @@
+"""FastAPI dependencies: the request's context and who is calling."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.context import Context
+from service.errors import JobNotFound
+from service.models import JobRecord
+
+_bearer = HTTPBearer(auto_error=False)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def get_context(request: Request) -> Context:
+    return request.app.state.ctx
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail=detail,
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def _matches(given: str, expected: str | None) -> bool:
+    return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
+
+
+def require_user(ctx: ContextDep, creds: Credentials) -> None:
+    """A user token (submit, read, cancel). Open only when no user token is configured."""
+    expected = ctx.settings.user_token
+    if expected is None:
+        return
+    if creds is None:
+        raise _unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
+                            "`ftrain up` writes it to <data-dir>/token)")
+    if not _matches(creds.credentials, expected):
+        if _matches(creds.credentials, ctx.settings.node_token):
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "a node token cannot call user endpoints")
+        raise _unauthorized("invalid token")
+
+
+def require_node(ctx: ContextDep, creds: Credentials) -> None:
+    """A node token (register, heartbeat, rendezvous). Never a user token."""
+    expected = ctx.settings.node_token
+    if expected is None:
+        return
+    if creds is None:
+        raise _unauthorized("missing 'Authorization: Bearer <node token>'")
+    if not _matches(creds.credentials, expected):
+        if _matches(creds.credentials, ctx.settings.user_token):
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call node endpoints")
+        raise _unauthorized("invalid node token")
+
+
+async def require_job_or_node(
+    ctx: ContextDep, creds: Credentials, job_id: Annotated[str, Path()]
+) -> JobRecord:
+    """The job's own token (given to its workers) or the node token; returns the job."""
+    if creds is None and ctx.settings.node_token is not None:
+        raise _unauthorized("missing 'Authorization: Bearer <job token>'")
+    try:
+        job = await ctx.jobs.get(job_id)
+    except JobNotFound:
+        if creds is not None and _matches(creds.credentials, ctx.settings.node_token):
+            raise
+        raise _unauthorized("invalid job token") from None
+    if ctx.settings.node_token is None:
+        return job
+    assert creds is not None
+    if _matches(creds.credentials, job.token) or _matches(creds.credentials, ctx.settings.node_token):
+        return job
+    if _matches(creds.credentials, ctx.settings.user_token):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call job-runtime endpoints")
+    raise _unauthorized("invalid job token")
+
+
+UserAuth = Depends(require_user)
+NodeAuth = Depends(require_node)
+JobTokenDep = Annotated[JobRecord, Depends(require_job_or_node)]

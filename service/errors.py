@@ -1,0 +1,62 @@
+"""Domain errors of the control plane.
+
+They are raised by the store and the state machine and mapped to HTTP responses in
+one place (`service.app._install_error_handlers`). A handler never catches
+`Exception` itself.
+"""
+
+
+class FtrainError(Exception):
+    """Base class of every error the control plane maps to an HTTP response."""
+
+    status_code = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class StoreUnavailable(FtrainError):
+    """etcd did not answer; worth retrying once it is back."""
+
+    status_code = 503
+
+
+class JobNotFound(FtrainError):
+    status_code = 404
+
+    def __init__(self, job_id: str):
+        super().__init__(f"no job with id {job_id!r}")
+        self.job_id = job_id
+
+
+class NodeNotFound(FtrainError):
+    status_code = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"no node named {name!r} is registered (its lease may have lapsed)")
+        self.name = name
+
+
+class InvalidTransition(FtrainError):
+    """A state change the job's state machine does not allow (e.g. out of a terminal state)."""
+
+    status_code = 409
+
+    def __init__(self, job_id: str, state: str, target: str):
+        super().__init__(f"job {job_id} is {state}; it cannot become {target}")
+        self.job_id = job_id
+        self.state = state
+        self.target = target
+
+
+class Conflict(FtrainError):
+    """The request conflicts with what is stored (e.g. an idempotency key reused)."""
+
+    status_code = 409
+
+
+class ContentionError(FtrainError):
+    """A compare-and-set lost its race too many times in a row; the client may retry."""
+
+    status_code = 503

@@ -1,0 +1,236 @@
+"""A small async etcd v3 key-value layer over `aetcd`.
+
+Every write that depends on what was read is a transaction comparing the key's
+`mod_revision` (the fencing token); `mod_revision == 0` means "only if absent".
+Every foreign error (gRPC, timeouts, connection refused) leaves this module as
+`StoreUnavailable`, naming the endpoint and what to do, so the API can answer 503.
+Several endpoints may be given: on a connection failure the next one is tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import grpc
+
+from service.errors import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    key: str
+    value: bytes | None  # None for a delete
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with `prefix`."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
+    """'http://h1:2379,http://h2:2379' -> [('h1', 2379), ('h2', 2379)]."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        parts = urlsplit(item if "://" in item else f"http://{item}")
+        if not parts.hostname:
+            raise ValueError(f"etcd endpoint {item!r} has no host; expected http://HOST:PORT")
+        out.append((parts.hostname, parts.port or 2379))
+    if not out:
+        raise ValueError("no etcd endpoint given; expected http://HOST:PORT[,...]")
+    return out
+
+
+class Etcd:
+    """Async etcd client with CAS helpers and errors mapped to `StoreUnavailable`."""
+
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0):
+        self._endpoints = parse_endpoints(endpoints)
+        self._current = 0
+        self._timeout_s = timeout_s
+        self._client: aetcd.Client | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self._endpoints[self._current]
+        return f"{host}:{port}"
+
+    def _unavailable(self, what: str, exc: BaseException | None) -> StoreUnavailable:
+        detail = f": {exc}" if exc and str(exc) else ""
+        return StoreUnavailable(
+            f"etcd at {self.endpoint} did not answer {what} within {self._timeout_s:g} s"
+            f"{detail}; is it running? Check FTRAIN_ETCD_ENDPOINTS (`ftrain up` starts its own)."
+        )
+
+    async def _connected(self) -> aetcd.Client:
+        if self._client is None:
+            async with self._lock:
+                if self._client is None:
+                    host, port = self._endpoints[self._current]
+                    client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+                    await client.connect()
+                    self._client = client
+        return self._client
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if len(self._endpoints) > 1:
+            self._current = (self._current + 1) % len(self._endpoints)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def _call(self, what: str, fn):
+        """Run `fn(client)` with a deadline; map every failure to StoreUnavailable."""
+        try:
+            client = await self._connected()
+            return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
+        except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError,
+                grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
+            await self._drop_client()
+            raise self._unavailable(what, exc) from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise self._unavailable(what, exc) from exc
+
+    async def close(self) -> None:
+        await self._drop_client()
+
+    async def get(self, key: str) -> Entry | None:
+        got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
+        return None if got is None else _entry(got)
+
+    async def get_prefix(self, prefix: str) -> list[Entry]:
+        got = await self._call(f"GET {prefix}*", lambda c: c.get_prefix(prefix.encode()))
+        return [_entry(kv) for kv in got]
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        await self._call(f"PUT {key}", lambda c: c.put(key.encode(), value, lease=lease))
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._call(f"DELETE {prefix}*", lambda c: c.delete_prefix(prefix.encode()))
+
+    async def delete(self, key: str) -> None:
+        await self._call(f"DELETE {key}", lambda c: c.delete(key.encode()))
+
+    async def commit(
+        self, expect: dict[str, int], ops: Sequence[Put | Delete]
+    ) -> bool:
+        """Apply `ops` atomically iff every key in `expect` has that mod_revision (0: absent)."""
+
+        async def txn(c: aetcd.Client):
+            compare = [c.transactions.mod(k.encode()) == rev for k, rev in expect.items()]
+            success = []
+            for op in ops:
+                if isinstance(op, Put):
+                    success.append(c.transactions.put(op.key.encode(), op.value, lease=op.lease))
+                else:
+                    key = op.key.encode()
+                    success.append(
+                        c.transactions.delete(key, range_end=_prefix_end(key) if op.prefix else None)
+                    )
+            ok, _ = await c.transaction(compare=compare, success=success, failure=[])
+            return ok
+
+        return await self._call("a transaction", txn)
+
+    async def revision(self) -> int:
+        """The store's current revision (for starting a watch after a read)."""
+        async def status(c: aetcd.Client):
+            resp = await c.kvstub.Range(
+                aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s
+            )
+            return resp.header.revision
+
+        return await self._call("a status request", status)
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        lease = await self._call("a lease grant", lambda c: c.lease(ttl_s))
+        return lease.id
+
+    async def refresh_lease(self, lease_id: int) -> bool:
+        """Keep a lease alive; False if it has already expired."""
+        reply = await self._call("a lease keep-alive", lambda c: c.refresh_lease(lease_id))
+        return reply is not None and reply.TTL > 0
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        try:
+            await self._call("a lease revoke", lambda c: c.revoke_lease(lease_id))
+        except StoreUnavailable:
+            raise
+        except Exception:  # an unknown lease is already gone: nothing to do
+            log.debug("lease %x already gone", lease_id)
+
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Yield every change under `prefix` from `start_revision` on.
+
+        Raises StoreUnavailable when the stream breaks; the caller re-reads and re-watches.
+        """
+        client = await self._call("a watch", lambda c: asyncio.sleep(0, c))
+        key = prefix.encode()
+        try:
+            watch = await client.watch(key, range_end=_prefix_end(key), start_revision=start_revision)
+            try:
+                async for ev in watch:
+                    kv = ev.kv
+                    yield WatchEvent(
+                        key=kv.key.decode(),
+                        value=None if ev.kind == "DELETE" else kv.value,
+                        mod_revision=kv.mod_revision,
+                    )
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watch.cancel(), 1)
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+            await self._drop_client()
+            raise self._unavailable("a watch", exc) from exc
+
+
+def _entry(kv) -> Entry:
+    return Entry(
+        key=kv.key.decode(),
+        value=kv.value,
+        mod_revision=kv.mod_revision,
+        create_revision=kv.create_revision,
+        lease=kv.lease,
+    )

@@ -1,0 +1,71 @@
+"""Where each piece of state lives in etcd (one place, so the layout can be read at once).
+
+    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS
+    <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
+    <prefix>/idempotency/<sha256>        {"job_id", "spec_hash"} for Idempotency-Key
+    <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
+    <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
+    <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
+    <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
+    <prefix>/logs/<id>/<seq>             chunks of worker log lines
+    <prefix>/leader                      the scheduler leader's lease-bound key
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "/ftrain"
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}/jobs/{job_id}"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}/jobs/"
+
+    def events(self, job_id: str) -> str:
+        return f"{self.prefix}/events/{job_id}/"
+
+    def event(self, job_id: str, seq: int) -> str:
+        return f"{self.prefix}/events/{job_id}/{seq:010d}"
+
+    def idempotency(self, digest: str) -> str:
+        return f"{self.prefix}/idempotency/{digest}"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.prefix}/nodes/"
+
+    def node(self, name: str) -> str:
+        return f"{self.prefix}/nodes/{name}"
+
+    def rdzv(self, rdzv_id: str) -> str:
+        return f"{self.prefix}/rdzv/{rdzv_id}/"
+
+    def rdzv_state(self, rdzv_id: str) -> str:
+        return f"{self.prefix}/rdzv/{rdzv_id}/state"
+
+    def rdzv_store(self, rdzv_id: str) -> str:
+        return f"{self.prefix}/rdzv/{rdzv_id}/store/"
+
+    def rdzv_of_job(self, job_id: str) -> str:
+        # rdzv ids are "<job id>-a<attempt>": this prefix covers every attempt of the job.
+        return f"{self.prefix}/rdzv/{job_id}-a"
+
+    def snapshots(self, job_id: str) -> str:
+        return f"{self.prefix}/snapshots/{job_id}/"
+
+    def snapshot(self, job_id: str, step: int) -> str:
+        return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
+
+    def logs(self, job_id: str) -> str:
+        return f"{self.prefix}/logs/{job_id}/"
+
+    def log(self, job_id: str, seq: int) -> str:
+        return f"{self.prefix}/logs/{job_id}/{seq:012d}"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}/leader"

@@ -1,0 +1,220 @@
+"""The control plane's resources: what comes in (`JobSpec`), what is stored (`JobRecord`)
+and what goes out (`JobView`, `JobList`, `EventView`, `NodeView`)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_ENV_ENTRIES = 128
+MAX_ENV_VALUE_CHARS = 4096
+# The service sets these itself; a spec may not override them.
+RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+    def is_active(self) -> bool:
+        """Holds nodes: workers may be running."""
+        return self in (JobState.RUNNING, JobState.RECOVERING, JobState.CANCELLING)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodesSpec(_Strict):
+    min: int = Field(1, ge=1, le=1024, description="Nodes needed to start (gang size).")
+    max: int = Field(1, ge=1, le=1024, description="Most nodes the job will use.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> NodesSpec:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class SnapshotSpec(_Strict):
+    every_steps: int = Field(100, ge=1, le=10_000_000, description="Snapshot every N steps.")
+    keep: int = Field(3, ge=1, le=1000, description="Committed snapshots kept; older ones are pruned.")
+
+
+class JobSpec(_Strict):
+    """A training job as submitted (JSON over REST, or YAML/JSON through the CLI)."""
+
+    name: str = Field(..., min_length=1, max_length=40,
+                      description="DNS label: lower-case letters, digits and '-'.")
+    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        ..., min_length=1, max_length=256,
+        description="The worker command, as torchrun would run it, e.g. ['python', 'train.py'].")
+    working_dir: str | None = Field(None, max_length=4096,
+                                    description="Directory the command runs in, on every node.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.")
+    nodes: NodesSpec = Field(default_factory=NodesSpec)
+    nproc_per_node: int | str = Field(
+        1, union_mode="left_to_right",
+        description="Worker processes per node, or 'auto' (one per GPU, else one).")
+    max_restarts: int = Field(3, ge=0, le=1000, description="Worker failures tolerated.")
+    snapshot: SnapshotSpec = Field(default_factory=SnapshotSpec)
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Kept constant across resizes by the runtime (optional).")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if not DNS_LABEL.match(v):
+            raise ValueError("must be a DNS label: lower-case letters, digits and '-', "
+                             "starting and ending with a letter or digit")
+        return v
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, str) and v != "auto":
+            raise ValueError("must be a positive integer or 'auto'")
+        if isinstance(v, int) and not 1 <= v <= 1024:
+            raise ValueError("must be between 1 and 1024, or 'auto'")
+        return v
+
+    @field_validator("working_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        if v is not None and "\0" in v:
+            raise ValueError("must not contain NUL")
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _no_nul(cls, v: list[str]) -> list[str]:
+        if any("\0" in part for part in v):
+            raise ValueError("must not contain NUL characters")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _bounded_env(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_ENV_ENTRIES:
+            raise ValueError(f"at most {MAX_ENV_ENTRIES} entries")
+        for key, value in v.items():
+            if not ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            if key.startswith(RESERVED_ENV) and key != "FTRAIN_LOG_LEVEL":
+                raise ValueError(f"{key!r} is set by ftrain and cannot be overridden")
+            if len(value) > MAX_ENV_VALUE_CHARS or "\0" in value:
+                raise ValueError(f"value of {key!r} must be at most {MAX_ENV_VALUE_CHARS} "
+                                 "characters, without NUL")
+        return v
+
+
+class SnapshotMeta(BaseModel):
+    step: int = Field(..., ge=0)
+    path: str = Field(..., min_length=1, max_length=4096)
+    size: int = Field(..., ge=0)
+    checksum: str = Field(..., min_length=1, max_length=200)
+    time: float | None = None
+    attempt: int | None = None
+
+
+class Progress(BaseModel):
+    step: int = Field(..., ge=0)
+    loss: float | None = None
+    samples_per_s: float | None = None
+    time: float | None = None
+
+
+class MemberStatus(BaseModel):
+    """One node's part in the current attempt."""
+
+    state: Literal["assigned", "running", "succeeded", "failed", "stopped"] = "assigned"
+    exit_code: int | None = None
+    reason: str | None = None
+
+
+class JobRecord(BaseModel):
+    """What etcd holds for a job (one key; every write is a CAS on its mod_revision)."""
+
+    id: str
+    spec: JobSpec
+    state: JobState = JobState.PENDING
+    reason: str = "submitted"
+    created_at: float
+    updated_at: float
+    token: str = Field(..., description="Job-scoped token given to its workers.")
+    attempt: int = 0
+    members: dict[str, MemberStatus] = Field(default_factory=dict)
+    world_size: int = 0
+    restarts: int = 0
+    rounds: int = 0
+    event_seq: int = 0
+    latest_snapshot: SnapshotMeta | None = None
+    progress: Progress | None = None
+    finished_at: float | None = None
+
+    @property
+    def rdzv_id(self) -> str:
+        return f"{self.id}-a{self.attempt}"
+
+    def view(self) -> JobView:
+        return JobView(
+            id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
+            spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
+            finished_at=self.finished_at, attempt=self.attempt, nodes=sorted(self.members),
+            world_size=self.world_size, restarts=self.restarts,
+            latest_snapshot=self.latest_snapshot, progress=self.progress,
+        )
+
+
+class JobView(BaseModel):
+    id: str
+    name: str
+    state: JobState
+    reason: str
+    spec: JobSpec
+    created_at: float
+    updated_at: float
+    finished_at: float | None = None
+    attempt: int
+    nodes: list[str]
+    world_size: int
+    restarts: int
+    latest_snapshot: SnapshotMeta | None = None
+    progress: Progress | None = None
+
+
+class JobList(BaseModel):
+    items: list[JobView]
+    next: str | None = Field(None, description="Pass as ?after= to get the next page.")
+
+
+class EventView(BaseModel):
+    seq: int
+    time: float
+    state: JobState
+    reason: str
+
+
+class EventList(BaseModel):
+    items: list[EventView]
+
+
+class CancelResult(BaseModel):
+    id: str
+    state: JobState

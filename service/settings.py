@@ -1,0 +1,30 @@
+"""Control-plane settings.
+
+Built by whoever starts the app (`ftrain serve`, `ftrain up`, a test) and passed to
+`create_app(settings)`; nothing reads them at import time.
+"""
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FTRAIN_", extra="ignore")
+
+    etcd_endpoints: str = Field(
+        "http://127.0.0.1:2379", description="Comma-separated etcd v3 endpoints (http://host:port)."
+    )
+    etcd_prefix: str = Field("/ftrain", description="Key prefix under which all state is kept.")
+    etcd_timeout_s: float = Field(3.0, gt=0, description="Deadline of one etcd request.")
+
+    user_token: str | None = Field(None, description="Bearer token of users (submit, list, cancel).")
+    node_token: str | None = Field(None, description="Bearer token of node agents.")
+
+    max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
+    node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
+    scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    cancel_grace_s: float = Field(5.0, ge=0, description="SIGTERM to SIGKILL grace period on cancel.")
+    snapshot_root: str | None = Field(
+        None, description="Directory every node sees; each job snapshots under <root>/<job id>."
+    )
+    log_keep_lines: int = Field(20000, gt=0, description="Worker log lines kept per job.")

@@ -1,0 +1,59 @@
+"""The job state machine, as pure functions (no I/O): tested with a table of cases."""
+
+from __future__ import annotations
+
+from service.errors import InvalidTransition
+from service.models import EventView, JobRecord, JobState
+
+S = JobState
+ALLOWED: dict[JobState, frozenset[JobState]] = {
+    S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
+    S.RUNNING: frozenset({S.RECOVERING, S.PENDING, S.CANCELLING, S.SUCCEEDED, S.FAILED}),
+    S.RECOVERING: frozenset({S.RUNNING, S.PENDING, S.CANCELLING, S.SUCCEEDED, S.FAILED}),
+    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+
+
+def can_transition(current: JobState, target: JobState) -> bool:
+    return target in ALLOWED[current]
+
+
+def transition(job: JobRecord, target: JobState, reason: str, now: float) -> tuple[JobRecord, EventView]:
+    """Return the job moved to `target`, and the event that records it.
+
+    Raises InvalidTransition for a move the machine forbids (anything out of a terminal
+    state among them); the caller decides whether that is an error or a no-op.
+    """
+    if not can_transition(job.state, target):
+        raise InvalidTransition(job.id, job.state.value, target.value)
+    seq = job.event_seq + 1
+    changed = job.model_copy(update={
+        "state": target,
+        "reason": reason,
+        "updated_at": now,
+        "event_seq": seq,
+        "finished_at": now if target.is_terminal() else job.finished_at,
+    })
+    return changed, EventView(seq=seq, time=now, state=target, reason=reason)
+
+
+def note(job: JobRecord, reason: str, now: float) -> tuple[JobRecord, EventView]:
+    """An event without a state change (a restart, a node joining, a skipped snapshot)."""
+    seq = job.event_seq + 1
+    changed = job.model_copy(update={"event_seq": seq, "updated_at": now})
+    return changed, EventView(seq=seq, time=now, state=job.state, reason=reason)
+
+
+def cancel(job: JobRecord, now: float) -> tuple[JobRecord, EventView | None]:
+    """Cancel: a job not holding nodes ends at once; a running one drains through CANCELLING.
+
+    Cancelling a job that is already CANCELLING is a no-op; a terminal job raises.
+    """
+    if job.state is S.CANCELLING:
+        return job, None
+    if job.state is S.PENDING:
+        return transition(job, S.CANCELLED, "cancelled by user", now)
+    return transition(job, S.CANCELLING, "cancel requested by user", now)

@@ -1,0 +1,166 @@
+"""The REST API against a real etcd and a real uvicorn."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+
+import httpx
+import pytest
+
+from tests.harness import wait_for
+
+SPEC = {"name": "mnist", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
+
+
+def submit(api: httpx.Client, spec: dict = SPEC, **kw) -> dict:
+    resp = api.post("/v1/jobs", json=spec, **kw)
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+def test_submit_get_list_cancel_events(api):
+    job = submit(api)
+    assert job["state"] == "PENDING" and job["name"] == "mnist" and job["spec"]["nodes"]["max"] == 2
+
+    got = api.get(f"/v1/jobs/{job['id']}").json()
+    assert got["id"] == job["id"] and got["state"] == "PENDING"
+    assert job["id"] in [j["id"] for j in api.get("/v1/jobs").json()["items"]]
+
+    resp = api.post(f"/v1/jobs/{job['id']}/cancel")
+    assert resp.status_code == 202 and resp.json()["state"] == "CANCELLED"
+    events = api.get(f"/v1/jobs/{job['id']}/events").json()["items"]
+    assert [e["state"] for e in events] == ["PENDING", "CANCELLED"]
+    assert all(e["time"] > 0 and e["reason"] for e in events)
+
+
+def test_cancelling_a_terminal_job_is_409_with_its_state(api):
+    job = submit(api)
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    resp = api.post(f"/v1/jobs/{job['id']}/cancel")
+    assert resp.status_code == 409
+    assert resp.json()["state"] == "CANCELLED"
+
+
+def test_unknown_job_is_404(api):
+    assert api.get("/v1/jobs/nope-123456").status_code == 404
+    assert api.post("/v1/jobs/nope-123456/cancel").status_code == 404
+    assert api.get("/v1/jobs/nope-123456/events").status_code == 404
+
+
+def test_list_filters_by_state_and_paginates(api):
+    ids = [submit(api, {**SPEC, "name": f"job{i}"})["id"] for i in range(5)]
+    api.post(f"/v1/jobs/{ids[0]}/cancel")
+    pending = api.get("/v1/jobs", params={"state": "PENDING"}).json()["items"]
+    assert {j["id"] for j in pending} == set(ids[1:])
+    seen, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = api.get("/v1/jobs", params=params).json()
+        assert len(page["items"]) <= 2
+        seen += [j["id"] for j in page["items"]]
+        after = page["next"]
+        if after is None:
+            break
+    assert seen == ids
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({**SPEC, "name": "Not_A_Label"}, "name"),
+    ({**SPEC, "name": ""}, "name"),
+    ({**SPEC, "command": []}, "command"),
+    ({**SPEC, "command": "python train.py"}, "command"),
+    ({**SPEC, "nodes": {"min": 3, "max": 2}}, "nodes"),
+    ({**SPEC, "nodes": {"min": 0, "max": 2}}, "nodes.min"),
+    ({**SPEC, "nproc_per_node": 0}, "nproc_per_node"),
+    ({**SPEC, "nproc_per_node": "many"}, "nproc_per_node"),
+    ({**SPEC, "max_restarts": -1}, "max_restarts"),
+    ({**SPEC, "snapshot": {"every_steps": 0}}, "snapshot.every_steps"),
+    ({**SPEC, "snapshot": {"keep": 0}}, "snapshot.keep"),
+    ({**SPEC, "env": {"BAD-NAME": "x"}}, "env"),
+    ({**SPEC, "env": {"RANK": "3"}}, "env"),
+    ({**SPEC, "env": {f"V{i}": "x" for i in range(200)}}, "env"),
+    ({**SPEC, "working_dir": "relative/path"}, "working_dir"),
+    ({**SPEC, "surprise": 1}, "surprise"),
+    ({"command": ["python"]}, "name"),
+])
+def test_invalid_spec_is_422_naming_the_field(api, spec, field):
+    resp = api.post("/v1/jobs", json=spec)
+    assert resp.status_code == 422, resp.text
+    body = resp.json()
+    assert field in [e["field"] for e in body["errors"]], body
+    assert field in body["detail"]
+    assert api.get("/v1/jobs").json()["items"] == []  # nothing was stored
+
+
+def test_malformed_json_and_huge_body_are_rejected_without_harm(api):
+    resp = api.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422
+    resp = api.post("/v1/jobs", content=b"[" + b"1," * 100_000 + b"1]",
+                    headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+    assert api.get("/healthz").status_code == 200
+    assert submit(api)["state"] == "PENDING"
+
+
+def test_requests_without_a_valid_token_are_refused(control_plane):
+    with control_plane.client(None) as anon:
+        assert anon.post("/v1/jobs", json=SPEC).status_code == 401
+        assert anon.get("/v1/jobs").status_code == 401
+        assert anon.get("/healthz").status_code == 200
+    with control_plane.client("wrong") as bad:
+        assert bad.get("/v1/jobs").status_code == 401
+    with control_plane.client("node") as node:
+        assert node.get("/v1/jobs").status_code == 403
+    with control_plane.client("user") as user:
+        assert user.get("/v1/jobs").json()["items"] == []
+
+
+def test_idempotency_key_returns_the_same_job(api):
+    first = submit(api, headers={"Idempotency-Key": "abc-1"})
+    again = api.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "abc-1"})
+    assert again.status_code == 200 and again.json()["id"] == first["id"]
+    assert len(api.get("/v1/jobs").json()["items"]) == 1
+    other = api.post("/v1/jobs", json={**SPEC, "name": "other"}, headers={"Idempotency-Key": "abc-1"})
+    assert other.status_code == 409
+    assert submit(api, headers={"Idempotency-Key": "abc-2"})["id"] != first["id"]
+
+
+def test_concurrent_idempotent_submits_create_one_job(api):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(lambda _: api.post("/v1/jobs", json=SPEC,
+                                             headers={"Idempotency-Key": "race"}).json()["id"],
+                           range(16)))
+    assert len(ids) == 1
+    assert len(api.get("/v1/jobs").json()["items"]) == 1
+
+
+def test_control_plane_restart_keeps_every_job_and_event(control_plane, api):
+    jobs = [submit(api, {**SPEC, "name": f"keep{i}"}) for i in range(3)]
+    api.post(f"/v1/jobs/{jobs[1]['id']}/cancel")
+    before = {j["id"]: api.get(f"/v1/jobs/{j['id']}/events").json() for j in jobs}
+
+    control_plane.stop(signal.SIGKILL)
+    control_plane.start()
+    with control_plane.client() as again:
+        listed = {j["id"]: j["state"] for j in again.get("/v1/jobs").json()["items"]}
+        assert listed == {jobs[0]["id"]: "PENDING", jobs[1]["id"]: "CANCELLED", jobs[2]["id"]: "PENDING"}
+        for job_id, events in before.items():
+            assert again.get(f"/v1/jobs/{job_id}/events").json() == events
+
+
+def test_etcd_down_gives_503_with_reason_then_recovers(etcd, control_plane, api):
+    job = submit(api)
+    etcd.kill()
+    resp = api.get(f"/v1/jobs/{job['id']}")
+    assert resp.status_code == 503
+    assert "etcd" in resp.json()["detail"] and "did not answer" in resp.json()["detail"]
+    assert api.post("/v1/jobs", json=SPEC).status_code == 503
+    ready = api.get("/readyz")
+    assert ready.status_code == 503 and "etcd" in ready.json()["reason"]
+    assert api.get("/healthz").status_code == 200
+
+    etcd.start()
+    wait_for(lambda: api.get("/readyz").status_code == 200, 30, "readyz to recover")
+    assert api.get(f"/v1/jobs/{job['id']}").json()["state"] == "PENDING"
+    assert submit(api)["state"] == "PENDING"

@@ -1,0 +1,63 @@
+"""Compare-and-set on job state, with two real writers racing on one real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.errors import InvalidTransition
+from service.etcd import Etcd
+from service.jobs import Change, JobStore
+from service.keys import Keys
+from service.models import JobSpec, JobState
+from service.state import transition
+
+
+def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
+    async def main():
+        a, b = Etcd(etcd.endpoint), Etcd(etcd.endpoint)
+        store_a, store_b = JobStore(a, Keys("/t")), JobStore(b, Keys("/t"))
+        wins = 0
+        for i in range(20):
+            job, _ = await store_a.create(JobSpec(name=f"race{i}", command=["true"]))
+            await store_a.move(job.id, JobState.RUNNING, "started")
+
+            async def finish(store, target):
+                try:
+                    await store.move(job.id, target, f"{target.value} by writer")
+                    return target
+                except InvalidTransition:
+                    return None
+
+            results = await asyncio.gather(finish(store_a, JobState.SUCCEEDED),
+                                           finish(store_b, JobState.FAILED))
+            winners = [r for r in results if r is not None]
+            assert len(winners) == 1, results
+            stored = await store_a.get(job.id)
+            assert stored.state == winners[0]
+            events = await store_a.events(job.id)
+            # nothing lost, nothing doubled: submitted, started, and exactly one ending
+            assert [e.state for e in events] == [JobState.PENDING, JobState.RUNNING, winners[0]]
+            wins += 1
+        await a.close()
+        await b.close()
+        return wins
+
+    assert asyncio.run(main()) == 20
+
+
+def test_concurrent_counters_lose_no_increment(etcd):
+    async def main():
+        clients = [Etcd(etcd.endpoint) for _ in range(4)]
+        stores = [JobStore(c, Keys("/t")) for c in clients]
+        job, _ = await stores[0].create(JobSpec(name="count", command=["true"]))
+
+        def bump(j):
+            return Change(j.model_copy(update={"restarts": j.restarts + 1}))
+
+        await asyncio.gather(*(s.update(job.id, bump) for s in stores for _ in range(10)))
+        final = await stores[0].get(job.id)
+        for c in clients:
+            await c.close()
+        return final.restarts
+
+    assert asyncio.run(main()) == 40

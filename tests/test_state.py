@@ -1,0 +1,49 @@
+"""The job state machine as a table (pure logic, no I/O)."""
+
+import pytest
+
+from service.errors import InvalidTransition
+from service.models import JobRecord, JobSpec, JobState
+from service.state import ALLOWED, cancel, transition
+
+S = JobState
+NOW = 1000.0
+
+
+def job(state: JobState) -> JobRecord:
+    return JobRecord(id="j-1", spec=JobSpec(name="j", command=["true"]), state=state,
+                     created_at=1.0, updated_at=1.0, token="t", event_seq=3)
+
+
+@pytest.mark.parametrize("current", list(S))
+@pytest.mark.parametrize("target", list(S))
+def test_transition_table(current, target):
+    if target in ALLOWED[current]:
+        moved, event = transition(job(current), target, "why", NOW)
+        assert moved.state is target and moved.reason == "why" and moved.updated_at == NOW
+        assert event.seq == 4 and moved.event_seq == 4 and event.state is target
+        assert (moved.finished_at == NOW) == target.is_terminal()
+    else:
+        with pytest.raises(InvalidTransition):
+            transition(job(current), target, "why", NOW)
+
+
+@pytest.mark.parametrize("terminal", [S.SUCCEEDED, S.FAILED, S.CANCELLED])
+def test_terminal_states_never_change(terminal):
+    assert terminal.is_terminal()
+    assert ALLOWED[terminal] == frozenset()
+    with pytest.raises(InvalidTransition):
+        cancel(job(terminal), NOW)
+
+
+@pytest.mark.parametrize("state,expected", [
+    (S.PENDING, S.CANCELLED), (S.RUNNING, S.CANCELLING), (S.RECOVERING, S.CANCELLING),
+])
+def test_cancel(state, expected):
+    moved, event = cancel(job(state), NOW)
+    assert moved.state is expected and event is not None
+
+
+def test_cancel_twice_is_a_noop():
+    moved, event = cancel(job(S.CANCELLING), NOW)
+    assert moved.state is S.CANCELLING and event is None
