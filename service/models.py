@@ -148,6 +148,21 @@ class MemberStatus(BaseModel):
     reason: str | None = None
 
 
+class ControlAction(str, enum.Enum):
+    """What the control plane asks rank 0 of a running job to do at its next step boundary."""
+
+    NONE = "none"
+    CHECKPOINT_PAUSE = "checkpoint_pause"  # snapshot, commit, then wait to be restarted (join, drain)
+    CHECKPOINT_STOP = "checkpoint_stop"  # snapshot, commit, then exit 0 (cancel)
+
+
+class Control(BaseModel):
+    id: int
+    action: ControlAction
+    reason: str
+    requested_at: float
+
+
 class JobRecord(BaseModel):
     """What etcd holds for a job (one key; every write is a CAS on its mod_revision)."""
 
@@ -167,6 +182,11 @@ class JobRecord(BaseModel):
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
     finished_at: float | None = None
+    # Planned membership changes: the request to rank 0, and the id it last acknowledged
+    # (by committing a snapshot with that control id) with the step it stopped at.
+    control: Control | None = None
+    control_acked: int = 0
+    control_acked_step: int | None = None
 
     @property
     def rdzv_id(self) -> str:
@@ -218,3 +238,32 @@ class EventList(BaseModel):
 class CancelResult(BaseModel):
     id: str
     state: JobState
+
+
+class NodeState(str, enum.Enum):
+    READY = "READY"
+    DRAINING = "DRAINING"
+
+
+class NodeRecord(BaseModel):
+    """What etcd holds for a registered node, on a key bound to the node's lease."""
+
+    name: str
+    nproc_per_node: int = 1
+    address: str | None = None
+    state: NodeState = NodeState.READY
+    registered_at: float
+    lease_id: int
+
+
+class NodeView(BaseModel):
+    name: str
+    state: NodeState
+    nproc_per_node: int
+    address: str | None
+    registered_at: float
+    job: str | None = Field(None, description="The job this node works on, if any.")
+
+
+class NodeList(BaseModel):
+    items: list[NodeView]
