@@ -12,6 +12,7 @@ log = logging.getLogger(__name__)
 
 
 async def start(ctx: Context) -> None:
+    ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     import importlib
 
     try:

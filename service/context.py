@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.cache import JobIndex
 from service.etcd import Etcd
 from service.jobs import JobStore
 from service.keys import Keys
@@ -16,6 +17,7 @@ class Context:
     etcd: Etcd
     keys: Keys
     jobs: JobStore
+    index: JobIndex
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -23,4 +25,5 @@ class Context:
     def build(cls, settings: Settings) -> Context:
         etcd = Etcd(settings.etcd_endpoints, settings.etcd_timeout_s)
         keys = Keys(settings.etcd_prefix.rstrip("/"))
-        return cls(settings=settings, etcd=etcd, keys=keys, jobs=JobStore(etcd, keys))
+        return cls(settings=settings, etcd=etcd, keys=keys, jobs=JobStore(etcd, keys),
+                   index=JobIndex(etcd, keys))

@@ -146,6 +146,11 @@ class MemberStatus(BaseModel):
     state: Literal["assigned", "running", "succeeded", "failed", "stopped"] = "assigned"
     exit_code: int | None = None
     reason: str | None = None
+    nproc: int | None = None
+
+    def is_live(self) -> bool:
+        """The node holds (or is about to hold) workers of the job."""
+        return self.state in ("assigned", "running")
 
 
 class ControlAction(str, enum.Enum):
@@ -187,6 +192,10 @@ class JobRecord(BaseModel):
     control: Control | None = None
     control_acked: int = 0
     control_acked_step: int | None = None
+    # Set once the scheduler has told the members to stop their workers (cancel, failure).
+    stopping: bool = False
+    # When the current round of the rendezvous formed, and with how many nodes.
+    round_nodes: int = 0
 
     @property
     def rdzv_id(self) -> str:

@@ -1,0 +1,76 @@
+"""A read cache of the jobs, fed by an etcd watch (the Kubernetes API server's pattern).
+
+Node heartbeats ask "which job is mine?" every second; answering that from etcd would
+cost a range read of every job per heartbeat. The index is read once, then kept current
+by a watch from the revision of that read; a broken watch re-reads and re-watches. It is
+only used where a slightly stale answer is harmless (assignments are re-sent on the next
+heartbeat); every write still goes to etcd as a compare-and-set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from service.errors import StoreUnavailable
+from service.etcd import Etcd
+from service.keys import Keys
+from service.models import JobRecord
+
+log = logging.getLogger(__name__)
+
+
+class JobIndex:
+    def __init__(self, etcd: Etcd, keys: Keys):
+        self._etcd = etcd
+        self._keys = keys
+        self._jobs: dict[str, JobRecord] = {}
+        self._by_node: dict[str, str] = {}
+        self.ready = asyncio.Event()
+        self.changed = asyncio.Condition()
+
+    def job_of_node(self, node: str) -> JobRecord | None:
+        """The active job in which `node` is a live member, if any."""
+        job_id = self._by_node.get(node)
+        return self._jobs.get(job_id) if job_id else None
+
+    def get(self, job_id: str) -> JobRecord | None:
+        return self._jobs.get(job_id)
+
+    def _apply(self, job: JobRecord | None, job_id: str) -> None:
+        old = self._jobs.pop(job_id, None)
+        if old is not None:
+            for n in old.members:
+                if self._by_node.get(n) == job_id:
+                    del self._by_node[n]
+        if job is not None:
+            self._jobs[job_id] = job
+            if job.state.is_active():
+                for n, m in job.members.items():
+                    if m.is_live():
+                        self._by_node[n] = job_id
+
+    async def run(self) -> None:
+        prefix = self._keys.jobs
+        while True:
+            try:
+                revision = await self._etcd.revision()
+                entries = await self._etcd.get_prefix(prefix)
+                self._jobs.clear()
+                self._by_node.clear()
+                for e in entries:
+                    self._apply(JobRecord.model_validate_json(e.value), e.key[len(prefix):])
+                self.ready.set()
+                async for ev in self._etcd.watch_prefix(prefix, revision + 1):
+                    job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
+                    self._apply(job, ev.key[len(prefix):])
+                    async with self.changed:
+                        self.changed.notify_all()
+            except StoreUnavailable as exc:
+                log.debug("job index: %s", exc.message)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job index watch failed; re-reading")
+            self.ready.clear()
+            await asyncio.sleep(0.5)

@@ -1,0 +1,273 @@
+"""Node endpoints: agents register, heartbeat (and learn their assignment), report what
+their workers did, and report rendezvous rounds; users list and drain nodes."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from fastapi import APIRouter, status
+from pydantic import BaseModel, Field, field_validator
+
+from service.deps import ContextDep, JobTokenDep, NodeAuth, UserAuth
+from service.errors import NodeNotFound
+from service.etcd import Put
+from service.jobs import Change
+from service.models import (
+    JobRecord,
+    JobState,
+    NodeList,
+    NodeRecord,
+    NodeState,
+    NodeView,
+)
+from service.routes.logs import last_lines
+from service.state import note, transition
+
+router = APIRouter(tags=["nodes"])
+NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
+
+
+class RegisterRequest(BaseModel):
+    name: str = Field(..., max_length=64)
+    nproc_per_node: int = Field(1, ge=1, le=1024)
+    address: str | None = Field(None, max_length=255)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not NODE_NAME.match(v):
+            raise ValueError("letters, digits, '-', '_' and '.', at most 64, starting and ending "
+                             "with a letter or digit")
+        return v
+
+
+class RegisterReply(BaseModel):
+    name: str
+    lease_ttl_s: int
+    heartbeat_interval_s: float
+
+
+class Assignment(BaseModel):
+    """What a node should be doing for one job; the agent reconciles towards it."""
+
+    job_id: str
+    attempt: int
+    rdzv_id: str
+    action: Literal["run", "stop"]
+    command: list[str]
+    working_dir: str | None
+    env: dict[str, str]
+    nproc_per_node: int | str
+    nodes_min: int
+    nodes_max: int
+    job_token: str
+    snapshot_root: str | None
+    snapshot_every: int
+    snapshot_keep: int
+    global_batch_size: int | None
+    cancel_grace_s: float
+
+
+class HeartbeatReply(BaseModel):
+    assignment: Assignment | None
+
+
+class ReportRequest(BaseModel):
+    job_id: str = Field(..., max_length=100)
+    attempt: int
+    state: Literal["running", "succeeded", "failed", "stopped"]
+    exit_code: int | None = None
+    reason: str | None = Field(None, max_length=8000)
+
+
+class ReportReply(BaseModel):
+    accepted: bool
+    detail: str
+
+
+class RoundReport(BaseModel):
+    attempt: int
+    node: str = Field(..., max_length=64)
+    phase: Literal["joining", "joined"]
+    call: int = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
+    group_rank: int | None = Field(None, ge=0)
+    group_world_size: int | None = Field(None, ge=1)
+
+
+async def _node_entry(ctx, name: str):
+    entry = await ctx.etcd.get(ctx.keys.node(name))
+    if entry is None:
+        raise NodeNotFound(name)
+    return entry, NodeRecord.model_validate_json(entry.value)
+
+
+@router.post("/v1/nodes/register", response_model=RegisterReply, dependencies=[NodeAuth])
+async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
+    """Register (or re-register) a node under a fresh lease."""
+    ttl = ctx.settings.node_ttl_s
+    lease = await ctx.etcd.grant_lease(ttl)
+    key = ctx.keys.node(req.name)
+    record = NodeRecord(name=req.name, nproc_per_node=req.nproc_per_node, address=req.address,
+                        registered_at=ctx.jobs.clock(), lease_id=lease)
+    while True:
+        old = await ctx.etcd.get(key)
+        if await ctx.etcd.commit({key: old.mod_revision if old else 0},
+                                 [Put(key, record.model_dump_json().encode(), lease)]):
+            break
+    if old is not None and old.lease and old.lease != lease:
+        await ctx.etcd.revoke_lease(old.lease)
+    # A (re)starting agent runs nothing: whatever it held before is gone.
+    for job in await ctx.jobs.list():
+        member = job.members.get(req.name)
+        if job.state.is_active() and member is not None and member.is_live():
+            await ctx.jobs.update(job.id, _member_update(req.name, job.attempt, "stopped", None,
+                                                         "the node's agent restarted", ctx))
+    return RegisterReply(name=req.name, lease_ttl_s=ttl, heartbeat_interval_s=max(ttl / 6, 0.5))
+
+
+@router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply, dependencies=[NodeAuth])
+async def heartbeat(name: str, ctx: ContextDep) -> HeartbeatReply:
+    """Keep the node's lease alive and tell it what to run. 404: register again."""
+    entry, record = await _node_entry(ctx, name)
+    if not await ctx.etcd.refresh_lease(entry.lease):
+        raise NodeNotFound(name)
+    job = ctx.index.job_of_node(name)
+    if job is None:
+        return HeartbeatReply(assignment=None)
+    spec = job.spec
+    return HeartbeatReply(assignment=Assignment(
+        job_id=job.id, attempt=job.attempt, rdzv_id=job.rdzv_id,
+        action="stop" if job.stopping else "run",
+        command=spec.command, working_dir=spec.working_dir, env=spec.env,
+        nproc_per_node=spec.nproc_per_node, nodes_min=spec.nodes.min, nodes_max=spec.nodes.max,
+        job_token=job.token, snapshot_root=ctx.settings.snapshot_root,
+        snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
+        global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
+    ))
+
+
+def _member_update(name: str, attempt: int, state: str, exit_code: int | None,
+                   reason: str | None, ctx):
+    def decide(job: JobRecord) -> Change | None:
+        member = job.members.get(name)
+        if job.attempt != attempt or member is None or not job.state.is_active():
+            return None
+        if member.state == state:
+            return None
+        if not member.is_live():  # stopped/succeeded/failed are final for this attempt
+            return None
+        members = {**job.members, name: member.model_copy(
+            update={"state": state, "exit_code": exit_code, "reason": reason})}
+        return Change(job.model_copy(update={"members": members, "updated_at": ctx.jobs.clock()}))
+
+    return decide
+
+
+@router.post("/v1/nodes/{name}/report", response_model=ReportReply, dependencies=[NodeAuth])
+async def report(name: str, req: ReportRequest, ctx: ContextDep) -> ReportReply:
+    """The node's workers for (job, attempt) started, or ended with this outcome."""
+    job = await ctx.jobs.update(req.job_id, _member_update(name, req.attempt, req.state,
+                                                           req.exit_code, req.reason, ctx))
+    member = job.members.get(name)
+    accepted = job.attempt == req.attempt and member is not None and member.state == req.state
+    return ReportReply(accepted=accepted,
+                       detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
+
+
+@router.post("/v1/jobs/{job_id}/rounds", response_model=ReportReply)
+async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDep) -> ReportReply:
+    """A node's torchrun is re-forming the group ('joining') or has formed it ('joined').
+
+    Only group rank 0 reports 'joined', once per round. A round with as many nodes as the
+    one before is a restart after a worker failure and counts against `max_restarts`; a
+    round with more or fewer nodes is a membership change and does not.
+    """
+    now = ctx.jobs.clock()
+    tail = await last_lines(ctx, job_id, 15) if req.phase == "joined" else []
+
+    def decide(job: JobRecord) -> Change | None:
+        if job.attempt != req.attempt or job.state not in (JobState.RUNNING, JobState.RECOVERING):
+            return None
+        if req.phase == "joining":
+            if req.call == 0 or job.state is JobState.RECOVERING:
+                return None
+            changed, event = transition(job, JobState.RECOVERING,
+                                        f"node {req.node} is restarting its workers", now)
+            return Change(changed, [event])
+        if req.group_rank != 0 or req.group_world_size is None:
+            return None
+        nodes = req.group_world_size
+        nproc = job.members.get(req.node).nproc if req.node in job.members else None
+        world = nodes * (nproc or 1)
+        update = {"rounds": job.rounds + 1, "round_nodes": nodes, "world_size": world}
+        restarted = job.rounds >= 1 and nodes == job.round_nodes
+        if restarted:
+            update["restarts"] = job.restarts + 1
+        changed = job.model_copy(update=update)
+        events = []
+        if restarted and changed.restarts > job.spec.max_restarts:
+            lines = "\n".join(tail)
+            changed, event = transition(
+                changed, JobState.FAILED,
+                f"workers failed {changed.restarts} times (max_restarts={job.spec.max_restarts})"
+                + (f"; last log lines:\n{lines}" if lines else ""), now)
+            changed = changed.model_copy(update={"stopping": True})
+            return Change(changed, [event])
+        if restarted:
+            changed, event = note(changed, f"workers restarted after a failure "
+                                           f"({changed.restarts} of {job.spec.max_restarts})", now)
+            events.append(event)
+        what = f"world size {world} on {nodes} node(s)"
+        if job.state is JobState.RECOVERING:
+            changed, event = transition(changed, JobState.RUNNING, f"training again: {what}", now)
+        else:
+            changed, event = note(changed, f"rendezvous complete: {what}", now)
+        events.append(event)
+        return Change(changed, events)
+
+    updated = await ctx.jobs.update(job_id, decide)
+    return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)
+
+
+@router.get("/v1/nodes", response_model=NodeList, dependencies=[UserAuth])
+async def list_nodes(ctx: ContextDep) -> NodeList:
+    entries = await ctx.etcd.get_prefix(ctx.keys.nodes)
+    items = []
+    for e in entries:
+        r = NodeRecord.model_validate_json(e.value)
+        job = ctx.index.job_of_node(r.name)
+        items.append(NodeView(name=r.name, state=r.state, nproc_per_node=r.nproc_per_node,
+                              address=r.address, registered_at=r.registered_at,
+                              job=job.id if job else None))
+    return NodeList(items=sorted(items, key=lambda n: n.name))
+
+
+@router.post("/v1/nodes/{name}/drain", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED,
+             dependencies=[UserAuth])
+async def drain(name: str, ctx: ContextDep) -> NodeView:
+    """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work."""
+    while True:
+        entry, record = await _node_entry(ctx, name)
+        if record.state is NodeState.DRAINING:
+            break
+        record = record.model_copy(update={"state": NodeState.DRAINING})
+        if await ctx.etcd.commit({entry.key: entry.mod_revision},
+                                 [Put(entry.key, record.model_dump_json().encode(), entry.lease)]):
+            break
+    job = ctx.index.job_of_node(name)
+    return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
+                    address=record.address, registered_at=record.registered_at,
+                    job=job.id if job else None)
+
+
+@router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[NodeAuth])
+async def deregister(name: str, ctx: ContextDep) -> None:
+    """An agent shutting down gives its lease back, so it is gone at once, not after the TTL."""
+    try:
+        entry, _ = await _node_entry(ctx, name)
+    except NodeNotFound:
+        return None
+    await ctx.etcd.revoke_lease(entry.lease)
+    return None
+

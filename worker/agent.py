@@ -1,0 +1,371 @@
+"""The node agent (`ftrain node`): registers, heartbeats, runs torchrun for its job.
+
+The agent is a reconcile loop. Each heartbeat returns what this node should be doing
+(an `Assignment`: run job J attempt A, or stop); the agent compares that with the one
+torchrun it may be running and starts, stops or leaves it. It reports every start and
+every exit, ships worker output to the control plane, and never leaves a worker behind:
+torchrun is started with a parent-death signal (SIGTERM: torchrun then stops its
+workers), each worker with one too (SIGKILL when torchrun dies), and a stop kills what
+is left of the tree.
+
+A control plane that does not answer does not stop training: the agent keeps its
+workers running and keeps trying. Only a 404 on heartbeat (the node's lease lapsed and
+the job moved on) makes it stop its workers and register again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from worker.procs import descendants, is_alive, kill_all, pdeathsig_argv, worker_shim_prefix
+
+log = logging.getLogger("ftrain.agent")
+
+# Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
+# keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
+# waits 1 s for latecomers instead of torch's 30 s.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
+# torch must never give up by itself: ftrain counts failures (not membership changes)
+# against the job's max_restarts and stops the job when they are spent.
+TORCHRUN_MAX_RESTARTS = 1_000_000
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+
+
+@dataclass
+class Outcome:
+    state: str  # succeeded | failed | stopped
+    exit_code: int | None
+    reason: str | None
+
+
+@dataclass
+class WorkerGroup:
+    """One torchrun process (and its workers) for one attempt of one job."""
+
+    job_id: str
+    attempt: int
+    proc: subprocess.Popen
+    log_file: Path
+    stop_requested: bool = False
+    tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
+    threads: list = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+
+class LogShipper:
+    """Batches worker lines and ships them to the control plane in the background."""
+
+    def __init__(self, client: httpx.Client, node: str):
+        self._client = client
+        self._node = node
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-shipper", daemon=True)
+        self._thread.start()
+
+    def add(self, job_id: str, attempt: int, line: dict) -> None:
+        with self._lock:
+            batch = self._pending[(job_id, attempt)]
+            if len(batch) < 50_000:  # a control plane away for long: drop rather than grow
+                batch.append(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, collections.defaultdict(list)
+        for (job_id, attempt), lines in pending.items():
+            for i in range(0, len(lines), 1000):
+                chunk = lines[i:i + 1000]
+                try:
+                    self._client.post(f"/v1/jobs/{job_id}/logs",
+                                      json={"node": self._node, "attempt": attempt, "lines": chunk})
+                except httpx.HTTPError:
+                    with self._lock:  # keep for the next try
+                        self._pending[(job_id, attempt)][:0] = lines[i:]
+                    break
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.flush()
+
+
+class NodeAgent:
+    def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
+                 data_dir: str | Path = ".ftrain", address: str | None = None):
+        self.server = server.rstrip("/")
+        self.token = token
+        self.name = name
+        self.nproc_per_node = nproc_per_node
+        self.data_dir = Path(data_dir).resolve()
+        self.address = address
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=self.server, headers=headers, timeout=5)
+        self.group: WorkerGroup | None = None
+        self.finished: set[tuple[str, int]] = set()
+        self.reports: list[tuple[str, int, str, int | None, str | None]] = []
+        self.heartbeat_interval_s = 1.0
+        self.registered = False
+        self._shutdown = threading.Event()
+        self.shipper = LogShipper(self.client, name)
+
+    # ------------------------------------------------------------------ control plane
+    def register(self) -> None:
+        resp = self.client.post("/v1/nodes/register", json={
+            "name": self.name, "nproc_per_node": self.nproc_per_node, "address": self.address})
+        resp.raise_for_status()
+        body = resp.json()
+        self.heartbeat_interval_s = float(body["heartbeat_interval_s"])
+        self.registered = True
+        log.info("registered node %s with %s (lease %ss)", self.name, self.server, body["lease_ttl_s"])
+
+    def heartbeat(self) -> dict | None | bool:
+        """The assignment (or None); False when the node must register again."""
+        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat")
+        if resp.status_code == 404:
+            return False
+        resp.raise_for_status()
+        return resp.json()["assignment"]
+
+    def send_reports(self) -> None:
+        while self.reports:
+            job_id, attempt, state, code, reason = self.reports[0]
+            resp = self.client.post(f"/v1/nodes/{self.name}/report", json={
+                "job_id": job_id, "attempt": attempt, "state": state,
+                "exit_code": code, "reason": reason})
+            if resp.status_code >= 500:
+                return  # etcd or the control plane is away: keep it for the next beat
+            self.reports.pop(0)
+
+    def report(self, job_id: str, attempt: int, state: str, code: int | None = None,
+               reason: str | None = None) -> None:
+        self.reports.append((job_id, attempt, state, code, reason))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        while not self._shutdown.is_set():
+            try:
+                if not self.registered:
+                    self.register()
+                self.send_reports()
+                assignment = self.heartbeat()
+                if assignment is False:
+                    log.warning("the control plane no longer knows node %s; stopping its workers "
+                                "and registering again", self.name)
+                    self.stop_group("node lease lapsed")
+                    self.registered = False
+                    continue
+                self.reconcile(assignment)
+                self.send_reports()
+            except httpx.HTTPError as exc:
+                log.warning("control plane at %s: %s; workers keep running", self.server, exc)
+            self.check_exit()
+            self._shutdown.wait(min(self.heartbeat_interval_s, 0.5) if self.group
+                                else self.heartbeat_interval_s)
+        self.stop_group("node agent shutting down")
+        self.send_reports_best_effort()
+        try:
+            self.client.delete(f"/v1/nodes/{self.name}")
+        except httpx.HTTPError:
+            pass
+        self.shipper.close()
+
+    def send_reports_best_effort(self) -> None:
+        try:
+            self.send_reports()
+        except httpx.HTTPError:
+            pass
+
+    def shutdown(self, *_args) -> None:
+        self._shutdown.set()
+
+    def reconcile(self, a: dict | None) -> None:
+        g = self.group
+        if a is None:
+            if g is not None:
+                self.stop_group("no longer assigned")
+            return
+        key = (a["job_id"], a["attempt"])
+        if g is not None and (g.key != key or a["action"] == "stop"):
+            self.stop_group("stop requested" if g.key == key else "assignment changed",
+                            grace_s=a.get("cancel_grace_s", 5.0))
+            g = None
+        if g is None and key not in self.finished:
+            if a["action"] == "run":
+                self.start_group(a)
+            else:  # told to stop before it started: say so, so the job can end
+                self.finished.add(key)
+                self.report(a["job_id"], a["attempt"], "stopped", None, "stopped before it started")
+
+    # ------------------------------------------------------------------ torchrun
+    def torchrun_argv(self, a: dict) -> list[str]:
+        nproc = a["nproc_per_node"]
+        if nproc == "auto":
+            nproc = _gpu_count() or 1
+        command = list(a["command"])
+        if command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the agent's interpreter: the venv with torch
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={a['nodes_min']}:{a['nodes_max']}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a['rdzv_id']}",
+            f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
+            "--monitor-interval=0.2", "--tee=3",
+        ]
+        if self.address:
+            argv.append(f"--local-addr={self.address}")
+        return [*argv, "--no-python", *worker_shim_prefix(), *command]
+
+    def job_env(self, a: dict) -> dict[str, str]:
+        root = Path(a["snapshot_root"]) if a.get("snapshot_root") else self.data_dir / "snapshots"
+        snapshot_dir = root / a["job_id"]
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **a["env"]}
+        env.update({
+            "FTRAIN_JOB_ID": a["job_id"],
+            "FTRAIN_ATTEMPT": str(a["attempt"]),
+            "FTRAIN_SERVER": self.server,
+            "FTRAIN_TOKEN": a["job_token"],
+            "FTRAIN_NODE": self.name,
+            "FTRAIN_SNAPSHOT_DIR": str(snapshot_dir),
+            "FTRAIN_SNAPSHOT_EVERY": str(a["snapshot_every"]),
+            "FTRAIN_SNAPSHOT_KEEP": str(a["snapshot_keep"]),
+            # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+            "PYTHONUNBUFFERED": "1",
+        })
+        if a.get("global_batch_size"):
+            env["FTRAIN_GLOBAL_BATCH_SIZE"] = str(a["global_batch_size"])
+        env.pop("FTRAIN_NODE_TOKEN", None)
+        return env
+
+    def start_group(self, a: dict) -> None:
+        cwd = a.get("working_dir") or os.getcwd()
+        log_dir = self.data_dir / "logs" / a["job_id"]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = log_dir / f"{self.name}-attempt{a['attempt']}.log"
+        try:
+            proc = subprocess.Popen(
+                pdeathsig_argv(self.torchrun_argv(a), signal.SIGTERM), cwd=cwd,
+                env=self.job_env(a), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            self.finished.add((a["job_id"], a["attempt"]))
+            self.report(a["job_id"], a["attempt"], "failed", None, f"could not start torchrun in {cwd}: {exc}")
+            return
+        g = WorkerGroup(a["job_id"], a["attempt"], proc, log_file)
+        for stream in ("stdout", "stderr"):
+            t = threading.Thread(target=self._pump, args=(g, stream), daemon=True,
+                                 name=f"pump-{stream}")
+            t.start()
+            g.threads.append(t)
+        self.group = g
+        self.report(g.job_id, g.attempt, "running")
+        log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
+
+    def _pump(self, g: WorkerGroup, stream: str) -> None:
+        pipe = getattr(g.proc, stream)
+        with open(g.log_file, "a", encoding="utf-8", errors="replace") as out:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                m = _RANK_PREFIX.match(text)
+                rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+                out.write(f"{text}\n")
+                out.flush()
+                g.tails[rank].append(line)
+                self.shipper.add(g.job_id, g.attempt, {
+                    "rank": rank, "stream": stream, "line": line[:4000], "time": time.time()})
+
+    def check_exit(self) -> None:
+        g = self.group
+        if g is None or g.proc.poll() is None:
+            return
+        for t in g.threads:
+            t.join(2)
+        self.group = None
+        self.finished.add(g.key)
+        kill_all(descendants(g.proc.pid))
+        self.report(g.job_id, g.attempt, *self._outcome(g))
+        self.shipper.flush()
+
+    def _outcome(self, g: WorkerGroup) -> tuple[str, int | None, str | None]:
+        code = g.proc.returncode
+        if g.stop_requested:
+            return "stopped", code, "stopped by the control plane"
+        if code == 0:
+            return "succeeded", 0, None
+        worker_ranks = sorted(r for r in g.tails if r is not None)
+        lines = []
+        for r in worker_ranks:
+            lines += [f"[rank{r}] {x}" for x in list(g.tails[r])[-8:]]
+        lines += list(g.tails[None])[-6:]
+        return "failed", code, f"torchrun exited with code {code}; last lines:\n" + "\n".join(lines)
+
+    def stop_group(self, why: str, grace_s: float = 5.0) -> None:
+        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left."""
+        g = self.group
+        if g is None:
+            return
+        g.stop_requested = True
+        tree = descendants(g.proc.pid)
+        log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
+        if g.proc.poll() is None:
+            g.proc.send_signal(signal.SIGTERM)
+            kill_all(tree, signal.SIGTERM)
+            try:
+                g.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_all([g.proc.pid, *tree, *descendants(g.proc.pid)])
+        g.proc.wait()
+        deadline = time.monotonic() + 5
+        while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.check_exit()
+
+
+def _gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
+         data_dir: str | Path = ".ftrain", address: str | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s node {name or socket.gethostname()}: %(message)s")
+    agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address)
+    signal.signal(signal.SIGTERM, agent.shutdown)
+    signal.signal(signal.SIGINT, agent.shutdown)
+    agent.run()
+
+
+if __name__ == "__main__":  # python -m worker.agent SERVER TOKEN NAME
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None,
+         sys.argv[3] if len(sys.argv) > 3 else None)

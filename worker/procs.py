@@ -1,0 +1,77 @@
+"""Process-tree helpers for the node agent (and the tests that check it): no orphans.
+
+torch's elastic agent starts each worker in a session of its own, so a process group
+does not reach them. Two guards keep workers from outliving their owners:
+
+* every process the agent starts, and every worker torchrun starts, is launched through
+  `pdeathsig_argv`: a tiny `python -S -c` shim that asks the kernel for a signal when
+  its parent dies (PR_SET_PDEATHSIG survives execve), then execs the real program.
+  torchrun gets SIGTERM when the agent dies (it then stops its workers itself);
+  workers get SIGKILL when torchrun dies;
+* `descendants(pid)` finds the whole tree from /proc, so a stop can kill what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+# prctl(PR_SET_PDEATHSIG = 1, sig); if the parent is already gone (adopted by init or a
+# subreaper before prctl ran), exit instead of running unowned.
+_SHIM = (
+    "import ctypes,os,sys\n"
+    "ppid=int(sys.argv[1])\n"
+    "ctypes.CDLL(None).prctl(1,int(sys.argv[2]))\n"
+    "os.getppid()!=ppid and os._exit(70)\n"
+    "os.execvp(sys.argv[3],sys.argv[3:])\n"
+)
+
+
+def pdeathsig_argv(argv: list[str], sig: int = signal.SIGKILL, parent_pid: int | None = None) -> list[str]:
+    """`argv` wrapped so the process gets `sig` when the process that starts it dies."""
+    ppid = os.getpid() if parent_pid is None else parent_pid
+    return [sys.executable, "-S", "-c", _SHIM, str(ppid), str(int(sig)), *argv]
+
+
+def worker_shim_prefix(sig: int = signal.SIGKILL) -> list[str]:
+    """For torchrun --no-python: the worker's parent is torchrun, whose pid the shim reads."""
+    return [sys.executable, "-S", "-c",
+            _SHIM.replace("ppid=int(sys.argv[1])", "ppid=os.getppid()"), "0", str(int(sig))]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, read from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    """True for a running process; a zombie counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def kill_all(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
