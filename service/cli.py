@@ -1,14 +1,26 @@
-"""The `ftrain` command line: run the service (`up`, `serve`, `node`) and talk to it."""
+"""The `ftrain` command line: run the service (`up`, `serve`, `node`) and talk to it.
+
+The commands that talk to a control plane are thin: `service.client.FtrainClient` does the
+HTTP and turns failures into messages; this module reads input, picks the target
+(flags, then FTRAIN_SERVER / FTRAIN_TOKEN, then the data directory) and prints tables or,
+with --json, JSON for scripts.
+"""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import json
 import logging
 import os
+import socket
 import sys
+import time
+from pathlib import Path
 
 import click
 
+from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -49,6 +61,269 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+
+
+# Talking to a control plane
+
+def _client_options(fn):
+    """--server, --token, --data-dir and --json, shared by every command that calls the API."""
+
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts) instead of a table.")
+    @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(),
+                  help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise).")
+    @click.option("--token", help="User token [env FTRAIN_TOKEN; else <data-dir>/token].")
+    @click.option("--server", help="Control plane URL [env FTRAIN_SERVER; else <data-dir>/server; "
+                                   "else http://127.0.0.1:8000].")
+    @functools.wraps(fn)
+    def wrapper(server, token, data_dir, as_json, **kw):
+        target = resolve_target(server, token, data_dir)
+        try:
+            with FtrainClient.from_target(target) as client:
+                return fn(client, as_json, **kw)
+        except ApiError as exc:
+            raise click.ClickException(exc.message) from None
+
+    return wrapper
+
+
+def _print_json(value) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=False))
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    """Columns padded to their widest cell; the last column is not padded."""
+    cells = [header] + [[("" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        line = "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths[:-1]))
+        click.echo((line + "  " + row[-1]).rstrip() if len(row) > 1 else row[0])
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _ago(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return "-"
+    s = max(0, int((now or time.time()) - ts))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600}h"
+
+
+def _load_spec(path: str) -> dict:
+    """A job spec from a YAML or JSON file, or from stdin for `-`."""
+    import yaml
+
+    if path == "-":
+        text, where = sys.stdin.read(), "stdin"
+    else:
+        try:
+            text, where = Path(path).read_text(), path
+        except OSError as exc:
+            raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        # YAML is a superset of JSON, but a .json file is parsed as JSON for exact errors.
+        spec = json.loads(text) if where.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise click.ClickException(f"{where} is not valid {'JSON' if where.endswith('.json') else 'YAML'}: "
+                                   f"{exc}") from None
+    if not isinstance(spec, dict):
+        raise click.ClickException(f"{where} must hold one job spec (a mapping with name, command, ...), "
+                                   f"not {type(spec).__name__}")
+    return spec
+
+
+def _progress(job: dict) -> str:
+    p = job.get("progress") or {}
+    return "-" if p.get("step") is None else str(p["step"])
+
+
+@main.command()
+@click.argument("file")
+@click.option("--idempotency-key", help="Makes a retried submit return the first job. "
+                                        "[default: a fresh random key per invocation]")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the job id.")
+@_client_options
+def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str | None, quiet: bool) -> None:
+    """Submit the job spec in FILE (YAML or JSON; `-` reads stdin)."""
+    job = client.submit(_load_spec(file), idempotency_key)
+    if as_json:
+        _print_json(job)
+    elif quiet:
+        click.echo(job["id"])
+    else:
+        click.echo(f"submitted {job['id']} ({job['name']}): {job['state']}")
+
+
+@main.command("list")
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              type=click.Choice(["PENDING", "RUNNING", "RECOVERING", "CANCELLING", "SUCCEEDED",
+                                 "FAILED", "CANCELLED"], case_sensitive=False),
+              help="Only jobs in this state (repeatable).")
+@_client_options
+def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> None:
+    """Jobs, oldest first."""
+    jobs = list(client.list_jobs([s.upper() for s in states] or None))
+    if as_json:
+        _print_json(jobs)
+        return
+    now = time.time()
+    _table([[j["id"], j["name"], j["state"], f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
+             str(j.get("world_size", 0)), _progress(j), _ago(j["created_at"], now), j.get("reason", "")]
+            for j in jobs],
+           ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
+
+
+@main.command()
+@click.argument("job_id")
+@_client_options
+def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
+    """One job: state, nodes, progress, latest snapshot."""
+    job = client.get_job(job_id)
+    if as_json:
+        _print_json(job)
+        return
+    spec = job["spec"]
+    progress = job.get("progress") or {}
+    snap = job.get("latest_snapshot")
+    rows = [
+        ("id", job["id"]), ("name", job["name"]), ("state", job["state"]), ("reason", job["reason"]),
+        ("command", " ".join(spec["command"])),
+        ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
+        ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
+        ("restarts", f"{job['restarts']} of {spec['max_restarts']}"),
+        ("step", _progress(job) + (f", loss {progress['loss']:.4g}" if progress.get("loss") is not None else "")
+         + (f", {progress['samples_per_s']:.1f} samples/s" if progress.get("samples_per_s") else "")),
+        ("snapshot", f"step {snap['step']} ({snap['path']})" if snap else "-"),
+        ("created", _when(job["created_at"])), ("updated", _when(job["updated_at"])),
+    ]
+    if job.get("finished_at"):
+        rows.append(("finished", _when(job["finished_at"])))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key + ':':<{width + 1}} {value}")
+
+
+@main.command()
+@click.argument("job_id")
+@_client_options
+def cancel(client: FtrainClient, as_json: bool, job_id: str) -> None:
+    """Ask a job to stop (its workers get a grace period)."""
+    result = client.cancel_job(job_id)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"{result['id']}: {result['state']}")
+
+
+@main.command()
+@click.argument("job_id")
+@_client_options
+def events(client: FtrainClient, as_json: bool, job_id: str) -> None:
+    """Every state change of a job, with time and reason."""
+    items = client.events(job_id)
+    if as_json:
+        _print_json(items)
+        return
+    _table([[_when(e["time"]), e["state"], e["reason"]] for e in items], ["TIME", "STATE", "REASON"])
+
+
+def _log_line(item: dict) -> str:
+    return f"[{item.get('node', '?')} rank {item.get('rank', '?')}] {item.get('line', '')}"
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("--rank", type=int, help="Only this global rank.")
+@_client_options
+def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: int | None) -> None:
+    """A job's worker output (stdout and stderr of every rank)."""
+    try:
+        if follow:
+            for item in client.follow_logs(job_id, rank):
+                click.echo(json.dumps(item) if as_json else _log_line(item))
+            return
+        page = client.logs(job_id, rank)
+    except KeyboardInterrupt:
+        return
+    if as_json:
+        _print_json(page)
+        return
+    for item in page.get("items", []):
+        click.echo(_log_line(item))
+
+
+@main.command()
+@_client_options
+def nodes(client: FtrainClient, as_json: bool) -> None:
+    """Registered nodes and the job each works on."""
+    items = client.nodes()
+    if as_json:
+        _print_json(items)
+        return
+    now = time.time()
+    _table([[n["name"], n["state"], str(n["nproc_per_node"]), n.get("address") or "-", n.get("job") or "-",
+             _ago(n.get("registered_at"), now)] for n in items],
+           ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"])
+
+
+@main.command()
+@click.argument("name")
+@_client_options
+def drain(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Take a node out of service: its job snapshots and moves on, no new work comes to it."""
+    result = client.drain(name)
+    if as_json:
+        _print_json(result)
+    else:
+        state = result.get("state", "DRAINING") if isinstance(result, dict) else "DRAINING"
+        click.echo(f"{name}: {state}")
+
+
+# Running the service
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the control plane listens on.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
+              help="Tokens, etcd data, snapshots and logs; reused by the next `ftrain up`.")
+@click.option("--nodes", "node_count", default=2, show_default=True, type=click.IntRange(0, 64),
+              help="Local node agents to start.")
+def up(host: str, port: int, data_dir: str, node_count: int) -> None:
+    """Run a one-machine cluster in the foreground: etcd, control plane, N node agents."""
+    from service.up import UpOptions, run
+
+    sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count)))
+
+
+@main.command()
+@click.option("--server", envvar="FTRAIN_SERVER", required=True, help="Control plane URL.")
+@click.option("--token", envvar="FTRAIN_NODE_TOKEN", help="Node token (not the user token).")
+@click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
+@click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
+              help="Where the agent keeps its local state.")
+def node(server: str, token: str | None, name: str, nproc_per_node: int, data_dir: str) -> None:
+    """Run a node agent: register with the control plane and run the work it is given."""
+    try:
+        from worker import agent
+    except ImportError as exc:
+        if getattr(exc, "name", None) not in ("worker.agent", "worker"):
+            raise
+        raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
+    logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = agent.main(server, token, name, nproc_per_node, data_dir)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

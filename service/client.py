@@ -1,0 +1,289 @@
+"""A small HTTP client of the control plane's REST API (v1), used by the CLI, tests and benchmarks.
+
+Errors come back as `ApiError` subclasses whose message says what happened and what to
+do, so a caller can print `str(exc)` as it is. Retries are limited to requests that are
+safe to repeat: reads, and a submit that carries an `Idempotency-Key` (the server answers
+a repeated key with the first job). A refused connection is never retried: there is no
+server, and saying so at once is more useful than waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+DEFAULT_DATA_DIR = ".ftrain"
+RETRY_ATTEMPTS = 3
+MAX_RETRY_DELAY_S = 2.0
+
+
+class ApiError(Exception):
+    """A request to the control plane failed; `str()` is a message fit for a person."""
+
+    retryable = False
+
+    def __init__(self, message: str, status_code: int | None = None, body: Any = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.body = body
+
+
+class ServerUnreachable(ApiError):
+    pass
+
+
+class Unauthorized(ApiError):
+    pass
+
+
+class NotFound(ApiError):
+    pass
+
+
+class Conflict(ApiError):
+    pass
+
+
+class InvalidRequest(ApiError):
+    """422: `errors` is the server's list of {field, message, type}."""
+
+    def __init__(self, message: str, errors: list[dict], body: Any = None):
+        super().__init__(message, 422, body)
+        self.errors = errors
+
+
+class ServiceUnavailable(ApiError):
+    """503: the control plane is up but cannot serve now (etcd unreachable, contention)."""
+
+    retryable = True
+
+    def __init__(self, message: str, body: Any = None, retry_after_s: float = 1.0):
+        super().__init__(message, 503, body)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the control plane is and how to authenticate, with where each came from."""
+
+    server: str
+    token: str | None
+    server_source: str
+    token_source: str
+
+
+def resolve_target(server: str | None = None, token: str | None = None,
+                   data_dir: str | os.PathLike | None = None, environ: dict | None = None) -> Target:
+    """Flags first, then FTRAIN_SERVER / FTRAIN_TOKEN, then `<data-dir>/server` and
+    `<data-dir>/token` (written by `ftrain up`), then the default local server."""
+    env = os.environ if environ is None else environ
+    base = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR)
+    if server:
+        server_source = "--server"
+    elif env.get("FTRAIN_SERVER"):
+        server, server_source = env["FTRAIN_SERVER"], "FTRAIN_SERVER"
+    elif (saved := _read_file(base / "server")) is not None:
+        server, server_source = saved, str(base / "server")
+    else:
+        server, server_source = DEFAULT_SERVER, "default"
+    if token:
+        token_source = "--token"
+    elif env.get("FTRAIN_TOKEN"):
+        token, token_source = env["FTRAIN_TOKEN"], "FTRAIN_TOKEN"
+    elif (saved := _read_file(base / "token")) is not None:
+        token, token_source = saved, str(base / "token")
+    else:
+        token, token_source = None, "none"
+    return Target(server.rstrip("/"), token, server_source, token_source)
+
+
+def _read_file(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    return text or None
+
+
+def new_idempotency_key() -> str:
+    return f"cli-{uuid.uuid4()}"
+
+
+class FtrainClient:
+    """The control plane's v1 API over one `httpx.Client` (use it as a context manager)."""
+
+    def __init__(self, server: str = DEFAULT_SERVER, token: str | None = None, timeout_s: float = 10.0,
+                 token_source: str | None = None, transport: httpx.BaseTransport | None = None):
+        self.server = server.rstrip("/")
+        self.token_source = token_source
+        headers = {"User-Agent": "ftrain-cli/1"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s,
+                                  transport=transport)
+
+    @classmethod
+    def from_target(cls, target: Target, **kw) -> FtrainClient:
+        return cls(target.server, target.token, token_source=target.token_source, **kw)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> FtrainClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Jobs
+
+    def submit(self, spec: dict, idempotency_key: str | None = None) -> dict:
+        """Submit a job spec; with a key (the default makes one), a retry cannot create a second job."""
+        key = idempotency_key or new_idempotency_key()
+        return self._request("POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": key},
+                             safe_to_retry=True)
+
+    def list_jobs(self, states: list[str] | None = None, page_size: int = 100) -> Iterator[dict]:
+        """Every job (oldest first), following the server's pagination."""
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": page_size}
+            if states:
+                params["state"] = states
+            if after:
+                params["after"] = after
+            page = self._request("GET", "/v1/jobs", params=params)
+            yield from page["items"]
+            after = page.get("next")
+            if not after:
+                return
+
+    def get_job(self, job_id: str) -> dict:
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}")
+
+    def cancel_job(self, job_id: str) -> dict:
+        return self._request("POST", f"/v1/jobs/{_segment(job_id)}/cancel")
+
+    def events(self, job_id: str) -> list[dict]:
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
+
+    def logs(self, job_id: str, rank: int | None = None) -> dict:
+        """The job's kept log lines: {"items": [{seq, time, node, rank, stream, line}], "next_seq"}."""
+        params = {"rank": rank} if rank is not None else {}
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/logs", params=params)
+
+    def follow_logs(self, job_id: str, rank: int | None = None) -> Iterator[dict]:
+        """Log lines as they come (newline-delimited JSON); ends when the server closes the stream."""
+        params: dict[str, Any] = {"follow": "true"}
+        if rank is not None:
+            params["rank"] = rank
+        url = f"/v1/jobs/{_segment(job_id)}/logs"
+        try:
+            with self._http.stream("GET", url, params=params, timeout=httpx.Timeout(10.0, read=None)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise self._error(resp)
+                for raw in resp.iter_lines():
+                    if raw.strip():
+                        yield json.loads(raw)
+        except httpx.TransportError as exc:
+            raise self._transport_error(exc) from exc
+
+    # Nodes
+
+    def nodes(self) -> list[dict]:
+        return self._request("GET", "/v1/nodes")["items"]
+
+    def drain(self, name: str) -> dict:
+        return self._request("POST", f"/v1/nodes/{_segment(name)}/drain")
+
+    # Plumbing
+
+    def _request(self, method: str, path: str, safe_to_retry: bool | None = None, **kw) -> Any:
+        if safe_to_retry is None:
+            safe_to_retry = method == "GET"
+        attempts = RETRY_ATTEMPTS if safe_to_retry else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                resp = self._http.request(method, path, **kw)
+            except httpx.ConnectError as exc:
+                raise self._transport_error(exc) from exc
+            except httpx.TransportError as exc:
+                # The request may or may not have arrived; repeating it is safe only here.
+                if attempt < attempts:
+                    time.sleep(min(0.2 * attempt, MAX_RETRY_DELAY_S))
+                    continue
+                raise self._transport_error(exc) from exc
+            if resp.status_code < 400:
+                return resp.json() if resp.content else None
+            error = self._error(resp)
+            if error.retryable and attempt < attempts:
+                time.sleep(min(getattr(error, "retry_after_s", 1.0), MAX_RETRY_DELAY_S))
+                continue
+            raise error
+        raise AssertionError("unreachable")
+
+    def _transport_error(self, exc: httpx.TransportError) -> ApiError:
+        if isinstance(exc, httpx.ConnectError):
+            return ServerUnreachable(f"no ftrain control plane at {self.server}; start one with "
+                                     "`make up` (or pass --server / set FTRAIN_SERVER)")
+        if isinstance(exc, httpx.TimeoutException):
+            return ServerUnreachable(f"the control plane at {self.server} did not answer in time "
+                                     f"({type(exc).__name__}); is it overloaded or stuck?")
+        return ServerUnreachable(f"lost the connection to {self.server}: {exc!r}")
+
+    def _error(self, resp: httpx.Response) -> ApiError:
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        detail = body.get("detail") if isinstance(body, dict) else None
+        if not isinstance(detail, str):
+            detail = resp.text.strip()[:500] or resp.reason_phrase
+        code = resp.status_code
+        if code == 401:
+            source = f" (the token came from {self.token_source})" if self.token_source else ""
+            return Unauthorized(
+                f"401 from {self.server}: {detail}{source}. Use the user token: the one `ftrain up` "
+                "wrote to <data-dir>/token (pass --token or set FTRAIN_TOKEN), or the server's "
+                "FTRAIN_USER_TOKEN.", code, body)
+        if code == 403:
+            return Unauthorized(f"403 from {self.server}: {detail}. This command needs the user "
+                                "token, not the node token.", code, body)
+        if code == 404:
+            return NotFound(detail, code, body)
+        if code == 409:
+            return Conflict(detail, code, body)
+        if code == 422:
+            errors = body.get("errors", []) if isinstance(body, dict) else []
+            if not isinstance(errors, list):
+                errors = []
+            lines = [f"  {e.get('field', '?')}: {e.get('message', '')}" for e in errors]
+            message = "the server rejected the request:\n" + "\n".join(lines) if lines else detail
+            return InvalidRequest(message, errors, body)
+        if code == 503:
+            reason = body.get("reason", detail) if isinstance(body, dict) else detail
+            try:
+                retry_after = float(resp.headers.get("Retry-After", "1"))
+            except ValueError:
+                retry_after = 1.0
+            return ServiceUnavailable(f"the control plane at {self.server} cannot serve now: {reason}",
+                                      body, retry_after)
+        return ApiError(f"{code} from {self.server}: {detail}", code, body)
+
+
+def _segment(value: str) -> str:
+    """A path segment, percent-encoded so an odd id cannot change the path."""
+    from urllib.parse import quote
+
+    return quote(str(value), safe="")

@@ -1,0 +1,225 @@
+"""The `ftrain` CLI against a real control plane (etcd + uvicorn), and its client's error messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from service.cli import main
+from service.client import FtrainClient, InvalidRequest, ServerUnreachable, resolve_target
+from tests.harness import REPO, free_port
+
+SPEC_YAML = """\
+name: mnist
+command: [python, train.py, --epochs, "3"]
+nodes: {min: 1, max: 2}
+env:
+  LR: "0.01"
+snapshot:
+  every_steps: 50
+"""
+
+
+@pytest.fixture
+def ftrain(control_plane, tmp_path):
+    """Run `ftrain ARGS...` in-process against the control plane; returns the click Result."""
+    runner = CliRunner()
+    # An empty data dir, so nothing on this machine decides the target but the flags.
+    isolated = {"FTRAIN_SERVER": None, "FTRAIN_TOKEN": None}
+
+    def run(*args: str, input: str | None = None, token: str | None = None, expect_ok: bool = True):
+        cmd = [*args, "--server", control_plane.url, "--token", token or control_plane.user_token,
+               "--data-dir", str(tmp_path / "no-data-dir")]
+        result = runner.invoke(main, cmd, input=input, env=isolated, catch_exceptions=False)
+        if expect_ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    return run
+
+
+def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(SPEC_YAML)
+    job = json.loads(ftrain("submit", str(spec), "--json").output)
+    assert job["state"] == "PENDING" and job["spec"]["env"] == {"LR": "0.01"}
+    assert job["spec"]["snapshot"]["every_steps"] == 50
+
+    table = ftrain("list").output.splitlines()
+    assert table[0].split() == ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
+    assert any(line.split()[:4] == [job["id"], "mnist", "PENDING", "1-2"] for line in table[1:])
+    assert [j["id"] for j in json.loads(ftrain("list", "--json").output)] == [job["id"]]
+
+    status = ftrain("status", job["id"]).output
+    assert "id:" in status and job["id"] in status and "PENDING" in status
+    assert "python train.py --epochs 3" in status
+    assert json.loads(ftrain("status", job["id"], "--json").output)["id"] == job["id"]
+
+    assert ftrain("cancel", job["id"]).output.strip() == f"{job['id']}: CANCELLED"
+    events = json.loads(ftrain("events", job["id"], "--json").output)
+    assert [e["state"] for e in events] == ["PENDING", "CANCELLED"]
+    lines = ftrain("events", job["id"]).output.splitlines()
+    assert lines[0].split() == ["TIME", "STATE", "REASON"] and "CANCELLED" in lines[-1]
+
+
+def test_list_filters_by_state(ftrain, tmp_path):
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"name": "a", "command": ["true"]}))
+    first = ftrain("submit", str(spec), "-q").output.strip()
+    second = ftrain("submit", str(spec), "-q").output.strip()
+    assert first != second  # a fresh idempotency key per invocation
+    ftrain("cancel", first)
+    pending = json.loads(ftrain("list", "--state", "pending", "--json").output)
+    assert [j["id"] for j in pending] == [second]
+    cancelled = json.loads(ftrain("list", "--state", "CANCELLED", "--json").output)
+    assert [j["id"] for j in cancelled] == [first]
+
+
+def test_submit_from_stdin_with_a_key_is_idempotent(ftrain):
+    first = json.loads(ftrain("submit", "-", "--idempotency-key", "k1", "--json", input=SPEC_YAML).output)
+    again = json.loads(ftrain("submit", "-", "--idempotency-key", "k1", "--json", input=SPEC_YAML).output)
+    assert again["id"] == first["id"]
+    assert len(json.loads(ftrain("list", "--json").output)) == 1
+
+
+def test_client_follows_pagination(control_plane):
+    with FtrainClient(control_plane.url, control_plane.user_token) as client:
+        ids = [client.submit({"name": f"p{i}", "command": ["true"]})["id"] for i in range(5)]
+        assert [j["id"] for j in client.list_jobs(page_size=2)] == ids
+
+
+def test_invalid_spec_prints_each_field_error(ftrain, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: Not_A_Label\ncommand: [python]\nnodes: {min: 0, max: 2}\n")
+    result = ftrain("submit", str(spec), expect_ok=False)
+    assert result.exit_code == 1
+    assert "rejected" in result.output
+    assert "  name: " in result.output and "DNS label" in result.output
+    assert "  nodes.min: " in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unparseable_or_non_mapping_file_is_a_clear_error(ftrain, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    result = ftrain("submit", str(bad), expect_ok=False)
+    assert result.exit_code == 1 and "is not valid JSON" in result.output
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    result = ftrain("submit", str(listy), expect_ok=False)
+    assert result.exit_code == 1 and "must hold one job spec" in result.output
+    result = ftrain("submit", str(tmp_path / "missing.yaml"), expect_ok=False)
+    assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def test_wrong_token_says_which_token_to_use(ftrain, control_plane):
+    result = ftrain("list", token="not-the-token", expect_ok=False)
+    assert result.exit_code == 1
+    assert "401" in result.output and "user token" in result.output and "<data-dir>/token" in result.output
+    result = ftrain("list", token=control_plane.node_token, expect_ok=False)
+    assert result.exit_code == 1 and "not the node token" in result.output
+
+
+def test_unknown_job_and_finished_job_are_clear_errors(ftrain, tmp_path):
+    result = ftrain("status", "nope-123456", expect_ok=False)
+    assert result.exit_code == 1 and "no job with id 'nope-123456'" in result.output
+    spec = tmp_path / "job.yaml"
+    spec.write_text(SPEC_YAML)
+    job_id = ftrain("submit", str(spec), "-q").output.strip()
+    ftrain("cancel", job_id)
+    result = ftrain("cancel", job_id, expect_ok=False)
+    assert result.exit_code == 1 and "CANCELLED" in result.output
+
+
+def test_target_comes_from_the_data_dir_written_by_up(ftrain, control_plane, tmp_path):
+    data_dir = tmp_path / "d"
+    data_dir.mkdir()
+    (data_dir / "server").write_text(control_plane.url + "\n")
+    (data_dir / "token").write_text(control_plane.user_token + "\n")
+    result = CliRunner().invoke(main, ["list", "--json", "--data-dir", str(data_dir)],
+                                env={"FTRAIN_SERVER": None, "FTRAIN_TOKEN": None})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == []
+
+
+def test_target_resolution_order(tmp_path):
+    (tmp_path / "server").write_text("http://saved.test:9000\n")
+    (tmp_path / "token").write_text("file-token\n")
+    env = {"FTRAIN_SERVER": "http://env:1", "FTRAIN_TOKEN": "env-token"}
+    flags = resolve_target("http://flag:2/", "flag-token", tmp_path, env)
+    assert (flags.server, flags.token, flags.token_source) == ("http://flag:2", "flag-token", "--token")
+    from_env = resolve_target(None, None, tmp_path, env)
+    assert (from_env.server, from_env.token) == ("http://env:1", "env-token")
+    target = resolve_target(None, None, tmp_path, {})
+    assert (target.server, target.token) == ("http://saved.test:9000", "file-token")
+    assert target.token_source == str(tmp_path / "token")
+    empty = resolve_target(None, None, tmp_path / "missing", {})
+    assert (empty.server, empty.token) == ("http://127.0.0.1:8000", None)
+
+
+def test_connection_refused_says_how_to_start_one(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("FTRAIN_SERVER", "FTRAIN_TOKEN")}
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "list", "--server", url,
+                           "--data-dir", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"no ftrain control plane at {url}; start one with `make up`" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(ServerUnreachable):
+        FtrainClient(url).get_job("x")
+
+
+def _fake_server(handler) -> FtrainClient:
+    return FtrainClient("http://cp.test", "t", transport=httpx.MockTransport(handler))
+
+
+def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
+    """The logs and nodes endpoints' answers (as documented) through the CLI's formatting."""
+    lines = [{"seq": 1, "time": 1.0, "node": "local-0", "rank": 0, "stream": "stdout", "line": "step 1"},
+             {"seq": 2, "time": 2.0, "node": "local-1", "rank": 1, "stream": "stderr", "line": "warn"}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.headers["Authorization"] == "Bearer t"
+        if request.url.path == "/v1/jobs/j1/logs" and request.url.params.get("follow") == "true":
+            assert request.url.params.get("rank") == "1"
+            body = "".join(json.dumps(x) + "\n" for x in lines[1:])
+            return httpx.Response(200, content=body.encode(),
+                                  headers={"Content-Type": "application/x-ndjson"})
+        if request.url.path == "/v1/jobs/j1/logs":
+            return httpx.Response(200, json={"items": lines, "next_seq": 3})
+        if request.url.path == "/v1/nodes":
+            return httpx.Response(200, json={"items": [
+                {"name": "local-0", "state": "READY", "nproc_per_node": 2, "address": "127.0.0.1",
+                 "registered_at": 1.0, "job": "j1"}]})
+        if request.url.path == "/v1/nodes/local-0/drain" and request.method == "POST":
+            return httpx.Response(202, json={"name": "local-0", "state": "DRAINING"})
+        return httpx.Response(404, json={"detail": "not found"})
+
+    monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
+    runner = CliRunner()
+    out = runner.invoke(main, ["logs", "j1"], catch_exceptions=False).output
+    assert out.splitlines() == ["[local-0 rank 0] step 1", "[local-1 rank 1] warn"]
+    out = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False).output
+    assert out.splitlines() == ["[local-1 rank 1] warn"]
+    out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).output
+    assert [json.loads(x) for x in out.splitlines()] == lines[1:]
+    out = runner.invoke(main, ["nodes"], catch_exceptions=False).output.splitlines()
+    assert out[0].split() == ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"]
+    assert out[1].split()[:5] == ["local-0", "READY", "2", "127.0.0.1", "j1"]
+    assert runner.invoke(main, ["drain", "local-0"]).output.strip() == "local-0: DRAINING"
+
+
+def test_422_from_the_server_carries_field_errors(control_plane):
+    with FtrainClient(control_plane.url, control_plane.user_token) as client:
+        with pytest.raises(InvalidRequest) as info:
+            client.submit({"name": "ok", "command": [], "surprise": 1})
+    fields = {e["field"] for e in info.value.errors}
+    assert {"command", "surprise"} <= fields
+    assert "  command: " in str(info.value)
