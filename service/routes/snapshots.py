@@ -1,0 +1,80 @@
+"""Job-runtime endpoints: snapshot commits and listing, corrupt reports, progress, control.
+
+Workers call these with their job's token (`FTRAIN_TOKEN`); the node token is accepted
+too. Listing snapshots is also open to users.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, status
+
+from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_or_node
+from service.models import Progress
+from service.snapshots import (
+    CommitRequest,
+    CommitResult,
+    ControlView,
+    CorruptReport,
+    ProgressReport,
+    SnapshotList,
+    SnapshotStore,
+    control_for,
+)
+
+router = APIRouter(prefix="/v1/jobs", tags=["snapshots"])
+
+
+def get_snapshots(ctx: ContextDep) -> SnapshotStore:
+    return SnapshotStore(ctx.jobs)
+
+
+SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
+
+
+async def require_reader(ctx: ContextDep, creds: Credentials,
+                         job_id: Annotated[str, Path()]) -> None:
+    """A user token, or the job's own token, or the node token."""
+    if creds is not None and _matches(creds.credentials, ctx.settings.user_token):
+        return
+    await require_job_or_node(ctx, creds, job_id)
+
+
+@router.post("/{job_id}/snapshots", response_model=CommitResult)
+async def commit_snapshot(job_id: str, req: CommitRequest, job: JobTokenDep,
+                          snapshots: SnapshotsDep) -> CommitResult:
+    """Commit a snapshot rank 0 has written; 409 from a stale attempt or a finished job.
+
+    Returns the files the writer should delete (pruned beyond `snapshot.keep`).
+    """
+    return await snapshots.commit(job.id, req)
+
+
+@router.get("/{job_id}/snapshots", response_model=SnapshotList,
+            dependencies=[Depends(require_reader)])
+async def list_snapshots(job_id: str, snapshots: SnapshotsDep) -> SnapshotList:
+    """Committed snapshots, oldest first, and the step of the latest good one."""
+    return await snapshots.list(job_id)
+
+
+@router.post("/{job_id}/snapshots/{step}/corrupt", response_model=SnapshotList)
+async def report_corrupt(job_id: str, step: int, job: JobTokenDep, snapshots: SnapshotsDep,
+                         report: CorruptReport | None = None) -> SnapshotList:
+    """A worker found this snapshot damaged: mark it bad and fall back to the previous one."""
+    if step < 0:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "step must be >= 0")
+    return await snapshots.report_corrupt(job.id, step, (report or CorruptReport()).reason)
+
+
+@router.post("/{job_id}/progress", response_model=Progress)
+async def report_progress(job_id: str, report: ProgressReport, job: JobTokenDep,
+                          snapshots: SnapshotsDep) -> Progress:
+    """Rank 0's step, loss and throughput, shown in the job view."""
+    return await snapshots.report_progress(job.id, report)
+
+
+@router.get("/{job_id}/control", response_model=ControlView)
+async def get_control(job_id: str, job: JobTokenDep) -> ControlView:
+    """What rank 0 should do at its next step boundary ("none", or a planned change)."""
+    return control_for(job)

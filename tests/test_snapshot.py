@@ -1,0 +1,244 @@
+"""Snapshot files (atomic, checksummed, crash-safe) and their commits on the control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.etcd import Etcd
+from service.jobs import Change, JobStore
+from service.keys import Keys
+from service.models import Control, ControlAction, JobRecord
+from service.snapshots import SnapshotRecord, plan_prune
+from tests.harness import REPO, wait_for
+from worker import snapshot as snap
+from worker.runtime import LocalLink
+
+SPEC = {"name": "snap", "command": ["python", "train.py"], "snapshot": {"every_steps": 10, "keep": 3}}
+
+
+# ------------------------------------------------------------------ files
+
+def test_write_atomic_leaves_one_verified_file_and_no_temporaries(tmp_path):
+    state = {"w": torch.randn(100, 100), "step": 7}
+    written = snap.write_atomic(state, tmp_path, 7)
+    assert Path(written.path) == tmp_path / "step-000000000007.pt"
+    assert [p.name for p in tmp_path.iterdir()] == ["step-000000000007.pt"]
+    assert written.size == os.path.getsize(written.path)
+    assert written.checksum == snap.file_checksum(written.path)
+    snap.verify(written.path, written.checksum, written.size)
+    assert torch.equal(snap.load(written.path)["w"], state["w"])
+
+
+def test_verify_rejects_a_flipped_byte_and_a_truncated_file(tmp_path):
+    written = snap.write_atomic({"w": torch.randn(1000)}, tmp_path, 1)
+    data = bytearray(Path(written.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(written.path).write_bytes(bytes(data))
+    with pytest.raises(snap.SnapshotCorrupt, match="checksum"):
+        snap.verify(written.path, written.checksum, written.size)
+    Path(written.path).write_bytes(bytes(data[:100]))
+    with pytest.raises(snap.SnapshotCorrupt, match="bytes"):
+        snap.verify(written.path, written.checksum, written.size)
+
+
+def test_to_host_copies_so_later_training_does_not_change_the_snapshot():
+    w = torch.zeros(3)
+    copy = snap.to_host({"opt": [{"w": w}]})
+    w.add_(1)
+    assert torch.equal(copy["opt"][0]["w"], torch.zeros(3))
+
+
+_CHILD = """
+import sys, torch
+from worker import snapshot as snap
+snap.write_atomic({"big": [torch.ones(8 << 20) for _ in range(12)]}, sys.argv[1], 20)
+"""
+
+
+def test_a_crash_mid_write_leaves_the_latest_committed_snapshot_loadable(tmp_path):
+    link = LocalLink(tmp_path, keep=3)
+    committed = snap.write_atomic({"w": torch.arange(10.0)}, tmp_path, 10)
+    link.commit(committed, 0.0, None)
+
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], cwd=REPO)
+    try:
+        def temp_growing():
+            temps = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+            return temps and temps[0].stat().st_size > (16 << 20)
+
+        wait_for(temp_growing, 30, "the child to be half-way through its write", interval_s=0.005)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert not (tmp_path / snap.snapshot_name(20)).exists(), "the write finished before the kill"
+
+    items, latest = link.snapshots()
+    assert latest == 10
+    snap.verify(committed.path, committed.checksum, committed.size)
+    assert torch.equal(snap.load(committed.path)["w"], torch.arange(10.0))
+    assert len(snap.cleanup_temporaries(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshots.json", snap.snapshot_name(10)]
+
+
+# ------------------------------------------------------------------ pure pruning
+
+def _rec(step: int, bad: bool = False) -> SnapshotRecord:
+    return SnapshotRecord(step=step, path=f"/s/{step}", size=1, checksum="x", bad=bad)
+
+
+@pytest.mark.parametrize("steps,bad,latest,keep,pruned", [
+    ([10, 20, 30, 40], [], 40, 3, [10]),
+    ([10, 20, 30, 40], [], 40, 1, [10, 20, 30]),
+    ([10, 20, 30, 40], [40], 30, 2, [10, 40]),       # a bad one is never kept
+    ([10, 20, 30], [], 10, 1, [20, 30]),             # the latest survives whatever its age
+    ([10, 20], [], 20, 5, []),
+])
+def test_plan_prune_keeps_keep_and_never_the_latest(steps, bad, latest, keep, pruned):
+    records = {s: _rec(s, s in bad) for s in steps}
+    assert plan_prune(records, latest, keep) == pruned
+
+
+# ------------------------------------------------------------------ against the control plane
+
+def edit_job(etcd_endpoint: str, job_id: str, **update) -> JobRecord:
+    """Change a stored job as the scheduler would (by CAS), e.g. its attempt or control."""
+
+    async def run() -> JobRecord:
+        etcd = Etcd(etcd_endpoint)
+        try:
+            store = JobStore(etcd, Keys())
+            return await store.update(job_id, lambda job: Change(job.model_copy(update=update)))
+        finally:
+            await etcd.close()
+
+    return asyncio.run(run())
+
+
+def read_job(etcd_endpoint: str, job_id: str) -> JobRecord:
+    async def run() -> JobRecord:
+        etcd = Etcd(etcd_endpoint)
+        try:
+            return await JobStore(etcd, Keys()).get(job_id)
+        finally:
+            await etcd.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def job(api):
+    resp = api.post("/v1/jobs", json=SPEC)
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+@pytest.fixture
+def worker(control_plane, job, etcd):
+    """A client with the job's own token (read from etcd, as a worker would get it)."""
+    token = read_job(etcd.endpoint, job["id"]).token
+    with control_plane.client(token) as client:
+        yield client
+
+
+def commit(client, job_id: str, step: int, attempt: int = 0, **extra):
+    body = {"step": step, "path": f"/snap/{job_id}/{step}.pt", "size": 10, "checksum": f"sha256:{step}",
+            "attempt": attempt, **extra}
+    return client.post(f"/v1/jobs/{job_id}/snapshots", json=body)
+
+
+def test_commit_is_fenced_to_the_current_attempt_and_latest_only_moves_forward(worker, api, job, etcd):
+    job_id = job["id"]
+    assert commit(worker, job_id, 20).json()["latest"] == 20
+    resp = commit(worker, job_id, 10)
+    assert resp.status_code == 200 and resp.json()["latest"] == 20  # recorded, latest stays
+    listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
+    assert [i["step"] for i in listed["items"]] == [10, 20] and listed["latest"] == 20
+
+    edit_job(etcd.endpoint, job_id, attempt=1)
+    stale = commit(worker, job_id, 30, attempt=0)
+    assert stale.status_code == 409 and "attempt 0" in stale.json()["detail"]
+    assert api.get(f"/v1/jobs/{job_id}").json()["latest_snapshot"]["step"] == 20
+    assert commit(worker, job_id, 30, attempt=1).json()["latest"] == 30
+    assert api.get(f"/v1/jobs/{job_id}").json()["latest_snapshot"]["step"] == 30
+
+    assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202  # PENDING -> CANCELLED
+    assert commit(worker, job_id, 40, attempt=1).status_code == 409
+    assert api.get(f"/v1/jobs/{job_id}/snapshots").json()["latest"] == 30
+
+
+def test_commits_prune_beyond_keep_and_the_writer_deletes_the_files(worker, api, job, tmp_path):
+    job_id = job["id"]
+    files = tmp_path / "files"
+    for step in range(10, 70, 10):
+        written = snap.write_atomic({"step": step}, files, step)
+        body = {"step": step, "path": written.path, "size": written.size, "checksum": written.checksum,
+                "attempt": 0}
+        resp = worker.post(f"/v1/jobs/{job_id}/snapshots", json=body)
+        assert resp.status_code == 200, resp.text
+        assert written.path not in resp.json()["prune"]
+        snap.delete_files(resp.json()["prune"])
+    listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
+    assert [i["step"] for i in listed["items"]] == [40, 50, 60] and listed["latest"] == 60
+    assert sorted(p.name for p in files.iterdir()) == [snap.snapshot_name(s) for s in (40, 50, 60)]
+
+
+def test_a_corrupt_report_marks_it_bad_moves_latest_back_and_is_an_event(worker, api, job):
+    job_id = job["id"]
+    for step in (10, 20):
+        commit(worker, job_id, step)
+    resp = worker.post(f"/v1/jobs/{job_id}/snapshots/20/corrupt", json={"reason": "checksum mismatch"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["latest"] == 10
+    assert [i["bad"] for i in resp.json()["items"]] == [False, True]
+    assert api.get(f"/v1/jobs/{job_id}").json()["latest_snapshot"]["step"] == 10
+    reasons = [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]]
+    assert any("step 20 is corrupt" in r and "resuming from step 10" in r for r in reasons)
+    # reporting it again changes nothing; an unknown step is 404
+    worker.post(f"/v1/jobs/{job_id}/snapshots/20/corrupt")
+    assert len(api.get(f"/v1/jobs/{job_id}/events").json()["items"]) == len(reasons)
+    assert worker.post(f"/v1/jobs/{job_id}/snapshots/99/corrupt").status_code == 404
+
+
+def test_control_is_shown_until_a_commit_acknowledges_it(worker, job, etcd):
+    job_id = job["id"]
+    assert worker.get(f"/v1/jobs/{job_id}/control").json() == {"id": 0, "action": "none", "reason": ""}
+    edit_job(etcd.endpoint, job_id, control=Control(id=3, action=ControlAction.CHECKPOINT_STOP,
+                                                      reason="cancel", requested_at=time.time()))
+    assert worker.get(f"/v1/jobs/{job_id}/control").json() == {
+        "id": 3, "action": "checkpoint_stop", "reason": "cancel"}
+    commit(worker, job_id, 17, control_id=3)
+    stored = read_job(etcd.endpoint, job_id)
+    assert (stored.control_acked, stored.control_acked_step) == (3, 17)
+    assert worker.get(f"/v1/jobs/{job_id}/control").json()["action"] == "none"
+
+
+def test_progress_is_stored_and_shown_in_the_job_view(worker, api, job):
+    resp = worker.post(f"/v1/jobs/{job['id']}/progress", json={"step": 5, "loss": 0.5, "samples_per_s": 100})
+    assert resp.status_code == 200
+    progress = api.get(f"/v1/jobs/{job['id']}").json()["progress"]
+    assert progress["step"] == 5 and progress["loss"] == 0.5 and progress["time"] > 0
+    stale = worker.post(f"/v1/jobs/{job['id']}/progress", json={"step": 6, "attempt": 4})
+    assert stale.status_code == 409
+
+
+def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_users(
+        control_plane, api, job, worker):
+    other = api.post("/v1/jobs", json={**SPEC, "name": "other"}).json()
+    with control_plane.client(None) as anon:
+        assert anon.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 401
+    assert commit(api, job["id"], 1).status_code == 403  # a user token cannot commit
+    assert api.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 200
+    with control_plane.client("node") as node:
+        assert commit(node, job["id"], 1).status_code == 200
+    assert commit(worker, other["id"], 1).status_code == 401  # one job's token, another job
+    assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 401

@@ -1,0 +1,604 @@
+"""The training-side runtime: the boilerplate of a fault-tolerant DDP script, done once.
+
+    from worker import runtime
+
+    rt = runtime.init()                                   # process group, device, snapshots
+    model = rt.wrap(Net())                                # to the device, DDP when distributed
+    opt = torch.optim.AdamW(model.parameters())
+    sampler = rt.sampler(len(dataset), batch_size=32, seed=0)
+    rt.restore(model=model, optimizer=opt, sampler=sampler)  # resume from the latest snapshot
+    for indices in sampler:
+        if rt.step >= max_steps:
+            break
+        loss = train_step(dataset[indices])
+        rt.step_done(loss=loss, samples=len(indices) * rt.world_size)
+    rt.finish()
+
+What `init` does, from the environment torchrun and ftrain give each worker:
+
+- `RANK`, `LOCAL_RANK`, `WORLD_SIZE` (and `MASTER_ADDR`/`MASTER_PORT`, read by
+  `init_process_group`): picks `nccl` when CUDA is there, else `gloo`; sets the CUDA
+  device from `LOCAL_RANK` *before* `init_process_group`; passes a timeout (60 s by
+  default: gloo's own default of 30 min turns a lost peer into a 30 min hang).
+- `FTRAIN_JOB_ID`, `FTRAIN_SERVER`, `FTRAIN_TOKEN`, `FTRAIN_ATTEMPT`: the control plane
+  that lists and commits snapshots, takes progress reports and says when to stop.
+- `FTRAIN_SNAPSHOT_DIR`, `FTRAIN_SNAPSHOT_EVERY`, `FTRAIN_SNAPSHOT_KEEP`: where, how often,
+  how many (from the job spec). Arguments of `init` win over these.
+- `FTRAIN_GLOBAL_BATCH_SIZE`: used by `rt.sampler` when it is given no batch size.
+
+Snapshots: every `snapshot_every` steps rank 0 copies the state (model, optimizer, LR
+scheduler, sampler position, every rank's torch/CUDA/numpy/python RNG state, the step)
+to host memory -- the only stall, measured and logged per snapshot -- and a background
+thread writes it atomically with a sha256 checksum, commits it to the control plane
+(fenced by `FTRAIN_ATTEMPT`), and deletes what the commit prunes. On start, rank 0 picks
+the latest committed snapshot, verifies its checksum (reporting a bad one and falling back
+to the one before), and broadcasts the choice; every rank loads it.
+
+Planned changes: a thread on rank 0 polls the job's control endpoint (every 0.5 s) and
+reports progress (every 1 s). At each step boundary rank 0 broadcasts what it last heard
+("decide once, broadcast"), so every rank acts at the same step: `checkpoint_stop`
+snapshots there and exits 0 (`Stopped`); `checkpoint_pause` snapshots there and waits to
+be restarted by its agent.
+
+The local twin: without `RANK` and `FTRAIN_JOB_ID` the same script runs as one process
+with no process group and no service -- `python train.py` -- snapshotting (if a directory
+is given) into a local directory with a `snapshots.json` index in place of the control
+plane. Same code path, so it can be stepped through in a debugger. A VSCode
+`.vscode/launch.json` for it:
+
+    {
+      "version": "0.2.0",
+      "configurations": [
+        {
+          "name": "train.py (local twin)",
+          "type": "debugpy",
+          "request": "launch",
+          "program": "${workspaceFolder}/examples/train.py",
+          "args": ["--steps", "50", "--out", "/tmp/final.pt"],
+          "cwd": "${workspaceFolder}",
+          "env": {"FTRAIN_SNAPSHOT_DIR": "/tmp/ftrain-snapshots", "FTRAIN_SNAPSHOT_EVERY": "10"},
+          "justMyCode": false
+        }
+      ]
+    }
+
+(Leave out `FTRAIN_SNAPSHOT_DIR` to run without snapshots; delete the directory to start
+over.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from worker import snapshot as snap
+from worker.data import ResumableSampler
+
+log = logging.getLogger("ftrain.runtime")
+
+SNAPSHOT_FORMAT = 1
+EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchrun restarts it
+
+_ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
+_ACTION_NAMES = {v: k for k, v in _ACTIONS.items()}
+
+
+class Stopped(SystemExit):
+    """Raised by `step_done` after the snapshot of a `checkpoint_stop` (cancel): exit 0."""
+
+    def __init__(self, step: int):
+        super().__init__(0)
+        self.step = step
+
+
+class Fenced(RuntimeError):
+    """The control plane refused a commit: this worker belongs to an attempt that is over."""
+
+
+class LinkError(RuntimeError):
+    """The control plane answered with an error (or not at all)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    id: int = 0
+    action: str = "none"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CommittedSnapshot:
+    step: int
+    path: str
+    size: int
+    checksum: str
+    bad: bool = False
+
+
+class Link(Protocol):
+    """The control plane as rank 0 sees it; `ServiceLink` or the local twin `LocalLink`."""
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]: ...
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]: ...
+    def report_corrupt(self, step: int, reason: str) -> None: ...
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None: ...
+    def control(self) -> ControlRequest: ...
+
+
+def _committed(items: list[dict]) -> list[CommittedSnapshot]:
+    return [CommittedSnapshot(step=i["step"], path=i["path"], size=i["size"], checksum=i["checksum"],
+                              bad=bool(i.get("bad", False))) for i in items]
+
+
+class ServiceLink:
+    """The job's endpoints on the control plane, over HTTP with the job token (stdlib only)."""
+
+    def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
+        self.base = f"{server.rstrip('/')}/v1/jobs/{job_id}"
+        self.token = token
+        self.attempt = attempt
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise LinkError(f"{method} {self.base}{path}: {exc.code} {detail}", exc.code) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise LinkError(f"{method} {self.base}{path}: control plane unreachable: {exc}") from exc
+
+    def _retrying(self, method: str, path: str, body: dict | None = None, tries: int = 6) -> Any:
+        """Retry what is worth retrying (unreachable, 503); a 4xx is an answer."""
+        delay = 0.2
+        for attempt in range(tries):
+            try:
+                return self._call(method, path, body)
+            except LinkError as exc:
+                if exc.status is not None and exc.status != 503 or attempt == tries - 1:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
+        got = self._retrying("GET", "/snapshots")
+        return _committed(got["items"]), got["latest"]
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        body = {"step": written.step, "path": written.path, "size": written.size,
+                "checksum": written.checksum, "attempt": self.attempt, "control_id": control_id,
+                "stall_s": round(stall_s, 6), "write_s": round(written.write_s, 6)}
+        try:
+            return self._retrying("POST", "/snapshots", body)["prune"]
+        except LinkError as exc:
+            if exc.status == 409:
+                raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
+            raise
+
+    def report_corrupt(self, step: int, reason: str) -> None:
+        self._retrying("POST", f"/snapshots/{step}/corrupt", {"reason": reason[:500]})
+
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+        self._call("POST", "/progress", {"step": step, "loss": loss, "samples_per_s": samples_per_s,
+                                         "attempt": self.attempt})
+
+    def control(self) -> ControlRequest:
+        got = self._call("GET", "/control")
+        return ControlRequest(id=got["id"], action=got["action"], reason=got["reason"])
+
+
+class LocalLink:
+    """The local twin of the control plane: a `snapshots.json` index next to the files."""
+
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory = Path(directory)
+        self.keep = keep
+        self.index = self.directory / "snapshots.json"
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.index.read_text())
+        except FileNotFoundError:
+            return {"items": [], "latest": None}
+
+    def _write(self, data: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.index.with_suffix(f".tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.index)
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
+        data = self._read()
+        return _committed(data["items"]), data["latest"]
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        data = self._read()
+        items = {i["step"]: i for i in data["items"]}
+        items[written.step] = {"step": written.step, "path": written.path, "size": written.size,
+                               "checksum": written.checksum, "bad": False, "stall_s": stall_s}
+        latest = data["latest"]
+        if latest is None or written.step >= latest:
+            latest = written.step
+        kept = {latest}
+        for step in sorted(items, reverse=True):
+            if len(kept) >= self.keep:
+                break
+            if not items[step]["bad"]:
+                kept.add(step)
+        pruned = [items.pop(s)["path"] for s in sorted(items) if s not in kept]
+        self._write({"items": [items[s] for s in sorted(items)], "latest": latest})
+        return pruned
+
+    def report_corrupt(self, step: int, reason: str) -> None:
+        data = self._read()
+        good = []
+        for item in data["items"]:
+            if item["step"] == step:
+                item["bad"] = True
+            if not item["bad"]:
+                good.append(item["step"])
+        if data["latest"] == step:
+            data["latest"] = max(good) if good else None
+        log.warning("snapshot at step %d is corrupt (%s); skipped", step, reason)
+        self._write(data)
+
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+        pass
+
+    def control(self) -> ControlRequest:
+        return ControlRequest()
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _rng_state() -> dict:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@dataclass
+class Runtime:
+    """One worker's view of the job; made by `init`. See the module docstring."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    distributed: bool
+    device: torch.device
+    link: Link | None
+    snapshot_dir: Path | None
+    snapshot_every: int | None
+    global_batch_size: int | None = None
+    control_poll_s: float = 0.5
+    progress_every_s: float = 1.0
+    pause_timeout_s: float = 600.0
+    step: int = 0
+    resumed_from: int | None = None
+    stalls_s: list[float] = field(default_factory=list)
+    _state: dict[str, Any] = field(default_factory=dict)
+    _writer: snap.AsyncWriter | None = None
+    _poller: threading.Thread | None = None
+    _stop_poll: threading.Event = field(default_factory=threading.Event)
+    _control: ControlRequest = field(default_factory=ControlRequest)
+    _handled_control: int = 0
+    _progress: tuple | None = None
+    _samples: int = 0
+    _finished: bool = False
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    # -------------------------------------------------------------- set-up
+    def wrap(self, model: torch.nn.Module, sync_batchnorm: bool = False, **ddp_kwargs) -> torch.nn.Module:
+        """Move `model` to this worker's device; under a process group, wrap it in DDP."""
+        if sync_batchnorm and self.distributed:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        if not self.distributed:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+
+    def sampler(self, num_samples: int, batch_size: int | None = None, *, seed: int = 0,
+                shuffle: bool = True, global_batch_size: int | None = None) -> ResumableSampler:
+        """A resumable, sharded data order; without a batch size, the job's global batch."""
+        if batch_size is None and global_batch_size is None:
+            global_batch_size = self.global_batch_size
+            if global_batch_size is None:
+                raise ValueError("give batch_size (per rank) or global_batch_size, or set "
+                                 "global_batch_size in the job spec (FTRAIN_GLOBAL_BATCH_SIZE)")
+        return ResumableSampler(num_samples, batch_size, rank=self.rank, world_size=self.world_size,
+                                seed=seed, shuffle=shuffle, global_batch_size=global_batch_size)
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                scheduler: Any = None, sampler: ResumableSampler | None = None,
+                **extra: Any) -> int:
+        """Register what a snapshot holds and load the latest good one; returns the step.
+
+        `extra` objects need `state_dict()` and `load_state_dict()` (a GradScaler, an EMA).
+        """
+        self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
+                       "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
+        chosen = self._choose_snapshot() if self.is_chief else None
+        if self.distributed:
+            box = [chosen]
+            dist.broadcast_object_list(box, src=0)
+            chosen = box[0]
+        if chosen is None:
+            log.info("rank %d: no committed snapshot; starting at step 0", self.rank)
+        else:
+            self._load(chosen)
+        self._start_poller()
+        return self.step
+
+    def _choose_snapshot(self) -> str | None:
+        """Rank 0: the newest committed snapshot that passes its checksum (reporting others)."""
+        if self.link is None:
+            return None
+        if self.snapshot_dir is not None:
+            snap.cleanup_temporaries(self.snapshot_dir)
+        items, latest = self.link.snapshots()
+        if latest is None:
+            return None
+        for item in sorted(items, key=lambda i: i.step, reverse=True):
+            if item.bad or item.step > latest:
+                continue
+            path = self._resolve(item.path)
+            try:
+                snap.verify(path, item.checksum, item.size)
+                return str(path)
+            except snap.SnapshotCorrupt as exc:
+                log.warning("snapshot at step %d is corrupt, trying the one before: %s", item.step, exc)
+                self.link.report_corrupt(item.step, str(exc))
+        return None
+
+    def _resolve(self, path: str) -> Path:
+        """A committed path, or the same file name in this node's view of the snapshot dir."""
+        p = Path(path)
+        if not p.exists() and self.snapshot_dir is not None:
+            return self.snapshot_dir / p.name
+        return p
+
+    def _load(self, path: str) -> None:
+        state = snap.load(path)
+        for name, obj in self._state.items():
+            if obj is not None and state.get(name) is not None:
+                obj.load_state_dict(state[name])
+        rngs = state.get("rng") or []
+        if rngs:
+            _set_rng_state(rngs[self.rank % len(rngs)])
+        self.step = int(state["step"])
+        self.resumed_from = self.step
+        log.info("rank %d: resumed from %s (step %d)", self.rank, path, self.step)
+
+    # -------------------------------------------------------------- the loop
+    def step_done(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> None:
+        """Call after each optimizer step: counts it, reports, snapshots, obeys control."""
+        self.step += 1
+        self._samples += samples if samples is not None else (self.global_batch_size or 0)
+        if self.is_chief:
+            if isinstance(loss, torch.Tensor):
+                loss = loss.detach()
+            self._progress = (self.step, loss, self._samples, time.monotonic())
+        action, control_id = self._agree_on_control()
+        if action != "none":
+            self._obey(action, control_id)
+        elif self.snapshot_every and self.step % self.snapshot_every == 0:
+            self.snapshot()
+
+    def _agree_on_control(self) -> tuple[str, int]:
+        """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
+        code, control_id = 0, 0
+        if self.is_chief:
+            ctl = self._control
+            if ctl.id > self._handled_control and ctl.action in _ACTIONS:
+                code, control_id = _ACTIONS[ctl.action], ctl.id
+        if self.distributed:
+            t = torch.tensor([code, control_id], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=0)
+            code, control_id = int(t[0]), int(t[1])
+        return _ACTION_NAMES.get(code, "none"), control_id
+
+    def _obey(self, action: str, control_id: int) -> None:
+        self._handled_control = control_id
+        log.info("rank %d: %s at step %d (control %d)", self.rank, action, self.step, control_id)
+        self.snapshot(control_id=control_id, blocking=True)
+        if action == "checkpoint_stop":
+            self.finish()
+            raise Stopped(self.step)
+        # checkpoint_pause: the agent restarts the group from this snapshot; wait for it.
+        self._stop_poller()
+        deadline = time.monotonic() + self.pause_timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+        log.error("rank %d: paused at step %d and not restarted within %g s; exiting with %d "
+                  "so the group restarts", self.rank, self.step, self.pause_timeout_s, EXIT_PAUSE_TIMEOUT)
+        raise SystemExit(EXIT_PAUSE_TIMEOUT)
+
+    def snapshot(self, control_id: int | None = None, blocking: bool = False) -> None:
+        """Snapshot now (every rank must call it at the same step)."""
+        if self.link is None or self.snapshot_dir is None:
+            if control_id is not None:
+                log.warning("no snapshot directory: step %d is not saved", self.step)
+            return
+        start = time.perf_counter()
+        rng = _rng_state()
+        if self.distributed:
+            rngs: list | None = [None] * self.world_size if self.is_chief else None
+            dist.gather_object(rng, rngs, dst=0)
+        else:
+            rngs = [rng]
+        if not self.is_chief:
+            return
+        assert self._writer is not None
+        self._writer.wait()  # one save in flight: waiting for the last one is part of the stall
+        state = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
+                 "time": time.time(), "rng": rngs}
+        for name, obj in self._state.items():
+            state[name] = None if obj is None else snap.to_host(obj.state_dict())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        stall_s = time.perf_counter() - start
+        self.stalls_s.append(stall_s)
+        log.info("snapshot step=%d stall_ms=%.1f", self.step, stall_s * 1e3)
+        self._writer.submit(state, self.step, stall_s, control_id, blocking=blocking)
+
+    # -------------------------------------------------------------- rank 0's poller
+    def _start_poller(self) -> None:
+        if not self.is_chief or not isinstance(self.link, ServiceLink) or self._poller is not None:
+            return
+        self._stop_poll.clear()
+        self._poller = threading.Thread(target=self._poll, name="ftrain-control", daemon=True)
+        self._poller.start()
+
+    def _stop_poller(self) -> None:
+        if self._poller is not None:
+            self._stop_poll.set()
+            self._poller.join(timeout=5)
+            self._poller = None
+
+    def _poll(self) -> None:
+        assert self.link is not None
+        last_report, last_samples, last_t = 0.0, None, None
+        while not self._stop_poll.is_set():
+            try:
+                self._control = self.link.control()
+            except LinkError as exc:
+                log.debug("control poll failed: %s", exc)
+            now = time.monotonic()
+            if self._progress is not None and now - last_report >= self.progress_every_s:
+                last_report = now
+                step, loss, samples, at = self._progress
+                rate = None
+                if last_t is not None and at > last_t and samples >= last_samples:
+                    rate = (samples - last_samples) / (at - last_t)
+                last_samples, last_t = samples, at
+                try:
+                    loss_value = float(loss) if loss is not None else None
+                    self.link.report_progress(step, loss_value, rate)
+                except LinkError as exc:
+                    log.debug("progress report failed: %s", exc)
+            self._stop_poll.wait(self.control_poll_s)
+
+    # -------------------------------------------------------------- the end
+    def finish(self) -> None:
+        """Wait for the save in flight, stop reporting, leave the process group."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            if self._writer is not None:
+                self._writer.wait()
+        finally:
+            self._stop_poller()
+            if self.distributed and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+
+def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
+         snapshot_every: int | None = None, snapshot_keep: int | None = None,
+         control_poll_s: float = 0.5, progress_every_s: float = 1.0, pause_timeout_s: float = 600.0,
+         env: Mapping[str, str] | None = None) -> Runtime:
+    """Set up this worker from its environment (see the module docstring); arguments win."""
+    env = os.environ if env is None else env
+    distributed = "RANK" in env and "WORLD_SIZE" in env
+    rank = int(env.get("RANK", 0))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    world_size = int(env.get("WORLD_SIZE", 1))
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
+    if distributed and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
+                                timeout=timedelta(seconds=timeout_s))
+
+    directory = snapshot_dir or env.get("FTRAIN_SNAPSHOT_DIR") or None
+    every = snapshot_every or _env_int(env, "FTRAIN_SNAPSHOT_EVERY") or (100 if directory else None)
+    keep = snapshot_keep or _env_int(env, "FTRAIN_SNAPSHOT_KEEP") or 3
+    link: Link | None = None
+    job_id = env.get("FTRAIN_JOB_ID")
+    if job_id:
+        missing = [n for n in ("FTRAIN_SERVER", "FTRAIN_TOKEN") if not env.get(n)]
+        if missing:
+            raise RuntimeError(f"FTRAIN_JOB_ID is set but {', '.join(missing)} is not: this worker "
+                               "cannot reach its control plane (is it started by an ftrain node?)")
+        link = ServiceLink(env["FTRAIN_SERVER"], job_id, env["FTRAIN_TOKEN"],
+                           _env_int(env, "FTRAIN_ATTEMPT") or 0)
+    elif directory:
+        link = LocalLink(directory, keep)
+    rt = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, distributed=distributed,
+                 device=device, link=link, snapshot_dir=Path(directory) if directory else None,
+                 snapshot_every=every if directory else None,
+                 global_batch_size=_env_int(env, "FTRAIN_GLOBAL_BATCH_SIZE"),
+                 control_poll_s=control_poll_s, progress_every_s=progress_every_s,
+                 pause_timeout_s=pause_timeout_s)
+    if directory and link is not None:
+        rt._writer = snap.AsyncWriter(directory, link.commit)
+    log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,
+             job_id or "(local twin)", directory or "off", rt.snapshot_every)
+    return rt

@@ -1,0 +1,222 @@
+"""Snapshot files: copy the training state off to host memory, write it atomically with a
+checksum in a background thread, read it back verified.
+
+A snapshot file is `torch.save` of one dict, written as
+
+    <dir>/.step-<step>.pt.tmp-<pid>-<rand>  (same directory, so the rename is atomic)
+    fsync(file); rename -> <dir>/step-<step:012d>.pt; fsync(dir)
+
+and its checksum ("sha256:<hex>") is computed while the bytes go out, so there is no
+second read. A process killed mid-write leaves only a temporary file behind: the
+committed snapshots are never opened for writing. `cleanup_temporaries` removes the
+leftovers on the next start.
+
+The save is split so the training loop stalls as little as possible: `to_host` copies
+every tensor off (GPU -> host, or a clone on CPU, since training mutates the parameters
+in place) on the training thread -- that copy is the *stall* -- and `AsyncWriter` writes
+and commits the copy in a thread, one save in flight at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHECKSUM_ALGO = "sha256"
+_TMP_MARK = ".pt.tmp-"
+
+
+class SnapshotCorrupt(Exception):
+    """A snapshot file is missing, truncated, or does not match its checksum."""
+
+
+@dataclass(frozen=True)
+class WrittenSnapshot:
+    step: int
+    path: str
+    size: int
+    checksum: str
+    write_s: float
+
+
+def snapshot_name(step: int) -> str:
+    return f"step-{step:012d}.pt"
+
+
+def to_host(obj: Any) -> Any:
+    """A deep copy of `obj` whose tensors live in host memory and share nothing with it."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_host(v) for v in obj)
+    return obj  # ints, floats, strings, numpy RNG states (immutable enough: copied by pickle)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it."""
+
+    def __init__(self, f):
+        self._f = f
+        self.digest = hashlib.new(CHECKSUM_ALGO)
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(state: Any, directory: str | Path, step: int) -> WrittenSnapshot:
+    """Write `state` as the snapshot of `step`: temp file, fsync, rename, fsync dir."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / snapshot_name(step)
+    tmp = directory / f".{snapshot_name(step)[:-3]}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    start = time.perf_counter()
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return WrittenSnapshot(step=step, path=str(final), size=writer.size,
+                           checksum=f"{CHECKSUM_ALGO}:{writer.digest.hexdigest()}",
+                           write_s=time.perf_counter() - start)
+
+
+def file_checksum(path: str | Path) -> str:
+    digest = hashlib.new(CHECKSUM_ALGO)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return f"{CHECKSUM_ALGO}:{digest.hexdigest()}"
+
+
+def verify(path: str | Path, checksum: str, size: int | None = None) -> None:
+    """Raise SnapshotCorrupt unless the file exists with this size and checksum."""
+    try:
+        actual_size = os.path.getsize(path)
+        if size is not None and actual_size != size:
+            raise SnapshotCorrupt(f"{path} is {actual_size} bytes, the commit said {size}")
+        actual = file_checksum(path)
+    except OSError as exc:
+        raise SnapshotCorrupt(f"cannot read {path}: {exc}") from exc
+    if actual != checksum:
+        raise SnapshotCorrupt(f"{path} has checksum {actual}, the commit said {checksum}")
+
+
+def load(path: str | Path) -> dict:
+    """Load a snapshot written by `write_atomic` onto the CPU."""
+    # weights_only=False: the state holds numpy and python RNG states, which are trusted here
+    # (the job's own files, verified against the committed checksum first).
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def cleanup_temporaries(directory: str | Path) -> list[Path]:
+    """Remove the temporary files of writes that never finished (a killed writer)."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for p in directory.iterdir():
+        if p.name.startswith(".step-") and _TMP_MARK in p.name:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def delete_files(paths: list[str], directory: str | Path | None = None) -> None:
+    """Delete pruned snapshot files; a file already gone is fine."""
+    for path in paths:
+        p = Path(path)
+        if directory is not None and not p.is_absolute():
+            p = Path(directory) / p
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # pruning is housekeeping: never stop training for it
+            log.warning("could not delete pruned snapshot %s: %s", p, exc)
+
+
+# commit(written, stall_s, control_id) -> paths to prune
+CommitFn = Callable[[WrittenSnapshot, float, "int | None"], list[str]]
+
+
+class AsyncWriter:
+    """Writes host copies of the state in one background thread, then commits and prunes.
+
+    At most one save is in flight: `submit` waits for the previous one first (that wait
+    is part of the stall it reports). An error in the background (a failed write, a
+    refused commit) is raised on the training thread at the next `submit` or `wait`.
+    """
+
+    def __init__(self, directory: str | Path, commit: CommitFn):
+        self.directory = Path(directory)
+        self._commit = commit
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: WrittenSnapshot | None = None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def submit(self, host_state: Any, step: int, stall_s: float, control_id: int | None = None,
+               blocking: bool = False) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(host_state, step, stall_s, control_id),
+                                        name=f"snapshot-{step}", daemon=True)
+        self._thread.start()
+        if blocking:
+            self.wait()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, host_state: Any, step: int, stall_s: float, control_id: int | None) -> None:
+        try:
+            written = write_atomic(host_state, self.directory, step)
+            prune = self._commit(written, stall_s, control_id)
+            delete_files(prune, self.directory)
+            self.last = written
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
