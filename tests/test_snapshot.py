@@ -57,6 +57,18 @@ def test_to_host_copies_so_later_training_does_not_change_the_snapshot():
     assert torch.equal(copy["opt"][0]["w"], torch.zeros(3))
 
 
+def test_host_staging_reuses_its_buffers_and_copies_the_current_values():
+    staging = snap.HostStaging()
+    w = torch.zeros(3)
+    first = staging.copy({"w": w, "n": 1})
+    buffer = first["w"]
+    w.add_(2)
+    assert torch.equal(buffer, torch.zeros(3))  # a copy, not a view
+    second = staging.copy({"w": w, "n": 2})
+    assert second["w"] is buffer and torch.equal(second["w"], torch.full((3,), 2.0)) and second["n"] == 2
+    assert staging.copy({"w": torch.ones(5)})["w"].shape == (5,)  # a new shape gets a new buffer
+
+
 _CHILD = """
 import sys, torch
 from worker import snapshot as snap

@@ -331,9 +331,11 @@ class Runtime:
     pause_timeout_s: float = 600.0
     step: int = 0
     resumed_from: int | None = None
-    stalls_s: list[float] = field(default_factory=list)
+    stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
+    waits_s: list[float] = field(default_factory=list)  # of which: waiting for the previous save
     _state: dict[str, Any] = field(default_factory=dict)
     _writer: snap.AsyncWriter | None = None
+    _staging: snap.HostStaging = field(default_factory=snap.HostStaging)
     _poller: threading.Thread | None = None
     _stop_poll: threading.Event = field(default_factory=threading.Event)
     _control: ControlRequest = field(default_factory=ControlRequest)
@@ -490,15 +492,18 @@ class Runtime:
             return
         assert self._writer is not None
         self._writer.wait()  # one save in flight: waiting for the last one is part of the stall
+        waited_s = time.perf_counter() - start
         state = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
                  "time": time.time(), "rng": rngs}
-        for name, obj in self._state.items():
-            state[name] = None if obj is None else snap.to_host(obj.state_dict())
+        live = {name: None if obj is None else obj.state_dict() for name, obj in self._state.items()}
+        state.update(self._staging.copy(live))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # the non-blocking copies into pinned memory
         stall_s = time.perf_counter() - start
         self.stalls_s.append(stall_s)
-        log.info("snapshot step=%d stall_ms=%.1f", self.step, stall_s * 1e3)
+        self.waits_s.append(waited_s)
+        log.info("snapshot step=%d stall_ms=%.1f (waiting for the previous save %.1f, copy-off %.1f)",
+                 self.step, stall_s * 1e3, waited_s * 1e3, (stall_s - waited_s) * 1e3)
         self._writer.submit(state, self.step, stall_s, control_id, blocking=blocking)
 
     # -------------------------------------------------------------- rank 0's poller

@@ -11,10 +11,11 @@ second read. A process killed mid-write leaves only a temporary file behind: the
 committed snapshots are never opened for writing. `cleanup_temporaries` removes the
 leftovers on the next start.
 
-The save is split so the training loop stalls as little as possible: `to_host` copies
-every tensor off (GPU -> host, or a clone on CPU, since training mutates the parameters
-in place) on the training thread -- that copy is the *stall* -- and `AsyncWriter` writes
-and commits the copy in a thread, one save in flight at a time.
+The save is split so the training loop stalls as little as possible: `HostStaging`
+copies every tensor off (GPU -> pinned host memory, or a copy on CPU, since training
+mutates the parameters in place) into buffers kept from the previous snapshot, on the
+training thread -- that copy is the *stall* -- and `AsyncWriter` writes and commits the
+copy in a thread, one save in flight at a time.
 """
 
 from __future__ import annotations
@@ -67,6 +68,42 @@ def to_host(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_host(v) for v in obj)
     return obj  # ints, floats, strings, numpy RNG states (immutable enough: copied by pickle)
+
+
+class HostStaging:
+    """Host buffers reused from one snapshot to the next, so the copy-off does not pay for
+    fresh pages (on the 100M-parameter benchmark that halves the stall) and, from a GPU,
+    copies into pinned memory.
+
+    Keeps one host copy of the state alive between snapshots. Only call `copy` when the
+    previous copy is no longer being written (`AsyncWriter.wait()` first).
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+
+    def copy(self, obj: Any) -> Any:
+        self._previous = self._copy(obj, self._previous)
+        return self._previous
+
+    def _copy(self, obj: Any, old: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if (isinstance(old, torch.Tensor) and old.shape == t.shape and old.dtype == t.dtype
+                    and old.layout == t.layout == torch.strided):
+                return old.copy_(t, non_blocking=t.device.type == "cuda")
+            if t.device.type == "cuda":
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return buf.copy_(t, non_blocking=True)
+            return to_host(t)
+        if isinstance(obj, dict):
+            old = old if isinstance(old, dict) else {}
+            return {k: self._copy(v, old.get(k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            old = old if isinstance(old, type(obj)) and len(old) == len(obj) else [None] * len(obj)
+            items = [self._copy(v, o) for v, o in zip(obj, old)]
+            return items if isinstance(obj, list) else tuple(items)
+        return obj
 
 
 class _HashingWriter:

@@ -1,0 +1,152 @@
+"""What snapshots cost the training loop.
+
+For an MLP of about 10M and about 100M parameters (AdamW, so the state is ~3x the
+weights), runs the runtime's loop with snapshots never, every 10 steps and every step,
+and reports the mean step time of each, plus the stall each snapshot causes (median of
+>= 5: the copy-off to host memory, done on the training thread) against a synchronous
+`torch.save` of the same state to the same directory (what the tutorial's scripts do).
+
+    python bench/snapshot.py                  # both sizes, table + bench/snapshot.json
+    python bench/snapshot.py --sizes 10M --dir /mnt/shared/tmp
+
+It runs the runtime's local twin (one process, snapshots committed to a local index):
+the control plane's commit is one small HTTP call in the background and is not on the
+training path either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from worker import runtime  # noqa: E402
+from worker import snapshot as snap  # noqa: E402
+
+SIZES = {"10M": 1536, "100M": 5000}  # width of a 4-layer square MLP: params ~ 4 * width^2
+
+
+def build(width: int, device: torch.device) -> torch.nn.Module:
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]).to(device)
+
+
+def run_mode(width: int, every: int | None, steps: int, batch: int, directory: Path) -> dict:
+    """Train `steps` steps with snapshots every `every` steps (None: never)."""
+    rt = runtime.init(env={}, snapshot_dir=directory if every else None, snapshot_every=every,
+                      snapshot_keep=2)
+    torch.manual_seed(0)
+    model = rt.wrap(build(width, rt.device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=rt.device)
+    rt.restore(model=model, optimizer=opt)
+
+    def step() -> None:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        rt.step_done(loss=loss, samples=batch)
+
+    for _ in range(3):  # warm-up: optimizer state, allocator, first snapshot file
+        step()
+    rt.stalls_s.clear()
+    rt.waits_s.clear()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    drain_start = time.perf_counter()
+    rt.finish()  # the last save in flight
+    return {"every": every, "steps": steps, "step_s_mean": statistics.mean(times),
+            "step_s_median": statistics.median(times), "drain_s": time.perf_counter() - drain_start,
+            "stalls_s": rt.stalls_s, "waits_s": rt.waits_s,
+            "copy_s": [s - w for s, w in zip(rt.stalls_s, rt.waits_s)], "params": sum(p.numel() for p in model.parameters()),
+            "state": (model, opt)}
+
+
+def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Path, repeats: int) -> list[float]:
+    """Time a plain synchronous torch.save of the same state (model + optimizer)."""
+    out = []
+    path = directory / "sync.pt"
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        out.append(time.perf_counter() - start)
+    path.unlink(missing_ok=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="snapshot stall and step time")
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=None, help="steps per mode (default by size)")
+    p.add_argument("--dir", default=None, help="where snapshots go (default: a temp dir)")
+    p.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
+    args = p.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        for size in args.sizes:
+            width = SIZES[size]
+            steps = args.steps or (30 if size == "10M" else 12)
+            row: dict = {"size": size, "width": width}
+            for label, every in (("never", None), ("every_10", 10), ("every_1", 1)):
+                d = root / f"{size}-{label}"
+                got = run_mode(width, every, steps if every != 1 else max(6, steps // 2), args.batch, d)
+                model, opt = got.pop("state")
+                row["params"] = got.pop("params")
+                row[label] = got
+                if label == "every_1":
+                    row["sync_save_s"] = sync_save(model, opt, root, 5)
+                    row["state_bytes"] = max(os.path.getsize(f) for f in d.glob("step-*.pt"))
+                del model, opt
+            copies = row["every_1"]["copy_s"] + row["every_10"]["copy_s"]
+            row["stall_s_median"] = statistics.median(copies)  # the copy-off: the stall proper
+            row["stall_count"] = len(copies)
+            row["stall_every_1_s_median"] = statistics.median(row["every_1"]["stalls_s"])
+            row["sync_save_s_median"] = statistics.median(row["sync_save_s"])
+            results.append(row)
+            print(f"{size}: done", file=sys.stderr, flush=True)
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"\nsnapshot cost, torch {torch.__version__}, {device}, {os.cpu_count()} cores, "
+          f"batch {args.batch}, AdamW\n")
+    head = (f"{'model':>6} {'params':>8} {'state MB':>8} | {'step ms: never':>14} {'every 10':>9} "
+            f"{'every 1':>8} | {'stall ms (median, n)':>20} {'sync torch.save ms':>19} "
+            f"{'stall every 1 ms':>17}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        n = f"{r['stall_s_median'] * 1e3:.1f} (n={r['stall_count']})"
+        print(f"{r['size']:>6} {r['params'] / 1e6:>7.1f}M {r['state_bytes'] / 1e6:>8.0f} | "
+              f"{r['never']['step_s_mean'] * 1e3:>14.1f} {r['every_10']['step_s_mean'] * 1e3:>9.1f} "
+              f"{r['every_1']['step_s_mean'] * 1e3:>8.1f} | {n:>20} {r['sync_save_s_median'] * 1e3:>19.1f} "
+              f"{r['stall_every_1_s_median'] * 1e3:>17.1f}")
+    print("\nstall = copy-off to host memory on the training thread (median over the snapshots of "
+          "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
+          "still being written\nwhen snapshots are taken every step (one save in flight).")
+    meta = {"torch": torch.__version__, "device": device, "cpus": os.cpu_count(), "batch": args.batch}
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
