@@ -205,7 +205,8 @@ class JobRecord(BaseModel):
         return JobView(
             id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
             spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
-            finished_at=self.finished_at, attempt=self.attempt, nodes=sorted(self.members),
+            finished_at=self.finished_at, attempt=self.attempt,
+            nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
             latest_snapshot=self.latest_snapshot, progress=self.progress,
         )

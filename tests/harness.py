@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
+from worker.procs import descendants
+from worker.procs import is_alive as pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,38 +43,6 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, inter
 
 class ProcessExited(AssertionError):
     """A process a test waits on has died: waiting longer will not help."""
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 class ControlPlane:
@@ -134,3 +104,67 @@ class ControlPlane:
 
 
 __all__ = ["ControlPlane", "EtcdProcess", "REPO", "descendants", "free_port", "pid_alive", "wait_for"]
+
+
+class NodeAgentProc:
+    """A real node agent (`ftrain node`) as a subprocess."""
+
+    def __init__(self, cp: ControlPlane, name: str, workdir: Path, nproc_per_node: int = 1,
+                 address: str | None = None, netns: str | None = None):
+        self.cp = cp
+        self.name = name
+        self.workdir = workdir
+        self.nproc_per_node = nproc_per_node
+        self.address = address
+        self.netns = netns
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, server: str | None = None) -> NodeAgentProc:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "service.cli", "node", "--server", server or self.cp.url,
+                "--token", self.cp.node_token, "--name", self.name,
+                "--nproc-per-node", str(self.nproc_per_node), "--data-dir", str(self.workdir)]
+        if self.address:
+            argv += ["--address", self.address]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        log = open(self.workdir / f"agent-{self.name}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def tree(self) -> list[int]:
+        return [self.pid, *descendants(self.pid)] if self.proc and self.proc.poll() is None else []
+
+    def kill_tree(self) -> list[int]:
+        """SIGKILL the agent and every process under it; returns the PIDs killed."""
+        pids = self.tree()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc:
+            self.proc.wait()
+        return pids
+
+    def stop(self, timeout_s: float = 20) -> None:
+        if self.proc and self.proc.poll() is None:
+            pids = self.tree()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()

@@ -59,7 +59,6 @@ class WorkerGroup:
     job_id: str
     attempt: int
     proc: subprocess.Popen
-    log_file: Path
     stop_requested: bool = False
     tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
     threads: list = field(default_factory=list)
@@ -265,19 +264,22 @@ class NodeAgent:
         cwd = a.get("working_dir") or os.getcwd()
         log_dir = self.data_dir / "logs" / a["job_id"]
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = log_dir / f"{self.name}-attempt{a['attempt']}.log"
+        # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
+        # writing into a broken pipe (its log-tail threads then keep it from exiting).
+        outputs = {s: log_dir / f"{self.name}-attempt{a['attempt']}.{s}" for s in ("stdout", "stderr")}
         try:
-            proc = subprocess.Popen(
-                pdeathsig_argv(self.torchrun_argv(a), signal.SIGTERM), cwd=cwd,
-                env=self.job_env(a), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True)
+            with open(outputs["stdout"], "wb") as out, open(outputs["stderr"], "wb") as err:
+                proc = subprocess.Popen(
+                    pdeathsig_argv(self.torchrun_argv(a), signal.SIGTERM), cwd=cwd,
+                    env=self.job_env(a), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True)
         except OSError as exc:
             self.finished.add((a["job_id"], a["attempt"]))
             self.report(a["job_id"], a["attempt"], "failed", None, f"could not start torchrun in {cwd}: {exc}")
             return
-        g = WorkerGroup(a["job_id"], a["attempt"], proc, log_file)
-        for stream in ("stdout", "stderr"):
-            t = threading.Thread(target=self._pump, args=(g, stream), daemon=True,
+        g = WorkerGroup(a["job_id"], a["attempt"], proc)
+        for stream, path in outputs.items():
+            t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
             t.start()
             g.threads.append(t)
@@ -285,15 +287,27 @@ class NodeAgent:
         self.report(g.job_id, g.attempt, "running")
         log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
 
-    def _pump(self, g: WorkerGroup, stream: str) -> None:
-        pipe = getattr(g.proc, stream)
-        with open(g.log_file, "a", encoding="utf-8", errors="replace") as out:
-            for raw in iter(pipe.readline, b""):
+    def _pump(self, g: WorkerGroup, stream: str, path: Path) -> None:
+        """Follow torchrun's output file, line by line, until torchrun has exited."""
+        with open(path, "rb") as f:
+            partial = b""
+            while True:
+                raw = f.readline()
+                if not raw:
+                    if g.proc.poll() is not None:
+                        raw = partial + f.read()
+                        if not raw:
+                            return
+                    else:
+                        time.sleep(0.05)
+                        continue
+                if not raw.endswith(b"\n") and g.proc.poll() is None:
+                    partial += raw
+                    continue
+                raw, partial = partial + raw, b""
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
                 m = _RANK_PREFIX.match(text)
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
-                out.write(f"{text}\n")
-                out.flush()
                 g.tails[rank].append(line)
                 self.shipper.add(g.job_id, g.attempt, {
                     "rank": rank, "stream": stream, "line": line[:4000], "time": time.time()})

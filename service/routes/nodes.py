@@ -202,18 +202,19 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
         world = nodes * (nproc or 1)
         update = {"rounds": job.rounds + 1, "round_nodes": nodes, "world_size": world}
         restarted = job.rounds >= 1 and nodes == job.round_nodes
+        if restarted and job.restarts >= job.spec.max_restarts:
+            # This failure is one more than the job allows: the group it formed is not let run.
+            lines = "\n".join(tail)
+            changed, event = transition(
+                job.model_copy(update=update), JobState.FAILED,
+                f"workers failed {job.restarts + 1} times (max_restarts={job.spec.max_restarts})"
+                + (f"; last log lines:\n{lines}" if lines else ""), now)
+            changed = changed.model_copy(update={"stopping": True})
+            return Change(changed, [event])
         if restarted:
             update["restarts"] = job.restarts + 1
         changed = job.model_copy(update=update)
         events = []
-        if restarted and changed.restarts > job.spec.max_restarts:
-            lines = "\n".join(tail)
-            changed, event = transition(
-                changed, JobState.FAILED,
-                f"workers failed {changed.restarts} times (max_restarts={job.spec.max_restarts})"
-                + (f"; last log lines:\n{lines}" if lines else ""), now)
-            changed = changed.model_copy(update={"stopping": True})
-            return Change(changed, [event])
         if restarted:
             changed, event = note(changed, f"workers restarted after a failure "
                                            f"({changed.restarts} of {job.spec.max_restarts})", now)

@@ -1,0 +1,79 @@
+"""Helpers for the integration tests that run real jobs on real agents."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.harness import NodeAgentProc, descendants, wait_for
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
+_STEP = re.compile(r"^step=(\d+) world=(\d+)")
+
+
+def job_spec(name: str = "steps", *args: str, mn: int = 1, mx: int = 2, max_restarts: int = 3,
+             script: Path = SCRIPT, **extra) -> dict:
+    return {"name": name, "command": ["python", str(script), *args],
+            "nodes": {"min": mn, "max": mx}, "max_restarts": max_restarts, **extra}
+
+
+def submit(api: httpx.Client, spec: dict) -> str:
+    resp = api.post("/v1/jobs", json=spec)
+    assert resp.status_code == 201, resp.text
+    return resp.json()["id"]
+
+
+def job(api: httpx.Client, job_id: str) -> dict:
+    resp = api.get(f"/v1/jobs/{job_id}")
+    resp.raise_for_status()
+    return resp.json()
+
+
+def events(api: httpx.Client, job_id: str) -> list[dict]:
+    return api.get(f"/v1/jobs/{job_id}/events").json()["items"]
+
+
+def steps(api: httpx.Client, job_id: str) -> list[tuple[int, int]]:
+    """(step, world size) of every step rank 0 logged, in order."""
+    out = []
+    for item in api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]:
+        m = _STEP.match(item["line"])
+        if m:
+            out.append((int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def wait_state(api: httpx.Client, job_id: str, states: str | tuple[str, ...], timeout_s: float = 120) -> dict:
+    states = (states,) if isinstance(states, str) else states
+    return wait_for(lambda: (j := job(api, job_id))["state"] in states and j, timeout_s,
+                    f"job {job_id} to be {'/'.join(states)} (events: see the job)")
+
+
+def wait_step(api: httpx.Client, job_id: str, step: int, world: int | None = None,
+              timeout_s: float = 120, after: int = 0) -> list[tuple[int, int]]:
+    """Wait until rank 0 logged a step >= `step` (with that world size), past index `after`."""
+    def reached():
+        s = steps(api, job_id)
+        return any(n >= step and (world is None or w == world) for n, w in s[after:]) and s
+    return wait_for(reached, timeout_s, f"job {job_id} to reach step {step}"
+                    + (f" at world size {world}" if world else ""))
+
+
+def wait_nodes(api: httpx.Client, n: int, timeout_s: float = 60) -> None:
+    wait_for(lambda: len(api.get("/v1/nodes").json()["items"]) >= n, timeout_s, f"{n} nodes to register")
+
+
+def worker_pids(agent: NodeAgentProc) -> list[int]:
+    """The training processes under an agent (the script, not torchrun or the agent)."""
+    out = []
+    for pid in descendants(agent.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(SCRIPT).encode() in part for part in cmd) and b"torch.distributed.run" not in cmd \
+                and b"-c" not in cmd[:3]:
+            out.append(pid)
+    return out

@@ -1,0 +1,149 @@
+"""Issue 3: real agents run real torchrun workers; faults are real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.elastic import (
+    events,
+    job,
+    job_spec,
+    steps,
+    submit,
+    wait_nodes,
+    wait_state,
+    wait_step,
+    worker_pids,
+)
+from tests.harness import NodeAgentProc, pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def agents(control_plane, tmp_path):
+    started: list[NodeAgentProc] = []
+
+    def start(n: int = 1) -> list[NodeAgentProc]:
+        new = [NodeAgentProc(control_plane, f"n{len(started) + i}", tmp_path / "nodes").start()
+               for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for agent in started:
+        agent.stop()
+
+
+def test_job_on_two_agents_runs_at_world_size_two_and_succeeds(api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("two", "--steps", "15", "--step-time", "0.02"))
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"))
+    assert done["state"] == "SUCCEEDED", events(api, job_id)
+    assert done["world_size"] == 2 and sorted(done["nodes"]) == ["n0", "n1"]
+    assert {w for _, w in steps(api, job_id)} == {2}
+    assert [s for s, _ in steps(api, job_id)] == list(range(1, 16))
+
+
+def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("kill", "--steps", "400", "--step-time", "0.05"))
+    wait_step(api, job_id, 10)
+    victims = worker_pids(b)
+    assert len(victims) == 1
+    killed_at = max(s for s, _ in steps(api, job_id))
+    os.kill(victims[0], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victims[0]), 10, "the worker to die")
+
+    wait_for(lambda: job(api, job_id)["restarts"] == 1, 60, "the restart to be counted")
+    before = len(steps(api, job_id))
+    wait_step(api, job_id, killed_at + 5, world=2, after=before)
+    states = [e["state"] for e in events(api, job_id)]
+    assert "RECOVERING" in states
+    assert states[states.index("RECOVERING"):].count("RUNNING") >= 1
+    final = job(api, job_id)
+    assert final["state"] == "RUNNING" and final["restarts"] == 1 and final["world_size"] == 2
+
+
+def test_agent_sigkill_with_its_tree_leaves_no_orphan_and_job_goes_on(api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("lose", "--steps", "400", "--step-time", "0.05"))
+    wait_step(api, job_id, 5, world=2)
+    assert worker_pids(b)
+    killed = b.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of the agent to die")
+
+    before = len(steps(api, job_id))
+    wait_step(api, job_id, 1, world=1, after=before, timeout_s=60)
+    j = wait_for(lambda: (j := job(api, job_id))["nodes"] == ["n0"] and j, 30, "n1 to leave the job")
+    assert j["state"] in ("RUNNING", "RECOVERING") and j["restarts"] == 0
+
+
+def test_agent_sigkill_alone_takes_its_workers_with_it(api, agents):
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, job_spec("orphans", "--steps", "400", "--step-time", "0.05",
+                                  nproc_per_node=2))
+    wait_step(api, job_id, 3)
+    tree = a.tree()
+    workers = worker_pids(a)
+    assert len(workers) == 2
+    os.kill(a.pid, signal.SIGKILL)
+    a.proc.wait()
+    wait_for(lambda: not any(pid_alive(p) for p in tree), 10, "no orphan of the SIGKILLed agent")
+
+
+def test_third_agent_joining_scales_the_job_up(api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("grow", "--steps", "400", "--step-time", "0.05", mx=3))
+    wait_step(api, job_id, 5, world=2)
+    agents(1)
+    before = len(steps(api, job_id))
+    wait_step(api, job_id, 1, world=3, after=before, timeout_s=60)
+    j = job(api, job_id)
+    assert j["world_size"] == 3 and sorted(j["nodes"]) == ["n0", "n1", "n2"] and j["restarts"] == 0
+
+
+def test_control_plane_restart_does_not_disturb_training(control_plane, api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("cprestart", "--steps", "120", "--step-time", "0.05"))
+    wait_step(api, job_id, 5, world=2)
+    control_plane.stop(signal.SIGKILL)
+    control_plane.start()
+    with control_plane.client() as again:
+        done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
+        assert done["state"] == "SUCCEEDED", events(again, job_id)
+        assert done["restarts"] == 0 and done["world_size"] == 2
+        assert "RECOVERING" not in [e["state"] for e in events(again, job_id)]
+        logged = [s for s, _ in steps(again, job_id)]
+        assert logged[-1] == 120 and logged == sorted(logged)
+
+
+def test_cancel_stops_every_worker_within_10s(api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, job_spec("cancel", "--steps", "1000", "--step-time", "0.05"))
+    wait_step(api, job_id, 3, world=2)
+    workers = worker_pids(a) + worker_pids(b)
+    assert len(workers) == 2
+    assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    wait_for(lambda: not any(pid_alive(p) for p in workers), 10, "every worker to stop")
+    wait_state(api, job_id, "CANCELLED", timeout_s=20)
+
+
+def test_script_that_always_fails_ends_failed_after_max_restarts(api, agents):
+    agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, job_spec("fails", "--fail", max_restarts=2))
+    done = wait_state(api, job_id, ("FAILED", "SUCCEEDED"), timeout_s=120)
+    assert done["state"] == "FAILED"
+    assert done["restarts"] == 2
+    assert "max_restarts=2" in done["reason"] and "failing on purpose" in done["reason"]

@@ -1,0 +1,147 @@
+"""The scheduler's decisions, as a table of cases with a fixed `now` (pure logic)."""
+
+from __future__ import annotations
+
+from service.models import (
+    Control,
+    ControlAction,
+    JobRecord,
+    JobSpec,
+    JobState,
+    MemberStatus,
+    NodeRecord,
+    NodeState,
+    Progress,
+)
+from service.scheduler import SchedulerConfig, free_nodes, plan, schedule
+
+S = JobState
+NOW = 1000.0
+CFG = SchedulerConfig(control_ack_timeout_s=10, cancel_ack_timeout_s=3)
+
+
+def node(name: str, state: NodeState = NodeState.READY) -> NodeRecord:
+    return NodeRecord(name=name, registered_at=1.0, lease_id=1, state=state)
+
+
+def nodes(*names: str, draining: tuple[str, ...] = ()) -> dict[str, NodeRecord]:
+    return {n: node(n, NodeState.DRAINING if n in draining else NodeState.READY) for n in names}
+
+
+def job(state=S.PENDING, members=None, mn=1, mx=2, created=1.0, jid="j1", **kw) -> JobRecord:
+    members = {n: MemberStatus(state=s) for n, s in (members or {}).items()}
+    return JobRecord(id=jid, spec=JobSpec(name="j", command=["true"], nodes={"min": mn, "max": mx}),
+                     state=state, created_at=created, updated_at=created, token="t",
+                     members=members, attempt=kw.pop("attempt", 1 if members else 0), **kw)
+
+
+def test_pending_job_waits_for_min_nodes():
+    assert plan(job(mn=2, mx=3), nodes("a"), ["a"], NOW, CFG) is None
+
+
+def test_pending_job_gang_starts_on_up_to_max_nodes():
+    p = plan(job(mn=2, mx=3), nodes("a", "b", "c", "d"), ["a", "b", "c", "d"], NOW, CFG)
+    assert p.job.state is S.RUNNING and p.job.attempt == 1
+    assert sorted(p.job.members) == ["a", "b", "c"]
+    assert all(m.state == "assigned" for m in p.job.members.values())
+
+
+def test_pending_job_never_takes_a_draining_node():
+    assert plan(job(mn=2), nodes("a", "b", draining=("b",)), ["a", "b"], NOW, CFG) is None
+
+
+def test_lost_node_below_min_sends_the_job_back_to_pending():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=2, mx=2)
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.state is S.PENDING and p.job.members == {}
+    assert "lost" in " ".join(e.reason for e in p.events)
+
+
+def test_lost_node_above_min_keeps_running_without_it():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1, mx=2)
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.state is S.RUNNING
+    assert p.job.members["b"].state == "stopped" and p.job.members["a"].state == "running"
+
+
+def test_free_node_scales_up_a_plain_job_at_once():
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2)
+    p = plan(j, nodes("a", "b"), ["b"], NOW, CFG)
+    assert p.job.members["b"].state == "assigned" and p.job.attempt == j.attempt
+
+
+def test_scale_up_of_a_runtime_job_waits_for_rank0_snapshot():
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2, progress=Progress(step=5))
+    p = plan(j, nodes("a", "b"), ["b"], NOW, CFG)
+    assert "b" not in p.job.members
+    assert p.job.control.action is ControlAction.CHECKPOINT_PAUSE
+    acked = p.job.model_copy(update={"control_acked": p.job.control.id, "control_acked_step": 5})
+    p2 = plan(acked, nodes("a", "b"), ["b"], NOW + 1, CFG)
+    assert p2.job.members["b"].state == "assigned" and p2.job.control is None
+
+
+def test_scale_up_goes_ahead_when_rank0_does_not_ack_in_time():
+    c = Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="join", requested_at=NOW - 11)
+    j = job(S.RUNNING, {"a": "running"}, progress=Progress(step=5), control=c)
+    p = plan(j, nodes("a", "b"), ["b"], NOW, CFG)
+    assert "b" in p.job.members
+
+
+def test_job_at_max_is_not_scaled():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mx=2)
+    assert plan(j, nodes("a", "b", "c"), ["c"], NOW, CFG) is None
+
+
+def test_member_failure_fails_the_job_with_its_reason():
+    j = job(S.RUNNING, {"a": "running"})
+    j.members["a"] = MemberStatus(state="failed", exit_code=1, reason="boom")
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.state is S.FAILED and "boom" in p.job.reason and p.job.stopping
+
+
+def test_all_members_succeeded_means_succeeded():
+    j = job(S.RUNNING, {"a": "succeeded", "b": "succeeded"})
+    assert plan(j, nodes("a", "b"), [], NOW, CFG).job.state is S.SUCCEEDED
+    j = job(S.RUNNING, {"a": "succeeded", "b": "running"})
+    assert plan(j, nodes("a", "b"), [], NOW, CFG) is None
+
+
+def test_cancel_of_plain_job_stops_members_then_ends_cancelled():
+    j = job(S.CANCELLING, {"a": "running"})
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.stopping and p.job.state is S.CANCELLING
+    stopped = p.job.model_copy(update={"members": {"a": MemberStatus(state="stopped")}})
+    assert plan(stopped, nodes("a"), [], NOW, CFG).job.state is S.CANCELLED
+
+
+def test_cancel_of_runtime_job_asks_for_a_final_snapshot_first():
+    j = job(S.CANCELLING, {"a": "running"}, progress=Progress(step=3))
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.control.action is ControlAction.CHECKPOINT_STOP and not p.job.stopping
+    later = plan(p.job, nodes("a"), [], NOW + 4, CFG)
+    assert later.job.stopping
+
+
+def test_drain_removes_the_member_and_job_continues_above_min():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1)
+    p = plan(j, nodes("a", "b", draining=("b",)), [], NOW, CFG)
+    assert p.job.members["b"].state == "stopped" and p.job.state is S.RUNNING
+
+
+def test_terminal_jobs_are_left_alone():
+    for s in (S.SUCCEEDED, S.FAILED, S.CANCELLED):
+        assert plan(job(s), nodes("a"), ["a"], NOW, CFG) is None
+
+
+def test_pending_jobs_get_free_nodes_before_scale_ups():
+    running = job(S.RUNNING, {"a": "running"}, mn=1, mx=3, jid="old", created=1.0)
+    pending = job(S.PENDING, mn=2, mx=2, jid="new", created=2.0)
+    ns = nodes("a", "b", "c")
+    plans = {p.job.id: p for p in schedule([running, pending], ns, NOW, CFG)}
+    assert sorted(plans["new"].job.members) == ["b", "c"]
+    assert "old" not in plans
+
+
+def test_free_nodes_excludes_live_members_of_active_jobs():
+    a = job(S.RUNNING, {"a": "running", "b": "stopped"})
+    assert free_nodes([a], nodes("a", "b", "c")) == ["b", "c"]

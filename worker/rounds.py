@@ -1,0 +1,97 @@
+"""Tell the control plane about each rendezvous round of a job's torchrun.
+
+torch's agent re-rendezvouses both after a worker failure and when nodes join or leave,
+and counts only the first against its restart budget. ftrain wants the count the other
+way round (failures count, membership changes do not), so torchrun runs with an
+unlimited budget and this wrapper reports every round: 'joining' when this node starts
+re-forming the group (the job is RECOVERING), 'joined' from the new group's rank 0 with
+the number of nodes (the control plane compares it with the round before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import httpx
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+
+log = logging.getLogger(__name__)
+
+
+class RoundReporter:
+    def __init__(self, server: str, token: str, job_id: str, attempt: int, node: str):
+        self._client = httpx.Client(base_url=server.rstrip("/"), timeout=3,
+                                    headers={"Authorization": f"Bearer {token}"})
+        self._path = f"/v1/jobs/{job_id}/rounds"
+        self._attempt = attempt
+        self._node = node
+
+    @classmethod
+    def from_env(cls) -> RoundReporter | None:
+        env = os.environ
+        needed = ("FTRAIN_SERVER", "FTRAIN_TOKEN", "FTRAIN_JOB_ID", "FTRAIN_ATTEMPT", "FTRAIN_NODE")
+        if not all(env.get(k) for k in needed):
+            return None
+        return cls(env["FTRAIN_SERVER"], env["FTRAIN_TOKEN"], env["FTRAIN_JOB_ID"],
+                   int(env["FTRAIN_ATTEMPT"]), env["FTRAIN_NODE"])
+
+    def report(self, phase: str, call: int, info: RendezvousInfo | None = None) -> None:
+        body = {"attempt": self._attempt, "node": self._node, "phase": phase, "call": call}
+        if info is not None:
+            body.update(group_rank=info.rank, group_world_size=info.world_size)
+        for delay in (0.1, 0.3, 1.0, 2.0, None):
+            try:
+                if self._client.post(self._path, json=body).status_code < 500:
+                    return
+            except httpx.HTTPError as exc:
+                log.debug("round report failed: %s", exc)
+            if delay is not None:
+                time.sleep(delay)
+        log.warning("could not report rendezvous round (%s) to the control plane", phase)
+
+
+class ReportingHandler(RendezvousHandler):
+    """A RendezvousHandler that reports each round and otherwise defers to `inner`."""
+
+    def __init__(self, inner: RendezvousHandler, reporter: RoundReporter):
+        self._inner = inner
+        self._reporter = reporter
+        self._calls = 0
+
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        call = self._calls
+        self._calls += 1
+        self._reporter.report("joining", call)
+        info = self._inner.next_rendezvous()
+        self._reporter.report("joined", call, info)
+        return info
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def with_round_reports(handler: RendezvousHandler) -> RendezvousHandler:
+    """Wrap `handler` when running under an ftrain node agent; unchanged otherwise."""
+    reporter = RoundReporter.from_env()
+    return handler if reporter is None else ReportingHandler(handler, reporter)
