@@ -31,7 +31,14 @@ from pathlib import Path
 
 import httpx
 
-from worker.procs import descendants, is_alive, kill_all, pdeathsig_argv, worker_shim_prefix
+from worker.procs import (
+    descendants,
+    is_alive,
+    kill_all,
+    pdeathsig_argv,
+    state_of,
+    worker_shim_prefix,
+)
 
 log = logging.getLogger("ftrain.agent")
 
@@ -42,6 +49,9 @@ RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,
 # torch must never give up by itself: ftrain counts failures (not membership changes)
 # against the job's max_restarts and stops the job when they are spent.
 TORCHRUN_MAX_RESTARTS = 1_000_000
+# A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
+# restarts the group instead of the others waiting out the collective's timeout.
+STOPPED_WORKER_GRACE_S = 3.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -60,6 +70,7 @@ class WorkerGroup:
     attempt: int
     proc: subprocess.Popen
     stop_requested: bool = False
+    stopped_since: dict = field(default_factory=dict)
     tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
     threads: list = field(default_factory=list)
 
@@ -180,6 +191,7 @@ class NodeAgent:
             except httpx.HTTPError as exc:
                 log.warning("control plane at %s: %s; workers keep running", self.server, exc)
             self.check_exit()
+            self.check_stopped_workers()
             self._shutdown.wait(min(self.heartbeat_interval_s, 0.5) if self.group
                                 else self.heartbeat_interval_s)
         self.stop_group("node agent shutting down")
@@ -323,6 +335,23 @@ class NodeAgent:
         kill_all(descendants(g.proc.pid))
         self.report(g.job_id, g.attempt, *self._outcome(g))
         self.shipper.flush()
+
+    def check_stopped_workers(self) -> None:
+        """Kill workers that have been stopped (state T) for longer than the grace period."""
+        g = self.group
+        if g is None:
+            return
+        now = time.monotonic()
+        stopped = {p for p in descendants(g.proc.pid) if state_of(p) in ("T", "t")}
+        g.stopped_since = {p: g.stopped_since.get(p, now) for p in stopped}
+        for pid, since in g.stopped_since.items():
+            if now - since > STOPPED_WORKER_GRACE_S:
+                log.warning("worker pid %d of job %s has been stopped for %.0f s; killing it so "
+                            "the group restarts", pid, g.job_id, now - since)
+                self.shipper.add(g.job_id, g.attempt, {
+                    "rank": None, "stream": "stderr", "time": time.time(),
+                    "line": f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"})
+                kill_all([pid])
 
     def _outcome(self, g: WorkerGroup) -> tuple[str, int | None, str | None]:
         code = g.proc.returncode

@@ -69,6 +69,15 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def state_of(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T for stopped, Z...), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def kill_all(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
