@@ -174,6 +174,34 @@ class Etcd:
 
         return await self._call("a transaction", txn)
 
+    async def commit_read(
+        self, expect: dict[str, int], ops: Sequence[Put | Delete], read: str
+    ) -> tuple[bool, Entry | None]:
+        """Like `commit`, and read `read` in the same transaction (after `ops` if they applied).
+
+        A compare-and-set that must return the fencing token it wrote, or what won the race,
+        gets both atomically instead of with a second, racy read.
+        """
+
+        async def txn(c: aetcd.Client):
+            compare = [c.transactions.mod(k.encode()) == rev for k, rev in expect.items()]
+            success = []
+            for op in ops:
+                if isinstance(op, Put):
+                    success.append(c.transactions.put(op.key.encode(), op.value, lease=op.lease))
+                else:
+                    key = op.key.encode()
+                    success.append(
+                        c.transactions.delete(key, range_end=_prefix_end(key) if op.prefix else None)
+                    )
+            get = c.transactions.get(read.encode())
+            ok, responses = await c.transaction(compare=compare, success=[*success, get],
+                                                failure=[get])
+            found = responses[-1]
+            return ok, (_entry(found[0][1]) if found else None)
+
+        return await self._call("a transaction", txn)
+
     async def revision(self) -> int:
         """The store's current revision (for starting a watch after a read)."""
         async def status(c: aetcd.Client):

@@ -1,0 +1,283 @@
+"""torch rendezvous state and c10d store keys of one job attempt, in etcd.
+
+The control plane is the rendezvous: torch's `DynamicRendezvousHandler` on every node agent
+keeps its state through `worker.rendezvous.FtrainRendezvousBackend` and its small c10d store
+through `worker.rendezvous.HttpStore`, both HTTP clients of the routes in
+`service.routes.rendezvous`, which are thin wrappers around `Rendezvous` here.
+
+State. The pickled `_RendezvousState` is kept as opaque bytes at `keys.rdzv_state(id)`; its
+fencing token is that key's `mod_revision`. `set_state` is one transaction that compares the
+revision (0: only if absent) and reads the key back in the same transaction, so the caller
+gets the token it wrote, or the state and token that won the race, atomically.
+
+Store. Each c10d key is stored at `keys.rdzv_store(id) + base64url(key)`, so any key torch
+uses (with `/`, spaces, anything) is a valid, unambiguous etcd key. Read-modify-writes
+(`add`, `append`, `compare_set`, `delete`) are compare-and-set loops. `add` and `append` are
+not idempotent, yet a client retries a request whose answer it lost (the control plane was
+restarted mid-request); such requests carry an `op_id`, and the result is recorded at
+`keys.rdzv(id) + "ops/<op_id>"` in the same transaction, so a retry returns the first
+result instead of adding twice (a barrier that counts one agent twice would release early).
+
+Blocking reads (`get`, `multi_get`, `wait`) are long polls: a request waits at most
+`MAX_WAIT_S` on the server and answers "not yet"; the client asks again until its own store
+timeout. A short wait per request keeps a control-plane restart or a lost connection cheap
+(the client just asks again) and no request outlives uvicorn's graceful shutdown for long.
+While keys are missing the server waits on an etcd watch of the store's prefix, started at
+the revision read before the keys were found missing, so no write in between is lost. A
+watch (rather than polling etcd every few ms) wakes the waiter within a millisecond of the
+write and costs etcd nothing while nothing changes: agents sit in the exit barrier for up to
+`exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
+steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC stream.
+
+Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
+the routes refuse (410) any id whose attempt is not the job's current one. The check and the
+write are two etcd requests, not one transaction (comparing the job key's revision would make
+every progress report of the job abort rendezvous writes); this is safe because each attempt
+has its own keys: a stale agent that slips through the window writes only into its own,
+dead, attempt's keys, never into the current one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import re
+from collections.abc import Sequence
+
+from service.errors import ContentionError, FtrainError
+from service.etcd import Delete, Entry, Etcd, Put
+from service.keys import Keys
+
+MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
+MAX_CAS_ATTEMPTS = 64  # concurrent `add`s of N agents: each round one of them wins
+MAX_OPS_PER_TXN = 100  # etcd refuses transactions with more than 128 operations by default
+
+_RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
+_OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class RendezvousGone(FtrainError):
+    """The rendezvous belongs to an attempt that is over (a newer one started, or the job ended)."""
+
+    status_code = 410
+
+
+class InvalidRendezvousId(FtrainError):
+    status_code = 404
+
+    def __init__(self, rdzv_id: str):
+        super().__init__(f"{rdzv_id!r} is not a rendezvous id; expected '<job id>-a<attempt>', "
+                         "as in the job's FTRAIN_RDZV_ID")
+
+
+class StoreValueError(FtrainError):
+    """A store operation does not fit the value stored (e.g. `add` to a non-integer)."""
+
+    status_code = 409
+
+
+def parse_rdzv_id(rdzv_id: str) -> tuple[str, int]:
+    """'train-x1y2z3-a4' -> ('train-x1y2z3', 4)."""
+    match = _RDZV_ID.match(rdzv_id)
+    if match is None:
+        raise InvalidRendezvousId(rdzv_id)
+    return match["job"], int(match["attempt"])
+
+
+def _encode_key(key: str) -> str:
+    return base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+class Rendezvous:
+    """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, rdzv_id: str):
+        self.etcd = etcd
+        self.rdzv_id = rdzv_id
+        self._state_key = keys.rdzv_state(rdzv_id)
+        self._store_prefix = keys.rdzv_store(rdzv_id)
+        self._ops_prefix = keys.rdzv(rdzv_id) + "ops/"
+
+    # -- torch's RendezvousBackend -------------------------------------------------------
+
+    async def get_state(self) -> Entry | None:
+        return await self.etcd.get(self._state_key)
+
+    async def set_state(self, state: bytes, token: str | None) -> tuple[Entry | None, bool]:
+        """Write `state` iff `token` is the current one (None: iff there is no state yet).
+
+        Returns what is stored after the attempt and whether this call wrote it. A token that
+        is not one of ours (not a revision) can never match: nothing is written.
+        """
+        expected = _revision(token)
+        if expected is None:
+            return await self.get_state(), False
+        return await self._cas_read(self._state_key, expected, Put(self._state_key, state))
+
+    # -- the c10d store ------------------------------------------------------------------
+
+    def store_key(self, key: str) -> str:
+        return self._store_prefix + _encode_key(key)
+
+    async def get(self, keys: Sequence[str], wait_s: float) -> list[bytes] | None:
+        """The values of `keys` once all exist, waiting up to `wait_s`; None if they do not."""
+        etcd_keys = [self.store_key(k) for k in keys]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
+        while True:
+            values = await self._read(etcd_keys)
+            if all(v is not None for v in values):
+                return values  # type: ignore[return-value]
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            # Read again at a known revision, then watch from just after it: a key written
+            # between the first read and the watch is either seen here or by the watch.
+            revision = await self.etcd.revision()
+            missing = [k for k, v in zip(etcd_keys, await self._read(etcd_keys)) if v is None]
+            if not missing:
+                continue
+            await self._wait_for_put(set(missing), revision + 1, remaining)
+            if deadline - loop.time() <= 0:
+                # One last read: the write that ended the wait may have landed at the deadline.
+                values = await self._read(etcd_keys)
+                return values if all(v is not None for v in values) else None  # type: ignore[return-value]
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        return all(v is not None for v in await self._read([self.store_key(k) for k in keys]))
+
+    async def set(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Set every (key, value); atomically when there are at most MAX_OPS_PER_TXN of them."""
+        puts = [Put(self.store_key(k), v) for k, v in items]
+        for start in range(0, len(puts), MAX_OPS_PER_TXN):
+            await self.etcd.commit({}, puts[start:start + MAX_OPS_PER_TXN])
+
+    async def add(self, key: str, amount: int, op_id: str | None) -> int:
+        """Add `amount` to the integer at `key` (absent: 0); returns the new value."""
+
+        def combine(current: bytes | None) -> bytes:
+            try:
+                base = int(current) if current is not None else 0
+            except ValueError:
+                raise StoreValueError(f"store key {key!r} holds {current[:40]!r}, not an integer; "
+                                      "add() needs an integer value") from None
+            return str(base + amount).encode()
+
+        return int(await self._update(key, combine, op_id))
+
+    async def append(self, key: str, value: bytes, op_id: str | None) -> None:
+        await self._update(key, lambda current: (current or b"") + value, op_id)
+
+    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """c10d (TCPStore) semantics: write `desired` iff the value is `expected` (absent
+        counts as b""); returns the value stored afterwards, except that for an absent key
+        and a non-empty `expected` it returns `expected` and writes nothing, as TCPStore does."""
+        etcd_key = self.store_key(key)
+        for _ in range(MAX_CAS_ATTEMPTS):
+            entry = await self.etcd.get(etcd_key)
+            if entry is None and expected != b"":
+                return expected
+            current = b"" if entry is None else entry.value
+            if current != expected:
+                return current
+            revision = 0 if entry is None else entry.mod_revision
+            if await self.etcd.commit({etcd_key: revision}, [Put(etcd_key, desired)]):
+                return desired
+        raise self._contended(key)
+
+    async def delete(self, key: str) -> bool:
+        """Delete `key`; False if it did not exist."""
+        etcd_key = self.store_key(key)
+        for _ in range(MAX_CAS_ATTEMPTS):
+            entry = await self.etcd.get(etcd_key)
+            if entry is None:
+                return False
+            if await self.etcd.commit({etcd_key: entry.mod_revision}, [Delete(etcd_key)]):
+                return True
+        raise self._contended(key)
+
+    async def num_keys(self) -> int:
+        return len(await self.etcd.get_prefix(self._store_prefix))
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _read(self, etcd_keys: Sequence[str]) -> list[bytes | None]:
+        entries = await asyncio.gather(*(self.etcd.get(k) for k in etcd_keys))
+        return [None if e is None else e.value for e in entries]
+
+    async def _wait_for_put(self, keys: set[str], start_revision: int, timeout_s: float) -> None:
+        """Return once one of `keys` is written at or after `start_revision`, or at the timeout."""
+
+        async def first_put() -> None:
+            events = self.etcd.watch_prefix(self._store_prefix, start_revision)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if event.key in keys and event.value is not None:
+                        return
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(first_put(), timeout_s)
+
+    async def _update(self, key: str, combine, op_id: str | None) -> bytes:
+        """Read-modify-write `key` by CAS; with `op_id`, at most once across retries."""
+        etcd_key = self.store_key(key)
+        op_key = None
+        if op_id is not None:
+            if not _OP_ID.match(op_id):
+                raise StoreValueError("op_id must be 1 to 64 characters of [A-Za-z0-9_-]")
+            op_key = self._ops_prefix + op_id
+        for _ in range(MAX_CAS_ATTEMPTS):
+            if op_key is not None and (done := await self.etcd.get(op_key)) is not None:
+                return done.value  # a retry of a request that already applied
+            entry = await self.etcd.get(etcd_key)
+            value = combine(None if entry is None else entry.value)
+            expect = {etcd_key: 0 if entry is None else entry.mod_revision}
+            ops = [Put(etcd_key, value)]
+            if op_key is not None:
+                expect[op_key] = 0
+                ops.append(Put(op_key, value))
+            if await self.etcd.commit(expect, ops):
+                return value
+        raise self._contended(key)
+
+    async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
+        written, entry = await self.etcd.commit_read({key: revision}, [op], key)
+        return entry, written
+
+    def _contended(self, key: str) -> ContentionError:
+        return ContentionError(f"store key {key!r} of rendezvous {self.rdzv_id} changed "
+                               f"{MAX_CAS_ATTEMPTS} times while this request tried to update it; "
+                               "retry the request")
+
+
+def _revision(token: str | None) -> int | None:
+    """A client's fencing token as an etcd mod_revision (None: no token given = 0)."""
+    if token is None:
+        return 0
+    if not token.isdigit() or len(token) > 19:
+        return None
+    revision = int(token)
+    return revision if revision > 0 else None
+
+
+async def delete_rendezvous(ctx, job_id: str) -> int:
+    """Delete the rendezvous keys of every attempt of `job_id` (the scheduler calls this when a
+    job ends); returns how many keys went.
+
+    `keys.rdzv_of_job` is a string prefix, and a job named like another job's id plus
+    '-a<digits>' would share it; only keys whose rendezvous id parses back to `job_id` go.
+    """
+    prefix = ctx.keys.rdzv_of_job(job_id)
+    rdzv_root = ctx.keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
+    rdzv_root = rdzv_root[:-1]
+    attempts: dict[str, int] = {}
+    for entry in await ctx.etcd.get_prefix(prefix):
+        rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
+        with contextlib.suppress(InvalidRendezvousId):
+            if parse_rdzv_id(rdzv_id)[0] == job_id:
+                attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
+    ops = [Delete(ctx.keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
+    for start in range(0, len(ops), MAX_OPS_PER_TXN):
+        await ctx.etcd.commit({}, ops[start:start + MAX_OPS_PER_TXN])
+    return sum(attempts.values())

@@ -1,0 +1,220 @@
+"""Rendezvous endpoints for torch's elastic agent (`worker.rendezvous` is their client).
+
+Every endpoint is under `/v1/rdzv/{rdzv_id}` where `rdzv_id` is `<job id>-a<attempt>`. It is
+open to the node token and to that job's own token, never to the user token (403). An unknown
+job is 404; an attempt that is not the job's current one, or a finished job, is 410 Gone, and
+a client must not retry a 410. Bytes travel base64 (standard alphabet) in JSON.
+The logic is in `service.rendezvous.Rendezvous`; these handlers only translate.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, status
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer
+
+from service.deps import ContextDep, Credentials
+from service.errors import JobNotFound
+from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id
+
+
+def _b64decode(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not valid base64: {exc}") from None
+
+
+B64 = Annotated[bytes, BeforeValidator(_b64decode),
+                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str)]
+StoreKey = Annotated[str, Field(min_length=1, max_length=1024)]
+OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                                   description="Makes a retried add/append apply once.")]
+
+
+class RdzvState(BaseModel):
+    state: B64 | None = Field(None, description="The pickled rendezvous state; null: none yet.")
+    token: str | None = Field(None, description="Its fencing token (the etcd mod_revision).")
+
+
+class SetStateRequest(BaseModel):
+    state: B64
+    token: str | None = Field(None, max_length=64,
+                              description="Token of the state this one replaces; null: create only.")
+
+
+class SetStateResult(RdzvState):
+    written: bool = Field(..., description="This request wrote `state`; else it is what won.")
+
+
+class GetRequest(BaseModel):
+    keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
+    wait_s: float = Field(0.0, ge=0, le=600,
+                          description="Wait this long (at most 5 s on the server) for missing keys.")
+    values: bool = Field(True, description="false: only say whether all keys exist (wait, check).")
+
+
+class GetResult(BaseModel):
+    found: bool
+    values: list[B64] | None = None
+
+
+class StoreItem(BaseModel):
+    key: StoreKey
+    value: B64
+
+
+class SetRequest(BaseModel):
+    items: list[StoreItem] = Field(..., min_length=1, max_length=4096)
+
+
+class AddRequest(BaseModel):
+    key: StoreKey
+    amount: int = Field(..., ge=-(2**62), le=2**62)
+    op_id: OpId = None
+
+
+class AddResult(BaseModel):
+    value: int
+
+
+class AppendRequest(BaseModel):
+    key: StoreKey
+    value: B64
+    op_id: OpId = None
+
+
+class CompareSetRequest(BaseModel):
+    key: StoreKey
+    expected: B64
+    desired: B64
+
+
+class ValueResult(BaseModel):
+    value: B64
+
+
+class DeleteRequest(BaseModel):
+    key: StoreKey
+
+
+class DeleteResult(BaseModel):
+    deleted: bool
+
+
+class NumKeysResult(BaseModel):
+    count: int
+
+
+def _matches(given: str, expected: str | None) -> bool:
+    return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail=detail,
+                         headers={"WWW-Authenticate": "Bearer"})
+
+
+async def current_rendezvous(
+    ctx: ContextDep, creds: Credentials, rdzv_id: Annotated[str, Path(max_length=200)]
+) -> Rendezvous:
+    """The caller's rendezvous, after checking its token and that its attempt is current."""
+    node_token = ctx.settings.node_token
+    if node_token is not None:
+        if creds is None:
+            raise _unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
+                                "FTRAIN_TOKEN, or the node token)")
+        if _matches(creds.credentials, ctx.settings.user_token):
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                "a user token cannot call rendezvous endpoints")
+    job_id, attempt = parse_rdzv_id(rdzv_id)
+    is_node = node_token is None or (creds is not None and _matches(creds.credentials, node_token))
+    try:
+        job = await ctx.jobs.get(job_id)
+    except JobNotFound:
+        if is_node:
+            raise
+        raise _unauthorized("invalid job token") from None  # don't tell strangers which jobs exist
+    if not is_node and not _matches(creds.credentials, job.token):  # type: ignore[union-attr]
+        raise _unauthorized("invalid job token")
+    if job.state.is_terminal():
+        raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "
+                             "closed. The agent should stop.")
+    if attempt != job.attempt:
+        raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
+                             f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
+                             "is stale and should stop.")
+    return Rendezvous(ctx.etcd, ctx.keys, rdzv_id)
+
+
+RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]
+
+router = APIRouter(prefix="/v1/rdzv/{rdzv_id}", tags=["rendezvous"])
+
+
+def _state(entry) -> dict:
+    return {"state": None, "token": None} if entry is None else {
+        "state": entry.value, "token": str(entry.mod_revision)}
+
+
+@router.get("/state", response_model=RdzvState)
+async def get_state(rdzv: RendezvousDep) -> RdzvState:
+    """The rendezvous state and its token (both null before the first `set_state`)."""
+    return RdzvState(**_state(await rdzv.get_state()))
+
+
+@router.put("/state", response_model=SetStateResult)
+async def set_state(body: SetStateRequest, rdzv: RendezvousDep) -> SetStateResult:
+    """Compare-and-set: write iff `token` is current (null: iff none yet); returns what is there."""
+    entry, written = await rdzv.set_state(body.state, body.token)
+    return SetStateResult(**_state(entry), written=written)
+
+
+@router.post("/store/get", response_model=GetResult, response_model_exclude_none=True)
+async def store_get(body: GetRequest, rdzv: RendezvousDep) -> GetResult:
+    """Values of `keys` once all exist (long poll of up to `wait_s`, at most 5 s); else found=false."""
+    values = await rdzv.get(body.keys, body.wait_s)
+    if values is None:
+        return GetResult(found=False)
+    return GetResult(found=True, values=values if body.values else None)
+
+
+@router.post("/store/set", status_code=status.HTTP_204_NO_CONTENT)
+async def store_set(body: SetRequest, rdzv: RendezvousDep) -> None:
+    """Set one key (set) or several (multi_set)."""
+    await rdzv.set([(item.key, item.value) for item in body.items])
+
+
+@router.post("/store/add", response_model=AddResult)
+async def store_add(body: AddRequest, rdzv: RendezvousDep) -> AddResult:
+    """Atomically add `amount` to an integer key (absent: 0); returns the new value."""
+    return AddResult(value=await rdzv.add(body.key, body.amount, body.op_id))
+
+
+@router.post("/store/append", status_code=status.HTTP_204_NO_CONTENT)
+async def store_append(body: AppendRequest, rdzv: RendezvousDep) -> None:
+    await rdzv.append(body.key, body.value, body.op_id)
+
+
+@router.post("/store/compare_set", response_model=ValueResult)
+async def store_compare_set(body: CompareSetRequest, rdzv: RendezvousDep) -> ValueResult:
+    """TCPStore's compare_set: the value after the attempt (see `Rendezvous.compare_set`)."""
+    return ValueResult(value=await rdzv.compare_set(body.key, body.expected, body.desired))
+
+
+@router.post("/store/delete", response_model=DeleteResult)
+async def store_delete(body: DeleteRequest, rdzv: RendezvousDep) -> DeleteResult:
+    return DeleteResult(deleted=await rdzv.delete(body.key))
+
+
+@router.get("/store/num_keys", response_model=NumKeysResult)
+async def store_num_keys(rdzv: RendezvousDep) -> NumKeysResult:
+    return NumKeysResult(count=await rdzv.num_keys())

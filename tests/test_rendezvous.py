@@ -1,0 +1,534 @@
+"""The "ftrain" rendezvous backend and store, against a real etcd and a real control plane.
+
+The backend and store contracts run against ftrain's implementation *and* torch's reference
+(C10dRendezvousBackend, TCPStore), so they check that ftrain behaves as torch expects, not
+as this file's author guessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import signal
+import threading
+import time
+import types
+from datetime import timedelta
+
+import httpx
+import pytest
+import torch.distributed as dist
+import torch.distributed.elastic.utils.store as store_util
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+from service.etcd import Etcd, Put
+from service.keys import Keys
+from service.rendezvous import delete_rendezvous, parse_rdzv_id
+from tests.harness import free_port, wait_for
+from worker.rendezvous import (
+    FtrainRendezvousBackend,
+    HttpStore,
+    RendezvousGoneError,
+    Transport,
+    endpoint_url,
+)
+
+SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
+
+
+def submit(api: httpx.Client) -> dict:
+    resp = api.post("/v1/jobs", json=SPEC)
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+@pytest.fixture
+def job(api) -> dict:
+    return submit(api)
+
+
+@pytest.fixture
+def rdzv_id(job) -> str:
+    assert job["attempt"] == 0
+    return f"{job['id']}-a{job['attempt']}"
+
+
+@pytest.fixture
+def transports(control_plane, rdzv_id):
+    """Make clients of the job's rendezvous (node token), closed at the end."""
+    made: list[Transport] = []
+
+    def make(token: str | None = None, rdzv: str | None = None, retry_timeout_s: float = 20):
+        t = Transport(control_plane.url, rdzv or rdzv_id, token or control_plane.node_token,
+                      retry_timeout_s=retry_timeout_s)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def job_token(etcd_endpoint: str, job_id: str) -> str:
+    """The job token is never shown over the API; read it where it lives."""
+    import json
+
+    async def read():
+        client = Etcd(etcd_endpoint)
+        try:
+            return json.loads((await client.get(Keys().job(job_id))).value)["token"]
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+# --------------------------------------------------------------------------------------
+# RendezvousBackend contract (torch's RendezvousBackendTestMixin, run on ftrain and c10d)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["ftrain", "c10d"])
+def backend(request):
+    if request.param == "ftrain":
+        return FtrainRendezvousBackend(request.getfixturevalue("transports")())
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=10))
+    request.addfinalizer(lambda: tcp)  # keep the server alive for the test's duration
+    return C10dRendezvousBackend(tcp, "contract")
+
+
+def test_get_state_returns_none_if_there_is_no_state(backend):
+    assert backend.get_state() is None
+
+
+def test_set_state_without_token_creates_state(backend):
+    state, token, written = backend.set_state(b"x")
+    assert (state, written) == (b"x", True) and token is not None
+    assert backend.get_state() == (b"x", token)
+
+
+def test_set_state_without_token_returns_current_state_if_state_exists(backend):
+    _, token, _ = backend.set_state(b"x")
+    state, token2, written = backend.set_state(b"y")
+    assert (state, token2, written) == (b"x", token, False)
+    assert backend.get_state() == (b"x", token)
+
+
+def test_set_state_with_current_token_writes_and_returns_new_token(backend):
+    _, token, _ = backend.set_state(b"x")
+    state, token2, written = backend.set_state(b"y", token)
+    assert (state, written) == (b"y", True) and token2 != token
+    assert backend.get_state() == (b"y", token2)
+    state, token3, written = backend.set_state(b"z", token2)  # the returned token is usable
+    assert (state, written) == (b"z", True)
+    assert backend.get_state() == (b"z", token3)
+
+
+def test_set_state_returns_current_state_if_token_is_old(backend):
+    _, old, _ = backend.set_state(b"x")
+    _, current, _ = backend.set_state(b"y", old)
+    state, token, written = backend.set_state(b"z", old)
+    assert (state, token, written) == (b"y", current, False)
+    assert backend.get_state() == (b"y", current)
+
+
+def test_set_state_returns_current_state_if_token_is_foreign(backend):
+    _, token, _ = backend.set_state(b"x")
+    state, token2, written = backend.set_state(b"y", object())  # never handed out by the backend
+    assert (state, token2, written) == (b"x", token, False)
+
+
+def test_set_state_with_same_token_from_many_threads_has_one_winner(backend):
+    _, token, _ = backend.set_state(b"base")
+    candidates = [f"n{i}".encode() for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda s: backend.set_state(s, token), candidates))
+    winners = [r for r in results if r[2]]
+    assert len(winners) == 1
+    winner_state = winners[0][0]
+    assert all(r[0] == winner_state for r in results)  # every loser sees what won
+    assert backend.get_state()[0] == winner_state
+
+
+def test_state_holds_arbitrary_bytes(backend):
+    blob = bytes(range(256)) * 8
+    state, _, written = backend.set_state(blob)
+    assert written and state == blob and backend.get_state()[0] == blob
+
+
+# --------------------------------------------------------------------------------------
+# c10d Store contract (run on HttpStore and torch's TCPStore)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["http", "tcp"])
+def make_store(request):
+    """Make clients of one store (a blocked client must not block another's write)."""
+    if request.param == "http":
+        transports = request.getfixturevalue("transports")
+        return lambda: HttpStore(transports(), timeout=timedelta(seconds=10))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    request.addfinalizer(lambda: server)
+    return lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                 timeout=timedelta(seconds=10))
+
+
+@pytest.fixture
+def store(make_store):
+    return make_store()
+
+
+def test_set_then_get_returns_bytes(store):
+    store.set("a/b c", b"\x00\xffvalue")
+    store.set("text", "hello")
+    assert store.get("a/b c") == b"\x00\xffvalue"
+    assert store.get("text") == b"hello"
+    store.set("text", "again")  # overwrite
+    assert store.get("text") == b"again"
+
+
+def test_get_blocks_until_another_client_sets_the_key(make_store):
+    reader, writer = make_store(), make_store()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(reader.get, "late")
+        assert not pending.done()
+        writer.set("late", b"here")
+        assert pending.result(timeout=10) == b"here"
+
+
+def test_get_raises_store_error_at_timeout(store):
+    store.set_timeout(timedelta(seconds=1))
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        store.get("never")
+    assert 0.9 <= time.monotonic() - start < 6
+
+
+def test_wait_with_timeout_raises_if_a_key_is_missing(store):
+    store.set("one", b"1")
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["one", "two"], timedelta(milliseconds=500))
+    assert time.monotonic() - start < 5
+
+
+def test_wait_returns_once_every_key_exists(make_store):
+    waiter, writer = make_store(), make_store()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(waiter.wait, ["k1", "k2"], timedelta(seconds=10))
+        writer.set("k1", b"1")
+        writer.set("k2", b"2")
+        pending.result(timeout=10)
+
+
+def test_check_says_whether_all_keys_exist(store):
+    store.set("here", b"1")
+    assert store.check(["here"])
+    assert not store.check(["here", "missing"])
+
+
+def test_add_starts_from_zero_and_returns_the_new_value(store):
+    assert store.add("counter", 5) == 5
+    assert store.add("counter", -2) == 3
+    assert store.add("counter", 0) == 3
+    assert store.get("counter") == b"3"
+
+
+def test_add_is_atomic_under_concurrent_clients(make_store):
+    stores = [make_store() for _ in range(8)]
+
+    def bump(s):
+        return [s.add("n", 1) for _ in range(10)]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        seen = [v for values in pool.map(bump, stores) for v in values]
+    assert sorted(seen) == list(range(1, 81))  # every increment got its own value
+    assert stores[0].get("n") == b"80"
+
+
+def test_compare_set_follows_tcpstore_semantics(store):
+    # absent key and empty expected value: set
+    assert store.compare_set("cs", "", "first") == b"first"
+    # matching expected value: set
+    assert store.compare_set("cs", "first", "second") == b"second"
+    # mismatch: nothing written, the current value returned
+    assert store.compare_set("cs", "wrong", "third") == b"second"
+    assert store.get("cs") == b"second"
+    # absent key and non-empty expected value: the expected value back, nothing created
+    assert store.compare_set("absent", "x", "y") == b"x"
+    assert not store.check(["absent"])
+
+
+def test_multi_set_then_multi_get(store):
+    store.multi_set(["m1", "m2", "m3"], [b"1", "2", b"\x003"])
+    assert store.multi_get(["m3", "m1", "m2"]) == [b"\x003", b"1", b"2"]
+
+
+def test_multi_get_blocks_until_every_key_exists(make_store):
+    reader, writer = make_store(), make_store()
+    writer.set("x1", b"1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(reader.multi_get, ["x1", "x2"])
+        writer.set("x2", b"2")
+        assert pending.result(timeout=10) == [b"1", b"2"]
+
+
+def test_append_creates_then_extends(store):
+    store.append("log", b"ab")
+    store.append("log", "cd")
+    assert store.get("log") == b"abcd"
+
+
+def test_delete_key_and_num_keys(store):
+    before = store.num_keys()
+    store.set("d1", b"1")
+    store.set("d2", b"2")
+    assert store.num_keys() == before + 2
+    assert store.delete_key("d1") is True
+    assert store.delete_key("d1") is False
+    assert store.num_keys() == before + 1
+    assert not store.check(["d1"]) and store.check(["d2"])
+
+
+def test_prefix_store_reaches_every_operation(store):
+    """torch wraps the store in a C++ PrefixStore, which calls the trampoline's names."""
+    p = dist.PrefixStore("torch.rendezvous.x.0", store)
+    p.set("k", b"v")
+    assert p.get("k") == b"v"
+    assert p.add("c", 2) == 2
+    assert p.compare_set("k", b"v", b"w") == b"w"
+    assert p.check(["k"])
+    p.wait(["k"])
+    p.wait(["k"], timedelta(seconds=1))
+    p.multi_set(["a", "b"], [b"1", b"2"])
+    assert p.multi_get(["a", "b"]) == [b"1", b"2"]
+    p.append("a", b"+")
+    assert p.get("a") == b"1+"
+    n = p.num_keys()
+    assert p.delete_key("b") is True and p.num_keys() == n - 1
+    p.set_timeout(timedelta(seconds=1))
+    assert p.timeout == timedelta(seconds=1)
+    with pytest.raises(dist.DistStoreError):
+        p.get("never")
+    assert store.get("torch.rendezvous.x.0/k") == b"w"
+
+
+def test_torch_barrier_releases_all_members_and_times_out_without_them(make_store):
+    stores = [make_store() for _ in range(3)]
+
+    def enter(s):
+        store_util.barrier(s, world_size=3, key_prefix="exit", barrier_timeout=10)
+        return True
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert all(pool.map(enter, stores))
+    assert stores[0].timeout == timedelta(seconds=10)  # store_timeout restored it
+    with pytest.raises(dist.DistStoreError):
+        store_util.barrier(stores[0], world_size=2, key_prefix="alone", barrier_timeout=1)
+
+
+# --------------------------------------------------------------------------------------
+# ftrain specifics: auth, attempts, retries, cleanup, the handler
+# --------------------------------------------------------------------------------------
+
+
+def test_user_token_is_forbidden_and_no_token_is_unauthorized(control_plane, rdzv_id):
+    for token, status in (("user", 403), (None, 401), ("not-a-token", 401)):
+        with control_plane.client(token) as client:
+            assert client.get(f"/v1/rdzv/{rdzv_id}/state").status_code == status, token
+            resp = client.post(f"/v1/rdzv/{rdzv_id}/store/set",
+                               json={"items": [{"key": "k", "value": "dg=="}]})
+            assert resp.status_code == status, token
+
+
+def test_job_token_is_accepted_only_for_its_own_job(control_plane, api, job, rdzv_id, etcd):
+    token = job_token(etcd.endpoint, job["id"])
+    with control_plane.client(token) as client:
+        assert client.get(f"/v1/rdzv/{rdzv_id}/state").status_code == 200
+        other = submit(api)
+        assert client.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 401
+        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401  # no job oracle
+
+
+def test_unknown_job_or_malformed_id_is_404(control_plane):
+    with control_plane.client("node") as client:
+        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 404
+        assert client.get("/v1/rdzv/no-attempt/state").status_code == 404
+
+
+def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
+    with control_plane.client("node") as client:
+        assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
+        resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "AAE=", "token": None})
+        body = resp.json()
+        assert resp.status_code == 200 and body["written"] is True and body["state"] == "AAE="
+        assert body["token"].isdigit()
+        bad = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "not base64!", "token": None})
+        assert bad.status_code == 422
+
+
+def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd):
+    stale = transports(rdzv=f"{job['id']}-a1")
+    with pytest.raises(RendezvousGoneError, match="attempt"):
+        FtrainRendezvousBackend(stale).set_state(b"x")
+    start = time.monotonic()
+    with pytest.raises(RendezvousGoneError):
+        HttpStore(stale).set("k", b"v")
+    assert time.monotonic() - start < 2  # a 410 is not retried
+    with control_plane.client("node") as client:
+        assert client.get(f"/v1/rdzv/{job['id']}-a1/state").status_code == 410
+
+    async def leftovers():
+        client = Etcd(etcd.endpoint)
+        try:
+            return await client.get_prefix(Keys().rdzv(f"{job['id']}-a1"))
+        finally:
+            await client.close()
+
+    assert asyncio.run(leftovers()) == []
+
+
+def test_finished_job_rendezvous_is_gone(api, transports, job):
+    backend = FtrainRendezvousBackend(transports())
+    assert backend.set_state(b"x")[2]
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["state"] == "CANCELLED", 10,
+             "the job to be cancelled")
+    with pytest.raises(RendezvousGoneError, match="CANCELLED"):
+        backend.get_state()
+
+
+def test_retried_add_with_the_same_op_id_applies_once(control_plane, rdzv_id):
+    with control_plane.client("node") as client:
+        url = f"/v1/rdzv/{rdzv_id}/store/add"
+        first = client.post(url, json={"key": "c", "amount": 1, "op_id": "op1"}).json()
+        again = client.post(url, json={"key": "c", "amount": 1, "op_id": "op1"}).json()
+        other = client.post(url, json={"key": "c", "amount": 1, "op_id": "op2"}).json()
+    assert (first, again, other) == ({"value": 1}, {"value": 1}, {"value": 2})
+
+
+def test_add_to_a_non_integer_is_an_error(control_plane, transports):
+    store = HttpStore(transports())
+    store.set("s", b"text")
+    with pytest.raises(Exception, match="not an integer"):
+        store.add("s", 1)
+
+
+def test_blocking_get_survives_a_control_plane_restart(control_plane, transports):
+    reader = HttpStore(transports(retry_timeout_s=30), timeout=timedelta(seconds=40))
+    backend = FtrainRendezvousBackend(transports(retry_timeout_s=30))
+    backend.set_state(b"before")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pending = pool.submit(reader.get, "after-restart")
+        wait_for(lambda: not pending.done(), 5, "the reader to block")
+        control_plane.stop(signal.SIGKILL)
+        # While the control plane is down, a state read retries instead of failing.
+        read_state = pool.submit(backend.get_state)
+        control_plane.start()
+        HttpStore(transports()).set("after-restart", b"ok")
+        assert pending.result(timeout=30) == b"ok"
+        assert read_state.result(timeout=30)[0] == b"before"
+
+
+def test_unreachable_control_plane_raises_connection_error_after_retry_timeout(rdzv_id):
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    transport = Transport(f"http://127.0.0.1:{free_port()}", rdzv_id, "t", retry_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match="did not answer"):
+        FtrainRendezvousBackend(transport).get_state()
+    with pytest.raises(dist.DistNetworkError):
+        HttpStore(transport).set("k", b"v")
+    assert time.monotonic() - start < 10
+    transport.close()
+
+
+def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
+    keys = Keys()
+    neighbour = "train-abc123-a1-zzzzzz"  # a job whose id starts like "train-abc123-a"
+
+    async def run():
+        client = Etcd(etcd.endpoint)
+        ctx = types.SimpleNamespace(etcd=client, keys=keys)
+        try:
+            for rdzv in ("train-abc123-a0", "train-abc123-a1", f"{neighbour}-a0"):
+                await client.commit({}, [Put(keys.rdzv_state(rdzv), b"s"),
+                                         Put(keys.rdzv_store(rdzv) + "azE", b"v")])
+            deleted = await delete_rendezvous(ctx, "train-abc123")
+            left = [e.key for e in await client.get_prefix(keys.prefix + "/rdzv/")]
+            return deleted, left
+        finally:
+            await client.close()
+
+    deleted, left = asyncio.run(run())
+    assert deleted == 4
+    assert sorted(left) == sorted([keys.rdzv_state(f"{neighbour}-a0"),
+                                   keys.rdzv_store(f"{neighbour}-a0") + "azE"])
+
+
+def test_parse_rdzv_id():
+    assert parse_rdzv_id("train-x1y2z3-a4") == ("train-x1y2z3", 4)
+    assert parse_rdzv_id("a-b-a1-c-a0") == ("a-b-a1-c", 0)
+
+
+def test_endpoint_url_accepts_host_port_and_urls():
+    assert endpoint_url("127.0.0.1:9000") == "http://127.0.0.1:9000"
+    assert endpoint_url("http://cp:8123/") == "http://cp:8123"
+    assert endpoint_url("cp") == "http://cp:8000"
+
+
+def test_registered_handler_runs_a_one_node_rendezvous(control_plane, rdzv_id, monkeypatch):
+    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=1, max_nodes=1, local_addr="127.0.0.1",
+                                  last_call_timeout=1, join_timeout=30, read_timeout=7,
+                                  keep_alive_interval=1)
+    handler = rendezvous_handler_registry.create_handler(params)
+    assert isinstance(handler, DynamicRendezvousHandler)
+    assert handler.get_backend() == "ftrain"
+    assert handler.settings.keep_alive_interval == timedelta(seconds=1)
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+    assert info.store.timeout == timedelta(seconds=7)
+    assert handler.num_nodes_waiting() == 0
+    assert handler.shutdown()
+    assert handler.is_closed()
+
+
+def test_store_values_are_base64_on_the_wire(control_plane, rdzv_id):
+    with control_plane.client("node") as client:
+        raw = bytes(range(256))
+        value = base64.b64encode(raw).decode()
+        assert client.post(f"/v1/rdzv/{rdzv_id}/store/set",
+                           json={"items": [{"key": "raw", "value": value}]}).status_code == 204
+        got = client.post(f"/v1/rdzv/{rdzv_id}/store/get", json={"keys": ["raw"]}).json()
+        assert got == {"found": True, "values": [value]}
+        missing = client.post(f"/v1/rdzv/{rdzv_id}/store/get",
+                              json={"keys": ["raw", "nope"], "wait_s": 0.2}).json()
+        assert missing == {"found": False}
+
+
+def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_id):
+    """The server's wait is an etcd watch: a write ends it at once, not at the next poll."""
+    with control_plane.client("node") as reader, control_plane.client("node") as writer:
+        def long_poll():
+            start = time.monotonic()
+            body = reader.post(f"/v1/rdzv/{rdzv_id}/store/get",
+                               json={"keys": ["wake"], "wait_s": 5}).json()
+            return body, time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(long_poll)
+            threading.Event().wait(0.3)  # let the request reach its watch (not a correctness wait)
+            writer.post(f"/v1/rdzv/{rdzv_id}/store/set",
+                        json={"items": [{"key": "wake", "value": "MQ=="}]})
+            body, took = pending.result(timeout=10)
+    assert body == {"found": True, "values": ["MQ=="]}
+    assert took < 2.5

@@ -1,0 +1,379 @@
+"""The "ftrain" rendezvous backend of `torchrun`: torch's own `DynamicRendezvousHandler` over
+the control plane's HTTP API (`service.routes.rendezvous`).
+
+    FTRAIN_TOKEN=<job or node token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
+    torchrun --rdzv-backend=ftrain --rdzv-endpoint=http://cp:8000 --rdzv-id=<job id>-a<attempt> \\
+             --rdzv-conf=last_call_timeout=1,keep_alive_interval=1 ...
+
+`handler_creator` is the `torchrun.handlers` entry point named in pyproject.toml; torch's
+registry calls it once and registers what it returns, `create_handler(params)`.
+
+Two clients of the same HTTP transport:
+
+- `FtrainRendezvousBackend`, torch's `RendezvousBackend` (get/set the pickled state with an
+  etcd revision as fencing token);
+- `HttpStore`, a `torch.distributed.Store` for the agents' small exchanges (master address,
+  rank assignment, barriers). Workers never use it: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  rank 0's agent publishes a free port and the workers build their own TCPStore on it.
+
+Failures. A refused connection, a reset, a timeout, a 502/503/504 (etcd briefly away, the
+control plane restarting) are retried with capped exponential backoff and jitter until
+`retry_timeout` (or a blocking read's own deadline), so restarting the control plane while a
+job trains costs nothing: the agent's periodic `num_nodes_waiting()` and heartbeats just take
+longer. A 410 (this attempt is over) is never retried: `RendezvousGoneError`. Other 4xx are
+bugs or bad tokens: `RendezvousError` with the server's reason.
+Retrying is safe: `set_state` is a compare-and-set (a lost answer to a write that applied
+makes the retry report "lost" with the current state, which torch handles by re-deciding),
+`add`/`append` carry an op id the server uses to apply them once.
+
+Timeouts and keep-alive, chosen on purpose:
+
+- HTTP connections are kept alive (a heartbeat a second should not cost a TCP handshake), but
+  idle ones are dropped after 2 s (`KEEPALIVE_EXPIRY_S`), before uvicorn's 5 s keep-alive
+  closes them from its side: reusing a connection the server is closing at that moment is the
+  classic source of spurious "connection reset" errors.
+- connect 2 s (loopback/LAN; a dead control plane fails fast and is retried), write 5 s,
+  read = the long-poll wait + 5 s. A blocking `get` polls at most `LONG_POLL_S` = 5 s per
+  request, so a lost connection is noticed within seconds, not at the store timeout.
+- `read_timeout` (store timeout, like the c10d backend's) defaults to 60 s; torch's barriers
+  set their own through `store.set_timeout`.
+- The rendezvous keep-alive (`keep_alive_interval` × `keep_alive_max_attempt`, torch's 5 s × 3)
+  and `last_call_timeout` (torch's 30 s) keep torch's defaults; pass them in --rdzv-conf.
+  Measured here (DESIGN.md): last_call 1 s and keep-alive 1 s × 3 recover a lost node in
+  about 5 s instead of 46 s, while 1 s × 2 split a job during a join. With `retry_timeout`
+  longer than the keep-alive window, an agent that cannot reach the control plane is dropped
+  by the others (they still can) rather than failing itself: that is the intended outcome.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    create_handler,
+)
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "FTRAIN_TOKEN"
+DEFAULT_PORT = 8000  # `ftrain serve`'s default
+LONG_POLL_S = 5.0  # the server caps one blocking request at this too
+CONNECT_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 5.0
+READ_MARGIN_S = 5.0
+KEEPALIVE_EXPIRY_S = 2.0
+DEFAULT_READ_TIMEOUT_S = 60
+DEFAULT_RETRY_TIMEOUT_S = 60
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 2.0
+_RETRYABLE_STATUS = (502, 503, 504)
+
+
+class RendezvousGoneError(RendezvousClosedError):
+    """The control plane closed this rendezvous: its job attempt is over. Do not retry."""
+
+
+class ControlPlaneUnreachable(Exception):
+    """No answer from the control plane before the deadline (retries exhausted)."""
+
+
+class Transport:
+    """HTTP calls to one rendezvous on the control plane, with retries up to a deadline."""
+
+    def __init__(self, endpoint: str, rdzv_id: str, token: str | None,
+                 retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if not rdzv_id:
+            raise ValueError("the rendezvous id must be '<job id>-a<attempt>', not empty")
+        self.base_url = endpoint_url(endpoint)
+        self.rdzv_id = rdzv_id
+        self.retry_timeout_s = retry_timeout_s
+        self._clock = clock
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(
+            base_url=f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}",
+            headers=headers,
+            # Never send loopback/LAN rendezvous traffic through an environment proxy.
+            trust_env=False,
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def deadline(self) -> float:
+        """When a non-blocking call gives up retrying."""
+        return self._clock() + self.retry_timeout_s
+
+    def call(self, method: str, path: str, body: dict | None = None, *,
+             deadline: float | None = None, wait_s: float = 0.0) -> dict:
+        """One request, retried on connection failures and 502/503/504 until `deadline`."""
+        deadline = self.deadline() if deadline is None else deadline
+        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
+                                read=wait_s + READ_MARGIN_S, pool=CONNECT_TIMEOUT_S)
+        delay = BACKOFF_FIRST_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self._client.request(method, path, json=body, timeout=timeout)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code not in _RETRYABLE_STATUS:
+                    return self._result(response)
+                problem = f"HTTP {response.status_code}: {_detail(response)}"
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise ControlPlaneUnreachable(
+                    f"the control plane at {self.base_url} did not answer {method} {path} of "
+                    f"rendezvous {self.rdzv_id} after {attempt} tries ({problem}); is it running? "
+                    "Raise retry_timeout in --rdzv-conf to wait longer.")
+            log.info("rendezvous %s: %s %s failed (%s); retrying", self.rdzv_id, method, path,
+                     problem)
+            time.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _result(self, response: httpx.Response) -> dict:
+        if response.status_code == 410:
+            raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {_detail(response)}")
+        if response.status_code >= 400:
+            hint = ""
+            if response.status_code in (401, 403):
+                hint = f" (set {TOKEN_ENV} to the job token or the node token)"
+            raise RendezvousError(f"the control plane refused a request of rendezvous "
+                                  f"{self.rdzv_id}: HTTP {response.status_code}: "
+                                  f"{_detail(response)}{hint}")
+        return {} if response.status_code == 204 else response.json()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:500]
+
+
+def endpoint_url(endpoint: str) -> str:
+    """'cp:8000' or 'http://cp:8000/' -> 'http://cp:8000' (default port 8000)."""
+    endpoint = endpoint.strip().rstrip("/")
+    if not endpoint:
+        raise ValueError("--rdzv-endpoint is empty; pass the control plane's URL, "
+                         "e.g. http://127.0.0.1:8000")
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    url = httpx.URL(endpoint)
+    if url.port is None and url.scheme == "http":
+        endpoint = f"{endpoint}:{DEFAULT_PORT}"
+    return endpoint
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, list):  # a std::vector<uint8_t> from C++
+        return bytes(value)
+    raise TypeError(f"store values are bytes or str, not {type(value).__name__}")
+
+
+class FtrainRendezvousBackend(RendezvousBackend):
+    """torch's `RendezvousBackend` kept by the control plane (etcd compare-and-set)."""
+
+    def __init__(self, transport: Transport):
+        self._transport = transport
+
+    @property
+    def name(self) -> str:
+        return "ftrain"
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        return self._decode(self._call("GET", "/state"))
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        # A token that is not ours (torch only hands back what we gave it) cannot match.
+        body = {"state": _b64(state), "token": None if token is None else str(token)}
+        result = self._call("PUT", "/state", body)
+        decoded = self._decode(result)
+        if decoded is None:
+            return None
+        return decoded[0], decoded[1], bool(result["written"])
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            return self._transport.call(method, path, body)
+        except ControlPlaneUnreachable as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    @staticmethod
+    def _decode(result: dict) -> tuple[bytes, Any] | None:
+        if result.get("state") is None:
+            return None
+        try:
+            return base64.b64decode(result["state"], validate=True), result["token"]
+        except (ValueError, KeyError) as exc:
+            raise RendezvousStateError("the control plane sent a corrupt rendezvous state") from exc
+
+
+class HttpStore(dist.Store):
+    """A c10d `Store` kept by the control plane, for torch's agents (not for workers).
+
+    Blocking reads long-poll the server `LONG_POLL_S` at a time until the store timeout,
+    then raise `DistStoreError` as TCPStore does. Keep a reference to this object for as long
+    as a `PrefixStore` wraps it: the C++ side does not keep the Python object alive.
+    """
+
+    def __init__(self, transport: Transport,
+                 timeout: timedelta = timedelta(seconds=DEFAULT_READ_TIMEOUT_S)):
+        super().__init__()
+        self._transport = transport
+        self.set_timeout(timeout)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys and {len(values)} values")
+        items = [{"key": k, "value": _b64(_bytes(v))} for k, v in zip(keys, values)]
+        self._call("POST", "/store/set", {"items": items})
+
+    def add(self, key: str, amount: int) -> int:
+        body = {"key": key, "amount": int(amount), "op_id": secrets.token_hex(12)}
+        return int(self._call("POST", "/store/add", body)["value"])
+
+    def append(self, key: str, value: Any) -> None:
+        body = {"key": key, "value": _b64(_bytes(value)), "op_id": secrets.token_hex(12)}
+        self._call("POST", "/store/append", body)
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        body = {"key": key, "expected": _b64(_bytes(expected_value)),
+                "desired": _b64(_bytes(desired_value))}
+        return base64.b64decode(self._call("POST", "/store/compare_set", body)["value"])
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("POST", "/store/delete", {"key": key})["deleted"])
+
+    deleteKey = delete_key  # noqa: N815 - the name torch's C++ trampoline calls
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        values = self._wait(list(keys), self.timeout, values=True)
+        return [base64.b64decode(v) for v in values]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self._wait(list(keys), self.timeout if timeout is None else timeout, values=False)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        result = self._call("POST", "/store/get", {"keys": list(keys), "wait_s": 0, "values": False})
+        return bool(result["found"])
+
+    def num_keys(self) -> int:
+        return int(self._call("GET", "/store/num_keys")["count"])
+
+    getNumKeys = num_keys  # noqa: N815 - the name torch's C++ trampoline calls
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get and multi_set are real operations here
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _wait(self, keys: list[str], timeout: timedelta, values: bool) -> list[str]:
+        if not keys:
+            return []
+        timeout_s = timeout.total_seconds()
+        clock = time.monotonic
+        deadline = clock() + timeout_s
+        while True:
+            wait_s = max(0.0, min(LONG_POLL_S, deadline - clock()))
+            # A connection problem is retried until the read's own deadline: it is the
+            # caller's timeout that decides how long to wait, not retry_timeout.
+            result = self._call("POST", "/store/get",
+                                {"keys": keys, "wait_s": wait_s, "values": values},
+                                deadline=max(deadline, clock() + 1.0), wait_s=wait_s)
+            if result["found"]:
+                return result.get("values") or []
+            if clock() >= deadline:
+                raise dist.DistStoreError(
+                    f"wait timeout after {int(timeout_s * 1000)}ms, keys: {', '.join(keys)} "
+                    f"(rendezvous {self._transport.rdzv_id} on {self._transport.base_url})")
+
+    def _call(self, method: str, path: str, body: dict | None = None, **kwargs) -> dict:
+        try:
+            return self._transport.call(method, path, body, **kwargs)
+        except ControlPlaneUnreachable as exc:
+            raise dist.DistNetworkError(str(exc)) from exc
+
+
+def create_backend(params: RendezvousParameters) -> tuple[FtrainRendezvousBackend, HttpStore]:
+    """The backend and the store of one agent, from torchrun's --rdzv-* options.
+
+    --rdzv-conf keys read here (others go to torch's `create_handler`):
+      read_timeout   the store's default timeout for blocking reads, s (60)
+      retry_timeout  how long a request is retried while the control plane is away, s (60)
+    """
+    read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
+    retry_timeout = params.get_as_int("retry_timeout", DEFAULT_RETRY_TIMEOUT_S)
+    if not read_timeout or read_timeout <= 0:
+        raise ValueError(f"read_timeout must be a positive number of seconds, not {read_timeout}")
+    if not retry_timeout or retry_timeout <= 0:
+        raise ValueError(f"retry_timeout must be a positive number of seconds, not {retry_timeout}")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        log.warning("%s is not set: rendezvous requests go without a token and a control "
+                    "plane with tokens will refuse them", TOKEN_ENV)
+    transport = Transport(params.endpoint, params.run_id, token, retry_timeout_s=retry_timeout)
+    store = HttpStore(transport, timeout=timedelta(seconds=read_timeout))
+    return FtrainRendezvousBackend(transport), store
+
+
+def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's DynamicRendezvousHandler over the ftrain backend and store.
+
+    --rdzv-conf keys of torch (defaults): join_timeout (600), last_call_timeout (30),
+    close_timeout (30), heartbeat_timeout (5), keep_alive_interval (5),
+    keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
+    """
+    from worker.rounds import with_round_reports
+
+    backend, store = create_backend(params)
+    return with_round_reports(create_handler(store, backend, params))
+
+
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: torch registers what this returns under 'ftrain'."""
+    return create_ftrain_handler
