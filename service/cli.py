@@ -312,7 +312,10 @@ def up(host: str, port: int, data_dir: str, node_count: int) -> None:
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
               help="Where the agent keeps its local state.")
-def node(server: str, token: str | None, name: str, nproc_per_node: int, data_dir: str) -> None:
+@click.option("--address", default=None,
+              help="Address other nodes reach this one at (torchrun's --local-addr); default: hostname.")
+def node(server: str, token: str | None, name: str, nproc_per_node: int, data_dir: str,
+         address: str | None) -> None:
     """Run a node agent: register with the control plane and run the work it is given."""
     try:
         from worker import agent
@@ -320,9 +323,8 @@ def node(server: str, token: str | None, name: str, nproc_per_node: int, data_di
         if getattr(exc, "name", None) not in ("worker.agent", "worker"):
             raise
         raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
-    logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = agent.main(server, token, name, nproc_per_node, data_dir)
+    # The agent sets up its own logging (with the node's name in every line).
+    result = agent.main(server, token, name, nproc_per_node, data_dir, address)
     sys.exit(result if isinstance(result, int) else 0)
 
 

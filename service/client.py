@@ -177,27 +177,42 @@ class FtrainClient:
     def events(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
 
-    def logs(self, job_id: str, rank: int | None = None) -> dict:
+    def logs(self, job_id: str, rank: int | None = None, since: int = 0) -> dict:
         """The job's kept log lines: {"items": [{seq, time, node, rank, stream, line}], "next_seq"}."""
-        params = {"rank": rank} if rank is not None else {}
-        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/logs", params=params)
-
-    def follow_logs(self, job_id: str, rank: int | None = None) -> Iterator[dict]:
-        """Log lines as they come (newline-delimited JSON); ends when the server closes the stream."""
-        params: dict[str, Any] = {"follow": "true"}
+        params: dict[str, Any] = {"since": since}
         if rank is not None:
             params["rank"] = rank
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/logs", params=params)
+
+    def follow_logs(self, job_id: str, rank: int | None = None, since: int = 0) -> Iterator[dict]:
+        """Log lines as they come (newline-delimited JSON) until the server ends the stream
+        (the job finished). A dropped stream is resumed after the last line seen."""
         url = f"/v1/jobs/{_segment(job_id)}/logs"
-        try:
-            with self._http.stream("GET", url, params=params, timeout=httpx.Timeout(10.0, read=None)) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    raise self._error(resp)
-                for raw in resp.iter_lines():
-                    if raw.strip():
-                        yield json.loads(raw)
-        except httpx.TransportError as exc:
-            raise self._transport_error(exc) from exc
+        cursor, failures = since, 0
+        while True:
+            params: dict[str, Any] = {"follow": "true", "since": cursor}
+            if rank is not None:
+                params["rank"] = rank
+            try:
+                with self._http.stream("GET", url, params=params,
+                                       timeout=httpx.Timeout(10.0, read=None)) as resp:
+                    if resp.status_code >= 400:
+                        resp.read()
+                        raise self._error(resp)
+                    for raw in resp.iter_lines():
+                        if raw.strip():
+                            item = json.loads(raw)
+                            cursor = max(cursor, int(item.get("seq", cursor - 1)) + 1)
+                            failures = 0
+                            yield item
+                return
+            except httpx.ConnectError as exc:
+                raise self._transport_error(exc) from exc
+            except httpx.TransportError as exc:
+                failures += 1
+                if failures >= RETRY_ATTEMPTS:
+                    raise self._transport_error(exc) from exc
+                time.sleep(min(0.2 * failures, MAX_RETRY_DELAY_S))
 
     # Nodes
 
