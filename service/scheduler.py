@@ -173,12 +173,13 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
         if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
-            members = dict(d.job.members)
-            for name in draining:
-                members[name] = members[name].model_copy(update={"state": "stopped",
-                                                                "reason": "drained"})
-            d.update(members=members, control=None)
-            d.note(f"node(s) {', '.join(draining)} drained")
+            # The others restart under a new attempt: a paused rank 0 would not notice a
+            # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
+            members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
+                       if m.is_live() and n not in draining}
+            d.update(members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
+                     round_nodes=0, world_size=0)
+            d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
 
     live = live_members(d.job)
     if len(live) < d.job.spec.nodes.min:

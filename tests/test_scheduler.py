@@ -125,7 +125,8 @@ def test_cancel_of_runtime_job_asks_for_a_final_snapshot_first():
 def test_drain_removes_the_member_and_job_continues_above_min():
     j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1)
     p = plan(j, nodes("a", "b", draining=("b",)), [], NOW, CFG)
-    assert p.job.members["b"].state == "stopped" and p.job.state is S.RUNNING
+    assert "b" not in p.job.members and p.job.members["a"].state == "assigned"
+    assert p.job.state is S.RUNNING and p.job.attempt == j.attempt + 1
 
 
 def test_terminal_jobs_are_left_alone():

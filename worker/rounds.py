@@ -1,4 +1,4 @@
-"""Tell the control plane about each rendezvous round of a job's torchrun.
+"""Tell the control plane about each rendezvous round of a job's torchrun; never close it.
 
 torch's agent re-rendezvouses both after a worker failure and when nodes join or leave,
 and counts only the first against its restart budget. ftrain wants the count the other
@@ -88,7 +88,17 @@ class ReportingHandler(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
-        return self._inner.shutdown()
+        """Leave without closing the rendezvous for the others.
+
+        torch's agent closes the whole rendezvous when it shuts down, so one node that is
+        drained, cancelled or cut off would end every other node's torchrun at their next
+        re-rendezvous. Under ftrain the control plane decides when a job's rendezvous ends
+        (and deletes it then); an agent leaving only stops its keep-alive.
+        """
+        stop = getattr(self._inner, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
+        return True
 
 
 def with_round_reports(handler: RendezvousHandler) -> RendezvousHandler:
