@@ -42,10 +42,11 @@ def build(width: int, device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(*layers[:-1]).to(device)
 
 
-def run_mode(width: int, every: int | None, steps: int, batch: int, directory: Path) -> dict:
+def run_mode(width: int, every: int | None, steps: int, batch: int, directory: Path,
+             backend: str | None) -> dict:
     """Train `steps` steps with snapshots every `every` steps (None: never)."""
-    rt = runtime.init(env={}, snapshot_dir=directory if every else None, snapshot_every=every,
-                      snapshot_keep=2)
+    rt = runtime.init(env={}, backend=backend, snapshot_dir=directory if every else None,
+                      snapshot_every=every, snapshot_keep=2)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -98,6 +99,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per mode (default by size)")
     p.add_argument("--dir", default=None, help="where snapshots go (default: a temp dir)")
     p.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
+    p.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                   help="cpu: stay on the CPU even where CUDA is available")
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -110,7 +113,8 @@ def main() -> None:
             row: dict = {"size": size, "width": width}
             for label, every in (("never", None), ("every_10", 10), ("every_1", 1)):
                 d = root / f"{size}-{label}"
-                got = run_mode(width, every, steps if every != 1 else max(6, steps // 2), args.batch, d)
+                got = run_mode(width, every, steps if every != 1 else max(6, steps // 2), args.batch, d,
+                               "gloo" if args.device == "cpu" else None)
                 model, opt = got.pop("state")
                 row["params"] = got.pop("params")
                 row[label] = got
@@ -126,7 +130,8 @@ def main() -> None:
             results.append(row)
             print(f"{size}: done", file=sys.stderr, flush=True)
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     print(f"\nsnapshot cost, torch {torch.__version__}, {device}, {os.cpu_count()} cores, "
           f"batch {args.batch}, AdamW\n")
     head = (f"{'model':>6} {'params':>8} {'state MB':>8} | {'step ms: never':>14} {'every 10':>9} "
