@@ -435,10 +435,10 @@ def test_blocking_get_survives_a_control_plane_restart(control_plane, transports
         assert read_state.result(timeout=30)[0] == b"before"
 
 
-def test_unreachable_control_plane_raises_connection_error_after_retry_timeout(rdzv_id):
+def test_unreachable_control_plane_raises_connection_error_after_retry_timeout():
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-    transport = Transport(f"http://127.0.0.1:{free_port()}", rdzv_id, "t", retry_timeout_s=1)
+    transport = Transport(f"http://127.0.0.1:{free_port()}", "job-abcdef-a0", "t", retry_timeout_s=1)
     start = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="did not answer"):
         FtrainRendezvousBackend(transport).get_state()
