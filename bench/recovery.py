@@ -1,0 +1,652 @@
+"""Recovery benchmark: ftrain against plain torchrun, side by side, on one machine.
+
+    python bench/recovery.py              # 5 trials of every variant and fault (~30 min on 2 cores)
+    python bench/recovery.py --quick      # 1 trial; tuned torchrun, ftrain (and ftrain-runtime's join)
+    python bench/recovery.py --trials 3 --variants torchrun-tuned,ftrain --scenarios join
+
+The same DDP script (bench/workload.py: gloo, a small MLP, a tutorial-style snapshot
+every 10 steps) runs under:
+
+* `torchrun-default`: two `torchrun --nnodes=1:N --rdzv-backend=c10d` agents on this
+  machine acting as two nodes, torch's defaults (30 s last call, keep-alive 5 s x 3,
+  shared rendezvous store);
+* `torchrun-tuned`: the same with DESIGN.md's last column: `last_call_timeout=1`,
+  keep-alive 1 s x 3, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`;
+* `ftrain`: a real etcd, a real control plane and two real node agents, the job
+  submitted over REST;
+* `ftrain-runtime`: ftrain with the script's `--mode runtime` (ftrain's runtime library,
+  which snapshots at a step boundary when the control plane asks before a join); it runs
+  the join only, unless named in --variants.
+
+Each trial runs each fault once per variant, variants alternating (their order rotates
+per trial). A session is a fresh set of agents (and a fresh job): the worker SIGKILL and
+then, once it trains again at world size 2, the agent SIGKILL share one session (if the
+first is not recovered, the second gets a session of its own); the join has its own:
+
+* cold start: launch of the torchruns / the job's submit (agents already registered)
+  -> first step; measured in the kill sessions (`--nnodes=1:2`, job max 2);
+* worker SIGKILL: one worker of the second node -> first step of the restarted group;
+* agent SIGKILL: the second node's torchrun or node agent with its whole process tree
+  -> first step of the group that goes on (and its world size);
+* join: a third torchrun / node agent started mid-run (`--nnodes=1:3`, job max 3)
+  -> first step at world size 3.
+
+Times are read from the workload's JSON log lines (wall-clock `t` of each step, of each
+worker's boot, of the process group), against the wall-clock time of the kill or launch.
+Steps lost = the furthest step logged before the new group resumed - the step it resumed
+from. A fault not recovered within --deadline seconds counts as a hang. The kill lands
+after a random delay (the same for every variant of a trial), so where it falls between
+two snapshots is spread evenly. The second node is the one killed; in torchrun it is not
+the host of the c10d store (`is_host=0`; killing the host leaves nothing to re-rendezvous
+with, so that fault is never recovered there).
+
+Prints min/median/max per figure and the ratios of the medians ftrain / torchrun, and
+writes everything (raw trials, ftrain's job events, the machine's load) to
+bench/results/recovery.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+from tests.harness import (  # noqa: E402
+    ControlPlane,
+    EtcdProcess,
+    NodeAgentProc,
+    descendants,
+    free_port,
+    pid_alive,
+    wait_for,
+)
+
+WORKLOAD = REPO / "bench" / "workload.py"
+SNAPSHOT_EVERY = 10
+STEP_TIME_S = 0.05
+WARM_STEPS = 10  # steps trained before a fault, so the fault hits a steady job
+TORCHRUN_MAX_RESTARTS = 100
+TUNED_CONF = ["last_call_timeout=1", "keep_alive_interval=1", "keep_alive_max_attempt=3"]
+
+VARIANTS = {
+    "torchrun-default": {"kind": "torchrun", "tuned": False, "mode": "tutorial"},
+    "torchrun-tuned": {"kind": "torchrun", "tuned": True, "mode": "tutorial"},
+    "ftrain": {"kind": "ftrain", "mode": "tutorial"},
+    "ftrain-runtime": {"kind": "ftrain", "mode": "runtime"},
+}
+SCENARIOS = ("worker_kill", "agent_kill", "join")
+
+
+class Unrecovered(Exception):
+    """The job did not get back to training within the deadline."""
+
+
+# ------------------------------------------------------------------ the workload's log
+
+class EventFile:
+    """The workload's JSON lines, read incrementally (appended to by every worker)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.items: list[dict] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.items
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            try:
+                self.items.append(json.loads(raw))
+            except ValueError:
+                continue
+        return self.items
+
+    def steps(self) -> list[dict]:
+        return [e for e in self.poll() if e["ev"] == "step"]
+
+    def wait_steps(self, n: int, world: int, timeout_s: float, since: float = 0.0) -> dict:
+        """Wait for `n` steps at `world` logged after `since`."""
+        def reached():
+            at = [e for e in self.steps() if e["world"] == world and e["t"] > since]
+            return bool(at) and at[-1]["step"] >= at[0]["step"] + n and at[-1]
+        return wait_for(reached, timeout_s, f"{n} steps at world size {world}", interval_s=0.05)
+
+    def recovery(self, since: float, world: int | None, deadline_s: float) -> dict:
+        """The first group that resumed after `since` (at `world`, if given) and its first step.
+
+        Returns times relative to `since`: the first worker boot after it, rank 0's process
+        group, its resume and its first step; the step it resumed from and the steps lost.
+        """
+        end = since + deadline_s
+
+        def found():
+            items = self.poll()
+            for i, e in enumerate(items):
+                if e["ev"] != "resume" or e["t"] <= since or (world is not None and e["world"] != world):
+                    continue
+                for f in items[i + 1:]:
+                    if f["ev"] == "step" and f["pid"] == e["pid"]:
+                        return i, e, f
+            return None
+
+        while time.time() < end:
+            hit = found()
+            if hit:
+                break
+            time.sleep(0.05)
+        else:
+            raise Unrecovered(f"no step{'' if world is None else f' at world size {world}'} "
+                              f"within {deadline_s:g} s")
+        i, resume, first = hit
+        items = self.items
+        before = [e["step"] for e in items[:i] if e["ev"] == "step"]
+        boots = [e["t"] for e in items if e["ev"] == "boot" and e["t"] > since]
+        pg = next((e["t"] for e in items[:i] if e["ev"] == "pg" and e["pid"] == resume["pid"]), None)
+        last = max(before) if before else 0
+        return {
+            "time_s": round(first["t"] - since, 3),
+            "steps_lost": max(0, last - resume["step"]),
+            "last_step_before": last,
+            "resumed_from": resume["step"],
+            "world_after": first["world"],
+            "phases_s": {
+                "first_worker_boot": round(min(boots) - since, 3) if boots else None,
+                "rank0_process_group": round(pg - since, 3) if pg else None,
+                "rank0_resumed": round(resume["t"] - since, 3),
+                "first_step": round(first["t"] - since, 3),
+            },
+        }
+
+    def first_step_time(self) -> float:
+        return self.steps()[0]["t"]
+
+
+def _kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _workers_under(pid: int) -> list[int]:
+    """The workload processes under `pid` (not torchrun, not the agent's exec shim)."""
+    out = []
+    for child in descendants(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(WORKLOAD).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
+                and b"-c" not in argv[:3] and pid_alive(child):
+            out.append(child)
+    return out
+
+
+# ------------------------------------------------------------------ the two systems
+
+class TorchrunCluster:
+    """Plain torchrun: one `torchrun` process per node, c10d rendezvous on node 0."""
+
+    def __init__(self, root: Path, tuned: bool, mode: str, max_nodes: int):
+        self.root = root
+        self.tuned = tuned
+        self.mode = mode
+        self.max_nodes = max_nodes
+        self.port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.log = EventFile(root / "events.jsonl")
+        root.mkdir(parents=True, exist_ok=True)
+
+    def launch_node(self) -> float:
+        i = len(self.procs)
+        # Node 0 hosts the c10d store; pinning it (is_host) keeps the fault on a non-host node.
+        conf = [f"is_host={1 if i == 0 else 0}"] + (TUNED_CONF if self.tuned else [])
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
+                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+                "--rdzv-id=bench", f"--rdzv-conf={','.join(conf)}",
+                f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
+                str(WORKLOAD), "--mode", self.mode, "--log-file", str(self.log.path),
+                "--snapshot-dir", str(self.root / "snapshots"), "--snapshot-every", str(SNAPSHOT_EVERY),
+                "--step-time", str(STEP_TIME_S)]
+        env = dict(os.environ)
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if self.tuned:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        (self.root / "snapshots").mkdir(exist_ok=True)
+        out = open(self.root / f"torchrun-{i}.log", "ab")  # noqa: SIM115
+        t = time.time()
+        self.procs.append(subprocess.Popen(argv, cwd=self.root, env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True))
+        out.close()
+        return t
+
+    def start(self, nodes: int = 2) -> float:
+        t0 = self.launch_node()
+        for _ in range(nodes - 1):
+            self.launch_node()
+        return t0
+
+    def tree(self, i: int) -> list[int]:
+        p = self.procs[i]
+        return [p.pid, *descendants(p.pid)] if p.poll() is None else []
+
+    def workers(self, i: int) -> list[int]:
+        return _workers_under(self.procs[i].pid)
+
+    def kill_node(self, i: int) -> list[int]:
+        pids = self.tree(i)
+        _kill(pids)
+        self.procs[i].wait()
+        return pids
+
+    def stop(self) -> None:
+        for i in range(len(self.procs)):
+            self.kill_node(i)
+
+    def diagnostics(self, since: float) -> dict:
+        return {}
+
+
+class FtrainStack:
+    """One etcd and one control plane, shared by every ftrain trial of a run."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log")
+        self.cp: ControlPlane | None = None
+
+    def start(self) -> FtrainStack:
+        self.etcd.start()
+        self.cp = ControlPlane(self.etcd.endpoint, self.root / "cp").start()
+        self.api = self.cp.client("user")
+        self.node_api = self.cp.client("node")
+        return self
+
+    def stop(self) -> None:
+        if self.cp:
+            self.api.close()
+            self.node_api.close()
+            self.cp.stop()
+        self.etcd.kill()
+
+    def live_nodes(self) -> set[str]:
+        return {n["name"] for n in self.api.get("/v1/nodes").json()["items"]}
+
+
+class FtrainCluster:
+    """Node agents of one trial; the job goes in over REST."""
+
+    def __init__(self, stack: FtrainStack, root: Path, mode: str, max_nodes: int, tag: str):
+        self.stack = stack
+        self.root = root
+        self.mode = mode
+        self.max_nodes = max_nodes
+        self.tag = tag
+        self.agents: list[NodeAgentProc] = []
+        self.job_id: str | None = None
+        self.log = EventFile(root / "events.jsonl")
+        root.mkdir(parents=True, exist_ok=True)
+
+    def launch_node(self) -> float:
+        agent = NodeAgentProc(self.stack.cp, f"{self.tag}-n{len(self.agents)}", self.root / "nodes")
+        t = time.time()
+        agent.start()
+        self.agents.append(agent)
+        return t
+
+    def start(self, nodes: int = 2) -> float:
+        for _ in range(nodes):
+            self.launch_node()
+        names = {a.name for a in self.agents}
+        # Only this trial's nodes may be live, or the job could land on a stale one.
+        wait_for(lambda: self.stack.live_nodes() == names, 30, f"exactly nodes {sorted(names)}")
+        command = ["python", str(WORKLOAD), "--mode", self.mode, "--log-file", str(self.log.path),
+                   "--step-time", str(STEP_TIME_S)]
+        if self.mode == "tutorial":
+            command += ["--snapshot-every", str(SNAPSHOT_EVERY)]
+        spec = {"name": f"bench-{self.tag}", "command": command, "working_dir": str(REPO),
+                "nodes": {"min": 1, "max": self.max_nodes}, "max_restarts": 100,
+                "snapshot": {"every_steps": SNAPSHOT_EVERY, "keep": 3}}
+        t0 = time.time()
+        resp = self.stack.api.post("/v1/jobs", json=spec)
+        resp.raise_for_status()
+        self.job_id = resp.json()["id"]
+        return t0
+
+    def tree(self, i: int) -> list[int]:
+        return self.agents[i].tree()
+
+    def workers(self, i: int) -> list[int]:
+        return _workers_under(self.agents[i].pid)
+
+    def kill_node(self, i: int) -> list[int]:
+        return self.agents[i].kill_tree()
+
+    def stop(self) -> None:
+        api = self.stack.api
+        if self.job_id:
+            try:
+                api.post(f"/v1/jobs/{self.job_id}/cancel")
+            except httpx.HTTPError:
+                pass
+        for agent in self.agents:
+            agent.kill_tree()
+        for agent in self.agents:  # what a graceful agent does on exit: give its lease back
+            try:
+                self.stack.node_api.delete(f"/v1/nodes/{agent.name}")
+            except httpx.HTTPError:
+                pass
+        if self.job_id:
+            try:
+                wait_for(lambda: api.get(f"/v1/jobs/{self.job_id}").json()["state"]
+                         in ("CANCELLED", "FAILED", "SUCCEEDED"), 20, f"job {self.job_id} to end")
+            except AssertionError as exc:
+                print(f"  warning: {exc}", file=sys.stderr)
+
+    def diagnostics(self, since: float) -> dict:
+        """The job's events, with times relative to the fault (for where the time goes)."""
+        if not self.job_id:
+            return {}
+        try:
+            items = self.stack.api.get(f"/v1/jobs/{self.job_id}/events").json()["items"]
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return {"job_id": self.job_id, "events": [
+            {"t": round(_event_time(e) - since, 3), "state": e.get("state"), "reason": e.get("reason")}
+            for e in items if _event_time(e) is not None]}
+
+
+def _event_time(e: dict) -> float | None:
+    t = e.get("time")
+    if isinstance(t, (int, float)):
+        return float(t)
+    if isinstance(t, str):
+        from datetime import datetime
+        try:
+            return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+# ------------------------------------------------------------------ one trial of one fault
+
+def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: FtrainStack | None,
+                deadline_s: float, delay_s: float) -> list[dict]:
+    """One cluster, one cold start, then `faults` one after the other; a record per fault.
+
+    A fault that is not recovered ends the session (the records of the faults after it
+    are left out, for the caller to run again in a fresh session).
+    """
+    spec = VARIANTS[variant]
+    max_nodes = 3 if "join" in faults else 2
+    where = root / f"t{trial}-{'+'.join(faults)}-{variant}"
+    tag = f"t{trial}{faults[0][0]}{secrets.token_hex(2)}"
+    cluster = (TorchrunCluster(where, spec["tuned"], spec["mode"], max_nodes) if spec["kind"] == "torchrun"
+               else FtrainCluster(stack, where, spec["mode"], max_nodes, tag))
+    records: list[dict] = []
+    fault_t = None
+    try:
+        t0 = cluster.start(2)
+        first = {"variant": variant, "scenario": faults[0], "trial": trial, "dir": str(where)}
+        records.append(first)
+        try:
+            wait_for(lambda: cluster.log.steps(), 30 + deadline_s, "the first step")
+        except AssertionError:
+            first["cold_start"] = {"recovered": False}
+            first["fault"] = {"recovered": False, "error": "never started"}
+            return records
+        first["cold_start"] = {"recovered": True, "max_nodes": max_nodes,
+                               "time_s": round(cluster.log.first_step_time() - t0, 3)}
+        for n, fault in enumerate(faults):
+            rec = first if n == 0 else {"variant": variant, "scenario": fault, "trial": trial,
+                                        "dir": str(where), "after": faults[:n]}
+            if n:
+                records.append(rec)
+            try:
+                cluster.log.wait_steps(WARM_STEPS, 2, 60, since=fault_t or 0.0)
+            except AssertionError as exc:
+                rec["fault"] = {"recovered": False, "error": f"not training at world size 2 before the fault: {exc}"}
+                return records
+            time.sleep(delay_s)
+            if fault == "worker_kill":
+                victims = wait_for(lambda: cluster.workers(1), 10, "the second node's worker")
+                fault_t = time.time()
+                _kill(victims)
+                world = None
+            elif fault == "agent_kill":
+                fault_t = time.time()
+                killed = cluster.kill_node(1)
+                wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "the node's tree to die")
+                world = None
+            else:
+                fault_t = cluster.launch_node()
+                world = 3
+            try:
+                rec["fault"] = {"recovered": True, **cluster.log.recovery(fault_t, world, deadline_s)}
+            except Unrecovered as exc:
+                rec["fault"] = {"recovered": False, "error": str(exc)}
+            rec["diagnostics"] = cluster.diagnostics(fault_t)
+            if not rec["fault"]["recovered"]:
+                return records
+        return records
+    except AssertionError as exc:
+        if records and "fault" not in records[-1]:
+            records[-1]["fault"] = {"recovered": False, "error": f"harness: {exc}"}
+        return records
+    finally:
+        cluster.stop()
+
+
+def sessions_for(scenarios: list[str]) -> list[list[str]]:
+    """Worker kill then agent kill share a session (one cold start); a join has its own."""
+    kills = [s for s in ("worker_kill", "agent_kill") if s in scenarios]
+    return ([kills] if kills else []) + ([["join"]] if "join" in scenarios else [])
+
+
+# ------------------------------------------------------------------ summary
+
+FIGURES = [
+    ("cold start (s)", "cold_start", None, "time_s"),
+    ("worker SIGKILL -> next step (s)", "fault", "worker_kill", "time_s"),
+    ("  steps lost", "fault", "worker_kill", "steps_lost"),
+    ("agent SIGKILL -> training again (s)", "fault", "agent_kill", "time_s"),
+    ("  steps lost", "fault", "agent_kill", "steps_lost"),
+    ("  world size after", "fault", "agent_kill", "world_after"),
+    ("node joins -> step at world 3 (s)", "fault", "join", "time_s"),
+    ("  steps lost", "fault", "join", "steps_lost"),
+]
+
+
+def _values(trials: list[dict], variant: str, part: str, scenario: str | None, key: str) -> tuple[list, int]:
+    """Values of one figure for one variant, and the number of attempts."""
+    rows = [t for t in trials if t["variant"] == variant and t.get(part)
+            and (scenario is None or t["scenario"] == scenario)
+            and (part != "cold_start" or t["scenario"] != "join")]
+    vals = [t[part][key] for t in rows if t[part].get("recovered") and t[part].get(key) is not None]
+    return vals, len(rows)
+
+
+def summarize(trials: list[dict], variants: list[str]) -> dict:
+    out: dict = {}
+    for label, part, scenario, key in FIGURES:
+        fig = f"{scenario or part}.{key}"
+        out[fig] = {}
+        for v in variants:
+            vals, n = _values(trials, v, part, scenario, key)
+            if n == 0:
+                continue
+            out[fig][v] = {"n": n, "recovered": len(vals), "hangs": n - len(vals),
+                           "min": min(vals) if vals else None,
+                           "median": round(statistics.median(vals), 3) if vals else None,
+                           "max": max(vals) if vals else None}
+    return out
+
+
+def ratios(summary: dict, variants: list[str]) -> dict:
+    out: dict = {}
+    for fig, per in summary.items():
+        if not fig.endswith("time_s"):
+            continue
+        for f in (v for v in variants if v.startswith("ftrain")):
+            for t in (v for v in variants if v.startswith("torchrun")):
+                a, b = per.get(f, {}).get("median"), per.get(t, {}).get("median")
+                if a is not None and b:
+                    out.setdefault(fig, {})[f"{f}/{t}"] = round(a / b, 2)
+    return out
+
+
+def print_table(summary: dict, rat: dict, variants: list[str]) -> None:
+    w = 36
+    head = f"{'figure':<{w}}" + "".join(f"{v:>26}" for v in variants)
+    print(head)
+    print(f"{'':<{w}}" + "".join(f"{'min / median / max (ok/n)':>26}" for _ in variants))
+    print("-" * len(head))
+    for label, part, scenario, key in FIGURES:
+        fig = f"{scenario or part}.{key}"
+        cells = []
+        for v in variants:
+            s = summary[fig].get(v)
+            if s is None:
+                cells.append(f"{'-':>26}")
+            elif s["median"] is None:
+                text = f"none (0/{s['n']})"
+                cells.append(f"{text:>26}")
+            else:
+                fmt = (lambda x: f"{x:.1f}") if key == "time_s" else (lambda x: f"{x:g}")
+                text = f"{fmt(s['min'])} / {fmt(s['median'])} / {fmt(s['max'])} ({s['recovered']}/{s['n']})"
+                cells.append(f"{text:>26}")
+        print(f"{label:<{w}}" + "".join(cells))
+    if rat:
+        print()
+        print("ratio of medians, ftrain / torchrun (below 1: ftrain faster)")
+        for fig, per in rat.items():
+            print(f"  {fig:<26}" + "  ".join(f"{k} = {v:.2f}" for k, v in per.items()))
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 trial of torchrun-tuned and ftrain (< 5 min)")
+    ap.add_argument("--trials", type=int, help="trials per variant and fault (default 5; --quick 1)")
+    ap.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--scenarios", help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    ap.add_argument("--deadline", type=float, default=60.0, help="a fault not recovered by then is a hang (s)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery.json")
+    ap.add_argument("--workdir", type=Path, help="keep the trials' logs here (default: a temporary dir)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    trials_n = args.trials or (1 if args.quick else 5)
+    variants = (args.variants.split(",") if args.variants
+                else ["torchrun-tuned", "ftrain", "ftrain-runtime"] if args.quick else list(VARIANTS))
+    scenarios = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
+    # The runtime variant is there for the zero-loss join; unless asked for, it runs only that.
+    scenarios_of = {v: (["join"] if v == "ftrain-runtime" and not args.variants else scenarios)
+                    for v in variants}
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="ftrain-bench-recovery-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    load_before = _uptime()
+    started = time.time()
+    print(f"recovery benchmark: {trials_n} trial(s) x {variants} x {scenarios}; logs in {root}")
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores; {load_before}")
+
+    stack = FtrainStack(root / "ftrain").start() if any(VARIANTS[v]["kind"] == "ftrain" for v in variants) else None
+    trials: list[dict] = []
+    try:
+        for trial in range(trials_n):
+            for faults in sessions_for(scenarios):
+                delay_s = rng.uniform(0, SNAPSHOT_EVERY * STEP_TIME_S)
+                order = variants[trial % len(variants):] + variants[:trial % len(variants)]
+                for variant in order:
+                    todo = [f for f in faults if f in scenarios_of[variant]]
+                    while todo:
+                        records = run_session(variant, todo, trial, root, stack, args.deadline, delay_s)
+                        done = {r["scenario"] for r in records}
+                        todo = [f for f in todo if f not in done]  # after a hang: a fresh session
+                        for r in records:
+                            r["load"] = os.getloadavg()[0]
+                            trials.append(r)
+                            f = r.get("fault", {})
+                            cold = r.get("cold_start", {}).get("time_s", "-")
+                            print(f"  trial {trial} {r['scenario']:<11} {variant:<17} cold {cold!s:>6} s"
+                                  f"  recovery {f.get('time_s', 'HANG')!s:>6} s  lost {f.get('steps_lost', '-')!s:>3}"
+                                  f"  world {f.get('world_after', '-')}  phases {f.get('phases_s', f.get('error'))}",
+                                  flush=True)
+                        if not records:
+                            break
+    finally:
+        if stack:
+            stack.stop()
+
+    summary = summarize(trials, variants)
+    rat = ratios(summary, variants)
+    load_after = _uptime()
+    print()
+    print(f"load before: {load_before}")
+    print(f"load after:  {load_after}")
+    print(f"wall time: {time.time() - started:.0f} s")
+    print()
+    print_table(summary, rat, variants)
+    import torch
+    result = {"machine": {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
+                          "python": platform.python_version(), "load_before": load_before,
+                          "load_after": load_after},
+              "config": {"trials": trials_n, "variants": variants, "scenarios": scenarios,
+                         "deadline_s": args.deadline, "snapshot_every": SNAPSHOT_EVERY,
+                         "step_time_s": STEP_TIME_S, "warm_steps": WARM_STEPS,
+                         "tuned_conf": TUNED_CONF, "command": " ".join(sys.argv)},
+              "summary": summary, "ratios": rat, "trials": trials}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print()
+    print(f"JSON written to {args.out}:")
+    print(json.dumps({"machine": result["machine"], "config": result["config"], "summary": summary,
+                      "ratios": rat}, indent=1))
+    if not args.workdir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
