@@ -3,6 +3,7 @@ and failure-transparent training under real torchrun with real SIGKILLs."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -159,13 +160,13 @@ def _kill_a_worker(proc: subprocess.Popen, script: str) -> int:
     return pids[-1]
 
 
-def _finish(proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> str:
+def _finish(proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> str:
     try:
         proc.wait(timeout_s)
     finally:
         if proc.poll() is None:
             for pid in descendants(proc.pid):
-                with __import__("contextlib").suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait()
@@ -182,7 +183,7 @@ def _steps_after(text: str, marker_count: int) -> list[int]:
     return [int(m) for m in re.findall(r"^step=(\d+) ", "start step=".join(parts[marker_count:]), re.M)]
 
 
-EXAMPLE = ["examples/train.py", "--steps", "90", "--batch", "16", "--width", "32", "--step-delay", "0.03"]
+EXAMPLE = ["examples/train.py", "--steps", "70", "--batch", "16", "--width", "32", "--step-delay", "0.03"]
 
 
 def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control_plane, api, tmp_path):
@@ -195,10 +196,10 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
         out = tmp_path / f"{run}.pt"
         proc = _start_torchrun([*EXAMPLE, "--out", str(out)], env, log)
         if run == "faults":
-            wait_for(lambda: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 60, "step 25")
+            wait_for(lambda: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 120, "step 25")
             _kill_a_worker(proc, "examples/train.py")
-            wait_for(lambda: any(s >= 55 for s in _steps_after(log.read_text(), 2)), 60,
-                     "step 55 after the first restart")
+            wait_for(lambda: any(s >= 50 for s in _steps_after(log.read_text(), 2)), 120,
+                     "step 50 after the first restart")
             _kill_a_worker(proc, "examples/train.py")
         text = _finish(proc, log)
         if run == "faults":
@@ -206,7 +207,7 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
             assert len(starts) == 3 and starts[0] == 0 and 20 <= starts[1] < starts[2], starts
         finals[run] = torch.load(out)
         listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
-        assert listed["latest"] == 90 and len(listed["items"]) == 3
+        assert listed["latest"] == 70 and len(listed["items"]) == 3
     assert finals["clean"].keys() == finals["faults"].keys()
     for name, tensor in finals["clean"].items():
         assert torch.equal(tensor, finals["faults"][name]), name
@@ -216,7 +217,7 @@ def test_the_plain_tutorial_script_resumes_from_its_own_snapshot_after_a_sigkill
     log = tmp_path / "plain.log"
     proc = _start_torchrun(["examples/plain_ddp.py", "--epochs", "8", "--step-delay", "0.12"],
                            {"FTRAIN_SNAPSHOT_DIR": str(tmp_path)}, log)
-    wait_for(lambda: "Epoch 3 | Training snapshot saved" in log.read_text(), 60, "the snapshot of epoch 3")
+    wait_for(lambda: "Epoch 3 | Training snapshot saved" in log.read_text(), 120, "the snapshot of epoch 3")
     _kill_a_worker(proc, "examples/plain_ddp.py")
     text = _finish(proc, log)
     resumed = [int(e) for e in re.findall(r"Resuming training from snapshot at Epoch (\d+)", text)]
