@@ -10,9 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service import background
 from service.context import Context
 from service.errors import FtrainError, InvalidTransition, StoreUnavailable
-from service.routes import health, jobs
+from service.routes import health, jobs, logs, nodes, rendezvous, snapshots
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        from service import background
-
         await background.start(ctx)
         try:
             yield
@@ -38,23 +37,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
-    app.include_router(health.router)
-    app.include_router(jobs.router)
-    for module in _optional_routers():
+    for module in (health, jobs, nodes, rendezvous, snapshots, logs):
         app.include_router(module.router)
     return app
-
-
-def _optional_routers():
-    """Routers of the node side (nodes, rendezvous, snapshots, logs), in their own modules."""
-    import importlib
-
-    for name in ("nodes", "rendezvous", "snapshots", "logs"):
-        try:
-            yield importlib.import_module(f"service.routes.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"service.routes.{name}":
-                raise
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,4 +1,4 @@
-"""Background loops of a control plane (scheduler, node reaper), started by the lifespan."""
+"""Background loops of a control plane (the job index, the scheduler), run by the lifespan."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 
+from service import scheduler
 from service.context import Context
 
 log = logging.getLogger(__name__)
@@ -13,14 +14,6 @@ log = logging.getLogger(__name__)
 
 async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
-    import importlib
-
-    try:
-        scheduler = importlib.import_module("service.scheduler")
-    except ModuleNotFoundError as exc:
-        if exc.name != "service.scheduler":
-            raise
-        return
     ctx.tasks.append(asyncio.create_task(scheduler.run(ctx), name="scheduler"))
 
 

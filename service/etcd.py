@@ -159,17 +159,8 @@ class Etcd:
         """Apply `ops` atomically iff every key in `expect` has that mod_revision (0: absent)."""
 
         async def txn(c: aetcd.Client):
-            compare = [c.transactions.mod(k.encode()) == rev for k, rev in expect.items()]
-            success = []
-            for op in ops:
-                if isinstance(op, Put):
-                    success.append(c.transactions.put(op.key.encode(), op.value, lease=op.lease))
-                else:
-                    key = op.key.encode()
-                    success.append(
-                        c.transactions.delete(key, range_end=_prefix_end(key) if op.prefix else None)
-                    )
-            ok, _ = await c.transaction(compare=compare, success=success, failure=[])
+            ok, _ = await c.transaction(compare=_compares(c, expect), success=_requests(c, ops),
+                                        failure=[])
             return ok
 
         return await self._call("a transaction", txn)
@@ -184,19 +175,9 @@ class Etcd:
         """
 
         async def txn(c: aetcd.Client):
-            compare = [c.transactions.mod(k.encode()) == rev for k, rev in expect.items()]
-            success = []
-            for op in ops:
-                if isinstance(op, Put):
-                    success.append(c.transactions.put(op.key.encode(), op.value, lease=op.lease))
-                else:
-                    key = op.key.encode()
-                    success.append(
-                        c.transactions.delete(key, range_end=_prefix_end(key) if op.prefix else None)
-                    )
             get = c.transactions.get(read.encode())
-            ok, responses = await c.transaction(compare=compare, success=[*success, get],
-                                                failure=[get])
+            ok, responses = await c.transaction(compare=_compares(c, expect),
+                                                success=[*_requests(c, ops), get], failure=[get])
             found = responses[-1]
             return ok, (_entry(found[0][1]) if found else None)
 
@@ -252,6 +233,22 @@ class Etcd:
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
             await self._drop_client()
             raise self._unavailable("a watch", exc) from exc
+
+
+def _compares(c: aetcd.Client, expect: dict[str, int]) -> list:
+    """Each key's mod_revision must be as given (0: the key must not exist)."""
+    return [c.transactions.mod(k.encode()) == rev for k, rev in expect.items()]
+
+
+def _requests(c: aetcd.Client, ops: Sequence[Put | Delete]) -> list:
+    out = []
+    for op in ops:
+        key = op.key.encode()
+        if isinstance(op, Put):
+            out.append(c.transactions.put(key, op.value, lease=op.lease))
+        else:
+            out.append(c.transactions.delete(key, range_end=_prefix_end(key) if op.prefix else None))
+    return out
 
 
 def _entry(kv) -> Entry:

@@ -40,6 +40,7 @@ from service.models import (
     NodeRecord,
     NodeState,
 )
+from service.rendezvous import delete_rendezvous
 from service.state import note, transition
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,13 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
 
     live = live_members(d.job)
+    lost = [n for n in job.members if job.members[n].is_live() and n not in nodes]
+    if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
+        # The survivors have not re-formed without the lost node (NCCL blocks in a collective
+        # with a dead peer instead of failing): restart them under a fresh rendezvous.
+        d.update(attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
+                 members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
+        d.note(f"restarting the {len(live)} remaining node(s) under a new rendezvous")
     if len(live) < d.job.spec.nodes.min:
         d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
                "waiting for nodes (snapshots are kept)",
@@ -267,7 +275,7 @@ async def tick(ctx: Context, cfg: SchedulerConfig, last_reason: dict[str, str]) 
 async def _cleanup(ctx: Context, job_id: str) -> None:
     """A finished job's rendezvous keys are of no further use."""
     with contextlib.suppress(StoreUnavailable):
-        await ctx.etcd.delete_prefix(ctx.keys.rdzv_of_job(job_id))
+        await delete_rendezvous(ctx, job_id)
 
 
 async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:

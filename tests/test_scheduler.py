@@ -57,11 +57,19 @@ def test_lost_node_below_min_sends_the_job_back_to_pending():
     assert "lost" in " ".join(e.reason for e in p.events)
 
 
-def test_lost_node_above_min_keeps_running_without_it():
-    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1, mx=2)
+def test_lost_node_above_min_keeps_running_without_it_once_the_survivors_reformed():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1, mx=2, round_nodes=1)
     p = plan(j, nodes("a"), [], NOW, CFG)
-    assert p.job.state is S.RUNNING
+    assert p.job.state is S.RUNNING and p.job.attempt == j.attempt
     assert p.job.members["b"].state == "stopped" and p.job.members["a"].state == "running"
+
+
+def test_survivors_stuck_with_a_lost_node_restart_under_a_new_attempt():
+    j = job(S.RUNNING, {"a": "running", "b": "running", "c": "running"}, mn=1, mx=3, round_nodes=3)
+    p = plan(j, nodes("a", "b"), [], NOW, CFG)
+    assert p.job.state is S.RUNNING and p.job.attempt == j.attempt + 1
+    assert sorted(p.job.members) == ["a", "b"]
+    assert all(m.state == "assigned" for m in p.job.members.values())
 
 
 def test_free_node_scales_up_a_plain_job_at_once():
