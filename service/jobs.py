@@ -116,13 +116,18 @@ class JobStore:
             change = decide(job)
             if change is None:
                 return job
-            ops: list[Put | Delete] = [Put(self.keys.job(job_id), _dump(change.job))]
-            ops += [Put(self.keys.event(job_id, e.seq), _dump(e)) for e in change.events]
-            ops += change.ops
-            if await self.etcd.commit({self.keys.job(job_id): revision}, ops):
+            if await self.commit_change(revision, change):
                 return change.job
         raise ContentionError(f"job {job_id} changed {MAX_CAS_ATTEMPTS} times while an update "
                               "was being decided; retry the request")
+
+    async def commit_change(self, revision: int, change: Change) -> bool:
+        """Write `change` (record, events, extra ops) iff the job is still at `revision`."""
+        job_id = change.job.id
+        ops: list[Put | Delete] = [Put(self.keys.job(job_id), _dump(change.job))]
+        ops += [Put(self.keys.event(job_id, e.seq), _dump(e)) for e in change.events]
+        ops += change.ops
+        return await self.etcd.commit({self.keys.job(job_id): revision}, ops)
 
     async def move(self, job_id: str, target: JobState, reason: str) -> JobRecord:
         """Transition a job (raises InvalidTransition if the machine forbids it)."""

@@ -225,10 +225,7 @@ class SnapshotStore:
             change = decision.change
             if change is None:
                 return decision
-            ops: list[Put | Delete] = [Put(store.keys.job(job_id), change.job.model_dump_json().encode())]
-            ops += [Put(store.keys.event(job_id, e.seq), e.model_dump_json().encode()) for e in change.events]
-            ops += change.ops
-            if await store.etcd.commit({store.keys.job(job_id): revision}, ops):
+            if await store.commit_change(revision, change):
                 return decision
         raise ContentionError(f"job {job_id} changed {MAX_CAS_ATTEMPTS} times while a snapshot "
                               "change was being decided; retry the request")
