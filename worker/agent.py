@@ -104,9 +104,13 @@ class LogShipper:
             for i in range(0, len(lines), 1000):
                 chunk = lines[i:i + 1000]
                 try:
-                    self._client.post(f"/v1/jobs/{job_id}/logs",
-                                      json={"node": self._node, "attempt": attempt, "lines": chunk})
+                    resp = self._client.post(f"/v1/jobs/{job_id}/logs",
+                                             json={"node": self._node, "attempt": attempt, "lines": chunk})
+                    # A 5xx (etcd away) is no answer: keep the lines, as for a refused connection.
+                    lost = resp.status_code >= 500
                 except httpx.HTTPError:
+                    lost = True
+                if lost:
                     with self._lock:  # keep for the next try
                         self._pending[(job_id, attempt)][:0] = lines[i:]
                     break

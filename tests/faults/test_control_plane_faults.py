@@ -1,0 +1,114 @@
+"""Faults of the service side: the control plane killed and restarted, etcd killed and
+restarted, a submit while etcd is down. Training must not notice the first two."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+
+from tests.elastic import job, submit, wait_nodes, wait_state
+from tests.faults.helpers import (
+    SnapshotWatch,
+    agent_stdout,
+    check_steps,
+    events_of,
+    local_steps,
+    plain_spec,
+    train_spec,
+    wait_latest,
+)
+from tests.harness import wait_for
+
+pytestmark = pytest.mark.integration
+
+# Found by these tests, not fixed here (service/etcd.py and service/cache.py are not this
+# suite's to change): after etcd is killed and restarted, the watch streams opened before
+# (JobIndex.run, scheduler._watch_changes) never end -- `Etcd.watch_prefix` neither yields
+# nor raises once its client has been dropped -- so the job index that answers heartbeats
+# keeps the pre-outage assignments for ever; and the scheduler loop was seen to stop for
+# good (no leader key in etcd, no log line) after the outage. Remove the marks once fixed.
+ETCD_RESTART_BUG = pytest.mark.xfail(
+    reason="the control plane's etcd watches do not recover from an etcd restart (stale job index, "
+           "stalled scheduler); see the comment above", strict=False)
+
+
+def _trains_on_without(agent, job_id: str, attempt: int, steps: int = 3) -> None:
+    """Rank 0 keeps logging steps (read from the agent's local file, not the service)."""
+    out = agent_stdout(agent, job_id, attempt)
+    seen = max(local_steps(out), default=0)
+    wait_for(lambda: max(local_steps(out), default=0) >= seen + steps, 20,
+             f"rank 0 to log {steps} more steps past {seen} while the service is away")
+
+
+def test_control_plane_killed_and_restarted_training_goes_on_undisturbed(control_plane, api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("cpkill", 120, nproc=2))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        latest = wait_latest(api, job_id, 10)
+        attempt = job(api, job_id)["attempt"]
+        control_plane.stop(signal.SIGKILL)
+        assert control_plane.proc.returncode == -signal.SIGKILL
+        with pytest.raises(httpx.ConnectError):
+            api.get("/healthz")
+        _trains_on_without(a, job_id, attempt)
+        control_plane.start()
+
+        with control_plane.client() as again:
+            done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+            assert done["state"] == "SUCCEEDED", events_of(again, job_id)
+            assert done["restarts"] == 0 and done["attempt"] == attempt and done["world_size"] == 2
+            assert "RECOVERING" not in [e["state"] for e in events_of(again, job_id)]
+            trace = check_steps(again, job_id, watch=watch)
+            assert trace.steps == list(range(1, 121)) and not trace.resumes
+            final = watch.check(again)
+            assert final["latest"] == 120 and latest in {i["step"] for i in final["items"]}
+
+
+@ETCD_RESTART_BUG
+def test_etcd_killed_and_restarted_api_answers_503_meanwhile_and_training_goes_on(
+        control_plane, etcd, api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("etcdkill", 120, nproc=2))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        wait_latest(api, job_id, 10)
+        attempt = job(api, job_id)["attempt"]
+        etcd.kill()
+        assert etcd.proc.poll() is not None and not etcd.is_healthy()
+        down = api.get(f"/v1/jobs/{job_id}")
+        assert down.status_code == 503 and "etcd" in down.json()["detail"], down.text
+        _trains_on_without(a, job_id, attempt)
+        assert api.get(f"/v1/jobs/{job_id}").status_code == 503  # still down: those steps ran without it
+        etcd.start()
+
+        wait_for(lambda: api.get(f"/v1/jobs/{job_id}").status_code == 200, 30, "the API to answer again")
+        done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+        assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+        assert done["restarts"] == 0 and done["attempt"] == attempt
+        trace = check_steps(api, job_id, watch=watch)
+        assert trace.steps == list(range(1, 121)) and not trace.resumes
+        assert watch.check(api)["latest"] == 120
+
+
+@ETCD_RESTART_BUG
+def test_submit_while_etcd_is_down_is_503_then_works_once_etcd_is_back(etcd, api, agents):
+    agents(1)
+    wait_nodes(api, 1)
+    etcd.kill()
+    assert etcd.proc.poll() is not None and not etcd.is_healthy()
+    spec = plain_spec("etcddown", 10)
+    refused = api.post("/v1/jobs", json=spec)
+    assert refused.status_code == 503, refused.text
+    assert "etcd" in refused.json()["detail"]
+    etcd.start()
+
+    job_id = wait_for(lambda: (r := api.post("/v1/jobs", json=spec)).status_code == 201 and r.json()["id"],
+                      30, "a submit to be accepted once etcd is back")
+    assert [j["id"] for j in api.get("/v1/jobs").json()["items"]] == [job_id]  # the 503 left nothing
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    trace = check_steps(api, job_id, every=5)
+    assert trace.steps == list(range(1, 11))

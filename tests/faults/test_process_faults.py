@@ -1,0 +1,119 @@
+"""Faults of the training processes: a worker killed or hung, an agent killed, a cancel
+that lands while the job is recovering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.elastic import SCRIPT, job, submit, wait_nodes, wait_state, wait_step
+from tests.faults.helpers import (
+    SnapshotWatch,
+    check_steps,
+    events_of,
+    plain_spec,
+    rank0_lines,
+    state_letter,
+    states_of,
+    train_spec,
+    wait_latest,
+    wait_workers,
+    workers,
+)
+from tests.harness import pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_worker_sigkill_restarts_the_group_from_the_latest_snapshot(control_plane, api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("wkill", 60, nproc=2))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        latest = wait_latest(api, job_id, 10)
+        victim = wait_workers(a, 2)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+
+        done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+        assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+        assert done["restarts"] == 1 and done["world_size"] == 2
+        trace = check_steps(api, job_id, watch=watch)
+        assert trace.steps[-1] == 60
+        assert len(trace.resumes) == 1 and trace.resumes[0][1] >= latest, trace.resumes
+        assert watch.check(api)["latest"] == 60
+
+
+def test_worker_hung_with_sigstop_is_killed_and_the_group_restarts_within_seconds(api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, plain_spec("wstop", 80, nproc=2))
+    wait_step(api, job_id, 10)
+    victim = wait_workers(a, 2, script=SCRIPT)[1]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.time()
+    wait_for(lambda: state_letter(victim) in ("T", "t"), 5, "the worker to be stopped (state T)")
+
+    # The agent kills a worker stopped for more than 3 s; torch restarts the group.
+    wait_for(lambda: not pid_alive(victim), 15, "the agent to kill the stopped worker")
+    assert time.time() - stopped_at < 15
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert done["restarts"] == 1
+    trace = check_steps(api, job_id, every=5)
+    assert trace.steps[-1] == 80 and len(trace.resumes) == 1
+    # Training again well before any collective's timeout (30 s in the script, 30 min by default).
+    assert trace.resumes[0][0] - stopped_at < 20, trace.resumes
+    lines = [i["line"] for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]]
+    assert any(f"worker pid {victim} was stopped" in line for line in lines)
+
+
+def test_agent_sigkill_the_job_goes_on_with_the_other_node(control_plane, api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("akill", 100, mn=1, mx=2))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
+        latest = wait_latest(api, job_id, 10)
+        assert workers(b)
+        killed = b.kill_tree()
+        wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+
+        done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+        assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+        assert done["nodes"] == ["n0"] and done["world_size"] == 1 and done["restarts"] == 0
+        trace = check_steps(api, job_id, watch=watch)
+        assert trace.steps[-1] == 100
+        assert len(trace.resumes) == 1 and trace.resumes[0][1] >= latest, trace.resumes
+        assert any("node n1 lost" in e["reason"] for e in events_of(api, job_id))
+        assert watch.check(api)["latest"] == 100
+
+
+def test_cancel_during_recovery_ends_cancelled_with_no_worker_left(control_plane, api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("cancelrec", 2000, nproc=2))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        wait_latest(api, job_id, 5)
+        tree = a.tree()
+        victim = wait_workers(a, 2)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+        wait_for(lambda: job(api, job_id)["state"] == "RECOVERING", 20, "the job to be RECOVERING",
+                 interval_s=0.01)
+        resp = api.post(f"/v1/jobs/{job_id}/cancel")
+        assert resp.status_code == 202, resp.text
+
+        done = wait_state(api, job_id, ("CANCELLED", "FAILED", "SUCCEEDED"), timeout_s=30)
+        assert done["state"] == "CANCELLED", events_of(api, job_id)
+        states = states_of(api, job_id)
+        # The cancel landed while recovering: no RUNNING between RECOVERING and CANCELLING.
+        assert states[-3:] == ["RECOVERING", "CANCELLING", "CANCELLED"], states
+        wait_for(lambda: not any(pid_alive(p) for p in tree[1:]) and not workers(a), 15,
+                 "every worker and torchrun of the job to stop")
+        check_steps(api, job_id, watch=watch)
+        watch.check(api)
+        assert rank0_lines(api, job_id)
