@@ -7,18 +7,21 @@
 Starts a real etcd and a real control plane (uvicorn) on loopback, then, each in a
 process of its own (asyncio + httpx):
 
-* the heartbeat load: registers `--nodes` nodes with the node token
-  (`POST /v1/nodes/register`) and heartbeats each at the interval the control plane
-  gives it (`POST /v1/nodes/{name}/heartbeat`), phase-shifted evenly, for the whole run;
-  it records every beat, so the table says whether the control plane kept up (beats
-  per second, how late they went out, lease lapses seen as 404);
+* the heartbeat load (`--hb-procs` processes, each with a share of the nodes): registers
+  `--nodes` nodes with the node token (`POST /v1/nodes/register`) and heartbeats each at
+  the interval the control plane gives it (`POST /v1/nodes/{name}/heartbeat`),
+  phase-shifted evenly, for the whole run; it records every beat, so the table says
+  whether the control plane kept up (beats per second against those due, their latency,
+  lease lapses seen as 404). A Python client is itself costly: when it falls behind,
+  the CPU column says whose fault it is;
 * the request load, one phase at a time, `--concurrency` requests in flight:
   `GET /v1/jobs/{id}` over a handful of jobs (status reads), then `POST /v1/jobs`
   (submissions; the jobs need one node each, so the scheduler hands them the fake
   nodes, as it would real ones, and the rest wait PENDING).
 
 If `wrk` is on PATH the status reads are measured again with it (a C client that costs
-the machine far less than Python does; DESIGN.md's figures came from it). Also reports
+the machine far less than Python does; DESIGN.md's figures came from it), and so is the
+most heartbeats a second the control plane answers (round robin over the nodes). Also reports
 the CPU each process used per phase, since on a 2-core machine the load generators
 compete with the server. Writes bench/results/api.json (or --out).
 """
@@ -34,7 +37,6 @@ import re
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
+import httpx
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -53,7 +55,7 @@ def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 # ------------------------------------------------------------------ role: heartbeat load
@@ -61,7 +63,9 @@ def pct(values: list[float], q: float) -> float | None:
 async def heartbeat_role(args) -> None:
     headers = {"Authorization": f"Bearer {args.token}"}
     limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
-    names = [f"load-{i:05d}" for i in range(args.nodes)]
+    # This process beats for nodes first, first + step, ... (several processes share the load).
+    names = [f"load-{i:05d}" for i in range(args.first, args.nodes, args.step)]
+    in_flight = asyncio.Semaphore(args.connections)  # queue here, not inside httpx's pool
     beats: list[tuple[float, float, int, float]] = []  # (sent at, latency, status, lag)
     registered: dict[str, float] = {}
     stop = asyncio.Event()
@@ -92,11 +96,12 @@ async def heartbeat_role(args) -> None:
                     try:
                         await asyncio.wait_for(stop.wait(), delay)
                         return
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 sent = time.monotonic()
                 try:
-                    r = await client.post(f"/v1/nodes/{name}/heartbeat")
+                    async with in_flight:
+                        r = await client.post(f"/v1/nodes/{name}/heartbeat")
                     code = r.status_code
                     if code == 404:  # the lease lapsed: register again, as an agent would
                         await client.post("/v1/nodes/register", json={"name": name, "nproc_per_node": 1})
@@ -164,13 +169,23 @@ def cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def run_wrk(url: str, token: str, concurrency: int, duration: float) -> dict | None:
+def heartbeat_script(root: Path, nodes: int) -> Path:
+    """A wrk script that heartbeats the registered nodes round robin, as fast as it can."""
+    path = root / "heartbeat.lua"
+    path.write_text("n = 0\nrequest = function()\n  n = n + 1\n"
+                    f"  return wrk.format('POST', string.format('/v1/nodes/load-%05d/heartbeat', n % {nodes}))\n"
+                    "end\n")
+    return path
+
+
+def run_wrk(url: str, token: str, concurrency: int, duration: float, script: Path | None = None) -> dict | None:
     wrk = shutil.which("wrk")
     if not wrk:
         return None
     out = subprocess.run([wrk, "-t2", f"-c{concurrency}", f"-d{int(duration)}s", "--latency",
+                          *(["-s", str(script)] if script else []),
                           "-H", f"Authorization: Bearer {token}", url],
-                         capture_output=True, text=True, timeout=duration + 30).stdout
+                         capture_output=True, text=True, timeout=duration + 30, check=False).stdout
     def ms(text: str) -> float:
         m = re.match(r"([\d.]+)(us|ms|s)", text)
         v = float(m.group(1))
@@ -206,7 +221,10 @@ def main() -> int:
     ap.add_argument("--stats-file", help=argparse.SUPPRESS)
     ap.add_argument("--kind", choices=("read", "submit"), help=argparse.SUPPRESS)
     ap.add_argument("--job-ids", help=argparse.SUPPRESS)
-    ap.add_argument("--connections", type=int, default=64, help="heartbeat client's connection pool")
+    ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--connections", type=int, default=32, help="heartbeat connections per process")
+    ap.add_argument("--hb-procs", type=int, default=2, help="processes sharing the heartbeat load")
     ap.add_argument("--nodes", type=int, default=1000, help="registered nodes heartbeating")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
@@ -228,21 +246,25 @@ def main() -> int:
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()
     cp = ControlPlane(etcd.endpoint, root / "cp").start()
     me = [sys.executable, str(Path(__file__).resolve())]
-    load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load_before = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"api benchmark: {args.nodes} nodes heartbeating, concurrency {args.concurrency}, "
           f"{args.duration:g} s per phase; control plane {cp.url}")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores; {load_before}")
-    hb = None
+    hbs: list[subprocess.Popen] = []
     result: dict = {"phases": {}}
     try:
-        ready, stats = root / "ready.json", root / "beats.json"
-        hb = subprocess.Popen([*me, "--role", "heartbeat", "--server", cp.url, "--token", cp.node_token,
-                               "--nodes", str(args.nodes), "--connections", str(args.connections),
-                               "--ready-file", str(ready), "--stats-file", str(stats)], cwd=REPO)
-        wait_for(ready.exists, 300, f"{args.nodes} nodes to register")
-        info = json.loads(ready.read_text())
-        print(f"registered {args.nodes} nodes in {info['register_s']:.1f} s; heartbeat every "
-              f"{info['interval_s']:g} s each")
+        hbs = []
+        for k in range(args.hb_procs):
+            hbs.append(subprocess.Popen(
+                [*me, "--role", "heartbeat", "--server", cp.url, f"--token={cp.node_token}",
+                 "--nodes", str(args.nodes), "--first", str(k), "--step", str(args.hb_procs),
+                 "--connections", str(args.connections), "--ready-file", str(root / f"ready-{k}.json"),
+                 "--stats-file", str(root / f"beats-{k}.json")], cwd=REPO))
+        wait_for(lambda: all((root / f"ready-{k}.json").exists() for k in range(args.hb_procs)), 300,
+                 f"{args.nodes} nodes to register")
+        info = [json.loads((root / f"ready-{k}.json").read_text()) for k in range(args.hb_procs)]
+        print(f"registered {args.nodes} nodes in {max(i['register_s'] for i in info):.1f} s; heartbeat every "
+              f"{info[0]['interval_s']:g} s each, from {args.hb_procs} process(es)")
         time.sleep(min(3.0, args.duration))  # let the beats settle into their phases
 
         with cp.client("user") as api:
@@ -250,7 +272,8 @@ def main() -> int:
                                                   "nodes": {"min": 1, "max": 1}}).json()["id"]
                        for i in range(8)]
 
-        pids = {"control plane": cp.proc.pid, "etcd": etcd.proc.pid, "heartbeat load": hb.pid}
+        pids = {"control plane": cp.proc.pid, "etcd": etcd.proc.pid}
+        pids.update({f"heartbeat load {k}": h.pid for k, h in enumerate(hbs)})
 
         def phase(name: str, argv: list[str] | None, runner=None) -> None:
             before = {k: cpu_s(p) for k, p in pids.items()}
@@ -265,6 +288,7 @@ def main() -> int:
                 got = runner()
             t1 = time.time()
             cpu = {k: round((cpu_s(p) - before[k]) / (t1 - t0), 2) for k, p in pids.items()}
+            cpu["heartbeat load"] = round(sum(v for k, v in cpu.items() if k.startswith("heartbeat load ")), 2)
             done = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
                                 / (t1 - t0), 2)
@@ -274,29 +298,41 @@ def main() -> int:
             print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
                   f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
 
-        common = ["--role", "load", "--server", cp.url, "--token", cp.user_token,
+        common = ["--role", "load", "--server", cp.url, f"--token={cp.user_token}",
                   "--concurrency", str(args.concurrency), "--duration", str(args.duration)]
         phase("status reads (httpx)", [*me, *common, "--kind", "read", "--job-ids", ",".join(job_ids)])
         if shutil.which("wrk"):
             phase("status reads (wrk)", None, lambda: run_wrk(f"{cp.url}/v1/jobs/{job_ids[0]}", cp.user_token,
                                                               args.concurrency, args.duration))
         phase("submissions (httpx)", [*me, *common, "--kind", "submit"])
+        if shutil.which("wrk"):
+            phase("heartbeats, max (wrk)", None, lambda: run_wrk(cp.url, cp.node_token, args.concurrency,
+                                                                 args.duration, heartbeat_script(root, args.nodes)))
         phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration) or {})
     finally:
-        if hb and hb.poll() is None:
-            hb.send_signal(signal.SIGTERM)
+        for h in hbs:
+            if h.poll() is None:
+                h.send_signal(signal.SIGTERM)
+        for h in hbs:
             try:
-                hb.wait(60)
+                h.wait(60)
             except subprocess.TimeoutExpired:
-                hb.kill()
+                h.kill()
         cp.stop()
         etcd.kill()
 
-    beats_data = json.loads(stats.read_text()) if stats.exists() else {"beats": [], "interval_s": 1}
+    beats_data = {"beats": [], "interval_s": 1.0, "register_s": None}
+    for k in range(len(hbs)):
+        f = root / f"beats-{k}.json"
+        if f.exists():
+            got = json.loads(f.read_text())
+            beats_data["beats"] += got["beats"]
+            beats_data["interval_s"] = got["interval_s"]
+            beats_data["register_s"] = max(beats_data["register_s"] or 0, got["register_s"])
     for name, got in result["phases"].items():
         t0, t1 = got.pop("window")
         got["heartbeats"] = beat_stats(beats_data["beats"], t0, t1, args.nodes, beats_data["interval_s"])
-    load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load_after = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
     print()
     print(f"load before: {load_before}")

@@ -65,9 +65,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
+import httpx
 
-from tests.harness import (  # noqa: E402
+from tests.harness import (
     ControlPlane,
     EtcdProcess,
     NodeAgentProc,
@@ -385,15 +385,7 @@ class FtrainCluster:
 
 def _event_time(e: dict) -> float | None:
     t = e.get("time")
-    if isinstance(t, (int, float)):
-        return float(t)
-    if isinstance(t, str):
-        from datetime import datetime
-        try:
-            return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 # ------------------------------------------------------------------ one trial of one fault
@@ -444,7 +436,7 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
             elif fault == "agent_kill":
                 fault_t = time.time()
                 killed = cluster.kill_node(1)
-                wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "the node's tree to die")
+                wait_for(lambda pids=killed: not any(pid_alive(p) for p in pids), 10, "the node's tree to die")
                 world = None
             else:
                 fault_t = cluster.launch_node()
@@ -551,9 +543,55 @@ def print_table(summary: dict, rat: dict, variants: list[str]) -> None:
             print(f"  {fig:<26}" + "  ".join(f"{k} = {v:.2f}" for k, v in per.items()))
 
 
+def phase_table(trials: list[dict], variants: list[str]) -> dict:
+    """Median time from the fault to each milestone, per fault and variant (where the time goes).
+
+    For ftrain also the control plane's view from the job's events: when a surviving node
+    began re-forming the group (RECOVERING), when the group was formed (rank 0's report),
+    and for a join when the scheduler gave the job the new node.
+    """
+    out: dict = {}
+    marks = {"recovering": lambda r: r["state"] == "RECOVERING",
+             "group_formed": lambda r: r["reason"].startswith(("training again", "rendezvous complete")),
+             "node_given": lambda r: "joined; scaling up" in r["reason"],
+             "lease_lapsed": lambda r: "lease lapsed" in r["reason"]}
+    for scenario in SCENARIOS:
+        for v in variants:
+            rows = [t for t in trials if t["variant"] == v and t["scenario"] == scenario
+                    and t.get("fault", {}).get("recovered")]
+            if not rows:
+                continue
+            got: dict = {}
+            for name in ("first_worker_boot", "rank0_process_group", "rank0_resumed", "first_step"):
+                vals = [r["fault"]["phases_s"][name] for r in rows if r["fault"]["phases_s"].get(name) is not None]
+                if vals:
+                    got[name] = round(statistics.median(vals), 2)
+            for name, match in marks.items():
+                vals = []
+                for r in rows:
+                    ts = [e["t"] for e in r.get("diagnostics", {}).get("events", []) if e["t"] > 0 and match(e)]
+                    if ts:
+                        vals.append(min(ts))
+                if vals:
+                    got[f"cp:{name}"] = round(statistics.median(vals), 2)
+            out.setdefault(scenario, {})[v] = got
+    return out
+
+
+def print_phases(phases: dict) -> None:
+    print("where the time goes: median seconds from the fault to each milestone")
+    print("  (cp:* from ftrain's job events; the rest from the workload's log lines)")
+    order = ["cp:node_given", "cp:lease_lapsed", "cp:recovering", "cp:group_formed", "first_worker_boot",
+             "rank0_process_group", "rank0_resumed", "first_step"]
+    for scenario, per in phases.items():
+        print(f"  {scenario}")
+        for v, got in per.items():
+            print(f"    {v:<17} " + "  ".join(f"{k}={got[k]}" for k in order if k in got))
+
+
 def _uptime() -> str:
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -568,7 +606,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery.json")
     ap.add_argument("--workdir", type=Path, help="keep the trials' logs here (default: a temporary dir)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-json", type=Path, help="print the tables of an earlier run's JSON and exit")
     args = ap.parse_args()
+    if args.from_json:
+        old = json.loads(args.from_json.read_text())
+        vs = old["config"]["variants"]
+        print(f"{old['config']['command']}; load before: {old['machine']['load_before']}")
+        print_table(summarize(old["trials"], vs), ratios(summarize(old["trials"], vs), vs), vs)
+        print()
+        print_phases(phase_table(old["trials"], vs))
+        return 0
 
     trials_n = args.trials or (1 if args.quick else 5)
     variants = (args.variants.split(",") if args.variants
@@ -628,6 +675,9 @@ def main() -> int:
     print(f"wall time: {time.time() - started:.0f} s")
     print()
     print_table(summary, rat, variants)
+    phases = phase_table(trials, variants)
+    print()
+    print_phases(phases)
     import torch
     result = {"machine": {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
                           "python": platform.python_version(), "load_before": load_before,
@@ -636,13 +686,13 @@ def main() -> int:
                          "deadline_s": args.deadline, "snapshot_every": SNAPSHOT_EVERY,
                          "step_time_s": STEP_TIME_S, "warm_steps": WARM_STEPS,
                          "tuned_conf": TUNED_CONF, "command": " ".join(sys.argv)},
-              "summary": summary, "ratios": rat, "trials": trials}
+              "summary": summary, "ratios": rat, "phases": phases, "trials": trials}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print()
     print(f"JSON written to {args.out}:")
     print(json.dumps({"machine": result["machine"], "config": result["config"], "summary": summary,
-                      "ratios": rat}, indent=1))
+                      "ratios": rat, "phases": phases}, indent=1))
     if not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -22,11 +22,11 @@ import time
 
 BOOT_T = time.time()
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import datetime
+import json
+import os
+import sys
 
 
 class EventLog:
@@ -34,9 +34,9 @@ class EventLog:
 
     def __init__(self, path: str | None):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
-        self.base = {"pid": os.getpid(), "rank": int(os.environ.get("RANK", 0)),
-                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                     "attempt": int(os.environ.get("FTRAIN_ATTEMPT", 0))}
+        self.base = {"pid": os.getpid(), "rank": int(os.environ.get("RANK", "0")),
+                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     "attempt": int(os.environ.get("FTRAIN_ATTEMPT", "0"))}
 
     def write(self, ev: str, t: float | None = None, **fields) -> None:
         if self.fd is None:
