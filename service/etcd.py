@@ -90,6 +90,9 @@ class Etcd:
         self._timeout_s = timeout_s
         self._client: aetcd.Client | None = None
         self._lock = asyncio.Lock()
+        # Bumped whenever the client is dropped: a watch on an older client must end.
+        self._generation = 0
+        self._closing: set[asyncio.Task] = set()
 
     @property
     def endpoint(self) -> str:
@@ -114,12 +117,19 @@ class Etcd:
         return self._client
 
     async def _drop_client(self) -> None:
+        """Forget the client (the next call connects anew); close the old one in the background.
+
+        Closing waits for the client's watch stream to shut down, which can take as long as
+        the broken connection does: nobody waits for it, so no request hangs on it.
+        """
         client, self._client = self._client, None
+        self._generation += 1
         if len(self._endpoints) > 1:
             self._current = (self._current + 1) % len(self._endpoints)
         if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
+            task = asyncio.create_task(_close_quietly(client))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def _call(self, what: str, fn):
         """Run `fn(client)` with a deadline; map every failure to StoreUnavailable."""
@@ -135,6 +145,8 @@ class Etcd:
 
     async def close(self) -> None:
         await self._drop_client()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=2)
 
     async def get(self, key: str) -> Entry | None:
         got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
@@ -210,29 +222,61 @@ class Etcd:
         except Exception:  # an unknown lease is already gone: nothing to do
             log.debug("lease %x already gone", lease_id)
 
-    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+    async def watch_prefix(self, prefix: str, start_revision: int,
+                           max_session_s: float = 60.0) -> AsyncIterator[WatchEvent]:
         """Yield every change under `prefix` from `start_revision` on.
 
-        Raises StoreUnavailable when the stream breaks; the caller re-reads and re-watches.
+        Raises StoreUnavailable when the stream breaks, when the client it runs on was
+        dropped (etcd went away), or after `max_session_s`: the caller re-reads and
+        re-watches, so a stream that stalls without an error cannot leave it stale for long.
         """
+        generation = self._generation
         client = await self._call("a watch", lambda c: asyncio.sleep(0, c))
         key = prefix.encode()
+        queue: asyncio.Queue = asyncio.Queue()
         try:
-            watch = await client.watch(key, range_end=_prefix_end(key), start_revision=start_revision)
-            try:
-                async for ev in watch:
-                    kv = ev.kv
-                    yield WatchEvent(
-                        key=kv.key.decode(),
-                        value=None if ev.kind == "DELETE" else kv.value,
-                        mod_revision=kv.mod_revision,
-                    )
-            finally:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(watch.cancel(), 1)
-        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+            watch = await asyncio.wait_for(
+                client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
+                self._timeout_s)
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as exc:
             await self._drop_client()
             raise self._unavailable("a watch", exc) from exc
+
+        async def pump():
+            try:
+                async for ev in watch:
+                    await queue.put(ev)
+                await queue.put(EOFError("the watch ended"))
+            except Exception as exc:  # handed to the reader, which raises StoreUnavailable
+                await queue.put(exc)
+
+        pumping = asyncio.create_task(pump())
+        deadline = asyncio.get_running_loop().time() + max_session_s
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if self._generation != generation:
+                        raise self._unavailable("a watch", None) from None
+                    if asyncio.get_running_loop().time() > deadline:
+                        return
+                    continue
+                if isinstance(ev, BaseException):
+                    await self._drop_client()
+                    raise self._unavailable("a watch", ev) from ev
+                kv = ev.kv
+                yield WatchEvent(key=kv.key.decode(), value=None if ev.kind == "DELETE" else kv.value,
+                                 mod_revision=kv.mod_revision)
+        finally:
+            pumping.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(watch.cancel(), 1)
+
+
+async def _close_quietly(client: aetcd.Client) -> None:
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(client.close(), 5)
 
 
 def _compares(c: aetcd.Client, expect: dict[str, int]) -> list:

@@ -407,6 +407,7 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
          data_dir: str | Path = ".ftrain", address: str | None = None) -> None:
     logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s node {name or socket.gethostname()}: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address)
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)

@@ -23,17 +23,6 @@ from tests.harness import wait_for
 
 pytestmark = pytest.mark.integration
 
-# Found by these tests, not fixed here (service/etcd.py and service/cache.py are not this
-# suite's to change): after etcd is killed and restarted, the watch streams opened before
-# (JobIndex.run, scheduler._watch_changes) never end -- `Etcd.watch_prefix` neither yields
-# nor raises once its client has been dropped -- so the job index that answers heartbeats
-# keeps the pre-outage assignments for ever; and the scheduler loop was seen to stop for
-# good (no leader key in etcd, no log line) after the outage. Remove the marks once fixed.
-ETCD_RESTART_BUG = pytest.mark.xfail(
-    reason="the control plane's etcd watches do not recover from an etcd restart (stale job index, "
-           "stalled scheduler); see the comment above", strict=False)
-
-
 def _trains_on_without(agent, job_id: str, attempt: int, steps: int = 3) -> None:
     """Rank 0 keeps logging steps (read from the agent's local file, not the service)."""
     out = agent_stdout(agent, job_id, attempt)
@@ -67,7 +56,6 @@ def test_control_plane_killed_and_restarted_training_goes_on_undisturbed(control
             assert final["latest"] == 120 and latest in {i["step"] for i in final["items"]}
 
 
-@ETCD_RESTART_BUG
 def test_etcd_killed_and_restarted_api_answers_503_meanwhile_and_training_goes_on(
         control_plane, etcd, api, agents):
     (a,) = agents(1, nproc=2)
@@ -93,7 +81,6 @@ def test_etcd_killed_and_restarted_api_answers_503_meanwhile_and_training_goes_o
         assert watch.check(api)["latest"] == 120
 
 
-@ETCD_RESTART_BUG
 def test_submit_while_etcd_is_down_is_503_then_works_once_etcd_is_back(etcd, api, agents):
     agents(1)
     wait_nodes(api, 1)
