@@ -186,6 +186,16 @@ class EventFile:
         return self.steps()[0]["t"]
 
 
+# Set by --device/--width: extra workload arguments, and how many GPUs the nodes share.
+WORKLOAD_ARGS: list[str] = []
+GPUS = 0
+
+
+def node_env(i: int) -> dict[str, str]:
+    """Node i's own GPU (round robin) when running on GPUs: each node acts as one machine."""
+    return {"CUDA_VISIBLE_DEVICES": str(i % GPUS)} if GPUS else {}
+
+
 def _kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
@@ -233,8 +243,8 @@ class TorchrunCluster:
                 f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
                 str(WORKLOAD), "--mode", self.mode, "--log-file", str(self.log.path),
                 "--snapshot-dir", str(self.root / "snapshots"), "--snapshot-every", str(SNAPSHOT_EVERY),
-                "--step-time", str(STEP_TIME_S)]
-        env = dict(os.environ)
+                "--step-time", str(STEP_TIME_S), *WORKLOAD_ARGS]
+        env = {**os.environ, **node_env(i)}
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         if self.tuned:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -315,7 +325,8 @@ class FtrainCluster:
         root.mkdir(parents=True, exist_ok=True)
 
     def launch_node(self) -> float:
-        agent = NodeAgentProc(self.stack.cp, f"{self.tag}-n{len(self.agents)}", self.root / "nodes")
+        agent = NodeAgentProc(self.stack.cp, f"{self.tag}-n{len(self.agents)}", self.root / "nodes",
+                              env=node_env(len(self.agents)))
         t = time.time()
         agent.start()
         self.agents.append(agent)
@@ -328,7 +339,7 @@ class FtrainCluster:
         # Only this trial's nodes may be live, or the job could land on a stale one.
         wait_for(lambda: self.stack.live_nodes() == names, 30, f"exactly nodes {sorted(names)}")
         command = ["python", str(WORKLOAD), "--mode", self.mode, "--log-file", str(self.log.path),
-                   "--step-time", str(STEP_TIME_S)]
+                   "--step-time", str(STEP_TIME_S), *WORKLOAD_ARGS]
         if self.mode == "tutorial":
             command += ["--snapshot-every", str(SNAPSHOT_EVERY)]
         spec = {"name": f"bench-{self.tag}", "command": command, "working_dir": str(REPO),
@@ -607,7 +618,20 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, help="keep the trials' logs here (default: a temporary dir)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-json", type=Path, help="print the tables of an earlier run's JSON and exit")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: NCCL, each node on its own GPU (join needs 3 GPUs)")
+    ap.add_argument("--width", type=int, help="the workload MLP's width (default: the workload's)")
     args = ap.parse_args()
+    global GPUS
+    if args.device == "cuda":
+        import torch
+
+        GPUS = torch.cuda.device_count()
+        if GPUS < 2:
+            ap.error(f"--device cuda needs at least 2 GPUs; this machine has {GPUS}")
+        WORKLOAD_ARGS.extend(["--device", "cuda"])
+    if args.width:
+        WORKLOAD_ARGS.extend(["--width", str(args.width)])
     if args.from_json:
         old = json.loads(args.from_json.read_text())
         vs = old["config"]["variants"]
@@ -679,13 +703,15 @@ def main() -> int:
     print()
     print_phases(phases)
     import torch
+    gpus = [torch.cuda.get_device_name(i) for i in range(GPUS)]
     result = {"machine": {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,
                           "python": platform.python_version(), "load_before": load_before,
-                          "load_after": load_after},
+                          "load_after": load_after, "gpus": gpus},
               "config": {"trials": trials_n, "variants": variants, "scenarios": scenarios,
                          "deadline_s": args.deadline, "snapshot_every": SNAPSHOT_EVERY,
                          "step_time_s": STEP_TIME_S, "warm_steps": WARM_STEPS,
-                         "tuned_conf": TUNED_CONF, "command": " ".join(sys.argv)},
+                         "tuned_conf": TUNED_CONF, "command": " ".join(sys.argv),
+                         "workload_args": WORKLOAD_ARGS},
               "summary": summary, "ratios": rat, "phases": phases, "trials": trials}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -1,6 +1,7 @@
 """The DDP job that bench/recovery.py runs under plain torchrun and under ftrain.
 
-Gloo on CPU, a small MLP (about 80k parameters) on random batches. Two ways to keep
+Gloo on CPU (or NCCL with `--device cuda`), an MLP (about 80k parameters at the default
+width) on random batches. Two ways to keep
 its place, picked by `--mode`:
 
 * `tutorial` (the default): PyTorch's DDP fault-tolerance tutorial. Rank 0 saves
@@ -57,17 +58,25 @@ def run_tutorial(args, events: EventLog) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)  # before init_process_group, so NCCL binds this GPU
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     events.write("pg", world=world)
     torch.manual_seed(0)
-    model = DDP(build_model(torch, args.width))
+    model = DDP(build_model(torch, args.width).to(device),
+                device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     directory = args.snapshot_dir or os.environ.get("FTRAIN_SNAPSHOT_DIR") or "."
     path = os.path.join(directory, "snapshot.pt")
     step = 0
     if os.path.exists(path):
-        snap = torch.load(path, weights_only=True)
+        snap = torch.load(path, weights_only=True, map_location=device)
         model.module.load_state_dict(snap["model"])
         opt.load_state_dict(snap["optimizer"])
         step = snap["step"]
@@ -75,7 +84,7 @@ def run_tutorial(args, events: EventLog) -> int:
         events.write("resume", step=step, world=world)
     g = torch.Generator().manual_seed(rank * 100_003 + step)
     while step < args.steps:
-        x = torch.randn(args.batch, 64, generator=g)
+        x = torch.randn(args.batch, 64, generator=g).to(device)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,7 +118,7 @@ def run_runtime(args, events: EventLog) -> int:
         events.write("resume", step=start, world=rt.world_size)
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
     while rt.step < args.steps:
-        x = torch.randn(args.batch, 64, generator=g)
+        x = torch.randn(args.batch, 64, generator=g).to(rt.device)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -134,6 +143,8 @@ def main() -> int:
     ap.add_argument("--pg-timeout", type=float, default=30.0,
                     help="init_process_group timeout (s): gloo's 30 min default turns a lost peer into a hang")
     ap.add_argument("--log-file", help="append JSON event lines here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: NCCL, one GPU per process (tutorial mode; the runtime picks by itself)")
     args = ap.parse_args()
     events = EventLog(args.log_file)
     events.write("boot", t=BOOT_T)

@@ -110,8 +110,9 @@ class NodeAgentProc:
     """A real node agent (`ftrain node`) as a subprocess."""
 
     def __init__(self, cp: ControlPlane, name: str, workdir: Path, nproc_per_node: int = 1,
-                 address: str | None = None, netns: str | None = None):
+                 address: str | None = None, netns: str | None = None, env: dict | None = None):
         self.cp = cp
+        self.env = env
         self.name = name
         self.workdir = workdir
         self.nproc_per_node = nproc_per_node
@@ -129,7 +130,7 @@ class NodeAgentProc:
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         log = open(self.workdir / f"agent-{self.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(self.env or {})}, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         return self

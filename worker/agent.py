@@ -52,6 +52,8 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 # A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
 # restarts the group instead of the others waiting out the collective's timeout.
 STOPPED_WORKER_GRACE_S = 3.0
+# SIGTERM-to-SIGKILL grace when a group is replaced by a new attempt of the same job.
+REPLACE_GRACE_S = 1.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -223,8 +225,11 @@ class NodeAgent:
             return
         key = (a["job_id"], a["attempt"])
         if g is not None and (g.key != key or a["action"] == "stop"):
-            self.stop_group("stop requested" if g.key == key else "assignment changed",
-                            grace_s=a.get("cancel_grace_s", 5.0))
+            if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
+                self.stop_group("stop requested", grace_s=a.get("cancel_grace_s", 5.0))
+            else:  # a new attempt replaces this one: nothing to wait for (workers may be
+                # blocked in an NCCL collective with a dead peer and never see SIGTERM)
+                self.stop_group("the job moved to a new attempt", grace_s=REPLACE_GRACE_S)
             g = None
         if g is None and key not in self.finished:
             if a["action"] == "run":
