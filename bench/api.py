@@ -68,6 +68,7 @@ async def heartbeat_role(args) -> None:
     in_flight = asyncio.Semaphore(args.connections)  # queue here, not inside httpx's pool
     beats: list[tuple[float, float, int, float]] = []  # (sent at, latency, status, lag)
     registered: dict[str, float] = {}
+    leases: dict[str, int | None] = {}  # sent back with each beat, as the node agent does
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -79,6 +80,7 @@ async def heartbeat_role(args) -> None:
                 r = await client.post("/v1/nodes/register", json={"name": name, "nproc_per_node": 1})
                 r.raise_for_status()
                 registered[name] = float(r.json()["heartbeat_interval_s"])
+                leases[name] = r.json().get("lease_id")
 
         t = time.monotonic()
         await asyncio.gather(*(register(n) for n in names))
@@ -101,10 +103,13 @@ async def heartbeat_role(args) -> None:
                 sent = time.monotonic()
                 try:
                     async with in_flight:
-                        r = await client.post(f"/v1/nodes/{name}/heartbeat")
+                        r = await client.post(f"/v1/nodes/{name}/heartbeat",
+                                              json={"lease_id": leases.get(name)})
                     code = r.status_code
                     if code == 404:  # the lease lapsed: register again, as an agent would
-                        await client.post("/v1/nodes/register", json={"name": name, "nproc_per_node": 1})
+                        again = await client.post("/v1/nodes/register",
+                                                  json={"name": name, "nproc_per_node": 1})
+                        leases[name] = again.json().get("lease_id")
                 except httpx.HTTPError:
                     code = 0
                 beats.append((time.time() - (time.monotonic() - sent), time.monotonic() - sent, code, sent - due))

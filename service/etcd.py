@@ -93,6 +93,7 @@ class Etcd:
         # Bumped whenever the client is dropped: a watch on an older client must end.
         self._generation = 0
         self._closing: set[asyncio.Task] = set()
+        self._keepalive: _KeepAliveStream | None = None
 
     @property
     def endpoint(self) -> str:
@@ -124,6 +125,9 @@ class Etcd:
         """
         client, self._client = self._client, None
         self._generation += 1
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
         if len(self._endpoints) > 1:
             self._current = (self._current + 1) % len(self._endpoints)
         if client is not None:
@@ -210,9 +214,19 @@ class Etcd:
         return lease.id
 
     async def refresh_lease(self, lease_id: int) -> bool:
-        """Keep a lease alive; False if it has already expired."""
-        reply = await self._call("a lease keep-alive", lambda c: c.refresh_lease(lease_id))
-        return reply is not None and reply.TTL > 0
+        """Keep a lease alive; False if it has already expired.
+
+        Every refresh goes over one keep-alive stream per client: opening a stream per
+        heartbeat (what `aetcd.Client.refresh_lease` does) costs more than the refresh.
+        """
+        async def refresh(c: aetcd.Client) -> int:
+            if self._keepalive is None or self._keepalive.client is not c or self._keepalive.dead:
+                if self._keepalive is not None:
+                    self._keepalive.close()
+                self._keepalive = _KeepAliveStream(c)
+            return await self._keepalive.refresh(lease_id)
+
+        return await self._call("a lease keep-alive", refresh) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         try:
@@ -272,6 +286,54 @@ class Etcd:
             pumping.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(watch.cancel(), 1)
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream that carries the refreshes of many leases.
+
+    etcd answers each request with the lease's ID and its TTL (0 once expired); the
+    reader hands each answer to everyone waiting on that lease.
+    """
+
+    def __init__(self, client: aetcd.Client):
+        self.client = client
+        self.dead = False
+        self._call = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
+        self._waiters: dict[int, list[asyncio.Future]] = {}
+        self._write_lock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        error: BaseException = EOFError("the keep-alive stream ended")
+        try:
+            while True:
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    break
+                for fut in self._waiters.pop(reply.ID, []):
+                    if not fut.done():
+                        fut.set_result(reply.TTL)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            error = exc
+        finally:
+            self.dead = True
+            waiters, self._waiters = self._waiters, {}
+            for futs in waiters.values():
+                for fut in futs:
+                    if not fut.done():
+                        fut.set_exception(ConnectionError(f"lease keep-alive stream broke: {error!r}"))
+
+    async def refresh(self, lease_id: int) -> int:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(lease_id, []).append(fut)
+        async with self._write_lock:
+            await self._call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+        return await fut
+
+    def close(self) -> None:
+        self.dead = True
+        self._call.cancel()
+        self._reader.cancel()
 
 
 async def _close_quietly(client: aetcd.Client) -> None:

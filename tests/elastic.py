@@ -77,3 +77,20 @@ def worker_pids(agent: NodeAgentProc) -> list[int]:
                 and b"-c" not in cmd[:3]:
             out.append(pid)
     return out
+
+
+def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:
+    """The job's rendezvous keys still in etcd (read directly, not through the API)."""
+    import asyncio
+
+    from service.etcd import Etcd
+    from service.keys import Keys
+
+    async def read() -> list[str]:
+        etcd = Etcd(etcd_endpoint)
+        try:
+            return [e.key for e in await etcd.get_prefix(Keys().rdzv_of_job(job_id))]
+        finally:
+            await etcd.close()
+
+    return asyncio.run(read())

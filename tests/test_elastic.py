@@ -9,6 +9,7 @@ import pytest
 
 from tests.elastic import (
     events,
+    rdzv_keys,
     job,
     job_spec,
     steps,
@@ -38,15 +39,17 @@ def agents(control_plane, tmp_path):
         agent.stop()
 
 
-def test_job_on_two_agents_runs_at_world_size_two_and_succeeds(api, agents):
+def test_job_on_two_agents_runs_at_world_size_two_and_succeeds(etcd, api, agents):
     agents(2)
     wait_nodes(api, 2)
     job_id = submit(api, job_spec("two", "--steps", "15", "--step-time", "0.02"))
+    wait_for(lambda: rdzv_keys(etcd.endpoint, job_id), 60, "the job's rendezvous keys")
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"))
     assert done["state"] == "SUCCEEDED", events(api, job_id)
     assert done["world_size"] == 2 and sorted(done["nodes"]) == ["n0", "n1"]
     assert {w for _, w in steps(api, job_id)} == {2}
     assert [s for s, _ in steps(api, job_id)] == list(range(1, 16))
+    wait_for(lambda: not rdzv_keys(etcd.endpoint, job_id), 10, "the rendezvous keys to be removed")
 
 
 def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
@@ -139,7 +142,7 @@ def test_cancel_stops_every_worker_within_10s(api, agents):
     wait_state(api, job_id, "CANCELLED", timeout_s=20)
 
 
-def test_script_that_always_fails_ends_failed_after_max_restarts(api, agents):
+def test_script_that_always_fails_ends_failed_after_max_restarts(etcd, api, agents):
     agents(1)
     wait_nodes(api, 1)
     job_id = submit(api, job_spec("fails", "--fail", max_restarts=2))
@@ -147,3 +150,4 @@ def test_script_that_always_fails_ends_failed_after_max_restarts(api, agents):
     assert done["state"] == "FAILED"
     assert done["restarts"] == 2
     assert "max_restarts=2" in done["reason"] and "failing on purpose" in done["reason"]
+    wait_for(lambda: not rdzv_keys(etcd.endpoint, job_id), 10, "the rendezvous keys to be removed")

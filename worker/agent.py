@@ -142,6 +142,7 @@ class NodeAgent:
         self.finished: set[tuple[str, int]] = set()
         self.reports: list[tuple[str, int, str, int | None, str | None]] = []
         self.heartbeat_interval_s = 1.0
+        self.lease_id: int | None = None
         self.registered = False
         self._shutdown = threading.Event()
         self.shipper = LogShipper(self.client, name)
@@ -153,12 +154,13 @@ class NodeAgent:
         resp.raise_for_status()
         body = resp.json()
         self.heartbeat_interval_s = float(body["heartbeat_interval_s"])
+        self.lease_id = body.get("lease_id")
         self.registered = True
         log.info("registered node %s with %s (lease %ss)", self.name, self.server, body["lease_ttl_s"])
 
     def heartbeat(self) -> dict | None | bool:
         """The assignment (or None); False when the node must register again."""
-        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat")
+        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat", json={"lease_id": self.lease_id})
         if resp.status_code == 404:
             return False
         resp.raise_for_status()

@@ -21,6 +21,7 @@ from service.models import (
     NodeState,
     NodeView,
 )
+from service.rendezvous import delete_rendezvous
 from service.routes.logs import last_lines
 from service.state import note, transition
 
@@ -46,6 +47,11 @@ class RegisterReply(BaseModel):
     name: str
     lease_ttl_s: int
     heartbeat_interval_s: float
+    lease_id: int = Field(..., description="Send it back with each heartbeat.")
+
+
+class HeartbeatRequest(BaseModel):
+    lease_id: int | None = Field(None, description="From the registration; saves a read.")
 
 
 class Assignment(BaseModel):
@@ -117,20 +123,28 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
             break
     if old is not None and old.lease and old.lease != lease:
         await ctx.etcd.revoke_lease(old.lease)
-    # A (re)starting agent runs nothing: whatever it held before is gone.
-    for job in await ctx.jobs.list():
-        member = job.members.get(req.name)
-        if job.state.is_active() and member is not None and member.is_live():
-            await ctx.jobs.update(job.id, _member_update(req.name, job.attempt, "stopped", None,
-                                                         "the node's agent restarted", ctx))
-    return RegisterReply(name=req.name, lease_ttl_s=ttl, heartbeat_interval_s=max(ttl / 6, 0.5))
+    # A (re)starting agent runs nothing: whatever it held before is gone. (The index may
+    # lag by a watch event; the scheduler's node bookkeeping covers what it misses.)
+    job = ctx.index.job_of_node(req.name)
+    if job is not None:
+        await ctx.jobs.update(job.id, _member_update(req.name, job.attempt, "stopped", None,
+                                                     "the node's agent restarted", ctx))
+    return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
+                         heartbeat_interval_s=max(ttl / 4, 0.5))
 
 
 @router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply, dependencies=[NodeAuth])
-async def heartbeat(name: str, ctx: ContextDep) -> HeartbeatReply:
-    """Keep the node's lease alive and tell it what to run. 404: register again."""
-    entry, record = await _node_entry(ctx, name)
-    if not await ctx.etcd.refresh_lease(entry.lease):
+async def heartbeat(name: str, ctx: ContextDep, req: HeartbeatRequest | None = None) -> HeartbeatReply:
+    """Keep the node's lease alive and tell it what to run. 404: register again.
+
+    With the lease id of its registration, a heartbeat is one keep-alive on a shared
+    stream and no read; without it, the node's record is read to find its lease.
+    """
+    lease_id = req.lease_id if req is not None else None
+    if lease_id is None:
+        entry, _ = await _node_entry(ctx, name)
+        lease_id = entry.lease
+    if not await ctx.etcd.refresh_lease(lease_id):
         raise NodeNotFound(name)
     job = ctx.index.job_of_node(name)
     if job is None:
@@ -228,6 +242,8 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
         return Change(changed, events)
 
     updated = await ctx.jobs.update(job_id, decide)
+    if updated.state.is_terminal():  # restarts spent: the job's rendezvous is of no more use
+        await delete_rendezvous(ctx, job_id)
     return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)
 
 
