@@ -140,11 +140,18 @@ class Etcd:
         try:
             client = await self._connected()
             return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
-        except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError,
-                grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aetcd.exceptions.ConnectionFailedError,
+                aetcd.exceptions.ConnectionTimeoutError, grpc.aio.AioRpcError, OSError) as exc:
             await self._drop_client()
             raise self._unavailable(what, exc) from exc
         except aetcd.exceptions.ClientError as exc:
+            raise self._unavailable(what, exc) from exc
+        except asyncio.CancelledError as exc:
+            # Closing a dropped client's channel cancels the calls still in flight on it;
+            # that is etcd being away for this request, not this request being cancelled.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
             raise self._unavailable(what, exc) from exc
 
     async def close(self) -> None:
@@ -252,7 +259,7 @@ class Etcd:
             watch = await asyncio.wait_for(
                 client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
                 self._timeout_s)
-        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
             await self._drop_client()
             raise self._unavailable("a watch", exc) from exc
 
@@ -270,7 +277,7 @@ class Etcd:
             while True:
                 try:
                     ev = await asyncio.wait_for(queue.get(), 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if self._generation != generation:
                         raise self._unavailable("a watch", None) from None
                     if asyncio.get_running_loop().time() > deadline:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import ControlPlane, EtcdProcess
+from tests.harness import ControlPlane, EtcdProcess, NodeAgentProc
 
 
 @pytest.fixture
@@ -25,3 +25,19 @@ def control_plane(etcd, tmp_path):
 def api(control_plane):
     with control_plane.client("user") as client:
         yield client
+
+
+@pytest.fixture
+def agents(control_plane, tmp_path):
+    """Start real node agents (n0, n1, ...) on the control plane; all are stopped at the end."""
+    started: list[NodeAgentProc] = []
+
+    def start(n: int = 1, nproc: int = 1) -> list[NodeAgentProc]:
+        new = [NodeAgentProc(control_plane, f"n{len(started) + i}", tmp_path / "nodes",
+                             nproc_per_node=nproc).start() for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for agent in started:
+        agent.stop()

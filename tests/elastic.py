@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import NodeAgentProc, descendants, wait_for
+from tests.harness import NodeAgentProc, descendants, pid_alive, wait_for
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
 _STEP = re.compile(r"^step=(\d+) world=(\d+)")
@@ -65,16 +65,16 @@ def wait_nodes(api: httpx.Client, n: int, timeout_s: float = 60) -> None:
     wait_for(lambda: len(api.get("/v1/nodes").json()["items"]) >= n, timeout_s, f"{n} nodes to register")
 
 
-def worker_pids(agent: NodeAgentProc) -> list[int]:
-    """The training processes under an agent (the script, not torchrun or the agent)."""
+def worker_pids(agent: NodeAgentProc, script: Path = SCRIPT) -> list[int]:
+    """The live training processes running `script` under an agent (not torchrun, not the shim)."""
     out = []
     for pid in descendants(agent.pid):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(str(SCRIPT).encode() in part for part in cmd) and b"torch.distributed.run" not in cmd \
-                and b"-c" not in cmd[:3]:
+        if any(str(script).encode() in part for part in cmd) and b"torch.distributed.run" not in cmd \
+                and b"-c" not in cmd[:3] and pid_alive(pid):
             out.append(pid)
     return out
 

@@ -9,7 +9,6 @@ from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobSpec, JobState
-from service.state import transition
 
 
 def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):

@@ -9,9 +9,9 @@ import pytest
 
 from tests.elastic import (
     events,
-    rdzv_keys,
     job,
     job_spec,
+    rdzv_keys,
     steps,
     submit,
     wait_nodes,
@@ -19,24 +19,11 @@ from tests.elastic import (
     wait_step,
     worker_pids,
 )
-from tests.harness import NodeAgentProc, pid_alive, wait_for
+from tests.harness import pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def agents(control_plane, tmp_path):
-    started: list[NodeAgentProc] = []
-
-    def start(n: int = 1) -> list[NodeAgentProc]:
-        new = [NodeAgentProc(control_plane, f"n{len(started) + i}", tmp_path / "nodes").start()
-               for i in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for agent in started:
-        agent.stop()
 
 
 def test_job_on_two_agents_runs_at_world_size_two_and_succeeds(etcd, api, agents):

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.elastic import job, submit, wait_nodes, wait_state
-from tests.harness import REPO, NodeAgentProc, wait_for
+from tests.harness import REPO, wait_for
 
 pytestmark = pytest.mark.integration
 STEP = re.compile(r"^step=(\d+) loss=")
@@ -58,19 +58,6 @@ def stop_before(lines, index: int) -> int:
     return stops[-1]
 
 
-@pytest.fixture
-def agents(control_plane, tmp_path):
-    started: list[NodeAgentProc] = []
-
-    def start(n: int = 1) -> list[NodeAgentProc]:
-        new = [NodeAgentProc(control_plane, f"p{len(started) + i}", tmp_path / "nodes").start()
-               for i in range(n)]
-        started.extend(new)
-        return new
-
-    yield start
-    for agent in started:
-        agent.stop()
 
 
 def wait_running_with_progress(api, job_id: str, step: int) -> None:
@@ -99,15 +86,15 @@ def test_a_drained_node_loses_no_step(api, agents):
     job_id = submit(api, spec("drain"))
     wait_for(lambda: any(w == 2 for _, _, w in starts(api, job_id)), 90, "world size 2")
     wait_running_with_progress(api, job_id, 10)
-    assert api.post("/v1/nodes/p1/drain").status_code == 202
+    assert api.post("/v1/nodes/n1/drain").status_code == 202
     wait_for(lambda: any(w == 1 for _, _, w in starts(api, job_id)[1:]), 90, "the job to go on at world size 1")
     lines = rank0(api, job_id)
     index, resumed, _ = next((i, s, w) for i, s, w in starts(api, job_id)[1:] if w == 1)
     assert resumed == stop_before(lines, index) > 0
     j = job(api, job_id)
-    assert j["nodes"] == ["p0"] and j["restarts"] == 0
+    assert j["nodes"] == ["n0"] and j["restarts"] == 0
     nodes = {n["name"]: n for n in api.get("/v1/nodes").json()["items"]}
-    assert nodes["p1"]["state"] == "DRAINING" and nodes["p1"]["job"] is None
+    assert nodes["n1"]["state"] == "DRAINING" and nodes["n1"]["job"] is None
 
 
 def test_cancel_snapshots_at_the_step_where_it_stops(api, agents):

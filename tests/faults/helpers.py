@@ -27,8 +27,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.elastic import job, job_spec
-from tests.harness import REPO, ControlPlane, NodeAgentProc, descendants, pid_alive, wait_for
+from tests.elastic import job, job_spec, worker_pids
+from tests.harness import (
+    REPO,
+    ControlPlane,
+    NodeAgentProc,
+    wait_for,
+)
 from worker import snapshot as snap
 
 TRAIN = REPO / "examples" / "train.py"
@@ -57,16 +62,7 @@ def plain_spec(name: str, steps: int, *, every: int = 5, nproc: int = 1, mn: int
 
 def workers(agent: NodeAgentProc, script: Path = TRAIN) -> list[int]:
     """The live training processes (running `script`) under an agent."""
-    out = []
-    for pid in descendants(agent.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(str(script).encode() in part for part in cmd) and b"torch.distributed.run" not in cmd \
-                and b"-c" not in cmd[:3] and pid_alive(pid):
-            out.append(pid)
-    return out
+    return worker_pids(agent, script)
 
 
 def wait_workers(agent: NodeAgentProc, n: int, script: Path = TRAIN, timeout_s: float = 30) -> list[int]:

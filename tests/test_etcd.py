@@ -1,0 +1,69 @@
+"""The etcd layer against a real etcd: failures surface as StoreUnavailable, never as
+anything a handler would turn into a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from service.errors import StoreUnavailable
+from service.etcd import Etcd
+
+
+def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
+    """A hung etcd (SIGSTOP): the first request to time out drops the client, whose
+    channel's closing cancels the requests still in flight on it; they must come out as
+    StoreUnavailable (a 503), not as CancelledError (a 500)."""
+
+    async def main() -> list[BaseException | None]:
+        client = Etcd(etcd.endpoint, timeout_s=1)
+        await client.put("/t/x", b"1")
+        etcd.proc.send_signal(signal.SIGSTOP)
+        try:
+            async def one() -> BaseException | None:
+                try:
+                    await client.get("/t/x")
+                except BaseException as exc:  # noqa: BLE001 - what escapes is the point
+                    return exc
+                return None
+
+            first = [asyncio.create_task(one()) for _ in range(10)]
+            # A second wave, started half-way through the first one's deadline, is still in
+            # flight when the first wave times out and drops the client.
+            await asyncio.sleep(0.7)
+            second = [asyncio.create_task(one()) for _ in range(10)]
+            results = await asyncio.gather(*first, *second)
+        finally:
+            etcd.proc.send_signal(signal.SIGCONT)
+        await client.close()
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, StoreUnavailable) for r in results), \
+        sorted({type(r).__name__ for r in results})
+
+
+def test_a_watch_on_a_dropped_client_ends_with_store_unavailable(etcd):
+    async def main() -> None:
+        client = Etcd(etcd.endpoint, timeout_s=2)
+        start = await client.revision() + 1
+
+        seen = asyncio.Event()
+
+        async def watch() -> None:
+            async for _ in client.watch_prefix("/w/", start):
+                seen.set()
+
+        task = asyncio.create_task(watch())
+        await client.put("/w/open", b"1")
+        await asyncio.wait_for(seen.wait(), 10)  # the watch is open and delivering
+        etcd.kill()
+        with pytest.raises(StoreUnavailable):
+            await client.get("/w/a")  # fails and drops the client
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(task, 10)
+        await client.close()
+
+    asyncio.run(main())
