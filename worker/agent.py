@@ -143,6 +143,7 @@ class NodeAgent:
         self.reports: list[tuple[str, int, str, int | None, str | None]] = []
         self.heartbeat_interval_s = 1.0
         self.lease_id: int | None = None
+        self.known: dict | None = None  # the assignment last heard of, for the long poll
         self.registered = False
         self._shutdown = threading.Event()
         self.shipper = LogShipper(self.client, name)
@@ -160,11 +161,18 @@ class NodeAgent:
 
     def heartbeat(self) -> dict | None | bool:
         """The assignment (or None); False when the node must register again."""
-        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat", json={"lease_id": self.lease_id})
+        # An idle node long-polls: the answer comes as soon as it is given a job.
+        idle = self.group is None and not self.reports
+        body = {"lease_id": self.lease_id, "known": self.known,
+                "wait_s": self.heartbeat_interval_s if idle else 0}
+        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat", json=body,
+                                timeout=self.heartbeat_interval_s + 5)
         if resp.status_code == 404:
             return False
         resp.raise_for_status()
-        return resp.json()["assignment"]
+        a = resp.json()["assignment"]
+        self.known = None if a is None else {k: a[k] for k in ("job_id", "attempt", "action")}
+        return a
 
     def send_reports(self) -> None:
         while self.reports:
@@ -183,6 +191,7 @@ class NodeAgent:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         while not self._shutdown.is_set():
+            beat_started, known_before = time.monotonic(), self.known
             try:
                 if not self.registered:
                     self.register()
@@ -200,8 +209,15 @@ class NodeAgent:
                 log.warning("control plane at %s: %s; workers keep running", self.server, exc)
             self.check_exit()
             self.check_stopped_workers()
-            self._shutdown.wait(min(self.heartbeat_interval_s, 0.5) if self.group
-                                else self.heartbeat_interval_s)
+            # Running: check exits often. Idle: the heartbeat itself waited for a change (a
+            # long poll), so go again at once after a change, else keep the beat's interval.
+            if self.group:
+                pause = 0.5
+            elif self.known != known_before:
+                pause = 0.05
+            else:
+                pause = max(0.05, self.heartbeat_interval_s - (time.monotonic() - beat_started))
+            self._shutdown.wait(pause)
         self.stop_group("node agent shutting down")
         self.send_reports_best_effort()
         try:

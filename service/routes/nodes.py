@@ -3,6 +3,8 @@ their workers did, and report rendezvous rounds; users list and drain nodes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from typing import Literal
 
@@ -50,8 +52,17 @@ class RegisterReply(BaseModel):
     lease_id: int = Field(..., description="Send it back with each heartbeat.")
 
 
+class Known(BaseModel):
+    job_id: str
+    attempt: int
+    action: Literal["run", "stop"]
+
+
 class HeartbeatRequest(BaseModel):
     lease_id: int | None = Field(None, description="From the registration; saves a read.")
+    known: Known | None = Field(None, description="The assignment the node acts on now.")
+    wait_s: float = Field(0.0, ge=0, le=30,
+                          description="Hold the answer this long while the assignment is `known`.")
 
 
 class Assignment(BaseModel):
@@ -146,6 +157,8 @@ async def heartbeat(name: str, ctx: ContextDep, req: HeartbeatRequest | None = N
         lease_id = entry.lease
     if not await ctx.etcd.refresh_lease(lease_id):
         raise NodeNotFound(name)
+    if req is not None and req.wait_s > 0 and ctx.index.ready.is_set():
+        await _wait_for_change(ctx, name, req.known, req.wait_s)
     job = ctx.index.job_of_node(name)
     if job is None:
         return HeartbeatReply(assignment=None)
@@ -159,6 +172,26 @@ async def heartbeat(name: str, ctx: ContextDep, req: HeartbeatRequest | None = N
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
     ))
+
+
+def _known_of(job: JobRecord | None) -> Known | None:
+    if job is None:
+        return None
+    return Known(job_id=job.id, attempt=job.attempt, action="stop" if job.stopping else "run")
+
+
+async def _wait_for_change(ctx, name: str, known: Known | None, wait_s: float) -> None:
+    """Long poll: return once the node's assignment differs from `known`, or after `wait_s`.
+
+    An idle node learns of its job as soon as the scheduler writes it, not a heartbeat
+    later; the wait is bounded by the heartbeat interval, so the lease is refreshed in time.
+    """
+    def changed() -> bool:
+        return _known_of(ctx.index.job_of_node(name)) != known
+
+    async with ctx.index.changed:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ctx.index.changed.wait_for(changed), wait_s)
 
 
 def _member_update(name: str, attempt: int, state: str, exit_code: int | None,
