@@ -22,6 +22,7 @@ import click
 
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """ftrain: elastic, fault-tolerant PyTorch training as a service."""
