@@ -75,6 +75,7 @@ from tests.harness import (
     free_port,
     pid_alive,
     wait_for,
+    workers_under,
 )
 
 WORKLOAD = REPO / "bench" / "workload.py"
@@ -206,16 +207,7 @@ def _kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
 
 def _workers_under(pid: int) -> list[int]:
     """The workload processes under `pid` (not torchrun, not the agent's exec shim)."""
-    out = []
-    for child in descendants(pid):
-        try:
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(str(WORKLOAD).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
-                and b"-c" not in argv[:3] and pid_alive(child):
-            out.append(child)
-    return out
+    return workers_under(pid, WORKLOAD)
 
 
 # ------------------------------------------------------------------ the two systems

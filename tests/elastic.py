@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import NodeAgentProc, descendants, pid_alive, wait_for
+from tests.harness import NodeAgentProc, wait_for, workers_under
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
 _STEP = re.compile(r"^step=(\d+) world=(\d+)")
@@ -66,17 +66,8 @@ def wait_nodes(api: httpx.Client, n: int, timeout_s: float = 60) -> None:
 
 
 def worker_pids(agent: NodeAgentProc, script: Path = SCRIPT) -> list[int]:
-    """The live training processes running `script` under an agent (not torchrun, not the shim)."""
-    out = []
-    for pid in descendants(agent.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(str(script).encode() in part for part in cmd) and b"torch.distributed.run" not in cmd \
-                and b"-c" not in cmd[:3] and pid_alive(pid):
-            out.append(pid)
-    return out
+    """The live training processes running `script` under an agent."""
+    return workers_under(agent.pid, script)
 
 
 def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:

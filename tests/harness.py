@@ -45,11 +45,27 @@ class ProcessExited(AssertionError):
     """A process a test waits on has died: waiting longer will not help."""
 
 
+def workers_under(pid: int, script: Path) -> list[int]:
+    """The live processes running `script` under `pid` (not torchrun, not the exec shim)."""
+    out = []
+    for child in descendants(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
+                and b"-c" not in argv[:3] and pid_alive(child):
+            out.append(child)
+    return out
+
+
 class ControlPlane:
-    """A real `ftrain serve` (uvicorn) process on a free loopback port."""
+    """A real `ftrain serve` (uvicorn) process on a free port (loopback unless `host` is given)."""
 
     def __init__(self, etcd_endpoint: str, workdir: Path, user_token: str | None = None,
-                 node_token: str | None = None, port: int | None = None, env: dict | None = None):
+                 node_token: str | None = None, port: int | None = None, env: dict | None = None,
+                 host: str = "127.0.0.1"):
+        self.host = host
         self.etcd_endpoint = etcd_endpoint
         self.workdir = workdir
         self.user_token = user_token or secrets.token_urlsafe(16)
@@ -61,7 +77,7 @@ class ControlPlane:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +86,7 @@ class ControlPlane:
         log = open(self.workdir / f"control-plane-{self.port}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
-             "--port", str(self.port), "--snapshot-root", str(self.snapshot_root)],
+             "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
@@ -103,7 +119,8 @@ class ControlPlane:
         return httpx.Client(base_url=self.url, headers=headers, timeout=10)
 
 
-__all__ = ["ControlPlane", "EtcdProcess", "REPO", "descendants", "free_port", "pid_alive", "wait_for"]
+__all__ = ["ControlPlane", "EtcdProcess", "REPO", "descendants", "free_port", "pid_alive", "wait_for",
+           "workers_under"]
 
 
 class NodeAgentProc:

@@ -23,13 +23,12 @@ import ipaddress
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from tests.elastic import events, job, job_spec, steps, submit, wait_nodes, wait_state, wait_step
 from tests.faults.helpers import check_steps
-from tests.harness import REPO, ControlPlane, NodeAgentProc, wait_for
+from tests.harness import ControlPlane, NodeAgentProc, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
@@ -119,36 +118,6 @@ class Fabric:
         return sorted({w.rstrip(":@") for w in names.split() if w.startswith(self.prefix)})
 
 
-class BridgedControlPlane(ControlPlane):
-    """The harness's control plane, listening on the bridge's address instead of loopback.
-
-    Only `url` and the listen address differ; `start` runs the same command with `--host`
-    (the harness has no parameter for it).
-    """
-
-    def __init__(self, *args, host: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.host = host
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> BridgedControlPlane:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "FTRAIN_USER_TOKEN": self.user_token,
-               "FTRAIN_NODE_TOKEN": self.node_token, **self.env}
-        with open(self.workdir / f"control-plane-{self.port}.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
-                 "--host", self.host, "--port", str(self.port),
-                 "--snapshot-root", str(self.snapshot_root)],
-                cwd=REPO, env=env,
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
-        return self
-
-
 @pytest.fixture
 def fabric():
     reason = _netns_unavailable()
@@ -166,7 +135,7 @@ def fabric():
 @pytest.fixture
 def cluster(fabric, etcd, tmp_path):
     """The control plane on the bridge and three agents, each in its own namespace."""
-    cp = BridgedControlPlane(etcd.endpoint, tmp_path / "cp", host=fabric.gateway)
+    cp = ControlPlane(etcd.endpoint, tmp_path / "cp", host=fabric.gateway)
     agents: list[NodeAgentProc] = []
     try:
         cp.start()
