@@ -88,23 +88,24 @@ def resolve_target(server: str | None = None, token: str | None = None,
     `<data-dir>/token` (written by `ftrain up`), then the default local server."""
     env = os.environ if environ is None else environ
     base = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR)
-    if server:
-        server_source = "--server"
-    elif env.get("FTRAIN_SERVER"):
-        server, server_source = env["FTRAIN_SERVER"], "FTRAIN_SERVER"
-    elif (saved := _read_file(base / "server")) is not None:
-        server, server_source = saved, str(base / "server")
-    else:
-        server, server_source = DEFAULT_SERVER, "default"
-    if token:
-        token_source = "--token"
-    elif env.get("FTRAIN_TOKEN"):
-        token, token_source = env["FTRAIN_TOKEN"], "FTRAIN_TOKEN"
-    elif (saved := _read_file(base / "token")) is not None:
-        token, token_source = saved, str(base / "token")
-    else:
-        token, token_source = None, "none"
+    server, server_source = _first_of(server, "--server", env, "FTRAIN_SERVER", base / "server",
+                                      (DEFAULT_SERVER, "default"))
+    token, token_source = _first_of(token, "--token", env, "FTRAIN_TOKEN", base / "token",
+                                    (None, "none"))
+    assert server is not None
     return Target(server.rstrip("/"), token, server_source, token_source)
+
+
+def _first_of(flag: str | None, flag_name: str, env, env_name: str, path: Path,
+              default: tuple[str | None, str]) -> tuple[str | None, str]:
+    """The value and where it came from: the flag, the environment, the file, the default."""
+    if flag:
+        return flag, flag_name
+    if env.get(env_name):
+        return env[env_name], env_name
+    if (saved := _read_file(path)) is not None:
+        return saved, str(path)
+    return default
 
 
 def _read_file(path: Path) -> str | None:
