@@ -14,6 +14,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 # The service sets these itself; a spec may not override them.
+# The job's own knobs among the FTRAIN_* names: log level, pre-started workers (worker/zygote.py).
+USER_FTRAIN_ENV = ("FTRAIN_LOG_LEVEL", "FTRAIN_PRESTART", "FTRAIN_PRESTART_IMPORTS")
 RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
 
@@ -116,7 +118,7 @@ class JobSpec(_Strict):
         for key, value in v.items():
             if not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
-            if key.startswith(RESERVED_ENV) and key != "FTRAIN_LOG_LEVEL":
+            if key.startswith(RESERVED_ENV) and key not in USER_FTRAIN_ENV:
                 raise ValueError(f"{key!r} is set by ftrain and cannot be overridden")
             if len(value) > MAX_ENV_VALUE_CHARS or "\0" in value:
                 raise ValueError(f"value of {key!r} must be at most {MAX_ENV_VALUE_CHARS} "

@@ -70,6 +70,16 @@ def worker_pids(agent: NodeAgentProc, script: Path = SCRIPT) -> list[int]:
     return workers_under(agent.pid, script)
 
 
+def forked(pid: int) -> bool:
+    """True if `pid` is a pre-started worker: a child of a fork server (worker/zygote.py)."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        argv = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(a.endswith(b"/zygote.py") for a in argv[:3])
+
+
 def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:
     """The job's rendezvous keys still in etcd (read directly, not through the API)."""
     import asyncio

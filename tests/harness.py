@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
-from worker.procs import descendants
+from worker.procs import descendants, is_launcher
 from worker.procs import is_alive as pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,18 +45,34 @@ class ProcessExited(AssertionError):
     """A process a test waits on has died: waiting longer will not help."""
 
 
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def workers_under(pid: int, script: Path) -> list[int]:
-    """The live processes running `script` under `pid` (not torchrun, not the exec shim)."""
+    """The live training processes under `pid`: those running `script` (not torchrun, not
+    the exec shim, not worker/launch.py) and those a fork server started (its children,
+    which keep the server's argv)."""
     out = []
     for child in descendants(pid):
-        try:
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        argv = _argv(child)
         if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
-                and b"-c" not in argv[:3] and pid_alive(child):
+                and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
+        elif any(a.endswith(b"/zygote.py") for a in argv[:3]) and pid_alive(child):
+            out.extend(c for c in descendants(child) if pid_alive(c) and _ppid(c) == child)
     return out
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ControlPlane:

@@ -9,6 +9,7 @@ import pytest
 
 from tests.elastic import (
     events,
+    forked,
     job,
     job_spec,
     rdzv_keys,
@@ -45,7 +46,7 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     job_id = submit(api, job_spec("kill", "--steps", "400", "--step-time", "0.05"))
     wait_step(api, job_id, 10)
     victims = worker_pids(b)
-    assert len(victims) == 1
+    assert len(victims) == 1 and forked(victims[0])  # a pre-started worker (worker/zygote.py)
     killed_at = max(s for s, _ in steps(api, job_id))
     os.kill(victims[0], signal.SIGKILL)
     wait_for(lambda: not pid_alive(victims[0]), 10, "the worker to die")
@@ -53,11 +54,24 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     wait_for(lambda: job(api, job_id)["restarts"] == 1, 60, "the restart to be counted")
     before = len(steps(api, job_id))
     wait_step(api, job_id, killed_at + 5, world=2, after=before)
+    assert all(forked(p) for p in worker_pids(a) + worker_pids(b))  # the restarted ones too
     states = [e["state"] for e in events(api, job_id)]
     assert "RECOVERING" in states
     assert states[states.index("RECOVERING"):].count("RUNNING") >= 1
     final = job(api, job_id)
     assert final["state"] == "RUNNING" and final["restarts"] == 1 and final["world_size"] == 2
+
+
+def test_job_can_opt_out_of_pre_started_workers(api, agents):
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, job_spec("cold", "--steps", "400", "--step-time", "0.05", mx=1,
+                                  env={"FTRAIN_PRESTART": "0"}))
+    wait_step(api, job_id, 3)
+    pids = worker_pids(a)
+    assert len(pids) == 1 and not forked(pids[0])
+    assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    wait_state(api, job_id, "CANCELLED")
 
 
 def test_agent_sigkill_with_its_tree_leaves_no_orphan_and_job_goes_on(api, agents):

@@ -32,12 +32,13 @@ from pathlib import Path
 import httpx
 
 from worker.procs import (
+    ZYGOTE,
     descendants,
     is_alive,
     kill_all,
     pdeathsig_argv,
     state_of,
-    worker_shim_prefix,
+    worker_launch_prefix,
 )
 
 log = logging.getLogger("ftrain.agent")
@@ -79,6 +80,15 @@ class WorkerGroup:
     @property
     def key(self) -> tuple[str, int]:
         return (self.job_id, self.attempt)
+
+
+@dataclass
+class ForkServer:
+    """The job's `worker/zygote.py` on this node; it outlives attempts, not the job."""
+
+    job_id: str
+    name: str  # its abstract unix socket
+    proc: subprocess.Popen
 
 
 class LogShipper:
@@ -139,6 +149,7 @@ class NodeAgent:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(base_url=self.server, headers=headers, timeout=5)
         self.group: WorkerGroup | None = None
+        self.fork_server: ForkServer | None = None
         self.finished: set[tuple[str, int]] = set()
         self.reports: list[tuple[str, int, str, int | None, str | None]] = []
         self.heartbeat_interval_s = 1.0
@@ -219,6 +230,7 @@ class NodeAgent:
                 pause = max(0.05, self.heartbeat_interval_s - (time.monotonic() - beat_started))
             self._shutdown.wait(pause)
         self.stop_group("node agent shutting down")
+        self.stop_fork_server()
         self.send_reports_best_effort()
         try:
             self.client.delete(f"/v1/nodes/{self.name}")
@@ -240,6 +252,7 @@ class NodeAgent:
         if a is None:
             if g is not None:
                 self.stop_group("no longer assigned")
+            self.stop_fork_server()
             return
         key = (a["job_id"], a["attempt"])
         if g is not None and (g.key != key or a["action"] == "stop"):
@@ -273,7 +286,7 @@ class NodeAgent:
         ]
         if self.address:
             argv.append(f"--local-addr={self.address}")
-        return [*argv, "--no-python", *worker_shim_prefix(), *command]
+        return [*argv, "--no-python", *worker_launch_prefix(), *command]
 
     def job_env(self, a: dict) -> dict[str, str]:
         root = Path(a["snapshot_root"]) if a.get("snapshot_root") else self.data_dir / "snapshots"
@@ -299,10 +312,50 @@ class NodeAgent:
         env.pop("FTRAIN_NODE_TOKEN", None)
         return env
 
+    def start_fork_server(self, a: dict, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
+        """The job's fork server (started if need be), or None when the job opts out."""
+        if env.get("FTRAIN_PRESTART", "1") == "0":
+            return None
+        z = self.fork_server
+        if z is not None and z.job_id == a["job_id"] and z.proc.poll() is None:
+            return z.name
+        self.stop_fork_server()
+        env = dict(env)
+        nproc = a["nproc_per_node"]
+        if "OMP_NUM_THREADS" not in env and (nproc == "auto" or int(nproc) > 1):
+            env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for its workers: libgomp reads it once
+        name = f"ftrain-{self.name}-{a['job_id']}-{os.getpid()}"[:100]
+        try:
+            with open(log_dir / f"{self.name}-fork-server.log", "ab") as out:
+                proc = subprocess.Popen(pdeathsig_argv([sys.executable, str(ZYGOTE), name], signal.SIGKILL),
+                                        cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        start_new_session=True)
+        except OSError as exc:
+            log.warning("could not start the fork server for job %s (%s); workers start cold",
+                        a["job_id"], exc)
+            return None
+        self.fork_server = ForkServer(a["job_id"], name, proc)
+        log.info("started the fork server (pid %d) for job %s", proc.pid, a["job_id"])
+        return name
+
+    def stop_fork_server(self) -> None:
+        z, self.fork_server = self.fork_server, None
+        if z is None:
+            return
+        kill_all([z.proc.pid, *descendants(z.proc.pid)])
+        z.proc.wait()
+
+    def forked_workers(self) -> list[int]:
+        z = self.fork_server
+        return descendants(z.proc.pid) if z is not None else []
+
     def start_group(self, a: dict) -> None:
         cwd = a.get("working_dir") or os.getcwd()
         log_dir = self.data_dir / "logs" / a["job_id"]
         log_dir.mkdir(parents=True, exist_ok=True)
+        env = self.job_env(a)
+        if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
+            env["FTRAIN_ZYGOTE"] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
         # writing into a broken pipe (its log-tail threads then keep it from exiting).
         outputs = {s: log_dir / f"{self.name}-attempt{a['attempt']}.{s}" for s in ("stdout", "stderr")}
@@ -310,11 +363,12 @@ class NodeAgent:
             with open(outputs["stdout"], "wb") as out, open(outputs["stderr"], "wb") as err:
                 proc = subprocess.Popen(
                     pdeathsig_argv(self.torchrun_argv(a), signal.SIGTERM), cwd=cwd,
-                    env=self.job_env(a), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     start_new_session=True)
         except OSError as exc:
             self.finished.add((a["job_id"], a["attempt"]))
-            self.report(a["job_id"], a["attempt"], "failed", None, f"could not start torchrun in {cwd}: {exc}")
+            self.report(a["job_id"], a["attempt"], "failed", None,
+                        f"could not start torchrun in {cwd}: {exc}")
             return
         g = WorkerGroup(a["job_id"], a["attempt"], proc)
         for stream, path in outputs.items():
@@ -359,7 +413,7 @@ class NodeAgent:
             t.join(2)
         self.group = None
         self.finished.add(g.key)
-        kill_all(descendants(g.proc.pid))
+        kill_all([*descendants(g.proc.pid), *self.forked_workers()])
         self.report(g.job_id, g.attempt, *self._outcome(g))
         self.shipper.flush()
 
@@ -369,7 +423,8 @@ class NodeAgent:
         if g is None:
             return
         now = time.monotonic()
-        stopped = {p for p in descendants(g.proc.pid) if state_of(p) in ("T", "t")}
+        workers = [*descendants(g.proc.pid), *self.forked_workers()]
+        stopped = {p for p in workers if state_of(p) in ("T", "t")}
         g.stopped_since = {p: g.stopped_since.get(p, now) for p in stopped}
         for pid, since in g.stopped_since.items():
             if now - since > STOPPED_WORKER_GRACE_S:
@@ -399,7 +454,7 @@ class NodeAgent:
         if g is None:
             return
         g.stop_requested = True
-        tree = descendants(g.proc.pid)
+        tree = [*descendants(g.proc.pid), *self.forked_workers()]
         log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
         if g.proc.poll() is None:
             g.proc.send_signal(signal.SIGTERM)
@@ -408,7 +463,7 @@ class NodeAgent:
                 g.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        kill_all([g.proc.pid, *tree, *descendants(g.proc.pid)])
+        kill_all([g.proc.pid, *tree, *descendants(g.proc.pid), *self.forked_workers()])
         g.proc.wait()
         deadline = time.monotonic() + 5
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:

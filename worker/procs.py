@@ -3,11 +3,14 @@
 torch's elastic agent starts each worker in a session of its own, so a process group
 does not reach them. Two guards keep workers from outliving their owners:
 
-* every process the agent starts, and every worker torchrun starts, is launched through
-  `pdeathsig_argv`: a tiny `python -S -c` shim that asks the kernel for a signal when
-  its parent dies (PR_SET_PDEATHSIG survives execve), then execs the real program.
-  torchrun gets SIGTERM when the agent dies (it then stops its workers itself);
-  workers get SIGKILL when torchrun dies;
+* every process the agent starts is launched through `pdeathsig_argv`: a tiny
+  `python -S -c` shim that asks the kernel for a signal when its parent dies
+  (PR_SET_PDEATHSIG survives execve), then execs the real program. torchrun gets SIGTERM
+  when the agent dies (it then stops its workers itself);
+* every worker torchrun starts goes through `worker/launch.py` (`worker_launch_prefix`),
+  which does the same with SIGKILL, then takes a pre-started worker from the job's fork
+  server (`worker/zygote.py`) or execs the command; a forked worker dies with its
+  launcher;
 * `descendants(pid)` finds the whole tree from /proc, so a stop can kill what is left.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 # prctl(PR_SET_PDEATHSIG = 1, sig); if the parent is already gone (adopted by init or a
 # subreaper before prctl ran), exit instead of running unowned.
@@ -34,10 +38,18 @@ def pdeathsig_argv(argv: list[str], sig: int = signal.SIGKILL, parent_pid: int |
     return [sys.executable, "-S", "-c", _SHIM, str(ppid), str(int(sig)), *argv]
 
 
-def worker_shim_prefix(sig: int = signal.SIGKILL) -> list[str]:
-    """For torchrun --no-python: the worker's parent is torchrun, whose pid the shim reads."""
-    return [sys.executable, "-S", "-c",
-            _SHIM.replace("ppid=int(sys.argv[1])", "ppid=os.getppid()"), "0", str(int(sig))]
+LAUNCH = Path(__file__).with_name("launch.py")
+ZYGOTE = Path(__file__).with_name("zygote.py")
+
+
+def worker_launch_prefix(sig: int = signal.SIGKILL) -> list[str]:
+    """For torchrun --no-python: `worker/launch.py` guards the worker, then runs it."""
+    return [sys.executable, "-S", str(LAUNCH), str(int(sig))]
+
+
+def is_launcher(argv: list[bytes]) -> bool:
+    """True for the argv (from /proc/PID/cmdline) of a `worker/launch.py` stand-in."""
+    return len(argv) > 2 and argv[1] == b"-S" and argv[2].endswith(b"/launch.py")
 
 
 def descendants(pid: int) -> list[int]:

@@ -1,0 +1,205 @@
+"""Pre-started workers: a real fork server (`worker/zygote.py`) and real launchers
+(`worker/launch.py`, as torchrun runs them), real signals, real exit statuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.harness import pid_alive, wait_for
+from worker.procs import LAUNCH, ZYGOTE, descendants
+
+# The script under test reports what it saw as one JSON line on stdout, and whether torch
+# was already imported when it started: the sign that it was forked from the server.
+PROBE = textwrap.dedent("""
+    import json, os, random, sys
+    preloaded = "torch" in sys.modules
+    import torch
+    report = {"preloaded": preloaded, "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv,
+              "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__, "x": os.environ.get("X"),
+              "rand": random.random(), "threads": torch.get_num_threads(), "sid": os.getsid(0),
+              "stdin": sys.stdin.read()}
+    print(json.dumps(report), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    mode = sys.argv[1] if len(sys.argv) > 1 else "exit0"
+    if mode.startswith("exit"):
+        sys.exit(int(mode[4:]))
+    if mode == "raise":
+        raise RuntimeError("boom from the script")
+    if mode == "sleep":
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
+        print("sleeping", flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.fixture
+def fork_server(tmp_path):
+    name = f"ftrain-test-{secrets.token_hex(6)}"
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "FTRAIN_PRESTART_IMPORTS": "torch"}
+    proc = subprocess.Popen([sys.executable, str(ZYGOTE), name], stdout=log, stderr=log, env=env)
+    wait_for(lambda: b"imported torch" in (tmp_path / "server.log").read_bytes(), 60, "the fork server")
+    yield name, proc
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    log.close()
+
+
+def launch(tmp_path: Path, server: str | None, *args: str, python_args: tuple[str, ...] = (),
+           stdin: bytes = b"", env: dict | None = None, wait: bool = True):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    run_env = {**os.environ, "X": "from-the-launcher", "OMP_NUM_THREADS": "1", **(env or {})}
+    run_env.pop("FTRAIN_ZYGOTE", None)
+    if server:
+        run_env["FTRAIN_ZYGOTE"] = server
+    out, err = open(tmp_path / "out", "wb"), open(tmp_path / "err", "wb")  # noqa: SIM115
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-S", str(LAUNCH), str(int(signal.SIGKILL)), sys.executable, *python_args,
+         str(script), *args], stdin=subprocess.PIPE, stdout=out, stderr=err, env=run_env, cwd=cwd)
+    proc.stdin.write(stdin)
+    proc.stdin.close()
+    if wait:
+        proc.wait(60)
+    out.close()
+    err.close()
+    return proc
+
+
+def report(tmp_path: Path) -> dict:
+    first = (tmp_path / "out").read_text().splitlines()[0]
+    return json.loads(first)
+
+
+def test_forked_worker_runs_the_script_as_a_fresh_interpreter_would(tmp_path, fork_server):
+    name, server = fork_server
+    proc = launch(tmp_path, name, "exit0", "a b", stdin=b"input line")
+    assert proc.returncode == 0, (tmp_path / "err").read_text()
+    r = report(tmp_path)
+    assert r["preloaded"] is True  # forked from the server, torch already there
+    assert r["ppid"] == server.pid and r["pid"] != proc.pid
+    assert r["argv"] == [str(tmp_path / "probe.py"), "exit0", "a b"]
+    assert r["cwd"] == str(tmp_path / "cwd") and r["path0"] == str(tmp_path)
+    assert r["name"] == "__main__" and r["x"] == "from-the-launcher" and r["stdin"] == "input line"
+    assert r["threads"] == 1  # OMP_NUM_THREADS of the launcher, not the server's 2
+    assert r["sid"] == r["pid"]  # a session of its own
+    assert (tmp_path / "err").read_text() == "to stderr\n"
+
+
+def test_each_forked_worker_gets_its_own_random_seed(tmp_path, fork_server):
+    name, _ = fork_server
+    seen = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        assert launch(d, name).returncode == 0
+        seen.append(report(d)["rand"])
+    assert seen[0] != seen[1]
+
+
+def test_exit_code_and_uncaught_exception_reach_torchrun_unchanged(tmp_path, fork_server):
+    name, _ = fork_server
+    assert launch(tmp_path, name, "exit3").returncode == 3
+    assert report(tmp_path)["preloaded"] is True
+    assert launch(tmp_path, name, "raise").returncode == 1
+    assert "RuntimeError: boom from the script" in (tmp_path / "err").read_text()
+
+
+def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server):
+    name, _ = fork_server
+    proc = launch(tmp_path, name, "sleep", wait=False)
+    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    worker = report(tmp_path)["pid"]
+    assert worker != proc.pid
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+
+
+def test_sigterm_to_the_launcher_reaches_the_worker(tmp_path, fork_server):
+    name, _ = fork_server
+    proc = launch(tmp_path, name, "sleep", wait=False)
+    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    proc.send_signal(signal.SIGTERM)  # what torchrun sends when it stops its workers
+    assert proc.wait(10) == 7
+    assert "got SIGTERM" in (tmp_path / "out").read_text()
+
+
+def test_sigkill_of_the_launcher_takes_the_worker_with_it(tmp_path, fork_server):
+    name, _ = fork_server
+    proc = launch(tmp_path, name, "sleep", wait=False)
+    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    worker = report(tmp_path)["pid"]
+    proc.kill()
+    proc.wait(10)
+    wait_for(lambda: not pid_alive(worker), 10, "the forked worker to die with its launcher")
+
+
+def test_fork_server_killed_takes_its_workers_and_the_launcher_reports_it(tmp_path, fork_server):
+    name, server = fork_server
+    proc = launch(tmp_path, name, "sleep", wait=False)
+    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    worker = report(tmp_path)["pid"]
+    server.kill()
+    assert proc.wait(10) == 1
+    wait_for(lambda: not pid_alive(worker), 10, "the worker to die with the fork server")
+    assert "fork server went away" in (tmp_path / "err").read_text()
+
+
+@pytest.mark.parametrize("python_args", [("-O",), ("-X", "importtime")])
+def test_commands_it_cannot_run_faithfully_are_execed_instead(tmp_path, fork_server, python_args):
+    name, _ = fork_server
+    proc = launch(tmp_path, name, "exit4", python_args=python_args)
+    assert proc.returncode == 4
+    r = report(tmp_path)
+    assert r["preloaded"] is False and r["pid"] == proc.pid  # the launcher exec'd python itself
+
+
+def test_without_a_fork_server_the_launcher_execs_the_command(tmp_path):
+    proc = launch(tmp_path, f"ftrain-test-absent-{secrets.token_hex(4)}", "exit5")
+    assert proc.returncode == 5
+    r = report(tmp_path)
+    assert r["preloaded"] is False and r["pid"] == proc.pid
+    proc = launch(tmp_path, None, "exit0")
+    assert proc.returncode == 0 and report(tmp_path)["pid"] == proc.pid
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_user_is_not_served(tmp_path, fork_server):
+    name, _ = fork_server
+    # Connect as "nobody" (the kernel records the peer's uid at connect) and send a
+    # well-formed request, as worker/launch.py would: the server must hang up unanswered.
+    client = textwrap.dedent(f"""
+        import json, os, socket, struct
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect("\\0{name}")
+        body = json.dumps({{"argv": ["{sys.executable}", "-c", "0"], "env": {{}}, "cwd": "/",
+                           "pid": os.getpid()}}).encode()
+        socket.send_fds(s, [struct.pack("!I", len(body))], [0, 1, 2])
+        try:
+            s.sendall(body)
+            print("answered" if s.recv(100) else "closed")
+        except ConnectionResetError:
+            print("closed")
+    """)
+    out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "closed"  # hung up without an answer
+    assert launch(tmp_path, name, "exit0").returncode == 0  # and still serves its own user
+    assert report(tmp_path)["preloaded"] is True

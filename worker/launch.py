@@ -1,0 +1,96 @@
+"""How torchrun starts each worker under ftrain: `python -S launch.py SIG COMMAND...`.
+
+torchrun runs this file (standard library only, no site-packages: it starts in ~20 ms)
+as the worker's entry point. It
+
+1. asks the kernel for SIG when its parent, torchrun, dies (PR_SET_PDEATHSIG survives
+   execve), and exits at once if torchrun is already gone;
+2. asks the job's fork server (`worker/zygote.py`, socket named by FTRAIN_ZYGOTE) for a
+   worker that has torch imported already: it sends the command, its environment, its
+   working directory and its standard streams, and then stands in for that worker. It
+   forwards the signals torchrun sends, and exits the way the worker exited (the same
+   code, or killed by the same signal), so torchrun sees no difference;
+3. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
+   torchrun would have.
+
+A worker started by the fork server watches this process and kills itself when it is
+gone, so SIGKILL here (or torchrun's death) still ends the worker.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+PR_SET_PDEATHSIG = 1
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2, signal.SIGCONT)
+
+
+def _exec(command):
+    os.execvp(command[0], command)
+
+
+def _forked_worker(name, command):
+    """Run COMMAND in a pre-started worker; returns only if the fork server cannot."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect("\0" + name)
+    except OSError:
+        return
+    request = json.dumps({"argv": command, "env": dict(os.environ), "cwd": os.getcwd(),
+                          "pid": os.getpid()}).encode()
+    try:
+        socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
+        conn.sendall(request)
+        replies = conn.makefile("rb")
+        first = json.loads(replies.readline() or b"{}")
+    except (OSError, ValueError):
+        return
+    child = first.get("pid")
+    if not child:
+        return  # the fork server declined (a command it cannot run): exec it ourselves
+
+    def forward(sig, _frame):
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        line = replies.readline()
+        status = json.loads(line)["status"] if line else None
+    except (OSError, ValueError, KeyError):
+        status = None
+    if status is None:  # the fork server went away: the worker must not outlive it here
+        forward(signal.SIGKILL, None)
+        sys.stderr.write("ftrain: the worker's fork server went away\n")
+        os._exit(1)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def main(argv):
+    sig, command = int(argv[1]), argv[2:]
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent or parent == 1:
+        os._exit(70)  # torchrun died before the guard was in place
+    name = os.environ.get("FTRAIN_ZYGOTE")
+    if name:
+        _forked_worker(name, command)
+    _exec(command)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,271 @@
+"""Pre-started workers: a fork server per job on each node.
+
+A fresh worker interpreter spends about 1 s importing torch and, at DDP's first forward,
+another second importing torch._dynamo (measured on the 2-core CI machine); after a
+worker failure the whole group waits for the slowest of them. The node agent therefore
+starts, next to torchrun, one process per job that imports those modules once
+(`FTRAIN_PRESTART_IMPORTS`, default `PRELOAD`) and then forks a worker for every
+`worker/launch.py` that asks: the new worker starts with everything imported, in a few
+milliseconds.
+
+    python zygote.py NAME         # listens on the abstract unix socket "\\0NAME"
+
+Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
+1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
+one JSON line, {"pid": N} (forked) or {"decline": why} (the launcher then execs the
+command itself), and, once the worker has exited, {"status": wait status}.
+
+What the forked worker gets is what a fresh `python script.py` would: the launcher's
+environment, working directory, standard streams, argv, sys.path[0] and its own session;
+a fresh seed for `random`; torch's thread count from OMP_NUM_THREADS; and a normal
+interpreter exit (atexit handlers, non-daemon threads joined). It dies with the launcher
+(it watches the launcher's pidfd) and with this server (PR_SET_PDEATHSIG). Commands this
+server cannot run faithfully (not the same interpreter, interpreter options other than
+-u, no script) are declined. Only processes of the same user may connect.
+
+CUDA is never initialised here: a process that forks after CUDA is initialised gives
+children that cannot use it. If an import does initialise it, every request is declined.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import random
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+
+PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
+PR_SET_PDEATHSIG = 1
+_MAX_REQUEST = 4 << 20
+
+
+class Request:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, pid: int, fds: list[int]):
+        self.argv, self.env, self.cwd, self.pid, self.fds = argv, env, cwd, pid, fds
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} ftrain fork server {os.getpid()}: {msg}", file=sys.stderr, flush=True)
+
+
+def preload(modules: list[str]) -> str | None:
+    """Import `modules`; returns why the server must decline every request, or None."""
+    for name in modules:
+        started = time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the worker will import it itself and see the error
+            log(f"could not import {name}: {type(exc).__name__}: {exc}")
+            continue
+        log(f"imported {name} in {time.monotonic() - started:.2f} s")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised while importing; a forked worker could not use it"
+    return None
+
+
+def plan(argv: list[str]) -> tuple[str, list[str]] | str:
+    """How to run `argv` here: ("path"|"module", the worker's sys.argv), or why not."""
+    if not argv or not _same_interpreter(argv[0]):
+        return "not this node's Python interpreter"
+    rest = list(argv[1:])
+    while rest and rest[0] == "-u":  # unbuffered output: the launcher's env says the same
+        rest.pop(0)
+    if not rest:
+        return "no script"
+    if rest[0] == "-m":
+        return ("module", rest[1:]) if len(rest) > 1 else "no module after -m"
+    if rest[0].startswith("-"):
+        return f"interpreter option {rest[0]}"
+    return "path", rest
+
+
+def _same_interpreter(path: str) -> bool:
+    try:
+        return os.path.samefile(path, sys.executable)
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, listener: socket.socket, decline: str | None):
+        self.listener = listener
+        self.decline = decline
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (pidfd, conn)
+
+    def serve(self) -> Request:
+        """Serve forever; returns only in a forked worker, with what it must run."""
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    request = self._accept()
+                    if request is not None:
+                        return request
+                else:
+                    self._reap(key.data)
+
+    def _accept(self) -> Request | None:
+        conn, _ = self.listener.accept()
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                conn.close()
+                return None
+            conn.settimeout(10)
+            request = self._read(conn)
+        except (OSError, ValueError, KeyError) as exc:
+            log(f"bad request: {exc}")
+            conn.close()
+            return None
+        how = plan(request.argv) if self.decline is None else self.decline
+        if isinstance(how, str):
+            return self._refuse(conn, request, how)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._close_all(conn)
+            request.argv = how  # type: ignore[assignment]
+            return request
+        for fd in request.fds:
+            os.close(fd)
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:
+            pass  # the launcher is gone; the worker notices that itself
+        pidfd = os.pidfd_open(pid)
+        self.children[pid] = (pidfd, conn)
+        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        return None
+
+    @staticmethod
+    def _read(conn: socket.socket) -> Request:
+        header, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
+        if len(fds) != 3 or len(header) != 4:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("expected a length and three file descriptors")
+        size = struct.unpack("!I", header)[0]
+        if size > _MAX_REQUEST:
+            raise ValueError(f"request of {size} bytes")
+        data = b""
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            if not chunk:
+                raise ValueError("short request")
+            data += chunk
+        body = json.loads(data)
+        return Request(list(body["argv"]), dict(body["env"]), str(body["cwd"]), int(body["pid"]), fds)
+
+    def _refuse(self, conn: socket.socket, request: Request, why: str) -> None:
+        for fd in request.fds:
+            os.close(fd)
+        try:
+            conn.sendall(json.dumps({"decline": why}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+        return None
+
+    def _reap(self, pid: int) -> None:
+        pidfd, conn = self.children.pop(pid)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+
+    def _close_all(self, keep: socket.socket) -> None:
+        """In a new worker: drop everything of the server's but the request's fds."""
+        self.selector.close()
+        self.listener.close()
+        for pidfd, conn in self.children.values():
+            os.close(pidfd)
+            conn.close()
+        keep.close()
+
+
+def become_worker(request: Request) -> None:
+    """Turn this forked process into the worker a fresh interpreter would have been."""
+    os.setsid()
+    server = os.getppid()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        launcher = os.pidfd_open(request.pid)
+    except ProcessLookupError:
+        os._exit(70)
+    if os.getppid() != server:
+        os._exit(70)
+    threading.Thread(target=_die_with, args=(launcher,), name="ftrain-launcher-watch", daemon=True).start()
+    for target, fd in enumerate(request.fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    unbuffered = bool(request.env.get("PYTHONUNBUFFERED"))
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(write_through=unbuffered)
+    extra = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[0:0] = extra  # the script's directory goes in front of these in run()
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    torch = sys.modules.get("torch")
+    threads = request.env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def _die_with(pidfd: int) -> None:
+    """Block until the launcher exits, then end this worker the way SIGKILL would."""
+    sel = selectors.DefaultSelector()
+    sel.register(pidfd, selectors.EVENT_READ)
+    while not sel.select():
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(how: str, argv: list[str]) -> None:
+    sys.argv = list(argv)
+    if how == "module":
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    name = argv[1]
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # run as a file: its directory is not the worker's sys.path[0]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(64)  # launchers that come while we import wait in the backlog
+    decline = preload([m for m in os.environ.get("FTRAIN_PRESTART_IMPORTS", PRELOAD).split(",") if m])
+    if decline:
+        log(f"declining every request: {decline}")
+    request = Server(listener, decline).serve()
+    how, args = request.argv
+    become_worker(request)
+    run(how, args)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
