@@ -29,6 +29,11 @@ write and costs etcd nothing while nothing changes: agents sit in the exit barri
 `exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
 steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC stream.
 
+The state has a long poll too (`wait_for_state_change`): an agent waiting for other nodes
+asks "answer when the token is no longer the one I saw", and the same kind of watch, on the
+state key, answers it within a millisecond of another node's write instead of at torch's
+next one-second poll (see `worker.rendezvous`).
+
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
 write are two etcd requests, not one transaction (comparing the job key's revision would make
@@ -43,10 +48,10 @@ import asyncio
 import base64
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from service.errors import ContentionError, FtrainError
-from service.etcd import Delete, Entry, Etcd, Put
+from service.etcd import Delete, Entry, Etcd, Put, WatchEvent
 from service.keys import Keys
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
@@ -115,6 +120,24 @@ class Rendezvous:
             return await self.get_state(), False
         return await self._cas_read(self._state_key, expected, Put(self._state_key, state))
 
+    async def wait_for_state_change(self, after: str, wait_s: float) -> tuple[Entry | None, bool]:
+        """The state once its token is no longer `after` ("0": no state), waiting up to
+        `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
+        while True:
+            # As in `get`: a write after `revision` is seen either by the read or by the watch.
+            revision = await self.etcd.revision()
+            entry = await self.get_state()
+            if state_token(entry) != after:
+                return entry, True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return entry, False
+            await self._wait_for_event(self._state_key, revision + 1, remaining,
+                                       lambda event: event.key == self._state_key)
+
     # -- the c10d store ------------------------------------------------------------------
 
     def store_key(self, key: str) -> str:
@@ -138,7 +161,9 @@ class Rendezvous:
             missing = [k for k, v in zip(etcd_keys, await self._read(etcd_keys)) if v is None]
             if not missing:
                 continue
-            await self._wait_for_put(set(missing), revision + 1, remaining)
+            await self._wait_for_event(
+                self._store_prefix, revision + 1, remaining,
+                lambda event, wanted=frozenset(missing): event.key in wanted and event.value is not None)
             if deadline - loop.time() <= 0:
                 # One last read: the write that ended the wait may have landed at the deadline.
                 values = await self._read(etcd_keys)
@@ -206,18 +231,20 @@ class Rendezvous:
         entries = await asyncio.gather(*(self.etcd.get(k) for k in etcd_keys))
         return [None if e is None else e.value for e in entries]
 
-    async def _wait_for_put(self, keys: set[str], start_revision: int, timeout_s: float) -> None:
-        """Return once one of `keys` is written at or after `start_revision`, or at the timeout."""
+    async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
+                              wanted: Callable[[WatchEvent], bool]) -> None:
+        """Return once a change under `prefix` at or after `start_revision` is `wanted`, or at
+        the timeout."""
 
-        async def first_put() -> None:
-            events = self.etcd.watch_prefix(self._store_prefix, start_revision)
+        async def first_wanted() -> None:
+            events = self.etcd.watch_prefix(prefix, start_revision)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    if event.key in keys and event.value is not None:
+                    if wanted(event):
                         return
 
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(first_put(), timeout_s)
+            await asyncio.wait_for(first_wanted(), timeout_s)
 
     async def _update(self, key: str, combine, op_id: str | None) -> bytes:
         """Read-modify-write `key` by CAS; with `op_id`, at most once across retries."""
@@ -249,6 +276,11 @@ class Rendezvous:
         return ContentionError(f"store key {key!r} of rendezvous {self.rdzv_id} changed "
                                f"{MAX_CAS_ATTEMPTS} times while this request tried to update it; "
                                "retry the request")
+
+
+def state_token(entry: Entry | None) -> str:
+    """The fencing token of a state as the client sees it: its mod_revision, "0" for none."""
+    return "0" if entry is None else str(entry.mod_revision)
 
 
 def _revision(token: str | None) -> int | None:

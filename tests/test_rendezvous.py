@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+import worker.rendezvous as ftrain_rdzv
 from service.etcd import Etcd, Put
 from service.keys import Keys
 from service.rendezvous import delete_rendezvous, parse_rdzv_id
@@ -33,7 +34,9 @@ from worker.rendezvous import (
     HttpStore,
     RendezvousGoneError,
     Transport,
+    create_ftrain_handler,
     endpoint_url,
+    wake_on_change,
 )
 
 SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
@@ -532,3 +535,162 @@ def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_
             body, took = pending.result(timeout=10)
     assert body == {"found": True, "values": ["MQ=="]}
     assert took < 2.5
+
+
+# --------------------------------------------------------------------------------------
+# Waking torch's rendezvous on a state change (long poll on the state)
+# --------------------------------------------------------------------------------------
+
+
+def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
+    url = f"/v1/rdzv/{rdzv_id}/state"
+    with control_plane.client("node") as reader, control_plane.client("node") as writer:
+        token = writer.put(url, json={"state": "AAE=", "token": None}).json()["token"]
+
+        def long_poll():
+            start = time.monotonic()
+            body = reader.get(url, params={"after": token, "wait_s": 10}).json()
+            return body, time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(long_poll)
+            threading.Event().wait(0.3)  # let the request reach its watch (not a correctness wait)
+            new_token = writer.put(url, json={"state": "AAI=", "token": token}).json()["token"]
+            body, took = pending.result(timeout=15)
+    assert body == {"state": "AAI=", "token": new_token, "changed": True}
+    assert took < 2.5  # the server caps a wait at 5 s: this one ended on the write
+
+
+def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_id):
+    url = f"/v1/rdzv/{rdzv_id}/state"
+    with control_plane.client("node") as client:
+        start = time.monotonic()
+        none_yet = client.get(url, params={"after": "0", "wait_s": 0.3}).json()
+        assert time.monotonic() - start >= 0.25
+        assert none_yet == {"state": None, "token": None, "changed": False}
+        token = client.put(url, json={"state": "AAE=", "token": None}).json()["token"]
+        same = client.get(url, params={"after": token, "wait_s": 0.3}).json()
+        assert same == {"state": "AAE=", "token": token, "changed": False}
+        # A token that is not the current one is answered at once, without waiting.
+        start = time.monotonic()
+        stale = client.get(url, params={"after": "1", "wait_s": 10}).json()
+        assert stale == {"state": "AAE=", "token": token, "changed": True}
+        assert time.monotonic() - start < 2.5
+        # Without `after` it is the plain read it always was.
+        assert client.get(url).json() == {"state": "AAE=", "token": token}
+        assert client.get(url, params={"after": "x"}).status_code == 422
+
+
+def test_state_long_poll_is_guarded_like_the_other_routes(control_plane, job, rdzv_id):
+    params = {"after": "0", "wait_s": 1}
+    with control_plane.client("user") as user, control_plane.client(None) as nobody:
+        assert user.get(f"/v1/rdzv/{rdzv_id}/state", params=params).status_code == 403
+        assert nobody.get(f"/v1/rdzv/{rdzv_id}/state", params=params).status_code == 401
+    with control_plane.client("node") as node:
+        resp = node.get(f"/v1/rdzv/{job['id']}-a1/state", params=params)
+    assert resp.status_code == 410
+
+
+def test_wait_for_change_hands_the_new_state_to_the_next_get_state(transports):
+    waiter, writer = FtrainRendezvousBackend(transports()), FtrainRendezvousBackend(transports())
+    _, token, _ = writer.set_state(b"one")
+    assert waiter.get_state() == (b"one", token)
+    assert waiter.wait_for_change(0.2) is False  # nothing changed: the wait ends
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        def wait_then_read():
+            changed = waiter.wait_for_change(10)
+            calls = []
+            waiter._transport.call = lambda *a, **kw: calls.append(a)  # no request from here on
+            return changed, waiter.get_state(), calls
+
+        pending = pool.submit(wait_then_read)
+        threading.Event().wait(0.3)  # let the wait start (not a correctness wait)
+        _, new_token, _ = writer.set_state(b"two", token)
+        changed, state, calls = pending.result(timeout=15)
+    assert (changed, state, calls) == (True, (b"two", new_token), [])
+
+
+def test_waits_that_end_at_once_are_spaced_out(transports):
+    """A state that changes all the time must not turn the waits into a busy loop."""
+    backend = FtrainRendezvousBackend(transports())
+    backend.set_state(b"x")
+    start = time.monotonic()
+    for _ in range(3):
+        backend.wait_instead_of_poll(1, after="1")  # never the current token: answered at once
+    took = time.monotonic() - start
+    assert 2 * ftrain_rdzv.MIN_WAKE_INTERVAL_S <= took < 1
+
+
+def test_a_failed_wait_falls_back_to_the_one_second_poll():
+    transport = Transport(f"http://127.0.0.1:{free_port()}", "job-abcdef-a0", "t", retry_timeout_s=1)
+    backend = FtrainRendezvousBackend(transport)
+    start = time.monotonic()
+    backend.wait_instead_of_poll(0.4, "7")  # connection refused: sleeps out the delay instead
+    assert 0.35 <= time.monotonic() - start < 3
+    transport.close()
+
+
+def test_a_torch_without_the_expected_internals_keeps_polling(transports, caplog):
+    backend = FtrainRendezvousBackend(transports())
+    with caplog.at_level("WARNING", logger="worker.rendezvous"):
+        assert wake_on_change(types.SimpleNamespace(), backend) is False
+    assert "once a second, as stock torch does" in caplog.text
+    assert backend._wakes_on_change is False
+
+
+def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
+        control_plane, rdzv_id, monkeypatch):
+    """Two handlers in threads (as torchrun's on two nodes): the first waits for the second;
+    its wait must be the long poll of its own state, never torch's one-second sleep."""
+    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=2, max_nodes=2, local_addr="127.0.0.1",
+                                  last_call_timeout=1, join_timeout=30, keep_alive_interval=1)
+    first, second = create_ftrain_handler(params), create_ftrain_handler(params)
+    for handler in (first, second):
+        assert isinstance(handler, DynamicRendezvousHandler)
+        assert handler._state_holder._cache_duration == 0
+
+    stock_delays: list[tuple[str, object]] = []
+    stock_delay = ftrain_rdzv._stock_delay
+
+    def count_stock_delay(seconds):
+        stock_delays.append((threading.current_thread().name, seconds))
+        stock_delay(seconds=seconds)
+
+    monkeypatch.setattr(ftrain_rdzv, "_stock_delay", count_stock_delay)
+    entered: list[FtrainRendezvousBackend] = []
+    waits: list[tuple[str, FtrainRendezvousBackend, bool]] = []
+    wait_for_change = FtrainRendezvousBackend.wait_for_change
+
+    def record_wait(self, timeout_s, after=None):
+        entered.append(self)
+        changed = wait_for_change(self, timeout_s, after)
+        waits.append((threading.current_thread().name, self, changed))
+        return changed
+
+    monkeypatch.setattr(FtrainRendezvousBackend, "wait_for_change", record_wait)
+    backend_of_thread: dict[str, FtrainRendezvousBackend] = {}
+
+    def join(handler):
+        backend_of_thread[threading.current_thread().name] = handler._state_holder._backend
+        return handler.next_rendezvous()
+
+    first_backend = first._state_holder._backend
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="node") as pool:
+            pending_first = pool.submit(join, first)
+            wait_for(lambda: first_backend in entered or pending_first.done(), 20,
+                     "the first handler to wait for the second")
+            pending_second = pool.submit(join, second)
+            infos = [pending_first.result(timeout=30), pending_second.result(timeout=30)]
+        assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+        # Every wait was a long poll of the waiting thread's own handler's state; one of the
+        # first handler's ended on the second's join; no handler slept torch's 1 s poll.
+        assert waits and all(backend is backend_of_thread[thread] for thread, backend, _ in waits)
+        assert True in [changed for _, backend, changed in waits if backend is first_backend]
+        assert [s for _, s in stock_delays if s == ftrain_rdzv.SYNC_DELAY_S] == []
+    finally:
+        for handler in (first, second):
+            handler.shutdown()

@@ -43,6 +43,24 @@ Timeouts and keep-alive, chosen on purpose:
   about 5 s instead of 46 s, while 1 s × 2 split a job during a join. With `retry_timeout`
   longer than the keep-alive window, an agent that cannot reach the control plane is dropped
   by the others (they still can) rather than failing itself: that is the intended outcome.
+
+Waking on a change. Stock torch polls: a node waiting for others (to join, to complete the
+round) re-reads the state once a second (`_delay(seconds=1)` after each `_Action.SYNC`), and
+its state holder serves a cached copy for a second after each read, which also delays the
+agents' `num_nodes_waiting()`. A restart goes through several such waits: they were most of
+the time from a worker's death to the next round. `wake_on_change` sets the holder's cache
+to 0 and turns that one delay into a long poll of the state
+(`FtrainRendezvousBackend.wait_for_change`, answered by an etcd watch on the server) that
+ends as soon as another node writes, and still after at most that second, so torch's timers
+(keep-alive, last call, deadlines) are looked at at least as often as before.
+dynamic_rendezvous's `_delay` is a module-level name, so the patch is process-wide; it
+dispatches on a thread-local that the backend sets on each read or write, i.e. in the sync
+that precedes the delay in the same thread, so each handler waits for its own state; a
+thread with no such read pending (and every other delay, such as the random one before a
+first join) gets torch's own `_delay`. Waits are at least `MIN_WAKE_INTERVAL_S` apart (N
+nodes' heartbeats change the state N times a second), and a failed wait sleeps the rest of
+the second. A torch whose handler lacks these internals keeps the stock polling (a warning
+says so). The price: `num_nodes_waiting()`, every --monitor-interval, always asks the server.
 """
 
 from __future__ import annotations
@@ -52,6 +70,7 @@ import logging
 import os
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -59,7 +78,9 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -87,6 +108,9 @@ DEFAULT_RETRY_TIMEOUT_S = 60
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
 _RETRYABLE_STATUS = (502, 503, 504)
+SYNC_DELAY_S = 1  # the delay torch's op executor takes after each _Action.SYNC
+MIN_WAKE_INTERVAL_S = 0.05
+NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
 
 
 class RendezvousGoneError(RendezvousClosedError):
@@ -95,6 +119,10 @@ class RendezvousGoneError(RendezvousClosedError):
 
 class ControlPlaneUnreachable(Exception):
     """No answer from the control plane before the deadline (retries exhausted)."""
+
+
+class LongPollUnsupported(RendezvousError):
+    """The control plane answers a state long poll as a plain read (it predates the long poll)."""
 
 
 class Transport:
@@ -127,7 +155,8 @@ class Transport:
         return self._clock() + self.retry_timeout_s
 
     def call(self, method: str, path: str, body: dict | None = None, *,
-             deadline: float | None = None, wait_s: float = 0.0) -> dict:
+             deadline: float | None = None, wait_s: float = 0.0,
+             params: dict | None = None) -> dict:
         """One request, retried on connection failures and 502/503/504 until `deadline`."""
         deadline = self.deadline() if deadline is None else deadline
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
@@ -137,7 +166,8 @@ class Transport:
         while True:
             attempt += 1
             try:
-                response = self._client.request(method, path, json=body, timeout=timeout)
+                response = self._client.request(method, path, json=body, params=params,
+                                                timeout=timeout)
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
@@ -205,31 +235,104 @@ def _bytes(value: Any) -> bytes:
     raise TypeError(f"store values are bytes or str, not {type(value).__name__}")
 
 
+# Per thread: (backend, token) of the state this thread last read or wrote through a backend
+# that wakes on change (`synced`), and a state a wait read for the next `get_state` of this
+# thread (`prefetched`, (backend, decoded state)). See the module docstring.
+_this_thread = threading.local()
+_stock_delay: Callable[..., None] | None = None  # dynamic_rendezvous's own `_delay`
+_patch_lock = threading.Lock()
+
+
 class FtrainRendezvousBackend(RendezvousBackend):
     """torch's `RendezvousBackend` kept by the control plane (etcd compare-and-set)."""
 
     def __init__(self, transport: Transport):
         self._transport = transport
+        self._seen_token: str | None = None  # of the last state read or written, any thread
+        self._wakes_on_change = False  # set by `wake_on_change`
+        self._long_poll = True  # False once the control plane turned out not to have it
+        self._last_wake = -MIN_WAKE_INTERVAL_S
 
     @property
     def name(self) -> str:
         return "ftrain"
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        return self._decode(self._call("GET", "/state"))
+        prefetched = getattr(_this_thread, "prefetched", None)
+        _this_thread.prefetched = None
+        if prefetched is not None and prefetched[0] is self:
+            decoded = prefetched[1]  # read by this thread's wait a moment ago
+        else:
+            decoded = self._decode(self._call("GET", "/state"))
+        self._saw(None if decoded is None else decoded[1])
+        return decoded
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        _this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
         body = {"state": _b64(state), "token": None if token is None else str(token)}
         result = self._call("PUT", "/state", body)
         decoded = self._decode(result)
+        self._saw(None if decoded is None else decoded[1])
         if decoded is None:
             return None
         return decoded[0], decoded[1], bool(result["written"])
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
+        """Wait until the state's token is no longer `after` (default: the last one this
+        backend read or wrote) or `timeout_s` has passed; True if it changed.
+
+        The state that came back is handed to this thread's next `get_state`, which then
+        makes no request of its own.
+
+        Raises:
+            LongPollUnsupported: the control plane predates the long poll.
+        """
+        after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
+        timeout_s = max(0.0, timeout_s)
+        result = self._call("GET", "/state", params={"after": after, "wait_s": f"{timeout_s:.3f}"},
+                            deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
+        if "changed" not in result:
+            raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
+                                      "long poll on the rendezvous state; upgrade it")
+        decoded = self._decode(result)
+        _this_thread.prefetched = (self, decoded)
+        return bool(result["changed"])
+
+    def wait_instead_of_poll(self, seconds: float, after: str | None) -> None:
+        """What torch's `_delay(seconds=1)` after a SYNC does for a handler over this backend:
+        return when the state changes, after at most `seconds`."""
+        clock = time.monotonic
+        start = clock()
+        deadline = start + seconds
+        pause = self._last_wake + MIN_WAKE_INTERVAL_S - start
+        if pause > 0:
+            time.sleep(pause)
         try:
-            return self._transport.call(method, path, body)
+            if self._long_poll:
+                self.wait_for_change(deadline - clock(), after or NO_STATE_TOKEN)
+                return
+        except LongPollUnsupported as exc:
+            self._long_poll = False
+            log.warning("rendezvous %s: %s; re-reading the state once a second instead",
+                        self._transport.rdzv_id, exc)
+        except RendezvousGoneError:
+            return  # the next read raises it at once
+        except Exception as exc:  # never worse than torch's own poll
+            log.info("rendezvous %s: waiting for a state change failed (%s: %s); re-reading "
+                     "it in a second instead", self._transport.rdzv_id, type(exc).__name__, exc)
+        finally:
+            self._last_wake = clock()
+        time.sleep(max(0.0, deadline - clock()))
+
+    def _saw(self, token: Any) -> None:
+        self._seen_token = None if token is None else str(token)
+        if self._wakes_on_change:
+            _this_thread.synced = (self, self._seen_token)
+
+    def _call(self, method: str, path: str, body: dict | None = None, **kwargs) -> dict:
+        try:
+            return self._transport.call(method, path, body, **kwargs)
         except ControlPlaneUnreachable as exc:
             raise RendezvousConnectionError(str(exc)) from exc
 
@@ -371,7 +474,54 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     from worker.rounds import with_round_reports
 
     backend, store = create_backend(params)
-    return with_round_reports(create_handler(store, backend, params))
+    handler = create_handler(store, backend, params)
+    wake_on_change(handler, backend)
+    return with_round_reports(handler)
+
+
+def wake_on_change(handler: RendezvousHandler, backend: FtrainRendezvousBackend) -> bool:
+    """Make `handler` (torch's, over `backend`) re-read the state as soon as another node
+    changes it rather than once a second (module docstring); False: this torch's handler is
+    not built as expected, and it keeps polling as stock torch does."""
+    holder = getattr(handler, "_state_holder", None)
+    executor = getattr(dynamic_rendezvous, "_DistributedRendezvousOpExecutor", None)
+    run_code = getattr(getattr(executor, "run", None), "__code__", None)
+    if not callable(getattr(dynamic_rendezvous, "_delay", None)) \
+            or "_delay" not in getattr(run_code, "co_names", ()):
+        problem = "its op executor does not call dynamic_rendezvous._delay"
+    elif getattr(holder, "_backend", None) is not backend \
+            or not isinstance(getattr(holder, "_cache_duration", None), (int, float)):
+        problem = "its state holder has no _backend and _cache_duration"
+    else:
+        _patch_delay()
+        holder._cache_duration = 0  # type: ignore[union-attr]
+        backend._wakes_on_change = True
+        return True
+    log.warning("rendezvous %s: torch %s's DynamicRendezvousHandler is not built as ftrain expects "
+                "(%s); it re-reads the state once a second, as stock torch does",
+                backend._transport.rdzv_id, torch.__version__, problem)
+    return False
+
+
+def _patch_delay() -> None:
+    global _stock_delay
+    with _patch_lock:
+        if dynamic_rendezvous._delay is not _delay_or_wait_for_change:
+            _stock_delay = dynamic_rendezvous._delay
+            dynamic_rendezvous._delay = _delay_or_wait_for_change
+
+
+def _delay_or_wait_for_change(seconds: float | tuple[float, float]) -> None:
+    """dynamic_rendezvous's `_delay`: after a SYNC of a handler over a backend that wakes on
+    change, wait for that handler's state to change; any other delay is torch's."""
+    synced = getattr(_this_thread, "synced", None)
+    _this_thread.synced = None
+    if synced is None or isinstance(seconds, tuple) or seconds != SYNC_DELAY_S:
+        assert _stock_delay is not None
+        _stock_delay(seconds=seconds)
+        return
+    backend, token = synced
+    backend.wait_instead_of_poll(seconds, token)
 
 
 def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

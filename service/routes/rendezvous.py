@@ -4,6 +4,8 @@ Every endpoint is under `/v1/rdzv/{rdzv_id}` where `rdzv_id` is `<job id>-a<atte
 open to the node token and to that job's own token, never to the user token (403). An unknown
 job is 404; an attempt that is not the job's current one, or a finished job, is 410 Gone, and
 a client must not retry a 410. Bytes travel base64 (standard alphabet) in JSON.
+`GET /state?after=<token>&wait_s=<s>` is a long poll on the state (a torch agent waiting for
+other nodes); without `after` it is the plain read torch's `get_state` makes.
 The logic is in `service.rendezvous.Rendezvous`; these handlers only translate.
 """
 
@@ -14,12 +16,12 @@ import binascii
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer
 
 from service.deps import ContextDep, Credentials
 from service.errors import JobNotFound
-from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id
+from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
 
 
 def _b64decode(value: object) -> bytes:
@@ -43,6 +45,10 @@ OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
 class RdzvState(BaseModel):
     state: B64 | None = Field(None, description="The pickled rendezvous state; null: none yet.")
     token: str | None = Field(None, description="Its fencing token (the etcd mod_revision).")
+
+
+class StateChange(RdzvState):
+    changed: bool = Field(..., description="The token is no longer `after`; false: the wait ended.")
 
 
 class SetStateRequest(BaseModel):
@@ -162,13 +168,24 @@ router = APIRouter(prefix="/v1/rdzv/{rdzv_id}", tags=["rendezvous"])
 
 def _state(entry) -> dict:
     return {"state": None, "token": None} if entry is None else {
-        "state": entry.value, "token": str(entry.mod_revision)}
+        "state": entry.value, "token": state_token(entry)}
 
 
-@router.get("/state", response_model=RdzvState)
-async def get_state(rdzv: RendezvousDep) -> RdzvState:
-    """The rendezvous state and its token (both null before the first `set_state`)."""
-    return RdzvState(**_state(await rdzv.get_state()))
+@router.get("/state", response_model=StateChange | RdzvState)
+async def get_state(
+    rdzv: RendezvousDep,
+    after: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}$",
+                                       description="Long poll: answer once the token is not this "
+                                                   "one (\"0\": no state yet).")] = None,
+    wait_s: Annotated[float, Query(ge=0, le=600,
+                                   description="How long to wait for that (at most 5 s).")] = 0.0,
+) -> StateChange | RdzvState:
+    """The rendezvous state and its token (both null before the first `set_state`); with
+    `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
+    if after is None:
+        return RdzvState(**_state(await rdzv.get_state()))
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s)
+    return StateChange(**_state(entry), changed=changed)
 
 
 @router.put("/state", response_model=SetStateResult)
