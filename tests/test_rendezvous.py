@@ -650,7 +650,7 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
     first, second = create_ftrain_handler(params), create_ftrain_handler(params)
     for handler in (first, second):
         assert isinstance(handler, DynamicRendezvousHandler)
-        assert handler._state_holder._cache_duration == 0
+        assert handler._state_holder._cache_duration == 1  # torch's cache stays (monitor reads)
 
     stock_delays: list[tuple[str, object]] = []
     stock_delay = ftrain_rdzv._stock_delay
@@ -694,3 +694,30 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
     finally:
         for handler in (first, second):
             handler.shutdown()
+
+
+def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane, rdzv_id, monkeypatch):
+    """torchrun's monitor asks num_nodes_waiting() every 0.2 s; waking on a change must not
+    turn each of those into a request (torch's one-second state cache stays)."""
+    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=1, max_nodes=2, local_addr="127.0.0.1")
+    handler = create_ftrain_handler(params)
+    reads: list[float] = []
+    get_state = FtrainRendezvousBackend.get_state
+
+    def count(self):
+        reads.append(time.monotonic())
+        return get_state(self)
+
+    monkeypatch.setattr(FtrainRendezvousBackend, "get_state", count)
+    try:
+        start = time.monotonic()
+        checks = 0
+        while time.monotonic() - start < 0.8:
+            handler.num_nodes_waiting()
+            checks += 1
+            time.sleep(0.05)
+        assert checks >= 10 and len(reads) <= 1
+    finally:
+        handler.shutdown()

@@ -46,13 +46,15 @@ Timeouts and keep-alive, chosen on purpose:
 
 Waking on a change. Stock torch polls: a node waiting for others (to join, to complete the
 round) re-reads the state once a second (`_delay(seconds=1)` after each `_Action.SYNC`), and
-its state holder serves a cached copy for a second after each read, which also delays the
-agents' `num_nodes_waiting()`. A restart goes through several such waits: they were most of
-the time from a worker's death to the next round. `wake_on_change` sets the holder's cache
-to 0 and turns that one delay into a long poll of the state
+its state holder serves a cached copy for a second after each read. A restart goes through
+several such waits: they were most of the time from a worker's death to the next round.
+`wake_on_change` turns that one delay into a long poll of the state
 (`FtrainRendezvousBackend.wait_for_change`, answered by an etcd watch on the server) that
 ends as soon as another node writes, and still after at most that second, so torch's timers
-(keep-alive, last call, deadlines) are looked at at least as often as before.
+(keep-alive, last call, deadlines) are looked at at least as often as before; a wait that
+ends expires the holder's cache, so the read after it is fresh. The cache itself stays: the
+agent's monitor asks `num_nodes_waiting()` every --monitor-interval (0.2 s), which must not
+become five reads a second per node.
 dynamic_rendezvous's `_delay` is a module-level name, so the patch is process-wide; it
 dispatches on a thread-local that the backend sets on each read or write, i.e. in the sync
 that precedes the delay in the same thread, so each handler waits for its own state; a
@@ -60,7 +62,7 @@ thread with no such read pending (and every other delay, such as the random one 
 first join) gets torch's own `_delay`. Waits are at least `MIN_WAKE_INTERVAL_S` apart (N
 nodes' heartbeats change the state N times a second), and a failed wait sleeps the rest of
 the second. A torch whose handler lacks these internals keeps the stock polling (a warning
-says so). The price: `num_nodes_waiting()`, every --monitor-interval, always asks the server.
+says so).
 """
 
 from __future__ import annotations
@@ -250,6 +252,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         self._transport = transport
         self._seen_token: str | None = None  # of the last state read or written, any thread
         self._wakes_on_change = False  # set by `wake_on_change`
+        self._expire_cache: Callable[[], None] = lambda: None  # ditto
         self._long_poll = True  # False once the control plane turned out not to have it
         self._last_wake = -MIN_WAKE_INTERVAL_S
 
@@ -323,6 +326,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
                      "it in a second instead", self._transport.rdzv_id, type(exc).__name__, exc)
         finally:
             self._last_wake = clock()
+            self._expire_cache()
         time.sleep(max(0.0, deadline - clock()))
 
     def _saw(self, token: Any) -> None:
@@ -490,11 +494,14 @@ def wake_on_change(handler: RendezvousHandler, backend: FtrainRendezvousBackend)
             or "_delay" not in getattr(run_code, "co_names", ()):
         problem = "its op executor does not call dynamic_rendezvous._delay"
     elif getattr(holder, "_backend", None) is not backend \
-            or not isinstance(getattr(holder, "_cache_duration", None), (int, float)):
-        problem = "its state holder has no _backend and _cache_duration"
+            or not isinstance(getattr(holder, "_last_sync_time", None), (int, float)):
+        problem = "its state holder has no _backend and _last_sync_time"
     else:
         _patch_delay()
-        holder._cache_duration = 0  # type: ignore[union-attr]
+        # torch's state cache stays (the agent's monitor asks num_nodes_waiting() every
+        # 0.2 s: that must not become five reads a second per node); a wait that ends
+        # expires it, so the read after the wait is a fresh one.
+        backend._expire_cache = lambda: setattr(holder, "_last_sync_time", -1)
         backend._wakes_on_change = True
         return True
     log.warning("rendezvous %s: torch %s's DynamicRendezvousHandler is not built as ftrain expects "
