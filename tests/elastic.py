@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 
 from tests.harness import NodeAgentProc, wait_for, workers_under
+from worker.procs import descendants, is_launcher
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
 _STEP = re.compile(r"^step=(\d+) world=(\d+)")
@@ -78,6 +79,20 @@ def forked(pid: int) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return any(a.endswith(b"/zygote.py") for a in argv[:3])
+
+
+def torchrun_launchers(agent: NodeAgentProc) -> list[int]:
+    """Launchers (worker/launch.py) under `agent` standing in for a torchrun that the job's
+    fork server started: the agent starts torchrun that way once the server is ready."""
+    out = []
+    for pid in descendants(agent.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if is_launcher(argv) and b"torch.distributed.run" in argv:
+            out.append(pid)
+    return out
 
 
 def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:

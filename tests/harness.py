@@ -55,7 +55,7 @@ def _argv(pid: int) -> list[bytes]:
 def workers_under(pid: int, script: Path) -> list[int]:
     """The live training processes under `pid`: those running `script` (not torchrun, not
     the exec shim, not worker/launch.py) and those a fork server started (its children,
-    which keep the server's argv)."""
+    which keep the server's argv; a forked torchrun is told apart by its launchers)."""
     out = []
     for child in descendants(pid):
         argv = _argv(child)
@@ -63,8 +63,14 @@ def workers_under(pid: int, script: Path) -> list[int]:
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
         elif any(a.endswith(b"/zygote.py") for a in argv[:3]) and pid_alive(child):
-            out.extend(c for c in descendants(child) if pid_alive(c) and _ppid(c) == child)
+            out.extend(c for c in descendants(child)
+                       if _ppid(c) == child and pid_alive(c) and not _runs_launchers(c))
     return out
+
+
+def _runs_launchers(pid: int) -> bool:
+    """True for a forked torchrun: its children are worker/launch.py stand-ins."""
+    return any(is_launcher(_argv(c)) for c in descendants(pid) if _ppid(c) == pid)
 
 
 def _ppid(pid: int) -> int | None:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.elastic import job, submit, wait_nodes, wait_state
+from tests.elastic import job, submit, torchrun_launchers, wait_nodes, wait_state
 from tests.harness import REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -86,6 +86,7 @@ def test_a_drained_node_loses_no_step(api, agents):
     job_id = submit(api, spec("drain"))
     wait_for(lambda: any(w == 2 for _, _, w in starts(api, job_id)), 90, "world size 2")
     wait_running_with_progress(api, job_id, 10)
+    assert torchrun_launchers(a) == []  # attempt 1 started cold, before the fork server was ready
     assert api.post("/v1/nodes/n1/drain").status_code == 202
     wait_for(lambda: any(w == 1 for _, _, w in starts(api, job_id)[1:]), 90, "the job to go on at world size 1")
     lines = rank0(api, job_id)
@@ -93,6 +94,8 @@ def test_a_drained_node_loses_no_step(api, agents):
     assert resumed == stop_before(lines, index) > 0
     j = job(api, job_id)
     assert j["nodes"] == ["n0"] and j["restarts"] == 0
+    # The drain moved n0 to a new attempt: its new torchrun came from the job's fork server.
+    assert j["attempt"] == 2 and len(torchrun_launchers(a)) == 1
     nodes = {n["name"]: n for n in api.get("/v1/nodes").json()["items"]}
     assert nodes["n1"]["state"] == "DRAINING" and nodes["n1"]["job"] is None
 

@@ -203,3 +203,35 @@ def test_another_user_is_not_served(tmp_path, fork_server):
     assert out.stdout.strip() == "closed"  # hung up without an answer
     assert launch(tmp_path, name, "exit0").returncode == 0  # and still serves its own user
     assert report(tmp_path)["preloaded"] is True
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to listen as another user")
+def test_launcher_sends_nothing_to_a_server_of_another_user(tmp_path):
+    """Abstract socket names can be taken by anyone: a launcher must not hand its
+    environment (the job's token is in it) to a server that is not its own user's."""
+    name = f"ftrain-test-squat-{secrets.token_hex(4)}"
+    squatter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, socket
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\\0{name}"); s.listen(1); print("listening", flush=True)
+        s.settimeout(30)
+        conn, _ = s.accept()
+        conn.settimeout(5)
+        got = b""
+        try:
+            while chunk := conn.recv(65536):
+                got += chunk
+        except (OSError, TimeoutError):
+            pass
+        print("received", len(got), flush=True)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        proc = launch(tmp_path, name, "exit0")
+        assert proc.returncode == 0
+        assert report(tmp_path)["pid"] == proc.pid  # exec'd: not handed to the squatter
+        assert squatter.stdout.readline().strip() == "received 0"
+    finally:
+        squatter.kill()
+        squatter.wait()

@@ -39,6 +39,11 @@ def _forked_worker(name, command):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect("\0" + name)
+        # Abstract socket names can be taken by anyone on the node: talk only to a server
+        # of our own user (the request carries the job's environment, its token included).
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        if struct.unpack("3i", creds)[1] != os.getuid():
+            return
     except OSError:
         return
     request = json.dumps({"argv": command, "env": dict(os.environ), "cwd": os.getcwd(),

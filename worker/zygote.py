@@ -8,7 +8,8 @@ starts, next to torchrun, one process per job that imports those modules once
 `worker/launch.py` that asks: the new worker starts with everything imported, in a few
 milliseconds.
 
-    python zygote.py NAME         # listens on the abstract unix socket "\\0NAME"
+    python zygote.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
+                                  # writes "ready" to FD once it has imported
 
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
 1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
@@ -241,8 +242,14 @@ def _die_with(pidfd: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+PR_SET_NAME = 15
+
+
 def run(how: str, argv: list[str]) -> None:
     sys.argv = list(argv)
+    # `ps -o comm`, top: the script's (or module's) name rather than the server's
+    title = (argv[0] if how == "module" else os.path.basename(argv[0])).encode()[:15]
+    ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(title))
     if how == "module":
         sys.path.insert(0, os.getcwd())
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -261,6 +268,9 @@ def main(argv: list[str]) -> None:
     decline = preload([m for m in os.environ.get("FTRAIN_PRESTART_IMPORTS", PRELOAD).split(",") if m])
     if decline:
         log(f"declining every request: {decline}")
+    if len(argv) > 2:  # tell the agent we are ready: it then starts torchrun through us too
+        os.write(int(argv[2]), b"ready\n" if not decline else b"declining\n")
+        os.close(int(argv[2]))
     request = Server(listener, decline).serve()
     how, args = request.argv
     become_worker(request)
