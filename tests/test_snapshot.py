@@ -254,3 +254,36 @@ def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_us
         assert commit(node, job["id"], 1).status_code == 200
     assert commit(worker, other["id"], 1).status_code == 401  # one job's token, another job
     assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 401
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_costs_that_snapshot_not_the_training(tmp_path):
+    """ENOSPC during a background save: nothing committed, no temporary left, no error for
+    the training thread; once there is room again the next save goes through."""
+    from tests.faults.helpers import tmpfs
+
+    commits: list[int] = []
+
+    def commit(written, stall_s, control_id):
+        commits.append(written.step)
+        return []
+
+    with tmpfs(tmp_path / "small", "1m") as root:
+        writer = snap.AsyncWriter(root / "job", commit)
+        writer.submit({"w": torch.zeros(1 << 20)}, step=10, stall_s=0.0)  # 4 MiB into 1 MiB
+        writer.wait()  # does not raise
+        assert writer.failed_step == 10 and writer.failures == 1 and commits == []
+        assert list((root / "job").iterdir()) == []  # the partial file was removed
+        writer.submit({"w": torch.zeros(1000)}, step=20, stall_s=0.0, blocking=True)
+        assert writer.failed_step is None and commits == [20]
+        assert snap.load(root / "job" / snap.snapshot_name(20))["w"].shape == (1000,)
+
+
+def test_a_refused_commit_still_reaches_the_training_thread(tmp_path):
+    def commit(written, stall_s, control_id):
+        raise RuntimeError("409: a newer attempt owns this job")
+
+    writer = snap.AsyncWriter(tmp_path, commit)
+    writer.submit({"w": torch.zeros(10)}, step=1, stall_s=0.0)
+    with pytest.raises(RuntimeError, match="newer attempt"):
+        writer.wait()

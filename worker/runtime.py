@@ -462,10 +462,20 @@ class Runtime:
     def _obey(self, action: str, control_id: int) -> None:
         self._handled_control = control_id
         log.info("rank %d: %s at step %d (control %d)", self.rank, action, self.step, control_id)
-        self.snapshot(control_id=control_id, blocking=True)
+        saved = self.snapshot(control_id=control_id, blocking=True)
+        if self.distributed:  # only rank 0 knows whether the save went through
+            t = torch.tensor([int(bool(saved))], dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=0)
+            saved = bool(t[0])
         if action == "checkpoint_stop":
             self.finish()
             raise Stopped(self.step)
+        if not saved:
+            # Pausing now would lose the steps since the latest snapshot anyway: keep
+            # training; the control plane goes ahead without the ack after its timeout.
+            log.error("rank %d: step %d could not be saved for the planned change; training "
+                      "goes on until the group is restarted", self.rank, self.step)
+            return
         # checkpoint_pause: the agent restarts the group from this snapshot; wait for it.
         self._stop_poller()
         deadline = time.monotonic() + self.pause_timeout_s
@@ -475,12 +485,13 @@ class Runtime:
                   "so the group restarts", self.rank, self.step, self.pause_timeout_s, EXIT_PAUSE_TIMEOUT)
         raise SystemExit(EXIT_PAUSE_TIMEOUT)
 
-    def snapshot(self, control_id: int | None = None, blocking: bool = False) -> None:
-        """Snapshot now (every rank must call it at the same step)."""
+    def snapshot(self, control_id: int | None = None, blocking: bool = False) -> bool:
+        """Snapshot now (every rank must call it at the same step). Rank 0's answer, for a
+        blocking save: False if the storage refused the write (the others answer True)."""
         if self.link is None or self.snapshot_dir is None:
             if control_id is not None:
                 log.warning("no snapshot directory: step %d is not saved", self.step)
-            return
+            return True
         start = time.perf_counter()
         rng = _rng_state()
         if self.distributed:
@@ -489,7 +500,7 @@ class Runtime:
         else:
             rngs = [rng]
         if not self.is_chief:
-            return
+            return True
         assert self._writer is not None
         self._writer.wait()  # one save in flight: waiting for the last one is part of the stall
         waited_s = time.perf_counter() - start
@@ -505,6 +516,7 @@ class Runtime:
         log.info("snapshot step=%d stall_ms=%.1f (waiting for the previous save %.1f, copy-off %.1f)",
                  self.step, stall_s * 1e3, waited_s * 1e3, (stall_s - waited_s) * 1e3)
         self._writer.submit(state, self.step, stall_s, control_id, blocking=blocking)
+        return not (blocking and self._writer.failed_step == self.step)
 
     # -------------------------------------------------------------- rank 0's poller
     def _start_poller(self) -> None:

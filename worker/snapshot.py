@@ -113,11 +113,16 @@ class _HashingWriter:
         self._f = f
         self.digest = hashlib.new(CHECKSUM_ALGO)
         self.size = 0
+        self.error: OSError | None = None  # torch.save may re-raise it as a RuntimeError
 
     def write(self, data) -> int:
         self.digest.update(data)
         self.size += len(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -138,6 +143,7 @@ def write_atomic(state: Any, directory: str | Path, step: int) -> WrittenSnapsho
     final = directory / snapshot_name(step)
     tmp = directory / f".{snapshot_name(step)[:-3]}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     start = time.perf_counter()
+    writer = None
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -145,8 +151,10 @@ def write_atomic(state: Any, directory: str | Path, step: int) -> WrittenSnapsho
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if writer is not None and writer.error is not None and not isinstance(exc, OSError):
+            raise writer.error from exc  # the storage error, not torch's wrapping of it
         raise
     _fsync_dir(directory)
     return WrittenSnapshot(step=step, path=str(final), size=writer.size,
@@ -217,8 +225,11 @@ class AsyncWriter:
     """Writes host copies of the state in one background thread, then commits and prunes.
 
     At most one save is in flight: `submit` waits for the previous one first (that wait
-    is part of the stall it reports). An error in the background (a failed write, a
-    refused commit) is raised on the training thread at the next `submit` or `wait`.
+    is part of the stall it reports). A write the storage refuses (OSError: a full disk, a
+    quota, an I/O error) costs that snapshot, not the training: it is logged, nothing is
+    committed (the latest committed snapshot stays the latest), `failed_step` says which
+    step was lost, and the next save tries again. Any other error in the background (a
+    refused commit, a bug) is raised on the training thread at the next `submit` or `wait`.
     """
 
     def __init__(self, directory: str | Path, commit: CommitFn):
@@ -227,6 +238,8 @@ class AsyncWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last: WrittenSnapshot | None = None
+        self.failed_step: int | None = None  # the last step whose write the storage refused
+        self.failures = 0
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and committed."""
@@ -251,7 +264,14 @@ class AsyncWriter:
 
     def _run(self, host_state: Any, step: int, stall_s: float, control_id: int | None) -> None:
         try:
-            written = write_atomic(host_state, self.directory, step)
+            try:
+                written = write_atomic(host_state, self.directory, step)
+            except OSError as exc:
+                self.failed_step, self.failures = step, self.failures + 1
+                log.warning("snapshot of step %d not saved: %s; training goes on, the next save "
+                            "tries again (the latest committed snapshot is unchanged)", step, exc)
+                return
+            self.failed_step = None
             prune = self._commit(written, stall_s, control_id)
             delete_files(prune, self.directory)
             self.last = written
