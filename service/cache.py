@@ -1,7 +1,9 @@
 """A read cache of the jobs, fed by an etcd watch (the Kubernetes API server's pattern).
 
 Node heartbeats ask "which job is mine?" every second; answering that from etcd would
-cost a range read of every job per heartbeat. The index is read once, then kept current
+cost a range read of every job per heartbeat. The scheduler asks it which jobs are not
+finished (and then reads those from etcd), so finished jobs, which pile up, are not read
+on every tick. The index is read once, then kept current
 by a watch from the revision of that read; a broken watch re-reads and re-watches. It is
 only used where a slightly stale answer is harmless (assignments are re-sent on the next
 heartbeat); every write still goes to etcd as a compare-and-set.
@@ -28,6 +30,17 @@ class JobIndex:
         self._by_node: dict[str, str] = {}
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
+        self._wakes: list[asyncio.Event] = []
+
+    def wake_on_change(self, event: asyncio.Event) -> None:
+        """Set `event` whenever the index has applied a change (so whoever waits on it reads
+        an index that already has that change)."""
+        self._wakes.append(event)
+
+    def active_ids(self) -> list[str]:
+        """The jobs not yet finished, oldest first (submission order)."""
+        active = [j for j in self._jobs.values() if not j.state.is_terminal()]
+        return [j.id for j in sorted(active, key=lambda j: (j.created_at, j.id))]
 
     def job_of_node(self, node: str) -> JobRecord | None:
         """The active job in which `node` is a live member, if any."""
@@ -50,6 +63,10 @@ class JobIndex:
                     if m.is_live():
                         self._by_node[n] = job_id
 
+    def _wake(self) -> None:
+        for event in self._wakes:
+            event.set()
+
     async def run(self) -> None:
         prefix = self._keys.jobs
         while True:
@@ -61,9 +78,11 @@ class JobIndex:
                 for e in entries:
                     self._apply(JobRecord.model_validate_json(e.value), e.key[len(prefix):])
                 self.ready.set()
+                self._wake()
                 async for ev in self._etcd.watch_prefix(prefix, revision + 1):
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     self._apply(job, ev.key[len(prefix):])
+                    self._wake()
                     async with self.changed:
                         self.changed.notify_all()
             except StoreUnavailable as exc:

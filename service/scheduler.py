@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from service.context import Context
-from service.errors import FtrainError, StoreUnavailable
+from service.errors import FtrainError, JobNotFound, StoreUnavailable
 from service.jobs import Change
 from service.models import (
     Control,
@@ -246,10 +246,32 @@ async def read_nodes(ctx: Context) -> dict[str, NodeRecord]:
     return {r.name: r for r in (NodeRecord.model_validate_json(e.value) for e in entries)}
 
 
+async def active_jobs(ctx: Context) -> list[JobRecord]:
+    """The unfinished jobs, oldest first, as etcd has them now.
+
+    Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
+    are not read on every tick; the records themselves are read fresh, so that this tick
+    sees its own last writes. Until the index is ready: a read of every job.
+    """
+    if not ctx.index.ready.is_set():
+        return [j for j in await ctx.jobs.list() if not j.state.is_terminal()]
+    ids = ctx.index.active_ids()
+    found = await asyncio.gather(*(ctx.jobs.get(i) for i in ids), return_exceptions=True)
+    jobs = []
+    for job in found:
+        if isinstance(job, JobNotFound):
+            continue
+        if isinstance(job, BaseException):
+            raise job
+        if not job.state.is_terminal():
+            jobs.append(job)
+    return jobs
+
+
 async def tick(ctx: Context, cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set."""
     nodes = await read_nodes(ctx)
-    jobs = {j.id: j for j in await ctx.jobs.list() if not j.state.is_terminal()}
+    jobs = {j.id: j for j in await active_jobs(ctx)}
     for p in schedule(list(jobs.values()), nodes, ctx.jobs.clock(), cfg):
         job_id = p.job.id
 
@@ -279,13 +301,13 @@ async def _cleanup(ctx: Context, job_id: str) -> None:
 
 
 async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:
-    """Set `wake` on every change under the prefix (jobs, nodes); re-watch after errors."""
+    """Set `wake` on every change of a node; re-watch after errors. (Job changes wake the
+    scheduler through the job index, once the index has applied them.)"""
     while True:
         try:
             start = await ctx.etcd.revision() + 1
-            async for ev in ctx.etcd.watch_prefix(ctx.keys.prefix + "/", start):
-                if "/jobs/" in ev.key or "/nodes/" in ev.key:
-                    wake.set()
+            async for _ev in ctx.etcd.watch_prefix(ctx.keys.nodes, start):
+                wake.set()
         except StoreUnavailable:
             pass
         except Exception:  # a broken stream: re-watch, the periodic tick covers the gap
@@ -324,6 +346,7 @@ class Leadership:
 async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
     cfg = cfg or SchedulerConfig()
     wake = asyncio.Event()
+    ctx.index.wake_on_change(wake)
     watcher = asyncio.create_task(_watch_changes(ctx, wake))
     leadership = Leadership(ctx)
     last_reason: dict[str, str] = {}

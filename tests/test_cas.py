@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from service.errors import InvalidTransition
 from service.etcd import Etcd
@@ -60,3 +61,47 @@ def test_concurrent_counters_lose_no_increment(etcd):
         return final.restarts
 
     assert asyncio.run(main()) == 40
+
+
+def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
+    """Finished jobs pile up; a tick must not read them all (it runs on every job change)."""
+    from service import scheduler
+    from service.context import Context
+    from service.settings import Settings
+
+    async def main():
+        ctx = Context.build(Settings(etcd_endpoints=etcd.endpoint, etcd_prefix="/idx"))
+        old = []
+        for i in range(30):
+            job, _ = await ctx.jobs.create(JobSpec(name=f"old{i}", command=["true"]))
+            await ctx.jobs.move(job.id, JobState.CANCELLED, "done")
+            old.append(job.id)
+        live, _ = await ctx.jobs.create(JobSpec(name="live", command=["true"]))
+        index = asyncio.create_task(ctx.index.run())
+        try:
+            await asyncio.wait_for(ctx.index.ready.wait(), 10)
+            reads: list[str] = []
+            get, get_prefix = ctx.etcd.get, ctx.etcd.get_prefix
+
+            async def counting_get(key):
+                reads.append(key)
+                return await get(key)
+
+            async def counting_get_prefix(prefix):
+                reads.append(prefix + "*")
+                return await get_prefix(prefix)
+
+            ctx.etcd.get, ctx.etcd.get_prefix = counting_get, counting_get_prefix
+            jobs = await scheduler.active_jobs(ctx)
+            assert [j.id for j in jobs] == [live.id]
+            assert reads == [ctx.keys.job(live.id)]  # one read, of the live job only
+            # A job finished a moment ago that the index still lists is dropped on the fresh read.
+            await ctx.jobs.move(live.id, JobState.CANCELLED, "done")
+            assert [j.id for j in await scheduler.active_jobs(ctx)] == []
+        finally:
+            index.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await index
+            await ctx.etcd.close()
+
+    asyncio.run(main())
