@@ -23,6 +23,8 @@ import grpc
 from service.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
+# etcd's default --max-txn-ops: the most operations one transaction may hold.
+MAX_TXN_OPS = 128
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,21 @@ class Etcd:
     async def get(self, key: str) -> Entry | None:
         got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
         return None if got is None else _entry(got)
+
+    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+        """Read `keys` at one revision per `MAX_TXN_OPS` of them: a transaction of gets
+        (one round trip) rather than a request per key."""
+        out: list[Entry | None] = []
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            chunk = keys[i:i + MAX_TXN_OPS]
+
+            async def txn(c: aetcd.Client, chunk=chunk):
+                _ok, responses = await c.transaction(
+                    compare=[], success=[c.transactions.get(k.encode()) for k in chunk], failure=[])
+                return [(_entry(r[0][1]) if r else None) for r in responses]
+
+            out += await self._call(f"GET {len(chunk)} keys", txn)
+        return out
 
     async def get_prefix(self, prefix: str) -> list[Entry]:
         got = await self._call(f"GET {prefix}*", lambda c: c.get_prefix(prefix.encode()))

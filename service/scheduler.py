@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from service.context import Context
-from service.errors import FtrainError, JobNotFound, StoreUnavailable
+from service.errors import FtrainError, StoreUnavailable
 from service.jobs import Change
 from service.models import (
     Control,
@@ -255,17 +255,9 @@ async def active_jobs(ctx: Context) -> list[JobRecord]:
     """
     if not ctx.index.ready.is_set():
         return [j for j in await ctx.jobs.list() if not j.state.is_terminal()]
-    ids = ctx.index.active_ids()
-    found = await asyncio.gather(*(ctx.jobs.get(i) for i in ids), return_exceptions=True)
-    jobs = []
-    for job in found:
-        if isinstance(job, JobNotFound):
-            continue
-        if isinstance(job, BaseException):
-            raise job
-        if not job.state.is_terminal():
-            jobs.append(job)
-    return jobs
+    entries = await ctx.etcd.get_many([ctx.keys.job(i) for i in ctx.index.active_ids()])
+    jobs = (JobRecord.model_validate_json(e.value) for e in entries if e is not None)
+    return [j for j in jobs if not j.state.is_terminal()]
 
 
 async def tick(ctx: Context, cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:

@@ -80,21 +80,21 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
         index = asyncio.create_task(ctx.index.run())
         try:
             await asyncio.wait_for(ctx.index.ready.wait(), 10)
-            reads: list[str] = []
-            get, get_prefix = ctx.etcd.get, ctx.etcd.get_prefix
+            reads: list = []
+            get_many, get_prefix = ctx.etcd.get_many, ctx.etcd.get_prefix
 
-            async def counting_get(key):
-                reads.append(key)
-                return await get(key)
+            async def counting_get_many(keys):
+                reads.append(list(keys))
+                return await get_many(keys)
 
             async def counting_get_prefix(prefix):
                 reads.append(prefix + "*")
                 return await get_prefix(prefix)
 
-            ctx.etcd.get, ctx.etcd.get_prefix = counting_get, counting_get_prefix
+            ctx.etcd.get_many, ctx.etcd.get_prefix = counting_get_many, counting_get_prefix
             jobs = await scheduler.active_jobs(ctx)
             assert [j.id for j in jobs] == [live.id]
-            assert reads == [ctx.keys.job(live.id)]  # one read, of the live job only
+            assert reads == [[ctx.keys.job(live.id)]]  # one read, of the live job only
             # A job finished a moment ago that the index still lists is dropped on the fresh read.
             await ctx.jobs.move(live.id, JobState.CANCELLED, "done")
             assert [j.id for j in await scheduler.active_jobs(ctx)] == []
@@ -103,5 +103,19 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
             with contextlib.suppress(asyncio.CancelledError):
                 await index
             await ctx.etcd.close()
+
+    asyncio.run(main())
+
+
+def test_get_many_reads_more_keys_than_one_transaction_holds_in_order(etcd):
+    async def main():
+        store = Etcd(etcd.endpoint)
+        keys = [f"/many/{i:04d}" for i in range(300)]
+        for k in keys[::2]:
+            await store.put(k, k.encode())
+        got = await store.get_many(keys)
+        assert [None if e is None else e.value.decode() for e in got] == \
+            [k if i % 2 == 0 else None for i, k in enumerate(keys)]
+        await store.close()
 
     asyncio.run(main())
