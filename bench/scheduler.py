@@ -31,7 +31,8 @@ from service.settings import Settings  # noqa: E402
 
 async def measure(endpoint: str, finished: int, active: int, passes: int) -> dict:
     ctx = Context.build(Settings(etcd_endpoints=endpoint, etcd_prefix="/bench"))
-    spec = JobSpec(name="bench", command=["python", "train.py", "--steps", "1000"], nodes={"min": 1, "max": 4})
+    spec = JobSpec(name="bench", command=["python", "train.py", "--steps", "1000"],
+                   nodes={"min": 1, "max": 4})
     for i in range(finished):
         job, _ = await ctx.jobs.create(spec)
         await ctx.jobs.move(job.id, JobState.CANCELLED, "cancelled")
