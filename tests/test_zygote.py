@@ -235,3 +235,29 @@ def test_launcher_sends_nothing_to_a_server_of_another_user(tmp_path):
     finally:
         squatter.kill()
         squatter.wait()
+
+
+def test_malformed_requests_are_dropped_and_the_server_goes_on(tmp_path, fork_server):
+    name, server = fork_server
+    client = textwrap.dedent(f"""
+        import json, os, socket, struct
+        def send(body, fds=(0, 1, 2)):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\\0{name}")
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            socket.send_fds(s, [struct.pack("!I", len(raw))], list(fds))
+            s.sendall(raw)
+            try:
+                return s.recv(100)
+            except ConnectionResetError:
+                return b""
+        print(send(b"not json"), send({{"argv": [1, 2], "env": {{}}, "cwd": "/", "pid": 1}}),
+              send({{"argv": ["x"], "env": {{}}, "cwd": "/", "pid": 1}}, fds=(0,)))
+    """)
+    out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "b'' b'' b''"  # each one hung up on
+    assert server.poll() is None
+    fds_after = len(os.listdir(f"/proc/{server.pid}/fd"))
+    assert launch(tmp_path, name, "exit0").returncode == 0 and report(tmp_path)["preloaded"] is True
+    assert len(os.listdir(f"/proc/{server.pid}/fd")) == fds_after  # nothing leaked per request

@@ -154,21 +154,29 @@ class Server:
     @staticmethod
     def _read(conn: socket.socket) -> Request:
         header, fds, _flags, _addr = socket.recv_fds(conn, 4, 3)
-        if len(fds) != 3 or len(header) != 4:
+        try:
+            if len(fds) != 3 or len(header) != 4:
+                raise ValueError("expected a length and three file descriptors")
+            size = struct.unpack("!I", header)[0]
+            if size > _MAX_REQUEST:
+                raise ValueError(f"request of {size} bytes")
+            data = b""
+            while len(data) < size:
+                chunk = conn.recv(size - len(data))
+                if not chunk:
+                    raise ValueError("short request")
+                data += chunk
+            body = json.loads(data)
+            argv, env, cwd, pid = body["argv"], body["env"], body["cwd"], body["pid"]
+            if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+                    and isinstance(env, dict) and all(isinstance(v, str) for v in env.values())
+                    and isinstance(cwd, str) and isinstance(pid, int)):
+                raise ValueError("argv, env, cwd or pid of the wrong type")
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            raise ValueError("expected a length and three file descriptors")
-        size = struct.unpack("!I", header)[0]
-        if size > _MAX_REQUEST:
-            raise ValueError(f"request of {size} bytes")
-        data = b""
-        while len(data) < size:
-            chunk = conn.recv(size - len(data))
-            if not chunk:
-                raise ValueError("short request")
-            data += chunk
-        body = json.loads(data)
-        return Request(list(body["argv"]), dict(body["env"]), str(body["cwd"]), int(body["pid"]), fds)
+            raise
+        return Request(argv, env, cwd, pid, fds)
 
     def _refuse(self, conn: socket.socket, request: Request, why: str) -> None:
         for fd in request.fds:
@@ -191,14 +199,15 @@ class Server:
             pass
         conn.close()
 
-    def _close_all(self, keep: socket.socket) -> None:
-        """In a new worker: drop everything of the server's but the request's fds."""
+    def _close_all(self, request_conn: socket.socket) -> None:
+        """In a new worker: drop everything of the server's (its sockets, its children's
+        pidfds); only the request's fds stay."""
         self.selector.close()
         self.listener.close()
         for pidfd, conn in self.children.values():
             os.close(pidfd)
             conn.close()
-        keep.close()
+        request_conn.close()
 
 
 def become_worker(request: Request) -> None:
