@@ -338,7 +338,7 @@ def main() -> int:
             beats_data["beats"] += got["beats"]
             beats_data["interval_s"] = got["interval_s"]
             beats_data["register_s"] = max(beats_data["register_s"] or 0, got["register_s"])
-    for name, got in result["phases"].items():
+    for got in result["phases"].values():
         t0, t1 = got.pop("window")
         got["heartbeats"] = beat_stats(beats_data["beats"], t0, t1, args.nodes, beats_data["interval_s"])
     load_after = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()

@@ -491,7 +491,7 @@ def _values(trials: list[dict], variant: str, part: str, scenario: str | None, k
 
 def summarize(trials: list[dict], variants: list[str]) -> dict:
     out: dict = {}
-    for label, part, scenario, key in FIGURES:
+    for _label, part, scenario, key in FIGURES:
         fig = f"{scenario or part}.{key}"
         out[fig] = {}
         for v in variants:

@@ -21,7 +21,7 @@ def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
             job, _ = await store_a.create(JobSpec(name=f"race{i}", command=["true"]))
             await store_a.move(job.id, JobState.RUNNING, "started")
 
-            async def finish(store, target):
+            async def finish(store, target, job=job):
                 try:
                     await store.move(job.id, target, f"{target.value} by writer")
                     return target

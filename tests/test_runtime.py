@@ -196,9 +196,9 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
         out = tmp_path / f"{run}.pt"
         proc = _start_torchrun([*EXAMPLE, "--out", str(out)], env, log)
         if run == "faults":
-            wait_for(lambda: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 120, "step 25")
+            wait_for(lambda log=log: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 120, "step 25")
             _kill_a_worker(proc, "examples/train.py")
-            wait_for(lambda: any(s >= 50 for s in _steps_after(log.read_text(), 2)), 120,
+            wait_for(lambda log=log: any(s >= 50 for s in _steps_after(log.read_text(), 2)), 120,
                      "step 50 after the first restart")
             _kill_a_worker(proc, "examples/train.py")
         text = _finish(proc, log)
