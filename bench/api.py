@@ -112,7 +112,8 @@ async def heartbeat_role(args) -> None:
                         leases[name] = again.json().get("lease_id")
                 except httpx.HTTPError:
                     code = 0
-                beats.append((time.time() - (time.monotonic() - sent), time.monotonic() - sent, code, sent - due))
+                took = time.monotonic() - sent
+                beats.append((time.time() - took, took, code, sent - due))
                 k += 1
                 if time.monotonic() - due > interval:  # fell behind by more than a beat: skip ahead
                     k = int((time.monotonic() - start) / interval) + 1
@@ -178,12 +179,14 @@ def heartbeat_script(root: Path, nodes: int) -> Path:
     """A wrk script that heartbeats the registered nodes round robin, as fast as it can."""
     path = root / "heartbeat.lua"
     path.write_text("n = 0\nrequest = function()\n  n = n + 1\n"
-                    f"  return wrk.format('POST', string.format('/v1/nodes/load-%05d/heartbeat', n % {nodes}))\n"
+                    "  return wrk.format('POST', "
+                    f"string.format('/v1/nodes/load-%05d/heartbeat', n % {nodes}))\n"
                     "end\n")
     return path
 
 
-def run_wrk(url: str, token: str, concurrency: int, duration: float, script: Path | None = None) -> dict | None:
+def run_wrk(url: str, token: str, concurrency: int, duration: float,
+            script: Path | None = None) -> dict | None:
     wrk = shutil.which("wrk")
     if not wrk:
         return None
@@ -297,7 +300,8 @@ def main() -> int:
                 got = runner()
             t1 = time.time()
             cpu = {k: round((cpu_s(p) - before[k]) / (t1 - t0), 2) for k, p in pids.items()}
-            cpu["heartbeat load"] = round(sum(v for k, v in cpu.items() if k.startswith("heartbeat load ")), 2)
+            cpu["heartbeat load"] = round(
+                sum(v for k, v in cpu.items() if k.startswith("heartbeat load ")), 2)
             done = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
                                 / (t1 - t0), 2)
@@ -315,8 +319,9 @@ def main() -> int:
                                                               args.concurrency, args.duration))
         phase("submissions (httpx)", [*me, *common, "--kind", "submit"])
         if shutil.which("wrk"):
-            phase("heartbeats, max (wrk)", None, lambda: run_wrk(cp.url, cp.node_token, args.concurrency,
-                                                                 args.duration, heartbeat_script(root, args.nodes)))
+            phase("heartbeats, max (wrk)", None,
+                  lambda: run_wrk(cp.url, cp.node_token, args.concurrency, args.duration,
+                                  heartbeat_script(root, args.nodes)))
         phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration) or {})
     finally:
         for h in hbs:
@@ -360,7 +365,8 @@ def main() -> int:
         beats = f"{h['beats_per_s']:.0f} ({h['due_per_s']:.0f})"
         beat_p99 = "-" if h["p99_ms"] is None else f"{h['p99_ms']:.0f}"
         print(f"{name:<24}{req}   {beats:>15}{beat_p99:>12}{h['lapsed_404']:>8}   "
-              f"{cpu['control plane']:.2f} / {cpu['etcd']:.2f} / {cpu['heartbeat load']:.2f} / {cpu['load']:.2f}")
+              f"{cpu['control plane']:.2f} / {cpu['etcd']:.2f} / "
+              f"{cpu['heartbeat load']:.2f} / {cpu['load']:.2f}")
     result.update({"machine": {"host": platform.node(), "cores": os.cpu_count(), "load_before": load_before,
                                "load_after": load_after, "wrk": bool(shutil.which("wrk"))},
                    "config": {"nodes": args.nodes, "concurrency": args.concurrency,

@@ -428,7 +428,8 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
             try:
                 cluster.log.wait_steps(WARM_STEPS, 2, 60, since=fault_t or 0.0)
             except AssertionError as exc:
-                rec["fault"] = {"recovered": False, "error": f"not training at world size 2 before the fault: {exc}"}
+                rec["fault"] = {"recovered": False,
+                                "error": f"not training at world size 2 before the fault: {exc}"}
                 return records
             time.sleep(delay_s)
             if fault == "worker_kill":
@@ -439,7 +440,8 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
             elif fault == "agent_kill":
                 fault_t = time.time()
                 killed = cluster.kill_node(1)
-                wait_for(lambda pids=killed: not any(pid_alive(p) for p in pids), 10, "the node's tree to die")
+                wait_for(lambda pids=killed: not any(pid_alive(p) for p in pids), 10,
+                         "the node's tree to die")
                 world = None
             else:
                 fault_t = cluster.launch_node()
@@ -566,13 +568,15 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
                 continue
             got: dict = {}
             for name in ("first_worker_boot", "rank0_process_group", "rank0_resumed", "first_step"):
-                vals = [r["fault"]["phases_s"][name] for r in rows if r["fault"]["phases_s"].get(name) is not None]
+                vals = [r["fault"]["phases_s"][name] for r in rows
+                        if r["fault"]["phases_s"].get(name) is not None]
                 if vals:
                     got[name] = round(statistics.median(vals), 2)
             for name, match in marks.items():
                 vals = []
                 for r in rows:
-                    ts = [e["t"] for e in r.get("diagnostics", {}).get("events", []) if e["t"] > 0 and match(e)]
+                    ts = [e["t"] for e in r.get("diagnostics", {}).get("events", [])
+                          if e["t"] > 0 and match(e)]
                     if ts:
                         vals.append(min(ts))
                 if vals:
@@ -594,7 +598,8 @@ def print_phases(phases: dict) -> None:
 
 def _uptime() -> str:
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+        done = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False)
+        return done.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -605,7 +610,8 @@ def main() -> int:
     ap.add_argument("--trials", type=int, help="trials per variant and fault (default 5; --quick 1)")
     ap.add_argument("--variants", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--scenarios", help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    ap.add_argument("--deadline", type=float, default=60.0, help="a fault not recovered by then is a hang (s)")
+    ap.add_argument("--deadline", type=float, default=60.0,
+                    help="a fault not recovered by then is a hang (s)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "recovery.json")
     ap.add_argument("--workdir", type=Path, help="keep the trials' logs here (default: a temporary dir)")
     ap.add_argument("--seed", type=int, default=0)
@@ -654,7 +660,8 @@ def main() -> int:
     print(f"recovery benchmark: {trials_n} trial(s) x {variants} x {scenarios}; logs in {root}")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores; {load_before}")
 
-    stack = FtrainStack(root / "ftrain").start() if any(VARIANTS[v]["kind"] == "ftrain" for v in variants) else None
+    uses_ftrain = any(VARIANTS[v]["kind"] == "ftrain" for v in variants)
+    stack = FtrainStack(root / "ftrain").start() if uses_ftrain else None
     trials: list[dict] = []
     try:
         for trial in range(trials_n):
@@ -672,10 +679,11 @@ def main() -> int:
                             trials.append(r)
                             f = r.get("fault", {})
                             cold = r.get("cold_start", {}).get("time_s", "-")
+                            recovery, lost = f.get("time_s", "HANG"), f.get("steps_lost", "-")
+                            phases = f.get("phases_s", f.get("error"))
                             print(f"  trial {trial} {r['scenario']:<11} {variant:<17} cold {cold!s:>6} s"
-                                  f"  recovery {f.get('time_s', 'HANG')!s:>6} s  lost {f.get('steps_lost', '-')!s:>3}"
-                                  f"  world {f.get('world_after', '-')}  phases {f.get('phases_s', f.get('error'))}",
-                                  flush=True)
+                                  f"  recovery {recovery!s:>6} s  lost {lost!s:>3}"
+                                  f"  world {f.get('world_after', '-')}  phases {phases}", flush=True)
                         if not records:
                             break
     finally:

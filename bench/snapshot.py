@@ -75,11 +75,13 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
     return {"every": every, "steps": steps, "step_s_mean": statistics.mean(times),
             "step_s_median": statistics.median(times), "drain_s": time.perf_counter() - drain_start,
             "stalls_s": rt.stalls_s, "waits_s": rt.waits_s,
-            "copy_s": [s - w for s, w in zip(rt.stalls_s, rt.waits_s)], "params": sum(p.numel() for p in model.parameters()),
+            "copy_s": [s - w for s, w in zip(rt.stalls_s, rt.waits_s)],
+            "params": sum(p.numel() for p in model.parameters()),
             "state": (model, opt)}
 
 
-def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Path, repeats: int) -> list[float]:
+def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Path,
+              repeats: int) -> list[float]:
     """Time a plain synchronous torch.save of the same state (model + optimizer)."""
     out = []
     path = directory / "sync.pt"

@@ -141,7 +141,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--pg-timeout", type=float, default=30.0,
-                    help="init_process_group timeout (s): gloo's 30 min default turns a lost peer into a hang")
+                    help="init_process_group timeout (s): gloo's 30 min default turns a lost peer "
+                         "into a hang")
     ap.add_argument("--log-file", help="append JSON event lines here")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL, one GPU per process (tutorial mode; the runtime picks by itself)")

@@ -35,7 +35,8 @@ class Trainer:
     def __init__(self, model, train_data, optimizer, save_every, snapshot_path, step_delay):
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.global_rank = int(os.environ["RANK"])
-        self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available()
+                       else torch.device("cpu"))
         self.model = model.to(self.device)
         self.train_data = train_data
         self.optimizer = optimizer

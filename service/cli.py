@@ -201,7 +201,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
         ("restarts", f"{job['restarts']} of {spec['max_restarts']}"),
-        ("step", _progress(job) + (f", loss {progress['loss']:.4g}" if progress.get("loss") is not None else "")
+        ("step", _progress(job)
+         + (f", loss {progress['loss']:.4g}" if progress.get("loss") is not None else "")
          + (f", {progress['samples_per_s']:.1f} samples/s" if progress.get("samples_per_s") else "")),
         ("snapshot", f"step {snap['step']} ({snap['path']})" if snap else "-"),
         ("created", _when(job["created_at"])), ("updated", _when(job["updated_at"])),

@@ -169,8 +169,9 @@ class NodeAgentProc:
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         log = open(self.workdir / f"agent-{self.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(self.env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(self.env or {})}, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         log.close()
         return self
 

@@ -129,7 +129,8 @@ def fabric():
     finally:
         f.down()
         # The kernel finishes removing a namespace's devices after `ip netns del` returns.
-        wait_for(lambda: not f.leftovers(), 15, f"the test's links and namespaces to be gone: {f.leftovers()}")
+        wait_for(lambda: not f.leftovers(), 15,
+                 f"the test's links and namespaces to be gone: {f.leftovers()}")
 
 
 @pytest.fixture

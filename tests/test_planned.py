@@ -88,7 +88,8 @@ def test_a_drained_node_loses_no_step(api, agents):
     wait_running_with_progress(api, job_id, 10)
     assert torchrun_launchers(a) == []  # attempt 1 started cold, before the fork server was ready
     assert api.post("/v1/nodes/n1/drain").status_code == 202
-    wait_for(lambda: any(w == 1 for _, _, w in starts(api, job_id)[1:]), 90, "the job to go on at world size 1")
+    wait_for(lambda: any(w == 1 for _, _, w in starts(api, job_id)[1:]), 90,
+             "the job to go on at world size 1")
     lines = rank0(api, job_id)
     index, resumed, _ = next((i, s, w) for i, s, w in starts(api, job_id)[1:] if w == 1)
     assert resumed == stop_before(lines, index) > 0

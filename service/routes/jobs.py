@@ -36,7 +36,8 @@ async def list_jobs(
     ctx: ContextDep,
     state: Annotated[list[JobState] | None, Query(description="Only jobs in these states.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    after: Annotated[str | None, Query(max_length=100, description="The `next` of the previous page.")] = None,
+    after: Annotated[str | None,
+                     Query(max_length=100, description="The `next` of the previous page.")] = None,
 ) -> JobList:
     """Jobs, oldest first, filtered by state and paginated."""
     jobs = await ctx.jobs.list()

@@ -145,7 +145,8 @@ class SnapshotWatch:
     cp: ControlPlane
     job_id: str
     interval_s: float = 0.1
-    latest: list[tuple[float, int | None, str | None]] = field(default_factory=list)  # (seen at, step, checksum)
+    # (seen at, step, checksum) of every latest snapshot seen
+    latest: list[tuple[float, int | None, str | None]] = field(default_factory=list)
     seen: dict[tuple[int, str], Snap] = field(default_factory=dict)
     bad: set[tuple[int, str]] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
