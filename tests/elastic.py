@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 
 from tests.harness import NodeAgentProc, wait_for, workers_under
-from worker.procs import descendants, is_launcher
+from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
 _STEP = re.compile(r"^step=(\d+) world=(\d+)")
@@ -73,26 +73,15 @@ def worker_pids(agent: NodeAgentProc, script: Path = SCRIPT) -> list[int]:
 
 def forked(pid: int) -> bool:
     """True if `pid` is a pre-started worker: a child of a fork server (worker/zygote.py)."""
-    try:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        argv = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, ValueError, IndexError):
-        return False
-    return any(a.endswith(b"/zygote.py") for a in argv[:3])
+    ppid = parent_of(pid)
+    return ppid is not None and is_fork_server(cmdline(ppid))
 
 
 def torchrun_launchers(agent: NodeAgentProc) -> list[int]:
     """Launchers (worker/launch.py) under `agent` standing in for a torchrun that the job's
     fork server started: the agent starts torchrun that way once the server is ready."""
-    out = []
-    for pid in descendants(agent.pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if is_launcher(argv) and b"torch.distributed.run" in argv:
-            out.append(pid)
-    return out
+    return [pid for pid in descendants(agent.pid)
+            if is_launcher(argv := cmdline(pid)) and b"torch.distributed.run" in argv]
 
 
 def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
-from worker.procs import descendants, is_launcher
+from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 from worker.procs import is_alive as pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,40 +45,25 @@ class ProcessExited(AssertionError):
     """A process a test waits on has died: waiting longer will not help."""
 
 
-def _argv(pid: int) -> list[bytes]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return []
-
-
 def workers_under(pid: int, script: Path) -> list[int]:
     """The live training processes under `pid`: those running `script` (not torchrun, not
     the exec shim, not worker/launch.py) and those a fork server started (its children,
     which keep the server's argv; a forked torchrun is told apart by its launchers)."""
     out = []
     for child in descendants(pid):
-        argv = _argv(child)
+        argv = cmdline(child)
         if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
-        elif any(a.endswith(b"/zygote.py") for a in argv[:3]) and pid_alive(child):
+        elif is_fork_server(argv) and pid_alive(child):
             out.extend(c for c in descendants(child)
-                       if _ppid(c) == child and pid_alive(c) and not _runs_launchers(c))
+                       if parent_of(c) == child and pid_alive(c) and not _runs_launchers(c))
     return out
 
 
 def _runs_launchers(pid: int) -> bool:
     """True for a forked torchrun: its children are worker/launch.py stand-ins."""
-    return any(is_launcher(_argv(c)) for c in descendants(pid) if _ppid(c) == pid)
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    return any(is_launcher(cmdline(c)) for c in descendants(pid) if parent_of(c) == pid)
 
 
 class ControlPlane:

@@ -82,6 +82,13 @@ def launch(tmp_path: Path, server: str | None, *args: str, python_args: tuple[st
     return proc
 
 
+def launch_sleeper(tmp_path: Path, server: str) -> tuple[subprocess.Popen, int]:
+    """A launcher whose worker waits in a sleep; the launcher and the worker's pid."""
+    proc = launch(tmp_path, server, "sleep", wait=False)
+    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    return proc, report(tmp_path)["pid"]
+
+
 def report(tmp_path: Path) -> dict:
     first = (tmp_path / "out").read_text().splitlines()[0]
     return json.loads(first)
@@ -123,9 +130,7 @@ def test_exit_code_and_uncaught_exception_reach_torchrun_unchanged(tmp_path, for
 
 def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server):
     name, _ = fork_server
-    proc = launch(tmp_path, name, "sleep", wait=False)
-    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
-    worker = report(tmp_path)["pid"]
+    proc, worker = launch_sleeper(tmp_path, name)
     assert worker != proc.pid
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
@@ -133,8 +138,7 @@ def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp
 
 def test_sigterm_to_the_launcher_reaches_the_worker(tmp_path, fork_server):
     name, _ = fork_server
-    proc = launch(tmp_path, name, "sleep", wait=False)
-    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
+    proc, _ = launch_sleeper(tmp_path, name)
     proc.send_signal(signal.SIGTERM)  # what torchrun sends when it stops its workers
     assert proc.wait(10) == 7
     assert "got SIGTERM" in (tmp_path / "out").read_text()
@@ -142,9 +146,7 @@ def test_sigterm_to_the_launcher_reaches_the_worker(tmp_path, fork_server):
 
 def test_sigkill_of_the_launcher_takes_the_worker_with_it(tmp_path, fork_server):
     name, _ = fork_server
-    proc = launch(tmp_path, name, "sleep", wait=False)
-    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
-    worker = report(tmp_path)["pid"]
+    proc, worker = launch_sleeper(tmp_path, name)
     proc.kill()
     proc.wait(10)
     wait_for(lambda: not pid_alive(worker), 10, "the forked worker to die with its launcher")
@@ -152,9 +154,7 @@ def test_sigkill_of_the_launcher_takes_the_worker_with_it(tmp_path, fork_server)
 
 def test_fork_server_killed_takes_its_workers_and_the_launcher_reports_it(tmp_path, fork_server):
     name, server = fork_server
-    proc = launch(tmp_path, name, "sleep", wait=False)
-    wait_for(lambda: "sleeping" in (tmp_path / "out").read_text(), 30, "the worker to start")
-    worker = report(tmp_path)["pid"]
+    proc, worker = launch_sleeper(tmp_path, name)
     server.kill()
     assert proc.wait(10) == 1
     wait_for(lambda: not pid_alive(worker), 10, "the worker to die with the fork server")

@@ -382,9 +382,11 @@ class NodeAgent:
         z.proc.wait()
         z.close()
 
-    def forked_workers(self) -> list[int]:
+    def group_tree(self, g: WorkerGroup) -> list[int]:
+        """Every process of the group below `g.proc`: torchrun's tree and what the job's
+        fork server forked (workers, and torchrun itself when it came from there)."""
         z = self.fork_server
-        return descendants(z.proc.pid) if z is not None else []
+        return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
 
     def start_group(self, a: dict) -> None:
         cwd = a.get("working_dir") or os.getcwd()
@@ -450,7 +452,7 @@ class NodeAgent:
             t.join(2)
         self.group = None
         self.finished.add(g.key)
-        kill_all([*descendants(g.proc.pid), *self.forked_workers()])
+        kill_all(self.group_tree(g))
         self.report(g.job_id, g.attempt, *self._outcome(g))
         self.shipper.flush()
 
@@ -460,8 +462,7 @@ class NodeAgent:
         if g is None:
             return
         now = time.monotonic()
-        workers = [*descendants(g.proc.pid), *self.forked_workers()]
-        stopped = {p for p in workers if state_of(p) in ("T", "t")}
+        stopped = {p for p in self.group_tree(g) if state_of(p) in ("T", "t")}
         g.stopped_since = {p: g.stopped_since.get(p, now) for p in stopped}
         for pid, since in g.stopped_since.items():
             if now - since > STOPPED_WORKER_GRACE_S:
@@ -491,7 +492,7 @@ class NodeAgent:
         if g is None:
             return
         g.stop_requested = True
-        tree = [*descendants(g.proc.pid), *self.forked_workers()]
+        tree = self.group_tree(g)
         log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
         if g.proc.poll() is None:
             g.proc.send_signal(signal.SIGTERM)
@@ -500,7 +501,7 @@ class NodeAgent:
                 g.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        kill_all([g.proc.pid, *tree, *descendants(g.proc.pid), *self.forked_workers()])
+        kill_all([g.proc.pid, *tree, *self.group_tree(g)])
         g.proc.wait()
         deadline = time.monotonic() + 5
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:

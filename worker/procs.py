@@ -52,19 +52,41 @@ def is_launcher(argv: list[bytes]) -> bool:
     return len(argv) > 2 and argv[1] == b"-S" and argv[2].endswith(b"/launch.py")
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid`, read from /proc (parents before children)."""
+def is_fork_server(argv: list[bytes]) -> bool:
+    """True for the argv of a `worker/zygote.py` (its forked workers keep that argv too)."""
+    return any(a.endswith(b"/zygote.py") for a in argv[:3])
+
+
+def cmdline(pid: int) -> list[bytes]:
+    """The process's argv from /proc, [] if it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def descendants(*roots: int) -> list[int]:
+    """Every live descendant of the `roots`, from one read of /proc (parents before children)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
+        if entry.isdigit() and (fields := _stat(entry)):
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             out.append(child)
@@ -74,20 +96,13 @@ def descendants(pid: int) -> list[int]:
 
 def is_alive(pid: int) -> bool:
     """True for a running process; a zombie counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return state_of(pid) not in (None, "Z")
 
 
 def state_of(pid: int) -> str | None:
     """The process's state letter from /proc (R, S, D, T for stopped, Z...), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    fields = _stat(pid)
+    return fields[0] if fields else None
 
 
 def kill_all(pids: list[int], sig: int = signal.SIGKILL) -> None:

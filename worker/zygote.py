@@ -52,6 +52,7 @@ _MAX_REQUEST = 4 << 20
 class Request:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str, pid: int, fds: list[int]):
         self.argv, self.env, self.cwd, self.pid, self.fds = argv, env, cwd, pid, fds
+        self.how: tuple[str, list[str]] | None = None  # plan(argv), once it is accepted
 
 
 def log(msg: str) -> None:
@@ -138,7 +139,7 @@ class Server:
         pid = os.fork()
         if pid == 0:
             self._close_all(conn)
-            request.argv = how  # type: ignore[assignment]
+            request.how = how
             return request
         for fd in request.fds:
             os.close(fd)
@@ -281,7 +282,7 @@ def main(argv: list[str]) -> None:
         os.write(int(argv[2]), b"ready\n" if not decline else b"declining\n")
         os.close(int(argv[2]))
     request = Server(listener, decline).serve()
-    how, args = request.argv
+    how, args = request.how
     become_worker(request)
     run(how, args)
 
