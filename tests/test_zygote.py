@@ -34,6 +34,29 @@ PROBE = textwrap.dedent("""
         sys.exit(int(mode[4:]))
     if mode == "raise":
         raise RuntimeError("boom from the script")
+    if mode == "abort":
+        os.abort()
+    if mode == "child-returns":
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a child of the script ends the script well: the worker has not
+        os.waitpid(child, 0)
+        os.abort()
+    if mode == "atexit-abort":
+        import atexit
+        atexit.register(os.abort)
+    if mode == "teardown-abort":
+        # Finishes well: a non-daemon thread still running (joined before atexit, as Python
+        # does), an atexit handler, then a crash while the interpreter tears the module down.
+        import atexit, threading, time
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        atexit.register(lambda: print("atexit ran", flush=True))
+
+        class CrashOnTeardown:
+            def __del__(self, abort=os.abort):  # bound now: `os` may be gone by then
+                abort()
+
+        crash_on_teardown = CrashOnTeardown()
     if mode == "sleep":
         import signal, time
         signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
@@ -128,6 +151,33 @@ def test_exit_code_and_uncaught_exception_reach_torchrun_unchanged(tmp_path, for
     assert "RuntimeError: boom from the script" in (tmp_path / "err").read_text()
 
 
+def test_a_crash_in_the_interpreters_teardown_after_the_script_finished_is_exit_0(tmp_path, fork_server):
+    name, _ = fork_server
+    # Run as a plain interpreter would (no fork server), the script does die at teardown.
+    plain = launch(tmp_path, None, "teardown-abort")
+    assert plain.returncode == -signal.SIGABRT
+    assert report(tmp_path)["preloaded"] is False
+    proc = launch(tmp_path, name, "teardown-abort")
+    assert report(tmp_path)["preloaded"] is True
+    assert proc.returncode == 0
+    err = (tmp_path / "err").read_text()
+    assert "ftrain: the script finished, then the interpreter died of SIGABRT while shutting down" in err
+    # Python's exit order, each once: non-daemon threads joined, then atexit handlers.
+    lines = (tmp_path / "out").read_text().splitlines()
+    assert [x for x in lines if x in ("thread done", "atexit ran")] == ["thread done", "atexit ran"]
+    server_log = (tmp_path / "server.log").read_text()
+    assert f"worker {report(tmp_path)['pid']}: the script finished" in server_log
+
+
+@pytest.mark.parametrize("mode", ["abort", "atexit-abort", "child-returns"])
+def test_a_crash_before_the_script_finished_is_reported_as_it_happened(tmp_path, fork_server, mode):
+    name, _ = fork_server
+    proc = launch(tmp_path, name, mode)
+    assert report(tmp_path)["preloaded"] is True
+    assert proc.returncode == -signal.SIGABRT
+    assert "ftrain:" not in (tmp_path / "err").read_text()
+
+
 def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server):
     name, _ = fork_server
     proc, worker = launch_sleeper(tmp_path, name)
@@ -191,11 +241,11 @@ def test_another_user_is_not_served(tmp_path, fork_server):
         s.connect("\\0{name}")
         body = json.dumps({{"argv": ["{sys.executable}", "-c", "0"], "env": {{}}, "cwd": "/",
                            "pid": os.getpid()}}).encode()
-        socket.send_fds(s, [struct.pack("!I", len(body))], [0, 1, 2])
-        try:
+        try:  # the server may hang up before any of this is sent
+            socket.send_fds(s, [struct.pack("!I", len(body))], [0, 1, 2])
             s.sendall(body)
             print("answered" if s.recv(100) else "closed")
-        except ConnectionResetError:
+        except (BrokenPipeError, ConnectionResetError):
             print("closed")
     """)
     out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60)

@@ -9,7 +9,9 @@ as the worker's entry point. It
    worker that has torch imported already: it sends the command, its environment, its
    working directory and its standard streams, and then stands in for that worker. It
    forwards the signals torchrun sends, and exits the way the worker exited (the same
-   code, or killed by the same signal), so torchrun sees no difference;
+   code, or killed by the same signal), so torchrun sees no difference; only a worker
+   that finished its script and then crashed in the interpreter's teardown exits 0, with
+   the server's note on stderr;
 3. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
    torchrun would have.
 
@@ -69,9 +71,13 @@ def _forked_worker(name, command):
         signal.signal(sig, forward)
     try:
         line = replies.readline()
-        status = json.loads(line)["status"] if line else None
-    except (OSError, ValueError, KeyError):
+        reply = json.loads(line) if line else {}
+        status = reply.get("status")
+    except (OSError, ValueError, AttributeError):
         status = None
+    if status is not None and reply.get("note"):
+        sys.stderr.write(f"ftrain: {reply['note']}\n")
+        sys.stderr.flush()
     if status is None:  # the fork server went away: the worker must not outlive it here
         forward(signal.SIGKILL, None)
         sys.stderr.write("ftrain: the worker's fork server went away\n")

@@ -14,7 +14,8 @@ milliseconds.
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
 1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
 one JSON line, {"pid": N} (forked) or {"decline": why} (the launcher then execs the
-command itself), and, once the worker has exited, {"status": wait status}.
+command itself), and, once the worker has exited, {"status": wait status} ({"status": 0,
+"note": why} for a crash after the script had finished; see below).
 
 What the forked worker gets is what a fresh `python script.py` would: the launcher's
 environment, working directory, standard streams, argv, sys.path[0] and its own session;
@@ -24,12 +25,26 @@ interpreter exit (atexit handlers, non-daemon threads joined). It dies with the 
 server cannot run faithfully (not the same interpreter, interpreter options other than
 -u, no script) are declined. Only processes of the same user may connect.
 
+A script that has finished is not failed by a crash of the interpreter's own teardown.
+Once the script returns (or exits 0), the worker does what Python's exit does first (joins
+non-daemon threads, runs atexit handlers), flushes its output, and tells the server it has
+finished; only then does the interpreter finalize. torch's backends have threads that can
+still touch Python objects then: a gloo thread releasing the tensors of the last
+collective after finalization has begun aborts the process ("terminate called without an
+active exception", seen about one run in seven at the end of a two-node DDP script on two
+busy cores). A worker that finished and then died of SIGABRT, SIGSEGV, SIGBUS, SIGILL or
+SIGFPE is reported as exit 0, with a note the launcher prints, instead of costing the job a
+restart. Anything else (a non-zero exit, an atexit handler that crashes, a kill from
+outside) is reported as it happened.
+
 CUDA is never initialised here: a process that forks after CUDA is initialised gives
 children that cannot use it. If an import does initialise it, every request is declined.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import importlib
 import json
@@ -39,12 +54,17 @@ import runpy
 import selectors
 import signal
 import socket
+import stat
 import struct
 import sys
 import threading
 import time
 
 PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
+FINISHED = b"finished"
+# What a crash in the interpreter's teardown dies of; a finished worker's death by one of
+# these is not the script's failure.
+TEARDOWN_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 4 << 20
 
@@ -53,6 +73,7 @@ class Request:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str, pid: int, fds: list[int]):
         self.argv, self.env, self.cwd, self.pid, self.fds = argv, env, cwd, pid, fds
         self.how: tuple[str, list[str]] | None = None  # plan(argv), once it is accepted
+        self.finished_fd: int | None = None  # in the worker: where it says it has finished
 
 
 def log(msg: str) -> None:
@@ -104,7 +125,8 @@ class Server:
         self.decline = decline
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
-        self.children: dict[int, tuple[int, socket.socket]] = {}  # pid -> (pidfd, conn)
+        # pid -> (pidfd, the launcher's connection, the read end of its "finished" pipe)
+        self.children: dict[int, tuple[int, socket.socket, int]] = {}
 
     def serve(self) -> Request:
         """Serve forever; returns only in a forked worker, with what it must run."""
@@ -136,11 +158,17 @@ class Server:
             return self._refuse(conn, request, how)
         sys.stdout.flush()
         sys.stderr.flush()
+        finished_r, finished_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             self._close_all(conn)
-            request.how = how
+            os.close(finished_r)
+            request.how, request.finished_fd = how, finished_w
             return request
+        os.close(finished_w)
+        # Read once the worker has exited: never block on a writer it left behind (a
+        # DataLoader process it forked keeps the write end open).
+        os.set_blocking(finished_r, False)
         for fd in request.fds:
             os.close(fd)
         try:
@@ -148,7 +176,7 @@ class Server:
         except OSError:
             pass  # the launcher is gone; the worker notices that itself
         pidfd = os.pidfd_open(pid)
-        self.children[pid] = (pidfd, conn)
+        self.children[pid] = (pidfd, conn, finished_r)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
         return None
 
@@ -190,12 +218,23 @@ class Server:
         return None
 
     def _reap(self, pid: int) -> None:
-        pidfd, conn = self.children.pop(pid)
+        pidfd, conn, finished_r = self.children.pop(pid)
         self.selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
         try:
-            conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+            finished = os.read(finished_r, len(FINISHED)) == FINISHED
+        except BlockingIOError:
+            finished = False
+        os.close(finished_r)
+        reply: dict = {"status": status}
+        if finished and os.WIFSIGNALED(status) and os.WTERMSIG(status) in TEARDOWN_CRASHES:
+            reply = {"status": 0, "note": (
+                f"the script finished, then the interpreter died of "
+                f"{signal.Signals(os.WTERMSIG(status)).name} while shutting down; reported as exit 0")}
+            log(f"worker {pid}: {reply['note']}")
+        try:
+            conn.sendall(json.dumps(reply).encode() + b"\n")
         except OSError:
             pass
         conn.close()
@@ -205,8 +244,9 @@ class Server:
         pidfds); only the request's fds stay."""
         self.selector.close()
         self.listener.close()
-        for pidfd, conn in self.children.values():
+        for pidfd, conn, finished_r in self.children.values():
             os.close(pidfd)
+            os.close(finished_r)
             conn.close()
         request_conn.close()
 
@@ -255,17 +295,56 @@ def _die_with(pidfd: int) -> None:
 PR_SET_NAME = 15
 
 
-def run(how: str, argv: list[str]) -> None:
+def run(how: str, argv: list[str], finished_fd: int) -> None:
     sys.argv = list(argv)
     # `ps -o comm`, top: the script's (or module's) name rather than the server's
     title = (argv[0] if how == "module" else os.path.basename(argv[0])).encode()[:15]
     ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(title))
-    if how == "module":
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    finished = Finished(finished_fd)
+    try:
+        if how == "module":
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    finished.tell()
+
+
+class Finished:
+    """The worker's end of its "finished" pipe to the server."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pid, self.pipe = fd, os.getpid(), _identity(fd)
+
+    def tell(self) -> None:
+        """The script ended well: do the first steps of Python's exit in Python's order,
+        then tell the server, before the interpreter finalizes (see the module docstring)."""
+        if os.getpid() != self.pid:
+            return  # a child the script forked and that returned: not the worker
+        threading._shutdown()  # joins non-daemon threads; Py_FinalizeEx's call is then a no-op
+        atexit._run_exitfuncs()  # runs and clears them, as Py_FinalizeEx would next
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                return  # Python exits 120 for output it could not write: not finished
+        # The script may have closed the fd, and its number may now be one of its own files.
+        if _identity(self.fd) == self.pipe:
+            with contextlib.suppress(OSError):
+                os.write(self.fd, FINISHED)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISFIFO(st.st_mode) else None
 
 
 def main(argv: list[str]) -> None:
@@ -284,7 +363,7 @@ def main(argv: list[str]) -> None:
     request = Server(listener, decline).serve()
     how, args = request.how
     become_worker(request)
-    run(how, args)
+    run(how, args, request.finished_fd)
 
 
 if __name__ == "__main__":

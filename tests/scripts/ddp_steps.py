@@ -23,6 +23,8 @@ def main() -> int:
     ap.add_argument("--step-time", type=float, default=0.1)
     ap.add_argument("--snapshot-every", type=int, default=5)
     ap.add_argument("--fail", action="store_true", help="exit 3 after the first step")
+    ap.add_argument("--crash-on-exit", action="store_true",
+                    help="finish well, then abort while the interpreter tears down")
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -58,7 +60,17 @@ def main() -> int:
             return 3
         time.sleep(args.step_time)
     dist.destroy_process_group()
+    if args.crash_on_exit:
+        global crash_on_teardown
+        crash_on_teardown = CrashOnTeardown()  # released when the module is torn down
     return 0
+
+
+class CrashOnTeardown:
+    """What torch's backend threads do now and then at exit (see worker/zygote.py), on cue."""
+
+    def __del__(self, abort=os.abort):  # bound now: teardown may have cleared `os` by then
+        abort()
 
 
 if __name__ == "__main__":
