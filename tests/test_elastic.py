@@ -52,6 +52,9 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     wait_for(lambda: not pid_alive(victims[0]), 10, "the worker to die")
 
     wait_for(lambda: job(api, job_id)["restarts"] == 1, 60, "the restart to be counted")
+    death = f"ftrain: the worker (pid {victims[0]}) died of SIGKILL"
+    wait_for(lambda: any(death in i["line"] for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]),
+             10, "the worker's death in the job's log")
     before = len(steps(api, job_id))
     wait_step(api, job_id, killed_at + 5, world=2, after=before)
     assert all(forked(p) for p in worker_pids(a) + worker_pids(b))  # the restarted ones too

@@ -175,7 +175,8 @@ def test_a_crash_before_the_script_finished_is_reported_as_it_happened(tmp_path,
     proc = launch(tmp_path, name, mode)
     assert report(tmp_path)["preloaded"] is True
     assert proc.returncode == -signal.SIGABRT
-    assert "ftrain:" not in (tmp_path / "err").read_text()
+    err = (tmp_path / "err").read_text()
+    assert "ftrain: the worker" in err and "died of SIGABRT" in err and "shutting down" not in err
 
 
 def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server):
@@ -184,6 +185,16 @@ def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp
     assert worker != proc.pid
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
+    # said in the worker's log: torch does not say it for a worker it restarts
+    assert f"ftrain: the worker (pid {worker}) died of SIGKILL" in (tmp_path / "err").read_text()
+
+
+def test_a_signal_torchrun_sent_is_not_reported_as_a_death(tmp_path, fork_server):
+    name, _ = fork_server
+    proc, _ = launch_sleeper(tmp_path, name)
+    proc.send_signal(signal.SIGUSR1)  # forwarded; its default action ends the worker
+    assert proc.wait(10) == -signal.SIGUSR1
+    assert "ftrain:" not in (tmp_path / "err").read_text()
 
 
 def test_sigterm_to_the_launcher_reaches_the_worker(tmp_path, fork_server):

@@ -9,7 +9,8 @@ as the worker's entry point. It
    worker that has torch imported already: it sends the command, its environment, its
    working directory and its standard streams, and then stands in for that worker. It
    forwards the signals torchrun sends, and exits the way the worker exited (the same
-   code, or killed by the same signal), so torchrun sees no difference; only a worker
+   code, or killed by the same signal), so torchrun sees no difference, and says on
+   stderr which signal killed it unless torchrun sent that signal; only a worker
    that finished its script and then crashed in the interpreter's teardown exits 0, with
    the server's note on stderr;
 3. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
@@ -61,7 +62,10 @@ def _forked_worker(name, command):
     if not child:
         return  # the fork server declined (a command it cannot run): exec it ourselves
 
+    forwarded = set()
+
     def forward(sig, _frame):
+        forwarded.add(sig)
         try:
             os.kill(child, sig)
         except ProcessLookupError:
@@ -84,6 +88,11 @@ def _forked_worker(name, command):
         os._exit(1)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
+        if sig not in forwarded:
+            # A death torchrun did not ask for leaves no trace in the job's log otherwise:
+            # torch logs a restarted worker's exit below its default log level.
+            sys.stderr.write(f"ftrain: the worker (pid {child}) died of {signal.Signals(sig).name}\n")
+            sys.stderr.flush()
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
