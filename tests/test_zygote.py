@@ -179,14 +179,17 @@ def test_a_crash_before_the_script_finished_is_reported_as_it_happened(tmp_path,
     assert "ftrain: the worker" in err and "died of SIGABRT" in err and "shutting down" not in err
 
 
-def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server):
+@pytest.mark.parametrize(("sig", "said"), [(signal.SIGKILL, "SIGKILL"),
+                                           (signal.SIGRTMIN + 3, f"signal {signal.SIGRTMIN + 3}")])
+def test_worker_killed_by_a_signal_makes_the_launcher_die_of_the_same_signal(tmp_path, fork_server,
+                                                                            sig, said):
     name, _ = fork_server
     proc, worker = launch_sleeper(tmp_path, name)
     assert worker != proc.pid
-    os.kill(worker, signal.SIGKILL)
-    assert proc.wait(10) == -signal.SIGKILL
+    os.kill(worker, sig)
+    assert proc.wait(10) == -sig
     # said in the worker's log: torch does not say it for a worker it restarts
-    assert f"ftrain: the worker (pid {worker}) died of SIGKILL" in (tmp_path / "err").read_text()
+    assert f"ftrain: the worker (pid {worker}) died of {said}" in (tmp_path / "err").read_text()
 
 
 def test_a_signal_torchrun_sent_is_not_reported_as_a_death(tmp_path, fork_server):

@@ -33,6 +33,13 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2, signal.SIGCONT)
 
 
+def _signal_name(sig):
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # a real-time signal the enum does not list
+        return f"signal {sig}"
+
+
 def _exec(command):
     os.execvp(command[0], command)
 
@@ -91,7 +98,7 @@ def _forked_worker(name, command):
         if sig not in forwarded:
             # A death torchrun did not ask for leaves no trace in the job's log otherwise:
             # torch logs a restarted worker's exit below its default log level.
-            sys.stderr.write(f"ftrain: the worker (pid {child}) died of {signal.Signals(sig).name}\n")
+            sys.stderr.write(f"ftrain: the worker (pid {child}) died of {_signal_name(sig)}\n")
             sys.stderr.flush()
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(sig, signal.SIG_DFL)
