@@ -475,8 +475,10 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     close_timeout (30), heartbeat_timeout (5), keep_alive_interval (5),
     keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
     """
+    from worker.deathsig import act_on_first_death_signal
     from worker.rounds import with_round_reports
 
+    act_on_first_death_signal()  # before torch's agent registers its handler
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     wake_on_change(handler, backend)

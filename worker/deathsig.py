@@ -1,0 +1,56 @@
+"""torchrun under ftrain acts on the first death signal and ignores the ones after it.
+
+The node agent starts torchrun with a parent-death signal, SIGTERM (worker/procs.py).
+Linux sends it each time the thread that is torchrun's parent exits and torchrun passes
+to another thread of the agent. An agent with several threads that is SIGKILLed therefore
+sends torchrun several SIGTERMs, one per thread: three were seen. torch's handler turns each
+one into a SignalException. A second one that arrives while torch's agent is closing its
+workers aborts that close before it stops its log-tail threads. torchrun then waits on
+those threads at exit for ever: an orphan, its launchers unreaped zombies (seen under load
+in tests/test_elastic.py's agent-SIGKILL test). The agent's own graceful stop sends
+SIGTERM twice as well (to torchrun, then to its tree).
+
+`act_on_first_death_signal()` replaces torch's handler with one that ignores the death
+signals from then on and raises as torch's does: torchrun stops once and cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from types import FrameType
+
+from torch.distributed.elastic.multiprocessing import api as mp_api
+
+log = logging.getLogger(__name__)
+
+_stock_handler = None  # torch's _terminate_process_handler, once replaced
+
+
+def act_on_first_death_signal() -> bool:
+    """Install the handler (idempotent); False if this torch has no handler to replace."""
+    global _stock_handler
+    if _stock_handler is not None:
+        return True
+    stock = getattr(mp_api, "_terminate_process_handler", None)
+    if not callable(stock):
+        log.warning("torch has no _terminate_process_handler: repeated death signals may "
+                    "leave torchrun hanging at exit")
+        return False
+    _stock_handler = stock
+    mp_api._terminate_process_handler = _first_death_signal
+    return True
+
+
+def _first_death_signal(signum: int, frame: FrameType | None) -> None:
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
+    assert _stock_handler is not None
+    _stock_handler(signum, frame)  # raises SignalException, as torch's handler does
