@@ -17,7 +17,6 @@ signals from then on and raises as torch's does: torchrun stops once and cleanly
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from types import FrameType
 
@@ -44,13 +43,9 @@ def act_on_first_death_signal() -> bool:
 
 
 def _first_death_signal(signum: int, frame: FrameType | None) -> None:
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    for name in names.split(","):
-        sig = getattr(signal, name.strip(), None)
-        if isinstance(sig, signal.Signals):
-            try:
-                signal.signal(sig, signal.SIG_IGN)
-            except (OSError, ValueError):
-                pass
+    # Ignore every signal torch registered this handler for (its TORCHELASTIC_SIGNALS_TO_HANDLE).
+    for sig in signal.valid_signals():
+        if signal.getsignal(sig) is _first_death_signal:
+            signal.signal(sig, signal.SIG_IGN)
     assert _stock_handler is not None
     _stock_handler(signum, frame)  # raises SignalException, as torch's handler does
