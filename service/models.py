@@ -14,8 +14,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 # The service sets these itself; a spec may not override them.
-# The job's own knobs among the FTRAIN_* names: log level, pre-started workers (worker/zygote.py).
-USER_FTRAIN_ENV = ("FTRAIN_LOG_LEVEL", "FTRAIN_PRESTART", "FTRAIN_PRESTART_IMPORTS")
+# The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
+USER_FTRAIN_ENV = ("FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS")
 RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
 

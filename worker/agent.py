@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from worker.procs import (
-    ZYGOTE,
+    FORK_SERVER,
     descendants,
     is_alive,
     kill_all,
@@ -88,7 +88,7 @@ class WorkerGroup:
 
 @dataclass
 class ForkServer:
-    """The job's `worker/zygote.py` on this node; it outlives attempts, not the job."""
+    """The job's `worker/fork_server.py` on this node; it outlives attempts, not the job."""
 
     job_id: str
     name: str  # its abstract unix socket
@@ -344,7 +344,7 @@ class NodeAgent:
 
     def start_fork_server(self, a: dict, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
         """The job's fork server (started if need be), or None when the job opts out."""
-        if env.get("FTRAIN_PRESTART", "1") == "0":
+        if env.get("FTRAIN_FORK_SERVER", "1") == "0":
             return None
         z = self.fork_server
         if z is not None and z.job_id == a["job_id"] and z.proc.poll() is None:
@@ -360,7 +360,7 @@ class NodeAgent:
         try:
             with open(log_dir / f"{self.name}-fork-server.log", "ab") as out:
                 proc = subprocess.Popen(
-                    pdeathsig_argv([sys.executable, str(ZYGOTE), name, str(ready_w)], signal.SIGKILL),
+                    pdeathsig_argv([sys.executable, str(FORK_SERVER), name, str(ready_w)], signal.SIGKILL),
                     cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                     pass_fds=(ready_w,), start_new_session=True)
         except OSError as exc:
@@ -394,7 +394,7 @@ class NodeAgent:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = self.job_env(a)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
-            env["FTRAIN_ZYGOTE"] = fork_server
+            env["FTRAIN_FORK_SERVER_SOCKET"] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
         # writing into a broken pipe (its log-tail threads then keep it from exiting).
         outputs = {s: log_dir / f"{self.name}-attempt{a['attempt']}.{s}" for s in ("stdout", "stderr")}

@@ -1,14 +1,14 @@
-"""Pre-started workers: a fork server per job on each node.
+"""The fork server: one per job on each node, it forks workers with torch imported.
 
 A fresh worker interpreter spends about 1 s importing torch and, at DDP's first forward,
 another second importing torch._dynamo (measured on the 2-core CI machine); after a
 worker failure the whole group waits for the slowest of them. The node agent therefore
 starts, next to torchrun, one process per job that imports those modules once
-(`FTRAIN_PRESTART_IMPORTS`, default `PRELOAD`) and then forks a worker for every
+(`FTRAIN_FORK_SERVER_IMPORTS`, default `PRELOAD`) and then forks a worker for every
 `worker/launch.py` that asks: the new worker starts with everything imported, in a few
 milliseconds.
 
-    python zygote.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
+    python fork_server.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
                                   # writes "ready" to FD once it has imported
 
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
@@ -354,7 +354,7 @@ def main(argv: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
     listener.listen(64)  # launchers that come while we import wait in the backlog
-    decline = preload([m for m in os.environ.get("FTRAIN_PRESTART_IMPORTS", PRELOAD).split(",") if m])
+    decline = preload([m for m in os.environ.get("FTRAIN_FORK_SERVER_IMPORTS", PRELOAD).split(",") if m])
     if decline:
         log(f"declining every request: {decline}")
     if len(argv) > 2:  # tell the agent we are ready: it then starts torchrun through us too
