@@ -32,6 +32,24 @@ from pathlib import Path
 
 import httpx
 
+from worker.env import (
+    FTRAIN_ATTEMPT,
+    FTRAIN_FORK_SERVER,
+    FTRAIN_FORK_SERVER_SOCKET,
+    FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_JOB_ID,
+    FTRAIN_JOB_TOKEN,
+    FTRAIN_LOG_LEVEL,
+    FTRAIN_NODE,
+    FTRAIN_NODE_TOKEN,
+    FTRAIN_SERVER,
+    FTRAIN_SNAPSHOT_DIR,
+    FTRAIN_SNAPSHOT_EVERY,
+    FTRAIN_SNAPSHOT_KEEP,
+    FTRAIN_TOKEN,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
+)
 from worker.procs import (
     FORK_SERVER,
     descendants,
@@ -324,27 +342,29 @@ class NodeAgent:
         snapshot_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **a["env"]}
         env.update({
-            "FTRAIN_JOB_ID": a["job_id"],
-            "FTRAIN_ATTEMPT": str(a["attempt"]),
-            "FTRAIN_SERVER": self.server,
-            "FTRAIN_TOKEN": a["job_token"],
-            "FTRAIN_NODE": self.name,
-            "FTRAIN_SNAPSHOT_DIR": str(snapshot_dir),
-            "FTRAIN_SNAPSHOT_EVERY": str(a["snapshot_every"]),
-            "FTRAIN_SNAPSHOT_KEEP": str(a["snapshot_keep"]),
+            FTRAIN_JOB_ID: a["job_id"],
+            FTRAIN_ATTEMPT: str(a["attempt"]),
+            FTRAIN_SERVER: self.server,
+            FTRAIN_JOB_TOKEN: a["job_token"],
+            FTRAIN_NODE: self.name,
+            FTRAIN_SNAPSHOT_DIR: str(snapshot_dir),
+            FTRAIN_SNAPSHOT_EVERY: str(a["snapshot_every"]),
+            FTRAIN_SNAPSHOT_KEEP: str(a["snapshot_keep"]),
             # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+            TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: "[rank${rank}]:",
             "PYTHONUNBUFFERED": "1",
         })
         if a.get("global_batch_size"):
-            env["FTRAIN_GLOBAL_BATCH_SIZE"] = str(a["global_batch_size"])
-        env.pop("FTRAIN_NODE_TOKEN", None)
+            env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a["global_batch_size"])
+        # Workers run the user's code: the node's and a user's tokens stay with the agent.
+        env.pop(FTRAIN_NODE_TOKEN, None)
+        env.pop(FTRAIN_TOKEN, None)
         return env
 
     def start_fork_server(self, a: dict, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
         """The job's fork server (started if need be), or None when the job opts out."""
-        if env.get("FTRAIN_FORK_SERVER", "1") == "0":
+        if env.get(FTRAIN_FORK_SERVER, "1") == "0":
             return None
         z = self.fork_server
         if z is not None and z.job_id == a["job_id"] and z.proc.poll() is None:
@@ -394,7 +414,7 @@ class NodeAgent:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = self.job_env(a)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
-            env["FTRAIN_FORK_SERVER_SOCKET"] = fork_server
+            env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
         # writing into a broken pipe (its log-tail threads then keep it from exiting).
         outputs = {s: log_dir / f"{self.name}-attempt{a['attempt']}.{s}" for s in ("stdout", "stderr")}
@@ -521,7 +541,7 @@ def _gpu_count() -> int:
 
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format=f"%(asctime)s %(levelname)s node {name or socket.gethostname()}: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address)

@@ -60,6 +60,8 @@ import sys
 import threading
 import time
 
+# worker.env.FTRAIN_FORK_SERVER_IMPORTS: this file imports only the standard library (see there).
+IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
 PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
 FINISHED = b"finished"
 # What a crash in the interpreter's teardown dies of; a finished worker's death by one of
@@ -354,7 +356,7 @@ def main(argv: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
     listener.listen(64)  # launchers that come while we import wait in the backlog
-    decline = preload([m for m in os.environ.get("FTRAIN_FORK_SERVER_IMPORTS", PRELOAD).split(",") if m])
+    decline = preload([m for m in os.environ.get(IMPORTS_ENV, PRELOAD).split(",") if m])
     if decline:
         log(f"declining every request: {decline}")
     if len(argv) > 2:  # tell the agent we are ready: it then starts torchrun through us too

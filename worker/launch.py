@@ -29,6 +29,8 @@ import struct
 import sys
 
 PR_SET_PDEATHSIG = 1
+# worker.env.FTRAIN_FORK_SERVER_SOCKET: this file imports only the standard library (see there).
+FORK_SERVER_SOCKET_ENV = "FTRAIN_FORK_SERVER_SOCKET"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
 
@@ -113,7 +115,7 @@ def main(argv):
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent or parent == 1:
         os._exit(70)  # torchrun died before the guard was in place
-    name = os.environ.get("FTRAIN_FORK_SERVER_SOCKET")
+    name = os.environ.get(FORK_SERVER_SOCKET_ENV)
     if name:
         _forked_worker(name, command)
     _exec(command)

@@ -1,7 +1,7 @@
 """The "ftrain" rendezvous backend of `torchrun`: torch's own `DynamicRendezvousHandler` over
 the control plane's HTTP API (`service.routes.rendezvous`).
 
-    FTRAIN_TOKEN=<job or node token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
+    FTRAIN_JOB_TOKEN=<job or node token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
     torchrun --rdzv-backend=ftrain --rdzv-endpoint=http://cp:8000 --rdzv-id=<job id>-a<attempt> \\
              --rdzv-conf=last_call_timeout=1,keep_alive_interval=1 ...
 
@@ -96,9 +96,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from worker.env import FTRAIN_JOB_TOKEN
+
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "FTRAIN_TOKEN"
+TOKEN_ENV = FTRAIN_JOB_TOKEN
 DEFAULT_PORT = 8000  # `ftrain serve`'s default
 LONG_POLL_S = 5.0  # the server caps one blocking request at this too
 CONNECT_TIMEOUT_S = 2.0

@@ -17,6 +17,8 @@ import time
 import httpx
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from worker.env import FTRAIN_ATTEMPT, FTRAIN_JOB_ID, FTRAIN_JOB_TOKEN, FTRAIN_NODE, FTRAIN_SERVER
+
 log = logging.getLogger(__name__)
 
 
@@ -31,11 +33,11 @@ class RoundReporter:
     @classmethod
     def from_env(cls) -> RoundReporter | None:
         env = os.environ
-        needed = ("FTRAIN_SERVER", "FTRAIN_TOKEN", "FTRAIN_JOB_ID", "FTRAIN_ATTEMPT", "FTRAIN_NODE")
+        needed = (FTRAIN_SERVER, FTRAIN_JOB_TOKEN, FTRAIN_JOB_ID, FTRAIN_ATTEMPT, FTRAIN_NODE)
         if not all(env.get(k) for k in needed):
             return None
-        return cls(env["FTRAIN_SERVER"], env["FTRAIN_TOKEN"], env["FTRAIN_JOB_ID"],
-                   int(env["FTRAIN_ATTEMPT"]), env["FTRAIN_NODE"])
+        return cls(env[FTRAIN_SERVER], env[FTRAIN_JOB_TOKEN], env[FTRAIN_JOB_ID],
+                   int(env[FTRAIN_ATTEMPT]), env[FTRAIN_NODE])
 
     def report(self, phase: str, call: int, info: RendezvousInfo | None = None) -> None:
         body = {"attempt": self._attempt, "node": self._node, "phase": phase, "call": call}

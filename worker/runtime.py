@@ -20,7 +20,7 @@ What `init` does, from the environment torchrun and ftrain give each worker:
   `init_process_group`): picks `nccl` when CUDA is there, else `gloo`; sets the CUDA
   device from `LOCAL_RANK` *before* `init_process_group`; passes a timeout (60 s by
   default: gloo's own default of 30 min turns a lost peer into a 30 min hang).
-- `FTRAIN_JOB_ID`, `FTRAIN_SERVER`, `FTRAIN_TOKEN`, `FTRAIN_ATTEMPT`: the control plane
+- `FTRAIN_JOB_ID`, `FTRAIN_SERVER`, `FTRAIN_JOB_TOKEN`, `FTRAIN_ATTEMPT`: the control plane
   that lists and commits snapshots, takes progress reports and says when to stop.
 - `FTRAIN_SNAPSHOT_DIR`, `FTRAIN_SNAPSHOT_EVERY`, `FTRAIN_SNAPSHOT_KEEP`: where, how often,
   how many (from the job spec). Arguments of `init` win over these.
@@ -87,6 +87,16 @@ import torch.distributed as dist
 
 from worker import snapshot as snap
 from worker.data import ResumableSampler
+from worker.env import (
+    FTRAIN_ATTEMPT,
+    FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_JOB_ID,
+    FTRAIN_JOB_TOKEN,
+    FTRAIN_SERVER,
+    FTRAIN_SNAPSHOT_DIR,
+    FTRAIN_SNAPSHOT_EVERY,
+    FTRAIN_SNAPSHOT_KEEP,
+)
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -594,24 +604,24 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(seconds=timeout_s))
 
-    directory = snapshot_dir or env.get("FTRAIN_SNAPSHOT_DIR") or None
-    every = snapshot_every or _env_int(env, "FTRAIN_SNAPSHOT_EVERY") or (100 if directory else None)
-    keep = snapshot_keep or _env_int(env, "FTRAIN_SNAPSHOT_KEEP") or 3
+    directory = snapshot_dir or env.get(FTRAIN_SNAPSHOT_DIR) or None
+    every = snapshot_every or _env_int(env, FTRAIN_SNAPSHOT_EVERY) or (100 if directory else None)
+    keep = snapshot_keep or _env_int(env, FTRAIN_SNAPSHOT_KEEP) or 3
     link: Link | None = None
-    job_id = env.get("FTRAIN_JOB_ID")
+    job_id = env.get(FTRAIN_JOB_ID)
     if job_id:
-        missing = [n for n in ("FTRAIN_SERVER", "FTRAIN_TOKEN") if not env.get(n)]
+        missing = [n for n in (FTRAIN_SERVER, FTRAIN_JOB_TOKEN) if not env.get(n)]
         if missing:
-            raise RuntimeError(f"FTRAIN_JOB_ID is set but {', '.join(missing)} is not: this worker "
+            raise RuntimeError(f"{FTRAIN_JOB_ID} is set but {', '.join(missing)} is not: this worker "
                                "cannot reach its control plane (is it started by an ftrain node?)")
-        link = ServiceLink(env["FTRAIN_SERVER"], job_id, env["FTRAIN_TOKEN"],
-                           _env_int(env, "FTRAIN_ATTEMPT") or 0)
+        link = ServiceLink(env[FTRAIN_SERVER], job_id, env[FTRAIN_JOB_TOKEN],
+                           _env_int(env, FTRAIN_ATTEMPT) or 0)
     elif directory:
         link = LocalLink(directory, keep)
     rt = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, distributed=distributed,
                  device=device, link=link, snapshot_dir=Path(directory) if directory else None,
                  snapshot_every=every if directory else None,
-                 global_batch_size=_env_int(env, "FTRAIN_GLOBAL_BATCH_SIZE"),
+                 global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
                  pause_timeout_s=pause_timeout_s)
     if directory and link is not None:
