@@ -17,9 +17,10 @@ from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import Control, ControlAction, JobRecord
-from service.snapshots import SnapshotRecord, plan_prune
+from service.snapshots import plan_prune
 from tests.harness import REPO, wait_for
 from worker import snapshot as snap
+from worker.protocol import SnapshotRecord
 from worker.runtime import LocalLink
 
 SPEC = {"name": "snap", "command": ["python", "train.py"], "snapshot": {"every_steps": 10, "keep": 3}}
