@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from pydantic import ValidationError
 
 from worker.env import (
     FTRAIN_ATTEMPT,
@@ -50,6 +50,7 @@ from worker.env import (
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
+from worker.http import ApiError, ControlPlaneClient, HttpError
 from worker.procs import (
     FORK_SERVER,
     descendants,
@@ -58,6 +59,18 @@ from worker.procs import (
     pdeathsig_argv,
     state_of,
     worker_launch_prefix,
+)
+from worker.protocol import (
+    MAX_LINE_CHARS,
+    Assignment,
+    HeartbeatReply,
+    HeartbeatRequest,
+    Known,
+    LogLineIn,
+    LogShipment,
+    RegisterReply,
+    RegisterRequest,
+    ReportRequest,
 )
 
 log = logging.getLogger("ftrain.agent")
@@ -77,6 +90,11 @@ STOPPED_WORKER_GRACE_S = 3.0
 # first), and after a lost NCCL peer its workers are stuck in a collective and never exit
 # on SIGTERM (measured on two H100s: the whole grace was spent waiting, every time).
 REPLACE_GRACE_S = 0.3
+# Each request's timeout; a heartbeat's is its long-poll wait plus this.
+REQUEST_TIMEOUT_S = 5.0
+# A reason longer than the control plane takes would have the whole report refused.
+REPORT_REASON_MAX_CHARS = next(m.max_length for m in ReportRequest.model_fields["reason"].metadata
+                               if hasattr(m, "max_length"))
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -135,16 +153,16 @@ class ForkServer:
 class LogShipper:
     """Batches worker lines and ships them to the control plane in the background."""
 
-    def __init__(self, client: httpx.Client, node: str):
+    def __init__(self, client: ControlPlaneClient, node: str):
         self._client = client
         self._node = node
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+        self._pending: dict[tuple[str, int], list[LogLineIn]] = collections.defaultdict(list)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="log-shipper", daemon=True)
         self._thread.start()
 
-    def add(self, job_id: str, attempt: int, line: dict) -> None:
+    def add(self, job_id: str, attempt: int, line: LogLineIn) -> None:
         with self._lock:
             batch = self._pending[(job_id, attempt)]
             if len(batch) < 50_000:  # a control plane away for long: drop rather than grow
@@ -155,14 +173,14 @@ class LogShipper:
             pending, self._pending = self._pending, collections.defaultdict(list)
         for (job_id, attempt), lines in pending.items():
             for i in range(0, len(lines), 1000):
-                chunk = lines[i:i + 1000]
+                shipment = LogShipment(node=self._node, attempt=attempt, lines=lines[i:i + 1000])
                 try:
-                    resp = self._client.post(f"/v1/jobs/{job_id}/logs",
-                                             json={"node": self._node, "attempt": attempt, "lines": chunk})
-                    # A 5xx (etcd away) is no answer: keep the lines, as for a refused connection.
-                    lost = resp.status_code >= 500
-                except httpx.HTTPError:
-                    lost = True
+                    self._client.call("POST", f"/v1/jobs/{job_id}/logs", shipment)
+                    lost = False
+                except HttpError as exc:
+                    # A 5xx (etcd away) is no answer: keep the lines, as for a refused
+                    # connection; a 4xx is an answer: those lines are dropped.
+                    lost = exc.status is None or exc.status >= 500
                 if lost:
                     with self._lock:  # keep for the next try
                         self._pending[(job_id, attempt)][:0] = lines[i:]
@@ -187,58 +205,60 @@ class NodeAgent:
         self.nproc_per_node = nproc_per_node
         self.data_dir = Path(data_dir).resolve()
         self.address = address
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(base_url=self.server, headers=headers, timeout=5)
+        self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.group: WorkerGroup | None = None
         self.fork_server: ForkServer | None = None
         self.finished: set[tuple[str, int]] = set()
-        self.reports: list[tuple[str, int, str, int | None, str | None]] = []
+        self.reports: list[ReportRequest] = []
         self.heartbeat_interval_s = 1.0
         self.lease_id: int | None = None
-        self.known: dict | None = None  # the assignment last heard of, for the long poll
+        self.known: Known | None = None  # the assignment last heard of, for the long poll
         self.registered = False
         self._shutdown = threading.Event()
         self.shipper = LogShipper(self.client, name)
 
     # ------------------------------------------------------------------ control plane
     def register(self) -> None:
-        resp = self.client.post("/v1/nodes/register", json={
-            "name": self.name, "nproc_per_node": self.nproc_per_node, "address": self.address})
-        resp.raise_for_status()
-        body = resp.json()
-        self.heartbeat_interval_s = float(body["heartbeat_interval_s"])
-        self.lease_id = body.get("lease_id")
+        request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address)
+        reply = RegisterReply.model_validate(self.client.call("POST", "/v1/nodes/register", request))
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
+        self.lease_id = reply.lease_id
         self.registered = True
-        log.info("registered node %s with %s (lease %ss)", self.name, self.server, body["lease_ttl_s"])
+        log.info("registered node %s with %s (lease %ss)", self.name, self.server, reply.lease_ttl_s)
 
-    def heartbeat(self) -> dict | None | bool:
+    def heartbeat(self) -> Assignment | None | bool:
         """The assignment (or None); False when the node must register again."""
         # An idle node long-polls: the answer comes as soon as it is given a job.
         idle = self.group is None and not self.reports
-        body = {"lease_id": self.lease_id, "known": self.known,
-                "wait_s": self.heartbeat_interval_s if idle else 0}
-        resp = self.client.post(f"/v1/nodes/{self.name}/heartbeat", json=body,
-                                timeout=self.heartbeat_interval_s + 5)
-        if resp.status_code == 404:
-            return False
-        resp.raise_for_status()
-        a = resp.json()["assignment"]
-        self.known = None if a is None else {k: a[k] for k in ("job_id", "attempt", "action")}
+        request = HeartbeatRequest(lease_id=self.lease_id, known=self.known,
+                                   wait_s=self.heartbeat_interval_s if idle else 0)
+        try:
+            got = self.client.call("POST", f"/v1/nodes/{self.name}/heartbeat", request,
+                                   timeout=self.heartbeat_interval_s + 5)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        a = HeartbeatReply.model_validate(got).assignment
+        self.known = None if a is None else Known(job_id=a.job_id, attempt=a.attempt, action=a.action)
         return a
 
     def send_reports(self) -> None:
         while self.reports:
-            job_id, attempt, state, code, reason = self.reports[0]
-            resp = self.client.post(f"/v1/nodes/{self.name}/report", json={
-                "job_id": job_id, "attempt": attempt, "state": state,
-                "exit_code": code, "reason": reason})
-            if resp.status_code >= 500:
-                return  # etcd or the control plane is away: keep it for the next beat
+            try:
+                self.client.call("POST", f"/v1/nodes/{self.name}/report", self.reports[0])
+            except HttpError as exc:
+                if exc.status is None:
+                    raise  # no connection: the loop says so, and the report waits
+                if exc.status >= 500:
+                    return  # etcd or the control plane is away: keep it for the next beat
+                # a 4xx is the control plane's answer to this report: it is done with
             self.reports.pop(0)
 
     def report(self, job_id: str, attempt: int, state: str, code: int | None = None,
                reason: str | None = None) -> None:
-        self.reports.append((job_id, attempt, state, code, reason))
+        self.reports.append(ReportRequest(job_id=job_id, attempt=attempt, state=state, exit_code=code,
+                                          reason=_fit(reason, REPORT_REASON_MAX_CHARS)))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -257,7 +277,7 @@ class NodeAgent:
                     continue
                 self.reconcile(assignment)
                 self.send_reports()
-            except httpx.HTTPError as exc:
+            except (HttpError, ValidationError) as exc:
                 log.warning("control plane at %s: %s; workers keep running", self.server, exc)
             self.check_exit()
             self.check_stopped_workers()
@@ -274,54 +294,55 @@ class NodeAgent:
         self.stop_fork_server()
         self.send_reports_best_effort()
         try:
-            self.client.delete(f"/v1/nodes/{self.name}")
-        except httpx.HTTPError:
+            self.client.call("DELETE", f"/v1/nodes/{self.name}")
+        except HttpError:
             pass
         self.shipper.close()
+        self.client.close()
 
     def send_reports_best_effort(self) -> None:
         try:
             self.send_reports()
-        except httpx.HTTPError:
+        except HttpError:
             pass
 
     def shutdown(self, *_args) -> None:
         self._shutdown.set()
 
-    def reconcile(self, a: dict | None) -> None:
+    def reconcile(self, a: Assignment | None) -> None:
         g = self.group
         if a is None:
             if g is not None:
                 self.stop_group("no longer assigned")
             self.stop_fork_server()
             return
-        key = (a["job_id"], a["attempt"])
-        if g is not None and (g.key != key or a["action"] == "stop"):
+        key = (a.job_id, a.attempt)
+        if g is not None and (g.key != key or a.action == "stop"):
             if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
-                self.stop_group("stop requested", grace_s=a.get("cancel_grace_s", 5.0))
+                self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
                 # blocked in an NCCL collective with a dead peer and never see SIGTERM)
                 self.stop_group("the job moved to a new attempt", grace_s=REPLACE_GRACE_S)
             g = None
         if g is None and key not in self.finished:
-            if a["action"] == "run":
+            if a.action == "run":
                 self.start_group(a)
             else:  # told to stop before it started: say so, so the job can end
                 self.finished.add(key)
-                self.report(a["job_id"], a["attempt"], "stopped", None, "stopped before it started")
+                self.report(a.job_id, a.attempt, "stopped", None, "stopped before it started")
 
     # ------------------------------------------------------------------ torchrun
-    def torchrun_argv(self, a: dict) -> list[str]:
-        nproc = a["nproc_per_node"]
+    def torchrun_argv(self, a: Assignment) -> list[str]:
+        nproc = a.nproc_per_node
         if nproc == "auto":
             nproc = _gpu_count() or 1
-        command = list(a["command"])
+        command = list(a.command)
         if command[0] in ("python", "python3"):
             command[0] = sys.executable  # the agent's interpreter: the venv with torch
         argv = [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={a['nodes_min']}:{a['nodes_max']}", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a['rdzv_id']}",
+            f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
             f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
             "--monitor-interval=0.2", "--tee=3",
         ]
@@ -329,52 +350,52 @@ class NodeAgent:
             argv.append(f"--local-addr={self.address}")
         argv += ["--no-python", *worker_launch_prefix(), *command]
         z = self.fork_server
-        if z is not None and z.job_id == a["job_id"] and z.is_ready():
+        if z is not None and z.job_id == a.job_id and z.is_ready():
             # torchrun itself comes from the fork server too (torch imported: a new attempt
             # starts ~1 s sooner here, ~4 s on a GPU machine); the launcher stands in for it
             # and gets SIGTERM when this agent dies, which it forwards to torchrun.
             return worker_launch_prefix(signal.SIGTERM) + argv
         return pdeathsig_argv(argv, signal.SIGTERM)
 
-    def job_env(self, a: dict) -> dict[str, str]:
-        root = Path(a["snapshot_root"]) if a.get("snapshot_root") else self.data_dir / "snapshots"
-        snapshot_dir = root / a["job_id"]
+    def job_env(self, a: Assignment) -> dict[str, str]:
+        root = Path(a.snapshot_root) if a.snapshot_root else self.data_dir / "snapshots"
+        snapshot_dir = root / a.job_id
         snapshot_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **a["env"]}
+        env = {**os.environ, **a.env}
         env.update({
-            FTRAIN_JOB_ID: a["job_id"],
-            FTRAIN_ATTEMPT: str(a["attempt"]),
+            FTRAIN_JOB_ID: a.job_id,
+            FTRAIN_ATTEMPT: str(a.attempt),
             FTRAIN_SERVER: self.server,
-            FTRAIN_JOB_TOKEN: a["job_token"],
+            FTRAIN_JOB_TOKEN: a.job_token,
             FTRAIN_NODE: self.name,
             FTRAIN_SNAPSHOT_DIR: str(snapshot_dir),
-            FTRAIN_SNAPSHOT_EVERY: str(a["snapshot_every"]),
-            FTRAIN_SNAPSHOT_KEEP: str(a["snapshot_keep"]),
+            FTRAIN_SNAPSHOT_EVERY: str(a.snapshot_every),
+            FTRAIN_SNAPSHOT_KEEP: str(a.snapshot_keep),
             # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
             TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: "[rank${rank}]:",
             "PYTHONUNBUFFERED": "1",
         })
-        if a.get("global_batch_size"):
-            env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a["global_batch_size"])
+        if a.global_batch_size:
+            env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a.global_batch_size)
         # Workers run the user's code: the node's and a user's tokens stay with the agent.
         env.pop(FTRAIN_NODE_TOKEN, None)
         env.pop(FTRAIN_TOKEN, None)
         return env
 
-    def start_fork_server(self, a: dict, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
+    def start_fork_server(self, a: Assignment, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
         """The job's fork server (started if need be), or None when the job opts out."""
         if env.get(FTRAIN_FORK_SERVER, "1") == "0":
             return None
         z = self.fork_server
-        if z is not None and z.job_id == a["job_id"] and z.proc.poll() is None:
+        if z is not None and z.job_id == a.job_id and z.proc.poll() is None:
             return z.name
         self.stop_fork_server()
         env = dict(env)
-        nproc = a["nproc_per_node"]
+        nproc = a.nproc_per_node
         if "OMP_NUM_THREADS" not in env and (nproc == "auto" or int(nproc) > 1):
             env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for its workers: libgomp reads it once
-        name = f"ftrain-{self.name}-{a['job_id']}-{secrets.token_hex(8)}"
+        name = f"ftrain-{self.name}-{a.job_id}-{secrets.token_hex(8)}"
         ready_r, ready_w = os.pipe()
         os.set_blocking(ready_r, False)
         try:
@@ -386,12 +407,12 @@ class NodeAgent:
         except OSError as exc:
             os.close(ready_r)
             log.warning("could not start the fork server for job %s (%s); workers start cold",
-                        a["job_id"], exc)
+                        a.job_id, exc)
             return None
         finally:
             os.close(ready_w)
-        self.fork_server = ForkServer(a["job_id"], name, proc, ready_r)
-        log.info("started the fork server (pid %d) for job %s", proc.pid, a["job_id"])
+        self.fork_server = ForkServer(a.job_id, name, proc, ready_r)
+        log.info("started the fork server (pid %d) for job %s", proc.pid, a.job_id)
         return name
 
     def stop_fork_server(self) -> None:
@@ -408,16 +429,16 @@ class NodeAgent:
         z = self.fork_server
         return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
 
-    def start_group(self, a: dict) -> None:
-        cwd = a.get("working_dir") or os.getcwd()
-        log_dir = self.data_dir / "logs" / a["job_id"]
+    def start_group(self, a: Assignment) -> None:
+        cwd = a.working_dir or os.getcwd()
+        log_dir = self.data_dir / "logs" / a.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
         env = self.job_env(a)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
             env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
         # writing into a broken pipe (its log-tail threads then keep it from exiting).
-        outputs = {s: log_dir / f"{self.name}-attempt{a['attempt']}.{s}" for s in ("stdout", "stderr")}
+        outputs = {s: log_dir / f"{self.name}-attempt{a.attempt}.{s}" for s in ("stdout", "stderr")}
         try:
             with open(outputs["stdout"], "wb") as out, open(outputs["stderr"], "wb") as err:
                 proc = subprocess.Popen(
@@ -425,11 +446,11 @@ class NodeAgent:
                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     start_new_session=True)
         except OSError as exc:
-            self.finished.add((a["job_id"], a["attempt"]))
-            self.report(a["job_id"], a["attempt"], "failed", None,
+            self.finished.add((a.job_id, a.attempt))
+            self.report(a.job_id, a.attempt, "failed", None,
                         f"could not start torchrun in {cwd}: {exc}")
             return
-        g = WorkerGroup(a["job_id"], a["attempt"], proc)
+        g = WorkerGroup(a.job_id, a.attempt, proc)
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -461,8 +482,8 @@ class NodeAgent:
                 m = _RANK_PREFIX.match(text)
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
                 g.tails[rank].append(line)
-                self.shipper.add(g.job_id, g.attempt, {
-                    "rank": rank, "stream": stream, "line": line[:4000], "time": time.time()})
+                self.shipper.add(g.job_id, g.attempt, LogLineIn(
+                    rank=rank, stream=stream, line=line[:MAX_LINE_CHARS], time=time.time()))
 
     def check_exit(self) -> None:
         g = self.group
@@ -488,9 +509,9 @@ class NodeAgent:
             if now - since > STOPPED_WORKER_GRACE_S:
                 log.warning("worker pid %d of job %s has been stopped for %.0f s; killing it so "
                             "the group restarts", pid, g.job_id, now - since)
-                self.shipper.add(g.job_id, g.attempt, {
-                    "rank": None, "stream": "stderr", "time": time.time(),
-                    "line": f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"})
+                self.shipper.add(g.job_id, g.attempt, LogLineIn(
+                    rank=None, stream="stderr", time=time.time(),
+                    line=f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"))
                 kill_all([pid])
 
     def _outcome(self, g: WorkerGroup) -> tuple[str, int | None, str | None]:
@@ -527,6 +548,15 @@ class NodeAgent:
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.02)
         self.check_exit()
+
+
+def _fit(text: str | None, limit: int) -> str | None:
+    """`text` cut to `limit` characters in the middle: its start and its last lines stay."""
+    if text is None or len(text) <= limit:
+        return text
+    marker = "\n[...]\n"
+    head = (limit - len(marker)) // 4
+    return text[:head] + marker + text[len(text) - (limit - len(marker) - head):]
 
 
 def _gpu_count() -> int:

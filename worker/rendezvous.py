@@ -17,8 +17,9 @@ Two clients of the same HTTP transport:
   rank 0's agent publishes a free port and the workers build their own TCPStore on it.
 
 Failures. A refused connection, a reset, a timeout, a 502/503/504 (etcd briefly away, the
-control plane restarting) are retried with capped exponential backoff and jitter until
-`retry_timeout` (or a blocking read's own deadline), so restarting the control plane while a
+control plane restarting) are retried with the retry policy of `worker.http` (capped
+exponential backoff and jitter) until `retry_timeout` (or a blocking read's own
+deadline), so restarting the control plane while a
 job trains costs nothing: the agent's periodic `num_nodes_waiting()` and heartbeats just take
 longer. A 410 (this attempt is over) is never retried: `RendezvousGoneError`. Other 4xx are
 bugs or bad tokens: `RendezvousError` with the server's reason.
@@ -28,10 +29,7 @@ makes the retry report "lost" with the current state, which torch handles by re-
 
 Timeouts and keep-alive, chosen on purpose:
 
-- HTTP connections are kept alive (a heartbeat a second should not cost a TCP handshake), but
-  idle ones are dropped after 2 s (`KEEPALIVE_EXPIRY_S`), before uvicorn's 5 s keep-alive
-  closes them from its side: reusing a connection the server is closing at that moment is the
-  classic source of spurious "connection reset" errors.
+- HTTP connections are kept alive, idle ones dropped after 2 s (`worker.http` says why).
 - connect 2 s (loopback/LAN; a dead control plane fails fast and is retried), write 5 s,
   read = the long-poll wait + 5 s. A blocking `get` polls at most `LONG_POLL_S` = 5 s per
   request, so a lost connection is noticed within seconds, not at the store timeout.
@@ -67,21 +65,19 @@ says so).
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
-import random
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
-from urllib.parse import quote
+from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit
 
-import httpx
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ValidationError
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -97,8 +93,28 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from worker.env import FTRAIN_JOB_TOKEN
+from worker.http import ApiError, ControlPlaneClient, Timeout, Unreachable
+from worker.protocol import (
+    AddRequest,
+    AddResult,
+    AppendRequest,
+    CompareSetRequest,
+    DeleteRequest,
+    DeleteResult,
+    GetRequest,
+    GetResult,
+    NumKeysResult,
+    RdzvState,
+    SetRequest,
+    SetStateRequest,
+    SetStateResult,
+    StateChange,
+    StoreItem,
+    ValueResult,
+)
 
 log = logging.getLogger(__name__)
+Reply = TypeVar("Reply", bound=BaseModel)
 
 TOKEN_ENV = FTRAIN_JOB_TOKEN
 DEFAULT_PORT = 8000  # `ftrain serve`'s default
@@ -106,12 +122,8 @@ LONG_POLL_S = 5.0  # the server caps one blocking request at this too
 CONNECT_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 5.0
 READ_MARGIN_S = 5.0
-KEEPALIVE_EXPIRY_S = 2.0
 DEFAULT_READ_TIMEOUT_S = 60
 DEFAULT_RETRY_TIMEOUT_S = 60
-BACKOFF_FIRST_S = 0.1
-BACKOFF_MAX_S = 2.0
-_RETRYABLE_STATUS = (502, 503, 504)
 SYNC_DELAY_S = 1  # the delay torch's op executor takes after each _Action.SYNC
 MIN_WAKE_INTERVAL_S = 0.05
 NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
@@ -141,15 +153,8 @@ class Transport:
         self.rdzv_id = rdzv_id
         self.retry_timeout_s = retry_timeout_s
         self._clock = clock
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.Client(
-            base_url=f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}",
-            headers=headers,
-            # Never send loopback/LAN rendezvous traffic through an environment proxy.
-            trust_env=False,
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
-        )
+        self._client = ControlPlaneClient(f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}", token,
+                                          clock=clock, on_retry=self._retrying)
 
     def close(self) -> None:
         self._client.close()
@@ -158,55 +163,33 @@ class Transport:
         """When a non-blocking call gives up retrying."""
         return self._clock() + self.retry_timeout_s
 
-    def call(self, method: str, path: str, body: dict | None = None, *,
+    def call(self, method: str, path: str, body: Any = None, *,
              deadline: float | None = None, wait_s: float = 0.0,
              params: dict | None = None) -> dict:
         """One request, retried on connection failures and 502/503/504 until `deadline`."""
         deadline = self.deadline() if deadline is None else deadline
-        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
-                                read=wait_s + READ_MARGIN_S, pool=CONNECT_TIMEOUT_S)
-        delay = BACKOFF_FIRST_S
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                response = self._client.request(method, path, json=body, params=params,
-                                                timeout=timeout)
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code not in _RETRYABLE_STATUS:
-                    return self._result(response)
-                problem = f"HTTP {response.status_code}: {_detail(response)}"
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise ControlPlaneUnreachable(
-                    f"the control plane at {self.base_url} did not answer {method} {path} of "
-                    f"rendezvous {self.rdzv_id} after {attempt} tries ({problem}); is it running? "
-                    "Raise retry_timeout in --rdzv-conf to wait longer.")
-            log.info("rendezvous %s: %s %s failed (%s); retrying", self.rdzv_id, method, path,
-                     problem)
-            time.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
-            delay = min(delay * 2, BACKOFF_MAX_S)
-
-    def _result(self, response: httpx.Response) -> dict:
-        if response.status_code == 410:
-            raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {_detail(response)}")
-        if response.status_code >= 400:
+        timeout = Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
+                          read=wait_s + READ_MARGIN_S, pool=CONNECT_TIMEOUT_S)
+        try:
+            result = self._client.call(method, path, body, retry_s=deadline - self._clock(),
+                                       timeout=timeout, params=params)
+        except Unreachable as exc:
+            raise ControlPlaneUnreachable(
+                f"the control plane at {self.base_url} did not answer {method} {path} of "
+                f"rendezvous {self.rdzv_id} after {exc.attempts} tries ({exc.problem}); is it "
+                "running? Raise retry_timeout in --rdzv-conf to wait longer.") from exc
+        except ApiError as exc:
+            if exc.status == 410:
+                raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {exc.detail}") from exc
             hint = ""
-            if response.status_code in (401, 403):
+            if exc.status in (401, 403):
                 hint = f" (set {TOKEN_ENV} to the job token or the node token)"
             raise RendezvousError(f"the control plane refused a request of rendezvous "
-                                  f"{self.rdzv_id}: HTTP {response.status_code}: "
-                                  f"{_detail(response)}{hint}")
-        return {} if response.status_code == 204 else response.json()
+                                  f"{self.rdzv_id}: HTTP {exc.status}: {exc.detail}{hint}") from exc
+        return {} if result is None else result
 
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        return str(response.json().get("detail", response.text))
-    except ValueError:
-        return response.text[:500]
+    def _retrying(self, method: str, path: str, problem: str) -> None:
+        log.info("rendezvous %s: %s %s failed (%s); retrying", self.rdzv_id, method, path, problem)
 
 
 def endpoint_url(endpoint: str) -> str:
@@ -217,14 +200,10 @@ def endpoint_url(endpoint: str) -> str:
                          "e.g. http://127.0.0.1:8000")
     if "://" not in endpoint:
         endpoint = f"http://{endpoint}"
-    url = httpx.URL(endpoint)
+    url = urlsplit(endpoint)
     if url.port is None and url.scheme == "http":
         endpoint = f"{endpoint}:{DEFAULT_PORT}"
     return endpoint
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def _bytes(value: Any) -> bytes:
@@ -268,20 +247,20 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if prefetched is not None and prefetched[0] is self:
             decoded = prefetched[1]  # read by this thread's wait a moment ago
         else:
-            decoded = self._decode(self._call("GET", "/state"))
+            decoded = self._decode(self._read(RdzvState, self._call("GET", "/state")))
         self._saw(None if decoded is None else decoded[1])
         return decoded
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         _this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
-        body = {"state": _b64(state), "token": None if token is None else str(token)}
-        result = self._call("PUT", "/state", body)
+        body = SetStateRequest(state=state, token=None if token is None else str(token))
+        result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
         if decoded is None:
             return None
-        return decoded[0], decoded[1], bool(result["written"])
+        return decoded[0], decoded[1], result.written
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this
@@ -300,9 +279,10 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if "changed" not in result:
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
                                       "long poll on the rendezvous state; upgrade it")
-        decoded = self._decode(result)
+        change = self._read(StateChange, result)
+        decoded = self._decode(change)
         _this_thread.prefetched = (self, decoded)
-        return bool(result["changed"])
+        return change.changed
 
     def wait_instead_of_poll(self, seconds: float, after: str | None) -> None:
         """What torch's `_delay(seconds=1)` after a SYNC does for a handler over this backend:
@@ -336,20 +316,22 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if self._wakes_on_change:
             _this_thread.synced = (self, self._seen_token)
 
-    def _call(self, method: str, path: str, body: dict | None = None, **kwargs) -> dict:
+    def _call(self, method: str, path: str, body: Any = None, **kwargs) -> dict:
         try:
             return self._transport.call(method, path, body, **kwargs)
         except ControlPlaneUnreachable as exc:
             raise RendezvousConnectionError(str(exc)) from exc
 
     @staticmethod
-    def _decode(result: dict) -> tuple[bytes, Any] | None:
-        if result.get("state") is None:
-            return None
+    def _read(model: type[Reply], result: dict) -> Reply:
         try:
-            return base64.b64decode(result["state"], validate=True), result["token"]
-        except (ValueError, KeyError) as exc:
+            return model.model_validate(result)
+        except ValidationError as exc:
             raise RendezvousStateError("the control plane sent a corrupt rendezvous state") from exc
+
+    @staticmethod
+    def _decode(result: RdzvState) -> tuple[bytes, Any] | None:
+        return None if result.state is None else (result.state, result.token)
 
 
 class HttpStore(dist.Store):
@@ -374,24 +356,23 @@ class HttpStore(dist.Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys and {len(values)} values")
-        items = [{"key": k, "value": _b64(_bytes(v))} for k, v in zip(keys, values)]
-        self._call("POST", "/store/set", {"items": items})
+        items = [StoreItem(key=k, value=_bytes(v)) for k, v in zip(keys, values)]
+        self._call("POST", "/store/set", SetRequest(items=items))
 
     def add(self, key: str, amount: int) -> int:
-        body = {"key": key, "amount": int(amount), "op_id": secrets.token_hex(12)}
-        return int(self._call("POST", "/store/add", body)["value"])
+        body = AddRequest(key=key, amount=int(amount), op_id=secrets.token_hex(12))
+        return self._read(AddResult, self._call("POST", "/store/add", body)).value
 
     def append(self, key: str, value: Any) -> None:
-        body = {"key": key, "value": _b64(_bytes(value)), "op_id": secrets.token_hex(12)}
+        body = AppendRequest(key=key, value=_bytes(value), op_id=secrets.token_hex(12))
         self._call("POST", "/store/append", body)
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        body = {"key": key, "expected": _b64(_bytes(expected_value)),
-                "desired": _b64(_bytes(desired_value))}
-        return base64.b64decode(self._call("POST", "/store/compare_set", body)["value"])
+        body = CompareSetRequest(key=key, expected=_bytes(expected_value), desired=_bytes(desired_value))
+        return self._read(ValueResult, self._call("POST", "/store/compare_set", body)).value
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._call("POST", "/store/delete", {"key": key})["deleted"])
+        return self._read(DeleteResult, self._call("POST", "/store/delete", DeleteRequest(key=key))).deleted
 
     deleteKey = delete_key  # noqa: N815 - the name torch's C++ trampoline calls
 
@@ -401,18 +382,17 @@ class HttpStore(dist.Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        values = self._wait(list(keys), self.timeout, values=True)
-        return [base64.b64decode(v) for v in values]
+        return self._wait(list(keys), self.timeout, values=True)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         self._wait(list(keys), self.timeout if timeout is None else timeout, values=False)
 
     def check(self, keys: Sequence[str]) -> bool:
-        result = self._call("POST", "/store/get", {"keys": list(keys), "wait_s": 0, "values": False})
-        return bool(result["found"])
+        body = GetRequest(keys=list(keys), wait_s=0, values=False)
+        return self._read(GetResult, self._call("POST", "/store/get", body)).found
 
     def num_keys(self) -> int:
-        return int(self._call("GET", "/store/num_keys")["count"])
+        return self._read(NumKeysResult, self._call("GET", "/store/num_keys")).count
 
     getNumKeys = num_keys  # noqa: N815 - the name torch's C++ trampoline calls
 
@@ -421,7 +401,7 @@ class HttpStore(dist.Store):
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _wait(self, keys: list[str], timeout: timedelta, values: bool) -> list[str]:
+    def _wait(self, keys: list[str], timeout: timedelta, values: bool) -> list[bytes]:
         if not keys:
             return []
         timeout_s = timeout.total_seconds()
@@ -431,21 +411,28 @@ class HttpStore(dist.Store):
             wait_s = max(0.0, min(LONG_POLL_S, deadline - clock()))
             # A connection problem is retried until the read's own deadline: it is the
             # caller's timeout that decides how long to wait, not retry_timeout.
-            result = self._call("POST", "/store/get",
-                                {"keys": keys, "wait_s": wait_s, "values": values},
-                                deadline=max(deadline, clock() + 1.0), wait_s=wait_s)
-            if result["found"]:
-                return result.get("values") or []
+            body = GetRequest(keys=keys, wait_s=wait_s, values=values)
+            result = self._read(GetResult, self._call("POST", "/store/get", body,
+                                                      deadline=max(deadline, clock() + 1.0), wait_s=wait_s))
+            if result.found:
+                return result.values or []
             if clock() >= deadline:
                 raise dist.DistStoreError(
                     f"wait timeout after {int(timeout_s * 1000)}ms, keys: {', '.join(keys)} "
                     f"(rendezvous {self._transport.rdzv_id} on {self._transport.base_url})")
 
-    def _call(self, method: str, path: str, body: dict | None = None, **kwargs) -> dict:
+    def _call(self, method: str, path: str, body: Any = None, **kwargs) -> dict:
         try:
             return self._transport.call(method, path, body, **kwargs)
         except ControlPlaneUnreachable as exc:
             raise dist.DistNetworkError(str(exc)) from exc
+
+    @staticmethod
+    def _read(model: type[Reply], result: dict) -> Reply:
+        try:
+            return model.model_validate(result)
+        except ValidationError as exc:
+            raise dist.DistStoreError(f"the control plane sent a malformed {model.__name__}: {exc}") from exc
 
 
 def create_backend(params: RendezvousParameters) -> tuple[FtrainRendezvousBackend, HttpStore]:

@@ -74,16 +74,15 @@ import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ValidationError
 
 from worker import snapshot as snap
 from worker.data import ResumableSampler
@@ -97,8 +96,19 @@ from worker.env import (
     FTRAIN_SNAPSHOT_EVERY,
     FTRAIN_SNAPSHOT_KEEP,
 )
+from worker.http import ApiError, ControlPlaneClient, HttpError
+from worker.protocol import (
+    CommitRequest,
+    CommitResult,
+    ControlView,
+    CorruptReport,
+    ProgressReport,
+    SnapshotList,
+    SnapshotRecord,
+)
 
 log = logging.getLogger("ftrain.runtime")
+Model = TypeVar("Model", bound=BaseModel)
 
 SNAPSHOT_FORMAT = 1
 EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchrun restarts it
@@ -158,66 +168,70 @@ def _committed(items: list[dict]) -> list[CommittedSnapshot]:
                               bad=bool(i.get("bad", False))) for i in items]
 
 
+def _committed_records(items: list[SnapshotRecord]) -> list[CommittedSnapshot]:
+    return [CommittedSnapshot(step=i.step, path=i.path, size=i.size, checksum=i.checksum, bad=i.bad)
+            for i in items]
+
+
 class ServiceLink:
-    """The job's endpoints on the control plane, over HTTP with the job token (stdlib only)."""
+    """The job's endpoints on the control plane, over HTTP with the job token."""
+
+    # How long a call that must not be lost (a commit, a listing, a corrupt report) is
+    # retried while the control plane does not answer: the 0.2 s doubling to 2 s between
+    # six tries that it was before there was one retry policy.
+    RETRY_S = 5.0
 
     def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
         self.base = f"{server.rstrip('/')}/v1/jobs/{job_id}"
-        self.token = token
         self.attempt = attempt
         self.timeout_s = timeout_s
+        self._client = ControlPlaneClient(self.base, token, timeout=timeout_s)
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0) -> Any:
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise LinkError(f"{method} {self.base}{path}: {exc.code} {detail}", exc.code) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise LinkError(f"{method} {self.base}{path}: control plane unreachable: {exc}") from exc
+            return self._client.call(method, path, body, retry_s=retry_s)
+        except ApiError as exc:
+            raise LinkError(str(exc), exc.status) from exc
+        except HttpError as exc:
+            raise LinkError(f"{method} {self.base}{path}: control plane unreachable: {exc}",
+                            exc.status) from exc
 
-    def _retrying(self, method: str, path: str, body: dict | None = None, tries: int = 6) -> Any:
-        """Retry what is worth retrying (unreachable, 503); a 4xx is an answer."""
-        delay = 0.2
-        for attempt in range(tries):
-            try:
-                return self._call(method, path, body)
-            except LinkError as exc:
-                if exc.status is not None and exc.status != 503 or attempt == tries - 1:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+    def _retrying(self, method: str, path: str, body: Any = None) -> Any:
+        """Retry what is worth retrying (no answer, 502/503/504); a 4xx is an answer."""
+        return self._call(method, path, body, retry_s=self.RETRY_S)
+
+    @staticmethod
+    def _read(model: type[Model], got: Any) -> Model:
+        try:
+            return model.model_validate(got)
+        except ValidationError as exc:
+            raise LinkError(f"the control plane sent an unexpected {model.__name__}: {exc}") from exc
 
     def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
-        got = self._retrying("GET", "/snapshots")
-        return _committed(got["items"]), got["latest"]
+        got = self._read(SnapshotList, self._retrying("GET", "/snapshots"))
+        return _committed_records(got.items), got.latest
 
     def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
-        body = {"step": written.step, "path": written.path, "size": written.size,
-                "checksum": written.checksum, "attempt": self.attempt, "control_id": control_id,
-                "stall_s": round(stall_s, 6), "write_s": round(written.write_s, 6)}
+        body = CommitRequest(step=written.step, path=written.path, size=written.size,
+                             checksum=written.checksum, attempt=self.attempt, control_id=control_id,
+                             stall_s=round(stall_s, 6), write_s=round(written.write_s, 6))
         try:
-            return self._retrying("POST", "/snapshots", body)["prune"]
+            return self._read(CommitResult, self._retrying("POST", "/snapshots", body)).prune
         except LinkError as exc:
             if exc.status == 409:
                 raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
             raise
 
     def report_corrupt(self, step: int, reason: str) -> None:
-        self._retrying("POST", f"/snapshots/{step}/corrupt", {"reason": reason[:500]})
+        self._retrying("POST", f"/snapshots/{step}/corrupt", CorruptReport(reason=reason[:500]))
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
-        self._call("POST", "/progress", {"step": step, "loss": loss, "samples_per_s": samples_per_s,
-                                         "attempt": self.attempt})
+        self._call("POST", "/progress", ProgressReport(step=step, loss=loss, samples_per_s=samples_per_s,
+                                                       attempt=self.attempt))
 
     def control(self) -> ControlRequest:
-        got = self._call("GET", "/control")
-        return ControlRequest(id=got["id"], action=got["action"], reason=got["reason"])
+        got = self._read(ControlView, self._call("GET", "/control"))
+        return ControlRequest(id=got.id, action=got.action.value, reason=got.reason)
 
 
 class LocalLink:

@@ -65,7 +65,7 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     assert final["state"] == "RUNNING" and final["restarts"] == 1 and final["world_size"] == 2
 
 
-def test_job_can_opt_out_of_pre_started_workers(api, agents):
+def test_job_can_opt_out_of_the_fork_server(api, agents):
     (a,) = agents(1)
     wait_nodes(api, 1)
     job_id = submit(api, job_spec("cold", "--steps", "400", "--step-time", "0.05", mx=1,
