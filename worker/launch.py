@@ -1,13 +1,14 @@
 """How torchrun starts each worker under ftrain: `python -S launch.py SIG COMMAND...`.
 
-torchrun runs this file (standard library only, no site-packages: it starts in ~20 ms)
-as the worker's entry point. It
+torchrun runs this file (standard library only, no site-packages, so that it starts in
+milliseconds) as the worker's entry point. It
 
 1. asks the kernel for SIG when its parent, torchrun, dies (PR_SET_PDEATHSIG survives
    execve), and exits at once if torchrun is already gone;
-2. asks the job's fork server (`worker/fork_server.py`, socket named by FTRAIN_FORK_SERVER_SOCKET) for a
-   worker that has torch imported already: it sends the command, its environment, its
-   working directory and its standard streams, and then stands in for that worker. It
+2. asks the job's fork server (`worker/fork_server.py`, its socket named by
+   FTRAIN_FORK_SERVER_SOCKET) for a worker that has torch imported already: it sends the
+   command, its environment, its working directory and its standard streams, and then
+   stands in for that worker. It
    forwards the signals torchrun sends, and exits the way the worker exited (the same
    code, or killed by the same signal), so torchrun sees no difference, and says on
    stderr which signal killed it unless torchrun sent that signal; only a worker

@@ -36,6 +36,7 @@ from worker.rendezvous import (
     Transport,
     create_ftrain_handler,
     endpoint_url,
+    wake,
     wake_on_change,
 )
 
@@ -653,13 +654,13 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
         assert handler._state_holder._cache_duration == 1  # torch's cache stays (monitor reads)
 
     stock_delays: list[tuple[str, object]] = []
-    stock_delay = ftrain_rdzv._stock_delay
+    stock_delay = wake._stock_delay
 
     def count_stock_delay(seconds):
         stock_delays.append((threading.current_thread().name, seconds))
         stock_delay(seconds=seconds)
 
-    monkeypatch.setattr(ftrain_rdzv, "_stock_delay", count_stock_delay)
+    monkeypatch.setattr(wake, "_stock_delay", count_stock_delay)
     entered: list[FtrainRendezvousBackend] = []
     waits: list[tuple[str, FtrainRendezvousBackend, bool]] = []
     wait_for_change = FtrainRendezvousBackend.wait_for_change

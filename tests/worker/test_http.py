@@ -14,6 +14,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 import worker.rendezvous as ftrain_rdzv
+import worker.rendezvous.transport as transport_module
 from tests.helpers.processes import free_port
 from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
 from worker.rendezvous import FtrainRendezvousBackend, RendezvousGoneError, Transport
@@ -188,7 +189,7 @@ def test_rendezvous_503_until_retry_timeout_is_a_connection_error(server):
 
 def test_rendezvous_read_timeout_is_the_wait_plus_the_margin(server, monkeypatch):
     url, script = server
-    monkeypatch.setattr(ftrain_rdzv, "READ_MARGIN_S", 0.2)
+    monkeypatch.setattr(transport_module, "READ_MARGIN_S", 0.2)
     script.delay_s = 0.5
     script.answers = [(200, {"state": None, "token": None, "changed": False})]
     transport = Transport(url, "job-abcdef-a0", "t", retry_timeout_s=1)
