@@ -110,9 +110,8 @@ class ServiceLink:
             return self._client.call(method, path, body, retry_s=retry_s)
         except ApiError as exc:
             raise LinkError(str(exc), exc.status) from exc
-        except HttpError as exc:
-            raise LinkError(f"{method} {self.base}{path}: control plane unreachable: {exc}",
-                            exc.status) from exc
+        except HttpError as exc:  # its message names the request
+            raise LinkError(f"control plane unreachable: {exc}", exc.status) from exc
 
     def _retrying(self, method: str, path: str, body: Any = None) -> Any:
         """Retry what is worth retrying (no answer, 502/503/504); a 4xx is an answer."""
