@@ -9,7 +9,7 @@ import worker
 
 WORKER = Path(worker.__file__).parent
 SEAM = WORKER / "http.py"
-FORBIDDEN = ("httpx", "urllib.request", "http.client", "requests")
+FORBIDDEN = ("httpx", "httpcore", "urllib.request", "http.client", "requests")
 
 
 def _imports(tree: ast.AST) -> list[tuple[int, str]]:
