@@ -15,15 +15,15 @@ import asyncio
 import logging
 
 from service.errors import StoreUnavailable
-from service.etcd import Etcd
 from service.keys import Keys
 from service.models import JobRecord
+from service.store.api import KeyValue
 
 log = logging.getLogger(__name__)
 
 
 class JobIndex:
-    def __init__(self, etcd: Etcd, keys: Keys):
+    def __init__(self, etcd: KeyValue, keys: Keys):
         self._etcd = etcd
         self._keys = keys
         self._jobs: dict[str, JobRecord] = {}

@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.cache import JobIndex
-from service.etcd import Etcd
 from service.jobs import JobStore
 from service.keys import Keys
 from service.settings import Settings
+from service.store.api import KeyValue
 
 
 @dataclass
 class Context:
     settings: Settings
-    etcd: Etcd
+    etcd: KeyValue
     keys: Keys
     jobs: JobStore
     index: JobIndex
@@ -23,7 +23,9 @@ class Context:
 
     @classmethod
     def build(cls, settings: Settings) -> Context:
-        etcd = Etcd(settings.etcd_endpoints, settings.etcd_timeout_s)
+        from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
+
+        etcd = EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s)
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         return cls(settings=settings, etcd=etcd, keys=keys, jobs=JobStore(etcd, keys),
                    index=JobIndex(etcd, keys))

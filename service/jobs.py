@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.errors import Conflict, ContentionError, JobNotFound
-from service.etcd import Delete, Etcd, Put
 from service.keys import Keys
 from service.models import EventView, JobRecord, JobSpec, JobState
 from service.state import transition
+from service.store.api import Delete, KeyValue, Put
 
 MAX_CAS_ATTEMPTS = 32
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -55,7 +55,7 @@ def _dump(model) -> bytes:
 
 
 class JobStore:
-    def __init__(self, etcd: Etcd, keys: Keys, clock: Clock = time.time):
+    def __init__(self, etcd: KeyValue, keys: Keys, clock: Clock = time.time):
         self.etcd = etcd
         self.keys = keys
         self.clock = clock

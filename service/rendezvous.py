@@ -51,8 +51,8 @@ import re
 from collections.abc import Callable, Sequence
 
 from service.errors import ContentionError, FtrainError
-from service.etcd import Delete, Entry, Etcd, Put, WatchEvent
 from service.keys import Keys
+from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 MAX_CAS_ATTEMPTS = 64  # concurrent `add`s of N agents: each round one of them wins
@@ -97,7 +97,7 @@ def _encode_key(key: str) -> str:
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, rdzv_id: str):
+    def __init__(self, etcd: KeyValue, keys: Keys, rdzv_id: str):
         self.etcd = etcd
         self.rdzv_id = rdzv_id
         self._state_key = keys.rdzv_state(rdzv_id)

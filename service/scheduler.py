@@ -318,7 +318,7 @@ class Leadership:
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
-        from service.etcd import Put
+        from service.store.api import Put
 
         ctx = self.ctx
         if self.lease_id is not None and await ctx.etcd.refresh_lease(self.lease_id):

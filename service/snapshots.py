@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, Field
 
 from service.errors import Conflict, ContentionError, FtrainError
-from service.etcd import Delete, Put
 from service.jobs import MAX_CAS_ATTEMPTS, Change, JobStore
 from service.models import ControlAction, JobRecord, Progress, SnapshotMeta
 from service.state import note
+from service.store.api import Delete, Put
 
 
 class SnapshotRecord(SnapshotMeta):

@@ -6,15 +6,15 @@ import asyncio
 import contextlib
 
 from service.errors import InvalidTransition
-from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobSpec, JobState
+from service.store.etcd import EtcdStore
 
 
 def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
     async def main():
-        a, b = Etcd(etcd.endpoint), Etcd(etcd.endpoint)
+        a, b = EtcdStore(etcd.endpoint), EtcdStore(etcd.endpoint)
         store_a, store_b = JobStore(a, Keys("/t")), JobStore(b, Keys("/t"))
         wins = 0
         for i in range(20):
@@ -47,7 +47,7 @@ def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
 
 def test_concurrent_counters_lose_no_increment(etcd):
     async def main():
-        clients = [Etcd(etcd.endpoint) for _ in range(4)]
+        clients = [EtcdStore(etcd.endpoint) for _ in range(4)]
         stores = [JobStore(c, Keys("/t")) for c in clients]
         job, _ = await stores[0].create(JobSpec(name="count", command=["true"]))
 
@@ -109,7 +109,7 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
 
 def test_get_many_reads_more_keys_than_one_transaction_holds_in_order(etcd):
     async def main():
-        store = Etcd(etcd.endpoint)
+        store = EtcdStore(etcd.endpoint)
         keys = [f"/many/{i:04d}" for i in range(300)]
         for k in keys[::2]:
             await store.put(k, k.encode())

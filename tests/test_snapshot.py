@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import Control, ControlAction, JobRecord
 from service.snapshots import SnapshotRecord, plan_prune
+from service.store.etcd import EtcdStore
 from tests.harness import REPO, wait_for
 from worker import snapshot as snap
 from worker.runtime import LocalLink
@@ -126,7 +126,7 @@ def edit_job(etcd_endpoint: str, job_id: str, **update) -> JobRecord:
     """Change a stored job as the scheduler would (by CAS), e.g. its attempt or control."""
 
     async def run() -> JobRecord:
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             store = JobStore(etcd, Keys())
             return await store.update(job_id, lambda job: Change(job.model_copy(update=update)))
@@ -138,7 +138,7 @@ def edit_job(etcd_endpoint: str, job_id: str, **update) -> JobRecord:
 
 def read_job(etcd_endpoint: str, job_id: str) -> JobRecord:
     async def run() -> JobRecord:
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             return await JobStore(etcd, Keys()).get(job_id)
         finally:

@@ -13,7 +13,6 @@ from pydantic import BaseModel, Field, field_validator
 
 from service.deps import ContextDep, JobTokenDep, NodeAuth, UserAuth
 from service.errors import NodeNotFound
-from service.etcd import Put
 from service.jobs import Change
 from service.models import (
     JobRecord,
@@ -26,6 +25,7 @@ from service.models import (
 from service.rendezvous import delete_rendezvous
 from service.routes.logs import last_lines
 from service.state import note, transition
+from service.store.api import Put
 
 router = APIRouter(tags=["nodes"])
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")

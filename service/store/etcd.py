@@ -1,4 +1,4 @@
-"""A small async etcd v3 key-value layer over `aetcd`.
+"""`KeyValue` on etcd v3, over `aetcd`.
 
 Every write that depends on what was read is a transaction comparing the key's
 `mod_revision` (the fencing token); `mod_revision == 0` means "only if absent".
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aetcd
@@ -21,39 +20,9 @@ import aetcd.exceptions
 import grpc
 
 from service.errors import StoreUnavailable
+from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 log = logging.getLogger(__name__)
-# etcd's default --max-txn-ops: the most operations one transaction may hold.
-MAX_TXN_OPS = 128
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    key: str
-    value: bytes | None  # None for a delete
-    mod_revision: int
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int | None = None
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    prefix: bool = False
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -83,7 +52,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
-class Etcd:
+class EtcdStore(KeyValue):
     """Async etcd client with CAS helpers and errors mapped to `StoreUnavailable`."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0):
