@@ -222,12 +222,15 @@ class EtcdStore(KeyValue):
         return await self._call("a lease keep-alive", refresh) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
-        try:
-            await self._call("a lease revoke", lambda c: c.revoke_lease(lease_id))
-        except StoreUnavailable:
-            raise
-        except Exception:  # an unknown lease is already gone: nothing to do
-            log.debug("lease %x already gone", lease_id)
+        async def revoke(c: aetcd.Client) -> None:
+            try:
+                await c.revoke_lease(lease_id)
+            except aetcd.exceptions.ClientError as exc:
+                if not _is_not_found(exc):
+                    raise
+                log.debug("lease %x already gone", lease_id)  # nothing to do
+
+        await self._call("a lease revoke", revoke)
 
     async def watch_prefix(self, prefix: str, start_revision: int,
                            max_session_s: float = 60.0) -> AsyncIterator[WatchEvent]:
@@ -332,6 +335,12 @@ class _KeepAliveStream:
 async def _close_quietly(client: aetcd.Client) -> None:
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(client.close(), 5)
+
+
+def _is_not_found(exc: aetcd.exceptions.ClientError) -> bool:
+    """etcd answered NOT_FOUND (e.g. "requested lease not found"): an answer, not an outage."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
 
 
 def _compares(c: aetcd.Client, expect: dict[str, int]) -> list:
