@@ -12,7 +12,7 @@ gets the token it wrote, or the state and token that won the race, atomically.
 
 Store. Each c10d key is stored at `keys.rdzv_store(id) + base64url(key)`, so any key torch
 uses (with `/`, spaces, anything) is a valid, unambiguous etcd key. Read-modify-writes
-(`add`, `append`, `compare_set`, `delete`) are compare-and-set loops. `add` and `append` are
+(`add`, `append`, `compare_set`, `delete`) go through `service.store.cas.update`. `add` and `append` are
 not idempotent, yet a client retries a request whose answer it lost (the control plane was
 restarted mid-request); such requests carry an `op_id`, and the result is recorded at
 `keys.rdzv(id) + "ops/<op_id>"` in the same transaction, so a retry returns the first
@@ -50,13 +50,12 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 
-from service.errors import ContentionError, FtrainError
+from service.errors import FtrainError
 from service.keys import Keys
-from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
+from service.store import cas
+from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
-MAX_CAS_ATTEMPTS = 64  # concurrent `add`s of N agents: each round one of them wins
-MAX_OPS_PER_TXN = 100  # etcd refuses transactions with more than 128 operations by default
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
 _OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -173,10 +172,10 @@ class Rendezvous:
         return all(v is not None for v in await self._read([self.store_key(k) for k in keys]))
 
     async def set(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Set every (key, value); atomically when there are at most MAX_OPS_PER_TXN of them."""
+        """Set every (key, value); atomically when there are at most MAX_TXN_OPS of them."""
         puts = [Put(self.store_key(k), v) for k, v in items]
-        for start in range(0, len(puts), MAX_OPS_PER_TXN):
-            await self.etcd.commit({}, puts[start:start + MAX_OPS_PER_TXN])
+        for start in range(0, len(puts), MAX_TXN_OPS):
+            await self.etcd.commit({}, puts[start:start + MAX_TXN_OPS])
 
     async def add(self, key: str, amount: int, op_id: str | None) -> int:
         """Add `amount` to the integer at `key` (absent: 0); returns the new value."""
@@ -199,28 +198,28 @@ class Rendezvous:
         counts as b""); returns the value stored afterwards, except that for an absent key
         and a non-empty `expected` it returns `expected` and writes nothing, as TCPStore does."""
         etcd_key = self.store_key(key)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            entry = await self.etcd.get(etcd_key)
+
+        def decide(entry: Entry | None) -> cas.Done[bytes] | cas.Write[bytes]:
             if entry is None and expected != b"":
-                return expected
+                return cas.Done(expected)
             current = b"" if entry is None else entry.value
             if current != expected:
-                return current
+                return cas.Done(current)
             revision = 0 if entry is None else entry.mod_revision
-            if await self.etcd.commit({etcd_key: revision}, [Put(etcd_key, desired)]):
-                return desired
-        raise self._contended(key)
+            return cas.Write({etcd_key: revision}, [Put(etcd_key, desired)], desired)
+
+        return await cas.update(self.etcd, lambda: self.etcd.get(etcd_key), decide, self._what(key))
 
     async def delete(self, key: str) -> bool:
         """Delete `key`; False if it did not exist."""
         etcd_key = self.store_key(key)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            entry = await self.etcd.get(etcd_key)
+
+        def decide(entry: Entry | None) -> cas.Done[bool] | cas.Write[bool]:
             if entry is None:
-                return False
-            if await self.etcd.commit({etcd_key: entry.mod_revision}, [Delete(etcd_key)]):
-                return True
-        raise self._contended(key)
+                return cas.Done(False)
+            return cas.Write({etcd_key: entry.mod_revision}, [Delete(etcd_key)], True)
+
+        return await cas.update(self.etcd, lambda: self.etcd.get(etcd_key), decide, self._what(key))
 
     async def num_keys(self) -> int:
         return len(await self.etcd.get_prefix(self._store_prefix))
@@ -254,28 +253,31 @@ class Rendezvous:
             if not _OP_ID.match(op_id):
                 raise StoreValueError("op_id must be 1 to 64 characters of [A-Za-z0-9_-]")
             op_key = self._ops_prefix + op_id
-        for _ in range(MAX_CAS_ATTEMPTS):
-            if op_key is not None and (done := await self.etcd.get(op_key)) is not None:
-                return done.value  # a retry of a request that already applied
-            entry = await self.etcd.get(etcd_key)
+
+        async def read() -> tuple[Entry | None, Entry | None]:
+            done = await self.etcd.get(op_key) if op_key is not None else None
+            return done, (None if done is not None else await self.etcd.get(etcd_key))
+
+        def decide(read: tuple[Entry | None, Entry | None]) -> cas.Done[bytes] | cas.Write[bytes]:
+            done, entry = read
+            if done is not None:
+                return cas.Done(done.value)  # a retry of a request that already applied
             value = combine(None if entry is None else entry.value)
             expect = {etcd_key: 0 if entry is None else entry.mod_revision}
             ops = [Put(etcd_key, value)]
             if op_key is not None:
                 expect[op_key] = 0
                 ops.append(Put(op_key, value))
-            if await self.etcd.commit(expect, ops):
-                return value
-        raise self._contended(key)
+            return cas.Write(expect, ops, value)
+
+        return await cas.update(self.etcd, read, decide, self._what(key))
 
     async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
         written, entry = await self.etcd.commit_read({key: revision}, [op], key)
         return entry, written
 
-    def _contended(self, key: str) -> ContentionError:
-        return ContentionError(f"store key {key!r} of rendezvous {self.rdzv_id} changed "
-                               f"{MAX_CAS_ATTEMPTS} times while this request tried to update it; "
-                               "retry the request")
+    def _what(self, key: str) -> str:
+        return f"store key {key!r} of rendezvous {self.rdzv_id}"
 
 
 def state_token(entry: Entry | None) -> str:
@@ -310,6 +312,6 @@ async def delete_rendezvous(ctx, job_id: str) -> int:
             if parse_rdzv_id(rdzv_id)[0] == job_id:
                 attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
     ops = [Delete(ctx.keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
-    for start in range(0, len(ops), MAX_OPS_PER_TXN):
-        await ctx.etcd.commit({}, ops[start:start + MAX_OPS_PER_TXN])
+    for start in range(0, len(ops), MAX_TXN_OPS):
+        await ctx.etcd.commit({}, ops[start:start + MAX_TXN_OPS])
     return sum(attempts.values())

@@ -10,9 +10,9 @@ Consistency. A commit must see every snapshot record of the job (to prune beyond
 `keep`) and change the job record (its `latest_snapshot`) in one decision. Every write
 to a snapshot record in this module goes in the same transaction as a write of the job
 key, so the job key's mod_revision fences the snapshot records too: read the job (at
-revision R), then the records, decide, and commit only if the job is still at R. That is
-`JobStore.update`'s compare-and-set with one more read between the read and the decide,
-which `update` has no hook for; `_update` below is that loop.
+revision R), then the records, decide, and commit only if the job is still at R: the
+compare-and-set of `JobStore.update`, with the records read along with the job
+(`_update` below).
 
 The decide functions (`decide_commit`, `decide_corrupt`, `decide_progress`) are pure:
 (job, records, request, now) -> Change, and are tested without etcd.
@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from service.errors import Conflict, ContentionError, FtrainError
-from service.jobs import MAX_CAS_ATTEMPTS, Change, JobStore
+from service.errors import Conflict, FtrainError
+from service.jobs import Change, JobStore
 from service.models import ControlAction, JobRecord, Progress, SnapshotMeta
 from service.state import note
+from service.store import cas
 from service.store.api import Delete, Put
 
 
@@ -205,7 +206,7 @@ class SnapshotStore:
         return lambda step: self.jobs.keys.snapshot(job_id, step)
 
     async def _records(self, job_id: str) -> Records:
-        entries = await self.jobs.etcd.get_prefix(self.jobs.keys.snapshots(job_id))
+        entries = await self.jobs.kv.get_prefix(self.jobs.keys.snapshots(job_id))
         recs = (SnapshotRecord.model_validate_json(e.value) for e in entries)
         return {r.step: r for r in recs}
 
@@ -216,19 +217,21 @@ class SnapshotStore:
         return SnapshotList(items=[records[s] for s in sorted(records)], latest=latest)
 
     async def _update(self, job_id: str, decide: Callable[[JobRecord, Records], Decision]) -> Decision:
-        """JobStore.update's CAS loop, with the job's snapshot records read after the job."""
+        """JobStore.update's compare-and-set, with the job's snapshot records read after the job."""
         store = self.jobs
-        for _ in range(MAX_CAS_ATTEMPTS):
+
+        async def read() -> tuple[JobRecord, int, Records]:
             job, revision = await store.get_with_revision(job_id)
-            records = await self._records(job_id)
+            return job, revision, await self._records(job_id)
+
+        def outcome(read: tuple[JobRecord, int, Records]) -> cas.Done[Decision] | cas.Write[Decision]:
+            job, revision, records = read
             decision = decide(job, records)
-            change = decision.change
-            if change is None:
-                return decision
-            if await store.commit_change(revision, change):
-                return decision
-        raise ContentionError(f"job {job_id} changed {MAX_CAS_ATTEMPTS} times while a snapshot "
-                              "change was being decided; retry the request")
+            if decision.change is None:
+                return cas.Done(decision)
+            return store.write(revision, decision.change, decision)
+
+        return await cas.update(store.kv, read, outcome, f"job {job_id}")
 
     async def commit(self, job_id: str, req: CommitRequest) -> CommitResult:
         now = self.jobs.clock()

@@ -25,6 +25,7 @@ from service.models import (
 from service.rendezvous import delete_rendezvous
 from service.routes.logs import last_lines
 from service.state import note, transition
+from service.store import cas
 from service.store.api import Put
 
 router = APIRouter(tags=["nodes"])
@@ -127,11 +128,11 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     key = ctx.keys.node(req.name)
     record = NodeRecord(name=req.name, nproc_per_node=req.nproc_per_node, address=req.address,
                         registered_at=ctx.jobs.clock(), lease_id=lease)
-    while True:
-        old = await ctx.etcd.get(key)
-        if await ctx.etcd.commit({key: old.mod_revision if old else 0},
-                                 [Put(key, record.model_dump_json().encode(), lease)]):
-            break
+    value = record.model_dump_json().encode()
+    old = await cas.update(
+        ctx.etcd, lambda: ctx.etcd.get(key),
+        lambda old: cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old),
+        f"node {req.name}")
     if old is not None and old.lease and old.lease != lease:
         await ctx.etcd.revoke_lease(old.lease)
     # A (re)starting agent runs nothing: whatever it held before is gone. (The index may
@@ -297,14 +298,15 @@ async def list_nodes(ctx: ContextDep) -> NodeList:
              dependencies=[UserAuth])
 async def drain(name: str, ctx: ContextDep) -> NodeView:
     """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work."""
-    while True:
-        entry, record = await _node_entry(ctx, name)
+    def decide(read) -> cas.Done[NodeRecord] | cas.Write[NodeRecord]:
+        entry, record = read
         if record.state is NodeState.DRAINING:
-            break
+            return cas.Done(record)
         record = record.model_copy(update={"state": NodeState.DRAINING})
-        if await ctx.etcd.commit({entry.key: entry.mod_revision},
-                                 [Put(entry.key, record.model_dump_json().encode(), entry.lease)]):
-            break
+        return cas.Write({entry.key: entry.mod_revision},
+                         [Put(entry.key, record.model_dump_json().encode(), entry.lease)], record)
+
+    record = await cas.update(ctx.etcd, lambda: _node_entry(ctx, name), decide, f"node {name}")
     job = ctx.index.job_of_node(name)
     return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
                     address=record.address, registered_at=record.registered_at,
