@@ -67,7 +67,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx
 
-from tests.harness import (
+from tests.helpers.processes import (
     ControlPlane,
     EtcdProcess,
     NodeAgentProc,

@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from worker.protocol import ControlAction, Progress, SnapshotMeta
+
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
@@ -126,22 +128,6 @@ class JobSpec(_Strict):
         return v
 
 
-class SnapshotMeta(BaseModel):
-    step: int = Field(..., ge=0)
-    path: str = Field(..., min_length=1, max_length=4096)
-    size: int = Field(..., ge=0)
-    checksum: str = Field(..., min_length=1, max_length=200)
-    time: float | None = None
-    attempt: int | None = None
-
-
-class Progress(BaseModel):
-    step: int = Field(..., ge=0)
-    loss: float | None = None
-    samples_per_s: float | None = None
-    time: float | None = None
-
-
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
 
@@ -153,14 +139,6 @@ class MemberStatus(BaseModel):
     def is_live(self) -> bool:
         """The node holds (or is about to hold) workers of the job."""
         return self.state in ("assigned", "running")
-
-
-class ControlAction(str, enum.Enum):
-    """What the control plane asks rank 0 of a running job to do at its next step boundary."""
-
-    NONE = "none"
-    CHECKPOINT_PAUSE = "checkpoint_pause"  # snapshot, commit, then wait to be restarted (join, drain)
-    CHECKPOINT_STOP = "checkpoint_stop"  # snapshot, commit, then exit 0 (cancel)
 
 
 class Control(BaseModel):

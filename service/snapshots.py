@@ -23,66 +23,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
-
 from service.errors import Conflict, FtrainError
 from service.jobs import Change, JobStore
-from service.models import ControlAction, JobRecord, Progress, SnapshotMeta
+from service.models import JobRecord, Progress
 from service.state import note
 from service.store import cas
 from service.store.api import Delete, Put
-
-
-class SnapshotRecord(SnapshotMeta):
-    """A committed snapshot as stored under `keys.snapshot(job, step)`."""
-
-    bad: bool = Field(False, description="Failed its checksum when a worker read it back.")
-    control_id: int | None = Field(None, description="The planned change this snapshot answered.")
-    stall_s: float | None = Field(None, description="How long the training loop stalled for it.")
-    write_s: float | None = Field(None, description="Background write and fsync time.")
-
-    def meta(self) -> SnapshotMeta:
-        return SnapshotMeta(**self.model_dump(include=set(SnapshotMeta.model_fields)))
-
-
-class CommitRequest(BaseModel):
-    step: int = Field(..., ge=0)
-    path: str = Field(..., min_length=1, max_length=4096)
-    size: int = Field(..., ge=0)
-    checksum: str = Field(..., min_length=1, max_length=200)
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
-    control_id: int | None = Field(None, ge=1, description="Acknowledges this control request.")
-    stall_s: float | None = Field(None, ge=0)
-    write_s: float | None = Field(None, ge=0)
-
-
-class CommitResult(BaseModel):
-    committed: SnapshotRecord
-    latest: int | None = Field(None, description="Step of the job's latest snapshot after this commit.")
-    prune: list[str] = Field(default_factory=list,
-                             description="Snapshot files the writer should delete now (never the latest).")
-
-
-class SnapshotList(BaseModel):
-    items: list[SnapshotRecord]
-    latest: int | None = None
-
-
-class CorruptReport(BaseModel):
-    reason: str = Field("checksum mismatch", max_length=500)
-
-
-class ProgressReport(BaseModel):
-    step: int = Field(..., ge=0)
-    loss: float | None = None
-    samples_per_s: float | None = Field(None, ge=0)
-    attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
-
-
-class ControlView(BaseModel):
-    id: int = 0
-    action: ControlAction = ControlAction.NONE
-    reason: str = ""
+from worker.protocol import (
+    CommitRequest,
+    CommitResult,
+    ControlAction,
+    ControlView,
+    ProgressReport,
+    SnapshotList,
+    SnapshotRecord,
+)
 
 
 class StaleAttempt(Conflict):

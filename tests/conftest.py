@@ -1,10 +1,48 @@
+"""Fixtures that start real processes, and the rule that marks the tests using them.
+
+Layout: tests/service and tests/worker test the two packages (pure logic, and what one
+process does); tests/contract runs one suite against every implementation of a seam;
+tests/integration and tests/faults run the real thing (etcd, uvicorn, agents, torchrun).
+A test that starts a process is marked `integration`: every test under integration/ and
+faults/, and every test that uses the `etcd` fixture (the control plane and the agents
+stand on it). Any other test that starts a process must say so with the marker; the
+guard below fails it otherwise, so `-m "not integration"` is always the quick, process-free
+run.
+"""
+
 from __future__ import annotations
 
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.harness import ControlPlane, EtcdProcess, NodeAgentProc
+from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc
+
+TESTS = Path(__file__).resolve().parent
+PROCESS_DIRS = {"integration", "faults"}
+PROCESS_FIXTURES = {"etcd"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+        if folder in PROCESS_DIRS or PROCESS_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_integration_tests(request, monkeypatch):
+    """Fail a test that starts a process without being marked `integration`."""
+    if request.node.get_closest_marker("integration") is not None:
+        return
+
+    def refuse(self, args, *rest, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process ({args!r}) but is not marked "
+                    "integration: mark it, or move it to tests/integration", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import pid_alive, wait_for
+from tests.helpers.processes import pid_alive, wait_for
 from worker.procs import LAUNCH, ZYGOTE, descendants
+
+pytestmark = pytest.mark.integration
 
 # The script under test reports what it saw as one JSON line on stdout, and whether torch
 # was already imported when it started: the sign that it was forked from the server.

@@ -10,31 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from service.context import Context
 from service.deps import ContextDep, NodeAuth, UserAuth
+from worker.protocol import LogShipment
 
 router = APIRouter(tags=["logs"])
 _LINES_PER_CHUNK = 100_000
-MAX_LINE_CHARS = 4000
-
-
-class LogLineIn(BaseModel):
-    rank: int | None = Field(None, ge=0)
-    stream: Literal["stdout", "stderr"] = "stdout"
-    line: str = Field(..., max_length=MAX_LINE_CHARS)
-    time: float
-
-
-class LogShipment(BaseModel):
-    node: str = Field(..., max_length=64)
-    attempt: int = 0
-    lines: list[LogLineIn] = Field(..., max_length=2000)
 
 
 class LogLine(BaseModel):

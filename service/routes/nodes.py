@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
-from typing import Literal
 
 from fastapi import APIRouter, status
-from pydantic import BaseModel, Field, field_validator
 
 from service.deps import ContextDep, JobTokenDep, NodeAuth, UserAuth
 from service.errors import NodeNotFound
@@ -27,90 +24,19 @@ from service.routes.logs import last_lines
 from service.state import note, transition
 from service.store import cas
 from service.store.api import Put
+from worker.protocol import (
+    Assignment,
+    HeartbeatReply,
+    HeartbeatRequest,
+    Known,
+    RegisterReply,
+    RegisterRequest,
+    ReportReply,
+    ReportRequest,
+    RoundReport,
+)
 
 router = APIRouter(tags=["nodes"])
-NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
-
-
-class RegisterRequest(BaseModel):
-    name: str = Field(..., max_length=64)
-    nproc_per_node: int = Field(1, ge=1, le=1024)
-    address: str | None = Field(None, max_length=255)
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not NODE_NAME.match(v):
-            raise ValueError("letters, digits, '-', '_' and '.', at most 64, starting and ending "
-                             "with a letter or digit")
-        return v
-
-
-class RegisterReply(BaseModel):
-    name: str
-    lease_ttl_s: int
-    heartbeat_interval_s: float
-    lease_id: int = Field(..., description="Send it back with each heartbeat.")
-
-
-class Known(BaseModel):
-    job_id: str
-    attempt: int
-    action: Literal["run", "stop"]
-
-
-class HeartbeatRequest(BaseModel):
-    lease_id: int | None = Field(None, description="From the registration; saves a read.")
-    known: Known | None = Field(None, description="The assignment the node acts on now.")
-    wait_s: float = Field(0.0, ge=0, le=30,
-                          description="Hold the answer this long while the assignment is `known`.")
-
-
-class Assignment(BaseModel):
-    """What a node should be doing for one job; the agent reconciles towards it."""
-
-    job_id: str
-    attempt: int
-    rdzv_id: str
-    action: Literal["run", "stop"]
-    command: list[str]
-    working_dir: str | None
-    env: dict[str, str]
-    nproc_per_node: int | str
-    nodes_min: int
-    nodes_max: int
-    job_token: str
-    snapshot_root: str | None
-    snapshot_every: int
-    snapshot_keep: int
-    global_batch_size: int | None
-    cancel_grace_s: float
-
-
-class HeartbeatReply(BaseModel):
-    assignment: Assignment | None
-
-
-class ReportRequest(BaseModel):
-    job_id: str = Field(..., max_length=100)
-    attempt: int
-    state: Literal["running", "succeeded", "failed", "stopped"]
-    exit_code: int | None = None
-    reason: str | None = Field(None, max_length=8000)
-
-
-class ReportReply(BaseModel):
-    accepted: bool
-    detail: str
-
-
-class RoundReport(BaseModel):
-    attempt: int
-    node: str = Field(..., max_length=64)
-    phase: Literal["joining", "joined"]
-    call: int = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
-    group_rank: int | None = Field(None, ge=0)
-    group_world_size: int | None = Field(None, ge=1)
 
 
 async def _node_entry(ctx, name: str):

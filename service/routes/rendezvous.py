@@ -11,113 +11,31 @@ The logic is in `service.rendezvous.Rendezvous`; these handlers only translate.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer
 
 from service.deps import ContextDep, Credentials
 from service.errors import JobNotFound
 from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
-
-
-def _b64decode(value: object) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if not isinstance(value, str):
-        raise ValueError("must be a base64 string")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not valid base64: {exc}") from None
-
-
-B64 = Annotated[bytes, BeforeValidator(_b64decode),
-                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str)]
-StoreKey = Annotated[str, Field(min_length=1, max_length=1024)]
-OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
-                                   description="Makes a retried add/append apply once.")]
-
-
-class RdzvState(BaseModel):
-    state: B64 | None = Field(None, description="The pickled rendezvous state; null: none yet.")
-    token: str | None = Field(None, description="Its fencing token (the etcd mod_revision).")
-
-
-class StateChange(RdzvState):
-    changed: bool = Field(..., description="The token is no longer `after`; false: the wait ended.")
-
-
-class SetStateRequest(BaseModel):
-    state: B64
-    token: str | None = Field(None, max_length=64,
-                              description="Token of the state this one replaces; null: create only.")
-
-
-class SetStateResult(RdzvState):
-    written: bool = Field(..., description="This request wrote `state`; else it is what won.")
-
-
-class GetRequest(BaseModel):
-    keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
-    wait_s: float = Field(0.0, ge=0, le=600,
-                          description="Wait this long (at most 5 s on the server) for missing keys.")
-    values: bool = Field(True, description="false: only say whether all keys exist (wait, check).")
-
-
-class GetResult(BaseModel):
-    found: bool
-    values: list[B64] | None = None
-
-
-class StoreItem(BaseModel):
-    key: StoreKey
-    value: B64
-
-
-class SetRequest(BaseModel):
-    items: list[StoreItem] = Field(..., min_length=1, max_length=4096)
-
-
-class AddRequest(BaseModel):
-    key: StoreKey
-    amount: int = Field(..., ge=-(2**62), le=2**62)
-    op_id: OpId = None
-
-
-class AddResult(BaseModel):
-    value: int
-
-
-class AppendRequest(BaseModel):
-    key: StoreKey
-    value: B64
-    op_id: OpId = None
-
-
-class CompareSetRequest(BaseModel):
-    key: StoreKey
-    expected: B64
-    desired: B64
-
-
-class ValueResult(BaseModel):
-    value: B64
-
-
-class DeleteRequest(BaseModel):
-    key: StoreKey
-
-
-class DeleteResult(BaseModel):
-    deleted: bool
-
-
-class NumKeysResult(BaseModel):
-    count: int
+from worker.protocol import (
+    AddRequest,
+    AddResult,
+    AppendRequest,
+    CompareSetRequest,
+    DeleteRequest,
+    DeleteResult,
+    GetRequest,
+    GetResult,
+    NumKeysResult,
+    RdzvState,
+    SetRequest,
+    SetStateRequest,
+    SetStateResult,
+    StateChange,
+    ValueResult,
+)
 
 
 def _matches(given: str, expected: str | None) -> bool:

@@ -11,16 +11,15 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_or_node
-from service.models import Progress
-from service.snapshots import (
+from service.snapshots import SnapshotStore, control_for
+from worker.protocol import (
     CommitRequest,
     CommitResult,
     ControlView,
     CorruptReport,
+    Progress,
     ProgressReport,
     SnapshotList,
-    SnapshotStore,
-    control_for,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["snapshots"])

@@ -8,8 +8,8 @@ import signal
 import httpx
 import pytest
 
-from tests.elastic import job, submit, wait_nodes, wait_state
-from tests.faults.helpers import (
+from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.faults import (
     SnapshotWatch,
     agent_stdout,
     check_steps,
@@ -19,7 +19,7 @@ from tests.faults.helpers import (
     train_spec,
     wait_latest,
 )
-from tests.harness import wait_for
+from tests.helpers.processes import wait_for
 
 pytestmark = pytest.mark.integration
 

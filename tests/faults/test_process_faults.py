@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tests.elastic import SCRIPT, job, submit, wait_nodes, wait_state, wait_step
-from tests.faults.helpers import (
+from tests.helpers.elastic import SCRIPT, job, submit, wait_nodes, wait_state, wait_step
+from tests.helpers.faults import (
     SnapshotWatch,
     check_steps,
     events_of,
@@ -23,7 +23,7 @@ from tests.faults.helpers import (
     wait_workers,
     workers,
 )
-from tests.harness import pid_alive, wait_for
+from tests.helpers.processes import pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic import job, submit, wait_nodes, wait_state
-from tests.faults.helpers import (
+from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.faults import (
     SnapshotWatch,
     check_steps,
     events_of,
@@ -21,7 +21,7 @@ from tests.faults.helpers import (
     wait_latest,
     workers,
 )
-from tests.harness import wait_for
+from tests.helpers.processes import wait_for
 from worker import snapshot as snap
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,6 @@ import pytest
 from service.errors import StoreUnavailable
 from service.store.etcd import EtcdStore
 
-pytestmark = pytest.mark.integration
-
 
 def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
     """A hung etcd (SIGSTOP): the first request to time out drops the client, whose

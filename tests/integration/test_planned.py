@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from tests.elastic import job, submit, torchrun_launchers, wait_nodes, wait_state
-from tests.harness import REPO, wait_for
+from tests.helpers.elastic import job, submit, torchrun_launchers, wait_nodes, wait_state
+from tests.helpers.processes import REPO, wait_for
 
 pytestmark = pytest.mark.integration
 STEP = re.compile(r"^step=(\d+) loss=")

@@ -16,10 +16,11 @@ import torch
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import Control, ControlAction, JobRecord
-from service.snapshots import SnapshotRecord, plan_prune
+from service.snapshots import plan_prune
 from service.store.etcd import EtcdStore
-from tests.harness import REPO, wait_for
+from tests.helpers.processes import REPO, wait_for
 from worker import snapshot as snap
+from worker.protocol import SnapshotRecord
 from worker.runtime import LocalLink
 
 SPEC = {"name": "snap", "command": ["python", "train.py"], "snapshot": {"every_steps": 10, "keep": 3}}
@@ -76,6 +77,7 @@ snap.write_atomic({"big": [torch.ones(8 << 20) for _ in range(12)]}, sys.argv[1]
 """
 
 
+@pytest.mark.integration
 def test_a_crash_mid_write_leaves_the_latest_committed_snapshot_loadable(tmp_path):
     link = LocalLink(tmp_path, keep=3)
     committed = snap.write_atomic({"w": torch.arange(10.0)}, tmp_path, 10)
@@ -256,11 +258,12 @@ def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_us
     assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 401
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_costs_that_snapshot_not_the_training(tmp_path):
     """ENOSPC during a background save: nothing committed, no temporary left, no error for
     the training thread; once there is room again the next save goes through."""
-    from tests.faults.helpers import tmpfs
+    from tests.helpers.faults import tmpfs
 
     commits: list[int] = []
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tests.harness import REPO, wait_for
+from tests.helpers.processes import REPO, wait_for
 
 pytestmark = pytest.mark.integration
 

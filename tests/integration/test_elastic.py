@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tests.elastic import (
+from tests.helpers.elastic import (
     events,
     forked,
     job,
@@ -20,7 +20,7 @@ from tests.elastic import (
     wait_step,
     worker_pids,
 )
-from tests.harness import pid_alive, wait_for
+from tests.helpers.processes import pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,9 @@ import subprocess
 
 import pytest
 
-from tests.elastic import events, job, job_spec, steps, submit, wait_nodes, wait_state, wait_step
-from tests.faults.helpers import check_steps
-from tests.harness import ControlPlane, NodeAgentProc, wait_for
+from tests.helpers.elastic import events, job, job_spec, steps, submit, wait_nodes, wait_state, wait_step
+from tests.helpers.faults import check_steps
+from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from service.models import Control, ControlAction
-from tests.harness import REPO, descendants, pid_alive, wait_for
-from tests.test_snapshot import edit_job, read_job
+from tests.helpers.processes import REPO, descendants, pid_alive, wait_for
+from tests.worker.test_snapshot import edit_job, read_job
 from worker import runtime
 from worker.data import ResumableSampler
 
@@ -214,6 +214,7 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
         assert torch.equal(tensor, finals["faults"][name]), name
 
 
+@pytest.mark.integration
 def test_the_plain_tutorial_script_resumes_from_its_own_snapshot_after_a_sigkill(tmp_path):
     log = tmp_path / "plain.log"
     proc = _start_torchrun(["examples/plain_ddp.py", "--epochs", "8", "--step-delay", "0.12"],

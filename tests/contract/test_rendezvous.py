@@ -29,7 +29,7 @@ from service.keys import Keys
 from service.rendezvous import delete_rendezvous, parse_rdzv_id
 from service.store.api import Put
 from service.store.etcd import EtcdStore
-from tests.harness import free_port, wait_for
+from tests.helpers.processes import free_port, wait_for
 from worker.rendezvous import (
     FtrainRendezvousBackend,
     HttpStore,
@@ -95,7 +95,7 @@ def job_token(etcd_endpoint: str, job_id: str) -> str:
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["ftrain", "c10d"])
+@pytest.fixture(params=[pytest.param("ftrain", marks=pytest.mark.integration), "c10d"])
 def backend(request):
     if request.param == "ftrain":
         return FtrainRendezvousBackend(request.getfixturevalue("transports")())
@@ -169,7 +169,7 @@ def test_state_holds_arbitrary_bytes(backend):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["http", "tcp"])
+@pytest.fixture(params=[pytest.param("http", marks=pytest.mark.integration), "tcp"])
 def make_store(request):
     """Make clients of one store (a blocked client must not block another's write)."""
     if request.param == "http":

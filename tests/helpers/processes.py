@@ -20,7 +20,7 @@ from service.embedded import EtcdProcess, free_port
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 from worker.procs import is_alive as pid_alive
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from service.up import agent_available, choose_etcd_ports, curl_lines, ensure_token
-from tests.harness import REPO, descendants, free_port, pid_alive, wait_for
+from tests.helpers.processes import REPO, descendants, free_port, pid_alive, wait_for
 
 BANNER_END = "Ctrl-C stops everything."
 FALLBACK_SPEC = {"name": "example", "command": ["python", "examples/train.py"]}

@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from tests.harness import wait_for
+from tests.helpers.processes import wait_for
 
 SPEC = {"name": "mnist", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
 

@@ -13,7 +13,9 @@ from click.testing import CliRunner
 
 from service.cli import main
 from service.client import FtrainClient, InvalidRequest, ServerUnreachable, resolve_target
-from tests.harness import REPO, free_port
+from service.models import NodeList, NodeState, NodeView
+from service.routes.logs import LogLine, LogPage
+from tests.helpers.processes import REPO, free_port
 
 SPEC_YAML = """\
 name: mnist
@@ -163,6 +165,7 @@ def test_target_resolution_order(tmp_path):
     assert (empty.server, empty.token) == ("http://127.0.0.1:8000", None)
 
 
+@pytest.mark.integration
 def test_connection_refused_says_how_to_start_one(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("FTRAIN_SERVER", "FTRAIN_TOKEN")}
@@ -181,25 +184,28 @@ def _fake_server(handler) -> FtrainClient:
 
 
 def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
-    """The logs and nodes endpoints' answers (as documented) through the CLI's formatting."""
-    lines = [{"seq": 1, "time": 1.0, "node": "local-0", "rank": 0, "stream": "stdout", "line": "step 1"},
-             {"seq": 2, "time": 2.0, "node": "local-1", "rank": 1, "stream": "stderr", "line": "warn"}]
+    """The logs and nodes endpoints' answers through the CLI's formatting. The answers are
+    built from the server's own response models (dumped as the routes dump them), so a field
+    renamed or added as required on the server breaks this test instead of passing on a copy."""
+    lines = [LogLine(seq=1, time=1.0, node="local-0", rank=0, stream="stdout", line="step 1"),
+             LogLine(seq=2, time=2.0, node="local-1", rank=1, stream="stderr", line="warn")]
+    node = NodeView(name="local-0", state=NodeState.READY, nproc_per_node=2, address="127.0.0.1",
+                    registered_at=1.0, job="j1")
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.headers["Authorization"] == "Bearer t"
         if request.url.path == "/v1/jobs/j1/logs" and request.url.params.get("follow") == "true":
             assert request.url.params.get("rank") == "1"
-            body = "".join(json.dumps(x) + "\n" for x in lines[1:])
+            body = "".join(x.model_dump_json() + "\n" for x in lines[1:])
             return httpx.Response(200, content=body.encode(),
                                   headers={"Content-Type": "application/x-ndjson"})
         if request.url.path == "/v1/jobs/j1/logs":
-            return httpx.Response(200, json={"items": lines, "next_seq": 3})
+            return httpx.Response(200, json=LogPage(items=lines, next_seq=3).model_dump(mode="json"))
         if request.url.path == "/v1/nodes":
-            return httpx.Response(200, json={"items": [
-                {"name": "local-0", "state": "READY", "nproc_per_node": 2, "address": "127.0.0.1",
-                 "registered_at": 1.0, "job": "j1"}]})
+            return httpx.Response(200, json=NodeList(items=[node]).model_dump(mode="json"))
         if request.url.path == "/v1/nodes/local-0/drain" and request.method == "POST":
-            return httpx.Response(202, json={"name": "local-0", "state": "DRAINING"})
+            drained = node.model_copy(update={"state": NodeState.DRAINING})
+            return httpx.Response(202, json=drained.model_dump(mode="json"))
         return httpx.Response(404, json={"detail": "not found"})
 
     monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
@@ -209,7 +215,7 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False).output
     assert out.splitlines() == ["[local-1 rank 1] warn"]
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).output
-    assert [json.loads(x) for x in out.splitlines()] == lines[1:]
+    assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines[1:]]
     out = runner.invoke(main, ["nodes"], catch_exceptions=False).output.splitlines()
     assert out[0].split() == ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"]
     assert out[1].split()[:5] == ["local-0", "READY", "2", "127.0.0.1", "j1"]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import NodeAgentProc, wait_for, workers_under
+from tests.helpers.processes import NodeAgentProc, wait_for, workers_under
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "ddp_steps.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_steps.py"
 _STEP = re.compile(r"^step=(\d+) world=(\d+)")
 
 

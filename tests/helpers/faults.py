@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.elastic import job, job_spec, worker_pids
-from tests.harness import (
+from tests.helpers.elastic import job, job_spec, worker_pids
+from tests.helpers.processes import (
     REPO,
     ControlPlane,
     NodeAgentProc,
