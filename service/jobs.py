@@ -16,13 +16,13 @@ import secrets
 import string
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
+from service.decide.change import Change
+from service.decide.state import transition
 from service.errors import Conflict, JobNotFound
 from service.keys import Keys
 from service.models import EventView, JobRecord, JobSpec, JobState
-from service.state import transition
 from service.store import cas
 from service.store.api import Delete, KeyValue, Put
 
@@ -30,15 +30,6 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 Clock = Callable[[], float]
 T = TypeVar("T")
-
-
-@dataclass
-class Change:
-    """What a decide function wants written: the new record, its events, extra writes."""
-
-    job: JobRecord
-    events: list[EventView] = field(default_factory=list)
-    ops: list[Put | Delete] = field(default_factory=list)
 
 
 # decide(job) -> Change, or None for "nothing to write"

@@ -8,12 +8,12 @@ import contextlib
 
 from fastapi import APIRouter, status
 
+from service.decide.members import decide_registered, decide_report, is_recorded
+from service.decide.rounds import decide_round
 from service.deps import ContextDep, JobTokenDep, NodeAuth, UserAuth
 from service.errors import NodeNotFound
-from service.jobs import Change
 from service.models import (
     JobRecord,
-    JobState,
     NodeList,
     NodeRecord,
     NodeState,
@@ -21,7 +21,6 @@ from service.models import (
 )
 from service.rendezvous import delete_rendezvous
 from service.routes.logs import last_lines
-from service.state import note, transition
 from service.store import cas
 from service.store.api import Put
 from worker.protocol import (
@@ -65,8 +64,9 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     # lag by a watch event; the scheduler's node bookkeeping covers what it misses.)
     job = ctx.index.job_of_node(req.name)
     if job is not None:
-        await ctx.jobs.update(job.id, _member_update(req.name, job.attempt, "stopped", None,
-                                                     "the node's agent restarted", ctx))
+        now = ctx.jobs.clock()
+        await ctx.jobs.update(job.id, lambda current: decide_registered(current, req.name,
+                                                                        job.attempt, now))
     return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
                          heartbeat_interval_s=max(ttl / 4, 0.5))
 
@@ -121,30 +121,13 @@ async def _wait_for_change(ctx, name: str, known: Known | None, wait_s: float) -
             await asyncio.wait_for(ctx.index.changed.wait_for(changed), wait_s)
 
 
-def _member_update(name: str, attempt: int, state: str, exit_code: int | None,
-                   reason: str | None, ctx):
-    def decide(job: JobRecord) -> Change | None:
-        member = job.members.get(name)
-        if job.attempt != attempt or member is None or not job.state.is_active():
-            return None
-        if member.state == state:
-            return None
-        if not member.is_live():  # stopped/succeeded/failed are final for this attempt
-            return None
-        members = {**job.members, name: member.model_copy(
-            update={"state": state, "exit_code": exit_code, "reason": reason})}
-        return Change(job.model_copy(update={"members": members, "updated_at": ctx.jobs.clock()}))
-
-    return decide
-
-
 @router.post("/v1/nodes/{name}/report", response_model=ReportReply, dependencies=[NodeAuth])
 async def report(name: str, req: ReportRequest, ctx: ContextDep) -> ReportReply:
     """The node's workers for (job, attempt) started, or ended with this outcome."""
-    job = await ctx.jobs.update(req.job_id, _member_update(name, req.attempt, req.state,
-                                                           req.exit_code, req.reason, ctx))
-    member = job.members.get(name)
-    accepted = job.attempt == req.attempt and member is not None and member.state == req.state
+    now = ctx.jobs.clock()
+    job = await ctx.jobs.update(req.job_id, lambda job: decide_report(
+        job, name, req.attempt, req.state, req.exit_code, req.reason, now))
+    accepted = is_recorded(job, name, req.attempt, req.state)
     return ReportReply(accepted=accepted,
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
 
@@ -160,48 +143,7 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
     now = ctx.jobs.clock()
     tail = await last_lines(ctx, job_id, 15) if req.phase == "joined" else []
 
-    def decide(job: JobRecord) -> Change | None:
-        if job.attempt != req.attempt or job.state not in (JobState.RUNNING, JobState.RECOVERING):
-            return None
-        if req.phase == "joining":
-            if req.call == 0 or job.state is JobState.RECOVERING:
-                return None
-            changed, event = transition(job, JobState.RECOVERING,
-                                        f"node {req.node} is restarting its workers", now)
-            return Change(changed, [event])
-        if req.group_rank != 0 or req.group_world_size is None:
-            return None
-        nodes = req.group_world_size
-        nproc = job.members.get(req.node).nproc if req.node in job.members else None
-        world = nodes * (nproc or 1)
-        update = {"rounds": job.rounds + 1, "round_nodes": nodes, "world_size": world}
-        restarted = job.rounds >= 1 and nodes == job.round_nodes
-        if restarted and job.restarts >= job.spec.max_restarts:
-            # This failure is one more than the job allows: the group it formed is not let run.
-            lines = "\n".join(tail)
-            changed, event = transition(
-                job.model_copy(update=update), JobState.FAILED,
-                f"workers failed {job.restarts + 1} times (max_restarts={job.spec.max_restarts})"
-                + (f"; last log lines:\n{lines}" if lines else ""), now)
-            changed = changed.model_copy(update={"stopping": True})
-            return Change(changed, [event])
-        if restarted:
-            update["restarts"] = job.restarts + 1
-        changed = job.model_copy(update=update)
-        events = []
-        if restarted:
-            changed, event = note(changed, f"workers restarted after a failure "
-                                           f"({changed.restarts} of {job.spec.max_restarts})", now)
-            events.append(event)
-        what = f"world size {world} on {nodes} node(s)"
-        if job.state is JobState.RECOVERING:
-            changed, event = transition(changed, JobState.RUNNING, f"training again: {what}", now)
-        else:
-            changed, event = note(changed, f"rendezvous complete: {what}", now)
-        events.append(event)
-        return Change(changed, events)
-
-    updated = await ctx.jobs.update(job_id, decide)
+    updated = await ctx.jobs.update(job_id, lambda job: decide_round(job, req, tail, now))
     if updated.state.is_terminal():  # restarts spent: the job's rendezvous is of no more use
         await delete_rendezvous(ctx, job_id)
     return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)

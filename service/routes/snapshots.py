@@ -10,8 +10,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
+from service.decide.snapshots import control_for
 from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_or_node
-from service.snapshots import SnapshotStore, control_for
+from service.snapshots import SnapshotStore
 from worker.protocol import (
     CommitRequest,
     CommitResult,

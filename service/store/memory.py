@@ -174,6 +174,7 @@ class MemoryStore(KeyValue):
 
     def _apply(self, ops: Sequence[Op]) -> None:
         """Apply `ops` at the next revision; the revision moves only if something changed."""
+        _check_overlaps(ops)
         for op in ops:
             if isinstance(op, Put) and op.lease and op.lease not in self._leases:
                 raise StoreUnavailable(f"lease {op.lease:x} not found (it expired or was revoked)")
@@ -220,3 +221,14 @@ class MemoryStore(KeyValue):
             for event in events:
                 if event.key.startswith(prefix):
                     queue.put_nowait(event)
+
+
+def _check_overlaps(ops: Sequence[Op]) -> None:
+    """etcd refuses a transaction that puts a key twice, or puts a key it also deletes."""
+    puts = [op.key for op in ops if isinstance(op, Put)]
+    deletes = [op for op in ops if isinstance(op, Delete)]
+    for i, key in enumerate(puts):
+        if key in puts[:i] or any(key.startswith(d.key) if d.prefix else key == d.key
+                                  for d in deletes):
+            raise StoreUnavailable(f"duplicate key given in a transaction: {key!r} is written "
+                                   "twice, or written and deleted")

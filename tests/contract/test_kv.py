@@ -283,6 +283,30 @@ def test_a_transaction_over_max_txn_ops_is_refused_whole(backend):
     backend.run(test)
 
 
+@pytest.mark.parametrize("ops", [
+    [Put("/c/d/a", b"1"), Put("/c/d/a", b"2")],
+    [Put("/c/d/a", b"1"), Delete("/c/d/a")],
+    [Delete("/c/d/", prefix=True), Put("/c/d/a", b"1")],
+], ids=["put twice", "put and delete", "put under a deleted prefix"])
+def test_a_transaction_that_writes_one_key_twice_is_refused_whole(backend, ops):
+    async def test(kv: KeyValue):
+        await kv.put("/c/d/b", b"0")
+        with pytest.raises(StoreUnavailable):
+            await kv.commit({}, [Put("/c/d/other", b"1"), *ops])
+        assert [e.key for e in await kv.get_prefix("/c/d/")] == ["/c/d/b"]
+
+    backend.run(test)
+
+
+def test_a_transaction_may_delete_one_key_twice(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/d/a", b"0")
+        assert await kv.commit({}, [Delete("/c/d/a"), Delete("/c/d/", prefix=True)])
+        assert await kv.get_prefix("/c/d/") == []
+
+    backend.run(test)
+
+
 # ------------------------------------------------------------------ leases
 
 def test_a_key_on_a_lease_records_it_and_goes_when_the_lease_lapses(backend):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from service.decide.snapshots import plan_prune
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import Control, ControlAction, JobRecord
-from service.snapshots import plan_prune
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import REPO, wait_for
 from worker import snapshot as snap
