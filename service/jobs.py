@@ -49,6 +49,8 @@ def _dump(model) -> bytes:
 
 
 class JobStore:
+    """Job records and their events in etcd; every change a compare-and-set."""
+
     def __init__(self, kv: KeyValue, keys: Keys, clock: Clock = time.time):
         self.kv = kv
         self.keys = keys
@@ -84,21 +86,30 @@ class JobStore:
         return existing, False
 
     async def get_with_revision(self, job_id: str) -> tuple[JobRecord, int]:
+        """The job and its mod_revision (the fencing token of a change); JobNotFound if none."""
         entry = await self.kv.get(self.keys.job(job_id))
         if entry is None:
             raise JobNotFound(job_id)
         return JobRecord.model_validate_json(entry.value), entry.mod_revision
 
     async def get(self, job_id: str) -> JobRecord:
+        """The job as stored now; JobNotFound if none."""
         return (await self.get_with_revision(job_id))[0]
 
+    async def get_many(self, job_ids: list[str]) -> list[JobRecord]:
+        """The jobs of `job_ids` that exist, in that order (one read per MAX_TXN_OPS of them)."""
+        entries = await self.kv.get_many([self.keys.job(i) for i in job_ids])
+        return [JobRecord.model_validate_json(e.value) for e in entries if e is not None]
+
     async def list(self) -> list[JobRecord]:
+        """Every job, oldest first (a read of all of them: the index knows the unfinished ones)."""
         entries = await self.kv.get_prefix(self.keys.jobs)
         jobs = [JobRecord.model_validate_json(e.value) for e in entries]
         jobs.sort(key=lambda j: (j.created_at, j.id))
         return jobs
 
     async def events(self, job_id: str) -> list[EventView]:
+        """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list
         entries = await self.kv.get_prefix(self.keys.events(job_id))
         return sorted((EventView.model_validate_json(e.value) for e in entries), key=lambda e: e.seq)

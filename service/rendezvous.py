@@ -96,8 +96,8 @@ def _encode_key(key: str) -> str:
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, etcd: KeyValue, keys: Keys, rdzv_id: str):
-        self.etcd = etcd
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str):
+        self.kv = kv
         self.rdzv_id = rdzv_id
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
@@ -106,7 +106,7 @@ class Rendezvous:
     # -- torch's RendezvousBackend -------------------------------------------------------
 
     async def get_state(self) -> Entry | None:
-        return await self.etcd.get(self._state_key)
+        return await self.kv.get(self._state_key)
 
     async def set_state(self, state: bytes, token: str | None) -> tuple[Entry | None, bool]:
         """Write `state` iff `token` is the current one (None: iff there is no state yet).
@@ -127,7 +127,7 @@ class Rendezvous:
         deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         while True:
             # As in `get`: a write after `revision` is seen either by the read or by the watch.
-            revision = await self.etcd.revision()
+            revision = await self.kv.revision()
             entry = await self.get_state()
             if state_token(entry) != after:
                 return entry, True
@@ -156,7 +156,7 @@ class Rendezvous:
                 return None
             # Read again at a known revision, then watch from just after it: a key written
             # between the first read and the watch is either seen here or by the watch.
-            revision = await self.etcd.revision()
+            revision = await self.kv.revision()
             missing = [k for k, v in zip(etcd_keys, await self._read(etcd_keys)) if v is None]
             if not missing:
                 continue
@@ -175,7 +175,7 @@ class Rendezvous:
         """Set every (key, value); atomically when there are at most MAX_TXN_OPS of them."""
         puts = [Put(self.store_key(k), v) for k, v in items]
         for start in range(0, len(puts), MAX_TXN_OPS):
-            await self.etcd.commit({}, puts[start:start + MAX_TXN_OPS])
+            await self.kv.commit({}, puts[start:start + MAX_TXN_OPS])
 
     async def add(self, key: str, amount: int, op_id: str | None) -> int:
         """Add `amount` to the integer at `key` (absent: 0); returns the new value."""
@@ -208,7 +208,7 @@ class Rendezvous:
             revision = 0 if entry is None else entry.mod_revision
             return cas.Write({etcd_key: revision}, [Put(etcd_key, desired)], desired)
 
-        return await cas.update(self.etcd, lambda: self.etcd.get(etcd_key), decide, self._what(key))
+        return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def delete(self, key: str) -> bool:
         """Delete `key`; False if it did not exist."""
@@ -219,15 +219,15 @@ class Rendezvous:
                 return cas.Done(False)
             return cas.Write({etcd_key: entry.mod_revision}, [Delete(etcd_key)], True)
 
-        return await cas.update(self.etcd, lambda: self.etcd.get(etcd_key), decide, self._what(key))
+        return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def num_keys(self) -> int:
-        return len(await self.etcd.get_prefix(self._store_prefix))
+        return len(await self.kv.get_prefix(self._store_prefix))
 
     # -- helpers -------------------------------------------------------------------------
 
     async def _read(self, etcd_keys: Sequence[str]) -> list[bytes | None]:
-        entries = await asyncio.gather(*(self.etcd.get(k) for k in etcd_keys))
+        entries = await asyncio.gather(*(self.kv.get(k) for k in etcd_keys))
         return [None if e is None else e.value for e in entries]
 
     async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
@@ -236,7 +236,7 @@ class Rendezvous:
         the timeout."""
 
         async def first_wanted() -> None:
-            events = self.etcd.watch_prefix(prefix, start_revision)
+            events = self.kv.watch_prefix(prefix, start_revision)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if wanted(event):
@@ -255,8 +255,8 @@ class Rendezvous:
             op_key = self._ops_prefix + op_id
 
         async def read() -> tuple[Entry | None, Entry | None]:
-            done = await self.etcd.get(op_key) if op_key is not None else None
-            return done, (None if done is not None else await self.etcd.get(etcd_key))
+            done = await self.kv.get(op_key) if op_key is not None else None
+            return done, (None if done is not None else await self.kv.get(etcd_key))
 
         def decide(read: tuple[Entry | None, Entry | None]) -> cas.Done[bytes] | cas.Write[bytes]:
             done, entry = read
@@ -270,10 +270,10 @@ class Rendezvous:
                 ops.append(Put(op_key, value))
             return cas.Write(expect, ops, value)
 
-        return await cas.update(self.etcd, read, decide, self._what(key))
+        return await cas.update(self.kv, read, decide, self._what(key))
 
     async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
-        written, entry = await self.etcd.commit_read({key: revision}, [op], key)
+        written, entry = await self.kv.commit_read({key: revision}, [op], key)
         return entry, written
 
     def _what(self, key: str) -> str:
@@ -295,23 +295,23 @@ def _revision(token: str | None) -> int | None:
     return revision if revision > 0 else None
 
 
-async def delete_rendezvous(ctx, job_id: str) -> int:
+async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
     """Delete the rendezvous keys of every attempt of `job_id` (the scheduler calls this when a
     job ends); returns how many keys went.
 
     `keys.rdzv_of_job` is a string prefix, and a job named like another job's id plus
     '-a<digits>' would share it; only keys whose rendezvous id parses back to `job_id` go.
     """
-    prefix = ctx.keys.rdzv_of_job(job_id)
-    rdzv_root = ctx.keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
+    prefix = keys.rdzv_of_job(job_id)
+    rdzv_root = keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
     rdzv_root = rdzv_root[:-1]
     attempts: dict[str, int] = {}
-    for entry in await ctx.etcd.get_prefix(prefix):
+    for entry in await kv.get_prefix(prefix):
         rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
         with contextlib.suppress(InvalidRendezvousId):
             if parse_rdzv_id(rdzv_id)[0] == job_id:
                 attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
-    ops = [Delete(ctx.keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
+    ops = [Delete(keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
     for start in range(0, len(ops), MAX_TXN_OPS):
-        await ctx.etcd.commit({}, ops[start:start + MAX_TXN_OPS])
+        await kv.commit({}, ops[start:start + MAX_TXN_OPS])
     return sum(attempts.values())

@@ -14,74 +14,71 @@ import contextlib
 import logging
 import time
 
-from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
-from service.models import JobRecord, NodeRecord
+from service.job_index import JobIndex
+from service.jobs import JobStore
+from service.models import JobRecord
+from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
+from service.store.api import KeyValue, Put
 
 log = logging.getLogger(__name__)
 
 
-async def read_nodes(ctx: Context) -> dict[str, NodeRecord]:
-    entries = await ctx.etcd.get_prefix(ctx.keys.nodes)
-    return {r.name: r for r in (NodeRecord.model_validate_json(e.value) for e in entries)}
-
-
-async def active_jobs(ctx: Context) -> list[JobRecord]:
+async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
     """The unfinished jobs, oldest first, as etcd has them now.
 
     Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
     are not read on every tick; the records themselves are read fresh, so that this tick
     sees its own last writes. Until the index is ready: a read of every job.
     """
-    if not ctx.index.ready.is_set():
-        return [j for j in await ctx.jobs.list() if not j.state.is_terminal()]
-    entries = await ctx.etcd.get_many([ctx.keys.job(i) for i in ctx.index.active_ids()])
-    jobs = (JobRecord.model_validate_json(e.value) for e in entries if e is not None)
-    return [j for j in jobs if not j.state.is_terminal()]
+    if not index.ready.is_set():
+        return [j for j in await jobs.list() if not j.state.is_terminal()]
+    return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
 
 
-async def tick(ctx: Context, cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
+async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
+               last_reason: dict[str, str]) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set."""
-    nodes = await read_nodes(ctx)
-    jobs = {j.id: j for j in await active_jobs(ctx)}
-    for p in schedule(list(jobs.values()), nodes, ctx.jobs.clock(), cfg):
+    live_nodes = await nodes.list()
+    active = {j.id: j for j in await active_jobs(jobs, index)}
+    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
-            free = free_nodes([*(j for j in jobs.values() if j.id != current.id), current], nodes)
-            again = plan(current, nodes, free, ctx.jobs.clock(), cfg)
+            free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
+                              live_nodes)
+            again = plan(current, live_nodes, free, jobs.clock(), cfg)
             return None if again is None else Change(again.job, again.events)
 
         try:
-            new = await ctx.jobs.update(job_id, decide)
+            new = await jobs.update(job_id, decide)
         except FtrainError as exc:
             log.warning("scheduling job %s failed: %s", job_id, exc)
             continue
-        jobs[job_id] = new
+        active[job_id] = new
         if new.state.is_terminal():
-            await _cleanup(ctx, job_id)
+            await _cleanup(jobs, job_id)
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
 
 
-async def _cleanup(ctx: Context, job_id: str) -> None:
+async def _cleanup(jobs: JobStore, job_id: str) -> None:
     """A finished job's rendezvous keys are of no further use."""
     with contextlib.suppress(StoreUnavailable):
-        await delete_rendezvous(ctx, job_id)
+        await delete_rendezvous(jobs.kv, jobs.keys, job_id)
 
 
-async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:
+async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
     """Set `wake` on every change of a node; re-watch after errors. (Job changes wake the
     scheduler through the job index, once the index has applied them.)"""
     while True:
         try:
-            start = await ctx.etcd.revision() + 1
-            async for _ev in ctx.etcd.watch_prefix(ctx.keys.nodes, start):
+            async for _ in nodes.changes():
                 wake.set()
         except StoreUnavailable:
             pass
@@ -93,37 +90,37 @@ async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time)."""
 
-    def __init__(self, ctx: Context, ttl_s: int = 5):
-        self.ctx = ctx
+    def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
+        self.kv = kv
+        self.key = key
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
-        from service.store.api import Put
-
-        ctx = self.ctx
-        if self.lease_id is not None and await ctx.etcd.refresh_lease(self.lease_id):
-            entry = await ctx.etcd.get(ctx.keys.leader)
+        if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
+            entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
                 return True
-        self.lease_id = await ctx.etcd.grant_lease(self.ttl_s)
-        return await ctx.etcd.commit({ctx.keys.leader: 0},
-                                     [Put(ctx.keys.leader, self.identity.encode(), self.lease_id)])
+        self.lease_id = await self.kv.grant_lease(self.ttl_s)
+        return await self.kv.commit({self.key: 0},
+                                    [Put(self.key, self.identity.encode(), self.lease_id)])
 
     async def release(self) -> None:
+        """Give up the lead (the next replica need not wait for the lease to lapse)."""
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
-                await self.ctx.etcd.revoke_lease(self.lease_id)
+                await self.kv.revoke_lease(self.lease_id)
 
 
-async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
+async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
+              interval_s: float, cfg: SchedulerConfig | None = None) -> None:
+    """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
     wake = asyncio.Event()
-    ctx.index.wake_on_change(wake)
-    watcher = asyncio.create_task(_watch_changes(ctx, wake))
-    leadership = Leadership(ctx)
+    index.wake_on_change(wake)
+    watcher = asyncio.create_task(_watch_changes(nodes, wake))
     last_reason: dict[str, str] = {}
     last_lead_check = 0.0
     leading = False
@@ -134,7 +131,7 @@ async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                 if leading:
-                    await tick(ctx, cfg, last_reason)
+                    await tick(jobs, nodes, index, cfg, last_reason)
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)
@@ -142,7 +139,7 @@ async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
                 log.exception("scheduler tick failed; retrying")
             wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), ctx.settings.scheduler_interval_s)
+                await asyncio.wait_for(wake.wait(), interval_s)
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -1,4 +1,4 @@
-"""Snapshot records of a job in etcd, and its progress.
+"""Snapshot records of a job in etcd.
 
 Rank 0 of a job writes a snapshot file itself (the control plane never touches the
 file system) and then *commits* its metadata here; what a commit or a corrupt report
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.decide.snapshots import Decision, Records, decide_commit, decide_corrupt, decide_progress
+from service.decide.snapshots import Decision, Records, decide_commit, decide_corrupt
 from service.jobs import JobStore
-from service.models import JobRecord, Progress
+from service.models import JobRecord
 from service.store import cas
-from worker.protocol import CommitRequest, CommitResult, ProgressReport, SnapshotList, SnapshotRecord
+from worker.protocol import CommitRequest, CommitResult, SnapshotList, SnapshotRecord
 
 
 class SnapshotStore:
@@ -39,6 +39,7 @@ class SnapshotStore:
         return {r.step: r for r in recs}
 
     async def list(self, job_id: str) -> SnapshotList:
+        """The job's committed snapshots, oldest first, and the step of its latest."""
         job = await self.jobs.get(job_id)
         records = await self._records(job_id)
         latest = job.latest_snapshot.step if job.latest_snapshot else None
@@ -62,6 +63,7 @@ class SnapshotStore:
         return await cas.update(store.kv, read, outcome, f"job {job_id}")
 
     async def commit(self, job_id: str, req: CommitRequest) -> CommitResult:
+        """Commit rank 0's snapshot; the answer lists the files to delete."""
         now = self.jobs.clock()
         decision = await self._update(
             job_id, lambda job, recs: decide_commit(job, recs, req, now, self._key(job_id)))
@@ -72,13 +74,8 @@ class SnapshotStore:
                             prune=decision.prune)
 
     async def report_corrupt(self, job_id: str, step: int, reason: str) -> SnapshotList:
+        """Mark a snapshot bad (latest falls back); returns the snapshots as they are now."""
         now = self.jobs.clock()
         await self._update(job_id, lambda job, recs: decide_corrupt(job, recs, step, reason, now,
                                                                      self._key(job_id)))
         return await self.list(job_id)
-
-    async def report_progress(self, job_id: str, report: ProgressReport) -> Progress:
-        now = self.jobs.clock()
-        job = await self.jobs.update(job_id, lambda job: decide_progress(job, report, now))
-        assert job.progress is not None
-        return job.progress

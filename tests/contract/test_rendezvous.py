@@ -458,12 +458,11 @@ def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
 
     async def run():
         client = EtcdStore(etcd.endpoint)
-        ctx = types.SimpleNamespace(etcd=client, keys=keys)
         try:
             for rdzv in ("train-abc123-a0", "train-abc123-a1", f"{neighbour}-a0"):
                 await client.commit({}, [Put(keys.rdzv_state(rdzv), b"s"),
                                          Put(keys.rdzv_store(rdzv) + "azE", b"v")])
-            deleted = await delete_rendezvous(ctx, "train-abc123")
+            deleted = await delete_rendezvous(client, keys, "train-abc123")
             left = [e.key for e in await client.get_prefix(keys.prefix + "/rdzv/")]
             return deleted, left
         finally:

@@ -81,7 +81,7 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
         try:
             await asyncio.wait_for(ctx.index.ready.wait(), 10)
             reads: list = []
-            get_many, get_prefix = ctx.etcd.get_many, ctx.etcd.get_prefix
+            get_many, get_prefix = ctx.kv.get_many, ctx.kv.get_prefix
 
             async def counting_get_many(keys):
                 reads.append(list(keys))
@@ -91,18 +91,18 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
                 reads.append(prefix + "*")
                 return await get_prefix(prefix)
 
-            ctx.etcd.get_many, ctx.etcd.get_prefix = counting_get_many, counting_get_prefix
-            jobs = await scheduler.active_jobs(ctx)
+            ctx.kv.get_many, ctx.kv.get_prefix = counting_get_many, counting_get_prefix
+            jobs = await scheduler.active_jobs(ctx.jobs, ctx.index)
             assert [j.id for j in jobs] == [live.id]
             assert reads == [[ctx.keys.job(live.id)]]  # one read, of the live job only
             # A job finished a moment ago that the index still lists is dropped on the fresh read.
             await ctx.jobs.move(live.id, JobState.CANCELLED, "done")
-            assert [j.id for j in await scheduler.active_jobs(ctx)] == []
+            assert [j.id for j in await scheduler.active_jobs(ctx.jobs, ctx.index)] == []
         finally:
             index.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await index
-            await ctx.etcd.close()
+            await ctx.kv.close()
 
     asyncio.run(main())
 
