@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await background.stop(ctx)
-            await ctx.etcd.close()
+            await ctx.kv.close()
 
     app = FastAPI(title="ftrain", version="1", lifespan=lifespan,
                   description="Elastic, fault-tolerant PyTorch training service.")

@@ -14,7 +14,10 @@ log = logging.getLogger(__name__)
 
 async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
-    ctx.tasks.append(asyncio.create_task(scheduler.run(ctx), name="scheduler"))
+    leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+    ctx.tasks.append(asyncio.create_task(
+        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
+        name="scheduler"))
 
 
 async def stop(ctx: Context) -> None:

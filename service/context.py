@@ -1,29 +1,50 @@
-"""Everything a request handler or a background loop of one control plane needs."""
+"""Everything a request handler or a background loop of one control plane needs.
+
+The stores all stand on one `KeyValue`: `build` makes the etcd one from the settings;
+`wire` takes any (a test passes a MemoryStore).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.cache import JobIndex
-from service.etcd import Etcd
+from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keys import Keys
+from service.logs import LogStore
+from service.nodes import NodeStore
+from service.progress import ProgressStore
 from service.settings import Settings
+from service.snapshots import SnapshotStore
+from service.store.api import KeyValue
 
 
 @dataclass
 class Context:
     settings: Settings
-    etcd: Etcd
+    kv: KeyValue
     keys: Keys
     jobs: JobStore
+    nodes: NodeStore
+    snapshots: SnapshotStore
+    progress: ProgressStore
+    logs: LogStore
     index: JobIndex
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: Settings) -> Context:
-        etcd = Etcd(settings.etcd_endpoints, settings.etcd_timeout_s)
+        """The context of a control plane on the etcd that `settings` name."""
+        from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
+
+        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s))
+
+    @classmethod
+    def wire(cls, settings: Settings, kv: KeyValue) -> Context:
+        """Every store on `kv`, under the settings' key prefix."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
-        return cls(settings=settings, etcd=etcd, keys=keys, jobs=JobStore(etcd, keys),
-                   index=JobIndex(etcd, keys))
+        jobs = JobStore(kv, keys)
+        return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
+                   snapshots=SnapshotStore(jobs), progress=ProgressStore(jobs),
+                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys))

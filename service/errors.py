@@ -56,6 +56,19 @@ class Conflict(FtrainError):
     status_code = 409
 
 
+class StaleAttempt(Conflict):
+    """A write from an attempt that is no longer the job's current one."""
+
+
+class SnapshotNotFound(FtrainError):
+    status_code = 404
+
+    def __init__(self, job_id: str, step: int):
+        super().__init__(f"job {job_id} has no committed snapshot at step {step}")
+        self.job_id = job_id
+        self.step = step
+
+
 class ContentionError(FtrainError):
     """A compare-and-set lost its race too many times in a row; the client may retry."""
 

@@ -3,8 +3,9 @@
 Every change goes through `JobStore.update(job_id, decide)`: read the record and its
 mod_revision, let the pure `decide` function return the new record and the events it
 causes, and commit both in one transaction that only applies if the record is still at
-the revision read. On a lost race the record is re-read and `decide` runs again, so a
-decision is always made on what is stored now, never on a stale copy.
+the revision read (`service.store.cas.update`). On a lost race the record is re-read and
+`decide` runs again, so a decision is always made on what is stored now, never on a
+stale copy.
 """
 
 from __future__ import annotations
@@ -15,27 +16,20 @@ import secrets
 import string
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import TypeVar
 
-from service.errors import Conflict, ContentionError, JobNotFound
-from service.etcd import Delete, Etcd, Put
+from service.decide.change import Change
+from service.decide.state import transition
+from service.errors import Conflict, JobNotFound
 from service.keys import Keys
 from service.models import EventView, JobRecord, JobSpec, JobState
-from service.state import transition
+from service.store import cas
+from service.store.api import Delete, KeyValue, Put
 
-MAX_CAS_ATTEMPTS = 32
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 Clock = Callable[[], float]
-
-
-@dataclass
-class Change:
-    """What a decide function wants written: the new record, its events, extra writes."""
-
-    job: JobRecord
-    events: list[EventView] = field(default_factory=list)
-    ops: list[Put | Delete] = field(default_factory=list)
+T = TypeVar("T")
 
 
 # decide(job) -> Change, or None for "nothing to write"
@@ -55,8 +49,10 @@ def _dump(model) -> bytes:
 
 
 class JobStore:
-    def __init__(self, etcd: Etcd, keys: Keys, clock: Clock = time.time):
-        self.etcd = etcd
+    """Job records and their events in etcd; every change a compare-and-set."""
+
+    def __init__(self, kv: KeyValue, keys: Keys, clock: Clock = time.time):
+        self.kv = kv
         self.keys = keys
         self.clock = clock
 
@@ -75,11 +71,11 @@ class JobStore:
             idem_key = self.keys.idempotency(digest)
             ops.append(Put(idem_key, json.dumps({"job_id": job.id, "spec": spec_digest(spec)}).encode()))
             expect[idem_key] = 0
-        if await self.etcd.commit(expect, ops):
+        if await self.kv.commit(expect, ops):
             return job, True
         if idem_key is None:  # a 6-character id collided: vanishingly rare, try once more
             return await self.create(spec, None)
-        entry = await self.etcd.get(idem_key)
+        entry = await self.kv.get(idem_key)
         if entry is None:  # the key expired between the txn and this read: retry
             return await self.create(spec, idempotency_key)
         first = json.loads(entry.value)
@@ -90,44 +86,52 @@ class JobStore:
         return existing, False
 
     async def get_with_revision(self, job_id: str) -> tuple[JobRecord, int]:
-        entry = await self.etcd.get(self.keys.job(job_id))
+        """The job and its mod_revision (the fencing token of a change); JobNotFound if none."""
+        entry = await self.kv.get(self.keys.job(job_id))
         if entry is None:
             raise JobNotFound(job_id)
         return JobRecord.model_validate_json(entry.value), entry.mod_revision
 
     async def get(self, job_id: str) -> JobRecord:
+        """The job as stored now; JobNotFound if none."""
         return (await self.get_with_revision(job_id))[0]
 
+    async def get_many(self, job_ids: list[str]) -> list[JobRecord]:
+        """The jobs of `job_ids` that exist, in that order (one read per MAX_TXN_OPS of them)."""
+        entries = await self.kv.get_many([self.keys.job(i) for i in job_ids])
+        return [JobRecord.model_validate_json(e.value) for e in entries if e is not None]
+
     async def list(self) -> list[JobRecord]:
-        entries = await self.etcd.get_prefix(self.keys.jobs)
+        """Every job, oldest first (a read of all of them: the index knows the unfinished ones)."""
+        entries = await self.kv.get_prefix(self.keys.jobs)
         jobs = [JobRecord.model_validate_json(e.value) for e in entries]
         jobs.sort(key=lambda j: (j.created_at, j.id))
         return jobs
 
     async def events(self, job_id: str) -> list[EventView]:
+        """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list
-        entries = await self.etcd.get_prefix(self.keys.events(job_id))
+        entries = await self.kv.get_prefix(self.keys.events(job_id))
         return sorted((EventView.model_validate_json(e.value) for e in entries), key=lambda e: e.seq)
 
     async def update(self, job_id: str, decide: Decide) -> JobRecord:
         """Apply `decide` to the stored job by compare-and-set, re-deciding on a lost race."""
-        for _ in range(MAX_CAS_ATTEMPTS):
-            job, revision = await self.get_with_revision(job_id)
-            change = decide(job)
-            if change is None:
-                return job
-            if await self.commit_change(revision, change):
-                return change.job
-        raise ContentionError(f"job {job_id} changed {MAX_CAS_ATTEMPTS} times while an update "
-                              "was being decided; retry the request")
 
-    async def commit_change(self, revision: int, change: Change) -> bool:
-        """Write `change` (record, events, extra ops) iff the job is still at `revision`."""
+        def outcome(read: tuple[JobRecord, int]) -> cas.Done[JobRecord] | cas.Write[JobRecord]:
+            job, revision = read
+            change = decide(job)
+            return cas.Done(job) if change is None else self.write(revision, change, change.job)
+
+        return await cas.update(self.kv, lambda: self.get_with_revision(job_id), outcome,
+                                f"job {job_id}")
+
+    def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
+        """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""
         job_id = change.job.id
         ops: list[Put | Delete] = [Put(self.keys.job(job_id), _dump(change.job))]
         ops += [Put(self.keys.event(job_id, e.seq), _dump(e)) for e in change.events]
         ops += change.ops
-        return await self.etcd.commit({self.keys.job(job_id): revision}, ops)
+        return cas.Write({self.keys.job(job_id): revision}, ops, result)
 
     async def move(self, job_id: str, target: JobState, reason: str) -> JobRecord:
         """Transition a job (raises InvalidTransition if the machine forbids it)."""

@@ -1,5 +1,5 @@
 """The control plane's resources: what comes in (`JobSpec`), what is stored (`JobRecord`)
-and what goes out (`JobView`, `JobList`, `EventView`, `NodeView`)."""
+and what goes out (`JobView`, `JobList`, `EventView`, `NodeView`, `LogPage`)."""
 
 from __future__ import annotations
 
@@ -258,3 +258,18 @@ class NodeView(BaseModel):
 
 class NodeList(BaseModel):
     items: list[NodeView]
+
+
+class LogLine(BaseModel):
+    seq: int
+    time: float
+    node: str
+    rank: int | None
+    stream: str
+    line: str
+    attempt: int = 0
+
+
+class LogPage(BaseModel):
+    items: list[LogLine]
+    next_seq: int

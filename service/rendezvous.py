@@ -12,7 +12,7 @@ gets the token it wrote, or the state and token that won the race, atomically.
 
 Store. Each c10d key is stored at `keys.rdzv_store(id) + base64url(key)`, so any key torch
 uses (with `/`, spaces, anything) is a valid, unambiguous etcd key. Read-modify-writes
-(`add`, `append`, `compare_set`, `delete`) are compare-and-set loops. `add` and `append` are
+(`add`, `append`, `compare_set`, `delete`) go through `service.store.cas.update`. `add` and `append` are
 not idempotent, yet a client retries a request whose answer it lost (the control plane was
 restarted mid-request); such requests carry an `op_id`, and the result is recorded at
 `keys.rdzv(id) + "ops/<op_id>"` in the same transaction, so a retry returns the first
@@ -50,13 +50,12 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 
-from service.errors import ContentionError, FtrainError
-from service.etcd import Delete, Entry, Etcd, Put, WatchEvent
+from service.errors import FtrainError
 from service.keys import Keys
+from service.store import cas
+from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
-MAX_CAS_ATTEMPTS = 64  # concurrent `add`s of N agents: each round one of them wins
-MAX_OPS_PER_TXN = 100  # etcd refuses transactions with more than 128 operations by default
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
 _OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -97,8 +96,8 @@ def _encode_key(key: str) -> str:
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, rdzv_id: str):
-        self.etcd = etcd
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str):
+        self.kv = kv
         self.rdzv_id = rdzv_id
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
@@ -107,7 +106,7 @@ class Rendezvous:
     # -- torch's RendezvousBackend -------------------------------------------------------
 
     async def get_state(self) -> Entry | None:
-        return await self.etcd.get(self._state_key)
+        return await self.kv.get(self._state_key)
 
     async def set_state(self, state: bytes, token: str | None) -> tuple[Entry | None, bool]:
         """Write `state` iff `token` is the current one (None: iff there is no state yet).
@@ -128,7 +127,7 @@ class Rendezvous:
         deadline = loop.time() + min(wait_s, MAX_WAIT_S)
         while True:
             # As in `get`: a write after `revision` is seen either by the read or by the watch.
-            revision = await self.etcd.revision()
+            revision = await self.kv.revision()
             entry = await self.get_state()
             if state_token(entry) != after:
                 return entry, True
@@ -157,7 +156,7 @@ class Rendezvous:
                 return None
             # Read again at a known revision, then watch from just after it: a key written
             # between the first read and the watch is either seen here or by the watch.
-            revision = await self.etcd.revision()
+            revision = await self.kv.revision()
             missing = [k for k, v in zip(etcd_keys, await self._read(etcd_keys)) if v is None]
             if not missing:
                 continue
@@ -173,10 +172,10 @@ class Rendezvous:
         return all(v is not None for v in await self._read([self.store_key(k) for k in keys]))
 
     async def set(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Set every (key, value); atomically when there are at most MAX_OPS_PER_TXN of them."""
+        """Set every (key, value); atomically when there are at most MAX_TXN_OPS of them."""
         puts = [Put(self.store_key(k), v) for k, v in items]
-        for start in range(0, len(puts), MAX_OPS_PER_TXN):
-            await self.etcd.commit({}, puts[start:start + MAX_OPS_PER_TXN])
+        for start in range(0, len(puts), MAX_TXN_OPS):
+            await self.kv.commit({}, puts[start:start + MAX_TXN_OPS])
 
     async def add(self, key: str, amount: int, op_id: str | None) -> int:
         """Add `amount` to the integer at `key` (absent: 0); returns the new value."""
@@ -199,36 +198,36 @@ class Rendezvous:
         counts as b""); returns the value stored afterwards, except that for an absent key
         and a non-empty `expected` it returns `expected` and writes nothing, as TCPStore does."""
         etcd_key = self.store_key(key)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            entry = await self.etcd.get(etcd_key)
+
+        def decide(entry: Entry | None) -> cas.Done[bytes] | cas.Write[bytes]:
             if entry is None and expected != b"":
-                return expected
+                return cas.Done(expected)
             current = b"" if entry is None else entry.value
             if current != expected:
-                return current
+                return cas.Done(current)
             revision = 0 if entry is None else entry.mod_revision
-            if await self.etcd.commit({etcd_key: revision}, [Put(etcd_key, desired)]):
-                return desired
-        raise self._contended(key)
+            return cas.Write({etcd_key: revision}, [Put(etcd_key, desired)], desired)
+
+        return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def delete(self, key: str) -> bool:
         """Delete `key`; False if it did not exist."""
         etcd_key = self.store_key(key)
-        for _ in range(MAX_CAS_ATTEMPTS):
-            entry = await self.etcd.get(etcd_key)
+
+        def decide(entry: Entry | None) -> cas.Done[bool] | cas.Write[bool]:
             if entry is None:
-                return False
-            if await self.etcd.commit({etcd_key: entry.mod_revision}, [Delete(etcd_key)]):
-                return True
-        raise self._contended(key)
+                return cas.Done(False)
+            return cas.Write({etcd_key: entry.mod_revision}, [Delete(etcd_key)], True)
+
+        return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def num_keys(self) -> int:
-        return len(await self.etcd.get_prefix(self._store_prefix))
+        return len(await self.kv.get_prefix(self._store_prefix))
 
     # -- helpers -------------------------------------------------------------------------
 
     async def _read(self, etcd_keys: Sequence[str]) -> list[bytes | None]:
-        entries = await asyncio.gather(*(self.etcd.get(k) for k in etcd_keys))
+        entries = await asyncio.gather(*(self.kv.get(k) for k in etcd_keys))
         return [None if e is None else e.value for e in entries]
 
     async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
@@ -237,7 +236,7 @@ class Rendezvous:
         the timeout."""
 
         async def first_wanted() -> None:
-            events = self.etcd.watch_prefix(prefix, start_revision)
+            events = self.kv.watch_prefix(prefix, start_revision)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if wanted(event):
@@ -254,28 +253,31 @@ class Rendezvous:
             if not _OP_ID.match(op_id):
                 raise StoreValueError("op_id must be 1 to 64 characters of [A-Za-z0-9_-]")
             op_key = self._ops_prefix + op_id
-        for _ in range(MAX_CAS_ATTEMPTS):
-            if op_key is not None and (done := await self.etcd.get(op_key)) is not None:
-                return done.value  # a retry of a request that already applied
-            entry = await self.etcd.get(etcd_key)
+
+        async def read() -> tuple[Entry | None, Entry | None]:
+            done = await self.kv.get(op_key) if op_key is not None else None
+            return done, (None if done is not None else await self.kv.get(etcd_key))
+
+        def decide(read: tuple[Entry | None, Entry | None]) -> cas.Done[bytes] | cas.Write[bytes]:
+            done, entry = read
+            if done is not None:
+                return cas.Done(done.value)  # a retry of a request that already applied
             value = combine(None if entry is None else entry.value)
             expect = {etcd_key: 0 if entry is None else entry.mod_revision}
             ops = [Put(etcd_key, value)]
             if op_key is not None:
                 expect[op_key] = 0
                 ops.append(Put(op_key, value))
-            if await self.etcd.commit(expect, ops):
-                return value
-        raise self._contended(key)
+            return cas.Write(expect, ops, value)
+
+        return await cas.update(self.kv, read, decide, self._what(key))
 
     async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
-        written, entry = await self.etcd.commit_read({key: revision}, [op], key)
+        written, entry = await self.kv.commit_read({key: revision}, [op], key)
         return entry, written
 
-    def _contended(self, key: str) -> ContentionError:
-        return ContentionError(f"store key {key!r} of rendezvous {self.rdzv_id} changed "
-                               f"{MAX_CAS_ATTEMPTS} times while this request tried to update it; "
-                               "retry the request")
+    def _what(self, key: str) -> str:
+        return f"store key {key!r} of rendezvous {self.rdzv_id}"
 
 
 def state_token(entry: Entry | None) -> str:
@@ -293,23 +295,23 @@ def _revision(token: str | None) -> int | None:
     return revision if revision > 0 else None
 
 
-async def delete_rendezvous(ctx, job_id: str) -> int:
+async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
     """Delete the rendezvous keys of every attempt of `job_id` (the scheduler calls this when a
     job ends); returns how many keys went.
 
     `keys.rdzv_of_job` is a string prefix, and a job named like another job's id plus
     '-a<digits>' would share it; only keys whose rendezvous id parses back to `job_id` go.
     """
-    prefix = ctx.keys.rdzv_of_job(job_id)
-    rdzv_root = ctx.keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
+    prefix = keys.rdzv_of_job(job_id)
+    rdzv_root = keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
     rdzv_root = rdzv_root[:-1]
     attempts: dict[str, int] = {}
-    for entry in await ctx.etcd.get_prefix(prefix):
+    for entry in await kv.get_prefix(prefix):
         rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
         with contextlib.suppress(InvalidRendezvousId):
             if parse_rdzv_id(rdzv_id)[0] == job_id:
                 attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
-    ops = [Delete(ctx.keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
-    for start in range(0, len(ops), MAX_OPS_PER_TXN):
-        await ctx.etcd.commit({}, ops[start:start + MAX_OPS_PER_TXN])
+    ops = [Delete(keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
+    for start in range(0, len(ops), MAX_TXN_OPS):
+        await kv.commit({}, ops[start:start + MAX_TXN_OPS])
     return sum(attempts.values())

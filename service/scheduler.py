@@ -1,22 +1,10 @@
-"""The scheduler: a pure decision per job, and a thin loop that does the I/O.
-
-`plan(job, nodes, free, now, cfg)` looks at one job, the live nodes and the nodes no
-job holds, and returns the job as it should be next (with the events that explain the
-change), or None when nothing is to be done. It does no I/O and reads no clock, so it
-is tested with a table of cases and a fixed `now`.
+"""The scheduler loop: read, plan (`service.decide.scheduling`), write by compare-and-set.
 
 The loop (`run`) runs only on the elected leader among control-plane replicas. On
 every change under the job and node prefixes (an etcd watch) and at least every
 `scheduler_interval_s`, it reads the nodes and the unfinished jobs and applies `plan`
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
 compare-and-set, so a decision is never written over a change it did not see.
-
-Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and takes up
-to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
-pending job can use them. A lost node (its lease lapsed) leaves the job; if fewer than
-`min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
-released. Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at
-a step boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
 """
 
 from __future__ import annotations
@@ -25,280 +13,72 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
-from service.context import Context
+from service.decide.change import Change
+from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
-from service.jobs import Change
-from service.models import (
-    Control,
-    ControlAction,
-    EventView,
-    JobRecord,
-    JobState,
-    MemberStatus,
-    NodeRecord,
-    NodeState,
-)
+from service.job_index import JobIndex
+from service.jobs import JobStore
+from service.models import JobRecord
+from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
-from service.state import note, transition
+from service.store.api import KeyValue, Put
 
 log = logging.getLogger(__name__)
-S = JobState
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    # How long rank 0 gets to snapshot before a planned change goes ahead without it.
-    control_ack_timeout_s: float = 15.0
-    # A cancel waits this long for rank 0's final snapshot before workers are stopped.
-    cancel_ack_timeout_s: float = 4.0
-
-
-@dataclass
-class Plan:
-    job: JobRecord
-    events: list[EventView]
-    reason: str
-
-
-class _Draft:
-    """A job being changed by `plan`: collects the new fields and the events."""
-
-    def __init__(self, job: JobRecord, now: float):
-        self.job = job
-        self.now = now
-        self.events: list[EventView] = []
-        self.reasons: list[str] = []
-
-    def update(self, **fields) -> None:
-        self.job = self.job.model_copy(update={**fields, "updated_at": self.now})
-
-    def move(self, target: JobState, reason: str, **fields) -> None:
-        self.job, event = transition(self.job, target, reason, self.now)
-        if fields:
-            self.update(**fields)
-        self.events.append(event)
-        self.reasons.append(reason)
-
-    def note(self, reason: str) -> None:
-        self.job, event = note(self.job, reason, self.now)
-        self.events.append(event)
-        self.reasons.append(reason)
-
-    def result(self, original: JobRecord) -> Plan | None:
-        if self.job == original:
-            return None
-        return Plan(self.job, self.events, "; ".join(self.reasons) or "bookkeeping")
-
-
-def live_members(job: JobRecord) -> list[str]:
-    return sorted(n for n, m in job.members.items() if m.is_live())
-
-
-def uses_runtime(job: JobRecord) -> bool:
-    """The job's rank 0 talks to the control plane (it reported progress), so it can ack."""
-    return job.progress is not None
-
-
-def _control_done(job: JobRecord, now: float, timeout_s: float) -> bool:
-    """The pending planned change may go ahead: rank 0 acked it, or cannot/did not in time."""
-    c = job.control
-    if c is None:
-        return True
-    return job.control_acked >= c.id or now - c.requested_at > timeout_s
-
-
-def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
-    c = d.job.control
-    if c is not None and c.action == action:
-        return
-    next_id = max(d.job.control_acked, c.id if c else 0) + 1
-    d.update(control=Control(id=next_id, action=action, reason=reason, requested_at=d.now))
-
-
-def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: float,
-         cfg: SchedulerConfig = SchedulerConfig()) -> Plan | None:
-    """The next state of `job`, given the live `nodes` and the `free` ones (in preference order).
-
-    Returns None when nothing changes. The plan only ever takes nodes from `free`.
-    """
-    if job.state.is_terminal():
-        return None
-    d = _Draft(job, now)
-
-    if job.state is S.PENDING:
-        ready = [n for n in free if nodes[n].state is NodeState.READY]
-        if len(ready) >= job.spec.nodes.min:
-            chosen = ready[: job.spec.nodes.max]
-            d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
-                   attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
-                   members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
-                   control=None, stopping=False)
-        return d.result(job)
-
-    # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone.
-    members = dict(job.members)
-    for name in sorted(members):
-        if members[name].is_live() and name not in nodes:
-            members[name] = members[name].model_copy(update={"state": "stopped",
-                                                            "reason": "node lost"})
-            d.update(members=dict(members))
-            d.note(f"node {name} lost (its lease lapsed)")
-
-    states = {m.state for m in d.job.members.values()}
-
-    if d.job.state is S.CANCELLING:
-        if not live_members(d.job):
-            d.move(S.CANCELLED, "cancelled; every worker has stopped", control=None)
-        elif not d.job.stopping:
-            if uses_runtime(d.job) and "running" in states:
-                _request_control(d, ControlAction.CHECKPOINT_STOP, "cancel requested")
-            if not uses_runtime(d.job) or _control_done(d.job, now, cfg.cancel_ack_timeout_s):
-                d.update(stopping=True)
-        return d.result(job)
-
-    failed = [(n, m) for n, m in sorted(d.job.members.items()) if m.state == "failed"]
-    if failed:
-        name, member = failed[0]
-        d.move(S.FAILED, f"node {name}: {member.reason or f'exit code {member.exit_code}'}",
-               stopping=True, control=None)
-        return d.result(job)
-    if "succeeded" in states and "running" not in states:
-        d.move(S.SUCCEEDED, "every worker exited 0", control=None)
-        return d.result(job)
-
-    # Drains: a member on a draining node leaves at a step boundary.
-    draining = [n for n in live_members(d.job) if nodes[n].state is NodeState.DRAINING]
-    if draining:
-        if uses_runtime(d.job) and d.job.control is None:
-            _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
-        if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
-            # The others restart under a new attempt: a paused rank 0 would not notice a
-            # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
-            members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
-                       if m.is_live() and n not in draining}
-            d.update(members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
-                     round_nodes=0, world_size=0)
-            d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
-
-    live = live_members(d.job)
-    lost = [n for n in job.members if job.members[n].is_live() and n not in nodes]
-    if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
-        # The survivors have not re-formed without the lost node (NCCL blocks in a collective
-        # with a dead peer instead of failing): restart them under a fresh rendezvous.
-        d.update(attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
-                 members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
-        d.note(f"restarting the {len(live)} remaining node(s) under a new rendezvous")
-    if len(live) < d.job.spec.nodes.min:
-        d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
-               "waiting for nodes (snapshots are kept)",
-               members={}, world_size=0, round_nodes=0, control=None)
-        return d.result(job)
-
-    # Scale-up: free ready nodes join a job below its max.
-    room = d.job.spec.nodes.max - len(live)
-    joining = [n for n in free if nodes[n].state is NodeState.READY][: max(room, 0)]
-    if joining and not draining:
-        if uses_runtime(d.job) and "running" in states:
-            _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"node(s) {', '.join(joining)} joining")
-        if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
-            members = dict(d.job.members)
-            for name in joining:
-                members[name] = MemberStatus(nproc=nodes[name].nproc_per_node)
-            d.update(members=members, control=None)
-            d.note(f"node(s) {', '.join(joining)} joined; scaling up")
-    elif d.job.control is not None and d.job.control.action is ControlAction.CHECKPOINT_PAUSE \
-            and not draining and _control_done(d.job, now, cfg.control_ack_timeout_s):
-        # The nodes it paused for went elsewhere: restart the group from the snapshot it took.
-        d.update(control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
-                 members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
-                          if m.is_live()})
-        d.note("the planned change was called off; restarting from the committed snapshot")
-    return d.result(job)
-
-
-def free_nodes(jobs: list[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:
-    """Live nodes that no active job holds, by name."""
-    held = {n for j in jobs if j.state.is_active() for n in live_members(j)}
-    return sorted(n for n in nodes if n not in held)
-
-
-def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
-             cfg: SchedulerConfig = SchedulerConfig()) -> list[Plan]:
-    """Plans for every job, pending jobs (oldest first) served before scale-ups."""
-    free = free_nodes(jobs, nodes)
-    order = sorted(jobs, key=lambda j: (j.state is not S.PENDING, j.created_at, j.id))
-    plans = []
-    for job in order:
-        p = plan(job, nodes, free, now, cfg)
-        if p is not None:
-            plans.append(p)
-            taken = set(live_members(p.job)) - set(live_members(job))
-            free = [n for n in free if n not in taken]
-    return plans
-
-
-# ---------------------------------------------------------------------------- the loop
-
-async def read_nodes(ctx: Context) -> dict[str, NodeRecord]:
-    entries = await ctx.etcd.get_prefix(ctx.keys.nodes)
-    return {r.name: r for r in (NodeRecord.model_validate_json(e.value) for e in entries)}
-
-
-async def active_jobs(ctx: Context) -> list[JobRecord]:
+async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
     """The unfinished jobs, oldest first, as etcd has them now.
 
     Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
     are not read on every tick; the records themselves are read fresh, so that this tick
     sees its own last writes. Until the index is ready: a read of every job.
     """
-    if not ctx.index.ready.is_set():
-        return [j for j in await ctx.jobs.list() if not j.state.is_terminal()]
-    entries = await ctx.etcd.get_many([ctx.keys.job(i) for i in ctx.index.active_ids()])
-    jobs = (JobRecord.model_validate_json(e.value) for e in entries if e is not None)
-    return [j for j in jobs if not j.state.is_terminal()]
+    if not index.ready.is_set():
+        return [j for j in await jobs.list() if not j.state.is_terminal()]
+    return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
 
 
-async def tick(ctx: Context, cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
+async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
+               last_reason: dict[str, str]) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set."""
-    nodes = await read_nodes(ctx)
-    jobs = {j.id: j for j in await active_jobs(ctx)}
-    for p in schedule(list(jobs.values()), nodes, ctx.jobs.clock(), cfg):
+    live_nodes = await nodes.list()
+    active = {j.id: j for j in await active_jobs(jobs, index)}
+    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
-            free = free_nodes([*(j for j in jobs.values() if j.id != current.id), current], nodes)
-            again = plan(current, nodes, free, ctx.jobs.clock(), cfg)
+            free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
+                              live_nodes)
+            again = plan(current, live_nodes, free, jobs.clock(), cfg)
             return None if again is None else Change(again.job, again.events)
 
         try:
-            new = await ctx.jobs.update(job_id, decide)
+            new = await jobs.update(job_id, decide)
         except FtrainError as exc:
             log.warning("scheduling job %s failed: %s", job_id, exc)
             continue
-        jobs[job_id] = new
+        active[job_id] = new
         if new.state.is_terminal():
-            await _cleanup(ctx, job_id)
+            await _cleanup(jobs, job_id)
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
 
 
-async def _cleanup(ctx: Context, job_id: str) -> None:
+async def _cleanup(jobs: JobStore, job_id: str) -> None:
     """A finished job's rendezvous keys are of no further use."""
     with contextlib.suppress(StoreUnavailable):
-        await delete_rendezvous(ctx, job_id)
+        await delete_rendezvous(jobs.kv, jobs.keys, job_id)
 
 
-async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:
+async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
     """Set `wake` on every change of a node; re-watch after errors. (Job changes wake the
     scheduler through the job index, once the index has applied them.)"""
     while True:
         try:
-            start = await ctx.etcd.revision() + 1
-            async for _ev in ctx.etcd.watch_prefix(ctx.keys.nodes, start):
+            async for _ in nodes.changes():
                 wake.set()
         except StoreUnavailable:
             pass
@@ -310,37 +90,37 @@ async def _watch_changes(ctx: Context, wake: asyncio.Event) -> None:
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time)."""
 
-    def __init__(self, ctx: Context, ttl_s: int = 5):
-        self.ctx = ctx
+    def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
+        self.kv = kv
+        self.key = key
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
-        from service.etcd import Put
-
-        ctx = self.ctx
-        if self.lease_id is not None and await ctx.etcd.refresh_lease(self.lease_id):
-            entry = await ctx.etcd.get(ctx.keys.leader)
+        if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
+            entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
                 return True
-        self.lease_id = await ctx.etcd.grant_lease(self.ttl_s)
-        return await ctx.etcd.commit({ctx.keys.leader: 0},
-                                     [Put(ctx.keys.leader, self.identity.encode(), self.lease_id)])
+        self.lease_id = await self.kv.grant_lease(self.ttl_s)
+        return await self.kv.commit({self.key: 0},
+                                    [Put(self.key, self.identity.encode(), self.lease_id)])
 
     async def release(self) -> None:
+        """Give up the lead (the next replica need not wait for the lease to lapse)."""
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
-                await self.ctx.etcd.revoke_lease(self.lease_id)
+                await self.kv.revoke_lease(self.lease_id)
 
 
-async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
+async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
+              interval_s: float, cfg: SchedulerConfig | None = None) -> None:
+    """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
     wake = asyncio.Event()
-    ctx.index.wake_on_change(wake)
-    watcher = asyncio.create_task(_watch_changes(ctx, wake))
-    leadership = Leadership(ctx)
+    index.wake_on_change(wake)
+    watcher = asyncio.create_task(_watch_changes(nodes, wake))
     last_reason: dict[str, str] = {}
     last_lead_check = 0.0
     leading = False
@@ -351,7 +131,7 @@ async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                 if leading:
-                    await tick(ctx, cfg, last_reason)
+                    await tick(jobs, nodes, index, cfg, last_reason)
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)
@@ -359,7 +139,7 @@ async def run(ctx: Context, cfg: SchedulerConfig | None = None) -> None:
                 log.exception("scheduler tick failed; retrying")
             wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), ctx.settings.scheduler_interval_s)
+                await asyncio.wait_for(wake.wait(), interval_s)
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -17,7 +17,7 @@ async def healthz() -> dict:
 async def readyz(ctx: ContextDep):
     """Ready to serve: etcd answers. 503 with the reason when it does not."""
     try:
-        await ctx.etcd.revision()
+        await ctx.kv.revision()
     except StoreUnavailable as exc:
         return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
-    return {"status": "ok", "etcd": ctx.etcd.endpoint}
+    return {"status": "ok", "etcd": ctx.kv.endpoint}

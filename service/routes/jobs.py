@@ -6,11 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
 
+from service.decide.cancel import decide_cancel
 from service.deps import ContextDep, UserAuth
-from service.errors import InvalidTransition
-from service.jobs import Change
-from service.models import CancelResult, EventList, JobList, JobRecord, JobSpec, JobState, JobView
-from service.state import cancel as cancel_job
+from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
 
@@ -59,14 +57,8 @@ async def get_job(job_id: str, ctx: ContextDep) -> JobView:
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
 async def cancel(job_id: str, ctx: ContextDep) -> CancelResult:
     """Ask a job to stop. Cancelling twice is fine; a finished job answers 409 with its state."""
-
-    def decide(job: JobRecord) -> Change | None:
-        if job.state.is_terminal():
-            raise InvalidTransition(job.id, job.state.value, JobState.CANCELLED.value)
-        changed, event = cancel_job(job, ctx.jobs.clock())
-        return None if event is None else Change(changed, [event])
-
-    job = await ctx.jobs.update(job_id, decide)
+    now = ctx.jobs.clock()
+    job = await ctx.jobs.update(job_id, lambda job: decide_cancel(job, now))
     return CancelResult(id=job.id, state=job.state)
 
 

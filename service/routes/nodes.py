@@ -3,26 +3,19 @@ their workers did, and report rendezvous rounds; users list and drain nodes."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from fastapi import APIRouter, status
 
+from service.context import Context
+from service.decide.members import decide_registered, decide_report, is_recorded
+from service.decide.rounds import decide_round
 from service.deps import ContextDep, JobTokenDep, NodeAuth, UserAuth
-from service.errors import NodeNotFound
-from service.etcd import Put
-from service.jobs import Change
 from service.models import (
     JobRecord,
-    JobState,
     NodeList,
     NodeRecord,
-    NodeState,
     NodeView,
 )
 from service.rendezvous import delete_rendezvous
-from service.routes.logs import last_lines
-from service.state import note, transition
 from worker.protocol import (
     Assignment,
     HeartbeatReply,
@@ -38,34 +31,18 @@ from worker.protocol import (
 router = APIRouter(tags=["nodes"])
 
 
-async def _node_entry(ctx, name: str):
-    entry = await ctx.etcd.get(ctx.keys.node(name))
-    if entry is None:
-        raise NodeNotFound(name)
-    return entry, NodeRecord.model_validate_json(entry.value)
-
-
 @router.post("/v1/nodes/register", response_model=RegisterReply, dependencies=[NodeAuth])
 async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     """Register (or re-register) a node under a fresh lease."""
     ttl = ctx.settings.node_ttl_s
-    lease = await ctx.etcd.grant_lease(ttl)
-    key = ctx.keys.node(req.name)
-    record = NodeRecord(name=req.name, nproc_per_node=req.nproc_per_node, address=req.address,
-                        registered_at=ctx.jobs.clock(), lease_id=lease)
-    while True:
-        old = await ctx.etcd.get(key)
-        if await ctx.etcd.commit({key: old.mod_revision if old else 0},
-                                 [Put(key, record.model_dump_json().encode(), lease)]):
-            break
-    if old is not None and old.lease and old.lease != lease:
-        await ctx.etcd.revoke_lease(old.lease)
+    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl)
     # A (re)starting agent runs nothing: whatever it held before is gone. (The index may
     # lag by a watch event; the scheduler's node bookkeeping covers what it misses.)
     job = ctx.index.job_of_node(req.name)
     if job is not None:
-        await ctx.jobs.update(job.id, _member_update(req.name, job.attempt, "stopped", None,
-                                                     "the node's agent restarted", ctx))
+        now = ctx.jobs.clock()
+        await ctx.jobs.update(job.id, lambda current: decide_registered(current, req.name,
+                                                                        job.attempt, now))
     return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
                          heartbeat_interval_s=max(ttl / 4, 0.5))
 
@@ -77,14 +54,14 @@ async def heartbeat(name: str, ctx: ContextDep, req: HeartbeatRequest | None = N
     With the lease id of its registration, a heartbeat is one keep-alive on a shared
     stream and no read; without it, the node's record is read to find its lease.
     """
-    lease_id = req.lease_id if req is not None else None
-    if lease_id is None:
-        entry, _ = await _node_entry(ctx, name)
-        lease_id = entry.lease
-    if not await ctx.etcd.refresh_lease(lease_id):
-        raise NodeNotFound(name)
+    await ctx.nodes.heartbeat(name, req.lease_id if req is not None else None)
     if req is not None and req.wait_s > 0 and ctx.index.ready.is_set():
-        await _wait_for_change(ctx, name, req.known, req.wait_s)
+        # Long poll: an idle node learns of its job as soon as the scheduler writes it, not
+        # a heartbeat later; the wait is bounded by the heartbeat interval, so the lease is
+        # refreshed in time.
+        known = req.known
+        await ctx.index.wait_until(lambda: _known_of(ctx.index.job_of_node(name)) != known,
+                                   req.wait_s)
     job = ctx.index.job_of_node(name)
     if job is None:
         return HeartbeatReply(assignment=None)
@@ -106,44 +83,13 @@ def _known_of(job: JobRecord | None) -> Known | None:
     return Known(job_id=job.id, attempt=job.attempt, action="stop" if job.stopping else "run")
 
 
-async def _wait_for_change(ctx, name: str, known: Known | None, wait_s: float) -> None:
-    """Long poll: return once the node's assignment differs from `known`, or after `wait_s`.
-
-    An idle node learns of its job as soon as the scheduler writes it, not a heartbeat
-    later; the wait is bounded by the heartbeat interval, so the lease is refreshed in time.
-    """
-    def changed() -> bool:
-        return _known_of(ctx.index.job_of_node(name)) != known
-
-    async with ctx.index.changed:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ctx.index.changed.wait_for(changed), wait_s)
-
-
-def _member_update(name: str, attempt: int, state: str, exit_code: int | None,
-                   reason: str | None, ctx):
-    def decide(job: JobRecord) -> Change | None:
-        member = job.members.get(name)
-        if job.attempt != attempt or member is None or not job.state.is_active():
-            return None
-        if member.state == state:
-            return None
-        if not member.is_live():  # stopped/succeeded/failed are final for this attempt
-            return None
-        members = {**job.members, name: member.model_copy(
-            update={"state": state, "exit_code": exit_code, "reason": reason})}
-        return Change(job.model_copy(update={"members": members, "updated_at": ctx.jobs.clock()}))
-
-    return decide
-
-
 @router.post("/v1/nodes/{name}/report", response_model=ReportReply, dependencies=[NodeAuth])
 async def report(name: str, req: ReportRequest, ctx: ContextDep) -> ReportReply:
     """The node's workers for (job, attempt) started, or ended with this outcome."""
-    job = await ctx.jobs.update(req.job_id, _member_update(name, req.attempt, req.state,
-                                                           req.exit_code, req.reason, ctx))
-    member = job.members.get(name)
-    accepted = job.attempt == req.attempt and member is not None and member.state == req.state
+    now = ctx.jobs.clock()
+    job = await ctx.jobs.update(req.job_id, lambda job: decide_report(
+        job, name, req.attempt, req.state, req.exit_code, req.reason, now))
+    accepted = is_recorded(job, name, req.attempt, req.state)
     return ReportReply(accepted=accepted,
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
 
@@ -157,93 +103,35 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
     round with more or fewer nodes is a membership change and does not.
     """
     now = ctx.jobs.clock()
-    tail = await last_lines(ctx, job_id, 15) if req.phase == "joined" else []
-
-    def decide(job: JobRecord) -> Change | None:
-        if job.attempt != req.attempt or job.state not in (JobState.RUNNING, JobState.RECOVERING):
-            return None
-        if req.phase == "joining":
-            if req.call == 0 or job.state is JobState.RECOVERING:
-                return None
-            changed, event = transition(job, JobState.RECOVERING,
-                                        f"node {req.node} is restarting its workers", now)
-            return Change(changed, [event])
-        if req.group_rank != 0 or req.group_world_size is None:
-            return None
-        nodes = req.group_world_size
-        nproc = job.members.get(req.node).nproc if req.node in job.members else None
-        world = nodes * (nproc or 1)
-        update = {"rounds": job.rounds + 1, "round_nodes": nodes, "world_size": world}
-        restarted = job.rounds >= 1 and nodes == job.round_nodes
-        if restarted and job.restarts >= job.spec.max_restarts:
-            # This failure is one more than the job allows: the group it formed is not let run.
-            lines = "\n".join(tail)
-            changed, event = transition(
-                job.model_copy(update=update), JobState.FAILED,
-                f"workers failed {job.restarts + 1} times (max_restarts={job.spec.max_restarts})"
-                + (f"; last log lines:\n{lines}" if lines else ""), now)
-            changed = changed.model_copy(update={"stopping": True})
-            return Change(changed, [event])
-        if restarted:
-            update["restarts"] = job.restarts + 1
-        changed = job.model_copy(update=update)
-        events = []
-        if restarted:
-            changed, event = note(changed, f"workers restarted after a failure "
-                                           f"({changed.restarts} of {job.spec.max_restarts})", now)
-            events.append(event)
-        what = f"world size {world} on {nodes} node(s)"
-        if job.state is JobState.RECOVERING:
-            changed, event = transition(changed, JobState.RUNNING, f"training again: {what}", now)
-        else:
-            changed, event = note(changed, f"rendezvous complete: {what}", now)
-        events.append(event)
-        return Change(changed, events)
-
-    updated = await ctx.jobs.update(job_id, decide)
+    tail = await ctx.logs.last_lines(job_id, 15) if req.phase == "joined" else []
+    updated = await ctx.jobs.update(job_id, lambda job: decide_round(job, req, tail, now))
     if updated.state.is_terminal():  # restarts spent: the job's rendezvous is of no more use
-        await delete_rendezvous(ctx, job_id)
+        await delete_rendezvous(ctx.kv, ctx.keys, job_id)
     return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)
+
+
+def _view(record: NodeRecord, ctx: Context) -> NodeView:
+    job = ctx.index.job_of_node(record.name)
+    return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
+                    address=record.address, registered_at=record.registered_at,
+                    job=job.id if job else None)
 
 
 @router.get("/v1/nodes", response_model=NodeList, dependencies=[UserAuth])
 async def list_nodes(ctx: ContextDep) -> NodeList:
-    entries = await ctx.etcd.get_prefix(ctx.keys.nodes)
-    items = []
-    for e in entries:
-        r = NodeRecord.model_validate_json(e.value)
-        job = ctx.index.job_of_node(r.name)
-        items.append(NodeView(name=r.name, state=r.state, nproc_per_node=r.nproc_per_node,
-                              address=r.address, registered_at=r.registered_at,
-                              job=job.id if job else None))
-    return NodeList(items=sorted(items, key=lambda n: n.name))
+    records = await ctx.nodes.list()
+    return NodeList(items=[_view(records[name], ctx) for name in sorted(records)])
 
 
 @router.post("/v1/nodes/{name}/drain", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED,
              dependencies=[UserAuth])
 async def drain(name: str, ctx: ContextDep) -> NodeView:
     """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work."""
-    while True:
-        entry, record = await _node_entry(ctx, name)
-        if record.state is NodeState.DRAINING:
-            break
-        record = record.model_copy(update={"state": NodeState.DRAINING})
-        if await ctx.etcd.commit({entry.key: entry.mod_revision},
-                                 [Put(entry.key, record.model_dump_json().encode(), entry.lease)]):
-            break
-    job = ctx.index.job_of_node(name)
-    return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
-                    address=record.address, registered_at=record.registered_at,
-                    job=job.id if job else None)
+    return _view(await ctx.nodes.drain(name), ctx)
 
 
 @router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[NodeAuth])
 async def deregister(name: str, ctx: ContextDep) -> None:
     """An agent shutting down gives its lease back, so it is gone at once, not after the TTL."""
-    try:
-        entry, _ = await _node_entry(ctx, name)
-    except NodeNotFound:
-        return None
-    await ctx.etcd.revoke_lease(entry.lease)
+    await ctx.nodes.deregister(name)
     return None
-

@@ -76,7 +76,7 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
-    return Rendezvous(ctx.etcd, ctx.keys, rdzv_id)
+    return Rendezvous(ctx.kv, ctx.keys, rdzv_id)
 
 
 RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]

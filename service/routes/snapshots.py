@@ -10,8 +10,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
+from service.decide.snapshots import control_for
 from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_or_node
-from service.snapshots import SnapshotStore, control_for
+from service.snapshots import SnapshotStore
 from worker.protocol import (
     CommitRequest,
     CommitResult,
@@ -26,7 +27,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["snapshots"])
 
 
 def get_snapshots(ctx: ContextDep) -> SnapshotStore:
-    return SnapshotStore(ctx.jobs)
+    return ctx.snapshots
 
 
 SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
@@ -68,9 +69,9 @@ async def report_corrupt(job_id: str, step: int, job: JobTokenDep, snapshots: Sn
 
 @router.post("/{job_id}/progress", response_model=Progress)
 async def report_progress(job_id: str, report: ProgressReport, job: JobTokenDep,
-                          snapshots: SnapshotsDep) -> Progress:
+                          ctx: ContextDep) -> Progress:
     """Rank 0's step, loss and throughput, shown in the job view."""
-    return await snapshots.report_progress(job.id, report)
+    return await ctx.progress.report(job.id, report)
 
 
 @router.get("/{job_id}/control", response_model=ControlView)

@@ -25,9 +25,10 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 import worker.rendezvous as ftrain_rdzv
-from service.etcd import Etcd, Put
 from service.keys import Keys
 from service.rendezvous import delete_rendezvous, parse_rdzv_id
+from service.store.api import Put
+from service.store.etcd import EtcdStore
 from tests.helpers.processes import free_port, wait_for
 from worker.rendezvous import (
     FtrainRendezvousBackend,
@@ -81,7 +82,7 @@ def job_token(etcd_endpoint: str, job_id: str) -> str:
     import json
 
     async def read():
-        client = Etcd(etcd_endpoint)
+        client = EtcdStore(etcd_endpoint)
         try:
             return json.loads((await client.get(Keys().job(job_id))).value)["token"]
         finally:
@@ -388,7 +389,7 @@ def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job,
         assert client.get(f"/v1/rdzv/{job['id']}-a1/state").status_code == 410
 
     async def leftovers():
-        client = Etcd(etcd.endpoint)
+        client = EtcdStore(etcd.endpoint)
         try:
             return await client.get_prefix(Keys().rdzv(f"{job['id']}-a1"))
         finally:
@@ -457,13 +458,12 @@ def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
     neighbour = "train-abc123-a1-zzzzzz"  # a job whose id starts like "train-abc123-a"
 
     async def run():
-        client = Etcd(etcd.endpoint)
-        ctx = types.SimpleNamespace(etcd=client, keys=keys)
+        client = EtcdStore(etcd.endpoint)
         try:
             for rdzv in ("train-abc123-a0", "train-abc123-a1", f"{neighbour}-a0"):
                 await client.commit({}, [Put(keys.rdzv_state(rdzv), b"s"),
                                          Put(keys.rdzv_store(rdzv) + "azE", b"v")])
-            deleted = await delete_rendezvous(ctx, "train-abc123")
+            deleted = await delete_rendezvous(client, keys, "train-abc123")
             left = [e.key for e in await client.get_prefix(keys.prefix + "/rdzv/")]
             return deleted, left
         finally:

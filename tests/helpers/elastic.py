@@ -88,11 +88,11 @@ def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:
     """The job's rendezvous keys still in etcd (read directly, not through the API)."""
     import asyncio
 
-    from service.etcd import Etcd
     from service.keys import Keys
+    from service.store.etcd import EtcdStore
 
     async def read() -> list[str]:
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             return [e.key for e in await etcd.get_prefix(Keys().rdzv_of_job(job_id))]
         finally:

@@ -6,15 +6,15 @@ import asyncio
 import contextlib
 
 from service.errors import InvalidTransition
-from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobSpec, JobState
+from service.store.etcd import EtcdStore
 
 
 def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
     async def main():
-        a, b = Etcd(etcd.endpoint), Etcd(etcd.endpoint)
+        a, b = EtcdStore(etcd.endpoint), EtcdStore(etcd.endpoint)
         store_a, store_b = JobStore(a, Keys("/t")), JobStore(b, Keys("/t"))
         wins = 0
         for i in range(20):
@@ -47,7 +47,7 @@ def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
 
 def test_concurrent_counters_lose_no_increment(etcd):
     async def main():
-        clients = [Etcd(etcd.endpoint) for _ in range(4)]
+        clients = [EtcdStore(etcd.endpoint) for _ in range(4)]
         stores = [JobStore(c, Keys("/t")) for c in clients]
         job, _ = await stores[0].create(JobSpec(name="count", command=["true"]))
 
@@ -81,7 +81,7 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
         try:
             await asyncio.wait_for(ctx.index.ready.wait(), 10)
             reads: list = []
-            get_many, get_prefix = ctx.etcd.get_many, ctx.etcd.get_prefix
+            get_many, get_prefix = ctx.kv.get_many, ctx.kv.get_prefix
 
             async def counting_get_many(keys):
                 reads.append(list(keys))
@@ -91,25 +91,25 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
                 reads.append(prefix + "*")
                 return await get_prefix(prefix)
 
-            ctx.etcd.get_many, ctx.etcd.get_prefix = counting_get_many, counting_get_prefix
-            jobs = await scheduler.active_jobs(ctx)
+            ctx.kv.get_many, ctx.kv.get_prefix = counting_get_many, counting_get_prefix
+            jobs = await scheduler.active_jobs(ctx.jobs, ctx.index)
             assert [j.id for j in jobs] == [live.id]
             assert reads == [[ctx.keys.job(live.id)]]  # one read, of the live job only
             # A job finished a moment ago that the index still lists is dropped on the fresh read.
             await ctx.jobs.move(live.id, JobState.CANCELLED, "done")
-            assert [j.id for j in await scheduler.active_jobs(ctx)] == []
+            assert [j.id for j in await scheduler.active_jobs(ctx.jobs, ctx.index)] == []
         finally:
             index.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await index
-            await ctx.etcd.close()
+            await ctx.kv.close()
 
     asyncio.run(main())
 
 
 def test_get_many_reads_more_keys_than_one_transaction_holds_in_order(etcd):
     async def main():
-        store = Etcd(etcd.endpoint)
+        store = EtcdStore(etcd.endpoint)
         keys = [f"/many/{i:04d}" for i in range(300)]
         for k in keys[::2]:
             await store.put(k, k.encode())

@@ -13,8 +13,7 @@ from click.testing import CliRunner
 
 from service.cli import main
 from service.client import FtrainClient, InvalidRequest, ServerUnreachable, resolve_target
-from service.models import NodeList, NodeState, NodeView
-from service.routes.logs import LogLine, LogPage
+from service.models import LogLine, LogPage, NodeList, NodeState, NodeView
 from tests.helpers.processes import REPO, free_port
 
 SPEC_YAML = """\

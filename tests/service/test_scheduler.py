@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.models import (
     Control,
     ControlAction,
@@ -13,7 +14,6 @@ from service.models import (
     NodeState,
     Progress,
 )
-from service.scheduler import SchedulerConfig, free_nodes, plan, schedule
 
 S = JobState
 NOW = 1000.0

@@ -2,9 +2,10 @@
 
 import pytest
 
+from service.decide.cancel import cancel
+from service.decide.state import ALLOWED, transition
 from service.errors import InvalidTransition
 from service.models import JobRecord, JobSpec, JobState
-from service.state import ALLOWED, cancel, transition
 
 S = JobState
 NOW = 1000.0

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.etcd import Etcd
+from service.decide.snapshots import plan_prune
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import Control, ControlAction, JobRecord
-from service.snapshots import plan_prune
+from service.store.etcd import EtcdStore
 from tests.helpers.processes import REPO, wait_for
 from worker import snapshot as snap
 from worker.links import LocalLink
@@ -128,7 +128,7 @@ def edit_job(etcd_endpoint: str, job_id: str, **update) -> JobRecord:
     """Change a stored job as the scheduler would (by CAS), e.g. its attempt or control."""
 
     async def run() -> JobRecord:
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             store = JobStore(etcd, Keys())
             return await store.update(job_id, lambda job: Change(job.model_copy(update=update)))
@@ -140,7 +140,7 @@ def edit_job(etcd_endpoint: str, job_id: str, **update) -> JobRecord:
 
 def read_job(etcd_endpoint: str, job_id: str) -> JobRecord:
     async def run() -> JobRecord:
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             return await JobStore(etcd, Keys()).get(job_id)
         finally:

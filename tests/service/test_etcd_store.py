@@ -1,5 +1,5 @@
-"""The etcd layer against a real etcd: failures surface as StoreUnavailable, never as
-anything a handler would turn into a 500."""
+"""EtcdStore against a real etcd: failures surface as StoreUnavailable, never as
+anything a handler would turn into a 500. (What every KeyValue does: tests/contract.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from service.errors import StoreUnavailable
-from service.etcd import Etcd
+from service.store.etcd import EtcdStore
 
 
 def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
@@ -18,7 +18,7 @@ def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etc
     StoreUnavailable (a 503), not as CancelledError (a 500)."""
 
     async def main() -> list[BaseException | None]:
-        client = Etcd(etcd.endpoint, timeout_s=1)
+        client = EtcdStore(etcd.endpoint, timeout_s=1)
         await client.put("/t/x", b"1")
         etcd.proc.send_signal(signal.SIGSTOP)
         try:
@@ -47,7 +47,7 @@ def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etc
 
 def test_a_watch_on_a_dropped_client_ends_with_store_unavailable(etcd):
     async def main() -> None:
-        client = Etcd(etcd.endpoint, timeout_s=2)
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
         start = await client.revision() + 1
 
         seen = asyncio.Event()

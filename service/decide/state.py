@@ -46,14 +46,3 @@ def note(job: JobRecord, reason: str, now: float) -> tuple[JobRecord, EventView]
     changed = job.model_copy(update={"event_seq": seq, "updated_at": now})
     return changed, EventView(seq=seq, time=now, state=job.state, reason=reason)
 
-
-def cancel(job: JobRecord, now: float) -> tuple[JobRecord, EventView | None]:
-    """Cancel: a job not holding nodes ends at once; a running one drains through CANCELLING.
-
-    Cancelling a job that is already CANCELLING is a no-op; a terminal job raises.
-    """
-    if job.state is S.CANCELLING:
-        return job, None
-    if job.state is S.PENDING:
-        return transition(job, S.CANCELLED, "cancelled by user", now)
-    return transition(job, S.CANCELLING, "cancel requested by user", now)

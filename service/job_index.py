@@ -12,19 +12,23 @@ heartbeat); every write still goes to etcd as a compare-and-set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 
 from service.errors import StoreUnavailable
-from service.etcd import Etcd
 from service.keys import Keys
 from service.models import JobRecord
+from service.store.api import KeyValue
 
 log = logging.getLogger(__name__)
 
 
 class JobIndex:
-    def __init__(self, etcd: Etcd, keys: Keys):
-        self._etcd = etcd
+    """Which jobs are unfinished, and which job each node works for, kept current by a watch."""
+
+    def __init__(self, kv: KeyValue, keys: Keys):
+        self._kv = kv
         self._keys = keys
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
@@ -48,7 +52,16 @@ class JobIndex:
         return self._jobs.get(job_id) if job_id else None
 
     def get(self, job_id: str) -> JobRecord | None:
+        """The job as the index last saw it (it may lag etcd by a watch event)."""
         return self._jobs.get(job_id)
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `predicate` holds on the index (checked after every change it applies),
+        at most `timeout_s`; returns whether it holds."""
+        async with self.changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait_for(predicate), timeout_s)
+            return predicate()
 
     def _apply(self, job: JobRecord | None, job_id: str) -> None:
         old = self._jobs.pop(job_id, None)
@@ -68,18 +81,19 @@ class JobIndex:
             event.set()
 
     async def run(self) -> None:
+        """Read every job, then follow the watch; re-read after a broken watch. Runs until cancelled."""
         prefix = self._keys.jobs
         while True:
             try:
-                revision = await self._etcd.revision()
-                entries = await self._etcd.get_prefix(prefix)
+                revision = await self._kv.revision()
+                entries = await self._kv.get_prefix(prefix)
                 self._jobs.clear()
                 self._by_node.clear()
                 for e in entries:
                     self._apply(JobRecord.model_validate_json(e.value), e.key[len(prefix):])
                 self.ready.set()
                 self._wake()
-                async for ev in self._etcd.watch_prefix(prefix, revision + 1):
+                async for ev in self._kv.watch_prefix(prefix, revision + 1):
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     self._apply(job, ev.key[len(prefix):])
                     self._wake()

@@ -1,4 +1,4 @@
-"""A small async etcd v3 key-value layer over `aetcd`.
+"""`KeyValue` on etcd v3, over `aetcd`.
 
 Every write that depends on what was read is a transaction comparing the key's
 `mod_revision` (the fencing token); `mod_revision == 0` means "only if absent".
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aetcd
@@ -21,39 +20,9 @@ import aetcd.exceptions
 import grpc
 
 from service.errors import StoreUnavailable
+from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 log = logging.getLogger(__name__)
-# etcd's default --max-txn-ops: the most operations one transaction may hold.
-MAX_TXN_OPS = 128
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    key: str
-    value: bytes | None  # None for a delete
-    mod_revision: int
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int | None = None
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    prefix: bool = False
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -83,7 +52,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
-class Etcd:
+class EtcdStore(KeyValue):
     """Async etcd client with CAS helpers and errors mapped to `StoreUnavailable`."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0):
@@ -253,12 +222,15 @@ class Etcd:
         return await self._call("a lease keep-alive", refresh) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
-        try:
-            await self._call("a lease revoke", lambda c: c.revoke_lease(lease_id))
-        except StoreUnavailable:
-            raise
-        except Exception:  # an unknown lease is already gone: nothing to do
-            log.debug("lease %x already gone", lease_id)
+        async def revoke(c: aetcd.Client) -> None:
+            try:
+                await c.revoke_lease(lease_id)
+            except aetcd.exceptions.ClientError as exc:
+                if not _is_not_found(exc):
+                    raise
+                log.debug("lease %x already gone", lease_id)  # nothing to do
+
+        await self._call("a lease revoke", revoke)
 
     async def watch_prefix(self, prefix: str, start_revision: int,
                            max_session_s: float = 60.0) -> AsyncIterator[WatchEvent]:
@@ -363,6 +335,12 @@ class _KeepAliveStream:
 async def _close_quietly(client: aetcd.Client) -> None:
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(client.close(), 5)
+
+
+def _is_not_found(exc: aetcd.exceptions.ClientError) -> bool:
+    """etcd answered NOT_FOUND (e.g. "requested lease not found"): an answer, not an outage."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
 
 
 def _compares(c: aetcd.Client, expect: dict[str, int]) -> list:

@@ -1,0 +1,41 @@
+"""What a node says about its workers for one job attempt, and what registering says.
+
+A member moves from 'assigned' to 'running', then to one final state of the attempt:
+'succeeded', 'failed' or 'stopped'. A report for another attempt, for a node that is not
+a member, or for a member already final, changes nothing: reports cross restarts on the
+wire, and a late one must not revive or re-end a member. Whether the new states end the
+job is `outcome.by_members`, which the scheduler applies.
+"""
+
+from __future__ import annotations
+
+from service.decide.change import Change
+from service.models import JobRecord
+
+AGENT_RESTARTED = "the node's agent restarted"
+
+
+def decide_report(job: JobRecord, node: str, attempt: int, state: str, exit_code: int | None,
+                  reason: str | None, now: float) -> Change | None:
+    """Record `node`'s report on its workers of `attempt`; None when it changes nothing."""
+    member = job.members.get(node)
+    if job.attempt != attempt or member is None or not job.state.is_active():
+        return None
+    if member.state == state:
+        return None
+    if not member.is_live():  # stopped/succeeded/failed are final for this attempt
+        return None
+    members = {**job.members, node: member.model_copy(
+        update={"state": state, "exit_code": exit_code, "reason": reason})}
+    return Change(job.model_copy(update={"members": members, "updated_at": now}))
+
+
+def decide_registered(job: JobRecord, node: str, attempt: int, now: float) -> Change | None:
+    """`node` registered afresh while a member of `attempt`: whatever it ran is gone."""
+    return decide_report(job, node, attempt, "stopped", None, AGENT_RESTARTED, now)
+
+
+def is_recorded(job: JobRecord, node: str, attempt: int, state: str) -> bool:
+    """The stored job shows the report (so it was applied now or before), not a stale one."""
+    member = job.members.get(node)
+    return job.attempt == attempt and member is not None and member.state == state

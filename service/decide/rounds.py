@@ -1,0 +1,68 @@
+"""Rendezvous rounds: what a node's torchrun re-forming its group means for the job.
+
+A node reports 'joining' when its torchrun re-rendezvouses (not the first time: `call` 0
+is the start), and group rank 0 reports 'joined' once per round with the group's size.
+A round with as many nodes as the one before is a restart after a worker failure and
+counts against `max_restarts` (once they are spent, `outcome.by_restarts` fails the job);
+a round with more or fewer nodes is a membership change and does not count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from service.decide import outcome
+from service.decide.change import Change
+from service.decide.state import note, transition
+from service.models import JobRecord, JobState
+from worker.protocol import RoundReport
+
+S = JobState
+
+
+def is_restart(job: JobRecord, group_nodes: int) -> bool:
+    """A round formed again with the same number of nodes: the workers failed and restarted."""
+    return job.rounds >= 1 and group_nodes == job.round_nodes
+
+
+def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
+                 now: float) -> Change | None:
+    """The job after `report`; None for a report of another attempt or one that changes nothing.
+
+    `last_lines` are the job's last worker log lines, quoted when the restarts are spent.
+    """
+    if job.attempt != report.attempt or job.state not in (S.RUNNING, S.RECOVERING):
+        return None
+    if report.phase == "joining":
+        if report.call == 0 or job.state is S.RECOVERING:
+            return None
+        changed, event = transition(job, S.RECOVERING,
+                                    f"node {report.node} is restarting its workers", now)
+        return Change(changed, [event])
+    if report.group_rank != 0 or report.group_world_size is None:
+        return None
+    nodes = report.group_world_size
+    nproc = job.members.get(report.node).nproc if report.node in job.members else None
+    world = nodes * (nproc or 1)
+    update = {"rounds": job.rounds + 1, "round_nodes": nodes, "world_size": world}
+    restarted = is_restart(job, nodes)
+    spent = outcome.by_restarts(job.restarts, job.spec.max_restarts, last_lines) if restarted else None
+    if spent is not None:
+        changed, event = transition(job.model_copy(update=update), spent.state, spent.reason, now)
+        changed = changed.model_copy(update={"stopping": spent.stops_workers})
+        return Change(changed, [event])
+    if restarted:
+        update["restarts"] = job.restarts + 1
+    changed = job.model_copy(update=update)
+    events = []
+    if restarted:
+        changed, event = note(changed, f"workers restarted after a failure "
+                                       f"({changed.restarts} of {job.spec.max_restarts})", now)
+        events.append(event)
+    what = f"world size {world} on {nodes} node(s)"
+    if job.state is S.RECOVERING:
+        changed, event = transition(changed, S.RUNNING, f"training again: {what}", now)
+    else:
+        changed, event = note(changed, f"rendezvous complete: {what}", now)
+    events.append(event)
+    return Change(changed, events)

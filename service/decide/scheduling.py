@@ -1,0 +1,223 @@
+"""Scheduling decisions: which nodes a job gets, and what becomes of it as nodes come and go.
+
+`plan(job, nodes, free, now, cfg)` looks at one job, the live nodes and the nodes no
+job holds, and returns the job as it should be next (with the events that explain the
+change), or None when nothing is to be done. It does no I/O and reads no clock, so it
+is tested with a table of cases and a fixed `now`. `schedule` plans every job, pending
+ones first; the loop that applies the plans is `service.scheduler`.
+
+Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and takes up
+to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
+pending job can use them. A lost node (its lease lapsed) leaves the job; if fewer than
+`min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
+released. Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at
+a step boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
+When the members' reports end the job is `outcome.by_members`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.decide import outcome
+from service.decide.state import note, transition
+from service.models import (
+    Control,
+    EventView,
+    JobRecord,
+    JobState,
+    MemberStatus,
+    NodeRecord,
+    NodeState,
+)
+from worker.protocol import ControlAction
+
+S = JobState
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # How long rank 0 gets to snapshot before a planned change goes ahead without it.
+    control_ack_timeout_s: float = 15.0
+    # A cancel waits this long for rank 0's final snapshot before workers are stopped.
+    cancel_ack_timeout_s: float = 4.0
+
+
+@dataclass
+class Plan:
+    job: JobRecord
+    events: list[EventView]
+    reason: str
+
+
+class _Draft:
+    """A job being changed by `plan`: collects the new fields and the events."""
+
+    def __init__(self, job: JobRecord, now: float):
+        self.job = job
+        self.now = now
+        self.events: list[EventView] = []
+        self.reasons: list[str] = []
+
+    def update(self, **fields) -> None:
+        self.job = self.job.model_copy(update={**fields, "updated_at": self.now})
+
+    def move(self, target: JobState, reason: str, **fields) -> None:
+        self.job, event = transition(self.job, target, reason, self.now)
+        if fields:
+            self.update(**fields)
+        self.events.append(event)
+        self.reasons.append(reason)
+
+    def note(self, reason: str) -> None:
+        self.job, event = note(self.job, reason, self.now)
+        self.events.append(event)
+        self.reasons.append(reason)
+
+    def result(self, original: JobRecord) -> Plan | None:
+        if self.job == original:
+            return None
+        return Plan(self.job, self.events, "; ".join(self.reasons) or "bookkeeping")
+
+
+def live_members(job: JobRecord) -> list[str]:
+    return sorted(n for n, m in job.members.items() if m.is_live())
+
+
+def uses_runtime(job: JobRecord) -> bool:
+    """The job's rank 0 talks to the control plane (it reported progress), so it can ack."""
+    return job.progress is not None
+
+
+def _control_done(job: JobRecord, now: float, timeout_s: float) -> bool:
+    """The pending planned change may go ahead: rank 0 acked it, or cannot/did not in time."""
+    c = job.control
+    if c is None:
+        return True
+    return job.control_acked >= c.id or now - c.requested_at > timeout_s
+
+
+def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
+    c = d.job.control
+    if c is not None and c.action == action:
+        return
+    next_id = max(d.job.control_acked, c.id if c else 0) + 1
+    d.update(control=Control(id=next_id, action=action, reason=reason, requested_at=d.now))
+
+
+def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: float,
+         cfg: SchedulerConfig = SchedulerConfig()) -> Plan | None:
+    """The next state of `job`, given the live `nodes` and the `free` ones (in preference order).
+
+    Returns None when nothing changes. The plan only ever takes nodes from `free`.
+    """
+    if job.state.is_terminal():
+        return None
+    d = _Draft(job, now)
+
+    if job.state is S.PENDING:
+        ready = [n for n in free if nodes[n].state is NodeState.READY]
+        if len(ready) >= job.spec.nodes.min:
+            chosen = ready[: job.spec.nodes.max]
+            d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
+                   attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
+                   members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
+                   control=None, stopping=False)
+        return d.result(job)
+
+    # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone.
+    members = dict(job.members)
+    for name in sorted(members):
+        if members[name].is_live() and name not in nodes:
+            members[name] = members[name].model_copy(update={"state": "stopped",
+                                                            "reason": "node lost"})
+            d.update(members=dict(members))
+            d.note(f"node {name} lost (its lease lapsed)")
+
+    states = {m.state for m in d.job.members.values()}
+
+    if d.job.state is S.CANCELLING:
+        if not live_members(d.job):
+            d.move(S.CANCELLED, "cancelled; every worker has stopped", control=None)
+        elif not d.job.stopping:
+            if uses_runtime(d.job) and "running" in states:
+                _request_control(d, ControlAction.CHECKPOINT_STOP, "cancel requested")
+            if not uses_runtime(d.job) or _control_done(d.job, now, cfg.cancel_ack_timeout_s):
+                d.update(stopping=True)
+        return d.result(job)
+
+    ended = outcome.by_members(d.job.members)
+    if ended is not None:
+        stop = {"stopping": True} if ended.stops_workers else {}
+        d.move(ended.state, ended.reason, control=None, **stop)
+        return d.result(job)
+
+    # Drains: a member on a draining node leaves at a step boundary.
+    draining = [n for n in live_members(d.job) if nodes[n].state is NodeState.DRAINING]
+    if draining:
+        if uses_runtime(d.job) and d.job.control is None:
+            _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
+        if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
+            # The others restart under a new attempt: a paused rank 0 would not notice a
+            # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
+            members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
+                       if m.is_live() and n not in draining}
+            d.update(members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
+                     round_nodes=0, world_size=0)
+            d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
+
+    live = live_members(d.job)
+    lost = [n for n in job.members if job.members[n].is_live() and n not in nodes]
+    if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
+        # The survivors have not re-formed without the lost node (NCCL blocks in a collective
+        # with a dead peer instead of failing): restart them under a fresh rendezvous.
+        d.update(attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
+                 members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
+        d.note(f"restarting the {len(live)} remaining node(s) under a new rendezvous")
+    if len(live) < d.job.spec.nodes.min:
+        d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
+               "waiting for nodes (snapshots are kept)",
+               members={}, world_size=0, round_nodes=0, control=None)
+        return d.result(job)
+
+    # Scale-up: free ready nodes join a job below its max.
+    room = d.job.spec.nodes.max - len(live)
+    joining = [n for n in free if nodes[n].state is NodeState.READY][: max(room, 0)]
+    if joining and not draining:
+        if uses_runtime(d.job) and "running" in states:
+            _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"node(s) {', '.join(joining)} joining")
+        if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
+            members = dict(d.job.members)
+            for name in joining:
+                members[name] = MemberStatus(nproc=nodes[name].nproc_per_node)
+            d.update(members=members, control=None)
+            d.note(f"node(s) {', '.join(joining)} joined; scaling up")
+    elif d.job.control is not None and d.job.control.action is ControlAction.CHECKPOINT_PAUSE \
+            and not draining and _control_done(d.job, now, cfg.control_ack_timeout_s):
+        # The nodes it paused for went elsewhere: restart the group from the snapshot it took.
+        d.update(control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
+                 members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
+                          if m.is_live()})
+        d.note("the planned change was called off; restarting from the committed snapshot")
+    return d.result(job)
+
+
+def free_nodes(jobs: list[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:
+    """Live nodes that no active job holds, by name."""
+    held = {n for j in jobs if j.state.is_active() for n in live_members(j)}
+    return sorted(n for n in nodes if n not in held)
+
+
+def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
+             cfg: SchedulerConfig = SchedulerConfig()) -> list[Plan]:
+    """Plans for every job, pending jobs (oldest first) served before scale-ups."""
+    free = free_nodes(jobs, nodes)
+    order = sorted(jobs, key=lambda j: (j.state is not S.PENDING, j.created_at, j.id))
+    plans = []
+    for job in order:
+        p = plan(job, nodes, free, now, cfg)
+        if p is not None:
+            plans.append(p)
+            taken = set(live_members(p.job)) - set(live_members(job))
+            free = [n for n in free if n not in taken]
+    return plans

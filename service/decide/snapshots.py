@@ -1,0 +1,129 @@
+"""Snapshot commits and corrupt reports, progress, and rank 0's control request.
+
+Only a committed snapshot can become "latest", and only a commit from the job's current
+attempt is accepted: a rank 0 left over from an earlier attempt (a split group, a slow
+process that missed a restart) gets 409 and can never move "latest". "latest" only moves
+forward, except when the snapshot it names is found corrupt: then it falls back to the
+newest good one. A commit that carries a control id acknowledges that planned change
+(`control_for` stops showing it). Beyond `snapshot.keep`, the oldest are pruned, never
+the latest.
+
+(job, records, request, now) -> Decision: a Change of the job record and the snapshot
+records (written in one transaction by `service.snapshots.SnapshotStore`), and the files
+the writer should delete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.decide.change import Change
+from service.decide.state import note
+from service.errors import Conflict, SnapshotNotFound, StaleAttempt
+from service.models import JobRecord, Progress
+from service.store.api import Delete, Put
+from worker.protocol import (
+    CommitRequest,
+    ControlAction,
+    ControlView,
+    ProgressReport,
+    SnapshotRecord,
+)
+
+Records = dict[int, SnapshotRecord]
+
+
+@dataclass
+class Decision:
+    """A Change plus what the caller should answer (paths to prune)."""
+
+    change: Change | None
+    prune: list[str] = field(default_factory=list)
+
+
+def _check_writable(job: JobRecord, attempt: int | None, what: str) -> None:
+    if job.state.is_terminal():
+        raise Conflict(f"job {job.id} is {job.state.value}; its {what} can no longer change")
+    if attempt is not None and attempt != job.attempt:
+        raise StaleAttempt(f"attempt {attempt} of job {job.id} is over (the job is on attempt "
+                           f"{job.attempt}); a stale worker cannot write its {what}. Stop this worker.")
+
+
+def newest_good(records: Records) -> SnapshotRecord | None:
+    """The good (not corrupt) snapshot with the highest step."""
+    good = [r for r in records.values() if not r.bad]
+    return max(good, key=lambda r: r.step) if good else None
+
+
+def plan_prune(records: Records, latest_step: int | None, keep: int) -> list[int]:
+    """Steps to delete: all but the latest and the newest good ones, `keep` in all."""
+    kept: set[int] = set()
+    if latest_step is not None and latest_step in records:
+        kept.add(latest_step)
+    for rec in sorted(records.values(), key=lambda r: r.step, reverse=True):
+        if len(kept) >= keep:
+            break
+        if not rec.bad:
+            kept.add(rec.step)
+    return sorted(step for step in records if step not in kept)
+
+
+def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: float,
+                  snapshot_key: Callable[[int], str]) -> Decision:
+    """Record a snapshot; move latest only forward; ack a control id; prune beyond keep."""
+    _check_writable(job, req.attempt, "snapshots")
+    rec = SnapshotRecord(step=req.step, path=req.path, size=req.size, checksum=req.checksum,
+                         time=now, attempt=req.attempt, control_id=req.control_id,
+                         stall_s=req.stall_s, write_s=req.write_s)
+    records = {**records, req.step: rec}
+    update: dict = {}
+    latest = job.latest_snapshot
+    if latest is None or req.step >= latest.step:
+        latest = rec.meta()
+        update["latest_snapshot"] = latest
+    if req.control_id is not None and req.control_id >= job.control_acked:
+        update["control_acked"] = req.control_id
+        update["control_acked_step"] = req.step
+    pruned = plan_prune(records, latest.step, job.spec.snapshot.keep)
+    ops: list[Put | Delete] = [Put(snapshot_key(req.step), rec.model_dump_json().encode())]
+    ops += [Delete(snapshot_key(step)) for step in pruned]
+    # A re-commit of a pruned step's path would be deleted by the writer: never list the latest.
+    paths = [records[s].path for s in pruned if records[s].path != latest.path]
+    return Decision(Change(job.model_copy(update=update), [], ops), paths)
+
+
+def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now: float,
+                   snapshot_key: Callable[[int], str]) -> Decision:
+    """Mark a snapshot bad, note it in the job's events, move latest back to the newest good."""
+    rec = records.get(step)
+    if rec is None:
+        raise SnapshotNotFound(job.id, step)
+    if rec.bad:
+        return Decision(None)
+    bad = rec.model_copy(update={"bad": True})
+    records = {**records, step: bad}
+    latest = job.latest_snapshot
+    if latest is not None and latest.step == step:
+        good = newest_good(records)
+        latest = good.meta() if good else None
+    resume = f"step {latest.step}" if latest else "the start (no good snapshot left)"
+    changed, event = note(job, f"snapshot at step {step} is corrupt ({reason}); "
+                               f"resuming from {resume}", now)
+    changed = changed.model_copy(update={"latest_snapshot": latest})
+    return Decision(Change(changed, [event], [Put(snapshot_key(step), bad.model_dump_json().encode())]))
+
+
+def decide_progress(job: JobRecord, report: ProgressReport, now: float) -> Change:
+    """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job."""
+    _check_writable(job, report.attempt, "progress")
+    progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now)
+    return Change(job.model_copy(update={"progress": progress}))
+
+
+def control_for(job: JobRecord) -> ControlView:
+    """The request rank 0 should act on now: none once it has been acknowledged by a commit."""
+    ctl = job.control
+    if ctl is None or ctl.action is ControlAction.NONE or ctl.id <= job.control_acked:
+        return ControlView()
+    return ControlView(id=ctl.id, action=ctl.action, reason=ctl.reason)

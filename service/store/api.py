@@ -1,0 +1,132 @@
+"""The storage seam: the key-value operations ftrain's stores use, and nothing more.
+
+`KeyValue` is what etcd v3 offers ftrain: keys with a global revision, each key carrying
+the revision of its last change (`mod_revision`, the fencing token of every compare-and-set)
+and of its creation; transactions that apply only if each compared key is still at the
+revision read (0: only if absent); leases that delete their keys when they lapse; and
+watches that replay every change under a prefix from a given revision on.
+
+Two implementations: `service.store.etcd.EtcdStore` (production) and
+`service.store.memory.MemoryStore` (tests of the stores and decisions without a server).
+`tests/contract/test_kv.py` runs one suite against both, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+# The most operations one transaction may hold on either branch: etcd's default
+# --max-txn-ops. Callers with more split them (and say where that costs atomicity).
+MAX_TXN_OPS = 128
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int  # 0: not attached to a lease
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    key: str
+    value: bytes | None  # None for a delete
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+Op = Put | Delete
+
+
+class KeyValue(abc.ABC):
+    """A key-value store with revisions, compare-and-set transactions, leases and watches.
+
+    Every failure to reach the store is raised as `service.errors.StoreUnavailable`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Where the store is, for messages and /readyz."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> Entry | None:
+        """The entry at `key`, or None."""
+
+    @abc.abstractmethod
+    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+        """The entries at `keys`, in order (None where absent); one revision per MAX_TXN_OPS keys."""
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> list[Entry]:
+        """Every entry whose key starts with `prefix`, in key order."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        """Write `key` unconditionally (attached to `lease` if given)."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete `key` (nothing happens if it is absent)."""
+
+    @abc.abstractmethod
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every key starting with `prefix`."""
+
+    @abc.abstractmethod
+    async def commit(self, expect: dict[str, int], ops: Sequence[Op]) -> bool:
+        """Apply `ops` atomically iff every key in `expect` has that mod_revision (0: absent)."""
+
+    @abc.abstractmethod
+    async def commit_read(self, expect: dict[str, int], ops: Sequence[Op],
+                          read: str) -> tuple[bool, Entry | None]:
+        """Like `commit`, and read `read` in the same transaction (after `ops` if they applied).
+
+        A compare-and-set that must return the fencing token it wrote, or what won the race,
+        gets both atomically instead of with a second, racy read.
+        """
+
+    @abc.abstractmethod
+    async def revision(self) -> int:
+        """The store's current revision (for starting a watch after a read)."""
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds; returns its id."""
+
+    @abc.abstractmethod
+    async def refresh_lease(self, lease_id: int) -> bool:
+        """Keep a lease alive for another TTL; False if it has already expired (or never was)."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None:
+        """End a lease now, deleting its keys; an unknown lease is already gone."""
+
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     max_session_s: float = 60.0) -> AsyncIterator[WatchEvent]:
+        """Yield every change under `prefix` from `start_revision` on.
+
+        Ends quietly after `max_session_s` and raises StoreUnavailable when the stream
+        breaks: either way the caller re-reads and re-watches.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections; a later call may connect again."""

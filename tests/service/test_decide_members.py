@@ -1,0 +1,69 @@
+"""Member reports and registration as a table: which reports change the job."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.decide.members import AGENT_RESTARTED, decide_registered, decide_report, is_recorded
+from service.models import JobState
+from tests.service.records import NOW, make_job
+
+S = JobState
+LIVE = ["assigned", "running"]
+FINAL = ["succeeded", "failed", "stopped"]
+
+
+@pytest.mark.parametrize("job_state", [S.RUNNING, S.RECOVERING, S.CANCELLING])
+@pytest.mark.parametrize("before", LIVE)
+@pytest.mark.parametrize("report", ["running", *FINAL])
+def test_a_live_member_takes_any_new_state(job_state, before, report):
+    job = make_job(job_state, {"a": before, "b": "running"})
+    change = decide_report(job, "a", 1, report, 3, "why", NOW)
+    if report == before:
+        assert change is None
+        return
+    member = change.job.members["a"]
+    assert (member.state, member.exit_code, member.reason) == (report, 3, "why")
+    assert change.job.members["b"] == job.members["b"]
+    assert change.job.updated_at == NOW and change.job.state is job_state
+    assert change.events == [] and change.ops == []
+
+
+@pytest.mark.parametrize("before", FINAL)
+@pytest.mark.parametrize("report", ["running", *FINAL])
+def test_a_final_member_state_is_final_for_the_attempt(before, report):
+    assert decide_report(make_job(S.RUNNING, {"a": before}), "a", 1, report, 0, None, NOW) is None
+
+
+@pytest.mark.parametrize("job,node,attempt", [
+    (make_job(S.RUNNING, {"a": "running"}), "a", 0),  # an earlier attempt
+    (make_job(S.RUNNING, {"a": "running"}), "a", 2),  # a later one (never seen by this job)
+    (make_job(S.RUNNING, {"a": "running"}), "z", 1),  # not a member
+    (make_job(S.PENDING, {}), "a", 1),
+    (make_job(S.SUCCEEDED, {"a": "running"}), "a", 1),
+    (make_job(S.FAILED, {"a": "running"}), "a", 1),
+    (make_job(S.CANCELLED, {"a": "running"}), "a", 1),
+])
+def test_a_report_outside_the_current_attempt_or_a_live_job_changes_nothing(job, node, attempt):
+    assert decide_report(job, node, attempt, "failed", 1, "late", NOW) is None
+
+
+def test_registering_again_stops_what_the_node_ran():
+    change = decide_registered(make_job(S.RUNNING, {"a": "running", "b": "running"}), "a", 1, NOW)
+    member = change.job.members["a"]
+    assert (member.state, member.exit_code, member.reason) == ("stopped", None, AGENT_RESTARTED)
+
+
+def test_registering_again_after_the_attempt_moved_on_changes_nothing():
+    assert decide_registered(make_job(S.RUNNING, {"a": "running"}, attempt=2), "a", 1, NOW) is None
+
+
+@pytest.mark.parametrize("stored_state,attempt,report,recorded", [
+    ("failed", 1, "failed", True),
+    ("failed", 1, "running", False),  # the member moved on: that report was not applied
+    ("running", 0, "running", False),  # a stale attempt
+])
+def test_is_recorded(stored_state, attempt, report, recorded):
+    job = make_job(S.RUNNING, {"a": stored_state})
+    assert is_recorded(job, "a", attempt, report) is recorded
+    assert not is_recorded(job, "z", 1, report)

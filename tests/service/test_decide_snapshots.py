@@ -1,0 +1,163 @@
+"""Snapshot commits, corrupt reports, progress and control as tables (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.decide.snapshots import (
+    control_for,
+    decide_commit,
+    decide_corrupt,
+    decide_progress,
+    newest_good,
+)
+from service.errors import Conflict, SnapshotNotFound, StaleAttempt
+from service.models import Control, JobState
+from service.store.api import Delete, Put
+from tests.service.records import NOW, make_job
+from worker.protocol import (
+    CommitRequest,
+    ControlAction,
+    ControlView,
+    ProgressReport,
+    SnapshotMeta,
+    SnapshotRecord,
+)
+
+S = JobState
+
+
+def key(step: int) -> str:
+    return f"/snap/{step}"
+
+
+def rec(step: int, bad: bool = False) -> SnapshotRecord:
+    return SnapshotRecord(step=step, path=f"/s/{step}", size=1, checksum="c", attempt=1, bad=bad)
+
+
+def records(*steps: int, bad: tuple[int, ...] = ()) -> dict[int, SnapshotRecord]:
+    return {s: rec(s, s in bad) for s in steps}
+
+
+def meta(step: int) -> SnapshotMeta:
+    return rec(step).meta()
+
+
+def commit(step: int, attempt: int = 1, control_id: int | None = None) -> CommitRequest:
+    return CommitRequest(step=step, path=f"/s/{step}", size=1, checksum="c", attempt=attempt,
+                         control_id=control_id)
+
+
+# ------------------------------------------------------------------ commit
+
+@pytest.mark.parametrize("stored,latest,step,new_latest,pruned_steps", [
+    ((), None, 10, 10, []),
+    ((10, 20), 20, 30, 30, []),
+    ((10, 20, 30), 30, 40, 40, [10]),  # keep 3
+    ((10, 20, 30), 30, 30, 30, []),  # the same step again moves latest to the new record
+    ((10, 20, 30), 30, 25, 30, [10]),  # an older step is kept if it is among the newest
+])
+def test_commit_moves_latest_only_forward_and_prunes_beyond_keep(stored, latest, step, new_latest,
+                                                                 pruned_steps):
+    job = make_job(latest_snapshot=meta(latest) if latest else None)
+    decision = decide_commit(job, records(*stored), commit(step), NOW, key)
+    change = decision.change
+    assert change.job.latest_snapshot.step == new_latest
+    written = SnapshotRecord.model_validate_json(change.ops[0].value)
+    assert change.ops[0].key == key(step) and (written.step, written.time) == (step, NOW)
+    assert change.ops[1:] == [Delete(key(s)) for s in pruned_steps]
+    assert decision.prune == [f"/s/{s}" for s in pruned_steps if s != new_latest]
+    assert change.events == []
+
+
+def test_commit_never_lists_the_latest_path_to_delete():
+    job = make_job(keep=1, latest_snapshot=meta(30))
+    stored = records(30)
+    stored[20] = SnapshotRecord(step=20, path="/s/40", size=1, checksum="c", attempt=1)
+    decision = decide_commit(job, stored, commit(40), NOW, key)
+    assert [op.key for op in decision.change.ops if isinstance(op, Delete)] == [key(20), key(30)]
+    assert decision.prune == ["/s/30"]  # step 20's file is now step 40's: kept
+
+
+@pytest.mark.parametrize("acked,control_id,new_acked,acked_step", [
+    (0, None, 0, None), (0, 2, 2, 50), (3, 2, 3, None), (2, 2, 2, 50),
+])
+def test_commit_acknowledges_a_control_request_only_forward(acked, control_id, new_acked, acked_step):
+    job = make_job(control_acked=acked)
+    change = decide_commit(job, {}, commit(50, control_id=control_id), NOW, key).change
+    assert (change.job.control_acked, change.job.control_acked_step) == (new_acked, acked_step)
+
+
+@pytest.mark.parametrize("job,attempt,error", [
+    (make_job(attempt=2), 1, StaleAttempt),
+    (make_job(S.SUCCEEDED), 1, Conflict),
+    (make_job(S.CANCELLED), 1, Conflict),
+])
+def test_commit_is_refused_from_a_stale_attempt_or_to_a_finished_job(job, attempt, error):
+    with pytest.raises(error):
+        decide_commit(job, {}, commit(10, attempt=attempt), NOW, key)
+
+
+# ------------------------------------------------------------------ corrupt
+
+@pytest.mark.parametrize("stored,bad,latest,step,new_latest,resume", [
+    ((10, 20, 30), (), 30, 30, 20, "step 20"),
+    ((10, 20, 30), (20,), 30, 30, 10, "step 10"),
+    ((10, 20, 30), (), 30, 20, 30, "step 30"),  # not the latest: latest stays
+    ((10,), (), 10, 10, None, "the start (no good snapshot left)"),
+])
+def test_a_corrupt_snapshot_is_marked_bad_and_latest_falls_back(stored, bad, latest, step,
+                                                                new_latest, resume):
+    job = make_job(latest_snapshot=meta(latest))
+    change = decide_corrupt(job, records(*stored, bad=bad), step, "checksum mismatch", NOW, key).change
+    assert (change.job.latest_snapshot.step if change.job.latest_snapshot else None) == new_latest
+    assert [e.reason for e in change.events] == [
+        f"snapshot at step {step} is corrupt (checksum mismatch); resuming from {resume}"]
+    (op,) = change.ops
+    assert isinstance(op, Put) and op.key == key(step)
+    assert SnapshotRecord.model_validate_json(op.value).bad
+
+
+def test_a_snapshot_reported_corrupt_twice_changes_nothing_the_second_time():
+    assert decide_corrupt(make_job(), records(10, bad=(10,)), 10, "x", NOW, key).change is None
+
+
+def test_a_corrupt_report_of_an_unknown_step_is_not_found():
+    with pytest.raises(SnapshotNotFound):
+        decide_corrupt(make_job(), records(10), 20, "x", NOW, key)
+
+
+def test_newest_good_skips_bad_ones():
+    assert newest_good(records(10, 20, 30, bad=(30,))).step == 20
+    assert newest_good(records(10, bad=(10,))) is None
+
+
+# ------------------------------------------------------------------ progress and control
+
+def test_progress_is_recorded_with_the_time_it_arrived():
+    change = decide_progress(make_job(), ProgressReport(step=7, loss=0.5, samples_per_s=9.0), NOW)
+    assert change.job.progress.model_dump() == {"step": 7, "loss": 0.5, "samples_per_s": 9.0,
+                                                "time": NOW}
+
+
+@pytest.mark.parametrize("job,attempt,error", [
+    (make_job(attempt=2), 1, StaleAttempt),
+    (make_job(S.FAILED), None, Conflict),
+])
+def test_progress_is_refused_from_a_stale_attempt_or_to_a_finished_job(job, attempt, error):
+    with pytest.raises(error):
+        decide_progress(job, ProgressReport(step=1, attempt=attempt), NOW)
+
+
+def pause(control_id: int) -> Control:
+    return Control(id=control_id, action=ControlAction.CHECKPOINT_PAUSE, reason="join", requested_at=1)
+
+
+@pytest.mark.parametrize("control,acked,view", [
+    (None, 0, ControlView()),
+    (pause(2), 1, ControlView(id=2, action=ControlAction.CHECKPOINT_PAUSE, reason="join")),
+    (pause(2), 2, ControlView()),  # acknowledged by a commit
+    (Control(id=3, action=ControlAction.NONE, reason="", requested_at=1), 0, ControlView()),
+])
+def test_control_for_shows_a_request_until_it_is_acknowledged(control, acked, view):
+    assert control_for(make_job(control=control, control_acked=acked)) == view

@@ -1,0 +1,175 @@
+"""The stores on the in-memory KeyValue: nodes, logs, and a scheduler pass over them.
+
+The KeyValue contract (tests/contract/test_kv.py) makes MemoryStore stand in for etcd,
+so these run without a process and with a clock the test moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service import scheduler
+from service.context import Context
+from service.decide.scheduling import SchedulerConfig
+from service.errors import NodeNotFound
+from service.models import JobSpec, JobState, NodeState
+from service.settings import Settings
+from service.store.memory import MemoryStore
+from worker.protocol import LogLineIn, LogShipment
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def context(clock: ManualClock | None = None, **settings) -> Context:
+    return Context.wire(Settings(**settings), MemoryStore(clock or ManualClock()))
+
+
+# ------------------------------------------------------------------ nodes
+
+def test_a_registered_node_is_listed_and_lives_while_it_heartbeats():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        lease = await ctx.nodes.register("n0", 2, "10.0.0.1", ttl_s=6)
+        (record,) = (await ctx.nodes.list()).values()
+        assert (record.name, record.nproc_per_node, record.address, record.lease_id) == \
+            ("n0", 2, "10.0.0.1", lease)
+        for _ in range(5):
+            clock.now += 4
+            await ctx.nodes.heartbeat("n0", lease)
+        await ctx.nodes.heartbeat("n0", None)  # without its lease id: read from the record
+        clock.now += 7
+        assert await ctx.nodes.list() == {}
+        with pytest.raises(NodeNotFound):
+            await ctx.nodes.heartbeat("n0", lease)
+        with pytest.raises(NodeNotFound):
+            await ctx.nodes.heartbeat("n0", None)
+
+    asyncio.run(main())
+
+
+def test_registering_again_replaces_the_lease_and_ends_the_old_one():
+    async def main():
+        ctx = context()
+        first = await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        second = await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        assert first != second
+        assert not await ctx.kv.refresh_lease(first)
+        assert (await ctx.nodes.list())["n0"].lease_id == second
+
+    asyncio.run(main())
+
+
+def test_drain_marks_the_node_and_keeps_it_on_its_lease():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        lease = await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        assert (await ctx.nodes.drain("n0")).state is NodeState.DRAINING
+        assert (await ctx.nodes.drain("n0")).state is NodeState.DRAINING  # twice is fine
+        assert (await ctx.kv.get(ctx.keys.node("n0"))).lease == lease
+        clock.now += 7
+        with pytest.raises(NodeNotFound):
+            await ctx.nodes.drain("n0")
+
+    asyncio.run(main())
+
+
+def test_deregister_removes_the_node_at_once_and_is_idempotent():
+    async def main():
+        ctx = context()
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        await ctx.nodes.deregister("n0")
+        assert await ctx.nodes.list() == {}
+        await ctx.nodes.deregister("n0")
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ logs
+
+def shipment(node: str, *lines: tuple[int | None, str]) -> LogShipment:
+    return LogShipment(node=node, attempt=1, lines=[
+        LogLineIn(rank=rank, line=text, time=1.0) for rank, text in lines])
+
+
+def test_logs_read_back_in_order_resume_from_a_seq_and_filter_by_rank():
+    async def main():
+        ctx = context()
+        ns = iter(range(1, 100))
+        ctx.logs.clock_ns = lambda: next(ns)
+        await ctx.logs.ship("j", shipment("a", (0, "a0"), (1, "a1")))
+        await ctx.logs.ship("j", shipment("b", (None, "agent says"), (0, "b0")))
+        await ctx.logs.ship("j", shipment("b"))  # nothing to store
+        lines = await ctx.logs.read_lines("j")
+        assert [(x.node, x.rank, x.line, x.attempt) for x in lines] == [
+            ("a", 0, "a0", 1), ("a", 1, "a1", 1), ("b", None, "agent says", 1), ("b", 0, "b0", 1)]
+        assert [x.line for x in await ctx.logs.read_lines("j", since=lines[1].seq)] == \
+            ["a1", "agent says", "b0"]
+        assert [x.line for x in await ctx.logs.read_lines("j", rank=0)] == ["a0", "b0"]
+        assert await ctx.logs.last_lines("j", 2) == ["[rank1] a1", "[rank0] b0"]
+
+    asyncio.run(main())
+
+
+def test_logs_keep_only_the_newest_chunks_within_the_cap():
+    async def main():
+        ctx = context(log_keep_lines=3)
+        for i in range(4):
+            await ctx.logs.ship("j", shipment("a", (0, f"{i}.0"), (0, f"{i}.1")))
+        assert [x.line for x in await ctx.logs.read_lines("j")] == ["3.0", "3.1"]
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ a scheduler pass
+
+def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+        started = await ctx.jobs.get(job.id)
+        assert (started.state, list(started.members), started.attempt) == (JobState.RUNNING, ["n0"], 1)
+        clock.now += 7  # the node's lease lapses: the job goes back to waiting
+        await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+        assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_the_job_index_follows_the_store_and_wakes_a_waiting_heartbeat():
+    async def main():
+        ctx = context()
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        index = asyncio.create_task(ctx.index.run())
+        try:
+            await asyncio.wait_for(ctx.index.ready.wait(), 5)
+            assert ctx.index.active_ids() == [job.id] and ctx.index.job_of_node("n0") is None
+            waiting = asyncio.create_task(
+                ctx.index.wait_until(lambda: ctx.index.job_of_node("n0") is not None, 5))
+            await asyncio.sleep(0)
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            assert await asyncio.wait_for(waiting, 5)
+            assert ctx.index.job_of_node("n0").id == job.id
+            await ctx.jobs.move(job.id, JobState.CANCELLING, "test")
+            await ctx.jobs.move(job.id, JobState.CANCELLED, "test")
+            assert await ctx.index.wait_until(lambda: ctx.index.active_ids() == [], 5)
+            assert ctx.index.job_of_node("n0") is None
+        finally:
+            index.cancel()
+            await asyncio.gather(index, return_exceptions=True)
+
+    asyncio.run(main())
