@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from service.etcd import Etcd
 from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobRecord
+from service.store.etcd import EtcdStore
 from worker.links import ControlRequest, Fenced, Link, LinkError, LocalLink, ServiceLink
 from worker.snapshot import WrittenSnapshot
 
@@ -24,7 +24,7 @@ SPEC = {"name": "link", "command": ["python", "train.py"], "snapshot": {"every_s
 
 def _job_store(etcd_endpoint: str, use):
     async def run():
-        etcd = Etcd(etcd_endpoint)
+        etcd = EtcdStore(etcd_endpoint)
         try:
             return await use(JobStore(etcd, Keys()))
         finally:
