@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from worker.env import JOB_KNOBS
 from worker.protocol import ControlAction, Progress, SnapshotMeta
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -16,8 +17,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 # The service sets these itself; a spec may not override them.
-# The job's own knobs among the FTRAIN_* names: log level, pre-started workers (worker/zygote.py).
-USER_FTRAIN_ENV = ("FTRAIN_LOG_LEVEL", "FTRAIN_PRESTART", "FTRAIN_PRESTART_IMPORTS")
+# The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
+USER_FTRAIN_ENV = JOB_KNOBS
 RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
 

@@ -20,8 +20,8 @@ from service.models import Control, ControlAction, JobRecord
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import REPO, wait_for
 from worker import snapshot as snap
+from worker.links import LocalLink
 from worker.protocol import SnapshotRecord
-from worker.runtime import LocalLink
 
 SPEC = {"name": "snap", "command": ["python", "train.py"], "snapshot": {"every_steps": 10, "keep": 3}}
 
