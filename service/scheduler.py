@@ -4,7 +4,9 @@ The loop (`run`) runs only on the elected leader among control-plane replicas. O
 every change under the job and node prefixes (an etcd watch) and at least every
 `scheduler_interval_s`, it reads the nodes and the unfinished jobs and applies `plan`
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
-compare-and-set, so a decision is never written over a change it did not see.
+compare-and-set, so a decision is never written over a change it did not see. Then it
+watches the running jobs for hangs (`service.decide.hangs`; the clocks it keeps for that
+live in this loop's memory, `watches`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import contextlib
 import logging
 import time
 
+from service.decide import hangs
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord
+from service.models import JobRecord, NodeRecord
 from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
 from service.store.api import KeyValue, Put
@@ -40,10 +43,17 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
-               last_reason: dict[str, str]) -> None:
-    """One pass: read, plan, and apply each plan by compare-and-set."""
+               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None) -> None:
+    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
+    await _schedule(jobs, live_nodes, active, cfg, last_reason)
+    if watches is not None:
+        await watch_hangs(jobs, active, watches)
+
+
+async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
+                    cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
     for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
         job_id = p.job.id
 
@@ -65,6 +75,42 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
+
+
+def progress_step(job: JobRecord) -> int | None:
+    """Rank 0's last reported step: the one place the hang watch reads progress from."""
+    return job.progress.step if job.progress is not None else None
+
+
+async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
+                      watches: dict[str, hangs.Watch]) -> None:
+    """Advance each active job's hang clock; restart (or fail) the jobs that hang."""
+    for job_id in [j for j in watches if j not in active]:
+        del watches[job_id]
+    now = jobs.clock()
+    for job in list(active.values()):
+        if job.state.is_terminal():
+            watches.pop(job.id, None)
+            continue
+        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, progress_step(job), now)
+        if hangs.decide_hang(job, seen.step, seen.since, now) is None:
+            continue
+
+        def decide(current: JobRecord, seen: hangs.Watch = seen) -> Change | None:
+            # A job that moved on since it was read (a new step, a new group) is no hang.
+            again = hangs.observe(seen, current, progress_step(current), now)
+            return hangs.decide_hang(current, again.step, again.since, now)
+
+        try:
+            new = await jobs.update(job.id, decide)
+        except FtrainError as exc:
+            log.warning("restarting hung job %s failed: %s", job.id, exc)
+            continue
+        log.info("job %s: %s", job.id, new.reason)
+        active[job.id] = new
+        watches[job.id] = hangs.observe(None, new, progress_step(new), now)
+        if new.state.is_terminal():
+            await _cleanup(jobs, job.id)
 
 
 async def _cleanup(jobs: JobStore, job_id: str) -> None:
@@ -122,6 +168,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     index.wake_on_change(wake)
     watcher = asyncio.create_task(_watch_changes(nodes, wake))
     last_reason: dict[str, str] = {}
+    watches: dict[str, hangs.Watch] = {}
     last_lead_check = 0.0
     leading = False
     try:
@@ -131,7 +178,9 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                 if leading:
-                    await tick(jobs, nodes, index, cfg, last_reason)
+                    await tick(jobs, nodes, index, cfg, last_reason, watches)
+                else:
+                    watches.clear()  # another replica keeps the clocks while it leads
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)
