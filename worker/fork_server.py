@@ -317,6 +317,7 @@ class Child:
                 break
             self._heard += data
             *lines, self._heard = self._heard.split(b"\n")
+            self._heard = self._heard[-64:]  # the worker writes short lines; never hold more
             for line in lines:
                 word, _, arg = line.partition(b" ")
                 if word == RETURNED and arg.isdigit():
