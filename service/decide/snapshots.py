@@ -36,10 +36,11 @@ Records = dict[int, SnapshotRecord]
 
 @dataclass
 class Decision:
-    """A Change plus what the caller should answer (paths to prune)."""
+    """A Change plus what the caller should answer: the record committed, paths to prune."""
 
     change: Change | None
     prune: list[str] = field(default_factory=list)
+    committed: SnapshotRecord | None = None
 
 
 def _check_writable(job: JobRecord, attempt: int | None, what: str) -> None:
@@ -86,11 +87,15 @@ def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: flo
         update["control_acked"] = req.control_id
         update["control_acked_step"] = req.step
     pruned = plan_prune(records, latest.step, job.spec.snapshot.keep)
-    ops: list[Put | Delete] = [Put(snapshot_key(req.step), rec.model_dump_json().encode())]
+    # An older step committed beyond `keep` is itself the one pruned: it is not stored (one
+    # transaction may not both put and delete a key), and its file goes back to be deleted.
+    ops: list[Put | Delete] = []
+    if req.step not in pruned:
+        ops.append(Put(snapshot_key(req.step), rec.model_dump_json().encode()))
     ops += [Delete(snapshot_key(step)) for step in pruned]
     # A re-commit of a pruned step's path would be deleted by the writer: never list the latest.
     paths = [records[s].path for s in pruned if records[s].path != latest.path]
-    return Decision(Change(job.model_copy(update=update), [], ops), paths)
+    return Decision(Change(job.model_copy(update=update), [], ops), paths, committed=rec)
 
 
 def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now: float,

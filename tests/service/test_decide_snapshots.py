@@ -70,6 +70,19 @@ def test_commit_moves_latest_only_forward_and_prunes_beyond_keep(stored, latest,
     assert change.events == []
 
 
+@pytest.mark.parametrize("stored,step", [((10, 20, 30), 5), ((10, 20, 30, 40), 10)])
+def test_an_older_step_committed_beyond_keep_is_pruned_not_stored(stored, step):
+    job = make_job(latest_snapshot=meta(max(stored)))
+    decision = decide_commit(job, records(*stored), commit(step), NOW, key)
+    ops = decision.change.ops
+    assert not any(isinstance(op, Put) for op in ops)
+    assert len({op.key for op in ops}) == len(ops)  # etcd refuses a key twice in one txn
+    assert key(step) in [op.key for op in ops]
+    assert f"/s/{step}" in decision.prune
+    assert decision.committed.step == step
+    assert decision.change.job.latest_snapshot.step == max(stored)
+
+
 def test_commit_never_lists_the_latest_path_to_delete():
     job = make_job(keep=1, latest_snapshot=meta(30))
     stored = records(30)
