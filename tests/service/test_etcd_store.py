@@ -10,6 +10,8 @@ import pytest
 
 from service.errors import StoreUnavailable
 from service.store.etcd import EtcdStore
+from tests.helpers.processes import wait_for
+from worker.procs import state_of
 
 
 def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
@@ -21,6 +23,10 @@ def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etc
         client = EtcdStore(etcd.endpoint, timeout_s=1)
         await client.put("/t/x", b"1")
         etcd.proc.send_signal(signal.SIGSTOP)
+        # kill() only queues the stop: on a busy machine etcd can still answer a request or
+        # two before it is scheduled out. Start once it is really stopped.
+        wait_for(lambda: state_of(etcd.proc.pid) in ("T", "t"), timeout_s=10,
+                 what="etcd to stop on SIGSTOP")
         try:
             async def one() -> BaseException | None:
                 try:
