@@ -1,4 +1,5 @@
-"""Background loops of a control plane (the job index, the scheduler), run by the lifespan."""
+"""Background loops of a control plane (the job index, the scheduler, compaction), run by
+the lifespan."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from service import scheduler
+from service import compaction, scheduler
 from service.context import Context
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,8 @@ async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
         name="scheduler"))
+    ctx.tasks.append(asyncio.create_task(
+        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
 
 
 async def stop(ctx: Context) -> None:

@@ -22,6 +22,18 @@ class StoreUnavailable(FtrainError):
     status_code = 503
 
 
+class StoreFull(StoreUnavailable):
+    """etcd's NOSPACE alarm is raised: it refuses writes until an operator frees space."""
+
+
+class HistoryCompacted(StoreUnavailable):
+    """A watch asked for history that was compacted away: re-read, then watch from there."""
+
+    def __init__(self, message: str, compact_revision: int):
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
 class JobNotFound(FtrainError):
     status_code = 404
 

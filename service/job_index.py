@@ -4,7 +4,8 @@ Node heartbeats ask "which job is mine?" every second; answering that from etcd 
 cost a range read of every job per heartbeat. The scheduler asks it which jobs are not
 finished (and then reads those from etcd), so finished jobs, which pile up, are not read
 on every tick. The index is read once, then kept current
-by a watch from the revision of that read; a broken watch re-reads and re-watches. It is
+by a watch from the revision of that read; a broken watch, or one whose history was
+compacted away (HistoryCompacted), re-reads and re-watches. It is
 only used where a slightly stale answer is harmless (assignments are re-sent on the next
 heartbeat); every write still goes to etcd as a compare-and-set.
 """
@@ -16,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, StoreUnavailable
 from service.keys import Keys
 from service.models import JobRecord
 from service.store.api import KeyValue
@@ -76,9 +77,13 @@ class JobIndex:
                     if m.is_live():
                         self._by_node[n] = job_id
 
-    def _wake(self) -> None:
+    async def _notify(self) -> None:
+        """Tell the scheduler and every waiter that the index changed (a re-read after a
+        broken or compacted watch included: what it missed may be what they wait for)."""
         for event in self._wakes:
             event.set()
+        async with self.changed:
+            self.changed.notify_all()
 
     async def run(self) -> None:
         """Read every job, then follow the watch; re-read after a broken watch. Runs until cancelled."""
@@ -92,13 +97,14 @@ class JobIndex:
                 for e in entries:
                     self._apply(JobRecord.model_validate_json(e.value), e.key[len(prefix):])
                 self.ready.set()
-                self._wake()
+                await self._notify()
                 async for ev in self._kv.watch_prefix(prefix, revision + 1):
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     self._apply(job, ev.key[len(prefix):])
-                    self._wake()
-                    async with self.changed:
-                        self.changed.notify_all()
+                    await self._notify()
+            except HistoryCompacted as exc:  # not an outage: read again at once
+                log.info("job index: %s", exc.message)
+                continue
             except StoreUnavailable as exc:
                 log.debug("job index: %s", exc.message)
             except asyncio.CancelledError:

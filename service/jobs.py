@@ -22,9 +22,10 @@ from service.decide.change import Change
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound
 from service.keys import Keys
-from service.models import EventView, JobRecord, JobSpec, JobState
+from service.models import EventView, JobRecord, JobSpec, JobState, JobView
 from service.store import cas
 from service.store.api import Delete, KeyValue, Put
+from worker.protocol import Progress
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -101,6 +102,18 @@ class JobStore:
         entries = await self.kv.get_many([self.keys.job(i) for i in job_ids])
         return [JobRecord.model_validate_json(e.value) for e in entries if e is not None]
 
+    async def view(self, job_id: str) -> JobView:
+        """The job as users see it: the record and its progress, read at one revision."""
+        entry, progress = await self.kv.get_many([self.keys.job(job_id), self.keys.progress(job_id)])
+        if entry is None:
+            raise JobNotFound(job_id)
+        return JobRecord.model_validate_json(entry.value).view(_progress(progress))
+
+    async def views(self, jobs: list[JobRecord]) -> list[JobView]:
+        """The views of `jobs`, each with its progress (one read per MAX_TXN_OPS jobs)."""
+        progress = await self.kv.get_many([self.keys.progress(j.id) for j in jobs])
+        return [job.view(_progress(p)) for job, p in zip(jobs, progress, strict=True)]
+
     async def list(self) -> list[JobRecord]:
         """Every job, oldest first (a read of all of them: the index knows the unfinished ones)."""
         entries = await self.kv.get_prefix(self.keys.jobs)
@@ -141,6 +154,10 @@ class JobStore:
             return Change(changed, [event])
 
         return await self.update(job_id, decide)
+
+
+def _progress(entry) -> Progress | None:
+    return None if entry is None else Progress.model_validate_json(entry.value)
 
 
 def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:

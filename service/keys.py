@@ -1,6 +1,9 @@
 """Where each piece of state lives in etcd (one place, so the layout can be read at once).
 
-    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS
+    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS, on real
+                                         transitions only (not on progress)
+    <prefix>/progress/<id>               rank 0's latest Progress, at most one write per
+                                         progress_min_interval_s, fenced on the job record
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
     <prefix>/idempotency/<sha256>        {"job_id", "spec_hash"} for Idempotency-Key
     <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
@@ -24,6 +27,9 @@ class Keys:
     @property
     def jobs(self) -> str:
         return f"{self.prefix}/jobs/"
+
+    def progress(self, job_id: str) -> str:
+        return f"{self.prefix}/progress/{job_id}"
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}/events/{job_id}/"

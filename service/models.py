@@ -166,7 +166,9 @@ class JobRecord(BaseModel):
     rounds: int = 0
     event_seq: int = 0
     latest_snapshot: SnapshotMeta | None = None
-    progress: Progress | None = None
+    # Set by the job's first progress report: its rank 0 runs the ftrain runtime, so it can
+    # acknowledge planned changes. The reports themselves live under `keys.progress(id)`.
+    reports_progress: bool = False
     finished_at: float | None = None
     # Planned membership changes: the request to rank 0, and the id it last acknowledged
     # (by committing a snapshot with that control id) with the step it stopped at.
@@ -178,18 +180,27 @@ class JobRecord(BaseModel):
     # When the current round of the rendezvous formed, and with how many nodes.
     round_nodes: int = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _progress_moved_out(cls, data):
+        # Records written before progress had a key of its own carried it here.
+        if isinstance(data, dict) and data.get("progress") is not None:
+            data = {**data, "reports_progress": True}
+        return data
+
     @property
     def rdzv_id(self) -> str:
         return f"{self.id}-a{self.attempt}"
 
-    def view(self) -> JobView:
+    def view(self, progress: Progress | None = None) -> JobView:
+        """What users see of the job; `progress` is read from its own key."""
         return JobView(
             id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
             spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
-            latest_snapshot=self.latest_snapshot, progress=self.progress,
+            latest_snapshot=self.latest_snapshot, progress=progress,
         )
 
 

@@ -88,7 +88,11 @@ async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
 
 
 class Leadership:
-    """Leader election over one etcd key bound to a lease (one scheduler at a time)."""
+    """Leader election over one etcd key bound to a lease (one scheduler at a time).
+
+    The scheduler loop calls `hold` about once a second; the other leader-only loops
+    (`service.compaction`) read `leading`, the answer of the last call.
+    """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
         self.kv = kv
@@ -96,19 +100,24 @@ class Leadership:
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
+        self.leading = False
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
+        self.leading = False
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
+                self.leading = True
                 return True
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
-        return await self.kv.commit({self.key: 0},
-                                    [Put(self.key, self.identity.encode(), self.lease_id)])
+        self.leading = await self.kv.commit({self.key: 0},
+                                            [Put(self.key, self.identity.encode(), self.lease_id)])
+        return self.leading
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
+        self.leading = False
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
