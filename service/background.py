@@ -8,16 +8,27 @@ import logging
 
 from service import scheduler
 from service.context import Context
+from service.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 
 async def start(ctx: Context) -> None:
+    await _drop_legacy_logs(ctx)
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
         name="scheduler"))
+
+
+async def _drop_legacy_logs(ctx: Context) -> None:
+    """Delete the log chunks that versions before the log root kept in etcd (one range delete,
+    however many there are; nothing when there are none)."""
+    try:
+        await ctx.kv.delete_prefix(ctx.keys.legacy_logs)
+    except StoreUnavailable as exc:  # etcd away at start-up: the next start does it
+        log.warning("could not delete the old log chunks under %s: %s", ctx.keys.legacy_logs, exc)
 
 
 async def stop(ctx: Context) -> None:

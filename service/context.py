@@ -47,4 +47,4 @@ class Context:
         jobs = JobStore(kv, keys)
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs), progress=ProgressStore(jobs),
-                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys))
+                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys))

@@ -22,6 +22,12 @@ class StoreUnavailable(FtrainError):
     status_code = 503
 
 
+class LogStorageUnavailable(FtrainError):
+    """The log root could not be read or written (missing, full, an I/O error); worth retrying."""
+
+    status_code = 503
+
+
 class JobNotFound(FtrainError):
     status_code = 404
 

@@ -27,4 +27,9 @@ class Settings(BaseSettings):
     snapshot_root: str | None = Field(
         None, description="Directory every node sees; each job snapshots under <root>/<job id>."
     )
-    log_keep_lines: int = Field(20000, gt=0, description="Worker log lines kept per job.")
+    log_root: str = Field(
+        ".ftrain/job-logs",
+        description="Directory of the workers' logs (a folder per job); with several control-plane "
+                    "replicas, one directory they all share (NFS or similar, with POSIX locks).")
+    log_cap_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024,
+                               description="Bytes of log kept per job; the oldest are cut past it.")
