@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,8 @@ from pathlib import Path
 from service.errors import LogStorageUnavailable
 from service.models import LogLine, LogPage
 from worker.protocol import LogShipment
+
+log = logging.getLogger(__name__)
 
 SEGMENTS_PER_CAP = 8  # a job's log is cut a segment at a time: 1/8 of the cap
 PAGE_LIMIT = 1000  # lines a page holds unless the reader asks for fewer (or more)
@@ -98,8 +101,16 @@ class LogStore:
         return await self._io("read the log of", job_id, self._read, job_id, since, limit, rank)
 
     async def last_lines(self, job_id: str, n: int) -> list[str]:
-        """The last `n` worker lines of a job, as text (for failure reasons); reads the tail only."""
-        return await self._io("read the log of", job_id, self._tail, job_id, n)
+        """The last `n` worker lines of a job, as text (for failure reasons); reads the tail only.
+
+        Best effort: a log root that cannot be read costs the quote, never the caller's
+        request (a rendezvous round report must not fail for it).
+        """
+        try:
+            return await self._io("read the log of", job_id, self._tail, job_id, n)
+        except LogStorageUnavailable as exc:
+            log.warning("%s", exc)
+            return [f"(the job's last lines could not be read: {exc.__cause__})"]
 
     async def delete(self, job_id: str) -> None:
         """Remove every file of the job's log (retention of a finished job)."""

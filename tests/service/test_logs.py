@@ -170,6 +170,8 @@ def test_a_log_root_that_cannot_be_written_is_a_503_that_says_where(tmp_path):
     with pytest.raises(LogStorageUnavailable) as err:
         run(store.ship("j", shipment("a", (0, "x"))))
     assert err.value.status_code == 503 and str(blocker) in err.value.message
+    # The failure reason's quote is best effort: it says why it is missing instead of failing.
+    assert ["could not be read" in x for x in run(store.last_lines("j", 5))] == [True]
 
 
 def test_records_on_disk_are_one_json_object_a_line(tmp_path):
