@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import background
 from service.context import Context
-from service.errors import FtrainError, InvalidTransition, StoreUnavailable
+from service.errors import FtrainError, InvalidTransition, LogStorageUnavailable, StoreUnavailable
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots
 from service.settings import Settings
 
@@ -49,7 +49,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = {}
         if isinstance(exc, InvalidTransition):
             body["state"] = exc.state
-        if isinstance(exc, StoreUnavailable):
+        if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
             headers["Retry-After"] = "1"
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
 

@@ -9,11 +9,13 @@ import logging
 
 from service import compaction, scheduler
 from service.context import Context
+from service.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 
 async def start(ctx: Context) -> None:
+    await _drop_legacy_logs(ctx)
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
@@ -21,6 +23,15 @@ async def start(ctx: Context) -> None:
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
+
+
+async def _drop_legacy_logs(ctx: Context) -> None:
+    """Delete the log chunks that versions before the log root kept in etcd (one range delete,
+    however many there are; nothing when there are none)."""
+    try:
+        await ctx.kv.delete_prefix(ctx.keys.legacy_logs)
+    except StoreUnavailable as exc:  # etcd away at start-up: the next start does it
+        log.warning("could not delete the old log chunks under %s: %s", ctx.keys.legacy_logs, exc)
 
 
 async def stop(ctx: Context) -> None:

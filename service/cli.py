@@ -23,7 +23,9 @@ import click
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 from worker.env import (
     FTRAIN_ETCD_ENDPOINTS,
+    FTRAIN_LOG_CAP_BYTES,
     FTRAIN_LOG_LEVEL,
+    FTRAIN_LOG_ROOT,
     FTRAIN_NODE_TOKEN,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_ROOT,
@@ -54,8 +56,14 @@ def _is_loopback(host: str) -> bool:
 @click.option("--node-token", envvar=FTRAIN_NODE_TOKEN, help="Node bearer token.")
 @click.option("--snapshot-root", envvar=FTRAIN_SNAPSHOT_ROOT,
               help="Directory every node sees; jobs snapshot under <root>/<job id>.")
+@click.option("--log-root", envvar=FTRAIN_LOG_ROOT, show_default="./.ftrain/job-logs",
+              help="Directory of the workers' logs (a folder per job), shared by every control-plane "
+                   "replica (NFS or similar, with POSIX locks).")
+@click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
+              show_default="67108864 (64 MiB)",
+              help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
-          snapshot_root: str | None) -> None:
+          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
 
@@ -65,8 +73,9 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
+    logs = {k: v for k, v in (("log_root", log_root), ("log_cap_bytes", log_cap_bytes)) if v is not None}
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
-                        snapshot_root=snapshot_root)
+                        snapshot_root=snapshot_root, **logs)
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
@@ -256,20 +265,21 @@ def _log_line(item: dict) -> str:
 @click.option("--rank", type=int, help="Only this global rank.")
 @_client_options
 def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: int | None) -> None:
-    """A job's worker output (stdout and stderr of every rank)."""
+    """A job's worker output (stdout and stderr of every rank); --json: one line of JSON each."""
     try:
         if follow:
             for item in client.follow_logs(job_id, rank):
                 click.echo(json.dumps(item) if as_json else _log_line(item))
             return
-        page = client.logs(job_id, rank)
+        for i, page in enumerate(client.log_pages(job_id, rank)):
+            if i == 0 and page.get("cut_lines"):
+                click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) of "
+                           f"this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
+                           err=True)
+            for item in page.get("items", []):
+                click.echo(json.dumps(item) if as_json else _log_line(item))
     except KeyboardInterrupt:
         return
-    if as_json:
-        _print_json(page)
-        return
-    for item in page.get("items", []):
-        click.echo(_log_line(item))
 
 
 @main.command()

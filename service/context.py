@@ -48,4 +48,4 @@ class Context:
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
-                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys))
+                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys))

@@ -34,6 +34,12 @@ class HistoryCompacted(StoreUnavailable):
         self.compact_revision = compact_revision
 
 
+class LogStorageUnavailable(FtrainError):
+    """The log root could not be read or written (missing, full, an I/O error); worth retrying."""
+
+    status_code = 503
+
+
 class JobNotFound(FtrainError):
     status_code = 404
 

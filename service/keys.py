@@ -10,7 +10,8 @@
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
-    <prefix>/logs/<id>/<seq>             chunks of worker log lines
+    <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
+                                         deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
 """
 
@@ -66,11 +67,9 @@ class Keys:
     def snapshot(self, job_id: str, step: int) -> str:
         return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
 
-    def logs(self, job_id: str) -> str:
-        return f"{self.prefix}/logs/{job_id}/"
-
-    def log(self, job_id: str, seq: int) -> str:
-        return f"{self.prefix}/logs/{job_id}/{seq:012d}"
+    @property
+    def legacy_logs(self) -> str:
+        return f"{self.prefix}/logs/"
 
     @property
     def leader(self) -> str:

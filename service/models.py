@@ -272,7 +272,8 @@ class NodeList(BaseModel):
 
 
 class LogLine(BaseModel):
-    seq: int
+    seq: int = Field(..., description="The line's byte offset in the job's log: stable; "
+                                      "`?since=seq` reads from this line on.")
     time: float
     node: str
     rank: int | None
@@ -282,5 +283,13 @@ class LogLine(BaseModel):
 
 
 class LogPage(BaseModel):
+    """A page of a job's log, and what the per-job cap has cut from its start."""
+
     items: list[LogLine]
-    next_seq: int
+    next_seq: int = Field(..., description="Pass it as `since` for the next page.")
+    end_seq: int = Field(..., description="Where the log ends now: `next_seq == end_seq` means "
+                                          "this page read to the end.")
+    first_seq: int = Field(..., description="The oldest line still kept; earlier ones were cut.")
+    cut_bytes: int = Field(..., description="Bytes of the log cut by the cap (its oldest).")
+    cut_lines: int = Field(..., description="Lines of the log cut by the cap.")
+    cap_bytes: int = Field(..., description="The per-job cap: only the newest this many bytes are kept.")

@@ -32,4 +32,9 @@ class Settings(BaseSettings):
     compaction_interval_s: float = Field(
         60.0, gt=0, description="The leader compacts etcd's history to the revision it saw this "
                                 "long ago, every this many seconds.")
-    log_keep_lines: int = Field(20000, gt=0, description="Worker log lines kept per job.")
+    log_root: str = Field(
+        ".ftrain/job-logs",
+        description="Directory of the workers' logs (a folder per job); with several control-plane "
+                    "replicas, one directory they all share (NFS or similar, with POSIX locks).")
+    log_cap_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024,
+                               description="Bytes of log kept per job; the oldest are cut past it.")

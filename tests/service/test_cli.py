@@ -199,7 +199,12 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
             return httpx.Response(200, content=body.encode(),
                                   headers={"Content-Type": "application/x-ndjson"})
         if request.url.path == "/v1/jobs/j1/logs":
-            return httpx.Response(200, json=LogPage(items=lines, next_seq=3).model_dump(mode="json"))
+            # Two pages: the CLI reads on from next_seq until it reaches end_seq.
+            since = int(request.url.params.get("since", 0))
+            page = [x for x in lines if x.seq >= since][:1]
+            return httpx.Response(200, json=LogPage(
+                items=page, next_seq=page[-1].seq + 1 if page else since, end_seq=3, first_seq=1,
+                cut_bytes=1, cut_lines=1, cap_bytes=1024).model_dump(mode="json"))
         if request.url.path == "/v1/nodes":
             return httpx.Response(200, json=NodeList(items=[node]).model_dump(mode="json"))
         if request.url.path == "/v1/nodes/local-0/drain" and request.method == "POST":
@@ -209,8 +214,11 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
 
     monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
     runner = CliRunner()
-    out = runner.invoke(main, ["logs", "j1"], catch_exceptions=False).output
-    assert out.splitlines() == ["[local-0 rank 0] step 1", "[local-1 rank 1] warn"]
+    result = runner.invoke(main, ["logs", "j1"], catch_exceptions=False)
+    assert result.stdout.splitlines() == ["[local-0 rank 0] step 1", "[local-1 rank 1] warn"]
+    assert "the first 1 lines (1 bytes) of this log were cut" in result.stderr
+    out = runner.invoke(main, ["logs", "--json", "j1"], catch_exceptions=False).stdout
+    assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines]
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False).output
     assert out.splitlines() == ["[local-1 rank 1] warn"]
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).output
