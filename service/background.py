@@ -1,4 +1,4 @@
-"""Background loops of a control plane (the job index, the scheduler), run by the lifespan."""
+"""Background loops of a control plane (the job index, the scheduler, retention), run by the lifespan."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 
-from service import scheduler
+from service import retention, scheduler
 from service.context import Context
 
 log = logging.getLogger(__name__)
@@ -14,10 +14,14 @@ log = logging.getLogger(__name__)
 
 async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
+    # One election: the scheduler's loop keeps it; retention acts under its fence.
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
         name="scheduler"))
+    ctx.tasks.append(asyncio.create_task(
+        retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention),
+        name="retention"))
 
 
 async def stop(ctx: Context) -> None:

@@ -41,7 +41,7 @@ class LogStore:
 
     async def trim(self, job_id: str) -> None:
         """Delete the oldest chunks beyond `keep_lines` lines."""
-        entries = await self.kv.get_prefix(self.keys.logs(job_id))
+        entries = [e async for e in self.kv.scan_prefix(self.keys.logs(job_id))]
         total = 0
         for e in reversed(entries):
             total += len(json.loads(e.value)["lines"])
@@ -50,7 +50,7 @@ class LogStore:
 
     async def read_lines(self, job_id: str, since: int = 0, rank: int | None = None) -> list[LogLine]:
         """The job's lines with seq >= `since` (of one rank, if given), oldest first."""
-        entries = await self.kv.get_prefix(self.keys.logs(job_id))
+        entries = [e async for e in self.kv.scan_prefix(self.keys.logs(job_id))]
         out = []
         for e in sorted(entries, key=lambda e: e.create_revision):
             base = e.create_revision * _LINES_PER_CHUNK
@@ -63,6 +63,10 @@ class LogStore:
                     continue
                 out.append(LogLine(seq=seq, node=chunk["node"], attempt=chunk.get("attempt", 0), **line))
         return out
+
+    async def delete(self, job_id: str) -> None:
+        """Delete every line of a job (retention deletes a finished job's logs with it)."""
+        await self.kv.delete_prefix(self.keys.logs(job_id))
 
     async def last_lines(self, job_id: str, n: int) -> list[str]:
         """The last `n` worker lines of a job, as text (for failure reasons)."""

@@ -32,10 +32,11 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
     Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
     are not read on every tick; the records themselves are read fresh, so that this tick
-    sees its own last writes. Until the index is ready: a read of every job.
+    sees its own last writes. Until the index is ready: every job, read a page at a time.
     """
     if not index.ready.is_set():
-        return [j for j in await jobs.list() if not j.state.is_terminal()]
+        return sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
+                      key=lambda j: (j.created_at, j.id))
     return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
 
 
@@ -65,6 +66,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
+    for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
+        del last_reason[job_id]
 
 
 async def _cleanup(jobs: JobStore, job_id: str) -> None:
@@ -88,7 +91,12 @@ async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
 
 
 class Leadership:
-    """Leader election over one etcd key bound to a lease (one scheduler at a time)."""
+    """Leader election over one etcd key bound to a lease (one scheduler at a time).
+
+    The scheduler's loop calls `hold`; whatever else runs only on the leader (retention)
+    asks `fence()`: the leader key at the revision this replica wrote it, to compare in
+    its transactions, so that a replica that lost the lead without noticing writes nothing.
+    """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
         self.kv = kv
@@ -96,19 +104,34 @@ class Leadership:
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
+        self._fence: dict[str, int] | None = None
+
+    def fence(self) -> dict[str, int] | None:
+        """{leader key: its mod_revision} while this replica last knew itself leader, else None."""
+        return self._fence
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
+                self._fence = {self.key: entry.mod_revision}
                 return True
+        self._fence = None
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
-        return await self.kv.commit({self.key: 0},
-                                    [Put(self.key, self.identity.encode(), self.lease_id)])
+        won, entry = await self.kv.commit_read(
+            {self.key: 0}, [Put(self.key, self.identity.encode(), self.lease_id)], self.key)
+        if won and entry is not None:
+            self._fence = {self.key: entry.mod_revision}
+        return won
+
+    def lost(self) -> None:
+        """This replica cannot tell whether it still leads (etcd did not answer)."""
+        self._fence = None
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
+        self._fence = None
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
@@ -134,6 +157,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     await tick(jobs, nodes, index, cfg, last_reason)
             except StoreUnavailable as exc:
                 leading = False
+                leadership.lost()
                 log.warning("scheduler paused: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")

@@ -63,6 +63,8 @@ class UpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     nodes: int = 2
+    retention_s: float | None = None  # None: the control plane's default (or its env)
+    retention_jobs: int | None = None
 
 
 @dataclass
@@ -328,6 +330,10 @@ class LocalCluster:
         env = {**os.environ, "FTRAIN_USER_TOKEN": self.user_token, "FTRAIN_NODE_TOKEN": self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots)]
+        if o.retention_s is not None:
+            argv += ["--retention", str(o.retention_s)]
+        if o.retention_jobs is not None:
+            argv += ["--retention-jobs", str(o.retention_jobs)]
         self.control_plane = _spawn("control plane", argv, env, self.paths.logs / "control-plane.log")
         self._wait_ready()
 

@@ -129,7 +129,8 @@ def test_wrong_token_says_which_token_to_use(ftrain, control_plane):
 
 def test_unknown_job_and_finished_job_are_clear_errors(ftrain, tmp_path):
     result = ftrain("status", "nope-123456", expect_ok=False)
-    assert result.exit_code == 1 and "no job with id 'nope-123456'" in result.output
+    assert result.exit_code == 1 and "job nope-123456 not found" in result.output
+    assert "finished jobs are deleted 7 days after they end" in result.output
     spec = tmp_path / "job.yaml"
     spec.write_text(SPEC_YAML)
     job_id = ftrain("submit", str(spec), "-q").output.strip()
