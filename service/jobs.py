@@ -30,7 +30,7 @@ from service.errors import Conflict, JobNotFound, StaleLeader
 from service.keys import Keys
 from service.models import EventView, JobRecord, JobSpec, JobState
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, Delete, KeyValue, Put
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
 
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
 # and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
@@ -186,6 +186,42 @@ class JobStore:
             batch.append((job, revision))
             ops_in_batch += n
         await flush()
+        return deleted
+
+    async def delete_orphaned_keys(self, fence: dict[str, int]) -> int:
+        """Delete idempotency keys whose job is gone; returns how many.
+
+        A job record names its key and retention deletes both together; this is for keys
+        of jobs deleted before records named them. Paged; each deletion compares the key,
+        the job's absence and `fence`.
+        """
+        prefix = self.keys.idempotency("")
+        deleted = 0
+        batch: list[tuple[str, int, str]] = []  # (key, its mod_revision, job id)
+
+        async def flush() -> None:
+            nonlocal deleted, batch
+            exists = await self.kv.get_many([self.keys.job(job_id) for _, _, job_id in batch],
+                                            page_size=JOB_PAGE_SIZE)
+            orphans = [(k, rev, job_id) for (k, rev, job_id), job in zip(batch, exists, strict=True)
+                       if job is None]
+            step = (MAX_TXN_OPS - len(fence)) // 2
+            for i in range(0, len(orphans), step):
+                chunk = orphans[i:i + step]
+                expect = {**fence, **{k: rev for k, rev, _ in chunk},
+                          **{self.keys.job(job_id): 0 for _, _, job_id in chunk}}
+                if not await self.kv.commit(expect, [Delete(k) for k, _, _ in chunk]):
+                    raise StaleLeader("the idempotency keys changed under the sweep, or this "
+                                      "control plane no longer leads; the next pass sweeps again")
+                deleted += len(chunk)
+            batch = []
+
+        async for entry in self.kv.scan_prefix(prefix):
+            batch.append((entry.key, entry.mod_revision, json.loads(entry.value)["job_id"]))
+            if len(batch) == PAGE_SIZE:
+                await flush()
+        if batch:
+            await flush()
         return deleted
 
     async def _delete_batch(self, batch: list[tuple[JobRecord, int]],

@@ -2,13 +2,17 @@
 
     <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
-    <prefix>/idempotency/<sha256>        {"job_id", "spec_hash"} for Idempotency-Key
+    <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
+                                         names it (idempotency_digest): deleted with the job
     <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
     <prefix>/logs/<id>/<seq>             chunks of worker log lines
     <prefix>/leader                      the scheduler leader's lease-bound key
+
+Every prefix is read in pages (service.store.api); retention deletes a finished job's
+keys under jobs/, events/, idempotency/, snapshots/, rdzv/ and logs/ (service.retention).
 """
 
 from dataclasses import dataclass

@@ -4,7 +4,8 @@ Which jobs: `service.decide.retention.expired`, on the finished jobs the watch-f
 knows (so no pass reads the whole history from etcd). Each pass then reads the chosen
 records fresh (a page at a time), and for each job still finished deletes its logs
 (`LogStore.delete`) and rendezvous keys, then its record, events, snapshot records and
-idempotency key, in transactions of at most MAX_TXN_OPS operations, each fenced on the
+idempotency key (which its record names; keys of jobs deleted before records named them
+are swept once per lead), in transactions of at most MAX_TXN_OPS operations, each fenced on the
 job's revision and on the leader's key (`Leadership.fence`): a replica that lost the lead
 deletes nothing more. The record goes last, so a pass cut short leaves a job that the next
 pass finds again, never logs without a job.
@@ -54,12 +55,17 @@ async def run(jobs: JobStore, logs: LogStore, index: JobIndex, leadership: Leade
               policy: RetentionPolicy) -> None:
     """Prune while this replica leads, every `pass_interval_s(policy)`. Runs until cancelled."""
     interval_s = pass_interval_s(policy)
+    swept: dict[str, int] | None = None  # the lead under which orphaned keys were last swept
     while True:
         busy = False
         try:
             fence = leadership.fence()
             if fence is not None and index.ready.is_set():
                 busy = len(await prune(jobs, logs, index, fence, policy)) >= MAX_DELETIONS_PER_PASS
+                if fence != swept:  # once per lead: keys of jobs deleted before records named them
+                    if n := await jobs.delete_orphaned_keys(fence):
+                        log.info("retention: deleted %d idempotency key(s) of deleted jobs", n)
+                    swept = fence
         except StaleLeader as exc:
             log.info("retention: %s", exc.message)
         except StoreUnavailable as exc:

@@ -76,17 +76,11 @@ def parse_duration(text: str) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """604800 -> '7 days', 43200 -> '12 hours', 90 -> '90 seconds', 5400 -> '90 minutes'."""
-    for unit_s, name in ((DAY_S, "day"), (3600.0, "hour"), (60.0, "minute")):
-        if seconds >= unit_s and seconds % unit_s == 0:
-            n = int(seconds // unit_s)
-            return f"{n} {name}{'s' if n != 1 else ''}"
-    if seconds >= 2 * DAY_S:
-        return f"{seconds / DAY_S:.1f} days"
-    if seconds >= 2 * 3600:
-        return f"{seconds / 3600:.1f} hours"
-    if seconds >= 120:
-        return f"{seconds / 60:.1f} minutes"
-    if seconds == int(seconds):
-        return f"{int(seconds)} second{'s' if seconds != 1 else ''}"
-    return f"{seconds:.1f} seconds"
+    """In the largest unit it reaches: 604800 -> '7 days', 5400 -> '1.5 hours', 90 -> '1.5 minutes'."""
+    for unit_s, name in ((DAY_S, "day"), (3600.0, "hour"), (60.0, "minute"), (1.0, "second")):
+        if seconds >= unit_s or unit_s == 1.0:
+            n = seconds / unit_s
+            if n == int(n):
+                return f"{int(n)} {name}{'' if n == 1 else 's'}"
+            return f"{n:.1f} {name}s"
+    raise AssertionError("unreachable")

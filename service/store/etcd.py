@@ -298,7 +298,10 @@ class EtcdStore(KeyValue):
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), 1.0)
+                    # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes
+                    # as an event arrives (Python 3.11), and a cancelled watcher never ends.
+                    async with asyncio.timeout(1.0):
+                        ev = await queue.get()
                 except TimeoutError:
                     if self._generation != generation:
                         raise self._unavailable("a watch", None) from None

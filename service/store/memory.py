@@ -174,7 +174,8 @@ class MemoryStore(KeyValue):
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(queue.get(), 1.0)
+                    async with asyncio.timeout(1.0):  # not wait_for: see EtcdStore.watch_prefix
+                        event = await queue.get()
                 except TimeoutError:
                     self._expire()  # leases lapse while nobody calls; their deletes are events
                     if loop.time() > deadline:
