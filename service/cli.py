@@ -21,6 +21,14 @@ from pathlib import Path
 import click
 
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
+from worker.env import (
+    FTRAIN_ETCD_ENDPOINTS,
+    FTRAIN_LOG_LEVEL,
+    FTRAIN_NODE_TOKEN,
+    FTRAIN_SERVER,
+    FTRAIN_SNAPSHOT_ROOT,
+    FTRAIN_USER_TOKEN,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,13 +73,13 @@ def _is_loopback(host: str) -> bool:
 
 
 @main.command()
-@click.option("--etcd", "etcd_endpoints", envvar="FTRAIN_ETCD_ENDPOINTS", required=True,
+@click.option("--etcd", "etcd_endpoints", envvar=FTRAIN_ETCD_ENDPOINTS, required=True,
               help="etcd v3 endpoints, http://HOST:PORT[,...].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--token", envvar="FTRAIN_USER_TOKEN", help="User bearer token.")
-@click.option("--node-token", envvar="FTRAIN_NODE_TOKEN", help="Node bearer token.")
-@click.option("--snapshot-root", envvar="FTRAIN_SNAPSHOT_ROOT",
+@click.option("--token", envvar=FTRAIN_USER_TOKEN, help="User bearer token.")
+@click.option("--node-token", envvar=FTRAIN_NODE_TOKEN, help="Node bearer token.")
+@click.option("--snapshot-root", envvar=FTRAIN_SNAPSHOT_ROOT,
               help="Directory every node sees; jobs snapshot under <root>/<job id>.")
 @_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
@@ -89,7 +97,7 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     # Options given win; those not given are left to Settings (FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
                         snapshot_root=snapshot_root, **{k: v for k, v in given.items() if v is not None})
-    logging.basicConfig(level=os.environ.get("FTRAIN_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
 
@@ -341,8 +349,8 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
 
 
 @main.command()
-@click.option("--server", envvar="FTRAIN_SERVER", required=True, help="Control plane URL.")
-@click.option("--token", envvar="FTRAIN_NODE_TOKEN", help="Node token (not the user token).")
+@click.option("--server", envvar=FTRAIN_SERVER, required=True, help="Control plane URL.")
+@click.option("--token", envvar=FTRAIN_NODE_TOKEN, help="Node token (not the user token).")
 @click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),

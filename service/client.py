@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
+
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
 RETRY_ATTEMPTS = 3
@@ -88,9 +90,9 @@ def resolve_target(server: str | None = None, token: str | None = None,
     `<data-dir>/token` (written by `ftrain up`), then the default local server."""
     env = os.environ if environ is None else environ
     base = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR)
-    server, server_source = _first_of(server, "--server", env, "FTRAIN_SERVER", base / "server",
+    server, server_source = _first_of(server, "--server", env, FTRAIN_SERVER, base / "server",
                                       (DEFAULT_SERVER, "default"))
-    token, token_source = _first_of(token, "--token", env, "FTRAIN_TOKEN", base / "token",
+    token, token_source = _first_of(token, "--token", env, FTRAIN_TOKEN, base / "token",
                                     (None, "none"))
     assert server is not None
     return Target(server.rstrip("/"), token, server_source, token_source)

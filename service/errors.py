@@ -26,6 +26,18 @@ class ReplyTooLarge(StoreUnavailable):
     """One reply of etcd would pass gRPC's 4 MiB limit: the reader asks for fewer entries."""
 
 
+class StoreFull(StoreUnavailable):
+    """etcd's NOSPACE alarm is raised: it refuses writes until an operator frees space."""
+
+
+class HistoryCompacted(StoreUnavailable):
+    """A watch asked for history that was compacted away: re-read, then watch from there."""
+
+    def __init__(self, message: str, compact_revision: int):
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
 class JobNotFound(FtrainError):
     """No such job: never submitted, or deleted by retention (the API's 404 says which rule)."""
 

@@ -9,9 +9,10 @@ first) and reads the records of one page from etcd.
 The index is loaded once, a page at a time, then kept current by a watch from the revision
 read before that load (a change during the load is replayed by the watch). When a watch
 session ends quietly the index watches again from the last revision it applied; only a
-broken watch makes it load again. It is only used where a slightly stale answer is harmless
+broken or compacted watch makes it load again. It is only used where a slightly stale answer is harmless
 (assignments are re-sent on the next heartbeat, records are read fresh); every write still
-goes to etcd as a compare-and-set.
+goes to etcd as a compare-and-set. A watch whose history was compacted away
+(HistoryCompacted) loads again at once, serving what it has meanwhile.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, StoreUnavailable
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
@@ -153,9 +154,13 @@ class JobIndex:
         while len(self._gone) > REMEMBERED_DELETIONS:
             self._gone.popitem(last=False)
 
-    def _wake(self) -> None:
+    async def _notify(self) -> None:
+        """Tell the scheduler and every waiter that the index changed (a re-read after a
+        broken or compacted watch included: what it missed may be what they wait for)."""
         for event in self._wakes:
             event.set()
+        async with self.changed:
+            self.changed.notify_all()
 
     async def _load(self) -> int:
         """Read every job, a page at a time; returns the revision to watch from."""
@@ -186,7 +191,7 @@ class JobIndex:
                 if revision is None:
                     revision = await self._load()
                     self.ready.set()
-                    self._wake()
+                    await self._notify()
                 # From `revision` itself, not after it: a session that ended between two
                 # events of one transaction must not lose the second (applying one twice is
                 # harmless).
@@ -194,10 +199,12 @@ class JobIndex:
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     self._apply(job, ev.key[len(prefix):])
                     revision = ev.mod_revision
-                    self._wake()
-                    async with self.changed:
-                        self.changed.notify_all()
+                    await self._notify()
                 continue  # the session ended quietly: watch on from where it was
+            except HistoryCompacted as exc:  # not an outage: load again at once
+                log.debug("job index: %s", exc.message)
+                revision = None
+                continue
             except StoreUnavailable as exc:
                 log.debug("job index: %s", exc.message)
             except asyncio.CancelledError:

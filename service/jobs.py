@@ -28,9 +28,10 @@ from service.decide.change import Change
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
 from service.keys import Keys
-from service.models import EventView, JobRecord, JobSpec, JobState
+from service.models import EventView, JobRecord, JobSpec, JobState, JobView
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
+from worker.protocol import Progress
 
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
 # and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
@@ -145,6 +146,18 @@ class JobStore:
                 out.append(job)
         return out, False
 
+    async def view(self, job_id: str) -> JobView:
+        """The job as users see it: the record and its progress, read at one revision."""
+        entry, progress = await self.kv.get_many([self.keys.job(job_id), self.keys.progress(job_id)])
+        if entry is None:
+            raise JobNotFound(job_id)
+        return JobRecord.model_validate_json(entry.value).view(_progress(progress))
+
+    async def views(self, jobs: list[JobRecord]) -> list[JobView]:
+        """The views of `jobs`, each with its progress (one read per MAX_TXN_OPS jobs)."""
+        progress = await self.kv.get_many([self.keys.progress(j.id) for j in jobs])
+        return [job.view(_progress(p)) for job, p in zip(jobs, progress, strict=True)]
+
     async def events(self, job_id: str) -> list[EventView]:
         """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list
@@ -153,10 +166,10 @@ class JobStore:
         return sorted(events, key=lambda e: e.seq)
 
     def deletion(self, job: JobRecord) -> list[Delete]:
-        """What to delete with a job in etcd: its record, events, snapshot records and
-        idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
+        """What to delete with a job in etcd: its record, events, progress, snapshot records
+        and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
         ops = [Delete(self.keys.job(job.id)), Delete(self.keys.events(job.id), prefix=True),
-               Delete(self.keys.snapshots(job.id), prefix=True)]
+               Delete(self.keys.progress(job.id)), Delete(self.keys.snapshots(job.id), prefix=True)]
         if job.idempotency_digest is not None:
             ops.append(Delete(self.keys.idempotency(job.idempotency_digest)))
         return ops
@@ -269,6 +282,10 @@ class JobStore:
             return Change(changed, [event])
 
         return await self.update(job_id, decide)
+
+
+def _progress(entry) -> Progress | None:
+    return None if entry is None else Progress.model_validate_json(entry.value)
 
 
 def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:

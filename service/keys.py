@@ -1,6 +1,9 @@
 """Where each piece of state lives in etcd (one place, so the layout can be read at once).
 
-    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS
+    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS, on real
+                                         transitions only (not on progress)
+    <prefix>/progress/<id>               rank 0's latest Progress, at most one write per
+                                         progress_min_interval_s, fenced on the job record
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
     <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
                                          names it (idempotency_digest): deleted with the job
@@ -12,7 +15,8 @@
     <prefix>/leader                      the scheduler leader's lease-bound key
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
-keys under jobs/, events/, idempotency/, snapshots/, rdzv/ and logs/ (service.retention).
+keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
+(service.retention).
 """
 
 from dataclasses import dataclass
@@ -28,6 +32,9 @@ class Keys:
     @property
     def jobs(self) -> str:
         return f"{self.prefix}/jobs/"
+
+    def progress(self, job_id: str) -> str:
+        return f"{self.prefix}/progress/{job_id}"
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}/events/{job_id}/"

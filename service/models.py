@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from worker.env import JOB_KNOBS
 from worker.protocol import ControlAction, Progress, SnapshotMeta
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -22,8 +23,8 @@ MAX_COMMAND_BYTES = 16 * 1024  # every argument together
 MAX_ENV_BYTES = 32 * 1024  # every name and value together
 MAX_SPEC_BYTES = 64 * 1024  # the whole spec as stored (JSON)
 # The service sets these itself; a spec may not override them.
-# The job's own knobs among the FTRAIN_* names: log level, pre-started workers (worker/zygote.py).
-USER_FTRAIN_ENV = ("FTRAIN_LOG_LEVEL", "FTRAIN_PRESTART", "FTRAIN_PRESTART_IMPORTS")
+# The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
+USER_FTRAIN_ENV = JOB_KNOBS
 RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
 
@@ -196,7 +197,9 @@ class JobRecord(BaseModel):
     rounds: int = 0
     event_seq: int = 0
     latest_snapshot: SnapshotMeta | None = None
-    progress: Progress | None = None
+    # Set by the job's first progress report: its rank 0 runs the ftrain runtime, so it can
+    # acknowledge planned changes. The reports themselves live under `keys.progress(id)`.
+    reports_progress: bool = False
     finished_at: float | None = None
     # Planned membership changes: the request to rank 0, and the id it last acknowledged
     # (by committing a snapshot with that control id) with the step it stopped at.
@@ -210,18 +213,27 @@ class JobRecord(BaseModel):
     # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
     idempotency_digest: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _progress_moved_out(cls, data):
+        # Records written before progress had a key of its own carried it here.
+        if isinstance(data, dict) and data.get("progress") is not None:
+            data = {**data, "reports_progress": True}
+        return data
+
     @property
     def rdzv_id(self) -> str:
         return f"{self.id}-a{self.attempt}"
 
-    def view(self) -> JobView:
+    def view(self, progress: Progress | None = None) -> JobView:
+        """What users see of the job; `progress` is read from its own key."""
         return JobView(
             id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
             spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
-            latest_snapshot=self.latest_snapshot, progress=self.progress,
+            latest_snapshot=self.latest_snapshot, progress=progress,
         )
 
 

@@ -50,7 +50,7 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 
-from service.errors import FtrainError
+from service.errors import FtrainError, HistoryCompacted
 from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
@@ -233,7 +233,7 @@ class Rendezvous:
     async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
                               wanted: Callable[[WatchEvent], bool]) -> None:
         """Return once a change under `prefix` at or after `start_revision` is `wanted`, or at
-        the timeout."""
+        the timeout, or when that history was compacted away (the caller reads again)."""
 
         async def first_wanted() -> None:
             events = self.kv.watch_prefix(prefix, start_revision)
@@ -242,7 +242,7 @@ class Rendezvous:
                     if wanted(event):
                         return
 
-        with contextlib.suppress(asyncio.TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError, HistoryCompacted):
             await asyncio.wait_for(first_wanted(), timeout_s)
 
     async def _update(self, key: str, combine, op_id: str | None) -> bytes:

@@ -93,9 +93,10 @@ async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
-    The scheduler's loop calls `hold`; whatever else runs only on the leader (retention)
-    asks `fence()`: the leader key at the revision this replica wrote it, to compare in
-    its transactions, so that a replica that lost the lead without noticing writes nothing.
+    The scheduler loop calls `hold` about once a second; the other leader-only loops read
+    `leading`, the answer of the last call (`service.compaction`), or ask `fence()`: the
+    leader key at the revision this replica wrote it, to compare in their transactions, so
+    that a replica that lost the lead without noticing writes nothing (`service.retention`).
     """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
@@ -104,6 +105,7 @@ class Leadership:
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
+        self.leading = False
         self._fence: dict[str, int] | None = None
 
     def fence(self) -> dict[str, int] | None:
@@ -115,23 +117,23 @@ class Leadership:
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
-                self._fence = {self.key: entry.mod_revision}
+                self.leading, self._fence = True, {self.key: entry.mod_revision}
                 return True
-        self._fence = None
+        self.lost()
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
         won, entry = await self.kv.commit_read(
             {self.key: 0}, [Put(self.key, self.identity.encode(), self.lease_id)], self.key)
         if won and entry is not None:
-            self._fence = {self.key: entry.mod_revision}
-        return won
+            self.leading, self._fence = True, {self.key: entry.mod_revision}
+        return self.leading
 
     def lost(self) -> None:
-        """This replica cannot tell whether it still leads (etcd did not answer)."""
-        self._fence = None
+        """This replica does not lead, or cannot tell (etcd did not answer)."""
+        self.leading, self._fence = False, None
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
-        self._fence = None
+        self.lost()
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
@@ -157,7 +159,6 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     await tick(jobs, nodes, index, cfg, last_reason)
             except StoreUnavailable as exc:
                 leading = False
-                leadership.lost()
                 log.warning("scheduler paused: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")

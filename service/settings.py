@@ -29,6 +29,11 @@ class Settings(BaseSettings):
     snapshot_root: str | None = Field(
         None, description="Directory every node sees; each job snapshots under <root>/<job id>."
     )
+    progress_min_interval_s: float = Field(
+        1.0, ge=0, description="A job's progress is written at most once per this many seconds.")
+    compaction_interval_s: float = Field(
+        60.0, gt=0, description="The leader compacts etcd's history to the revision it saw this "
+                                "long ago, every this many seconds.")
     log_keep_lines: int = Field(20000, gt=0, description="Worker log lines kept per job.")
     retention_s: float = Field(
         7 * DAY_S, gt=0,

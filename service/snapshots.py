@@ -67,10 +67,9 @@ class SnapshotStore:
         now = self.jobs.clock()
         decision = await self._update(
             job_id, lambda job, recs: decide_commit(job, recs, req, now, self._key(job_id)))
-        assert decision.change is not None
+        assert decision.change is not None and decision.committed is not None
         latest = decision.change.job.latest_snapshot
-        committed = SnapshotRecord.model_validate_json(decision.change.ops[0].value)  # type: ignore[union-attr]
-        return CommitResult(committed=committed, latest=latest.step if latest else None,
+        return CommitResult(committed=decision.committed, latest=latest.step if latest else None,
                             prune=decision.prune)
 
     async def report_corrupt(self, job_id: str, step: int, reason: str) -> SnapshotList:

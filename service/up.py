@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
+from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_JOB = REPO / "examples" / "job.json"
@@ -327,7 +328,7 @@ class LocalCluster:
     def _start_control_plane(self) -> None:
         assert self.etcd is not None
         o = self.options
-        env = {**os.environ, "FTRAIN_USER_TOKEN": self.user_token, "FTRAIN_NODE_TOKEN": self.node_token}
+        env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots)]
         if o.retention_s is not None:
@@ -366,8 +367,8 @@ class LocalCluster:
                      f"the {self.options.nodes} local node(s)")
             return
         # Workers run the user's code: they get the node token, never the user token.
-        env = {k: v for k, v in os.environ.items() if k not in ("FTRAIN_TOKEN", "FTRAIN_USER_TOKEN")}
-        env["FTRAIN_NODE_TOKEN"] = self.node_token
+        env = {k: v for k, v in os.environ.items() if k not in (FTRAIN_TOKEN, FTRAIN_USER_TOKEN)}
+        env[FTRAIN_NODE_TOKEN] = self.node_token
         for i in range(self.options.nodes):
             name = f"local-{i}"
             # The token travels in the environment (the `node` command's --token reads

@@ -3,12 +3,12 @@
 The node agent starts torchrun with a parent-death signal, SIGTERM (worker/procs.py).
 Linux sends it each time the thread that is torchrun's parent exits and torchrun passes
 to another thread of the agent. An agent with several threads that is SIGKILLed therefore
-sends torchrun several SIGTERMs, one per thread: three were seen. torch's handler turns each
-one into a SignalException. A second one that arrives while torch's agent is closing its
+sends torchrun several SIGTERMs, one per thread. torch's handler turns each one into a
+SignalException. A second one that arrives while torch's agent is closing its
 workers aborts that close before it stops its log-tail threads. torchrun then waits on
-those threads at exit for ever: an orphan, its launchers unreaped zombies (seen under load
-in tests/test_elastic.py's agent-SIGKILL test). The agent's own graceful stop sends
-SIGTERM twice as well (to torchrun, then to its tree).
+those threads at exit for ever: an orphan, its launchers unreaped zombies (docs/runtime.md,
+"Stopping a group"). The agent's own graceful stop sends SIGTERM twice as well (to
+torchrun, then to its tree).
 
 `act_on_first_death_signal()` replaces torch's handler with one that ignores the death
 signals from then on and raises as torch's does: torchrun stops once and cleanly.

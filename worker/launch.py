@@ -1,13 +1,14 @@
 """How torchrun starts each worker under ftrain: `python -S launch.py SIG COMMAND...`.
 
-torchrun runs this file (standard library only, no site-packages: it starts in ~20 ms)
-as the worker's entry point. It
+torchrun runs this file (standard library only, no site-packages, so that it starts in
+milliseconds) as the worker's entry point. It
 
 1. asks the kernel for SIG when its parent, torchrun, dies (PR_SET_PDEATHSIG survives
    execve), and exits at once if torchrun is already gone;
-2. asks the job's fork server (`worker/zygote.py`, socket named by FTRAIN_ZYGOTE) for a
-   worker that has torch imported already: it sends the command, its environment, its
-   working directory and its standard streams, and then stands in for that worker. It
+2. asks the job's fork server (`worker/fork_server.py`, its socket named by
+   FTRAIN_FORK_SERVER_SOCKET) for a worker that has torch imported already: it sends the
+   command, its environment, its working directory and its standard streams, and then
+   stands in for that worker. It
    forwards the signals torchrun sends, and exits the way the worker exited (the same
    code, or killed by the same signal), so torchrun sees no difference, and says on
    stderr which signal killed it unless torchrun sent that signal; only a worker
@@ -29,6 +30,8 @@ import struct
 import sys
 
 PR_SET_PDEATHSIG = 1
+# worker.env.FTRAIN_FORK_SERVER_SOCKET: this file imports only the standard library (see there).
+FORK_SERVER_SOCKET_ENV = "FTRAIN_FORK_SERVER_SOCKET"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGCONT)
 
@@ -45,7 +48,7 @@ def _exec(command):
 
 
 def _forked_worker(name, command):
-    """Run COMMAND in a pre-started worker; returns only if the fork server cannot."""
+    """Run COMMAND in a worker forked by the fork server; returns only if the fork server cannot."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect("\0" + name)
@@ -113,7 +116,7 @@ def main(argv):
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent or parent == 1:
         os._exit(70)  # torchrun died before the guard was in place
-    name = os.environ.get("FTRAIN_ZYGOTE")
+    name = os.environ.get(FORK_SERVER_SOCKET_ENV)
     if name:
         _forked_worker(name, command)
     _exec(command)

@@ -8,8 +8,8 @@ does not reach them. Two guards keep workers from outliving their owners:
   (PR_SET_PDEATHSIG survives execve), then execs the real program. torchrun gets SIGTERM
   when the agent dies (it then stops its workers itself);
 * every worker torchrun starts goes through `worker/launch.py` (`worker_launch_prefix`),
-  which does the same with SIGKILL, then takes a pre-started worker from the job's fork
-  server (`worker/zygote.py`) or execs the command; a forked worker dies with its
+  which does the same with SIGKILL, then takes a worker forked by the job's fork
+  server (`worker/fork_server.py`) or execs the command; a forked worker dies with its
   launcher;
 * `descendants(pid)` finds the whole tree from /proc, so a stop can kill what is left.
 """
@@ -39,7 +39,7 @@ def pdeathsig_argv(argv: list[str], sig: int = signal.SIGKILL, parent_pid: int |
 
 
 LAUNCH = Path(__file__).with_name("launch.py")
-ZYGOTE = Path(__file__).with_name("zygote.py")
+FORK_SERVER = Path(__file__).with_name("fork_server.py")
 
 
 def worker_launch_prefix(sig: int = signal.SIGKILL) -> list[str]:
@@ -53,8 +53,8 @@ def is_launcher(argv: list[bytes]) -> bool:
 
 
 def is_fork_server(argv: list[bytes]) -> bool:
-    """True for the argv of a `worker/zygote.py` (its forked workers keep that argv too)."""
-    return any(a.endswith(b"/zygote.py") for a in argv[:3])
+    """True for the argv of a `worker/fork_server.py` (its forked workers keep that argv too)."""
+    return any(a.endswith(b"/fork_server.py") for a in argv[:3])
 
 
 def cmdline(pid: int) -> list[bytes]:

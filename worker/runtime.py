@@ -20,7 +20,7 @@ What `init` does, from the environment torchrun and ftrain give each worker:
   `init_process_group`): picks `nccl` when CUDA is there, else `gloo`; sets the CUDA
   device from `LOCAL_RANK` *before* `init_process_group`; passes a timeout (60 s by
   default: gloo's own default of 30 min turns a lost peer into a 30 min hang).
-- `FTRAIN_JOB_ID`, `FTRAIN_SERVER`, `FTRAIN_TOKEN`, `FTRAIN_ATTEMPT`: the control plane
+- `FTRAIN_JOB_ID`, `FTRAIN_SERVER`, `FTRAIN_JOB_TOKEN`, `FTRAIN_ATTEMPT`: the control plane
   that lists and commits snapshots, takes progress reports and says when to stop.
 - `FTRAIN_SNAPSHOT_DIR`, `FTRAIN_SNAPSHOT_EVERY`, `FTRAIN_SNAPSHOT_KEEP`: where, how often,
   how many (from the job spec). Arguments of `init` win over these.
@@ -68,25 +68,41 @@ over.)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from worker import snapshot as snap
 from worker.data import ResumableSampler
+from worker.env import (
+    FTRAIN_ATTEMPT,
+    FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_JOB_ID,
+    FTRAIN_JOB_TOKEN,
+    FTRAIN_SERVER,
+    FTRAIN_SNAPSHOT_DIR,
+    FTRAIN_SNAPSHOT_EVERY,
+    FTRAIN_SNAPSHOT_KEEP,
+)
+from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runtime.` users
+    CommittedSnapshot,
+    ControlRequest,
+    Fenced,
+    Link,
+    LinkError,
+    LocalLink,
+    ServiceLink,
+)
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -103,176 +119,6 @@ class Stopped(SystemExit):
     def __init__(self, step: int):
         super().__init__(0)
         self.step = step
-
-
-class Fenced(RuntimeError):
-    """The control plane refused a commit: this worker belongs to an attempt that is over."""
-
-
-class LinkError(RuntimeError):
-    """The control plane answered with an error (or not at all)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class ControlRequest:
-    id: int = 0
-    action: str = "none"
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class CommittedSnapshot:
-    step: int
-    path: str
-    size: int
-    checksum: str
-    bad: bool = False
-
-
-class Link(Protocol):
-    """The control plane as rank 0 sees it; `ServiceLink` or the local twin `LocalLink`."""
-
-    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]: ...
-    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]: ...
-    def report_corrupt(self, step: int, reason: str) -> None: ...
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None: ...
-    def control(self) -> ControlRequest: ...
-
-
-def _committed(items: list[dict]) -> list[CommittedSnapshot]:
-    return [CommittedSnapshot(step=i["step"], path=i["path"], size=i["size"], checksum=i["checksum"],
-                              bad=bool(i.get("bad", False))) for i in items]
-
-
-class ServiceLink:
-    """The job's endpoints on the control plane, over HTTP with the job token (stdlib only)."""
-
-    def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
-        self.base = f"{server.rstrip('/')}/v1/jobs/{job_id}"
-        self.token = token
-        self.attempt = attempt
-        self.timeout_s = timeout_s
-
-    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise LinkError(f"{method} {self.base}{path}: {exc.code} {detail}", exc.code) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise LinkError(f"{method} {self.base}{path}: control plane unreachable: {exc}") from exc
-
-    def _retrying(self, method: str, path: str, body: dict | None = None, tries: int = 6) -> Any:
-        """Retry what is worth retrying (unreachable, 503); a 4xx is an answer."""
-        delay = 0.2
-        for attempt in range(tries):
-            try:
-                return self._call(method, path, body)
-            except LinkError as exc:
-                if exc.status is not None and exc.status != 503 or attempt == tries - 1:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
-
-    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
-        got = self._retrying("GET", "/snapshots")
-        return _committed(got["items"]), got["latest"]
-
-    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
-        body = {"step": written.step, "path": written.path, "size": written.size,
-                "checksum": written.checksum, "attempt": self.attempt, "control_id": control_id,
-                "stall_s": round(stall_s, 6), "write_s": round(written.write_s, 6)}
-        try:
-            return self._retrying("POST", "/snapshots", body)["prune"]
-        except LinkError as exc:
-            if exc.status == 409:
-                raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
-            raise
-
-    def report_corrupt(self, step: int, reason: str) -> None:
-        self._retrying("POST", f"/snapshots/{step}/corrupt", {"reason": reason[:500]})
-
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
-        self._call("POST", "/progress", {"step": step, "loss": loss, "samples_per_s": samples_per_s,
-                                         "attempt": self.attempt})
-
-    def control(self) -> ControlRequest:
-        got = self._call("GET", "/control")
-        return ControlRequest(id=got["id"], action=got["action"], reason=got["reason"])
-
-
-class LocalLink:
-    """The local twin of the control plane: a `snapshots.json` index next to the files."""
-
-    def __init__(self, directory: str | Path, keep: int):
-        self.directory = Path(directory)
-        self.keep = keep
-        self.index = self.directory / "snapshots.json"
-
-    def _read(self) -> dict:
-        try:
-            return json.loads(self.index.read_text())
-        except FileNotFoundError:
-            return {"items": [], "latest": None}
-
-    def _write(self, data: dict) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.index.with_suffix(f".tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.index)
-
-    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
-        data = self._read()
-        return _committed(data["items"]), data["latest"]
-
-    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
-        data = self._read()
-        items = {i["step"]: i for i in data["items"]}
-        items[written.step] = {"step": written.step, "path": written.path, "size": written.size,
-                               "checksum": written.checksum, "bad": False, "stall_s": stall_s}
-        latest = data["latest"]
-        if latest is None or written.step >= latest:
-            latest = written.step
-        kept = {latest}
-        for step in sorted(items, reverse=True):
-            if len(kept) >= self.keep:
-                break
-            if not items[step]["bad"]:
-                kept.add(step)
-        pruned = [items.pop(s)["path"] for s in sorted(items) if s not in kept]
-        self._write({"items": [items[s] for s in sorted(items)], "latest": latest})
-        return pruned
-
-    def report_corrupt(self, step: int, reason: str) -> None:
-        data = self._read()
-        good = []
-        for item in data["items"]:
-            if item["step"] == step:
-                item["bad"] = True
-            if not item["bad"]:
-                good.append(item["step"])
-        if data["latest"] == step:
-            data["latest"] = max(good) if good else None
-        log.warning("snapshot at step %d is corrupt (%s); skipped", step, reason)
-        self._write(data)
-
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
-        pass
-
-    def control(self) -> ControlRequest:
-        return ControlRequest()
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -594,24 +440,24 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(seconds=timeout_s))
 
-    directory = snapshot_dir or env.get("FTRAIN_SNAPSHOT_DIR") or None
-    every = snapshot_every or _env_int(env, "FTRAIN_SNAPSHOT_EVERY") or (100 if directory else None)
-    keep = snapshot_keep or _env_int(env, "FTRAIN_SNAPSHOT_KEEP") or 3
+    directory = snapshot_dir or env.get(FTRAIN_SNAPSHOT_DIR) or None
+    every = snapshot_every or _env_int(env, FTRAIN_SNAPSHOT_EVERY) or (100 if directory else None)
+    keep = snapshot_keep or _env_int(env, FTRAIN_SNAPSHOT_KEEP) or 3
     link: Link | None = None
-    job_id = env.get("FTRAIN_JOB_ID")
+    job_id = env.get(FTRAIN_JOB_ID)
     if job_id:
-        missing = [n for n in ("FTRAIN_SERVER", "FTRAIN_TOKEN") if not env.get(n)]
+        missing = [n for n in (FTRAIN_SERVER, FTRAIN_JOB_TOKEN) if not env.get(n)]
         if missing:
-            raise RuntimeError(f"FTRAIN_JOB_ID is set but {', '.join(missing)} is not: this worker "
+            raise RuntimeError(f"{FTRAIN_JOB_ID} is set but {', '.join(missing)} is not: this worker "
                                "cannot reach its control plane (is it started by an ftrain node?)")
-        link = ServiceLink(env["FTRAIN_SERVER"], job_id, env["FTRAIN_TOKEN"],
-                           _env_int(env, "FTRAIN_ATTEMPT") or 0)
+        link = ServiceLink(env[FTRAIN_SERVER], job_id, env[FTRAIN_JOB_TOKEN],
+                           _env_int(env, FTRAIN_ATTEMPT) or 0)
     elif directory:
         link = LocalLink(directory, keep)
     rt = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, distributed=distributed,
                  device=device, link=link, snapshot_dir=Path(directory) if directory else None,
                  snapshot_every=every if directory else None,
-                 global_batch_size=_env_int(env, "FTRAIN_GLOBAL_BATCH_SIZE"),
+                 global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
                  pause_timeout_s=pause_timeout_s)
     if directory and link is not None:

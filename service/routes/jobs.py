@@ -61,12 +61,12 @@ async def list_jobs(
                     "msg": f"no job {after} (to list from the start, leave `after` out)"}]) from None
             place = (job.created_at, job.id)
     page, more = await ctx.jobs.page(ctx.index.ids_after(place, state), state, limit)
-    return JobList(items=[j.view() for j in page], next=page[-1].id if more and page else None)
+    return JobList(items=await ctx.jobs.views(page), next=page[-1].id if more and page else None)
 
 
 @router.get("/{job_id}", response_model=JobView)
 async def get_job(job_id: str, ctx: ContextDep) -> JobView:
-    return (await ctx.jobs.get(job_id)).view()
+    return await ctx.jobs.view(job_id)
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)

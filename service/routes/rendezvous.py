@@ -55,7 +55,7 @@ async def current_rendezvous(
     if node_token is not None:
         if creds is None:
             raise _unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
-                                "FTRAIN_TOKEN, or the node token)")
+                                "FTRAIN_JOB_TOKEN, or the node token)")
         if _matches(creds.credentials, ctx.settings.user_token):
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 "a user token cannot call rendezvous endpoints")

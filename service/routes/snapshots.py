@@ -1,6 +1,6 @@
 """Job-runtime endpoints: snapshot commits and listing, corrupt reports, progress, control.
 
-Workers call these with their job's token (`FTRAIN_TOKEN`); the node token is accepted
+Workers call these with their job's token (`FTRAIN_JOB_TOKEN`); the node token is accepted
 too. Listing snapshots is also open to users.
 """
 

@@ -3,8 +3,10 @@
 `KeyValue` is what etcd v3 offers ftrain: keys with a global revision, each key carrying
 the revision of its last change (`mod_revision`, the fencing token of every compare-and-set)
 and of its creation; transactions that apply only if each compared key is still at the
-revision read (0: only if absent); leases that delete their keys when they lapse; and
-watches that replay every change under a prefix from a given revision on.
+revision read (0: only if absent); leases that delete their keys when they lapse;
+watches that replay every change under a prefix from a given revision on; and compaction,
+which forgets the history before a revision (a watch from before it raises
+`HistoryCompacted`: the watcher re-reads and watches from the revision of that read).
 
 Every read of many keys is bounded. gRPC caps one reply at 4 MiB (its default receive
 limit, which aetcd keeps) and a cluster's history has no cap, so there is no "read the whole
@@ -161,6 +163,19 @@ class KeyValue(abc.ABC):
         """The store's current revision (for starting a watch after a read)."""
 
     @abc.abstractmethod
+    async def compact(self, revision: int) -> None:
+        """Forget the history before `revision` (at most the current one); the data stay.
+
+        A watch from an earlier revision raises HistoryCompacted afterwards. Compacting at
+        or below an earlier compaction changes nothing.
+        """
+
+    @abc.abstractmethod
+    async def check_ready(self) -> None:
+        """Return if the store serves reads and writes; else raise StoreUnavailable saying why
+        (StoreFull while etcd's NOSPACE alarm is raised, although reads still work)."""
+
+    @abc.abstractmethod
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds; returns its id."""
 
@@ -178,7 +193,8 @@ class KeyValue(abc.ABC):
         """Yield every change under `prefix` from `start_revision` on.
 
         Ends quietly after `max_session_s` and raises StoreUnavailable when the stream
-        breaks: either way the caller re-reads and re-watches.
+        breaks (HistoryCompacted when `start_revision` was compacted away): either way the
+        caller re-reads and re-watches.
         """
 
     @abc.abstractmethod

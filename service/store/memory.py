@@ -4,7 +4,8 @@ One global revision, bumped once per write transaction that changes something (a
 of nothing changes nothing, as in etcd); each entry keeps its mod and create revisions;
 a transaction compares mod revisions (0: absent) and applies all its operations at one
 revision or none. Every change is kept in a history, so a watch from a past revision
-replays what happened since, then follows live changes.
+replays what happened since, then follows live changes; `compact` drops the history before
+a revision, and a watch from before it raises HistoryCompacted, as etcd's does.
 
 Replies are capped as gRPC caps etcd's (4 MiB by default, `max_reply_bytes`): a range or a
 page of `get_many` whose keys and values pass the cap raises ReplyTooLarge, so a test of a
@@ -25,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.errors import ReplyTooLarge, StoreUnavailable
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Op, Put, WatchEvent
 
 Clock = Callable[[], float]
@@ -52,6 +53,7 @@ class MemoryStore(KeyValue):
         self._revision = 1  # a new etcd is at revision 1
         self._data: dict[str, Entry] = {}
         self._history: list[WatchEvent] = []
+        self._compacted = 0  # history before this revision is gone
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x694D0000)
         self._watchers: list[tuple[str, asyncio.Queue]] = []
@@ -136,6 +138,16 @@ class MemoryStore(KeyValue):
             self._apply(ops)
         return ok, self._data.get(read)
 
+    async def compact(self, revision: int) -> None:
+        self._expire()
+        if revision <= self._compacted:
+            return
+        self._compacted = min(revision, self._revision)
+        self._history = [e for e in self._history if e.mod_revision >= self._compacted]
+
+    async def check_ready(self) -> None:
+        self._expire()
+
     # -- leases --------------------------------------------------------------------------
 
     async def grant_lease(self, ttl_s: int) -> int:
@@ -164,6 +176,10 @@ class MemoryStore(KeyValue):
         queue: asyncio.Queue = asyncio.Queue()
         if start_revision <= 0:  # as etcd: no start revision means "from now on"
             start_revision = self._revision + 1
+        if start_revision < self._compacted:
+            raise HistoryCompacted(f"the history before revision {self._compacted} was compacted; "
+                                   f"a watch from {start_revision} must re-read first",
+                                   self._compacted)
         for event in self._history:  # replay, then follow: nothing can land in between
             if event.mod_revision >= start_revision and event.key.startswith(prefix):
                 queue.put_nowait(event)

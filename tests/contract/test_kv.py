@@ -2,8 +2,9 @@
 
 What ftrain relies on is asserted here once, so the in-memory store that tests of the
 stores use cannot drift from etcd: revisions, compare-and-set on mod_revision (0: absent),
-transactions that apply whole or not at all, leases whose lapse deletes their keys, and
-watches that replay from a past revision.
+transactions that apply whole or not at all, leases whose lapse deletes their keys,
+watches that replay from a past revision, and compaction, after which a watch from before
+it raises HistoryCompacted (and the store serves everything else as before).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from service.errors import ReplyTooLarge, StoreUnavailable
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 from service.store.memory import MemoryStore
 
@@ -513,5 +514,62 @@ def test_a_watch_session_ends_quietly_after_its_longest_time(backend):
         async for _ in kv.watch_prefix("/c/quiet/", await kv.revision() + 1, max_session_s=0.5):
             raise AssertionError("nothing was written")
         assert time.monotonic() - began < 10
+
+    backend.run(test)
+
+
+# ------------------------------------------------------------------ compaction
+
+def test_compaction_keeps_the_data_and_the_history_from_its_revision_on(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        await kv.put("/c/h/a", b"2")
+        kept = await kv.revision()
+        await kv.put("/c/h/b", b"3")
+        await kv.compact(kept)
+        assert (await kv.get("/c/h/a")).value == b"2"
+        assert [e.key for e in await scan(kv, "/c/h/")] == ["/c/h/a", "/c/h/b"]
+        events = kv.watch_prefix("/c/h/", kept)  # from the compaction's own revision: kept
+        try:
+            got = await next_events(events, 2)
+            assert [(e.key, e.value) for e in got] == [("/c/h/a", b"2"), ("/c/h/b", b"3")]
+        finally:
+            await events.aclose()
+
+    backend.run(test)
+
+
+def test_a_watch_from_before_the_compaction_raises_history_compacted(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        early = await kv.revision()
+        await kv.put("/c/h/a", b"2")
+        await kv.put("/c/h/a", b"3")
+        await kv.compact(await kv.revision())
+        with pytest.raises(HistoryCompacted) as raised:
+            await next_events(kv.watch_prefix("/c/h/", early), 1)
+        assert raised.value.compact_revision == await kv.revision()
+        assert isinstance(raised.value, StoreUnavailable)  # callers that re-read on those do here
+        # The store goes on serving: reads, writes, and a watch from a kept revision.
+        events = kv.watch_prefix("/c/h/", await kv.revision() + 1)
+        try:
+            await kv.put("/c/h/a", b"4")
+            assert [(e.key, e.value) for e in await next_events(events, 1)] == [("/c/h/a", b"4")]
+        finally:
+            await events.aclose()
+
+    backend.run(test)
+
+
+def test_compacting_again_at_or_below_an_earlier_compaction_changes_nothing(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        await kv.put("/c/h/a", b"2")
+        revision = await kv.revision()
+        await kv.compact(revision)
+        await kv.compact(revision)
+        await kv.compact(revision - 1)
+        assert (await kv.get("/c/h/a")).value == b"2"
+        assert await kv.revision() == revision
 
     backend.run(test)

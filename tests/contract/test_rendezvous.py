@@ -37,6 +37,7 @@ from worker.rendezvous import (
     Transport,
     create_ftrain_handler,
     endpoint_url,
+    wake,
     wake_on_change,
 )
 
@@ -486,7 +487,7 @@ def test_endpoint_url_accepts_host_port_and_urls():
 
 
 def test_registered_handler_runs_a_one_node_rendezvous(control_plane, rdzv_id, monkeypatch):
-    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=1, max_nodes=1, local_addr="127.0.0.1",
@@ -642,7 +643,7 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
         control_plane, rdzv_id, monkeypatch):
     """Two handlers in threads (as torchrun's on two nodes): the first waits for the second;
     its wait must be the long poll of its own state, never torch's one-second sleep."""
-    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=2, max_nodes=2, local_addr="127.0.0.1",
@@ -653,13 +654,13 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
         assert handler._state_holder._cache_duration == 1  # torch's cache stays (monitor reads)
 
     stock_delays: list[tuple[str, object]] = []
-    stock_delay = ftrain_rdzv._stock_delay
+    stock_delay = wake._stock_delay
 
     def count_stock_delay(seconds):
         stock_delays.append((threading.current_thread().name, seconds))
         stock_delay(seconds=seconds)
 
-    monkeypatch.setattr(ftrain_rdzv, "_stock_delay", count_stock_delay)
+    monkeypatch.setattr(wake, "_stock_delay", count_stock_delay)
     entered: list[FtrainRendezvousBackend] = []
     waits: list[tuple[str, FtrainRendezvousBackend, bool]] = []
     wait_for_change = FtrainRendezvousBackend.wait_for_change
@@ -699,7 +700,7 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
 def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane, rdzv_id, monkeypatch):
     """torchrun's monitor asks num_nodes_waiting() every 0.2 s; waking on a change must not
     turn each of those into a request (torch's one-second state cache stays)."""
-    monkeypatch.setenv("FTRAIN_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=1, max_nodes=2, local_addr="127.0.0.1")
     handler = create_ftrain_handler(params)

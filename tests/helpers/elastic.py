@@ -72,7 +72,7 @@ def worker_pids(agent: NodeAgentProc, script: Path = SCRIPT) -> list[int]:
 
 
 def forked(pid: int) -> bool:
-    """True if `pid` is a pre-started worker: a child of a fork server (worker/zygote.py)."""
+    """True if `pid` is a forked worker: a child of a fork server (worker/fork_server.py)."""
     ppid = parent_of(pid)
     return ppid is not None and is_fork_server(cmdline(ppid))
 

@@ -46,7 +46,7 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     job_id = submit(api, job_spec("kill", "--steps", "400", "--step-time", "0.05"))
     wait_step(api, job_id, 10)
     victims = worker_pids(b)
-    assert len(victims) == 1 and forked(victims[0])  # a pre-started worker (worker/zygote.py)
+    assert len(victims) == 1 and forked(victims[0])  # a forked worker (worker/fork_server.py)
     killed_at = max(s for s, _ in steps(api, job_id))
     os.kill(victims[0], signal.SIGKILL)
     wait_for(lambda: not pid_alive(victims[0]), 10, "the worker to die")
@@ -65,11 +65,11 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
     assert final["state"] == "RUNNING" and final["restarts"] == 1 and final["world_size"] == 2
 
 
-def test_job_can_opt_out_of_pre_started_workers(api, agents):
+def test_job_can_opt_out_of_the_fork_server(api, agents):
     (a,) = agents(1)
     wait_nodes(api, 1)
     job_id = submit(api, job_spec("cold", "--steps", "400", "--step-time", "0.05", mx=1,
-                                  env={"FTRAIN_PRESTART": "0"}))
+                                  env={"FTRAIN_FORK_SERVER": "0"}))
     wait_step(api, job_id, 3)
     pids = worker_pids(a)
     assert len(pids) == 1 and not forked(pids[0])
@@ -157,21 +157,21 @@ def test_script_that_always_fails_ends_failed_after_max_restarts(etcd, api, agen
     wait_for(lambda: not rdzv_keys(etcd.endpoint, job_id), 10, "the rendezvous keys to be removed")
 
 
-@pytest.mark.parametrize("prestart", ["1", "0"])
-def test_a_crash_in_teardown_after_the_script_finished_does_not_fail_the_job(api, agents, prestart):
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_a_crash_in_teardown_after_the_script_finished_does_not_fail_the_job(api, agents, fork_server):
     """torch's backend threads can abort the interpreter's teardown after a script ended
-    well (gloo on Python 3.11, see worker/zygote.py). With pre-started workers the job
-    still succeeds with no restart; without them (FTRAIN_PRESTART=0) the same crash,
+    well (gloo on Python 3.11, see worker/fork_server.py). With the fork server the job
+    still succeeds with no restart; without it (FTRAIN_FORK_SERVER=0) the same crash,
     really injected, fails it."""
     agents(2)
     wait_nodes(api, 2)
     job_id = submit(api, job_spec("teardown", "--steps", "6", "--step-time", "0.02", "--crash-on-exit",
-                                  max_restarts=0, env={"FTRAIN_PRESTART": prestart}))
+                                  max_restarts=0, env={"FTRAIN_FORK_SERVER": fork_server}))
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"))
     assert [s for s, _ in steps(api, job_id)] == list(range(1, 7))
     notes = [i for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]
              if "the script finished, then the interpreter died of SIGABRT" in i["line"]]
-    if prestart == "1":
+    if fork_server == "1":
         assert done["state"] == "SUCCEEDED" and done["restarts"] == 0, events(api, job_id)
         assert len(notes) == 2  # one per worker
     else:

@@ -29,13 +29,14 @@ def etcd_keys(endpoint: str, prefix: str = "/ftrain/") -> list[str]:
 
 
 def give_it_state(cp: ControlPlane, job_id: str) -> None:
-    """Logs, a committed snapshot and rendezvous keys, as a job's nodes would leave them."""
+    """Logs, progress, a committed snapshot and rendezvous keys, as a job's nodes leave them."""
     with cp.client("node") as node:
         line = {"rank": 0, "stream": "stdout", "line": "step 1", "time": time.time()}
         assert node.post(f"/v1/jobs/{job_id}/logs",
                          json={"node": "n0", "lines": [line]}).status_code == 204
         commit = {"step": 5, "path": f"/snap/{job_id}/5", "size": 1, "checksum": "x", "attempt": 0}
         assert node.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
+        assert node.post(f"/v1/jobs/{job_id}/progress", json={"step": 5, "attempt": 0}).status_code == 200
         rdzv = f"/v1/rdzv/{job_id}-a0"
         state = base64.b64encode(b"state").decode()
         assert node.put(f"{rdzv}/state", json={"state": state, "token": None}).status_code == 200
@@ -71,7 +72,7 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             keys = etcd_keys(etcd.endpoint)
             for job_id in (old, unfinished):
                 assert {k.split("/")[2] for k in keys if job_id in k} == \
-                    {"jobs", "events", "logs", "snapshots", "rdzv"}, keys
+                    {"jobs", "events", "progress", "logs", "snapshots", "rdzv"}, keys
             assert len(etcd_keys(etcd.endpoint, "/ftrain/idempotency/")) == 1
 
             old_end = finished_at(api, old)
@@ -89,11 +90,11 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             for path in ("events", "logs", "snapshots"):
                 assert api.get(f"/v1/jobs/{old}/{path}").status_code == 404
             keys = etcd_keys(etcd.endpoint)
-            assert [k for k in keys if old in k] == []  # record, events, logs, snapshots, rdzv
+            assert [k for k in keys if old in k] == []  # record, events, progress, logs, snapshots, rdzv
             assert etcd_keys(etcd.endpoint, "/ftrain/idempotency/") == []
             # An unfinished job is kept with all it has, whatever its age.
             assert {k.split("/")[2] for k in keys if unfinished in k} == \
-                {"jobs", "events", "logs", "snapshots", "rdzv"}
+                {"jobs", "events", "progress", "logs", "snapshots", "rdzv"}
             assert api.get(f"/v1/jobs/{unfinished}").json()["state"] == "PENDING"
             # The key of the deleted job is free: the same key submits a new job.
             again = api.post("/v1/jobs", json={**SPEC, "name": "old"},

@@ -67,7 +67,7 @@ def main() -> int:
 
 
 class CrashOnTeardown:
-    """What torch's backend threads do now and then at exit (see worker/zygote.py), on cue."""
+    """What torch's backend threads do now and then at exit (see worker/fork_server.py), on cue."""
 
     def __del__(self, abort=os.abort):  # bound now: teardown may have cleared `os` by then
         abort()

@@ -22,7 +22,7 @@ from service.scheduler import Leadership
 from service.settings import Settings
 from service.store.api import MAX_TXN_OPS, Put
 from service.store.memory import MemoryStore
-from worker.protocol import CommitRequest, LogLineIn, LogShipment
+from worker.protocol import CommitRequest, LogLineIn, LogShipment, ProgressReport
 
 RETENTION_S = 100.0
 POLICY = RetentionPolicy(retention_s=RETENTION_S)
@@ -47,7 +47,7 @@ class Cluster:
         self.leadership = Leadership(self.kv, self.ctx.keys.leader)
 
     async def job(self, name: str, *, finish: bool, key: str | None = None) -> str:
-        """A job with events, a log chunk, a snapshot record and rendezvous keys."""
+        """A job with events, progress, a log chunk, a snapshot record and rendezvous keys."""
         ctx = self.ctx
         job, _ = await ctx.jobs.create(JobSpec(name=name, command=["true"]), key)
         await ctx.logs.ship(job.id, LogShipment(node="n0", attempt=0,
@@ -55,6 +55,7 @@ class Cluster:
                                                                  time=self.clock.now)]))
         await ctx.snapshots.commit(job.id, CommitRequest(step=10, path="/s/10", size=1, checksum="c",
                                                          attempt=0))
+        await ctx.progress.report(job.id, ProgressReport(step=10, attempt=0))
         await self.kv.put(ctx.keys.rdzv_state(f"{job.id}-a0"), b"state")
         await self.kv.put(ctx.keys.rdzv_store(f"{job.id}-a0") + "k", b"v")
         if finish:
@@ -100,7 +101,8 @@ def test_a_pass_deletes_everything_of_an_expired_job_and_nothing_of_the_others()
         c.clock.now += RETENTION_S - 10
         recent = await c.job("recent", finish=True)
         running = await c.job("running", finish=False)
-        assert len(await c.keys_of(old)) == 7  # record, 2 events, log, snapshot, 2 rendezvous
+        # record, 2 events, progress, log, snapshot, 2 rendezvous
+        assert len(await c.keys_of(old)) == 8
         assert await c.kv.count_prefix(c.ctx.keys.prefix + "/idempotency/") == 1
         assert await c.prune() == []  # nothing is old enough yet
         c.clock.now += 10
@@ -109,15 +111,15 @@ def test_a_pass_deletes_everything_of_an_expired_job_and_nothing_of_the_others()
         with pytest.raises(JobNotFound):
             await c.ctx.jobs.get(old)
         assert await c.kv.count_prefix(c.ctx.keys.prefix + "/idempotency/") == 0
-        assert len(await c.keys_of(recent)) == 7
-        assert len(await c.keys_of(running)) == 6  # one event: submitted
+        assert len(await c.keys_of(recent)) == 8
+        assert len(await c.keys_of(running)) == 7  # one event: submitted
         # The key it was submitted with went with it: the same key makes a new job now.
         again, created = await c.ctx.jobs.create(JobSpec(name="old", command=["true"]), "retried-submit")
         assert created and again.id != old
         # An unfinished job is never deleted, however old.
         c.clock.now += 100 * RETENTION_S
         assert sorted(await c.prune()) == sorted([recent])
-        assert len(await c.keys_of(running)) == 6
+        assert len(await c.keys_of(running)) == 7
 
     run(test)
 

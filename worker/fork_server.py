@@ -1,15 +1,15 @@
-"""Pre-started workers: a fork server per job on each node.
+"""The fork server: one per job on each node, it forks workers with torch imported.
 
-A fresh worker interpreter spends about 1 s importing torch and, at DDP's first forward,
-another second importing torch._dynamo (measured on the 2-core CI machine); after a
-worker failure the whole group waits for the slowest of them. The node agent therefore
+A fresh worker interpreter spends seconds importing torch and, at DDP's first forward,
+torch._dynamo (docs/runtime.md has the figures); after a worker failure the whole group
+waits for the slowest of them. The node agent therefore
 starts, next to torchrun, one process per job that imports those modules once
-(`FTRAIN_PRESTART_IMPORTS`, default `PRELOAD`) and then forks a worker for every
+(`FTRAIN_FORK_SERVER_IMPORTS`, default `PRELOAD`) and then forks a worker for every
 `worker/launch.py` that asks: the new worker starts with everything imported, in a few
 milliseconds.
 
-    python zygote.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
-                                  # writes "ready" to FD once it has imported
+    python fork_server.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
+                                       # writes "ready" to FD once it has imported
 
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
 1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
@@ -31,11 +31,10 @@ non-daemon threads, runs atexit handlers), flushes its output, and tells the ser
 finished; only then does the interpreter finalize. torch's backends have threads that can
 still touch Python objects then: a gloo thread releasing the tensors of the last
 collective after finalization has begun aborts the process ("terminate called without an
-active exception", seen about one run in seven at the end of a two-node DDP script on two
-busy cores). A worker that finished and then died of SIGABRT, SIGSEGV, SIGBUS, SIGILL or
-SIGFPE is reported as exit 0, with a note the launcher prints, instead of costing the job a
-restart. Anything else (a non-zero exit, an atexit handler that crashes, a kill from
-outside) is reported as it happened.
+active exception"; docs/runtime.md says how often). A worker that finished and then died
+of SIGABRT, SIGSEGV, SIGBUS, SIGILL or SIGFPE is reported as exit 0, with a note the
+launcher prints, instead of costing the job a restart. Anything else (a non-zero exit, an
+atexit handler that crashes, a kill from outside) is reported as it happened.
 
 CUDA is never initialised here: a process that forks after CUDA is initialised gives
 children that cannot use it. If an import does initialise it, every request is declined.
@@ -60,6 +59,8 @@ import sys
 import threading
 import time
 
+# worker.env.FTRAIN_FORK_SERVER_IMPORTS: this file imports only the standard library (see there).
+IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
 PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
 FINISHED = b"finished"
 # What a crash in the interpreter's teardown dies of; a finished worker's death by one of
@@ -354,7 +355,7 @@ def main(argv: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
     listener.listen(64)  # launchers that come while we import wait in the backlog
-    decline = preload([m for m in os.environ.get("FTRAIN_PRESTART_IMPORTS", PRELOAD).split(",") if m])
+    decline = preload([m for m in os.environ.get(IMPORTS_ENV, PRELOAD).split(",") if m])
     if decline:
         log(f"declining every request: {decline}")
     if len(argv) > 2:  # tell the agent we are ready: it then starts torchrun through us too

@@ -1,4 +1,4 @@
-"""Pre-started workers: a real fork server (`worker/zygote.py`) and real launchers
+"""The fork server: a real one (`worker/fork_server.py`) and real launchers
 (`worker/launch.py`, as torchrun runs them), real signals, real exit statuses."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import pid_alive, wait_for
-from worker.procs import LAUNCH, ZYGOTE, descendants
+from worker.procs import FORK_SERVER, LAUNCH, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -71,8 +71,8 @@ PROBE = textwrap.dedent("""
 def fork_server(tmp_path):
     name = f"ftrain-test-{secrets.token_hex(6)}"
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "FTRAIN_PRESTART_IMPORTS": "torch"}
-    proc = subprocess.Popen([sys.executable, str(ZYGOTE), name], stdout=log, stderr=log, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "FTRAIN_FORK_SERVER_IMPORTS": "torch"}
+    proc = subprocess.Popen([sys.executable, str(FORK_SERVER), name], stdout=log, stderr=log, env=env)
     wait_for(lambda: b"imported torch" in (tmp_path / "server.log").read_bytes(), 60, "the fork server")
     yield name, proc
     for pid in [*descendants(proc.pid), proc.pid]:
@@ -89,9 +89,9 @@ def launch(tmp_path: Path, server: str | None, *args: str, python_args: tuple[st
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     run_env = {**os.environ, "X": "from-the-launcher", "OMP_NUM_THREADS": "1", **(env or {})}
-    run_env.pop("FTRAIN_ZYGOTE", None)
+    run_env.pop("FTRAIN_FORK_SERVER_SOCKET", None)
     if server:
-        run_env["FTRAIN_ZYGOTE"] = server
+        run_env["FTRAIN_FORK_SERVER_SOCKET"] = server
     out, err = open(tmp_path / "out", "wb"), open(tmp_path / "err", "wb")  # noqa: SIM115
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)

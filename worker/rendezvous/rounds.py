@@ -12,18 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
-import httpx
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from worker.env import FTRAIN_ATTEMPT, FTRAIN_JOB_ID, FTRAIN_JOB_TOKEN, FTRAIN_NODE, FTRAIN_SERVER
+from worker.http import ControlPlaneClient, HttpError
+from worker.protocol import RoundReport
+
 log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 3.0
+# How long a report is retried while the control plane does not answer: what the sleeps
+# between its five tries (0.1, 0.3, 1 and 2 s) came to before there was one retry policy.
+RETRY_S = 3.4
 
 
 class RoundReporter:
     def __init__(self, server: str, token: str, job_id: str, attempt: int, node: str):
-        self._client = httpx.Client(base_url=server.rstrip("/"), timeout=3,
-                                    headers={"Authorization": f"Bearer {token}"})
+        self._client = ControlPlaneClient(server, token, timeout=REQUEST_TIMEOUT_S)
         self._path = f"/v1/jobs/{job_id}/rounds"
         self._attempt = attempt
         self._node = node
@@ -31,24 +37,23 @@ class RoundReporter:
     @classmethod
     def from_env(cls) -> RoundReporter | None:
         env = os.environ
-        needed = ("FTRAIN_SERVER", "FTRAIN_TOKEN", "FTRAIN_JOB_ID", "FTRAIN_ATTEMPT", "FTRAIN_NODE")
+        needed = (FTRAIN_SERVER, FTRAIN_JOB_TOKEN, FTRAIN_JOB_ID, FTRAIN_ATTEMPT, FTRAIN_NODE)
         if not all(env.get(k) for k in needed):
             return None
-        return cls(env["FTRAIN_SERVER"], env["FTRAIN_TOKEN"], env["FTRAIN_JOB_ID"],
-                   int(env["FTRAIN_ATTEMPT"]), env["FTRAIN_NODE"])
+        return cls(env[FTRAIN_SERVER], env[FTRAIN_JOB_TOKEN], env[FTRAIN_JOB_ID],
+                   int(env[FTRAIN_ATTEMPT]), env[FTRAIN_NODE])
 
     def report(self, phase: str, call: int, info: RendezvousInfo | None = None) -> None:
-        body = {"attempt": self._attempt, "node": self._node, "phase": phase, "call": call}
-        if info is not None:
-            body.update(group_rank=info.rank, group_world_size=info.world_size)
-        for delay in (0.1, 0.3, 1.0, 2.0, None):
-            try:
-                if self._client.post(self._path, json=body).status_code < 500:
-                    return
-            except httpx.HTTPError as exc:
-                log.debug("round report failed: %s", exc)
-            if delay is not None:
-                time.sleep(delay)
+        body = RoundReport(attempt=self._attempt, node=self._node, phase=phase, call=call,
+                           group_rank=None if info is None else info.rank,
+                           group_world_size=None if info is None else info.world_size)
+        try:
+            self._client.call("POST", self._path, body, retry_s=RETRY_S)
+            return
+        except HttpError as exc:
+            if exc.status is not None and exc.status < 500:
+                return  # the control plane's answer (e.g. the attempt is over): nothing to add
+            log.debug("round report failed: %s", exc)
         log.warning("could not report rendezvous round (%s) to the control plane", phase)
 
 

@@ -1,0 +1,243 @@
+"""The retry policy of worker/http.py and its callers, against a real HTTP server on a free
+port (a thread of this process) that answers from a script."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+import worker.rendezvous as ftrain_rdzv
+import worker.rendezvous.transport as transport_module
+from tests.helpers.processes import free_port
+from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
+from worker.rendezvous import FtrainRendezvousBackend, RendezvousGoneError, Transport
+from worker.runtime import Fenced, LinkError, ServiceLink
+
+
+@dataclass
+class Script:
+    """What the server answers: (status, JSON body or None) per request, the last one for ever."""
+
+    answers: list[tuple[int, object]] = field(default_factory=lambda: [(200, {})])
+    delay_s: float = 0.0
+    seen: list[tuple[str, str, object, dict]] = field(default_factory=list)
+
+    def next(self) -> tuple[int, object]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Script]]:
+    script = Script()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            script.seen.append((self.command, self.path, json.loads(raw) if raw else None,
+                                dict(self.headers)))
+            if script.delay_s:
+                time.sleep(script.delay_s)
+            status, body = script.next()
+            data = b"" if body is None else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address) -> None:
+            pass  # a client that timed out and left: expected here
+
+    httpd = Server(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", script
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def client(server) -> Iterator[ControlPlaneClient]:
+    c = ControlPlaneClient(server[0], "tok", timeout=2)
+    yield c
+    c.close()
+
+
+# ------------------------------------------------------------------ the policy
+
+def test_503_twice_then_200_is_retried_until_it_answers(server, client):
+    url, script = server
+    script.answers = [(503, {"detail": "etcd away"}), (503, {"detail": "etcd away"}), (200, {"ok": 1})]
+    assert client.call("POST", "/x", {"a": 1}, retry_s=5) == {"ok": 1}
+    assert [(m, p, b) for m, p, b, _ in script.seen] == [("POST", "/x", {"a": 1})] * 3
+    assert script.seen[0][3]["Authorization"] == "Bearer tok"
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_retryable_status_without_budget_is_one_try_and_unreachable(server, client, status):
+    url, script = server
+    script.answers = [(status, {"detail": "away"})]
+    with pytest.raises(Unreachable) as caught:
+        client.call("GET", "/x")
+    assert (caught.value.status, caught.value.attempts, len(script.seen)) == (status, 1, 1)
+    assert "away" in caught.value.problem
+
+
+def test_retries_stop_at_the_deadline_with_growing_pauses(server, client):
+    url, script = server
+    script.answers = [(503, {"detail": "away"})]
+    start = time.monotonic()
+    with pytest.raises(Unreachable) as caught:
+        client.call("GET", "/x", retry_s=1.0)
+    took = time.monotonic() - start
+    assert 1.0 <= took < 2.0
+    # backoff 0.1 doubling, jittered by 0.5-1: between 4 (0.1+0.2+0.4+0.8) and 7 (halved) tries
+    assert 4 <= caught.value.attempts == len(script.seen) <= 7
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 410, 422, 500])
+def test_other_errors_are_answers_raised_at_once(server, client, status):
+    url, script = server
+    script.answers = [(status, {"detail": f"said {status}"})]
+    with pytest.raises(ApiError) as caught:
+        client.call("POST", "/x", retry_s=5)
+    assert (caught.value.status, caught.value.detail, len(script.seen)) == (status, f"said {status}", 1)
+
+
+def test_a_refused_connection_is_retried_until_the_deadline():
+    c = ControlPlaneClient(f"http://127.0.0.1:{free_port()}", timeout=1)
+    start = time.monotonic()
+    with pytest.raises(Unreachable) as caught:
+        c.call("GET", "/x", retry_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 2
+    assert caught.value.status is None and caught.value.attempts > 1
+    assert "ConnectError" in caught.value.problem
+    c.close()
+
+
+def test_a_read_timeout_is_no_answer(server):
+    url, script = server
+    script.delay_s = 0.5
+    c = ControlPlaneClient(url, timeout=0.1)
+    with pytest.raises(Unreachable) as caught:
+        c.call("GET", "/x")
+    assert caught.value.status is None and "Timeout" in caught.value.problem
+    c.close()
+
+
+def test_an_empty_answer_is_none_and_models_are_sent_as_json(server, client):
+    from worker.protocol import CorruptReport
+
+    url, script = server
+    script.answers = [(204, None)]
+    assert client.call("POST", "/x", CorruptReport(reason="bad")) is None
+    assert script.seen[0][2] == {"reason": "bad"}
+
+
+def test_environment_proxies_are_ignored(server, client, monkeypatch):
+    url, script = server
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("ALL_PROXY", "http://127.0.0.1:9")
+    c = ControlPlaneClient(url)
+    assert c.call("GET", "/x") == {}
+    c.close()
+
+
+def test_every_error_is_an_http_error():
+    assert issubclass(ApiError, HttpError) and issubclass(Unreachable, HttpError)
+
+
+# ------------------------------------------------------------------ the rendezvous transport
+
+def test_rendezvous_410_is_gone_at_once(server):
+    url, script = server
+    script.answers = [(410, {"detail": "attempt 0 is over"})]
+    transport = Transport(url, "job-abcdef-a0", "t", retry_timeout_s=5)
+    with pytest.raises(RendezvousGoneError, match="attempt 0 is over"):
+        FtrainRendezvousBackend(transport).get_state()
+    assert len(script.seen) == 1 and script.seen[0][1] == "/v1/rdzv/job-abcdef-a0/state"
+    transport.close()
+
+
+def test_rendezvous_503_until_retry_timeout_is_a_connection_error(server):
+    url, script = server
+    script.answers = [(503, {"detail": "etcd away"})]
+    transport = Transport(url, "job-abcdef-a0", "t", retry_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=r"did not answer .* tries \(HTTP 503: etcd away\)"):
+        FtrainRendezvousBackend(transport).get_state()
+    assert 1 <= time.monotonic() - start < 2 and len(script.seen) > 1
+    transport.close()
+
+
+def test_rendezvous_read_timeout_is_the_wait_plus_the_margin(server, monkeypatch):
+    url, script = server
+    monkeypatch.setattr(transport_module, "READ_MARGIN_S", 0.2)
+    script.delay_s = 0.5
+    script.answers = [(200, {"state": None, "token": None, "changed": False})]
+    transport = Transport(url, "job-abcdef-a0", "t", retry_timeout_s=1)
+    # 0.4 s of wait + 0.2 s of margin > the server's 0.5 s: answered
+    assert transport.call("GET", "/state", wait_s=0.4) == {"state": None, "token": None, "changed": False}
+    with pytest.raises(ftrain_rdzv.ControlPlaneUnreachable, match="ReadTimeout"):
+        transport.call("GET", "/state", wait_s=0.0, deadline=time.monotonic())  # 0.2 s < 0.5 s
+    transport.close()
+
+
+def test_endpoint_url_keeps_an_explicit_default_port():
+    assert ftrain_rdzv.endpoint_url("http://cp:80") == "http://cp:80"
+    assert ftrain_rdzv.endpoint_url("https://cp") == "https://cp"
+
+
+# ------------------------------------------------------------------ the runtime's link
+
+def test_service_link_retries_a_listing_and_reads_it_into_snapshots(server):
+    url, script = server
+    record = {"step": 5, "path": "/s/5.pt", "size": 3, "checksum": "abc", "bad": False}
+    script.answers = [(503, {"detail": "away"}), (200, {"items": [record], "latest": 5})]
+    link = ServiceLink(url, "job-x", "tok", attempt=2)
+    items, latest = link.snapshots()
+    assert latest == 5 and [(i.step, i.path, i.bad) for i in items] == [(5, "/s/5.pt", False)]
+    assert [p for _, p, _, _ in script.seen] == ["/v1/jobs/job-x/snapshots"] * 2
+
+
+def test_service_link_polls_control_once_and_says_what_failed(server):
+    url, script = server
+    script.answers = [(503, {"detail": "away"})]
+    link = ServiceLink(url, "job-x", "tok", attempt=0)
+    with pytest.raises(LinkError) as caught:
+        link.control()
+    assert caught.value.status == 503 and len(script.seen) == 1
+    script.answers = [(200, {"id": 3, "action": "checkpoint_stop", "reason": "cancel"})]
+    ctl = link.control()
+    assert (ctl.id, ctl.action, ctl.reason) == (3, "checkpoint_stop", "cancel")
+
+
+def test_service_link_commit_refused_with_409_is_fenced(server):
+    from worker.snapshot import WrittenSnapshot
+
+    url, script = server
+    script.answers = [(409, {"detail": "attempt 1 is not the job's attempt 2"})]
+    link = ServiceLink(url, "job-x", "tok", attempt=1)
+    written = WrittenSnapshot(step=4, path="/s/4.pt", size=1, checksum="c", write_s=0.5)
+    with pytest.raises(Fenced, match="not the job's attempt"):
+        link.commit(written, stall_s=0.01, control_id=None)
+    assert len(script.seen) == 1
+    assert script.seen[0][2] == {"step": 4, "path": "/s/4.pt", "size": 1, "checksum": "c", "attempt": 1,
+                                 "control_id": None, "stall_s": 0.01, "write_s": 0.5}

@@ -1,0 +1,52 @@
+"""Every environment variable ftrain reads or sets, one name per meaning.
+
+Each constant's value is the variable's own name, so a grep for the name finds both this
+definition and every use. Three tokens, three names: `FTRAIN_TOKEN` is a user's token as
+the CLI reads it, `FTRAIN_NODE_TOKEN` the node agents' token, `FTRAIN_JOB_TOKEN` the job
+token that an agent gives its workers (and a plain `torchrun --rdzv-backend=ftrain`
+reads). A token never leaves the process it was given to under another name.
+
+`worker/launch.py` (run with `python -S`, before site-packages exist) and
+`worker/fork_server.py` (run as a file) import only the standard library, so they repeat
+the one name each reads; tests/worker/test_env.py checks that they match this module.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- given to each worker
+# The node agent sets these for every worker of a job (torchrun passes them on).
+FTRAIN_JOB_ID = "FTRAIN_JOB_ID"
+FTRAIN_ATTEMPT = "FTRAIN_ATTEMPT"  # the job attempt the worker belongs to (fencing)
+FTRAIN_SERVER = "FTRAIN_SERVER"  # the control plane's URL (also the CLI's default server)
+FTRAIN_JOB_TOKEN = "FTRAIN_JOB_TOKEN"  # the job's token: rendezvous, snapshots, progress
+FTRAIN_NODE = "FTRAIN_NODE"  # the name of the node the worker runs on
+FTRAIN_SNAPSHOT_DIR = "FTRAIN_SNAPSHOT_DIR"
+FTRAIN_SNAPSHOT_EVERY = "FTRAIN_SNAPSHOT_EVERY"
+FTRAIN_SNAPSHOT_KEEP = "FTRAIN_SNAPSHOT_KEEP"
+FTRAIN_GLOBAL_BATCH_SIZE = "FTRAIN_GLOBAL_BATCH_SIZE"
+FTRAIN_FORK_SERVER_SOCKET = "FTRAIN_FORK_SERVER_SOCKET"  # the abstract socket of the job's fork server
+
+# ---------------------------------------------------------------- a job's own knobs
+# The only FTRAIN_* names a job spec's `env` may set (service/models.py refuses the others).
+FTRAIN_LOG_LEVEL = "FTRAIN_LOG_LEVEL"
+FTRAIN_FORK_SERVER = "FTRAIN_FORK_SERVER"  # "0": workers start cold, without the fork server
+FTRAIN_FORK_SERVER_IMPORTS = "FTRAIN_FORK_SERVER_IMPORTS"  # comma-separated modules it preloads
+JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS)
+
+# ---------------------------------------------------------------- credentials
+FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)
+FTRAIN_USER_TOKEN = "FTRAIN_USER_TOKEN"  # the user token `ftrain serve` accepts
+FTRAIN_NODE_TOKEN = "FTRAIN_NODE_TOKEN"  # the node token: `ftrain serve` accepts it, `ftrain node` sends it
+
+# ---------------------------------------------------------------- control plane and CLI
+FTRAIN_ETCD_ENDPOINTS = "FTRAIN_ETCD_ENDPOINTS"
+FTRAIN_ETCD_BIN = "FTRAIN_ETCD_BIN"  # the etcd binary `ftrain up` starts (else etcd on PATH)
+FTRAIN_SNAPSHOT_ROOT = "FTRAIN_SNAPSHOT_ROOT"
+# service/settings.py reads every other setting as FTRAIN_<FIELD> (FTRAIN_NODE_TTL_S, ...).
+SETTINGS_PREFIX = "FTRAIN_"
+
+# ---------------------------------------------------------------- torch's, set by ftrain
+# Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# "[rank3]:" before each worker line, which the agent parses to tell ranks apart.
+TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"

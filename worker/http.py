@@ -1,0 +1,159 @@
+"""The worker side's one HTTP client to the control plane, with its one retry policy.
+
+Every request a node makes (the agent's registration, heartbeats and reports, its log
+shipments, torchrun's rendezvous and round reports, a training worker's snapshot commits,
+progress and control polls) goes through `ControlPlaneClient.call`; nothing else in
+`worker/` opens a connection (tests/worker/test_http_seam.py checks it).
+
+The policy. A refused connection, a reset, a timeout, and a 502/503/504 (etcd briefly away,
+the control plane restarting behind a proxy) are not answers: they are retried with capped
+exponential backoff and jitter until the caller's retry budget (`retry_s`) is spent, and
+then raised as `Unreachable`. A budget of 0 is a single try. Every other status of 400 or
+more is the control plane's answer, raised at once as `ApiError` with the status and the
+server's `detail`, so a caller tells "refused" (4xx: a bug, a bad token, a fenced attempt,
+410 for an attempt that is over) from "no answer" (`Unreachable`) and from a server error
+(5xx). Each caller chooses its budget and timeouts; the policy is the same for all.
+
+Connections are kept alive (a heartbeat a second should not cost a TCP handshake), but an
+idle one is dropped after `KEEPALIVE_EXPIRY_S`, before uvicorn's 5 s keep-alive closes it
+from its side: reusing a connection that the server is closing at that moment is the
+classic source of spurious "connection reset" errors. Environment proxies are ignored
+(`trust_env=False`): node-to-control-plane traffic is loopback or LAN.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+# httpx imports httpcore at its first client; imported here, the fork server's preload covers
+# it (otherwise each worker pays ~20 ms for it when its link is made).
+import httpcore  # noqa: F401
+import httpx
+
+log = logging.getLogger("ftrain.http")
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 2.0
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+KEEPALIVE_EXPIRY_S = 2.0
+MAX_CONNECTIONS = 16
+MAX_KEEPALIVE_CONNECTIONS = 4
+
+
+# Callers give per-request timeouts as `Timeout(connect=..., read=..., write=..., pool=...)`
+# without importing httpx themselves.
+Timeout = httpx.Timeout
+
+
+class HttpError(Exception):
+    """A request to the control plane did not get the answer it asked for."""
+
+    status: int | None = None  # the HTTP status, where there was one
+
+
+class ApiError(HttpError):
+    """The control plane answered with an error status: a 4xx, or a 5xx that is not retried."""
+
+    def __init__(self, method: str, url: str, status: int, detail: str):
+        super().__init__(f"{method} {url}: HTTP {status}: {detail}")
+        self.method, self.url, self.status, self.detail = method, url, status, detail
+
+
+class Unreachable(HttpError):
+    """No answer before the retry budget was spent (connection errors, 502/503/504)."""
+
+    def __init__(self, method: str, url: str, attempts: int, problem: str, status: int | None):
+        super().__init__(f"{method} {url}: no answer after {attempts} tries ({problem})")
+        self.method, self.url, self.attempts, self.problem = method, url, attempts, problem
+        self.status = status  # the last 502/503/504, or None after a connection error
+
+
+def detail_of(response: httpx.Response) -> str:
+    """The server's `detail` (FastAPI's error body), else the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    return str(body.get("detail", response.text)) if isinstance(body, dict) else response.text[:500]
+
+
+class ControlPlaneClient:
+    """HTTP calls to the control plane under `base_url`, with the retry policy above."""
+
+    def __init__(self, base_url: str, token: str | None = None, *,
+                 timeout: httpx.Timeout | float = 5.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_retry: Callable[[str, str, str], None] | None = None):
+        """`on_retry(method, path, problem)` is told of each retry (default: a debug line)."""
+        self.base_url = base_url.rstrip("/")
+        self._clock = clock
+        self._on_retry = on_retry
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, trust_env=False,
+            # A TLS context costs ~15 ms to build (the CA bundle is read), in every worker a
+            # restart starts: build one only for a control plane that speaks https.
+            verify=self.base_url.startswith("https://"),
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
+                                max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             retry_s: float = 0.0, timeout: httpx.Timeout | float | None = None,
+             params: dict | None = None) -> Any:
+        """One request, retried for `retry_s` seconds; the decoded JSON answer (None if empty).
+
+        `body` is a dict or a pydantic model of `worker.protocol` (sent as its JSON dump).
+
+        Raises:
+            ApiError: the control plane answered 4xx, or a 5xx other than 502/503/504.
+            Unreachable: no answer (connection error or 502/503/504) within `retry_s`.
+            HttpError: another failure of the request (a redirect loop, a bad encoding).
+        """
+        if hasattr(body, "model_dump"):
+            body = body.model_dump(mode="json")
+        extra = {} if timeout is None else {"timeout": timeout}
+        deadline = self._clock() + retry_s
+        delay = BACKOFF_FIRST_S
+        attempt = 0
+        while True:
+            attempt += 1
+            status = None
+            try:
+                response = self._client.request(method, path, json=body, params=params, **extra)
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:
+                raise HttpError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+            else:
+                if response.status_code not in RETRYABLE_STATUS:
+                    return self._answer(method, path, response)
+                status = response.status_code
+                problem = f"HTTP {status}: {detail_of(response)}"
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise Unreachable(method, f"{self.base_url}{path}", attempt, problem, status)
+            if self._on_retry is not None:
+                self._on_retry(method, path, problem)
+            else:
+                log.debug("%s %s%s failed (%s); retrying", method, self.base_url, path, problem)
+            time.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    def _answer(self, method: str, path: str, response: httpx.Response) -> Any:
+        if response.status_code >= 400:
+            raise ApiError(method, f"{self.base_url}{path}", response.status_code, detail_of(response))
+        if response.status_code == 204 or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise HttpError(f"{method} {self.base_url}{path}: the answer is not JSON: "
+                            f"{response.text[:200]!r}") from exc

@@ -1,0 +1,216 @@
+"""The control plane as rank 0 of a training job sees it: the `Link` seam and its two sides.
+
+`ServiceLink` is the job's endpoints on the control plane (snapshots, corrupt reports,
+progress, control), over HTTP with the job token; `LocalLink` is its local twin for a
+script run without the service, a `snapshots.json` index next to the snapshot files. The
+runtime uses either through `Link` and cannot tell them apart, except where the twin
+deliberately differs: it takes no progress reports, never asks for a planned change, and
+has no attempts to fence (tests/contract/test_link.py runs the same cases against both).
+
+Calls that must not be lost (listing, committing, reporting a corrupt snapshot) are
+retried while the control plane does not answer, for `ServiceLink.RETRY_S`; a progress
+report or a control poll is tried once, as the next one comes within a second anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from worker import snapshot as snap
+from worker.http import ApiError, ControlPlaneClient, HttpError
+from worker.protocol import (
+    CommitRequest,
+    CommitResult,
+    ControlView,
+    CorruptReport,
+    ProgressReport,
+    SnapshotList,
+    SnapshotRecord,
+)
+
+log = logging.getLogger("ftrain.runtime")
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class Fenced(RuntimeError):
+    """The control plane refused a commit: this worker belongs to an attempt that is over."""
+
+
+class LinkError(RuntimeError):
+    """The control plane answered with an error (or not at all)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """What the control plane last asked rank 0 to do; id 0 and "none": nothing."""
+
+    id: int = 0
+    action: str = "none"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CommittedSnapshot:
+    """A snapshot the link lists as committed; `bad` once it failed its checksum."""
+
+    step: int
+    path: str
+    size: int
+    checksum: str
+    bad: bool = False
+
+
+class Link(Protocol):
+    """The control plane as rank 0 sees it; `ServiceLink` or the local twin `LocalLink`."""
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]: ...
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]: ...
+    def report_corrupt(self, step: int, reason: str) -> None: ...
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None: ...
+    def control(self) -> ControlRequest: ...
+
+
+def _committed(items: list[dict]) -> list[CommittedSnapshot]:
+    return [CommittedSnapshot(step=i["step"], path=i["path"], size=i["size"], checksum=i["checksum"],
+                              bad=bool(i.get("bad", False))) for i in items]
+
+
+def _committed_records(items: list[SnapshotRecord]) -> list[CommittedSnapshot]:
+    return [CommittedSnapshot(step=i.step, path=i.path, size=i.size, checksum=i.checksum, bad=i.bad)
+            for i in items]
+
+
+class ServiceLink:
+    """The job's endpoints on the control plane, over HTTP with the job token."""
+
+    # How long a call that must not be lost (a commit, a listing, a corrupt report) is
+    # retried while the control plane does not answer: the 0.2 s doubling to 2 s between
+    # six tries that it was before there was one retry policy.
+    RETRY_S = 5.0
+
+    def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
+        self.base = f"{server.rstrip('/')}/v1/jobs/{job_id}"
+        self.attempt = attempt
+        self.timeout_s = timeout_s
+        self._client = ControlPlaneClient(self.base, token, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0) -> Any:
+        try:
+            return self._client.call(method, path, body, retry_s=retry_s)
+        except ApiError as exc:
+            raise LinkError(str(exc), exc.status) from exc
+        except HttpError as exc:  # its message names the request
+            raise LinkError(f"control plane unreachable: {exc}", exc.status) from exc
+
+    def _retrying(self, method: str, path: str, body: Any = None) -> Any:
+        """Retry what is worth retrying (no answer, 502/503/504); a 4xx is an answer."""
+        return self._call(method, path, body, retry_s=self.RETRY_S)
+
+    @staticmethod
+    def _read(model: type[Model], got: Any) -> Model:
+        try:
+            return model.model_validate(got)
+        except ValidationError as exc:
+            raise LinkError(f"the control plane sent an unexpected {model.__name__}: {exc}") from exc
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
+        got = self._read(SnapshotList, self._retrying("GET", "/snapshots"))
+        return _committed_records(got.items), got.latest
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        body = CommitRequest(step=written.step, path=written.path, size=written.size,
+                             checksum=written.checksum, attempt=self.attempt, control_id=control_id,
+                             stall_s=round(stall_s, 6), write_s=round(written.write_s, 6))
+        try:
+            return self._read(CommitResult, self._retrying("POST", "/snapshots", body)).prune
+        except LinkError as exc:
+            if exc.status == 409:
+                raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
+            raise
+
+    def report_corrupt(self, step: int, reason: str) -> None:
+        self._retrying("POST", f"/snapshots/{step}/corrupt", CorruptReport(reason=reason[:500]))
+
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+        self._call("POST", "/progress", ProgressReport(step=step, loss=loss, samples_per_s=samples_per_s,
+                                                       attempt=self.attempt))
+
+    def control(self) -> ControlRequest:
+        got = self._read(ControlView, self._call("GET", "/control"))
+        return ControlRequest(id=got.id, action=got.action.value, reason=got.reason)
+
+
+class LocalLink:
+    """The local twin of the control plane: a `snapshots.json` index next to the files."""
+
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory = Path(directory)
+        self.keep = keep
+        self.index = self.directory / "snapshots.json"
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.index.read_text())
+        except FileNotFoundError:
+            return {"items": [], "latest": None}
+
+    def _write(self, data: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.index.with_suffix(f".tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.index)
+
+    def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]:
+        data = self._read()
+        return _committed(data["items"]), data["latest"]
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        data = self._read()
+        items = {i["step"]: i for i in data["items"]}
+        items[written.step] = {"step": written.step, "path": written.path, "size": written.size,
+                               "checksum": written.checksum, "bad": False, "stall_s": stall_s}
+        latest = data["latest"]
+        if latest is None or written.step >= latest:
+            latest = written.step
+        kept = {latest}
+        for step in sorted(items, reverse=True):
+            if len(kept) >= self.keep:
+                break
+            if not items[step]["bad"]:
+                kept.add(step)
+        pruned = [items.pop(s)["path"] for s in sorted(items) if s not in kept]
+        self._write({"items": [items[s] for s in sorted(items)], "latest": latest})
+        return pruned
+
+    def report_corrupt(self, step: int, reason: str) -> None:
+        data = self._read()
+        good = []
+        for item in data["items"]:
+            if item["step"] == step:
+                item["bad"] = True
+            if not item["bad"]:
+                good.append(item["step"])
+        if data["latest"] == step:
+            data["latest"] = max(good) if good else None
+        log.warning("snapshot at step %d is corrupt (%s); skipped", step, reason)
+        self._write(data)
+
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+        pass
+
+    def control(self) -> ControlRequest:
+        return ControlRequest()

@@ -1,0 +1,103 @@
+"""The "ftrain" rendezvous backend of `torchrun`: torch's own `DynamicRendezvousHandler` over
+the control plane's HTTP API (`service.routes.rendezvous`).
+
+    FTRAIN_JOB_TOKEN=<job or node token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
+    torchrun --rdzv-backend=ftrain --rdzv-endpoint=http://cp:8000 --rdzv-id=<job id>-a<attempt> \\
+             --rdzv-conf=last_call_timeout=1,keep_alive_interval=1 ...
+
+`handler_creator` is the `torchrun.handlers` entry point named in pyproject.toml
+(`worker.rendezvous:handler_creator`); torch's registry calls it once and registers what
+it returns, `create_ftrain_handler(params)`.
+
+The parts:
+
+- `transport.py`: HTTP calls to one rendezvous, their deadlines, retries and errors;
+- `backend.py`: `FtrainRendezvousBackend`, torch's `RendezvousBackend` (get/set the pickled
+  state with an etcd revision as fencing token, and a long poll of it);
+- `store.py`: `HttpStore`, a `torch.distributed.Store` for the agents' small exchanges;
+- `wake.py`: the patch of torch's one-second poll into a wait for a change;
+- `rounds.py`: each rendezvous round reported to the control plane, which counts restarts.
+
+The rendezvous keep-alive (`keep_alive_interval` x `keep_alive_max_attempt`, torch's 5 s x 3)
+and `last_call_timeout` (torch's 30 s) keep torch's defaults; pass them in --rdzv-conf
+(docs/runtime.md says what the node agent passes, and why). With `retry_timeout` longer
+than the keep-alive window, an agent that cannot reach the control plane is dropped by the
+others (they still can) rather than failing itself: that is the intended outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
+from worker.rendezvous.store import DEFAULT_READ_TIMEOUT_S, LONG_POLL_S, HttpStore
+from worker.rendezvous.transport import (
+    DEFAULT_PORT,
+    DEFAULT_RETRY_TIMEOUT_S,
+    TOKEN_ENV,
+    ControlPlaneUnreachable,
+    RendezvousGoneError,
+    Transport,
+    endpoint_url,
+)
+from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, SYNC_DELAY_S, wake_on_change
+
+__all__ = [
+    "DEFAULT_PORT", "DEFAULT_READ_TIMEOUT_S", "DEFAULT_RETRY_TIMEOUT_S", "LONG_POLL_S",
+    "MIN_WAKE_INTERVAL_S", "NO_STATE_TOKEN", "SYNC_DELAY_S", "TOKEN_ENV",
+    "ControlPlaneUnreachable", "FtrainRendezvousBackend", "HttpStore", "LongPollUnsupported",
+    "RendezvousGoneError", "Transport", "create_backend", "create_ftrain_handler", "endpoint_url",
+    "handler_creator", "wake_on_change",
+]
+
+log = logging.getLogger(__name__)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[FtrainRendezvousBackend, HttpStore]:
+    """The backend and the store of one agent, from torchrun's --rdzv-* options.
+
+    --rdzv-conf keys read here (others go to torch's `create_handler`):
+      read_timeout   the store's default timeout for blocking reads, s (60)
+      retry_timeout  how long a request is retried while the control plane is away, s (60)
+    """
+    read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
+    retry_timeout = params.get_as_int("retry_timeout", DEFAULT_RETRY_TIMEOUT_S)
+    if not read_timeout or read_timeout <= 0:
+        raise ValueError(f"read_timeout must be a positive number of seconds, not {read_timeout}")
+    if not retry_timeout or retry_timeout <= 0:
+        raise ValueError(f"retry_timeout must be a positive number of seconds, not {retry_timeout}")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        log.warning("%s is not set: rendezvous requests go without a token and a control "
+                    "plane with tokens will refuse them", TOKEN_ENV)
+    transport = Transport(params.endpoint, params.run_id, token, retry_timeout_s=retry_timeout)
+    store = HttpStore(transport, timeout=timedelta(seconds=read_timeout))
+    return FtrainRendezvousBackend(transport), store
+
+
+def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's DynamicRendezvousHandler over the ftrain backend and store.
+
+    --rdzv-conf keys of torch (defaults): join_timeout (600), last_call_timeout (30),
+    close_timeout (30), heartbeat_timeout (5), keep_alive_interval (5),
+    keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
+    """
+    from worker.deathsig import act_on_first_death_signal
+    from worker.rendezvous.rounds import with_round_reports
+
+    act_on_first_death_signal()  # before torch's agent registers its handler
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    wake_on_change(handler, backend)
+    return with_round_reports(handler)
+
+
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: torch registers what this returns under 'ftrain'."""
+    return create_ftrain_handler

@@ -1,0 +1,140 @@
+"""torch's `RendezvousBackend` kept by the control plane: the pickled rendezvous state,
+written by compare-and-set on a fencing token (the state key's etcd revision), and read
+either at once or, to wake a waiting node as soon as another one writes, by a long poll
+(`wait_for_change`, answered by an etcd watch on the server; see `wake.py`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from worker.protocol import RdzvState, SetStateRequest, SetStateResult, StateChange
+from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
+from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
+
+log = logging.getLogger(__name__)
+Reply = TypeVar("Reply", bound=BaseModel)
+
+NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
+
+
+class LongPollUnsupported(RendezvousError):
+    """The control plane answers a state long poll as a plain read (it predates the long poll)."""
+
+
+class FtrainRendezvousBackend(RendezvousBackend):
+    """torch's `RendezvousBackend` kept by the control plane (etcd compare-and-set)."""
+
+    def __init__(self, transport: Transport):
+        self._transport = transport
+        self._seen_token: str | None = None  # of the last state read or written, any thread
+        self._wakes_on_change = False  # set by `wake_on_change`
+        self._expire_cache: Callable[[], None] = lambda: None  # ditto
+        self._long_poll = True  # False once the control plane turned out not to have it
+        self._last_wake = -MIN_WAKE_INTERVAL_S
+
+    @property
+    def name(self) -> str:
+        return "ftrain"
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        prefetched = getattr(this_thread, "prefetched", None)
+        this_thread.prefetched = None
+        if prefetched is not None and prefetched[0] is self:
+            decoded = prefetched[1]  # read by this thread's wait a moment ago
+        else:
+            decoded = self._decode(self._read(RdzvState, self._call("GET", "/state")))
+        self._saw(None if decoded is None else decoded[1])
+        return decoded
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        this_thread.prefetched = None
+        # A token that is not ours (torch only hands back what we gave it) cannot match.
+        body = SetStateRequest(state=state, token=None if token is None else str(token))
+        result = self._read(SetStateResult, self._call("PUT", "/state", body))
+        decoded = self._decode(result)
+        self._saw(None if decoded is None else decoded[1])
+        if decoded is None:
+            return None
+        return decoded[0], decoded[1], result.written
+
+    def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
+        """Wait until the state's token is no longer `after` (default: the last one this
+        backend read or wrote) or `timeout_s` has passed; True if it changed.
+
+        The state that came back is handed to this thread's next `get_state`, which then
+        makes no request of its own.
+
+        Raises:
+            LongPollUnsupported: the control plane predates the long poll.
+        """
+        after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
+        timeout_s = max(0.0, timeout_s)
+        result = self._call("GET", "/state", params={"after": after, "wait_s": f"{timeout_s:.3f}"},
+                            deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
+        if "changed" not in result:
+            raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
+                                      "long poll on the rendezvous state; upgrade it")
+        change = self._read(StateChange, result)
+        decoded = self._decode(change)
+        this_thread.prefetched = (self, decoded)
+        return change.changed
+
+    def wait_instead_of_poll(self, seconds: float, after: str | None) -> None:
+        """What torch's `_delay(seconds=1)` after a SYNC does for a handler over this backend:
+        return when the state changes, after at most `seconds`."""
+        clock = time.monotonic
+        start = clock()
+        deadline = start + seconds
+        pause = self._last_wake + MIN_WAKE_INTERVAL_S - start
+        if pause > 0:
+            time.sleep(pause)
+        try:
+            if self._long_poll:
+                self.wait_for_change(deadline - clock(), after or NO_STATE_TOKEN)
+                return
+        except LongPollUnsupported as exc:
+            self._long_poll = False
+            log.warning("rendezvous %s: %s; re-reading the state once a second instead",
+                        self._transport.rdzv_id, exc)
+        except RendezvousGoneError:
+            return  # the next read raises it at once
+        except Exception as exc:  # never worse than torch's own poll
+            log.info("rendezvous %s: waiting for a state change failed (%s: %s); re-reading "
+                     "it in a second instead", self._transport.rdzv_id, type(exc).__name__, exc)
+        finally:
+            self._last_wake = clock()
+            self._expire_cache()
+        time.sleep(max(0.0, deadline - clock()))
+
+    def _saw(self, token: Any) -> None:
+        self._seen_token = None if token is None else str(token)
+        if self._wakes_on_change:
+            this_thread.synced = (self, self._seen_token)
+
+    def _call(self, method: str, path: str, body: Any = None, **kwargs) -> dict:
+        try:
+            return self._transport.call(method, path, body, **kwargs)
+        except ControlPlaneUnreachable as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    @staticmethod
+    def _read(model: type[Reply], result: dict) -> Reply:
+        try:
+            return model.model_validate(result)
+        except ValidationError as exc:
+            raise RendezvousStateError("the control plane sent a corrupt rendezvous state") from exc
+
+    @staticmethod
+    def _decode(result: RdzvState) -> tuple[bytes, Any] | None:
+        return None if result.state is None else (result.state, result.token)

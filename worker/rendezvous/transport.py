@@ -1,0 +1,111 @@
+"""HTTP calls to one rendezvous on the control plane (`/v1/rdzv/{rdzv_id}`).
+
+Failures. A refused connection, a reset, a timeout, a 502/503/504 (etcd briefly away, the
+control plane restarting) are retried with the retry policy of `worker.http` (capped
+exponential backoff and jitter) until `retry_timeout` (or a blocking read's own deadline),
+so restarting the control plane while a job trains costs nothing: the agent's periodic
+`num_nodes_waiting()` and heartbeats just take longer. A 410 (this attempt is over) is
+never retried: `RendezvousGoneError`. Other 4xx are bugs or bad tokens: `RendezvousError`
+with the server's reason. Retrying is safe: `set_state` is a compare-and-set (a lost answer
+to a write that applied makes the retry report "lost" with the current state, which torch
+handles by re-deciding), `add`/`append` carry an op id the server uses to apply them once.
+
+Timeouts, chosen on purpose: connect 2 s (loopback/LAN; a dead control plane fails fast
+and is retried), write 5 s, read = the long-poll wait + 5 s. HTTP connections are kept
+alive, idle ones dropped after 2 s (`worker.http` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+
+from worker.env import FTRAIN_JOB_TOKEN
+from worker.http import ApiError, ControlPlaneClient, Timeout, Unreachable
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = FTRAIN_JOB_TOKEN
+DEFAULT_PORT = 8000  # `ftrain serve`'s default
+CONNECT_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 5.0
+READ_MARGIN_S = 5.0
+DEFAULT_RETRY_TIMEOUT_S = 60
+
+
+class RendezvousGoneError(RendezvousClosedError):
+    """The control plane closed this rendezvous: its job attempt is over. Do not retry."""
+
+
+class ControlPlaneUnreachable(Exception):
+    """No answer from the control plane before the deadline (retries exhausted)."""
+
+
+class Transport:
+    """HTTP calls to one rendezvous on the control plane, with retries up to a deadline."""
+
+    def __init__(self, endpoint: str, rdzv_id: str, token: str | None,
+                 retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if not rdzv_id:
+            raise ValueError("the rendezvous id must be '<job id>-a<attempt>', not empty")
+        self.base_url = endpoint_url(endpoint)
+        self.rdzv_id = rdzv_id
+        self.retry_timeout_s = retry_timeout_s
+        self._clock = clock
+        self._client = ControlPlaneClient(f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}", token,
+                                          clock=clock, on_retry=self._retrying)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def deadline(self) -> float:
+        """When a non-blocking call gives up retrying."""
+        return self._clock() + self.retry_timeout_s
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             deadline: float | None = None, wait_s: float = 0.0,
+             params: dict | None = None) -> dict:
+        """One request, retried on connection failures and 502/503/504 until `deadline`."""
+        deadline = self.deadline() if deadline is None else deadline
+        timeout = Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
+                          read=wait_s + READ_MARGIN_S, pool=CONNECT_TIMEOUT_S)
+        try:
+            result = self._client.call(method, path, body, retry_s=deadline - self._clock(),
+                                       timeout=timeout, params=params)
+        except Unreachable as exc:
+            raise ControlPlaneUnreachable(
+                f"the control plane at {self.base_url} did not answer {method} {path} of "
+                f"rendezvous {self.rdzv_id} after {exc.attempts} tries ({exc.problem}); is it "
+                "running? Raise retry_timeout in --rdzv-conf to wait longer.") from exc
+        except ApiError as exc:
+            if exc.status == 410:
+                raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {exc.detail}") from exc
+            hint = ""
+            if exc.status in (401, 403):
+                hint = f" (set {TOKEN_ENV} to the job token or the node token)"
+            raise RendezvousError(f"the control plane refused a request of rendezvous "
+                                  f"{self.rdzv_id}: HTTP {exc.status}: {exc.detail}{hint}") from exc
+        return {} if result is None else result
+
+    def _retrying(self, method: str, path: str, problem: str) -> None:
+        log.info("rendezvous %s: %s %s failed (%s); retrying", self.rdzv_id, method, path, problem)
+
+
+def endpoint_url(endpoint: str) -> str:
+    """'cp:8000' or 'http://cp:8000/' -> 'http://cp:8000' (default port 8000)."""
+    endpoint = endpoint.strip().rstrip("/")
+    if not endpoint:
+        raise ValueError("--rdzv-endpoint is empty; pass the control plane's URL, "
+                         "e.g. http://127.0.0.1:8000")
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    url = urlsplit(endpoint)
+    if url.port is None and url.scheme == "http":
+        endpoint = f"{endpoint}:{DEFAULT_PORT}"
+    return endpoint

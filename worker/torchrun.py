@@ -1,0 +1,370 @@
+"""This node's torchrun: its command line and environment, its start and stop, its output.
+
+The node agent runs at most one torchrun (a `WorkerGroup`: one attempt of one job) and,
+next to it, the job's fork server (`worker/fork_server.py`, one per job per node, kept
+across attempts). No worker outlives its owner: torchrun is started with a parent-death
+signal (SIGTERM: torchrun then stops its workers), each worker through `worker/launch.py`
+with one too (SIGKILL when torchrun dies), and a stop or an exit kills what is left of the
+tree, the workers the fork server forked included.
+
+torchrun writes its output to files, which `Torchrun` follows line by line: each line
+goes to the `LogShipper`, and the last lines of each rank are kept for the failure reason.
+A worker stopped (state T) for longer than `STOPPED_WORKER_GRACE_S` is killed, so that
+torch restarts the group instead of the other ranks waiting out a collective's timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from worker.env import (
+    FTRAIN_ATTEMPT,
+    FTRAIN_FORK_SERVER,
+    FTRAIN_FORK_SERVER_SOCKET,
+    FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_JOB_ID,
+    FTRAIN_JOB_TOKEN,
+    FTRAIN_NODE,
+    FTRAIN_NODE_TOKEN,
+    FTRAIN_SERVER,
+    FTRAIN_SNAPSHOT_DIR,
+    FTRAIN_SNAPSHOT_EVERY,
+    FTRAIN_SNAPSHOT_KEEP,
+    FTRAIN_TOKEN,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
+)
+from worker.log_shipper import LogShipper
+from worker.procs import (
+    FORK_SERVER,
+    descendants,
+    is_alive,
+    kill_all,
+    pdeathsig_argv,
+    state_of,
+    worker_launch_prefix,
+)
+from worker.protocol import MAX_LINE_CHARS, Assignment, LogLineIn
+
+log = logging.getLogger("ftrain.agent")
+
+# Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
+# keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
+# waits 1 s for latecomers instead of torch's 30 s.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
+# torch must never give up by itself: ftrain counts failures (not membership changes)
+# against the job's max_restarts and stops the job when they are spent.
+TORCHRUN_MAX_RESTARTS = 1_000_000
+# A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
+# restarts the group instead of the others waiting out the collective's timeout.
+STOPPED_WORKER_GRACE_S = 3.0
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+
+
+class CouldNotStart(Exception):
+    """torchrun could not be started (a missing working directory, a bad interpreter)."""
+
+
+@dataclass
+class WorkerGroup:
+    """One torchrun process (and its workers) for one attempt of one job."""
+
+    job_id: str
+    attempt: int
+    proc: subprocess.Popen
+    stop_requested: bool = False
+    stopped_since: dict = field(default_factory=dict)
+    tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
+    threads: list = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+    def outcome(self) -> tuple[str, int | None, str | None]:
+        """(state, exit code, reason) of an exited group, as the node reports it."""
+        code = self.proc.returncode
+        if self.stop_requested:
+            return "stopped", code, "stopped by the control plane"
+        if code == 0:
+            return "succeeded", 0, None
+        worker_ranks = sorted(r for r in self.tails if r is not None)
+        lines = []
+        for r in worker_ranks:
+            lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
+        lines += list(self.tails[None])[-6:]
+        return "failed", code, f"torchrun exited with code {code}; last lines:\n" + "\n".join(lines)
+
+
+@dataclass
+class ForkServer:
+    """The job's `worker/fork_server.py` on this node; it outlives attempts, not the job."""
+
+    job_id: str
+    name: str  # its abstract unix socket
+    proc: subprocess.Popen
+    ready_fd: int  # it writes "ready" here once it has imported what it preloads
+    ready: bool = False
+
+    def is_ready(self) -> bool:
+        """True once the server has imported torch & co. and serves (never blocks)."""
+        if not self.ready and self.ready_fd >= 0:
+            try:
+                said = os.read(self.ready_fd, 64)
+            except BlockingIOError:
+                return False
+            self.ready = said.startswith(b"ready")
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+        return self.ready
+
+    def close(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+
+
+class Torchrun:
+    """Starts, follows and stops this node's one torchrun and its job's fork server."""
+
+    def __init__(self, node: str, server: str, data_dir: Path, address: str | None, shipper: LogShipper):
+        self.node = node
+        self.server = server
+        self.data_dir = data_dir
+        self.address = address
+        self.shipper = shipper
+        self.group: WorkerGroup | None = None
+        self.fork_server: ForkServer | None = None
+
+    # ------------------------------------------------------------------ command and environment
+    def argv(self, a: Assignment) -> list[str]:
+        """torchrun's command line for assignment `a`, guarded by a parent-death signal."""
+        nproc = a.nproc_per_node
+        if nproc == "auto":
+            nproc = gpu_count() or 1
+        command = list(a.command)
+        if command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the agent's interpreter: the venv with torch
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
+            f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
+            "--monitor-interval=0.2", "--tee=3",
+        ]
+        if self.address:
+            argv.append(f"--local-addr={self.address}")
+        argv += ["--no-python", *worker_launch_prefix(), *command]
+        z = self.fork_server
+        if z is not None and z.job_id == a.job_id and z.is_ready():
+            # torchrun itself comes from the fork server too (torch imported: a new attempt
+            # starts sooner, docs/runtime.md); the launcher stands in for it and gets
+            # SIGTERM when this agent dies, which it forwards to torchrun.
+            return worker_launch_prefix(signal.SIGTERM) + argv
+        return pdeathsig_argv(argv, signal.SIGTERM)
+
+    def job_env(self, a: Assignment) -> dict[str, str]:
+        """The environment of torchrun and its workers: the agent's, the job's, ftrain's."""
+        root = Path(a.snapshot_root) if a.snapshot_root else self.data_dir / "snapshots"
+        snapshot_dir = root / a.job_id
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **a.env}
+        env.update({
+            FTRAIN_JOB_ID: a.job_id,
+            FTRAIN_ATTEMPT: str(a.attempt),
+            FTRAIN_SERVER: self.server,
+            FTRAIN_JOB_TOKEN: a.job_token,
+            FTRAIN_NODE: self.node,
+            FTRAIN_SNAPSHOT_DIR: str(snapshot_dir),
+            FTRAIN_SNAPSHOT_EVERY: str(a.snapshot_every),
+            FTRAIN_SNAPSHOT_KEEP: str(a.snapshot_keep),
+            # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+            TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: "[rank${rank}]:",
+            "PYTHONUNBUFFERED": "1",
+        })
+        if a.global_batch_size:
+            env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a.global_batch_size)
+        # Workers run the user's code: the node's and a user's tokens stay with the agent.
+        env.pop(FTRAIN_NODE_TOKEN, None)
+        env.pop(FTRAIN_TOKEN, None)
+        return env
+
+    # ------------------------------------------------------------------ the fork server
+    def start_fork_server(self, a: Assignment, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
+        """The job's fork server (started if need be), or None when the job opts out."""
+        if env.get(FTRAIN_FORK_SERVER, "1") == "0":
+            return None
+        z = self.fork_server
+        if z is not None and z.job_id == a.job_id and z.proc.poll() is None:
+            return z.name
+        self.stop_fork_server()
+        env = dict(env)
+        nproc = a.nproc_per_node
+        if "OMP_NUM_THREADS" not in env and (nproc == "auto" or int(nproc) > 1):
+            env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for its workers: libgomp reads it once
+        name = f"ftrain-{self.node}-{a.job_id}-{secrets.token_hex(8)}"
+        ready_r, ready_w = os.pipe()
+        os.set_blocking(ready_r, False)
+        try:
+            with open(log_dir / f"{self.node}-fork-server.log", "ab") as out:
+                proc = subprocess.Popen(
+                    pdeathsig_argv([sys.executable, str(FORK_SERVER), name, str(ready_w)], signal.SIGKILL),
+                    cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                    pass_fds=(ready_w,), start_new_session=True)
+        except OSError as exc:
+            os.close(ready_r)
+            log.warning("could not start the fork server for job %s (%s); workers start cold",
+                        a.job_id, exc)
+            return None
+        finally:
+            os.close(ready_w)
+        self.fork_server = ForkServer(a.job_id, name, proc, ready_r)
+        log.info("started the fork server (pid %d) for job %s", proc.pid, a.job_id)
+        return name
+
+    def stop_fork_server(self) -> None:
+        """Kill the fork server and everything it forked."""
+        z, self.fork_server = self.fork_server, None
+        if z is None:
+            return
+        kill_all([z.proc.pid, *descendants(z.proc.pid)])
+        z.proc.wait()
+        z.close()
+
+    # ------------------------------------------------------------------ the group
+    def group_tree(self, g: WorkerGroup) -> list[int]:
+        """Every process of the group below `g.proc`: torchrun's tree and what the job's
+        fork server forked (workers, and torchrun itself when it came from there)."""
+        z = self.fork_server
+        return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
+
+    def start(self, a: Assignment) -> WorkerGroup:
+        """Start torchrun for assignment `a` (and the job's fork server, if it has none).
+
+        Raises:
+            CouldNotStart: with the reason the node reports.
+        """
+        cwd = a.working_dir or os.getcwd()
+        log_dir = self.data_dir / "logs" / a.job_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = self.job_env(a)
+        if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
+            env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
+        # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
+        # writing into a broken pipe (its log-tail threads then keep it from exiting).
+        outputs = {s: log_dir / f"{self.node}-attempt{a.attempt}.{s}" for s in ("stdout", "stderr")}
+        try:
+            with open(outputs["stdout"], "wb") as out, open(outputs["stderr"], "wb") as err:
+                proc = subprocess.Popen(
+                    self.argv(a), cwd=cwd,
+                    env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    start_new_session=True)
+        except OSError as exc:
+            raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
+        g = WorkerGroup(a.job_id, a.attempt, proc)
+        for stream, path in outputs.items():
+            t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
+                                 name=f"pump-{stream}")
+            t.start()
+            g.threads.append(t)
+        self.group = g
+        log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
+        return g
+
+    def _pump(self, g: WorkerGroup, stream: str, path: Path) -> None:
+        """Follow torchrun's output file, line by line, until torchrun has exited."""
+        with open(path, "rb") as f:
+            partial = b""
+            while True:
+                raw = f.readline()
+                if not raw:
+                    if g.proc.poll() is not None:
+                        raw = partial + f.read()
+                        if not raw:
+                            return
+                    else:
+                        time.sleep(0.05)
+                        continue
+                if not raw.endswith(b"\n") and g.proc.poll() is None:
+                    partial += raw
+                    continue
+                raw, partial = partial + raw, b""
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                m = _RANK_PREFIX.match(text)
+                rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+                g.tails[rank].append(line)
+                self.shipper.add(g.job_id, g.attempt, LogLineIn(
+                    rank=rank, stream=stream, line=line[:MAX_LINE_CHARS], time=time.time()))
+
+    def exited(self) -> WorkerGroup | None:
+        """The group, once its torchrun has exited (what is left of its tree is killed)."""
+        g = self.group
+        if g is None or g.proc.poll() is None:
+            return None
+        for t in g.threads:
+            t.join(2)
+        self.group = None
+        kill_all(self.group_tree(g))
+        return g
+
+    def kill_stopped_workers(self) -> None:
+        """Kill workers that have been stopped (state T) for longer than the grace period."""
+        g = self.group
+        if g is None:
+            return
+        now = time.monotonic()
+        stopped = {p for p in self.group_tree(g) if state_of(p) in ("T", "t")}
+        g.stopped_since = {p: g.stopped_since.get(p, now) for p in stopped}
+        for pid, since in g.stopped_since.items():
+            if now - since > STOPPED_WORKER_GRACE_S:
+                log.warning("worker pid %d of job %s has been stopped for %.0f s; killing it so "
+                            "the group restarts", pid, g.job_id, now - since)
+                self.shipper.add(g.job_id, g.attempt, LogLineIn(
+                    rank=None, stream="stderr", time=time.time(),
+                    line=f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"))
+                kill_all([pid])
+
+    def stop(self, why: str, grace_s: float = 5.0) -> None:
+        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left."""
+        g = self.group
+        if g is None:
+            return
+        g.stop_requested = True
+        tree = self.group_tree(g)
+        log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
+        if g.proc.poll() is None:
+            g.proc.send_signal(signal.SIGTERM)
+            kill_all(tree, signal.SIGTERM)
+            try:
+                g.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_all([g.proc.pid, *tree, *self.group_tree(g)])
+        g.proc.wait()
+        deadline = time.monotonic() + 5
+        while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def gpu_count() -> int:
+    """How many GPUs `nvidia-smi -L` lists here (0 without nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
