@@ -99,7 +99,7 @@ def etcd_bytes(endpoint: str) -> dict:
     async def main():
         kv = EtcdStore(endpoint, timeout_s=5)
         try:
-            entries = await kv.get_prefix("/ftrain/")
+            entries = [e async for e in kv.scan_prefix("/ftrain/")]
         finally:
             await kv.close()
         return {"keys": len(entries), "value_bytes": sum(len(e.value) for e in entries),

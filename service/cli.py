@@ -38,6 +38,33 @@ def main() -> None:
     """ftrain: elastic, fault-tolerant PyTorch training as a service."""
 
 
+class Duration(click.ParamType):
+    """A duration such as 7d, 12h, 30m, 90s (or a number of seconds), in seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        from service.decide.retention import parse_duration
+
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _retention_options(fn):
+    """--retention and --retention-jobs, shared by `serve` and `up`."""
+    fn = click.option("--retention-jobs", type=click.IntRange(min=1), default=None,
+                      help="Keep at most N finished jobs, deleting the oldest finished first "
+                           "[env FTRAIN_RETENTION_JOBS; default: no cap].")(fn)
+    return click.option("--retention", "retention_s", type=Duration(), default=None,
+                        help="Delete finished jobs (record, events, logs, snapshot records) this "
+                             "long after they end: 7d, 12h, 30m, 90s [env FTRAIN_RETENTION_S; "
+                             "default: 7d].")(fn)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -62,8 +89,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
               show_default="67108864 (64 MiB)",
               help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
+@_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
-          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None) -> None:
+          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None,
+          retention_s: float | None, retention_jobs: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
 
@@ -73,9 +102,11 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
-    logs = {k: v for k, v in (("log_root", log_root), ("log_cap_bytes", log_cap_bytes)) if v is not None}
+    given = {"log_root": log_root, "log_cap_bytes": log_cap_bytes,
+             "retention_s": retention_s, "retention_jobs": retention_jobs}
+    # Options given win; those not given are left to Settings (FTRAIN_LOG_ROOT, FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
-                        snapshot_root=snapshot_root, **logs)
+                        snapshot_root=snapshot_root, **{k: v for k, v in given.items() if v is not None})
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
@@ -318,11 +349,14 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
               help="Tokens, etcd data, snapshots and logs; reused by the next `ftrain up`.")
 @click.option("--nodes", "node_count", default=2, show_default=True, type=click.IntRange(0, 64),
               help="Local node agents to start.")
-def up(host: str, port: int, data_dir: str, node_count: int) -> None:
+@_retention_options
+def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float | None,
+       retention_jobs: int | None) -> None:
     """Run a one-machine cluster in the foreground: etcd, control plane, N node agents."""
     from service.up import UpOptions, run
 
-    sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count)))
+    sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count,
+                           retention_s=retention_s, retention_jobs=retention_jobs)))
 
 
 @main.command()

@@ -5,7 +5,8 @@
     <prefix>/progress/<id>               rank 0's latest Progress, at most one write per
                                          progress_min_interval_s, fenced on the job record
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
-    <prefix>/idempotency/<sha256>        {"job_id", "spec_hash"} for Idempotency-Key
+    <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
+                                         names it (idempotency_digest): deleted with the job
     <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
@@ -13,6 +14,10 @@
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+
+Every prefix is read in pages (service.store.api); retention deletes a finished job's
+keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
+(service.retention).
 """
 
 from dataclasses import dataclass

@@ -16,6 +16,12 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
+# Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
+# state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
+# read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
+MAX_COMMAND_BYTES = 16 * 1024  # every argument together
+MAX_ENV_BYTES = 32 * 1024  # every name and value together
+MAX_SPEC_BYTES = 64 * 1024  # the whole spec as stored (JSON)
 # The service sets these itself; a spec may not override them.
 # The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
 USER_FTRAIN_ENV = JOB_KNOBS
@@ -128,6 +134,31 @@ class JobSpec(_Strict):
                                  "characters, without NUL")
         return v
 
+    def size_errors(self) -> list[dict]:
+        """What makes this spec too large to store, as 422 errors naming each field.
+
+        Checked at submit only (`POST /v1/jobs`), not when a stored record is read: a
+        record written before a limit existed must stay readable.
+        """
+        errors = []
+
+        def too_large(field: str, message: str) -> None:
+            errors.append({"loc": ("body", field), "msg": message, "type": "too_large"})
+
+        command = sum(len(part.encode()) for part in self.command)
+        if command > MAX_COMMAND_BYTES:
+            too_large("command", f"must be at most {MAX_COMMAND_BYTES} bytes in all (UTF-8), "
+                                 f"not {command}; pass large inputs in a file")
+        env = sum(len(k.encode()) + len(v.encode()) for k, v in self.env.items())
+        if env > MAX_ENV_BYTES:
+            too_large("env", f"names and values must be at most {MAX_ENV_BYTES} bytes in all "
+                             f"(UTF-8), not {env}; pass large inputs in a file")
+        stored = len(self.model_dump_json().encode())
+        if not errors and stored > MAX_SPEC_BYTES:
+            too_large("spec", f"takes {stored} bytes as stored (JSON), more than {MAX_SPEC_BYTES}; "
+                              "shorten command, env or working_dir")
+        return errors
+
 
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
@@ -179,6 +210,8 @@ class JobRecord(BaseModel):
     stopping: bool = False
     # When the current round of the rendezvous formed, and with how many nodes.
     round_nodes: int = 0
+    # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
+    idempotency_digest: str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from service.errors import FtrainError, HistoryCompacted
 from service.keys import Keys
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 
@@ -222,7 +222,7 @@ class Rendezvous:
         return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def num_keys(self) -> int:
-        return len(await self.kv.get_prefix(self._store_prefix))
+        return await self.kv.count_prefix(self._store_prefix)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -306,7 +306,7 @@ async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
     rdzv_root = keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
     rdzv_root = rdzv_root[:-1]
     attempts: dict[str, int] = {}
-    for entry in await kv.get_prefix(prefix):
+    async for entry in kv.scan_prefix(prefix, page_size=PAGE_SIZE * 8, keys_only=True):
         rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
         with contextlib.suppress(InvalidRendezvousId):
             if parse_rdzv_id(rdzv_id)[0] == job_id:

@@ -32,10 +32,11 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
     Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
     are not read on every tick; the records themselves are read fresh, so that this tick
-    sees its own last writes. Until the index is ready: a read of every job.
+    sees its own last writes. Until the index is ready: every job, read a page at a time.
     """
     if not index.ready.is_set():
-        return [j for j in await jobs.list() if not j.state.is_terminal()]
+        return sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
+                      key=lambda j: (j.created_at, j.id))
     return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
 
 
@@ -65,6 +66,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
+    for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
+        del last_reason[job_id]
 
 
 async def _cleanup(jobs: JobStore, job_id: str) -> None:
@@ -90,8 +93,10 @@ async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
-    The scheduler loop calls `hold` about once a second; the other leader-only loops
-    (`service.compaction`) read `leading`, the answer of the last call.
+    The scheduler loop calls `hold` about once a second; the other leader-only loops read
+    `leading`, the answer of the last call (`service.compaction`), or ask `fence()`: the
+    leader key at the revision this replica wrote it, to compare in their transactions, so
+    that a replica that lost the lead without noticing writes nothing (`service.retention`).
     """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
@@ -101,23 +106,34 @@ class Leadership:
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
         self.leading = False
+        self._fence: dict[str, int] | None = None
+
+    def fence(self) -> dict[str, int] | None:
+        """{leader key: its mod_revision} while this replica last knew itself leader, else None."""
+        return self._fence
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
-        self.leading = False
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
-                self.leading = True
+                self.leading, self._fence = True, {self.key: entry.mod_revision}
                 return True
+        self.lost()
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
-        self.leading = await self.kv.commit({self.key: 0},
-                                            [Put(self.key, self.identity.encode(), self.lease_id)])
+        won, entry = await self.kv.commit_read(
+            {self.key: 0}, [Put(self.key, self.identity.encode(), self.lease_id)], self.key)
+        if won and entry is not None:
+            self.leading, self._fence = True, {self.key: entry.mod_revision}
         return self.leading
+
+    def lost(self) -> None:
+        """This replica does not lead, or cannot tell (etcd did not answer)."""
+        self.leading, self._fence = False, None
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
-        self.leading = False
+        self.lost()
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)

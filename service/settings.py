@@ -4,8 +4,10 @@ Built by whoever starts the app (`ftrain serve`, `ftrain up`, a test) and passed
 `create_app(settings)`; nothing reads them at import time.
 """
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.decide.retention import DAY_S, RetentionPolicy, parse_duration
 
 
 class Settings(BaseSettings):
@@ -38,3 +40,19 @@ class Settings(BaseSettings):
                     "replicas, one directory they all share (NFS or similar, with POSIX locks).")
     log_cap_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024,
                                description="Bytes of log kept per job; the oldest are cut past it.")
+    retention_s: float = Field(
+        7 * DAY_S, gt=0,
+        description="Finished jobs (record, events, logs, snapshot records, idempotency key) "
+                    "are deleted this long after they end; seconds, or e.g. 7d, 12h, 30m, 90s.")
+    retention_jobs: int | None = Field(
+        None, ge=1, description="Keep at most this many finished jobs (the oldest finished go "
+                                "first); none: no cap.")
+
+    @field_validator("retention_s", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        return parse_duration(v) if isinstance(v, str) else v
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(retention_s=self.retention_s, keep_jobs=self.retention_jobs)

@@ -34,8 +34,8 @@ class SnapshotStore:
         return lambda step: self.jobs.keys.snapshot(job_id, step)
 
     async def _records(self, job_id: str) -> Records:
-        entries = await self.jobs.kv.get_prefix(self.jobs.keys.snapshots(job_id))
-        recs = (SnapshotRecord.model_validate_json(e.value) for e in entries)
+        recs = [SnapshotRecord.model_validate_json(e.value)
+                async for e in self.jobs.kv.scan_prefix(self.jobs.keys.snapshots(job_id))]
         return {r.step: r for r in recs}
 
     async def list(self, job_id: str) -> SnapshotList:

@@ -64,6 +64,8 @@ class UpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     nodes: int = 2
+    retention_s: float | None = None  # None: the control plane's default (or its env)
+    retention_jobs: int | None = None
 
 
 @dataclass
@@ -334,6 +336,10 @@ class LocalCluster:
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
                 "--log-root", str(self.paths.job_logs)]
+        if o.retention_s is not None:
+            argv += ["--retention", str(o.retention_s)]
+        if o.retention_jobs is not None:
+            argv += ["--retention-jobs", str(o.retention_jobs)]
         self.control_plane = _spawn("control plane", argv, env, self.paths.logs / "control-plane.log")
         self._wait_ready()
 

@@ -22,7 +22,7 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from service.errors import HistoryCompacted, StoreFull, StoreUnavailable
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreFull, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,9 @@ class EtcdStore(KeyValue):
             client = await self._connected()
             return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            if _is_too_large(exc):  # an answer about this request, not an outage: keep the client
+                raise ReplyTooLarge(f"etcd's reply to {what} would pass gRPC's 4 MiB limit; "
+                                    "read fewer entries at a time") from exc
             if _is_nospace(exc):  # etcd answered: the connection is fine, the disk is not
                 raise self._full() from exc
             if isinstance(exc, (aetcd.exceptions.ConnectionFailedError,
@@ -153,24 +156,54 @@ class EtcdStore(KeyValue):
         got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
         return None if got is None else _entry(got)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        """Read `keys` at one revision per `MAX_TXN_OPS` of them: a transaction of gets
-        (one round trip) rather than a request per key."""
+    async def get_many(self, keys: Sequence[str], *, page_size: int = MAX_TXN_OPS) -> list[Entry | None]:
+        """Read `keys` a page at a time: a transaction of gets per page (one round trip, one
+        revision) rather than a request per key; a page too large for one reply is halved."""
+        size = max(1, min(page_size, MAX_TXN_OPS))
         out: list[Entry | None] = []
-        for i in range(0, len(keys), MAX_TXN_OPS):
-            chunk = keys[i:i + MAX_TXN_OPS]
+        i = 0
+        while i < len(keys):
+            chunk = keys[i:i + size]
 
             async def txn(c: aetcd.Client, chunk=chunk):
                 _ok, responses = await c.transaction(
                     compare=[], success=[c.transactions.get(k.encode()) for k in chunk], failure=[])
                 return [(_entry(r[0][1]) if r else None) for r in responses]
 
-            out += await self._call(f"GET {len(chunk)} keys", txn)
+            try:
+                out += await self._call(f"GET {len(chunk)} keys", txn)
+            except ReplyTooLarge:
+                if size == 1:
+                    raise
+                size //= 2
+                continue
+            i += len(chunk)
         return out
 
-    async def get_prefix(self, prefix: str) -> list[Entry]:
-        got = await self._call(f"GET {prefix}*", lambda c: c.get_prefix(prefix.encode()))
-        return [_entry(kv) for kv in got]
+    async def get_range(self, prefix: str, *, limit: int, start_after: str | None = None,
+                        keys_only: bool = False) -> list[Entry]:
+        """One etcd Range with a limit: keys in [start, end of prefix), key order."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        start = prefix.encode() if start_after is None else start_after.encode() + b"\0"
+        request = aetcd.rpc.RangeRequest(key=max(start, prefix.encode()),
+                                         range_end=_prefix_end(prefix.encode()),
+                                         limit=limit, keys_only=keys_only)
+
+        async def read(c: aetcd.Client):
+            return await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)
+
+        reply = await self._call(f"GET {limit} keys of {prefix}*", read)
+        return [_entry(kv) for kv in reply.kvs]
+
+    async def count_prefix(self, prefix: str) -> int:
+        request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
+                                         count_only=True)
+
+        async def count(c: aetcd.Client):
+            return (await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)).count
+
+        return await self._call(f"COUNT {prefix}*", count)
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(f"PUT {key}", lambda c: c.put(key.encode(), value, lease=lease))
@@ -317,7 +350,10 @@ class EtcdStore(KeyValue):
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), 1.0)
+                    # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes
+                    # as an event arrives (Python 3.11), and a cancelled watcher never ends.
+                    async with asyncio.timeout(1.0):
+                        ev = await queue.get()
                 except TimeoutError:
                     if self._generation != generation:
                         raise self._unavailable("a watch", None) from None
@@ -389,6 +425,17 @@ class _KeepAliveStream:
 async def _close_quietly(client: aetcd.Client) -> None:
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(client.close(), 5)
+
+
+def _is_too_large(exc: BaseException) -> bool:
+    """gRPC refused a reply over its receive limit ("Received message larger than max").
+
+    etcd's own RESOURCE_EXHAUSTED answers (no space, too many requests) are other errors.
+    """
+    cause = exc if isinstance(exc, grpc.aio.AioRpcError) else exc.__cause__
+    return (isinstance(cause, grpc.aio.AioRpcError)
+            and cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" in (cause.details() or ""))
 
 
 def _is_nospace(exc: BaseException) -> bool:

@@ -109,7 +109,7 @@ def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:
     async def read() -> list[str]:
         etcd = EtcdStore(etcd_endpoint)
         try:
-            return [e.key for e in await etcd.get_prefix(Keys().rdzv_of_job(job_id))]
+            return [e.key async for e in etcd.scan_prefix(Keys().rdzv_of_job(job_id), keys_only=True)]
         finally:
             await etcd.close()
 
