@@ -47,7 +47,7 @@ def etcd_keys(endpoint: str) -> dict[str, int]:
     async def main():
         kv = EtcdStore(endpoint, timeout_s=5)
         try:
-            return {e.key: len(e.value) for e in await kv.get_prefix("/ftrain/")}
+            return {e.key: len(e.value) async for e in kv.scan_prefix("/ftrain/")}
         finally:
             await kv.close()
     return asyncio.run(main())

@@ -72,7 +72,8 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             keys = etcd_keys(etcd.endpoint)
             for job_id in (old, unfinished):
                 assert {k.split("/")[2] for k in keys if job_id in k} == \
-                    {"jobs", "events", "progress", "logs", "snapshots", "rdzv"}, keys
+                    {"jobs", "events", "progress", "snapshots", "rdzv"}, keys
+                assert (cp.log_root / job_id).is_dir()  # worker logs are files, not etcd keys
             assert len(etcd_keys(etcd.endpoint, "/ftrain/idempotency/")) == 1
 
             old_end = finished_at(api, old)
@@ -90,11 +91,13 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             for path in ("events", "logs", "snapshots"):
                 assert api.get(f"/v1/jobs/{old}/{path}").status_code == 404
             keys = etcd_keys(etcd.endpoint)
-            assert [k for k in keys if old in k] == []  # record, events, progress, logs, snapshots, rdzv
+            assert [k for k in keys if old in k] == []  # record, events, progress, snapshots, rdzv
+            assert not (cp.log_root / old).exists()  # and its log folder
             assert etcd_keys(etcd.endpoint, "/ftrain/idempotency/") == []
             # An unfinished job is kept with all it has, whatever its age.
             assert {k.split("/")[2] for k in keys if unfinished in k} == \
-                {"jobs", "events", "progress", "logs", "snapshots", "rdzv"}
+                {"jobs", "events", "progress", "snapshots", "rdzv"}
+            assert (cp.log_root / unfinished).is_dir()
             assert api.get(f"/v1/jobs/{unfinished}").json()["state"] == "PENDING"
             # The key of the deleted job is free: the same key submits a new job.
             again = api.post("/v1/jobs", json={**SPEC, "name": "old"},
