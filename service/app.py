@@ -12,7 +12,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import background
 from service.context import Context
-from service.errors import FtrainError, InvalidTransition, StoreUnavailable
+from service.decide.retention import describe
+from service.errors import (
+    FtrainError,
+    InvalidTransition,
+    JobNotFound,
+    LogStorageUnavailable,
+    StoreUnavailable,
+)
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots
 from service.settings import Settings
 
@@ -47,9 +54,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _domain_error(request: Request, exc: FtrainError):
         body: dict = {"detail": exc.message}
         headers = {}
+        if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
+            body["detail"] = f"{exc.message} ({describe(request.app.state.ctx.settings.retention)})"
         if isinstance(exc, InvalidTransition):
             body["state"] = exc.state
-        if isinstance(exc, StoreUnavailable):
+        if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
             headers["Retry-After"] = "1"
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
 

@@ -1,4 +1,5 @@
-"""Background loops of a control plane (the job index, the scheduler), run by the lifespan."""
+"""Background loops of a control plane (the job index, the scheduler, compaction,
+retention), run by the lifespan."""
 
 from __future__ import annotations
 
@@ -6,18 +7,35 @@ import asyncio
 import contextlib
 import logging
 
-from service import scheduler
+from service import compaction, retention, scheduler
 from service.context import Context
+from service.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 
 async def start(ctx: Context) -> None:
+    await _drop_legacy_logs(ctx)
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
+    # One election: the scheduler's loop keeps it; compaction and retention act on it.
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
         name="scheduler"))
+    ctx.tasks.append(asyncio.create_task(
+        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
+    ctx.tasks.append(asyncio.create_task(
+        retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention),
+        name="retention"))
+
+
+async def _drop_legacy_logs(ctx: Context) -> None:
+    """Delete the log chunks that versions before the log root kept in etcd (one range delete,
+    however many there are; nothing when there are none)."""
+    try:
+        await ctx.kv.delete_prefix(ctx.keys.legacy_logs)
+    except StoreUnavailable as exc:  # etcd away at start-up: the next start does it
+        log.warning("could not delete the old log chunks under %s: %s", ctx.keys.legacy_logs, exc)
 
 
 async def stop(ctx: Context) -> None:

@@ -23,7 +23,9 @@ import click
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 from worker.env import (
     FTRAIN_ETCD_ENDPOINTS,
+    FTRAIN_LOG_CAP_BYTES,
     FTRAIN_LOG_LEVEL,
+    FTRAIN_LOG_ROOT,
     FTRAIN_NODE_TOKEN,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_ROOT,
@@ -34,6 +36,33 @@ from worker.env import (
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """ftrain: elastic, fault-tolerant PyTorch training as a service."""
+
+
+class Duration(click.ParamType):
+    """A duration such as 7d, 12h, 30m, 90s (or a number of seconds), in seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        from service.decide.retention import parse_duration
+
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _retention_options(fn):
+    """--retention and --retention-jobs, shared by `serve` and `up`."""
+    fn = click.option("--retention-jobs", type=click.IntRange(min=1), default=None,
+                      help="Keep at most N finished jobs, deleting the oldest finished first "
+                           "[env FTRAIN_RETENTION_JOBS; default: no cap].")(fn)
+    return click.option("--retention", "retention_s", type=Duration(), default=None,
+                        help="Delete finished jobs (record, events, logs, snapshot records) this "
+                             "long after they end: 7d, 12h, 30m, 90s [env FTRAIN_RETENTION_S; "
+                             "default: 7d].")(fn)
 
 
 def _is_loopback(host: str) -> bool:
@@ -54,8 +83,16 @@ def _is_loopback(host: str) -> bool:
 @click.option("--node-token", envvar=FTRAIN_NODE_TOKEN, help="Node bearer token.")
 @click.option("--snapshot-root", envvar=FTRAIN_SNAPSHOT_ROOT,
               help="Directory every node sees; jobs snapshot under <root>/<job id>.")
+@click.option("--log-root", envvar=FTRAIN_LOG_ROOT, show_default="./.ftrain/job-logs",
+              help="Directory of the workers' logs (a folder per job), shared by every control-plane "
+                   "replica (NFS or similar, with POSIX locks).")
+@click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
+              show_default="67108864 (64 MiB)",
+              help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
+@_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
-          snapshot_root: str | None) -> None:
+          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None,
+          retention_s: float | None, retention_jobs: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
 
@@ -65,8 +102,11 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
+    given = {"log_root": log_root, "log_cap_bytes": log_cap_bytes,
+             "retention_s": retention_s, "retention_jobs": retention_jobs}
+    # Options given win; those not given are left to Settings (FTRAIN_LOG_ROOT, FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
-                        snapshot_root=snapshot_root)
+                        snapshot_root=snapshot_root, **{k: v for k, v in given.items() if v is not None})
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
@@ -256,20 +296,21 @@ def _log_line(item: dict) -> str:
 @click.option("--rank", type=int, help="Only this global rank.")
 @_client_options
 def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: int | None) -> None:
-    """A job's worker output (stdout and stderr of every rank)."""
+    """A job's worker output (stdout and stderr of every rank); --json: one line of JSON each."""
     try:
         if follow:
             for item in client.follow_logs(job_id, rank):
                 click.echo(json.dumps(item) if as_json else _log_line(item))
             return
-        page = client.logs(job_id, rank)
+        for i, page in enumerate(client.log_pages(job_id, rank)):
+            if i == 0 and page.get("cut_lines"):
+                click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) of "
+                           f"this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
+                           err=True)
+            for item in page.get("items", []):
+                click.echo(json.dumps(item) if as_json else _log_line(item))
     except KeyboardInterrupt:
         return
-    if as_json:
-        _print_json(page)
-        return
-    for item in page.get("items", []):
-        click.echo(_log_line(item))
 
 
 @main.command()
@@ -308,11 +349,14 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
               help="Tokens, etcd data, snapshots and logs; reused by the next `ftrain up`.")
 @click.option("--nodes", "node_count", default=2, show_default=True, type=click.IntRange(0, 64),
               help="Local node agents to start.")
-def up(host: str, port: int, data_dir: str, node_count: int) -> None:
+@_retention_options
+def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float | None,
+       retention_jobs: int | None) -> None:
     """Run a one-machine cluster in the foreground: etcd, control plane, N node agents."""
     from service.up import UpOptions, run
 
-    sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count)))
+    sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count,
+                           retention_s=retention_s, retention_jobs=retention_jobs)))
 
 
 @main.command()

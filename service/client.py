@@ -180,12 +180,25 @@ class FtrainClient:
     def events(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
 
-    def logs(self, job_id: str, rank: int | None = None, since: int = 0) -> dict:
-        """The job's kept log lines: {"items": [{seq, time, node, rank, stream, line}], "next_seq"}."""
+    def logs(self, job_id: str, rank: int | None = None, since: int = 0, limit: int | None = None) -> dict:
+        """One page of the job's log: {"items": [{seq, time, node, rank, stream, line}],
+        "next_seq", "end_seq", "first_seq", "cut_bytes", "cut_lines", "cap_bytes"}."""
         params: dict[str, Any] = {"since": since}
         if rank is not None:
             params["rank"] = rank
+        if limit is not None:
+            params["limit"] = limit
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/logs", params=params)
+
+    def log_pages(self, job_id: str, rank: int | None = None, since: int = 0) -> Iterator[dict]:
+        """Every page of the job's log as it is now, oldest first."""
+        while True:
+            page = self.logs(job_id, rank, since)
+            yield page
+            end = page.get("end_seq")
+            if end is None or page["next_seq"] >= end or page["next_seq"] <= since:
+                return
+            since = page["next_seq"]
 
     def follow_logs(self, job_id: str, rank: int | None = None, since: int = 0) -> Iterator[dict]:
         """Log lines as they come (newline-delimited JSON) until the server ends the stream

@@ -46,5 +46,6 @@ class Context:
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
-                   snapshots=SnapshotStore(jobs), progress=ProgressStore(jobs),
-                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys))
+                   snapshots=SnapshotStore(jobs),
+                   progress=ProgressStore(jobs, settings.progress_min_interval_s),
+                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys))

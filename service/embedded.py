@@ -36,8 +36,10 @@ class EtcdProcess:
     """One etcd member on loopback with its own data directory; start() waits until it serves."""
 
     def __init__(self, data_dir: str | Path, client_port: int | None = None,
-                 peer_port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None):
+                 peer_port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None,
+                 quota_backend_bytes: int = 2 * 1024**3):
         self.data_dir = Path(data_dir)
+        self.quota_backend_bytes = quota_backend_bytes
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
@@ -58,9 +60,10 @@ class EtcdProcess:
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"ftrain={peer}",
-            # etcd 3.4 keeps every revision otherwise; heartbeats and progress churn keys.
+            # The leading control plane compacts by itself (service/compaction.py); this is
+            # the backstop of a private etcd that no control plane uses for a while.
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
-            "--quota-backend-bytes", str(2 * 1024**3),
+            "--quota-backend-bytes", str(self.quota_backend_bytes),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child's life)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

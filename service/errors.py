@@ -22,11 +22,35 @@ class StoreUnavailable(FtrainError):
     status_code = 503
 
 
+class ReplyTooLarge(StoreUnavailable):
+    """One reply of etcd would pass gRPC's 4 MiB limit: the reader asks for fewer entries."""
+
+
+class StoreFull(StoreUnavailable):
+    """etcd's NOSPACE alarm is raised: it refuses writes until an operator frees space."""
+
+
+class HistoryCompacted(StoreUnavailable):
+    """A watch asked for history that was compacted away: re-read, then watch from there."""
+
+    def __init__(self, message: str, compact_revision: int):
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class LogStorageUnavailable(FtrainError):
+    """The log root could not be read or written (missing, full, an I/O error); worth retrying."""
+
+    status_code = 503
+
+
 class JobNotFound(FtrainError):
+    """No such job: never submitted, or deleted by retention (the API's 404 says which rule)."""
+
     status_code = 404
 
     def __init__(self, job_id: str):
-        super().__init__(f"no job with id {job_id!r}")
+        super().__init__(f"job {job_id} not found")
         self.job_id = job_id
 
 
@@ -54,6 +78,10 @@ class Conflict(FtrainError):
     """The request conflicts with what is stored (e.g. an idempotency key reused)."""
 
     status_code = 409
+
+
+class StaleLeader(Conflict):
+    """A write fenced on the leader's key, from a control plane that no longer leads."""
 
 
 class StaleAttempt(Conflict):

@@ -2,36 +2,53 @@
 
 Node heartbeats ask "which job is mine?" every second; answering that from etcd would
 cost a range read of every job per heartbeat. The scheduler asks it which jobs are not
-finished (and then reads those from etcd), so finished jobs, which pile up, are not read
-on every tick. The index is read once, then kept current
-by a watch from the revision of that read; a broken watch re-reads and re-watches. It is
-only used where a slightly stale answer is harmless (assignments are re-sent on the next
-heartbeat); every write still goes to etcd as a compare-and-set.
+finished (and then reads those from etcd), so finished jobs, which pile up until retention
+deletes them, are not read on every tick. The API lists jobs in the index's order (oldest
+first) and reads the records of one page from etcd.
+
+The index is loaded once, a page at a time, then kept current by a watch from the revision
+read before that load (a change during the load is replayed by the watch). When a watch
+session ends quietly the index watches again from the last revision it applied; only a
+broken or compacted watch makes it load again. It is only used where a slightly stale answer is harmless
+(assignments are re-sent on the next heartbeat, records are read fresh); every write still
+goes to etcd as a compare-and-set. A watch whose history was compacted away
+(HistoryCompacted) loads again at once, serving what it has meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, StoreUnavailable
+from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
-from service.models import JobRecord
+from service.models import JobRecord, JobState
 from service.store.api import KeyValue
 
 log = logging.getLogger(__name__)
 
+SortKey = tuple[float, str]  # (created_at, id): the listing order, oldest first
+# Deleted jobs whose place in the listing order is remembered, so that a listing whose
+# cursor (`after`) names a job that retention deleted meanwhile goes on where it was.
+REMEMBERED_DELETIONS = 10_000
+
 
 class JobIndex:
-    """Which jobs are unfinished, and which job each node works for, kept current by a watch."""
+    """Which jobs exist and in what order, which are unfinished, and which job each node
+    works for; kept current by a watch."""
 
     def __init__(self, kv: KeyValue, keys: Keys):
         self._kv = kv
         self._keys = keys
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
+        self._order: list[SortKey] = []  # every job in self._jobs, sorted
+        self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
         self._wakes: list[asyncio.Event] = []
@@ -46,6 +63,11 @@ class JobIndex:
         active = [j for j in self._jobs.values() if not j.state.is_terminal()]
         return [j.id for j in sorted(active, key=lambda j: (j.created_at, j.id))]
 
+    def finished(self) -> list[tuple[str, float]]:
+        """(id, finished_at) of every finished job, as the index has them (for retention)."""
+        return [(j.id, j.finished_at if j.finished_at is not None else j.updated_at)
+                for j in self._jobs.values() if j.state.is_terminal()]
+
     def job_of_node(self, node: str) -> JobRecord | None:
         """The active job in which `node` is a live member, if any."""
         job_id = self._by_node.get(node)
@@ -55,6 +77,31 @@ class JobIndex:
         """The job as the index last saw it (it may lag etcd by a watch event)."""
         return self._jobs.get(job_id)
 
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def place_of(self, job_id: str) -> SortKey | None:
+        """Where `job_id` is (or was, if deleted lately) in the listing order; None if unknown."""
+        job = self._jobs.get(job_id)
+        return (job.created_at, job_id) if job is not None else self._gone.get(job_id)
+
+    def ids_after(self, place: SortKey | None,
+                  states: Collection[JobState] | None = None) -> Iterator[str]:
+        """Job ids oldest first (by created_at, then id) after `place`, of jobs in `states`
+        as the index has them (any state if none).
+
+        Lazy, and safe to consume across awaits: each step looks up the next place anew, so
+        jobs added or deleted meanwhile neither stop it nor make it repeat one.
+        """
+        while True:
+            i = 0 if place is None else bisect.bisect_right(self._order, place)
+            if i >= len(self._order):
+                return
+            place = self._order[i]
+            job = self._jobs.get(place[1])
+            if job is not None and (not states or job.state in states):
+                yield place[1]
+
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `predicate` holds on the index (checked after every change it applies),
         at most `timeout_s`; returns whether it holds."""
@@ -63,47 +110,107 @@ class JobIndex:
                 await asyncio.wait_for(self.changed.wait_for(predicate), timeout_s)
             return predicate()
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Return once the index is loaded; StoreUnavailable after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except TimeoutError:
+            raise StoreUnavailable(f"the job index (the control plane's view of the jobs) was not "
+                                   f"loaded within {timeout_s:g} s; etcd may be away. Retry.") from None
+
+    def note_created(self, job: JobRecord) -> None:
+        """A job this control plane has just created: list it now, not a watch event later.
+
+        Only a job the index does not know yet is added (the watch may already have brought
+        it, or a newer version of it); its watch event applies it again, harmlessly.
+        """
+        if self.ready.is_set() and job.id not in self._jobs:
+            self._apply(job, job.id)
+
     def _apply(self, job: JobRecord | None, job_id: str) -> None:
         old = self._jobs.pop(job_id, None)
         if old is not None:
             for n in old.members:
                 if self._by_node.get(n) == job_id:
                     del self._by_node[n]
+            if job is None or job.created_at != old.created_at:
+                place = (old.created_at, job_id)
+                i = bisect.bisect_left(self._order, place)
+                if i < len(self._order) and self._order[i] == place:
+                    del self._order[i]
+                if job is None:
+                    self._remember_deleted(job_id, place)
         if job is not None:
+            if old is None or job.created_at != old.created_at:
+                bisect.insort(self._order, (job.created_at, job_id))
             self._jobs[job_id] = job
             if job.state.is_active():
                 for n, m in job.members.items():
                     if m.is_live():
                         self._by_node[n] = job_id
 
-    def _wake(self) -> None:
+    def _remember_deleted(self, job_id: str, place: SortKey) -> None:
+        self._gone[job_id] = place
+        while len(self._gone) > REMEMBERED_DELETIONS:
+            self._gone.popitem(last=False)
+
+    async def _notify(self) -> None:
+        """Tell the scheduler and every waiter that the index changed (a re-read after a
+        broken or compacted watch included: what it missed may be what they wait for)."""
         for event in self._wakes:
             event.set()
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _load(self) -> int:
+        """Read every job, a page at a time; returns the revision to watch from."""
+        prefix = self._keys.jobs
+        revision = await self._kv.revision()
+        jobs: dict[str, JobRecord] = {}
+        async for e in self._kv.scan_prefix(prefix, page_size=JOB_PAGE_SIZE):
+            jobs[e.key[len(prefix):]] = JobRecord.model_validate_json(e.value)
+        for job_id in self._jobs.keys() - jobs.keys():
+            old = self._jobs[job_id]
+            self._remember_deleted(job_id, (old.created_at, job_id))
+        self._jobs.clear()
+        self._by_node.clear()
+        self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
+        for job_id, job in jobs.items():
+            self._jobs[job_id] = job
+            if job.state.is_active():
+                self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
+        return revision
 
     async def run(self) -> None:
-        """Read every job, then follow the watch; re-read after a broken watch. Runs until cancelled."""
+        """Load every job, then follow the watch; load again after a broken watch. Runs
+        until cancelled."""
         prefix = self._keys.jobs
+        revision: int | None = None  # the index has applied every change up to it
         while True:
             try:
-                revision = await self._kv.revision()
-                entries = await self._kv.get_prefix(prefix)
-                self._jobs.clear()
-                self._by_node.clear()
-                for e in entries:
-                    self._apply(JobRecord.model_validate_json(e.value), e.key[len(prefix):])
-                self.ready.set()
-                self._wake()
-                async for ev in self._kv.watch_prefix(prefix, revision + 1):
+                if revision is None:
+                    revision = await self._load()
+                    self.ready.set()
+                    await self._notify()
+                # From `revision` itself, not after it: a session that ended between two
+                # events of one transaction must not lose the second (applying one twice is
+                # harmless).
+                async for ev in self._kv.watch_prefix(prefix, revision):
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     self._apply(job, ev.key[len(prefix):])
-                    self._wake()
-                    async with self.changed:
-                        self.changed.notify_all()
+                    revision = ev.mod_revision
+                    await self._notify()
+                continue  # the session ended quietly: watch on from where it was
+            except HistoryCompacted as exc:  # not an outage: load again at once
+                log.debug("job index: %s", exc.message)
+                revision = None
+                continue
             except StoreUnavailable as exc:
                 log.debug("job index: %s", exc.message)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("job index watch failed; re-reading")
+            revision = None
             self.ready.clear()
             await asyncio.sleep(0.5)

@@ -6,25 +6,36 @@ causes, and commit both in one transaction that only applies if the record is st
 the revision read (`service.store.cas.update`). On a lost race the record is re-read and
 `decide` runs again, so a decision is always made on what is stored now, never on a
 stale copy.
+
+Reads of many jobs are paged (`JOB_PAGE_SIZE` records a request): the API lists jobs in
+the order the watch-fed `JobIndex` keeps and reads the records of one page fresh
+(`page`); `scan` pages through every record in key order. Finished jobs are deleted,
+with everything kept for them, by `delete_finished` (the retention loop, on the leader).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import secrets
 import string
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from service.decide.change import Change
 from service.decide.state import transition
-from service.errors import Conflict, JobNotFound
+from service.errors import Conflict, JobNotFound, StaleLeader
 from service.keys import Keys
-from service.models import EventView, JobRecord, JobSpec, JobState
+from service.models import EventView, JobRecord, JobSpec, JobState, JobView
 from service.store import cas
-from service.store.api import Delete, KeyValue, Put
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
+from worker.protocol import Progress
+
+# Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
+# and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
+JOB_PAGE_SIZE = 16
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
@@ -69,6 +80,9 @@ class JobStore:
         if idempotency_key is not None:
             digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
             idem_key = self.keys.idempotency(digest)
+            # The record names its key, so that the key is deleted with the job (retention).
+            job = job.model_copy(update={"idempotency_digest": digest})
+            ops[0] = Put(self.keys.job(job.id), _dump(job))
             ops.append(Put(idem_key, json.dumps({"job_id": job.id, "spec": spec_digest(spec)}).encode()))
             expect[idem_key] = 0
         if await self.kv.commit(expect, ops):
@@ -82,7 +96,10 @@ class JobStore:
         if first["spec"] != spec_digest(spec):
             raise Conflict("Idempotency-Key was already used for a different job spec "
                            f"(job {first['job_id']}); use a new key for a new job")
-        existing, _ = await self.get_with_revision(first["job_id"])
+        try:
+            existing, _ = await self.get_with_revision(first["job_id"])
+        except JobNotFound:  # deleted (with its key) since: the key is free again
+            return await self.create(spec, idempotency_key)
         return existing, False
 
     async def get_with_revision(self, job_id: str) -> tuple[JobRecord, int]:
@@ -96,23 +113,151 @@ class JobStore:
         """The job as stored now; JobNotFound if none."""
         return (await self.get_with_revision(job_id))[0]
 
-    async def get_many(self, job_ids: list[str]) -> list[JobRecord]:
-        """The jobs of `job_ids` that exist, in that order (one read per MAX_TXN_OPS of them)."""
-        entries = await self.kv.get_many([self.keys.job(i) for i in job_ids])
-        return [JobRecord.model_validate_json(e.value) for e in entries if e is not None]
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord]:
+        """The jobs of `job_ids` that exist, in that order (JOB_PAGE_SIZE records a read)."""
+        return [job for job, _ in await self.get_many_with_revisions(job_ids)]
 
-    async def list(self) -> list[JobRecord]:
-        """Every job, oldest first (a read of all of them: the index knows the unfinished ones)."""
-        entries = await self.kv.get_prefix(self.keys.jobs)
-        jobs = [JobRecord.model_validate_json(e.value) for e in entries]
-        jobs.sort(key=lambda j: (j.created_at, j.id))
-        return jobs
+    async def get_many_with_revisions(self, job_ids: Sequence[str]) -> list[tuple[JobRecord, int]]:
+        """Like `get_many`, with each record's mod_revision (to fence a change of it)."""
+        entries = await self.kv.get_many([self.keys.job(i) for i in job_ids], page_size=JOB_PAGE_SIZE)
+        return [(JobRecord.model_validate_json(e.value), e.mod_revision) for e in entries if e is not None]
+
+    async def scan(self) -> AsyncIterator[JobRecord]:
+        """Every job, in key (id) order, JOB_PAGE_SIZE records a read."""
+        async for entry in self.kv.scan_prefix(self.keys.jobs, page_size=JOB_PAGE_SIZE):
+            yield JobRecord.model_validate_json(entry.value)
+
+    async def page(self, job_ids: Iterable[str], states: Sequence[JobState] | None,
+                   limit: int) -> tuple[list[JobRecord], bool]:
+        """The first `limit` jobs of `job_ids` (in that order) that exist and are in `states`
+        (any state if none), read fresh; and whether another such job follows.
+
+        `job_ids` may be long (a listing's order of every job): it is consumed a page at a
+        time and only as far as needed.
+        """
+        ids = iter(job_ids)
+        out: list[JobRecord] = []
+        while chunk := list(itertools.islice(ids, JOB_PAGE_SIZE)):
+            for job in await self.get_many(chunk):
+                if states and job.state not in states:
+                    continue
+                if len(out) == limit:
+                    return out, True
+                out.append(job)
+        return out, False
+
+    async def view(self, job_id: str) -> JobView:
+        """The job as users see it: the record and its progress, read at one revision."""
+        entry, progress = await self.kv.get_many([self.keys.job(job_id), self.keys.progress(job_id)])
+        if entry is None:
+            raise JobNotFound(job_id)
+        return JobRecord.model_validate_json(entry.value).view(_progress(progress))
+
+    async def views(self, jobs: list[JobRecord]) -> list[JobView]:
+        """The views of `jobs`, each with its progress (one read per MAX_TXN_OPS jobs)."""
+        progress = await self.kv.get_many([self.keys.progress(j.id) for j in jobs])
+        return [job.view(_progress(p)) for job, p in zip(jobs, progress, strict=True)]
+
+    async def progress(self, jobs: list[JobRecord]) -> list[Progress | None]:
+        """The progress of each of `jobs`, from its own key (one read per MAX_TXN_OPS jobs)."""
+        return [_progress(p) for p in await self.kv.get_many([self.keys.progress(j.id) for j in jobs])]
 
     async def events(self, job_id: str) -> list[EventView]:
         """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list
-        entries = await self.kv.get_prefix(self.keys.events(job_id))
-        return sorted((EventView.model_validate_json(e.value) for e in entries), key=lambda e: e.seq)
+        events = [EventView.model_validate_json(e.value)
+                  async for e in self.kv.scan_prefix(self.keys.events(job_id))]
+        return sorted(events, key=lambda e: e.seq)
+
+    def deletion(self, job: JobRecord) -> list[Delete]:
+        """What to delete with a job in etcd: its record, events, progress, snapshot records
+        and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
+        ops = [Delete(self.keys.job(job.id)), Delete(self.keys.events(job.id), prefix=True),
+               Delete(self.keys.progress(job.id)), Delete(self.keys.snapshots(job.id), prefix=True)]
+        if job.idempotency_digest is not None:
+            ops.append(Delete(self.keys.idempotency(job.idempotency_digest)))
+        return ops
+
+    async def delete_finished(self, jobs: Sequence[tuple[JobRecord, int]],
+                              fence: dict[str, int]) -> list[str]:
+        """Delete finished jobs, each as read at its mod_revision, in transactions of at most
+        MAX_TXN_OPS operations that also compare `fence` (the leader's key: only the leader
+        deletes). Returns the ids deleted; a job changed since it was read is left for the
+        next pass, and a lost fence stops the deletion (StaleLeader)."""
+        deleted: list[str] = []
+        batch: list[tuple[JobRecord, int]] = []
+        ops_in_batch = 0
+
+        async def flush() -> None:
+            nonlocal batch, ops_in_batch
+            if batch:
+                deleted.extend(await self._delete_batch(batch, fence))
+            batch, ops_in_batch = [], 0
+
+        for job, revision in jobs:
+            if not job.state.is_terminal():
+                raise ValueError(f"job {job.id} is {job.state.value}: only finished jobs are deleted")
+            n = len(self.deletion(job))
+            if ops_in_batch + n > MAX_TXN_OPS or len(batch) + 1 + len(fence) > MAX_TXN_OPS:
+                await flush()
+            batch.append((job, revision))
+            ops_in_batch += n
+        await flush()
+        return deleted
+
+    async def delete_orphaned_keys(self, fence: dict[str, int]) -> int:
+        """Delete idempotency keys whose job is gone; returns how many.
+
+        A job record names its key and retention deletes both together; this is for keys
+        of jobs deleted before records named them. Paged; each deletion compares the key,
+        the job's absence and `fence`.
+        """
+        prefix = self.keys.idempotency("")
+        deleted = 0
+        batch: list[tuple[str, int, str]] = []  # (key, its mod_revision, job id)
+
+        async def flush() -> None:
+            nonlocal deleted, batch
+            exists = await self.kv.get_many([self.keys.job(job_id) for _, _, job_id in batch],
+                                            page_size=JOB_PAGE_SIZE)
+            orphans = [(k, rev, job_id) for (k, rev, job_id), job in zip(batch, exists, strict=True)
+                       if job is None]
+            step = (MAX_TXN_OPS - len(fence)) // 2
+            for i in range(0, len(orphans), step):
+                chunk = orphans[i:i + step]
+                expect = {**fence, **{k: rev for k, rev, _ in chunk},
+                          **{self.keys.job(job_id): 0 for _, _, job_id in chunk}}
+                if not await self.kv.commit(expect, [Delete(k) for k, _, _ in chunk]):
+                    raise StaleLeader("the idempotency keys changed under the sweep, or this "
+                                      "control plane no longer leads; the next pass sweeps again")
+                deleted += len(chunk)
+            batch = []
+
+        async for entry in self.kv.scan_prefix(prefix):
+            batch.append((entry.key, entry.mod_revision, json.loads(entry.value)["job_id"]))
+            if len(batch) == PAGE_SIZE:
+                await flush()
+        if batch:
+            await flush()
+        return deleted
+
+    async def _delete_batch(self, batch: list[tuple[JobRecord, int]],
+                            fence: dict[str, int]) -> list[str]:
+        expect = {**fence, **{self.keys.job(job.id): revision for job, revision in batch}}
+        ops = [op for job, _ in batch for op in self.deletion(job)]
+        if await self.kv.commit(expect, ops):
+            return [job.id for job, _ in batch]
+        # Lost: the fence moved (another leader), or a job changed or went since it was read.
+        now = await self.kv.get_many(list(fence))
+        if any((e.mod_revision if e else 0) != fence[k] for k, e in zip(fence, now, strict=True)):
+            raise StaleLeader("this control plane no longer leads; the deletion of finished "
+                              "jobs is left to the leader")
+        current = {job.id: revision for job, revision in await self.get_many_with_revisions(
+            [job.id for job, _ in batch])}
+        still = [(job, revision) for job, revision in batch if current.get(job.id) == revision]
+        if len(still) == len(batch):  # nothing changed: cannot lose again for the same reason
+            return []
+        return await self._delete_batch(still, fence) if still else []
 
     async def update(self, job_id: str, decide: Decide) -> JobRecord:
         """Apply `decide` to the stored job by compare-and-set, re-deciding on a lost race."""
@@ -141,6 +286,10 @@ class JobStore:
             return Change(changed, [event])
 
         return await self.update(job_id, decide)
+
+
+def _progress(entry) -> Progress | None:
+    return None if entry is None else Progress.model_validate_json(entry.value)
 
 
 def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:

@@ -1,14 +1,23 @@
 """Where each piece of state lives in etcd (one place, so the layout can be read at once).
 
-    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS
+    <prefix>/jobs/<id>                   JobRecord (JSON); every write is a CAS, on real
+                                         transitions only (not on progress)
+    <prefix>/progress/<id>               rank 0's latest Progress, at most one write per
+                                         progress_min_interval_s, fenced on the job record
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
-    <prefix>/idempotency/<sha256>        {"job_id", "spec_hash"} for Idempotency-Key
+    <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
+                                         names it (idempotency_digest): deleted with the job
     <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
-    <prefix>/logs/<id>/<seq>             chunks of worker log lines
+    <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
+                                         deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+
+Every prefix is read in pages (service.store.api); retention deletes a finished job's
+keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
+(service.retention).
 """
 
 from dataclasses import dataclass
@@ -24,6 +33,9 @@ class Keys:
     @property
     def jobs(self) -> str:
         return f"{self.prefix}/jobs/"
+
+    def progress(self, job_id: str) -> str:
+        return f"{self.prefix}/progress/{job_id}"
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}/events/{job_id}/"
@@ -60,11 +72,9 @@ class Keys:
     def snapshot(self, job_id: str, step: int) -> str:
         return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
 
-    def logs(self, job_id: str) -> str:
-        return f"{self.prefix}/logs/{job_id}/"
-
-    def log(self, job_id: str, seq: int) -> str:
-        return f"{self.prefix}/logs/{job_id}/{seq:012d}"
+    @property
+    def legacy_logs(self) -> str:
+        return f"{self.prefix}/logs/"
 
     @property
     def leader(self) -> str:

@@ -17,6 +17,12 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
+# Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
+# state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
+# read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
+MAX_COMMAND_BYTES = 16 * 1024  # every argument together
+MAX_ENV_BYTES = 32 * 1024  # every name and value together
+MAX_SPEC_BYTES = 64 * 1024  # the whole spec as stored (JSON)
 # The service sets these itself; a spec may not override them.
 # The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
 USER_FTRAIN_ENV = JOB_KNOBS
@@ -133,6 +139,31 @@ class JobSpec(_Strict):
                                  "characters, without NUL")
         return v
 
+    def size_errors(self) -> list[dict]:
+        """What makes this spec too large to store, as 422 errors naming each field.
+
+        Checked at submit only (`POST /v1/jobs`), not when a stored record is read: a
+        record written before a limit existed must stay readable.
+        """
+        errors = []
+
+        def too_large(field: str, message: str) -> None:
+            errors.append({"loc": ("body", field), "msg": message, "type": "too_large"})
+
+        command = sum(len(part.encode()) for part in self.command)
+        if command > MAX_COMMAND_BYTES:
+            too_large("command", f"must be at most {MAX_COMMAND_BYTES} bytes in all (UTF-8), "
+                                 f"not {command}; pass large inputs in a file")
+        env = sum(len(k.encode()) + len(v.encode()) for k, v in self.env.items())
+        if env > MAX_ENV_BYTES:
+            too_large("env", f"names and values must be at most {MAX_ENV_BYTES} bytes in all "
+                             f"(UTF-8), not {env}; pass large inputs in a file")
+        stored = len(self.model_dump_json().encode())
+        if not errors and stored > MAX_SPEC_BYTES:
+            too_large("spec", f"takes {stored} bytes as stored (JSON), more than {MAX_SPEC_BYTES}; "
+                              "shorten command, env or working_dir")
+        return errors
+
 
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
@@ -180,7 +211,9 @@ class JobRecord(BaseModel):
     rounds: int = 0
     event_seq: int = 0
     latest_snapshot: SnapshotMeta | None = None
-    progress: Progress | None = None
+    # Set by the job's first progress report: its rank 0 runs the ftrain runtime, so it can
+    # acknowledge planned changes. The reports themselves live under `keys.progress(id)`.
+    reports_progress: bool = False
     finished_at: float | None = None
     # Planned membership changes: the request to rank 0, and the id it last acknowledged
     # (by committing a snapshot with that control id) with the step it stopped at.
@@ -191,19 +224,30 @@ class JobRecord(BaseModel):
     stopping: bool = False
     # When the current round of the rendezvous formed, and with how many nodes.
     round_nodes: int = 0
+    # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
+    idempotency_digest: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _progress_moved_out(cls, data):
+        # Records written before progress had a key of its own carried it here.
+        if isinstance(data, dict) and data.get("progress") is not None:
+            data = {**data, "reports_progress": True}
+        return data
 
     @property
     def rdzv_id(self) -> str:
         return f"{self.id}-a{self.attempt}"
 
-    def view(self) -> JobView:
+    def view(self, progress: Progress | None = None) -> JobView:
+        """What users see of the job; `progress` is read from its own key."""
         return JobView(
             id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
             spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
-            latest_snapshot=self.latest_snapshot, progress=self.progress,
+            latest_snapshot=self.latest_snapshot, progress=progress,
         )
 
 
@@ -275,7 +319,8 @@ class NodeList(BaseModel):
 
 
 class LogLine(BaseModel):
-    seq: int
+    seq: int = Field(..., description="The line's byte offset in the job's log: stable; "
+                                      "`?since=seq` reads from this line on.")
     time: float
     node: str
     rank: int | None
@@ -285,5 +330,13 @@ class LogLine(BaseModel):
 
 
 class LogPage(BaseModel):
+    """A page of a job's log, and what the per-job cap has cut from its start."""
+
     items: list[LogLine]
-    next_seq: int
+    next_seq: int = Field(..., description="Pass it as `since` for the next page.")
+    end_seq: int = Field(..., description="Where the log ends now: `next_seq == end_seq` means "
+                                          "this page read to the end.")
+    first_seq: int = Field(..., description="The oldest line still kept; earlier ones were cut.")
+    cut_bytes: int = Field(..., description="Bytes of the log cut by the cap (its oldest).")
+    cut_lines: int = Field(..., description="Lines of the log cut by the cap.")
+    cap_bytes: int = Field(..., description="The per-job cap: only the newest this many bytes are kept.")

@@ -54,8 +54,9 @@ class NodeStore:
 
     async def list(self) -> dict[str, NodeRecord]:
         """Every live node, by name."""
-        entries = await self.kv.get_prefix(self.keys.nodes)
-        return {r.name: r for r in (NodeRecord.model_validate_json(e.value) for e in entries)}
+        records = [NodeRecord.model_validate_json(e.value)
+                   async for e in self.kv.scan_prefix(self.keys.nodes)]
+        return {r.name: r for r in records}
 
     async def changes(self) -> AsyncIterator[WatchEvent]:
         """Every change of a node record from now on (raises StoreUnavailable when the watch

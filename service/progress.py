@@ -1,27 +1,58 @@
-"""A job's progress (rank 0's step, loss, throughput), kept on the job record.
+"""A job's progress (rank 0's step, loss, throughput): hot state, on a key of its own.
 
-Reports are written by compare-and-set like every job change (`JobStore.update`), so a
-report never undoes a state change it raced with; one from a stale attempt or to a
-finished job is refused (`decide.snapshots.decide_progress`). What rank 0 should do at
-its next step boundary is read off the record (`decide.snapshots.control_for`).
+Rank 0 reports about once a second. Rewriting the job record (its spec included) for each
+report would wake the watch-fed job index and the scheduler every time and fill etcd's
+history, so a report goes to `keys.progress(id)`, a small key, at most once per
+`min_interval_s` (reports in between are answered with what is stored). It is still fenced:
+the write is a transaction that applies only if the job record is unchanged since it was
+read, so a report from a stale attempt or to a finished job is refused
+(`decide.snapshots.decide_progress`) even when it races with the change that made it so.
+The job record is written once, by the first report (`reports_progress`). The job view
+merges the key back in (`JobStore.view`).
 """
 
 from __future__ import annotations
 
-from service.decide.snapshots import decide_progress
+from service.decide.snapshots import ProgressDecision, decide_progress
+from service.errors import JobNotFound
 from service.jobs import JobStore
+from service.models import JobRecord
+from service.store import cas
+from service.store.api import Entry, Put
 from worker.protocol import Progress, ProgressReport
 
 
 class ProgressStore:
-    """Record progress reports of jobs."""
+    """Record progress reports of jobs, at a bounded rate."""
 
-    def __init__(self, jobs: JobStore):
+    def __init__(self, jobs: JobStore, min_interval_s: float = 1.0):
         self.jobs = jobs
+        self.min_interval_s = min_interval_s
 
     async def report(self, job_id: str, report: ProgressReport) -> Progress:
         """Record rank 0's report; returns the progress as stored."""
+        kv, keys = self.jobs.kv, self.jobs.keys
+        job_key, progress_key = keys.job(job_id), keys.progress(job_id)
         now = self.jobs.clock()
-        job = await self.jobs.update(job_id, lambda job: decide_progress(job, report, now))
-        assert job.progress is not None
-        return job.progress
+
+        async def read() -> tuple[Entry, Entry | None]:
+            job, progress = await kv.get_many([job_key, progress_key])
+            if job is None:
+                raise JobNotFound(job_id)
+            return job, progress
+
+        def decide(read: tuple[Entry, Entry | None]) -> cas.Done[Progress] | cas.Write[Progress]:
+            job_entry, progress_entry = read
+            job = JobRecord.model_validate_json(job_entry.value)
+            stored = None if progress_entry is None else Progress.model_validate_json(progress_entry.value)
+            d: ProgressDecision = decide_progress(job, stored, report, now, self.min_interval_s)
+            if not d.write:
+                return cas.Done(d.progress)
+            ops = [Put(progress_key, d.progress.model_dump_json().encode())]
+            if d.job is not None:
+                ops.append(Put(job_key, d.job.model_dump_json().encode()))
+            expect = {job_key: job_entry.mod_revision,
+                      progress_key: 0 if progress_entry is None else progress_entry.mod_revision}
+            return cas.Write(expect, ops, d.progress)
+
+        return await cas.update(kv, read, decide, f"progress of job {job_id}")

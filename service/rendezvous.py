@@ -50,10 +50,10 @@ import contextlib
 import re
 from collections.abc import Callable, Sequence
 
-from service.errors import FtrainError
+from service.errors import FtrainError, HistoryCompacted
 from service.keys import Keys
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 
@@ -222,7 +222,7 @@ class Rendezvous:
         return await cas.update(self.kv, lambda: self.kv.get(etcd_key), decide, self._what(key))
 
     async def num_keys(self) -> int:
-        return len(await self.kv.get_prefix(self._store_prefix))
+        return await self.kv.count_prefix(self._store_prefix)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class Rendezvous:
     async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
                               wanted: Callable[[WatchEvent], bool]) -> None:
         """Return once a change under `prefix` at or after `start_revision` is `wanted`, or at
-        the timeout."""
+        the timeout, or when that history was compacted away (the caller reads again)."""
 
         async def first_wanted() -> None:
             events = self.kv.watch_prefix(prefix, start_revision)
@@ -242,7 +242,7 @@ class Rendezvous:
                     if wanted(event):
                         return
 
-        with contextlib.suppress(asyncio.TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError, HistoryCompacted):
             await asyncio.wait_for(first_wanted(), timeout_s)
 
     async def _update(self, key: str, combine, op_id: str | None) -> bytes:
@@ -306,7 +306,7 @@ async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
     rdzv_root = keys.rdzv("")  # "<prefix>/rdzv//" -> "<prefix>/rdzv/"
     rdzv_root = rdzv_root[:-1]
     attempts: dict[str, int] = {}
-    for entry in await kv.get_prefix(prefix):
+    async for entry in kv.scan_prefix(prefix, page_size=PAGE_SIZE * 8, keys_only=True):
         rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
         with contextlib.suppress(InvalidRendezvousId):
             if parse_rdzv_id(rdzv_id)[0] == job_id:

@@ -35,10 +35,11 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
     Which jobs: from the watch-fed index, so the finished ones (all of a cluster's history)
     are not read on every tick; the records themselves are read fresh, so that this tick
-    sees its own last writes. Until the index is ready: a read of every job.
+    sees its own last writes. Until the index is ready: every job, read a page at a time.
     """
     if not index.ready.is_set():
-        return [j for j in await jobs.list() if not j.state.is_terminal()]
+        return sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
+                      key=lambda j: (j.created_at, j.id))
     return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
 
 
@@ -75,30 +76,33 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: d
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
+    for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
+        del last_reason[job_id]
 
 
-def progress_step(job: JobRecord) -> int | None:
-    """Rank 0's last reported step: the one place the hang watch reads progress from."""
-    return job.progress.step if job.progress is not None else None
+async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int | None]:
+    """Rank 0's last reported step of each job: the one place the hang watch reads progress."""
+    return [None if p is None else p.step for p in await jobs.progress(watched)]
 
 
 async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
                       watches: dict[str, hangs.Watch]) -> None:
-    """Advance each active job's hang clock; restart (or fail) the jobs that hang."""
-    for job_id in [j for j in watches if j not in active]:
+    """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang."""
+    watched = [j for j in active.values()
+               if j.spec.hang_timeout_s is not None and not j.state.is_terminal()]
+    for job_id in watches.keys() - {j.id for j in watched}:
         del watches[job_id]
+    if not watched:
+        return
     now = jobs.clock()
-    for job in list(active.values()):
-        if job.state.is_terminal():
-            watches.pop(job.id, None)
-            continue
-        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, progress_step(job), now)
+    for job, step in zip(watched, await progress_steps(jobs, watched), strict=True):
+        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, step, now)
         if hangs.decide_hang(job, seen.step, seen.since, now) is None:
             continue
 
         def decide(current: JobRecord, seen: hangs.Watch = seen) -> Change | None:
-            # A job that moved on since it was read (a new step, a new group) is no hang.
-            again = hangs.observe(seen, current, progress_step(current), now)
+            # A job that moved on since it was read (a new group, a planned change) is no hang.
+            again = hangs.observe(seen, current, seen.step, now)
             return hangs.decide_hang(current, again.step, again.since, now)
 
         try:
@@ -108,7 +112,7 @@ async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
             continue
         log.info("job %s: %s", job.id, new.reason)
         active[job.id] = new
-        watches[job.id] = hangs.observe(None, new, progress_step(new), now)
+        watches[job.id] = hangs.observe(None, new, step, now)
         if new.state.is_terminal():
             await _cleanup(jobs, job.id)
 
@@ -134,7 +138,13 @@ async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
 
 
 class Leadership:
-    """Leader election over one etcd key bound to a lease (one scheduler at a time)."""
+    """Leader election over one etcd key bound to a lease (one scheduler at a time).
+
+    The scheduler loop calls `hold` about once a second; the other leader-only loops read
+    `leading`, the answer of the last call (`service.compaction`), or ask `fence()`: the
+    leader key at the revision this replica wrote it, to compare in their transactions, so
+    that a replica that lost the lead without noticing writes nothing (`service.retention`).
+    """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
         self.kv = kv
@@ -142,19 +152,35 @@ class Leadership:
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
         self.identity = f"{id(self):x}-{time.time_ns()}"
+        self.leading = False
+        self._fence: dict[str, int] | None = None
+
+    def fence(self) -> dict[str, int] | None:
+        """{leader key: its mod_revision} while this replica last knew itself leader, else None."""
+        return self._fence
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
+                self.leading, self._fence = True, {self.key: entry.mod_revision}
                 return True
+        self.lost()
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
-        return await self.kv.commit({self.key: 0},
-                                    [Put(self.key, self.identity.encode(), self.lease_id)])
+        won, entry = await self.kv.commit_read(
+            {self.key: 0}, [Put(self.key, self.identity.encode(), self.lease_id)], self.key)
+        if won and entry is not None:
+            self.leading, self._fence = True, {self.key: entry.mod_revision}
+        return self.leading
+
+    def lost(self) -> None:
+        """This replica does not lead, or cannot tell (etcd did not answer)."""
+        self.leading, self._fence = False, None
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
+        self.lost()
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)

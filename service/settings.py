@@ -4,8 +4,10 @@ Built by whoever starts the app (`ftrain serve`, `ftrain up`, a test) and passed
 `create_app(settings)`; nothing reads them at import time.
 """
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.decide.retention import DAY_S, RetentionPolicy, parse_duration
 
 
 class Settings(BaseSettings):
@@ -27,4 +29,30 @@ class Settings(BaseSettings):
     snapshot_root: str | None = Field(
         None, description="Directory every node sees; each job snapshots under <root>/<job id>."
     )
-    log_keep_lines: int = Field(20000, gt=0, description="Worker log lines kept per job.")
+    progress_min_interval_s: float = Field(
+        1.0, ge=0, description="A job's progress is written at most once per this many seconds.")
+    compaction_interval_s: float = Field(
+        60.0, gt=0, description="The leader compacts etcd's history to the revision it saw this "
+                                "long ago, every this many seconds.")
+    log_root: str = Field(
+        ".ftrain/job-logs",
+        description="Directory of the workers' logs (a folder per job); with several control-plane "
+                    "replicas, one directory they all share (NFS or similar, with POSIX locks).")
+    log_cap_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024,
+                               description="Bytes of log kept per job; the oldest are cut past it.")
+    retention_s: float = Field(
+        7 * DAY_S, gt=0,
+        description="Finished jobs (record, events, logs, snapshot records, idempotency key) "
+                    "are deleted this long after they end; seconds, or e.g. 7d, 12h, 30m, 90s.")
+    retention_jobs: int | None = Field(
+        None, ge=1, description="Keep at most this many finished jobs (the oldest finished go "
+                                "first); none: no cap.")
+
+    @field_validator("retention_s", mode="before")
+    @classmethod
+    def _duration(cls, v):
+        return parse_duration(v) if isinstance(v, str) else v
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(retention_s=self.retention_s, keep_jobs=self.retention_jobs)

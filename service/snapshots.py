@@ -34,8 +34,8 @@ class SnapshotStore:
         return lambda step: self.jobs.keys.snapshot(job_id, step)
 
     async def _records(self, job_id: str) -> Records:
-        entries = await self.jobs.kv.get_prefix(self.jobs.keys.snapshots(job_id))
-        recs = (SnapshotRecord.model_validate_json(e.value) for e in entries)
+        recs = [SnapshotRecord.model_validate_json(e.value)
+                async for e in self.jobs.kv.scan_prefix(self.jobs.keys.snapshots(job_id))]
         return {r.step: r for r in recs}
 
     async def list(self, job_id: str) -> SnapshotList:
@@ -67,10 +67,9 @@ class SnapshotStore:
         now = self.jobs.clock()
         decision = await self._update(
             job_id, lambda job, recs: decide_commit(job, recs, req, now, self._key(job_id)))
-        assert decision.change is not None
+        assert decision.change is not None and decision.committed is not None
         latest = decision.change.job.latest_snapshot
-        committed = SnapshotRecord.model_validate_json(decision.change.ops[0].value)  # type: ignore[union-attr]
-        return CommitResult(committed=committed, latest=latest.step if latest else None,
+        return CommitResult(committed=decision.committed, latest=latest.step if latest else None,
                             prune=decision.prune)
 
     async def report_corrupt(self, job_id: str, step: int, reason: str) -> SnapshotList:

@@ -64,6 +64,8 @@ class UpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     nodes: int = 2
+    retention_s: float | None = None  # None: the control plane's default (or its env)
+    retention_jobs: int | None = None
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Paths:
     etcd_data: Path = field(init=False)
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
+    job_logs: Path = field(init=False)
     lock: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +97,9 @@ class Paths:
         self.token, self.node_token, self.server = r / "token", r / "node-token", r / "server"
         self.etcd_ports, self.etcd_pid, self.etcd_data = r / "etcd-ports", r / "etcd.pid", r / "etcd"
         self.snapshots, self.logs, self.lock = r / "snapshots", r / "logs", r / "up.lock"
+        # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
+        # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
+        self.job_logs = r / "job-logs"
 
 
 # Pieces that decide, without starting anything (tested on their own).
@@ -302,7 +308,7 @@ class LocalCluster:
                           "stop it first (Ctrl-C in its terminal) or pass another --data-dir") from None
         self.user_token = ensure_token(p.token)
         self.node_token = ensure_token(p.node_token)
-        for d in (p.snapshots, p.logs):
+        for d in (p.snapshots, p.logs, p.job_logs):
             d.mkdir(exist_ok=True)
         if not is_port_free(self.options.port, self.options.host):
             raise UpError(f"port {self.options.port} on {self.options.host} is in use (another "
@@ -328,7 +334,12 @@ class LocalCluster:
         o = self.options
         env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
-                "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots)]
+                "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
+                "--log-root", str(self.paths.job_logs)]
+        if o.retention_s is not None:
+            argv += ["--retention", str(o.retention_s)]
+        if o.retention_jobs is not None:
+            argv += ["--retention-jobs", str(o.retention_jobs)]
         self.control_plane = _spawn("control plane", argv, env, self.paths.logs / "control-plane.log")
         self._wait_ready()
 
@@ -439,7 +450,7 @@ class LocalCluster:
         self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
                  f"etcd {self.etcd.endpoint}")
         self.say(f"data directory {rel}: user token in {rel}/token, node token in {rel}/node-token, "
-                 f"logs in {rel}/logs")
+                 f"logs in {rel}/logs, the workers' output in {rel}/job-logs")
         if self.agents:
             self.say(f"local nodes registered: {', '.join(nodes) or 'none yet'} "
                      f"(of {len(self.agents)} started)")

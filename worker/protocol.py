@@ -25,7 +25,20 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, field_validator
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
-MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent
+MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent (`cut_line`)
+# The most bytes of JSON an agent puts in one log shipment: well under the control plane's
+# default body limit (64 KiB), since even a line of escapes (6 bytes a character) fits.
+# A control plane with a smaller limit answers 413, and the agent halves its shipments.
+MAX_SHIPMENT_BYTES = 48 * 1024
+MAX_SHIPMENT_LINES = 2000
+
+
+def cut_line(text: str) -> str:
+    """`text`, or its start with a visible mark when it is longer than MAX_LINE_CHARS."""
+    if len(text) <= MAX_LINE_CHARS:
+        return text
+    mark = f" [ftrain: line cut, {len(text)} characters in all]"
+    return text[:MAX_LINE_CHARS - len(mark)] + mark
 
 
 # ---------------------------------------------------------------------------- node agent
@@ -121,7 +134,7 @@ class LogLineIn(BaseModel):
 class LogShipment(BaseModel):
     node: str = Field(..., max_length=64)
     attempt: int = 0
-    lines: list[LogLineIn] = Field(..., max_length=2000)
+    lines: list[LogLineIn] = Field(..., max_length=MAX_SHIPMENT_LINES)
 
 
 # ---------------------------------------------------------------------------- rendezvous

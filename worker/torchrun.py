@@ -56,7 +56,7 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import MAX_LINE_CHARS, Assignment, LogLineIn
+from worker.protocol import Assignment, LogLineIn, cut_line
 
 log = logging.getLogger("ftrain.agent")
 
@@ -307,7 +307,7 @@ class Torchrun:
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
                 g.tails[rank].append(line)
                 self.shipper.add(g.job_id, g.attempt, LogLineIn(
-                    rank=rank, stream=stream, line=line[:MAX_LINE_CHARS], time=time.time()))
+                    rank=rank, stream=stream, line=cut_line(line), time=time.time()))
 
     def exited(self) -> WorkerGroup | None:
         """The group, once its torchrun has exited (what is left of its tree is killed)."""

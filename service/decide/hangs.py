@@ -12,8 +12,9 @@ again), so a hang then fails it.
 
 The clock: "when the step last advanced" is not stored anywhere. The scheduler keeps a
 `Watch` per job in the memory of the leading control plane (`observe`, called on every
-pass with the step it reads), and the clock restarts whenever the step changes, the group
-re-forms (a new attempt or round) or the job starts being watched. So a new group has
+pass with the step it reads from the job's progress key), and the clock restarts whenever
+the step changes, the group re-forms (a new attempt or round) or the job starts being
+watched. So a new group has
 `hang_timeout_s` from its forming to its first step, and a control plane that takes over
 (a restart, a new leader) starts every clock afresh: a hang is then found at most one
 timeout later than it would have been, never sooner.

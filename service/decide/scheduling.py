@@ -90,7 +90,7 @@ def live_members(job: JobRecord) -> list[str]:
 
 def uses_runtime(job: JobRecord) -> bool:
     """The job's rank 0 talks to the control plane (it reported progress), so it can ack."""
-    return job.progress is not None
+    return job.reports_progress
 
 
 def _control_done(job: JobRecord, now: float, timeout_s: float) -> bool:

@@ -1,5 +1,10 @@
 """Snapshot commits and corrupt reports, progress, and rank 0's control request.
 
+Progress is hot state: rank 0 reports about once a second, so a report is kept under a key
+of its own, at most one write per `min_interval_s` (reports in between are answered with
+what is stored), and never rewrites the job record, except once: the first report sets
+`reports_progress`, which the scheduler reads (`decide.scheduling.uses_runtime`).
+
 Only a committed snapshot can become "latest", and only a commit from the job's current
 attempt is accepted: a rank 0 left over from an earlier attempt (a split group, a slow
 process that missed a restart) gets 409 and can never move "latest". "latest" only moves
@@ -36,10 +41,11 @@ Records = dict[int, SnapshotRecord]
 
 @dataclass
 class Decision:
-    """A Change plus what the caller should answer (paths to prune)."""
+    """A Change plus what the caller should answer: the record committed, paths to prune."""
 
     change: Change | None
     prune: list[str] = field(default_factory=list)
+    committed: SnapshotRecord | None = None
 
 
 def _check_writable(job: JobRecord, attempt: int | None, what: str) -> None:
@@ -86,11 +92,15 @@ def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: flo
         update["control_acked"] = req.control_id
         update["control_acked_step"] = req.step
     pruned = plan_prune(records, latest.step, job.spec.snapshot.keep)
-    ops: list[Put | Delete] = [Put(snapshot_key(req.step), rec.model_dump_json().encode())]
+    # An older step committed beyond `keep` is itself the one pruned: it is not stored (one
+    # transaction may not both put and delete a key), and its file goes back to be deleted.
+    ops: list[Put | Delete] = []
+    if req.step not in pruned:
+        ops.append(Put(snapshot_key(req.step), rec.model_dump_json().encode()))
     ops += [Delete(snapshot_key(step)) for step in pruned]
     # A re-commit of a pruned step's path would be deleted by the writer: never list the latest.
     paths = [records[s].path for s in pruned if records[s].path != latest.path]
-    return Decision(Change(job.model_copy(update=update), [], ops), paths)
+    return Decision(Change(job.model_copy(update=update), [], ops), paths, committed=rec)
 
 
 def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now: float,
@@ -114,11 +124,30 @@ def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now
     return Decision(Change(changed, [event], [Put(snapshot_key(step), bad.model_dump_json().encode())]))
 
 
-def decide_progress(job: JobRecord, report: ProgressReport, now: float) -> Change:
-    """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job."""
+@dataclass(frozen=True)
+class ProgressDecision:
+    """What a progress report changes: the progress key (and, once, the job record)."""
+
+    progress: Progress  # what is stored once the decision is applied (the answer)
+    write: bool  # write `progress` to the job's progress key
+    job: JobRecord | None = None  # the job record to write too (only on the first report)
+
+
+def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressReport, now: float,
+                    min_interval_s: float) -> ProgressDecision:
+    """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job.
+
+    A report within `min_interval_s` of the stored one is dropped (the stored one is the
+    answer), so a job writes its progress at a bounded rate however often it reports.
+    """
     _check_writable(job, report.attempt, "progress")
+    first = not job.reports_progress
+    if (stored is not None and stored.time is not None and not first
+            and 0 <= now - stored.time < min_interval_s):
+        return ProgressDecision(stored, write=False)
     progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now)
-    return Change(job.model_copy(update={"progress": progress}))
+    return ProgressDecision(progress, write=True,
+                            job=job.model_copy(update={"reports_progress": True}) if first else None)
 
 
 def control_for(job: JobRecord) -> ControlView:

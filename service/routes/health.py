@@ -15,9 +15,10 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(ctx: ContextDep):
-    """Ready to serve: etcd answers. 503 with the reason when it does not."""
+    """Ready to serve: etcd answers and takes writes. 503 with the reason when it does not
+    (etcd away, or its NOSPACE alarm raised: then the reason says what to do)."""
     try:
-        await ctx.kv.revision()
+        await ctx.kv.check_ready()
     except StoreUnavailable as exc:
         return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
     return {"status": "ok", "etcd": ctx.kv.endpoint}

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.exceptions import RequestValidationError
 
 from service.decide.cancel import decide_cancel
 from service.deps import ContextDep, UserAuth
+from service.errors import JobNotFound
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
@@ -21,8 +23,12 @@ async def submit(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobView:
     """Submit a job. With an `Idempotency-Key`, a retried submit returns the first job."""
+    if errors := spec.size_errors():
+        raise RequestValidationError(errors)
     job, created = await ctx.jobs.create(spec, idempotency_key)
-    if not created:
+    if created:
+        ctx.index.note_created(job)  # listed at once by this replica, before the watch brings it
+    else:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -37,21 +43,30 @@ async def list_jobs(
     after: Annotated[str | None,
                      Query(max_length=100, description="The `next` of the previous page.")] = None,
 ) -> JobList:
-    """Jobs, oldest first, filtered by state and paginated."""
-    jobs = await ctx.jobs.list()
-    if state:
-        jobs = [j for j in jobs if j.state in state]
+    """Jobs, oldest first, filtered by state and paginated.
+
+    The order (and which jobs there are) comes from the watch-fed job index; the records
+    of the page are read from etcd, a few at a time, so a long history costs one page.
+    """
+    await ctx.index.wait_ready(ctx.settings.etcd_timeout_s)
+    place = None
     if after is not None:
-        ids = [j.id for j in jobs]
-        jobs = jobs[ids.index(after) + 1:] if after in ids else [j for j in jobs if j.id > after]
-    page = jobs[:limit]
-    more = len(jobs) > limit
-    return JobList(items=[j.view() for j in page], next=page[-1].id if more and page else None)
+        place = ctx.index.place_of(after)
+        if place is None:  # a job the index has not seen yet, or none at all
+            try:
+                job = await ctx.jobs.get(after)
+            except JobNotFound:
+                raise RequestValidationError([{
+                    "loc": ("query", "after"), "type": "value_error",
+                    "msg": f"no job {after} (to list from the start, leave `after` out)"}]) from None
+            place = (job.created_at, job.id)
+    page, more = await ctx.jobs.page(ctx.index.ids_after(place, state), state, limit)
+    return JobList(items=await ctx.jobs.views(page), next=page[-1].id if more and page else None)
 
 
 @router.get("/{job_id}", response_model=JobView)
 async def get_job(job_id: str, ctx: ContextDep) -> JobView:
-    return (await ctx.jobs.get(job_id)).view()
+    return await ctx.jobs.view(job_id)
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)

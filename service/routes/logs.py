@@ -1,4 +1,4 @@
-"""Worker logs: agents ship lines, users read or follow them (`service.logs.LogStore`)."""
+"""Worker logs: agents ship lines, users page through or follow them (`service.logs.LogStore`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from service.deps import ContextDep, NodeAuth, UserAuth
+from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
 from worker.protocol import LogShipment
 
 router = APIRouter(tags=["logs"])
-FOLLOW_POLL_S = 0.5  # how often a follower looks for new lines
+FOLLOW_POLL_S = 0.5  # how often a follower that has read everything looks for new lines
 
 
 @router.post("/v1/jobs/{job_id}/logs", status_code=204, dependencies=[NodeAuth])
 async def ship(job_id: str, body: LogShipment, ctx: ContextDep) -> None:
+    """Append a node's lines to the job's log (files under the log root; nothing in etcd)."""
     await ctx.jobs.get(job_id)  # 404 for an unknown job
     await ctx.logs.ship(job_id, body)
     return None
@@ -28,25 +30,27 @@ async def get_logs(
     job_id: str,
     ctx: ContextDep,
     rank: Annotated[int | None, Query(ge=0)] = None,
-    since: Annotated[int, Query(ge=0, description="Only lines with seq >= since.")] = 0,
+    since: Annotated[int, Query(ge=0, description="Only lines with seq >= since (a page's next_seq).")] = 0,
+    limit: Annotated[int, Query(ge=1, le=PAGE_MAX_LINES, description="Most lines in the page.")] = PAGE_LIMIT,
     follow: bool = False,
 ):
-    """A job's worker logs; `follow=true` streams new lines (NDJSON) until the job ends."""
+    """A page of a job's worker logs, oldest first; `follow=true` streams the lines from
+    `since` on (NDJSON), new ones as they come, until the job ends."""
     await ctx.jobs.get(job_id)
     if not follow:
-        items = await ctx.logs.read_lines(job_id, since, rank)
-        return LogPage(items=items, next_seq=items[-1].seq + 1 if items else since)
+        return await ctx.logs.read_page(job_id, since, limit, rank)
 
     async def stream():
         cursor = since
         while True:
-            job = await ctx.jobs.get(job_id)
-            items = await ctx.logs.read_lines(job_id, cursor, rank)
-            for item in items:
-                yield item.model_dump_json() + "\n"
-            if items:
-                cursor = items[-1].seq + 1
-            if job.state.is_terminal() and not items:
+            over = (await ctx.jobs.get(job_id)).state.is_terminal()
+            page = await ctx.logs.read_page(job_id, cursor, limit, rank)
+            if page.items:
+                yield "".join(item.model_dump_json() + "\n" for item in page.items)
+            cursor = page.next_seq
+            if cursor < page.end_seq:
+                continue  # more to read now
+            if over:  # the job had ended before this read: nothing more will come
                 return
             await asyncio.sleep(FOLLOW_POLL_S)
 

@@ -3,8 +3,18 @@
 `KeyValue` is what etcd v3 offers ftrain: keys with a global revision, each key carrying
 the revision of its last change (`mod_revision`, the fencing token of every compare-and-set)
 and of its creation; transactions that apply only if each compared key is still at the
-revision read (0: only if absent); leases that delete their keys when they lapse; and
-watches that replay every change under a prefix from a given revision on.
+revision read (0: only if absent); leases that delete their keys when they lapse;
+watches that replay every change under a prefix from a given revision on; and compaction,
+which forgets the history before a revision (a watch from before it raises
+`HistoryCompacted`: the watcher re-reads and watches from the revision of that read).
+
+Every read of many keys is bounded. gRPC caps one reply at 4 MiB (its default receive
+limit, which aetcd keeps) and a cluster's history has no cap, so there is no "read the whole
+prefix" here: `get_range` reads at most `limit` entries after a key, `scan_prefix` pages
+through a prefix with it, `count_prefix` counts without reading values, and `get_many`
+reads its keys a page at a time. A caller picks a page size from the size of its records,
+so that a page stays near 1 MiB; a page that still does not fit a reply (`ReplyTooLarge`)
+is read again in halves.
 
 Two implementations: `service.store.etcd.EtcdStore` (production) and
 `service.store.memory.MemoryStore` (tests of the stores and decisions without a server).
@@ -17,9 +27,16 @@ import abc
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from service.errors import ReplyTooLarge
+
 # The most operations one transaction may hold on either branch: etcd's default
 # --max-txn-ops. Callers with more split them (and say where that costs atomicity).
 MAX_TXN_OPS = 128
+
+# Entries per page of a read of small records (events, nodes, snapshot records, keys only;
+# each well under 8 KiB, so a page stays under 1 MiB). Job records, up to about 64 KiB
+# each, are read in smaller pages (service.jobs.JOB_PAGE_SIZE).
+PAGE_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -70,12 +87,51 @@ class KeyValue(abc.ABC):
         """The entry at `key`, or None."""
 
     @abc.abstractmethod
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        """The entries at `keys`, in order (None where absent); one revision per MAX_TXN_OPS keys."""
+    async def get_many(self, keys: Sequence[str], *, page_size: int = MAX_TXN_OPS) -> list[Entry | None]:
+        """The entries at `keys`, in order (None where absent).
+
+        Read `page_size` keys (at most MAX_TXN_OPS) per request, each page at one revision;
+        a page too large for one reply is read again in halves.
+        """
 
     @abc.abstractmethod
-    async def get_prefix(self, prefix: str) -> list[Entry]:
-        """Every entry whose key starts with `prefix`, in key order."""
+    async def get_range(self, prefix: str, *, limit: int, start_after: str | None = None,
+                        keys_only: bool = False) -> list[Entry]:
+        """At most `limit` entries under `prefix` whose keys come after `start_after`, in key order.
+
+        With `keys_only` the entries' values are empty (b""). Raises ReplyTooLarge when the
+        entries do not fit one reply: read fewer.
+        """
+
+    @abc.abstractmethod
+    async def count_prefix(self, prefix: str) -> int:
+        """How many keys start with `prefix` (counted by the store; nothing is read)."""
+
+    async def scan_prefix(self, prefix: str, *, page_size: int = PAGE_SIZE,
+                          keys_only: bool = False) -> AsyncIterator[Entry]:
+        """Every entry under `prefix`, in key order, read `page_size` entries at a time.
+
+        Each page is read at the store's revision of that moment: an entry written during
+        the scan may or may not be seen, never twice. A page too large for one reply is
+        read again with half as many entries (down to one).
+        """
+        if page_size < 1:
+            raise ValueError("page_size must be at least 1")
+        after: str | None = None
+        while True:
+            try:
+                page = await self.get_range(prefix, limit=page_size, start_after=after,
+                                            keys_only=keys_only)
+            except ReplyTooLarge:
+                if page_size == 1:
+                    raise
+                page_size //= 2
+                continue
+            for entry in page:
+                yield entry
+            if len(page) < page_size:
+                return
+            after = page[-1].key
 
     @abc.abstractmethod
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
@@ -107,6 +163,19 @@ class KeyValue(abc.ABC):
         """The store's current revision (for starting a watch after a read)."""
 
     @abc.abstractmethod
+    async def compact(self, revision: int) -> None:
+        """Forget the history before `revision` (at most the current one); the data stay.
+
+        A watch from an earlier revision raises HistoryCompacted afterwards. Compacting at
+        or below an earlier compaction changes nothing.
+        """
+
+    @abc.abstractmethod
+    async def check_ready(self) -> None:
+        """Return if the store serves reads and writes; else raise StoreUnavailable saying why
+        (StoreFull while etcd's NOSPACE alarm is raised, although reads still work)."""
+
+    @abc.abstractmethod
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds; returns its id."""
 
@@ -124,7 +193,8 @@ class KeyValue(abc.ABC):
         """Yield every change under `prefix` from `start_revision` on.
 
         Ends quietly after `max_session_s` and raises StoreUnavailable when the stream
-        breaks: either way the caller re-reads and re-watches.
+        breaks (HistoryCompacted when `start_revision` was compacted away): either way the
+        caller re-reads and re-watches.
         """
 
     @abc.abstractmethod

@@ -3,7 +3,10 @@
 Every write that depends on what was read is a transaction comparing the key's
 `mod_revision` (the fencing token); `mod_revision == 0` means "only if absent".
 Every foreign error (gRPC, timeouts, connection refused) leaves this module as
-`StoreUnavailable`, naming the endpoint and what to do, so the API can answer 503.
+`StoreUnavailable`, naming the endpoint and what to do, so the API can answer 503:
+`StoreFull` when etcd's NOSPACE alarm refuses writes ("database space exceeded"), and
+`HistoryCompacted` when a watch starts before the compacted history (neither drops the
+connection, which serves everything else as before).
 Several endpoints may be given: on a connection failure the next one is tried.
 """
 
@@ -19,7 +22,7 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreFull, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,18 @@ class EtcdStore(KeyValue):
             f"{detail}; is it running? Check FTRAIN_ETCD_ENDPOINTS (`ftrain up` starts its own)."
         )
 
+    def _full(self) -> StoreFull:
+        ep = f"http://{self.endpoint}"
+        return StoreFull(
+            f"etcd at {self.endpoint} refuses writes: its NOSPACE alarm is raised (the database "
+            "reached its --quota-backend-bytes); reads still work. To recover, compact its history "
+            f"(`etcdctl --endpoints={ep} compact REV`, REV the revision that `etcdctl "
+            f"--endpoints={ep} endpoint status -w json` shows; the leading control plane also "
+            f"compacts by itself), defragment (`etcdctl --endpoints={ep} defrag`), then clear "
+            f"the alarm (`etcdctl --endpoints={ep} alarm disarm`). If live data alone fill the "
+            "quota, delete finished jobs or restart etcd with a larger --quota-backend-bytes."
+        )
+
     async def _connected(self) -> aetcd.Client:
         if self._client is None:
             async with self._lock:
@@ -111,11 +126,18 @@ class EtcdStore(KeyValue):
         try:
             client = await self._connected()
             return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
-        except (TimeoutError, aetcd.exceptions.ConnectionFailedError,
-                aetcd.exceptions.ConnectionTimeoutError, grpc.aio.AioRpcError, OSError) as exc:
-            await self._drop_client()
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            if _is_too_large(exc):  # an answer about this request, not an outage: keep the client
+                raise ReplyTooLarge(f"etcd's reply to {what} would pass gRPC's 4 MiB limit; "
+                                    "read fewer entries at a time") from exc
+            if _is_nospace(exc):  # etcd answered: the connection is fine, the disk is not
+                raise self._full() from exc
+            if isinstance(exc, (aetcd.exceptions.ConnectionFailedError,
+                                aetcd.exceptions.ConnectionTimeoutError, grpc.aio.AioRpcError)):
+                await self._drop_client()
             raise self._unavailable(what, exc) from exc
-        except aetcd.exceptions.ClientError as exc:
+        except (TimeoutError, OSError) as exc:
+            await self._drop_client()
             raise self._unavailable(what, exc) from exc
         except asyncio.CancelledError as exc:
             # Closing a dropped client's channel cancels the calls still in flight on it;
@@ -134,24 +156,54 @@ class EtcdStore(KeyValue):
         got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
         return None if got is None else _entry(got)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        """Read `keys` at one revision per `MAX_TXN_OPS` of them: a transaction of gets
-        (one round trip) rather than a request per key."""
+    async def get_many(self, keys: Sequence[str], *, page_size: int = MAX_TXN_OPS) -> list[Entry | None]:
+        """Read `keys` a page at a time: a transaction of gets per page (one round trip, one
+        revision) rather than a request per key; a page too large for one reply is halved."""
+        size = max(1, min(page_size, MAX_TXN_OPS))
         out: list[Entry | None] = []
-        for i in range(0, len(keys), MAX_TXN_OPS):
-            chunk = keys[i:i + MAX_TXN_OPS]
+        i = 0
+        while i < len(keys):
+            chunk = keys[i:i + size]
 
             async def txn(c: aetcd.Client, chunk=chunk):
                 _ok, responses = await c.transaction(
                     compare=[], success=[c.transactions.get(k.encode()) for k in chunk], failure=[])
                 return [(_entry(r[0][1]) if r else None) for r in responses]
 
-            out += await self._call(f"GET {len(chunk)} keys", txn)
+            try:
+                out += await self._call(f"GET {len(chunk)} keys", txn)
+            except ReplyTooLarge:
+                if size == 1:
+                    raise
+                size //= 2
+                continue
+            i += len(chunk)
         return out
 
-    async def get_prefix(self, prefix: str) -> list[Entry]:
-        got = await self._call(f"GET {prefix}*", lambda c: c.get_prefix(prefix.encode()))
-        return [_entry(kv) for kv in got]
+    async def get_range(self, prefix: str, *, limit: int, start_after: str | None = None,
+                        keys_only: bool = False) -> list[Entry]:
+        """One etcd Range with a limit: keys in [start, end of prefix), key order."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        start = prefix.encode() if start_after is None else start_after.encode() + b"\0"
+        request = aetcd.rpc.RangeRequest(key=max(start, prefix.encode()),
+                                         range_end=_prefix_end(prefix.encode()),
+                                         limit=limit, keys_only=keys_only)
+
+        async def read(c: aetcd.Client):
+            return await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)
+
+        reply = await self._call(f"GET {limit} keys of {prefix}*", read)
+        return [_entry(kv) for kv in reply.kvs]
+
+    async def count_prefix(self, prefix: str) -> int:
+        request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
+                                         count_only=True)
+
+        async def count(c: aetcd.Client):
+            return (await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)).count
+
+        return await self._call(f"COUNT {prefix}*", count)
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(f"PUT {key}", lambda c: c.put(key.encode(), value, lease=lease))
@@ -202,6 +254,37 @@ class EtcdStore(KeyValue):
 
         return await self._call("a status request", status)
 
+    async def compact(self, revision: int) -> None:
+        """Compact etcd's history to `revision`; one at or below an earlier compaction is a no-op."""
+        async def compact(c: aetcd.Client) -> None:
+            try:
+                await c.compact(revision)
+            except aetcd.exceptions.ClientError as exc:
+                if "required revision has been compacted" not in str(exc):
+                    raise
+                log.debug("etcd history was compacted past %d already", revision)
+
+        await self._call(f"a compaction to revision {revision}", compact)
+
+    async def check_ready(self) -> None:
+        """etcd answers a read and has no alarm raised (NOSPACE: StoreFull)."""
+        async def alarms(c: aetcd.Client) -> list[int]:
+            await c.kvstub.Range(aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s)
+            reply = await c.maintenancestub.Alarm(
+                aetcd.rpc.AlarmRequest(action=aetcd.rpc.AlarmRequest.GET, memberID=0,
+                                       alarm=aetcd.rpc.NONE),
+                timeout=self._timeout_s, metadata=c.metadata)
+            return [a.alarm for a in reply.alarms]
+
+        raised = await self._call("a status request", alarms)
+        if aetcd.rpc.NOSPACE in raised:
+            raise self._full()
+        if aetcd.rpc.CORRUPT in raised:
+            raise StoreUnavailable(
+                f"etcd at {self.endpoint} has its CORRUPT alarm raised: a member's data differ "
+                "from the others'. Replace that member (restore it from a healthy one's snapshot); "
+                "ftrain waits until etcd is healthy.")
+
     async def grant_lease(self, ttl_s: int) -> int:
         lease = await self._call("a lease grant", lambda c: c.lease(ttl_s))
         return lease.id
@@ -248,6 +331,8 @@ class EtcdStore(KeyValue):
             watch = await asyncio.wait_for(
                 client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
                 self._timeout_s)
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise _compacted(start_revision, exc) from exc
         except (TimeoutError, aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
             await self._drop_client()
             raise self._unavailable("a watch", exc) from exc
@@ -265,13 +350,18 @@ class EtcdStore(KeyValue):
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), 1.0)
+                    # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes
+                    # as an event arrives (Python 3.11), and a cancelled watcher never ends.
+                    async with asyncio.timeout(1.0):
+                        ev = await queue.get()
                 except TimeoutError:
                     if self._generation != generation:
                         raise self._unavailable("a watch", None) from None
                     if asyncio.get_running_loop().time() > deadline:
                         return
                     continue
+                if isinstance(ev, aetcd.exceptions.RevisionCompactedError):
+                    raise _compacted(start_revision, ev) from ev  # the client is fine
                 if isinstance(ev, BaseException):
                     await self._drop_client()
                     raise self._unavailable("a watch", ev) from ev
@@ -335,6 +425,29 @@ class _KeepAliveStream:
 async def _close_quietly(client: aetcd.Client) -> None:
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(client.close(), 5)
+
+
+def _is_too_large(exc: BaseException) -> bool:
+    """gRPC refused a reply over its receive limit ("Received message larger than max").
+
+    etcd's own RESOURCE_EXHAUSTED answers (no space, too many requests) are other errors.
+    """
+    cause = exc if isinstance(exc, grpc.aio.AioRpcError) else exc.__cause__
+    return (isinstance(cause, grpc.aio.AioRpcError)
+            and cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" in (cause.details() or ""))
+
+
+def _is_nospace(exc: BaseException) -> bool:
+    """etcd's answer to a write while its NOSPACE alarm is raised (gRPC RESOURCE_EXHAUSTED)."""
+    return "database space exceeded" in str(exc) or (
+        isinstance(exc.__cause__, grpc.aio.AioRpcError)
+        and "database space exceeded" in (exc.__cause__.details() or ""))
+
+
+def _compacted(start_revision: int, exc: aetcd.exceptions.RevisionCompactedError) -> HistoryCompacted:
+    return HistoryCompacted(f"etcd compacted its history to revision {exc.compacted_revision}; a "
+                            f"watch from {start_revision} must re-read first", exc.compacted_revision)
 
 
 def _is_not_found(exc: aetcd.exceptions.ClientError) -> bool:

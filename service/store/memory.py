@@ -4,7 +4,12 @@ One global revision, bumped once per write transaction that changes something (a
 of nothing changes nothing, as in etcd); each entry keeps its mod and create revisions;
 a transaction compares mod revisions (0: absent) and applies all its operations at one
 revision or none. Every change is kept in a history, so a watch from a past revision
-replays what happened since, then follows live changes.
+replays what happened since, then follows live changes; `compact` drops the history before
+a revision, and a watch from before it raises HistoryCompacted, as etcd's does.
+
+Replies are capped as gRPC caps etcd's (4 MiB by default, `max_reply_bytes`): a range or a
+page of `get_many` whose keys and values pass the cap raises ReplyTooLarge, so a test of a
+reader on this store sees what it would see on etcd.
 
 Leases run on an injectable clock (`time.monotonic` by default): a test advances its own
 clock instead of sleeping. A lease lapses when the clock passes its deadline; the store
@@ -15,15 +20,17 @@ revision, and the watchers see those deletes, as etcd's lease expiry would show 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Op, Put, WatchEvent
 
 Clock = Callable[[], float]
+GRPC_MAX_REPLY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -40,11 +47,13 @@ class _Closed:
 class MemoryStore(KeyValue):
     """An in-process `KeyValue` (tests, and decisions tried without etcd)."""
 
-    def __init__(self, clock: Clock = time.monotonic):
+    def __init__(self, clock: Clock = time.monotonic, max_reply_bytes: int = GRPC_MAX_REPLY_BYTES):
         self._clock = clock
+        self._max_reply_bytes = max_reply_bytes
         self._revision = 1  # a new etcd is at revision 1
         self._data: dict[str, Entry] = {}
         self._history: list[WatchEvent] = []
+        self._compacted = 0  # history before this revision is gone
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x694D0000)
         self._watchers: list[tuple[str, asyncio.Queue]] = []
@@ -59,13 +68,40 @@ class MemoryStore(KeyValue):
         self._expire()
         return self._data.get(key)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+    async def get_many(self, keys: Sequence[str], *, page_size: int = MAX_TXN_OPS) -> list[Entry | None]:
         self._expire()
-        return [self._data.get(k) for k in keys]
+        size = max(1, min(page_size, MAX_TXN_OPS))
+        out: list[Entry | None] = []
+        i = 0
+        while i < len(keys):
+            page = [self._data.get(k) for k in keys[i:i + size]]
+            try:
+                self._check_reply([e for e in page if e is not None], f"GET {len(page)} keys")
+            except ReplyTooLarge:
+                if size == 1:
+                    raise
+                size //= 2
+                continue
+            out += page
+            i += len(page)
+        return out
 
-    async def get_prefix(self, prefix: str) -> list[Entry]:
+    async def get_range(self, prefix: str, *, limit: int, start_after: str | None = None,
+                        keys_only: bool = False) -> list[Entry]:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
         self._expire()
-        return [self._data[k] for k in sorted(self._data) if k.startswith(prefix)]
+        keys = sorted(k for k in self._data
+                      if k.startswith(prefix) and (start_after is None or k > start_after))
+        page = [self._data[k] for k in keys[:limit]]
+        if keys_only:
+            page = [dataclasses.replace(e, value=b"") for e in page]
+        self._check_reply(page, f"GET {limit} keys of {prefix}*")
+        return page
+
+    async def count_prefix(self, prefix: str) -> int:
+        self._expire()
+        return sum(1 for k in self._data if k.startswith(prefix))
 
     async def revision(self) -> int:
         self._expire()
@@ -102,6 +138,16 @@ class MemoryStore(KeyValue):
             self._apply(ops)
         return ok, self._data.get(read)
 
+    async def compact(self, revision: int) -> None:
+        self._expire()
+        if revision <= self._compacted:
+            return
+        self._compacted = min(revision, self._revision)
+        self._history = [e for e in self._history if e.mod_revision >= self._compacted]
+
+    async def check_ready(self) -> None:
+        self._expire()
+
     # -- leases --------------------------------------------------------------------------
 
     async def grant_lease(self, ttl_s: int) -> int:
@@ -130,6 +176,10 @@ class MemoryStore(KeyValue):
         queue: asyncio.Queue = asyncio.Queue()
         if start_revision <= 0:  # as etcd: no start revision means "from now on"
             start_revision = self._revision + 1
+        if start_revision < self._compacted:
+            raise HistoryCompacted(f"the history before revision {self._compacted} was compacted; "
+                                   f"a watch from {start_revision} must re-read first",
+                                   self._compacted)
         for event in self._history:  # replay, then follow: nothing can land in between
             if event.mod_revision >= start_revision and event.key.startswith(prefix):
                 queue.put_nowait(event)
@@ -140,7 +190,8 @@ class MemoryStore(KeyValue):
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(queue.get(), 1.0)
+                    async with asyncio.timeout(1.0):  # not wait_for: see EtcdStore.watch_prefix
+                        event = await queue.get()
                 except TimeoutError:
                     self._expire()  # leases lapse while nobody calls; their deletes are events
                     if loop.time() > deadline:
@@ -158,6 +209,11 @@ class MemoryStore(KeyValue):
             queue.put_nowait(_Closed())
 
     # -- internals -----------------------------------------------------------------------
+
+    def _check_reply(self, entries: Sequence[Entry], what: str) -> None:
+        if sum(len(e.key) + len(e.value) for e in entries) > self._max_reply_bytes:
+            raise ReplyTooLarge(f"the reply to {what} would pass the {self._max_reply_bytes}-byte "
+                                "limit; read fewer entries at a time")
 
     def _check_size(self, compares: int, ops: int) -> None:
         """etcd refuses a transaction over its limit; so does this store, so tests catch it."""

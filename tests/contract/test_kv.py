@@ -2,8 +2,9 @@
 
 What ftrain relies on is asserted here once, so the in-memory store that tests of the
 stores use cannot drift from etcd: revisions, compare-and-set on mod_revision (0: absent),
-transactions that apply whole or not at all, leases whose lapse deletes their keys, and
-watches that replay from a past revision.
+transactions that apply whole or not at all, leases whose lapse deletes their keys,
+watches that replay from a past revision, and compaction, after which a watch from before
+it raises HistoryCompacted (and the store serves everything else as before).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from service.errors import StoreUnavailable
-from service.store.api import MAX_TXN_OPS, Delete, KeyValue, Put, WatchEvent
+from service.errors import HistoryCompacted, ReplyTooLarge, StoreUnavailable
+from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 from service.store.memory import MemoryStore
 
 LEASE_TTL_S = 2  # etcd rounds shorter TTLs up to its minimum
@@ -73,6 +74,10 @@ def backend(request) -> Backend:
         await asyncio.sleep(0)
 
     return Backend("memory", lambda: store, elapse)
+
+
+async def scan(kv: KeyValue, prefix: str, **kw) -> list[Entry]:
+    return [e async for e in kv.scan_prefix(prefix, **kw)]
 
 
 async def next_events(events, n: int, timeout_s: float = 10) -> list[WatchEvent]:
@@ -134,12 +139,78 @@ def test_deleting_an_absent_key_changes_nothing_not_even_the_revision(backend):
     backend.run(test)
 
 
-def test_get_prefix_returns_only_keys_under_the_prefix_in_key_order(backend):
+def test_scan_prefix_returns_only_keys_under_the_prefix_in_key_order(backend):
     async def test(kv: KeyValue):
         for key in ("/c/p/b", "/c/p/a", "/c/p2/x", "/c/q", "/c/p/c/d"):
             await kv.put(key, key.encode())
-        assert [e.key for e in await kv.get_prefix("/c/p/")] == ["/c/p/a", "/c/p/b", "/c/p/c/d"]
-        assert await kv.get_prefix("/c/none/") == []
+        assert [e.key for e in await scan(kv, "/c/p/")] == ["/c/p/a", "/c/p/b", "/c/p/c/d"]
+        assert [e.value for e in await scan(kv, "/c/p/")] == [b"/c/p/a", b"/c/p/b", b"/c/p/c/d"]
+        assert await scan(kv, "/c/none/") == []
+        assert await kv.count_prefix("/c/p/") == 3 and await kv.count_prefix("/c/none/") == 0
+
+    backend.run(test)
+
+
+def test_get_range_reads_at_most_limit_entries_after_a_key(backend):
+    async def test(kv: KeyValue):
+        keys = [f"/c/r/{i:03d}" for i in range(7)]
+        for key in [*keys, "/c/r0", "/c/q"]:
+            await kv.put(key, key.encode())
+        first = await kv.get_range("/c/r/", limit=3)
+        assert [e.key for e in first] == keys[:3] and first[0].value == keys[0].encode()
+        rest = await kv.get_range("/c/r/", limit=3, start_after=first[-1].key)
+        assert [e.key for e in rest] == keys[3:6]
+        assert [e.key for e in await kv.get_range("/c/r/", limit=3, start_after=keys[5])] == keys[6:]
+        assert await kv.get_range("/c/r/", limit=3, start_after=keys[6]) == []
+        # A start before the prefix reads from the prefix's first key, never outside it.
+        assert [e.key for e in await kv.get_range("/c/r/", limit=1, start_after="/c/a")] == keys[:1]
+        only_keys = await kv.get_range("/c/r/", limit=2, keys_only=True)
+        assert [(e.key, e.value) for e in only_keys] == [(keys[0], b""), (keys[1], b"")]
+        assert only_keys[0].mod_revision > 0
+
+    backend.run(test)
+
+
+def test_scan_prefix_pages_through_more_keys_than_one_page(backend):
+    async def test(kv: KeyValue):
+        keys = [f"/c/s/{i:04d}" for i in range(25)]
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            await kv.commit({}, [Put(k, b"v") for k in keys[start:start + MAX_TXN_OPS]])
+        reads: list[int] = []
+        get_range = kv.get_range
+
+        async def counting(prefix, **kw):
+            page = await get_range(prefix, **kw)
+            reads.append(len(page))
+            return page
+
+        kv.get_range = counting  # type: ignore[method-assign]
+        try:
+            assert [e.key for e in await scan(kv, "/c/s/", page_size=10)] == keys
+            assert reads == [10, 10, 5]  # no read of more than a page
+            assert [e.key for e in await scan(kv, "/c/s/", page_size=5, keys_only=True)] == keys
+        finally:
+            del kv.get_range
+
+    backend.run(test)
+
+
+def test_a_page_too_large_for_one_reply_is_read_again_in_halves(backend):
+    """Four values of 1.2 MiB: one reply of all four would pass gRPC's 4 MiB cap."""
+    big = 1200 * 1024
+
+    async def test(kv: KeyValue):
+        keys = [f"/c/big/{i}" for i in range(4)]
+        for i, key in enumerate(keys):
+            await kv.put(key, bytes([i]) * big)
+        with pytest.raises(ReplyTooLarge):
+            await kv.get_range("/c/big/", limit=4)
+        got = await scan(kv, "/c/big/", page_size=4)
+        assert [(e.key, len(e.value), e.value[:1]) for e in got] == \
+            [(k, big, bytes([i])) for i, k in enumerate(keys)]
+        many = await kv.get_many([keys[0], "/c/big/none", *keys[1:]])
+        assert [None if e is None else e.key for e in many] == [keys[0], None, *keys[1:]]
+        assert [e.key for e in await scan(kv, "/c/big/", keys_only=True)] == keys  # keys are small
 
     backend.run(test)
 
@@ -149,7 +220,7 @@ def test_delete_prefix_deletes_only_keys_under_the_prefix(backend):
         for key in ("/c/p/a", "/c/p/b", "/c/p2/x"):
             await kv.put(key, b"1")
         await kv.delete_prefix("/c/p/")
-        assert [e.key for e in await kv.get_prefix("/c/")] == ["/c/p2/x"]
+        assert [e.key for e in await scan(kv, "/c/")] == ["/c/p2/x"]
 
     backend.run(test)
 
@@ -212,7 +283,7 @@ def test_commit_compares_every_key_and_applies_all_ops_at_one_revision(backend):
         assert await kv.commit({"/c/a": a, "/c/b": 0},
                                [Put("/c/a", b"2"), Put("/c/b", b"2"), Delete("/c/gone/", prefix=True)])
         revision = await kv.revision()
-        assert [(e.key, e.mod_revision) for e in await kv.get_prefix("/c/")] == \
+        assert [(e.key, e.mod_revision) for e in await scan(kv, "/c/")] == \
             [("/c/a", revision), ("/c/b", revision)]
 
     backend.run(test)
@@ -277,7 +348,7 @@ def test_a_transaction_over_max_txn_ops_is_refused_whole(backend):
     async def test(kv: KeyValue):
         with pytest.raises(StoreUnavailable):
             await kv.commit({}, [Put(f"/c/big/{i}", b"1") for i in range(MAX_TXN_OPS + 1)])
-        assert await kv.get_prefix("/c/big/") == []
+        assert await scan(kv, "/c/big/") == []
         assert await kv.commit({}, [Put(f"/c/big/{i}", b"1") for i in range(MAX_TXN_OPS)])
 
     backend.run(test)
@@ -293,7 +364,7 @@ def test_a_transaction_that_writes_one_key_twice_is_refused_whole(backend, ops):
         await kv.put("/c/d/b", b"0")
         with pytest.raises(StoreUnavailable):
             await kv.commit({}, [Put("/c/d/other", b"1"), *ops])
-        assert [e.key for e in await kv.get_prefix("/c/d/")] == ["/c/d/b"]
+        assert [e.key for e in await scan(kv, "/c/d/")] == ["/c/d/b"]
 
     backend.run(test)
 
@@ -302,7 +373,7 @@ def test_a_transaction_may_delete_one_key_twice(backend):
     async def test(kv: KeyValue):
         await kv.put("/c/d/a", b"0")
         assert await kv.commit({}, [Delete("/c/d/a"), Delete("/c/d/", prefix=True)])
-        assert await kv.get_prefix("/c/d/") == []
+        assert await scan(kv, "/c/d/") == []
 
     backend.run(test)
 
@@ -343,7 +414,7 @@ def test_revoking_a_lease_deletes_its_keys_at_once(backend):
         lease = await kv.grant_lease(60)
         await kv.commit({}, [Put("/c/l/a", b"1", lease), Put("/c/l/b", b"1", lease)])
         await kv.revoke_lease(lease)
-        assert await kv.get_prefix("/c/l/") == []
+        assert await scan(kv, "/c/l/") == []
         assert not await kv.refresh_lease(lease)
 
     backend.run(test)
@@ -443,5 +514,62 @@ def test_a_watch_session_ends_quietly_after_its_longest_time(backend):
         async for _ in kv.watch_prefix("/c/quiet/", await kv.revision() + 1, max_session_s=0.5):
             raise AssertionError("nothing was written")
         assert time.monotonic() - began < 10
+
+    backend.run(test)
+
+
+# ------------------------------------------------------------------ compaction
+
+def test_compaction_keeps_the_data_and_the_history_from_its_revision_on(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        await kv.put("/c/h/a", b"2")
+        kept = await kv.revision()
+        await kv.put("/c/h/b", b"3")
+        await kv.compact(kept)
+        assert (await kv.get("/c/h/a")).value == b"2"
+        assert [e.key for e in await scan(kv, "/c/h/")] == ["/c/h/a", "/c/h/b"]
+        events = kv.watch_prefix("/c/h/", kept)  # from the compaction's own revision: kept
+        try:
+            got = await next_events(events, 2)
+            assert [(e.key, e.value) for e in got] == [("/c/h/a", b"2"), ("/c/h/b", b"3")]
+        finally:
+            await events.aclose()
+
+    backend.run(test)
+
+
+def test_a_watch_from_before_the_compaction_raises_history_compacted(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        early = await kv.revision()
+        await kv.put("/c/h/a", b"2")
+        await kv.put("/c/h/a", b"3")
+        await kv.compact(await kv.revision())
+        with pytest.raises(HistoryCompacted) as raised:
+            await next_events(kv.watch_prefix("/c/h/", early), 1)
+        assert raised.value.compact_revision == await kv.revision()
+        assert isinstance(raised.value, StoreUnavailable)  # callers that re-read on those do here
+        # The store goes on serving: reads, writes, and a watch from a kept revision.
+        events = kv.watch_prefix("/c/h/", await kv.revision() + 1)
+        try:
+            await kv.put("/c/h/a", b"4")
+            assert [(e.key, e.value) for e in await next_events(events, 1)] == [("/c/h/a", b"4")]
+        finally:
+            await events.aclose()
+
+    backend.run(test)
+
+
+def test_compacting_again_at_or_below_an_earlier_compaction_changes_nothing(backend):
+    async def test(kv: KeyValue):
+        await kv.put("/c/h/a", b"1")
+        await kv.put("/c/h/a", b"2")
+        revision = await kv.revision()
+        await kv.compact(revision)
+        await kv.compact(revision)
+        await kv.compact(revision - 1)
+        assert (await kv.get("/c/h/a")).value == b"2"
+        assert await kv.revision() == revision
 
     backend.run(test)

@@ -15,7 +15,7 @@ from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobRecord
 from service.store.etcd import EtcdStore
-from worker.links import ControlRequest, Fenced, Link, LinkError, LocalLink, ServiceLink
+from worker.links import ControlRequest, Fenced, Link, LocalLink, ServiceLink
 from worker.snapshot import WrittenSnapshot
 
 KEEP = 3
@@ -107,12 +107,7 @@ def test_commits_prune_beyond_keep_and_never_the_latest(link):
     assert sorted(pruned) == [written(s).path for s in (10, 20, 30)]
 
 
-def test_an_older_step_committed_beyond_keep_is_the_one_pruned(link, request):
-    if isinstance(link, ServiceLink):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=LinkError,
-            reason="the control plane puts and deletes the same key in one etcd transaction "
-                   "('duplicate key given in txn request'), answered as 503 etcd unavailable"))
+def test_an_older_step_committed_beyond_keep_is_the_one_pruned(link):
     for step in (40, 50, 60):
         link.commit(written(step), 0.0, None)
     assert link.commit(written(5), 0.0, None) == [written(5).path]

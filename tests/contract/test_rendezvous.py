@@ -391,7 +391,7 @@ def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job,
     async def leftovers():
         client = EtcdStore(etcd.endpoint)
         try:
-            return await client.get_prefix(Keys().rdzv(f"{job['id']}-a1"))
+            return [e async for e in client.scan_prefix(Keys().rdzv(f"{job['id']}-a1"))]
         finally:
             await client.close()
 
@@ -464,7 +464,7 @@ def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
                 await client.commit({}, [Put(keys.rdzv_state(rdzv), b"s"),
                                          Put(keys.rdzv_store(rdzv) + "azE", b"v")])
             deleted = await delete_rendezvous(client, keys, "train-abc123")
-            left = [e.key for e in await client.get_prefix(keys.prefix + "/rdzv/")]
+            left = [e.key async for e in client.scan_prefix(keys.prefix + "/rdzv/")]
             return deleted, left
         finally:
             await client.close()

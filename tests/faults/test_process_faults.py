@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers.elastic import SCRIPT, job, submit, wait_nodes, wait_state, wait_step
+from tests.helpers.elastic import SCRIPT, job, log_items, submit, wait_nodes, wait_state, wait_step
 from tests.helpers.faults import (
     SnapshotWatch,
     check_steps,
@@ -67,7 +67,7 @@ def test_worker_hung_with_sigstop_is_killed_and_the_group_restarts_within_second
     assert trace.steps[-1] == 80 and len(trace.resumes) == 1
     # Training again well before any collective's timeout (30 s in the script, 30 min by default).
     assert trace.resumes[0][0] - stopped_at < 20, trace.resumes
-    lines = [i["line"] for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]]
+    lines = [i["line"] for i in log_items(api, job_id)]
     assert any(f"worker pid {victim} was stopped" in line for line in lines)
 
 

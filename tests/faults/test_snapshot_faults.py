@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
 from tests.helpers.faults import (
     SnapshotWatch,
     check_steps,
@@ -54,7 +54,7 @@ def test_snapshot_dir_full_during_a_save_commits_nothing_broken_and_keeps_the_la
         assert os.statvfs(root).f_bavail == 0, "the tmpfs is not full"
 
         def enospc() -> bool:
-            lines = api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]
+            lines = log_items(api, job_id, rank=0)
             return any("No space left on device" in i["line"] for i in lines)
         wait_for(enospc, 60, "a snapshot save to fail with ENOSPC")
         listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
@@ -123,7 +123,7 @@ def test_a_join_while_the_disk_is_full_goes_ahead_from_the_latest_snapshot(
         agents(1, nproc=2)
 
         def refused() -> bool:
-            lines = api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]
+            lines = log_items(api, job_id, rank=0)
             return any("could not be saved for the planned change" in i["line"] for i in lines)
         wait_for(refused, 60, "rank 0 to say the planned change's snapshot failed")
         wait_for(lambda: job(api, job_id)["world_size"] == 4, 90, "the job to go on at world size 4")

@@ -36,10 +36,25 @@ def events(api: httpx.Client, job_id: str) -> list[dict]:
     return api.get(f"/v1/jobs/{job_id}/events").json()["items"]
 
 
+def log_items(api: httpx.Client, job_id: str, rank: int | None = None) -> list[dict]:
+    """Every line of the job's log as it is now (of one rank, if given), page by page."""
+    items: list[dict] = []
+    since = 0
+    while True:
+        params = {"since": since, **({"rank": rank} if rank is not None else {})}
+        resp = api.get(f"/v1/jobs/{job_id}/logs", params=params)
+        resp.raise_for_status()
+        page = resp.json()
+        items += page["items"]
+        if page["next_seq"] >= page["end_seq"]:
+            return items
+        since = page["next_seq"]
+
+
 def steps(api: httpx.Client, job_id: str) -> list[tuple[int, int]]:
     """(step, world size) of every step rank 0 logged, in order."""
     out = []
-    for item in api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]:
+    for item in log_items(api, job_id, rank=0):
         m = _STEP.match(item["line"])
         if m:
             out.append((int(m.group(1)), int(m.group(2))))
@@ -94,7 +109,7 @@ def rdzv_keys(etcd_endpoint: str, job_id: str) -> list[str]:
     async def read() -> list[str]:
         etcd = EtcdStore(etcd_endpoint)
         try:
-            return [e.key for e in await etcd.get_prefix(Keys().rdzv_of_job(job_id))]
+            return [e.key async for e in etcd.scan_prefix(Keys().rdzv_of_job(job_id), keys_only=True)]
         finally:
             await etcd.close()
 

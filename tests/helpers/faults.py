@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.elastic import job, job_spec, worker_pids
+from tests.helpers.elastic import job, job_spec, log_items, worker_pids
 from tests.helpers.processes import (
     REPO,
     ControlPlane,
@@ -230,8 +230,8 @@ class Trace:
 def rank0_lines(api: httpx.Client, job_id: str) -> list[dict]:
     """Rank 0's lines in the order they were written (the agents' read times; the log's
     own order is the order they were shipped, which after an outage mixes nodes), once each."""
-    items = api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]
-    # Shipping is at-least-once: a batch whose write reached etcd just before it died is
+    items = log_items(api, job_id, rank=0)
+    # Shipping is at-least-once: a batch whose write reached the log just before it died is
     # sent again (same node, attempt, read time and text). Count such a line once.
     unique = {(i["node"], i["attempt"], i["time"], i["line"]): i for i in items}
     return sorted(unique.values(), key=lambda i: (i["time"], i["seq"]))

@@ -81,6 +81,7 @@ class ControlPlane:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.snapshot_root = workdir / "snapshots"
+        self.log_root = workdir / "job-logs"
 
     @property
     def url(self) -> str:
@@ -93,7 +94,8 @@ class ControlPlane:
         log = open(self.workdir / f"control-plane-{self.port}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
-             "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root)],
+             "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),
+             "--log-root", str(self.log_root)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         wait_for(self._healthy, timeout_s, f"control plane on {self.url}")

@@ -46,6 +46,8 @@ def test_unknown_job_is_404(api):
     assert api.get("/v1/jobs/nope-123456").status_code == 404
     assert api.post("/v1/jobs/nope-123456/cancel").status_code == 404
     assert api.get("/v1/jobs/nope-123456/events").status_code == 404
+    assert api.get("/v1/jobs/nope-123456").json()["detail"] == \
+        "job nope-123456 not found (finished jobs are deleted 7 days after they end)"
 
 
 def test_list_filters_by_state_and_paginates(api):
@@ -63,6 +65,8 @@ def test_list_filters_by_state_and_paginates(api):
         if after is None:
             break
     assert seen == ids
+    resp = api.get("/v1/jobs", params={"after": "nope-123456"})
+    assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "query.after"
 
 
 @pytest.mark.parametrize("spec,field", [
@@ -81,6 +85,8 @@ def test_list_filters_by_state_and_paginates(api):
     ({**SPEC, "env": {"BAD-NAME": "x"}}, "env"),
     ({**SPEC, "env": {"RANK": "3"}}, "env"),
     ({**SPEC, "env": {f"V{i}": "x" for i in range(200)}}, "env"),
+    ({**SPEC, "env": {f"V{i}": "x" * 4000 for i in range(9)}}, "env"),  # 36 KB: over 32 KiB
+    ({**SPEC, "command": ["python", *["a" * 4000] * 5]}, "command"),  # 20 KB: over 16 KiB
     ({**SPEC, "working_dir": "relative/path"}, "working_dir"),
     ({**SPEC, "surprise": 1}, "surprise"),
     ({"command": ["python"]}, "name"),

@@ -12,6 +12,7 @@ from tests.helpers.elastic import (
     forked,
     job,
     job_spec,
+    log_items,
     rdzv_keys,
     steps,
     submit,
@@ -53,7 +54,7 @@ def test_worker_sigkill_recovers_and_counts_one_restart(api, agents):
 
     wait_for(lambda: job(api, job_id)["restarts"] == 1, 60, "the restart to be counted")
     death = f"ftrain: the worker (pid {victims[0]}) died of SIGKILL"
-    wait_for(lambda: any(death in i["line"] for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]),
+    wait_for(lambda: any(death in i["line"] for i in log_items(api, job_id)),
              10, "the worker's death in the job's log")
     before = len(steps(api, job_id))
     wait_step(api, job_id, killed_at + 5, world=2, after=before)
@@ -169,7 +170,7 @@ def test_a_crash_in_teardown_after_the_script_finished_does_not_fail_the_job(api
                                   max_restarts=0, env={"FTRAIN_FORK_SERVER": fork_server}))
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"))
     assert [s for s, _ in steps(api, job_id)] == list(range(1, 7))
-    notes = [i for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]
+    notes = [i for i in log_items(api, job_id)
              if "the script finished, then the interpreter died of SIGABRT" in i["line"]]
     if fork_server == "1":
         assert done["state"] == "SUCCEEDED" and done["restarts"] == 0, events(api, job_id)

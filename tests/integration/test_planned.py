@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.helpers.elastic import job, submit, torchrun_launchers, wait_nodes, wait_state
+from tests.helpers.elastic import job, log_items, submit, torchrun_launchers, wait_nodes, wait_state
 from tests.helpers.processes import REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ def rank0(api, job_id: str) -> list[tuple[str, int, int | None]]:
     a planned change (it snapshots there, so that step is done even if it was not printed).
     """
     out = []
-    for item in api.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).json()["items"]:
+    for item in log_items(api, job_id, rank=0):
         if m := STEP.match(item["line"]):
             out.append(("step", int(m.group(1)), None))
         elif m := START.match(item["line"]):

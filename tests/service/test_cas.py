@@ -81,17 +81,17 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
         try:
             await asyncio.wait_for(ctx.index.ready.wait(), 10)
             reads: list = []
-            get_many, get_prefix = ctx.kv.get_many, ctx.kv.get_prefix
+            get_many, get_range = ctx.kv.get_many, ctx.kv.get_range
 
-            async def counting_get_many(keys):
+            async def counting_get_many(keys, **kw):
                 reads.append(list(keys))
-                return await get_many(keys)
+                return await get_many(keys, **kw)
 
-            async def counting_get_prefix(prefix):
+            async def counting_get_range(prefix, **kw):
                 reads.append(prefix + "*")
-                return await get_prefix(prefix)
+                return await get_range(prefix, **kw)
 
-            ctx.kv.get_many, ctx.kv.get_prefix = counting_get_many, counting_get_prefix
+            ctx.kv.get_many, ctx.kv.get_range = counting_get_many, counting_get_range
             jobs = await scheduler.active_jobs(ctx.jobs, ctx.index)
             assert [j.id for j in jobs] == [live.id]
             assert reads == [[ctx.keys.job(live.id)]]  # one read, of the live job only

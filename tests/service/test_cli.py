@@ -129,7 +129,8 @@ def test_wrong_token_says_which_token_to_use(ftrain, control_plane):
 
 def test_unknown_job_and_finished_job_are_clear_errors(ftrain, tmp_path):
     result = ftrain("status", "nope-123456", expect_ok=False)
-    assert result.exit_code == 1 and "no job with id 'nope-123456'" in result.output
+    assert result.exit_code == 1 and "job nope-123456 not found" in result.output
+    assert "finished jobs are deleted 7 days after they end" in result.output
     spec = tmp_path / "job.yaml"
     spec.write_text(SPEC_YAML)
     job_id = ftrain("submit", str(spec), "-q").output.strip()
@@ -199,7 +200,12 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
             return httpx.Response(200, content=body.encode(),
                                   headers={"Content-Type": "application/x-ndjson"})
         if request.url.path == "/v1/jobs/j1/logs":
-            return httpx.Response(200, json=LogPage(items=lines, next_seq=3).model_dump(mode="json"))
+            # Two pages: the CLI reads on from next_seq until it reaches end_seq.
+            since = int(request.url.params.get("since", 0))
+            page = [x for x in lines if x.seq >= since][:1]
+            return httpx.Response(200, json=LogPage(
+                items=page, next_seq=page[-1].seq + 1 if page else since, end_seq=3, first_seq=1,
+                cut_bytes=1, cut_lines=1, cap_bytes=1024).model_dump(mode="json"))
         if request.url.path == "/v1/nodes":
             return httpx.Response(200, json=NodeList(items=[node]).model_dump(mode="json"))
         if request.url.path == "/v1/nodes/local-0/drain" and request.method == "POST":
@@ -209,8 +215,11 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
 
     monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
     runner = CliRunner()
-    out = runner.invoke(main, ["logs", "j1"], catch_exceptions=False).output
-    assert out.splitlines() == ["[local-0 rank 0] step 1", "[local-1 rank 1] warn"]
+    result = runner.invoke(main, ["logs", "j1"], catch_exceptions=False)
+    assert result.stdout.splitlines() == ["[local-0 rank 0] step 1", "[local-1 rank 1] warn"]
+    assert "the first 1 lines (1 bytes) of this log were cut" in result.stderr
+    out = runner.invoke(main, ["logs", "--json", "j1"], catch_exceptions=False).stdout
+    assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines]
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False).output
     assert out.splitlines() == ["[local-1 rank 1] warn"]
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).output
@@ -228,3 +237,36 @@ def test_422_from_the_server_carries_field_errors(control_plane):
     fields = {e["field"] for e in info.value.errors}
     assert {"command", "surprise"} <= fields
     assert "  command: " in str(info.value)
+
+
+@pytest.mark.parametrize("args, env, retention_s, retention_jobs", [
+    ([], {}, 7 * 86400, None),
+    (["--retention", "12h", "--retention-jobs", "500"], {}, 43200, 500),
+    ([], {"FTRAIN_RETENTION_S": "30m", "FTRAIN_RETENTION_JOBS": "9"}, 1800, 9),
+    (["--retention", "90s"], {"FTRAIN_RETENTION_S": "30m"}, 90, None),  # an option given wins
+])
+def test_serve_takes_the_retention_from_its_options_or_the_environment(
+        monkeypatch, args, env, retention_s, retention_jobs):
+    import uvicorn
+
+    import service.app
+
+    built = []
+    monkeypatch.setattr(service.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    result = CliRunner().invoke(main, ["serve", "--etcd", "http://127.0.0.1:1", *args],
+                                env={"FTRAIN_RETENTION_S": None, "FTRAIN_RETENTION_JOBS": None, **env},
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (settings,) = built
+    assert (settings.retention_s, settings.retention_jobs) == (retention_s, retention_jobs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--retention", "7 days"], "is not a duration"),
+    (["--retention", "0s"], "longer than 0"),
+    (["--retention-jobs", "0"], "0 is not in the range x>=1"),
+])
+def test_serve_refuses_a_retention_that_is_not_one(args, message):
+    result = CliRunner().invoke(main, ["serve", "--etcd", "http://127.0.0.1:1", *args])
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -19,6 +19,7 @@ from worker.protocol import (
     CommitRequest,
     ControlAction,
     ControlView,
+    Progress,
     ProgressReport,
     SnapshotMeta,
     SnapshotRecord,
@@ -68,6 +69,19 @@ def test_commit_moves_latest_only_forward_and_prunes_beyond_keep(stored, latest,
     assert change.ops[1:] == [Delete(key(s)) for s in pruned_steps]
     assert decision.prune == [f"/s/{s}" for s in pruned_steps if s != new_latest]
     assert change.events == []
+
+
+@pytest.mark.parametrize("stored,step", [((10, 20, 30), 5), ((10, 20, 30, 40), 10)])
+def test_an_older_step_committed_beyond_keep_is_pruned_not_stored(stored, step):
+    job = make_job(latest_snapshot=meta(max(stored)))
+    decision = decide_commit(job, records(*stored), commit(step), NOW, key)
+    ops = decision.change.ops
+    assert not any(isinstance(op, Put) for op in ops)
+    assert len({op.key for op in ops}) == len(ops)  # etcd refuses a key twice in one txn
+    assert key(step) in [op.key for op in ops]
+    assert f"/s/{step}" in decision.prune
+    assert decision.committed.step == step
+    assert decision.change.job.latest_snapshot.step == max(stored)
 
 
 def test_commit_never_lists_the_latest_path_to_delete():
@@ -134,19 +148,49 @@ def test_newest_good_skips_bad_ones():
 
 # ------------------------------------------------------------------ progress and control
 
-def test_progress_is_recorded_with_the_time_it_arrived():
-    change = decide_progress(make_job(), ProgressReport(step=7, loss=0.5, samples_per_s=9.0), NOW)
-    assert change.job.progress.model_dump() == {"step": 7, "loss": 0.5, "samples_per_s": 9.0,
-                                                "time": NOW}
+def progress(step: int, at: float) -> Progress:
+    return Progress(step=step, loss=0.5, samples_per_s=9.0, time=at)
+
+
+REPORT = ProgressReport(step=7, loss=0.5, samples_per_s=9.0)
+
+
+@pytest.mark.parametrize("first,stored,now,written,job_written", [
+    # the job's first report: stored, and the job record notes that rank 0 reports
+    (True, None, NOW, progress(7, NOW), True),
+    # the first report of a job whose progress key exists (written before a restart)
+    (True, progress(3, NOW - 0.1), NOW, progress(7, NOW), True),
+    # later reports: stored once the interval has passed, the job record left alone
+    (False, None, NOW, progress(7, NOW), False),
+    (False, progress(3, NOW - 1.0), NOW, progress(7, NOW), False),
+    (False, progress(3, NOW - 5.0), NOW, progress(7, NOW), False),
+    # a stored time ahead of this replica's clock (skew): not a reason to drop for ever
+    (False, progress(3, NOW + 30.0), NOW, progress(7, NOW), False),
+])
+def test_progress_is_written_with_the_time_it_arrived(first, stored, now, written, job_written):
+    d = decide_progress(make_job(reports_progress=not first), stored, REPORT, now, 1.0)
+    assert d.write and d.progress == written
+    assert (d.job is not None) == job_written
+    if job_written:
+        assert d.job.reports_progress and d.job.model_copy(update={"reports_progress": False}) == \
+            make_job(reports_progress=False)
+
+
+@pytest.mark.parametrize("since", [0.0, 0.3, 0.999])
+def test_a_report_within_the_interval_is_dropped_and_answered_with_what_is_stored(since):
+    stored = progress(3, NOW - since)
+    d = decide_progress(make_job(reports_progress=True), stored, REPORT, NOW, 1.0)
+    assert (d.write, d.progress, d.job) == (False, stored, None)
 
 
 @pytest.mark.parametrize("job,attempt,error", [
     (make_job(attempt=2), 1, StaleAttempt),
     (make_job(S.FAILED), None, Conflict),
+    (make_job(S.SUCCEEDED, reports_progress=True), 2, Conflict),
 ])
 def test_progress_is_refused_from_a_stale_attempt_or_to_a_finished_job(job, attempt, error):
     with pytest.raises(error):
-        decide_progress(job, ProgressReport(step=1, attempt=attempt), NOW)
+        decide_progress(job, None, ProgressReport(step=1, attempt=attempt), NOW, 1.0)
 
 
 def pause(control_id: int) -> Control:

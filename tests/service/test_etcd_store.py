@@ -8,8 +8,10 @@ import signal
 
 import pytest
 
-from service.errors import StoreUnavailable
+from service.errors import HistoryCompacted, StoreFull, StoreUnavailable
 from service.store.etcd import EtcdStore
+from tests.helpers.processes import wait_for
+from worker.procs import state_of
 
 
 def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
@@ -21,6 +23,10 @@ def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etc
         client = EtcdStore(etcd.endpoint, timeout_s=1)
         await client.put("/t/x", b"1")
         etcd.proc.send_signal(signal.SIGSTOP)
+        # kill() only queues the stop: on a busy machine etcd can still answer a request or
+        # two before it is scheduled out. Start once it is really stopped.
+        wait_for(lambda: state_of(etcd.proc.pid) in ("T", "t"), timeout_s=10,
+                 what="etcd to stop on SIGSTOP")
         try:
             async def one() -> BaseException | None:
                 try:
@@ -64,6 +70,56 @@ def test_a_watch_on_a_dropped_client_ends_with_store_unavailable(etcd):
             await client.get("/w/a")  # fails and drops the client
         with pytest.raises(StoreUnavailable):
             await asyncio.wait_for(task, 10)
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_watch_from_a_compacted_revision_leaves_the_client_and_its_other_watches_alone(etcd):
+    """HistoryCompacted is an answer, not an outage: dropping the client for it would break
+    every other watch and request on it (the job index's, the rendezvous long polls)."""
+
+    async def main() -> None:
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
+        await client.put("/w/a", b"1")
+        early = await client.revision()
+        await client.put("/w/a", b"2")
+        await client.compact(await client.revision())
+        live = client.watch_prefix("/w/", await client.revision() + 1)
+        first = asyncio.ensure_future(anext(live))
+        await asyncio.sleep(0.2)  # the live watch is set up
+        with pytest.raises(HistoryCompacted):
+            await anext(client.watch_prefix("/w/", early))
+        await client.put("/w/b", b"3")
+        event = await asyncio.wait_for(first, 5)
+        assert (event.key, event.value) == ("/w/b", b"3")
+        await live.aclose()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_check_ready_raises_store_full_while_the_nospace_alarm_is_raised(etcd):
+    async def main() -> None:
+        import aetcd
+
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
+        await client.check_ready()
+        raw = aetcd.Client(host=etcd.host, port=etcd.client_port)
+        await raw.connect()
+        await raw.create_alarm()  # NOSPACE, as a full database raises it
+        try:
+            with pytest.raises(StoreFull, match="NOSPACE alarm"):
+                await client.check_ready()
+            with pytest.raises(StoreFull, match="alarm disarm"):
+                await client.put("/w/x", b"1")
+            assert await client.get("/w/x") is None  # reads go on
+        finally:
+            for alarm in [a async for a in raw.list_alarms()]:
+                await raw.disarm_alarm(alarm.member_id)
+            await raw.close()
+        await client.check_ready()
+        await client.put("/w/x", b"1")
         await client.close()
 
     asyncio.run(main())

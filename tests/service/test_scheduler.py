@@ -12,7 +12,6 @@ from service.models import (
     MemberStatus,
     NodeRecord,
     NodeState,
-    Progress,
 )
 
 S = JobState
@@ -79,7 +78,7 @@ def test_free_node_scales_up_a_plain_job_at_once():
 
 
 def test_scale_up_of_a_runtime_job_waits_for_rank0_snapshot():
-    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2, progress=Progress(step=5))
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2, reports_progress=True)
     p = plan(j, nodes("a", "b"), ["b"], NOW, CFG)
     assert "b" not in p.job.members
     assert p.job.control.action is ControlAction.CHECKPOINT_PAUSE
@@ -90,7 +89,7 @@ def test_scale_up_of_a_runtime_job_waits_for_rank0_snapshot():
 
 def test_scale_up_goes_ahead_when_rank0_does_not_ack_in_time():
     c = Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="join", requested_at=NOW - 11)
-    j = job(S.RUNNING, {"a": "running"}, progress=Progress(step=5), control=c)
+    j = job(S.RUNNING, {"a": "running"}, reports_progress=True, control=c)
     p = plan(j, nodes("a", "b"), ["b"], NOW, CFG)
     assert "b" in p.job.members
 
@@ -123,7 +122,7 @@ def test_cancel_of_plain_job_stops_members_then_ends_cancelled():
 
 
 def test_cancel_of_runtime_job_asks_for_a_final_snapshot_first():
-    j = job(S.CANCELLING, {"a": "running"}, progress=Progress(step=3))
+    j = job(S.CANCELLING, {"a": "running"}, reports_progress=True)
     p = plan(j, nodes("a"), [], NOW, CFG)
     assert p.job.control.action is ControlAction.CHECKPOINT_STOP and not p.job.stopping
     later = plan(p.job, nodes("a"), [], NOW + 4, CFG)
@@ -180,7 +179,7 @@ def test_a_finished_members_node_is_not_free_for_another_job():
 
 def test_an_ending_job_is_not_scaled_up_drained_or_restarted():
     ending = {"a": "succeeded", "b": "running"}
-    j = job(S.RUNNING, ending, mn=1, mx=3, progress=Progress(step=5))
+    j = job(S.RUNNING, ending, mn=1, mx=3, reports_progress=True)
     assert plan(j, nodes("a", "b", "c"), ["c"], NOW, CFG) is None  # no join
     assert plan(j, nodes("a", "b", draining=("b",)), [], NOW, CFG) is None  # no drain
     c = Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="join", requested_at=NOW - 11)

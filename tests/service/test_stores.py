@@ -1,4 +1,5 @@
-"""The stores on the in-memory KeyValue: nodes, logs, and a scheduler pass over them.
+"""The stores on the in-memory KeyValue: nodes, and a scheduler pass over them (the log
+store, on files: tests/service/test_logs.py).
 
 The KeyValue contract (tests/contract/test_kv.py) makes MemoryStore stand in for etcd,
 so these run without a process and with a clock the test moves.
@@ -15,10 +16,10 @@ from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNotFound
-from service.models import JobRecord, JobSpec, JobState, NodeState, Progress
+from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.settings import Settings
 from service.store.memory import MemoryStore
-from worker.protocol import LogLineIn, LogShipment
+from worker.protocol import ProgressReport
 
 
 class ManualClock:
@@ -95,42 +96,6 @@ def test_deregister_removes_the_node_at_once_and_is_idempotent():
     asyncio.run(main())
 
 
-# ------------------------------------------------------------------ logs
-
-def shipment(node: str, *lines: tuple[int | None, str]) -> LogShipment:
-    return LogShipment(node=node, attempt=1, lines=[
-        LogLineIn(rank=rank, line=text, time=1.0) for rank, text in lines])
-
-
-def test_logs_read_back_in_order_resume_from_a_seq_and_filter_by_rank():
-    async def main():
-        ctx = context()
-        ns = iter(range(1, 100))
-        ctx.logs.clock_ns = lambda: next(ns)
-        await ctx.logs.ship("j", shipment("a", (0, "a0"), (1, "a1")))
-        await ctx.logs.ship("j", shipment("b", (None, "agent says"), (0, "b0")))
-        await ctx.logs.ship("j", shipment("b"))  # nothing to store
-        lines = await ctx.logs.read_lines("j")
-        assert [(x.node, x.rank, x.line, x.attempt) for x in lines] == [
-            ("a", 0, "a0", 1), ("a", 1, "a1", 1), ("b", None, "agent says", 1), ("b", 0, "b0", 1)]
-        assert [x.line for x in await ctx.logs.read_lines("j", since=lines[1].seq)] == \
-            ["a1", "agent says", "b0"]
-        assert [x.line for x in await ctx.logs.read_lines("j", rank=0)] == ["a0", "b0"]
-        assert await ctx.logs.last_lines("j", 2) == ["[rank1] a1", "[rank0] b0"]
-
-    asyncio.run(main())
-
-
-def test_logs_keep_only_the_newest_chunks_within_the_cap():
-    async def main():
-        ctx = context(log_keep_lines=3)
-        for i in range(4):
-            await ctx.logs.ship("j", shipment("a", (0, f"{i}.0"), (0, f"{i}.1")))
-        assert [x.line for x in await ctx.logs.read_lines("j")] == ["3.0", "3.1"]
-
-    asyncio.run(main())
-
-
 # ------------------------------------------------------------------ a scheduler pass
 
 def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
@@ -162,9 +127,10 @@ def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout
 
         async def tick_at(now: float, step: int | None = None) -> JobRecord:
             clock.now = now
-            if step is not None:  # rank 0 reports this step; its group formed (a round)
-                await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
-                    "progress": Progress(step=step, time=now), "rounds": max(j.rounds, 1)})))
+            if step is not None:  # its group formed (a round), and rank 0 reports this step
+                current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+                    "rounds": max(j.rounds, 1)})))
+                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt))
             await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches)
             return await ctx.jobs.get(job.id)
 

@@ -245,6 +245,55 @@ def test_progress_is_stored_and_shown_in_the_job_view(worker, api, job):
     assert stale.status_code == 409
 
 
+def writes_of_key(etcd_endpoint: str, key: str, since: int) -> int:
+    """How many times etcd wrote `key` after revision `since` (a watch of every key replays
+    what happened since, up to a mark written now)."""
+
+    async def run() -> int:
+        etcd = EtcdStore(etcd_endpoint)
+        try:
+            await etcd.put("/test/mark", b"")
+            count = 0
+            async for event in etcd.watch_prefix("/", since + 1):
+                if event.key == "/test/mark":
+                    return count
+                count += event.key == key
+            raise AssertionError("the watch ended before the mark")
+        finally:
+            await etcd.close()
+
+    return asyncio.run(run())
+
+
+def etcd_revision(etcd_endpoint: str) -> int:
+    """etcd's current revision."""
+    async def run() -> int:
+        etcd = EtcdStore(etcd_endpoint)
+        try:
+            return await etcd.revision()
+        finally:
+            await etcd.close()
+
+    return asyncio.run(run())
+
+
+def test_twenty_progress_reports_write_the_job_record_once(worker, api, job, etcd):
+    """Progress is hot state: its own key, at most one write a second; the job record (spec
+    and all, watched by the index and the scheduler) is written by the first report only."""
+    job_id = job["id"]
+    before = etcd_revision(etcd.endpoint)
+    answers = [worker.post(f"/v1/jobs/{job_id}/progress", json={"step": step, "attempt": 0})
+               for step in range(20)]
+    assert all(a.status_code == 200 for a in answers)
+    # Each write is one transaction (one revision): the first report's holds both keys.
+    assert etcd_revision(etcd.endpoint) - before <= 3
+    assert writes_of_key(etcd.endpoint, f"/ftrain/jobs/{job_id}", before) == 1
+    # 20 reports in well under the 1 s interval, unless this machine is very slow
+    assert writes_of_key(etcd.endpoint, f"/ftrain/progress/{job_id}", before) <= 3
+    shown = api.get(f"/v1/jobs/{job_id}").json()["progress"]
+    assert shown == answers[-1].json() and shown["step"] in {a.json()["step"] for a in answers}
+
+
 def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_users(
         control_plane, api, job, worker):
     other = api.post("/v1/jobs", json={**SPEC, "name": "other"}).json()

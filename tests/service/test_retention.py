@@ -1,0 +1,296 @@
+"""Retention passes and the job listing's order, on the in-memory KeyValue with a manual clock.
+
+(What is deleted is decided in tests/service/test_decide_retention.py; here: that a pass
+deletes everything of those jobs and nothing else, in transactions etcd accepts, only while
+this replica leads; and that the index lists jobs in a stable order across deletions.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from service import retention
+from service.context import Context
+from service.decide.retention import RetentionPolicy
+from service.errors import JobNotFound, StaleLeader
+from service.models import JobSpec, JobState
+from service.scheduler import Leadership
+from service.settings import Settings
+from service.store.api import MAX_TXN_OPS, Put
+from service.store.memory import MemoryStore
+from worker.protocol import CommitRequest, LogLineIn, LogShipment, ProgressReport
+
+RETENTION_S = 100.0
+POLICY = RetentionPolicy(retention_s=RETENTION_S)
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Cluster:
+    """A context on a MemoryStore whose stores and leases all run on one manual clock."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.kv = MemoryStore(self.clock)
+        self.log_root = Path(tempfile.mkdtemp(prefix="ftrain-test-logs-"))
+        self.ctx = Context.wire(Settings(log_root=str(self.log_root)), self.kv)
+        self.ctx.jobs.clock = self.clock
+        self.leadership = Leadership(self.kv, self.ctx.keys.leader)
+
+    async def job(self, name: str, *, finish: bool, key: str | None = None) -> str:
+        """A job with events, progress, a log chunk, a snapshot record and rendezvous keys."""
+        ctx = self.ctx
+        job, _ = await ctx.jobs.create(JobSpec(name=name, command=["true"]), key)
+        await ctx.logs.ship(job.id, LogShipment(node="n0", attempt=0,
+                                                lines=[LogLineIn(rank=0, stream="stdout", line="hi",
+                                                                 time=self.clock.now)]))
+        await ctx.snapshots.commit(job.id, CommitRequest(step=10, path="/s/10", size=1, checksum="c",
+                                                         attempt=0))
+        await ctx.progress.report(job.id, ProgressReport(step=10, attempt=0))
+        await self.kv.put(ctx.keys.rdzv_state(f"{job.id}-a0"), b"state")
+        await self.kv.put(ctx.keys.rdzv_store(f"{job.id}-a0") + "k", b"v")
+        if finish:
+            await ctx.jobs.move(job.id, JobState.CANCELLED, "cancelled by the test")
+        return job.id
+
+    async def keys_of(self, job_id: str) -> list[str]:
+        """The job's etcd keys, and its log folder (logs are files under the log root)."""
+        keys = [e.key async for e in self.kv.scan_prefix("/ftrain/", keys_only=True) if job_id in e.key]
+        return keys + ([f"log folder {job_id}"] if (self.log_root / job_id).exists() else [])
+
+    async def prune(self, policy: RetentionPolicy = POLICY) -> list[str]:
+        assert await self.leadership.hold()
+        await self.index_caught_up()
+        return await retention.prune(self.ctx.jobs, self.ctx.logs, self.ctx.index,
+                                     self.leadership.fence(), policy)
+
+    async def index_caught_up(self) -> None:
+        count = await self.kv.count_prefix(self.ctx.keys.jobs)
+        states = {j.id: j.state async for j in self.ctx.jobs.scan()}
+        assert await self.ctx.index.wait_until(
+            lambda: len(self.ctx.index) == count
+            and all(self.ctx.index.get(i) is not None and self.ctx.index.get(i).state is s
+                    for i, s in states.items()), 5)
+
+
+def run(test) -> None:
+    async def main():
+        cluster = Cluster()
+        index = asyncio.create_task(cluster.ctx.index.run())
+        try:
+            await asyncio.wait_for(cluster.ctx.index.ready.wait(), 5)
+            await test(cluster)
+        finally:
+            index.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await index
+            shutil.rmtree(cluster.log_root, ignore_errors=True)
+
+    asyncio.run(main())
+
+
+def test_a_pass_deletes_everything_of_an_expired_job_and_nothing_of_the_others():
+    async def test(c: Cluster):
+        old = await c.job("old", finish=True, key="retried-submit")
+        c.clock.now += RETENTION_S - 10
+        recent = await c.job("recent", finish=True)
+        running = await c.job("running", finish=False)
+        # record, 2 events, progress, snapshot, 2 rendezvous keys; the log folder
+        assert len(await c.keys_of(old)) == 8
+        assert await c.kv.count_prefix(c.ctx.keys.prefix + "/idempotency/") == 1
+        assert await c.prune() == []  # nothing is old enough yet
+        c.clock.now += 10
+        assert await c.prune() == [old]
+        assert await c.keys_of(old) == []
+        with pytest.raises(JobNotFound):
+            await c.ctx.jobs.get(old)
+        assert await c.kv.count_prefix(c.ctx.keys.prefix + "/idempotency/") == 0
+        assert len(await c.keys_of(recent)) == 8
+        assert len(await c.keys_of(running)) == 7  # one event: submitted
+        # The key it was submitted with went with it: the same key makes a new job now.
+        again, created = await c.ctx.jobs.create(JobSpec(name="old", command=["true"]), "retried-submit")
+        assert created and again.id != old
+        # An unfinished job is never deleted, however old.
+        c.clock.now += 100 * RETENTION_S
+        assert sorted(await c.prune()) == sorted([recent])
+        assert len(await c.keys_of(running)) == 7
+
+    run(test)
+
+
+def test_a_count_keeps_the_newest_finished_jobs():
+    async def test(c: Cluster):
+        ids = []
+        for i in range(4):
+            ids.append(await c.job(f"j{i}", finish=True))
+            c.clock.now += 1
+        assert await c.prune(RetentionPolicy(retention_s=RETENTION_S, keep_jobs=1)) == ids[:3]
+        assert [j.id async for j in c.ctx.jobs.scan()] == [ids[3]]
+
+    run(test)
+
+
+def test_many_expired_jobs_go_in_passes_of_transactions_etcd_accepts():
+    """MemoryStore refuses a transaction of more than MAX_TXN_OPS operations, as etcd does."""
+    async def test(c: Cluster):
+        n = retention.MAX_DELETIONS_PER_PASS + 44
+        for start in range(0, n, 50):  # plain records (the pass's reads are what is tested)
+            for i in range(start, min(n, start + 50)):
+                job, _ = await c.ctx.jobs.create(JobSpec(name=f"j{i}", command=["true"]))
+                await c.ctx.jobs.move(job.id, JobState.CANCELLED, "done")
+        commits = []
+        commit = c.kv.commit
+
+        async def counting(expect, ops):
+            commits.append((len(expect), len(ops)))
+            return await commit(expect, ops)
+
+        c.kv.commit = counting  # type: ignore[method-assign]
+        c.clock.now += RETENTION_S
+        first = await c.prune()
+        assert len(first) == retention.MAX_DELETIONS_PER_PASS
+        second = await c.prune()
+        assert len(second) == 44 and not set(first) & set(second)
+        assert await c.kv.count_prefix(c.ctx.keys.jobs) == 0
+        assert await c.kv.count_prefix(c.ctx.keys.prefix + "/events/") == 0
+        assert all(compares <= MAX_TXN_OPS and ops <= MAX_TXN_OPS for compares, ops in commits)
+        assert len([1 for compares, _ in commits if compares > 1]) >= n // MAX_TXN_OPS
+
+    run(test)
+
+
+def test_a_replica_that_lost_the_lead_deletes_no_job():
+    async def test(c: Cluster):
+        job_id = await c.job("old", finish=True)
+        assert await c.leadership.hold()
+        fence = c.leadership.fence()
+        # Another replica leads now (this one's lease lapsed and the other took the key).
+        await c.kv.revoke_lease(c.leadership.lease_id)
+        await c.kv.put(c.ctx.keys.leader, b"other replica")
+        c.clock.now += RETENTION_S
+        await c.index_caught_up()
+        with pytest.raises(StaleLeader):
+            await retention.prune(c.ctx.jobs, c.ctx.logs, c.ctx.index, fence, POLICY)
+        assert (await c.ctx.jobs.get(job_id)).state is JobState.CANCELLED
+        assert c.leadership.fence() == fence  # it has not noticed yet; its next hold() will
+        assert not await c.leadership.hold() and c.leadership.fence() is None
+
+    run(test)
+
+
+def test_a_job_changed_after_it_was_read_is_left_for_the_next_pass():
+    async def test(c: Cluster):
+        job_id = await c.job("old", finish=True)
+        c.clock.now += RETENTION_S
+        assert await c.leadership.hold()
+        (job, revision), = await c.ctx.jobs.get_many_with_revisions([job_id])
+        await c.kv.put(c.ctx.keys.job(job_id), job.model_dump_json().encode())  # a late write
+        assert await c.ctx.jobs.delete_finished([(job, revision)], c.leadership.fence()) == []
+        assert await c.prune() == [job_id]
+
+    run(test)
+
+
+# ------------------------------------------------------------------ the listing's order
+
+def test_the_index_lists_oldest_first_and_resumes_after_a_deleted_cursor():
+    async def test(c: Cluster):
+        ids = []
+        for i in range(5):
+            job, _ = await c.ctx.jobs.create(JobSpec(name=f"z{4 - i}", command=["true"]))
+            ids.append(job.id)
+            c.clock.now += 1
+        await c.index_caught_up()
+        index = c.ctx.index
+        assert list(index.ids_after(None)) == ids  # by created_at, not by id (z4 < z0 reversed)
+        cursor = index.place_of(ids[1])
+        for job_id in ids[:2]:
+            await c.ctx.jobs.move(job_id, JobState.CANCELLED, "done")
+        c.clock.now += RETENTION_S
+        assert sorted(await c.prune()) == sorted(ids[:2])
+        assert await index.wait_until(lambda: index.get(ids[1]) is None, 5)
+        assert index.place_of(ids[1]) == cursor  # remembered: a listing past it goes on
+        assert list(index.ids_after(index.place_of(ids[1]))) == ids[2:]
+        await c.ctx.jobs.move(ids[3], JobState.CANCELLED, "done")
+        await c.index_caught_up()
+        assert list(index.ids_after(None, [JobState.PENDING])) == [ids[2], ids[4]]
+
+    run(test)
+
+
+def test_listing_is_not_disturbed_by_jobs_added_and_deleted_while_it_reads():
+    async def test(c: Cluster):
+        ids = []
+        for i in range(6):
+            job, _ = await c.ctx.jobs.create(JobSpec(name=f"j{i}", command=["true"]))
+            ids.append(job.id)
+            c.clock.now += 1
+        await c.index_caught_up()
+        listing = c.ctx.index.ids_after(None)
+        assert [next(listing), next(listing)] == ids[:2]
+        await c.ctx.jobs.move(ids[2], JobState.CANCELLED, "done")
+        c.clock.now += RETENTION_S
+        await c.prune()  # ids[2] goes
+        new, _ = await c.ctx.jobs.create(JobSpec(name="late", command=["true"]))
+        await c.index_caught_up()
+        assert list(listing) == [*ids[3:], new.id]
+
+    run(test)
+
+
+def test_a_job_created_here_is_listed_before_its_watch_event_comes():
+    async def test(c: Cluster):
+        c.ctx.index.ready.set()
+        job, _ = await c.ctx.jobs.create(JobSpec(name="mine", command=["true"]))
+        await c.kv.put("/unrelated", b"")  # nothing has run the index's watch since the write
+        c.ctx.index.note_created(job)
+        assert list(c.ctx.index.ids_after(None)) == [job.id]
+        # A newer version the watch brought first is not overwritten by the older one.
+        await c.ctx.jobs.move(job.id, JobState.CANCELLED, "done")
+        await c.index_caught_up()
+        c.ctx.index.note_created(job)
+        assert c.ctx.index.get(job.id).state is JobState.CANCELLED
+
+    run(test)
+
+
+def test_leadership_fence_is_the_leader_key_at_the_revision_this_replica_wrote():
+    async def main():
+        kv = MemoryStore(ManualClock())
+        one, two = Leadership(kv, "/l"), Leadership(kv, "/l")
+        assert await one.hold() and not await two.hold()
+        assert one.fence() == {"/l": (await kv.get("/l")).mod_revision} and two.fence() is None
+        assert await kv.commit(one.fence(), [Put("/x", b"1")])
+        await one.release()
+        assert one.fence() is None and await two.hold()
+        assert two.fence() != {"/l": 0}
+
+    asyncio.run(main())
+
+
+def test_idempotency_keys_whose_job_is_gone_are_swept():
+    """Keys of jobs deleted before records named their key (an older control plane)."""
+    async def test(c: Cluster):
+        kept, _ = await c.ctx.jobs.create(JobSpec(name="kept", command=["true"]), "k-kept")
+        for i in range(150):  # more than one page of keys
+            await c.kv.put(c.ctx.keys.idempotency(f"{i:064d}"),
+                           json.dumps({"job_id": f"gone-{i:06d}", "spec": "x"}).encode())
+        assert await c.leadership.hold()
+        assert await c.ctx.jobs.delete_orphaned_keys(c.leadership.fence()) == 150
+        assert [e.value async for e in c.kv.scan_prefix(c.ctx.keys.idempotency(""))] == \
+            [(await c.kv.get(c.ctx.keys.idempotency(kept.idempotency_digest))).value]
+
+    run(test)
