@@ -372,16 +372,32 @@ class Soak:
         if state != "SUCCEEDED" and job.ran_on is not None:  # a fake node reported success
             t.jobs_failed += 1
             t.errors.append(f"job {job.id} ran on {job.ran_on}: {state} after its success report")
+        # A real agent ships what its workers printed every half second, also after the job
+        # ended: its last lines may come after SUCCEEDED. Read again for a while before
+        # counting any line of its jobs as lost.
+        settle = time.monotonic() + (15 if job.ran_on is None else 0)
+        while True:
+            page, seen = await self.read_log(api, job)
+            if page is None:
+                return
+            if page["cut_bytes"] or len(set(seen)) >= job.lines or time.monotonic() > settle:
+                break
+            await asyncio.sleep(0.5)
+        self.count_lines(job, page, seen)
+
+    async def read_log(self, api: httpx.AsyncClient, job: Job) -> tuple[dict | None, list[int]]:
+        """The job's log, page by page: its last page and the line numbers of its lines."""
+        t = self.totals
         seen: list[int] = []
         since, page = 0, None
         while True:
             r = await self.call(api, "GET", f"/v1/jobs/{job.id}/logs", params={"since": since, "limit": 5000})
             if r is None or r.status_code == 404:
                 t.logs_gone += 1
-                return
+                return None, seen
             if r.status_code != 200:
                 t.errors.append(f"logs of {job.id}: {r.status_code}")
-                return
+                return None, seen
             page = r.json()
             for item in page["items"]:
                 m = LINE.search(item["line"])
@@ -390,6 +406,10 @@ class Soak:
             if page["next_seq"] >= page["end_seq"]:
                 break
             since = page["next_seq"]
+        return page, seen
+
+    def count_lines(self, job: Job, page: dict, seen: list[int]) -> None:
+        t = self.totals
         t.logs_checked += 1
         t.lines_readable += len(seen)
         if page["cut_bytes"] == 0:
@@ -407,7 +427,8 @@ class Soak:
                                 f"end_seq {page['end_seq']}, cap {page['cap_bytes']}")
         if lost:
             t.lines_lost += lost
-            t.errors.append(f"log of {job.id} ({job.tag}): {lost} of {job.lines} lines missing")
+            t.errors.append(f"log of {job.id} ({job.tag}, ran on {job.ran_on or 'a real agent'}): "
+                            f"{lost} of {job.lines} lines missing; page {page}"[:600])
 
     async def reader(self) -> None:
         """A user polling the status of recent jobs."""
