@@ -158,6 +158,10 @@ class JobStore:
         progress = await self.kv.get_many([self.keys.progress(j.id) for j in jobs])
         return [job.view(_progress(p)) for job, p in zip(jobs, progress, strict=True)]
 
+    async def progress(self, jobs: list[JobRecord]) -> list[Progress | None]:
+        """The progress of each of `jobs`, from its own key (one read per MAX_TXN_OPS jobs)."""
+        return [_progress(p) for p in await self.kv.get_many([self.keys.progress(j.id) for j in jobs])]
+
     async def events(self, job_id: str) -> list[EventView]:
         """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list

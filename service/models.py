@@ -16,6 +16,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
+MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
@@ -85,6 +86,10 @@ class JobSpec(_Strict):
     snapshot: SnapshotSpec = Field(default_factory=SnapshotSpec)
     global_batch_size: int | None = Field(
         None, ge=1, description="Kept constant across resizes by the runtime (optional).")
+    hang_timeout_s: float | None = Field(
+        None, ge=2, le=MAX_HANG_TIMEOUT_S,
+        description="Restart the workers (as a worker failure) when rank 0, having reported "
+                    "progress through the runtime, does not advance its step for this long.")
 
     @field_validator("name")
     @classmethod
@@ -171,6 +176,15 @@ class MemberStatus(BaseModel):
     def is_live(self) -> bool:
         """The node holds (or is about to hold) workers of the job."""
         return self.state in ("assigned", "running")
+
+    def is_finished(self) -> bool:
+        """Every worker on the node exited 0: its part of the job is done."""
+        return self.state == "succeeded"
+
+    def holds_node(self) -> bool:
+        """The node belongs to the job until the job ends: live, or finished (a finished node
+        is neither lost nor free; `service.decide.outcome` says why)."""
+        return self.is_live() or self.is_finished()
 
 
 class Control(BaseModel):

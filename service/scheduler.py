@@ -4,7 +4,9 @@ The loop (`run`) runs only on the elected leader among control-plane replicas. O
 every change under the job and node prefixes (an etcd watch) and at least every
 `scheduler_interval_s`, it reads the nodes and the unfinished jobs and applies `plan`
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
-compare-and-set, so a decision is never written over a change it did not see.
+compare-and-set, so a decision is never written over a change it did not see. Then it
+watches the running jobs for hangs (`service.decide.hangs`; the clocks it keeps for that
+live in this loop's memory, `watches`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import contextlib
 import logging
 import time
 
+from service.decide import hangs
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord
+from service.models import JobRecord, NodeRecord
 from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
 from service.store.api import KeyValue, Put
@@ -41,10 +44,17 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
-               last_reason: dict[str, str]) -> None:
-    """One pass: read, plan, and apply each plan by compare-and-set."""
+               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None) -> None:
+    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
+    await _schedule(jobs, live_nodes, active, cfg, last_reason)
+    if watches is not None:
+        await watch_hangs(jobs, active, watches)
+
+
+async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
+                    cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
     for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
         job_id = p.job.id
 
@@ -68,6 +78,43 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
             last_reason[job_id] = p.reason
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
+
+
+async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int | None]:
+    """Rank 0's last reported step of each job: the one place the hang watch reads progress."""
+    return [None if p is None else p.step for p in await jobs.progress(watched)]
+
+
+async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
+                      watches: dict[str, hangs.Watch]) -> None:
+    """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang."""
+    watched = [j for j in active.values()
+               if j.spec.hang_timeout_s is not None and not j.state.is_terminal()]
+    for job_id in watches.keys() - {j.id for j in watched}:
+        del watches[job_id]
+    if not watched:
+        return
+    now = jobs.clock()
+    for job, step in zip(watched, await progress_steps(jobs, watched), strict=True):
+        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, step, now)
+        if hangs.decide_hang(job, seen.step, seen.since, now) is None:
+            continue
+
+        def decide(current: JobRecord, seen: hangs.Watch = seen) -> Change | None:
+            # A job that moved on since it was read (a new group, a planned change) is no hang.
+            again = hangs.observe(seen, current, seen.step, now)
+            return hangs.decide_hang(current, again.step, again.since, now)
+
+        try:
+            new = await jobs.update(job.id, decide)
+        except FtrainError as exc:
+            log.warning("restarting hung job %s failed: %s", job.id, exc)
+            continue
+        log.info("job %s: %s", job.id, new.reason)
+        active[job.id] = new
+        watches[job.id] = hangs.observe(None, new, step, now)
+        if new.state.is_terminal():
+            await _cleanup(jobs, job.id)
 
 
 async def _cleanup(jobs: JobStore, job_id: str) -> None:
@@ -147,6 +194,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     index.wake_on_change(wake)
     watcher = asyncio.create_task(_watch_changes(nodes, wake))
     last_reason: dict[str, str] = {}
+    watches: dict[str, hangs.Watch] = {}
     last_lead_check = 0.0
     leading = False
     try:
@@ -156,7 +204,9 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                 if leading:
-                    await tick(jobs, nodes, index, cfg, last_reason)
+                    await tick(jobs, nodes, index, cfg, last_reason, watches)
+                else:
+                    watches.clear()  # another replica keeps the clocks while it leads
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)

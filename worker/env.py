@@ -31,7 +31,10 @@ FTRAIN_FORK_SERVER_SOCKET = "FTRAIN_FORK_SERVER_SOCKET"  # the abstract socket o
 FTRAIN_LOG_LEVEL = "FTRAIN_LOG_LEVEL"
 FTRAIN_FORK_SERVER = "FTRAIN_FORK_SERVER"  # "0": workers start cold, without the fork server
 FTRAIN_FORK_SERVER_IMPORTS = "FTRAIN_FORK_SERVER_IMPORTS"  # comma-separated modules it preloads
-JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS)
+# Seconds a forked worker whose script returned may spend joining its non-daemon threads and
+# running atexit handlers before it is ended anyway (worker/fork_server.py).
+FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
+JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

@@ -14,8 +14,11 @@ milliseconds.
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
 1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
 one JSON line, {"pid": N} (forked) or {"decline": why} (the launcher then execs the
-command itself), and, once the worker has exited, {"status": wait status} ({"status": 0,
-"note": why} for a crash after the script had finished; see below).
+command itself); then {"returned": S, "bound_s": T} when the script has returned (S: the
+exit status it asked for; T: how long the launcher may wait from now for the worker's
+exit), {"finished": true, "bound_s": T} once Python's exit steps have run (below), and,
+once the worker has exited, {"status": wait status} ({"status": 0, "note": why} for a
+crash after the script had finished; see below).
 
 What the forked worker gets is what a fresh `python script.py` would: the launcher's
 environment, working directory, standard streams, argv, sys.path[0] and its own session;
@@ -35,6 +38,20 @@ active exception"; docs/runtime.md says how often). A worker that finished and t
 of SIGABRT, SIGSEGV, SIGBUS, SIGILL or SIGFPE is reported as exit 0, with a note the
 launcher prints, instead of costing the job a restart. Anything else (a non-zero exit, an
 atexit handler that crashes, a kill from outside) is reported as it happened.
+
+A script that has returned makes its worker exit within a bound, whatever its threads do
+(a non-daemon thread that never ends, an atexit handler that blocks, a lock at interpreter
+exit: each would keep a finished job RUNNING for ever). When the script returns (or
+raises, or exits), the worker tells the server "returned S" and starts a watchdog: if the
+worker is still joining its non-daemon threads or running atexit handlers
+`FTRAIN_EXIT_TIMEOUT_S` later (a job knob; `DEFAULT_EXIT_TIMEOUT_S`), the watchdog writes a
+line to the worker's stderr naming the threads it abandons and where the main thread
+waits, and ends the worker with os._exit(S). The watchdog is a Python thread, so it cannot
+act while another thread holds the GIL for ever, nor once the interpreter has begun to
+finalize; for those the launcher is the backstop: from "returned" it waits at most the
+timeout plus a grace for finalization (`FINALIZE_GRACE_S`, or the timeout if shorter), and
+at most that grace from "finished", then kills the worker and exits with S, with a line
+saying so.
 
 CUDA is never initialised here: a process that forks after CUDA is initialised gives
 children that cannot use it. If an import does initialise it, every request is declined.
@@ -62,12 +79,31 @@ import time
 # worker.env.FTRAIN_FORK_SERVER_IMPORTS: this file imports only the standard library (see there).
 IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
 PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
+# worker.env.FTRAIN_EXIT_TIMEOUT_S (see there): how long a worker whose script returned may
+# take to join its non-daemon threads and run its atexit handlers.
+EXIT_TIMEOUT_ENV = "FTRAIN_EXIT_TIMEOUT_S"
+DEFAULT_EXIT_TIMEOUT_S = 60.0
+# What the interpreter's own finalization may take once the exit steps are done (the launcher's
+# bound beyond the exit timeout), or the exit timeout if that is shorter.
+FINALIZE_GRACE_S = 10.0
+# The worker's lines on its pipe to the server: "returned S" when the script ends with exit
+# status S, "finished" once Python's exit steps have run after a good end.
+RETURNED = b"returned"
 FINISHED = b"finished"
 # What a crash in the interpreter's teardown dies of; a finished worker's death by one of
 # these is not the script's failure.
 TEARDOWN_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 4 << 20
+
+
+def exit_timeout_s(env: dict[str, str]) -> float:
+    """The worker's exit timeout from its environment (`EXIT_TIMEOUT_ENV`), else the default."""
+    try:
+        value = float(env.get(EXIT_TIMEOUT_ENV, ""))
+    except ValueError:
+        return DEFAULT_EXIT_TIMEOUT_S
+    return value if 0 < value < float("inf") else DEFAULT_EXIT_TIMEOUT_S
 
 
 class Request:
@@ -126,8 +162,7 @@ class Server:
         self.decline = decline
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
-        # pid -> (pidfd, the launcher's connection, the read end of its "finished" pipe)
-        self.children: dict[int, tuple[int, socket.socket, int]] = {}
+        self.children: dict[int, Child] = {}
 
     def serve(self) -> Request:
         """Serve forever; returns only in a forked worker, with what it must run."""
@@ -137,6 +172,8 @@ class Server:
                     request = self._accept()
                     if request is not None:
                         return request
+                elif isinstance(key.data, Child):
+                    self._hear(key.data)
                 else:
                     self._reap(key.data)
 
@@ -167,18 +204,16 @@ class Server:
             request.how, request.finished_fd = how, finished_w
             return request
         os.close(finished_w)
-        # Read once the worker has exited: never block on a writer it left behind (a
-        # DataLoader process it forked keeps the write end open).
+        # Never block on the pipe: a process the worker forked (a DataLoader's) may hold the
+        # write end open after the worker is gone.
         os.set_blocking(finished_r, False)
         for fd in request.fds:
             os.close(fd)
-        try:
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        except OSError:
-            pass  # the launcher is gone; the worker notices that itself
-        pidfd = os.pidfd_open(pid)
-        self.children[pid] = (pidfd, conn, finished_r)
-        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        child = Child(pid, os.pidfd_open(pid), conn, finished_r, exit_timeout_s(request.env))
+        child.send({"pid": pid})
+        self.children[pid] = child
+        self.selector.register(child.pidfd, selectors.EVENT_READ, pid)
+        self.selector.register(finished_r, selectors.EVENT_READ, child)
         return None
 
     @staticmethod
@@ -218,38 +253,79 @@ class Server:
         conn.close()
         return None
 
+    def _hear(self, child: Child) -> None:
+        """The worker wrote on its pipe (or every writer closed it)."""
+        if not child.hear():
+            self.selector.unregister(child.pipe)
+
     def _reap(self, pid: int) -> None:
-        pidfd, conn, finished_r = self.children.pop(pid)
-        self.selector.unregister(pidfd)
-        os.close(pidfd)
+        child = self.children.pop(pid)
+        self.selector.unregister(child.pidfd)
+        if child.pipe_open:
+            self.selector.unregister(child.pipe)
+        os.close(child.pidfd)
         _, status = os.waitpid(pid, 0)
-        try:
-            finished = os.read(finished_r, len(FINISHED)) == FINISHED
-        except BlockingIOError:
-            finished = False
-        os.close(finished_r)
+        child.hear()  # what it wrote just before it exited
+        os.close(child.pipe)
         reply: dict = {"status": status}
-        if finished and os.WIFSIGNALED(status) and os.WTERMSIG(status) in TEARDOWN_CRASHES:
+        if child.finished and os.WIFSIGNALED(status) and os.WTERMSIG(status) in TEARDOWN_CRASHES:
             reply = {"status": 0, "note": (
                 f"the script finished, then the interpreter died of "
                 f"{signal.Signals(os.WTERMSIG(status)).name} while shutting down; reported as exit 0")}
             log(f"worker {pid}: {reply['note']}")
-        try:
-            conn.sendall(json.dumps(reply).encode() + b"\n")
-        except OSError:
-            pass
-        conn.close()
+        child.send(reply)
+        child.conn.close()
 
     def _close_all(self, request_conn: socket.socket) -> None:
         """In a new worker: drop everything of the server's (its sockets, its children's
         pidfds); only the request's fds stay."""
         self.selector.close()
         self.listener.close()
-        for pidfd, conn, finished_r in self.children.values():
-            os.close(pidfd)
-            os.close(finished_r)
-            conn.close()
+        for child in self.children.values():
+            os.close(child.pidfd)
+            os.close(child.pipe)
+            child.conn.close()
         request_conn.close()
+
+
+class Child:
+    """A worker the server forked: its pidfd, its launcher's connection, and its pipe."""
+
+    def __init__(self, pid: int, pidfd: int, conn: socket.socket, pipe: int, exit_timeout_s: float):
+        self.pid, self.pidfd, self.conn, self.pipe = pid, pidfd, conn, pipe
+        self.finalize_s = min(FINALIZE_GRACE_S, exit_timeout_s)
+        self.bound_s = exit_timeout_s + self.finalize_s
+        self.pipe_open = True
+        self.finished = False
+        self._heard = b""
+
+    def send(self, message: dict) -> None:
+        try:
+            self.conn.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:
+            pass  # the launcher is gone; the worker notices that itself
+
+    def hear(self) -> bool:
+        """Read what the worker wrote on its pipe and pass it on; False once it is closed."""
+        while self.pipe_open:
+            try:
+                data = os.read(self.pipe, 256)
+            except BlockingIOError:
+                return True
+            if not data:
+                self.pipe_open = False
+                break
+            self._heard += data
+            *lines, self._heard = self._heard.split(b"\n")
+            self._heard = self._heard[-64:]  # the worker writes short lines; never hold more
+            for line in lines:
+                word, _, arg = line.partition(b" ")
+                if word == RETURNED and arg.isdigit():
+                    self.send({"returned": int(arg), "bound_s": self.bound_s})
+                elif word == FINISHED:
+                    self.finished = True
+                    self.send({"finished": True, "bound_s": self.finalize_s})
+        return self.pipe_open
 
 
 def become_worker(request: Request) -> None:
@@ -301,7 +377,7 @@ def run(how: str, argv: list[str], finished_fd: int) -> None:
     # `ps -o comm`, top: the script's (or module's) name rather than the server's
     title = (argv[0] if how == "module" else os.path.basename(argv[0])).encode()[:15]
     ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(title))
-    finished = Finished(finished_fd)
+    ending = Ending(finished_fd, exit_timeout_s(os.environ))
     try:
         if how == "module":
             sys.path.insert(0, os.getcwd())
@@ -311,33 +387,90 @@ def run(how: str, argv: list[str], finished_fd: int) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            raise
-    finished.tell()
+            ending.returned(_exit_status(exc.code))
+            raise  # Python's own exit: the message, threads, atexit, under the watchdog
+    except BaseException:
+        ending.returned(1)
+        raise
+    ending.returned(0)
+    ending.finish()
 
 
-class Finished:
-    """The worker's end of its "finished" pipe to the server."""
+def _exit_status(code: object) -> int:
+    """The exit status Python gives `sys.exit(code)`."""
+    return code & 0xFF if isinstance(code, int) else 1
 
-    def __init__(self, fd: int):
+
+class Ending:
+    """The worker's end of its pipe to the server, and the bound on its exit (module docstring)."""
+
+    def __init__(self, fd: int, timeout_s: float):
         self.fd, self.pid, self.pipe = fd, os.getpid(), _identity(fd)
+        self.timeout_s = timeout_s
+        self.step = "exiting"  # what the main thread is doing, for the watchdog's line
+        self._done = threading.Event()
 
-    def tell(self) -> None:
+    def returned(self, status: int) -> None:
+        """The script ended with `status`: say so, and bound what the exit may take."""
+        if os.getpid() != self.pid:
+            return  # a child the script forked and that returned: not the worker
+        self._write(RETURNED + b" %d\n" % status)
+        threading.Thread(target=self._watch, args=(status,), name="ftrain-exit-watchdog",
+                         daemon=True).start()
+
+    def finish(self) -> None:
         """The script ended well: do the first steps of Python's exit in Python's order,
         then tell the server, before the interpreter finalizes (see the module docstring)."""
         if os.getpid() != self.pid:
-            return  # a child the script forked and that returned: not the worker
+            return
+        self.step = "joining non-daemon threads"
         threading._shutdown()  # joins non-daemon threads; Py_FinalizeEx's call is then a no-op
+        self.step = "running atexit handlers"
         atexit._run_exitfuncs()  # runs and clears them, as Py_FinalizeEx would next
+        self.step = "flushing its output"
         for stream in (sys.stdout, sys.stderr):
             try:
                 if stream is not None:
                     stream.flush()
             except (OSError, ValueError):
                 return  # Python exits 120 for output it could not write: not finished
+        self._done.set()
+        self._write(FINISHED + b"\n")
+
+    def _write(self, line: bytes) -> None:
         # The script may have closed the fd, and its number may now be one of its own files.
         if _identity(self.fd) == self.pipe:
             with contextlib.suppress(OSError):
-                os.write(self.fd, FINISHED)
+                os.write(self.fd, line)
+
+    def _watch(self, status: int) -> None:
+        if self._done.wait(self.timeout_s):
+            return
+        frames = sys._current_frames()
+        main = threading.main_thread()
+        stuck = [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not main]
+        threads = ", ".join(f"{t.name!r} (at {_where(frames.get(t.ident))})" for t in stuck) or "none"
+        line = (f"ftrain: the script returned (exit status {status}), but {self.timeout_s:g} s later "
+                f"({EXIT_TIMEOUT_ENV}={self.timeout_s:g}) its worker was still {self.step}, the main "
+                f"thread at {_where(frames.get(main.ident))}; abandoning non-daemon threads: "
+                f"{threads}; exiting with status {status}\n")
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode(errors="replace"))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+
+def _where(frame) -> str:
+    """Where a thread waits: its innermost frame outside `threading` and this file."""
+    if frame is None:
+        return "an unknown place"
+    innermost = frame
+    while frame is not None and frame.f_code.co_filename in (threading.__file__, __file__):
+        frame = frame.f_back
+    frame = frame or innermost
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
 
 
 def _identity(fd: int) -> tuple[int, int] | None:

@@ -13,7 +13,11 @@ milliseconds) as the worker's entry point. It
    code, or killed by the same signal), so torchrun sees no difference, and says on
    stderr which signal killed it unless torchrun sent that signal; only a worker
    that finished its script and then crashed in the interpreter's teardown exits 0, with
-   the server's note on stderr;
+   the server's note on stderr. Once the server says the script has returned, it waits for
+   the worker's exit at most the bound the server gives (the job's exit timeout plus a
+   grace for the interpreter's finalization): then it kills the worker and exits with the
+   script's status, saying so on stderr. It never waits without a bound for a worker whose
+   script is done;
 3. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
    torchrun would have.
 
@@ -28,6 +32,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 # worker.env.FTRAIN_FORK_SERVER_SOCKET: this file imports only the standard library (see there).
@@ -83,14 +88,9 @@ def _forked_worker(name, command):
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    try:
-        line = replies.readline()
-        reply = json.loads(line) if line else {}
-        status = reply.get("status")
-    except (OSError, ValueError, AttributeError):
-        status = None
-    if status is not None and reply.get("note"):
-        sys.stderr.write(f"ftrain: {reply['note']}\n")
+    status, note = _wait(conn, replies, child)
+    if note:
+        sys.stderr.write(f"ftrain: {note}\n")
         sys.stderr.flush()
     if status is None:  # the fork server went away: the worker must not outlive it here
         forward(signal.SIGKILL, None)
@@ -108,6 +108,44 @@ def _forked_worker(name, command):
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _wait(conn, replies, child):
+    """(wait status or None if the server went away, a note to print) for the worker `child`.
+
+    Unbounded while the script runs; bounded once the server says it has returned.
+    """
+    deadline = returned = None
+    while True:
+        if deadline is not None:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            line = replies.readline()
+        except TimeoutError:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            waited = time.monotonic() - returned[1]
+            note = (f"the script returned (exit status {returned[0]}), but its worker (pid {child}) "
+                    f"had not exited {waited:.0f} s later; killed it; reported as exit {returned[0]}")
+            return returned[0] << 8, note
+        except (OSError, ValueError):
+            return None, None
+        try:
+            reply = json.loads(line) if line else {}
+        except ValueError:
+            reply = {}
+        if not isinstance(reply, dict) or not line:
+            return None, None
+        now = time.monotonic()
+        if "status" in reply:
+            return reply["status"], reply.get("note")
+        if "returned" in reply:
+            returned = (int(reply["returned"]), now)
+        if returned is not None and "bound_s" in reply:  # "returned", then "finished"
+            bound = now + float(reply["bound_s"])
+            deadline = bound if deadline is None else min(deadline, bound)
 
 
 def main(argv):

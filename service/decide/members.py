@@ -3,14 +3,17 @@
 A member moves from 'assigned' to 'running', then to one final state of the attempt:
 'succeeded', 'failed' or 'stopped'. A report for another attempt, for a node that is not
 a member, or for a member already final, changes nothing: reports cross restarts on the
-wire, and a late one must not revive or re-end a member. Whether the new states end the
-job is `outcome.by_members`, which the scheduler applies.
+wire, and a late one must not revive or re-end a member. A live member that stops while
+another member has finished is recorded as failed (`outcome.failed_after_finish`), except
+during a cancel or after the scheduler told the members to stop. Whether the new states
+end the job is `outcome.by_members`, which the scheduler applies.
 """
 
 from __future__ import annotations
 
+from service.decide import outcome
 from service.decide.change import Change
-from service.models import JobRecord
+from service.models import JobRecord, JobState
 
 AGENT_RESTARTED = "the node's agent restarted"
 
@@ -25,8 +28,11 @@ def decide_report(job: JobRecord, node: str, attempt: int, state: str, exit_code
         return None
     if not member.is_live():  # stopped/succeeded/failed are final for this attempt
         return None
-    members = {**job.members, node: member.model_copy(
-        update={"state": state, "exit_code": exit_code, "reason": reason})}
+    updated = member.model_copy(update={"state": state, "exit_code": exit_code, "reason": reason})
+    if state == "stopped" and not job.stopping and job.state is not JobState.CANCELLING:
+        updated = outcome.failed_after_finish(
+            job.members, node, f"its workers stopped ({reason or 'no reason given'})") or updated
+    members = {**job.members, node: updated}
     return Change(job.model_copy(update={"members": members, "updated_at": now}))
 
 
@@ -36,6 +42,10 @@ def decide_registered(job: JobRecord, node: str, attempt: int, now: float) -> Ch
 
 
 def is_recorded(job: JobRecord, node: str, attempt: int, state: str) -> bool:
-    """The stored job shows the report (so it was applied now or before), not a stale one."""
+    """The stored job shows the report (so it was applied now or before), not a stale one.
+
+    A 'stopped' that came after another member finished is stored as 'failed'."""
     member = job.members.get(node)
-    return job.attempt == attempt and member is not None and member.state == state
+    if job.attempt != attempt or member is None:
+        return False
+    return member.state == state or (state == "stopped" and member.state == "failed")

@@ -1,11 +1,37 @@
 """When a job ends: the one answer, used by the scheduler and by the rounds report.
 
-A job ends in two ways besides a cancel. Its members say so: one member's workers failed
-(the first, by node name, is named), or some succeeded and none is running any more
-(`by_members`). Or its workers failed once more than `max_restarts` allows (`by_restarts`;
-`rounds` decides what counts as a restart). A node that vanished or whose agent restarted
-is "stopped": it neither fails a job nor keeps it from succeeding; whether the others can
-go on without it is a scheduling question (`scheduling.plan`), not an ending.
+A job ends in two ways besides a cancel. Its members say so (`by_members`), or its workers
+failed once more than `max_restarts` allows (`by_restarts`; `rounds` decides what counts as
+a restart, `hangs` adds a step that stops advancing).
+
+A member's states in one attempt: live ('assigned', 'running'), then one of 'succeeded'
+(finished: every worker on the node exited 0), 'failed' or 'stopped' (the node vanished,
+its agent restarted, or it was told to stop). The rules, torchrun's own for success:
+
+- **Finished is done, not gone.** A finished member keeps its node until the job ends: the
+  node is not lost (its lease may lapse: nothing of the job runs there), not free (no job,
+  this one included, is given it), and it counts towards `nodes.min`. Nodes of one group
+  finish at different moments; treating the first one as lost sent a `min == max` job back
+  to PENDING and ran it again for ever (issue 10). A finished member is never restarted or
+  given new work by this job: once one member has finished the job is *ending*, and its
+  membership no longer changes (no scale-up, no drain, no restart of the others).
+- **SUCCEEDED when every member finished**, i.e. some member finished and none is running
+  or failed. Members that took no part in the end do not hold it up: one still 'assigned'
+  (given to the job, its workers never joined) and one 'stopped' before any member had
+  finished (the group went on without it: torchrun re-formed it, or the scheduler restarted
+  the others).
+- **A failure is a failure**, in whatever order: one failed member fails the job (the first
+  by node name is named), even if the others finished.
+- **Vanishing while the job ends is a failure.** A live member that vanishes (its lease
+  lapses, its agent restarts, it stops on its own) after another member finished cannot
+  have finished its part (rank 0's last save may be what it was doing), and the finished
+  ones cannot be restarted without it: the member is recorded as failed
+  (`failed_after_finish`), which fails the job with a reason that says so. Its snapshots
+  are kept. Before any member finished, a vanished member is a scheduling question
+  (`scheduling.plan`: go on without it, restart the others, or back to PENDING), not an
+  ending.
+- During a cancel (CANCELLING) the job ends CANCELLED once no member is live, whatever
+  the members did.
 """
 
 from __future__ import annotations
@@ -41,6 +67,22 @@ def by_members(members: Mapping[str, MemberStatus]) -> Outcome | None:
     if "succeeded" in states and "running" not in states:
         return Outcome(S.SUCCEEDED, "every worker exited 0")
     return None
+
+
+def finished_members(members: Mapping[str, MemberStatus]) -> list[str]:
+    """The members whose workers all exited 0, by name; any at all means the job is ending."""
+    return sorted(n for n, m in members.items() if m.is_finished())
+
+
+def failed_after_finish(members: Mapping[str, MemberStatus], name: str, why: str) -> MemberStatus | None:
+    """Member `name`, which vanished (`why`), recorded as failed if another member had
+    finished already; None if none had (then vanishing is not an ending)."""
+    done = finished_members(members)
+    if not done:
+        return None
+    return members[name].model_copy(update={"state": "failed", "exit_code": None, "reason": (
+        f"{why} after node(s) {', '.join(done)} finished; the job succeeds only when every "
+        "node's workers exit 0, and finished nodes are not run again (snapshots are kept)")})
 
 
 def by_restarts(restarts: int, max_restarts: int, last_lines: Sequence[str] = ()) -> Outcome | None:

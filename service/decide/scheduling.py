@@ -12,7 +12,10 @@ pending job can use them. A lost node (its lease lapsed) leaves the job; if fewe
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
 released. Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at
 a step boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
-When the members' reports end the job is `outcome.by_members`.
+When the members' reports end the job is `outcome.by_members`. A member that finished
+(its workers exited 0) keeps its node until the job ends and counts towards `min`; once
+one has, the job is ending and none of the above changes its membership any more
+(`outcome` has the rules and why).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class _Draft:
 
 
 def live_members(job: JobRecord) -> list[str]:
+    """Members whose workers run or are about to (not finished, failed or stopped)."""
     return sorted(n for n, m in job.members.items() if m.is_live())
 
 
@@ -125,12 +129,16 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                    control=None, stopping=False)
         return d.result(job)
 
-    # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone.
+    # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
+    # (a finished member is not lost: nothing of the job runs there any more).
     members = dict(job.members)
     for name in sorted(members):
         if members[name].is_live() and name not in nodes:
-            members[name] = members[name].model_copy(update={"state": "stopped",
-                                                            "reason": "node lost"})
+            stopped = members[name].model_copy(update={"state": "stopped", "reason": "node lost"})
+            if d.job.state is not S.CANCELLING:
+                stopped = outcome.failed_after_finish(members, name, "node lost (its lease lapsed)") \
+                    or stopped
+            members[name] = stopped
             d.update(members=dict(members))
             d.note(f"node {name} lost (its lease lapsed)")
 
@@ -150,6 +158,9 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     if ended is not None:
         stop = {"stopping": True} if ended.stops_workers else {}
         d.move(ended.state, ended.reason, control=None, **stop)
+        return d.result(job)
+    if outcome.finished_members(d.job.members):
+        # Ending: the others are finishing; nothing of the job is restarted, moved or added.
         return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
@@ -203,8 +214,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
 
 
 def free_nodes(jobs: list[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:
-    """Live nodes that no active job holds, by name."""
-    held = {n for j in jobs if j.state.is_active() for n in live_members(j)}
+    """Live nodes that no active job holds (a finished member holds its node), by name."""
+    held = {n for j in jobs if j.state.is_active() for n, m in j.members.items() if m.holds_node()}
     return sorted(n for n in nodes if n not in held)
 
 

@@ -81,6 +81,7 @@ def test_list_filters_by_state_and_paginates(api):
     ({**SPEC, "max_restarts": -1}, "max_restarts"),
     ({**SPEC, "snapshot": {"every_steps": 0}}, "snapshot.every_steps"),
     ({**SPEC, "snapshot": {"keep": 0}}, "snapshot.keep"),
+    ({**SPEC, "hang_timeout_s": 0}, "hang_timeout_s"),
     ({**SPEC, "env": {"BAD-NAME": "x"}}, "env"),
     ({**SPEC, "env": {"RANK": "3"}}, "env"),
     ({**SPEC, "env": {f"V{i}": "x" for i in range(200)}}, "env"),

@@ -25,6 +25,8 @@ def main() -> int:
     ap.add_argument("--fail", action="store_true", help="exit 3 after the first step")
     ap.add_argument("--crash-on-exit", action="store_true",
                     help="finish well, then abort while the interpreter tears down")
+    ap.add_argument("--finish-late", type=float, default=0.0, metavar="S",
+                    help="rank 0 returns S seconds after the others (a final save, say)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -60,6 +62,8 @@ def main() -> int:
             return 3
         time.sleep(args.step_time)
     dist.destroy_process_group()
+    if rank == 0 and args.finish_late:
+        time.sleep(args.finish_late)
     if args.crash_on_exit:
         global crash_on_teardown
         crash_on_teardown = CrashOnTeardown()  # released when the module is torn down

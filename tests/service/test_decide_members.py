@@ -67,3 +67,25 @@ def test_is_recorded(stored_state, attempt, report, recorded):
     job = make_job(S.RUNNING, {"a": stored_state})
     assert is_recorded(job, "a", attempt, report) is recorded
     assert not is_recorded(job, "z", 1, report)
+
+
+@pytest.mark.parametrize("job_state,stopping,recorded_as", [
+    (S.RUNNING, False, "failed"),  # it cannot have finished its part: the job fails
+    (S.RECOVERING, False, "failed"),
+    (S.CANCELLING, True, "stopped"),  # told to stop: a stop is what was asked for
+    (S.RUNNING, True, "stopped"),
+])
+def test_a_member_that_stops_after_another_finished(job_state, stopping, recorded_as):
+    job = make_job(job_state, {"a": "succeeded", "b": "running"}, stopping=stopping)
+    change = decide_registered(job, "b", 1, NOW)
+    member = change.job.members["b"]
+    assert member.state == recorded_as
+    if recorded_as == "failed":
+        assert member.reason.startswith(f"its workers stopped ({AGENT_RESTARTED}) after node(s) a finished")
+    assert is_recorded(change.job, "b", 1, "stopped")
+
+
+def test_a_member_that_stops_before_any_finished_is_stopped():
+    change = decide_report(make_job(S.RUNNING, {"a": "running", "b": "running"}), "b", 1,
+                           "stopped", None, "gone", NOW)
+    assert change.job.members["b"].state == "stopped"

@@ -153,3 +153,48 @@ def test_pending_jobs_get_free_nodes_before_scale_ups():
 def test_free_nodes_excludes_live_members_of_active_jobs():
     a = job(S.RUNNING, {"a": "running", "b": "stopped"})
     assert free_nodes([a], nodes("a", "b", "c")) == ["b", "c"]
+
+
+# A member whose workers exited 0 is finished: not lost, not free, counted for `min`
+# (issue 10, finding 1; the orders of endings are tabled in test_decide_outcome.py).
+
+def test_a_finished_member_counts_towards_min_so_the_job_does_not_go_back_to_pending():
+    j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2)
+    assert plan(j, nodes("a", "b"), [], NOW, CFG) is None
+
+
+def test_a_finished_member_whose_node_vanished_is_not_lost():
+    j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2)
+    assert plan(j, nodes("b"), [], NOW, CFG) is None
+    done = j.model_copy(update={"members": {**j.members, "b": MemberStatus(state="succeeded")}})
+    assert plan(done, nodes("b"), [], NOW, CFG).job.state is S.SUCCEEDED
+
+
+def test_a_finished_members_node_is_not_free_for_another_job():
+    ending = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2, jid="ending")
+    waiting = job(S.PENDING, mn=1, mx=1, jid="waiting", created=2.0)
+    assert free_nodes([ending, waiting], nodes("a", "b")) == []
+    assert schedule([ending, waiting], nodes("a", "b"), NOW, CFG) == []
+
+
+def test_an_ending_job_is_not_scaled_up_drained_or_restarted():
+    ending = {"a": "succeeded", "b": "running"}
+    j = job(S.RUNNING, ending, mn=1, mx=3, reports_progress=True)
+    assert plan(j, nodes("a", "b", "c"), ["c"], NOW, CFG) is None  # no join
+    assert plan(j, nodes("a", "b", draining=("b",)), [], NOW, CFG) is None  # no drain
+    c = Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="join", requested_at=NOW - 11)
+    paused = job(S.RUNNING, ending, mn=1, mx=3, control=c)
+    assert plan(paused, nodes("a", "b"), [], NOW, CFG) is None  # no called-off restart
+
+
+def test_a_member_lost_after_another_finished_fails_the_job():
+    j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=1, mx=2)
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.state is S.FAILED and p.job.stopping and p.job.attempt == j.attempt
+    assert p.job.reason.startswith("node b: node lost (its lease lapsed) after node(s) a finished")
+
+
+def test_a_member_lost_after_another_finished_during_a_cancel_just_stops():
+    j = job(S.CANCELLING, {"a": "succeeded", "b": "running"}, mn=1, mx=2, stopping=True)
+    p = plan(j, nodes("a"), [], NOW, CFG)
+    assert p.job.state is S.CANCELLED and p.job.members["b"].state == "stopped"

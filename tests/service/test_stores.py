@@ -13,11 +13,13 @@ import pytest
 
 from service import scheduler
 from service.context import Context
+from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNotFound
-from service.models import JobSpec, JobState, NodeState
+from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from worker.protocol import ProgressReport
 
 
 class ManualClock:
@@ -109,6 +111,44 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
         clock.now += 7  # the node's lease lapses: the job goes back to waiting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout_s():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        spec = JobSpec(name="t", command=["true"], hang_timeout_s=5, max_restarts=1)
+        job, _ = await ctx.jobs.create(spec)
+        await ctx.nodes.register("n0", 1, None, ttl_s=600)
+        watches: dict = {}
+
+        async def tick_at(now: float, step: int | None = None) -> JobRecord:
+            clock.now = now
+            if step is not None:  # its group formed (a round), and rank 0 reports this step
+                current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+                    "rounds": max(j.rounds, 1)})))
+                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches)
+            return await ctx.jobs.get(job.id)
+
+        assert (await tick_at(1000)).state is JobState.RUNNING
+        await tick_at(1001, step=1)
+        assert (await tick_at(1005.9, step=2)).attempt == 1  # advancing: no hang
+        assert (await tick_at(1010.8)).attempt == 1  # 4.9 s since step 2
+        hung = await tick_at(1010.9)
+        assert (hung.state, hung.attempt, hung.restarts) == (JobState.RECOVERING, 2, 1)
+        assert (await ctx.jobs.events(job.id))[-1].reason == \
+            "no progress for 5 s (hang_timeout_s=5); restarting the workers (1 of 1)"
+        await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+            "state": JobState.RUNNING, "rounds": 1})))  # the new group formed
+        assert (await tick_at(1020)).state is JobState.RUNNING
+        failed = await tick_at(1025)  # and made no progress either
+        assert failed.state is JobState.FAILED and failed.stopping
+        assert failed.reason == "no progress for 5 s (hang_timeout_s=5); workers failed 2 times " \
+                                "(max_restarts=1)"
 
     asyncio.run(main())
 

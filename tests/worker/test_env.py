@@ -26,6 +26,7 @@ def test_every_constant_is_named_after_its_variable_and_names_differ():
 def test_the_stdlib_only_entry_points_repeat_the_names_of_worker_env():
     assert launch.FORK_SERVER_SOCKET_ENV == env.FTRAIN_FORK_SERVER_SOCKET
     assert fork_server.IMPORTS_ENV == env.FTRAIN_FORK_SERVER_IMPORTS
+    assert fork_server.EXIT_TIMEOUT_ENV == env.FTRAIN_EXIT_TIMEOUT_S
 
 
 def test_worker_modules_use_the_constants_not_string_literals():
@@ -43,4 +44,5 @@ def test_worker_modules_use_the_constants_not_string_literals():
 def test_a_job_may_set_exactly_the_job_knobs():
     from service.models import USER_FTRAIN_ENV
 
-    assert set(USER_FTRAIN_ENV) == {"FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS"}
+    assert set(USER_FTRAIN_ENV) == {"FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS",
+                                    "FTRAIN_EXIT_TIMEOUT_S"}

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ PROBE = textwrap.dedent("""
                 abort()
 
         crash_on_teardown = CrashOnTeardown()
+    if mode.startswith("thread-blocks"):
+        # main() returns (or exits 3) while a non-daemon thread waits for ever
+        import threading
+        threading.Thread(target=threading.Event().wait, name="stuck").start()
+        if mode == "thread-blocks-exit3":
+            sys.exit(3)
+    if mode == "atexit-blocks":
+        import atexit, threading
+
+        def flush_forever():
+            threading.Event().wait()
+
+        atexit.register(flush_forever)
+    if mode == "finalize-blocks":
+        # Stuck at the interpreter's teardown holding the GIL (a C call through PyDLL keeps
+        # it): no Python thread can run then, so only the launcher can end the worker.
+        import ctypes
+
+        class BlockOnTeardown:
+            def __del__(self, pause=ctypes.PyDLL(None).pause):
+                pause()
+
+        block_on_teardown = BlockOnTeardown()
     if mode == "sleep":
         import signal, time
         signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
@@ -169,6 +193,52 @@ def test_a_crash_in_the_interpreters_teardown_after_the_script_finished_is_exit_
     assert [x for x in lines if x in ("thread done", "atexit ran")] == ["thread done", "atexit ran"]
     server_log = (tmp_path / "server.log").read_text()
     assert f"worker {report(tmp_path)['pid']}: the script finished" in server_log
+
+
+EXIT_TIMEOUT = {"FTRAIN_EXIT_TIMEOUT_S": "1"}
+
+
+def timed_launch(tmp_path: Path, name: str, mode: str) -> tuple[subprocess.Popen, float]:
+    started = time.monotonic()
+    proc = launch(tmp_path, name, mode, env=EXIT_TIMEOUT)
+    return proc, time.monotonic() - started
+
+
+@pytest.mark.parametrize(("mode", "status"), [("thread-blocks", 0), ("thread-blocks-exit3", 3)])
+def test_a_worker_whose_script_returned_exits_within_the_bound_whatever_its_threads_do(
+        tmp_path, fork_server, mode, status):
+    name, _ = fork_server
+    proc, took = timed_launch(tmp_path, name, mode)
+    assert report(tmp_path)["preloaded"] is True
+    assert proc.returncode == status and took < 15  # without the bound: never
+    err = (tmp_path / "err").read_text()
+    assert (f"ftrain: the script returned (exit status {status}), but 1 s later "
+            "(FTRAIN_EXIT_TIMEOUT_S=1) its worker was still "
+            f"{'joining non-daemon threads' if status == 0 else 'exiting'}") in err
+    assert "abandoning non-daemon threads: 'stuck' (at wait (" in err
+    assert f"exiting with status {status}" in err
+    assert not pid_alive(report(tmp_path)["pid"])
+
+
+def test_a_worker_stuck_in_an_atexit_handler_exits_within_the_bound(tmp_path, fork_server):
+    name, _ = fork_server
+    proc, took = timed_launch(tmp_path, name, "atexit-blocks")
+    assert proc.returncode == 0 and took < 15
+    err = (tmp_path / "err").read_text()
+    assert "its worker was still running atexit handlers, the main thread at flush_forever (" in err
+    assert "abandoning non-daemon threads: none" in err
+    assert not pid_alive(report(tmp_path)["pid"])
+
+
+def test_a_worker_stuck_in_teardown_holding_the_gil_is_killed_by_its_launcher(tmp_path, fork_server):
+    name, _ = fork_server
+    proc, took = timed_launch(tmp_path, name, "finalize-blocks")
+    assert proc.returncode == 0 and took < 15
+    worker = report(tmp_path)["pid"]
+    err = (tmp_path / "err").read_text()
+    assert (f"ftrain: the script returned (exit status 0), but its worker (pid {worker}) had not "
+            "exited 1 s later; killed it; reported as exit 0") in err, err
+    wait_for(lambda: not pid_alive(worker), 10, "the killed worker to be gone")
 
 
 @pytest.mark.parametrize("mode", ["abort", "atexit-abort", "child-returns"])

@@ -1,0 +1,32 @@
+"""A runtime job that trains for --steps steps, reporting progress, then stops stepping:
+it sleeps for ever, as a worker stuck in a collective or a data loader would (issue 10,
+`hang_timeout_s`). Rank 0 prints `hanging at step=N attempt=A` when it stops."""
+
+import argparse
+import os
+import time
+
+import torch
+
+from worker import runtime
+from worker.env import FTRAIN_ATTEMPT
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--step-time", type=float, default=0.2)
+    args = ap.parse_args()
+    rt = runtime.init()
+    model = rt.wrap(torch.nn.Linear(4, 1))
+    rt.restore(model=model)
+    while rt.step < args.steps:
+        time.sleep(args.step_time)
+        rt.step_done(loss=0.0)
+    if rt.is_chief:
+        print(f"hanging at step={rt.step} attempt={os.environ.get(FTRAIN_ATTEMPT)}", flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

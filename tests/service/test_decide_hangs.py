@@ -1,0 +1,123 @@
+"""Hangs as a table: a job whose step stops advancing for `hang_timeout_s` is restarted as
+after a worker failure, then fails once its restarts are spent (fixed `now`, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from service.decide.hangs import Watch, decide_hang, is_watched, observe
+from service.models import Control, ControlAction, JobSpec, JobState, MemberStatus
+from tests.service.records import NOW, make_job
+
+S = JobState
+WHAT = "no progress for 3 s (hang_timeout_s=3)"
+
+
+def hung(state=S.RUNNING, members=None, *, timeout: float | None = 3, restarts=0, max_restarts=1,
+         **fields):
+    job = make_job(state, members or {"a": "running", "b": "running"}, max_restarts=max_restarts,
+                   rounds=fields.pop("rounds", 1), round_nodes=2, world_size=2, restarts=restarts,
+                   **fields)
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"hang_timeout_s": timeout})})
+
+
+@pytest.mark.parametrize("job,step,advanced_at", [
+    (hung(timeout=None), 7, NOW - 1e6),  # no hang timeout in the spec: never watched
+    (hung(), None, NOW - 1e6),  # rank 0 never reported progress (no runtime)
+    (hung(), 7, NOW - 2.9),  # not yet
+    (hung(S.RECOVERING), 7, NOW - 1e6),  # torchrun is re-forming the group
+    (hung(S.CANCELLING), 7, NOW - 1e6),
+    (hung(S.PENDING, {}), 7, NOW - 1e6),
+    (hung(S.SUCCEEDED), 7, NOW - 1e6),
+    (hung(rounds=0), 7, NOW - 1e6),  # the new attempt's group has not formed yet
+    (hung(control=Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="join",
+                          requested_at=NOW - 100)), 7, NOW - 1e6),  # paused for a planned change
+])
+def test_no_hang(job, step, advanced_at):
+    assert decide_hang(job, step, advanced_at, NOW) is None
+
+
+@pytest.mark.parametrize("since", [3.0, 3.1, 1e6])
+def test_a_hang_restarts_the_workers_under_a_new_attempt_and_counts_as_a_failure(since):
+    job = hung(max_restarts=2, restarts=1)
+    change = decide_hang(job, 7, NOW - since, NOW)
+    new = change.job
+    assert (new.state, new.attempt, new.restarts) == (S.RECOVERING, 2, 2)
+    assert new.reason == f"{WHAT}; restarting the workers (2 of 2)"
+    assert [(e.state, e.reason) for e in change.events] == [(S.RECOVERING, new.reason)]
+    assert new.members == {"a": MemberStatus(), "b": MemberStatus()}  # assigned afresh
+    assert (new.rounds, new.round_nodes, new.world_size, new.stopping) == (0, 0, 0, False)
+    assert not is_watched(new)  # until the new group forms
+
+
+@pytest.mark.parametrize("restarts,max_restarts", [(1, 1), (0, 0), (5, 3)])
+def test_a_hang_once_the_restarts_are_spent_fails_the_job(restarts, max_restarts):
+    change = decide_hang(hung(restarts=restarts, max_restarts=max_restarts), 7, NOW - 3, NOW)
+    new = change.job
+    assert new.state is S.FAILED and new.stopping and new.attempt == 1
+    assert new.reason == (f"{WHAT}; workers failed {restarts + 1} times "
+                          f"(max_restarts={max_restarts})")
+    assert [e.state for e in change.events] == [S.FAILED]
+
+
+def test_a_hang_after_a_node_finished_fails_the_job_it_cannot_restart():
+    change = decide_hang(hung(members={"a": "succeeded", "b": "running"}), 7, NOW - 3, NOW)
+    new = change.job
+    assert new.state is S.FAILED and new.stopping and new.restarts == 0
+    assert new.reason.startswith(f"{WHAT} after node(s) a finished; finished nodes are not run again")
+
+
+def test_a_hang_ignores_members_that_left_before_it():
+    change = decide_hang(hung(members={"a": "running", "b": "stopped"}), 7, NOW - 3, NOW)
+    assert list(change.job.members) == ["a"]
+
+
+# ------------------------------------------------------------------ the clock
+
+JOB = hung()
+SEEN = Watch(attempt=1, rounds=1, watched=True, step=7, since=NOW - 10)
+
+
+@pytest.mark.parametrize("job,step,restarts_clock", [
+    (JOB, 7, False),  # nothing changed: the clock goes on
+    (JOB.model_copy(update={"updated_at": NOW}), 7, False),  # a write that is no progress
+    (JOB, 8, True),  # the step advanced
+    (JOB, 6, True),  # or went back (resumed from a snapshot)
+    (JOB.model_copy(update={"attempt": 2}), 7, True),  # a new attempt
+    (JOB.model_copy(update={"rounds": 2}), 7, True),  # the group re-formed
+    (JOB.model_copy(update={"state": S.RECOVERING}), 7, True),  # no longer watched
+])
+def test_observe_restarts_the_clock_on_progress_and_on_a_new_group(job, step, restarts_clock):
+    got = observe(SEEN, job, step, NOW)
+    assert got.since == (NOW if restarts_clock else SEEN.since)
+    assert (got.attempt, got.rounds, got.watched, got.step) == (job.attempt, job.rounds,
+                                                                  is_watched(job), step)
+
+
+def test_observe_starts_a_clock_for_a_job_it_has_not_seen():
+    assert observe(None, JOB, 7, NOW) == Watch(1, 1, True, 7, NOW)
+
+
+def test_a_new_group_gets_the_whole_timeout_before_its_first_step():
+    restarted = decide_hang(JOB, 7, NOW - 3, NOW).job
+    formed = restarted.model_copy(update={"state": S.RUNNING, "rounds": 1})
+    watch = observe(observe(None, restarted, 7, NOW), formed, 7, NOW + 5)
+    assert watch.since == NOW + 5
+    assert decide_hang(formed, watch.step, watch.since, NOW + 7.9) is None
+    assert decide_hang(formed, watch.step, watch.since, NOW + 8).job.state is S.FAILED
+
+
+# ------------------------------------------------------------------ the spec
+
+@pytest.mark.parametrize("value", [2, 3.5, 600, 7 * 24 * 3600])
+def test_hang_timeout_s_in_the_spec(value):
+    assert JobSpec(name="j", command=["x"], hang_timeout_s=value).hang_timeout_s == value
+    assert JobSpec(name="j", command=["x"]).hang_timeout_s is None
+
+
+@pytest.mark.parametrize("value", [0, 1, 1.9, -3, 7 * 24 * 3600 + 1, "soon", float("nan"), True])
+def test_hang_timeout_s_out_of_range_is_refused(value):
+    with pytest.raises(ValidationError) as err:
+        JobSpec(name="j", command=["x"], hang_timeout_s=value)
+    assert err.value.errors()[0]["loc"] == ("hang_timeout_s",)
