@@ -16,7 +16,8 @@ async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
-        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
+        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
+                      contact=ctx.contact),
         name="scheduler"))
 
 

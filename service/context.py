@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.contact import Contact
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keys import Keys
@@ -30,6 +31,7 @@ class Context:
     progress: ProgressStore
     logs: LogStore
     index: JobIndex
+    contact: Contact  # this replica's contact with etcd (its own outages)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -47,4 +49,5 @@ class Context:
         jobs = JobStore(kv, keys)
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs), progress=ProgressStore(jobs),
-                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys))
+                   logs=LogStore(kv, keys, settings.log_keep_lines), index=JobIndex(kv, keys),
+                   contact=Contact(settings.node_ttl_s))

@@ -5,6 +5,10 @@ every change under the job and node prefixes (an etcd watch) and at least every
 `scheduler_interval_s`, it reads the nodes and the unfinished jobs and applies `plan`
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
 compare-and-set, so a decision is never written over a change it did not see.
+
+Every replica's loop also notes when it last reached etcd (`service.contact`); when it
+starts, or comes back from a gap, nodes whose leases lapsed meanwhile get a grace before
+they count as lost (`service.decide.liveness`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import logging
 import time
 
+from service.contact import Contact
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
@@ -40,18 +45,18 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
-               last_reason: dict[str, str]) -> None:
+               last_reason: dict[str, str], grace_until: float = 0.0) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
-    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
+    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg, grace_until):
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
             free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
                               live_nodes)
-            again = plan(current, live_nodes, free, jobs.clock(), cfg)
+            again = plan(current, live_nodes, free, jobs.clock(), cfg, grace_until)
             return None if again is None else Change(again.job, again.events)
 
         try:
@@ -115,7 +120,8 @@ class Leadership:
 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
-              interval_s: float, cfg: SchedulerConfig | None = None) -> None:
+              interval_s: float, cfg: SchedulerConfig | None = None,
+              contact: Contact | None = None) -> None:
     """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
     wake = asyncio.Event()
@@ -124,14 +130,18 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     last_reason: dict[str, str] = {}
     last_lead_check = 0.0
     leading = False
+    contact = contact or Contact(node_ttl_s=6.0)
     try:
         while True:
             try:
+                contact.observe()
                 if time.monotonic() - last_lead_check > 1.0:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
+                    contact.reached()
                 if leading:
-                    await tick(jobs, nodes, index, cfg, last_reason)
+                    await tick(jobs, nodes, index, cfg, last_reason, contact.grace_until)
+                    contact.reached()
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)
