@@ -11,12 +11,11 @@ The logic is in `service.rendezvous.Rendezvous`; these handlers only translate.
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 
-from service.deps import ContextDep, Credentials
+from service.deps import ContextDep, Credentials, _matches, _unauthorized
 from service.errors import JobNotFound
 from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
 from worker.protocol import (
@@ -36,15 +35,6 @@ from worker.protocol import (
     StateChange,
     ValueResult,
 )
-
-
-def _matches(given: str, expected: str | None) -> bool:
-    return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
-
-
-def _unauthorized(detail: str) -> HTTPException:
-    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail=detail,
-                         headers={"WWW-Authenticate": "Bearer"})
 
 
 async def current_rendezvous(
