@@ -90,6 +90,7 @@ class Paths:
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
     job_logs: Path = field(init=False)
+    secret_dir: Path = field(init=False)
     lock: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,8 @@ class Paths:
         # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
         # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
         self.job_logs = r / "job-logs"
+        # The control plane's secret (job tokens are derived from it) and the jobs' secret env.
+        self.secret_dir = r / "secrets"
 
 
 # Pieces that decide, without starting anything (tested on their own).
@@ -335,7 +338,7 @@ class LocalCluster:
         env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
-                "--log-root", str(self.paths.job_logs)]
+                "--log-root", str(self.paths.job_logs), "--secret-dir", str(self.paths.secret_dir)]
         if o.retention_s is not None:
             argv += ["--retention", str(o.retention_s)]
         if o.retention_jobs is not None:
