@@ -89,7 +89,10 @@ class JobStore:
         expect = {self.keys.job(job.id): 0}
         idem_key = None
         if idempotency_key is not None:
-            digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+            # Keys are the submitter's own: another user's key is another key. (The admin's
+            # are unscoped, as every key was before there were users.)
+            scoped = idempotency_key if owner == ADMIN else f"{owner}\0{idempotency_key}"
+            digest = hashlib.sha256(scoped.encode()).hexdigest()
             idem_key = self.keys.idempotency(digest)
             # The record names its key, so that the key is deleted with the job (retention).
             job = job.model_copy(update={"idempotency_digest": digest})

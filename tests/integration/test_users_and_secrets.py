@@ -103,6 +103,13 @@ def test_users_own_their_jobs_only_owners_and_the_admin_cancel(api, control_plan
 
         job_id = submit(alice, job_spec("mine", mn=1, mx=1))
         assert alice.get(f"/v1/jobs/{job_id}").json()["owner"] == "alice"
+        # An Idempotency-Key is its user's own: the same key from another user is a new job.
+        same = {"json": job_spec("keyed", mn=1, mx=1), "headers": {"Idempotency-Key": "k1"}}
+        first, again, others = alice.post("/v1/jobs", **same), alice.post("/v1/jobs", **same), \
+            bob.post("/v1/jobs", **same)
+        assert (first.status_code, again.status_code, others.status_code) == (201, 200, 201)
+        assert again.json()["id"] == first.json()["id"] != others.json()["id"]
+        assert others.json()["owner"] == "bob"
         # Everyone reads every job (a shared queue) ...
         assert bob.get(f"/v1/jobs/{job_id}").status_code == 200
         assert job_id in [j["id"] for j in bob.get("/v1/jobs").json()["items"]]
