@@ -262,6 +262,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
         ("snapshot", f"step {snap['step']} ({snap['path']})" if snap else "-"),
         ("created", _when(job["created_at"])), ("updated", _when(job["updated_at"])),
     ]
+    if job.get("secret_env_names"):
+        rows.append(("secret env", ", ".join(job["secret_env_names"]) + " (values never shown)"))
     if job.get("finished_at"):
         rows.append(("finished", _when(job["finished_at"])))
     width = max(len(k) for k, _ in rows)

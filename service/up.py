@@ -16,6 +16,7 @@ started by `EtcdProcess`, which cannot take that hook; its PID is recorded in
 `<data-dir>/etcd.pid` and a leftover from a killed `up` is stopped on the next start.
 
 The data directory holds everything that must survive a restart: the tokens (mode 0600),
+the control-plane secret (`secrets/`, 0700: job tokens are derived from it),
 the etcd data and its ports, and the snapshots.
 """
 
@@ -452,8 +453,9 @@ class LocalCluster:
             rel = self.paths.root.relative_to(Path.cwd())
         self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
                  f"etcd {self.etcd.endpoint}")
-        self.say(f"data directory {rel}: user token in {rel}/token, node token in {rel}/node-token, "
-                 f"logs in {rel}/logs, the workers' output in {rel}/job-logs")
+        self.say(f"data directory {rel}: user (admin) token in {rel}/token, node token in "
+                 f"{rel}/node-token, the control-plane secret in {rel}/secrets, logs in {rel}/logs, "
+                 f"the workers' output in {rel}/job-logs")
         if self.agents:
             self.say(f"local nodes registered: {', '.join(nodes) or 'none yet'} "
                      f"(of {len(self.agents)} started)")
