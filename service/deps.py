@@ -100,8 +100,8 @@ async def require_job_or_node(
     if ctx.settings.node_token is None:
         return job
     assert creds is not None
-    if _matches(creds.credentials, ctx.job_token(job)) or _matches(creds.credentials,
-                                                                   ctx.settings.node_token):
+    job_token = ctx.job_token(job)  # derived, never stored (service.keyring)
+    if _matches(creds.credentials, job_token) or _matches(creds.credentials, ctx.settings.node_token):
         return job
     if _matches(creds.credentials, ctx.settings.user_token):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call job-runtime endpoints")
