@@ -27,6 +27,7 @@ from worker.env import (
     FTRAIN_LOG_LEVEL,
     FTRAIN_LOG_ROOT,
     FTRAIN_NODE_TOKEN,
+    FTRAIN_SECRET_DIR,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_ROOT,
     FTRAIN_USER_TOKEN,
@@ -86,13 +87,17 @@ def _is_loopback(host: str) -> bool:
 @click.option("--log-root", envvar=FTRAIN_LOG_ROOT, show_default="./.ftrain/job-logs",
               help="Directory of the workers' logs (a folder per job), shared by every control-plane "
                    "replica (NFS or similar, with POSIX locks).")
+@click.option("--secret-dir", envvar=FTRAIN_SECRET_DIR, show_default="./.ftrain/secrets",
+              help="Directory (0700) of the control-plane secret, from which job tokens are derived, "
+                   "and of the jobs' secret env values (never in etcd); made on first start. Every "
+                   "control-plane replica must use the same one (shared storage, as --log-root).")
 @click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
               show_default="67108864 (64 MiB)",
               help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
 @_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
-          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None,
-          retention_s: float | None, retention_jobs: int | None) -> None:
+          snapshot_root: str | None, log_root: str | None, secret_dir: str | None,
+          log_cap_bytes: int | None, retention_s: float | None, retention_jobs: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
 
@@ -102,7 +107,7 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
-    given = {"log_root": log_root, "log_cap_bytes": log_cap_bytes,
+    given = {"log_root": log_root, "secret_dir": secret_dir, "log_cap_bytes": log_cap_bytes,
              "retention_s": retention_s, "retention_jobs": retention_jobs}
     # Options given win; those not given are left to Settings (FTRAIN_LOG_ROOT, FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
@@ -225,10 +230,11 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         _print_json(jobs)
         return
     now = time.time()
-    _table([[j["id"], j["name"], j["state"], f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
+    _table([[j["id"], j["name"], j.get("owner", "-"), j["state"],
+             f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
              str(j.get("world_size", 0)), _progress(j), _ago(j["created_at"], now), j.get("reason", "")]
             for j in jobs],
-           ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
+           ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
 
 
 @main.command()
@@ -244,7 +250,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
     progress = job.get("progress") or {}
     snap = job.get("latest_snapshot")
     rows = [
-        ("id", job["id"]), ("name", job["name"]), ("state", job["state"]), ("reason", job["reason"]),
+        ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner", "-")),
+        ("state", job["state"]), ("reason", job["reason"]),
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
@@ -255,6 +262,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
         ("snapshot", f"step {snap['step']} ({snap['path']})" if snap else "-"),
         ("created", _when(job["created_at"])), ("updated", _when(job["updated_at"])),
     ]
+    if job.get("secret_env_names"):
+        rows.append(("secret env", ", ".join(job["secret_env_names"]) + " (values never shown)"))
     if job.get("finished_at"):
         rows.append(("finished", _when(job["finished_at"])))
     width = max(len(k) for k, _ in rows)
@@ -283,7 +292,8 @@ def events(client: FtrainClient, as_json: bool, job_id: str) -> None:
     if as_json:
         _print_json(items)
         return
-    _table([[_when(e["time"]), e["state"], e["reason"]] for e in items], ["TIME", "STATE", "REASON"])
+    _table([[_when(e["time"]), e["state"], e.get("by") or "-", e["reason"]] for e in items],
+           ["TIME", "STATE", "BY", "REASON"])
 
 
 def _log_line(item: dict) -> str:
@@ -338,6 +348,62 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
     else:
         state = result.get("state", "DRAINING") if isinstance(result, dict) else "DRAINING"
         click.echo(f"{name}: {state}")
+
+
+# Users (the admin's)
+
+@main.group()
+def users() -> None:
+    """Named users of the control plane (the admin's token: the server's user token)."""
+
+
+@users.command("add")
+@click.argument("name")
+@_client_options
+def users_add(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Create user NAME and print its token, once (only its hash is kept)."""
+    user = client.add_user(name)
+    if as_json:
+        _print_json(user)
+        return
+    click.echo(user["token"])
+    click.echo(f"ftrain: created user {user['name']}; the line above is its token, shown only now. "
+               "Give it to them to put in FTRAIN_TOKEN or <data-dir>/token.", err=True)
+
+
+@users.command("list")
+@_client_options
+def users_list(client: FtrainClient, as_json: bool) -> None:
+    """The users (tokens are never shown again)."""
+    items = client.users()
+    if as_json:
+        _print_json(items)
+        return
+    _table([[u["name"], "admin" if u.get("admin") else "user", _when(u.get("created_at"))]
+            for u in items], ["NAME", "ROLE", "CREATED"])
+
+
+@users.command("remove")
+@click.argument("name")
+@_client_options
+def users_remove(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Delete user NAME: its token stops working at once; its jobs run on."""
+    client.remove_user(name)
+    if as_json:
+        _print_json({"name": name, "removed": True})
+    else:
+        click.echo(f"removed user {name}")
+
+
+@main.command()
+@_client_options
+def whoami(client: FtrainClient, as_json: bool) -> None:
+    """Who the control plane takes you for (the user of your token)."""
+    me = client.whoami()
+    if as_json:
+        _print_json(me)
+    else:
+        click.echo(f"{me['name']}{' (admin)' if me.get('admin') else ''}")
 
 
 # Running the service

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, status
@@ -10,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.context import Context
 from service.errors import JobNotFound
-from service.models import JobRecord
+from service.models import ADMIN, JobRecord
 
 _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -32,18 +33,43 @@ def _matches(given: str, expected: str | None) -> bool:
     return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
 
 
-def require_user(ctx: ContextDep, creds: Credentials) -> None:
-    """A user token (submit, read, cancel). Open only when no user token is configured."""
+@dataclass(frozen=True)
+class Caller:
+    """Who a user request comes from: a named user, or the admin (the server's user token,
+    or anyone when the server has no user token)."""
+
+    name: str
+    is_admin: bool = False
+
+
+async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
+    """A user token (submit, read, cancel): the admin's, or a named user's (service.users).
+    Open, as the admin, only when no user token is configured."""
     expected = ctx.settings.user_token
+    if creds is not None and _matches(creds.credentials, expected):
+        return Caller(ADMIN, is_admin=True)
+    if creds is not None and (name := await ctx.users.who(creds.credentials)) is not None:
+        return Caller(name)
     if expected is None:
-        return
+        return Caller(ADMIN, is_admin=True)
     if creds is None:
         raise _unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
                             "`ftrain up` writes it to <data-dir>/token)")
-    if not _matches(creds.credentials, expected):
-        if _matches(creds.credentials, ctx.settings.node_token):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, "a node token cannot call user endpoints")
-        raise _unauthorized("invalid token")
+    if _matches(creds.credentials, ctx.settings.node_token):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "a node token cannot call user endpoints")
+    raise _unauthorized("invalid token")
+
+
+CallerDep = Annotated[Caller, Depends(require_user)]
+
+
+def require_admin(caller: CallerDep) -> Caller:
+    """The admin: managing users, draining nodes."""
+    if not caller.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"only the admin may do this (you are {caller.name!r}); the admin's "
+                            "token is the server's user token (`ftrain up`: <data-dir>/token)")
+    return caller
 
 
 def require_node(ctx: ContextDep, creds: Credentials) -> None:
@@ -74,7 +100,8 @@ async def require_job_or_node(
     if ctx.settings.node_token is None:
         return job
     assert creds is not None
-    if _matches(creds.credentials, job.token) or _matches(creds.credentials, ctx.settings.node_token):
+    job_token = ctx.job_token(job)  # derived, never stored (service.keyring)
+    if _matches(creds.credentials, job_token) or _matches(creds.credentials, ctx.settings.node_token):
         return job
     if _matches(creds.credentials, ctx.settings.user_token):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call job-runtime endpoints")
@@ -82,5 +109,6 @@ async def require_job_or_node(
 
 
 UserAuth = Depends(require_user)
+AdminAuth = Depends(require_admin)
 NodeAuth = Depends(require_node)
 JobTokenDep = Annotated[JobRecord, Depends(require_job_or_node)]

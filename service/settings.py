@@ -22,6 +22,12 @@ class Settings(BaseSettings):
     user_token: str | None = Field(None, description="Bearer token of users (submit, list, cancel).")
     node_token: str | None = Field(None, description="Bearer token of node agents.")
 
+    secret_dir: str = Field(
+        ".ftrain/secrets",
+        description="Directory (0700) of the control-plane secret (`key`, from which job tokens "
+                    "are derived) and of the jobs' secret env values (never in etcd); several "
+                    "control-plane replicas share one, as they share the log root.")
+
     max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")

@@ -16,6 +16,7 @@ started by `EtcdProcess`, which cannot take that hook; its PID is recorded in
 `<data-dir>/etcd.pid` and a leftover from a killed `up` is stopped on the next start.
 
 The data directory holds everything that must survive a restart: the tokens (mode 0600),
+the control-plane secret (`secrets/`, 0700: job tokens are derived from it),
 the etcd data and its ports, and the snapshots.
 """
 
@@ -90,6 +91,7 @@ class Paths:
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
     job_logs: Path = field(init=False)
+    secret_dir: Path = field(init=False)
     lock: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +102,8 @@ class Paths:
         # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
         # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
         self.job_logs = r / "job-logs"
+        # The control plane's secret (job tokens are derived from it) and the jobs' secret env.
+        self.secret_dir = r / "secrets"
 
 
 # Pieces that decide, without starting anything (tested on their own).
@@ -335,7 +339,7 @@ class LocalCluster:
         env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
-                "--log-root", str(self.paths.job_logs)]
+                "--log-root", str(self.paths.job_logs), "--secret-dir", str(self.paths.secret_dir)]
         if o.retention_s is not None:
             argv += ["--retention", str(o.retention_s)]
         if o.retention_jobs is not None:
@@ -449,8 +453,9 @@ class LocalCluster:
             rel = self.paths.root.relative_to(Path.cwd())
         self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
                  f"etcd {self.etcd.endpoint}")
-        self.say(f"data directory {rel}: user token in {rel}/token, node token in {rel}/node-token, "
-                 f"logs in {rel}/logs, the workers' output in {rel}/job-logs")
+        self.say(f"data directory {rel}: user (admin) token in {rel}/token, node token in "
+                 f"{rel}/node-token, the control-plane secret in {rel}/secrets, logs in {rel}/logs, "
+                 f"the workers' output in {rel}/job-logs")
         if self.agents:
             self.say(f"local nodes registered: {', '.join(nodes) or 'none yet'} "
                      f"(of {len(self.agents)} started)")

@@ -77,6 +77,23 @@ class CouldNotStart(Exception):
     """torchrun could not be started (a missing working directory, a bad interpreter)."""
 
 
+MASK = "***"
+MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every line: left as is
+
+
+def secrets_to_mask(secret_env: dict[str, str]) -> tuple[str, ...]:
+    """The secret values to mask in a job's output, longest first (one may contain another)."""
+    return tuple(sorted({v for v in secret_env.values() if len(v) >= MIN_MASKED_CHARS},
+                        key=len, reverse=True))
+
+
+def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
+    """`line` with every secret value replaced by MASK, before it is shipped or reported."""
+    for value in secrets:
+        line = line.replace(value, MASK)
+    return line
+
+
 @dataclass
 class WorkerGroup:
     """One torchrun process (and its workers) for one attempt of one job."""
@@ -88,6 +105,7 @@ class WorkerGroup:
     stopped_since: dict = field(default_factory=dict)
     tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
     threads: list = field(default_factory=list)
+    secrets: tuple[str, ...] = ()  # values masked in the output it ships (mask_secrets)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -180,7 +198,7 @@ class Torchrun:
         root = Path(a.snapshot_root) if a.snapshot_root else self.data_dir / "snapshots"
         snapshot_dir = root / a.job_id
         snapshot_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **a.env}
+        env = {**os.environ, **a.env, **a.secret_env}
         env.update({
             FTRAIN_JOB_ID: a.job_id,
             FTRAIN_ATTEMPT: str(a.attempt),
@@ -274,7 +292,7 @@ class Torchrun:
                     start_new_session=True)
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc)
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env))
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -305,6 +323,7 @@ class Torchrun:
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
                 m = _RANK_PREFIX.match(text)
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+                line = mask_secrets(line, g.secrets)
                 g.tails[rank].append(line)
                 self.shipper.add(g.job_id, g.attempt, LogLineIn(
                     rank=rank, stream=stream, line=cut_line(line), time=time.time()))

@@ -57,7 +57,7 @@ async def current_rendezvous(
         if is_node:
             raise
         raise _unauthorized("invalid job token") from None  # don't tell strangers which jobs exist
-    if not is_node and not _matches(creds.credentials, job.token):  # type: ignore[union-attr]
+    if not is_node and not _matches(creds.credentials, ctx.job_token(job)):  # type: ignore[union-attr]
         raise _unauthorized("invalid job token")
     if job.state.is_terminal():
         raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "

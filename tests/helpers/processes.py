@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
+from service.keyring import Keyring
+from service.models import JobRecord
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 from worker.procs import is_alive as pid_alive
 
@@ -82,6 +84,7 @@ class ControlPlane:
         self.proc: subprocess.Popen | None = None
         self.snapshot_root = workdir / "snapshots"
         self.log_root = workdir / "job-logs"
+        self.secret_dir = workdir / "secrets"
 
     @property
     def url(self) -> str:
@@ -95,11 +98,15 @@ class ControlPlane:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
              "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),
-             "--log-root", str(self.log_root)],
+             "--log-root", str(self.log_root), "--secret-dir", str(self.secret_dir)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
         return self
+
+    def job_token(self, job: JobRecord) -> str:
+        """The token the control plane gives `job`'s workers (derived, never stored)."""
+        return Keyring.load(self.secret_dir).job_token(job.id, job.token_nonce)
 
     def _healthy(self) -> bool:
         assert self.proc is not None

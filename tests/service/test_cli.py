@@ -53,8 +53,8 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     assert job["spec"]["snapshot"]["every_steps"] == 50
 
     table = ftrain("list").output.splitlines()
-    assert table[0].split() == ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
-    assert any(line.split()[:4] == [job["id"], "mnist", "PENDING", "1-2"] for line in table[1:])
+    assert table[0].split() == ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
+    assert any(line.split()[:5] == [job["id"], "mnist", "admin", "PENDING", "1-2"] for line in table[1:])
     assert [j["id"] for j in json.loads(ftrain("list", "--json").output)] == [job["id"]]
 
     status = ftrain("status", job["id"]).output
@@ -66,7 +66,24 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     events = json.loads(ftrain("events", job["id"], "--json").output)
     assert [e["state"] for e in events] == ["PENDING", "CANCELLED"]
     lines = ftrain("events", job["id"]).output.splitlines()
-    assert lines[0].split() == ["TIME", "STATE", "REASON"] and "CANCELLED" in lines[-1]
+    assert lines[0].split() == ["TIME", "STATE", "BY", "REASON"] and "CANCELLED" in lines[-1]
+    assert lines[-1].split()[2:] == ["CANCELLED", "admin", "cancelled", "by", "admin"]
+
+
+def test_users_add_prints_the_token_once_then_list_and_remove(ftrain, tmp_path):
+    added = ftrain("users", "add", "alice")
+    token = added.stdout.strip()
+    assert len(token) >= 40 and "alice" not in token  # stdout: the token alone, for scripts
+    assert ftrain("whoami", token=token).output.strip() == "alice"
+    assert ftrain("whoami").output.strip() == "admin (admin)"
+    listed = ftrain("users", "list").output
+    assert "alice" in listed and token not in listed
+    assert [u["name"] for u in json.loads(ftrain("users", "list", "--json").output)] == ["admin", "alice"]
+    refused = ftrain("users", "add", "bob", token=token, expect_ok=False)
+    assert refused.exit_code != 0 and "only the admin" in refused.output
+    assert ftrain("users", "remove", "alice").output.strip() == "removed user alice"
+    gone = ftrain("whoami", token=token, expect_ok=False)
+    assert gone.exit_code != 0 and "401" in gone.output
 
 
 def test_list_filters_by_state(ftrain, tmp_path):
