@@ -38,7 +38,9 @@ class Context:
         """The context of a control plane on the etcd that `settings` name."""
         from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
 
-        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s))
+        user, password = settings.etcd_credentials() or (None, None)
+        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s,
+                                            user=user, password=password))
 
     @classmethod
     def wire(cls, settings: Settings, kv: KeyValue) -> Context:
