@@ -417,6 +417,8 @@ def node(server: str, token: str | None, name: str, nproc_per_node: int, data_di
 
     try:
         job_user = RunAs.lookup(run_as) if run_as is not None else None
+        if job_user is not None:
+            job_user.check_can_run(sys.executable)
     except RunAsError as exc:
         raise click.UsageError(str(exc)) from None
     # The agent sets up its own logging (with the node's name in every line).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,22 @@ class RunAs:
                              f"processes as another user (it runs as uid {uid})")
         return cls(name=pw.pw_name, uid=pw.pw_uid, gid=pw.pw_gid,
                    groups=tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)), home=pw.pw_dir)
+
+    def check_can_run(self, executable: str) -> None:
+        """Raise RunAsError unless this user can start `executable` (the jobs' interpreter).
+
+        An interpreter under a directory the user may not enter (pyenv in root's 0700 home,
+        a virtualenv in someone's home) would fail every job; better to say so at the start.
+        """
+        try:
+            done = subprocess.run([executable, "-S", "-c", ""], capture_output=True, timeout=60,
+                                  cwd="/", **self.popen_kwargs())
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RunAsError(f"--run-as {self.name}: that user cannot run {executable} ({exc}); install "
+                             "Python and ftrain where every user may read them") from None
+        if done.returncode != 0:
+            raise RunAsError(f"--run-as {self.name}: {executable} exited with {done.returncode} "
+                             f"as that user: {done.stderr.decode(errors='replace')[-500:]}")
 
     def popen_kwargs(self) -> dict:
         """`subprocess.Popen` arguments that start a process as this user (and only its groups)."""
