@@ -40,7 +40,8 @@ class Context:
 
         user, password = settings.etcd_credentials() or (None, None)
         return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s,
-                                            user=user, password=password))
+                                            user=user, password=password,
+                                            probe_key=settings.etcd_prefix.rstrip("/") + "/"))
 
     @classmethod
     def wire(cls, settings: Settings, kv: KeyValue) -> Context:

@@ -67,9 +67,12 @@ class EtcdStore(KeyValue):
     """Async etcd client with CAS helpers and errors mapped to `StoreUnavailable`."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0,
-                 user: str | None = None, password: str | None = None):
+                 user: str | None = None, password: str | None = None, probe_key: str = "\0"):
+        """`probe_key`: a key that `user` may read (under ftrain's prefix: etcd's roles grant
+        a prefix); the linearizable reads that ask etcd's revision and health read it."""
         if (user is None) != (password is None):
             raise ValueError("an etcd user needs a password, and a password a user")
+        self._probe = aetcd.rpc.RangeRequest(key=probe_key.encode(), limit=1, keys_only=True)
         self._endpoints = parse_endpoints(endpoints)
         self._user, self._password = user, password
         self._current = 0
@@ -300,9 +303,7 @@ class EtcdStore(KeyValue):
     async def revision(self) -> int:
         """The store's current revision (for starting a watch after a read)."""
         async def status(c: aetcd.Client):
-            resp = await c.kvstub.Range(
-                aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s,
-                metadata=c.metadata)
+            resp = await c.kvstub.Range(self._probe, timeout=self._timeout_s, metadata=c.metadata)
             return resp.header.revision
 
         return await self._call("a status request", status)
@@ -322,8 +323,7 @@ class EtcdStore(KeyValue):
     async def check_ready(self) -> None:
         """etcd answers a read and has no alarm raised (NOSPACE: StoreFull)."""
         async def alarms(c: aetcd.Client) -> list[int]:
-            await c.kvstub.Range(aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s,
-                                 metadata=c.metadata)
+            await c.kvstub.Range(self._probe, timeout=self._timeout_s, metadata=c.metadata)
             reply = await c.maintenancestub.Alarm(
                 aetcd.rpc.AlarmRequest(action=aetcd.rpc.AlarmRequest.GET, memberID=0,
                                        alarm=aetcd.rpc.NONE),

@@ -9,6 +9,7 @@ connects with --etcd-user/--etcd-password-file.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import time
@@ -119,13 +120,36 @@ def test_the_store_authenticates_again_once_etcd_forgot_its_token(closed_etcd):
     asyncio.run(main())
 
 
+def add_prefix_user(e: EtcdProcess, name: str, password: str, prefix: str) -> None:
+    """What README's "Many machines" tells an operator to do: a user whose one role may
+    read and write ftrain's key prefix, nothing else."""
+    def b64(s: str) -> str:
+        return base64.b64encode(s.encode()).decode()
+
+    status, body = post(f"{e.endpoint}/v3/auth/authenticate", {"name": "root", "password": e.root_password})
+    assert status == 200, body
+    token = json.loads(body)["token"]
+    for path, req in [("auth/user/add", {"name": name, "password": password}),
+                      ("auth/role/add", {"name": name}),
+                      ("auth/role/grant", {"name": name, "perm": {
+                          "permType": "READWRITE", "key": b64(prefix),
+                          "range_end": b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))}}),
+                      ("auth/user/grant", {"user": name, "role": name})]:
+        request = urllib.request.Request(f"{e.endpoint}/v3/{path}", data=json.dumps(req).encode(),
+                                         method="POST", headers={"Authorization": token})
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            assert resp.status == 200
+
+
 def test_a_control_plane_idle_past_the_token_ttl_keeps_serving(closed_etcd, tmp_path):
+    """As a user that may use only ftrain's key prefix (not root)."""
     e = closed_etcd
+    add_prefix_user(e, "ftrain", "ftrain-pw", "/ftrain/")
     password_file = tmp_path / "etcd-password"
-    password_file.write_text(e.root_password + "\n")
+    password_file.write_text("ftrain-pw\n")
     password_file.chmod(0o600)
     cp = ControlPlane(e.endpoint, tmp_path / "cp", env={
-        "FTRAIN_ETCD_USER": e.user, "FTRAIN_ETCD_PASSWORD_FILE": str(password_file),
+        "FTRAIN_ETCD_USER": "ftrain", "FTRAIN_ETCD_PASSWORD_FILE": str(password_file),
         # idle for real: no scheduler pass to keep the token in use meanwhile
         "FTRAIN_SCHEDULER_INTERVAL_S": "60"}).start()
     try:
