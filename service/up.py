@@ -51,7 +51,7 @@ from pathlib import Path
 import httpx
 
 from service.embedded import ROOT_USER, EtcdProcess, free_port
-from worker.env import FTRAIN_ETCD_AUTH_TOKEN_TTL_S, FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
+from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_JOB = REPO / "examples" / "job.json"
@@ -198,16 +198,6 @@ def agent_available() -> bool:
 
 # Processes
 
-def _auth_token_ttl_s() -> int | None:
-    """etcd's --auth-token-ttl for `up`'s etcd, from FTRAIN_ETCD_AUTH_TOKEN_TTL_S (tests
-    shorten it to see the control plane authenticate again); None: etcd's 300 s."""
-    value = os.environ.get(FTRAIN_ETCD_AUTH_TOKEN_TTL_S)
-    try:
-        return int(value) if value else None
-    except ValueError:
-        raise UpError(f"{FTRAIN_ETCD_AUTH_TOKEN_TTL_S}={value!r} is not a whole number of seconds") from None
-
-
 def _die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM when `up` dies, however it dies."""
     with contextlib.suppress(Exception):
@@ -344,8 +334,7 @@ class LocalCluster:
         client, peer = choose_etcd_ports(self.paths.etcd_ports)
         self.etcd = EtcdProcess(self.paths.etcd_data, client_port=client, peer_port=peer,
                                 log_path=self.paths.logs / "etcd.log",
-                                root_password=ensure_token(self.paths.etcd_password),
-                                auth_token_ttl_s=_auth_token_ttl_s())
+                                root_password=ensure_token(self.paths.etcd_password))
         try:
             self.etcd.start()
         except FileNotFoundError as exc:

@@ -46,7 +46,6 @@ FTRAIN_ETCD_ENDPOINTS = "FTRAIN_ETCD_ENDPOINTS"
 FTRAIN_ETCD_USER = "FTRAIN_ETCD_USER"  # the etcd user `ftrain serve` authenticates as
 FTRAIN_ETCD_PASSWORD_FILE = "FTRAIN_ETCD_PASSWORD_FILE"  # the file holding that user's password
 FTRAIN_ETCD_BIN = "FTRAIN_ETCD_BIN"  # the etcd binary `ftrain up` starts (else etcd on PATH)
-FTRAIN_ETCD_AUTH_TOKEN_TTL_S = "FTRAIN_ETCD_AUTH_TOKEN_TTL_S"  # `up`'s etcd --auth-token-ttl
 FTRAIN_SNAPSHOT_ROOT = "FTRAIN_SNAPSHOT_ROOT"
 FTRAIN_LOG_ROOT = "FTRAIN_LOG_ROOT"  # where the control plane keeps the workers' logs
 FTRAIN_LOG_CAP_BYTES = "FTRAIN_LOG_CAP_BYTES"  # bytes of log kept per job
