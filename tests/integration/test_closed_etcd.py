@@ -26,7 +26,7 @@ from tests.helpers.processes import ControlPlane, wait_for
 
 TOKEN_TTL_S = 1
 # etcd checks its simple tokens' TTL once a second; idle this long and every token is gone.
-PAST_TOKEN_TTL_S = TOKEN_TTL_S + 2.0
+PAST_TOKEN_TTL_S = TOKEN_TTL_S + 1.5
 
 
 @pytest.fixture

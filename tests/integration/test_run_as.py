@@ -60,7 +60,7 @@ def test_workers_run_as_nobody_read_no_token_and_snapshot_as_themselves(etcd, op
             spec = {"name": "run-as", "nodes": {"min": 1, "max": 1}, "max_restarts": 2,
                     "snapshot": {"every_steps": 5, "keep": 2},
                     "command": ["python", str(PROBE), str(agent.pid), *map(str, tokens),
-                                *map(str, secret_dirs), "--", "--steps", "30", "--step-delay", "0.2"]}
+                                *map(str, secret_dirs), "--", "--steps", "20", "--step-delay", "0.1"]}
             job_id = submit(api, spec)
             wait_for(lambda: job(api, job_id).get("latest_snapshot"), 60, "a committed snapshot")
             pids = worker_pids(agent, PROBE)
