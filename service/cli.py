@@ -23,6 +23,8 @@ import click
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 from worker.env import (
     FTRAIN_ETCD_ENDPOINTS,
+    FTRAIN_ETCD_PASSWORD_FILE,
+    FTRAIN_ETCD_USER,
     FTRAIN_LOG_CAP_BYTES,
     FTRAIN_LOG_LEVEL,
     FTRAIN_LOG_ROOT,
@@ -66,6 +68,17 @@ def _retention_options(fn):
                              "default: 7d].")(fn)
 
 
+def _remote_etcd_hosts(endpoints: str) -> list[str]:
+    """The hosts among etcd `endpoints` that are not this machine's loopback."""
+    from service.store.etcd import parse_endpoints
+
+    try:
+        hosts = [h for h, _port in parse_endpoints(endpoints)]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--etcd") from None
+    return [h for h in hosts if not _is_loopback(h)]
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -94,10 +107,19 @@ def _is_loopback(host: str) -> bool:
 @click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
               show_default="67108864 (64 MiB)",
               help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
+@click.option("--etcd-user", envvar=FTRAIN_ETCD_USER,
+              help="etcd user to authenticate as (etcd's own authentication).")
+@click.option("--etcd-password-file", envvar=FTRAIN_ETCD_PASSWORD_FILE, type=click.Path(dir_okay=False),
+              help="File whose first line is the etcd user's password (mode 0600).")
+@click.option("--insecure-etcd", is_flag=True,
+              help="Use an etcd on another host without credentials (anyone who reaches it reads "
+                   "and rewrites every job).")
 @_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
           snapshot_root: str | None, log_root: str | None, secret_dir: str | None,
-          log_cap_bytes: int | None, retention_s: float | None, retention_jobs: int | None) -> None:
+          log_cap_bytes: int | None,
+          etcd_user: str | None, etcd_password_file: str | None, insecure_etcd: bool,
+          retention_s: float | None, retention_jobs: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
 
@@ -107,11 +129,23 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
+    remote = _remote_etcd_hosts(etcd_endpoints)
+    if remote and etcd_user is None and not insecure_etcd:
+        raise click.UsageError(
+            f"refusing to use etcd on {', '.join(remote)} without credentials: every job's record "
+            "is there. Turn on etcd's authentication and pass --etcd-user and --etcd-password-file "
+            "(or FTRAIN_ETCD_USER and FTRAIN_ETCD_PASSWORD_FILE); --insecure-etcd if only the "
+            "control plane can reach it")
     given = {"log_root": log_root, "secret_dir": secret_dir, "log_cap_bytes": log_cap_bytes,
-             "retention_s": retention_s, "retention_jobs": retention_jobs}
+             "retention_s": retention_s, "retention_jobs": retention_jobs,
+             "etcd_user": etcd_user, "etcd_password_file": etcd_password_file}
     # Options given win; those not given are left to Settings (FTRAIN_LOG_ROOT, FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
                         snapshot_root=snapshot_root, **{k: v for k, v in given.items() if v is not None})
+    try:
+        settings.etcd_credentials()  # a missing or unreadable password file: say so now
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
@@ -434,8 +468,11 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
               help="Where the agent keeps its local state.")
 @click.option("--address", default=None,
               help="Address other nodes reach this one at (torchrun's --local-addr); default: hostname.")
+@click.option("--run-as", "run_as", metavar="USER", default=None,
+              help="Run the jobs' processes (fork server, torchrun, workers) as this unprivileged "
+                   "user, who cannot read the agent's files; the agent must run as root.")
 def node(server: str, token: str | None, name: str, nproc_per_node: int, data_dir: str,
-         address: str | None) -> None:
+         address: str | None, run_as: str | None) -> None:
     """Run a node agent: register with the control plane and run the work it is given."""
     try:
         from worker import agent
@@ -443,8 +480,16 @@ def node(server: str, token: str | None, name: str, nproc_per_node: int, data_di
         if getattr(exc, "name", None) not in ("worker.agent", "worker"):
             raise
         raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
+    from worker.run_as import RunAs, RunAsError
+
+    try:
+        job_user = RunAs.lookup(run_as) if run_as is not None else None
+        if job_user is not None:
+            job_user.check_can_run(sys.executable)
+    except RunAsError as exc:
+        raise click.UsageError(str(exc)) from None
     # The agent sets up its own logging (with the node's name in every line).
-    result = agent.main(server, token, name, nproc_per_node, data_dir, address)
+    result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user)
     sys.exit(result if isinstance(result, int) else 0)
 
 

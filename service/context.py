@@ -43,7 +43,10 @@ class Context:
         """The context of a control plane on the etcd that `settings` name."""
         from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
 
-        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s),
+        user, password = settings.etcd_credentials() or (None, None)
+        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s,
+                                            user=user, password=password,
+                                            probe_key=settings.etcd_prefix.rstrip("/") + "/"),
                         Keyring.load(settings.secret_dir))
 
     @classmethod

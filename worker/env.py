@@ -43,6 +43,8 @@ FTRAIN_NODE_TOKEN = "FTRAIN_NODE_TOKEN"  # the node token: `ftrain serve` accept
 
 # ---------------------------------------------------------------- control plane and CLI
 FTRAIN_ETCD_ENDPOINTS = "FTRAIN_ETCD_ENDPOINTS"
+FTRAIN_ETCD_USER = "FTRAIN_ETCD_USER"  # the etcd user `ftrain serve` authenticates as
+FTRAIN_ETCD_PASSWORD_FILE = "FTRAIN_ETCD_PASSWORD_FILE"  # the file holding that user's password
 FTRAIN_ETCD_BIN = "FTRAIN_ETCD_BIN"  # the etcd binary `ftrain up` starts (else etcd on PATH)
 FTRAIN_SNAPSHOT_ROOT = "FTRAIN_SNAPSHOT_ROOT"
 FTRAIN_SECRET_DIR = "FTRAIN_SECRET_DIR"  # the control plane's secret and the jobs' secret env

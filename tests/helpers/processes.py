@@ -143,8 +143,11 @@ class NodeAgentProc:
     """A real node agent (`ftrain node`) as a subprocess."""
 
     def __init__(self, cp: ControlPlane, name: str, workdir: Path, nproc_per_node: int = 1,
-                 address: str | None = None, netns: str | None = None, env: dict | None = None):
+                 address: str | None = None, netns: str | None = None, env: dict | None = None,
+                 args: list[str] | None = None, prefix: list[str] | None = None):
         self.cp = cp
+        self.args = args or []  # more `ftrain node` options
+        self.prefix = prefix or []  # a command the agent runs under (it execs the rest)
         self.env = env
         self.name = name
         self.workdir = workdir
@@ -160,6 +163,8 @@ class NodeAgentProc:
                 "--nproc-per-node", str(self.nproc_per_node), "--data-dir", str(self.workdir)]
         if self.address:
             argv += ["--address", self.address]
+        argv += [*self.args]
+        argv = [*self.prefix, *argv]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         log = open(self.workdir / f"agent-{self.name}.log", "ab")  # noqa: SIM115

@@ -287,3 +287,48 @@ def test_serve_takes_the_retention_from_its_options_or_the_environment(
 def test_serve_refuses_a_retention_that_is_not_one(args, message):
     result = CliRunner().invoke(main, ["serve", "--etcd", "http://127.0.0.1:1", *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("endpoints, remote", [
+    ("http://10.1.2.3:2379", "10.1.2.3"),
+    ("http://127.0.0.1:2379,http://etcd-1:2379", "etcd-1"),
+])
+def test_serve_refuses_an_etcd_on_another_host_without_credentials(monkeypatch, endpoints, remote):
+    import uvicorn
+
+    import service.app
+
+    built = []
+    monkeypatch.setattr(service.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    env = {"FTRAIN_ETCD_USER": None, "FTRAIN_ETCD_PASSWORD_FILE": None}
+    refused = CliRunner().invoke(main, ["serve", "--etcd", endpoints], env=env)
+    assert refused.exit_code == 2 and f"refusing to use etcd on {remote} without credentials" \
+        in refused.output, refused.output
+    assert not built
+    told = CliRunner().invoke(main, ["serve", "--etcd", endpoints, "--insecure-etcd"], env=env,
+                              catch_exceptions=False)
+    assert told.exit_code == 0, told.output
+    assert built[0].etcd_credentials() is None
+
+
+def test_serve_reads_the_etcd_password_from_its_file(monkeypatch, tmp_path):
+    import uvicorn
+
+    import service.app
+
+    built = []
+    monkeypatch.setattr(service.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    password = tmp_path / "etcd-password"
+    password.write_text("pw-123\n")
+    ok = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain",
+                                   "--etcd-password-file", str(password)], catch_exceptions=False)
+    assert ok.exit_code == 0, ok.output
+    assert built[0].etcd_credentials() == ("ftrain", "pw-123")
+    missing = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain",
+                                        "--etcd-password-file", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "cannot read the etcd password file" in missing.output, missing.output
+    no_file = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain"],
+                                 env={"FTRAIN_ETCD_PASSWORD_FILE": None})
+    assert no_file.exit_code == 2 and "give both an etcd user and its password file" in no_file.output
