@@ -86,7 +86,7 @@ MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every lin
 def secrets_to_mask(secret_env: dict[str, str]) -> tuple[str, ...]:
     """The secret values to mask in a job's output, longest first (one may contain another)."""
     return tuple(sorted({v for v in secret_env.values() if len(v) >= MIN_MASKED_CHARS},
-                        key=len, reverse=True))
+                        key=lambda v: (-len(v), v)))
 
 
 def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
