@@ -31,7 +31,7 @@ from pathlib import Path
 from service.decide.retention import RetentionPolicy, expired, pass_interval_s
 from service.errors import StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
-from service.jobs import JobStore
+from service.jobs import JobStore, looks_like_job_id
 from service.logs import LogStore
 from service.rendezvous import delete_rendezvous
 from service.scheduler import Leadership
@@ -76,8 +76,9 @@ async def delete_files(logs: LogStore, snapshot_root: str | Path | None, job_id:
 
 
 def _folders(root: str | Path | None) -> set[str]:
+    """The folders under `root` named like a job (a shared snapshot root may hold others)."""
     try:
-        return {e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")} \
+        return {e.name for e in os.scandir(root) if e.is_dir() and looks_like_job_id(e.name)} \
             if root is not None else set()
     except FileNotFoundError:
         return set()

@@ -257,11 +257,12 @@ def test_snapshot_folders_go_with_their_job_and_orphaned_folders_are_swept(tmp_p
             (snapshots / job_id).mkdir(parents=True)
             (snapshots / job_id / "step-10.pt").write_bytes(b"x")
         (c.log_root / "gone-abc123").mkdir()  # a late shipment's folder, say
+        (snapshots / "models").mkdir()  # not named like a job id: never touched
         c.clock.now += RETENTION_S
         assert await c.prune(snapshot_root=snapshots) == [old]
-        assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, "gone-abc123"])
+        assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, "gone-abc123", "models"])
         assert await retention.sweep_orphans(c.ctx.jobs, c.ctx.logs, snapshots) == ["gone-abc123"]
-        assert [p.name for p in snapshots.iterdir()] == [kept]
+        assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, "models"])
         assert sorted(p.name for p in c.log_root.iterdir()) == [kept]
 
     run(test)
