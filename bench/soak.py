@@ -155,7 +155,7 @@ class Soak:
         self.stop = asyncio.Event()
         self.slot_free = asyncio.Event()
         self.to_check: asyncio.Queue[Job] = asyncio.Queue()
-        self.checking = False
+        self.checking = 0  # checkers reading a log now
         self.rng = random.Random(args.seed)
         self.passes_before = (0.0, 0.0)  # the scheduler's pass count and sum at the last row
 
@@ -358,11 +358,11 @@ class Soak:
         async with httpx.AsyncClient(base_url=self.cp_url, headers=self.user_h, timeout=60) as api:
             while True:
                 job = await self.to_check.get()
-                self.checking = True
+                self.checking += 1
                 try:
                     await self.check_log(api, job)
                 finally:
-                    self.checking = False
+                    self.checking -= 1
 
     async def check_log(self, api: httpx.AsyncClient, job: Job) -> None:
         t = self.totals
@@ -570,7 +570,7 @@ def targets(rows: list[dict], soak: Soak) -> list[tuple[str, bool, str]]:
             ("0 lines lost below the cap", t.lines_lost == 0,
              f"{t.lines_lost} lost; {t.lines_expected} expected in {t.logs_checked - t.logs_cut} uncut logs, "
              f"{t.logs_cut} logs cut by the cap; {t.logs_late} real-agent logs complete only after "
-             "SUCCEEDED"),
+             f"SUCCEEDED; {t.logs_gone} logs deleted by retention before they were read"),
             ("0 jobs failed", t.jobs_failed == 0, f"{t.jobs_failed}"),
             ("retention deleted finished jobs", any(r["first_job_deleted"] for r in rows),
              f"first job 404 from {next((r['jobs_done'] for r in rows if r['first_job_deleted']), '-')} "
@@ -584,7 +584,8 @@ async def drive(args, cp, etcd, long_job: str | None) -> tuple[list[dict], Soak]
     started = time.monotonic()
     tasks = [asyncio.create_task(soak.fake_node(f"soak-f-{i:04d}")) for i in range(args.fake_nodes)]
     tasks += [asyncio.create_task(soak.reader()) for _ in range(args.readers)]
-    tasks += [asyncio.create_task(soak.watch_unclaimed()), asyncio.create_task(soak.checker())]
+    tasks += [asyncio.create_task(soak.watch_unclaimed())]
+    tasks += [asyncio.create_task(soak.checker()) for _ in range(args.checkers)]
     submitter = asyncio.create_task(soak.submitter(args.fake_nodes + args.real_nodes))
     rows: list[dict] = []
     print(HEADER, flush=True)
@@ -670,6 +671,9 @@ def options(argv=None):
     ap.add_argument("--long-steps", type=int, default=10**7,
                     help="steps of the long job (0: none); it trains until the run ends")
     ap.add_argument("--readers", type=int, default=2, help="clients reading job status")
+    ap.add_argument("--checkers", type=int, default=2,
+                    help="clients reading finished jobs' logs back (a log that retention deleted "
+                         "before it was read is counted as gone, not checked)")
     ap.add_argument("--read-pause", type=float, default=0.02, help="seconds between a reader's reads")
     ap.add_argument("--max-s", type=float, default=7 * 86400, help="give up after this long")
     ap.add_argument("--seed", type=int, default=0)
