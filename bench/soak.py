@@ -598,12 +598,19 @@ async def drive(args, cp, etcd, long_job: str | None) -> tuple[list[dict], Soak]
                 if time.monotonic() - started > args.max_s:
                     raise TimeoutError(f"the run took over --max-s {args.max_s} s at {soak.done} jobs done")
                 await asyncio.sleep(0.2)
-            if tenth == 10:  # the last logs are read back before the last row
-                while not soak.to_check.empty() or soak.checking:
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(0.5)
             rows.append(await snapshot_row(soak, etcd.endpoint, long_job, started))
             print_row(rows[-1])
+        # The last logs are read back after the last row (whose latencies are of the workload,
+        # not of this read-back); its line counts are brought up to date.
+        drained_at = time.monotonic()
+        while not soak.to_check.empty() or soak.checking:
+            await asyncio.sleep(0.2)
+        t = soak.totals
+        rows[-1].update(lines_expected=t.lines_expected, lines_lost=t.lines_lost, logs_checked=t.logs_checked,
+                        logs_cut=t.logs_cut, logs_gone=t.logs_gone)
+        print(f"the last logs read back in {time.monotonic() - drained_at:.0f} s: {t.lines_expected} lines "
+              f"expected in uncut logs, {t.lines_lost} lost, {t.logs_gone} logs deleted before they were "
+              "read", flush=True)
     finally:
         soak.stop.set()
         submitter.cancel()
