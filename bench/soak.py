@@ -28,6 +28,11 @@ half of them prints 6,000-character lines (cut to 4,000 by the shipper). Once a 
 SUCCEEDED its log is read back through `GET /logs` pages and its lines counted: a log that
 the cap did not cut (`cut_bytes == 0`) must hold every line; one it cut must end with the
 last line and hold a contiguous run of the newest; a cut below the cap counts as lines lost.
+`--checkers` clients read logs back; one that retention deleted before it was read (the job
+answers 404) is counted as gone, not checked. A real agent's log that was not complete when
+its job was SUCCEEDED is read again for 15 s and counted as late (a follower, which stops at
+the job's end, would miss those lines). The last row is taken when the last job is done; the
+last logs are read back after it and its line counts brought up to date.
 
 Printed every 10% of the jobs: etcd's db size in use (`etcd_mvcc_db_total_size_in_use_in_bytes`
 from etcd's /metrics: pages freed by the leader's compaction are no longer in use; the file
