@@ -20,13 +20,14 @@ async def start(ctx: Context) -> None:
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
-        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
+        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
+                      passes=ctx.scheduler_passes),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
     ctx.tasks.append(asyncio.create_task(
         retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention,
-                      ctx.keyring),
+                      ctx.settings.snapshot_root, ctx.keyring),
         name="retention"))
 
 

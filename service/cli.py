@@ -366,7 +366,8 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
         _print_json(items)
         return
     now = time.time()
-    _table([[n["name"], n["state"], str(n["nproc_per_node"]), n.get("address") or "-", n.get("job") or "-",
+    _table([[n["name"], n["state"], str(n["nproc_per_node"]), n.get("address") or "-",
+             (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
            ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"])
 

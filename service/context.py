@@ -16,6 +16,7 @@ from service.logs import LogStore
 from service.models import JobRecord
 from service.nodes import NodeStore
 from service.progress import ProgressStore
+from service.scheduler import PassTimes
 from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store.api import KeyValue
@@ -35,6 +36,8 @@ class Context:
     index: JobIndex
     users: UserStore
     keyring: Keyring
+    # This replica's scheduler passes (while it leads), for GET /metrics.
+    scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 

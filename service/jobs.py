@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import secrets
 import string
 import time
@@ -39,6 +40,7 @@ from worker.protocol import Progress
 JOB_PAGE_SIZE = 16
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
+_JOB_ID = re.compile(r"^[a-z0-9-]{1,40}-[a-z0-9]{6}$")
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -50,6 +52,11 @@ Decide = Callable[[JobRecord], Change | None]
 
 def new_job_id(name: str) -> str:
     return f"{name}-{''.join(secrets.choice(_ID_ALPHABET) for _ in range(6))}"
+
+
+def looks_like_job_id(text: str) -> bool:
+    """Whether `text` has the shape `new_job_id` gives (a folder name that may be a job's)."""
+    return _JOB_ID.match(text) is not None
 
 
 def spec_digest(spec: JobSpec, fingerprint: str = "") -> str:

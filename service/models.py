@@ -380,7 +380,11 @@ class NodeView(BaseModel):
     nproc_per_node: int
     address: str | None
     registered_at: float
-    job: str | None = Field(None, description="The job this node works on, if any.")
+    job: str | None = Field(None, description="The unfinished job this node belongs to, if any: it "
+                                              "works on it, or has finished its part of it.")
+    member_state: Literal["assigned", "running", "succeeded"] | None = Field(
+        None, description="The node's part in `job`: assigned, running, or succeeded (its workers "
+                          "exited 0; the node stays the job's, not free, until the job ends).")
 
 
 class NodeList(BaseModel):

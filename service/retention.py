@@ -2,25 +2,38 @@
 
 Which jobs: `service.decide.retention.expired`, on the finished jobs the watch-fed index
 knows (so no pass reads the whole history from etcd). Each pass then reads the chosen
-records fresh (a page at a time), and for each job still finished deletes its logs
-(`LogStore.delete`), its secret env file (`Keyring.delete_env`) and rendezvous keys, then
-its record, events, snapshot records and idempotency key (which its record names; keys of
-jobs deleted before records named them are swept once per lead), in transactions of at
-most MAX_TXN_OPS operations, each fenced on the job's revision and on the leader's key
-(`Leadership.fence`): a replica that lost the lead deletes nothing more. The record goes
-last, so a pass cut short leaves a job that the next pass finds again, never logs without
-a job.
+records fresh (a page at a time), and for each job still finished deletes its rendezvous
+keys, then its record, events, snapshot records and idempotency key (which its record names;
+keys of jobs deleted before records named them are swept once per lead), in transactions of
+at most MAX_TXN_OPS operations, each fenced on the job's revision and on the leader's key
+(`Leadership.fence`): a replica that lost the lead deletes nothing more.
+
+Files go after the record: the job's log folder, its secret env file (`Keyring.delete_env`)
+and, when the control plane has a snapshot root (`--snapshot-root`; `ftrain up` sets one),
+its snapshot folder. In that order a reader never sees a job whose log is gone: `GET /logs`
+checks the job after it read the files, so a read that raced the deletion answers 404,
+never an empty log of a job that still exists (the soak's "empty logs"). A pass cut short
+between the record and the files, or a shipment that arrived while its job was being
+deleted, leaves a folder without a job: `sweep_orphans` deletes those, when a replica takes
+the lead and every ORPHAN_SWEEP_S after (secret env files are named by a nonce, not a job,
+and are not swept). Snapshot files kept on a node's own disk (no snapshot root) are out of
+the control plane's
+reach and stay there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import time
+from pathlib import Path
 
 from service.decide.retention import RetentionPolicy, expired, pass_interval_s
 from service.errors import StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
-from service.jobs import JobStore
+from service.jobs import JobStore, looks_like_job_id
 from service.keyring import Keyring
 from service.logs import LogStore
 from service.rendezvous import delete_rendezvous
@@ -30,10 +43,13 @@ log = logging.getLogger(__name__)
 
 # Jobs one pass deletes at most; a pass that reaches it is followed by another at once.
 MAX_DELETIONS_PER_PASS = 256
+# How often the leader looks for folders (logs, snapshots) of jobs that no longer exist.
+ORPHAN_SWEEP_S = 600.0
 
 
 async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str, int],
-                policy: RetentionPolicy, keyring: Keyring | None = None) -> list[str]:
+                policy: RetentionPolicy, snapshot_root: str | Path | None = None,
+                keyring: Keyring | None = None) -> list[str]:
     """One pass: delete what has expired (at most MAX_DELETIONS_PER_PASS jobs); returns their ids."""
     chosen = expired(index.finished(), jobs.clock(), policy)[:MAX_DELETIONS_PER_PASS]
     if not chosen:
@@ -42,11 +58,13 @@ async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str
     doomed = [(job, revision) for job, revision in await jobs.get_many_with_revisions(list(reasons))
               if job.state.is_terminal()]
     for job, _ in doomed:
-        if keyring is not None and job.secret_env_names:
-            keyring.delete_env(job.token_nonce)
-        await logs.delete(job.id)
         await delete_rendezvous(jobs.kv, jobs.keys, job.id)
     deleted = await jobs.delete_finished(doomed, fence)
+    nonces = {job.id: job.token_nonce for job, _ in doomed if job.secret_env_names}
+    for job_id in deleted:  # after the record (the module's docstring says why)
+        await delete_files(logs, snapshot_root, job_id)
+        if keyring is not None and job_id in nonces:
+            keyring.delete_env(nonces[job_id])
     for job_id in deleted:
         log.debug("retention: deleted job %s (%s)", job_id, reasons[job_id])
     if deleted:
@@ -55,21 +73,64 @@ async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str
     return deleted
 
 
+async def delete_files(logs: LogStore, snapshot_root: str | Path | None, job_id: str) -> None:
+    """Delete a deleted job's log folder and its snapshot folder (if there is a snapshot root)."""
+    await logs.delete(job_id)
+    if snapshot_root is not None:
+        folder = Path(snapshot_root) / job_id
+        if job_id and "/" not in job_id and job_id not in (".", ".."):
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+
+
+def _folders(root: str | Path | None) -> set[str]:
+    """The folders under `root` named like a job (a shared snapshot root may hold others)."""
+    try:
+        return {e.name for e in os.scandir(root) if e.is_dir() and looks_like_job_id(e.name)} \
+            if root is not None else set()
+    except FileNotFoundError:
+        return set()
+
+
+async def sweep_orphans(jobs: JobStore, logs: LogStore, snapshot_root: str | Path | None) -> list[str]:
+    """Delete the log and snapshot folders whose job no longer exists; returns their job ids.
+
+    A folder is made only for a job that exists (a shipment or a snapshot of it), so a
+    folder without a record is one retention deleted (or is deleting: its files go anyway).
+    """
+    names = await asyncio.to_thread(lambda: _folders(logs.root) | _folders(snapshot_root))
+    if not names:
+        return []
+    ordered = sorted(names)
+    alive = {job.id for job in await jobs.get_many(ordered)}
+    gone = [name for name in ordered if name not in alive]
+    for job_id in gone:
+        await delete_files(logs, snapshot_root, job_id)
+    return gone
+
+
 async def run(jobs: JobStore, logs: LogStore, index: JobIndex, leadership: Leadership,
-              policy: RetentionPolicy, keyring: Keyring | None = None) -> None:
+              policy: RetentionPolicy, snapshot_root: str | Path | None = None,
+              keyring: Keyring | None = None) -> None:
     """Prune while this replica leads, every `pass_interval_s(policy)`. Runs until cancelled."""
     interval_s = pass_interval_s(policy)
     swept: dict[str, int] | None = None  # the lead under which orphaned keys were last swept
+    files_swept_at = 0.0  # when folders of deleted jobs were last swept (monotonic)
     while True:
         busy = False
         try:
             fence = leadership.fence()
             if fence is not None and index.ready.is_set():
-                busy = len(await prune(jobs, logs, index, fence, policy, keyring)) >= MAX_DELETIONS_PER_PASS
+                busy = len(await prune(jobs, logs, index, fence, policy, snapshot_root, keyring)) \
+                    >= MAX_DELETIONS_PER_PASS
                 if fence != swept:  # once per lead: keys of jobs deleted before records named them
                     if n := await jobs.delete_orphaned_keys(fence):
                         log.info("retention: deleted %d idempotency key(s) of deleted jobs", n)
+                    files_swept_at = 0.0
                     swept = fence
+                if time.monotonic() - files_swept_at >= ORPHAN_SWEEP_S:
+                    if gone := await sweep_orphans(jobs, logs, snapshot_root):
+                        log.info("retention: deleted the folders of %d deleted job(s)", len(gone))
+                    files_swept_at = time.monotonic()
         except StaleLeader as exc:
             log.info("retention: %s", exc.message)
         except StoreUnavailable as exc:

@@ -12,6 +12,7 @@ live in this loop's memory, `watches`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -28,6 +29,30 @@ from service.rendezvous import delete_rendezvous
 from service.store.api import KeyValue, Put
 
 log = logging.getLogger(__name__)
+
+PASS_WINDOW = 1000  # the passes whose quantiles /metrics gives
+
+
+class PassTimes:
+    """The durations of this replica's scheduler passes: a count and a sum since start (as
+    Prometheus counts them), and the last PASS_WINDOW passes for quantiles. O(1) a pass."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum_s = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=PASS_WINDOW)
+
+    def record(self, seconds: float) -> None:
+        self.count += 1
+        self.sum_s += seconds
+        self.recent.append(seconds)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1) of the last PASS_WINDOW passes; None before the first."""
+        if not self.recent:
+            return None
+        ordered = sorted(self.recent)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
@@ -187,9 +212,11 @@ class Leadership:
 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
-              interval_s: float, cfg: SchedulerConfig | None = None) -> None:
+              interval_s: float, cfg: SchedulerConfig | None = None,
+              passes: PassTimes | None = None) -> None:
     """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
+    passes = passes if passes is not None else PassTimes()
     wake = asyncio.Event()
     index.wake_on_change(wake)
     watcher = asyncio.create_task(_watch_changes(nodes, wake))
@@ -204,7 +231,9 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                 if leading:
+                    started = time.perf_counter()
                     await tick(jobs, nodes, index, cfg, last_reason, watches)
+                    passes.record(time.perf_counter() - started)
                 else:
                     watches.clear()  # another replica keeps the clocks while it leads
             except StoreUnavailable as exc:

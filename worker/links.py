@@ -33,6 +33,7 @@ from worker.protocol import (
     ProgressReport,
     SnapshotList,
     SnapshotRecord,
+    steps_to_prune,
 )
 
 log = logging.getLogger("ftrain.runtime")
@@ -186,13 +187,8 @@ class LocalLink:
         latest = data["latest"]
         if latest is None or written.step >= latest:
             latest = written.step
-        kept = {latest}
-        for step in sorted(items, reverse=True):
-            if len(kept) >= self.keep:
-                break
-            if not items[step]["bad"]:
-                kept.add(step)
-        pruned = [items.pop(s)["path"] for s in sorted(items) if s not in kept]
+        doomed = steps_to_prune({step: item["bad"] for step, item in items.items()}, latest, self.keep)
+        pruned = [items.pop(step)["path"] for step in doomed]
         self._write({"items": [items[s] for s in sorted(items)], "latest": latest})
         return pruned
 

@@ -294,6 +294,21 @@ class CommitResult(BaseModel):
                              description="Snapshot files the writer should delete now (never the latest).")
 
 
+def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: int) -> list[int]:
+    """Which committed snapshots a commit prunes (`CommitResult.prune`), oldest first: all but
+    the latest and the newest good ones, `keep` in all. The one rule for both sides: the
+    control plane's commit (`service.decide.snapshots`) and the local twin (`LocalLink`)."""
+    kept: set[int] = set()
+    if latest_step is not None and latest_step in bad_by_step:
+        kept.add(latest_step)
+    for step in sorted(bad_by_step, reverse=True):
+        if len(kept) >= keep:
+            break
+        if not bad_by_step[step]:
+            kept.add(step)
+    return sorted(step for step in bad_by_step if step not in kept)
+
+
 class SnapshotList(BaseModel):
     items: list[SnapshotRecord]
     latest: int | None = None

@@ -34,6 +34,7 @@ from worker.protocol import (
     ControlView,
     ProgressReport,
     SnapshotRecord,
+    steps_to_prune,
 )
 
 Records = dict[int, SnapshotRecord]
@@ -63,16 +64,9 @@ def newest_good(records: Records) -> SnapshotRecord | None:
 
 
 def plan_prune(records: Records, latest_step: int | None, keep: int) -> list[int]:
-    """Steps to delete: all but the latest and the newest good ones, `keep` in all."""
-    kept: set[int] = set()
-    if latest_step is not None and latest_step in records:
-        kept.add(latest_step)
-    for rec in sorted(records.values(), key=lambda r: r.step, reverse=True):
-        if len(kept) >= keep:
-            break
-        if not rec.bad:
-            kept.add(rec.step)
-    return sorted(step for step in records if step not in kept)
+    """Steps to delete: all but the latest and the newest good ones, `keep` in all
+    (`worker.protocol.steps_to_prune`, the rule the local twin applies too)."""
+    return steps_to_prune({step: rec.bad for step, rec in records.items()}, latest_step, keep)
 
 
 def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: float,

@@ -38,7 +38,11 @@ async def get_logs(
     `since` on (NDJSON), new ones as they come, until the job ends."""
     await ctx.jobs.get(job_id)
     if not follow:
-        return await ctx.logs.read_page(job_id, since, limit, rank)
+        page = await ctx.logs.read_page(job_id, since, limit, rank)
+        # Retention deletes the record before the files: a job that still exists after the
+        # read had all its files during it, and a read that raced its deletion answers 404.
+        await ctx.jobs.get(job_id)
+        return page
 
     async def stream():
         cursor = since

@@ -119,17 +119,30 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
     return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)
 
 
-def _view(record: NodeRecord, ctx: Context) -> NodeView:
-    job = ctx.index.job_of_node(record.name)
+def _holders(ctx: Context) -> dict[str, tuple[str, str]]:
+    """node -> (job id, its part's state) for every node an unfinished job holds: a live
+    member, or a finished one (its workers exited 0; the node stays the job's until it ends)."""
+    held: dict[str, tuple[str, str]] = {}
+    for job_id in ctx.index.active_ids():
+        job = ctx.index.get(job_id)
+        for node, member in (job.members.items() if job is not None else ()):
+            if member.holds_node():
+                held[node] = (job_id, member.state)
+    return held
+
+
+def _view(record: NodeRecord, holders: dict[str, tuple[str, str]]) -> NodeView:
+    job_id, part = holders.get(record.name, (None, None))
     return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
                     address=record.address, registered_at=record.registered_at,
-                    job=job.id if job else None)
+                    job=job_id, member_state=part)
 
 
 @router.get("/v1/nodes", response_model=NodeList, dependencies=[UserAuth])
 async def list_nodes(ctx: ContextDep) -> NodeList:
     records = await ctx.nodes.list()
-    return NodeList(items=[_view(records[name], ctx) for name in sorted(records)])
+    holders = _holders(ctx)
+    return NodeList(items=[_view(records[name], holders) for name in sorted(records)])
 
 
 @router.post("/v1/nodes/{name}/drain", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED,
@@ -137,7 +150,7 @@ async def list_nodes(ctx: ContextDep) -> NodeList:
 async def drain(name: str, ctx: ContextDep) -> NodeView:
     """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work.
     The admin's: draining moves whoever's job runs there."""
-    return _view(await ctx.nodes.drain(name), ctx)
+    return _view(await ctx.nodes.drain(name), _holders(ctx))
 
 
 @router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[NodeAuth])

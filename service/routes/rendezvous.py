@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 
-from service.deps import ContextDep, Credentials, _matches, _unauthorized
+from service.deps import ContextDep, Credentials, token_matches, unauthorized
 from service.errors import JobNotFound
 from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
 from worker.protocol import (
@@ -44,21 +44,21 @@ async def current_rendezvous(
     node_token = ctx.settings.node_token
     if node_token is not None:
         if creds is None:
-            raise _unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
+            raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
                                 "FTRAIN_JOB_TOKEN, or the node token)")
-        if _matches(creds.credentials, ctx.settings.user_token):
+        if token_matches(creds.credentials, ctx.settings.user_token):
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 "a user token cannot call rendezvous endpoints")
     job_id, attempt = parse_rdzv_id(rdzv_id)
-    is_node = node_token is None or (creds is not None and _matches(creds.credentials, node_token))
+    is_node = node_token is None or (creds is not None and token_matches(creds.credentials, node_token))
     try:
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
         if is_node:
             raise
-        raise _unauthorized("invalid job token") from None  # don't tell strangers which jobs exist
-    if not is_node and not _matches(creds.credentials, ctx.job_token(job)):  # type: ignore[union-attr]
-        raise _unauthorized("invalid job token")
+        raise unauthorized("invalid job token") from None  # don't tell strangers which jobs exist
+    if not is_node and not token_matches(creds.credentials, ctx.job_token(job)):  # type: ignore[union-attr]
+        raise unauthorized("invalid job token")
     if job.state.is_terminal():
         raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "
                              "closed. The agent should stop.")

@@ -22,6 +22,7 @@ from service.decide.retention import RetentionPolicy
 from service.errors import JobNotFound, StaleLeader
 from service.keyring import new_nonce
 from service.models import JobSpec, JobState
+from service.routes.logs import get_logs
 from service.scheduler import Leadership
 from service.settings import Settings
 from service.store.api import MAX_TXN_OPS, Put
@@ -72,11 +73,12 @@ class Cluster:
         keys = [e.key async for e in self.kv.scan_prefix("/ftrain/", keys_only=True) if job_id in e.key]
         return keys + ([f"log folder {job_id}"] if (self.log_root / job_id).exists() else [])
 
-    async def prune(self, policy: RetentionPolicy = POLICY) -> list[str]:
+    async def prune(self, policy: RetentionPolicy = POLICY, snapshot_root: Path | None = None) -> list[str]:
         assert await self.leadership.hold()
         await self.index_caught_up()
         return await retention.prune(self.ctx.jobs, self.ctx.logs, self.ctx.index,
-                                     self.leadership.fence(), policy, self.ctx.keyring)
+                                     self.leadership.fence(), policy, snapshot_root,
+                                     self.ctx.keyring)
 
     async def index_caught_up(self) -> None:
         count = await self.kv.count_prefix(self.ctx.keys.jobs)
@@ -205,6 +207,7 @@ def test_a_replica_that_lost_the_lead_deletes_no_job():
         with pytest.raises(StaleLeader):
             await retention.prune(c.ctx.jobs, c.ctx.logs, c.ctx.index, fence, POLICY)
         assert (await c.ctx.jobs.get(job_id)).state is JobState.CANCELLED
+        assert (c.log_root / job_id).is_dir()  # its log too: files go only after the record
         assert c.leadership.fence() == fence  # it has not noticed yet; its next hold() will
         assert not await c.leadership.hold() and c.leadership.fence() is None
 
@@ -220,6 +223,68 @@ def test_a_job_changed_after_it_was_read_is_left_for_the_next_pass():
         await c.kv.put(c.ctx.keys.job(job_id), job.model_dump_json().encode())  # a late write
         assert await c.ctx.jobs.delete_finished([(job, revision)], c.leadership.fence()) == []
         assert await c.prune() == [job_id]
+
+    run(test)
+
+
+def test_a_job_is_deleted_before_its_log_so_no_reader_sees_a_job_with_an_empty_log():
+    """The soak's "empty logs": retention deleted the files first, and a reader between that and
+    the record's deletion got a page of 0 lines (and cut_bytes 0) for a job that still existed."""
+    async def test(c: Cluster):
+        job_id = await c.job("old", finish=True)
+        exists_when_files_went: list[bool] = []
+        delete = c.ctx.logs.delete
+
+        async def watching(jid: str) -> None:
+            try:
+                await c.ctx.jobs.get(jid)
+                exists_when_files_went.append(True)
+            except JobNotFound:
+                exists_when_files_went.append(False)
+            await delete(jid)
+
+        c.ctx.logs.delete = watching  # type: ignore[method-assign]
+        c.clock.now += RETENTION_S
+        assert await c.prune() == [job_id]
+        assert exists_when_files_went == [False]
+        assert not (c.log_root / job_id).exists()
+
+    run(test)
+
+
+def test_a_log_read_that_races_the_deletion_answers_not_found_instead_of_an_empty_page():
+    async def test(c: Cluster):
+        job_id = await c.job("old", finish=True)
+        c.clock.now += RETENTION_S
+        read_page = c.ctx.logs.read_page
+
+        async def racing(*args, **kw):  # retention runs between the route's check and its read
+            assert await c.prune() == [job_id]
+            return await read_page(*args, **kw)
+
+        c.ctx.logs.read_page = racing  # type: ignore[method-assign]
+        with pytest.raises(JobNotFound):
+            await get_logs(job_id, c.ctx, rank=None, since=0, limit=100, follow=False)
+
+    run(test)
+
+
+def test_snapshot_folders_go_with_their_job_and_orphaned_folders_are_swept(tmp_path):
+    async def test(c: Cluster):
+        snapshots = tmp_path / "snapshots"
+        old = await c.job("old", finish=True)
+        kept = await c.job("kept", finish=False)
+        for job_id in (old, kept, "gone-abc123"):  # the last: a job deleted before its files
+            (snapshots / job_id).mkdir(parents=True)
+            (snapshots / job_id / "step-10.pt").write_bytes(b"x")
+        (c.log_root / "gone-abc123").mkdir()  # a late shipment's folder, say
+        (snapshots / "models").mkdir()  # not named like a job id: never touched
+        c.clock.now += RETENTION_S
+        assert await c.prune(snapshot_root=snapshots) == [old]
+        assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, "gone-abc123", "models"])
+        assert await retention.sweep_orphans(c.ctx.jobs, c.ctx.logs, snapshots) == ["gone-abc123"]
+        assert sorted(p.name for p in snapshots.iterdir()) == sorted([kept, "models"])
+        assert sorted(p.name for p in c.log_root.iterdir()) == [kept]
 
     run(test)
 
