@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import pickle
 import signal
 import threading
 import time
@@ -20,9 +21,14 @@ import httpx
 import pytest
 import torch.distributed as dist
 import torch.distributed.elastic.utils.store as store_util
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    RendezvousStateError,
+    dynamic_rendezvous,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, _RendezvousState
 
 import worker.rendezvous as ftrain_rdzv
 from service.keys import Keys
@@ -30,6 +36,7 @@ from service.rendezvous import delete_rendezvous, parse_rdzv_id
 from service.store.api import Put
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import free_port, wait_for
+from worker.protocol import seal_state
 from worker.rendezvous import (
     FtrainRendezvousBackend,
     HttpStore,
@@ -367,14 +374,56 @@ def test_unknown_job_or_malformed_id_is_404(control_plane):
 
 
 def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
+    sealed = base64.b64encode(seal_state(b"\x00\x01")).decode()
     with control_plane.client("node") as client:
         assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
-        resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "AAE=", "token": None})
+        resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": sealed, "token": None})
         body = resp.json()
-        assert resp.status_code == 200 and body["written"] is True and body["state"] == "AAE="
+        assert resp.status_code == 200 and body["written"] is True and body["state"] == sealed
         assert body["token"].isdigit()
         bad = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "not base64!", "token": None})
         assert bad.status_code == 422
+
+
+def _put_raw_state(etcd_endpoint: str, rdzv_id: str, value: bytes) -> None:
+    """Write the state key in etcd behind the control plane's back (damage at rest)."""
+
+    async def put():
+        client = EtcdStore(etcd_endpoint)
+        try:
+            await client.put(Keys().rdzv_state(rdzv_id), value)
+        finally:
+            await client.close()
+
+    asyncio.run(put())
+
+
+def test_a_corrupt_state_in_etcd_raises_rendezvous_state_error(control_plane, etcd, transports, rdzv_id):
+    backend = FtrainRendezvousBackend(transports())
+    state = pickle.dumps(_RendezvousState())
+    _, token, _ = backend.set_state(state)
+    sealed = seal_state(state)
+    flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    for damaged in (flipped, sealed[: len(sealed) // 2], state, b"garbage"):
+        _put_raw_state(etcd.endpoint, rdzv_id, damaged)
+        with pytest.raises(RendezvousStateError, match="corrupt"):
+            backend.get_state()
+        with pytest.raises(RendezvousStateError, match="corrupt"):  # the state that won a lost race
+            backend.set_state(state, token)
+    # torch's handler gets the error from its backend, as with its own backends
+    holder = dynamic_rendezvous._BackendRendezvousStateHolder(backend, types.SimpleNamespace(), 0)
+    with pytest.raises(RendezvousStateError):
+        holder.sync()
+
+
+def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_plane, rdzv_id):
+    sealed = seal_state(b"state")
+    with control_plane.client("node") as client:
+        for bad in (b"state", sealed[:-1], sealed[:10], b""):
+            resp = client.put(f"/v1/rdzv/{rdzv_id}/state",
+                              json={"state": base64.b64encode(bad).decode(), "token": None})
+            assert resp.status_code == 422 and "seal" in resp.text, resp.text
+        assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
 
 
 def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd):
