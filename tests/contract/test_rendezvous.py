@@ -49,6 +49,9 @@ from worker.rendezvous import (
 )
 
 SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
+# Two states as they travel (sealed, base64), for the tests that speak HTTP themselves.
+S1 = base64.b64encode(seal_state(b"\x00\x01")).decode()
+S2 = base64.b64encode(seal_state(b"\x00\x02")).decode()
 
 
 def submit(api: httpx.Client) -> dict:
@@ -374,7 +377,7 @@ def test_unknown_job_or_malformed_id_is_404(control_plane):
 
 
 def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
-    sealed = base64.b64encode(seal_state(b"\x00\x01")).decode()
+    sealed = S1
     with control_plane.client("node") as client:
         assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
         resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": sealed, "token": None})
@@ -595,7 +598,7 @@ def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_
 def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
     url = f"/v1/rdzv/{rdzv_id}/state"
     with control_plane.client("node") as reader, control_plane.client("node") as writer:
-        token = writer.put(url, json={"state": "AAE=", "token": None}).json()["token"]
+        token = writer.put(url, json={"state": S1, "token": None}).json()["token"]
 
         def long_poll():
             start = time.monotonic()
@@ -605,9 +608,9 @@ def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(long_poll)
             threading.Event().wait(0.3)  # let the request reach its watch (not a correctness wait)
-            new_token = writer.put(url, json={"state": "AAI=", "token": token}).json()["token"]
+            new_token = writer.put(url, json={"state": S2, "token": token}).json()["token"]
             body, took = pending.result(timeout=15)
-    assert body == {"state": "AAI=", "token": new_token, "changed": True}
+    assert body == {"state": S2, "token": new_token, "changed": True}
     assert took < 2.5  # the server caps a wait at 5 s: this one ended on the write
 
 
@@ -618,16 +621,16 @@ def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_
         none_yet = client.get(url, params={"after": "0", "wait_s": 0.3}).json()
         assert time.monotonic() - start >= 0.25
         assert none_yet == {"state": None, "token": None, "changed": False}
-        token = client.put(url, json={"state": "AAE=", "token": None}).json()["token"]
+        token = client.put(url, json={"state": S1, "token": None}).json()["token"]
         same = client.get(url, params={"after": token, "wait_s": 0.3}).json()
-        assert same == {"state": "AAE=", "token": token, "changed": False}
+        assert same == {"state": S1, "token": token, "changed": False}
         # A token that is not the current one is answered at once, without waiting.
         start = time.monotonic()
         stale = client.get(url, params={"after": "1", "wait_s": 10}).json()
-        assert stale == {"state": "AAE=", "token": token, "changed": True}
+        assert stale == {"state": S1, "token": token, "changed": True}
         assert time.monotonic() - start < 2.5
         # Without `after` it is the plain read it always was.
-        assert client.get(url).json() == {"state": "AAE=", "token": token}
+        assert client.get(url).json() == {"state": S1, "token": token}
         assert client.get(url, params={"after": "x"}).status_code == 422
 
 
