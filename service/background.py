@@ -20,7 +20,8 @@ async def start(ctx: Context) -> None:
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
-        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s),
+        scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
+                      contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.contact import Contact
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keys import Keys
@@ -30,6 +31,7 @@ class Context:
     progress: ProgressStore
     logs: LogStore
     index: JobIndex
+    contact: Contact  # this replica's contact with etcd (its own outages)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -48,4 +50,5 @@ class Context:
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
-                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys))
+                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
+                   contact=Contact(settings.node_ttl_s))

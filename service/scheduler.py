@@ -7,6 +7,10 @@ to each job through `JobStore.update`, which re-reads the job and re-decides on 
 compare-and-set, so a decision is never written over a change it did not see. Then it
 watches the running jobs for hangs (`service.decide.hangs`; the clocks it keeps for that
 live in this loop's memory, `watches`).
+
+Every replica's loop also notes when it last reached etcd (`service.contact`); when it
+starts, or comes back from a gap, nodes whose leases lapsed meanwhile get a grace before
+they count as lost (`service.decide.liveness`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import logging
 import time
 
+from service.contact import Contact
 from service.decide import hangs
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
@@ -44,25 +49,29 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
-               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None) -> None:
-    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs."""
+               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
+               grace_until: float = 0.0) -> None:
+    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
+
+    Until `grace_until` (after the control plane's own absence) members whose node record
+    is gone are waited for, not counted as lost."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
-    await _schedule(jobs, live_nodes, active, cfg, last_reason)
+    await _schedule(jobs, live_nodes, active, cfg, last_reason, grace_until)
     if watches is not None:
         await watch_hangs(jobs, active, watches)
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
-                    cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
-    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
+                    cfg: SchedulerConfig, last_reason: dict[str, str], grace_until: float) -> None:
+    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg, grace_until):
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
             free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
                               live_nodes)
-            again = plan(current, live_nodes, free, jobs.clock(), cfg)
+            again = plan(current, live_nodes, free, jobs.clock(), cfg, grace_until)
             return None if again is None else Change(again.job, again.events)
 
         try:
@@ -187,7 +196,8 @@ class Leadership:
 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
-              interval_s: float, cfg: SchedulerConfig | None = None) -> None:
+              interval_s: float, cfg: SchedulerConfig | None = None,
+              contact: Contact | None = None) -> None:
     """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
     wake = asyncio.Event()
@@ -197,14 +207,18 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     watches: dict[str, hangs.Watch] = {}
     last_lead_check = 0.0
     leading = False
+    contact = contact or Contact(node_ttl_s=6.0)
     try:
         while True:
             try:
+                contact.observe()
                 if time.monotonic() - last_lead_check > 1.0:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
+                    contact.reached()
                 if leading:
-                    await tick(jobs, nodes, index, cfg, last_reason, watches)
+                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact.grace_until)
+                    contact.reached()
                 else:
                     watches.clear()  # another replica keeps the clocks while it leads
             except StoreUnavailable as exc:

@@ -44,10 +44,21 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
+class RunningGroup(BaseModel):
+    """A job attempt whose workers an agent is running."""
+
+    job_id: str = Field(..., max_length=64)
+    attempt: int = Field(..., ge=0)
+
+
 class RegisterRequest(BaseModel):
     name: str = Field(..., max_length=64)
     nproc_per_node: int = Field(1, ge=1, le=1024)
     address: str | None = Field(None, max_length=255)
+    running: RunningGroup | None = Field(
+        None, description="What this agent still runs when it registers again because its lease "
+                          "lapsed (say, while no control plane could hear it); null: nothing (a new "
+                          "agent). A member that matches keeps its place instead of being stopped.")
 
     @field_validator("name")
     @classmethod
@@ -193,10 +204,20 @@ def _sealed(value: bytes) -> bytes:
     return value
 
 
+class ControlPlaneOutage(BaseModel):
+    """A time in which the control plane answering could not reach etcd (it was down, stopped,
+    or cut off from it): no rendezvous keep-alive could land through it then."""
+
+    started: float = Field(..., description="Wall clock (s); 0: unknown (it had just started).")
+    ended: float = Field(..., description="Wall clock (s) when it was in touch again.")
+
+
 class RdzvState(BaseModel):
     state: B64 | None = Field(None, description="The sealed rendezvous state (`seal_state` of the "
                                                 "pickle torch made); null: none yet.")
     token: str | None = Field(None, description="Its fencing token (the etcd mod_revision).")
+    outage: ControlPlaneOutage | None = Field(
+        None, description="The answering control plane's last outage, if it ended within a minute.")
 
 
 class StateChange(RdzvState):

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 import types
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -52,6 +52,12 @@ SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "
 # Two states as they travel (sealed, base64), for the tests that speak HTTP themselves.
 S1 = base64.b64encode(seal_state(b"\x00\x01")).decode()
 S2 = base64.b64encode(seal_state(b"\x00\x02")).decode()
+
+
+def state_of(body: dict) -> dict:
+    """A state answer without the control plane's note of its own last outage (it has one
+    for a minute after it starts)."""
+    return {k: v for k, v in body.items() if k != "outage"}
 
 
 def submit(api: httpx.Client) -> dict:
@@ -379,7 +385,7 @@ def test_unknown_job_or_malformed_id_is_404(control_plane):
 def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
     sealed = S1
     with control_plane.client("node") as client:
-        assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
+        assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
         resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": sealed, "token": None})
         body = resp.json()
         assert resp.status_code == 200 and body["written"] is True and body["state"] == sealed
@@ -426,7 +432,7 @@ def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_p
             resp = client.put(f"/v1/rdzv/{rdzv_id}/state",
                               json={"state": base64.b64encode(bad).decode(), "token": None})
             assert resp.status_code == 422 and "seal" in resp.text, resp.text
-        assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
+        assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
 
 
 def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd):
@@ -602,7 +608,7 @@ def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
 
         def long_poll():
             start = time.monotonic()
-            body = reader.get(url, params={"after": token, "wait_s": 10}).json()
+            body = state_of(reader.get(url, params={"after": token, "wait_s": 10}).json())
             return body, time.monotonic() - start
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -618,19 +624,19 @@ def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_
     url = f"/v1/rdzv/{rdzv_id}/state"
     with control_plane.client("node") as client:
         start = time.monotonic()
-        none_yet = client.get(url, params={"after": "0", "wait_s": 0.3}).json()
+        none_yet = state_of(client.get(url, params={"after": "0", "wait_s": 0.3}).json())
         assert time.monotonic() - start >= 0.25
         assert none_yet == {"state": None, "token": None, "changed": False}
         token = client.put(url, json={"state": S1, "token": None}).json()["token"]
-        same = client.get(url, params={"after": token, "wait_s": 0.3}).json()
+        same = state_of(client.get(url, params={"after": token, "wait_s": 0.3}).json())
         assert same == {"state": S1, "token": token, "changed": False}
         # A token that is not the current one is answered at once, without waiting.
         start = time.monotonic()
-        stale = client.get(url, params={"after": "1", "wait_s": 10}).json()
+        stale = state_of(client.get(url, params={"after": "1", "wait_s": 10}).json())
         assert stale == {"state": S1, "token": token, "changed": True}
         assert time.monotonic() - start < 2.5
         # Without `after` it is the plain read it always was.
-        assert client.get(url).json() == {"state": S1, "token": token}
+        assert state_of(client.get(url).json()) == {"state": S1, "token": token}
         assert client.get(url, params={"after": "x"}).status_code == 422
 
 
@@ -774,3 +780,56 @@ def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane
         assert checks >= 10 and len(reads) <= 1
     finally:
         handler.shutdown()
+
+
+def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen(
+        control_plane, rdzv_id, monkeypatch):
+    """Two nodes formed a group; the control plane is stopped for longer than the keep-alive
+    window. Meanwhile the monitor's question is answered at once; afterwards both nodes are
+    still in the rendezvous (keeping it alive), and a third node that joins is seen waiting,
+    as without the outage. (Every heartbeat was stale after it: torch drops such nodes from
+    its view, stops their keep-alives, and a joiner then started a round of its own.)"""
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=2, max_nodes=3, local_addr="127.0.0.1",
+                                  last_call_timeout=1, join_timeout=60, keep_alive_interval=1,
+                                  keep_alive_max_attempt=3)
+    first, second, third = (create_ftrain_handler(params) for _ in range(3))
+    reader = FtrainRendezvousBackend(Transport(control_plane.url, rdzv_id, control_plane.node_token))
+
+    def participants() -> set:
+        return set(pickle.loads(reader.get_state()[0]).participants)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            formed = [pool.submit(h.next_rendezvous) for h in (first, second)]
+            assert {f.result(timeout=60).world_size for f in formed} == {2}
+            members = participants()
+            control_plane.proc.send_signal(signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                while time.monotonic() - stopped < 8:  # the fault itself: > the 3 s window
+                    asked = time.monotonic()
+                    assert first.num_nodes_waiting() == 0
+                    assert time.monotonic() - asked < 10  # short tries, not retry_timeout (60 s)
+            finally:
+                control_plane.proc.send_signal(signal.SIGCONT)
+            # A node joins as soon as the control plane answers again, before the others'
+            # keep-alives landed: it saw no outage itself, the control plane tells it of one.
+            stopped_for = time.monotonic() - stopped
+            wait_for(lambda: first.num_nodes_waiting() == 0, 30, "the control plane to answer again")
+            with control_plane.client("node") as client:
+                outage = client.get(f"/v1/rdzv/{rdzv_id}/state").json()["outage"]
+            assert outage["ended"] - outage["started"] >= stopped_for - 1, outage
+            joining = pool.submit(third.next_rendezvous)
+            wait_for(lambda: first.num_nodes_waiting() == 1, 20, "the first node to see the third waiting")
+            assert second.num_nodes_waiting() == 1 and participants() == members
+            beats = pickle.loads(reader.get_state()[0]).last_heartbeats
+            assert set(beats) >= members and min(beats.values()) > datetime.now(UTC) - timedelta(seconds=3)
+            # the group restarts with the third node, as torch's agent does on a waiting node
+            again = [pool.submit(h.next_rendezvous) for h in (first, second)]
+            assert {f.result(timeout=60).world_size for f in [*again, joining]} == {3}
+    finally:
+        for handler in (first, second, third):
+            handler._stop_heartbeats()

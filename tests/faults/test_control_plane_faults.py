@@ -3,6 +3,7 @@ restarted, a submit while etcd is down. Training must not notice the first two."
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -158,4 +159,57 @@ def test_control_plane_stopped_during_snapshots_commits_land_after_it_returns(et
                 assert final["latest"] == 250
     finally:
         agent.stop()
+        cp.stop()
+
+
+# The outage of the next test; set FTRAIN_TEST_OUTAGE_S=600 for the 10-minute run.
+OUTAGE_S = float(os.environ.get("FTRAIN_TEST_OUTAGE_S", "90"))
+
+
+def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_seen(etcd, tmp_path):
+    """The control plane stopped for OUTAGE_S (90 s: longer than the rendezvous'
+    retry_timeout of 60 s, the node lease of 6 s, and a commit's retry window) while a
+    two-node job snapshots. Training goes on throughout; the snapshots written meanwhile are
+    committed once it is back; the nodes, whose leases lapsed, are waited for (not lost),
+    and their agents keep their workers; a node that joins afterwards is seen and the
+    group grows to three. 0 restarts, 0 steps lost."""
+    cp = ControlPlane(etcd.endpoint, tmp_path / "cp").start()
+    started = [NodeAgentProc(cp, f"n{i}", tmp_path / "nodes").start() for i in range(2)]
+    try:
+        with cp.client() as api:
+            wait_nodes(api, 2)
+            job_id = submit(api, train_spec("outage", 1_000_000, every=5, mn=1, mx=3, delay_s=0.1))
+            with SnapshotWatch(cp, job_id) as watch:
+                wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "a group of two")
+                wait_latest(api, job_id, 10)
+                attempt = job(api, job_id)["attempt"]
+                rank0 = next(a for a in started if agent_stdout(a, job_id, attempt).exists()
+                             and local_steps(agent_stdout(a, job_id, attempt)))
+                before, after = _stopped_for(cp, rank0, job_id, attempt, OUTAGE_S, steps=20)
+                back = time.time()
+
+                started.append(NodeAgentProc(cp, "n2", tmp_path / "nodes").start())
+                wait_for(lambda: job(api, job_id)["world_size"] == 3, 120, "the group to grow to three")
+                wait_latest(api, job_id, watch.good_steps() and max(watch.good_steps()) + 5)
+                assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+                done = wait_state(api, job_id, ("CANCELLED", "FAILED", "SUCCEEDED"), timeout_s=120)
+
+                assert done["state"] == "CANCELLED", events_of(api, job_id)
+                assert done["restarts"] == 0 and done["attempt"] == attempt, events_of(api, job_id)
+                reasons = " ".join(e["reason"] for e in events_of(api, job_id))
+                assert "lost" not in reasons and "new rendezvous" not in reasons, reasons
+                trace = check_steps(api, job_id, watch=watch)
+                lost = sum(max(0, last - resumed) for _, resumed, last in trace.resumes)  # steps redone
+                print(f"outage {OUTAGE_S:g} s: rank 0 trained steps {before}..{after} meanwhile; "
+                      f"restarts {done['restarts']}, resumes {len(trace.resumes)} (the join), "
+                      f"steps lost {lost}; back at {back:.0f}")
+                assert lost == 0 and len(trace.resumes) == 1  # the join's planned restart only
+                committed = {i["step"] for i in watch.check(api)["items"]}
+                during = set(range(before + 1, after + 1)) & set(range(5, after + 1, 5))
+                assert len(during) >= 4 and during <= committed, (sorted(during), sorted(committed))
+                agents_log = "".join((a.workdir / f"agent-{a.name}.log").read_text() for a in started[:2])
+                assert agents_log.count("still running") == 2  # re-registered, workers kept
+    finally:
+        for agent in started:
+            agent.stop()
         cp.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -32,6 +33,7 @@ from worker.protocol import (
     open_state,
     seal_state,
 )
+from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
 from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
 
@@ -55,6 +57,10 @@ class FtrainRendezvousBackend(RendezvousBackend):
         self._expire_cache: Callable[[], None] = lambda: None  # ditto
         self._long_poll = True  # False once the control plane turned out not to have it
         self._last_wake = -MIN_WAKE_INTERVAL_S
+        # torch's keep-alive interval and window (interval x max attempts), set by
+        # `create_ftrain_handler`: with them, heartbeats an outage made stale count as due
+        # (`outage.refresh_stale_heartbeats`); without, states are handed on as they are.
+        self.keep_alive: tuple[timedelta, timedelta] | None = None
 
     @property
     def name(self) -> str:
@@ -158,4 +164,8 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 f"the rendezvous state of {self._transport.rdzv_id} on {self._transport.base_url} is "
                 f"corrupt ({exc}); the control plane's etcd holds a damaged or foreign value at its "
                 "key. Restarting the job's attempt gives it a fresh rendezvous.") from exc
+        if self.keep_alive is not None:  # outages this node saw, and the control plane's own
+            now = time.time()
+            for outage in (self._transport.last_outage, result.outage):
+                state = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
         return state, result.token
