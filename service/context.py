@@ -31,7 +31,7 @@ class Context:
     progress: ProgressStore
     logs: LogStore
     index: JobIndex
-    contact: Contact  # this replica's contact with etcd (its own outages)
+    contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -51,4 +51,4 @@ class Context:
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
-                   contact=Contact(settings.node_ttl_s))
+                   contact=Contact(kv, keys.contact, settings.node_ttl_s))

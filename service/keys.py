@@ -14,6 +14,8 @@
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+    <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
+                                         service.contact), rewritten every 2 s
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
@@ -79,3 +81,7 @@ class Keys:
     @property
     def leader(self) -> str:
         return f"{self.prefix}/leader"
+
+    @property
+    def contact(self) -> str:
+        return f"{self.prefix}/contact"

@@ -91,22 +91,17 @@ async def get_state(
 ) -> StateChange | RdzvState:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
-    ctx.contact.observe()
     if after is None:
         entry = await rdzv.get_state()
-        ctx.contact.reached()
         return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
     entry, changed = await rdzv.wait_for_state_change(after, wait_s)
-    ctx.contact.reached()
     return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
 
 
 @router.put("/state", response_model=SetStateResult)
 async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> SetStateResult:
     """Compare-and-set: write iff `token` is current (null: iff none yet); returns what is there."""
-    ctx.contact.observe()
     entry, written = await rdzv.set_state(body.state, body.token)
-    ctx.contact.reached()
     return SetStateResult(**_state(entry), written=written, outage=ctx.contact.recent_outage())
 
 

@@ -13,10 +13,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from tests.helpers.processes import free_port
 from worker.rendezvous import create_ftrain_handler
-from worker.rendezvous.outage import SETTLE_S, refresh_stale_heartbeats
+from worker.rendezvous.outage import refresh_stale_heartbeats, settle_s
 from worker.rendezvous.transport import Outage
 
 INTERVAL, WINDOW = timedelta(seconds=1), timedelta(seconds=3)
+SETTLE_S = settle_s(INTERVAL, WINDOW)  # 7 s: a probe (5 s) and two intervals
 T0 = 1_700_000_000.0  # the outage began; it ended 90 s later
 OUTAGE = Outage(started=T0, ended=T0 + 90)
 
@@ -51,11 +52,28 @@ def test_heartbeats_an_outage_made_stale_count_as_due_while_it_settles():
 
 @pytest.mark.parametrize("outage,now", [
     (None, T0 + 92),  # no outage seen
-    (OUTAGE, OUTAGE.ended + SETTLE_S + 1),  # settled: torch's rules again
+    (OUTAGE, OUTAGE.ended + SETTLE_S),  # settled: torch's rules again
 ])
 def test_outside_the_settling_time_the_state_is_handed_on_unchanged(outage, now):
     state = state_with(alive=T0 - 0.5)
     assert refresh_stale_heartbeats(state, outage, INTERVAL, WINDOW, now) is state
+
+
+def test_a_heartbeat_written_after_the_outage_is_left_to_torch():
+    """A node that dies once the control plane is back is dropped by torch's rules, as fast as
+    without an outage: its last heartbeat came after the outage ended."""
+    now = OUTAGE.ended + 4
+    state = state_with(died_after=OUTAGE.ended + 0.5)
+    assert refresh_stale_heartbeats(state, OUTAGE, INTERVAL, WINDOW, now) is state
+    assert at(OUTAGE.ended + 0.5) < at(now) - WINDOW  # _sanitize drops it now
+
+
+def test_a_node_that_died_in_the_outage_is_dropped_when_the_settling_time_ends():
+    late = OUTAGE.ended + SETTLE_S - 0.5
+    beat = beats_of(refresh_stale_heartbeats(state_with(gone=T0 - 0.5), OUTAGE, INTERVAL, WINDOW, late))
+    assert beat["gone"] == at(OUTAGE.ended + SETTLE_S) - WINDOW  # never later than that
+    assert not beat["gone"] < at(late) - WINDOW  # still kept now
+    assert beat["gone"] < at(OUTAGE.ended + SETTLE_S + 0.1) - WINDOW  # dropped right after
 
 
 def test_a_state_that_is_not_torchs_is_left_to_torch():

@@ -25,14 +25,19 @@ then never send a keep-alive again (it only refreshes a heartbeat it finds), the
 write of any node would drop the others for good, and a node that joins would find a
 rendezvous of nobody: it would start a round of its own instead of waiting to be let in,
 and the others would never see it waiting (measured: a third node joining after a 20 s
-stop formed a group with one of the two, the other left paused). So, for `SETTLE_S` after
-an outage, `refresh_stale_heartbeats` treats every heartbeat that was fresh when the
-outage began as due now (neither dead nor fresh): each live node's next keep-alive writes
-its own, and a node that died meanwhile is dropped a keep-alive window after the settling
-ends, as torch would have dropped it. Outages are those the node saw itself (its
-requests failed) and those the control plane reports of itself with every state
-(`service.contact`: it was down, stopped or cut off from etcd), so a node that joins
-afterwards, which saw none, reads the state the same way.
+stop formed a group with one of the two, the other left paused). So, for a short settling
+time after an outage (`settle_s`: long enough for every live node to land a keep-alive,
+`KEEP_ALIVE_PROBE_S` plus two intervals, and at least the keep-alive window),
+`refresh_stale_heartbeats` treats a heartbeat that was fresh when the outage began and was
+written before it ended as due now (neither dead nor fresh): each live node's next
+keep-alive writes its own. Only those: a heartbeat written after the outage ended is left
+to torch, so a node that dies once the control plane is back is dropped by torch's own
+rules, as fast as without any outage. And not for long: a node that died during the outage
+is dropped at the end of the settling time, as if it had died when the outage ended.
+Outages are those the node saw itself (its requests failed) and those the control plane
+reports of itself with every state (`service.contact`: no control plane could reach etcd
+or hear the nodes; its own start is not one), so a node that joins afterwards, which saw
+none, reads the state the same way.
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ MONITOR_READ_TIMEOUT_S = 2.0  # the read timeout of the monitor's one try
 KEEP_ALIVE_RETRY_S = 3.0  # a keep-alive's retry budget (torch's: the whole retry_timeout)
 KEEP_ALIVE_READ_TIMEOUT_S = 3.0
 KEEP_ALIVE_PROBE_S = 5.0  # keep-alives once the control plane has been away this long
-SETTLE_S = 30.0  # how long after an outage stale heartbeats count as due rather than dead
 
 
 class AnOutage(Protocol):
@@ -63,14 +67,21 @@ class AnOutage(Protocol):
     ended: float
 
 
+def settle_s(interval: timedelta, window: timedelta) -> float:
+    """How long after an outage the heartbeats it made stale count as due (module docstring)."""
+    return max(window.total_seconds(), KEEP_ALIVE_PROBE_S + 2 * interval.total_seconds())
+
+
 def refresh_stale_heartbeats(state: bytes, outage: AnOutage | None, interval: timedelta,
                              window: timedelta, now: float) -> bytes:
     """`state` (torch's pickled `_RendezvousState`) with the heartbeats an outage made stale
-    moved to "due" (`now - interval`), for `SETTLE_S` after `outage` ended; unchanged
-    otherwise. A heartbeat older than `window` when the outage began (a node already dead
-    then) is left to torch. The outage is this node's (`Transport.last_outage`) or the
-    control plane's own (`ControlPlaneOutage`, which a node that joins afterwards learns)."""
-    if outage is None or now - outage.ended > SETTLE_S:
+    moved to "due" (`now - interval`, and never past the end of the settling time), for
+    `settle_s` after `outage` ended; unchanged otherwise. Left to torch: a heartbeat older
+    than `window` when the outage began (a node already dead then) and one written after it
+    ended. The outage is this node's (`Transport.last_outage`) or the control plane's own
+    (`ControlPlaneOutage`, which a node that joins afterwards learns)."""
+    settle = timedelta(seconds=settle_s(interval, window))
+    if outage is None or now - outage.ended >= settle.total_seconds():
         return state
     try:
         decoded = pickle.loads(state)  # torch unpickles the same bytes right after this
@@ -80,8 +91,11 @@ def refresh_stale_heartbeats(state: bytes, outage: AnOutage | None, interval: ti
     if not isinstance(beats, dict):
         return state
     alive_then = datetime.fromtimestamp(outage.started, UTC) - window
-    due = datetime.fromtimestamp(now, UTC) - min(interval, window / 2)
-    stale = [n for n, beat in beats.items() if isinstance(beat, datetime) and alive_then <= beat < due]
+    ended = datetime.fromtimestamp(outage.ended, UTC)
+    # Due now; but dead (torch: older than `window`) once the settling time is over.
+    due = min(datetime.fromtimestamp(now, UTC) - min(interval, window / 2), ended + settle - window)
+    stale = [n for n, beat in beats.items()
+             if isinstance(beat, datetime) and alive_then <= beat < ended and beat < due]
     if not stale:
         return state
     for node in stale:
