@@ -21,7 +21,7 @@ async def start(ctx: Context) -> None:
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
-                      passes=ctx.scheduler_passes),
+                      passes=ctx.scheduler_passes, contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.contact import Contact
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keyring import Keyring
@@ -36,6 +37,7 @@ class Context:
     index: JobIndex
     users: UserStore
     keyring: Keyring
+    contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
@@ -62,7 +64,8 @@ class Context:
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
-                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral())
+                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
+                   contact=Contact(kv, keys.contact, settings.node_ttl_s))
 
     def job_token(self, job: JobRecord) -> str:
         """The token of `job`'s workers: derived, never stored (service.keyring)."""

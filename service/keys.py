@@ -16,6 +16,8 @@
     <prefix>/leader                      the scheduler leader's lease-bound key
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
+    <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
+                                         service.contact), rewritten every 2 s
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
@@ -91,3 +93,7 @@ class Keys:
     @property
     def leader(self) -> str:
         return f"{self.prefix}/leader"
+
+    @property
+    def contact(self) -> str:
+        return f"{self.prefix}/contact"

@@ -5,8 +5,11 @@ keeps its state through `worker.rendezvous.FtrainRendezvousBackend` and its smal
 through `worker.rendezvous.HttpStore`, both HTTP clients of the routes in
 `service.routes.rendezvous`, which are thin wrappers around `Rendezvous` here.
 
-State. The pickled `_RendezvousState` is kept as opaque bytes at `keys.rdzv_state(id)`; its
-fencing token is that key's `mod_revision`. `set_state` is one transaction that compares the
+State. The pickled `_RendezvousState` is kept at `keys.rdzv_state(id)`, sealed by the client
+(`worker.protocol.seal_state`: a header and the pickle's SHA-256; a write that is not sealed
+is refused with 422, and a client that reads a state whose seal does not open raises torch's
+`RendezvousStateError`); the pickle itself is never unpickled here. Its fencing token is
+that key's `mod_revision`. `set_state` is one transaction that compares the
 revision (0: only if absent) and reads the key back in the same transaction, so the caller
 gets the token it wrote, or the state and token that won the race, atomically.
 

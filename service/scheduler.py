@@ -7,6 +7,12 @@ to each job through `JobStore.update`, which re-reads the job and re-decides on 
 compare-and-set, so a decision is never written over a change it did not see. Then it
 watches the running jobs for hangs (`service.decide.hangs`; the clocks it keeps for that
 live in this loop's memory, `watches`).
+
+Every replica's loop also keeps `service.contact`: the leader notes in etcd that it hears
+the nodes, and a replica that starts or comes back from a gap reads that note; after an
+outage in which no control plane could hear them, member nodes whose lease lapsed in it
+get a grace before they count as lost (`service.decide.liveness`). A node that dies while
+a control plane is there to hear it is lost as soon as its lease lapses.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import contextlib
 import logging
 import time
 
+from service.contact import Contact
 from service.decide import hangs
 from service.decide.change import Change
-from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
+from service.decide.scheduling import SchedulerConfig, free_nodes, live_members, plan, schedule
 from service.errors import FtrainError, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
@@ -69,25 +76,40 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
-               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None) -> None:
-    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs."""
+               last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
+               contact: Contact | None = None, missing_since: dict[str, float] | None = None) -> None:
+    """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
+
+    `missing_since` (kept across passes): since when each member node whose record is gone
+    has been seen gone; with `contact`, those whose lease lapsed in an outage of the
+    control plane's own are waited for, not counted as lost (`Contact.graced`)."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
-    await _schedule(jobs, live_nodes, active, cfg, last_reason)
+    graced: frozenset[str] = frozenset()
+    if missing_since is not None:
+        now = jobs.clock()
+        missing = {n for j in active.values() for n in live_members(j) if n not in live_nodes}
+        for name in missing_since.keys() - missing:
+            del missing_since[name]
+        for name in missing:
+            missing_since.setdefault(name, now)
+        if contact is not None:
+            graced = contact.graced(missing_since, now)
+    await _schedule(jobs, live_nodes, active, cfg, last_reason, graced)
     if watches is not None:
         await watch_hangs(jobs, active, watches)
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
-                    cfg: SchedulerConfig, last_reason: dict[str, str]) -> None:
-    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg):
+                    cfg: SchedulerConfig, last_reason: dict[str, str], graced: frozenset[str]) -> None:
+    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg, graced):
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
             free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
                               live_nodes)
-            again = plan(current, live_nodes, free, jobs.clock(), cfg)
+            again = plan(current, live_nodes, free, jobs.clock(), cfg, graced)
             return None if again is None else Change(again.job, again.events)
 
         try:
@@ -213,7 +235,7 @@ class Leadership:
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
               interval_s: float, cfg: SchedulerConfig | None = None,
-              passes: PassTimes | None = None) -> None:
+              passes: PassTimes | None = None, contact: Contact | None = None) -> None:
     """Schedule while this replica leads: on every change and at least every `interval_s`."""
     cfg = cfg or SchedulerConfig()
     passes = passes if passes is not None else PassTimes()
@@ -224,18 +246,24 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     watches: dict[str, hangs.Watch] = {}
     last_lead_check = 0.0
     leading = False
+    contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=6.0)
+    missing_since: dict[str, float] = {}
     try:
         while True:
             try:
+                contact.observe()
                 if time.monotonic() - last_lead_check > 1.0:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
+                    await contact.settle(leading)
                 if leading:
                     started = time.perf_counter()
-                    await tick(jobs, nodes, index, cfg, last_reason, watches)
+                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since)
                     passes.record(time.perf_counter() - started)
+                    contact.reached()
                 else:
                     watches.clear()  # another replica keeps the clocks while it leads
+                    missing_since.clear()
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)

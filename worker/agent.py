@@ -11,8 +11,12 @@ every exit. The parts it drives:
 - `worker.log_shipper.LogShipper`: worker output on its way to the control plane.
 
 A control plane that does not answer does not stop training: the agent keeps its
-workers running and keeps trying. Only a 404 on heartbeat (the node's lease lapsed and
-the job moved on) makes it stop its workers and register again.
+workers running and keeps trying. A 404 on heartbeat (the node's lease lapsed: the node
+was cut off, or no control plane could hear it for a while) makes it register again,
+saying which job attempt it still runs, without stopping its workers: the control plane
+keeps it a member if the job still counts on it (after an outage of its own it waits for
+such nodes, `service.decide.liveness`), and otherwise the next heartbeat's assignment
+stops the group as usual.
 """
 
 from __future__ import annotations
@@ -71,16 +75,18 @@ class NodeAgent:
             beat_started, known_before = time.monotonic(), link.known
             try:
                 if not link.registered:
-                    link.register()
+                    group = self.torchrun.group
+                    link.register(running=None if group is None else group.key)
                 link.send_reports()
                 # An idle node long-polls: the answer comes as soon as it is given a job.
                 assignment = link.heartbeat(idle=self.torchrun.group is None and not link.reports)
                 self.reconcile(assignment)
                 link.send_reports()
             except NodeForgotten:
-                log.warning("the control plane no longer knows node %s; stopping its workers "
-                            "and registering again", self.name)
-                self.stop_group("node lease lapsed")
+                group = self.torchrun.group
+                log.warning("the control plane no longer knows node %s (its lease lapsed); registering "
+                            "again%s", self.name, "" if group is None else
+                            f", with the workers of job {group.job_id} attempt {group.attempt} still running")
                 continue
             except (HttpError, ValidationError) as exc:
                 log.warning("control plane at %s: %s; workers keep running", self.server, exc)

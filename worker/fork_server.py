@@ -156,6 +156,33 @@ def _same_interpreter(path: str) -> bool:
         return False
 
 
+def parse_request(data: bytes) -> tuple[list[str], dict[str, str], str, int]:
+    """A request's body: a JSON object {argv, env, cwd, pid}; ValueError for anything else.
+
+    The peer is a process of this user, but whatever it sends must cost that request only,
+    never the server (and with it every worker of the job on this node).
+    """
+    try:
+        body = json.loads(data)
+    except RecursionError:  # "[[[[..." nested past the parser's recursion limit
+        raise ValueError("request nested too deeply") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"request is a JSON {type(body).__name__}, not an object")
+    missing = [k for k in ("argv", "env", "cwd", "pid") if k not in body]
+    if missing:
+        raise ValueError(f"request lacks {', '.join(missing)}")
+    argv, env, cwd, pid = body["argv"], body["env"], body["cwd"], body["pid"]
+    if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+            and isinstance(env, dict) and all(isinstance(v, str) for v in env.values())
+            and isinstance(cwd, str) and type(pid) is int and pid > 0):
+        raise ValueError("argv, env, cwd or pid of the wrong type")
+    # os.path, os.environ and os.chdir raise on a NUL; the worker would die of it, or
+    # (argv[0], checked in `plan`) the server would.
+    if any("\0" in s for s in (*argv, *env, *env.values(), cwd)) or any("=" in k or not k for k in env):
+        raise ValueError("a NUL in argv, env or cwd, or an environment name that is empty or has '='")
+    return argv, env, cwd, pid
+
+
 class Server:
     def __init__(self, listener: socket.socket, decline: str | None):
         self.listener = listener
@@ -166,16 +193,23 @@ class Server:
 
     def serve(self) -> Request:
         """Serve forever; returns only in a forked worker, with what it must run."""
+        server = os.getpid()
         while True:
             for key, _ in self.selector.select():
-                if key.data == "accept":
-                    request = self._accept()
-                    if request is not None:
-                        return request
-                elif isinstance(key.data, Child):
-                    self._hear(key.data)
-                else:
-                    self._reap(key.data)
+                try:
+                    if key.data == "accept":
+                        request = self._accept()
+                        if request is not None:
+                            return request
+                    elif isinstance(key.data, Child):
+                        self._hear(key.data)
+                    else:
+                        self._reap(key.data)
+                except Exception as exc:  # noqa: BLE001 - one request, never the server
+                    if os.getpid() != server:  # a new worker that could not set itself apart
+                        os._exit(70)
+                    what = "a request" if key.data == "accept" else f"worker {key.data}"
+                    log(f"error while serving {what}: {type(exc).__name__}: {exc}")
 
     def _accept(self) -> Request | None:
         conn, _ = self.listener.accept()
@@ -187,8 +221,8 @@ class Server:
                 return None
             conn.settimeout(10)
             request = self._read(conn)
-        except (OSError, ValueError, KeyError) as exc:
-            log(f"bad request: {exc}")
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the server goes on
+            log(f"bad request: {type(exc).__name__}: {exc}"[:500])
             conn.close()
             return None
         how = plan(request.argv) if self.decline is None else self.decline
@@ -196,8 +230,16 @@ class Server:
             return self._refuse(conn, request, how)
         sys.stdout.flush()
         sys.stderr.flush()
-        finished_r, finished_w = os.pipe()
-        pid = os.fork()
+        try:
+            finished_r, finished_w = os.pipe()
+        except OSError as exc:  # out of fds: the launcher runs the command itself
+            return self._refuse(conn, request, f"no pipe for the worker: {exc}")
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: likewise
+            os.close(finished_r)
+            os.close(finished_w)
+            return self._refuse(conn, request, f"fork failed: {exc}")
         if pid == 0:
             self._close_all(conn)
             os.close(finished_r)
@@ -231,12 +273,7 @@ class Server:
                 if not chunk:
                     raise ValueError("short request")
                 data += chunk
-            body = json.loads(data)
-            argv, env, cwd, pid = body["argv"], body["env"], body["cwd"], body["pid"]
-            if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
-                    and isinstance(env, dict) and all(isinstance(v, str) for v in env.values())
-                    and isinstance(cwd, str) and isinstance(pid, int)):
-                raise ValueError("argv, env, cwd or pid of the wrong type")
+            argv, env, cwd, pid = parse_request(data)
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -9,7 +9,10 @@ has no attempts to fence (tests/contract/test_link.py runs the same cases agains
 
 Calls that must not be lost (listing, committing, reporting a corrupt snapshot) are
 retried while the control plane does not answer, for `ServiceLink.RETRY_S`; a progress
-report or a control poll is tried once, as the next one comes within a second anyway.
+report or a control poll is tried once, as the next one comes within a second anyway. A
+commit that still gets no answer (or a server error) raises `CommitUnreachable`, which the
+snapshot writer keeps trying in the background for as long as it takes (`worker.snapshot`);
+a refused one (409) raises `Fenced`, which ends the worker.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from worker import snapshot as snap
-from worker.http import ApiError, ControlPlaneClient, HttpError
+from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
 from worker.protocol import (
     CommitRequest,
     CommitResult,
@@ -50,6 +53,10 @@ class LinkError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class CommitUnreachable(LinkError, snap.CommitUnavailable):
+    """A commit got no answer (or a server error) within `ServiceLink.RETRY_S`: try it later."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,10 @@ class ServiceLink:
             return self._client.call(method, path, body, retry_s=retry_s)
         except ApiError as exc:
             raise LinkError(str(exc), exc.status) from exc
-        except HttpError as exc:  # its message names the request
+        except Unreachable as exc:  # its message names the request
             raise LinkError(f"control plane unreachable: {exc}", exc.status) from exc
+        except HttpError as exc:
+            raise LinkError(f"control plane request failed: {exc}", exc.status) from exc
 
     def _retrying(self, method: str, path: str, body: Any = None) -> Any:
         """Retry what is worth retrying (no answer, 502/503/504); a 4xx is an answer."""
@@ -138,6 +147,8 @@ class ServiceLink:
         except LinkError as exc:
             if exc.status == 409:
                 raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
+            if isinstance(exc.__cause__, Unreachable) or (exc.status or 0) >= 500:
+                raise CommitUnreachable(f"commit of step {written.step}: {exc}", exc.status) from exc
             raise
 
     def report_corrupt(self, step: int, reason: str) -> None:

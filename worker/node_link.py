@@ -25,6 +25,7 @@ from worker.protocol import (
     RegisterReply,
     RegisterRequest,
     ReportRequest,
+    RunningGroup,
 )
 
 log = logging.getLogger("ftrain.agent")
@@ -56,9 +57,15 @@ class NodeLink:
         self.registered = False
         self.reports: list[ReportRequest] = []
 
-    def register(self) -> None:
-        """Register this node (again); its heartbeat interval and lease come back."""
-        request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address)
+    def register(self, running: tuple[str, int] | None = None) -> None:
+        """Register this node (again); its heartbeat interval and lease come back.
+
+        `running`: the (job id, attempt) whose workers this agent still runs, when it
+        registers again after its lease lapsed; the control plane then keeps it a member.
+        """
+        request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address,
+                                  running=None if running is None else RunningGroup(job_id=running[0],
+                                                                                    attempt=running[1]))
         reply = RegisterReply.model_validate(self.client.call("POST", "/v1/nodes/register", request))
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id

@@ -19,10 +19,11 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import hashlib
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PlainSerializer, field_validator
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
 MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent (`cut_line`)
@@ -43,10 +44,21 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
+class RunningGroup(BaseModel):
+    """A job attempt whose workers an agent is running."""
+
+    job_id: str = Field(..., max_length=64)
+    attempt: int = Field(..., ge=0)
+
+
 class RegisterRequest(BaseModel):
     name: str = Field(..., max_length=64)
     nproc_per_node: int = Field(1, ge=1, le=1024)
     address: str | None = Field(None, max_length=255)
+    running: RunningGroup | None = Field(
+        None, description="What this agent still runs when it registers again because its lease "
+                          "lapsed (say, while no control plane could hear it); null: nothing (a new "
+                          "agent). A member that matches keeps its place instead of being stopped.")
 
     @field_validator("name")
     @classmethod
@@ -160,9 +172,55 @@ OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                    description="Makes a retried add/append apply once.")]
 
 
+# A rendezvous state is stored and sent sealed: this header, the SHA-256 of the pickled state,
+# then the state. The client seals what torch gives it and opens what it reads, so a state
+# damaged at rest (or written by anything but a rendezvous client) is told from a valid one
+# (torch's own backends do the same with their base64 layer); the control plane refuses to
+# store a state that is not sealed.
+STATE_SEAL = b"ftrain-rdzv-state/1\n"
+_DIGEST_BYTES = 32
+
+
+class StateNotSealed(ValueError):
+    """Bytes that are not a sealed rendezvous state, or whose seal does not match them."""
+
+
+def seal_state(state: bytes) -> bytes:
+    """`state` as it is stored and sent: the seal, its SHA-256, the state."""
+    return STATE_SEAL + hashlib.sha256(state).digest() + state
+
+
+def open_state(sealed: bytes) -> bytes:
+    """The state inside `sealed`; StateNotSealed if it is not one `seal_state` made."""
+    head = len(STATE_SEAL)
+    if not sealed.startswith(STATE_SEAL) or len(sealed) < head + _DIGEST_BYTES:
+        raise StateNotSealed(f"{len(sealed)} bytes that do not start with the rendezvous state's "
+                             f"seal {STATE_SEAL!r}")
+    digest, state = sealed[head:head + _DIGEST_BYTES], sealed[head + _DIGEST_BYTES:]
+    if hashlib.sha256(state).digest() != digest:
+        raise StateNotSealed(f"a sealed state of {len(state)} bytes whose SHA-256 does not match its seal")
+    return state
+
+
+def _sealed(value: bytes) -> bytes:
+    open_state(value)  # a ValueError: 422, with its message
+    return value
+
+
+class ControlPlaneOutage(BaseModel):
+    """A time in which the control plane answering could not reach etcd (it was down, stopped,
+    or cut off from it): no rendezvous keep-alive could land through it then."""
+
+    started: float = Field(..., description="Wall clock (s); 0: unknown (it had just started).")
+    ended: float = Field(..., description="Wall clock (s) when it was in touch again.")
+
+
 class RdzvState(BaseModel):
-    state: B64 | None = Field(None, description="The pickled rendezvous state; null: none yet.")
+    state: B64 | None = Field(None, description="The sealed rendezvous state (`seal_state` of the "
+                                                "pickle torch made); null: none yet.")
     token: str | None = Field(None, description="Its fencing token (the etcd mod_revision).")
+    outage: ControlPlaneOutage | None = Field(
+        None, description="The answering control plane's last outage, if it ended within a minute.")
 
 
 class StateChange(RdzvState):
@@ -170,7 +228,7 @@ class StateChange(RdzvState):
 
 
 class SetStateRequest(BaseModel):
-    state: B64
+    state: Annotated[B64, AfterValidator(_sealed)]
     token: str | None = Field(None, max_length=64,
                               description="Token of the state this one replaces; null: create only.")
 

@@ -30,9 +30,11 @@ Snapshots: every `snapshot_every` steps rank 0 copies the state (model, optimize
 scheduler, sampler position, every rank's torch/CUDA/numpy/python RNG state, the step)
 to host memory -- the only stall, measured and logged per snapshot -- and a background
 thread writes it atomically with a sha256 checksum, commits it to the control plane
-(fenced by `FTRAIN_ATTEMPT`), and deletes what the commit prunes. On start, rank 0 picks
-the latest committed snapshot, verifies its checksum (reporting a bad one and falling back
-to the one before), and broadcasts the choice; every rank loads it.
+(fenced by `FTRAIN_ATTEMPT`), and deletes what the commit prunes. A commit that cannot
+reach the control plane keeps its file and is retried in the background while training
+goes on (`worker.snapshot.AsyncWriter`); a refused one (a newer attempt) ends the worker.
+On start, rank 0 picks the latest committed snapshot, verifies its checksum (reporting a
+bad one and falling back to the one before), and broadcasts the choice; every rank loads it.
 
 Planned changes: a thread on rank 0 polls the job's control endpoint (every 0.5 s) and
 reports progress (every 1 s). At each step boundary rank 0 broadcasts what it last heard
@@ -348,7 +350,7 @@ class Runtime:
         if not self.is_chief:
             return True
         assert self._writer is not None
-        self._writer.wait()  # one save in flight: waiting for the last one is part of the stall
+        self._writer.wait_written()  # one write in flight: waiting for it is part of the stall
         waited_s = time.perf_counter() - start
         state = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
                  "time": time.time(), "rng": rngs}
@@ -461,7 +463,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
                  pause_timeout_s=pause_timeout_s)
     if directory and link is not None:
-        rt._writer = snap.AsyncWriter(directory, link.commit)
+        rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,
              job_id or "(local twin)", directory or "off", rt.snapshot_every)
     return rt

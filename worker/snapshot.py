@@ -222,38 +222,96 @@ def delete_files(paths: list[str], directory: str | Path | None = None) -> None:
 CommitFn = Callable[[WrittenSnapshot, float, "int | None"], list[str]]
 
 
-class AsyncWriter:
-    """Writes host copies of the state in one background thread, then commits and prunes.
+class CommitUnavailable(Exception):
+    """A commit did not reach the control plane (no answer, or a server error): the file is
+    whole and the commit is worth trying again later. Any other error of a commit is final."""
 
-    At most one save is in flight: `submit` waits for the previous one first (that wait
-    is part of the stall it reports). A write the storage refuses (OSError: a full disk, a
-    quota, an I/O error) costs that snapshot, not the training: it is logged, nothing is
-    committed (the latest committed snapshot stays the latest), `failed_step` says which
-    step was lost, and the next save tries again. Any other error in the background (a
-    refused commit, a bug) is raised on the training thread at the next `submit` or `wait`.
+
+@dataclass
+class _Uncommitted:
+    written: WrittenSnapshot
+    stall_s: float
+    control_id: int | None
+    since: float  # when it was written (clock of the writer)
+    tries: int = 0
+
+
+class AsyncWriter:
+    """Writes host copies of the state in one background thread; commits them, in step
+    order, in another; deletes what the commits prune.
+
+    Writing. At most one write is in flight: `submit` waits for the previous *write* first
+    (that wait is part of the stall it reports), never for a commit. A write the storage
+    refuses (OSError: a full disk, a quota, an I/O error) costs that snapshot, not the
+    training: it is logged, nothing is committed (the latest committed snapshot stays the
+    latest), `failed_step` says which step was lost, and the next save tries again.
+
+    Committing. A written snapshot is handed to the committer thread, which commits the
+    waiting ones oldest first. A commit that does not reach the control plane
+    (`CommitUnavailable`: it is restarting, or it or its etcd is away) keeps its file and is
+    tried again, with a pause growing from `RETRY_FIRST_S` to `RETRY_MAX_S`, for as long as
+    it takes, while training goes on and later snapshots are written and queued behind it.
+    At most `keep` snapshots wait: a newer one supersedes the oldest waiting one, whose file
+    is deleted, as pruning would delete it once the `keep` newer ones are committed. A
+    commit that is refused (`Fenced`: a newer attempt owns the job) or any other error is
+    final: nothing more is committed, and it is raised on the training thread at the next
+    `submit` or `wait`.
+
+    `wait` (a blocking save, the end of training) waits for the write and then, up to
+    `commit_wait_s`, for the commits; if the control plane is still away then, it returns
+    and the commits go on being tried in the background while the process lives.
     """
 
-    def __init__(self, directory: str | Path, commit: CommitFn):
+    RETRY_FIRST_S = 0.5
+    RETRY_MAX_S = 5.0
+
+    def __init__(self, directory: str | Path, commit: CommitFn, keep: int = 3,
+                 commit_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.directory = Path(directory)
         self._commit = commit
+        self.keep = max(1, keep)
+        self.commit_wait_s = commit_wait_s
+        self._clock = clock
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last: WrittenSnapshot | None = None
+        self.last: WrittenSnapshot | None = None  # the newest committed by this writer
         self.failed_step: int | None = None  # the last step whose write the storage refused
         self.failures = 0
+        self.superseded: list[int] = []  # steps whose waiting commit a newer snapshot replaced
+        self._changed = threading.Condition()
+        self._waiting: list[_Uncommitted] = []  # written, not yet committed, oldest first
+        self._in_flight: _Uncommitted | None = None
+        self._committer: threading.Thread | None = None
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is written and committed."""
+    # ------------------------------------------------------------------ the training thread
+    def wait_written(self) -> None:
+        """Block until the write in flight (if any) is done, so its host copy may be reused."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._raise_error()
+
+    def wait(self, commit_wait_s: float | None = None) -> bool:
+        """Block until the write in flight is done and every commit has landed, waiting at
+        most `commit_wait_s` (default `self.commit_wait_s`) for the commits; True if none is
+        left waiting."""
+        self.wait_written()
+        limit = self.commit_wait_s if commit_wait_s is None else commit_wait_s
+        deadline = self._clock() + limit
+        with self._changed:
+            while self._waiting and self._error is None and (left := deadline - self._clock()) > 0:
+                self._changed.wait(left)
+            waiting = [u.written.step for u in self._waiting]
+        self._raise_error()
+        if waiting:
+            log.warning("snapshot(s) of step(s) %s not committed yet: the control plane did not take "
+                        "them within %g s; the files are kept and the commits are tried in the "
+                        "background", ", ".join(map(str, waiting)), limit)
+        return not waiting
 
     def submit(self, host_state: Any, step: int, stall_s: float, control_id: int | None = None,
                blocking: bool = False) -> None:
-        self.wait()
+        self.wait_written()
         self._thread = threading.Thread(target=self._run, args=(host_state, step, stall_s, control_id),
                                         name=f"snapshot-{step}", daemon=True)
         self._thread.start()
@@ -263,18 +321,88 @@ class AsyncWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def uncommitted(self) -> list[int]:
+        """Steps written and not committed yet (their commits are being tried), oldest first."""
+        with self._changed:
+            return [u.written.step for u in self._waiting]
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # ------------------------------------------------------------------ the writer thread
     def _run(self, host_state: Any, step: int, stall_s: float, control_id: int | None) -> None:
         try:
-            try:
-                written = write_atomic(host_state, self.directory, step)
-            except OSError as exc:
-                self.failed_step, self.failures = step, self.failures + 1
-                log.warning("snapshot of step %d not saved: %s; training goes on, the next save "
-                            "tries again (the latest committed snapshot is unchanged)", step, exc)
-                return
-            self.failed_step = None
-            prune = self._commit(written, stall_s, control_id)
-            delete_files(prune, self.directory)
-            self.last = written
+            written = write_atomic(host_state, self.directory, step)
+        except OSError as exc:
+            self.failed_step, self.failures = step, self.failures + 1
+            log.warning("snapshot of step %d not saved: %s; training goes on, the next save "
+                        "tries again (the latest committed snapshot is unchanged)", step, exc)
+            return
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
+            return
+        self.failed_step = None
+        self._queue(_Uncommitted(written, stall_s, control_id, self._clock()))
+
+    def _queue(self, item: _Uncommitted) -> None:
+        dropped: list[_Uncommitted] = []
+        with self._changed:
+            self._waiting.append(item)
+            while len(self._waiting) > self.keep:
+                # the oldest that is not being committed right now (that one may land)
+                i = 1 if self._waiting[0] is self._in_flight else 0
+                dropped.append(self._waiting.pop(i))
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._commit_loop, name="snapshot-commits",
+                                                   daemon=True)
+                self._committer.start()
+            self._changed.notify_all()
+        for old in dropped:
+            self.superseded.append(old.written.step)
+            log.warning("snapshot of step %d superseded before its commit landed (%d newer ones "
+                        "wait); its file is deleted, as pruning would", old.written.step, self.keep)
+            delete_files([old.written.path], self.directory)
+
+    # ------------------------------------------------------------------ the committer thread
+    def _commit_loop(self) -> None:
+        pause = self.RETRY_FIRST_S
+        while True:
+            with self._changed:
+                while not self._waiting:
+                    self._changed.wait()
+                item = self._in_flight = self._waiting[0]
+            item.tries += 1
+            try:
+                prune = self._commit(item.written, item.stall_s, item.control_id)
+            except CommitUnavailable as exc:
+                if item.tries == 1:
+                    log.warning("snapshot of step %d written, its commit did not reach the control "
+                                "plane (%s); the file is kept, training goes on, and the commit is "
+                                "tried again in the background", item.written.step, exc)
+                with self._changed:
+                    self._in_flight = None
+                    self._changed.wait(pause)  # a new snapshot queued wakes it: try at once
+                pause = min(pause * 2, self.RETRY_MAX_S)
+                continue
+            except BaseException as exc:  # noqa: BLE001 - final: handed to the training thread
+                with self._changed:
+                    self._error = exc
+                    self._waiting.clear()
+                    self._in_flight = None
+                    self._committer = None
+                    self._changed.notify_all()
+                return
+            pause = self.RETRY_FIRST_S
+            delete_files(prune, self.directory)
+            if item.tries > 1:
+                log.warning("snapshot of step %d committed after %d tries, %.1f s after it was written",
+                            item.written.step, item.tries, self._clock() - item.since)
+            with self._changed:
+                if self._waiting and self._waiting[0] is item:
+                    self._waiting.pop(0)
+                self._in_flight = None
+                if self.last is None or item.written.step >= self.last.step:
+                    self.last = item.written
+                self._changed.notify_all()

@@ -36,8 +36,16 @@ def decide_report(job: JobRecord, node: str, attempt: int, state: str, exit_code
     return Change(job.model_copy(update={"members": members, "updated_at": now}))
 
 
-def decide_registered(job: JobRecord, node: str, attempt: int, now: float) -> Change | None:
-    """`node` registered afresh while a member of `attempt`: whatever it ran is gone."""
+def decide_registered(job: JobRecord, node: str, attempt: int, now: float,
+                      running: tuple[str, int] | None = None) -> Change | None:
+    """`node` registered while a member of `attempt`. An agent that says it still runs this
+    very attempt (`running` = (job id, attempt)) re-registers after its lease lapsed (while
+    no control plane could hear it): its workers train on and it stays a member. Otherwise
+    (a new agent process, or one running something else) whatever the node ran is gone."""
+    member = job.members.get(node)
+    still_runs = running is not None and running == (job.id, job.attempt) and attempt == job.attempt
+    if still_runs and member is not None and member.is_live():
+        return None
     return decide_report(job, node, attempt, "stopped", None, AGENT_RESTARTED, now)
 
 

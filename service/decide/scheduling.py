@@ -10,8 +10,10 @@ Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and t
 to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
 pending job can use them. A lost node (its lease lapsed) leaves the job; if fewer than
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
-released. Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at
-a step boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
+released. Not a member in `graced`, though: after an outage in which no control plane could
+hear the nodes, one whose lease lapsed in it is waited for, as if present (`liveness.graced`).
+Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at a step
+boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
 When the members' reports end the job is `outcome.by_members`. A member that finished
 (its workers exited 0) keeps its node until the job ends and counts towards `min`; once
 one has, the job is ending and none of the above changes its membership any more
@@ -110,10 +112,11 @@ def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
 
 
 def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: float,
-         cfg: SchedulerConfig = SchedulerConfig()) -> Plan | None:
+         cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset()) -> Plan | None:
     """The next state of `job`, given the live `nodes` and the `free` ones (in preference order).
 
-    Returns None when nothing changes. The plan only ever takes nodes from `free`.
+    Returns None when nothing changes. The plan only ever takes nodes from `free`. A live
+    member whose node is not in `nodes` but is in `graced` is not lost yet.
     """
     if job.state.is_terminal():
         return None
@@ -130,10 +133,11 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
-    # (a finished member is not lost: nothing of the job runs there any more).
+    # (a finished member is not lost: nothing of the job runs there any more; nor yet one
+    # whose lease lapsed while no control plane could hear it: `graced`).
     members = dict(job.members)
     for name in sorted(members):
-        if members[name].is_live() and name not in nodes:
+        if members[name].is_live() and name not in nodes and name not in graced:
             stopped = members[name].model_copy(update={"state": "stopped", "reason": "node lost"})
             if d.job.state is not S.CANCELLING:
                 stopped = outcome.failed_after_finish(members, name, "node lost (its lease lapsed)") \
@@ -164,7 +168,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
-    draining = [n for n in live_members(d.job) if nodes[n].state is NodeState.DRAINING]
+    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state is NodeState.DRAINING]
     if draining:
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
@@ -178,7 +182,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
 
     live = live_members(d.job)
-    lost = [n for n in job.members if job.members[n].is_live() and n not in nodes]
+    lost = [n for n in job.members if job.members[n].is_live() and n not in nodes and n not in graced]
     if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
         # The survivors have not re-formed without the lost node (NCCL blocks in a collective
         # with a dead peer instead of failing): restart them under a fresh rendezvous.
@@ -220,13 +224,13 @@ def free_nodes(jobs: list[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]
 
 
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
-             cfg: SchedulerConfig = SchedulerConfig()) -> list[Plan]:
+             cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset()) -> list[Plan]:
     """Plans for every job, pending jobs (oldest first) served before scale-ups."""
     free = free_nodes(jobs, nodes)
     order = sorted(jobs, key=lambda j: (j.state is not S.PENDING, j.created_at, j.id))
     plans = []
     for job in order:
-        p = plan(job, nodes, free, now, cfg)
+        p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             plans.append(p)
             taken = set(live_members(p.job)) - set(live_members(job))

@@ -39,13 +39,15 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     """Register (or re-register) a node under a fresh lease."""
     ttl = ctx.settings.node_ttl_s
     lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl)
-    # A (re)starting agent runs nothing: whatever it held before is gone. (The index may
-    # lag by a watch event; the scheduler's node bookkeeping covers what it misses.)
+    # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
+    # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
+    # watch event; the scheduler's node bookkeeping covers what it misses.)
     job = ctx.index.job_of_node(req.name)
     if job is not None:
         now = ctx.jobs.clock()
+        running = None if req.running is None else (req.running.job_id, req.running.attempt)
         await ctx.jobs.update(job.id, lambda current: decide_registered(current, req.name,
-                                                                        job.attempt, now))
+                                                                        job.attempt, now, running))
     return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
                          heartbeat_interval_s=max(ttl / 4, 0.5))
 

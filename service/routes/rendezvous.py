@@ -82,6 +82,7 @@ def _state(entry) -> dict:
 @router.get("/state", response_model=StateChange | RdzvState)
 async def get_state(
     rdzv: RendezvousDep,
+    ctx: ContextDep,
     after: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}$",
                                        description="Long poll: answer once the token is not this "
                                                    "one (\"0\": no state yet).")] = None,
@@ -91,16 +92,17 @@ async def get_state(
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
-        return RdzvState(**_state(await rdzv.get_state()))
+        entry = await rdzv.get_state()
+        return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
     entry, changed = await rdzv.wait_for_state_change(after, wait_s)
-    return StateChange(**_state(entry), changed=changed)
+    return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
 
 
 @router.put("/state", response_model=SetStateResult)
-async def set_state(body: SetStateRequest, rdzv: RendezvousDep) -> SetStateResult:
+async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> SetStateResult:
     """Compare-and-set: write iff `token` is current (null: iff none yet); returns what is there."""
     entry, written = await rdzv.set_state(body.state, body.token)
-    return SetStateResult(**_state(entry), written=written)
+    return SetStateResult(**_state(entry), written=written, outage=ctx.contact.recent_outage())
 
 
 @router.post("/store/get", response_model=GetResult, response_model_exclude_none=True)

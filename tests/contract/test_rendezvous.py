@@ -10,19 +10,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import pickle
 import signal
 import threading
 import time
 import types
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 import torch.distributed as dist
 import torch.distributed.elastic.utils.store as store_util
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    RendezvousStateError,
+    dynamic_rendezvous,
+    rendezvous_handler_registry,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, _RendezvousState
 
 import worker.rendezvous as ftrain_rdzv
 from service.keys import Keys
@@ -30,6 +36,7 @@ from service.rendezvous import delete_rendezvous, parse_rdzv_id
 from service.store.api import Put
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import free_port, wait_for
+from worker.protocol import seal_state
 from worker.rendezvous import (
     FtrainRendezvousBackend,
     HttpStore,
@@ -42,6 +49,15 @@ from worker.rendezvous import (
 )
 
 SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
+# Two states as they travel (sealed, base64), for the tests that speak HTTP themselves.
+S1 = base64.b64encode(seal_state(b"\x00\x01")).decode()
+S2 = base64.b64encode(seal_state(b"\x00\x02")).decode()
+
+
+def state_of(body: dict) -> dict:
+    """A state answer without the control plane's note of the last outage (it has one for a
+    minute after an outage)."""
+    return {k: v for k, v in body.items() if k != "outage"}
 
 
 def submit(api: httpx.Client) -> dict:
@@ -367,14 +383,56 @@ def test_unknown_job_or_malformed_id_is_404(control_plane):
 
 
 def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
+    sealed = S1
     with control_plane.client("node") as client:
-        assert client.get(f"/v1/rdzv/{rdzv_id}/state").json() == {"state": None, "token": None}
-        resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "AAE=", "token": None})
+        assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
+        resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": sealed, "token": None})
         body = resp.json()
-        assert resp.status_code == 200 and body["written"] is True and body["state"] == "AAE="
+        assert resp.status_code == 200 and body["written"] is True and body["state"] == sealed
         assert body["token"].isdigit()
         bad = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": "not base64!", "token": None})
         assert bad.status_code == 422
+
+
+def _put_raw_state(etcd_endpoint: str, rdzv_id: str, value: bytes) -> None:
+    """Write the state key in etcd behind the control plane's back (damage at rest)."""
+
+    async def put():
+        client = EtcdStore(etcd_endpoint)
+        try:
+            await client.put(Keys().rdzv_state(rdzv_id), value)
+        finally:
+            await client.close()
+
+    asyncio.run(put())
+
+
+def test_a_corrupt_state_in_etcd_raises_rendezvous_state_error(control_plane, etcd, transports, rdzv_id):
+    backend = FtrainRendezvousBackend(transports())
+    state = pickle.dumps(_RendezvousState())
+    _, token, _ = backend.set_state(state)
+    sealed = seal_state(state)
+    flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    for damaged in (flipped, sealed[: len(sealed) // 2], state, b"garbage"):
+        _put_raw_state(etcd.endpoint, rdzv_id, damaged)
+        with pytest.raises(RendezvousStateError, match="corrupt"):
+            backend.get_state()
+        with pytest.raises(RendezvousStateError, match="corrupt"):  # the state that won a lost race
+            backend.set_state(state, token)
+    # torch's handler gets the error from its backend, as with its own backends
+    holder = dynamic_rendezvous._BackendRendezvousStateHolder(backend, types.SimpleNamespace(), 0)
+    with pytest.raises(RendezvousStateError):
+        holder.sync()
+
+
+def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_plane, rdzv_id):
+    sealed = seal_state(b"state")
+    with control_plane.client("node") as client:
+        for bad in (b"state", sealed[:-1], sealed[:10], b""):
+            resp = client.put(f"/v1/rdzv/{rdzv_id}/state",
+                              json={"state": base64.b64encode(bad).decode(), "token": None})
+            assert resp.status_code == 422 and "seal" in resp.text, resp.text
+        assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
 
 
 def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd):
@@ -546,19 +604,19 @@ def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_
 def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
     url = f"/v1/rdzv/{rdzv_id}/state"
     with control_plane.client("node") as reader, control_plane.client("node") as writer:
-        token = writer.put(url, json={"state": "AAE=", "token": None}).json()["token"]
+        token = writer.put(url, json={"state": S1, "token": None}).json()["token"]
 
         def long_poll():
             start = time.monotonic()
-            body = reader.get(url, params={"after": token, "wait_s": 10}).json()
+            body = state_of(reader.get(url, params={"after": token, "wait_s": 10}).json())
             return body, time.monotonic() - start
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(long_poll)
             threading.Event().wait(0.3)  # let the request reach its watch (not a correctness wait)
-            new_token = writer.put(url, json={"state": "AAI=", "token": token}).json()["token"]
+            new_token = writer.put(url, json={"state": S2, "token": token}).json()["token"]
             body, took = pending.result(timeout=15)
-    assert body == {"state": "AAI=", "token": new_token, "changed": True}
+    assert body == {"state": S2, "token": new_token, "changed": True}
     assert took < 2.5  # the server caps a wait at 5 s: this one ended on the write
 
 
@@ -566,19 +624,19 @@ def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_
     url = f"/v1/rdzv/{rdzv_id}/state"
     with control_plane.client("node") as client:
         start = time.monotonic()
-        none_yet = client.get(url, params={"after": "0", "wait_s": 0.3}).json()
+        none_yet = state_of(client.get(url, params={"after": "0", "wait_s": 0.3}).json())
         assert time.monotonic() - start >= 0.25
         assert none_yet == {"state": None, "token": None, "changed": False}
-        token = client.put(url, json={"state": "AAE=", "token": None}).json()["token"]
-        same = client.get(url, params={"after": token, "wait_s": 0.3}).json()
-        assert same == {"state": "AAE=", "token": token, "changed": False}
+        token = client.put(url, json={"state": S1, "token": None}).json()["token"]
+        same = state_of(client.get(url, params={"after": token, "wait_s": 0.3}).json())
+        assert same == {"state": S1, "token": token, "changed": False}
         # A token that is not the current one is answered at once, without waiting.
         start = time.monotonic()
-        stale = client.get(url, params={"after": "1", "wait_s": 10}).json()
-        assert stale == {"state": "AAE=", "token": token, "changed": True}
+        stale = state_of(client.get(url, params={"after": "1", "wait_s": 10}).json())
+        assert stale == {"state": S1, "token": token, "changed": True}
         assert time.monotonic() - start < 2.5
         # Without `after` it is the plain read it always was.
-        assert client.get(url).json() == {"state": "AAE=", "token": token}
+        assert state_of(client.get(url).json()) == {"state": S1, "token": token}
         assert client.get(url, params={"after": "x"}).status_code == 422
 
 
@@ -722,3 +780,58 @@ def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane
         assert checks >= 10 and len(reads) <= 1
     finally:
         handler.shutdown()
+
+
+def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen(
+        control_plane, rdzv_id, monkeypatch):
+    """Two nodes formed a group; the control plane is stopped for longer than the keep-alive
+    window. Meanwhile the monitor's question is answered at once; afterwards both nodes are
+    still in the rendezvous (keeping it alive), and a third node that joins is seen waiting,
+    as without the outage. (Every heartbeat was stale after it: torch drops such nodes from
+    its view, stops their keep-alives, and a joiner then started a round of its own.)"""
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=2, max_nodes=3, local_addr="127.0.0.1",
+                                  last_call_timeout=1, join_timeout=60, keep_alive_interval=1,
+                                  keep_alive_max_attempt=3)
+    first, second, third = (create_ftrain_handler(params) for _ in range(3))
+    reader = FtrainRendezvousBackend(Transport(control_plane.url, rdzv_id, control_plane.node_token))
+
+    def participants() -> set:
+        return set(pickle.loads(reader.get_state()[0]).participants)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            formed = [pool.submit(h.next_rendezvous) for h in (first, second)]
+            assert {f.result(timeout=60).world_size for f in formed} == {2}
+            members = participants()
+            control_plane.proc.send_signal(signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                while time.monotonic() - stopped < 8:  # the fault itself: > the 3 s window
+                    asked = time.monotonic()
+                    assert first.num_nodes_waiting() == 0
+                    assert time.monotonic() - asked < 10  # short tries, not retry_timeout (60 s)
+            finally:
+                control_plane.proc.send_signal(signal.SIGCONT)
+            # A node joins as soon as the control plane answers again, before the others'
+            # keep-alives landed: it saw no outage itself, the control plane tells it of one.
+            stopped_for = time.monotonic() - stopped
+            wait_for(lambda: first.num_nodes_waiting() == 0, 30, "the control plane to answer again")
+            with control_plane.client("node") as client:
+                # (its scheduler loop reads the leader's note of contact a moment after it resumes)
+                outage = wait_for(lambda: client.get(f"/v1/rdzv/{rdzv_id}/state").json()["outage"], 10,
+                                  "the control plane to report its outage")
+            assert outage["ended"] - outage["started"] >= stopped_for - 1, outage
+            joining = pool.submit(third.next_rendezvous)
+            wait_for(lambda: first.num_nodes_waiting() == 1, 20, "the first node to see the third waiting")
+            assert second.num_nodes_waiting() == 1 and participants() == members
+            beats = pickle.loads(reader.get_state()[0]).last_heartbeats
+            assert set(beats) >= members and min(beats.values()) > datetime.now(UTC) - timedelta(seconds=3)
+            # the group restarts with the third node, as torch's agent does on a waiting node
+            again = [pool.submit(h.next_rendezvous) for h in (first, second)]
+            assert {f.result(timeout=60).world_size for f in [*again, joining]} == {3}
+    finally:
+        for handler in (first, second, third):
+            handler._stop_heartbeats()

@@ -12,6 +12,7 @@ import httpx
 from service.keys import Keys
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import ControlPlane, wait_for
+from worker.protocol import seal_state
 
 RETENTION_S = 2.0
 SPEC = {"name": "kept", "command": ["python", "train.py"]}
@@ -38,7 +39,7 @@ def give_it_state(cp: ControlPlane, job_id: str) -> None:
         assert node.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
         assert node.post(f"/v1/jobs/{job_id}/progress", json={"step": 5, "attempt": 0}).status_code == 200
         rdzv = f"/v1/rdzv/{job_id}-a0"
-        state = base64.b64encode(b"state").decode()
+        state = base64.b64encode(seal_state(b"state")).decode()
         assert node.put(f"{rdzv}/state", json={"state": state, "token": None}).status_code == 200
         assert node.post(f"{rdzv}/store/set",
                          json={"items": [{"key": "k", "value": state}]}).status_code == 204

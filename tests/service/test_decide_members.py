@@ -89,3 +89,21 @@ def test_a_member_that_stops_before_any_finished_is_stopped():
     change = decide_report(make_job(S.RUNNING, {"a": "running", "b": "running"}), "b", 1,
                            "stopped", None, "gone", NOW)
     assert change.job.members["b"].state == "stopped"
+
+
+@pytest.mark.parametrize("running,member,kept", [
+    (("j-abc123", 1), "running", True),  # its lease lapsed while no control plane heard it
+    (("j-abc123", 1), "assigned", True),
+    (("j-abc123", 1), "stopped", False),  # already final: nothing to keep
+    (("j-abc123", 0), "running", False),  # still runs an attempt that is over
+    (("other-job", 1), "running", False),  # runs another job's attempt
+    (None, "running", False),  # a new agent process runs nothing
+])
+def test_registering_again_keeps_the_member_only_if_the_agent_still_runs_its_attempt(running, member, kept):
+    job = make_job(S.RUNNING, {"a": member, "b": "running"})
+    change = decide_registered(job, "a", 1, NOW, running)
+    if kept or member == "stopped":
+        assert change is None
+    else:
+        assert change.job.members["a"].state == "stopped"
+        assert change.job.members["a"].reason == AGENT_RESTARTED

@@ -373,27 +373,74 @@ def test_launcher_sends_nothing_to_a_server_of_another_user(tmp_path):
         squatter.wait()
 
 
+# Requests a launcher would never send, each with the three fds unless it says otherwise:
+# (name, body bytes or a JSON value, fds, the length the header claims or None for the real one).
+_PY = sys.executable
+_GOOD = {"argv": [_PY, "x.py"], "env": {}, "cwd": "/", "pid": 1}
+MALFORMED = [
+    ("not json", b"not json", 3, None),
+    ("not utf-8", b"\xff\xfe{", 3, None),
+    ("json list", [1, 2], 3, None),
+    ("json number", 42, 3, None),
+    ("json string", "argv", 3, None),
+    ("json null", None, 3, None),
+    ("empty object", {}, 3, None),
+    ("argv a string", {**_GOOD, "argv": _PY}, 3, None),
+    ("argv of numbers", {**_GOOD, "argv": [1, 2]}, 3, None),
+    ("env a list", {**_GOOD, "env": ["A=1"]}, 3, None),
+    ("env value a number", {**_GOOD, "env": {"A": 1}}, 3, None),
+    ("env name with =", {**_GOOD, "env": {"A=B": "1"}}, 3, None),
+    ("cwd a number", {**_GOOD, "cwd": 5}, 3, None),
+    ("pid a string", {**_GOOD, "pid": "1"}, 3, None),
+    ("pid a bool", {**_GOOD, "pid": True}, 3, None),
+    ("pid negative", {**_GOOD, "pid": -1}, 3, None),
+    ("NUL in the interpreter", {**_GOOD, "argv": [_PY + "\0", "x.py"]}, 3, None),
+    ("NUL in cwd", {**_GOOD, "cwd": "/\0tmp"}, 3, None),
+    ("nested past the recursion limit", b"[" * 200_000, 3, None),
+    ("a 3 MiB list", [0] * (1 << 20), 3, None),
+    ("length over the limit", b"{}", 3, 5 << 20),
+    ("shorter than its length", b"{}", 3, 100),
+    ("no fds", _GOOD, 0, None),
+    ("one fd", _GOOD, 1, None),
+]
+
+
 def test_malformed_requests_are_dropped_and_the_server_goes_on(tmp_path, fork_server):
+    """Fuzz: whatever shape a request has, that connection is hung up on, nothing leaks,
+    and the server keeps serving (one that died took every worker of its job with it)."""
     name, server = fork_server
+    cases = [(n, b.hex() if isinstance(b, bytes) else json.dumps(b), isinstance(b, bytes), fds, size)
+             for n, b, fds, size in MALFORMED]
     client = textwrap.dedent(f"""
-        import json, os, socket, struct
-        def send(body, fds=(0, 1, 2)):
+        import json, os, socket, struct, sys
+        def send(body, fds, size):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect("\\0{name}")
-            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-            socket.send_fds(s, [struct.pack("!I", len(raw))], list(fds))
-            s.sendall(raw)
+            socket.send_fds(s, [struct.pack("!I", len(body) if size is None else size)], [0, 1, 2][:fds])
             try:
+                s.sendall(body)
+                s.shutdown(socket.SHUT_WR)
                 return s.recv(100)
-            except ConnectionResetError:
+            except (BrokenPipeError, ConnectionResetError):
                 return b""
-        print(send(b"not json"), send({{"argv": [1, 2], "env": {{}}, "cwd": "/", "pid": 1}}),
-              send({{"argv": ["x"], "env": {{}}, "cwd": "/", "pid": 1}}, fds=(0,)))
+        answers = {{}}
+        for name, body, raw, fds, size in json.loads(sys.stdin.read()):
+            answers[name] = send(bytes.fromhex(body) if raw else body.encode(), fds, size).decode()
+        for partial in (b"", b"\\0\\0"):  # hang up at once, or after half a header
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\\0{name}")
+            s.sendall(partial)
+            s.close()
+        print(json.dumps(answers))
     """)
-    out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", client], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "b'' b'' b''"  # each one hung up on
-    assert server.poll() is None
+    answers = json.loads(out.stdout)
+    assert answers == {n: "" for n, *_ in MALFORMED}  # each one hung up on, unanswered
+    assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
     fds_after = len(os.listdir(f"/proc/{server.pid}/fd"))
     assert launch(tmp_path, name, "exit0").returncode == 0 and report(tmp_path)["preloaded"] is True
     assert len(os.listdir(f"/proc/{server.pid}/fd")) == fds_after  # nothing leaked per request
+    log = (tmp_path / "server.log").read_text()
+    assert log.count("bad request") >= len(MALFORMED), log[-3000:]

@@ -241,3 +241,24 @@ def test_service_link_commit_refused_with_409_is_fenced(server):
     assert len(script.seen) == 1
     assert script.seen[0][2] == {"step": 4, "path": "/s/4.pt", "size": 1, "checksum": "c", "attempt": 1,
                                  "control_id": None, "stall_s": 0.01, "write_s": 0.5}
+
+
+def test_service_link_commit_without_an_answer_is_worth_retrying_and_a_4xx_is_not(server, monkeypatch):
+    from worker.links import CommitUnreachable
+    from worker.snapshot import CommitUnavailable, WrittenSnapshot
+
+    monkeypatch.setattr(ServiceLink, "RETRY_S", 0.3)
+    url, script = server
+    link = ServiceLink(url, "job-x", "tok", attempt=1)
+    written = WrittenSnapshot(step=4, path="/s/4.pt", size=1, checksum="c", write_s=0.5)
+    for status in (503, 500):
+        script.answers = [(status, {"detail": "etcd away"})]
+        with pytest.raises(CommitUnavailable, match="step 4"):
+            link.commit(written, stall_s=0.01, control_id=None)
+    script.answers = [(422, {"detail": "bad"})]
+    with pytest.raises(LinkError) as caught:
+        link.commit(written, stall_s=0.01, control_id=None)
+    assert not isinstance(caught.value, CommitUnreachable) and caught.value.status == 422
+    dead = ServiceLink(f"http://127.0.0.1:{free_port()}", "job-x", "tok", attempt=1)
+    with pytest.raises(CommitUnreachable, match="unreachable"):
+        dead.commit(written, stall_s=0.01, control_id=None)

@@ -339,3 +339,77 @@ def test_a_refused_commit_still_reaches_the_training_thread(tmp_path):
     writer.submit({"w": torch.zeros(10)}, step=1, stall_s=0.0)
     with pytest.raises(RuntimeError, match="newer attempt"):
         writer.wait()
+
+
+# ------------------------------------------------------------------ commits while the control plane is away
+
+class FlakyControlPlane:
+    """A commit function whose control plane is away until `back` is set (then it commits
+    what it is given, in the order given); `refuse` makes the next try final."""
+
+    def __init__(self):
+        import threading
+
+        self.back = threading.Event()
+        self.tries: list[int] = []
+        self.commits: list[int] = []
+        self.refuse: Exception | None = None
+
+    def __call__(self, written, stall_s, control_id):
+        self.tries.append(written.step)
+        if self.refuse is not None:
+            raise self.refuse
+        if not self.back.is_set():
+            raise snap.CommitUnavailable("no answer")
+        self.commits.append(written.step)
+        return []
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(snap.AsyncWriter, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(snap.AsyncWriter, "RETRY_MAX_S", 0.05)
+
+
+def test_a_commit_that_gets_no_answer_keeps_its_file_and_lands_when_the_control_plane_is_back(
+        tmp_path, fast_retries):
+    cp = FlakyControlPlane()
+    writer = snap.AsyncWriter(tmp_path, cp, keep=3)
+    start = time.monotonic()
+    for step in (10, 20):
+        writer.submit({"w": torch.zeros(10)}, step=step, stall_s=0.0)
+        writer.wait_written()  # what the next snapshot waits for: the write, not the commit
+    wait_for(lambda: len(cp.tries) >= 5, 10, "the commit to be tried again")
+    assert time.monotonic() - start < 5 and cp.commits == [] and writer.uncommitted() == [10, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [snap.snapshot_name(10), snap.snapshot_name(20)]
+    assert writer.wait(commit_wait_s=0.1) is False  # bounded: the control plane is still away
+
+    cp.back.set()
+    assert writer.wait(commit_wait_s=10) is True
+    assert cp.commits == [10, 20] and writer.uncommitted() == [] and writer.last.step == 20
+
+
+def test_a_newer_snapshot_supersedes_the_oldest_waiting_one_as_pruning_would(tmp_path, fast_retries):
+    cp = FlakyControlPlane()
+    writer = snap.AsyncWriter(tmp_path, cp, keep=2)
+    for step in (10, 20, 30, 40):
+        writer.submit({"w": torch.zeros(10)}, step=step, stall_s=0.0)
+        writer.wait_written()
+    assert writer.uncommitted() == [30, 40] and writer.superseded == [10, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [snap.snapshot_name(30), snap.snapshot_name(40)]
+    cp.back.set()
+    assert writer.wait() is True and cp.commits == [30, 40]
+
+
+def test_a_refused_commit_after_an_outage_still_reaches_the_training_thread(tmp_path, fast_retries):
+    from worker.links import Fenced
+
+    cp = FlakyControlPlane()
+    writer = snap.AsyncWriter(tmp_path, cp)
+    writer.submit({"w": torch.zeros(10)}, step=10, stall_s=0.0)
+    wait_for(lambda: len(cp.tries) >= 2, 10, "a retry")
+    cp.refuse = Fenced("snapshot of step 10 refused: attempt 0 is over")
+    wait_for(lambda: writer.uncommitted() == [], 10, "the refusal")  # final: nothing left to try
+    with pytest.raises(Fenced, match="attempt 0 is over"):  # at the next snapshot, as before
+        writer.submit({"w": torch.zeros(10)}, step=20, stall_s=0.0)
+    assert cp.commits == []

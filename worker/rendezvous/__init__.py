@@ -16,7 +16,9 @@ The parts:
   state with an etcd revision as fencing token, and a long poll of it);
 - `store.py`: `HttpStore`, a `torch.distributed.Store` for the agents' small exchanges;
 - `wake.py`: the patch of torch's one-second poll into a wait for a change;
-- `rounds.py`: each rendezvous round reported to the control plane, which counts restarts.
+- `rounds.py`: each rendezvous round reported to the control plane, which counts restarts;
+- `outage.py`: a group that trains through a control-plane outage of any length, and still
+  sees nodes join once it is back.
 
 The rendezvous keep-alive (`keep_alive_interval` x `keep_alive_max_attempt`, torch's 5 s x 3)
 and `last_call_timeout` (torch's 30 s) keep torch's defaults; pass them in --rdzv-conf
@@ -36,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler, Rendezvo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
+from worker.rendezvous.outage import ride_out_outages
 from worker.rendezvous.store import DEFAULT_READ_TIMEOUT_S, LONG_POLL_S, HttpStore
 from worker.rendezvous.transport import (
     DEFAULT_PORT,
@@ -95,6 +98,10 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     wake_on_change(handler, backend)
+    if ride_out_outages(handler, backend._transport):
+        settings = handler._settings
+        backend.keep_alive = (settings.keep_alive_interval,
+                              settings.keep_alive_interval * settings.keep_alive_max_attempt)
     return with_round_reports(handler)
 
 

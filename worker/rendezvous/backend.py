@@ -1,13 +1,19 @@
 """torch's `RendezvousBackend` kept by the control plane: the pickled rendezvous state,
 written by compare-and-set on a fencing token (the state key's etcd revision), and read
 either at once or, to wake a waiting node as soon as another one writes, by a long poll
-(`wait_for_change`, answered by an etcd watch on the server; see `wake.py`)."""
+(`wait_for_change`, answered by an etcd watch on the server; see `wake.py`).
+
+The state travels and rests sealed (`worker.protocol.seal_state`: a header and its SHA-256):
+a stored state that does not open (damaged in etcd, or not written by a rendezvous client)
+raises `RendezvousStateError`, as torch's own backends do for a state they cannot decode,
+instead of being handed to torch's unpickler as if it were valid."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -18,7 +24,16 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from worker.protocol import RdzvState, SetStateRequest, SetStateResult, StateChange
+from worker.protocol import (
+    RdzvState,
+    SetStateRequest,
+    SetStateResult,
+    StateChange,
+    StateNotSealed,
+    open_state,
+    seal_state,
+)
+from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
 from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
 
@@ -42,6 +57,10 @@ class FtrainRendezvousBackend(RendezvousBackend):
         self._expire_cache: Callable[[], None] = lambda: None  # ditto
         self._long_poll = True  # False once the control plane turned out not to have it
         self._last_wake = -MIN_WAKE_INTERVAL_S
+        # torch's keep-alive interval and window (interval x max attempts), set by
+        # `create_ftrain_handler`: with them, heartbeats an outage made stale count as due
+        # (`outage.refresh_stale_heartbeats`); without, states are handed on as they are.
+        self.keep_alive: tuple[timedelta, timedelta] | None = None
 
     @property
     def name(self) -> str:
@@ -60,7 +79,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
-        body = SetStateRequest(state=state, token=None if token is None else str(token))
+        body = SetStateRequest(state=seal_state(state), token=None if token is None else str(token))
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
@@ -135,6 +154,18 @@ class FtrainRendezvousBackend(RendezvousBackend):
         except ValidationError as exc:
             raise RendezvousStateError("the control plane sent a corrupt rendezvous state") from exc
 
-    @staticmethod
-    def _decode(result: RdzvState) -> tuple[bytes, Any] | None:
-        return None if result.state is None else (result.state, result.token)
+    def _decode(self, result: RdzvState) -> tuple[bytes, Any] | None:
+        if result.state is None:
+            return None
+        try:
+            state = open_state(result.state)
+        except StateNotSealed as exc:
+            raise RendezvousStateError(
+                f"the rendezvous state of {self._transport.rdzv_id} on {self._transport.base_url} is "
+                f"corrupt ({exc}); the control plane's etcd holds a damaged or foreign value at its "
+                "key. Restarting the job's attempt gives it a fresh rendezvous.") from exc
+        if self.keep_alive is not None:  # outages this node saw, and the control plane's own
+            now = time.time()
+            for outage in (self._transport.last_outage, result.outage):
+                state = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
+        return state, result.token

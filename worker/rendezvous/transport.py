@@ -12,14 +12,23 @@ handles by re-deciding), `add`/`append` carry an op id the server uses to apply 
 
 Timeouts, chosen on purpose: connect 2 s (loopback/LAN; a dead control plane fails fast
 and is retried), write 5 s, read = the long-poll wait + 5 s. HTTP connections are kept
-alive, idle ones dropped after 2 s (`worker.http` says why).
+alive, idle ones dropped after 2 s (`worker.http` says why). A caller that has an answer
+of its own for "no answer" (the agent's monitor, the keep-alive; see `outage.py`) asks
+`briefly()`: one try with a short read timeout instead of `retry_timeout`.
+
+Outages. The transport notes when its requests began to fail and, at the first answer
+after that, the outage that just ended (`last_outage`): the rendezvous state read then
+has keep-alives that no node could write meanwhile (`outage.py` says what is done).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -36,6 +45,7 @@ CONNECT_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 5.0
 READ_MARGIN_S = 5.0
 DEFAULT_RETRY_TIMEOUT_S = 60
+BRIEF_READ_TIMEOUT_S = 2.0  # a `briefly` call's read timeout (beyond a long poll's wait)
 
 
 class RendezvousGoneError(RendezvousClosedError):
@@ -46,44 +56,77 @@ class ControlPlaneUnreachable(Exception):
     """No answer from the control plane before the deadline (retries exhausted)."""
 
 
+@dataclass(frozen=True)
+class Outage:
+    """A time (wall clock, s) without answers: from the last answer before requests began to
+    fail to the first answer after."""
+
+    started: float
+    ended: float
+
+
 class Transport:
     """HTTP calls to one rendezvous on the control plane, with retries up to a deadline."""
 
     def __init__(self, endpoint: str, rdzv_id: str, token: str | None,
                  retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         if not rdzv_id:
             raise ValueError("the rendezvous id must be '<job id>-a<attempt>', not empty")
         self.base_url = endpoint_url(endpoint)
         self.rdzv_id = rdzv_id
         self.retry_timeout_s = retry_timeout_s
         self._clock = clock
+        self._wall = wall_clock
         self._client = ControlPlaneClient(f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}", token,
                                           clock=clock, on_retry=self._retrying)
+        self._brief = threading.local()  # this thread's (retry_s, read timeout) in `briefly`
+        self._lock = threading.Lock()
+        # While requests fail: the last moment (wall clock) the control plane was known to
+        # answer (the outage began after it; the first failure is seen a timeout later).
+        self.failing_since: float | None = None
+        self.last_outage: Outage | None = None
+        self._last_answer: float | None = None
 
     def close(self) -> None:
         self._client.close()
 
     def deadline(self) -> float:
         """When a non-blocking call gives up retrying."""
-        return self._clock() + self.retry_timeout_s
+        brief = getattr(self._brief, "value", None)
+        return self._clock() + (self.retry_timeout_s if brief is None else brief[0])
+
+    @contextlib.contextmanager
+    def briefly(self, retry_s: float = 0.0, read_timeout_s: float = BRIEF_READ_TIMEOUT_S) -> Iterator[None]:
+        """In this block, this thread's non-blocking calls retry for `retry_s` (not
+        `retry_timeout`) and wait at most `read_timeout_s` for an answer."""
+        self._brief.value = (retry_s, read_timeout_s)
+        try:
+            yield
+        finally:
+            self._brief.value = None
 
     def call(self, method: str, path: str, body: Any = None, *,
              deadline: float | None = None, wait_s: float = 0.0,
              params: dict | None = None) -> dict:
         """One request, retried on connection failures and 502/503/504 until `deadline`."""
         deadline = self.deadline() if deadline is None else deadline
-        timeout = Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S,
-                          read=wait_s + READ_MARGIN_S, pool=CONNECT_TIMEOUT_S)
+        brief = getattr(self._brief, "value", None)
+        read_s = wait_s + READ_MARGIN_S if brief is None else wait_s + brief[1]
+        timeout = Timeout(connect=CONNECT_TIMEOUT_S, write=WRITE_TIMEOUT_S, read=read_s,
+                          pool=CONNECT_TIMEOUT_S)
         try:
             result = self._client.call(method, path, body, retry_s=deadline - self._clock(),
                                        timeout=timeout, params=params)
         except Unreachable as exc:
+            self._failed()
             raise ControlPlaneUnreachable(
                 f"the control plane at {self.base_url} did not answer {method} {path} of "
                 f"rendezvous {self.rdzv_id} after {exc.attempts} tries ({exc.problem}); is it "
                 "running? Raise retry_timeout in --rdzv-conf to wait longer.") from exc
         except ApiError as exc:
+            self._answered()  # an answer, if not the one asked for
             if exc.status == 410:
                 raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {exc.detail}") from exc
             hint = ""
@@ -91,10 +134,29 @@ class Transport:
                 hint = f" (set {TOKEN_ENV} to the job token or the node token)"
             raise RendezvousError(f"the control plane refused a request of rendezvous "
                                   f"{self.rdzv_id}: HTTP {exc.status}: {exc.detail}{hint}") from exc
+        self._answered()
         return {} if result is None else result
 
     def _retrying(self, method: str, path: str, problem: str) -> None:
+        self._failed()
         log.info("rendezvous %s: %s %s failed (%s); retrying", self.rdzv_id, method, path, problem)
+
+    def _failed(self) -> None:
+        with self._lock:
+            if self.failing_since is None:
+                self.failing_since = self._last_answer or self._wall()
+
+    def _answered(self) -> None:
+        with self._lock:
+            self._last_answer = self._wall()
+            if self.failing_since is None:
+                return
+            self.last_outage = Outage(self.failing_since, self._last_answer)
+            self.failing_since = None
+        outage = self.last_outage
+        log.log(logging.WARNING if outage.ended - outage.started >= 1 else logging.INFO,
+                "rendezvous %s: the control plane at %s answers again after %.1f s without",
+                self.rdzv_id, self.base_url, outage.ended - outage.started)
 
 
 def endpoint_url(endpoint: str) -> str:
