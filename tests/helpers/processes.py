@@ -117,6 +117,54 @@ class ControlPlane:
                 self.proc.kill()
                 self.proc.wait()
 
+    @property
+    def node_token_file(self) -> Path:
+        """The node token in a file of mode 0600 (what `ftrain node --token-file` reads)."""
+        path = self.workdir / f"node-token-{self.port}"
+        if not path.exists():
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.node_token + "\n")
+        return path
+
+    def enrol(self, name: str, nproc_per_node: int = 1) -> str:
+        """Register node `name` with the node token; its own credential."""
+        with self.client("node") as c:
+            resp = c.post("/v1/nodes/register", json={"name": name, "nproc_per_node": nproc_per_node})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["credential"]
+
+    def member_of(self, job_id: str, name: str, timeout_s: float = 20.0) -> str:
+        """Register node `name` and heartbeat until the scheduler gives it job `job_id`; its
+        credential (the job must be able to start on this one node)."""
+        credential = self.enrol(name)
+        with self.client(credential) as c:
+            def assigned() -> bool:
+                resp = c.post(f"/v1/nodes/{name}/heartbeat", json={})
+                assert resp.status_code == 200, resp.text
+                a = resp.json()["assignment"]
+                return a is not None and a["job_id"] == job_id
+            wait_for(assigned, timeout_s, f"job {job_id} to be assigned to node {name}")
+        return credential
+
+    def job_token(self, job_id: str) -> str:
+        """Job `job_id`'s token, as its workers get it (it is never shown over the user API)."""
+        import asyncio
+        import json
+
+        from service.keys import Keys
+        from service.store.etcd import EtcdStore
+
+        async def read() -> str:
+            store = EtcdStore(self.etcd_endpoint)
+            try:
+                return json.loads((await store.get(Keys().job(job_id))).value)["token"]
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
         if token == "user":
@@ -149,8 +197,10 @@ class NodeAgentProc:
     def start(self, server: str | None = None) -> NodeAgentProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "service.cli", "node", "--server", server or self.cp.url,
-                "--token", self.cp.node_token, "--name", self.name,
+                "--name", self.name,
                 "--nproc-per-node", str(self.nproc_per_node), "--data-dir", str(self.workdir)]
+        if "FTRAIN_NODE_TOKEN" not in (self.env or {}):  # else the agent reads it from there
+            argv += ["--token-file", str(self.cp.node_token_file)]
         if self.address:
             argv += ["--address", self.address]
         if self.netns:
