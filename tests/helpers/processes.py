@@ -138,15 +138,20 @@ class ControlPlane:
     def member_of(self, job_id: str, name: str, timeout_s: float = 20.0) -> str:
         """Register node `name` and heartbeat until the scheduler gives it job `job_id`; its
         credential (the job must be able to start on this one node)."""
-        credential = self.enrol(name)
-        with self.client(credential) as c:
-            def assigned() -> bool:
-                resp = c.post(f"/v1/nodes/{name}/heartbeat", json={})
-                assert resp.status_code == 200, resp.text
-                a = resp.json()["assignment"]
-                return a is not None and a["job_id"] == job_id
-            wait_for(assigned, timeout_s, f"job {job_id} to be assigned to node {name}")
-        return credential
+        return self.members_of(job_id, [name], timeout_s)[name]
+
+    def members_of(self, job_id: str, names: list[str], timeout_s: float = 20.0) -> dict[str, str]:
+        """`member_of` for a job of len(names) nodes: each node's credential, by name."""
+        credentials = {name: self.enrol(name) for name in names}
+        for name, credential in credentials.items():
+            with self.client(credential) as c:
+                def assigned() -> bool:
+                    resp = c.post(f"/v1/nodes/{name}/heartbeat", json={})  # noqa: B023 - called at once
+                    assert resp.status_code == 200, resp.text
+                    a = resp.json()["assignment"]
+                    return a is not None and a["job_id"] == job_id
+                wait_for(assigned, timeout_s, f"job {job_id} to be assigned to node {name}")
+        return credentials
 
     def job_token(self, job_id: str) -> str:
         """Job `job_id`'s token, as its workers get it (it is never shown over the user API)."""
