@@ -363,8 +363,12 @@ def test_job_token_is_accepted_only_for_its_own_job(control_plane, api, job, rdz
     with control_plane.client(token) as client:
         assert client.get(f"/v1/rdzv/{rdzv_id}/state").status_code == 200
         other = submit(api)
+        # Another job's rendezvous is 403, and so is one that does not exist: no job oracle.
         assert client.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 403
-        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401  # no job oracle
+        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 403
+    with control_plane.client("not-a-token") as stranger:
+        assert stranger.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 401
+        assert stranger.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401
 
 
 def test_unknown_job_or_malformed_id_is_404_to_a_node(control_plane):

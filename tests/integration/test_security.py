@@ -136,6 +136,10 @@ def test_a_node_credential_cannot_act_for_another_node_or_another_job(cluster):
     ]:
         resp = call(cp, b, method, path, body)
         assert resp.status_code == 403, f"{method} {path}: {resp.status_code} {resp.text}"
+    # reporting as itself on a job it is not a member of changes nothing
+    resp = call(cp, b, "POST", "/v1/nodes/b/report",
+                {"job_id": ids["j"], "attempt": ids["attempt"], "state": "failed"})
+    assert resp.status_code == 200 and resp.json()["accepted"] is False, resp.text
     # nor ship lines in another member's name into its own job
     resp = call(cp, b, "POST", f"/v1/jobs/{ids['k']}/logs",
                 {"node": "a", "lines": [{"line": "x", "time": 1.0}]})
