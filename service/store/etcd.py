@@ -295,6 +295,9 @@ class EtcdStore(KeyValue):
         Every refresh goes over one keep-alive stream per client: opening a stream per
         heartbeat (what `aetcd.Client.refresh_lease` does) costs more than the refresh.
         """
+        if not 0 < lease_id < 2**63:  # etcd's ids are positive int64s: no such lease
+            return False
+
         async def refresh(c: aetcd.Client) -> int:
             if self._keepalive is None or self._keepalive.client is not c or self._keepalive.dead:
                 if self._keepalive is not None:
