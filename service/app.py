@@ -20,7 +20,7 @@ from service.errors import (
     LogStorageUnavailable,
     StoreUnavailable,
 )
-from service.routes import health, jobs, logs, nodes, rendezvous, snapshots
+from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, users
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, rendezvous, snapshots, logs):
+    for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)
     return app
 

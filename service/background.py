@@ -25,7 +25,8 @@ async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
     ctx.tasks.append(asyncio.create_task(
-        retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention),
+        retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention,
+                      ctx.keyring),
         name="retention"))
 
 

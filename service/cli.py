@@ -23,10 +23,13 @@ import click
 from service.client import DEFAULT_DATA_DIR, ApiError, FtrainClient, resolve_target
 from worker.env import (
     FTRAIN_ETCD_ENDPOINTS,
+    FTRAIN_ETCD_PASSWORD_FILE,
+    FTRAIN_ETCD_USER,
     FTRAIN_LOG_CAP_BYTES,
     FTRAIN_LOG_LEVEL,
     FTRAIN_LOG_ROOT,
     FTRAIN_NODE_TOKEN,
+    FTRAIN_SECRET_DIR,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_ROOT,
     FTRAIN_USER_TOKEN,
@@ -65,6 +68,17 @@ def _retention_options(fn):
                              "default: 7d].")(fn)
 
 
+def _remote_etcd_hosts(endpoints: str) -> list[str]:
+    """The hosts among etcd `endpoints` that are not this machine's loopback."""
+    from service.store.etcd import parse_endpoints
+
+    try:
+        hosts = [h for h, _port in parse_endpoints(endpoints)]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--etcd") from None
+    return [h for h in hosts if not _is_loopback(h)]
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -86,12 +100,25 @@ def _is_loopback(host: str) -> bool:
 @click.option("--log-root", envvar=FTRAIN_LOG_ROOT, show_default="./.ftrain/job-logs",
               help="Directory of the workers' logs (a folder per job), shared by every control-plane "
                    "replica (NFS or similar, with POSIX locks).")
+@click.option("--secret-dir", envvar=FTRAIN_SECRET_DIR, show_default="./.ftrain/secrets",
+              help="Directory (0700) of the control-plane secret, from which job tokens are derived, "
+                   "and of the jobs' secret env values (never in etcd); made on first start. Every "
+                   "control-plane replica must use the same one (shared storage, as --log-root).")
 @click.option("--log-cap-bytes", envvar=FTRAIN_LOG_CAP_BYTES, type=click.IntRange(64 * 1024),
               show_default="67108864 (64 MiB)",
               help="Bytes of log kept per job; past it the oldest are cut (the API says how much).")
+@click.option("--etcd-user", envvar=FTRAIN_ETCD_USER,
+              help="etcd user to authenticate as (etcd's own authentication).")
+@click.option("--etcd-password-file", envvar=FTRAIN_ETCD_PASSWORD_FILE, type=click.Path(dir_okay=False),
+              help="File whose first line is the etcd user's password (mode 0600).")
+@click.option("--insecure-etcd", is_flag=True,
+              help="Use an etcd on another host without credentials (anyone who reaches it reads "
+                   "and rewrites every job).")
 @_retention_options
 def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_token: str | None,
-          snapshot_root: str | None, log_root: str | None, log_cap_bytes: int | None,
+          snapshot_root: str | None, log_root: str | None, secret_dir: str | None,
+          log_cap_bytes: int | None,
+          etcd_user: str | None, etcd_password_file: str | None, insecure_etcd: bool,
           retention_s: float | None, retention_jobs: int | None) -> None:
     """Run only the control plane, against an existing etcd."""
     import uvicorn
@@ -102,11 +129,23 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
     if not _is_loopback(host) and not (token and node_token):
         raise click.UsageError(f"refusing to listen on {host} without tokens: set --token and "
                                "--node-token (or FTRAIN_USER_TOKEN and FTRAIN_NODE_TOKEN)")
-    given = {"log_root": log_root, "log_cap_bytes": log_cap_bytes,
-             "retention_s": retention_s, "retention_jobs": retention_jobs}
+    remote = _remote_etcd_hosts(etcd_endpoints)
+    if remote and etcd_user is None and not insecure_etcd:
+        raise click.UsageError(
+            f"refusing to use etcd on {', '.join(remote)} without credentials: every job's record "
+            "is there. Turn on etcd's authentication and pass --etcd-user and --etcd-password-file "
+            "(or FTRAIN_ETCD_USER and FTRAIN_ETCD_PASSWORD_FILE); --insecure-etcd if only the "
+            "control plane can reach it")
+    given = {"log_root": log_root, "secret_dir": secret_dir, "log_cap_bytes": log_cap_bytes,
+             "retention_s": retention_s, "retention_jobs": retention_jobs,
+             "etcd_user": etcd_user, "etcd_password_file": etcd_password_file}
     # Options given win; those not given are left to Settings (FTRAIN_LOG_ROOT, FTRAIN_RETENTION_S, ...).
     settings = Settings(etcd_endpoints=etcd_endpoints, user_token=token, node_token=node_token,
                         snapshot_root=snapshot_root, **{k: v for k, v in given.items() if v is not None})
+    try:
+        settings.etcd_credentials()  # a missing or unreadable password file: say so now
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
@@ -225,10 +264,11 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         _print_json(jobs)
         return
     now = time.time()
-    _table([[j["id"], j["name"], j["state"], f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
+    _table([[j["id"], j["name"], j.get("owner", "-"), j["state"],
+             f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
              str(j.get("world_size", 0)), _progress(j), _ago(j["created_at"], now), j.get("reason", "")]
             for j in jobs],
-           ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
+           ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
 
 
 @main.command()
@@ -244,7 +284,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
     progress = job.get("progress") or {}
     snap = job.get("latest_snapshot")
     rows = [
-        ("id", job["id"]), ("name", job["name"]), ("state", job["state"]), ("reason", job["reason"]),
+        ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner", "-")),
+        ("state", job["state"]), ("reason", job["reason"]),
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
@@ -255,6 +296,8 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
         ("snapshot", f"step {snap['step']} ({snap['path']})" if snap else "-"),
         ("created", _when(job["created_at"])), ("updated", _when(job["updated_at"])),
     ]
+    if job.get("secret_env_names"):
+        rows.append(("secret env", ", ".join(job["secret_env_names"]) + " (values never shown)"))
     if job.get("finished_at"):
         rows.append(("finished", _when(job["finished_at"])))
     width = max(len(k) for k, _ in rows)
@@ -283,7 +326,8 @@ def events(client: FtrainClient, as_json: bool, job_id: str) -> None:
     if as_json:
         _print_json(items)
         return
-    _table([[_when(e["time"]), e["state"], e["reason"]] for e in items], ["TIME", "STATE", "REASON"])
+    _table([[_when(e["time"]), e["state"], e.get("by") or "-", e["reason"]] for e in items],
+           ["TIME", "STATE", "BY", "REASON"])
 
 
 def _log_line(item: dict) -> str:
@@ -340,6 +384,62 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
         click.echo(f"{name}: {state}")
 
 
+# Users (the admin's)
+
+@main.group()
+def users() -> None:
+    """Named users of the control plane (the admin's token: the server's user token)."""
+
+
+@users.command("add")
+@click.argument("name")
+@_client_options
+def users_add(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Create user NAME and print its token, once (only its hash is kept)."""
+    user = client.add_user(name)
+    if as_json:
+        _print_json(user)
+        return
+    click.echo(user["token"])
+    click.echo(f"ftrain: created user {user['name']}; the line above is its token, shown only now. "
+               "Give it to them to put in FTRAIN_TOKEN or <data-dir>/token.", err=True)
+
+
+@users.command("list")
+@_client_options
+def users_list(client: FtrainClient, as_json: bool) -> None:
+    """The users (tokens are never shown again)."""
+    items = client.users()
+    if as_json:
+        _print_json(items)
+        return
+    _table([[u["name"], "admin" if u.get("admin") else "user", _when(u.get("created_at"))]
+            for u in items], ["NAME", "ROLE", "CREATED"])
+
+
+@users.command("remove")
+@click.argument("name")
+@_client_options
+def users_remove(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Delete user NAME: its token stops working at once; its jobs run on."""
+    client.remove_user(name)
+    if as_json:
+        _print_json({"name": name, "removed": True})
+    else:
+        click.echo(f"removed user {name}")
+
+
+@main.command()
+@_client_options
+def whoami(client: FtrainClient, as_json: bool) -> None:
+    """Who the control plane takes you for (the user of your token)."""
+    me = client.whoami()
+    if as_json:
+        _print_json(me)
+    else:
+        click.echo(f"{me['name']}{' (admin)' if me.get('admin') else ''}")
+
+
 # Running the service
 
 @main.command()
@@ -369,8 +469,11 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
               help="Where the agent keeps its local state.")
 @click.option("--address", default=None,
               help="Address other nodes reach this one at (torchrun's --local-addr); default: hostname.")
+@click.option("--run-as", "run_as", metavar="USER", default=None,
+              help="Run the jobs' processes (fork server, torchrun, workers) as this unprivileged "
+                   "user, who cannot read the agent's files; the agent must run as root.")
 def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
-         address: str | None) -> None:
+         address: str | None, run_as: str | None) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -388,8 +491,16 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
         token = Path(token_file).read_text().strip()
         if not token:
             raise click.ClickException(f"{token_file} is empty; it should hold the node token")
+    from worker.run_as import RunAs, RunAsError
+
+    try:
+        job_user = RunAs.lookup(run_as) if run_as is not None else None
+        if job_user is not None:
+            job_user.check_can_run(sys.executable)
+    except RunAsError as exc:
+        raise click.UsageError(str(exc)) from None
     # The agent sets up its own logging (with the node's name in every line).
-    result = agent.main(server, token, name, nproc_per_node, data_dir, address)
+    result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -238,6 +238,20 @@ class FtrainClient:
     def drain(self, name: str) -> dict:
         return self._request("POST", f"/v1/nodes/{_segment(name)}/drain")
 
+    # Users
+
+    def add_user(self, name: str) -> dict:
+        return self._request("POST", "/v1/users", json={"name": name})
+
+    def users(self) -> list[dict]:
+        return self._request("GET", "/v1/users")["items"]
+
+    def remove_user(self, name: str) -> None:
+        self._request("DELETE", f"/v1/users/{_segment(name)}")
+
+    def whoami(self) -> dict:
+        return self._request("GET", "/v1/users/me")
+
     # Plumbing
 
     def _request(self, method: str, path: str, safe_to_retry: bool | None = None, **kw) -> Any:

@@ -10,13 +10,16 @@ from dataclasses import dataclass, field
 
 from service.job_index import JobIndex
 from service.jobs import JobStore
+from service.keyring import Keyring
 from service.keys import Keys
 from service.logs import LogStore
+from service.models import JobRecord
 from service.nodes import NodeStore
 from service.progress import ProgressStore
 from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store.api import KeyValue
+from service.users import UserStore
 
 
 @dataclass
@@ -30,6 +33,8 @@ class Context:
     progress: ProgressStore
     logs: LogStore
     index: JobIndex
+    users: UserStore
+    keyring: Keyring
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -38,14 +43,24 @@ class Context:
         """The context of a control plane on the etcd that `settings` name."""
         from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
 
-        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s))
+        user, password = settings.etcd_credentials() or (None, None)
+        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s,
+                                            user=user, password=password,
+                                            probe_key=settings.etcd_prefix.rstrip("/") + "/"),
+                        Keyring.load(settings.secret_dir))
 
     @classmethod
-    def wire(cls, settings: Settings, kv: KeyValue) -> Context:
-        """Every store on `kv`, under the settings' key prefix."""
+    def wire(cls, settings: Settings, kv: KeyValue, keyring: Keyring | None = None) -> Context:
+        """Every store on `kv`, under the settings' key prefix (with a keyring in memory
+        unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
-                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys))
+                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
+                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral())
+
+    def job_token(self, job: JobRecord) -> str:
+        """The token of `job`'s workers: derived, never stored (service.keyring)."""
+        return job.legacy_token or self.keyring.job_token(job.id, job.token_nonce)

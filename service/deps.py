@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, status
@@ -21,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.context import Context
 from service.errors import JobNotFound
-from service.models import JobRecord, NodeRecord
+from service.models import ADMIN, JobRecord, NodeRecord
 
 _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -43,17 +44,42 @@ def _matches(given: str, expected: str | None) -> bool:
     return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
 
 
-def require_user(ctx: ContextDep, creds: Credentials) -> None:
-    """A user token (submit, read, cancel). Open only when no user token is configured."""
+@dataclass(frozen=True)
+class Caller:
+    """Who a user request comes from: a named user, or the admin (the server's user token,
+    or anyone when the server has no user token)."""
+
+    name: str
+    is_admin: bool = False
+
+
+async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
+    """A user token (submit, read, cancel): the admin's, or a named user's (service.users).
+    Open, as the admin, only when no user token is configured."""
     expected = ctx.settings.user_token
+    if creds is not None and _matches(creds.credentials, expected):
+        return Caller(ADMIN, is_admin=True)
+    if creds is not None and (name := await ctx.users.who(creds.credentials)) is not None:
+        return Caller(name)
     if expected is None:
-        return
+        return Caller(ADMIN, is_admin=True)
     if creds is None:
         raise _unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
                             "`ftrain up` writes it to <data-dir>/token)")
-    if not _matches(creds.credentials, expected):
-        _refuse_other_principal(ctx, creds.credentials, "user endpoints")
-        raise _unauthorized("invalid token")
+    await _refuse_other_principal(ctx, creds.credentials, "user endpoints")
+    raise _unauthorized("invalid token")
+
+
+CallerDep = Annotated[Caller, Depends(require_user)]
+
+
+def require_admin(caller: CallerDep) -> Caller:
+    """The admin: managing users, draining nodes."""
+    if not caller.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"only the admin may do this (you are {caller.name!r}); the admin's "
+                            "token is the server's user token (`ftrain up`: <data-dir>/token)")
+    return caller
 
 
 NODE_CREDENTIAL_PREFIX = "ftrain-node."
@@ -82,15 +108,15 @@ def _is_job_token(ctx: Context, given: str) -> bool:
     """Whether `given` is the token of an unfinished job (to answer 403, not 401)."""
     for job_id in ctx.index.active_ids():
         job = ctx.index.get(job_id)
-        if job is not None and _matches(given, job.token):
+        if job is not None and _matches(given, ctx.job_token(job)):
             return True
     return False
 
 
-def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
+async def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
     """403 if `given` is another principal's valid-looking token; else return (then 401)."""
     s = ctx.settings
-    if _matches(given, s.user_token):
+    if _matches(given, s.user_token) or await ctx.users.who(given) is not None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"a user token cannot call {what}")
     if _matches(given, s.node_token):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
@@ -102,7 +128,7 @@ def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"a job token cannot call {what}")
 
 
-def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
+async def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
     """The node (bootstrap) token: registration only. Never a user token."""
     expected = ctx.settings.node_token
     if expected is None:
@@ -113,7 +139,7 @@ def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
         if _node_of_credential(creds.credentials) is not None:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 "registering takes the node token, not a node credential")
-        _refuse_other_principal(ctx, creds.credentials, "node registration")
+        await _refuse_other_principal(ctx, creds.credentials, "node registration")
         raise _unauthorized("invalid node token")
 
 
@@ -125,7 +151,7 @@ async def _node_credential(ctx: Context, creds: HTTPAuthorizationCredentials | N
                             "that registering returned)")
     name = _node_of_credential(creds.credentials)
     if name is None:
-        _refuse_other_principal(ctx, creds.credentials, what)
+        await _refuse_other_principal(ctx, creds.credentials, what)
         raise _unauthorized("invalid node credential")
     return name, credential_digest(creds.credentials)
 
@@ -181,17 +207,18 @@ async def require_job_token(
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
         job = None  # don't tell strangers which jobs exist
-    if job is not None and _matches(creds.credentials, job.token):
+    if job is not None and _matches(creds.credentials, ctx.job_token(job)):  # derived (service.keyring)
         return job
     if _is_job_token(ctx, creds.credentials):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"this is another job's token; it cannot act for job {job_id}")
-    _refuse_other_principal(ctx, creds.credentials, "job-runtime endpoints (they take the job's "
+    await _refuse_other_principal(ctx, creds.credentials, "job-runtime endpoints (they take the job's "
                                                     "own token, FTRAIN_JOB_TOKEN)")
     raise _unauthorized("invalid job token")
 
 
 UserAuth = Depends(require_user)
+AdminAuth = Depends(require_admin)
 NodeBootstrap = Depends(require_node_token)
 NodeSelf = Annotated[str | None, Depends(require_node_self)]
 MemberNode = Annotated[str | None, Depends(require_member_node)]

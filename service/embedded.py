@@ -1,7 +1,16 @@
-"""A private etcd for the one-machine cluster (`ftrain up`) and for tests."""
+"""A private etcd for the one-machine cluster (`ftrain up`) and for tests.
+
+Given a root password, the etcd is closed: `start()` creates etcd's `root` user with that
+password and turns etcd's authentication on (over etcd's HTTP gateway, so this needs no
+gRPC), once; a restart on the same data directory finds it on and checks the password.
+Without credentials every request but /health is then refused ("user name is empty"), so
+another local user who finds the port reads and writes nothing. Tests that do not care
+about authentication leave it off: it costs a few bcrypt rounds per start.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +24,10 @@ from pathlib import Path
 
 class EtcdNotFound(RuntimeError):
     pass
+
+
+class EtcdRefused(RuntimeError):
+    """etcd's gateway answered a request with an error (its message)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,13 +45,24 @@ def find_etcd() -> str:
     return path
 
 
+ROOT_USER = "root"
+
+
 class EtcdProcess:
-    """One etcd member on loopback with its own data directory; start() waits until it serves."""
+    """One etcd member on loopback with its own data directory; start() waits until it serves.
+
+    With `root_password`, etcd's authentication is on and only its `root` user (that
+    password) may use it; `auth_token_ttl_s` is how long etcd keeps an unused auth token
+    (its --auth-token-ttl; 300 s by default).
+    """
 
     def __init__(self, data_dir: str | Path, client_port: int | None = None,
                  peer_port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None,
-                 quota_backend_bytes: int = 2 * 1024**3):
+                 quota_backend_bytes: int = 2 * 1024**3, root_password: str | None = None,
+                 auth_token_ttl_s: int | None = None):
         self.data_dir = Path(data_dir)
+        self.root_password = root_password
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.quota_backend_bytes = quota_backend_bytes
         self.host = host
         self.client_port = client_port or free_port(host)
@@ -49,6 +73,11 @@ class EtcdProcess:
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def user(self) -> str | None:
+        """The etcd user to connect as (None: authentication is off)."""
+        return ROOT_USER if self.root_password is not None else None
 
     def start(self, timeout_s: float = 20.0) -> EtcdProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -65,6 +94,8 @@ class EtcdProcess:
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
             "--quota-backend-bytes", str(self.quota_backend_bytes),
         ]
+        if self.auth_token_ttl_s is not None:
+            cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child's life)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -74,6 +105,12 @@ class EtcdProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode}; see {self.log_path}")
             if self.is_healthy():
+                if self.root_password is not None:
+                    try:
+                        self._enable_auth(self.root_password)
+                    except RuntimeError:
+                        self.stop()
+                        raise
                 return self
             time.sleep(0.05)
         self.stop()
@@ -85,6 +122,40 @@ class EtcdProcess:
                 return b'"true"' in resp.read()
         except (urllib.error.URLError, OSError):
             return False
+
+    def _gateway(self, path: str, body: dict) -> dict:
+        """POST `body` to etcd's v3 HTTP gateway; raise EtcdRefused with etcd's message."""
+        request = urllib.request.Request(f"{self.endpoint}/v3/{path}", data=json.dumps(body).encode(),
+                                         method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("message", str(exc))
+            except ValueError:
+                message = str(exc)
+            raise EtcdRefused(message) from None
+
+    def _enable_auth(self, password: str) -> None:
+        """Create the root user with `password` and turn authentication on, unless it is on."""
+        try:
+            self._gateway("auth/authenticate", {"name": ROOT_USER, "password": password})
+            return  # on already (a restart), and the password is right
+        except EtcdRefused as exc:
+            if "authentication is not enabled" not in str(exc):
+                raise RuntimeError(
+                    f"etcd in {self.data_dir} has authentication on but refuses the root password "
+                    f"given ({exc}): was its password file replaced? Put the old one back, or "
+                    f"start anew without {self.data_dir} (its jobs are lost)") from None
+        try:
+            self._gateway("auth/user/add", {"name": ROOT_USER, "password": password})
+        except EtcdRefused as exc:
+            if "user name already exists" not in str(exc):  # an earlier start stopped half-way
+                raise RuntimeError(f"could not create etcd's root user: {exc}") from None
+            self._gateway("auth/user/changepw", {"name": ROOT_USER, "password": password})
+        self._gateway("auth/user/grant", {"user": ROOT_USER, "role": "root"})
+        self._gateway("auth/enable", {})
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

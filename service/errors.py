@@ -73,6 +73,20 @@ class OutdatedCredential(FtrainError):
         self.name = name
 
 
+class UserNotFound(FtrainError):
+    status_code = 404
+
+    def __init__(self, name: str):
+        super().__init__(f"no user named {name!r} (`ftrain users list` shows them)")
+        self.name = name
+
+
+class Forbidden(FtrainError):
+    """The caller is who they say, but may not do this (another user's job, an admin's task)."""
+
+    status_code = 403
+
+
 class InvalidTransition(FtrainError):
     """A state change the job's state machine does not allow (e.g. out of a terminal state)."""
 

@@ -27,8 +27,9 @@ from typing import TypeVar
 from service.decide.change import Change
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
+from service.keyring import new_nonce
 from service.keys import Keys
-from service.models import EventView, JobRecord, JobSpec, JobState, JobView
+from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
 from worker.protocol import Progress
@@ -51,8 +52,10 @@ def new_job_id(name: str) -> str:
     return f"{name}-{''.join(secrets.choice(_ID_ALPHABET) for _ in range(6))}"
 
 
-def spec_digest(spec: JobSpec) -> str:
-    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+def spec_digest(spec: JobSpec, fingerprint: str = "") -> str:
+    """What tells two submits apart: the spec without its secret values (an unkeyed hash of
+    those would let a reader of etcd test guesses), and their keyed `fingerprint`."""
+    return hashlib.sha256((spec.without_secrets().model_dump_json() + fingerprint).encode()).hexdigest()
 
 
 def _dump(model) -> bytes:
@@ -67,39 +70,52 @@ class JobStore:
         self.keys = keys
         self.clock = clock
 
-    async def create(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
-        """Store a new PENDING job; returns (job, created). A repeated key returns the first job."""
+    async def create(self, spec: JobSpec, idempotency_key: str | None = None, *, owner: str = ADMIN,
+                     nonce: str | None = None, fingerprint: str = "") -> tuple[JobRecord, bool]:
+        """Store a new PENDING job of `owner`; returns (job, created). A repeated key returns
+        the first job.
+
+        The record keeps the spec without its secret env values (their names only);
+        `nonce` (random if None) names where the caller keeps the values, and `fingerprint`
+        is their keyed digest (service.keyring): a retry with other values is a conflict.
+        """
         now = self.clock()
-        job = JobRecord(id=new_job_id(spec.name), spec=spec, created_at=now, updated_at=now,
-                        token=secrets.token_urlsafe(24))
+        job = JobRecord(id=new_job_id(spec.name), spec=spec.without_secrets(), owner=owner,
+                        created_at=now, updated_at=now, token_nonce=nonce or new_nonce(),
+                        secret_env_names=sorted(spec.secret_env))
         job, event = _first_event(job, now)
         ops: list[Put | Delete] = [Put(self.keys.job(job.id), _dump(job)),
                                    Put(self.keys.event(job.id, event.seq), _dump(event))]
         expect = {self.keys.job(job.id): 0}
         idem_key = None
         if idempotency_key is not None:
-            digest = hashlib.sha256(idempotency_key.encode()).hexdigest()
+            # Keys are the submitter's own: another user's key is another key. (The admin's
+            # are unscoped, as every key was before there were users.)
+            scoped = idempotency_key if owner == ADMIN else f"{owner}\0{idempotency_key}"
+            digest = hashlib.sha256(scoped.encode()).hexdigest()
             idem_key = self.keys.idempotency(digest)
             # The record names its key, so that the key is deleted with the job (retention).
             job = job.model_copy(update={"idempotency_digest": digest})
             ops[0] = Put(self.keys.job(job.id), _dump(job))
-            ops.append(Put(idem_key, json.dumps({"job_id": job.id, "spec": spec_digest(spec)}).encode()))
+            ops.append(Put(idem_key, json.dumps(
+                {"job_id": job.id, "spec": spec_digest(spec, fingerprint)}).encode()))
             expect[idem_key] = 0
         if await self.kv.commit(expect, ops):
             return job, True
+        again = {"owner": owner, "nonce": job.token_nonce, "fingerprint": fingerprint}
         if idem_key is None:  # a 6-character id collided: vanishingly rare, try once more
-            return await self.create(spec, None)
+            return await self.create(spec, None, **again)
         entry = await self.kv.get(idem_key)
         if entry is None:  # the key expired between the txn and this read: retry
-            return await self.create(spec, idempotency_key)
+            return await self.create(spec, idempotency_key, **again)
         first = json.loads(entry.value)
-        if first["spec"] != spec_digest(spec):
+        if first["spec"] != spec_digest(spec, fingerprint):
             raise Conflict("Idempotency-Key was already used for a different job spec "
                            f"(job {first['job_id']}); use a new key for a new job")
         try:
             existing, _ = await self.get_with_revision(first["job_id"])
         except JobNotFound:  # deleted (with its key) since: the key is free again
-            return await self.create(spec, idempotency_key)
+            return await self.create(spec, idempotency_key, **again)
         return existing, False
 
     async def get_with_revision(self, job_id: str) -> tuple[JobRecord, int]:
@@ -293,5 +309,6 @@ def _progress(entry) -> Progress | None:
 
 
 def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:
-    event = EventView(seq=1, time=now, state=JobState.PENDING, reason="submitted")
+    event = EventView(seq=1, time=now, state=JobState.PENDING, reason="submitted",
+                      by=job.owner)
     return job.model_copy(update={"event_seq": 1}), event

@@ -14,6 +14,8 @@
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+    <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
+    <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
@@ -75,6 +77,16 @@ class Keys:
     @property
     def legacy_logs(self) -> str:
         return f"{self.prefix}/logs/"
+
+    def user(self, name: str) -> str:
+        return f"{self.prefix}/users/{name}"
+
+    @property
+    def users(self) -> str:
+        return f"{self.prefix}/users/"
+
+    def user_token(self, digest: str) -> str:
+        return f"{self.prefix}/user-tokens/{digest}"
 
     @property
     def leader(self) -> str:

@@ -52,6 +52,7 @@ TAIL_FIRST_BYTES = 64 * 1024
 TAIL_MAX_BYTES = 1024 * 1024
 _READ_TRIES = 5  # a reader lists the segments again when the cap deleted one under it
 _LOCKS = 64  # thread locks, shared by the jobs whose ids hash alike
+_FILE_MODE = 0o600  # the log files: the control plane's user alone reads them
 _SEGMENT = re.compile(r"^(\d{16})-(\d{12})\.ndjson$")
 
 
@@ -153,9 +154,12 @@ class LogStore:
     def _locked(self, job_id: str) -> Iterator[Path]:
         """The job's folder, held exclusively (threads of this process, and other processes)."""
         folder = self._dir(job_id)
-        folder.mkdir(parents=True, exist_ok=True)
+        # Workers' output is for the control plane to serve, to whom the API lets see it:
+        # not for every local user (folders 0700, files 0600, whatever the umask).
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
         with self._locks[zlib.crc32(job_id.encode()) % _LOCKS]:
-            fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX)
                 yield folder
@@ -166,7 +170,7 @@ class LogStore:
         with self._locked(job_id) as folder:
             segments = self._segments(job_id)
             last = segments[-1] if segments else Segment(0, 0, folder / segment_name(0, 0), 0)
-            fd = os.open(last.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(last.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, _FILE_MODE)
             try:
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -179,7 +183,7 @@ class LogStore:
                 os.close(fd)
             if size >= self.segment_bytes:
                 start, line = last.start + size, last.line + _count_lines(last.path)
-                os.close(os.open(folder / segment_name(start, line), os.O_WRONLY | os.O_CREAT, 0o644))
+                os.close(os.open(folder / segment_name(start, line), os.O_WRONLY | os.O_CREAT, _FILE_MODE))
                 segments = self._segments(job_id)
             end = segments[-1].end if segments else size
             for old in segments[:-1]:  # the newest segment stays, whatever its size

@@ -9,9 +9,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.keyring import new_nonce
 from worker.env import JOB_KNOBS
 from worker.protocol import ControlAction, Progress, SnapshotMeta
 
+ADMIN = "admin"  # the user of the single user token (`ftrain serve --token`)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
@@ -78,6 +80,10 @@ class JobSpec(_Strict):
     working_dir: str | None = Field(None, max_length=4096,
                                     description="Directory the command runs in, on every node.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.")
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment for workers whose values are secret: never stored in etcd, never "
+                    "returned by the API (a job shows their names only), masked in the job's logs.")
     nodes: NodesSpec = Field(default_factory=NodesSpec)
     nproc_per_node: int | str = Field(
         1, union_mode="left_to_right",
@@ -124,7 +130,7 @@ class JobSpec(_Strict):
             raise ValueError("must not contain NUL characters")
         return v
 
-    @field_validator("env")
+    @field_validator("env", "secret_env")
     @classmethod
     def _bounded_env(cls, v: dict[str, str]) -> dict[str, str]:
         if len(v) > MAX_ENV_ENTRIES:
@@ -138,6 +144,17 @@ class JobSpec(_Strict):
                 raise ValueError(f"value of {key!r} must be at most {MAX_ENV_VALUE_CHARS} "
                                  "characters, without NUL")
         return v
+
+    @model_validator(mode="after")
+    def _env_names_once(self) -> JobSpec:
+        if both := sorted(self.env.keys() & self.secret_env.keys()):
+            raise ValueError(f"{', '.join(both)} in both env and secret_env: give each name once")
+        return self
+
+    def without_secrets(self) -> JobSpec:
+        """The spec as stored and shown: the secret values left out (their names are kept
+        in the record, `JobRecord.secret_env_names`)."""
+        return self.model_copy(update={"secret_env": {}})
 
     def size_errors(self) -> list[dict]:
         """What makes this spec too large to store, as 422 errors naming each field.
@@ -154,7 +171,8 @@ class JobSpec(_Strict):
         if command > MAX_COMMAND_BYTES:
             too_large("command", f"must be at most {MAX_COMMAND_BYTES} bytes in all (UTF-8), "
                                  f"not {command}; pass large inputs in a file")
-        env = sum(len(k.encode()) + len(v.encode()) for k, v in self.env.items())
+        env = sum(len(k.encode()) + len(v.encode())
+                  for k, v in (self.env | self.secret_env).items())
         if env > MAX_ENV_BYTES:
             too_large("env", f"names and values must be at most {MAX_ENV_BYTES} bytes in all "
                              f"(UTF-8), not {env}; pass large inputs in a file")
@@ -198,12 +216,18 @@ class JobRecord(BaseModel):
     """What etcd holds for a job (one key; every write is a CAS on its mod_revision)."""
 
     id: str
-    spec: JobSpec
+    spec: JobSpec = Field(..., description="As submitted, without the secret env values.")
+    owner: str = Field(ADMIN, description="The user who submitted the job.")
     state: JobState = JobState.PENDING
     reason: str = "submitted"
     created_at: float
     updated_at: float
-    token: str = Field(..., description="Job-scoped token given to its workers.")
+    # The job token is derived from the id and this nonce with the control-plane secret,
+    # never stored (service.keyring); the nonce also names the file of its secret env.
+    token_nonce: str = Field(default_factory=new_nonce)
+    # The token of a record written before tokens were derived: honoured until the job ends.
+    legacy_token: str | None = None
+    secret_env_names: list[str] = Field(default_factory=list)
     attempt: int = 0
     members: dict[str, MemberStatus] = Field(default_factory=dict)
     world_size: int = 0
@@ -233,6 +257,9 @@ class JobRecord(BaseModel):
         # Records written before progress had a key of its own carried it here.
         if isinstance(data, dict) and data.get("progress") is not None:
             data = {**data, "reports_progress": True}
+        # Records written before job tokens were derived held the token itself.
+        if isinstance(data, dict) and "token" in data:
+            data = {k: v for k, v in data.items() if k != "token"} | {"legacy_token": data["token"]}
         return data
 
     @property
@@ -242,8 +269,9 @@ class JobRecord(BaseModel):
     def view(self, progress: Progress | None = None) -> JobView:
         """What users see of the job; `progress` is read from its own key."""
         return JobView(
-            id=self.id, name=self.spec.name, state=self.state, reason=self.reason,
-            spec=self.spec, created_at=self.created_at, updated_at=self.updated_at,
+            id=self.id, name=self.spec.name, owner=self.owner, state=self.state, reason=self.reason,
+            spec=self.spec.without_secrets(), secret_env_names=self.secret_env_names,
+            created_at=self.created_at, updated_at=self.updated_at,
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
@@ -254,9 +282,12 @@ class JobRecord(BaseModel):
 class JobView(BaseModel):
     id: str
     name: str
+    owner: str
     state: JobState
     reason: str
-    spec: JobSpec
+    spec: JobSpec = Field(..., description="As submitted, without the secret env values.")
+    secret_env_names: list[str] = Field(default_factory=list,
+                                        description="The names of its secret env (never the values).")
     created_at: float
     updated_at: float
     finished_at: float | None = None
@@ -278,6 +309,7 @@ class EventView(BaseModel):
     time: float
     state: JobState
     reason: str
+    by: str | None = Field(None, description="The user whose request caused it (submit, cancel).")
 
 
 class EventList(BaseModel):
@@ -287,6 +319,43 @@ class EventList(BaseModel):
 class CancelResult(BaseModel):
     id: str
     state: JobState
+
+
+class NewUser(_Strict):
+    name: str = Field(..., min_length=1, max_length=40,
+                      description="DNS label: lower-case letters, digits and '-'; not 'admin'.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, v: str) -> str:
+        if not DNS_LABEL.match(v):
+            raise ValueError("must be a DNS label: lower-case letters, digits and '-', "
+                             "starting and ending with a letter or digit")
+        if v == ADMIN:
+            raise ValueError(f"{ADMIN!r} is the admin (the server's own user token); choose another name")
+        return v
+
+
+class UserRecord(BaseModel):
+    """What etcd holds for a named user: never the token, only its SHA-256."""
+
+    name: str
+    token_sha256: str
+    created_at: float
+
+
+class UserView(BaseModel):
+    name: str
+    created_at: float | None = None
+    admin: bool = False
+
+
+class UserList(BaseModel):
+    items: list[UserView]
+
+
+class UserCreated(UserView):
+    token: str = Field(..., description="The user's token: shown this once, stored only hashed.")
 
 
 class NodeState(str, enum.Enum):

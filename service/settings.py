@@ -18,9 +18,18 @@ class Settings(BaseSettings):
     )
     etcd_prefix: str = Field("/ftrain", description="Key prefix under which all state is kept.")
     etcd_timeout_s: float = Field(3.0, gt=0, description="Deadline of one etcd request.")
+    etcd_user: str | None = Field(None, description="etcd user to authenticate as (etcd's own auth).")
+    etcd_password_file: str | None = Field(
+        None, description="File holding that user's password (its first line); never the password itself.")
 
     user_token: str | None = Field(None, description="Bearer token of users (submit, list, cancel).")
     node_token: str | None = Field(None, description="Bearer token of node agents.")
+
+    secret_dir: str = Field(
+        ".ftrain/secrets",
+        description="Directory (0700) of the control-plane secret (`key`, from which job tokens "
+                    "are derived) and of the jobs' secret env values (never in etcd); several "
+                    "control-plane replicas share one, as they share the log root.")
 
     max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
@@ -47,6 +56,28 @@ class Settings(BaseSettings):
     retention_jobs: int | None = Field(
         None, ge=1, description="Keep at most this many finished jobs (the oldest finished go "
                                 "first); none: no cap.")
+
+    def etcd_credentials(self) -> tuple[str, str] | None:
+        """(user, password) for etcd, the password read from its file; None without a user.
+
+        Raises:
+            ValueError: a user without a password file (or the reverse), or a file that
+                cannot be read or is empty; the message says which.
+        """
+        if self.etcd_user is None and self.etcd_password_file is None:
+            return None
+        if self.etcd_user is None or self.etcd_password_file is None:
+            raise ValueError("give both an etcd user and its password file "
+                             "(--etcd-user and --etcd-password-file), or neither")
+        try:
+            with open(self.etcd_password_file) as f:
+                password = f.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read the etcd password file {self.etcd_password_file}: "
+                             f"{exc.strerror}") from None
+        if not password:
+            raise ValueError(f"the etcd password file {self.etcd_password_file} is empty")
+        return self.etcd_user, password
 
     @field_validator("retention_s", mode="before")
     @classmethod

@@ -16,7 +16,17 @@ started by `EtcdProcess`, which cannot take that hook; its PID is recorded in
 `<data-dir>/etcd.pid` and a leftover from a killed `up` is stopped on the next start.
 
 The data directory holds everything that must survive a restart: the tokens (mode 0600),
+the control-plane secret (`secrets/`, 0700: job tokens are derived from it),
 the etcd data and its ports, and the snapshots.
+
+Nothing there is for other local users. The directory is made mode 0700 on every start,
+and `up` and its children create files 0600 and directories 0700 (umask 077). etcd is
+closed too: `up` turns on etcd's own authentication with a `root` user whose random
+password is kept in `<data-dir>/etcd-password` (0600), and the control plane connects with
+it; another local user who finds etcd's port is refused every read and write. Everything
+here runs as the user who ran `up`, the workers too: they can read the tokens and the
+password (same user, same trust). `ftrain node --run-as USER` is the way to run workers as
+someone else.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from service.embedded import EtcdProcess, free_port
+from service.embedded import ROOT_USER, EtcdProcess, free_port
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,6 +93,7 @@ class Paths:
     root: Path
     token: Path = field(init=False)
     node_token: Path = field(init=False)
+    etcd_password: Path = field(init=False)
     server: Path = field(init=False)
     etcd_ports: Path = field(init=False)
     etcd_pid: Path = field(init=False)
@@ -90,16 +101,20 @@ class Paths:
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
     job_logs: Path = field(init=False)
+    secret_dir: Path = field(init=False)
     lock: Path = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.root
         self.token, self.node_token, self.server = r / "token", r / "node-token", r / "server"
+        self.etcd_password = r / "etcd-password"
         self.etcd_ports, self.etcd_pid, self.etcd_data = r / "etcd-ports", r / "etcd.pid", r / "etcd"
         self.snapshots, self.logs, self.lock = r / "snapshots", r / "logs", r / "up.lock"
         # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
         # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
         self.job_logs = r / "job-logs"
+        # The control plane's secret (job tokens are derived from it) and the jobs' secret env.
+        self.secret_dir = r / "secrets"
 
 
 # Pieces that decide, without starting anything (tested on their own).
@@ -297,7 +312,9 @@ class LocalCluster:
 
     def _prepare_data_dir(self) -> None:
         p = self.paths
+        os.umask(0o077)  # everything `up` and its children create is the user's alone
         p.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(p.root, 0o700)  # also a directory an older `up` made 0755
         self._lock_fd = os.open(p.lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -308,8 +325,9 @@ class LocalCluster:
                           "stop it first (Ctrl-C in its terminal) or pass another --data-dir") from None
         self.user_token = ensure_token(p.token)
         self.node_token = ensure_token(p.node_token)
+        ensure_token(p.etcd_password)
         for d in (p.snapshots, p.logs, p.job_logs):
-            d.mkdir(exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)
         if not is_port_free(self.options.port, self.options.host):
             raise UpError(f"port {self.options.port} on {self.options.host} is in use (another "
                           "`ftrain up` or another server?); pass another --port")
@@ -319,7 +337,8 @@ class LocalCluster:
         _stop_leftover_etcd(self.paths)
         client, peer = choose_etcd_ports(self.paths.etcd_ports)
         self.etcd = EtcdProcess(self.paths.etcd_data, client_port=client, peer_port=peer,
-                                log_path=self.paths.logs / "etcd.log")
+                                log_path=self.paths.logs / "etcd.log",
+                                root_password=ensure_token(self.paths.etcd_password))
         try:
             self.etcd.start()
         except FileNotFoundError as exc:
@@ -335,7 +354,8 @@ class LocalCluster:
         env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
                 "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
-                "--log-root", str(self.paths.job_logs)]
+                "--log-root", str(self.paths.job_logs), "--secret-dir", str(self.paths.secret_dir),
+                "--etcd-user", ROOT_USER, "--etcd-password-file", str(self.paths.etcd_password)]
         if o.retention_s is not None:
             argv += ["--retention", str(o.retention_s)]
         if o.retention_jobs is not None:
@@ -450,8 +470,9 @@ class LocalCluster:
             rel = self.paths.root.relative_to(Path.cwd())
         self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
                  f"etcd {self.etcd.endpoint}")
-        self.say(f"data directory {rel}: user token in {rel}/token, node token in {rel}/node-token, "
-                 f"logs in {rel}/logs, the workers' output in {rel}/job-logs")
+        self.say(f"data directory {rel}: user (admin) token in {rel}/token, node token in "
+                 f"{rel}/node-token, etcd's root password in {rel}/etcd-password, the control-plane "
+                 f"secret in {rel}/secrets, logs in {rel}/logs, the workers' output in {rel}/job-logs")
         if self.agents:
             self.say(f"local nodes registered: {', '.join(nodes) or 'none yet'} "
                      f"(of {len(self.agents)} started)")

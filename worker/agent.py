@@ -34,6 +34,7 @@ from worker.http import HttpError
 from worker.log_shipper import LogShipper
 from worker.node_link import NodeForgotten, NodeLink
 from worker.protocol import Assignment
+from worker.run_as import RunAs
 from worker.torchrun import CouldNotStart, Torchrun
 
 log = logging.getLogger("ftrain.agent")
@@ -51,13 +52,15 @@ class NodeAgent:
     """One node's reconcile loop: the control plane's assignment in, torchrun out."""
 
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
-                 data_dir: str | Path = ".ftrain", address: str | None = None):
+                 data_dir: str | Path = ".ftrain", address: str | None = None,
+                 run_as: RunAs | None = None):
         self.server = server.rstrip("/")
         self.name = name
         self.data_dir = Path(data_dir).resolve()
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.link = NodeLink(self.server, token, name, nproc_per_node, address)
         self.shipper = LogShipper(self.link.client, name)
-        self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper)
+        self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         self._shutdown = threading.Event()
 
@@ -177,11 +180,18 @@ def take_from_environ(name: str) -> str | None:
 
 
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
-         data_dir: str | Path = ".ftrain", address: str | None = None) -> None:
+         data_dir: str | Path = ".ftrain", address: str | None = None,
+         run_as: RunAs | None = None) -> None:
+    # What the agent and the job's processes create (logs, the job's output, snapshots)
+    # is their user's alone unless they say otherwise.
+    os.umask(0o077)
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format=f"%(asctime)s %(levelname)s node {name or socket.gethostname()}: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address)
+    agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
+                      run_as)
+    if run_as is not None:
+        log.info("the jobs' processes run as %s (uid %d)", run_as.name, run_as.uid)
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)
     agent.run()

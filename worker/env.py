@@ -43,8 +43,11 @@ FTRAIN_NODE_TOKEN = "FTRAIN_NODE_TOKEN"  # the node (bootstrap) token: `ftrain n
 
 # ---------------------------------------------------------------- control plane and CLI
 FTRAIN_ETCD_ENDPOINTS = "FTRAIN_ETCD_ENDPOINTS"
+FTRAIN_ETCD_USER = "FTRAIN_ETCD_USER"  # the etcd user `ftrain serve` authenticates as
+FTRAIN_ETCD_PASSWORD_FILE = "FTRAIN_ETCD_PASSWORD_FILE"  # the file holding that user's password
 FTRAIN_ETCD_BIN = "FTRAIN_ETCD_BIN"  # the etcd binary `ftrain up` starts (else etcd on PATH)
 FTRAIN_SNAPSHOT_ROOT = "FTRAIN_SNAPSHOT_ROOT"
+FTRAIN_SECRET_DIR = "FTRAIN_SECRET_DIR"  # the control plane's secret and the jobs' secret env
 FTRAIN_LOG_ROOT = "FTRAIN_LOG_ROOT"  # where the control plane keeps the workers' logs
 FTRAIN_LOG_CAP_BYTES = "FTRAIN_LOG_CAP_BYTES"  # bytes of log kept per job
 # service/settings.py reads every other setting as FTRAIN_<FIELD> (FTRAIN_NODE_TTL_S, ...).

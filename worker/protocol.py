@@ -93,6 +93,9 @@ class Assignment(BaseModel):
     command: list[str]
     working_dir: str | None
     env: dict[str, str]
+    # The job's secret env: set in the workers' environment like `env`, and masked in the
+    # output the agent ships (the control plane keeps these values out of etcd).
+    secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
     nproc_per_node: int | str
     nodes_min: int
     nodes_max: int

@@ -139,13 +139,14 @@ def _fsync_dir(directory: Path) -> None:
 def write_atomic(state: Any, directory: str | Path, step: int) -> WrittenSnapshot:
     """Write `state` as the snapshot of `step`: temp file, fsync, rename, fsync dir."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = directory / snapshot_name(step)
     tmp = directory / f".{snapshot_name(step)[:-3]}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     start = time.perf_counter()
     writer = None
     try:
-        with open(tmp, "wb") as f:
+        # The job's user alone reads its snapshots (the model, and a pickle that is loaded).
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             writer = _HashingWriter(f)
             torch.save(state, writer)
             f.flush()

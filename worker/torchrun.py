@@ -43,6 +43,7 @@ from worker.env import (
     FTRAIN_SNAPSHOT_EVERY,
     FTRAIN_SNAPSHOT_KEEP,
     FTRAIN_TOKEN,
+    FTRAIN_USER_TOKEN,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
@@ -57,6 +58,7 @@ from worker.procs import (
     worker_launch_prefix,
 )
 from worker.protocol import Assignment, LogLineIn, cut_line
+from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
 
@@ -77,6 +79,23 @@ class CouldNotStart(Exception):
     """torchrun could not be started (a missing working directory, a bad interpreter)."""
 
 
+MASK = "***"
+MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every line: left as is
+
+
+def secrets_to_mask(secret_env: dict[str, str]) -> tuple[str, ...]:
+    """The secret values to mask in a job's output, longest first (one may contain another)."""
+    return tuple(sorted({v for v in secret_env.values() if len(v) >= MIN_MASKED_CHARS},
+                        key=lambda v: (-len(v), v)))
+
+
+def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
+    """`line` with every secret value replaced by MASK, before it is shipped or reported."""
+    for value in secrets:
+        line = line.replace(value, MASK)
+    return line
+
+
 @dataclass
 class WorkerGroup:
     """One torchrun process (and its workers) for one attempt of one job."""
@@ -88,6 +107,7 @@ class WorkerGroup:
     stopped_since: dict = field(default_factory=dict)
     tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
     threads: list = field(default_factory=list)
+    secrets: tuple[str, ...] = ()  # values masked in the output it ships (mask_secrets)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -139,8 +159,10 @@ class ForkServer:
 class Torchrun:
     """Starts, follows and stops this node's one torchrun and its job's fork server."""
 
-    def __init__(self, node: str, server: str, data_dir: Path, address: str | None, shipper: LogShipper):
+    def __init__(self, node: str, server: str, data_dir: Path, address: str | None, shipper: LogShipper,
+                 run_as: RunAs | None = None):
         self.node = node
+        self.run_as = run_as
         self.server = server
         self.data_dir = data_dir
         self.address = address
@@ -178,9 +200,11 @@ class Torchrun:
     def job_env(self, a: Assignment) -> dict[str, str]:
         """The environment of torchrun and its workers: the agent's, the job's, ftrain's."""
         root = Path(a.snapshot_root) if a.snapshot_root else self.data_dir / "snapshots"
-        snapshot_dir = root / a.job_id
-        snapshot_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **a.env}
+        snapshot_dir = job_dir(root / a.job_id, self.run_as,
+                               agent_dirs=(self.data_dir, self.data_dir / "snapshots"))
+        env = {**os.environ, **a.env, **a.secret_env}
+        if self.run_as is not None:
+            env = self.run_as.environ(env)
         env.update({
             FTRAIN_JOB_ID: a.job_id,
             FTRAIN_ATTEMPT: str(a.attempt),
@@ -198,9 +222,13 @@ class Torchrun:
         if a.global_batch_size:
             env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a.global_batch_size)
         # Workers run the user's code: the node's and a user's tokens stay with the agent.
-        env.pop(FTRAIN_NODE_TOKEN, None)
-        env.pop(FTRAIN_TOKEN, None)
+        for name in (FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN):
+            env.pop(name, None)
         return env
+
+    def _as_job_user(self) -> dict:
+        """Popen arguments that start a job's process as the run-as user (none without one)."""
+        return self.run_as.popen_kwargs() if self.run_as is not None else {}
 
     # ------------------------------------------------------------------ the fork server
     def start_fork_server(self, a: Assignment, env: dict[str, str], cwd: str, log_dir: Path) -> str | None:
@@ -219,11 +247,11 @@ class Torchrun:
         ready_r, ready_w = os.pipe()
         os.set_blocking(ready_r, False)
         try:
-            with open(log_dir / f"{self.node}-fork-server.log", "ab") as out:
+            with _private_file(log_dir / f"{self.node}-fork-server.log", "ab") as out:
                 proc = subprocess.Popen(
                     pdeathsig_argv([sys.executable, str(FORK_SERVER), name, str(ready_w)], signal.SIGKILL),
                     cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                    pass_fds=(ready_w,), start_new_session=True)
+                    pass_fds=(ready_w,), start_new_session=True, **self._as_job_user())
         except OSError as exc:
             os.close(ready_r)
             log.warning("could not start the fork server for job %s (%s); workers start cold",
@@ -258,8 +286,10 @@ class Torchrun:
             CouldNotStart: with the reason the node reports.
         """
         cwd = a.working_dir or os.getcwd()
+        # The agent's copy of the job's output: the agent's alone (it hands torchrun the open files).
         log_dir = self.data_dir / "logs" / a.job_id
-        log_dir.mkdir(parents=True, exist_ok=True)
+        for d in (self.data_dir / "logs", log_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = self.job_env(a)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
             env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
@@ -267,14 +297,14 @@ class Torchrun:
         # writing into a broken pipe (its log-tail threads then keep it from exiting).
         outputs = {s: log_dir / f"{self.node}-attempt{a.attempt}.{s}" for s in ("stdout", "stderr")}
         try:
-            with open(outputs["stdout"], "wb") as out, open(outputs["stderr"], "wb") as err:
+            with _private_file(outputs["stdout"], "wb") as out, _private_file(outputs["stderr"], "wb") as err:
                 proc = subprocess.Popen(
                     self.argv(a), cwd=cwd,
                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    start_new_session=True)
+                    start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc)
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env))
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -305,6 +335,7 @@ class Torchrun:
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
                 m = _RANK_PREFIX.match(text)
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+                line = mask_secrets(line, g.secrets)
                 g.tails[rank].append(line)
                 self.shipper.add(g.job_id, g.attempt, LogLineIn(
                     rank=rank, stream=stream, line=cut_line(line), time=time.time()))
@@ -357,6 +388,12 @@ class Torchrun:
         deadline = time.monotonic() + 5
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def _private_file(path: Path, mode: str):
+    """`open(path, mode)` for writing, the file created 0600 (the job's output is not for all)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o600), mode)
 
 
 def gpu_count() -> int:

@@ -1,4 +1,9 @@
-"""User-facing job endpoints: submit, list, get, cancel, events."""
+"""User-facing job endpoints: submit, list, get, cancel, events.
+
+Every user sees every job (list, get, events; logs and snapshots too): a shared service's
+queue is shared, and a user waiting for nodes needs to see whose jobs hold them. Secrets
+go in `secret_env`, which nobody sees. Only the owner of a job, or the admin, may cancel it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 
 from service.decide.cancel import decide_cancel
-from service.deps import ContextDep, UserAuth
-from service.errors import JobNotFound
+from service.deps import CallerDep, ContextDep, UserAuth
+from service.errors import Conflict, JobNotFound
+from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
@@ -19,13 +25,26 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
 async def submit(
     spec: JobSpec,
     ctx: ContextDep,
+    caller: CallerDep,
     response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobView:
-    """Submit a job. With an `Idempotency-Key`, a retried submit returns the first job."""
+    """Submit a job, owned by the caller. With an `Idempotency-Key`, a retried submit
+    returns the first job."""
     if errors := spec.size_errors():
         raise RequestValidationError(errors)
-    job, created = await ctx.jobs.create(spec, idempotency_key)
+    nonce, fingerprint = new_nonce(), ""
+    if spec.secret_env:  # kept before the job exists: no node may get it without them
+        ctx.keyring.put_env(nonce, spec.secret_env)
+        fingerprint = ctx.keyring.fingerprint(spec.secret_env)
+    try:
+        job, created = await ctx.jobs.create(spec, idempotency_key, owner=caller.name, nonce=nonce,
+                                             fingerprint=fingerprint)
+    except Conflict:  # nothing was written (after an error etcd may have written: kept)
+        ctx.keyring.delete_env(nonce)
+        raise
+    if job.token_nonce != nonce:  # a replay: the first job keeps its own
+        ctx.keyring.delete_env(nonce)
     if created:
         ctx.index.note_created(job)  # listed at once by this replica, before the watch brings it
     else:
@@ -70,10 +89,11 @@ async def get_job(job_id: str, ctx: ContextDep) -> JobView:
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
-async def cancel(job_id: str, ctx: ContextDep) -> CancelResult:
-    """Ask a job to stop. Cancelling twice is fine; a finished job answers 409 with its state."""
+async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep) -> CancelResult:
+    """Ask a job to stop: its owner or the admin (403 for anyone else). Cancelling twice is
+    fine; a finished job answers 409 with its state."""
     now = ctx.jobs.clock()
-    job = await ctx.jobs.update(job_id, lambda job: decide_cancel(job, now))
+    job = await ctx.jobs.update(job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
     return CancelResult(id=job.id, state=job.state)
 
 

@@ -3,12 +3,15 @@ their workers did, and report rendezvous rounds; users list and drain nodes."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, status
 
 from service.context import Context
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
 from service.deps import (
+    AdminAuth,
     ContextDep,
     JobTokenDep,
     NodeBootstrap,
@@ -38,6 +41,7 @@ from worker.protocol import (
 )
 
 router = APIRouter(tags=["nodes"])
+log = logging.getLogger(__name__)
 
 
 @router.post("/v1/nodes/register", response_model=RegisterReply, dependencies=[NodeBootstrap])
@@ -85,12 +89,18 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
     if job is None:
         return HeartbeatReply(assignment=None)
     spec = job.spec
+    secret_env = ctx.keyring.get_env(job.token_nonce) if job.secret_env_names else {}
+    if missing := sorted(set(job.secret_env_names) - secret_env.keys()):
+        log.error("job %s: the secret env values of %s are not in %s/env (is the secret dir shared "
+                  "by every control plane?); its workers run without them", job.id,
+                  ", ".join(missing), ctx.settings.secret_dir)
     return HeartbeatReply(assignment=Assignment(
         job_id=job.id, attempt=job.attempt, rdzv_id=job.rdzv_id,
         action="stop" if job.stopping else "run",
         command=spec.command, working_dir=spec.working_dir, env=spec.env,
+        secret_env=secret_env,
         nproc_per_node=spec.nproc_per_node, nodes_min=spec.nodes.min, nodes_max=spec.nodes.max,
-        job_token=job.token, snapshot_root=ctx.settings.snapshot_root,
+        job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
     ))
@@ -145,9 +155,10 @@ async def list_nodes(ctx: ContextDep) -> NodeList:
 
 
 @router.post("/v1/nodes/{name}/drain", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED,
-             dependencies=[UserAuth])
+             dependencies=[AdminAuth])
 async def drain(name: str, ctx: ContextDep) -> NodeView:
-    """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work."""
+    """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work.
+    The admin's: draining moves whoever's job runs there."""
     return _view(await ctx.nodes.drain(name), ctx)
 
 

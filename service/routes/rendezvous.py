@@ -85,12 +85,12 @@ async def _job_of_caller(ctx, given: str, job_id: str):
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
         job = None  # don't tell strangers which jobs exist
-    if job is not None and _matches(given, job.token):
+    if job is not None and _matches(given, ctx.job_token(job)):  # derived (service.keyring)
         return job
     if _is_job_token(ctx, given):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"this is another job's token; it cannot join job {job_id}'s rendezvous")
-    _refuse_other_principal(ctx, given, "rendezvous endpoints")
+    await _refuse_other_principal(ctx, given, "rendezvous endpoints")
     raise _unauthorized("invalid job token")
 
 

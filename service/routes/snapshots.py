@@ -36,8 +36,9 @@ SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
 
 async def require_reader(ctx: ContextDep, creds: Credentials,
                          job_id: Annotated[str, Path()]) -> None:
-    """A user token, or the job's own token."""
-    if creds is not None and _matches(creds.credentials, ctx.settings.user_token):
+    """A user token (the admin's or a named user's), or the job's own token."""
+    if creds is not None and (_matches(creds.credentials, ctx.settings.user_token)
+                              or await ctx.users.who(creds.credentials) is not None):
         return
     await require_job_token(ctx, creds, job_id)
 

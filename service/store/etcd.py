@@ -8,6 +8,14 @@ Every foreign error (gRPC, timeouts, connection refused) leaves this module as
 `HistoryCompacted` when a watch starts before the compacted history (neither drops the
 connection, which serves everything else as before).
 Several endpoints may be given: on a connection failure the next one is tried.
+
+With etcd's own authentication (a user and password; `ftrain up` turns it on for its
+etcd), the client authenticates when it connects and sends the token etcd gave it with
+every request. etcd forgets a simple token after `--auth-token-ttl` seconds without use
+(300 by default) and every token when it restarts: a request then fails UNAUTHENTICATED
+and a new watch is created already cancelled (watch id -1, which `aetcd` does not treat
+as an error). Either way the client is replaced by a new one, which authenticates again,
+and the request is tried once more.
 """
 
 from __future__ import annotations
@@ -58,8 +66,15 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
 class EtcdStore(KeyValue):
     """Async etcd client with CAS helpers and errors mapped to `StoreUnavailable`."""
 
-    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0):
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 3.0,
+                 user: str | None = None, password: str | None = None, probe_key: str = "\0"):
+        """`probe_key`: a key that `user` may read (under ftrain's prefix: etcd's roles grant
+        a prefix); the linearizable reads that ask etcd's revision and health read it."""
+        if (user is None) != (password is None):
+            raise ValueError("an etcd user needs a password, and a password a user")
+        self._probe = aetcd.rpc.RangeRequest(key=probe_key.encode(), limit=1, keys_only=True)
         self._endpoints = parse_endpoints(endpoints)
+        self._user, self._password = user, password
         self._current = 0
         self._timeout_s = timeout_s
         self._client: aetcd.Client | None = None
@@ -98,12 +113,13 @@ class EtcdStore(KeyValue):
             async with self._lock:
                 if self._client is None:
                     host, port = self._endpoints[self._current]
-                    client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+                    client = aetcd.Client(host=host, port=port, timeout=self._timeout_s,
+                                          username=self._user, password=self._password)
                     await client.connect()
                     self._client = client
         return self._client
 
-    async def _drop_client(self) -> None:
+    async def _drop_client(self, next_endpoint: bool = True) -> None:
         """Forget the client (the next call connects anew); close the old one in the background.
 
         Closing waits for the client's watch stream to shut down, which can take as long as
@@ -114,19 +130,59 @@ class EtcdStore(KeyValue):
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None
-        if len(self._endpoints) > 1:
+        if next_endpoint and len(self._endpoints) > 1:
             self._current = (self._current + 1) % len(self._endpoints)
         if client is not None:
             task = asyncio.create_task(_close_quietly(client))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    def _refused(self, exc: BaseException) -> StoreUnavailable:
+        """etcd refused our credentials (or wants some): say which and what to do."""
+        if self._user is None:
+            return StoreUnavailable(
+                f"etcd at {self.endpoint} requires authentication ({exc}); give the control plane "
+                "an etcd user and password (`ftrain serve --etcd-user USER --etcd-password-file "
+                "FILE`, or FTRAIN_ETCD_USER and FTRAIN_ETCD_PASSWORD_FILE)")
+        return StoreUnavailable(
+            f"etcd at {self.endpoint} refused the user {self._user!r} ({exc}); check the password "
+            "in --etcd-password-file (FTRAIN_ETCD_PASSWORD_FILE) and that the user has a role "
+            "that may read and write the key prefix")
+
+    async def _reauthenticate(self, client: aetcd.Client) -> None:
+        """Replace `client` (unless another caller did already): the new one authenticates."""
+        if self._client is client:
+            log.info("etcd at %s no longer accepts our auth token (it expired, or etcd "
+                     "restarted); authenticating again", self.endpoint)
+            await self._drop_client(next_endpoint=False)
+
     async def _call(self, what: str, fn):
-        """Run `fn(client)` with a deadline; map every failure to StoreUnavailable."""
+        """Run `fn(client)` with a deadline; map every failure to StoreUnavailable.
+
+        A call that etcd refuses because our auth token expired is tried once more, on a
+        client that authenticated again.
+        """
+        try:
+            return await self._call_once(what, fn)
+        except _TokenRefused as refused:
+            await self._reauthenticate(refused.client)
+        try:
+            return await self._call_once(what, fn)
+        except _TokenRefused as refused:
+            raise self._refused(refused.__cause__) from refused.__cause__
+
+    async def _call_once(self, what: str, fn):
+        client = None
         try:
             client = await self._connected()
             return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            if _is_token_refused(exc):  # expired, or etcd restarted: authenticate again
+                if self._user is None:
+                    raise self._refused(exc) from exc
+                raise _TokenRefused(client) from exc
+            if _is_auth_refusal(exc):  # no user given, or a wrong password: not an outage
+                raise self._refused(exc) from exc
             if _is_too_large(exc):  # an answer about this request, not an outage: keep the client
                 raise ReplyTooLarge(f"etcd's reply to {what} would pass gRPC's 4 MiB limit; "
                                     "read fewer entries at a time") from exc
@@ -247,9 +303,7 @@ class EtcdStore(KeyValue):
     async def revision(self) -> int:
         """The store's current revision (for starting a watch after a read)."""
         async def status(c: aetcd.Client):
-            resp = await c.kvstub.Range(
-                aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s
-            )
+            resp = await c.kvstub.Range(self._probe, timeout=self._timeout_s, metadata=c.metadata)
             return resp.header.revision
 
         return await self._call("a status request", status)
@@ -269,7 +323,7 @@ class EtcdStore(KeyValue):
     async def check_ready(self) -> None:
         """etcd answers a read and has no alarm raised (NOSPACE: StoreFull)."""
         async def alarms(c: aetcd.Client) -> list[int]:
-            await c.kvstub.Range(aetcd.rpc.RangeRequest(key=b"\0", limit=1), timeout=self._timeout_s)
+            await c.kvstub.Range(self._probe, timeout=self._timeout_s, metadata=c.metadata)
             reply = await c.maintenancestub.Alarm(
                 aetcd.rpc.AlarmRequest(action=aetcd.rpc.AlarmRequest.GET, memberID=0,
                                        alarm=aetcd.rpc.NONE),
@@ -326,19 +380,28 @@ class EtcdStore(KeyValue):
         dropped (etcd went away), or after `max_session_s`: the caller re-reads and
         re-watches, so a stream that stalls without an error cannot leave it stale for long.
         """
-        generation = self._generation
-        client = await self._call("a watch", lambda c: asyncio.sleep(0, c))
         key = prefix.encode()
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            watch = await asyncio.wait_for(
-                client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
-                self._timeout_s)
-        except aetcd.exceptions.RevisionCompactedError as exc:
-            raise _compacted(start_revision, exc) from exc
-        except (TimeoutError, aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
-            await self._drop_client()
-            raise self._unavailable("a watch", exc) from exc
+        for attempt in (1, 2):
+            generation = self._generation
+            client = await self._call("a watch", lambda c: asyncio.sleep(0, c))
+            try:
+                watch = await asyncio.wait_for(
+                    client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
+                    self._timeout_s)
+            except aetcd.exceptions.RevisionCompactedError as exc:
+                raise _compacted(start_revision, exc) from exc
+            except (TimeoutError, aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+                await self._drop_client()
+                raise self._unavailable("a watch", exc) from exc
+            if watch.watch_id != _REFUSED_WATCH_ID:
+                break
+            # etcd refused to create it (it says why only in a field aetcd drops): the
+            # watch stream's token expired, or there is none and etcd wants one.
+            refused = _StaleToken(f"etcd refused to watch {prefix}* (permission denied)")
+            if self._user is None or attempt == 2:
+                raise self._refused(refused)
+            await self._reauthenticate(client)
 
         async def pump():
             try:
@@ -375,6 +438,36 @@ class EtcdStore(KeyValue):
             pumping.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(watch.cancel(), 1)
+
+
+# The id etcd gives a watch it refused to create (WatchResponse.canceled, permission denied).
+_REFUSED_WATCH_ID = -1
+
+
+class _StaleToken(Exception):
+    """etcd refused a watch: our token expired (or there is none and etcd wants one)."""
+
+
+class _TokenRefused(Exception):
+    """etcd refused `client`'s auth token; a new client, authenticating anew, may succeed."""
+
+    def __init__(self, client: aetcd.Client | None):
+        super().__init__("etcd refused the auth token")
+        self.client = client
+
+
+def _is_token_refused(exc: BaseException) -> bool:
+    """etcd answered UNAUTHENTICATED: it no longer knows the token we sent."""
+    if isinstance(exc, aetcd.exceptions.UnauthenticatedError):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    """etcd refused us for want of credentials, or for wrong ones (INVALID_ARGUMENT)."""
+    text = str(exc)
+    return any(s in text for s in ("user name is empty", "authentication failed",
+                                   "permission denied"))
 
 
 class _KeepAliveStream:

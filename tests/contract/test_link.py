@@ -51,7 +51,8 @@ def service_job(request) -> dict:
     resp = api.post("/v1/jobs", json=SPEC)
     assert resp.status_code == 201, resp.text
     job = resp.json()
-    return {"id": job["id"], "attempt": job["attempt"], "token": stored_job(etcd.endpoint, job["id"]).token,
+    token = control_plane.job_token(stored_job(etcd.endpoint, job["id"]))
+    return {"id": job["id"], "attempt": job["attempt"], "token": token,
             "url": control_plane.url, "etcd": etcd.endpoint, "api": api}
 
 

@@ -64,7 +64,7 @@ def rdzv_id(job) -> str:
 @pytest.fixture
 def token(control_plane, job) -> str:
     """The job's token, as its workers (and their torchrun) have it."""
-    return control_plane.job_token(job["id"])
+    return control_plane.job_token_of(job["id"])
 
 
 @pytest.fixture
@@ -82,20 +82,6 @@ def transports(control_plane, rdzv_id, token):
     yield make
     for t in made:
         t.close()
-
-
-def job_token(etcd_endpoint: str, job_id: str) -> str:
-    """The job token is never shown over the API; read it where it lives."""
-    import json
-
-    async def read():
-        client = EtcdStore(etcd_endpoint)
-        try:
-            return json.loads((await client.get(Keys().job(job_id))).value)["token"]
-        finally:
-            await client.close()
-
-    return asyncio.run(read())
 
 
 # --------------------------------------------------------------------------------------
@@ -359,7 +345,7 @@ def test_user_token_is_forbidden_and_no_token_is_unauthorized(control_plane, rdz
 
 
 def test_job_token_is_accepted_only_for_its_own_job(control_plane, api, job, rdzv_id, etcd):
-    token = job_token(etcd.endpoint, job["id"])
+    token = control_plane.job_token_of(job["id"])
     with control_plane.client(token) as client:
         assert client.get(f"/v1/rdzv/{rdzv_id}/state").status_code == 200
         other = submit(api)

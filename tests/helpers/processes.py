@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 
 from service.embedded import EtcdProcess, free_port
+from service.keyring import Keyring
+from service.models import JobRecord
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 from worker.procs import is_alive as pid_alive
 
@@ -82,6 +84,7 @@ class ControlPlane:
         self.proc: subprocess.Popen | None = None
         self.snapshot_root = workdir / "snapshots"
         self.log_root = workdir / "job-logs"
+        self.secret_dir = workdir / "secrets"
 
     @property
     def url(self) -> str:
@@ -95,11 +98,15 @@ class ControlPlane:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
              "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),
-             "--log-root", str(self.log_root)],
+             "--log-root", str(self.log_root), "--secret-dir", str(self.secret_dir)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
         return self
+
+    def job_token(self, job: JobRecord) -> str:
+        """The token the control plane gives `job`'s workers (derived, never stored)."""
+        return Keyring.load(self.secret_dir).job_token(job.id, job.token_nonce)
 
     def _healthy(self) -> bool:
         assert self.proc is not None
@@ -153,22 +160,22 @@ class ControlPlane:
                 wait_for(assigned, timeout_s, f"job {job_id} to be assigned to node {name}")
         return credentials
 
-    def job_token(self, job_id: str) -> str:
-        """Job `job_id`'s token, as its workers get it (it is never shown over the user API)."""
+    def job_token_of(self, job_id: str) -> str:
+        """Job `job_id`'s token, as its workers get it (read its record, derive the token)."""
         import asyncio
-        import json
 
+        from service.jobs import JobStore
         from service.keys import Keys
         from service.store.etcd import EtcdStore
 
-        async def read() -> str:
+        async def read() -> JobRecord:
             store = EtcdStore(self.etcd_endpoint)
             try:
-                return json.loads((await store.get(Keys().job(job_id))).value)["token"]
+                return await JobStore(store, Keys()).get(job_id)
             finally:
                 await store.close()
 
-        return asyncio.run(read())
+        return self.job_token(asyncio.run(read()))
 
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
@@ -189,8 +196,11 @@ class NodeAgentProc:
     """A real node agent (`ftrain node`) as a subprocess."""
 
     def __init__(self, cp: ControlPlane, name: str, workdir: Path, nproc_per_node: int = 1,
-                 address: str | None = None, netns: str | None = None, env: dict | None = None):
+                 address: str | None = None, netns: str | None = None, env: dict | None = None,
+                 args: list[str] | None = None, prefix: list[str] | None = None):
         self.cp = cp
+        self.args = args or []  # more `ftrain node` options
+        self.prefix = prefix or []  # a command the agent runs under (it execs the rest)
         self.env = env
         self.name = name
         self.workdir = workdir
@@ -208,6 +218,8 @@ class NodeAgentProc:
             argv += ["--token-file", str(self.cp.node_token_file)]
         if self.address:
             argv += ["--address", self.address]
+        argv += [*self.args]
+        argv = [*self.prefix, *argv]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         log = open(self.workdir / f"agent-{self.name}.log", "ab")  # noqa: SIM115

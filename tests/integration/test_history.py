@@ -28,7 +28,7 @@ def write_history(endpoint: str) -> tuple[list[str], int]:
     base = time.time() - 3600  # an hour ago: well within the default retention (7 days)
     # Ids in the reverse of creation order: a listing in key order would come out backwards.
     records = [JobRecord(id=f"hist-{HISTORY - i:06d}", created_at=base + i, updated_at=base + i,
-                         finished_at=base + i, state=JobState.SUCCEEDED, token="t",
+                         finished_at=base + i, state=JobState.SUCCEEDED,
                          spec=JobSpec(name="hist", command=["python", "train.py"], env=env))
                for i in range(HISTORY)]
     values = [(Keys().job(r.id), r.model_dump_json().encode()) for r in records]

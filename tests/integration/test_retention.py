@@ -40,7 +40,7 @@ def give_it_state(cp: ControlPlane, job_id: str) -> None:
     with cp.client(credential) as node:
         assert node.post(f"/v1/jobs/{job_id}/logs",
                          json={"node": node_name, "lines": [line]}).status_code == 204
-    with cp.client(cp.job_token(job_id)) as worker, cp.client("user") as api:
+    with cp.client(cp.job_token_of(job_id)) as worker, cp.client("user") as api:
         attempt = api.get(f"/v1/jobs/{job_id}").json()["attempt"]
         commit = {"step": 5, "path": f"/snap/{job_id}/5", "size": 1, "checksum": "x",
                   "attempt": attempt}

@@ -40,7 +40,7 @@ def cluster(etcd, tmp_path):
             attempt = api.get(f"/v1/jobs/{j}").json()["attempt"]
         tokens = {"none": None, "wrong": "not-a-token", "user": cp.user_token,
                   "bootstrap": cp.node_token, "cred_a": cred_a, "cred_b": cred_b,
-                  "job_j": cp.job_token(j), "job_k": cp.job_token(k)}
+                  "job_j": cp.job_token_of(j), "job_k": cp.job_token_of(k)}
         yield cp, tokens, {"j": j, "k": k, "lone": lone, "attempt": attempt, "cred_c": cred_c}
     finally:
         cp.stop()

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
 from service.up import agent_available, choose_etcd_ports, curl_lines, ensure_token
+from tests.helpers.other_user import everything_under, needs_root, probe_as_other_user
 from tests.helpers.processes import REPO, descendants, free_port, pid_alive, wait_for
 
 BANNER_END = "Ctrl-C stops everything."
@@ -261,3 +264,56 @@ def test_readme_shows_the_curl_lines_up_prints():
     readme = (REPO / "README.md").read_text()
     for line in curl_lines("http://127.0.0.1:8000", "<token>", "examples/job.json"):
         assert line in readme.splitlines(), line
+
+
+@pytest.fixture
+def open_base():
+    """A directory any local user may enter (pytest's tmp_path is root's alone, which would
+    hide what ftrain's own modes do); removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="ftrain-closed-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.integration
+@needs_root()
+@pytest.mark.skipif(not agent_available(), reason="the node agent (worker/agent.py) is not in this build")
+def test_another_local_user_reads_no_file_of_up_and_nothing_from_its_etcd(start_up, open_base):
+    """After a job ran (logs, worker output, snapshots written), `nobody` can read no file
+    and list no directory under the data directory, and etcd refuses it every request."""
+    up = start_up(data_dir=open_base / "data", nodes=1)
+    data = up.data_dir
+    url = f"http://127.0.0.1:{up.port}"
+    headers = {"Authorization": f"Bearer {(data / 'token').read_text().strip()}"}
+    spec = {"name": "closed", "command": ["python", "examples/train.py", "--steps", "12"],
+            "nodes": {"min": 1, "max": 1}, "snapshot": {"every_steps": 5, "keep": 2}}
+    job = httpx.post(f"{url}/v1/jobs", json=spec, headers=headers, timeout=10).json()
+    done = wait_for(lambda: (j := httpx.get(f"{url}/v1/jobs/{job['id']}", headers=headers,
+                                            timeout=10).json())["state"] in ("SUCCEEDED", "FAILED") and j,
+                    120, "the job to end")
+    assert done["state"] == "SUCCEEDED", done
+    assert done["latest_snapshot"] is not None
+    snapshots = list((data / "snapshots" / job["id"]).glob("*.pt"))
+    assert snapshots and list((data / "job-logs" / job["id"]).iterdir())
+    assert list((data / "logs" / job["id"]).iterdir())  # the agent's copy of torchrun's output
+
+    paths = everything_under(data)
+    loose = [(str(p), oct(stat.S_IMODE(p.lstat().st_mode))) for p in paths
+             if stat.S_IMODE(p.lstat().st_mode) & 0o077 and not p.is_symlink()]
+    assert not loose, loose  # no file, no directory open to group or others
+
+    etcd_port = json.loads((data / "etcd-ports").read_text())["client"]
+    etcd = f"http://127.0.0.1:{etcd_port}"
+    seen = probe_as_other_user(paths, [
+        (f"{etcd}/v3/kv/range", json.dumps({"key": "AA==", "range_end": "AA=="})),  # every key
+        (f"{etcd}/v3/kv/put", json.dumps({"key": "L2Z0cmFpbi94", "value": "eA=="})),
+        (f"{etcd}/v3/auth/authenticate", json.dumps({"name": "root", "password": ""})),
+    ])
+    readable = [p for p, got in seen["paths"].items() if got == "read"]
+    assert not readable, readable
+    assert set(seen["paths"].values()) == {"PermissionError"}, seen["paths"]
+    for url_, (status, body) in seen["posts"].items():
+        assert status == 400 and ("user name is empty" in body or "authentication failed" in body), \
+            (url_, status, body)
+    assert up.interrupt() == 0

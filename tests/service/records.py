@@ -16,5 +16,6 @@ def make_job(state: JobState = JobState.RUNNING, members: dict[str, str] | None 
     members = {n: MemberStatus(state=s, nproc=nproc) for n, s in (members or {}).items()}
     fields.setdefault("attempt", 1)
     fields.setdefault("event_seq", 5)
+    fields.setdefault("token_nonce", "n0")
     return JobRecord(id="j-abc123", spec=spec, state=state, created_at=1.0, updated_at=1.0,
-                     token="t", members=members, **fields)
+                     members=members, **fields)

@@ -53,8 +53,8 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     assert job["spec"]["snapshot"]["every_steps"] == 50
 
     table = ftrain("list").output.splitlines()
-    assert table[0].split() == ["ID", "NAME", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
-    assert any(line.split()[:4] == [job["id"], "mnist", "PENDING", "1-2"] for line in table[1:])
+    assert table[0].split() == ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
+    assert any(line.split()[:5] == [job["id"], "mnist", "admin", "PENDING", "1-2"] for line in table[1:])
     assert [j["id"] for j in json.loads(ftrain("list", "--json").output)] == [job["id"]]
 
     status = ftrain("status", job["id"]).output
@@ -66,7 +66,24 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     events = json.loads(ftrain("events", job["id"], "--json").output)
     assert [e["state"] for e in events] == ["PENDING", "CANCELLED"]
     lines = ftrain("events", job["id"]).output.splitlines()
-    assert lines[0].split() == ["TIME", "STATE", "REASON"] and "CANCELLED" in lines[-1]
+    assert lines[0].split() == ["TIME", "STATE", "BY", "REASON"] and "CANCELLED" in lines[-1]
+    assert lines[-1].split()[2:] == ["CANCELLED", "admin", "cancelled", "by", "admin"]
+
+
+def test_users_add_prints_the_token_once_then_list_and_remove(ftrain, tmp_path):
+    added = ftrain("users", "add", "alice")
+    token = added.stdout.strip()
+    assert len(token) >= 40 and "alice" not in token  # stdout: the token alone, for scripts
+    assert ftrain("whoami", token=token).output.strip() == "alice"
+    assert ftrain("whoami").output.strip() == "admin (admin)"
+    listed = ftrain("users", "list").output
+    assert "alice" in listed and token not in listed
+    assert [u["name"] for u in json.loads(ftrain("users", "list", "--json").output)] == ["admin", "alice"]
+    refused = ftrain("users", "add", "bob", token=token, expect_ok=False)
+    assert refused.exit_code != 0 and "only the admin" in refused.output
+    assert ftrain("users", "remove", "alice").output.strip() == "removed user alice"
+    gone = ftrain("whoami", token=token, expect_ok=False)
+    assert gone.exit_code != 0 and "401" in gone.output
 
 
 def test_list_filters_by_state(ftrain, tmp_path):
@@ -270,3 +287,48 @@ def test_serve_takes_the_retention_from_its_options_or_the_environment(
 def test_serve_refuses_a_retention_that_is_not_one(args, message):
     result = CliRunner().invoke(main, ["serve", "--etcd", "http://127.0.0.1:1", *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("endpoints, remote", [
+    ("http://10.1.2.3:2379", "10.1.2.3"),
+    ("http://127.0.0.1:2379,http://etcd-1:2379", "etcd-1"),
+])
+def test_serve_refuses_an_etcd_on_another_host_without_credentials(monkeypatch, endpoints, remote):
+    import uvicorn
+
+    import service.app
+
+    built = []
+    monkeypatch.setattr(service.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    env = {"FTRAIN_ETCD_USER": None, "FTRAIN_ETCD_PASSWORD_FILE": None}
+    refused = CliRunner().invoke(main, ["serve", "--etcd", endpoints], env=env)
+    assert refused.exit_code == 2 and f"refusing to use etcd on {remote} without credentials" \
+        in refused.output, refused.output
+    assert not built
+    told = CliRunner().invoke(main, ["serve", "--etcd", endpoints, "--insecure-etcd"], env=env,
+                              catch_exceptions=False)
+    assert told.exit_code == 0, told.output
+    assert built[0].etcd_credentials() is None
+
+
+def test_serve_reads_the_etcd_password_from_its_file(monkeypatch, tmp_path):
+    import uvicorn
+
+    import service.app
+
+    built = []
+    monkeypatch.setattr(service.app, "create_app", built.append)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    password = tmp_path / "etcd-password"
+    password.write_text("pw-123\n")
+    ok = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain",
+                                   "--etcd-password-file", str(password)], catch_exceptions=False)
+    assert ok.exit_code == 0, ok.output
+    assert built[0].etcd_credentials() == ("ftrain", "pw-123")
+    missing = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain",
+                                        "--etcd-password-file", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "cannot read the etcd password file" in missing.output, missing.output
+    no_file = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain"],
+                                 env={"FTRAIN_ETCD_PASSWORD_FILE": None})
+    assert no_file.exit_code == 2 and "give both an etcd user and its password file" in no_file.output

@@ -140,7 +140,7 @@ def test_a_report_racing_a_restart_is_refused_because_the_write_is_fenced_on_the
 
 
 def test_a_record_written_with_progress_on_it_counts_as_reporting():
-    job = JobRecord(id="t-abc123", spec=SPEC, created_at=1, updated_at=1, token="x")
+    job = JobRecord(id="t-abc123", spec=SPEC, created_at=1, updated_at=1)
     old = {**job.model_dump(mode="json"), "progress": {"step": 5, "time": 1.0}}
     assert JobRecord.model_validate(old).reports_progress
     assert not JobRecord.model_validate(job.model_dump(mode="json")).reports_progress
@@ -193,7 +193,7 @@ def test_the_job_index_re_reads_what_a_compaction_took_from_its_watch():
     async def main():
         kv = CompactsBeforeTheNextWatch()
         ctx = context(ManualClock(), kv)
-        job = JobRecord(id="t-abc123", spec=SPEC, created_at=1, updated_at=1, token="x")
+        job = JobRecord(id="t-abc123", spec=SPEC, created_at=1, updated_at=1)
         kv.race = Put(ctx.keys.job(job.id), job.model_dump_json().encode())
         index = asyncio.create_task(ctx.index.run())
         try:

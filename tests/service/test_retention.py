@@ -20,6 +20,7 @@ from service import retention
 from service.context import Context
 from service.decide.retention import RetentionPolicy
 from service.errors import JobNotFound, StaleLeader
+from service.keyring import new_nonce
 from service.models import JobSpec, JobState
 from service.scheduler import Leadership
 from service.settings import Settings
@@ -75,7 +76,7 @@ class Cluster:
         assert await self.leadership.hold()
         await self.index_caught_up()
         return await retention.prune(self.ctx.jobs, self.ctx.logs, self.ctx.index,
-                                     self.leadership.fence(), policy)
+                                     self.leadership.fence(), policy, self.ctx.keyring)
 
     async def index_caught_up(self) -> None:
         count = await self.kv.count_prefix(self.ctx.keys.jobs)
@@ -100,6 +101,25 @@ def run(test) -> None:
             shutil.rmtree(cluster.log_root, ignore_errors=True)
 
     asyncio.run(main())
+
+
+def test_a_pass_deletes_the_secret_env_of_an_expired_job_and_keeps_the_others():
+    async def test(c: Cluster):
+        ring, ids = c.ctx.keyring, {}
+        for name in ("old", "recent"):
+            nonce = new_nonce()
+            ring.put_env(nonce, {"API_KEY": f"{name}-secret"})
+            job, _ = await c.ctx.jobs.create(JobSpec(name=name, command=["true"],
+                                                     secret_env={"API_KEY": "x"}), nonce=nonce)
+            await c.ctx.jobs.move(job.id, JobState.CANCELLED, "cancelled by the test")
+            ids[name] = (job.id, nonce)
+            c.clock.now += 50
+        c.clock.now += RETENTION_S - 60
+        assert await c.prune() == [ids["old"][0]]
+        assert ring.get_env(ids["old"][1]) == {}
+        assert ring.get_env(ids["recent"][1]) == {"API_KEY": "recent-secret"}
+
+    run(test)
 
 
 def test_a_pass_deletes_everything_of_an_expired_job_and_nothing_of_the_others():

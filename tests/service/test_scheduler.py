@@ -30,7 +30,7 @@ def nodes(*names: str, draining: tuple[str, ...] = ()) -> dict[str, NodeRecord]:
 def job(state=S.PENDING, members=None, mn=1, mx=2, created=1.0, jid="j1", **kw) -> JobRecord:
     members = {n: MemberStatus(state=s) for n, s in (members or {}).items()}
     return JobRecord(id=jid, spec=JobSpec(name="j", command=["true"], nodes={"min": mn, "max": mx}),
-                     state=state, created_at=created, updated_at=created, token="t",
+                     state=state, created_at=created, updated_at=created,
                      members=members, attempt=kw.pop("attempt", 1 if members else 0), **kw)
 
 

@@ -13,7 +13,7 @@ NOW = 1000.0
 
 def job(state: JobState) -> JobRecord:
     return JobRecord(id="j-1", spec=JobSpec(name="j", command=["true"]), state=state,
-                     created_at=1.0, updated_at=1.0, token="t", event_seq=3)
+                     created_at=1.0, updated_at=1.0, event_seq=3)
 
 
 @pytest.mark.parametrize("current", list(S))

@@ -158,8 +158,8 @@ def job(api):
 
 @pytest.fixture
 def worker(control_plane, job, etcd):
-    """A client with the job's own token (read from etcd, as a worker would get it)."""
-    token = read_job(etcd.endpoint, job["id"]).token
+    """A client with the job's own token (derived as the control plane does for its workers)."""
+    token = control_plane.job_token(read_job(etcd.endpoint, job["id"]))
     with control_plane.client(token) as client:
         yield client
 
