@@ -1,8 +1,9 @@
 """The README's security table, row by row, against a real etcd and a real uvicorn.
 
 Every user, node, rendezvous and job-runtime endpoint is called with each credential: no
-token, a wrong one, the user token, the node (bootstrap) token, node a's credential (a is a
-member of job J), node b's credential (a member of job K), J's job token and K's job token.
+token, a wrong one, the user token (the admin's), a named user's token, the node
+(bootstrap) token, node a's credential (a is a member of job J), node b's credential (a
+member of job K), J's job token and K's job token.
 Only the principals of the table's row get through; a missing or wrong token is 401 and any
 other principal's valid token is 403.
 """
@@ -20,7 +21,7 @@ from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 ONE_NODE = {"name": "sec", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 1}}
 B64 = base64.b64encode(b"k").decode()
-PRINCIPALS = ("none", "wrong", "user", "bootstrap", "cred_a", "cred_b", "job_j", "job_k")
+PRINCIPALS = ("none", "wrong", "user", "named", "bootstrap", "cred_a", "cred_b", "job_j", "job_k")
 
 
 @pytest.fixture
@@ -38,7 +39,8 @@ def cluster(etcd, tmp_path):
             wait_for(lambda: api.get(f"/v1/jobs/{lone}").json()["state"] == "RUNNING", 20,
                      "job L to go to node c")  # it is c's now: cancelling it is harmless
             attempt = api.get(f"/v1/jobs/{j}").json()["attempt"]
-        tokens = {"none": None, "wrong": "not-a-token", "user": cp.user_token,
+            named = api.post("/v1/users", json={"name": "alice"}).json()["token"]
+        tokens = {"none": None, "wrong": "not-a-token", "user": cp.user_token, "named": named,
                   "bootstrap": cp.node_token, "cred_a": cred_a, "cred_b": cred_b,
                   "job_j": cp.job_token_of(j), "job_k": cp.job_token_of(k)}
         yield cp, tokens, {"j": j, "k": k, "lone": lone, "attempt": attempt, "cred_c": cred_c}
@@ -76,13 +78,14 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
     commit = {"step": 5, "path": f"/snap/{j}/5.pt", "size": 1, "checksum": "x", "attempt": attempt}
     return [
         # users
-        ("POST", "/v1/jobs", {**ONE_NODE, "name": "more"}, {"user"}),
-        ("GET", "/v1/jobs", None, {"user"}),
-        ("GET", f"/v1/jobs/{j}", None, {"user"}),
-        ("GET", f"/v1/jobs/{j}/events", None, {"user"}),
-        ("GET", f"/v1/jobs/{j}/logs", None, {"user"}),
-        ("GET", "/v1/nodes", None, {"user"}),
-        ("GET", f"/v1/jobs/{j}/snapshots", None, {"user", "job_j"}),
+        ("POST", "/v1/jobs", {**ONE_NODE, "name": "more"}, {"user", "named"}),
+        ("GET", "/v1/jobs", None, {"user", "named"}),
+        ("GET", f"/v1/jobs/{j}", None, {"user", "named"}),
+        ("GET", f"/v1/jobs/{j}/events", None, {"user", "named"}),
+        ("GET", f"/v1/jobs/{j}/logs", None, {"user", "named"}),
+        ("GET", "/v1/nodes", None, {"user", "named"}),
+        ("GET", "/v1/users", None, {"user"}),  # the admin only
+        ("GET", f"/v1/jobs/{j}/snapshots", None, {"user", "named", "job_j"}),
         # nodes
         ("POST", "/v1/nodes/register", {"name": "newcomer"}, {"bootstrap"}),
         ("POST", "/v1/nodes/a/heartbeat", {}, {"cred_a"}),
@@ -104,8 +107,8 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
         ("POST", f"/v1/jobs/{j}/snapshots", commit, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots/5/corrupt", {"reason": "test"}, {"job_j"}),
         # for good
-        ("POST", "/v1/nodes/c/drain", None, {"user"}),
-        ("POST", f"/v1/jobs/{lone}/cancel", None, {"user"}),
+        ("POST", "/v1/nodes/c/drain", None, {"user"}),  # the admin only
+        ("POST", f"/v1/jobs/{lone}/cancel", None, {"user"}),  # the admin's job: not alice's
         ("DELETE", "/v1/nodes/a", None, {"cred_a"}),
     ]
 
