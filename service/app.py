@@ -60,6 +60,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             body["state"] = exc.state
         if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
             headers["Retry-After"] = "1"
+        if exc.status_code == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -84,24 +86,39 @@ class BodySizeLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length")
+        if length is not None:  # the server holds the body to this length
+            if length.isdigit() and int(length) > self.max_bytes:
                 return await self._too_large(send)
+            return await self.app(scope, receive, send)
+        if b"transfer-encoding" not in headers:  # no body
+            return await self.app(scope, receive, send)
+        # No length (chunked): read the body here, up to the limit, and hand it on whole. An
+        # error raised from inside the app's own read would reach FastAPI's body parsing,
+        # which answers any failure there with 400.
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._too_large(send)
+        async def replay_then_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay_then_receive, send)
 
     async def _too_large(self, send: Send) -> None:
         body = (f'{{"detail":"request body larger than {self.max_bytes} bytes"}}').encode()
@@ -109,7 +126,3 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass

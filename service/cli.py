@@ -462,7 +462,8 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
 
 @main.command()
 @click.option("--server", envvar=FTRAIN_SERVER, required=True, help="Control plane URL.")
-@click.option("--token", envvar=FTRAIN_NODE_TOKEN, help="Node token (not the user token).")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
+              help="File that holds the node token (read at start).")
 @click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
@@ -472,15 +473,25 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
 @click.option("--run-as", "run_as", metavar="USER", default=None,
               help="Run the jobs' processes (fork server, torchrun, workers) as this unprivileged "
                    "user, who cannot read the agent's files; the agent must run as root.")
-def node(server: str, token: str | None, name: str, nproc_per_node: int, data_dir: str,
+def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          address: str | None, run_as: str | None) -> None:
-    """Run a node agent: register with the control plane and run the work it is given."""
+    """Run a node agent: register with the control plane and run the work it is given.
+
+    The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
+    (`ps` shows that to every local user); the agent removes it from its own environment
+    at once, so nothing it starts inherits it and /proc/<pid>/environ no longer shows it.
+    """
     try:
         from worker import agent
     except ImportError as exc:
         if getattr(exc, "name", None) not in ("worker.agent", "worker"):
             raise
         raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
+    token = agent.take_from_environ(FTRAIN_NODE_TOKEN)
+    if token_file is not None:
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise click.ClickException(f"{token_file} is empty; it should hold the node token")
     from worker.run_as import RunAs, RunAsError
 
     try:

@@ -1,7 +1,18 @@
-"""FastAPI dependencies: the request's context and who is calling."""
+"""FastAPI dependencies: the request's context and who is calling.
+
+Principals and their tokens (the README's security table says which endpoint takes which):
+- a user: the user token;
+- a node: the node token is only a bootstrap secret, good for registering; registration
+  returns the node's own credential (`ftrain-node.<name>.<secret>`, only its sha256 kept in
+  etcd), good for that node's heartbeats, reports and leaving, and for the log shipments and
+  rendezvous of jobs it is a member of, while the lease it was registered under lives;
+- a job: its token, for its rendezvous, rounds, snapshots, progress and control.
+Another principal's valid token is 403; a missing, wrong or outdated one is 401.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Annotated
@@ -11,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.context import Context
 from service.errors import JobNotFound
-from service.models import ADMIN, JobRecord
+from service.models import ADMIN, JobRecord, NodeRecord
 
 _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -61,8 +72,7 @@ async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
     if creds is None:
         raise _unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
                             "`ftrain up` writes it to <data-dir>/token)")
-    if _matches(creds.credentials, ctx.settings.node_token):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "a node token cannot call user endpoints")
+    await _refuse_other_principal(ctx, creds.credentials, "user endpoints")
     raise _unauthorized("invalid token")
 
 
@@ -78,43 +88,144 @@ def require_admin(caller: CallerDep) -> Caller:
     return caller
 
 
-def require_node(ctx: ContextDep, creds: Credentials) -> None:
-    """A node token (register, heartbeat, rendezvous). Never a user token."""
+NODE_CREDENTIAL_PREFIX = "ftrain-node."
+
+
+def new_node_credential(name: str) -> tuple[str, str]:
+    """A fresh credential for node `name`, and the digest of it that etcd keeps."""
+    credential = f"{NODE_CREDENTIAL_PREFIX}{name}.{secrets.token_urlsafe(32)}"
+    return credential, credential_digest(credential)
+
+
+def credential_digest(credential: str) -> str:
+    # 256 random bits need no slow hash: nothing short of the credential itself matches.
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def _node_of_credential(given: str) -> str | None:
+    """The node a credential-shaped token names (unverified), else None."""
+    if not given.startswith(NODE_CREDENTIAL_PREFIX):
+        return None
+    name, dot, secret = given[len(NODE_CREDENTIAL_PREFIX):].rpartition(".")
+    return name if dot and name and secret else None
+
+
+def _is_job_token(ctx: Context, given: str) -> bool:
+    """Whether `given` is the token of an unfinished job (to answer 403, not 401)."""
+    for job_id in ctx.index.active_ids():
+        job = ctx.index.get(job_id)
+        if job is not None and _matches(given, ctx.job_token(job)):
+            return True
+    return False
+
+
+async def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
+    """403 if `given` is another principal's valid-looking token; else return (then 401)."""
+    s = ctx.settings
+    if _matches(given, s.user_token) or await ctx.users.who(given) is not None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"a user token cannot call {what}")
+    if _matches(given, s.node_token):
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"the node token cannot call {what}: it only registers a node "
+                            "(POST /v1/nodes/register), which returns the node's own credential")
+    if _node_of_credential(given) is not None:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"a node credential cannot call {what}")
+    if _is_job_token(ctx, given):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"a job token cannot call {what}")
+
+
+async def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
+    """The node (bootstrap) token: registration only. Never a user token."""
     expected = ctx.settings.node_token
     if expected is None:
         return
     if creds is None:
         raise _unauthorized("missing 'Authorization: Bearer <node token>'")
     if not _matches(creds.credentials, expected):
-        if _matches(creds.credentials, ctx.settings.user_token):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call node endpoints")
+        if _node_of_credential(creds.credentials) is not None:
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                "registering takes the node token, not a node credential")
+        await _refuse_other_principal(ctx, creds.credentials, "node registration")
         raise _unauthorized("invalid node token")
 
 
-async def require_job_or_node(
+async def _node_credential(ctx: Context, creds: HTTPAuthorizationCredentials | None,
+                           what: str) -> tuple[str, str]:
+    """(node name, credential digest) of a credential-shaped token; 401/403 for anything else."""
+    if creds is None:
+        raise _unauthorized("missing 'Authorization: Bearer <node credential>' (the credential "
+                            "that registering returned)")
+    name = _node_of_credential(creds.credentials)
+    if name is None:
+        await _refuse_other_principal(ctx, creds.credentials, what)
+        raise _unauthorized("invalid node credential")
+    return name, credential_digest(creds.credentials)
+
+
+async def verify_node(ctx: Context, name: str, digest: str) -> NodeRecord:
+    """Node `name`'s live record if `digest` is its current credential's; 401
+    (OutdatedCredential) if outdated, 404 (NodeNotFound) if no node of that name is alive."""
+    return await ctx.nodes.verify(name, digest)
+
+
+async def require_node_self(ctx: ContextDep, creds: Credentials,
+                            name: Annotated[str, Path()]) -> str | None:
+    """The credential of node `name` itself (heartbeat, report, leaving); returns its digest.
+
+    404 (NodeNotFound) when no node of that name is alive: the agent registers again.
+    Open cluster (no node token): anyone, and None.
+    """
+    if ctx.settings.node_token is None:
+        return None
+    owner, digest = await _node_credential(ctx, creds, "this node endpoint")
+    if owner != name:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"this credential is node {owner!r}'s; it cannot act for node {name!r}")
+    return digest
+
+
+async def require_member_node(ctx: ContextDep, creds: Credentials,
+                              job_id: Annotated[str, Path()]) -> str | None:
+    """The credential of a live node that is (or was) a member of job `job_id`; its name.
+
+    Open cluster (no node token): anyone, and None.
+    """
+    if ctx.settings.node_token is None:
+        return None
+    name, digest = await _node_credential(ctx, creds, "this endpoint")
+    await verify_node(ctx, name, digest)
+    job = await ctx.jobs.get(job_id)
+    if name not in job.members:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"node {name!r} is not a member of job {job_id}")
+    return name
+
+
+async def require_job_token(
     ctx: ContextDep, creds: Credentials, job_id: Annotated[str, Path()]
 ) -> JobRecord:
-    """The job's own token (given to its workers) or the node token; returns the job."""
-    if creds is None and ctx.settings.node_token is not None:
-        raise _unauthorized("missing 'Authorization: Bearer <job token>'")
+    """The job's own token (given to its workers); returns the job. Nothing else opens it."""
+    if ctx.settings.node_token is None:
+        return await ctx.jobs.get(job_id)
+    if creds is None:
+        raise _unauthorized("missing 'Authorization: Bearer <job token>' (FTRAIN_JOB_TOKEN)")
     try:
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
-        if creds is not None and _matches(creds.credentials, ctx.settings.node_token):
-            raise
-        raise _unauthorized("invalid job token") from None
-    if ctx.settings.node_token is None:
+        job = None  # don't tell strangers which jobs exist
+    if job is not None and _matches(creds.credentials, ctx.job_token(job)):  # derived (service.keyring)
         return job
-    assert creds is not None
-    job_token = ctx.job_token(job)  # derived, never stored (service.keyring)
-    if _matches(creds.credentials, job_token) or _matches(creds.credentials, ctx.settings.node_token):
-        return job
-    if _matches(creds.credentials, ctx.settings.user_token):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "a user token cannot call job-runtime endpoints")
+    if _is_job_token(ctx, creds.credentials):
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"this is another job's token; it cannot act for job {job_id}")
+    await _refuse_other_principal(ctx, creds.credentials, "job-runtime endpoints (they take the job's "
+                                                    "own token, FTRAIN_JOB_TOKEN)")
     raise _unauthorized("invalid job token")
 
 
 UserAuth = Depends(require_user)
 AdminAuth = Depends(require_admin)
-NodeAuth = Depends(require_node)
-JobTokenDep = Annotated[JobRecord, Depends(require_job_or_node)]
+NodeBootstrap = Depends(require_node_token)
+NodeSelf = Annotated[str | None, Depends(require_node_self)]
+MemberNode = Annotated[str | None, Depends(require_member_node)]
+JobTokenDep = Annotated[JobRecord, Depends(require_job_token)]

@@ -62,6 +62,17 @@ class NodeNotFound(FtrainError):
         self.name = name
 
 
+class OutdatedCredential(FtrainError):
+    """A node credential that is not its node's current one (the name registered again)."""
+
+    status_code = 401
+
+    def __init__(self, name: str):
+        super().__init__(f"outdated node credential: node {name!r} registered again since it was "
+                         "issued; register again")
+        self.name = name
+
+
 class UserNotFound(FtrainError):
     status_code = 404
 
@@ -92,6 +103,18 @@ class Conflict(FtrainError):
     """The request conflicts with what is stored (e.g. an idempotency key reused)."""
 
     status_code = 409
+
+
+class NodeNameTaken(Conflict):
+    """A registration under the name of a node that is alive (its lease has not lapsed)."""
+
+    def __init__(self, name: str, registered_at: float, ttl_s: int):
+        super().__init__(
+            f"node {name!r} is already registered and alive (since {registered_at:.0f}, "
+            f"unix time): is another agent running with this name? Give this one another "
+            f"--name, or stop the other and let its lease lapse (within {ttl_s} s of its last "
+            f"heartbeat), or drain it (`ftrain drain {name}`) and register again.")
+        self.name = name
 
 
 class StaleLeader(Conflict):

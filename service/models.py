@@ -372,6 +372,9 @@ class NodeRecord(BaseModel):
     state: NodeState = NodeState.READY
     registered_at: float
     lease_id: int
+    # sha256 (hex) of the node's credential (service.deps.new_node_credential); never the
+    # credential itself. None: a record from before node credentials (it must register again).
+    credential_sha256: str | None = None
 
 
 class NodeView(BaseModel):

@@ -2,22 +2,32 @@
 
 A node is alive while its lease is: a heartbeat refreshes it, a clean shutdown revokes
 it, and a node that goes silent vanishes when it lapses (its key with it), which the
-scheduler sees as a lost node. Registering again replaces the record under a fresh
-lease and revokes the old one, so a restarted agent is never alive twice.
+scheduler sees as a lost node. A name is one node's while its lease lives: registering
+under it again is refused (`NodeNameTaken`) unless the old lease has lapsed or an admin
+drained the node; then the record is replaced under a fresh lease and the old one revoked.
+
+Each registration comes with a new node credential; the record keeps only its sha256, and
+the credential is good while the lease it was registered under lives. A heartbeat checks
+it against a small per-process map (name -> digest, lease) instead of reading the record:
+while that lease is alive the record under it is the one that was read (a record changes
+lease only through a new registration, which revokes the old one), and the heartbeat's
+keep-alive is what says whether it is.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-from service.errors import NodeNotFound
+from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential
 from service.keys import Keys
 from service.models import NodeRecord, NodeState
 from service.store import cas
 from service.store.api import Entry, KeyValue, Put, WatchEvent
 
 Clock = Callable[[], float]
+MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts again (reads refill it)
 
 
 class NodeStore:
@@ -27,21 +37,37 @@ class NodeStore:
         self.kv = kv
         self.keys = keys
         self.clock = clock
+        self._verified: dict[str, tuple[str, int]] = {}  # name -> (credential digest, lease)
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
-                       ttl_s: int) -> int:
-        """Store the node's record under a fresh lease of `ttl_s`; returns the lease id."""
+                       ttl_s: int, credential_sha256: str | None = None) -> int:
+        """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
+
+        Raises:
+            NodeNameTaken: a node of this name is alive and not drained.
+        """
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
         record = NodeRecord(name=name, nproc_per_node=nproc_per_node, address=address,
-                            registered_at=self.clock(), lease_id=lease)
+                            registered_at=self.clock(), lease_id=lease,
+                            credential_sha256=credential_sha256)
         value = record.model_dump_json().encode()
-        old = await cas.update(
-            self.kv, lambda: self.kv.get(key),
-            lambda old: cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old),
-            f"node {name}")
+
+        def decide(old: Entry | None) -> cas.Write[Entry | None]:
+            if old is not None:  # its key lives with its lease: this node is alive
+                current = NodeRecord.model_validate_json(old.value)
+                if current.state is not NodeState.DRAINING:
+                    raise NodeNameTaken(name, current.registered_at, ttl_s)
+            return cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old)
+
+        try:
+            old = await cas.update(self.kv, lambda: self.kv.get(key), decide, f"node {name}")
+        except BaseException:
+            await self.kv.revoke_lease(lease)
+            raise
         if old is not None and old.lease and old.lease != lease:
             await self.kv.revoke_lease(old.lease)
+        self._remember(name, credential_sha256, lease)
         return lease
 
     async def heartbeat(self, name: str, lease_id: int | None) -> None:
@@ -51,6 +77,42 @@ class NodeStore:
             lease_id = entry.lease
         if not await self.kv.refresh_lease(lease_id):
             raise NodeNotFound(name)
+
+    async def heartbeat_with(self, name: str, credential_sha256: str) -> None:
+        """Refresh the lease of the node this credential was issued to.
+
+        Raises:
+            NodeNotFound: no node of this name is alive (the agent registers again).
+            OutdatedCredential: the name is alive under another credential.
+        """
+        known = self._verified.get(name)
+        if known is None or not secrets.compare_digest(known[0], credential_sha256):
+            record = await self.verify(name, credential_sha256)
+            known = (credential_sha256, record.lease_id)
+        if not await self.kv.refresh_lease(known[1]):
+            self._verified.pop(name, None)
+            raise NodeNotFound(name)
+
+    async def verify(self, name: str, credential_sha256: str) -> NodeRecord:
+        """The live record of node `name`, if this is its credential's digest (one read).
+
+        Raises:
+            NodeNotFound: no node of this name is alive.
+            OutdatedCredential: the name is alive under another credential.
+        """
+        _, record = await self._entry(name)
+        if record.credential_sha256 is None or not secrets.compare_digest(
+                record.credential_sha256, credential_sha256):
+            raise OutdatedCredential(name)
+        self._remember(name, record.credential_sha256, record.lease_id)
+        return record
+
+    def _remember(self, name: str, digest: str | None, lease: int) -> None:
+        if digest is None:
+            return
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()
+        self._verified[name] = (digest, lease)
 
     async def list(self) -> dict[str, NodeRecord]:
         """Every live node, by name."""

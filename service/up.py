@@ -391,15 +391,16 @@ class LocalCluster:
             self.say(f"warning: the node agent (worker/agent.py) is not in this build; starting without "
                      f"the {self.options.nodes} local node(s)")
             return
-        # Workers run the user's code: they get the node token, never the user token.
-        env = {k: v for k, v in os.environ.items() if k not in (FTRAIN_TOKEN, FTRAIN_USER_TOKEN)}
-        env[FTRAIN_NODE_TOKEN] = self.node_token
+        # Workers run the user's code: no token reaches them through the agent's environment.
+        # The agent reads the node token from its file (0600), not from argv (`ps` shows that
+        # to every local user) or its environment (/proc/<pid>/environ shows that to its user).
+        env = {k: v for k, v in os.environ.items()
+               if k not in (FTRAIN_TOKEN, FTRAIN_USER_TOKEN, FTRAIN_NODE_TOKEN)}
         for i in range(self.options.nodes):
             name = f"local-{i}"
-            # The token travels in the environment (the `node` command's --token reads
-            # FTRAIN_NODE_TOKEN), not in argv, where every local user could read it.
             argv = [sys.executable, "-m", "service.cli", "node", "--server", self.url,
-                    "--name", name, "--data-dir", str(self.paths.root)]
+                    "--name", name, "--data-dir", str(self.paths.root),
+                    "--token-file", str(self.paths.node_token)]
             self.agents.append(_spawn(f"node {name}", argv, env, self.paths.logs / f"node-{name}.log"))
 
     def wait_for_nodes(self) -> list[str]:

@@ -21,6 +21,7 @@ stops the group as usual.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -159,6 +160,29 @@ class NodeAgent:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
         self.torchrun.stop(why, grace_s)
         self.check_exit()
+
+
+def take_from_environ(name: str) -> str | None:
+    """Remove variable `name` from this process's environment and return its value.
+
+    `os.environ.pop` alone leaves the value in /proc/<pid>/environ, which is the block of
+    memory the process started with, readable by its user (a worker of any job) for the
+    process's whole life: the value is overwritten there too, through libc's own pointer to it.
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_void_p
+        libc.getenv.argtypes = [ctypes.c_char_p]
+        address = libc.getenv(name.encode())
+        if address:
+            ctypes.memset(address, 0, len(os.fsencode(value)))
+    except (OSError, AttributeError):  # no libc to ask (not Linux): the pop below still holds
+        pass
+    os.environ.pop(name, None)
+    return value
 
 
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,

@@ -39,7 +39,7 @@ JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, F
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)
 FTRAIN_USER_TOKEN = "FTRAIN_USER_TOKEN"  # the user token `ftrain serve` accepts
-FTRAIN_NODE_TOKEN = "FTRAIN_NODE_TOKEN"  # the node token: `ftrain serve` accepts it, `ftrain node` sends it
+FTRAIN_NODE_TOKEN = "FTRAIN_NODE_TOKEN"  # the node (bootstrap) token: `ftrain node` registers with it
 
 # ---------------------------------------------------------------- control plane and CLI
 FTRAIN_ETCD_ENDPOINTS = "FTRAIN_ETCD_ENDPOINTS"

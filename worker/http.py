@@ -102,6 +102,13 @@ class ControlPlaneClient:
                                 max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
+    def set_token(self, token: str | None) -> None:
+        """Send `token` as the bearer token from the next request on (None: no token)."""
+        if token:
+            self._client.headers["Authorization"] = f"Bearer {token}"
+        else:
+            self._client.headers.pop("Authorization", None)
+
     def close(self) -> None:
         self._client.close()
 

@@ -1,10 +1,12 @@
 """The node agent's link to the control plane: registration, heartbeats, reports, leaving.
 
-One `NodeLink` per agent. It keeps what the control plane needs from this node between
-calls: the lease id it was given (sent back with each heartbeat, which saves the control
-plane a read), the assignment last heard of (so an idle node's heartbeat is a long poll
-that the control plane answers as soon as that changes), and the reports not yet
-delivered, oldest first.
+One `NodeLink` per agent. It registers with the node token, which is only a bootstrap
+secret, and gets back the node's own credential, which it keeps in memory (never on disk,
+never in a child's environment) and sends with every later call; the node token is used
+again only to register again, when the lease has lapsed. It keeps what the control plane
+needs from this node between calls: the lease id it was given, the assignment last heard
+of (so an idle node's heartbeat is a long poll that the control plane answers as soon as
+that changes), and the reports not yet delivered, oldest first.
 
 Each call is a single try (`worker.http`, no retry budget): the agent's loop is the retry,
 once a heartbeat interval, and a control plane that does not answer never stops training.
@@ -50,6 +52,8 @@ class NodeLink:
         self.name = name
         self.nproc_per_node = nproc_per_node
         self.address = address
+        # Registration goes with the node token; every other call with the node's credential.
+        self._enrol = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.heartbeat_interval_s = 1.0
         self.lease_id: int | None = None
@@ -58,15 +62,19 @@ class NodeLink:
         self.reports: list[ReportRequest] = []
 
     def register(self, running: tuple[str, int] | None = None) -> None:
-        """Register this node (again); its heartbeat interval and lease come back.
+        """Register this node (again); its credential, heartbeat interval and lease come back.
 
         `running`: the (job id, attempt) whose workers this agent still runs, when it
         registers again after its lease lapsed; the control plane then keeps it a member.
+        A 409 (a node of this name is still alive) raises `ApiError`: the agent's loop tries
+        again a beat later, so a restarted agent takes its name back once the old lease lapses.
         """
         request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address,
                                   running=None if running is None else RunningGroup(job_id=running[0],
                                                                                     attempt=running[1]))
-        reply = RegisterReply.model_validate(self.client.call("POST", "/v1/nodes/register", request))
+        reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
+        if reply.credential is not None:  # an older control plane issues none: keep the node token
+            self.client.set_token(reply.credential)
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id
         self.registered = True
@@ -76,7 +84,8 @@ class NodeLink:
         """What this node should be doing now; an idle node waits up to an interval for it.
 
         Raises:
-            NodeForgotten: the control plane answered 404 (the node must register again).
+            NodeForgotten: the control plane answered 404 (the lease lapsed) or 401 (the
+                credential is outdated): the node must register again.
         """
         request = HeartbeatRequest(lease_id=self.lease_id, known=self.known,
                                    wait_s=self.heartbeat_interval_s if idle else 0)
@@ -84,7 +93,7 @@ class NodeLink:
             got = self.client.call("POST", f"/v1/nodes/{self.name}/heartbeat", request,
                                    timeout=self.heartbeat_interval_s + REQUEST_TIMEOUT_S)
         except ApiError as exc:
-            if exc.status == 404:
+            if _is_forgotten(exc):
                 self.registered = False
                 raise NodeForgotten(exc.detail) from exc
             raise
@@ -108,13 +117,16 @@ class NodeLink:
                     raise  # no connection: the agent's loop says so, and the report waits
                 if exc.status >= 500:
                     return  # etcd or the control plane is away: keep it for the next beat
+                if _is_forgotten(exc):  # kept: sent again once the node has registered again
+                    self.registered = False
+                    raise NodeForgotten(str(exc)) from exc
             self.reports.pop(0)
 
     def send_reports_best_effort(self) -> None:
         """`send_reports`, for a node on its way out: no answer is no error."""
         try:
             self.send_reports()
-        except HttpError:
+        except (HttpError, NodeForgotten):
             pass
 
     def deregister(self) -> None:
@@ -125,7 +137,16 @@ class NodeLink:
             pass
 
     def close(self) -> None:
+        self._enrol.close()
         self.client.close()
+
+
+def _is_forgotten(exc: HttpError) -> bool:
+    """The control plane does not know this node as registered: its lease lapsed (404 on a
+    node endpoint) or its credential is outdated (401)."""
+    if exc.status == 401:
+        return True
+    return exc.status == 404 and "no node named" in str(getattr(exc, "detail", "") or exc)
 
 
 def _fit(text: str | None, limit: int) -> str | None:

@@ -74,6 +74,10 @@ class RegisterReply(BaseModel):
     lease_ttl_s: int
     heartbeat_interval_s: float
     lease_id: int = Field(..., description="Send it back with each heartbeat.")
+    credential: str | None = Field(
+        None, description="This node's own credential, bound to its name and lease: the bearer "
+                          "token of its heartbeats, reports, log shipments and rendezvous calls. "
+                          "Shown once; the control plane keeps only its hash.")
 
 
 class Known(BaseModel):
@@ -83,7 +87,9 @@ class Known(BaseModel):
 
 
 class HeartbeatRequest(BaseModel):
-    lease_id: int | None = Field(None, description="From the registration; saves a read.")
+    # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
+    lease_id: int | None = Field(None, ge=1, le=2**63 - 1,
+                                 description="From the registration; saves a read.")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
     wait_s: float = Field(0.0, ge=0, le=30,
                           description="Hold the answer this long while the assignment is `known`.")

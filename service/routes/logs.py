@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 
-from service.deps import ContextDep, NodeAuth, UserAuth
+from service.deps import ContextDep, MemberNode, UserAuth
 from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
 from worker.protocol import LogShipment
@@ -17,9 +17,15 @@ router = APIRouter(tags=["logs"])
 FOLLOW_POLL_S = 0.5  # how often a follower that has read everything looks for new lines
 
 
-@router.post("/v1/jobs/{job_id}/logs", status_code=204, dependencies=[NodeAuth])
-async def ship(job_id: str, body: LogShipment, ctx: ContextDep) -> None:
-    """Append a node's lines to the job's log (files under the log root; nothing in etcd)."""
+@router.post("/v1/jobs/{job_id}/logs", status_code=204)
+async def ship(job_id: str, body: LogShipment, ctx: ContextDep, node: MemberNode) -> None:
+    """Append a node's lines to the job's log (files under the log root; nothing in etcd).
+
+    With node credentials, only a member of the job ships, and only lines as itself.
+    """
+    if node is not None and body.node != node:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"node {node!r} cannot ship lines as node {body.node!r}")
     await ctx.jobs.get(job_id)  # 404 for an unknown job
     await ctx.logs.ship(job_id, body)
     return None

@@ -10,7 +10,17 @@ from fastapi import APIRouter, status
 from service.context import Context
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
-from service.deps import AdminAuth, ContextDep, JobTokenDep, NodeAuth, UserAuth
+from service.deps import (
+    AdminAuth,
+    ContextDep,
+    JobTokenDep,
+    NodeBootstrap,
+    NodeSelf,
+    UserAuth,
+    new_node_credential,
+    verify_node,
+)
+from service.errors import NodeNotFound
 from service.models import (
     JobRecord,
     NodeList,
@@ -34,11 +44,15 @@ router = APIRouter(tags=["nodes"])
 log = logging.getLogger(__name__)
 
 
-@router.post("/v1/nodes/register", response_model=RegisterReply, dependencies=[NodeAuth])
+@router.post("/v1/nodes/register", response_model=RegisterReply, dependencies=[NodeBootstrap])
 async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
-    """Register (or re-register) a node under a fresh lease."""
+    """Register a node under a fresh lease, with the node token; returns its own credential.
+
+    409 while a node of this name is alive (its lease has not lapsed) and not drained.
+    """
     ttl = ctx.settings.node_ttl_s
-    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl)
+    credential, digest = new_node_credential(req.name)
+    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -49,17 +63,23 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
         await ctx.jobs.update(job.id, lambda current: decide_registered(current, req.name,
                                                                         job.attempt, now, running))
     return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
-                         heartbeat_interval_s=max(ttl / 4, 0.5))
+                         heartbeat_interval_s=max(ttl / 4, 0.5), credential=credential)
 
 
-@router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply, dependencies=[NodeAuth])
-async def heartbeat(name: str, ctx: ContextDep, req: HeartbeatRequest | None = None) -> HeartbeatReply:
+@router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply)
+async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
+                    req: HeartbeatRequest | None = None) -> HeartbeatReply:
     """Keep the node's lease alive and tell it what to run. 404: register again.
 
-    With the lease id of its registration, a heartbeat is one keep-alive on a shared
-    stream and no read; without it, the node's record is read to find its lease.
+    With the node's credential, a heartbeat refreshes the lease that credential was issued
+    under: one keep-alive on a shared stream, and a read only the first time this control
+    plane sees the credential. (Open cluster: the lease id of the registration, if given,
+    saves the read of the node's record.)
     """
-    await ctx.nodes.heartbeat(name, req.lease_id if req is not None else None)
+    if digest is not None:
+        await ctx.nodes.heartbeat_with(name, digest)
+    else:
+        await ctx.nodes.heartbeat(name, req.lease_id if req is not None else None)
     if req is not None and req.wait_s > 0 and ctx.index.ready.is_set():
         # Long poll: an idle node learns of its job as soon as the scheduler writes it, not
         # a heartbeat later; the wait is bounded by the heartbeat interval, so the lease is
@@ -94,9 +114,11 @@ def _known_of(job: JobRecord | None) -> Known | None:
     return Known(job_id=job.id, attempt=job.attempt, action="stop" if job.stopping else "run")
 
 
-@router.post("/v1/nodes/{name}/report", response_model=ReportReply, dependencies=[NodeAuth])
-async def report(name: str, req: ReportRequest, ctx: ContextDep) -> ReportReply:
+@router.post("/v1/nodes/{name}/report", response_model=ReportReply)
+async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSelf) -> ReportReply:
     """The node's workers for (job, attempt) started, or ended with this outcome."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
     now = ctx.jobs.clock()
     job = await ctx.jobs.update(req.job_id, lambda job: decide_report(
         job, name, req.attempt, req.state, req.exit_code, req.reason, now))
@@ -155,8 +177,13 @@ async def drain(name: str, ctx: ContextDep) -> NodeView:
     return _view(await ctx.nodes.drain(name), _holders(ctx))
 
 
-@router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[NodeAuth])
-async def deregister(name: str, ctx: ContextDep) -> None:
+@router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
+async def deregister(name: str, ctx: ContextDep, digest: NodeSelf) -> None:
     """An agent shutting down gives its lease back, so it is gone at once, not after the TTL."""
+    if digest is not None:
+        try:
+            await verify_node(ctx, name, digest)
+        except NodeNotFound:
+            return None  # already gone
     await ctx.nodes.deregister(name)
     return None

@@ -1,9 +1,11 @@
 """Rendezvous endpoints for torch's elastic agent (`worker.rendezvous` is their client).
 
 Every endpoint is under `/v1/rdzv/{rdzv_id}` where `rdzv_id` is `<job id>-a<attempt>`. It is
-open to the node token and to that job's own token, never to the user token (403). An unknown
-job is 404; an attempt that is not the job's current one, or a finished job, is 410 Gone, and
-a client must not retry a 410. Bytes travel base64 (standard alphabet) in JSON.
+open to that job's own token and to the credential of a node that is a member of the job;
+any other principal's token is 403 (the user token, the node token, another job's token, a
+node that is not a member). An unknown job is 404 to a node, 401 to a token that is not
+its; an attempt that is not the job's current one, or a finished job, is 410 Gone, and a
+client must not retry a 410. Bytes travel base64 (standard alphabet) in JSON.
 `GET /state?after=<token>&wait_s=<s>` is a long poll on the state (a torch agent waiting for
 other nodes); without `after` it is the plain read torch's `get_state` makes.
 The logic is in `service.rendezvous.Rendezvous`; these handlers only translate.
@@ -15,7 +17,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 
-from service.deps import ContextDep, Credentials, token_matches, unauthorized
+from service.deps import (
+    ContextDep,
+    Credentials,
+    _is_job_token,
+    _matches,
+    _node_of_credential,
+    _refuse_other_principal,
+    _unauthorized,
+    credential_digest,
+    verify_node,
+)
 from service.errors import JobNotFound
 from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
 from worker.protocol import (
@@ -41,24 +53,14 @@ async def current_rendezvous(
     ctx: ContextDep, creds: Credentials, rdzv_id: Annotated[str, Path(max_length=200)]
 ) -> Rendezvous:
     """The caller's rendezvous, after checking its token and that its attempt is current."""
-    node_token = ctx.settings.node_token
-    if node_token is not None:
-        if creds is None:
-            raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
-                                "FTRAIN_JOB_TOKEN, or the node token)")
-        if token_matches(creds.credentials, ctx.settings.user_token):
-            raise HTTPException(status.HTTP_403_FORBIDDEN,
-                                "a user token cannot call rendezvous endpoints")
     job_id, attempt = parse_rdzv_id(rdzv_id)
-    is_node = node_token is None or (creds is not None and token_matches(creds.credentials, node_token))
-    try:
+    if ctx.settings.node_token is not None:
+        if creds is None:
+            raise _unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
+                                "FTRAIN_JOB_TOKEN, or a member node's credential)")
+        job = await _job_of_caller(ctx, creds.credentials, job_id)
+    else:
         job = await ctx.jobs.get(job_id)
-    except JobNotFound:
-        if is_node:
-            raise
-        raise unauthorized("invalid job token") from None  # don't tell strangers which jobs exist
-    if not is_node and not token_matches(creds.credentials, ctx.job_token(job)):  # type: ignore[union-attr]
-        raise unauthorized("invalid job token")
     if job.state.is_terminal():
         raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "
                              "closed. The agent should stop.")
@@ -67,6 +69,29 @@ async def current_rendezvous(
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
     return Rendezvous(ctx.kv, ctx.keys, rdzv_id)
+
+
+async def _job_of_caller(ctx, given: str, job_id: str):
+    """The job, if `given` is its token or the credential of a live member node; else 401/403."""
+    node = _node_of_credential(given)
+    if node is not None:
+        await verify_node(ctx, node, credential_digest(given))
+        job = await ctx.jobs.get(job_id)
+        if node not in job.members:
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                f"node {node!r} is not a member of job {job_id}")
+        return job
+    try:
+        job = await ctx.jobs.get(job_id)
+    except JobNotFound:
+        job = None  # don't tell strangers which jobs exist
+    if job is not None and _matches(given, ctx.job_token(job)):  # derived (service.keyring)
+        return job
+    if _is_job_token(ctx, given):
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"this is another job's token; it cannot join job {job_id}'s rendezvous")
+    await _refuse_other_principal(ctx, given, "rendezvous endpoints")
+    raise _unauthorized("invalid job token")
 
 
 RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]

@@ -1,7 +1,8 @@
 """Job-runtime endpoints: snapshot commits and listing, corrupt reports, progress, control.
 
-Workers call these with their job's token (`FTRAIN_JOB_TOKEN`); the node token is accepted
-too. Listing snapshots is also open to users.
+Workers call these with their job's token (`FTRAIN_JOB_TOKEN`), and nothing else opens them:
+not the node token, not a node's credential (a forged commit names a file that every worker
+of the job then loads). Listing snapshots is also open to users.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from service.decide.snapshots import control_for
-from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_or_node
+from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_token
 from service.snapshots import SnapshotStore
 from worker.protocol import (
     CommitRequest,
@@ -35,11 +36,11 @@ SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
 
 async def require_reader(ctx: ContextDep, creds: Credentials,
                          job_id: Annotated[str, Path()]) -> None:
-    """A user token (the admin's or a named user's), or the job's own token, or the node token."""
+    """A user token (the admin's or a named user's), or the job's own token."""
     if creds is not None and (_matches(creds.credentials, ctx.settings.user_token)
                               or await ctx.users.who(creds.credentials) is not None):
         return
-    await require_job_or_node(ctx, creds, job_id)
+    await require_job_token(ctx, creds, job_id)
 
 
 @router.post("/{job_id}/snapshots", response_model=CommitResult)

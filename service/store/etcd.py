@@ -349,6 +349,9 @@ class EtcdStore(KeyValue):
         Every refresh goes over one keep-alive stream per client: opening a stream per
         heartbeat (what `aetcd.Client.refresh_lease` does) costs more than the refresh.
         """
+        if not 0 < lease_id < 2**63:  # etcd's ids are positive int64s: no such lease
+            return False
+
         async def refresh(c: aetcd.Client) -> int:
             if self._keepalive is None or self._keepalive.client is not c or self._keepalive.dead:
                 if self._keepalive is not None:
@@ -504,9 +507,19 @@ class _KeepAliveStream:
 
     async def refresh(self, lease_id: int) -> int:
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(lease_id, []).append(fut)
-        async with self._write_lock:
-            await self._call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+        waiting = self._waiters.setdefault(lease_id, [])
+        waiting.append(fut)
+        try:
+            async with self._write_lock:
+                await self._call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
+        except BaseException:
+            # Not sent (e.g. an id outside int64 that protobuf refuses): no answer will come
+            # for this future, so it must not wait in the map for ever.
+            with contextlib.suppress(ValueError):
+                waiting.remove(fut)
+            if not waiting and self._waiters.get(lease_id) is waiting:
+                del self._waiters[lease_id]
+            raise
         return await fut
 
     def close(self) -> None:

@@ -78,12 +78,19 @@ def rdzv_id(job) -> str:
 
 
 @pytest.fixture
-def transports(control_plane, rdzv_id):
-    """Make clients of the job's rendezvous (node token), closed at the end."""
+def token(control_plane, job) -> str:
+    """The job's token, as its workers (and their torchrun) have it."""
+    return control_plane.job_token_of(job["id"])
+
+
+@pytest.fixture
+def transports(control_plane, rdzv_id, token):
+    """Make clients of the job's rendezvous (the job token), closed at the end."""
     made: list[Transport] = []
+    job_token = token
 
     def make(token: str | None = None, rdzv: str | None = None, retry_timeout_s: float = 20):
-        t = Transport(control_plane.url, rdzv or rdzv_id, token or control_plane.node_token,
+        t = Transport(control_plane.url, rdzv or rdzv_id, token or job_token,
                       retry_timeout_s=retry_timeout_s)
         made.append(t)
         return t
@@ -91,20 +98,6 @@ def transports(control_plane, rdzv_id):
     yield make
     for t in made:
         t.close()
-
-
-def job_token(etcd_endpoint: str, job_id: str) -> str:
-    """The job token is never shown over the API; read it where it lives."""
-    import json
-
-    async def read():
-        client = EtcdStore(etcd_endpoint)
-        try:
-            return json.loads((await client.get(Keys().job(job_id))).value)["token"]
-        finally:
-            await client.close()
-
-    return asyncio.run(read())
 
 
 # --------------------------------------------------------------------------------------
@@ -368,23 +361,27 @@ def test_user_token_is_forbidden_and_no_token_is_unauthorized(control_plane, rdz
 
 
 def test_job_token_is_accepted_only_for_its_own_job(control_plane, api, job, rdzv_id, etcd):
-    token = job_token(etcd.endpoint, job["id"])
+    token = control_plane.job_token_of(job["id"])
     with control_plane.client(token) as client:
         assert client.get(f"/v1/rdzv/{rdzv_id}/state").status_code == 200
         other = submit(api)
-        assert client.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 401
-        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401  # no job oracle
+        # Another job's rendezvous is 403, and so is one that does not exist: no job oracle.
+        assert client.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 403
+        assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 403
+    with control_plane.client("not-a-token") as stranger:
+        assert stranger.get(f"/v1/rdzv/{other['id']}-a0/state").status_code == 401
+        assert stranger.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401
 
 
-def test_unknown_job_or_malformed_id_is_404(control_plane):
-    with control_plane.client("node") as client:
+def test_unknown_job_or_malformed_id_is_404_to_a_node(control_plane):
+    with control_plane.client(control_plane.enrol("n0")) as client:
         assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 404
         assert client.get("/v1/rdzv/no-attempt/state").status_code == 404
 
 
-def test_state_travels_base64_with_revision_token(control_plane, rdzv_id):
+def test_state_travels_base64_with_revision_token(control_plane, rdzv_id, token):
     sealed = S1
-    with control_plane.client("node") as client:
+    with control_plane.client(token) as client:
         assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
         resp = client.put(f"/v1/rdzv/{rdzv_id}/state", json={"state": sealed, "token": None})
         body = resp.json()
@@ -425,9 +422,9 @@ def test_a_corrupt_state_in_etcd_raises_rendezvous_state_error(control_plane, et
         holder.sync()
 
 
-def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_plane, rdzv_id):
+def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_plane, rdzv_id, token):
     sealed = seal_state(b"state")
-    with control_plane.client("node") as client:
+    with control_plane.client(token) as client:
         for bad in (b"state", sealed[:-1], sealed[:10], b""):
             resp = client.put(f"/v1/rdzv/{rdzv_id}/state",
                               json={"state": base64.b64encode(bad).decode(), "token": None})
@@ -435,7 +432,7 @@ def test_the_control_plane_refuses_to_store_a_state_that_is_not_sealed(control_p
         assert state_of(client.get(f"/v1/rdzv/{rdzv_id}/state").json()) == {"state": None, "token": None}
 
 
-def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd):
+def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job, etcd, token):
     stale = transports(rdzv=f"{job['id']}-a1")
     with pytest.raises(RendezvousGoneError, match="attempt"):
         FtrainRendezvousBackend(stale).set_state(b"x")
@@ -443,7 +440,7 @@ def test_stale_attempt_is_gone_and_never_written(control_plane, transports, job,
     with pytest.raises(RendezvousGoneError):
         HttpStore(stale).set("k", b"v")
     assert time.monotonic() - start < 2  # a 410 is not retried
-    with control_plane.client("node") as client:
+    with control_plane.client(token) as client:
         assert client.get(f"/v1/rdzv/{job['id']}-a1/state").status_code == 410
 
     async def leftovers():
@@ -466,8 +463,8 @@ def test_finished_job_rendezvous_is_gone(api, transports, job):
         backend.get_state()
 
 
-def test_retried_add_with_the_same_op_id_applies_once(control_plane, rdzv_id):
-    with control_plane.client("node") as client:
+def test_retried_add_with_the_same_op_id_applies_once(control_plane, rdzv_id, token):
+    with control_plane.client(token) as client:
         url = f"/v1/rdzv/{rdzv_id}/store/add"
         first = client.post(url, json={"key": "c", "amount": 1, "op_id": "op1"}).json()
         again = client.post(url, json={"key": "c", "amount": 1, "op_id": "op1"}).json()
@@ -544,8 +541,8 @@ def test_endpoint_url_accepts_host_port_and_urls():
     assert endpoint_url("cp") == "http://cp:8000"
 
 
-def test_registered_handler_runs_a_one_node_rendezvous(control_plane, rdzv_id, monkeypatch):
-    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+def test_registered_handler_runs_a_one_node_rendezvous(control_plane, rdzv_id, monkeypatch, token):
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=1, max_nodes=1, local_addr="127.0.0.1",
@@ -564,8 +561,8 @@ def test_registered_handler_runs_a_one_node_rendezvous(control_plane, rdzv_id, m
     assert handler.is_closed()
 
 
-def test_store_values_are_base64_on_the_wire(control_plane, rdzv_id):
-    with control_plane.client("node") as client:
+def test_store_values_are_base64_on_the_wire(control_plane, rdzv_id, token):
+    with control_plane.client(token) as client:
         raw = bytes(range(256))
         value = base64.b64encode(raw).decode()
         assert client.post(f"/v1/rdzv/{rdzv_id}/store/set",
@@ -577,9 +574,9 @@ def test_store_values_are_base64_on_the_wire(control_plane, rdzv_id):
         assert missing == {"found": False}
 
 
-def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_id):
+def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_id, token):
     """The server's wait is an etcd watch: a write ends it at once, not at the next poll."""
-    with control_plane.client("node") as reader, control_plane.client("node") as writer:
+    with control_plane.client(token) as reader, control_plane.client(token) as writer:
         def long_poll():
             start = time.monotonic()
             body = reader.post(f"/v1/rdzv/{rdzv_id}/store/get",
@@ -601,9 +598,9 @@ def test_long_poll_wakes_on_write_well_before_its_wait_ends(control_plane, rdzv_
 # --------------------------------------------------------------------------------------
 
 
-def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
+def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id, token):
     url = f"/v1/rdzv/{rdzv_id}/state"
-    with control_plane.client("node") as reader, control_plane.client("node") as writer:
+    with control_plane.client(token) as reader, control_plane.client(token) as writer:
         token = writer.put(url, json={"state": S1, "token": None}).json()["token"]
 
         def long_poll():
@@ -620,9 +617,9 @@ def test_state_long_poll_answers_soon_after_a_change(control_plane, rdzv_id):
     assert took < 2.5  # the server caps a wait at 5 s: this one ended on the write
 
 
-def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_id):
+def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_id, token):
     url = f"/v1/rdzv/{rdzv_id}/state"
-    with control_plane.client("node") as client:
+    with control_plane.client(token) as client:
         start = time.monotonic()
         none_yet = state_of(client.get(url, params={"after": "0", "wait_s": 0.3}).json())
         assert time.monotonic() - start >= 0.25
@@ -640,12 +637,12 @@ def test_state_long_poll_times_out_with_the_unchanged_state(control_plane, rdzv_
         assert client.get(url, params={"after": "x"}).status_code == 422
 
 
-def test_state_long_poll_is_guarded_like_the_other_routes(control_plane, job, rdzv_id):
+def test_state_long_poll_is_guarded_like_the_other_routes(control_plane, job, rdzv_id, token):
     params = {"after": "0", "wait_s": 1}
     with control_plane.client("user") as user, control_plane.client(None) as nobody:
         assert user.get(f"/v1/rdzv/{rdzv_id}/state", params=params).status_code == 403
         assert nobody.get(f"/v1/rdzv/{rdzv_id}/state", params=params).status_code == 401
-    with control_plane.client("node") as node:
+    with control_plane.client(token) as node:
         resp = node.get(f"/v1/rdzv/{job['id']}-a1/state", params=params)
     assert resp.status_code == 410
 
@@ -698,10 +695,10 @@ def test_a_torch_without_the_expected_internals_keeps_polling(transports, caplog
 
 
 def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
-        control_plane, rdzv_id, monkeypatch):
+        control_plane, rdzv_id, monkeypatch, token):
     """Two handlers in threads (as torchrun's on two nodes): the first waits for the second;
     its wait must be the long poll of its own state, never torch's one-second sleep."""
-    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=2, max_nodes=2, local_addr="127.0.0.1",
@@ -755,10 +752,11 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
             handler.shutdown()
 
 
-def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane, rdzv_id, monkeypatch):
+def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane, rdzv_id, monkeypatch,
+                                                                  token):
     """torchrun's monitor asks num_nodes_waiting() every 0.2 s; waking on a change must not
     turn each of those into a request (torch's one-second state cache stays)."""
-    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=1, max_nodes=2, local_addr="127.0.0.1")
     handler = create_ftrain_handler(params)
@@ -783,20 +781,20 @@ def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane
 
 
 def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen(
-        control_plane, rdzv_id, monkeypatch):
+        control_plane, rdzv_id, token, monkeypatch):
     """Two nodes formed a group; the control plane is stopped for longer than the keep-alive
     window. Meanwhile the monitor's question is answered at once; afterwards both nodes are
     still in the rendezvous (keeping it alive), and a third node that joins is seen waiting,
     as without the outage. (Every heartbeat was stale after it: torch drops such nodes from
     its view, stops their keep-alives, and a joiner then started a round of its own.)"""
-    monkeypatch.setenv("FTRAIN_JOB_TOKEN", control_plane.node_token)
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
                                   min_nodes=2, max_nodes=3, local_addr="127.0.0.1",
                                   last_call_timeout=1, join_timeout=60, keep_alive_interval=1,
                                   keep_alive_max_attempt=3)
     first, second, third = (create_ftrain_handler(params) for _ in range(3))
-    reader = FtrainRendezvousBackend(Transport(control_plane.url, rdzv_id, control_plane.node_token))
+    reader = FtrainRendezvousBackend(Transport(control_plane.url, rdzv_id, token))
 
     def participants() -> set:
         return set(pickle.loads(reader.get_state()[0]).participants)
@@ -819,7 +817,7 @@ def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen
             # keep-alives landed: it saw no outage itself, the control plane tells it of one.
             stopped_for = time.monotonic() - stopped
             wait_for(lambda: first.num_nodes_waiting() == 0, 30, "the control plane to answer again")
-            with control_plane.client("node") as client:
+            with control_plane.client(token) as client:
                 # (its scheduler loop reads the leader's note of contact a moment after it resumes)
                 outage = wait_for(lambda: client.get(f"/v1/rdzv/{rdzv_id}/state").json()["outage"], 10,
                                   "the control plane to report its outage")

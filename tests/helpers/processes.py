@@ -124,6 +124,59 @@ class ControlPlane:
                 self.proc.kill()
                 self.proc.wait()
 
+    @property
+    def node_token_file(self) -> Path:
+        """The node token in a file of mode 0600 (what `ftrain node --token-file` reads)."""
+        path = self.workdir / f"node-token-{self.port}"
+        if not path.exists():
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.node_token + "\n")
+        return path
+
+    def enrol(self, name: str, nproc_per_node: int = 1) -> str:
+        """Register node `name` with the node token; its own credential."""
+        with self.client("node") as c:
+            resp = c.post("/v1/nodes/register", json={"name": name, "nproc_per_node": nproc_per_node})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["credential"]
+
+    def member_of(self, job_id: str, name: str, timeout_s: float = 20.0) -> str:
+        """Register node `name` and heartbeat until the scheduler gives it job `job_id`; its
+        credential (the job must be able to start on this one node)."""
+        return self.members_of(job_id, [name], timeout_s)[name]
+
+    def members_of(self, job_id: str, names: list[str], timeout_s: float = 20.0) -> dict[str, str]:
+        """`member_of` for a job of len(names) nodes: each node's credential, by name."""
+        credentials = {name: self.enrol(name) for name in names}
+        for name, credential in credentials.items():
+            with self.client(credential) as c:
+                def assigned() -> bool:
+                    resp = c.post(f"/v1/nodes/{name}/heartbeat", json={})  # noqa: B023 - called at once
+                    assert resp.status_code == 200, resp.text
+                    a = resp.json()["assignment"]
+                    return a is not None and a["job_id"] == job_id
+                wait_for(assigned, timeout_s, f"job {job_id} to be assigned to node {name}")
+        return credentials
+
+    def job_token_of(self, job_id: str) -> str:
+        """Job `job_id`'s token, as its workers get it (read its record, derive the token)."""
+        import asyncio
+
+        from service.jobs import JobStore
+        from service.keys import Keys
+        from service.store.etcd import EtcdStore
+
+        async def read() -> JobRecord:
+            store = EtcdStore(self.etcd_endpoint)
+            try:
+                return await JobStore(store, Keys()).get(job_id)
+            finally:
+                await store.close()
+
+        return self.job_token(asyncio.run(read()))
+
     def client(self, token: str | None = "user") -> httpx.Client:
         headers = {}
         if token == "user":
@@ -159,8 +212,10 @@ class NodeAgentProc:
     def start(self, server: str | None = None) -> NodeAgentProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "service.cli", "node", "--server", server or self.cp.url,
-                "--token", self.cp.node_token, "--name", self.name,
+                "--name", self.name,
                 "--nproc-per-node", str(self.nproc_per_node), "--data-dir", str(self.workdir)]
+        if "FTRAIN_NODE_TOKEN" not in (self.env or {}):  # else the agent reads it from there
+            argv += ["--token-file", str(self.cp.node_token_file)]
         if self.address:
             argv += ["--address", self.address]
         argv += [*self.args]

@@ -171,19 +171,3 @@ def test_etcd_down_gives_503_with_reason_then_recovers(etcd, control_plane, api)
     wait_for(lambda: api.get("/readyz").status_code == 200, 30, "readyz to recover")
     assert api.get(f"/v1/jobs/{job['id']}").json()["state"] == "PENDING"
     assert submit(api)["state"] == "PENDING"
-
-
-def test_node_endpoints_take_only_the_node_token_and_user_endpoints_only_the_user_token(control_plane):
-    with control_plane.client(None) as anon:
-        assert anon.post("/v1/nodes/register", json={"name": "x"}).status_code == 401
-    with control_plane.client("user") as user:
-        assert user.post("/v1/nodes/register", json={"name": "x"}).status_code == 403
-        assert user.post("/v1/nodes/x/heartbeat").status_code == 403
-        assert user.post("/v1/nodes/x/report", json={"job_id": "j", "attempt": 1,
-                                                    "state": "running"}).status_code == 403
-    with control_plane.client("node") as node:
-        assert node.post("/v1/nodes/register", json={"name": "x"}).status_code == 200
-        assert node.post("/v1/nodes/x/heartbeat").status_code == 200
-        assert node.post("/v1/nodes/x/drain").status_code == 403
-        assert node.get("/v1/nodes").status_code == 403
-        assert node.post("/v1/jobs", json=SPEC).status_code == 403

@@ -1,7 +1,7 @@
 """Worker logs through the real thing: files under the log root, not etcd (issue 10).
 
-Lines are shipped straight to the HTTP API with the node token (fast, in big shipments),
-except in the burst test, where a real worker on a real agent prints them.
+Lines are shipped straight to the HTTP API with a member node's credential (fast, in big
+shipments), except in the burst test, where a real worker on a real agent prints them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def etcd_keys(endpoint: str) -> dict[str, int]:
 def test_a_log_over_4_mib_reads_back_completely_by_pages_and_etcd_holds_none_of_it(etcd, control_plane, api):
     job_id = submit(api, SPEC)
     n, per_shipment = 1440, 15  # 1440 lines of 3.9 KB: 5.6 MB, past gRPC's 4 MiB reply limit
-    with control_plane.client("node") as node_api:
+    with control_plane.client(control_plane.member_of(job_id, "n0")) as node_api:
         started = time.monotonic()
         for i in range(0, n, per_shipment):
             ship(node_api, job_id, [f"{k:05d} " + "x" * (LINE_CHARS - 6) for k in range(i, i + per_shipment)])
@@ -77,11 +77,13 @@ def test_the_cap_cuts_the_oldest_lines_and_the_api_says_how_much(etcd, tmp_path)
     cap = 64 * 1024
     cp = ControlPlane(etcd.endpoint, tmp_path / "capped", env={"FTRAIN_LOG_CAP_BYTES": str(cap)}).start()
     try:
-        with cp.client("user") as api, cp.client("node") as node_api:
+        with cp.client("user") as api:
             job_id = submit(api, SPEC)
+            node_api = cp.client(cp.member_of(job_id, "n0"))
             sent = [f"{k:05d} " + "y" * 500 for k in range(1000)]  # about 500 KB
-            for i in range(0, len(sent), 50):
-                ship(node_api, job_id, sent[i:i + 50])
+            with node_api:
+                for i in range(0, len(sent), 50):
+                    ship(node_api, job_id, sent[i:i + 50])
             items, pages = read_pages(api, job_id)
     finally:
         cp.stop()
@@ -124,7 +126,7 @@ def test_follow_streams_new_lines_and_ends_when_the_job_ends(control_plane, api)
                     seen.append(json.loads(raw))
         ended.set()
 
-    with control_plane.client("node") as node_api:
+    with control_plane.client(control_plane.member_of(job_id, "n0")) as node_api:
         ship(node_api, job_id, ["before 0", "before 1"])
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
@@ -134,6 +136,9 @@ def test_follow_streams_new_lines_and_ends_when_the_job_ends(control_plane, api)
             wait_for(lambda n=3 + i: len(seen) == n, 10, f"live line {i} on the stream")
         assert not ended.is_set()
         assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+        attempt = api.get(f"/v1/jobs/{job_id}").json()["attempt"]  # its node says it stopped
+        assert node_api.post("/v1/nodes/n0/report", json={"job_id": job_id, "attempt": attempt,
+                                                          "state": "stopped"}).status_code == 200
         wait_for(ended.is_set, 10, "the stream to end after the job ended")
     assert [x["line"] for x in seen] == ["before 0", "before 1", "live 0", "live 1", "live 2"]
     assert [x["seq"] for x in seen] == sorted({x["seq"] for x in seen})
@@ -144,11 +149,13 @@ def test_two_replicas_append_to_one_job_without_losing_or_mixing_lines(etcd, con
     other = ControlPlane(etcd.endpoint, control_plane.workdir, user_token=control_plane.user_token,
                          node_token=control_plane.node_token).start()
     assert other.log_root == control_plane.log_root
-    job_id = submit(api, SPEC)
+    job_id = submit(api, {**SPEC, "nodes": {"min": 4, "max": 4}})
+    tags = ["a0", "a1", "b0", "b1"]
+    credentials = control_plane.members_of(job_id, tags)
     shipments = 60
 
     def writer(cp: ControlPlane, tag: str):
-        with cp.client("node") as node_api:
+        with cp.client(credentials[tag]) as node_api:
             for s in range(shipments):
                 ship(node_api, job_id, [f"{tag} {s} {k} " + "z" * 300 for k in range(20)], node=tag)
 

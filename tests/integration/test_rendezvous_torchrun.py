@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def torchrun(control_plane, rdzv_id: str, script, log_path) -> subprocess.Popen:
-    env = {**os.environ, "FTRAIN_JOB_TOKEN": control_plane.node_token,
+    env = {**os.environ, "FTRAIN_JOB_TOKEN": control_plane.job_token_of(rdzv_id.rsplit("-a", 1)[0]),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     log = open(log_path, "wb")  # noqa: SIM115 - handed to the child
     try:

@@ -29,27 +29,45 @@ def etcd_keys(endpoint: str, prefix: str = "/ftrain/") -> list[str]:
     return asyncio.run(read())
 
 
+_NODES: dict[str, tuple[str, str]] = {}  # job id -> (its node, that node's credential)
+
+
 def give_it_state(cp: ControlPlane, job_id: str) -> None:
-    """Logs, progress, a committed snapshot and rendezvous keys, as a job's nodes leave them."""
-    with cp.client("node") as node:
-        line = {"rank": 0, "stream": "stdout", "line": "step 1", "time": time.time()}
+    """Logs, progress, a committed snapshot and rendezvous keys, as a job's nodes leave them
+    (a node of its own, which then runs it, and its workers)."""
+    node_name = f"n{len(_NODES)}"
+    credential = cp.member_of(job_id, node_name)
+    line = {"rank": 0, "stream": "stdout", "line": "step 1", "time": time.time()}
+    with cp.client(credential) as node:
         assert node.post(f"/v1/jobs/{job_id}/logs",
-                         json={"node": "n0", "lines": [line]}).status_code == 204
-        commit = {"step": 5, "path": f"/snap/{job_id}/5", "size": 1, "checksum": "x", "attempt": 0}
-        assert node.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
-        assert node.post(f"/v1/jobs/{job_id}/progress", json={"step": 5, "attempt": 0}).status_code == 200
-        rdzv = f"/v1/rdzv/{job_id}-a0"
+                         json={"node": node_name, "lines": [line]}).status_code == 204
+    with cp.client(cp.job_token_of(job_id)) as worker, cp.client("user") as api:
+        attempt = api.get(f"/v1/jobs/{job_id}").json()["attempt"]
+        commit = {"step": 5, "path": f"/snap/{job_id}/5", "size": 1, "checksum": "x",
+                  "attempt": attempt}
+        assert worker.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
+        assert worker.post(f"/v1/jobs/{job_id}/progress",
+                           json={"step": 5, "attempt": attempt}).status_code == 200
+        rdzv = f"/v1/rdzv/{job_id}-a{attempt}"
         state = base64.b64encode(seal_state(b"state")).decode()
-        assert node.put(f"{rdzv}/state", json={"state": state, "token": None}).status_code == 200
-        assert node.post(f"{rdzv}/store/set",
-                         json={"items": [{"key": "k", "value": state}]}).status_code == 204
-        assert node.get(f"{rdzv}/store/num_keys").json() == {"count": 1}
+        assert worker.put(f"{rdzv}/state", json={"state": state, "token": None}).status_code == 200
+        assert worker.post(f"{rdzv}/store/set",
+                           json={"items": [{"key": "k", "value": state}]}).status_code == 204
+        assert worker.get(f"{rdzv}/store/num_keys").json() == {"count": 1}
+    _NODES[job_id] = (node_name, credential)
 
 
-def finished_at(api: httpx.Client, job_id: str) -> float:
+def finished_at(api: httpx.Client, job_id: str, cp: ControlPlane | None = None) -> float:
+    """Cancel the job; with a node (give_it_state), that node reports its workers stopped."""
     assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
-    job = api.get(f"/v1/jobs/{job_id}").json()
-    assert job["state"] == "CANCELLED"
+    if cp is not None and job_id in _NODES:
+        name, credential = _NODES[job_id]
+        attempt = api.get(f"/v1/jobs/{job_id}").json()["attempt"]
+        with cp.client(credential) as node:
+            assert node.post(f"/v1/nodes/{name}/report", json={
+                "job_id": job_id, "attempt": attempt, "state": "stopped"}).status_code == 200
+    job = wait_for(lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] == "CANCELLED" and j,
+                   10, f"job {job_id} to be cancelled")
     return job["finished_at"]
 
 
@@ -77,11 +95,11 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
                 assert (cp.log_root / job_id).is_dir()  # worker logs are files, not etcd keys
             assert len(etcd_keys(etcd.endpoint, "/ftrain/idempotency/")) == 1
 
-            old_end = finished_at(api, old)
+            old_end = finished_at(api, old, cp)
             # A second job that ends 1.5 s later: still within its retention when the first goes.
             wait_for(lambda: time.time() > old_end + 1.5, 5, "1.5 s after the first job ended")
             recent = api.post("/v1/jobs", json={**SPEC, "name": "recent"}).json()["id"]
-            recent_end = finished_at(api, recent)
+            recent_end = finished_at(api, recent, cp)
 
             old_gone = gone_at(api, old, RETENTION_S + 10)
             assert old_gone >= old_end + RETENTION_S
@@ -99,7 +117,7 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             assert {k.split("/")[2] for k in keys if unfinished in k} == \
                 {"jobs", "events", "progress", "snapshots", "rdzv"}
             assert (cp.log_root / unfinished).is_dir()
-            assert api.get(f"/v1/jobs/{unfinished}").json()["state"] == "PENDING"
+            assert api.get(f"/v1/jobs/{unfinished}").json()["state"] in {"PENDING", "RUNNING"}
             # The key of the deleted job is free: the same key submits a new job.
             again = api.post("/v1/jobs", json={**SPEC, "name": "old"},
                              headers={"Idempotency-Key": "submit-old"})

@@ -192,8 +192,21 @@ def test_up_with_nodes_registers_them_and_sigint_stops_the_agents_too(start_up):
     assert {n["name"] for n in nodes} == {"local-0", "local-1"}
     assert up.proc is not None
     children = descendants(up.proc.pid)
+    # The agents read the node token from its file: it is in no agent's argv or environment.
+    node_token = (up.data_dir / "node-token").read_text().strip().encode()
+    agents = [p for p in children if b"node" in _proc_file(p, "cmdline").split(b"\0")]
+    assert len(agents) == 2
+    for pid in agents:
+        assert node_token not in _proc_file(pid, "cmdline") + _proc_file(pid, "environ")
     assert up.interrupt() == 0
     wait_for(lambda: not any(pid_alive(p) for p in children), 10, "every agent, control plane and etcd")
+
+
+def _proc_file(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_a_second_up_on_the_same_data_dir_is_refused(start_up, tmp_path):

@@ -123,3 +123,23 @@ def test_check_ready_raises_store_full_while_the_nospace_alarm_is_raised(etcd):
         await client.close()
 
     asyncio.run(main())
+
+
+def test_a_lease_id_outside_int64_is_no_lease_and_leaves_no_waiter(etcd):
+    async def main():
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
+        try:
+            lease = await client.grant_lease(10)
+            assert await client.refresh_lease(lease)
+            assert not await client.refresh_lease(2**63)
+            assert not await client.refresh_lease(-1)
+            assert client._keepalive is not None and client._keepalive._waiters == {}
+            # A write protobuf refuses (the guard above bypassed) leaves no future behind either.
+            with pytest.raises(ValueError):
+                await client._keepalive.refresh(2**64)
+            assert client._keepalive._waiters == {}
+            assert await client.refresh_lease(lease)  # the stream still works
+        finally:
+            await client.close()
+
+    asyncio.run(main())

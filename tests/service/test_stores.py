@@ -15,7 +15,7 @@ from service import scheduler
 from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
-from service.errors import NodeNotFound
+from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential
 from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.settings import Settings
 from service.store.memory import MemoryStore
@@ -58,14 +58,37 @@ def test_a_registered_node_is_listed_and_lives_while_it_heartbeats():
     asyncio.run(main())
 
 
-def test_registering_again_replaces_the_lease_and_ends_the_old_one():
+def test_a_live_nodes_name_is_refused_and_a_drained_one_is_replaced_under_a_new_lease():
     async def main():
         ctx = context()
-        first = await ctx.nodes.register("n0", 1, None, ttl_s=6)
-        second = await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        first = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
+        with pytest.raises(NodeNameTaken, match="already registered and alive"):
+            await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
+        assert (await ctx.nodes.list())["n0"].credential_sha256 == "a" * 64  # untouched
+        await ctx.nodes.drain("n0")
+        second = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
         assert first != second
         assert not await ctx.kv.refresh_lease(first)
         assert (await ctx.nodes.list())["n0"].lease_id == second
+        with pytest.raises(OutdatedCredential):
+            await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        await ctx.nodes.heartbeat_with("n0", "b" * 64)
+
+    asyncio.run(main())
+
+
+def test_a_lapsed_nodes_name_is_free_and_its_credential_is_forgotten():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
+        await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        clock.now += 7
+        with pytest.raises(NodeNotFound):
+            await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
+        with pytest.raises(OutdatedCredential):
+            await ctx.nodes.verify("n0", "a" * 64)
 
     asyncio.run(main())
 

@@ -65,7 +65,7 @@ def test_global_batch_is_the_same_samples_whatever_the_world_size():
 
 def _job_env(control_plane, job_id: str, snapshot_dir: Path, every: int = 5) -> dict[str, str]:
     return {"FTRAIN_JOB_ID": job_id, "FTRAIN_SERVER": control_plane.url,
-            "FTRAIN_JOB_TOKEN": control_plane.node_token, "FTRAIN_ATTEMPT": "0",
+            "FTRAIN_JOB_TOKEN": control_plane.job_token_of(job_id), "FTRAIN_ATTEMPT": "0",
             "FTRAIN_SNAPSHOT_DIR": str(snapshot_dir), "FTRAIN_SNAPSHOT_EVERY": str(every),
             "FTRAIN_SNAPSHOT_KEEP": "3"}
 

@@ -301,10 +301,11 @@ def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_us
         assert anon.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 401
     assert commit(api, job["id"], 1).status_code == 403  # a user token cannot commit
     assert api.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 200
-    with control_plane.client("node") as node:
-        assert commit(node, job["id"], 1).status_code == 200
-    assert commit(worker, other["id"], 1).status_code == 401  # one job's token, another job
-    assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 401
+    with control_plane.client("node") as node:  # the node token is no key to a job
+        assert commit(node, job["id"], 1).status_code == 403
+    assert commit(worker, job["id"], 1).status_code == 200
+    assert commit(worker, other["id"], 1).status_code == 403  # one job's token, another job
+    assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 403
 
 
 @pytest.mark.integration

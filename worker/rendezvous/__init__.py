@@ -1,7 +1,7 @@
 """The "ftrain" rendezvous backend of `torchrun`: torch's own `DynamicRendezvousHandler` over
 the control plane's HTTP API (`service.routes.rendezvous`).
 
-    FTRAIN_JOB_TOKEN=<job or node token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
+    FTRAIN_JOB_TOKEN=<the job token> TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
     torchrun --rdzv-backend=ftrain --rdzv-endpoint=http://cp:8000 --rdzv-id=<job id>-a<attempt> \\
              --rdzv-conf=last_call_timeout=1,keep_alive_interval=1 ...
 

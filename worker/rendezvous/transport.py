@@ -131,7 +131,7 @@ class Transport:
                 raise RendezvousGoneError(f"rendezvous {self.rdzv_id} is closed: {exc.detail}") from exc
             hint = ""
             if exc.status in (401, 403):
-                hint = f" (set {TOKEN_ENV} to the job token or the node token)"
+                hint = f" (set {TOKEN_ENV} to the job's token; the node token is refused)"
             raise RendezvousError(f"the control plane refused a request of rendezvous "
                                   f"{self.rdzv_id}: HTTP {exc.status}: {exc.detail}{hint}") from exc
         self._answered()
