@@ -34,7 +34,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from worker.env import FTRAIN_LOG_LEVEL
-from worker.http import HttpError
+from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
 from worker.node_link import NodeForgotten, NodeLink
 from worker.protocol import Assignment
@@ -58,7 +58,7 @@ class NodeAgent:
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None):
-        self.server = server.rstrip("/")
+        self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
