@@ -315,7 +315,8 @@ class FtrainClient:
 
     def _transport_error(self, exc: httpx.TransportError) -> ApiError:
         if isinstance(exc, httpx.ConnectError):
-            return ServerUnreachable(f"no ftrain control plane at {', '.join(self._servers.urls)}; start one with "
+            where = ", ".join(self._servers.urls)
+            return ServerUnreachable(f"no ftrain control plane at {where}; start one with "
                                      "`make up` (or pass --server / set FTRAIN_SERVER)")
         if isinstance(exc, httpx.TimeoutException):
             return ServerUnreachable(f"the control plane at {self.server} did not answer in time "
