@@ -77,6 +77,32 @@ def test_a_live_nodes_name_is_refused_and_a_drained_one_is_replaced_under_a_new_
     asyncio.run(main())
 
 
+def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
+    async def main():
+        from service.nodes import NodeStore
+
+        clock = ManualClock()
+        ctx = context(clock)
+        other = NodeStore(ctx.kv, ctx.keys, clock)  # another control plane on the same etcd
+        first = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
+        await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        for _ in range(3):  # kept alive by the other replica alone, past the lease
+            clock.now += 4
+            await other.heartbeat_with("n0", "a" * 64)
+        assert (await other.list())["n0"].lease_id == first
+        with pytest.raises(OutdatedCredential):
+            await other.heartbeat_with("n0", "b" * 64)
+        # registered again on the first replica (drained: a new credential and lease); the
+        # other one, which knew the old credential, refuses it and takes the new one
+        await ctx.nodes.drain("n0")
+        await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
+        with pytest.raises(NodeNotFound):
+            await other.heartbeat_with("n0", "a" * 64)
+        await other.heartbeat_with("n0", "b" * 64)
+
+    asyncio.run(main())
+
+
 def test_a_lapsed_nodes_name_is_free_and_its_credential_is_forgotten():
     async def main():
         clock = ManualClock()
