@@ -15,7 +15,7 @@ from service import scheduler
 from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
-from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential
+from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader
 from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.settings import Settings
 from service.store.memory import MemoryStore
@@ -160,6 +160,27 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
         clock.now += 7  # the node's lease lapses: the job goes back to waiting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_a_scheduler_that_lost_the_lead_writes_nothing():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
+        await ctx.nodes.register("n0", 1, None, ttl_s=600)
+        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+        assert await lead.hold()
+        stale = lead.fence()
+        clock.now += 6  # its lease lapsed (cut off from etcd) and another replica leads
+        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader).hold()
+        with pytest.raises(StaleLeader):
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=stale)
+        assert (await ctx.jobs.get(job.id)).state is JobState.PENDING  # nothing written
+        fence = lead.fence() if await lead.hold() else None
+        assert fence is None  # it does not lead again while the other one does
 
     asyncio.run(main())
 
