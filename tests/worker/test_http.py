@@ -236,6 +236,20 @@ def test_rendezvous_410_is_gone_at_once(server):
     transport.close()
 
 
+def test_rendezvous_and_service_link_take_a_list_of_control_planes(server):
+    url, script = server
+    script.answers = [(200, {"state": None})]
+    dead = f"127.0.0.1:{free_port()}"  # no scheme: the endpoint's form, for each of the list
+    transport = Transport(f"{dead},{url}", "job-abcdef-a0", "t", retry_timeout_s=5)
+    FtrainRendezvousBackend(transport).get_state()
+    assert transport.base_url == url and script.seen[-1][1] == "/v1/rdzv/job-abcdef-a0/state"
+    transport.close()
+    script.answers = [(200, {"items": []})]
+    link = ServiceLink(f"http://{dead},{url}", "j1", "t", attempt=1)
+    link._call("GET", "/snapshots")
+    assert script.seen[-1][1] == "/v1/jobs/j1/snapshots"
+
+
 def test_rendezvous_503_until_retry_timeout_is_a_connection_error(server):
     url, script = server
     script.answers = [(503, {"detail": "etcd away"})]
