@@ -61,6 +61,10 @@ def test_the_replica_the_agent_talks_to_is_killed_and_the_job_trains_on(etcd, tm
             # the node's heartbeats moved too: it is alive on b, past its lease
             wait_for(lambda: [n["name"] for n in api_b.get("/v1/nodes").json()["items"]] == ["n0"],
                      5, "node n0 alive on the second replica")
+            # ... without a lapse: the agent registered once (with a), never again
+            log = (agent.workdir / "agent-n0.log").read_text()
+            assert log.count("registered node n0 with") == 1, log[-3000:]
+            assert f"registered node n0 with {a.url}" in log
     finally:
         agent.stop()
         a.stop()
