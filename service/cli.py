@@ -476,8 +476,13 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
 @click.option("--run-as", "run_as", metavar="USER", default=None,
               help="Run the jobs' processes (fork server, torchrun, workers) as this unprivileged "
                    "user, who cannot read the agent's files; the agent must run as root.")
+@click.option("--keep-logs-jobs", default=20, show_default=True, type=click.IntRange(0, 1_000_000),
+              help="Keep the local torchrun output (<data-dir>/logs/<job>) of this many jobs, the "
+                   "latest; older folders of jobs this node no longer runs are deleted.")
+@click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
+              help="Delete the local torchrun output of a job no longer run here once it is this old.")
 def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
-         address: str | None, run_as: str | None) -> None:
+         address: str | None, run_as: str | None, keep_logs_jobs: int, keep_logs_days: float) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -504,7 +509,8 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
     except RunAsError as exc:
         raise click.UsageError(str(exc)) from None
     # The agent sets up its own logging (with the node's name in every line).
-    result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user)
+    result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
+                        keep_logs_jobs, keep_logs_days * 86400)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -3,8 +3,10 @@
 A node is alive while its lease is: a heartbeat refreshes it, a clean shutdown revokes
 it, and a node that goes silent vanishes when it lapses (its key with it), which the
 scheduler sees as a lost node. A name is one node's while its lease lives: registering
-under it again is refused (`NodeNameTaken`) unless the old lease has lapsed or an admin
-drained the node; then the record is replaced under a fresh lease and the old one revoked.
+under it again is refused (`NodeNameTaken`) unless the old lease has lapsed, an admin
+drained the node, or the registration presents the live record's own credential (the same
+node's agent, restarted: its credential file survived it); then the record is replaced under
+a fresh lease and the old one revoked, which also ends the old credential.
 
 Each registration comes with a new node credential; the record keeps only its sha256, and
 the credential is good while the lease it was registered under lives. A heartbeat checks
@@ -40,11 +42,15 @@ class NodeStore:
         self._verified: dict[str, tuple[str, int]] = {}  # name -> (credential digest, lease)
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
-                       ttl_s: int, credential_sha256: str | None = None) -> int:
+                       ttl_s: int, credential_sha256: str | None = None,
+                       reclaim_sha256: str | None = None) -> int:
         """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
 
+        `reclaim_sha256`: the digest of the credential the registering agent presents as its
+        previous one; if it is the live record's, the name is this node's to take back.
+
         Raises:
-            NodeNameTaken: a node of this name is alive and not drained.
+            NodeNameTaken: a node of this name is alive, not drained, and not reclaimed.
         """
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
@@ -56,7 +62,7 @@ class NodeStore:
         def decide(old: Entry | None) -> cas.Write[Entry | None]:
             if old is not None:  # its key lives with its lease: this node is alive
                 current = NodeRecord.model_validate_json(old.value)
-                if current.state is not NodeState.DRAINING:
+                if current.state is not NodeState.DRAINING and not _same_node(current, reclaim_sha256):
                     raise NodeNameTaken(name, current.registered_at, ttl_s)
             return cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old)
 
@@ -153,3 +159,9 @@ class NodeStore:
         if entry is None:
             raise NodeNotFound(name)
         return entry, NodeRecord.model_validate_json(entry.value)
+
+
+def _same_node(record: NodeRecord, reclaim_sha256: str | None) -> bool:
+    """Whether the presented previous credential is the one `record` was registered with."""
+    return (reclaim_sha256 is not None and record.credential_sha256 is not None
+            and secrets.compare_digest(record.credential_sha256, reclaim_sha256))

@@ -56,9 +56,11 @@ def etcd(tmp_path):
 
 
 @pytest.fixture
-def control_plane(etcd, tmp_path):
-    """A real control plane (uvicorn subprocess) on that etcd, with user and node tokens."""
-    cp = ControlPlane(etcd.endpoint, tmp_path / "cp").start()
+def control_plane(etcd, tmp_path, request):
+    """A real control plane (uvicorn subprocess) on that etcd, with user and node tokens.
+
+    Indirect parametrization passes it more environment (`{"FTRAIN_NODE_TTL_S": "60"}`)."""
+    cp = ControlPlane(etcd.endpoint, tmp_path / "cp", env=getattr(request, "param", None)).start()
     yield cp
     cp.stop()
 

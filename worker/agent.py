@@ -33,10 +33,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from worker import log_retention
 from worker.env import FTRAIN_LOG_LEVEL
 from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
-from worker.node_link import NodeForgotten, NodeLink
+from worker.node_link import NameInUse, NodeForgotten, NodeLink, lock_name
 from worker.protocol import Assignment
 from worker.run_as import RunAs
 from worker.torchrun import CouldNotStart, Torchrun
@@ -57,21 +58,27 @@ class NodeAgent:
 
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
-                 run_as: RunAs | None = None):
+                 run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
+                 keep_logs_s: float = log_retention.MAX_AGE_S):
         self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.link = NodeLink(self.server, token, name, nproc_per_node, address)
+        # Per name: agents may share a data directory (tests do), each keeps its own.
+        self._name_lock = lock_name(self.data_dir, name)
+        self.link = NodeLink(self.server, token, name, nproc_per_node, address,
+                             credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
+        self.keep_logs = (keep_logs_jobs, keep_logs_s)
         self._shutdown = threading.Event()
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
+        self.prune_logs()
         while not self._shutdown.is_set():
             beat_started, known_before = time.monotonic(), link.known
             try:
@@ -155,6 +162,12 @@ class NodeAgent:
         self.finished.add(g.key)
         self.link.report(g.job_id, g.attempt, *g.outcome())
         self.shipper.flush()
+        self.prune_logs()
+
+    def prune_logs(self) -> None:
+        """Delete the local output of jobs this node no longer runs, past the count or age kept."""
+        g = self.torchrun.group
+        log_retention.prune(self.data_dir / "logs", () if g is None else (g.job_id,), *self.keep_logs)
 
     def stop_group(self, why: str, grace_s: float = 5.0) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
@@ -187,15 +200,20 @@ def take_from_environ(name: str) -> str | None:
 
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None,
-         run_as: RunAs | None = None) -> None:
+         run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
+         keep_logs_s: float = log_retention.MAX_AGE_S) -> int | None:
     # What the agent and the job's processes create (logs, the job's output, snapshots)
     # is their user's alone unless they say otherwise.
     os.umask(0o077)
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format=f"%(asctime)s %(levelname)s node {name or socket.gethostname()}: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
-                      run_as)
+    try:
+        agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
+                          run_as, keep_logs_jobs, keep_logs_s)
+    except NameInUse as exc:
+        log.error("%s", exc)
+        return 2
     if run_as is not None:
         log.info("the jobs' processes run as %s (uid %d)", run_as.name, run_as.uid)
     signal.signal(signal.SIGTERM, agent.shutdown)

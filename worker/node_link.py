@@ -1,12 +1,17 @@
 """The node agent's link to the control plane: registration, heartbeats, reports, leaving.
 
 One `NodeLink` per agent. It registers with the node token, which is only a bootstrap
-secret, and gets back the node's own credential, which it keeps in memory (never on disk,
-never in a child's environment) and sends with every later call; the node token is used
-again only to register again, when the lease has lapsed. It keeps what the control plane
-needs from this node between calls: the lease id it was given, the assignment last heard
-of (so an idle node's heartbeat is a long poll that the control plane answers as soon as
-that changes), and the reports not yet delivered, oldest first.
+secret, and gets back the node's own credential, which it sends with every later call (never
+in a child's environment); the node token is used again only to register again. The
+credential is also kept in a file of the agent's data directory (0600, the agent's user
+only), so that an agent restarted under the same name presents it when it registers: the
+control plane then gives it its live name back at once (the old agent's workers are
+gone, and the job hears so now) instead of refusing the name until the old lease lapses.
+
+It keeps what the control plane needs from this node between calls: the lease id it was
+given, the assignment last heard of (so an idle node's heartbeat is a long poll that the
+control plane answers as soon as that changes), and the reports not yet delivered, oldest
+first.
 
 Each call is a single try (`worker.http`, no retry budget): the agent's loop is the retry,
 once a heartbeat interval, and a control plane that does not answer never stops training.
@@ -17,6 +22,8 @@ A report is kept until the control plane answers it; a 5xx keeps it for the next
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 from worker.http import ApiError, ControlPlaneClient, HttpError, server_urls
 from worker.protocol import (
@@ -37,21 +44,49 @@ REQUEST_TIMEOUT_S = 5.0
 # A reason longer than the control plane takes would have the whole report refused.
 REPORT_REASON_MAX_CHARS = next(m.max_length for m in ReportRequest.model_fields["reason"].metadata
                                if hasattr(m, "max_length"))
+PREVIOUS_CREDENTIAL_MAX_CHARS = next(
+    m.max_length for m in RegisterRequest.model_fields["previous_credential"].metadata
+    if hasattr(m, "max_length"))
 
 
 class NodeForgotten(Exception):
     """The control plane no longer knows this node (its lease lapsed): register again."""
 
 
+class NameInUse(Exception):
+    """Another agent of this name runs on this data directory (it holds the name's lock)."""
+
+
+def lock_name(data_dir: Path, name: str) -> int:
+    """Hold this node name's lock in `data_dir` for the life of the process; returns its fd.
+
+    Two live agents of one name on one data directory would take the name from each other
+    with the credential file, turn by turn; the second one is refused instead. The kernel
+    drops the lock when the process dies, SIGKILL included, so a restart finds it free.
+    """
+    import fcntl
+
+    path = data_dir / f"node-credential.{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NameInUse(f"another agent named {name!r} is running on {data_dir} (it holds {path}); "
+                        f"stop it, or give this one another --name or --data-dir") from None
+    return fd
+
+
 class NodeLink:
     """This node's registration, heartbeats and reports, over one `ControlPlaneClient`."""
 
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
-                 address: str | None = None):
+                 address: str | None = None, credential_file: Path | None = None):
         self.server = ",".join(server_urls(server))  # one URL or several (worker/http.py)
         self.name = name
         self.nproc_per_node = nproc_per_node
         self.address = address
+        self.credential_file = credential_file  # None: the credential lives in memory only
         # Registration goes with the node token; every other call with the node's credential.
         self._enrol = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
@@ -66,15 +101,19 @@ class NodeLink:
 
         `running`: the (job id, attempt) whose workers this agent still runs, when it
         registers again after its lease lapsed; the control plane then keeps it a member.
-        A 409 (a node of this name is still alive) raises `ApiError`: the agent's loop tries
-        again a beat later, so a restarted agent takes its name back once the old lease lapses.
+        The credential kept in the data directory goes with it: a restarted agent takes its
+        live name back at once. A 409 (a node of this name is alive under another credential)
+        raises `ApiError`: the agent's loop tries again a beat later, and takes the name once
+        the other's lease lapses.
         """
         request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address,
                                   running=None if running is None else RunningGroup(job_id=running[0],
-                                                                                    attempt=running[1]))
+                                                                                    attempt=running[1]),
+                                  previous_credential=self._read_credential())
         reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
+            self._write_credential(reply.credential)
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id
         self.registered = True
@@ -135,6 +174,37 @@ class NodeLink:
             self.client.call("DELETE", f"/v1/nodes/{self.name}")
         except HttpError:
             pass
+        if self.credential_file is not None:  # dead with the lease either way
+            self.credential_file.unlink(missing_ok=True)
+
+    def _read_credential(self) -> str | None:
+        """The credential of this node's last registration, if the data directory kept one."""
+        if self.credential_file is None:
+            return None
+        try:
+            text = self.credential_file.read_text().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        except OSError as exc:
+            log.warning("could not read %s (%s): registering without it", self.credential_file, exc)
+            return None
+        return text if 0 < len(text) <= PREVIOUS_CREDENTIAL_MAX_CHARS else None
+
+    def _write_credential(self, credential: str) -> None:
+        """Keep `credential` in its file (0600, replaced whole), for a restart of this agent."""
+        if self.credential_file is None:
+            return
+        tmp = self.credential_file.with_name(f".{self.credential_file.name}.{os.getpid()}")
+        try:
+            tmp.unlink(missing_ok=True)  # a leftover of a killed agent of the same pid
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(credential)
+            os.replace(tmp, self.credential_file)
+        except OSError as exc:  # the node works on; only a restart would wait for the lease
+            log.warning("could not keep the node credential in %s (%s): a restarted agent will "
+                        "wait for this one's lease to lapse", self.credential_file, exc)
+            tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._enrol.close()

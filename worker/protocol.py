@@ -59,6 +59,12 @@ class RegisterRequest(BaseModel):
         None, description="What this agent still runs when it registers again because its lease "
                           "lapsed (say, while no control plane could hear it); null: nothing (a new "
                           "agent). A member that matches keeps its place instead of being stopped.")
+    previous_credential: str | None = Field(
+        None, max_length=256,
+        description="The credential this node's last registration returned (its agent keeps it "
+                    "in a 0600 file in its data directory): a restarted agent takes its live name "
+                    "back with it at once instead of waiting for the old lease to lapse. Any other "
+                    "value (another node's, an outdated one) leaves a live name taken: 409.")
 
     @field_validator("name")
     @classmethod

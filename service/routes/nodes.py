@@ -17,6 +17,7 @@ from service.deps import (
     NodeBootstrap,
     NodeSelf,
     UserAuth,
+    credential_digest,
     new_node_credential,
     verify_node,
 )
@@ -48,11 +49,13 @@ log = logging.getLogger(__name__)
 async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     """Register a node under a fresh lease, with the node token; returns its own credential.
 
-    409 while a node of this name is alive (its lease has not lapsed) and not drained.
+    409 while a node of this name is alive (its lease has not lapsed) and not drained, unless
+    the request presents that node's current credential (its agent restarted).
     """
     ttl = ctx.settings.node_ttl_s
     credential, digest = new_node_credential(req.name)
-    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest)
+    reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
+    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest, reclaim)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)

@@ -93,18 +93,41 @@ def test_agent_sigkill_with_its_tree_leaves_no_orphan_and_job_goes_on(api, agent
     assert j["state"] in ("RUNNING", "RECOVERING") and j["restarts"] == 0
 
 
-def test_agent_sigkill_alone_takes_its_workers_with_it(api, agents):
+# A 60 s node lease: a restarted agent that had to wait for its old lease to lapse would
+# miss every deadline below; it takes its name back with its credential file instead.
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_agent_sigkill_takes_its_workers_and_its_restart_takes_the_name_back_at_once(
+        control_plane, api, agents):
     (a,) = agents(1)
     wait_nodes(api, 1)
     job_id = submit(api, job_spec("orphans", "--steps", "400", "--step-time", "0.05",
                                   nproc_per_node=2))
     wait_step(api, job_id, 3)
+    first = node_record(api, "n0")
+    attempt = job(api, job_id)["attempt"]
     tree = a.tree()
     workers = worker_pids(a)
     assert len(workers) == 2
     os.kill(a.pid, signal.SIGKILL)
     a.proc.wait()
     wait_for(lambda: not any(pid_alive(p) for p in tree), 10, "no orphan of the SIGKILLed agent")
+
+    before = len(steps(api, job_id))
+    a.start()  # the same name and data directory; the old lease has ~60 s to live
+    again = wait_for(lambda: (n := node_record(api, "n0")) and n["registered_at"] > first["registered_at"]
+                     and n, 20, "the restarted agent to take its live name back")
+    assert again["registered_at"] - first["registered_at"] < 60
+    # The control plane heard at once that the old workers are gone: a new attempt on n0.
+    wait_step(api, job_id, 1, after=before, timeout_s=60)
+    j = job(api, job_id)
+    assert j["state"] == "RUNNING" and j["nodes"] == ["n0"] and j["attempt"] > attempt
+    reasons = [e["reason"] for e in events(api, job_id)]
+    assert reasons.count("started on 1 node(s): n0") == 2, reasons
+    assert len(worker_pids(a)) == 2 and not set(worker_pids(a)) & set(workers)
+
+
+def node_record(api, name: str) -> dict | None:
+    return {n["name"]: n for n in api.get("/v1/nodes").json()["items"]}.get(name)
 
 
 def test_third_agent_joining_scales_the_job_up(api, agents):

@@ -189,6 +189,30 @@ def test_a_live_nodes_name_is_refused_until_it_is_drained_and_its_old_credential
     assert old.status_code == 401 and "registered again" in old.json()["detail"]
 
 
+def test_a_live_name_is_taken_back_only_with_its_own_current_credential(cluster):
+    cp, tokens, ids = cluster
+    with cp.client("node") as node:
+        def register(previous: str | None) -> httpx.Response:
+            return node.post("/v1/nodes/register", json={"name": "a", "previous_credential": previous})
+
+        # the bootstrap token alone, another node's credential, a forged one: the name stays a's
+        for previous in (None, tokens["cred_b"], ids["cred_c"], "ftrain-node.a.forged", cp.node_token):
+            refused = register(previous)
+            assert refused.status_code == 409 and "already registered and alive" in refused.text, previous
+        assert call(cp, tokens["cred_a"], "POST", "/v1/nodes/a/heartbeat", {}).status_code == 200
+        # a's own credential (its agent restarted) takes the name back at once, under a new one
+        back = register(tokens["cred_a"])
+        assert back.status_code == 200, back.text
+        new = back.json()["credential"]
+        assert new != tokens["cred_a"]
+        assert call(cp, new, "POST", "/v1/nodes/a/heartbeat", {}).status_code == 200
+        assert call(cp, tokens["cred_a"], "POST", "/v1/nodes/a/heartbeat", {}).status_code == 401
+        # and the old credential, now outdated, takes nothing over
+        assert register(tokens["cred_a"]).status_code == 409
+        too_long = register("x" * 257)
+        assert too_long.status_code == 422 and "previous_credential" in too_long.text
+
+
 def test_an_out_of_range_lease_id_is_422_and_the_heartbeats_after_it_work(cluster):
     cp, tokens, ids = cluster
     for lease in (2**63, -1, 0):

@@ -103,6 +103,28 @@ def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
     asyncio.run(main())
 
 
+def test_a_live_name_is_taken_back_only_with_its_current_credentials_digest():
+    async def main():
+        ctx = context()
+        first = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
+        for reclaim in (None, "b" * 64, "c" * 64):  # none, or not n0's: the name stays taken
+            with pytest.raises(NodeNameTaken):
+                await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="c" * 64,
+                                         reclaim_sha256=reclaim)
+        second = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64,
+                                          reclaim_sha256="a" * 64)
+        assert not await ctx.kv.refresh_lease(first)  # the old lease, and its credential, end
+        assert (await ctx.nodes.list())["n0"].lease_id == second
+        with pytest.raises(OutdatedCredential):
+            await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        with pytest.raises(NodeNameTaken):  # the outdated credential takes nothing back
+            await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="d" * 64,
+                                     reclaim_sha256="a" * 64)
+        await ctx.nodes.heartbeat_with("n0", "b" * 64)
+
+    asyncio.run(main())
+
+
 def test_a_lapsed_nodes_name_is_free_and_its_credential_is_forgotten():
     async def main():
         clock = ManualClock()

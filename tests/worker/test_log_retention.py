@@ -1,0 +1,44 @@
+"""The agent's bound on its local copies of torchrun output (`<data-dir>/logs/<job>`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from worker.log_retention import JobLogs, prune, to_delete
+
+NOW = 1_000_000_000.0
+H = 3600.0
+D = 24 * H
+
+
+@pytest.mark.parametrize(("ages_h", "running", "keep", "max_age_d", "gone"), [
+    # (age in hours of jobs j0, j1, ...), running, keep_jobs, max_age_days, deleted
+    ((2, 3, 4), (), 2, 7, ["j2"]),                 # past the newest 2
+    ((2, 3, 4), (), 5, 7, []),                     # within both bounds
+    ((2, 8 * 24, 3), (), 20, 7, ["j1"]),           # older than 7 days
+    ((2, 3, 4), ("j2",), 1, 7, ["j1"]),            # a running job's folder stays
+    ((0.5, 0.2, 0.1), (), 1, 7, []),               # written in the last hour: kept
+    ((2, 3, 4), (), 0, 7, ["j0", "j1", "j2"]),     # keep none that is idle
+    ((9 * 24, 2), ("j0",), 20, 7, []),             # running and old: kept
+])
+def test_which_folders_go(ages_h, running, keep, max_age_d, gone):
+    folders = [JobLogs(f"j{i}", NOW - a * H) for i, a in enumerate(ages_h)]
+    assert sorted(to_delete(folders, running, NOW, keep, max_age_d * D)) == gone
+
+
+def test_prune_deletes_the_folders_and_keeps_the_rest(tmp_path):
+    logs = tmp_path / "logs"
+    for i, age_h in enumerate((2, 3, 4, 5)):
+        d = logs / f"j{i}"
+        d.mkdir(parents=True)
+        out = d / "n0-attempt0.stdout"
+        out.write_text("x")
+        os.utime(out, (NOW - age_h * H,) * 2)
+        os.utime(d, (NOW - age_h * H,) * 2)
+    # j3 is the oldest folder, but a file in it was written a minute ago: its last write counts
+    os.utime(logs / "j3" / "n0-attempt0.stdout", (NOW - 60,) * 2)
+    assert sorted(prune(logs, running=("j2",), keep_jobs=2, max_age_s=7 * D, now=NOW)) == ["j1"]
+    assert sorted(p.name for p in logs.iterdir()) == ["j0", "j2", "j3"]
+    assert prune(tmp_path / "none", running=(), now=NOW) == []

@@ -1,0 +1,80 @@
+"""How long a node agent keeps its copy of each job's torchrun output (`<data-dir>/logs/<job>`).
+
+The control plane's log root is what `GET /logs` serves and has its own retention; the
+agent's copy is for someone on the node, and without a bound it grows for as long as the
+node lives. The agent keeps the folders of the last `keep_jobs` jobs (by last write) and
+none older than `max_age_s`, and never one of a job it runs now or one written to in the
+last `MIN_IDLE_S` (another agent sharing the data directory may be running that job, or
+the job is between two attempts on this node).
+
+`to_delete` decides (pure, a table test); `prune` reads the folder and deletes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ftrain.agent")
+
+KEEP_JOBS = 20
+MAX_AGE_S = 7 * 24 * 3600.0
+MIN_IDLE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class JobLogs:
+    job_id: str
+    last_write: float  # unix time of the newest write in the folder
+
+
+def to_delete(folders: list[JobLogs], running: Collection[str], now: float,
+              keep_jobs: int = KEEP_JOBS, max_age_s: float = MAX_AGE_S,
+              min_idle_s: float = MIN_IDLE_S) -> list[str]:
+    """The job ids whose folders go: past the newest `keep_jobs`, or idle over `max_age_s`."""
+    gone = []
+    newest_first = sorted(folders, key=lambda f: f.last_write, reverse=True)
+    for rank, f in enumerate(newest_first):
+        idle = now - f.last_write
+        if f.job_id in running or idle < min_idle_s:
+            continue
+        if rank >= keep_jobs or idle > max_age_s:
+            gone.append(f.job_id)
+    return gone
+
+
+def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
+          max_age_s: float = MAX_AGE_S, now: float | None = None) -> list[str]:
+    """Delete the folders of `logs_dir` that `to_delete` picks; returns their job ids."""
+    now = time.time() if now is None else now
+    try:
+        entries = [e for e in os.scandir(logs_dir) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    folders = [JobLogs(e.name, _last_write(Path(e.path))) for e in entries]
+    gone = to_delete(folders, running, now, keep_jobs, max_age_s)
+    for job_id in gone:
+        shutil.rmtree(logs_dir / job_id, ignore_errors=True)
+    if gone:
+        log.info("deleted the local logs of %d job(s) no longer run here (keeping %d jobs, %.0f days): %s",
+                 len(gone), keep_jobs, max_age_s / 86400, ", ".join(gone[:10]))
+    return gone
+
+
+def _last_write(folder: Path) -> float:
+    """The newest modification time of `folder` and the files directly in it."""
+    newest = folder.lstat().st_mtime
+    try:
+        for e in os.scandir(folder):
+            try:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+            except FileNotFoundError:
+                pass
+    except OSError:
+        pass
+    return newest
