@@ -160,8 +160,9 @@ def _client_options(fn):
     @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(),
                   help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise).")
     @click.option("--token", help="User token [env FTRAIN_TOKEN; else <data-dir>/token].")
-    @click.option("--server", help="Control plane URL [env FTRAIN_SERVER; else <data-dir>/server; "
-                                   "else http://127.0.0.1:8000].")
+    @click.option("--server", help="Control plane URL, or several comma-separated (replicas; the "
+                                   "next is tried when one does not answer) [env FTRAIN_SERVER; "
+                                   "else <data-dir>/server; else http://127.0.0.1:8000].")
     @functools.wraps(fn)
     def wrapper(server, token, data_dir, as_json, **kw):
         target = resolve_target(server, token, data_dir)
@@ -461,7 +462,9 @@ def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float 
 
 
 @main.command()
-@click.option("--server", envvar=FTRAIN_SERVER, required=True, help="Control plane URL.")
+@click.option("--server", envvar=FTRAIN_SERVER, required=True,
+              help="Control plane URL, or several comma-separated (replicas: the node fails over "
+                   "between them).")
 @click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
               help="File that holds the node token (read at start).")
 @click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")

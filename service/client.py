@@ -5,6 +5,12 @@ do, so a caller can print `str(exc)` as it is. Retries are limited to requests t
 safe to repeat: reads, and a submit that carries an `Idempotency-Key` (the server answers
 a repeated key with the first job). A refused connection is never retried: there is no
 server, and saying so at once is more useful than waiting.
+
+`server` may name several control planes (`http://a:8000,http://b:8000`): any of them
+serves, so a request that cannot connect to one (never sent: safe for any request) goes to
+the next at once, and a request safe to repeat goes on to the next after a 502/503/504 or a
+lost connection too. The client sticks to the last one that answered (`worker.http.Servers`,
+the node side's list, shared).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import httpx
 
 from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
+from worker.http import RETRYABLE_STATUS, Servers
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
@@ -95,7 +102,7 @@ def resolve_target(server: str | None = None, token: str | None = None,
     token, token_source = _first_of(token, "--token", env, FTRAIN_TOKEN, base / "token",
                                     (None, "none"))
     assert server is not None
-    return Target(server.rstrip("/"), token, server_source, token_source)
+    return Target(",".join(Servers(server).urls), token, server_source, token_source)
 
 
 def _first_of(flag: str | None, flag_name: str, env, env_name: str, path: Path,
@@ -127,13 +134,17 @@ class FtrainClient:
 
     def __init__(self, server: str = DEFAULT_SERVER, token: str | None = None, timeout_s: float = 10.0,
                  token_source: str | None = None, transport: httpx.BaseTransport | None = None):
-        self.server = server.rstrip("/")
+        self._servers = Servers(server)  # one URL or several, comma-separated
         self.token_source = token_source
         headers = {"User-Agent": "ftrain-cli/1"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout_s,
-                                  transport=transport)
+        self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
+
+    @property
+    def server(self) -> str:
+        """The control plane requests go to now (the last that answered)."""
+        return self._servers.current
 
     @classmethod
     def from_target(cls, target: Target, **kw) -> FtrainClient:
@@ -210,7 +221,8 @@ class FtrainClient:
             if rank is not None:
                 params["rank"] = rank
             try:
-                with self._http.stream("GET", url, params=params,
+                server = self.server
+                with self._http.stream("GET", server + url, params=params,
                                        timeout=httpx.Timeout(10.0, read=None)) as resp:
                     if resp.status_code >= 400:
                         resp.read()
@@ -223,8 +235,12 @@ class FtrainClient:
                             yield item
                 return
             except httpx.ConnectError as exc:
-                raise self._transport_error(exc) from exc
+                self._servers.failed(server)
+                failures += 1
+                if failures >= len(self._servers):
+                    raise self._transport_error(exc) from exc
             except httpx.TransportError as exc:
+                self._servers.failed(server)
                 failures += 1
                 if failures >= RETRY_ATTEMPTS:
                     raise self._transport_error(exc) from exc
@@ -258,19 +274,38 @@ class FtrainClient:
         if safe_to_retry is None:
             safe_to_retry = method == "GET"
         attempts = RETRY_ATTEMPTS if safe_to_retry else 1
-        for attempt in range(1, attempts + 1):
+        others = len(self._servers) - 1  # replicas still to ask at once, before any sleep
+        attempt = 0
+        while attempt < attempts:
+            attempt += 1
+            server = self.server
             try:
-                resp = self._http.request(method, path, **kw)
+                resp = self._http.request(method, server + path, **kw)
             except httpx.ConnectError as exc:
+                # Never sent: any request may go to another replica, none is repeated here.
+                self._servers.failed(server)
+                if others > 0:
+                    others, attempt = others - 1, attempt - 1
+                    continue
                 raise self._transport_error(exc) from exc
             except httpx.TransportError as exc:
                 # The request may or may not have arrived; repeating it is safe only here.
+                if safe_to_retry:
+                    self._servers.failed(server)
+                    if others > 0:
+                        others, attempt = others - 1, attempt - 1
+                        continue
                 if attempt < attempts:
                     time.sleep(min(0.2 * attempt, MAX_RETRY_DELAY_S))
                     continue
                 raise self._transport_error(exc) from exc
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
+            if safe_to_retry and resp.status_code in RETRYABLE_STATUS:
+                self._servers.failed(server)
+                if others > 0:
+                    others, attempt = others - 1, attempt - 1
+                    continue
             error = self._error(resp)
             if error.retryable and attempt < attempts:
                 time.sleep(min(getattr(error, "retry_after_s", 1.0), MAX_RETRY_DELAY_S))
@@ -280,7 +315,8 @@ class FtrainClient:
 
     def _transport_error(self, exc: httpx.TransportError) -> ApiError:
         if isinstance(exc, httpx.ConnectError):
-            return ServerUnreachable(f"no ftrain control plane at {self.server}; start one with "
+            where = ", ".join(self._servers.urls)
+            return ServerUnreachable(f"no ftrain control plane at {where}; start one with "
                                      "`make up` (or pass --server / set FTRAIN_SERVER)")
         if isinstance(exc, httpx.TimeoutException):
             return ServerUnreachable(f"the control plane at {self.server} did not answer in time "

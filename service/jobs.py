@@ -282,16 +282,28 @@ class JobStore:
             return []
         return await self._delete_batch(still, fence) if still else []
 
-    async def update(self, job_id: str, decide: Decide) -> JobRecord:
-        """Apply `decide` to the stored job by compare-and-set, re-deciding on a lost race."""
+    async def update(self, job_id: str, decide: Decide, fence: dict[str, int] | None = None) -> JobRecord:
+        """Apply `decide` to the stored job by compare-and-set, re-deciding on a lost race.
+
+        With `fence` (the leader's key at its revision: `Leadership.fence`), the write also
+        compares it, so a replica that lost the lead writes nothing (StaleLeader)."""
+
+        async def read() -> tuple[JobRecord, int]:
+            for key, revision in (fence or {}).items():
+                entry = await self.kv.get(key)
+                if entry is None or entry.mod_revision != revision:
+                    raise StaleLeader("this control plane no longer leads; its scheduler stops")
+            return await self.get_with_revision(job_id)
 
         def outcome(read: tuple[JobRecord, int]) -> cas.Done[JobRecord] | cas.Write[JobRecord]:
             job, revision = read
             change = decide(job)
-            return cas.Done(job) if change is None else self.write(revision, change, change.job)
+            if change is None:
+                return cas.Done(job)
+            write = self.write(revision, change, change.job)
+            return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 
-        return await cas.update(self.kv, lambda: self.get_with_revision(job_id), outcome,
-                                f"job {job_id}")
+        return await cas.update(self.kv, read, outcome, f"job {job_id}")
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

@@ -27,7 +27,7 @@ from service.contact import Contact
 from service.decide import hangs
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig, free_nodes, live_members, plan, schedule
-from service.errors import FtrainError, StoreUnavailable
+from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.models import JobRecord, NodeRecord
@@ -77,12 +77,15 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
-               contact: Contact | None = None, missing_since: dict[str, float] | None = None) -> None:
+               contact: Contact | None = None, missing_since: dict[str, float] | None = None,
+               fence: dict[str, int] | None = None) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
 
     `missing_since` (kept across passes): since when each member node whose record is gone
     has been seen gone; with `contact`, those whose lease lapsed in an outage of the
-    control plane's own are waited for, not counted as lost (`Contact.graced`)."""
+    control plane's own are waited for, not counted as lost (`Contact.graced`). `fence`
+    (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
+    lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead."""
     live_nodes = await nodes.list()
     active = {j.id: j for j in await active_jobs(jobs, index)}
     graced: frozenset[str] = frozenset()
@@ -95,13 +98,14 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
             missing_since.setdefault(name, now)
         if contact is not None:
             graced = contact.graced(missing_since, now)
-    await _schedule(jobs, live_nodes, active, cfg, last_reason, graced)
+    await _schedule(jobs, live_nodes, active, cfg, last_reason, graced, fence)
     if watches is not None:
-        await watch_hangs(jobs, active, watches)
+        await watch_hangs(jobs, active, watches, fence)
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
-                    cfg: SchedulerConfig, last_reason: dict[str, str], graced: frozenset[str]) -> None:
+                    cfg: SchedulerConfig, last_reason: dict[str, str], graced: frozenset[str],
+                    fence: dict[str, int] | None = None) -> None:
     for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg, graced):
         job_id = p.job.id
 
@@ -113,7 +117,9 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: d
             return None if again is None else Change(again.job, again.events)
 
         try:
-            new = await jobs.update(job_id, decide)
+            new = await jobs.update(job_id, decide, fence)
+        except StaleLeader:
+            raise
         except FtrainError as exc:
             log.warning("scheduling job %s failed: %s", job_id, exc)
             continue
@@ -133,7 +139,7 @@ async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int |
 
 
 async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
-                      watches: dict[str, hangs.Watch]) -> None:
+                      watches: dict[str, hangs.Watch], fence: dict[str, int] | None = None) -> None:
     """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang."""
     watched = [j for j in active.values()
                if j.spec.hang_timeout_s is not None and not j.state.is_terminal()]
@@ -153,7 +159,9 @@ async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
             return hangs.decide_hang(current, again.step, again.since, now)
 
         try:
-            new = await jobs.update(job.id, decide)
+            new = await jobs.update(job.id, decide, fence)
+        except StaleLeader:
+            raise
         except FtrainError as exc:
             log.warning("restarting hung job %s failed: %s", job.id, exc)
             continue
@@ -258,7 +266,8 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     await contact.settle(leading)
                 if leading:
                     started = time.perf_counter()
-                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since)
+                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
+                               leadership.fence())
                     passes.record(time.perf_counter() - started)
                     contact.reached()
                 else:
@@ -267,6 +276,10 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
             except StoreUnavailable as exc:
                 leading = False
                 log.warning("scheduler paused: %s", exc.message)
+            except StaleLeader as exc:
+                leading = False
+                leadership.lost()
+                log.warning("scheduler stopped: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")
             wake.clear()

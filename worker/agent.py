@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from worker import log_retention
 from worker.env import FTRAIN_LOG_LEVEL
-from worker.http import HttpError
+from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
 from worker.node_link import NameInUse, NodeForgotten, NodeLink, lock_name
 from worker.protocol import Assignment
@@ -60,7 +60,7 @@ class NodeAgent:
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
                  keep_logs_s: float = log_retention.MAX_AGE_S):
-        self.server = server.rstrip("/")
+        self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 # The node agent sets these for every worker of a job (torchrun passes them on).
 FTRAIN_JOB_ID = "FTRAIN_JOB_ID"
 FTRAIN_ATTEMPT = "FTRAIN_ATTEMPT"  # the job attempt the worker belongs to (fencing)
-FTRAIN_SERVER = "FTRAIN_SERVER"  # the control plane's URL (also the CLI's default server)
+FTRAIN_SERVER = "FTRAIN_SERVER"  # the control plane's URL, or several comma-separated (also the CLI's)
 FTRAIN_JOB_TOKEN = "FTRAIN_JOB_TOKEN"  # the job's token: rendezvous, snapshots, progress
 FTRAIN_NODE = "FTRAIN_NODE"  # the name of the node the worker runs on
 FTRAIN_SNAPSHOT_DIR = "FTRAIN_SNAPSHOT_DIR"

@@ -14,6 +14,13 @@ server's `detail`, so a caller tells "refused" (4xx: a bug, a bad token, a fence
 410 for an attempt that is over) from "no answer" (`Unreachable`) and from a server error
 (5xx). Each caller chooses its budget and timeouts; the policy is the same for all.
 
+Several control planes. `servers` is one URL or several (a list, or one string with commas:
+`http://a:8000,http://b:8000`, as `--server` and `FTRAIN_SERVER` take them); every replica
+serves every request, so a request that gets no answer from one (the same failures as
+above) goes to the next at once, and only after every one has failed in turn does the
+backoff sleep. The client sticks to the last one that answered (`Servers`), so a node
+talks to one replica until it fails. A budget of 0 is one try at each.
+
 Connections are kept alive (a heartbeat a second should not cost a TCP handshake), but an
 idle one is dropped after `KEEPALIVE_EXPIRY_S`, before uvicorn's 5 s keep-alive closes it
 from its side: reusing a connection that the server is closing at that moment is the
@@ -26,7 +33,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # httpx imports httpcore at its first client; imported here, the fork server's preload covers
@@ -72,6 +79,37 @@ class Unreachable(HttpError):
         self.status = status  # the last 502/503/504, or None after a connection error
 
 
+def server_urls(servers: str | Sequence[str]) -> list[str]:
+    """'http://a:8000, http://b:8000/' (or a list) -> ['http://a:8000', 'http://b:8000']."""
+    parts = servers.split(",") if isinstance(servers, str) else [p for s in servers for p in s.split(",")]
+    urls = [p.strip().rstrip("/") for p in parts if p.strip()]
+    if not urls:
+        raise ValueError("no control plane URL given; pass one or several, comma-separated, "
+                         "e.g. http://127.0.0.1:8000")
+    return urls
+
+
+class Servers:
+    """The control planes' URLs (each with `suffix`), and the one in use: the last that
+    answered. `failed(url)` moves on to the next, unless another thread already has."""
+
+    def __init__(self, servers: str | Sequence[str], suffix: str = ""):
+        self.urls = [u + suffix for u in server_urls(servers)]
+        self._current = 0
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    @property
+    def current(self) -> str:
+        return self.urls[self._current]
+
+    def failed(self, url: str) -> None:
+        i = self._current
+        if self.urls[i] == url:
+            self._current = (i + 1) % len(self.urls)
+
+
 def detail_of(response: httpx.Response) -> str:
     """The server's `detail` (FastAPI's error body), else the start of the body."""
     try:
@@ -82,25 +120,32 @@ def detail_of(response: httpx.Response) -> str:
 
 
 class ControlPlaneClient:
-    """HTTP calls to the control plane under `base_url`, with the retry policy above."""
+    """HTTP calls to the control plane(s) under `servers` (each URL followed by `suffix`),
+    with the retry policy above."""
 
-    def __init__(self, base_url: str, token: str | None = None, *,
+    def __init__(self, servers: str | Sequence[str], token: str | None = None, *,
+                 suffix: str = "",
                  timeout: httpx.Timeout | float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_retry: Callable[[str, str, str], None] | None = None):
         """`on_retry(method, path, problem)` is told of each retry (default: a debug line)."""
-        self.base_url = base_url.rstrip("/")
+        self.servers = Servers(servers, suffix.rstrip("/"))
         self._clock = clock
         self._on_retry = on_retry
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(
-            base_url=self.base_url, headers=headers, timeout=timeout, trust_env=False,
+            headers=headers, timeout=timeout, trust_env=False,
             # A TLS context costs ~15 ms to build (the CA bundle is read), in every worker a
             # restart starts: build one only for a control plane that speaks https.
-            verify=self.base_url.startswith("https://"),
+            verify=any(u.startswith("https://") for u in self.servers.urls),
             limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
                                 max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+    @property
+    def base_url(self) -> str:
+        """The URL (with the suffix) requests go to now."""
+        return self.servers.current
 
     def set_token(self, token: str | None) -> None:
         """Send `token` as the bearer token from the next request on (None: no token)."""
@@ -130,37 +175,46 @@ class ControlPlaneClient:
         deadline = self._clock() + retry_s
         delay = BACKOFF_FIRST_S
         attempt = 0
+        untried = len(self.servers)  # the replicas not yet tried since the last sleep
         while True:
             attempt += 1
+            untried -= 1
             status = None
+            url = self.servers.current
             try:
-                response = self._client.request(method, path, json=body, params=params, **extra)
+                response = self._client.request(method, url + path, json=body, params=params, **extra)
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             except httpx.HTTPError as exc:
-                raise HttpError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+                raise HttpError(f"{method} {url}{path}: {type(exc).__name__}: {exc}") from exc
             else:
                 if response.status_code not in RETRYABLE_STATUS:
-                    return self._answer(method, path, response)
+                    return self._answer(method, url + path, response)
                 status = response.status_code
                 problem = f"HTTP {status}: {detail_of(response)}"
+            self.servers.failed(url)
+            if untried > 0:  # another replica to ask before any sleep
+                log.info("%s %s%s failed (%s); trying %s", method, url, path, problem,
+                         self.servers.current)
+                continue
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise Unreachable(method, f"{self.base_url}{path}", attempt, problem, status)
+                raise Unreachable(method, f"{url}{path}", attempt, problem, status)
             if self._on_retry is not None:
                 self._on_retry(method, path, problem)
             else:
-                log.debug("%s %s%s failed (%s); retrying", method, self.base_url, path, problem)
+                log.debug("%s %s%s failed (%s); retrying", method, url, path, problem)
             time.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
             delay = min(delay * 2, BACKOFF_MAX_S)
+            untried = len(self.servers)
 
-    def _answer(self, method: str, path: str, response: httpx.Response) -> Any:
+    def _answer(self, method: str, url: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
-            raise ApiError(method, f"{self.base_url}{path}", response.status_code, detail_of(response))
+            raise ApiError(method, url, response.status_code, detail_of(response))
         if response.status_code == 204 or not response.content:
             return None
         try:
             return response.json()
         except ValueError as exc:
-            raise HttpError(f"{method} {self.base_url}{path}: the answer is not JSON: "
+            raise HttpError(f"{method} {url}: the answer is not JSON: "
                             f"{response.text[:200]!r}") from exc

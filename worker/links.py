@@ -108,10 +108,10 @@ class ServiceLink:
     RETRY_S = 5.0
 
     def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
-        self.base = f"{server.rstrip('/')}/v1/jobs/{job_id}"
         self.attempt = attempt
         self.timeout_s = timeout_s
-        self._client = ControlPlaneClient(self.base, token, timeout=timeout_s)
+        # `server`: one URL or several, comma-separated (any replica serves; see worker/http.py).
+        self._client = ControlPlaneClient(server, token, suffix=f"/v1/jobs/{job_id}", timeout=timeout_s)
 
     def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0) -> Any:
         try:

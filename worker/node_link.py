@@ -25,7 +25,7 @@ import logging
 import os
 from pathlib import Path
 
-from worker.http import ApiError, ControlPlaneClient, HttpError
+from worker.http import ApiError, ControlPlaneClient, HttpError, server_urls
 from worker.protocol import (
     Assignment,
     HeartbeatReply,
@@ -82,7 +82,7 @@ class NodeLink:
 
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  address: str | None = None, credential_file: Path | None = None):
-        self.server = server.rstrip("/")
+        self.server = ",".join(server_urls(server))  # one URL or several (worker/http.py)
         self.name = name
         self.nproc_per_node = nproc_per_node
         self.address = address
@@ -117,7 +117,7 @@ class NodeLink:
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id
         self.registered = True
-        log.info("registered node %s with %s (lease %ss)", self.name, self.server, reply.lease_ttl_s)
+        log.info("registered node %s with %s (lease %ss)", self.name, self._enrol.base_url, reply.lease_ttl_s)
 
     def heartbeat(self, idle: bool) -> Assignment | None:
         """What this node should be doing now; an idle node waits up to an interval for it.

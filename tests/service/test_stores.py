@@ -15,7 +15,7 @@ from service import scheduler
 from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
-from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential
+from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader
 from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.settings import Settings
 from service.store.memory import MemoryStore
@@ -73,6 +73,32 @@ def test_a_live_nodes_name_is_refused_and_a_drained_one_is_replaced_under_a_new_
         with pytest.raises(OutdatedCredential):
             await ctx.nodes.heartbeat_with("n0", "a" * 64)
         await ctx.nodes.heartbeat_with("n0", "b" * 64)
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
+    async def main():
+        from service.nodes import NodeStore
+
+        clock = ManualClock()
+        ctx = context(clock)
+        other = NodeStore(ctx.kv, ctx.keys, clock)  # another control plane on the same etcd
+        first = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
+        await ctx.nodes.heartbeat_with("n0", "a" * 64)
+        for _ in range(3):  # kept alive by the other replica alone, past the lease
+            clock.now += 4
+            await other.heartbeat_with("n0", "a" * 64)
+        assert (await other.list())["n0"].lease_id == first
+        with pytest.raises(OutdatedCredential):
+            await other.heartbeat_with("n0", "b" * 64)
+        # registered again on the first replica (drained: a new credential and lease); the
+        # other one, which knew the old credential, refuses it and takes the new one
+        await ctx.nodes.drain("n0")
+        await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
+        with pytest.raises(NodeNotFound):
+            await other.heartbeat_with("n0", "a" * 64)
+        await other.heartbeat_with("n0", "b" * 64)
 
     asyncio.run(main())
 
@@ -156,6 +182,27 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
         clock.now += 7  # the node's lease lapses: the job goes back to waiting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_a_scheduler_that_lost_the_lead_writes_nothing():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
+        await ctx.nodes.register("n0", 1, None, ttl_s=600)
+        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+        assert await lead.hold()
+        stale = lead.fence()
+        clock.now += 6  # its lease lapsed (cut off from etcd) and another replica leads
+        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader).hold()
+        with pytest.raises(StaleLeader):
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=stale)
+        assert (await ctx.jobs.get(job.id)).state is JobState.PENDING  # nothing written
+        fence = lead.fence() if await lead.hold() else None
+        assert fence is None  # it does not lead again while the other one does
 
     asyncio.run(main())
 

@@ -15,8 +15,9 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 import worker.rendezvous as ftrain_rdzv
 import worker.rendezvous.transport as transport_module
+from service.client import FtrainClient
 from tests.helpers.processes import free_port
-from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
+from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable, server_urls
 from worker.rendezvous import FtrainRendezvousBackend, RendezvousGoneError, Transport
 from worker.runtime import Fenced, LinkError, ServiceLink
 
@@ -35,6 +36,16 @@ class Script:
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, Script]]:
+    yield from _scripted()
+
+
+@pytest.fixture
+def server2() -> Iterator[tuple[str, Script]]:
+    """A second one: another control-plane replica."""
+    yield from _scripted()
+
+
+def _scripted() -> Iterator[tuple[str, Script]]:
     script = Script()
 
     class Handler(BaseHTTPRequestHandler):
@@ -160,6 +171,55 @@ def test_environment_proxies_are_ignored(server, client, monkeypatch):
     c.close()
 
 
+# ------------------------------------------------------------------ several control planes
+
+def test_server_lists_are_comma_separated():
+    assert server_urls(" http://a:8000/, http://b:8000 ,") == ["http://a:8000", "http://b:8000"]
+    assert server_urls(["http://a:8000,http://b:8000", "http://c:8000"]) == [
+        "http://a:8000", "http://b:8000", "http://c:8000"]
+    with pytest.raises(ValueError, match="no control plane URL"):
+        server_urls(" , ")
+
+
+def test_a_dead_replica_is_passed_over_at_once_and_the_next_one_kept(server):
+    url, script = server
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = ControlPlaneClient(f"{dead},{url}", suffix="/v1/jobs/j")
+    start = time.monotonic()
+    assert c.call("GET", "/x") == {}  # a budget of 0: one try at each replica
+    assert c.call("GET", "/y") == {}
+    assert time.monotonic() - start < 1  # no backoff sleep between replicas
+    assert c.base_url == f"{url}/v1/jobs/j"
+    assert [p for _, p, _, _ in script.seen] == ["/v1/jobs/j/x", "/v1/jobs/j/y"]
+    c.close()
+
+
+def test_a_503_sends_the_request_to_the_other_replica_which_is_kept(server, server2):
+    (url1, script1), (url2, script2) = server, server2
+    script1.answers = [(503, {"detail": "etcd away"})]
+    c = ControlPlaneClient([url1, url2])
+    assert c.call("POST", "/x", {"a": 1}) == {} and c.call("POST", "/x", {"a": 2}) == {}
+    assert len(script1.seen) == 1 and [b for _, _, b, _ in script2.seen] == [{"a": 1}, {"a": 2}]
+    script2.answers = [(503, {"detail": "etcd away"})]
+    with pytest.raises(Unreachable) as caught:  # all replicas fail: no answer, as with one
+        c.call("POST", "/x", retry_s=0.3)
+    assert caught.value.status == 503 and len(script1.seen) >= 2
+    c.close()
+
+
+def test_ftrain_client_fails_over_on_a_refused_connection_and_sticks(server):
+    url, script = server
+    script.answers = [(200, {"id": "j1"})]
+    dead = f"http://127.0.0.1:{free_port()}"
+    with FtrainClient(f"{dead},{url}", "tok") as c:
+        assert c.submit({"name": "x"}) == {"id": "j1"}  # never sent to the dead one: safe
+        assert c.server == url
+        assert c.get_job("j1") == {"id": "j1"}
+    assert len(script.seen) == 2
+    with FtrainClient(f"{dead},{dead}", "tok") as c, pytest.raises(Exception, match=dead):
+        c.get_job("j1")
+
+
 def test_every_error_is_an_http_error():
     assert issubclass(ApiError, HttpError) and issubclass(Unreachable, HttpError)
 
@@ -174,6 +234,20 @@ def test_rendezvous_410_is_gone_at_once(server):
         FtrainRendezvousBackend(transport).get_state()
     assert len(script.seen) == 1 and script.seen[0][1] == "/v1/rdzv/job-abcdef-a0/state"
     transport.close()
+
+
+def test_rendezvous_and_service_link_take_a_list_of_control_planes(server):
+    url, script = server
+    script.answers = [(200, {"state": None})]
+    dead = f"127.0.0.1:{free_port()}"  # no scheme: the endpoint's form, for each of the list
+    transport = Transport(f"{dead},{url}", "job-abcdef-a0", "t", retry_timeout_s=5)
+    FtrainRendezvousBackend(transport).get_state()
+    assert transport.base_url == url and script.seen[-1][1] == "/v1/rdzv/job-abcdef-a0/state"
+    transport.close()
+    script.answers = [(200, {"items": []})]
+    link = ServiceLink(f"http://{dead},{url}", "j1", "t", attempt=1)
+    link._call("GET", "/snapshots")
+    assert script.seen[-1][1] == "/v1/jobs/j1/snapshots"
 
 
 def test_rendezvous_503_until_retry_timeout_is_a_connection_error(server):

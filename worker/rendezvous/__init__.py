@@ -5,6 +5,9 @@ the control plane's HTTP API (`service.routes.rendezvous`).
     torchrun --rdzv-backend=ftrain --rdzv-endpoint=http://cp:8000 --rdzv-id=<job id>-a<attempt> \\
              --rdzv-conf=last_call_timeout=1,keep_alive_interval=1 ...
 
+(`--rdzv-endpoint` may list several control-plane replicas, comma-separated: any of them
+serves, and a request that gets no answer from one goes to the next; see worker/http.py.)
+
 `handler_creator` is the `torchrun.handlers` entry point named in pyproject.toml
 (`worker.rendezvous:handler_creator`); torch's registry calls it once and registers what
 it returns, `create_ftrain_handler(params)`.

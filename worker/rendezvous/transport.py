@@ -74,12 +74,13 @@ class Transport:
                  wall_clock: Callable[[], float] = time.time):
         if not rdzv_id:
             raise ValueError("the rendezvous id must be '<job id>-a<attempt>', not empty")
-        self.base_url = endpoint_url(endpoint)
+        # One control plane or several, comma-separated: any of them serves (worker/http.py).
+        self.endpoints = [endpoint_url(e) for e in endpoint.split(",") if e.strip()] or [endpoint_url("")]
         self.rdzv_id = rdzv_id
         self.retry_timeout_s = retry_timeout_s
         self._clock = clock
         self._wall = wall_clock
-        self._client = ControlPlaneClient(f"{self.base_url}/v1/rdzv/{quote(rdzv_id, safe='')}", token,
+        self._client = ControlPlaneClient(self.endpoints, token, suffix=f"/v1/rdzv/{quote(rdzv_id, safe='')}",
                                           clock=clock, on_retry=self._retrying)
         self._brief = threading.local()  # this thread's (retry_s, read timeout) in `briefly`
         self._lock = threading.Lock()
@@ -88,6 +89,11 @@ class Transport:
         self.failing_since: float | None = None
         self.last_outage: Outage | None = None
         self._last_answer: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The control plane requests go to now (the last that answered)."""
+        return self.endpoints[self._client.servers.urls.index(self._client.base_url)]
 
     def close(self) -> None:
         self._client.close()
