@@ -85,7 +85,8 @@ class Link(Protocol):
     def snapshots(self) -> tuple[list[CommittedSnapshot], int | None]: ...
     def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]: ...
     def report_corrupt(self, step: int, reason: str) -> None: ...
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None: ...
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
+                        final: bool = False) -> None: ...
     def control(self) -> ControlRequest: ...
 
 
@@ -154,9 +155,10 @@ class ServiceLink:
     def report_corrupt(self, step: int, reason: str) -> None:
         self._retrying("POST", f"/snapshots/{step}/corrupt", CorruptReport(reason=reason[:500]))
 
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
+                        final: bool = False) -> None:
         self._call("POST", "/progress", ProgressReport(step=step, loss=loss, samples_per_s=samples_per_s,
-                                                       attempt=self.attempt))
+                                                       attempt=self.attempt, final=final))
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))
@@ -216,7 +218,8 @@ class LocalLink:
         log.warning("snapshot at step %d is corrupt (%s); skipped", step, reason)
         self._write(data)
 
-    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None) -> None:
+    def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
+                        final: bool = False) -> None:
         pass
 
     def control(self) -> ControlRequest:

@@ -393,6 +393,8 @@ class ProgressReport(BaseModel):
     loss: float | None = None
     samples_per_s: float | None = Field(None, ge=0)
     attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
+    final: bool = Field(False, description="Rank 0's last report of its run (its script is "
+                        "ending): stored whatever the rate limit, so a finished job shows its last step.")
 
 
 class ControlView(BaseModel):

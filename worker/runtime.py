@@ -383,6 +383,22 @@ class Runtime:
     def _poll(self) -> None:
         assert self.link is not None
         last_report, last_samples, last_t = 0.0, None, None
+        reported = None  # the step last reported
+
+        def report(final: bool = False) -> None:
+            nonlocal last_samples, last_t, reported
+            assert self.link is not None and self._progress is not None
+            step, loss, samples, at = self._progress
+            rate = None
+            if last_t is not None and at > last_t and samples >= last_samples:
+                rate = (samples - last_samples) / (at - last_t)
+            last_samples, last_t, reported = samples, at, step
+            try:
+                loss_value = float(loss) if loss is not None else None
+                self.link.report_progress(step, loss_value, rate, final=final)
+            except LinkError as exc:
+                log.debug("progress report failed: %s", exc)
+
         while not self._stop_poll.is_set():
             try:
                 self._control = self.link.control()
@@ -391,17 +407,10 @@ class Runtime:
             now = time.monotonic()
             if self._progress is not None and now - last_report >= self.progress_every_s:
                 last_report = now
-                step, loss, samples, at = self._progress
-                rate = None
-                if last_t is not None and at > last_t and samples >= last_samples:
-                    rate = (samples - last_samples) / (at - last_t)
-                last_samples, last_t = samples, at
-                try:
-                    loss_value = float(loss) if loss is not None else None
-                    self.link.report_progress(step, loss_value, rate)
-                except LinkError as exc:
-                    log.debug("progress report failed: %s", exc)
+                report()
             self._stop_poll.wait(self.control_poll_s)
+        if self._progress is not None and self._progress[0] != reported:
+            report(final=True)  # the step the run ended at, before the job can finish
 
     # -------------------------------------------------------------- the end
     def finish(self) -> None:

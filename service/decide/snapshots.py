@@ -132,11 +132,13 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job.
 
     A report within `min_interval_s` of the stored one is dropped (the stored one is the
-    answer), so a job writes its progress at a bounded rate however often it reports.
+    answer), so a job writes its progress at a bounded rate however often it reports; rank
+    0's final report (one per run of its script) is always stored, so a finished job shows
+    the step it ended at.
     """
     _check_writable(job, report.attempt, "progress")
     first = not job.reports_progress
-    if (stored is not None and stored.time is not None and not first
+    if (stored is not None and stored.time is not None and not first and not report.final
             and 0 <= now - stored.time < min_interval_s):
         return ProgressDecision(stored, write=False)
     progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now)

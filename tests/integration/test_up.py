@@ -293,6 +293,7 @@ def test_another_local_user_reads_no_file_of_up_and_nothing_from_its_etcd(start_
                                             timeout=10).json())["state"] in ("SUCCEEDED", "FAILED") and j,
                     120, "the job to end")
     assert done["state"] == "SUCCEEDED", done
+    assert done["progress"]["step"] == 12, done  # rank 0's final report: the step it ended at
     assert done["latest_snapshot"] is not None
     snapshots = list((data / "snapshots" / job["id"]).glob("*.pt"))
     assert snapshots and list((data / "job-logs" / job["id"]).iterdir())

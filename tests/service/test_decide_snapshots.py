@@ -102,6 +102,14 @@ def test_commit_acknowledges_a_control_request_only_forward(acked, control_id, n
     assert (change.job.control_acked, change.job.control_acked_step) == (new_acked, acked_step)
 
 
+@pytest.mark.parametrize("since", [0.0, 0.3, 0.999])
+def test_rank0s_final_report_is_stored_within_the_interval(since):
+    # the step a run ended at: a finished job shows it, not the one a second before
+    final = REPORT.model_copy(update={"step": 9, "final": True})
+    d = decide_progress(make_job(reports_progress=True), progress(3, NOW - since), final, NOW, 1.0)
+    assert d.write and d.progress == progress(9, NOW)
+
+
 @pytest.mark.parametrize("job,attempt,error", [
     (make_job(attempt=2), 1, StaleAttempt),
     (make_job(S.SUCCEEDED), 1, Conflict),
