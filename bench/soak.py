@@ -248,10 +248,14 @@ class Soak:
                     await beat
 
     async def _register(self, http: httpx.AsyncClient, name: str) -> tuple[int, float]:
+        """Enrol with the node token; the node's own credential then goes with every other call."""
         while True:
-            r = await self.call(http, "POST", "/v1/nodes/register", json={"name": name})
+            r = await self.call(http, "POST", "/v1/nodes/register", json={"name": name},
+                                headers=self.node_h)
             if r is not None and r.status_code == 200:
                 body = r.json()
+                if body.get("credential"):
+                    http.headers["Authorization"] = f"Bearer {body['credential']}"
                 return body["lease_id"], body["heartbeat_interval_s"]
             await asyncio.sleep(0.5)
 
@@ -266,7 +270,7 @@ class Soak:
             if r is None or r.status_code >= 500:
                 await asyncio.sleep(0.2)
                 continue
-            if r.status_code == 404:
+            if r.status_code in (401, 404):  # lease lapsed (its credential is then outdated)
                 self.totals.errors.append(f"node {name}: lease lapsed, registering again")
                 lease, interval = await self._register(http, name)
                 known = None
