@@ -46,10 +46,6 @@ def token_matches(given: str, expected: str | None) -> bool:
     return expected is not None and secrets.compare_digest(given.encode(), expected.encode())
 
 
-# This module's own calls still use the old names, so that branches changing them merge cleanly.
-_unauthorized, _matches = unauthorized, token_matches
-
-
 @dataclass(frozen=True)
 class Caller:
     """Who a user request comes from: a named user, or the admin (the server's user token,
@@ -63,17 +59,17 @@ async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
     """A user token (submit, read, cancel): the admin's, or a named user's (service.users).
     Open, as the admin, only when no user token is configured."""
     expected = ctx.settings.user_token
-    if creds is not None and _matches(creds.credentials, expected):
+    if creds is not None and token_matches(creds.credentials, expected):
         return Caller(ADMIN, is_admin=True)
     if creds is not None and (name := await ctx.users.who(creds.credentials)) is not None:
         return Caller(name)
     if expected is None:
         return Caller(ADMIN, is_admin=True)
     if creds is None:
-        raise _unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
+        raise unauthorized("missing 'Authorization: Bearer <token>' (the user token; "
                             "`ftrain up` writes it to <data-dir>/token)")
     await _refuse_other_principal(ctx, creds.credentials, "user endpoints")
-    raise _unauthorized("invalid token")
+    raise unauthorized("invalid token")
 
 
 CallerDep = Annotated[Caller, Depends(require_user)]
@@ -114,7 +110,7 @@ def _is_job_token(ctx: Context, given: str) -> bool:
     """Whether `given` is the token of an unfinished job (to answer 403, not 401)."""
     for job_id in ctx.index.active_ids():
         job = ctx.index.get(job_id)
-        if job is not None and _matches(given, ctx.job_token(job)):
+        if job is not None and token_matches(given, ctx.job_token(job)):
             return True
     return False
 
@@ -122,9 +118,9 @@ def _is_job_token(ctx: Context, given: str) -> bool:
 async def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
     """403 if `given` is another principal's valid-looking token; else return (then 401)."""
     s = ctx.settings
-    if _matches(given, s.user_token) or await ctx.users.who(given) is not None:
+    if token_matches(given, s.user_token) or await ctx.users.who(given) is not None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"a user token cannot call {what}")
-    if _matches(given, s.node_token):
+    if token_matches(given, s.node_token):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"the node token cannot call {what}: it only registers a node "
                             "(POST /v1/nodes/register), which returns the node's own credential")
@@ -140,25 +136,25 @@ async def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
     if expected is None:
         return
     if creds is None:
-        raise _unauthorized("missing 'Authorization: Bearer <node token>'")
-    if not _matches(creds.credentials, expected):
+        raise unauthorized("missing 'Authorization: Bearer <node token>'")
+    if not token_matches(creds.credentials, expected):
         if _node_of_credential(creds.credentials) is not None:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 "registering takes the node token, not a node credential")
         await _refuse_other_principal(ctx, creds.credentials, "node registration")
-        raise _unauthorized("invalid node token")
+        raise unauthorized("invalid node token")
 
 
 async def _node_credential(ctx: Context, creds: HTTPAuthorizationCredentials | None,
                            what: str) -> tuple[str, str]:
     """(node name, credential digest) of a credential-shaped token; 401/403 for anything else."""
     if creds is None:
-        raise _unauthorized("missing 'Authorization: Bearer <node credential>' (the credential "
+        raise unauthorized("missing 'Authorization: Bearer <node credential>' (the credential "
                             "that registering returned)")
     name = _node_of_credential(creds.credentials)
     if name is None:
         await _refuse_other_principal(ctx, creds.credentials, what)
-        raise _unauthorized("invalid node credential")
+        raise unauthorized("invalid node credential")
     return name, credential_digest(creds.credentials)
 
 
@@ -208,19 +204,19 @@ async def require_job_token(
     if ctx.settings.node_token is None:
         return await ctx.jobs.get(job_id)
     if creds is None:
-        raise _unauthorized("missing 'Authorization: Bearer <job token>' (FTRAIN_JOB_TOKEN)")
+        raise unauthorized("missing 'Authorization: Bearer <job token>' (FTRAIN_JOB_TOKEN)")
     try:
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
         job = None  # don't tell strangers which jobs exist
-    if job is not None and _matches(creds.credentials, ctx.job_token(job)):  # derived (service.keyring)
+    if job is not None and token_matches(creds.credentials, ctx.job_token(job)):  # derived (service.keyring)
         return job
     if _is_job_token(ctx, creds.credentials):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"this is another job's token; it cannot act for job {job_id}")
     await _refuse_other_principal(ctx, creds.credentials, "job-runtime endpoints (they take the job's "
                                                     "own token, FTRAIN_JOB_TOKEN)")
-    raise _unauthorized("invalid job token")
+    raise unauthorized("invalid job token")
 
 
 UserAuth = Depends(require_user)

@@ -15,6 +15,14 @@ from worker.protocol import ControlAction, Progress, SnapshotMeta
 
 ADMIN = "admin"  # the user of the single user token (`ftrain serve --token`)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def dns_label(v: str) -> str:
+    """`v` if it is a DNS label (a job's or a user's name), else the error a 422 names."""
+    if not DNS_LABEL.match(v):
+        raise ValueError("must be a DNS label: lower-case letters, digits and '-', "
+                         "starting and ending with a letter or digit")
+    return v
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
@@ -100,10 +108,7 @@ class JobSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, v: str) -> str:
-        if not DNS_LABEL.match(v):
-            raise ValueError("must be a DNS label: lower-case letters, digits and '-', "
-                             "starting and ending with a letter or digit")
-        return v
+        return dns_label(v)
 
     @field_validator("nproc_per_node")
     @classmethod
@@ -328,9 +333,7 @@ class NewUser(_Strict):
     @field_validator("name")
     @classmethod
     def _dns_label(cls, v: str) -> str:
-        if not DNS_LABEL.match(v):
-            raise ValueError("must be a DNS label: lower-case letters, digits and '-', "
-                             "starting and ending with a letter or digit")
+        dns_label(v)
         if v == ADMIN:
             raise ValueError(f"{ADMIN!r} is the admin (the server's own user token); choose another name")
         return v

@@ -21,11 +21,11 @@ from service.deps import (
     ContextDep,
     Credentials,
     _is_job_token,
-    _matches,
     _node_of_credential,
     _refuse_other_principal,
-    _unauthorized,
     credential_digest,
+    token_matches,
+    unauthorized,
     verify_node,
 )
 from service.errors import JobNotFound
@@ -56,7 +56,7 @@ async def current_rendezvous(
     job_id, attempt = parse_rdzv_id(rdzv_id)
     if ctx.settings.node_token is not None:
         if creds is None:
-            raise _unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
+            raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
                                 "FTRAIN_JOB_TOKEN, or a member node's credential)")
         job = await _job_of_caller(ctx, creds.credentials, job_id)
     else:
@@ -85,13 +85,13 @@ async def _job_of_caller(ctx, given: str, job_id: str):
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
         job = None  # don't tell strangers which jobs exist
-    if job is not None and _matches(given, ctx.job_token(job)):  # derived (service.keyring)
+    if job is not None and token_matches(given, ctx.job_token(job)):  # derived (service.keyring)
         return job
     if _is_job_token(ctx, given):
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"this is another job's token; it cannot join job {job_id}'s rendezvous")
     await _refuse_other_principal(ctx, given, "rendezvous endpoints")
-    raise _unauthorized("invalid job token")
+    raise unauthorized("invalid job token")
 
 
 RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]

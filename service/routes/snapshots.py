@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from service.decide.snapshots import control_for
-from service.deps import ContextDep, Credentials, JobTokenDep, _matches, require_job_token
+from service.deps import ContextDep, Credentials, JobTokenDep, require_job_token, token_matches
 from service.snapshots import SnapshotStore
 from worker.protocol import (
     CommitRequest,
@@ -37,7 +37,7 @@ SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
 async def require_reader(ctx: ContextDep, creds: Credentials,
                          job_id: Annotated[str, Path()]) -> None:
     """A user token (the admin's or a named user's), or the job's own token."""
-    if creds is not None and (_matches(creds.credentials, ctx.settings.user_token)
+    if creds is not None and (token_matches(creds.credentials, ctx.settings.user_token)
                               or await ctx.users.who(creds.credentials) is not None):
         return
     await require_job_token(ctx, creds, job_id)
