@@ -247,7 +247,9 @@ class AsyncWriter:
     latest), `failed_step` says which step was lost, and the next save tries again.
 
     Committing. A written snapshot is handed to the committer thread, which commits the
-    waiting ones oldest first. A commit that does not reach the control plane
+    newest waiting one first: it is the one a restart resumes from, and a planned change's
+    snapshot must not wait behind a backlog that an outage left (the older ones land after
+    it; the control plane's "latest" only moves forward). A commit that does not reach the control plane
     (`CommitUnavailable`: it is restarting, or it or its etcd is away) keeps its file and is
     tried again, with a pause growing from `RETRY_FIRST_S` to `RETRY_MAX_S`, for as long as
     it takes, while training goes on and later snapshots are written and queued behind it.
@@ -279,7 +281,7 @@ class AsyncWriter:
         self.failures = 0
         self.superseded: list[int] = []  # steps whose waiting commit a newer snapshot replaced
         self._changed = threading.Condition()
-        self._waiting: list[_Uncommitted] = []  # written, not yet committed, oldest first
+        self._waiting: list[_Uncommitted] = []  # written, not yet committed, oldest first (committed newest first)
         self._in_flight: _Uncommitted | None = None
         self._committer: threading.Thread | None = None
 
@@ -352,7 +354,7 @@ class AsyncWriter:
             self._waiting.append(item)
             while len(self._waiting) > self.keep:
                 # the oldest that is not being committed right now (that one may land)
-                i = 1 if self._waiting[0] is self._in_flight else 0
+                i = next(i for i, u in enumerate(self._waiting) if u is not self._in_flight)
                 dropped.append(self._waiting.pop(i))
             if self._committer is None:
                 self._committer = threading.Thread(target=self._commit_loop, name="snapshot-commits",
@@ -372,7 +374,9 @@ class AsyncWriter:
             with self._changed:
                 while not self._waiting:
                     self._changed.wait()
-                item = self._in_flight = self._waiting[0]
+                # The newest first: it is the one a restart resumes from, and a planned
+                # change's snapshot must not wait behind a backlog left by an outage.
+                item = self._in_flight = self._waiting[-1]
             item.tries += 1
             try:
                 prune = self._commit(item.written, item.stall_s, item.control_id)
@@ -400,8 +404,7 @@ class AsyncWriter:
                 log.warning("snapshot of step %d committed after %d tries, %.1f s after it was written",
                             item.written.step, item.tries, self._clock() - item.since)
             with self._changed:
-                if self._waiting and self._waiting[0] is item:
-                    self._waiting.pop(0)
+                self._waiting = [u for u in self._waiting if u is not item]
                 self._in_flight = None
                 if self.last is None or item.written.step >= self.last.step:
                     self.last = item.written

@@ -387,7 +387,9 @@ def test_a_commit_that_gets_no_answer_keeps_its_file_and_lands_when_the_control_
 
     cp.back.set()
     assert writer.wait(commit_wait_s=10) is True
-    assert cp.commits == [10, 20] and writer.uncommitted() == [] and writer.last.step == 20
+    # the newest first: a restart resumes from it, and a planned change's snapshot must not
+    # wait behind a backlog left by an outage
+    assert cp.commits == [20, 10] and writer.uncommitted() == [] and writer.last.step == 20
 
 
 def test_a_newer_snapshot_supersedes_the_oldest_waiting_one_as_pruning_would(tmp_path, fast_retries):
@@ -399,7 +401,7 @@ def test_a_newer_snapshot_supersedes_the_oldest_waiting_one_as_pruning_would(tmp
     assert writer.uncommitted() == [30, 40] and writer.superseded == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == [snap.snapshot_name(30), snap.snapshot_name(40)]
     cp.back.set()
-    assert writer.wait() is True and cp.commits == [30, 40]
+    assert writer.wait() is True and cp.commits == [40, 30]
 
 
 def test_a_refused_commit_after_an_outage_still_reaches_the_training_thread(tmp_path, fast_retries):
