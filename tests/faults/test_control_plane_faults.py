@@ -149,6 +149,9 @@ def _rank0_steps_on_the_nodes(agents: list[NodeAgentProc], job_id: str) -> tuple
 # exercised); FTRAIN_TEST_OUTAGE_S=90 also passes torch's retry_timeout (60 s), and
 # FTRAIN_TEST_OUTAGE_S=600 is the 10-minute run (with pytest's --timeout=1500).
 OUTAGE_S = float(os.environ.get("FTRAIN_TEST_OUTAGE_S", "20"))
+# Snapshot every EVERY steps: at up to 10 steps a second, a 10-minute stop at every 5 steps
+# would write more snapshots than the spec keeps (KEEP_ALL), and the oldest would be pruned.
+EVERY = 5 if OUTAGE_S <= 120 else 25
 
 
 def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_seen(etcd, tmp_path):
@@ -163,7 +166,7 @@ def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_see
     try:
         with cp.client() as api:
             wait_nodes(api, 2)
-            job_id = submit(api, train_spec("outage", 1_000_000, every=5, mn=1, mx=3, delay_s=0.1))
+            job_id = submit(api, train_spec("outage", 1_000_000, every=EVERY, mn=1, mx=3, delay_s=0.1))
             with SnapshotWatch(cp, job_id) as watch:
                 wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "a group of two")
                 wait_latest(api, job_id, 10)
@@ -175,11 +178,11 @@ def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_see
 
                 started.append(NodeAgentProc(cp, "n2", tmp_path / "nodes").start())
                 wait_for(lambda: job(api, job_id)["world_size"] == 3, 120, "the group to grow to three")
-                wait_latest(api, job_id, watch.good_steps() and max(watch.good_steps()) + 5)
+                wait_latest(api, job_id, watch.good_steps() and max(watch.good_steps()) + EVERY)
                 # Rank 0 commits its newest snapshot first (a restart resumes from it, and the
                 # join's must not wait behind the outage's backlog): the older ones written
                 # during the outage land after it, before the job is cancelled.
-                during = set(range(before + 1, after + 1)) & set(range(5, after + 1, 5))
+                during = set(range(before + 1, after + 1)) & set(range(EVERY, after + 1, EVERY))
                 wait_for(lambda: during <= {i["step"] for i in watch.check(api)["items"]},
                          max(120.0, OUTAGE_S), "the snapshots written during the outage to be committed")
                 assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
