@@ -62,7 +62,7 @@ class Context:
         jobs = JobStore(kv, keys)
         return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs),
-                   progress=ProgressStore(jobs, settings.progress_min_interval_s),
+                   progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
                    users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
                    contact=Contact(kv, keys.contact, settings.node_ttl_s))

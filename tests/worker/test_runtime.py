@@ -227,3 +227,12 @@ def test_the_plain_tutorial_script_resumes_from_its_own_snapshot_after_a_sigkill
     assert "epoch=7 " in text and (tmp_path / "snapshot.pt").exists()
     after = text.split("Resuming training")[1]
     assert f"epoch={resumed[0] - 1} " not in after  # no epoch before the snapshot ran again
+
+
+def test_logged_scalars_are_reported_as_floats_and_refused_ones_left_out(caplog):
+    rt = runtime.init(env={}, total_steps=50)
+    rt.log(lr=torch.tensor(0.25), grad_norm=3.0)
+    rt.log(lr=0.125, diverged=float("nan"), **{"no spaces": 1.0})
+    assert rt.total_steps == 50
+    assert rt._scalar_values() == {"lr": 0.125, "grad_norm": 3.0}
+    assert "'diverged'" in caplog.text and "'no spaces'" in caplog.text
