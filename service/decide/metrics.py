@@ -4,8 +4,10 @@ Rank 0 reports its step, loss, throughput and the scalars the script logs (`rt.l
 about once a second; each stored report (progress' own rate limit applies) adds a point
 here. The history is one small etcd key per job, so it must stay bounded however long the
 job runs: it keeps at most `capacity` points, and when full it drops every other point and
-doubles `stride`, the least number of steps between two kept points, so a long run is seen
-whole at a coarser resolution (the oldest steps are never lost, only thinned).
+doubles `stride`, the least number of steps between two kept points (or sets it to their
+average spacing, if that is more), so a long run is seen whole at an even, coarser
+resolution (the oldest steps are never lost, only thinned), and the key is written less
+often as the run grows: once a point per `stride` steps.
 
 A report of a step at or before the newest point comes from an attempt that resumed from a
 snapshot: the points from that step on belonged to steps that are being trained again, so
@@ -51,5 +53,9 @@ def add_point(history: MetricHistory | None, step: int, time: float, values: dic
         keep = range((len(steps) - 1) % 2, len(steps), 2)
         steps, times = [steps[i] for i in keep], [times[i] for i in keep]
         series = {name: [col[i] for i in keep] for name, col in series.items()}
-        stride *= 2
+        # New points as far apart as the kept ones are on average: reports come every so many
+        # steps, not every step, and a stride below that would fill the history with recent
+        # points at a finer grain than the old ones.
+        spacing = -(-(steps[-1] - steps[0]) // max(1, len(steps) - 1))
+        stride = max(stride * 2, spacing)
     return MetricHistory(stride=stride, steps=steps, times=times, series=series)

@@ -36,6 +36,16 @@ def test_history_is_bounded_and_thinned_evenly(steps, kept, stride):
     assert h.series["loss"] == [float(f"{1.0 / (s + 1):.6g}") for s in kept]
 
 
+@pytest.mark.parametrize("reports", [12, 500])
+def test_points_stay_evenly_spread_when_reports_come_every_so_many_steps(reports):
+    # a report every 20 steps: once the history is thinned, new points come no closer
+    # together than the kept ones (not at every report, which would make the key's writes
+    # no rarer and the recent curve finer than the old)
+    h = grow(list(range(20, 20 * (reports + 1), 20)))
+    gaps = {b - a for a, b in zip(h.steps, h.steps[1:])}
+    assert len(h.steps) <= CAP and h.steps[0] == 20 and gaps == {h.stride}, (h.steps, h.stride)
+
+
 def test_a_resumed_attempts_steps_replace_those_trained_again():
     h = grow([10, 20, 30, 40])
     h = add_point(h, 25, 500.0, {"loss": 9.0}, CAP, SERIES)  # resumed from the snapshot at 25
