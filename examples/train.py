@@ -57,6 +57,7 @@ def main() -> None:
                    help="sleep this long per step (to watch it, or to give a test time to strike)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per control poll
 
     torch.manual_seed(args.seed)
     rt = runtime.init(total_steps=args.steps)  # the dashboard's percent and time left

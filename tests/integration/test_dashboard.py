@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.elastic import job, submit
+from tests.helpers.elastic import job, submit, wait_state
 from tests.helpers.faults import train_spec, wait_workers
-from tests.helpers.processes import pid_alive, wait_for
+from tests.helpers.processes import REPO, pid_alive, wait_for
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -79,15 +79,28 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.wait_for_selector("#jobs")
             assert page.evaluate("sessionStorage.getItem('ftrain.token')") == control_plane.user_token
 
+            others = []
+            if shots:  # a fuller jobs page for the picture: a job that ended, one that waits
+                others.append(submit(api, train_spec("warm-up", 20, every=10, delay_s=0.01)))
+                wait_state(api, others[-1], "SUCCEEDED", 60)
+                others.append(submit(api, train_spec("needs-two-nodes", 100, mn=2, mx=2)))
+
             # a job submitted through the API appears on the jobs page, with its progress
-            job_id = submit(api, train_spec("dash", 600, every=10, delay_s=0.05))
+            spec = train_spec("dash", 600, every=10, delay_s=0.05)
+            # the script by its path in the repository (the job's page shows the command)
+            spec["command"][1], spec["working_dir"] = "examples/train.py", str(REPO)
+            job_id = submit(api, spec)
             row = f'tr[data-job="{job_id}"]'
             page.wait_for_selector(f'{row} [data-state="RUNNING"]')
             page.wait_for_selector(f"{row} [data-progress]:has-text('ETA')")
             label = page.inner_text(f"{row} [data-progress]")
             assert "/ 600" in label and "%" in label, label
             if shots:
-                page.screenshot(path=str(Path(shots) / "dashboard-jobs.png"))
+                page.wait_for_selector(f'tr[data-job="{others[-1]}"]')
+                box = page.locator("main").bounding_box()
+                page.screenshot(path=str(Path(shots) / "dashboard-jobs.png"),
+                                clip={"x": 0, "y": 0, "width": 1360, "height": box["y"] + box["height"]})
+                api.post(f"/v1/jobs/{others[-1]}/cancel").raise_for_status()
 
             # its page: the loss curve grows while it trains
             page.click(f"{row} a")
@@ -137,7 +150,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
     text = api.get("/metrics").text
     got = {name: float(value) for name, _, value in
            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
-    assert got['ftrain_jobs{state="CANCELLED"}'] == 1
+    assert got['ftrain_jobs{state="CANCELLED"}'] == 1 + (1 if shots else 0)
     assert got["ftrain_job_restarts_total"] == 1 and got["ftrain_job_recovery_seconds_count"] == 1
     assert 0 < got["ftrain_job_recovery_seconds_sum"] < 30
     assert got["ftrain_snapshot_stall_seconds_count"] >= 1

@@ -68,6 +68,13 @@ function eta(p, job) {
   return Math.max(0, p.eta_s - (Date.now() / 1000 - p.time));
 }
 
+// A finished job holds no node: its members are listed on its page, not as in use.
+function nodesInUse(job) {
+  if (TERMINAL.has(job.state)) return '<span class="muted">–</span>';
+  if (!job.nodes.length) return '<span class="muted">0</span>';
+  return `${job.nodes.length} <span class="muted mono">${esc(job.nodes.join(", "))}</span>`;
+}
+
 function progressCell(job) {
   const p = job.progress;
   if (!p) return `<span class="muted">${TERMINAL.has(job.state) ? "–" : "no steps yet"}</span>`;
@@ -170,7 +177,7 @@ function jobsView() {
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
         <td>${badge(job.state)}</td>
         <td>${progressCell(job)}</td>
-        <td>${job.nodes.length ? `${job.nodes.length} <span class="muted mono">${esc(job.nodes.join(", "))}</span>` : '<span class="muted">0</span>'}</td>
+        <td>${nodesInUse(job)}</td>
         <td>${job.restarts}</td>
         <td>${jobDuration(job)}</td>
         <td>${esc(job.owner)}</td>
@@ -195,7 +202,7 @@ function makeChart(el, title, names) {
   const opts = {
     title, width: Math.max(300, el.clientWidth - 4), height: 240,
     scales: { x: { time: false } },
-    axes: [{ label: "step" }, { values: ticks, size: 60 }],
+    axes: [{ label: "step" }, { values: ticks, size: 72 }],
     series: [{ label: "step" }, ...names.map((n, i) => ({
       label: n, stroke: PALETTE[i % PALETTE.length], width: 1.6, spanGaps: true,
       points: { show: false }, value: (u, v) => v == null ? "–" : Number(v).toPrecision(5),
@@ -218,8 +225,8 @@ function jobView(jobId) {
     <div class="panel" id="others-panel" hidden><div class="chart" id="chart-others"></div></div>
     <div class="grid">
       <div class="panel"><h2>Events</h2><ul class="timeline" id="events"></ul></div>
-      <div class="panel"><h2>Snapshots</h2><table id="snapshots"><thead><tr><th>Step</th><th>Size</th>
-        <th>Stall</th><th>Write</th><th>Committed</th><th></th></tr></thead><tbody></tbody></table></div>
+      <div class="panel"><h2>Snapshots</h2><div class="scroll"><table id="snapshots"><thead><tr><th>Step</th><th>Size</th>
+        <th>Stall</th><th>Write</th><th>Committed</th><th></th></tr></thead><tbody></tbody></table></div></div>
     </div>
     <div class="panel"><h2>Logs <span class="muted" id="log-state"></span></h2><pre id="log"></pre></div>`;
   const $ = id => document.getElementById(id);
@@ -248,7 +255,7 @@ function jobView(jobId) {
       ["Loss", num(p.loss)],
       ["Samples/s", p.samples_per_s == null ? "–" : Math.round(p.samples_per_s)],
       ["Steps/s", p.steps_per_s == null ? "–" : num(p.steps_per_s, 3)],
-      ["Nodes in use", j.nodes.length ? esc(j.nodes.join(", ")) : "none"],
+      [TERMINAL.has(j.state) ? "Ran on" : "Nodes in use", j.nodes.length ? esc(j.nodes.join(", ")) : "none"],
       ["World size", j.world_size],
       ["Attempt", j.attempt],
       ["Restarts", `${j.restarts} of ${j.spec.max_restarts}`],
