@@ -1,6 +1,11 @@
 """The web dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 a job submitted through the API shows up, its loss curve grows while it trains, a worker
-SIGKILL shows as RECOVERING and then RUNNING, and the page's cancel button cancels it.
+SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, and the
+nodes page drains a node.
+
+RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
+SIGKILL the job is RECOVERING only while the group re-forms (under a second here), which a
+page that polls once a second may not catch in its state badge.
 
 The browser is the system's: nothing downloads one (`apt-get install chromium`; `make
 setup` and .ci/run install it). Every request the page makes to another host is refused,
@@ -138,6 +143,14 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.wait_for_selector("#job-state [data-state='CANCELLED']")
             assert job(api, job_id)["state"] == "CANCELLED"
             assert page.is_hidden("#cancel")
+
+            # the nodes page: n0, free again, and drained from the page (the admin's token)
+            page.click("a[data-nav='nodes']")
+            page.wait_for_selector('tr[data-node="n0"] [data-state="READY"]')
+            assert page.inner_text('tr[data-node="n0"]').count("idle") == 1
+            page.click('tr[data-node="n0"] button[data-drain="n0"]')
+            page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINING"]')
+            assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINING"
 
             # /docs: Swagger UI from the package's own files
             page.goto(control_plane.url + "/docs")
