@@ -33,8 +33,8 @@ _NODES: dict[str, tuple[str, str]] = {}  # job id -> (its node, that node's cred
 
 
 def give_it_state(cp: ControlPlane, job_id: str) -> None:
-    """Logs, progress (and a metric history), a committed snapshot and rendezvous keys, as a job's nodes leave them
-    (a node of its own, which then runs it, and its workers)."""
+    """Logs, progress (and a metric history), a committed snapshot and rendezvous keys, as a
+    job's nodes leave them (a node of its own, which then runs it, and its workers)."""
     node_name = f"n{len(_NODES)}"
     credential = cp.member_of(job_id, node_name)
     line = {"rank": 0, "stream": "stdout", "line": "step 1", "time": time.time()}
