@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from service.decide.change import Change
+from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
 from service.keyring import new_nonce
@@ -187,10 +188,12 @@ class JobStore:
 
     async def metrics(self, job_id: str) -> MetricHistory:
         """The job's metric history (empty until its first progress report)."""
-        entry, history = await self.kv.get_many([self.keys.job(job_id), self.keys.metrics(job_id)])
+        entry, body, tail = await self.kv.get_many(
+            [self.keys.job(job_id), self.keys.metrics_body(job_id), self.keys.metrics_tail(job_id)])
         if entry is None:
             raise JobNotFound(job_id)
-        return MetricHistory() if history is None else MetricHistory.model_validate_json(history.value)
+        return merged(*(None if e is None else MetricHistory.model_validate_json(e.value)
+                        for e in (body, tail)))
 
     async def events(self, job_id: str) -> list[EventView]:
         """The job's events, oldest first."""
@@ -203,7 +206,7 @@ class JobStore:
         """What to delete with a job in etcd: its record, events, progress, metrics, snapshot records
         and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
         ops = [Delete(self.keys.job(job.id)), Delete(self.keys.events(job.id), prefix=True),
-               Delete(self.keys.progress(job.id)), Delete(self.keys.metrics(job.id)),
+               Delete(self.keys.progress(job.id)), Delete(self.keys.metrics(job.id), prefix=True),
                Delete(self.keys.snapshots(job.id), prefix=True)]
         if job.idempotency_digest is not None:
             ops.append(Delete(self.keys.idempotency(job.idempotency_digest)))

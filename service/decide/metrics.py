@@ -12,11 +12,20 @@ often as the run grows: once a point per `stride` steps.
 A report of a step at or before the newest point comes from an attempt that resumed from a
 snapshot: the points from that step on belonged to steps that are being trained again, so
 they are dropped and the curve continues from the snapshot.
+
+Stored as two keys, so that a report does not rewrite the whole history (240 points are
+some 12 KiB): the body, and a tail of at most `TAIL_POINTS` newer points. A new point is
+written to the tail alone while the body stays a prefix of the history and the rest fits
+in the tail; otherwise (the tail is full, the history was thinned, or a resumed attempt cut
+into the body) the whole history becomes the body and the tail is emptied. A report then
+writes a few hundred bytes, and the body is rewritten once every `TAIL_POINTS` points.
 """
 
 from __future__ import annotations
 
 from service.models import MetricHistory
+
+TAIL_POINTS = 16  # newest points kept in the tail key, written on their own
 
 
 def rounded(value: float) -> float:
@@ -59,3 +68,30 @@ def add_point(history: MetricHistory | None, step: int, time: float, values: dic
         spacing = -(-(steps[-1] - steps[0]) // max(1, len(steps) - 1))
         stride = max(stride * 2, spacing)
     return MetricHistory(stride=stride, steps=steps, times=times, series=series)
+
+
+def merged(body: MetricHistory | None, tail: MetricHistory | None) -> MetricHistory:
+    """The history as one: the body's points, then the tail's (a scalar missing from one
+    part is null there)."""
+    body, tail = body or MetricHistory(), tail or MetricHistory()
+    nb, nt = len(body.steps), len(tail.steps)
+    names = list(body.series) + [n for n in tail.series if n not in body.series]
+    return MetricHistory(stride=body.stride, steps=body.steps + tail.steps, times=body.times + tail.times,
+                         series={n: body.series.get(n, [None] * nb) + tail.series.get(n, [None] * nt)
+                                 for n in names})
+
+
+def split(body: MetricHistory | None, history: MetricHistory,
+          tail_points: int = TAIL_POINTS) -> tuple[MetricHistory | None, MetricHistory]:
+    """What to write of `history` (the stored one with a point added), given the stored
+    body: (the new body, or None when the stored one stays; the new tail)."""
+    body = body or MetricHistory()
+    n = len(body.steps)
+    stays = (history.stride == body.stride and history.steps[:n] == body.steps
+             and history.times[:n] == body.times and len(history.steps) - n <= tail_points
+             and all(col[:n] == body.series.get(name, [None] * n) for name, col in history.series.items()))
+    if not stays:
+        return history, MetricHistory(stride=history.stride)
+    return None, MetricHistory(stride=history.stride, steps=history.steps[n:], times=history.times[n:],
+                               series={name: col[n:] for name, col in history.series.items()
+                                       if any(v is not None for v in col[n:])})

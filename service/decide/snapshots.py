@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.decide.change import Change
-from service.decide.metrics import add_point
+from service.decide.metrics import add_point, merged, split
 from service.decide.state import note
 from service.errors import Conflict, SnapshotNotFound, StaleAttempt
 from service.models import JobRecord, MetricHistory, Progress
@@ -123,20 +123,21 @@ def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now
 @dataclass(frozen=True)
 class ProgressDecision:
     """What a progress report changes: the progress key (and, once, the job record), and
-    the metric history."""
+    the metric history's keys (`decide.metrics`: body and tail)."""
 
     progress: Progress  # what is stored once the decision is applied (the answer)
     write: bool  # write `progress` to the job's progress key
     job: JobRecord | None = None  # the job record to write too (only on the first report)
-    history: MetricHistory | None = None  # the metric history to write too (None: unchanged)
+    body: MetricHistory | None = None  # the history's body to write (None: unchanged)
+    tail: MetricHistory | None = None  # its tail to write (None: unchanged)
 
 
 SPEED_WEIGHT = 0.3  # of the newest interval in the smoothed steps per second
 
 
 def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressReport, now: float,
-                    min_interval_s: float, history: MetricHistory | None = None,
-                    metric_points: int = 240) -> ProgressDecision:
+                    min_interval_s: float, body: MetricHistory | None = None,
+                    tail: MetricHistory | None = None, metric_points: int = 240) -> ProgressDecision:
     """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job.
 
     A report within `min_interval_s` of the stored one is dropped (the stored one is the
@@ -165,8 +166,9 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
                         total_steps=total, steps_per_s=None if speed is None else round(speed, 4),
                         percent=percent, eta_s=eta, metrics=report.metrics)
     values = {"loss": report.loss, "samples_per_s": report.samples_per_s, **report.metrics}
-    added = add_point(history, report.step, now, values, metric_points, MAX_METRICS + 2)
-    return ProgressDecision(progress, write=True, history=added,
+    added = add_point(merged(body, tail), report.step, now, values, metric_points, MAX_METRICS + 2)
+    new_body, new_tail = (None, None) if added is None else split(body, added)
+    return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
                             job=job.model_copy(update={"reports_progress": True}) if first else None)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.decide.metrics import add_point
+from service.decide.metrics import add_point, merged, split
 from service.models import MetricHistory
 
 CAP = 8
@@ -70,3 +70,37 @@ def test_nothing_to_keep_leaves_the_history_unchanged():
 def test_values_keep_six_significant_digits():
     h = add_point(None, 1, 12.3456, {"loss": 0.123456789, "big": 123456789.0}, CAP, SERIES)
     assert h.series == {"loss": [0.123457], "big": [123457000.0]} and h.times == [12.3]
+
+
+def stored_as_body_and_tail(steps: list[int], tail_points: int) -> tuple[list[tuple], MetricHistory]:
+    """Add points as the progress store does (merge, add, split); return what each added
+    point wrote ((points in the body written or None, points in the tail)) and the merge."""
+    body = tail = None
+    writes = []
+    for s in steps:
+        added = add_point(merged(body, tail), s, 100.0 + s, {"loss": 1.0 / (s + 1)}, CAP, SERIES)
+        if added is None:
+            continue
+        new_body, tail = split(body, added, tail_points)
+        body = new_body or body
+        writes.append((None if new_body is None else len(new_body.steps), len(tail.steps)))
+    return writes, merged(body, tail)
+
+
+def test_the_tail_takes_new_points_and_the_body_is_rewritten_only_when_it_is_full():
+    writes, history = stored_as_body_and_tail([1, 2, 3, 4, 5, 6], tail_points=2)
+    assert writes == [(None, 1), (None, 2), (3, 0), (None, 1), (None, 2), (6, 0)]
+    assert history == grow([1, 2, 3, 4, 5, 6])  # the same history as one key would hold
+
+
+@pytest.mark.parametrize("steps", [list(range(1, 40)), [10, 20, 30, 40, 25, 26, 27, 15, 16, 50, 60, 70]])
+def test_body_and_tail_hold_the_same_history_as_one_key_through_thinning_and_resumes(steps):
+    assert stored_as_body_and_tail(steps, tail_points=3)[1] == grow(steps)
+
+
+def test_a_series_that_starts_in_the_tail_is_padded_in_the_merge():
+    body = add_point(None, 1, 0.0, {"loss": 1.0}, CAP, SERIES)
+    history = add_point(body, 2, 1.0, {"loss": 0.5, "lr": 0.1}, CAP, SERIES)
+    new_body, tail = split(body, history)
+    assert new_body is None and tail.series == {"loss": [0.5], "lr": [0.1]}
+    assert merged(body, tail).series == {"loss": [1.0, 0.5], "lr": [None, 0.1]}

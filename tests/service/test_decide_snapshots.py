@@ -210,11 +210,11 @@ def test_a_stored_report_adds_its_scalars_to_the_metric_history():
     report = ProgressReport(step=7, loss=0.5, samples_per_s=9.0, metrics={"lr": 0.001})
     d = decide_progress(make_job(reports_progress=True), None, report, NOW, 1.0)
     assert d.progress.metrics == {"lr": 0.001}
-    assert d.history.steps == [7]
-    assert d.history.series == {"loss": [0.5], "samples_per_s": [9.0], "lr": [0.001]}
+    assert d.body is None and d.tail.steps == [7]  # the first point: in the tail alone
+    assert d.tail.series == {"loss": [0.5], "samples_per_s": [9.0], "lr": [0.001]}
     dropped = decide_progress(make_job(reports_progress=True), d.progress,
-                              report.model_copy(update={"step": 8}), NOW + 0.1, 1.0, d.history)
-    assert not dropped.write and dropped.history is None  # rate-limited: the history is not touched
+                              report.model_copy(update={"step": 8}), NOW + 0.1, 1.0, None, d.tail)
+    assert not dropped.write and (dropped.body, dropped.tail) == (None, None)  # rate-limited: untouched
 
 
 @pytest.mark.parametrize("since", [0.0, 0.3, 0.999])
