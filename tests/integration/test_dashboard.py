@@ -1,7 +1,7 @@
 """The web dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 a job submitted through the API shows up, its loss curve grows while it trains, a worker
-SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, and the
-nodes page drains a node.
+SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, a job
+with a long log shows its end, and the nodes page drains a node.
 
 RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
 SIGKILL the job is RECOVERING only while the group re-forms (under a second here), which a
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.elastic import job, submit, wait_state
+from tests.helpers.elastic import job, job_spec, log_items, submit, wait_state
 from tests.helpers.faults import train_spec, wait_workers
 from tests.helpers.processes import REPO, pid_alive, wait_for
 
@@ -142,6 +142,18 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.click("#cancel")
             page.wait_for_selector("#job-state [data-state='CANCELLED']")
             assert job(api, job_id)["state"] == "CANCELLED"
+            assert page.is_hidden("#cancel")
+
+            # a job with a long log: its page starts the log near the end, and says so
+            burst = submit(api, job_spec("burst", "--lines", "600", "--chars", "1000", mn=1, mx=1,
+                                         script=REPO / "tests" / "scripts" / "print_burst.py"))
+            wait_state(api, burst, "SUCCEEDED", 60)
+            wait_for(lambda: any(i["line"].startswith("burst 599 ") for i in log_items(api, burst)), 30,
+                     "the burst's last line in its log")
+            page.goto(f"{control_plane.url}/ui/#/jobs/{burst}")
+            page.wait_for_selector("#log:has-text('burst 599 ')")
+            shown = page.inner_text("#log")
+            assert "earlier output not shown" in shown and "burst 0 " not in shown
             assert page.is_hidden("#cancel")
 
             # the nodes page: n0, free again, and drained from the page (the admin's token)

@@ -6,6 +6,7 @@
 const TOKEN_KEY = "ftrain.token";
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const LOG_LINES_KEPT = 2000;  // lines kept on the page; older ones are dropped from view
+const LOG_TAIL_BYTES = 256 * 1024;  // a job page starts its log this far from the end
 const view = document.getElementById("view");
 let current = null;  // the view on screen: {stop()} ends its polling and streams
 
@@ -327,6 +328,17 @@ function jobView(jobId) {
     if (atBottom) logEl.scrollTop = logEl.scrollHeight;
   }
   async function followLogs() {
+    try {  // start near the end: a job's log may be many MiB
+      const page = await api(`v1/jobs/${encodeURIComponent(jobId)}/logs?limit=1`);
+      since = Math.max(page.first_seq, page.end_seq - LOG_TAIL_BYTES);
+      if (since > page.first_seq) {
+        const note = document.createElement("span");
+        note.className = "meta";
+        note.textContent = `(${bytes(since - page.first_seq)} of earlier output not shown: ` +
+                           `GET /v1/jobs/${jobId}/logs has it all)\n`;
+        logEl.append(note);
+      }
+    } catch (e) { /* followed from the start below */ }
     while (!logStopped) {
       logAbort = new AbortController();
       $("log-state").textContent = "following";
