@@ -310,16 +310,11 @@ class Runtime:
         """Note scalars of this step (`rt.log(lr=..., grad_norm=...)`); rank 0 reports the
         latest of each with its progress (tensors are read then, not here). `step` is
         accepted for symmetry with other loggers: the runtime's own step is the one reported.
-        Another `loss` is taken as the step's loss."""
+        A `loss` logged here is the reported loss when `step_done` is given none."""
         if not self.is_chief:
             return
         for name, value in scalars.items():
-            if isinstance(value, torch.Tensor):
-                value = value.detach()
-            if name == "loss" and self._progress is not None:
-                self._progress = (*self._progress[:1], value, *self._progress[2:])
-            else:
-                self._scalars[name] = value
+            self._scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     def _agree_on_control(self) -> tuple[str, int]:
         """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
@@ -421,9 +416,11 @@ class Runtime:
                 rate = (samples - last_samples) / (at - last_t)
             last_samples, last_t, reported = samples, at, step
             try:
-                loss_value = float(loss) if loss is not None else None
+                metrics = self._scalar_values()
+                logged_loss = metrics.pop("loss", None)
+                loss_value = float(loss) if loss is not None else logged_loss
                 self.link.report_progress(step, loss_value, rate, final=final,
-                                          metrics=self._scalar_values(), total_steps=self.total_steps)
+                                          metrics=metrics, total_steps=self.total_steps)
             except LinkError as exc:
                 log.debug("progress report failed: %s", exc)
 
