@@ -164,6 +164,10 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINING"]')
             assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINING"
 
+            # a job that does not exist: the page says so (and what retention keeps)
+            page.goto(f"{control_plane.url}/ui/#/jobs/no-such-job")
+            page.wait_for_selector("#banner:has-text('job no-such-job not found')")
+
             # /docs: Swagger UI from the package's own files
             page.goto(control_plane.url + "/docs")
             page.wait_for_selector(".swagger-ui .info .title:has-text('ftrain')")

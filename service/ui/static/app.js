@@ -143,7 +143,10 @@ function poll(fn, everyMs) {
   const tick = async () => {
     if (stopped) return;
     try { await fn(); banner(""); }
-    catch (e) { if (e.status !== 401) banner(`Could not reach the control plane: ${e.message}`); }
+    catch (e) {
+      if (e.status === 401) return;  // the sign-in form is shown
+      banner(e.status ? e.message : `Could not reach the control plane: ${e.message}`);
+    }
     if (!stopped) timer = setTimeout(tick, everyMs);
   };
   tick();
@@ -361,7 +364,7 @@ function jobView(jobId) {
           }
         }
       } catch (e) {
-        if (logStopped) return;
+        if (logStopped || e.status === 404 || e.status === 401) return;  // no such job, or signed out
       }
       if (job && TERMINAL.has(job.state)) { $("log-state").textContent = "(the job has ended)"; return; }
       await new Promise(r => setTimeout(r, 1000));
