@@ -11,11 +11,13 @@ need no token: the data does.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 UI_DIR = Path(__file__).resolve().parent.parent / "ui"
@@ -34,9 +36,20 @@ async def ui_no_slash() -> RedirectResponse:
     return RedirectResponse("/ui/")
 
 
+@functools.cache
+def index_html() -> str:
+    """The page, its own assets named with a digest of their content (`app.js?v=...`), so a
+    browser that cached an older version's script does not run it against a newer server."""
+    page = (UI_DIR / "index.html").read_text()
+    for asset in ("static/app.js", "static/app.css"):
+        digest = hashlib.sha256((UI_DIR / asset).read_bytes()).hexdigest()[:12]
+        page = page.replace(f'"{asset}"', f'"{asset}?v={digest}"')
+    return page
+
+
 @router.get("/ui/")
-async def ui() -> FileResponse:
-    return FileResponse(UI_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+async def ui() -> HTMLResponse:
+    return HTMLResponse(index_html(), headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/docs")
