@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	@set -e; pkgs=""; \
 	command -v etcd >/dev/null 2>&1 || pkgs="$$pkgs etcd-server"; \
 	command -v ip >/dev/null 2>&1 || pkgs="$$pkgs iproute2"; \
+	command -v chromium >/dev/null 2>&1 || pkgs="$$pkgs chromium"; \
 	if [ -n "$$pkgs" ]; then \
 		echo "installing system packages:$$pkgs"; \
 		$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $$pkgs; \

@@ -57,9 +57,10 @@ def main() -> None:
                    help="sleep this long per step (to watch it, or to give a test time to strike)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per control poll
 
     torch.manual_seed(args.seed)
-    rt = runtime.init()
+    rt = runtime.init(total_steps=args.steps)  # the dashboard's percent and time left
     x, y = synthetic_dataset(args.samples, args.features, args.seed)
     model = rt.wrap(build_model(args.features, args.width, args.depth))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -78,6 +79,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
+        rt.log(lr=scheduler.get_last_lr()[0])
         rt.step_done(loss=loss, samples=sampler.global_batch_size)
         if rt.is_chief:
             print(f"step={rt.step} loss={loss.item():.6f}", flush=True)

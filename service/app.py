@@ -20,7 +20,7 @@ from service.errors import (
     LogStorageUnavailable,
     StoreUnavailable,
 )
-from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, users
+from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await background.stop(ctx)
             await ctx.kv.close()
 
-    app = FastAPI(title="ftrain", version="1", lifespan=lifespan,
+    # /docs from the package's own Swagger UI (service.routes.ui), not a CDN; no redoc.
+    app = FastAPI(title="ftrain", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Elastic, fault-tolerant PyTorch training service.")
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)
+    ui.install(app)
     return app
 
 

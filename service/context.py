@@ -21,6 +21,7 @@ from service.scheduler import PassTimes
 from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store.api import KeyValue
+from service.telemetry import Telemetry
 from service.users import UserStore
 
 
@@ -40,6 +41,8 @@ class Context:
     contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
+    # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
+    telemetry: Telemetry = field(init=False)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
 
@@ -49,10 +52,11 @@ class Context:
         from service.store.etcd import EtcdStore  # needs aetcd and gRPC: only when used
 
         user, password = settings.etcd_credentials() or (None, None)
-        return cls.wire(settings, EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s,
-                                            user=user, password=password,
-                                            probe_key=settings.etcd_prefix.rstrip("/") + "/"),
-                        Keyring.load(settings.secret_dir))
+        store = EtcdStore(settings.etcd_endpoints, settings.etcd_timeout_s, user=user, password=password,
+                          probe_key=settings.etcd_prefix.rstrip("/") + "/")
+        ctx = cls.wire(settings, store, Keyring.load(settings.secret_dir))
+        store.on_call = ctx.telemetry.etcd_s.observe
+        return ctx
 
     @classmethod
     def wire(cls, settings: Settings, kv: KeyValue, keyring: Keyring | None = None) -> Context:
@@ -60,12 +64,15 @@ class Context:
         unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
-        return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
+        ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
                    snapshots=SnapshotStore(jobs),
-                   progress=ProgressStore(jobs, settings.progress_min_interval_s),
+                   progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
                    users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
                    contact=Contact(kv, keys.contact, settings.node_ttl_s))
+        ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
+        ctx.index.observe(ctx.telemetry.observe_job)
+        return ctx
 
     def job_token(self, job: JobRecord) -> str:
         """The token of `job`'s workers: derived, never stored (service.keyring)."""

@@ -52,11 +52,21 @@ class JobIndex:
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
         self._wakes: list[asyncio.Event] = []
+        self._observers: list[Callable[[JobRecord | None, JobRecord | None], None]] = []
 
     def wake_on_change(self, event: asyncio.Event) -> None:
         """Set `event` whenever the index has applied a change (so whoever waits on it reads
         an index that already has that change)."""
         self._wakes.append(event)
+
+    def observe(self, fn: Callable[[JobRecord | None, JobRecord | None], None]) -> None:
+        """Call `fn(old, new)` for every change the watch brings (None: not known / deleted);
+        the metrics of `service.telemetry` are fed this way."""
+        self._observers.append(fn)
+
+    def jobs(self) -> list[JobRecord]:
+        """Every job as the index has it now."""
+        return list(self._jobs.values())
 
     def active_ids(self) -> list[str]:
         """The jobs not yet finished, oldest first (submission order)."""
@@ -197,7 +207,11 @@ class JobIndex:
                 # harmless).
                 async for ev in self._kv.watch_prefix(prefix, revision):
                     job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
-                    self._apply(job, ev.key[len(prefix):])
+                    job_id = ev.key[len(prefix):]
+                    old = self._jobs.get(job_id)
+                    self._apply(job, job_id)
+                    for observe in self._observers:
+                        observe(old, job)
                     revision = ev.mod_revision
                     await self._notify()
                 continue  # the session ended quietly: watch on from where it was

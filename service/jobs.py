@@ -26,11 +26,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from service.decide.change import Change
+from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
 from service.keyring import new_nonce
 from service.keys import Keys
-from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView
+from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView, MetricHistory
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
 from worker.protocol import Progress
@@ -185,6 +186,15 @@ class JobStore:
         """The progress of each of `jobs`, from its own key (one read per MAX_TXN_OPS jobs)."""
         return [_progress(p) for p in await self.kv.get_many([self.keys.progress(j.id) for j in jobs])]
 
+    async def metrics(self, job_id: str) -> MetricHistory:
+        """The job's metric history (empty until its first progress report)."""
+        entry, body, tail = await self.kv.get_many(
+            [self.keys.job(job_id), self.keys.metrics_body(job_id), self.keys.metrics_tail(job_id)])
+        if entry is None:
+            raise JobNotFound(job_id)
+        return merged(*(None if e is None else MetricHistory.model_validate_json(e.value)
+                        for e in (body, tail)))
+
     async def events(self, job_id: str) -> list[EventView]:
         """The job's events, oldest first."""
         await self.get(job_id)  # 404 for an unknown job, not an empty list
@@ -193,10 +203,11 @@ class JobStore:
         return sorted(events, key=lambda e: e.seq)
 
     def deletion(self, job: JobRecord) -> list[Delete]:
-        """What to delete with a job in etcd: its record, events, progress, snapshot records
+        """What to delete with a job in etcd: its record, events, progress, metrics, snapshot records
         and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
         ops = [Delete(self.keys.job(job.id)), Delete(self.keys.events(job.id), prefix=True),
-               Delete(self.keys.progress(job.id)), Delete(self.keys.snapshots(job.id), prefix=True)]
+               Delete(self.keys.progress(job.id)), Delete(self.keys.metrics(job.id), prefix=True),
+               Delete(self.keys.snapshots(job.id), prefix=True)]
         if job.idempotency_digest is not None:
             ops.append(Delete(self.keys.idempotency(job.idempotency_digest)))
         return ops

@@ -4,6 +4,9 @@
                                          transitions only (not on progress)
     <prefix>/progress/<id>               rank 0's latest Progress, at most one write per
                                          progress_min_interval_s, fenced on the job record
+    <prefix>/metrics/<id>/body           MetricHistory: the job's scalars, bounded and
+    <prefix>/metrics/<id>/tail           downsampled; the tail holds the newest few points
+                                         (decide.metrics), written with its progress
     <prefix>/events/<id>/<seq>           EventView, written in the same txn as the state
     <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
                                          names it (idempotency_digest): deleted with the job
@@ -20,7 +23,7 @@
                                          service.contact), rewritten every 2 s
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
-keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
+keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, rdzv/ and logs/
 (service.retention).
 """
 
@@ -40,6 +43,16 @@ class Keys:
 
     def progress(self, job_id: str) -> str:
         return f"{self.prefix}/progress/{job_id}"
+
+    def metrics(self, job_id: str) -> str:
+        """The prefix of the job's metric history (its body and tail keys)."""
+        return f"{self.prefix}/metrics/{job_id}/"
+
+    def metrics_body(self, job_id: str) -> str:
+        return f"{self.metrics(job_id)}body"
+
+    def metrics_tail(self, job_id: str) -> str:
+        return f"{self.metrics(job_id)}tail"
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}/events/{job_id}/"

@@ -304,6 +304,18 @@ class JobView(BaseModel):
     progress: Progress | None = None
 
 
+class MetricHistory(BaseModel):
+    """A job's scalars over its steps, downsampled to a bounded number of points: columns of
+    equal length (`steps[i]`, `times[i]`, `series[name][i]`; null where a scalar was not
+    logged at that point). `stride`: the steps between two kept points at least (doubled
+    each time the history fills up)."""
+
+    stride: int = Field(1, ge=1)
+    steps: list[int] = Field(default_factory=list)
+    times: list[float] = Field(default_factory=list)
+    series: dict[str, list[float | None]] = Field(default_factory=dict)
+
+
 class JobList(BaseModel):
     items: list[JobView]
     next: str | None = Field(None, description="Pass as ?after= to get the next page.")

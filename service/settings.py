@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     )
     progress_min_interval_s: float = Field(
         1.0, ge=0, description="A job's progress is written at most once per this many seconds.")
+    metric_points: int = Field(
+        240, ge=8, le=4096, description="Points kept of each job's metric history (the history "
+                                         "halves its resolution when full).")
     compaction_interval_s: float = Field(
         60.0, gt=0, description="The leader compacts etcd's history to the revision it saw this "
                                 "long ago, every this many seconds.")

@@ -470,6 +470,7 @@ class LocalCluster:
             rel = self.paths.root.relative_to(Path.cwd())
         self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
                  f"etcd {self.etcd.endpoint}")
+        self.say(f"dashboard: {self.url}/ui/ (sign in with the user token)")
         self.say(f"data directory {rel}: user (admin) token in {rel}/token, node token in "
                  f"{rel}/node-token, etcd's root password in {rel}/etcd-password, the control-plane "
                  f"secret in {rel}/secrets, logs in {rel}/logs, the workers' output in {rel}/job-logs")

@@ -86,7 +86,8 @@ class Link(Protocol):
     def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]: ...
     def report_corrupt(self, step: int, reason: str) -> None: ...
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
-                        final: bool = False) -> None: ...
+                        final: bool = False, metrics: dict[str, float] | None = None,
+                        total_steps: int | None = None) -> None: ...
     def control(self) -> ControlRequest: ...
 
 
@@ -156,9 +157,11 @@ class ServiceLink:
         self._retrying("POST", f"/snapshots/{step}/corrupt", CorruptReport(reason=reason[:500]))
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
-                        final: bool = False) -> None:
-        self._call("POST", "/progress", ProgressReport(step=step, loss=loss, samples_per_s=samples_per_s,
-                                                       attempt=self.attempt, final=final))
+                        final: bool = False, metrics: dict[str, float] | None = None,
+                        total_steps: int | None = None) -> None:
+        self._call("POST", "/progress", ProgressReport(
+            step=step, loss=loss, samples_per_s=samples_per_s, attempt=self.attempt, final=final,
+            metrics=metrics or {}, total_steps=total_steps))
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))
@@ -219,7 +222,8 @@ class LocalLink:
         self._write(data)
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
-                        final: bool = False) -> None:
+                        final: bool = False, metrics: dict[str, float] | None = None,
+                        total_steps: int | None = None) -> None:
         pass
 
     def control(self) -> ControlRequest:

@@ -20,6 +20,7 @@ import base64
 import binascii
 import enum
 import hashlib
+import math
 import re
 from typing import Annotated, Literal
 
@@ -324,6 +325,12 @@ class Progress(BaseModel):
     loss: float | None = None
     samples_per_s: float | None = None
     time: float | None = None
+    total_steps: int | None = Field(None, description="The steps the script means to make, if it said.")
+    steps_per_s: float | None = Field(None, description="Recent training speed (smoothed over reports).")
+    percent: float | None = Field(None, description="step / total_steps, in percent.")
+    eta_s: float | None = Field(None, description="Seconds to total_steps at steps_per_s, as of `time`.")
+    metrics: dict[str, float] = Field(default_factory=dict,
+                                      description="The latest value of each scalar the script logs.")
 
 
 class ControlAction(str, enum.Enum):
@@ -388,10 +395,29 @@ class CorruptReport(BaseModel):
     reason: str = Field("checksum mismatch", max_length=500)
 
 
+MAX_METRICS = 16  # scalars a job may log besides loss and throughput (more are refused)
+METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}$")
+
+
+def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    if len(metrics) > MAX_METRICS:
+        raise ValueError(f"{len(metrics)} metrics in one report; at most {MAX_METRICS}")
+    for name, value in metrics.items():
+        if not METRIC_NAME.match(name):
+            raise ValueError(f"metric name {name!r}: use letters, digits, _ . / - (at most 64, "
+                             "starting with a letter or _)")
+        if not math.isfinite(value):
+            raise ValueError(f"metric {name!r} is {value}: only finite values are kept")
+    return metrics
+
+
 class ProgressReport(BaseModel):
     step: int = Field(..., ge=0)
     loss: float | None = None
     samples_per_s: float | None = Field(None, ge=0)
+    total_steps: int | None = Field(None, ge=1, description="The steps the script means to make.")
+    metrics: Annotated[dict[str, float], AfterValidator(_check_metrics)] = Field(
+        default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
     attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     final: bool = Field(False, description="Rank 0's last report of its run (its script is "
                         "ending): stored whatever the rate limit, so a finished job shows its last step.")

@@ -2,7 +2,7 @@
 
     from worker import runtime
 
-    rt = runtime.init()                                   # process group, device, snapshots
+    rt = runtime.init(total_steps=max_steps)              # process group, device, snapshots
     model = rt.wrap(Net())                                # to the device, DDP when distributed
     opt = torch.optim.AdamW(model.parameters())
     sampler = rt.sampler(len(dataset), batch_size=32, seed=0)
@@ -11,6 +11,7 @@
         if rt.step >= max_steps:
             break
         loss = train_step(dataset[indices])
+        rt.log(lr=scheduler.get_last_lr()[0])             # any scalar: curves on the dashboard
         rt.step_done(loss=loss, samples=len(indices) * rt.world_size)
     rt.finish()
 
@@ -35,6 +36,12 @@ reach the control plane keeps its file and is retried in the background while tr
 goes on (`worker.snapshot.AsyncWriter`); a refused one (a newer attempt) ends the worker.
 On start, rank 0 picks the latest committed snapshot, verifies its checksum (reporting a
 bad one and falling back to the one before), and broadcasts the choice; every rank loads it.
+
+Metrics: rank 0 reports its step, loss and samples/s, and the scalars given to
+`rt.log(step, name=value, ...)` (the latest value of each), with its progress; the control
+plane keeps a bounded, downsampled history of them per job (`GET /v1/jobs/{id}/metrics`,
+the dashboard's curves). `init(total_steps=N)` (or `rt.total_steps = N`) gives the job's
+percent done and time left.
 
 Planned changes: a thread on rank 0 polls the job's control endpoint (every 0.5 s) and
 reports progress (every 1 s). At each step boundary rank 0 broadcasts what it last heard
@@ -71,6 +78,7 @@ over.)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -105,6 +113,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     LocalLink,
     ServiceLink,
 )
+from worker.protocol import MAX_METRICS, METRIC_NAME
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -177,6 +186,7 @@ class Runtime:
     control_poll_s: float = 0.5
     progress_every_s: float = 1.0
     pause_timeout_s: float = 600.0
+    total_steps: int | None = None  # the steps the script means to make: percent and ETA
     step: int = 0
     resumed_from: int | None = None
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
@@ -190,6 +200,8 @@ class Runtime:
     _handled_control: int = 0
     _progress: tuple | None = None
     _samples: int = 0
+    _scalars: dict[str, Any] = field(default_factory=dict)  # rt.log's latest, reported by the poller
+    _refused: set[str] = field(default_factory=set)  # scalars warned about (not reported)
     _finished: bool = False
 
     @property
@@ -294,6 +306,16 @@ class Runtime:
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
             self.snapshot()
 
+    def log(self, step: int | None = None, **scalars: float | torch.Tensor) -> None:
+        """Note scalars of this step (`rt.log(lr=..., grad_norm=...)`); rank 0 reports the
+        latest of each with its progress (tensors are read then, not here). `step` is
+        accepted for symmetry with other loggers: the runtime's own step is the one reported.
+        A `loss` logged here is the reported loss when `step_done` is given none."""
+        if not self.is_chief:
+            return
+        for name, value in scalars.items():
+            self._scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
     def _agree_on_control(self) -> tuple[str, int]:
         """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
         code, control_id = 0, 0
@@ -394,8 +416,11 @@ class Runtime:
                 rate = (samples - last_samples) / (at - last_t)
             last_samples, last_t, reported = samples, at, step
             try:
-                loss_value = float(loss) if loss is not None else None
-                self.link.report_progress(step, loss_value, rate, final=final)
+                metrics = self._scalar_values()
+                logged_loss = metrics.pop("loss", None)
+                loss_value = float(loss) if loss is not None else logged_loss
+                self.link.report_progress(step, loss_value, rate, final=final,
+                                          metrics=metrics, total_steps=self.total_steps)
             except LinkError as exc:
                 log.debug("progress report failed: %s", exc)
 
@@ -411,6 +436,21 @@ class Runtime:
             self._stop_poll.wait(self.control_poll_s)
         if self._progress is not None and self._progress[0] != reported:
             report(final=True)  # the step the run ended at, before the job can finish
+
+    def _scalar_values(self) -> dict[str, float]:
+        """The logged scalars as floats; a name or value the control plane would refuse
+        (not finite, more than MAX_METRICS) is left out, with a warning once."""
+        values: dict[str, float] = {}
+        for name, value in list(self._scalars.items()):
+            number = float(value)
+            if not math.isfinite(number) or not METRIC_NAME.match(name) or len(values) >= MAX_METRICS:
+                if name not in self._refused:
+                    self._refused.add(name)
+                    log.warning("metric %r = %s is not reported (names: letters, digits, _ . / -; "
+                                "finite values; at most %d metrics)", name, number, MAX_METRICS)
+                continue
+            values[name] = number
+        return values
 
     # -------------------------------------------------------------- the end
     def finish(self) -> None:
@@ -436,7 +476,7 @@ class Runtime:
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
          snapshot_every: int | None = None, snapshot_keep: int | None = None,
          control_poll_s: float = 0.5, progress_every_s: float = 1.0, pause_timeout_s: float = 600.0,
-         env: Mapping[str, str] | None = None) -> Runtime:
+         total_steps: int | None = None, env: Mapping[str, str] | None = None) -> Runtime:
     """Set up this worker from its environment (see the module docstring); arguments win."""
     env = os.environ if env is None else env
     distributed = "RANK" in env and "WORLD_SIZE" in env
@@ -470,7 +510,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  snapshot_every=every if directory else None,
                  global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
-                 pause_timeout_s=pause_timeout_s)
+                 pause_timeout_s=pause_timeout_s, total_steps=total_steps)
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,

@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.decide.change import Change
+from service.decide.metrics import add_point, merged, split
 from service.decide.state import note
 from service.errors import Conflict, SnapshotNotFound, StaleAttempt
-from service.models import JobRecord, Progress
+from service.models import JobRecord, MetricHistory, Progress
 from service.store.api import Delete, Put
 from worker.protocol import (
+    MAX_METRICS,
     CommitRequest,
     ControlAction,
     ControlView,
@@ -120,29 +122,53 @@ def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now
 
 @dataclass(frozen=True)
 class ProgressDecision:
-    """What a progress report changes: the progress key (and, once, the job record)."""
+    """What a progress report changes: the progress key (and, once, the job record), and
+    the metric history's keys (`decide.metrics`: body and tail)."""
 
     progress: Progress  # what is stored once the decision is applied (the answer)
     write: bool  # write `progress` to the job's progress key
     job: JobRecord | None = None  # the job record to write too (only on the first report)
+    body: MetricHistory | None = None  # the history's body to write (None: unchanged)
+    tail: MetricHistory | None = None  # its tail to write (None: unchanged)
+
+
+SPEED_WEIGHT = 0.3  # of the newest interval in the smoothed steps per second
 
 
 def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressReport, now: float,
-                    min_interval_s: float) -> ProgressDecision:
+                    min_interval_s: float, body: MetricHistory | None = None,
+                    tail: MetricHistory | None = None, metric_points: int = 240) -> ProgressDecision:
     """Rank 0's latest step, loss and throughput; refused from a stale attempt or a finished job.
 
     A report within `min_interval_s` of the stored one is dropped (the stored one is the
     answer), so a job writes its progress at a bounded rate however often it reports; rank
     0's final report (one per run of its script) is always stored, so a finished job shows
-    the step it ended at.
+    the step it ended at. A stored report also adds a point to the metric history
+    (`decide.metrics`), and gives the speed (steps per second, smoothed) and, with the
+    script's `total_steps`, percent done and the time left.
     """
     _check_writable(job, report.attempt, "progress")
     first = not job.reports_progress
     if (stored is not None and stored.time is not None and not first and not report.final
             and 0 <= now - stored.time < min_interval_s):
         return ProgressDecision(stored, write=False)
-    progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now)
-    return ProgressDecision(progress, write=True,
+    speed = stored.steps_per_s if stored is not None else None
+    if stored is not None and stored.time is not None and now > stored.time and report.step > stored.step:
+        latest = (report.step - stored.step) / (now - stored.time)
+        speed = latest if speed is None else SPEED_WEIGHT * latest + (1 - SPEED_WEIGHT) * speed
+    total = report.total_steps if report.total_steps is not None else (stored.total_steps if stored else None)
+    percent = eta = None
+    if total is not None:
+        percent = round(min(100.0, 100.0 * report.step / total), 2)
+        if speed:
+            eta = round(max(0, total - report.step) / speed, 1)
+    progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now,
+                        total_steps=total, steps_per_s=None if speed is None else round(speed, 4),
+                        percent=percent, eta_s=eta, metrics=report.metrics)
+    values = {"loss": report.loss, "samples_per_s": report.samples_per_s, **report.metrics}
+    added = add_point(merged(body, tail), report.step, now, values, metric_points, MAX_METRICS + 2)
+    new_body, new_tail = (None, None) if added is None else split(body, added)
+    return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
                             job=job.model_copy(update={"reports_progress": True}) if first else None)
 
 

@@ -1,5 +1,6 @@
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.deps import ContextDep
 from service.errors import StoreUnavailable
@@ -25,15 +26,8 @@ async def readyz(ctx: ContextDep):
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(ctx: ContextDep) -> str:
-    """This replica's scheduler pass time, in Prometheus' text format (no etcd read): a
-    summary over its last passes while it led, with a count and a sum since it started."""
-    p = ctx.scheduler_passes
-    name = "ftrain_scheduler_pass_seconds"
-    lines = [f"# HELP {name} Duration of one scheduler pass (read, plan, write) on this replica.",
-             f"# TYPE {name} summary"]
-    for q in (0.5, 0.99):
-        value = p.quantile(q)
-        lines.append(f'{name}{{quantile="{q}"}} {"NaN" if value is None else f"{value:.6f}"}')
-    lines += [f"{name}_sum {p.sum_s:.6f}", f"{name}_count {p.count}"]
-    return "\n".join(lines) + "\n"
+async def metrics(ctx: ContextDep) -> PlainTextResponse:
+    """Prometheus metrics of this replica (no etcd read): jobs by state, restarts, recovery
+    time, snapshot stall/write/commit, heartbeat and etcd latency, scheduler passes
+    (`service.telemetry`)."""
+    return PlainTextResponse(ctx.telemetry.render(), media_type=CONTENT_TYPE_LATEST)

@@ -16,7 +16,7 @@ from service.decide.cancel import decide_cancel
 from service.deps import CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound
 from service.keyring import new_nonce
-from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView
+from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
 
@@ -101,3 +101,10 @@ async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep) -> CancelResul
 async def events(job_id: str, ctx: ContextDep) -> EventList:
     """Every state change of the job (and notable moments of its life), oldest first."""
     return EventList(items=await ctx.jobs.events(job_id))
+
+
+@router.get("/{job_id}/metrics", response_model=MetricHistory)
+async def metrics(job_id: str, ctx: ContextDep) -> MetricHistory:
+    """The job's scalars (loss, samples/s and what its script logs) over its steps: a
+    bounded number of points, thinned evenly as the job runs on (`stride`)."""
+    return await ctx.jobs.metrics(job_id)

@@ -79,10 +79,11 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
     plane sees the credential. (Open cluster: the lease id of the registration, if given,
     saves the read of the node's record.)
     """
-    if digest is not None:
-        await ctx.nodes.heartbeat_with(name, digest)
-    else:
-        await ctx.nodes.heartbeat(name, req.lease_id if req is not None else None)
+    with ctx.telemetry.heartbeat_s.time():
+        if digest is not None:
+            await ctx.nodes.heartbeat_with(name, digest)
+        else:
+            await ctx.nodes.heartbeat(name, req.lease_id if req is not None else None)
     if req is not None and req.wait_s > 0 and ctx.index.ready.is_set():
         # Long poll: an idle node learns of its job as soon as the scheduler writes it, not
         # a heartbeat later; the wait is bounded by the heartbeat interval, so the lease is

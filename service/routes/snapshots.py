@@ -45,12 +45,19 @@ async def require_reader(ctx: ContextDep, creds: Credentials,
 
 @router.post("/{job_id}/snapshots", response_model=CommitResult)
 async def commit_snapshot(job_id: str, req: CommitRequest, job: JobTokenDep,
-                          snapshots: SnapshotsDep) -> CommitResult:
+                          snapshots: SnapshotsDep, ctx: ContextDep) -> CommitResult:
     """Commit a snapshot rank 0 has written; 409 from a stale attempt or a finished job.
 
     Returns the files the writer should delete (pruned beyond `snapshot.keep`).
     """
-    return await snapshots.commit(job.id, req)
+    t = ctx.telemetry
+    with t.snapshot_commit_s.time():
+        result = await snapshots.commit(job.id, req)
+    if req.stall_s is not None:
+        t.snapshot_stall_s.observe(req.stall_s)
+    if req.write_s is not None:
+        t.snapshot_write_s.observe(req.write_s)
+    return result
 
 
 @router.get("/{job_id}/snapshots", response_model=SnapshotList,

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from urllib.parse import urlsplit
 
 import aetcd
@@ -83,6 +84,7 @@ class EtcdStore(KeyValue):
         self._generation = 0
         self._closing: set[asyncio.Task] = set()
         self._keepalive: _KeepAliveStream | None = None
+        self.on_call: Callable[[float], None] | None = None  # each call's seconds (GET /metrics)
 
     @property
     def endpoint(self) -> str:
@@ -162,14 +164,19 @@ class EtcdStore(KeyValue):
         A call that etcd refuses because our auth token expired is tried once more, on a
         client that authenticated again.
         """
+        start = time.perf_counter()
         try:
-            return await self._call_once(what, fn)
-        except _TokenRefused as refused:
-            await self._reauthenticate(refused.client)
-        try:
-            return await self._call_once(what, fn)
-        except _TokenRefused as refused:
-            raise self._refused(refused.__cause__) from refused.__cause__
+            try:
+                return await self._call_once(what, fn)
+            except _TokenRefused as refused:
+                await self._reauthenticate(refused.client)
+            try:
+                return await self._call_once(what, fn)
+            except _TokenRefused as refused:
+                raise self._refused(refused.__cause__) from refused.__cause__
+        finally:
+            if self.on_call is not None:
+                self.on_call(time.perf_counter() - start)
 
     async def _call_once(self, what: str, fn):
         client = None

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.jobs import Change, JobStore
@@ -146,6 +147,26 @@ def test_the_service_keeps_progress(service_job):
     link.report_progress(7, 0.25, 12.5)
     progress = service_job["api"].get(f"/v1/jobs/{service_job['id']}").json()["progress"]
     assert (progress["step"], progress["loss"], progress["samples_per_s"]) == (7, 0.25, 12.5)
+
+
+@pytest.mark.integration
+def test_the_service_keeps_logged_scalars_as_a_metric_history(service_job):
+    link = ServiceLink(service_job["url"], service_job["id"], service_job["token"], service_job["attempt"])
+    api, job_id = service_job["api"], service_job["id"]
+    assert api.get(f"/v1/jobs/{job_id}/metrics").json()["steps"] == []
+    link.report_progress(5, 0.5, 10.0, metrics={"lr": 0.1}, total_steps=20)
+    link.report_progress(10, 0.25, 11.0, final=True, metrics={"lr": 0.05})  # final: past the rate limit
+    history = api.get(f"/v1/jobs/{job_id}/metrics").json()
+    assert history["steps"] == [5, 10] and len(history["times"]) == 2
+    assert history["series"] == {"loss": [0.5, 0.25], "samples_per_s": [10.0, 11.0], "lr": [0.1, 0.05]}
+    progress = api.get(f"/v1/jobs/{job_id}").json()["progress"]
+    assert (progress["total_steps"], progress["percent"], progress["metrics"]) == (20, 50.0, {"lr": 0.05})
+    refused = httpx.post(f"{service_job['url']}/v1/jobs/{job_id}/progress",  # not a metric name: 422
+                         json={"step": 11, "final": True, "metrics": {"bad name": 1.0}},
+                         headers={"Authorization": f"Bearer {service_job['token']}"})
+    assert refused.status_code == 422 and "bad name" in refused.json()["detail"]
+    assert api.get(f"/v1/jobs/{job_id}/metrics").json()["steps"] == [5, 10]  # nothing lost
+    assert api.get("/v1/jobs/nosuchjob/metrics").status_code == 404
 
 
 def test_the_local_twin_takes_progress_and_keeps_nothing(tmp_path):

@@ -33,8 +33,8 @@ _NODES: dict[str, tuple[str, str]] = {}  # job id -> (its node, that node's cred
 
 
 def give_it_state(cp: ControlPlane, job_id: str) -> None:
-    """Logs, progress, a committed snapshot and rendezvous keys, as a job's nodes leave them
-    (a node of its own, which then runs it, and its workers)."""
+    """Logs, progress (and a metric history), a committed snapshot and rendezvous keys, as a
+    job's nodes leave them (a node of its own, which then runs it, and its workers)."""
     node_name = f"n{len(_NODES)}"
     credential = cp.member_of(job_id, node_name)
     line = {"rank": 0, "stream": "stdout", "line": "step 1", "time": time.time()}
@@ -47,7 +47,7 @@ def give_it_state(cp: ControlPlane, job_id: str) -> None:
                   "attempt": attempt}
         assert worker.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
         assert worker.post(f"/v1/jobs/{job_id}/progress",
-                           json={"step": 5, "attempt": attempt}).status_code == 200
+                           json={"step": 5, "loss": 0.5, "attempt": attempt}).status_code == 200
         rdzv = f"/v1/rdzv/{job_id}-a{attempt}"
         state = base64.b64encode(seal_state(b"state")).decode()
         assert worker.put(f"{rdzv}/state", json={"state": state, "token": None}).status_code == 200
@@ -91,7 +91,7 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             keys = etcd_keys(etcd.endpoint)
             for job_id in (old, unfinished):
                 assert {k.split("/")[2] for k in keys if job_id in k} == \
-                    {"jobs", "events", "progress", "snapshots", "rdzv"}, keys
+                    {"jobs", "events", "progress", "metrics", "snapshots", "rdzv"}, keys
                 assert (cp.log_root / job_id).is_dir()  # worker logs are files, not etcd keys
             assert len(etcd_keys(etcd.endpoint, "/ftrain/idempotency/")) == 1
 
@@ -110,12 +110,12 @@ def test_finished_jobs_and_all_they_kept_are_deleted_after_the_retention(etcd, t
             for path in ("events", "logs", "snapshots"):
                 assert api.get(f"/v1/jobs/{old}/{path}").status_code == 404
             keys = etcd_keys(etcd.endpoint)
-            assert [k for k in keys if old in k] == []  # record, events, progress, snapshots, rdzv
+            assert [k for k in keys if old in k] == []  # record, events, progress, metrics, snapshots, rdzv
             assert not (cp.log_root / old).exists()  # and its log folder
             assert etcd_keys(etcd.endpoint, "/ftrain/idempotency/") == []
             # An unfinished job is kept with all it has, whatever its age.
             assert {k.split("/")[2] for k in keys if unfinished in k} == \
-                {"jobs", "events", "progress", "snapshots", "rdzv"}
+                {"jobs", "events", "progress", "metrics", "snapshots", "rdzv"}
             assert (cp.log_root / unfinished).is_dir()
             assert api.get(f"/v1/jobs/{unfinished}").json()["state"] in {"PENDING", "RUNNING"}
             # The key of the deleted job is free: the same key submits a new job.

@@ -107,7 +107,7 @@ def test_rank0s_final_report_is_stored_within_the_interval(since):
     # the step a run ended at: a finished job shows it, not the one a second before
     final = REPORT.model_copy(update={"step": 9, "final": True})
     d = decide_progress(make_job(reports_progress=True), progress(3, NOW - since), final, NOW, 1.0)
-    assert d.write and d.progress == progress(9, NOW)
+    assert d.write and (d.progress.step, d.progress.time, d.progress.loss) == (9, NOW, REPORT.loss)
 
 
 @pytest.mark.parametrize("job,attempt,error", [
@@ -177,11 +177,44 @@ REPORT = ProgressReport(step=7, loss=0.5, samples_per_s=9.0)
 ])
 def test_progress_is_written_with_the_time_it_arrived(first, stored, now, written, job_written):
     d = decide_progress(make_job(reports_progress=not first), stored, REPORT, now, 1.0)
-    assert d.write and d.progress == written
+    reported = {"step", "loss", "samples_per_s", "time"}
+    assert d.write and d.progress.model_dump(include=reported) == written.model_dump(include=reported)
     assert (d.job is not None) == job_written
     if job_written:
         assert d.job.reports_progress and d.job.model_copy(update={"reports_progress": False}) == \
             make_job(reports_progress=False)
+
+
+@pytest.mark.parametrize("stored,report,speed,percent,eta", [
+    # no earlier report: no speed yet, so no time left; percent from the script's total
+    (None, ProgressReport(step=10, total_steps=100), None, 10.0, None),
+    # 20 steps in 2 s after a first interval: 10 steps/s, 80 steps left
+    (progress(0, NOW - 2).model_copy(update={"total_steps": 100}), ProgressReport(step=20), 10.0, 20.0, 8.0),
+    # smoothed: 0.3 of the newest interval (10/s), 0.7 of the speed before (5/s)
+    (progress(0, NOW - 2).model_copy(update={"steps_per_s": 5.0}),
+     ProgressReport(step=20, total_steps=85), 6.5, 23.53, 10.0),
+    # resumed from a snapshot (the step went back): the speed before is kept
+    (progress(50, NOW - 1).model_copy(update={"steps_per_s": 4.0}),
+     ProgressReport(step=40, total_steps=50), 4.0, 80.0, 2.5),
+    # past the script's total (it trains on): 100 %, nothing left
+    (progress(0, NOW - 1).model_copy(update={"total_steps": 10}), ProgressReport(step=12), 12.0, 100.0, 0.0),
+    # no total said: no percent, no time left
+    (progress(0, NOW - 1), ProgressReport(step=3), 3.0, None, None),
+])
+def test_progress_gives_speed_percent_and_time_left(stored, report, speed, percent, eta):
+    p = decide_progress(make_job(reports_progress=True), stored, report, NOW, 1.0).progress
+    assert (p.steps_per_s, p.percent, p.eta_s) == (speed, percent, eta)
+
+
+def test_a_stored_report_adds_its_scalars_to_the_metric_history():
+    report = ProgressReport(step=7, loss=0.5, samples_per_s=9.0, metrics={"lr": 0.001})
+    d = decide_progress(make_job(reports_progress=True), None, report, NOW, 1.0)
+    assert d.progress.metrics == {"lr": 0.001}
+    assert d.body is None and d.tail.steps == [7]  # the first point: in the tail alone
+    assert d.tail.series == {"loss": [0.5], "samples_per_s": [9.0], "lr": [0.001]}
+    dropped = decide_progress(make_job(reports_progress=True), d.progress,
+                              report.model_copy(update={"step": 8}), NOW + 0.1, 1.0, None, d.tail)
+    assert not dropped.write and (dropped.body, dropped.tail) == (None, None)  # rate-limited: untouched
 
 
 @pytest.mark.parametrize("since", [0.0, 0.3, 0.999])

@@ -80,7 +80,26 @@ def test_twenty_reports_write_the_job_record_once_and_progress_at_the_bounded_ra
         assert (await ctx.jobs.get(job.id)).reports_progress
         # Reports in between are answered with what is stored: the last write, not the report.
         assert [a.step for a in answers] == [0] * 8 + [8] * 8 + [16] * 4
-        assert (await ctx.jobs.view(job.id)).progress == Progress(step=16, time=1002.0)
+        assert (await ctx.jobs.view(job.id)).progress == Progress(step=16, time=1002.0, steps_per_s=8.0)
+
+    asyncio.run(main())
+
+
+def test_the_metric_history_is_written_with_the_progress_and_at_its_rate():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock, progress_min_interval_s=1.0)
+        job = await running_job(ctx)
+        before = await ctx.kv.revision()
+        for step in range(20):  # 20 reports, 1/8 s apart: stored at t = 0, 1, 2 s
+            await ctx.progress.report(job.id, ProgressReport(step=step, loss=1.0 / (step + 1), attempt=1,
+                                                             metrics={"lr": 0.1}))
+            clock.now += 0.125
+        assert await writes_of(ctx.kv, ctx.keys.metrics_tail(job.id), before) == 3
+        assert await writes_of(ctx.kv, ctx.keys.metrics_body(job.id), before) == 0  # the tail holds 3
+        history = await ctx.jobs.metrics(job.id)
+        assert (history.steps, history.times) == ([0, 8, 16], [1000.0, 1001.0, 1002.0])
+        assert history.series == {"loss": [1.0, 0.111111, 0.0588235], "lr": [0.1] * 3}
 
     asyncio.run(main())
 

@@ -1,4 +1,5 @@
-"""GET /metrics: the scheduler records each pass's duration, and the route publishes them."""
+"""GET /metrics (Prometheus): the scheduler's pass times, and the jobs, restarts and recovery
+times the job index sees."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import tempfile
 
 from service import scheduler
 from service.context import Context
-from service.models import JobSpec
+from service.models import JobSpec, JobState
 from service.routes.health import metrics
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.service.records import make_job
 
 
-def parse(text: str) -> dict[str, float]:
+def parse(response) -> dict[str, float]:
+    text = response.body.decode()
     return {name: float(value) for name, _, value in
-            (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))}
+            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
 
 
 def test_pass_times_keep_a_count_a_sum_and_quantiles_of_the_last_passes():
@@ -59,5 +62,45 @@ def test_the_leading_scheduler_records_its_passes_and_metrics_publishes_them():
         assert 0 < got['ftrain_scheduler_pass_seconds{quantile="0.5"}'] <= \
             got['ftrain_scheduler_pass_seconds{quantile="0.99"}'] < 5
         assert got["ftrain_scheduler_pass_seconds_sum"] > 0
+
+    asyncio.run(main())
+
+
+def test_the_index_feeds_jobs_by_state_restarts_and_recovery_time():
+    async def main():
+        log_root = tempfile.mkdtemp(prefix="ftrain-test-logs-")
+        ctx = Context.wire(Settings(log_root=log_root), MemoryStore())
+        index = asyncio.create_task(ctx.index.run())
+        base = make_job(JobState.RUNNING).model_copy(update={"id": "job-1"})
+        pending = make_job(JobState.PENDING).model_copy(update={"id": "job-2"})
+        # a worker fault at t=100 (RECOVERING, one restart), training again at t=103.5
+        versions = [base.model_copy(update={"updated_at": 90.0})] + [
+            base.model_copy(update={"state": state, "restarts": 1, "updated_at": at})
+            for state, at in ((JobState.RECOVERING, 100.0), (JobState.RUNNING, 103.5),
+                              (JobState.SUCCEEDED, 110.0))]
+        try:
+            await ctx.index.wait_ready(5)
+            await ctx.kv.put(ctx.keys.job("job-2"), pending.model_dump_json().encode())
+            seen = []
+            for v in versions:
+                await ctx.kv.put(ctx.keys.job(v.id), v.model_dump_json().encode())
+                assert await ctx.index.wait_until(lambda v=v: ctx.index.get(v.id) == v, 5)
+                seen.append(parse(await metrics(ctx)))
+        finally:
+            index.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await index
+            shutil.rmtree(log_root, ignore_errors=True)
+        running, recovering, again, done = seen
+        assert (running['ftrain_jobs{state="RUNNING"}'], running['ftrain_jobs{state="PENDING"}']) == (1, 1)
+        assert recovering['ftrain_jobs{state="RECOVERING"}'] == 1
+        assert recovering["ftrain_job_restarts_total"] == 1
+        assert recovering["ftrain_job_recovery_seconds_count"] == 0
+        assert again["ftrain_job_recovery_seconds_count"] == 1
+        assert again["ftrain_job_recovery_seconds_sum"] == 3.5
+        assert again['ftrain_job_recovery_seconds_bucket{le="3.0"}'] == 0
+        assert again['ftrain_job_recovery_seconds_bucket{le="5.0"}'] == 1
+        assert done['ftrain_jobs{state="SUCCEEDED"}'] == 1 and done['ftrain_jobs{state="RUNNING"}'] == 0
+        assert done["ftrain_job_restarts_total"] == 1
 
     asyncio.run(main())

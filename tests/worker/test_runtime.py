@@ -227,3 +227,38 @@ def test_the_plain_tutorial_script_resumes_from_its_own_snapshot_after_a_sigkill
     assert "epoch=7 " in text and (tmp_path / "snapshot.pt").exists()
     after = text.split("Resuming training")[1]
     assert f"epoch={resumed[0] - 1} " not in after  # no epoch before the snapshot ran again
+
+
+def test_logged_scalars_are_reported_as_floats_and_refused_ones_left_out(caplog):
+    rt = runtime.init(env={}, total_steps=50)
+    rt.log(lr=torch.tensor(0.25), grad_norm=3.0)
+    rt.log(lr=0.125, diverged=float("nan"), **{"no spaces": 1.0})
+    rt.log(7, loss=torch.tensor(0.5))  # a step given, as other loggers take it
+    assert rt.total_steps == 50
+    assert rt._scalar_values() == {"lr": 0.125, "grad_norm": 3.0, "loss": 0.5}
+    assert "'diverged'" in caplog.text and "'no spaces'" in caplog.text
+
+
+class RecordingLink:
+    """Takes rank 0's progress reports (the control plane's side of the poller)."""
+
+    def __init__(self):
+        self.reports: list[dict] = []
+
+    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None):
+        self.reports.append({"step": step, "loss": loss, "final": final, "metrics": metrics,
+                             "total_steps": total_steps})
+
+    def control(self):
+        return runtime.ControlRequest()
+
+
+def test_rank0_reports_its_logged_scalars_and_total_steps_with_its_progress():
+    rt = runtime.init(env={}, total_steps=10)
+    rt.link = link = RecordingLink()
+    rt.log(lr=torch.tensor(0.1), loss=0.25)  # no loss given to step_done: the logged one
+    rt.step_done(samples=8)
+    rt._stop_poll.set()  # the poller's last act only: the final report of the step reached
+    rt._poll()
+    assert link.reports == [{"step": 1, "loss": 0.25, "final": True, "metrics": {"lr": pytest.approx(0.1)},
+                             "total_steps": 10}]

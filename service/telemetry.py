@@ -1,0 +1,116 @@
+"""The control plane's Prometheus metrics (`GET /metrics`), one registry per control plane.
+
+Each replica publishes what it sees itself: the jobs by state and their restarts as its
+watch-fed job index has them (every replica's index follows etcd, so any replica answers
+for the cluster), and the latencies of the requests it served (heartbeats, snapshot
+commits, its etcd calls) and of its scheduler passes (while it leads). Recovery time is
+measured on the index too: from the moment a job's record enters RECOVERING to the moment
+it is RUNNING again, as each replica's watch delivers them.
+
+The registry belongs to the control plane's `Context` (not prometheus-client's global
+one), so two control planes in one process (tests) do not mix their figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.models import JobRecord, JobState
+
+# A fast worker restart recovers in seconds, a lost node in tens, an outage in minutes.
+RECOVERY_BUCKETS_S = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300, 600)
+# Snapshot stall (the training loop's pause) and write: milliseconds to minutes.
+SNAPSHOT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# A request the control plane serves, or one of its etcd calls.
+REQUEST_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class Telemetry:
+    """The metrics of one control plane; `observe_job` is fed every job change its index sees."""
+
+    def __init__(self, jobs_now, scheduler_passes) -> None:
+        """`jobs_now()`: the jobs as the index has them; `scheduler_passes`: its PassTimes."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.recovery_s = Histogram(
+            "ftrain_job_recovery_seconds", "From a job entering RECOVERING to RUNNING again.",
+            buckets=RECOVERY_BUCKETS_S, registry=r)
+        self.restarts = Counter(
+            "ftrain_job_restarts", "Restarts of jobs' workers (counted against max_restarts), as "
+            "this replica saw them.", registry=r)
+        self.snapshot_stall_s = Histogram(
+            "ftrain_snapshot_stall_seconds", "How long the training loop stalled for a snapshot "
+            "(reported with its commit).", buckets=SNAPSHOT_BUCKETS_S, registry=r)
+        self.snapshot_write_s = Histogram(
+            "ftrain_snapshot_write_seconds", "The background write and fsync of a snapshot "
+            "(reported with its commit).", buckets=SNAPSHOT_BUCKETS_S, registry=r)
+        self.snapshot_commit_s = Histogram(
+            "ftrain_snapshot_commit_seconds", "A snapshot commit request, as this replica served it.",
+            buckets=REQUEST_BUCKETS_S, registry=r)
+        self.heartbeat_s = Histogram(
+            "ftrain_node_heartbeat_seconds", "A node heartbeat's lease refresh (without its long poll).",
+            buckets=REQUEST_BUCKETS_S, registry=r)
+        self.etcd_s = Histogram(
+            "ftrain_etcd_request_seconds", "One etcd call of this replica (watches excluded), "
+            "failures included.", buckets=REQUEST_BUCKETS_S, registry=r)
+        r.register(_Jobs(jobs_now))
+        r.register(_Passes(scheduler_passes))
+        self._recovering_since: dict[str, float] = {}
+
+    def observe_job(self, old: JobRecord | None, new: JobRecord | None) -> None:
+        """A change of one job as the index applies it (old None: new to it; new None: deleted)."""
+        if new is None or new.state.is_terminal():
+            if old is not None:
+                self._recovering_since.pop(old.id, None)
+            if new is None:
+                return
+        if old is not None and new.restarts > old.restarts:
+            self.restarts.inc(new.restarts - old.restarts)
+        if new.state is JobState.RECOVERING:
+            if old is not None and old.state is not JobState.RECOVERING:
+                self._recovering_since[new.id] = new.updated_at
+        elif new.id in self._recovering_since:
+            since = self._recovering_since.pop(new.id)
+            if new.state is JobState.RUNNING:
+                self.recovery_s.observe(max(0.0, new.updated_at - since))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Jobs(Collector):
+    def __init__(self, jobs_now) -> None:
+        self._jobs_now = jobs_now
+
+    def collect(self) -> Iterator[Metric]:
+        counts = dict.fromkeys(JobState, 0)
+        for job in self._jobs_now():
+            counts[job.state] += 1
+        family = GaugeMetricFamily("ftrain_jobs", "Jobs by state (finished ones until retention "
+                                   "deletes them).", labels=["state"])
+        for state, n in counts.items():
+            family.add_metric([state.value], n)
+        yield family
+
+
+class _Passes(Collector):
+    """The scheduler's pass times (`scheduler.PassTimes`): a summary with the quantiles of
+    its last passes, which prometheus-client's own Summary does not compute."""
+
+    def __init__(self, passes) -> None:
+        self._passes = passes
+
+    def collect(self) -> Iterator[Metric]:
+        p, name = self._passes, "ftrain_scheduler_pass_seconds"
+        family = Metric(name, "Duration of one scheduler pass (read, plan, write) on this replica.",
+                        "summary")
+        for q in (0.5, 0.99):
+            if (value := p.quantile(q)) is not None:
+                family.add_sample(name, {"quantile": str(q)}, value)
+        family.add_sample(f"{name}_sum", {}, p.sum_s)
+        family.add_sample(f"{name}_count", {}, p.count)
+        yield family

@@ -1,0 +1,187 @@
+"""The web dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright):
+a job submitted through the API shows up, its loss curve grows while it trains, a worker
+SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, a job
+with a long log shows its end, and the nodes page drains a node.
+
+RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
+SIGKILL the job is RECOVERING only while the group re-forms (under a second here), which a
+page that polls once a second may not catch in its state badge.
+
+The browser is the system's: nothing downloads one (`apt-get install chromium`; `make
+setup` and .ci/run install it). Every request the page makes to another host is refused,
+so the dashboard and /docs are shown to work with no Internet access.
+
+With FTRAIN_SCREENSHOTS=<dir> the test saves the jobs page and the job page there (the
+README's screenshots in docs/ come from it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.elastic import job, job_spec, log_items, submit, wait_state
+from tests.helpers.faults import train_spec, wait_workers
+from tests.helpers.processes import REPO, pid_alive, wait_for
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the test extra)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+
+TIMEOUT_MS = 30_000
+
+
+def points(page, chart: str) -> int:
+    """The points the page's chart `chart` has drawn (uPlot's data, as the page set it)."""
+    return int(page.get_attribute(f'[data-chart="{chart}"]', "data-points") or 0)
+
+
+def wait_points(page, more_than: int) -> None:
+    """Wait until the page's loss curve has more than `more_than` points."""
+    loss = "document.querySelector('[data-chart=\"loss\"]')"
+    page.wait_for_function(f"() => +{loss}.dataset.points > {more_than}")
+
+
+def timeline(page) -> list[str]:
+    """The states of the events timeline on the page, oldest first."""
+    newest_first = page.eval_on_selector_all("#events li", "els => els.map(e => e.dataset.eventState)")
+    return newest_first[::-1]
+
+
+def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control_plane, api, agents,
+                                                                           tmp_path):
+    (agent,) = agents(1)
+    shots = os.environ.get("FTRAIN_SCREENSHOTS")
+    outside: list[str] = []  # requests the page tried to make to another host
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            context = browser.new_context(viewport={"width": 1360, "height": 1000})
+
+            def offline(route):
+                if route.request.url.startswith(control_plane.url):
+                    return route.continue_()
+                outside.append(route.request.url)
+                return route.abort()
+
+            context.route("**/*", offline)
+            page = context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.on("dialog", lambda dialog: dialog.accept())  # the cancel button's "are you sure?"
+
+            # / leads to the dashboard, which asks for a token before it shows anything
+            page.goto(control_plane.url + "/")
+            assert page.url == control_plane.url + "/ui/"
+            page.fill("#token", "not-the-token")
+            page.click("#signin button")
+            page.wait_for_selector("#signin-error:has-text('not accepted')")
+            page.fill("#token", control_plane.user_token)
+            page.click("#signin button")
+            page.wait_for_selector("#jobs")
+            assert page.evaluate("sessionStorage.getItem('ftrain.token')") == control_plane.user_token
+
+            others = []
+            if shots:  # a fuller jobs page for the picture: a job that ended, one that waits
+                others.append(submit(api, train_spec("warm-up", 20, every=10, delay_s=0.01)))
+                wait_state(api, others[-1], "SUCCEEDED", 60)
+                others.append(submit(api, train_spec("needs-two-nodes", 100, mn=2, mx=2)))
+
+            # a job submitted through the API appears on the jobs page, with its progress
+            spec = train_spec("dash", 600, every=10, delay_s=0.05)
+            # the script by its path in the repository (the job's page shows the command)
+            spec["command"][1], spec["working_dir"] = "examples/train.py", str(REPO)
+            job_id = submit(api, spec)
+            row = f'tr[data-job="{job_id}"]'
+            page.wait_for_selector(f'{row} [data-state="RUNNING"]')
+            page.wait_for_selector(f"{row} [data-progress]:has-text('ETA')")
+            label = page.inner_text(f"{row} [data-progress]")
+            assert "/ 600" in label and "%" in label, label
+            if shots:
+                page.wait_for_selector(f'tr[data-job="{others[-1]}"]')
+                box = page.locator("main").bounding_box()
+                page.screenshot(path=str(Path(shots) / "dashboard-jobs.png"),
+                                clip={"x": 0, "y": 0, "width": 1360, "height": box["y"] + box["height"]})
+                api.post(f"/v1/jobs/{others[-1]}/cancel").raise_for_status()
+
+            # its page: the loss curve grows while it trains
+            page.click(f"{row} a")
+            page.wait_for_selector("#job-state [data-state='RUNNING']")
+            wait_points(page, 1)
+            before = points(page, "loss")
+            wait_points(page, before)
+            assert points(page, "samples_per_s") > before
+            page.wait_for_selector("#log:has-text('step=')")  # the log follows the workers' output
+            page.wait_for_selector("#snapshots td:has-text('latest')")
+            assert page.is_visible("#chart-others") and "lr" in page.inner_text("#others-panel")
+
+            # a worker SIGKILL: the page shows RECOVERING, then RUNNING again, and the curve goes on
+            (victim,) = wait_workers(agent, 1)
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+            page.wait_for_function("() => [...document.querySelectorAll('#events li')]"
+                                   ".some(li => li.dataset.eventState === 'RECOVERING')")
+            page.wait_for_function("() => { const s = [...document.querySelectorAll('#events li')]"
+                                   ".map(li => li.dataset.eventState); "
+                                   "return s.indexOf('RUNNING') < s.indexOf('RECOVERING'); }")  # newest first
+            states = timeline(page)
+            recovering = len(states) - 1 - states[::-1].index("RECOVERING")
+            assert "RUNNING" in states[recovering + 1:], states
+            page.wait_for_selector("#job-state [data-state='RUNNING']")
+            after = points(page, "loss")
+            wait_points(page, after)
+            assert job(api, job_id)["restarts"] == 1
+            if shots:
+                wait_points(page, after + 12)  # a longer curve for the README's picture
+                page.screenshot(path=str(Path(shots) / "dashboard-job.png"), full_page=True)
+
+            # cancel from the page
+            page.click("#cancel")
+            page.wait_for_selector("#job-state [data-state='CANCELLED']")
+            assert job(api, job_id)["state"] == "CANCELLED"
+            assert page.is_hidden("#cancel")
+
+            # a job with a long log: its page starts the log near the end, and says so
+            burst = submit(api, job_spec("burst", "--lines", "600", "--chars", "1000", mn=1, mx=1,
+                                         script=REPO / "tests" / "scripts" / "print_burst.py"))
+            wait_state(api, burst, "SUCCEEDED", 60)
+            wait_for(lambda: any(i["line"].startswith("burst 599 ") for i in log_items(api, burst)), 30,
+                     "the burst's last line in its log")
+            page.goto(f"{control_plane.url}/ui/#/jobs/{burst}")
+            page.wait_for_selector("#log:has-text('burst 599 ')")
+            shown = page.inner_text("#log")
+            assert "earlier output not shown" in shown and "burst 0 " not in shown
+            assert page.is_hidden("#cancel")
+
+            # the nodes page: n0, free again, and drained from the page (the admin's token)
+            page.click("a[data-nav='nodes']")
+            page.wait_for_selector('tr[data-node="n0"] [data-state="READY"]')
+            assert page.inner_text('tr[data-node="n0"]').count("idle") == 1
+            page.click('tr[data-node="n0"] button[data-drain="n0"]')
+            page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINING"]')
+            assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINING"
+
+            # a job that does not exist: the page says so (and what retention keeps)
+            page.goto(f"{control_plane.url}/ui/#/jobs/no-such-job")
+            page.wait_for_selector("#banner:has-text('job no-such-job not found')")
+
+            # /docs: Swagger UI from the package's own files
+            page.goto(control_plane.url + "/docs")
+            page.wait_for_selector(".swagger-ui .info .title:has-text('ftrain')")
+        finally:
+            browser.close()
+    assert outside == [], f"the pages asked other hosts for {outside}"
+
+    # what the control plane's Prometheus metrics saw of it
+    text = api.get("/metrics").text
+    got = {name: float(value) for name, _, value in
+           (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+    assert got['ftrain_jobs{state="CANCELLED"}'] == 1 + (1 if shots else 0)
+    assert got["ftrain_job_restarts_total"] == 1 and got["ftrain_job_recovery_seconds_count"] == 1
+    assert 0 < got["ftrain_job_recovery_seconds_sum"] < 30
+    assert got["ftrain_snapshot_stall_seconds_count"] >= 1
+    assert got["ftrain_snapshot_commit_seconds_count"] >= 1
+    assert got["ftrain_node_heartbeat_seconds_count"] >= 1 and got["ftrain_etcd_request_seconds_count"] >= 1

@@ -1,0 +1,69 @@
+"""The dashboard and /docs are served from the package's own files, and refer to no other host."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import anyio
+import httpx
+
+from service.app import create_app
+from service.routes.ui import UI_DIR
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+# An absolute URL in a page the browser loads (a script, a stylesheet, an image).
+ABSOLUTE = re.compile(r"""(?:src|href)\s*=\s*["'](?:https?:)?//""")
+
+
+class Client:
+    """GETs against the app in this process (no server, no etcd: these routes need neither)."""
+
+    def __init__(self, tmp_path):
+        self.app = create_app(Settings(log_root=str(tmp_path / "logs"), secret_dir=str(tmp_path / "s"),
+                                       user_token="t"))
+
+    def get(self, path: str) -> httpx.Response:
+        async def get():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(self.app),
+                                         base_url="http://ui.test") as c:
+                return await c.get(path)
+        return anyio.run(get)
+
+
+def client(tmp_path) -> Client:
+    return Client(tmp_path)
+
+
+def test_root_and_ui_lead_to_the_dashboard_page(tmp_path):
+    c = client(tmp_path)
+    assert c.get("/").headers["location"] == "/ui/"
+    assert c.get("/ui").headers["location"] == "/ui/"
+    page = c.get("/ui/")
+    assert page.status_code == 200 and not ABSOLUTE.search(page.text)
+    assert re.search(r'"static/app\.js\?v=[0-9a-f]{12}"', page.text)  # a new version is fetched anew
+    for asset in ("app.js", "app.css", "favicon.svg", "vendor/uplot/uPlot.iife.min.js"):
+        assert c.get(f"/ui/static/{asset}").status_code == 200, asset
+
+
+def test_docs_use_the_vendored_swagger_ui(tmp_path):
+    c = client(tmp_path)
+    html = c.get("/docs").text
+    scripts = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
+    assert "/ui/static/vendor/swagger-ui/swagger-ui-bundle.js" in scripts
+    assert all(s.startswith("/") and not s.startswith("//") for s in scripts), scripts
+    for s in scripts:
+        assert c.get(s).status_code == 200, s
+    assert c.get("/redoc").status_code == 404  # redoc would load from a CDN: not served
+    assert c.get("/openapi.json").status_code == 200
+
+
+def test_every_file_of_the_dashboard_is_package_data():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["service"]
+    package = UI_DIR.parent
+    shipped = {p for g in globs for p in package.glob(g) if p.is_file()}
+    on_disk = {p for p in UI_DIR.rglob("*") if p.is_file()}
+    assert on_disk - shipped == set(), "add these to [tool.setuptools.package-data] in pyproject.toml"
