@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import log_retention
+from worker import log_retention, memory
 from worker.env import FTRAIN_LOG_LEVEL
 from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
@@ -69,6 +69,7 @@ class NodeAgent:
         self.link = NodeLink(self.server, token, name, nproc_per_node, address,
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
+        memory.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         self.keep_logs = (keep_logs_jobs, keep_logs_s)
@@ -111,6 +112,7 @@ class NodeAgent:
             self._shutdown.wait(pause)
         self.stop_group("node agent shutting down")
         self.torchrun.stop_fork_server()
+        self.torchrun.drop_memory()
         link.send_reports_best_effort()
         link.deregister()
         self.shipper.close()
@@ -127,6 +129,7 @@ class NodeAgent:
             if g is not None:
                 self.stop_group("no longer assigned")
             self.torchrun.stop_fork_server()
+            self.torchrun.drop_memory()
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):

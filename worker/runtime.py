@@ -84,6 +84,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker import memory as mem
 from worker import snapshot as snap
 from worker.data import ResumableSampler
 from worker.env import (
@@ -91,6 +92,8 @@ from worker.env import (
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
+    FTRAIN_MEMORY_DIR,
+    FTRAIN_MEMORY_EVERY,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_DIR,
     FTRAIN_SNAPSHOT_EVERY,
@@ -177,8 +180,13 @@ class Runtime:
     control_poll_s: float = 0.5
     progress_every_s: float = 1.0
     pause_timeout_s: float = 600.0
+    memory_dir: Path | None = None  # the node's memory tier (worker/memory.py)
+    memory_every: int = 1
+    attempt: int = 0
     step: int = 0
     resumed_from: int | None = None
+    resumed_tier: str | None = None  # "memory" or "disk", once restored from a snapshot
+    _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
     waits_s: list[float] = field(default_factory=list)  # of which: waiting for the previous save
     _state: dict[str, Any] = field(default_factory=dict)
@@ -227,17 +235,70 @@ class Runtime:
         """
         self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
                        "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
-        chosen = self._choose_snapshot() if self.is_chief else None
+        # What each node's memory tier holds; the group agrees on the newest copy any rank
+        # holds, unless the disk tier's latest is newer.
+        copy = mem.read_copy(self.memory_dir) if self.memory_dir is not None else None
+        held = -1 if copy is None else int(copy[0]["step"])
+        helds = [held]
+        if self.distributed:
+            helds = [None] * self.world_size
+            dist.all_gather_object(helds, held)
+        chosen = self._choose(helds) if self.is_chief else None
         if self.distributed:
             box = [chosen]
             dist.broadcast_object_list(box, src=0)
             chosen = box[0]
         if chosen is None:
             log.info("rank %d: no committed snapshot; starting at step 0", self.rank)
+        elif chosen[0] == "memory":
+            self._load_memory(chosen[1], chosen[2], helds, copy)
         else:
-            self._load(chosen)
+            self._load(chosen[1])
+        if self._memory is not None and optimizer is not None:
+            # The copy of a step is whole before the optimizer changes what it copies.
+            optimizer.register_step_pre_hook(self._memory.guard)
         self._start_poller()
         return self.step
+
+    def _choose(self, helds: list[int]) -> tuple | None:
+        """Rank 0: ("memory", step, source rank) when some rank's memory copy is at least as
+        new as the latest committed snapshot, else ("disk", path) or None."""
+        newest = max(helds)
+        latest = None
+        if self.link is not None:
+            _, latest = self.link.snapshots()
+        if newest >= 0 and (latest is None or newest >= latest):
+            return ("memory", newest, helds.index(newest))
+        path = self._choose_snapshot()
+        return None if path is None else ("disk", path)
+
+    def _load_memory(self, step: int, src: int, helds: list[int], copy: tuple | None) -> None:
+        """Load the memory copy of `step`: from this node's tier where it holds that step,
+        else sent by rank `src` (one broadcast of the packed bytes)."""
+        start = time.perf_counter()
+        sent = False
+        if any(h != step for h in helds):  # some rank lacks it: `src` sends its copy to all
+            sent = True
+            box = [(copy[0], copy[2], copy[1].numel()) if self.rank == src and copy is not None else None]
+            dist.broadcast_object_list(box, src=src)
+            skeleton, packing, size = box[0]
+            flat = copy[1] if self.rank == src else torch.empty(size, dtype=torch.uint8)
+            wire = flat.to(self.device) if self.device.type == "cuda" else flat
+            dist.broadcast(wire, src=src)
+            if helds[self.rank] != step:
+                copy = (skeleton, wire.cpu() if wire is not flat else flat, packing)
+        assert copy is not None and copy[0]["step"] == step
+        state = mem.unpack(*copy)
+        for name, obj in self._state.items():
+            if obj is not None and state.get(name) is not None:
+                obj.load_state_dict(state[name])
+        if self.local_rank == 0 and state.get("rng") is not None:
+            _set_rng_state(state["rng"])  # the RNG of the node's first rank that wrote the copy
+        self.step = int(state["step"])
+        self.resumed_from, self.resumed_tier = self.step, "memory"
+        log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,
+                 f"sent by rank {src}" if sent and helds[self.rank] != step else "this node's copy",
+                 time.perf_counter() - start)
 
     def _choose_snapshot(self) -> str | None:
         """Rank 0: the newest committed snapshot that passes its checksum (reporting others)."""
@@ -276,7 +337,7 @@ class Runtime:
         if rngs:
             _set_rng_state(rngs[self.rank % len(rngs)])
         self.step = int(state["step"])
-        self.resumed_from = self.step
+        self.resumed_from, self.resumed_tier = self.step, "disk"
         log.info("rank %d: resumed from %s (step %d)", self.rank, path, self.step)
 
     # -------------------------------------------------------------- the loop
@@ -288,11 +349,32 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
+        if self._memory is not None and self.step % self.memory_every == 0:
+            self._copy_to_memory()
         action, control_id = self._agree_on_control()
         if action != "none":
             self._obey(action, control_id)
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
             self.snapshot()
+
+    def _copy_to_memory(self) -> None:
+        """Start the copy of this step into the node's memory tier (worker/memory.py)."""
+        assert self._memory is not None
+        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
+                                 "rng": _rng_state()}
+        later: set[int] = set()
+        for name, obj in self._state.items():
+            if obj is None:
+                continue
+            state[name] = obj.state_dict()
+            if isinstance(obj, torch.nn.Module):
+                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor))
+        if self._state.get("optimizer") is None:
+            later = set()  # nothing tells when the parameters change: copy them now
+        self._memory.capture(state, self.step, later)
 
     def _agree_on_control(self) -> tuple[str, int]:
         """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
@@ -419,6 +501,8 @@ class Runtime:
             return
         self._finished = True
         try:
+            if self._memory is not None:
+                self._memory.wait()
             if self._writer is not None:
                 self._writer.wait()
         finally:
@@ -436,6 +520,7 @@ class Runtime:
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
          snapshot_every: int | None = None, snapshot_keep: int | None = None,
          control_poll_s: float = 0.5, progress_every_s: float = 1.0, pause_timeout_s: float = 600.0,
+         memory_dir: str | Path | None = None, memory_every: int | None = None,
          env: Mapping[str, str] | None = None) -> Runtime:
     """Set up this worker from its environment (see the module docstring); arguments win."""
     env = os.environ if env is None else env
@@ -470,7 +555,13 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  snapshot_every=every if directory else None,
                  global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
-                 pause_timeout_s=pause_timeout_s)
+                 pause_timeout_s=pause_timeout_s, attempt=_env_int(env, FTRAIN_ATTEMPT) or 0)
+    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
+    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
+    if memory_dir and memory_every != 0:
+        rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every or 1
+        if local_rank == 0:
+            rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,

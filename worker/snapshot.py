@@ -281,7 +281,8 @@ class AsyncWriter:
         self.failures = 0
         self.superseded: list[int] = []  # steps whose waiting commit a newer snapshot replaced
         self._changed = threading.Condition()
-        self._waiting: list[_Uncommitted] = []  # written, not yet committed, oldest first (committed newest first)
+        # written, not yet committed, oldest first (committed newest first)
+        self._waiting: list[_Uncommitted] = []
         self._in_flight: _Uncommitted | None = None
         self._committer: threading.Thread | None = None
 

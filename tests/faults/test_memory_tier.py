@@ -1,0 +1,80 @@
+"""The memory tier under real faults: a worker SIGKILLed, a node's agent SIGKILLed with
+its whole tree. Disk snapshots are taken every 1000 steps, so everything a restart does
+not retrain comes from the memory tier (worker/memory.py); each fault may cost one step."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.faults import events_of, rank0_lines, train_spec, wait_workers, workers
+from tests.helpers.processes import pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+_STEP = re.compile(r"^step=(\d+)\b")
+_START = re.compile(r"^start step=(\d+)")
+
+
+def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
+    """Rank 0's runs in order: (the step it started from, the steps it logged)."""
+    out: list[tuple[int, list[int]]] = []
+    for item in rank0_lines(api, job_id):
+        if m := _START.match(item["line"]):
+            out.append((int(m.group(1)), []))
+        elif (m := _STEP.match(item["line"])) and out:
+            out[-1][1].append(int(m.group(1)))
+    return out
+
+
+def steps_lost(api, job_id: str, last: int) -> int:
+    """Check that every run trained on from where it started, to `last` at the end; return
+    how many steps the restart retrained (those logged before it, from its start on). A
+    killed node's last lines may never have been shipped: a step it trained and did not
+    log is not counted as lost."""
+    got = runs(api, job_id)
+    assert len(got) == 2 and got[0][0] == 0, got
+    for start, steps in got:
+        assert steps == list(range(start + 1, start + 1 + len(steps))), (start, steps)
+    assert got[-1][1][-1] == last, got
+    return max(got[0][1]) - got[1][0]
+
+
+def wait_logged_step(api, job_id: str, step: int) -> None:
+    wait_for(lambda: (r := runs(api, job_id)) and r[-1][1] and r[-1][1][-1] >= step, 60,
+             f"step {step} logged")
+
+
+def test_worker_sigkill_loses_at_most_one_step(api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("memwkill", 60, nproc=2, every=1000))
+    wait_logged_step(api, job_id, 20)
+    victim = wait_workers(a, 2)[1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert done["restarts"] == 1
+    assert steps_lost(api, job_id, 60) <= 1, runs(api, job_id)
+
+
+def test_agent_sigkill_loses_at_most_one_step(api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("memakill", 100, mn=1, mx=2, every=1000))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
+    wait_logged_step(api, job_id, 20)
+    assert workers(b)
+    killed = b.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert done["nodes"] == ["n0"] and done["world_size"] == 1
+    assert steps_lost(api, job_id, 100) <= 1, runs(api, job_id)
