@@ -11,6 +11,8 @@
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
+    <prefix>/memory/<id>/<node>          MemorySnapshot: the step a member node's memory tier
+                                         holds, as its first worker last reported it
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
@@ -20,7 +22,7 @@
                                          service.contact), rewritten every 2 s
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
-keys under jobs/, events/, progress/, idempotency/, snapshots/, rdzv/ and logs/
+keys under jobs/, events/, progress/, idempotency/, snapshots/, memory/, rdzv/ and logs/
 (service.retention).
 """
 
@@ -75,6 +77,12 @@ class Keys:
 
     def snapshot(self, job_id: str, step: int) -> str:
         return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
+
+    def memory_copies(self, job_id: str) -> str:
+        return f"{self.prefix}/memory/{job_id}/"
+
+    def memory_copy(self, job_id: str, node: str) -> str:
+        return f"{self.prefix}/memory/{job_id}/{node}"
 
     @property
     def legacy_logs(self) -> str:

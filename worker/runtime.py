@@ -94,6 +94,7 @@ from worker.env import (
     FTRAIN_JOB_TOKEN,
     FTRAIN_MEMORY_DIR,
     FTRAIN_MEMORY_EVERY,
+    FTRAIN_NODE,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_DIR,
     FTRAIN_SNAPSHOT_EVERY,
@@ -187,6 +188,10 @@ class Runtime:
     resumed_from: int | None = None
     resumed_tier: str | None = None  # "memory" or "disk", once restored from a snapshot
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
+    node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
+    memory_report_s: float = 1.0
+    _reporter: threading.Thread | None = None
+    _stop_report: threading.Event = field(default_factory=threading.Event)
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
     waits_s: list[float] = field(default_factory=list)  # of which: waiting for the previous save
     _state: dict[str, Any] = field(default_factory=dict)
@@ -258,7 +263,34 @@ class Runtime:
             # The copy of a step is whole before the optimizer changes what it copies.
             optimizer.register_step_pre_hook(self._memory.guard)
         self._start_poller()
+        self._start_memory_reports()
         return self.step
+
+    def _start_memory_reports(self) -> None:
+        """The node's first rank tells the control plane what its memory tier holds, about
+        once a second, so that the snapshot list shows both tiers."""
+        if self._memory is None or not isinstance(self.link, ServiceLink) or not self.node \
+                or self._reporter is not None:
+            return
+        self._reporter = threading.Thread(target=self._report_memory, name="ftrain-memory-report",
+                                          daemon=True)
+        self._reporter.start()
+
+    def _report_memory(self) -> None:
+        assert self._memory is not None and self.link is not None and self.node is not None
+        reported = None
+        while not self._stop_report.wait(self.memory_report_s):
+            held = self._memory.held
+            if held is None or held.step == reported:
+                continue
+            try:
+                self.link.report_memory(self.node, held.step)
+                reported = held.step
+            except LinkError as exc:
+                if exc.status == 409:  # a stale attempt, or the job ended: nothing more to say
+                    log.info("memory tier reports stop: %s", exc)
+                    return
+                log.debug("memory tier report failed: %s", exc)
 
     def _choose(self, helds: list[int]) -> tuple | None:
         """Rank 0: ("memory", step, source rank) when some rank's memory copy is at least as
@@ -501,6 +533,7 @@ class Runtime:
             return
         self._finished = True
         try:
+            self._stop_report.set()
             if self._memory is not None:
                 self._memory.wait()
             if self._writer is not None:
@@ -555,7 +588,8 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  snapshot_every=every if directory else None,
                  global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
-                 pause_timeout_s=pause_timeout_s, attempt=_env_int(env, FTRAIN_ATTEMPT) or 0)
+                 pause_timeout_s=pause_timeout_s, attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
+                 node=env.get(FTRAIN_NODE) or None)
     memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
     memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
     if memory_dir and memory_every != 0:

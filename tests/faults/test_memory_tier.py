@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
 from tests.helpers.faults import events_of, rank0_lines, train_spec, wait_workers, workers
 from tests.helpers.processes import pid_alive, wait_for
 
@@ -31,17 +31,17 @@ def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
     return out
 
 
-def steps_lost(api, job_id: str, last: int) -> int:
+def steps_lost(api, job_id: str, last: int, restarts: int = 1) -> int:
     """Check that every run trained on from where it started, to `last` at the end; return
-    how many steps the restart retrained (those logged before it, from its start on). A
+    how many steps the restarts retrained (those logged before one, from its start on). A
     killed node's last lines may never have been shipped: a step it trained and did not
     log is not counted as lost."""
     got = runs(api, job_id)
-    assert len(got) == 2 and got[0][0] == 0, got
+    assert len(got) == restarts + 1 and got[0][0] == 0, got
     for start, steps in got:
         assert steps == list(range(start + 1, start + 1 + len(steps))), (start, steps)
     assert got[-1][1][-1] == last, got
-    return max(got[0][1]) - got[1][0]
+    return sum(max(0, max(before[1]) - after[0]) for before, after in zip(got, got[1:]))
 
 
 def wait_logged_step(api, job_id: str, step: int) -> None:
@@ -54,6 +54,10 @@ def test_worker_sigkill_loses_at_most_one_step(api, agents):
     wait_nodes(api, 1)
     job_id = submit(api, train_spec("memwkill", 60, nproc=2, every=1000))
     wait_logged_step(api, job_id, 20)
+    # The API lists the node's memory tier next to the disk tier.
+    wait_for(lambda: any(m["tier"] == "memory" and m["node"] == "n0" and m["step"] >= 20
+                         for m in api.get(f"/v1/jobs/{job_id}/snapshots").json()["memory"]),
+             10, "the memory tier of n0 listed at step >= 20")
     victim = wait_workers(a, 2)[1]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
@@ -64,17 +68,25 @@ def test_worker_sigkill_loses_at_most_one_step(api, agents):
     assert steps_lost(api, job_id, 60) <= 1, runs(api, job_id)
 
 
-def test_agent_sigkill_loses_at_most_one_step(api, agents):
+def test_agent_sigkill_loses_at_most_one_step_and_a_rejoining_node_gets_the_state_sent(api, agents):
     (a, b) = agents(2)
     wait_nodes(api, 2)
-    job_id = submit(api, train_spec("memakill", 100, mn=1, mx=2, every=1000))
+    job_id = submit(api, train_spec("memakill", 200, mn=1, mx=2, every=1000))
     wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
     wait_logged_step(api, job_id, 20)
     assert workers(b)
     killed = b.kill_tree()
     wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+    wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1], 60, "training again on n0 alone")
 
+    # n1 comes back with an empty memory tier: the job grows to it (a planned change), and
+    # n0 sends it the state of the step they restart from.
+    b.start()
+    wait_for(lambda: job(api, job_id)["world_size"] == 2 and len(runs(api, job_id)) == 3, 60,
+             "the job to grow back to n1")
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
     assert done["state"] == "SUCCEEDED", events_of(api, job_id)
-    assert done["nodes"] == ["n0"] and done["world_size"] == 1
-    assert steps_lost(api, job_id, 100) <= 1, runs(api, job_id)
+    assert steps_lost(api, job_id, 200, restarts=2) <= 1, runs(api, job_id)
+    lines = [i["line"] for i in log_items(api, job_id)
+             if i["node"] == "n1" and i["attempt"] == done["attempt"]]
+    assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
