@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await background.stop(ctx)
+            await ctx.presence.close()
             await ctx.kv.close()
 
     app = FastAPI(title="ftrain", version="1", lifespan=lifespan,

@@ -16,6 +16,8 @@
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+    <prefix>/presence/<name>             the replica holding the node's presence request
+                                         (service.presence), bound to the node's lease
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
@@ -77,6 +79,9 @@ class Keys:
 
     def snapshot(self, job_id: str, step: int) -> str:
         return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
+
+    def presence(self, name: str) -> str:
+        return f"{self.prefix}/presence/{name}"
 
     def memory_copies(self, job_id: str) -> str:
         return f"{self.prefix}/memory/{job_id}/"

@@ -80,6 +80,7 @@ class NodeAgent:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
+        threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
         while not self._shutdown.is_set():
             beat_started, known_before = time.monotonic(), link.known
             try:
@@ -117,6 +118,17 @@ class NodeAgent:
         link.deregister()
         self.shipper.close()
         link.close()
+
+    def hold_presence(self) -> None:
+        """A thread's loop: keep a presence request open while registered (service/presence.py)."""
+        while not self._shutdown.is_set():
+            if not self.link.registered:
+                self._shutdown.wait(0.1)
+                continue
+            try:
+                self.link.hold_presence()
+            except HttpError:  # no answer, or 404 (the loop registers again): soon again
+                self._shutdown.wait(0.2)
 
     def shutdown(self, *_args) -> None:
         """Ask the loop to end (a signal handler)."""

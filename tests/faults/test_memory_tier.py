@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -90,3 +91,23 @@ def test_agent_sigkill_loses_at_most_one_step_and_a_rejoining_node_gets_the_stat
     lines = [i["line"] for i in log_items(api, job_id)
              if i["node"] == "n1" and i["attempt"] == done["attempt"]]
     assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
+
+
+# A 60 s node lease: only the dropped connection can tell the control plane in seconds.
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_a_sigkilled_agent_is_lost_at_once_from_its_dropped_connection(control_plane, api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("fastloss", 400, mn=1, mx=2, every=1000))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
+    wait_logged_step(api, job_id, 5)
+    killed_at = time.time()
+    b.kill_tree()
+    wait_for(lambda: "n1" not in {n["name"] for n in api.get("/v1/nodes").json()["items"]}, 10,
+             "node n1 to be gone although its lease has 60 s to live")
+    lost = wait_for(lambda: next((e for e in events_of(api, job_id) if "node n1 lost" in e["reason"]), None),
+                    10, "the job to lose n1")
+    assert lost["time"] - killed_at < 5, lost
+    wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1], 30, "training again on n0 alone")
+    assert job(api, job_id)["nodes"] == ["n0"]
+    api.post(f"/v1/jobs/{job_id}/cancel")
