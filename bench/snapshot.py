@@ -98,6 +98,45 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
             "state": (model, opt)}
 
 
+def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
+                    block: int = 3) -> dict:
+    """One model and loop, the memory tier on and off in alternating blocks of `block` steps
+    (so that a load that drifts over the run weighs on both alike); step times of each."""
+    rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=1)
+    torch.manual_seed(0)
+    model = rt.wrap(build(width, rt.device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=rt.device)
+    rt.restore(model=model, optimizer=opt)
+    writer = rt._memory
+    assert writer is not None
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        rt.step_done(loss=loss, samples=batch)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step()
+    writer.stalls_s.clear()
+    writer.copies_s.clear()
+    on: list[float] = []
+    off: list[float] = []
+    for b in range(max(2, 2 * (steps // (2 * block)))):
+        rt._memory = writer if b % 2 == 0 else None
+        (on if b % 2 == 0 else off).extend(step() for _ in range(block))
+    rt._memory = writer
+    rt.finish()
+    return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
+            "overhead": statistics.median(on) / statistics.median(off) - 1}
+
+
 def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
     """Load the memory tier's copy, and the disk snapshot, into a fresh model and optimizer."""
     model = build(width, torch.device("cpu"))
@@ -200,11 +239,8 @@ def main() -> None:
             shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
-                got = run_mode(width, None, steps, args.batch, root / f"{size}-memory",
-                               "gloo" if args.device == "cpu" else None, memory_dir=shm)
-                got.pop("state")
-                got.pop("params")
-                row["memory_every_1"] = got
+                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm,
+                                                        "gloo" if args.device == "cpu" else None)
                 disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
                 row["restore"] = restore_times(width, shm, disk_file, 3)
                 row["replicate_s"] = replication_times(shm, root, 3)
@@ -213,7 +249,7 @@ def main() -> None:
 
                 shutil.rmtree(shm, ignore_errors=True)
             m = row["memory_every_1"]
-            row["memory_overhead"] = m["step_s_mean"] / row["never"]["step_s_mean"] - 1
+            row["memory_overhead"] = m["overhead"]
             row["memory_stall_s_median"] = statistics.median(m["memory_stalls_s"])
             row["memory_copy_s_median"] = statistics.median(m["memory_copies_s"])
             row["restore_memory_s_median"] = statistics.median(row["restore"]["memory_s"])
@@ -246,19 +282,21 @@ def main() -> None:
           "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
           "still being written\nwhen snapshots are taken every step (one save in flight).")
     print(f"\nmemory tier (a copy every step, /dev/shm), {device}\n")
-    head = (f"{'model':>6} | {'step ms: never':>14} {'memory every 1':>14} {'overhead':>8} | "
+    head = (f"{'model':>6} | {'step ms: off':>12} {'memory every 1':>14} {'overhead':>8} | "
             f"{'stall ms':>8} {'copy ms':>8} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | "
             f"{'replicate ms':>12}")
     print(head)
     print("-" * len(head))
     for r in results:
-        print(f"{r['size']:>6} | {r['never']['step_s_mean'] * 1e3:>14.1f} "
-              f"{r['memory_every_1']['step_s_mean'] * 1e3:>14.1f} {r['memory_overhead'] * 100:>7.1f}% | "
+        m = r["memory_every_1"]
+        print(f"{r['size']:>6} | {statistics.median(m['off_s']) * 1e3:>12.1f} "
+              f"{statistics.median(m['on_s']) * 1e3:>14.1f} {r['memory_overhead'] * 100:>7.1f}% | "
               f"{r['memory_stall_s_median'] * 1e3:>8.1f} {r['memory_copy_s_median'] * 1e3:>8.1f} | "
               f"{r['restore_memory_s_median'] * 1e3:>18.1f} {r['restore_disk_s_median'] * 1e3:>7.1f} "
               f"{r['restore_disk_s_median'] / r['restore_memory_s_median']:>5.1f} | "
               f"{r['replicate_s_median'] * 1e3:>12.1f}")
-    print("\noverhead = mean step time with the memory tier / without - 1; stall = the training "
+    print("\noverhead = median step time with the memory tier / without - 1 (one loop, the tier on "
+          "and off in\nalternating blocks of 3 steps); stall = the training "
           "thread's wait\n(median per step); copy = step_done to the copy being whole; restore "
           "= into a fresh model and\noptimizer (disk: checksum + torch.load, from the page "
           "cache); replicate = one gloo broadcast\nof the copy's packed bytes to a second process "

@@ -35,7 +35,8 @@ FTRAIN_FORK_SERVER_IMPORTS = "FTRAIN_FORK_SERVER_IMPORTS"  # comma-separated mod
 # Seconds a forked worker whose script returned may spend joining its non-daemon threads and
 # running atexit handlers before it is ended anyway (worker/fork_server.py).
 FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
-# Steps between two copies into the memory tier (1: every step; 0: no memory tier).
+# Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
+# often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
              FTRAIN_MEMORY_EVERY)

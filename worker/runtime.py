@@ -71,6 +71,7 @@ over.)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
@@ -113,6 +114,10 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
 log = logging.getLogger("ftrain.runtime")
 
 SNAPSHOT_FORMAT = 1
+# The memory tier's share of a step that its copies may cost, when it picks its own
+# interval (FTRAIN_MEMORY_EVERY unset), and the longest interval it picks.
+MEMORY_BUDGET = 0.05
+MEMORY_EVERY_MAX = 50
 EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchrun restarts it
 
 _ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
@@ -182,7 +187,11 @@ class Runtime:
     progress_every_s: float = 1.0
     pause_timeout_s: float = 600.0
     memory_dir: Path | None = None  # the node's memory tier (worker/memory.py)
-    memory_every: int = 1
+    memory_every: int | None = None  # steps between copies; None: picked to fit MEMORY_BUDGET
+    memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
+    _memory_next: int = 0  # the step of the next copy
+    _step_s: float | None = None  # the step period (moving average), for the picked interval
+    _last_step_t: float | None = None
     attempt: int = 0
     step: int = 0
     resumed_from: int | None = None
@@ -381,13 +390,48 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
-        if self._memory is not None and self.step % self.memory_every == 0:
-            self._copy_to_memory()
+        if self._memory is not None:
+            self._time_step()
+            if self._memory_due():
+                self._copy_to_memory()
+                self._plan_next_copy()
         action, control_id = self._agree_on_control()
         if action != "none":
             self._obey(action, control_id)
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
             self.snapshot()
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_t is not None:
+            took = now - self._last_step_t
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._last_step_t = now
+
+    def _memory_due(self) -> bool:
+        if self.memory_every:
+            return self.step % self.memory_every == 0
+        return self.step >= self._memory_next
+
+    def _plan_next_copy(self) -> None:
+        """Without a fixed interval: copy again after as many steps as keep the copies'
+        cost within MEMORY_BUDGET of the step time. The cost is the last whole copy's time
+        (its thread runs beside training: on a CPU it takes a core, on a GPU the copy
+        engine; counted whole, which errs on the safe side) plus the training thread's wait."""
+        if self.memory_every:
+            self.memory_interval = self.memory_every
+            return
+        w = self._memory
+        assert w is not None
+        cost = (w.copies_s[-1] if w.copies_s else 0.0) + (w.stalls_s[-1] if w.stalls_s else 0.0)
+        k = 1
+        if self._step_s and cost > MEMORY_BUDGET * self._step_s:
+            k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
+        if k != self.memory_interval:
+            log.info("memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, budget %.0f%%)",
+                     k, cost * 1e3, (self._step_s or 0) * 1e3, MEMORY_BUDGET * 100)
+        self.memory_interval = k
+        self._memory_next = self.step + k
 
     def _copy_to_memory(self) -> None:
         """Start the copy of this step into the node's memory tier (worker/memory.py)."""
@@ -593,7 +637,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
     memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
     memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
     if memory_dir and memory_every != 0:
-        rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every or 1
+        rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:

@@ -1,6 +1,8 @@
 """The memory tier under real faults: a worker SIGKILLed, a node's agent SIGKILLed with
 its whole tree. Disk snapshots are taken every 1000 steps, so everything a restart does
-not retrain comes from the memory tier (worker/memory.py); each fault may cost one step."""
+not retrain comes from the memory tier (worker/memory.py), which copies every step
+(FTRAIN_MEMORY_EVERY=1, so that a loaded machine does not space the copies out); each fault
+may cost one step."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from tests.helpers.processes import pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
+EVERY_STEP = {"FTRAIN_MEMORY_EVERY": "1"}
 _STEP = re.compile(r"^step=(\d+)\b")
 _START = re.compile(r"^start step=(\d+)")
 
@@ -53,7 +56,7 @@ def wait_logged_step(api, job_id: str, step: int) -> None:
 def test_worker_sigkill_loses_at_most_one_step(api, agents):
     (a,) = agents(1, nproc=2)
     wait_nodes(api, 1)
-    job_id = submit(api, train_spec("memwkill", 60, nproc=2, every=1000))
+    job_id = submit(api, train_spec("memwkill", 60, nproc=2, every=1000, env=EVERY_STEP))
     wait_logged_step(api, job_id, 20)
     # The API lists the node's memory tier next to the disk tier.
     wait_for(lambda: any(m["tier"] == "memory" and m["node"] == "n0" and m["step"] >= 20
@@ -72,7 +75,7 @@ def test_worker_sigkill_loses_at_most_one_step(api, agents):
 def test_agent_sigkill_loses_at_most_one_step_and_a_rejoining_node_gets_the_state_sent(api, agents):
     (a, b) = agents(2)
     wait_nodes(api, 2)
-    job_id = submit(api, train_spec("memakill", 200, mn=1, mx=2, every=1000))
+    job_id = submit(api, train_spec("memakill", 200, mn=1, mx=2, every=1000, env=EVERY_STEP))
     wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
     wait_logged_step(api, job_id, 20)
     assert workers(b)

@@ -132,7 +132,7 @@ def test_the_runtime_resumes_from_memory_when_it_is_newer_than_the_disk(tmp_path
     env: dict[str, str] = {}
 
     def init():
-        return runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, env=env)
+        return runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env=env)
 
     straight = _train(runtime.init(env={}), 13)
     _train(init(), 8)  # disk: step 5; memory: step 8
@@ -149,12 +149,31 @@ def test_the_runtime_resumes_from_memory_when_it_is_newer_than_the_disk(tmp_path
 def test_the_runtime_falls_back_to_the_disk_without_a_newer_memory_copy(tmp_path):
     disk, memory = tmp_path / "disk", tmp_path / "memory"
     memory.mkdir()
-    _train(runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, env={}), 8)
+    _train(runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={}), 8)
     for p in memory.iterdir():  # the node lost its memory (a new node, a reboot)
         p.unlink()
     rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, env={})
     _train(rt, 9)
     assert rt.resumed_from == 5 and rt.resumed_tier == "disk"
+
+
+def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
+    rt = runtime.init(memory_dir=tmp_path, env={})
+    _train(rt, 3)
+    writer = rt._memory
+    rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
+    writer.copies_s[:] = [0.0195]
+    writer.stalls_s[:] = [0.0005]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 4 and rt._memory_next == rt.step + 4  # 20 ms: 5% of 4 steps
+    writer.copies_s[:] = [10.0]
+    rt._plan_next_copy()
+    assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
+    fixed = runtime.init(memory_dir=tmp_path, memory_every=3, env={})
+    _train(fixed, 7)
+    assert fixed.memory_interval == 3 and mem.read_held(tmp_path).step == 6
 
 
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
