@@ -99,10 +99,11 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
-                    block: int = 3) -> dict:
+                    block: int = 3, every: int | None = 1) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
-    (so that a load that drifts over the run weighs on both alike); step times of each."""
-    rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=1)
+    (so that a load that drifts over the run weighs on both alike); step times of each.
+    `every`: the copy interval (None: the runtime picks it to fit its 5% budget)."""
+    rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -133,8 +134,9 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
     rt._memory = writer
     rt.finish()
+    mean = statistics.mean if every is None else statistics.median  # a copy every K steps: the mean
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
-            "overhead": statistics.median(on) / statistics.median(off) - 1}
+            "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1}
 
 
 def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
@@ -239,8 +241,10 @@ def main() -> None:
             shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
-                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm,
-                                                        "gloo" if args.device == "cpu" else None)
+                backend = "gloo" if args.device == "cpu" else None
+                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm, backend)
+                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm, backend,
+                                                     block=max(10, steps // 2), every=None)
                 disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
                 row["restore"] = restore_times(width, shm, disk_file, 3)
                 row["replicate_s"] = replication_times(shm, root, 3)
@@ -295,6 +299,10 @@ def main() -> None:
               f"{r['restore_memory_s_median'] * 1e3:>18.1f} {r['restore_disk_s_median'] * 1e3:>7.1f} "
               f"{r['restore_disk_s_median'] / r['restore_memory_s_median']:>5.1f} | "
               f"{r['replicate_s_median'] * 1e3:>12.1f}")
+    for r in results:
+        a = r["memory_auto"]
+        print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
+              f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
     print("\noverhead = median step time with the memory tier / without - 1 (one loop, the tier on "
           "and off in\nalternating blocks of 3 steps); stall = the training "
           "thread's wait\n(median per step); copy = step_done to the copy being whole; restore "
