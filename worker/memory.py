@@ -188,6 +188,7 @@ class MemoryWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stream = None
+        self.disabled: str | None = None  # why the tier is off (no room for a copy)
         self.stalls_s: list[float] = []  # per capture: the training thread's time in capture + guard
         self.copies_s: list[float] = []  # per capture: from capture to the copy being whole
 
@@ -202,8 +203,11 @@ class MemoryWriter:
         if known is not None and known[0] == packing:
             return known[1]
         path = self.directory / f"slot{slot}.bin"
+        self._maps.pop(slot, None)
         with open(path, "wb") as f:
-            f.truncate(size)
+            # Reserve the pages now: a write through the mapping into a tmpfs that is full
+            # (a container's 64 MiB /dev/shm) would be a SIGBUS, not an error.
+            os.posix_fallocate(f.fileno(), 0, size)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = (packing, buf)
         return buf
@@ -212,13 +216,22 @@ class MemoryWriter:
         """Start the copy of `state` at `step`. Tensors whose storage pointer is in `later`
         (parameters, optimizer state: changed only by the optimizer's step) are copied in
         a thread; everything else now."""
+        if self.disabled:
+            return
         start = time.perf_counter()
         self.wait()
         tensors: list[torch.Tensor] = []
         skeleton = _split(state, tensors)
         packing, size = _packing(tensors)
         slot = 1 if self._latest_slot == 0 else 0
-        buf = self._mapped(slot, packing, size)
+        try:
+            buf = self._mapped(slot, packing, size)
+        except OSError as exc:
+            self.disabled = f"no room for a copy of {size / 2**20:.0f} MiB in {self.directory}: {exc}"
+            log.warning("memory tier off: %s; restarts resume from the disk tier (give /dev/shm "
+                        "room for two copies, e.g. docker's --shm-size)", self.disabled)
+            (self.directory / f"slot{slot}.bin").unlink(missing_ok=True)
+            return
         views = _views(buf, packing)
         deferred = []
         for src, dst in zip(tensors, views):

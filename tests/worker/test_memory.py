@@ -93,6 +93,26 @@ def test_a_copier_killed_mid_copy_leaves_the_previous_copy_whole(tmp_path, monke
     assert mem.load(tmp_path, step=2) is None
 
 
+def test_no_room_for_a_copy_turns_the_tier_off_instead_of_crashing(tmp_path, monkeypatch):
+    model, opt = _model_and_opt()
+    writer = mem.MemoryWriter(tmp_path)
+    _step(model, opt, 0)
+    writer.capture(_state(model, opt, 1), 1, set())
+    writer.wait()
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mem.os, "posix_fallocate", full)
+    writer._maps.clear()  # as if the layout changed
+    writer.capture(_state(model, opt, 2), 2, set())
+    writer.wait()
+    assert writer.disabled and "No space left" in writer.disabled
+    assert mem.read_held(tmp_path).step == 1  # the whole copy before it is kept
+    writer.capture(_state(model, opt, 3), 3, set())  # and nothing more is tried
+    assert mem.read_held(tmp_path).step == 1
+
+
 def test_copies_alternate_slots_and_a_new_writer_keeps_the_whole_one(tmp_path):
     model, opt = _model_and_opt()
     writer = mem.MemoryWriter(tmp_path)
