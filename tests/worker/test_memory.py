@@ -211,3 +211,14 @@ def test_leftover_memory_dirs_of_this_agent_are_removed_and_others_kept(tmp_path
     assert mine.parent == shm
     assert mem.remove_leftovers(tmp_path / "a", "n0", shm=shm) == [mine]
     assert not mine.exists() and other_dir.exists() and other_name.exists()
+
+
+def test_a_copy_read_back_in_many_chunks_is_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(mem, "READ_CHUNK", 1000)  # a read of many chunks on several threads
+    model, opt = _model_and_opt()
+    _step(model, opt, 0)
+    writer = mem.MemoryWriter(tmp_path)
+    writer.capture(_state(model, opt, 1), 1, set())
+    writer.wait()
+    got = mem.load(tmp_path)
+    assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
