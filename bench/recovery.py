@@ -80,6 +80,7 @@ from tests.helpers.processes import (
     wait_for,
     workers_under,
 )
+from worker import memory
 
 WORKLOAD = REPO / "bench" / "workload.py"
 SNAPSHOT_EVERY = 10
@@ -374,6 +375,7 @@ class FtrainCluster:
                 pass
         for agent in self.agents:
             agent.kill_tree()
+            memory.remove_leftovers(agent.workdir, agent.name)  # the killed agent's memory tier
         for agent in self.agents:  # what a graceful agent does on exit: give its lease back
             try:
                 self.stack.node_api.delete(f"/v1/nodes/{agent.name}")
