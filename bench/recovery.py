@@ -15,8 +15,11 @@ every 10 steps) runs under:
 * `ftrain`: a real etcd, a real control plane and two real node agents, the job
   submitted over REST;
 * `ftrain-runtime`: ftrain with the script's `--mode runtime` (ftrain's runtime library,
-  which snapshots at a step boundary when the control plane asks before a join); it runs
-  the join only, unless named in --variants.
+  which snapshots at a step boundary when the control plane asks before a join, and keeps
+  the memory tier: a copy of the state in each node's memory as often as fits 5% of the
+  step, every step here, so a SIGKILL loses at most a step or so). For it the table also
+  gives the memory tier's cost per step as the training thread sees it (bench/snapshot.py
+  measures the whole overhead, contention for cores and memory included).
 
 Each trial runs each fault once per variant, variants alternating (their order rotates
 per trial). A session is a fresh set of agents (and a fresh job): the worker SIGKILL and
@@ -77,6 +80,7 @@ from tests.helpers.processes import (
     wait_for,
     workers_under,
 )
+from worker import memory
 
 WORKLOAD = REPO / "bench" / "workload.py"
 SNAPSHOT_EVERY = 10
@@ -185,6 +189,16 @@ class EventFile:
 
     def first_step_time(self) -> float:
         return self.steps()[0]["t"]
+
+    def memory_tier_cost(self) -> dict | None:
+        """The memory tier's cost per step so far, from rank 0's step lines (runtime mode)."""
+        steps = [e for e in self.steps() if "mem_ms" in e]
+        if len(steps) < 3:
+            return None
+        periods = [(b["t"] - a["t"]) * 1e3 for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+        return {"mem_ms_median": statistics.median(e["mem_ms"] for e in steps),
+                "step_period_ms_median": statistics.median(periods) if periods else None,
+                "mem_every_median": statistics.median(e["mem_every"] for e in steps), "steps": len(steps)}
 
 
 # Set by --device/--width: extra workload arguments, and how many GPUs the nodes share.
@@ -361,6 +375,7 @@ class FtrainCluster:
                 pass
         for agent in self.agents:
             agent.kill_tree()
+            memory.remove_leftovers(agent.workdir, agent.name)  # the killed agent's memory tier
         for agent in self.agents:  # what a graceful agent does on exit: give its lease back
             try:
                 self.stack.node_api.delete(f"/v1/nodes/{agent.name}")
@@ -431,6 +446,8 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
                 rec["fault"] = {"recovered": False,
                                 "error": f"not training at world size 2 before the fault: {exc}"}
                 return records
+            if n == 0:
+                first["memory_tier"] = cluster.log.memory_tier_cost()
             time.sleep(delay_s)
             if fault == "worker_kill":
                 victims = wait_for(lambda: cluster.workers(1), 10, "the second node's worker")
@@ -596,6 +613,21 @@ def print_phases(phases: dict) -> None:
             print(f"    {v:<17} " + "  ".join(f"{k}={got[k]}" for k in order if k in got))
 
 
+def print_memory_tier(trials: list[dict]) -> None:
+    """The memory tier's cost per step, as the training thread of rank 0 saw it before the faults."""
+    costs = [t["memory_tier"] for t in trials if t.get("memory_tier")]
+    if not costs:
+        return
+    mem = statistics.median(c["mem_ms_median"] for c in costs)
+    periods = [c["step_period_ms_median"] for c in costs if c["step_period_ms_median"]]
+    period = statistics.median(periods) if periods else None
+    every = statistics.median(c["mem_every_median"] for c in costs)
+    share = f" = {100 * mem / period:.1f}% of a {period:.1f} ms step period" if period else ""
+    print()
+    print(f"memory tier (ftrain-runtime, {len(costs)} session(s)): the training thread's time in it "
+          f"{mem:.2f} ms per step (median){share}; a copy every {every:g} step(s)")
+
+
 def _uptime() -> str:
     try:
         done = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False)
@@ -643,9 +675,7 @@ def main() -> int:
     variants = (args.variants.split(",") if args.variants
                 else ["torchrun-tuned", "ftrain", "ftrain-runtime"] if args.quick else list(VARIANTS))
     scenarios = args.scenarios.split(",") if args.scenarios else list(SCENARIOS)
-    # The runtime variant is there for the zero-loss join; unless asked for, it runs only that.
-    scenarios_of = {v: (["join"] if v == "ftrain-runtime" and not args.variants else scenarios)
-                    for v in variants}
+    scenarios_of = {v: scenarios for v in variants}
     for v in variants:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
@@ -702,6 +732,7 @@ def main() -> int:
     phases = phase_table(trials, variants)
     print()
     print_phases(phases)
+    print_memory_tier(trials)
     import torch
     gpus = [torch.cuda.get_device_name(i) for i in range(GPUS)]
     result = {"machine": {"host": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__,

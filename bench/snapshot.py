@@ -1,10 +1,19 @@
-"""What snapshots cost the training loop.
+"""What snapshots cost the training loop, and what the memory tier costs and saves.
 
 For an MLP of about 10M and about 100M parameters (AdamW, so the state is ~3x the
 weights), runs the runtime's loop with snapshots never, every 10 steps and every step,
 and reports the mean step time of each, plus the stall each snapshot causes (median of
 >= 5: the copy-off to host memory, done on the training thread) against a synchronous
 `torch.save` of the same state to the same directory (what the tutorial's scripts do).
+
+The memory tier (worker/memory.py): the same loop with a copy into /dev/shm every step
+and no disk snapshots; its step time against "never" is the overhead per step; its
+stall is what the training thread waits (the copy of the small state, and the optimizer
+pre-hook's wait for the copy thread); its copy time is from `step_done` to the copy being
+whole. Restore: from memory (read the node's copy, load it into a fresh model and
+optimizer) against from disk (verify the checksum, `torch.load`, load; the file in the
+page cache, which favours the disk). Replication: sending a copy to a rank that lacks it
+(a rejoining node), one gloo broadcast of the packed bytes between two processes here.
 
     python bench/snapshot.py                  # both sizes, table + bench/snapshot.json
     python bench/snapshot.py --sizes 10M --dir /mnt/shared/tmp
@@ -29,7 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from worker import memory as mem  # noqa: E402
 from worker import runtime  # noqa: E402
+from worker import snapshot as snap  # noqa: E402
 
 SIZES = {"10M": 1536, "100M": 5000}  # width of a 4-layer square MLP: params ~ 4 * width^2
 
@@ -42,10 +53,12 @@ def build(width: int, device: torch.device) -> torch.nn.Module:
 
 
 def run_mode(width: int, every: int | None, steps: int, batch: int, directory: Path,
-             backend: str | None) -> dict:
-    """Train `steps` steps with snapshots every `every` steps (None: never)."""
+             backend: str | None, memory_dir: Path | None = None) -> dict:
+    """Train `steps` steps with snapshots every `every` steps (None: never), and a copy into
+    the memory tier every step if `memory_dir` is given."""
     rt = runtime.init(env={}, backend=backend, snapshot_dir=directory if every else None,
-                      snapshot_every=every, snapshot_keep=2)
+                      snapshot_every=every, snapshot_keep=2, memory_dir=memory_dir,
+                      memory_every=1 if memory_dir else 0)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -63,6 +76,9 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
         step()
     rt.stalls_s.clear()
     rt.waits_s.clear()
+    if rt._memory is not None:
+        rt._memory.stalls_s.clear()
+        rt._memory.copies_s.clear()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -77,7 +93,106 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
             "stalls_s": rt.stalls_s, "waits_s": rt.waits_s,
             "copy_s": [s - w for s, w in zip(rt.stalls_s, rt.waits_s)],
             "params": sum(p.numel() for p in model.parameters()),
+            "memory_stalls_s": rt._memory.stalls_s if rt._memory else [],
+            "memory_copies_s": rt._memory.copies_s if rt._memory else [],
             "state": (model, opt)}
+
+
+def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
+                    block: int = 3, every: int | None = 1) -> dict:
+    """One model and loop, the memory tier on and off in alternating blocks of `block` steps
+    (so that a load that drifts over the run weighs on both alike); step times of each.
+    `every`: the copy interval (None: the runtime picks it to fit its 5% budget)."""
+    rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
+    torch.manual_seed(0)
+    model = rt.wrap(build(width, rt.device))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=rt.device)
+    rt.restore(model=model, optimizer=opt)
+    writer = rt._memory
+    assert writer is not None
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        rt.step_done(loss=loss, samples=batch)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step()
+    writer.stalls_s.clear()
+    writer.copies_s.clear()
+    on: list[float] = []
+    off: list[float] = []
+    for b in range(max(2, 2 * (steps // (2 * block)))):
+        rt._memory = writer if b % 2 == 0 else None
+        (on if b % 2 == 0 else off).extend(step() for _ in range(block))
+    rt._memory = writer
+    rt.finish()
+    mean = statistics.mean if every is None else statistics.median  # a copy every K steps: the mean
+    return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
+            "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1}
+
+
+def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
+    """Load the memory tier's copy, and the disk snapshot, into a fresh model and optimizer."""
+    model = build(width, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    checksum = snap.file_checksum(disk_file)
+    out: dict = {"memory_s": [], "disk_s": []}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state = mem.load(memory_dir)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        out["memory_s"].append(time.perf_counter() - start)
+        del state
+        start = time.perf_counter()
+        snap.verify(disk_file, checksum)
+        state = snap.load(disk_file)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        out["disk_s"].append(time.perf_counter() - start)
+        del state
+    return out
+
+
+def _replicate(rank: int, memory_dir: str, store_path: str, repeats: int, result: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    size = 0
+    if rank == 0:
+        skeleton, flat, packing = mem.read_copy(memory_dir)
+        size = flat.numel()
+    box = [size]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 1:
+        flat = torch.empty(box[0], dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.broadcast(flat, src=0)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        Path(result).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def replication_times(memory_dir: Path, root: Path, repeats: int) -> list[float]:
+    """Send the memory tier's packed bytes from one gloo process to another (loopback)."""
+    import torch.multiprocessing as mp
+
+    store, result = root / "replicate.store", root / "replicate.json"
+    mp.spawn(_replicate, args=(str(memory_dir), str(store), repeats, str(result)), nprocs=2)
+    return json.loads(result.read_text())
 
 
 def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Path,
@@ -123,6 +238,27 @@ def main() -> None:
                     row["sync_save_s"] = sync_save(model, opt, root, 5)
                     row["state_bytes"] = max(os.path.getsize(f) for f in d.glob("step-*.pt"))
                 del model, opt
+            shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
+                                        if mem.SHM_ROOT.is_dir() else root))
+            try:
+                backend = "gloo" if args.device == "cpu" else None
+                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm, backend)
+                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm, backend,
+                                                     block=max(10, steps // 2), every=None)
+                disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
+                row["restore"] = restore_times(width, shm, disk_file, 3)
+                row["replicate_s"] = replication_times(shm, root, 3)
+            finally:
+                import shutil
+
+                shutil.rmtree(shm, ignore_errors=True)
+            m = row["memory_every_1"]
+            row["memory_overhead"] = m["overhead"]
+            row["memory_stall_s_median"] = statistics.median(m["memory_stalls_s"])
+            row["memory_copy_s_median"] = statistics.median(m["memory_copies_s"])
+            row["restore_memory_s_median"] = statistics.median(row["restore"]["memory_s"])
+            row["restore_disk_s_median"] = statistics.median(row["restore"]["disk_s"])
+            row["replicate_s_median"] = statistics.median(row["replicate_s"])
             copies = row["every_1"]["copy_s"] + row["every_10"]["copy_s"]
             row["stall_s_median"] = statistics.median(copies)  # the copy-off: the stall proper
             row["stall_count"] = len(copies)
@@ -149,6 +285,30 @@ def main() -> None:
     print("\nstall = copy-off to host memory on the training thread (median over the snapshots of "
           "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
           "still being written\nwhen snapshots are taken every step (one save in flight).")
+    print(f"\nmemory tier (a copy every step, /dev/shm), {device}\n")
+    head = (f"{'model':>6} | {'step ms: off':>12} {'memory every 1':>14} {'overhead':>8} | "
+            f"{'stall ms':>8} {'copy ms':>8} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | "
+            f"{'replicate ms':>12}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        m = r["memory_every_1"]
+        print(f"{r['size']:>6} | {statistics.median(m['off_s']) * 1e3:>12.1f} "
+              f"{statistics.median(m['on_s']) * 1e3:>14.1f} {r['memory_overhead'] * 100:>7.1f}% | "
+              f"{r['memory_stall_s_median'] * 1e3:>8.1f} {r['memory_copy_s_median'] * 1e3:>8.1f} | "
+              f"{r['restore_memory_s_median'] * 1e3:>18.1f} {r['restore_disk_s_median'] * 1e3:>7.1f} "
+              f"{r['restore_disk_s_median'] / r['restore_memory_s_median']:>5.1f} | "
+              f"{r['replicate_s_median'] * 1e3:>12.1f}")
+    for r in results:
+        a = r["memory_auto"]
+        print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
+              f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
+    print("\noverhead = median step time with the memory tier / without - 1 (one loop, the tier on "
+          "and off in\nalternating blocks of 3 steps); stall = the training "
+          "thread's wait\n(median per step); copy = step_done to the copy being whole; restore "
+          "= into a fresh model and\noptimizer (disk: checksum + torch.load, from the page "
+          "cache); replicate = one gloo broadcast\nof the copy's packed bytes to a second process "
+          "(loopback).")
     meta = {"torch": torch.__version__, "device": device, "cpus": os.cpu_count(), "batch": args.batch}
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nwrote {args.json}")

@@ -10,7 +10,10 @@ its place, picked by `--mode`:
   It runs the same under torchrun and under ftrain, so the two are compared on one script.
 * `runtime`: the same loop through ftrain's runtime (`worker.runtime`), which snapshots
   every FTRAIN_SNAPSHOT_EVERY steps and snapshots at a step boundary when the control
-  plane asks before a planned change (a join), so such a change loses no step.
+  plane asks before a planned change (a join), so such a change loses no step; under an
+  ftrain agent it also copies the state into the node's memory tier (worker/memory.py),
+  so a worker or node SIGKILL loses at most a step or so. Its `step` lines carry the
+  training thread's time in the memory tier (`mem_ms`) and the copy interval (`mem_every`).
 
 Every process appends JSON lines to `--log-file` (one write each, O_APPEND, so lines from
 several processes do not interleave): `boot` when the interpreter starts (before `import
@@ -117,7 +120,9 @@ def run_runtime(args, events: EventLog) -> int:
     if rt.is_chief:
         events.write("resume", step=start, world=rt.world_size)
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
+    memory = rt._memory  # the node's memory tier (worker/memory.py), on its first rank
     while rt.step < args.steps:
+        waited = sum(memory.stalls_s) if memory else 0.0
         x = torch.randn(args.batch, 64, generator=g).to(rt.device)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
@@ -125,7 +130,11 @@ def run_runtime(args, events: EventLog) -> int:
         opt.step()
         rt.step_done(loss=loss, samples=args.batch * rt.world_size)
         if rt.is_chief:
-            events.write("step", step=rt.step, world=rt.world_size)
+            # The training thread's time in the memory tier this step (copy start, and the
+            # optimizer's wait for the previous copy), and the copy interval in use.
+            extra = {} if memory is None else {"mem_ms": round((sum(memory.stalls_s) - waited) * 1e3, 3),
+                                               "mem_every": rt.memory_interval}
+            events.write("step", step=rt.step, world=rt.world_size, **extra)
         time.sleep(args.step_time)
     rt.finish()
     return 0

@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await background.stop(ctx)
+            await ctx.presence.close()
             await ctx.kv.close()
 
     # /docs from the package's own Swagger UI (service.routes.ui), not a CDN; no redoc.

@@ -16,6 +16,7 @@ from service.keys import Keys
 from service.logs import LogStore
 from service.models import JobRecord
 from service.nodes import NodeStore
+from service.presence import Presence
 from service.progress import ProgressStore
 from service.scheduler import PassTimes
 from service.settings import Settings
@@ -39,6 +40,7 @@ class Context:
     users: UserStore
     keyring: Keyring
     contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
+    presence: Presence  # the agents' held connections: a dropped one is a lost node, fast
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
@@ -69,7 +71,8 @@ class Context:
                    progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
                    users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
-                   contact=Contact(kv, keys.contact, settings.node_ttl_s))
+                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
+                   presence=Presence(kv, keys))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         return ctx

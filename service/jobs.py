@@ -204,10 +204,11 @@ class JobStore:
 
     def deletion(self, job: JobRecord) -> list[Delete]:
         """What to delete with a job in etcd: its record, events, progress, metrics, snapshot records
-        and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
+        (both tiers) and idempotency key. (Its rendezvous keys and logs go first, on their own.)"""
         ops = [Delete(self.keys.job(job.id)), Delete(self.keys.events(job.id), prefix=True),
                Delete(self.keys.progress(job.id)), Delete(self.keys.metrics(job.id), prefix=True),
-               Delete(self.keys.snapshots(job.id), prefix=True)]
+               Delete(self.keys.snapshots(job.id), prefix=True),
+               Delete(self.keys.memory_copies(job.id), prefix=True)]
         if job.idempotency_digest is not None:
             ops.append(Delete(self.keys.idempotency(job.idempotency_digest)))
         return ops

@@ -14,16 +14,20 @@
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
+    <prefix>/memory/<id>/<node>          MemorySnapshot: the step a member node's memory tier
+                                         holds, as its first worker last reported it
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key
+    <prefix>/presence/<name>             the replica holding the node's presence request
+                                         (service.presence), bound to the node's lease
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
                                          service.contact), rewritten every 2 s
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
-keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, rdzv/ and logs/
+keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, memory/, rdzv/ and logs/
 (service.retention).
 """
 
@@ -88,6 +92,15 @@ class Keys:
 
     def snapshot(self, job_id: str, step: int) -> str:
         return f"{self.prefix}/snapshots/{job_id}/{step:012d}"
+
+    def presence(self, name: str) -> str:
+        return f"{self.prefix}/presence/{name}"
+
+    def memory_copies(self, job_id: str) -> str:
+        return f"{self.prefix}/memory/{job_id}/"
+
+    def memory_copy(self, job_id: str, node: str) -> str:
+        return f"{self.prefix}/memory/{job_id}/{node}"
 
     @property
     def legacy_logs(self) -> str:

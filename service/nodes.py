@@ -99,6 +99,22 @@ class NodeStore:
             self._verified.pop(name, None)
             raise NodeNotFound(name)
 
+    async def lease_of(self, name: str, credential_sha256: str | None) -> int:
+        """The lease of live node `name` (checked against its credential's digest, if given).
+
+        Raises:
+            NodeNotFound: no node of this name is alive.
+            OutdatedCredential: the name is alive under another credential.
+        """
+        known = self._verified.get(name)
+        if credential_sha256 is not None and known is not None and \
+                secrets.compare_digest(known[0], credential_sha256):
+            return known[1]
+        if credential_sha256 is not None:
+            return (await self.verify(name, credential_sha256)).lease_id
+        entry, _ = await self._entry(name)
+        return entry.lease
+
     async def verify(self, name: str, credential_sha256: str) -> NodeRecord:
         """The live record of node `name`, if this is its credential's digest (one read).
 

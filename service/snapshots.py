@@ -17,11 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.decide.snapshots import Decision, Records, decide_commit, decide_corrupt
+from service.decide.snapshots import Decision, Records, decide_commit, decide_corrupt, decide_memory
+from service.errors import JobNotFound
 from service.jobs import JobStore
 from service.models import JobRecord
 from service.store import cas
-from worker.protocol import CommitRequest, CommitResult, SnapshotList, SnapshotRecord
+from service.store.api import Entry, Put
+from worker.protocol import (
+    CommitRequest,
+    CommitResult,
+    MemoryReport,
+    MemorySnapshot,
+    SnapshotList,
+    SnapshotRecord,
+)
 
 
 class SnapshotStore:
@@ -43,7 +52,29 @@ class SnapshotStore:
         job = await self.jobs.get(job_id)
         records = await self._records(job_id)
         latest = job.latest_snapshot.step if job.latest_snapshot else None
-        return SnapshotList(items=[records[s] for s in sorted(records)], latest=latest)
+        # The memory tier of the nodes that are members now (a node that left deleted its copy).
+        memory = [m async for e in self.jobs.kv.scan_prefix(self.jobs.keys.memory_copies(job_id))
+                  if (m := MemorySnapshot.model_validate_json(e.value)).node in job.members]
+        return SnapshotList(items=[records[s] for s in sorted(records)], latest=latest,
+                            memory=sorted(memory, key=lambda m: m.node))
+
+    async def report_memory(self, job_id: str, node: str, report: MemoryReport) -> MemorySnapshot:
+        """Record what a member node's memory tier holds; fenced on the job record (like
+        progress: the write applies only if the job is unchanged since it was read)."""
+        kv, job_key, key = self.jobs.kv, self.jobs.keys.job(job_id), self.jobs.keys.memory_copy(job_id, node)
+        now = self.jobs.clock()
+
+        async def read() -> Entry:
+            entry = await kv.get(job_key)
+            if entry is None:
+                raise JobNotFound(job_id)
+            return entry
+
+        def decide(entry: Entry) -> cas.Write[MemorySnapshot]:
+            copy = decide_memory(JobRecord.model_validate_json(entry.value), node, report, now)
+            return cas.Write({job_key: entry.mod_revision}, [Put(key, copy.model_dump_json().encode())], copy)
+
+        return await cas.update(kv, read, decide, f"memory tier of job {job_id} on node {node}")
 
     async def _update(self, job_id: str, decide: Callable[[JobRecord, Records], Decision]) -> Decision:
         """JobStore.update's compare-and-set, with the job's snapshot records read after the job."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import log_retention
+from worker import log_retention, memory
 from worker.env import FTRAIN_LOG_LEVEL
 from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
@@ -69,6 +69,7 @@ class NodeAgent:
         self.link = NodeLink(self.server, token, name, nproc_per_node, address,
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
+        memory.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         self.keep_logs = (keep_logs_jobs, keep_logs_s)
@@ -79,6 +80,7 @@ class NodeAgent:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
+        threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
         while not self._shutdown.is_set():
             beat_started, known_before = time.monotonic(), link.known
             try:
@@ -111,10 +113,22 @@ class NodeAgent:
             self._shutdown.wait(pause)
         self.stop_group("node agent shutting down")
         self.torchrun.stop_fork_server()
+        self.torchrun.drop_memory()
         link.send_reports_best_effort()
         link.deregister()
         self.shipper.close()
         link.close()
+
+    def hold_presence(self) -> None:
+        """A thread's loop: keep a presence request open while registered (service/presence.py)."""
+        while not self._shutdown.is_set():
+            if not self.link.registered:
+                self._shutdown.wait(0.1)
+                continue
+            try:
+                self.link.hold_presence()
+            except HttpError:  # no answer, or 404 (the loop registers again): soon again
+                self._shutdown.wait(0.2)
 
     def shutdown(self, *_args) -> None:
         """Ask the loop to end (a signal handler)."""
@@ -127,6 +141,7 @@ class NodeAgent:
             if g is not None:
                 self.stop_group("no longer assigned")
             self.torchrun.stop_fork_server()
+            self.torchrun.drop_memory()
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):

@@ -25,6 +25,7 @@ FTRAIN_SNAPSHOT_EVERY = "FTRAIN_SNAPSHOT_EVERY"
 FTRAIN_SNAPSHOT_KEEP = "FTRAIN_SNAPSHOT_KEEP"
 FTRAIN_GLOBAL_BATCH_SIZE = "FTRAIN_GLOBAL_BATCH_SIZE"
 FTRAIN_FORK_SERVER_SOCKET = "FTRAIN_FORK_SERVER_SOCKET"  # the abstract socket of the job's fork server
+FTRAIN_MEMORY_DIR = "FTRAIN_MEMORY_DIR"  # the node's memory tier for the job (worker/memory.py), the agent's
 
 # ---------------------------------------------------------------- a job's own knobs
 # The only FTRAIN_* names a job spec's `env` may set (service/models.py refuses the others).
@@ -34,7 +35,11 @@ FTRAIN_FORK_SERVER_IMPORTS = "FTRAIN_FORK_SERVER_IMPORTS"  # comma-separated mod
 # Seconds a forked worker whose script returned may spend joining its non-daemon threads and
 # running atexit handlers before it is ended anyway (worker/fork_server.py).
 FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
-JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S)
+# Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
+# often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
+FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
+JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
+             FTRAIN_MEMORY_EVERY)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

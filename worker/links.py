@@ -33,6 +33,7 @@ from worker.protocol import (
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryReport,
     ProgressReport,
     SnapshotList,
     SnapshotRecord,
@@ -89,6 +90,7 @@ class Link(Protocol):
                         final: bool = False, metrics: dict[str, float] | None = None,
                         total_steps: int | None = None) -> None: ...
     def control(self) -> ControlRequest: ...
+    def report_memory(self, node: str, step: int) -> None: ...
 
 
 def _committed(items: list[dict]) -> list[CommittedSnapshot]:
@@ -167,6 +169,10 @@ class ServiceLink:
         got = self._read(ControlView, self._call("GET", "/control"))
         return ControlRequest(id=got.id, action=got.action.value, reason=got.reason)
 
+    def report_memory(self, node: str, step: int) -> None:
+        """What this node's memory tier holds (tried once: the next report comes soon)."""
+        self._call("PUT", f"/memory/{node}", MemoryReport(step=step, attempt=self.attempt))
+
 
 class LocalLink:
     """The local twin of the control plane: a `snapshots.json` index next to the files."""
@@ -228,3 +234,6 @@ class LocalLink:
 
     def control(self) -> ControlRequest:
         return ControlRequest()
+
+    def report_memory(self, node: str, step: int) -> None:
+        pass

@@ -90,6 +90,8 @@ class NodeLink:
         # Registration goes with the node token; every other call with the node's credential.
         self._enrol = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
+        # The presence request has a connection (and thread) of its own (hold_presence).
+        self._presence = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.heartbeat_interval_s = 1.0
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
@@ -113,6 +115,7 @@ class NodeLink:
         reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
+            self._presence.set_token(reply.credential)
             self._write_credential(reply.credential)
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id
@@ -206,9 +209,17 @@ class NodeLink:
                         "wait for this one's lease to lapse", self.credential_file, exc)
             tmp.unlink(missing_ok=True)
 
+    def hold_presence(self) -> None:
+        """One presence request: the control plane holds it about a second. While one is
+        held, this process's death closes the connection, and the control plane treats the
+        node as lost a second later instead of when its lease lapses (service/presence.py).
+        Called in a loop by a thread of its own (the agent's)."""
+        self._presence.call("GET", f"/v1/nodes/{self.name}/presence", timeout=REQUEST_TIMEOUT_S)
+
     def close(self) -> None:
         self._enrol.close()
         self.client.close()
+        self._presence.close()
 
 
 def _is_forgotten(exc: HttpError) -> bool:

@@ -344,6 +344,8 @@ class ControlAction(str, enum.Enum):
 class SnapshotRecord(SnapshotMeta):
     """A committed snapshot as stored under `keys.snapshot(job, step)`."""
 
+    tier: Literal["disk"] = Field("disk", description="The durable tier: a file in the snapshot store.")
+
     bad: bool = Field(False, description="Failed its checksum when a worker read it back.")
     control_id: int | None = Field(None, description="The planned change this snapshot answered.")
     stall_s: float | None = Field(None, description="How long the training loop stalled for it.")
@@ -386,9 +388,30 @@ def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: 
     return sorted(step for step in bad_by_step if step not in kept)
 
 
+class MemoryReport(BaseModel):
+    """A node's first worker: the newest whole copy in the node's memory tier (worker/memory.py)."""
+
+    step: int = Field(..., ge=0)
+    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
+
+
+class MemorySnapshot(BaseModel):
+    """What a member node's memory tier holds, as it last reported (about once a second)."""
+
+    tier: Literal["memory"] = "memory"
+    node: str
+    step: int
+    attempt: int = Field(..., description="The attempt whose worker reported it.")
+    time: float | None = None
+
+
 class SnapshotList(BaseModel):
     items: list[SnapshotRecord]
     latest: int | None = None
+    memory: list[MemorySnapshot] = Field(
+        default_factory=list, description="Each member node's memory-tier copy (tier \"memory\"); a "
+        "restart resumes from the newest copy a surviving node holds when it is at least as new as "
+        "`latest`, else from `latest`.")
 
 
 class CorruptReport(BaseModel):

@@ -92,6 +92,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker import memory as mem
 from worker import snapshot as snap
 from worker.data import ResumableSampler
 from worker.env import (
@@ -99,6 +100,9 @@ from worker.env import (
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
+    FTRAIN_MEMORY_DIR,
+    FTRAIN_MEMORY_EVERY,
+    FTRAIN_NODE,
     FTRAIN_SERVER,
     FTRAIN_SNAPSHOT_DIR,
     FTRAIN_SNAPSHOT_EVERY,
@@ -118,6 +122,10 @@ from worker.protocol import MAX_METRICS, METRIC_NAME
 log = logging.getLogger("ftrain.runtime")
 
 SNAPSHOT_FORMAT = 1
+# The memory tier's share of a step that its copies may cost, when it picks its own
+# interval (FTRAIN_MEMORY_EVERY unset), and the longest interval it picks.
+MEMORY_BUDGET = 0.05
+MEMORY_EVERY_MAX = 50
 EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchrun restarts it
 
 _ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
@@ -187,8 +195,21 @@ class Runtime:
     progress_every_s: float = 1.0
     pause_timeout_s: float = 600.0
     total_steps: int | None = None  # the steps the script means to make: percent and ETA
+    memory_dir: Path | None = None  # the node's memory tier (worker/memory.py)
+    memory_every: int | None = None  # steps between copies; None: picked to fit MEMORY_BUDGET
+    memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
+    _memory_next: int = 0  # the step of the next copy
+    _step_s: float | None = None  # the step period (moving average), for the picked interval
+    _last_step_t: float | None = None
+    attempt: int = 0
     step: int = 0
     resumed_from: int | None = None
+    resumed_tier: str | None = None  # "memory" or "disk", once restored from a snapshot
+    _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
+    node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
+    memory_report_s: float = 1.0
+    _reporter: threading.Thread | None = None
+    _stop_report: threading.Event = field(default_factory=threading.Event)
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
     waits_s: list[float] = field(default_factory=list)  # of which: waiting for the previous save
     _state: dict[str, Any] = field(default_factory=dict)
@@ -239,17 +260,97 @@ class Runtime:
         """
         self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
                        "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
-        chosen = self._choose_snapshot() if self.is_chief else None
+        # What each node's memory tier holds; the group agrees on the newest copy any rank
+        # holds, unless the disk tier's latest is newer.
+        copy = mem.read_copy(self.memory_dir) if self.memory_dir is not None else None
+        held = -1 if copy is None else int(copy[0]["step"])
+        helds = [held]
+        if self.distributed:
+            helds = [None] * self.world_size
+            dist.all_gather_object(helds, held)
+        chosen = self._choose(helds) if self.is_chief else None
         if self.distributed:
             box = [chosen]
             dist.broadcast_object_list(box, src=0)
             chosen = box[0]
         if chosen is None:
             log.info("rank %d: no committed snapshot; starting at step 0", self.rank)
+        elif chosen[0] == "memory":
+            self._load_memory(chosen[1], chosen[2], helds, copy)
         else:
-            self._load(chosen)
+            self._load(chosen[1])
+        if self._memory is not None and optimizer is not None:
+            # The copy of a step is whole before the optimizer changes what it copies.
+            optimizer.register_step_pre_hook(self._memory.guard)
         self._start_poller()
+        self._start_memory_reports()
         return self.step
+
+    def _start_memory_reports(self) -> None:
+        """The node's first rank tells the control plane what its memory tier holds, about
+        once a second, so that the snapshot list shows both tiers."""
+        if self._memory is None or not isinstance(self.link, ServiceLink) or not self.node \
+                or self._reporter is not None:
+            return
+        self._reporter = threading.Thread(target=self._report_memory, name="ftrain-memory-report",
+                                          daemon=True)
+        self._reporter.start()
+
+    def _report_memory(self) -> None:
+        assert self._memory is not None and self.link is not None and self.node is not None
+        reported = None
+        while not self._stop_report.wait(self.memory_report_s):
+            held = self._memory.held
+            if held is None or held.step == reported:
+                continue
+            try:
+                self.link.report_memory(self.node, held.step)
+                reported = held.step
+            except LinkError as exc:
+                if exc.status == 409:  # a stale attempt, or the job ended: nothing more to say
+                    log.info("memory tier reports stop: %s", exc)
+                    return
+                log.debug("memory tier report failed: %s", exc)
+
+    def _choose(self, helds: list[int]) -> tuple | None:
+        """Rank 0: ("memory", step, source rank) when some rank's memory copy is at least as
+        new as the latest committed snapshot, else ("disk", path) or None."""
+        newest = max(helds)
+        latest = None
+        if self.link is not None:
+            _, latest = self.link.snapshots()
+        if newest >= 0 and (latest is None or newest >= latest):
+            return ("memory", newest, helds.index(newest))
+        path = self._choose_snapshot()
+        return None if path is None else ("disk", path)
+
+    def _load_memory(self, step: int, src: int, helds: list[int], copy: tuple | None) -> None:
+        """Load the memory copy of `step`: from this node's tier where it holds that step,
+        else sent by rank `src` (one broadcast of the packed bytes)."""
+        start = time.perf_counter()
+        sent = False
+        if any(h != step for h in helds):  # some rank lacks it: `src` sends its copy to all
+            sent = True
+            box = [(copy[0], copy[2], copy[1].numel()) if self.rank == src and copy is not None else None]
+            dist.broadcast_object_list(box, src=src)
+            skeleton, packing, size = box[0]
+            flat = copy[1] if self.rank == src else torch.empty(size, dtype=torch.uint8)
+            wire = flat.to(self.device) if self.device.type == "cuda" else flat
+            dist.broadcast(wire, src=src)
+            if helds[self.rank] != step:
+                copy = (skeleton, wire.cpu() if wire is not flat else flat, packing)
+        assert copy is not None and copy[0]["step"] == step
+        state = mem.unpack(*copy)
+        for name, obj in self._state.items():
+            if obj is not None and state.get(name) is not None:
+                obj.load_state_dict(state[name])
+        if self.local_rank == 0 and state.get("rng") is not None:
+            _set_rng_state(state["rng"])  # the RNG of the node's first rank that wrote the copy
+        self.step = int(state["step"])
+        self.resumed_from, self.resumed_tier = self.step, "memory"
+        log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,
+                 f"sent by rank {src}" if sent and helds[self.rank] != step else "this node's copy",
+                 time.perf_counter() - start)
 
     def _choose_snapshot(self) -> str | None:
         """Rank 0: the newest committed snapshot that passes its checksum (reporting others)."""
@@ -288,7 +389,7 @@ class Runtime:
         if rngs:
             _set_rng_state(rngs[self.rank % len(rngs)])
         self.step = int(state["step"])
-        self.resumed_from = self.step
+        self.resumed_from, self.resumed_tier = self.step, "disk"
         log.info("rank %d: resumed from %s (step %d)", self.rank, path, self.step)
 
     # -------------------------------------------------------------- the loop
@@ -300,6 +401,11 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
+        if self._memory is not None:
+            self._time_step()
+            if self._memory_due():
+                self._copy_to_memory()
+                self._plan_next_copy()
         action, control_id = self._agree_on_control()
         if action != "none":
             self._obey(action, control_id)
@@ -315,6 +421,57 @@ class Runtime:
             return
         for name, value in scalars.items():
             self._scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_t is not None:
+            took = now - self._last_step_t
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._last_step_t = now
+
+    def _memory_due(self) -> bool:
+        if self.memory_every:
+            return self.step % self.memory_every == 0
+        return self.step >= self._memory_next
+
+    def _plan_next_copy(self) -> None:
+        """Without a fixed interval: copy again after as many steps as keep the copies'
+        cost within MEMORY_BUDGET of the step time. The cost is the last whole copy's time
+        (its thread runs beside training: on a CPU it takes a core, on a GPU the copy
+        engine; counted whole, which errs on the safe side) plus the training thread's wait."""
+        if self.memory_every:
+            self.memory_interval = self.memory_every
+            return
+        w = self._memory
+        assert w is not None
+        cost = (w.copies_s[-1] if w.copies_s else 0.0) + (w.stalls_s[-1] if w.stalls_s else 0.0)
+        k = 1
+        if self._step_s and cost > MEMORY_BUDGET * self._step_s:
+            k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
+        if k != self.memory_interval:
+            log.info("memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, budget %.0f%%)",
+                     k, cost * 1e3, (self._step_s or 0) * 1e3, MEMORY_BUDGET * 100)
+        self.memory_interval = k
+        self._memory_next = self.step + k
+
+    def _copy_to_memory(self) -> None:
+        """Start the copy of this step into the node's memory tier (worker/memory.py)."""
+        assert self._memory is not None
+        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
+                                 "rng": _rng_state()}
+        later: set[int] = set()
+        for name, obj in self._state.items():
+            if obj is None:
+                continue
+            state[name] = obj.state_dict()
+            if isinstance(obj, torch.nn.Module):
+                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor))
+        if self._state.get("optimizer") is None:
+            later = set()  # nothing tells when the parameters change: copy them now
+        self._memory.capture(state, self.step, later)
 
     def _agree_on_control(self) -> tuple[str, int]:
         """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
@@ -459,6 +616,9 @@ class Runtime:
             return
         self._finished = True
         try:
+            self._stop_report.set()
+            if self._memory is not None:
+                self._memory.wait()
             if self._writer is not None:
                 self._writer.wait()
         finally:
@@ -476,7 +636,8 @@ class Runtime:
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
          snapshot_every: int | None = None, snapshot_keep: int | None = None,
          control_poll_s: float = 0.5, progress_every_s: float = 1.0, pause_timeout_s: float = 600.0,
-         total_steps: int | None = None, env: Mapping[str, str] | None = None) -> Runtime:
+         total_steps: int | None = None, memory_dir: str | Path | None = None,
+         memory_every: int | None = None, env: Mapping[str, str] | None = None) -> Runtime:
     """Set up this worker from its environment (see the module docstring); arguments win."""
     env = os.environ if env is None else env
     distributed = "RANK" in env and "WORLD_SIZE" in env
@@ -510,7 +671,15 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  snapshot_every=every if directory else None,
                  global_batch_size=_env_int(env, FTRAIN_GLOBAL_BATCH_SIZE),
                  control_poll_s=control_poll_s, progress_every_s=progress_every_s,
-                 pause_timeout_s=pause_timeout_s, total_steps=total_steps)
+                 pause_timeout_s=pause_timeout_s, total_steps=total_steps,
+                 attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
+                 node=env.get(FTRAIN_NODE) or None)
+    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
+    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
+    if memory_dir and memory_every != 0:
+        rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every
+        if local_rank == 0:
+            rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,

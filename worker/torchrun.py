@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from worker import memory
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -36,6 +37,7 @@ from worker.env import (
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
+    FTRAIN_MEMORY_DIR,
     FTRAIN_NODE,
     FTRAIN_NODE_TOKEN,
     FTRAIN_SERVER,
@@ -169,6 +171,7 @@ class Torchrun:
         self.shipper = shipper
         self.group: WorkerGroup | None = None
         self.fork_server: ForkServer | None = None
+        self.memory: tuple[str, Path] | None = None  # (job, its memory tier on this node)
 
     # ------------------------------------------------------------------ command and environment
     def argv(self, a: Assignment) -> list[str]:
@@ -272,6 +275,30 @@ class Torchrun:
         z.proc.wait()
         z.close()
 
+    # ------------------------------------------------------------------ the memory tier
+    def memory_dir(self, a: Assignment) -> Path | None:
+        """The job's memory tier on this node (worker/memory.py): made for its first
+        attempt here, kept across attempts while the node works on the job, so that a
+        restarted group finds the copies of the one before."""
+        if self.memory is not None and self.memory[0] == a.job_id and self.memory[1].is_dir():
+            return self.memory[1]
+        self.drop_memory()
+        try:
+            path = memory.make_job_dir(self.data_dir, self.node, a.job_id)
+            if self.run_as is not None:
+                os.chown(path, self.run_as.uid, self.run_as.gid)
+        except OSError as exc:
+            log.warning("no memory tier for job %s (%s): restarts resume from the disk", a.job_id, exc)
+            return None
+        self.memory = (a.job_id, path)
+        return path
+
+    def drop_memory(self) -> None:
+        """Delete the memory tier of the job this node worked on (it left the job)."""
+        held, self.memory = self.memory, None
+        if held is not None:
+            shutil.rmtree(held[1], ignore_errors=True)
+
     # ------------------------------------------------------------------ the group
     def group_tree(self, g: WorkerGroup) -> list[int]:
         """Every process of the group below `g.proc`: torchrun's tree and what the job's
@@ -291,6 +318,8 @@ class Torchrun:
         for d in (self.data_dir / "logs", log_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = self.job_env(a)
+        if (memory_dir := self.memory_dir(a)) is not None:
+            env[FTRAIN_MEMORY_DIR] = str(memory_dir)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
             env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun

@@ -34,6 +34,8 @@ from worker.protocol import (
     CommitRequest,
     ControlAction,
     ControlView,
+    MemoryReport,
+    MemorySnapshot,
     ProgressReport,
     SnapshotRecord,
     steps_to_prune,
@@ -170,6 +172,16 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     new_body, new_tail = (None, None) if added is None else split(body, added)
     return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
                             job=job.model_copy(update={"reports_progress": True}) if first else None)
+
+
+def decide_memory(job: JobRecord, node: str, report: MemoryReport, now: float) -> MemorySnapshot:
+    """A member node's memory-tier copy; refused from a stale attempt, a finished job or a
+    node that is not a member of the job's attempt."""
+    _check_writable(job, report.attempt, "memory snapshots")
+    if node not in job.members:
+        raise Conflict(f"node {node!r} is not a member of job {job.id} (attempt {job.attempt}); "
+                       "only a member's worker reports its memory tier")
+    return MemorySnapshot(node=node, step=report.step, attempt=report.attempt, time=now)
 
 
 def control_for(job: JobRecord) -> ControlView:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, Response, status
 
 from service.context import Context
 from service.decide.members import decide_registered, decide_report, is_recorded
@@ -116,6 +116,16 @@ def _known_of(job: JobRecord | None) -> Known | None:
     if job is None:
         return None
     return Known(job_id=job.id, attempt=job.attempt, action="stop" if job.stopping else "run")
+
+
+@router.get("/v1/nodes/{name}/presence", status_code=status.HTTP_204_NO_CONTENT)
+async def presence(name: str, request: Request, ctx: ContextDep, digest: NodeSelf) -> Response:
+    """Held open for a second, then 204; the agent asks again at once. A connection that
+    drops while held and is not back within a second is a lost node (service/presence.py).
+    404: no node of this name is alive (register again)."""
+    lease = await ctx.nodes.lease_of(name, digest)
+    await ctx.presence.hold(name, lease, request.receive)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/v1/nodes/{name}/report", response_model=ReportReply)

@@ -19,6 +19,8 @@ from worker.protocol import (
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryReport,
+    MemorySnapshot,
     Progress,
     ProgressReport,
     SnapshotList,
@@ -74,6 +76,14 @@ async def report_corrupt(job_id: str, step: int, job: JobTokenDep, snapshots: Sn
     if step < 0:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "step must be >= 0")
     return await snapshots.report_corrupt(job.id, step, (report or CorruptReport()).reason)
+
+
+@router.put("/{job_id}/memory/{node}", response_model=MemorySnapshot)
+async def report_memory(job_id: str, node: Annotated[str, Path(max_length=253)], report: MemoryReport,
+                        job: JobTokenDep, snapshots: SnapshotsDep) -> MemorySnapshot:
+    """The step a member node's memory tier holds (its first worker, about once a second);
+    409 from a stale attempt, a finished job or a node that is not a member."""
+    return await snapshots.report_memory(job.id, node, report)
 
 
 @router.post("/{job_id}/progress", response_model=Progress)

@@ -111,7 +111,8 @@ def test_a_join_while_the_disk_is_full_goes_ahead_from_the_latest_snapshot(
         control_plane, api, small_snapshot_disk, agents):
     """A planned change asks rank 0 for a snapshot first; if the disk refuses it, every rank
     keeps training (none pauses), the change goes ahead after the control plane's timeout,
-    and the bigger group resumes from the latest committed snapshot."""
+    and the bigger group resumes from the latest committed snapshot or, newer, the memory
+    tier's copy (which the first node sends the joining one)."""
     root = small_snapshot_disk
     agents(1, nproc=2)
     wait_nodes(api, 1)
@@ -132,5 +133,5 @@ def test_a_join_while_the_disk_is_full_goes_ahead_from_the_latest_snapshot(
         done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
         assert done["state"] == "SUCCEEDED", events_of(api, job_id)
         assert done["restarts"] == 0  # a membership change, not a failure
-        trace = check_steps(api, job_id, watch=watch)  # resumed only from committed snapshots
+        trace = check_steps(api, job_id, watch=watch)  # resumed only from committed snapshots or memory
         assert trace.steps[-1] == 900 and trace.resumes and all(r[1] >= before for r in trace.resumes)

@@ -40,6 +40,7 @@ TRAIN = REPO / "examples" / "train.py"
 KEEP_ALL = 1000
 _STEP = re.compile(r"^step=(\d+)\b")
 _START = re.compile(r"^(?:start|resumed) step=(\d+)")
+_FROM_MEMORY = re.compile(r"resumed from memory \(step (\d+)")
 
 
 def train_spec(name: str, steps: int, *, every: int = 5, nproc: int = 1, mn: int = 1, mx: int = 1,
@@ -242,15 +243,20 @@ def check_steps(api: httpx.Client, job_id: str, *, watch: SnapshotWatch | None =
     """Rank 0's steps never go backwards except to a committed snapshot.
 
     With a `watch` (the runtime's committed snapshots), a restart must resume from a good
-    committed snapshot, and from one at least as new as every latest seen before it
-    restarted. Without one (a tutorial script's own snapshot.pt every `every` steps), it
-    must resume from a multiple of `every`, at most one snapshot behind the last step.
+    committed snapshot or a copy of the memory tier (which rank 0 says it loaded), and from
+    one at least as new as every latest seen before it restarted. Without one (a tutorial
+    script's own snapshot.pt every `every` steps), it must resume from a multiple of
+    `every`, at most one snapshot behind the last step.
     """
     assert (watch is None) != (every is None)
     steps: list[int] = []
     resumes: list[tuple[float, int, int]] = []
     marker: int | None = None  # "start step=S" (the runtime) or "resumed step=S" (the script)
+    from_memory: set[int] = set()  # steps rank 0 loaded from the memory tier (worker/memory.py)
     for item in rank0_lines(api, job_id):
+        if m := _FROM_MEMORY.search(item["line"]):
+            from_memory.add(int(m.group(1)))
+            continue
         if m := _START.match(item["line"]):
             marker = int(m.group(1))
             continue
@@ -268,8 +274,9 @@ def check_steps(api: httpx.Client, job_id: str, *, watch: SnapshotWatch | None =
         assert n == resumed_from + 1, f"resumed from step {resumed_from} but the next step logged is {n}"
         if watch is not None:
             good = watch.good_steps() | {0}
-            assert resumed_from in good, \
-                f"step {n} after step {last}: {resumed_from} is not a committed snapshot ({sorted(good)})"
+            assert resumed_from in good | from_memory, \
+                f"step {n} after step {last}: {resumed_from} is not a committed snapshot ({sorted(good)}) " \
+                f"nor a copy of the memory tier ({sorted(from_memory)})"
             floor = watch.latest_before(item["time"] - margin_s)
             assert floor is None or resumed_from >= floor, \
                 f"resumed at step {n} although snapshot {floor} was committed before: a snapshot was lost"

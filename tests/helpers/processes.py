@@ -19,6 +19,7 @@ import httpx
 from service.embedded import EtcdProcess, free_port
 from service.keyring import Keyring
 from service.models import JobRecord
+from worker import memory
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 from worker.procs import is_alive as pid_alive
 
@@ -263,3 +264,5 @@ class NodeAgentProc:
                 except ProcessLookupError:
                     pass
             self.proc.wait()
+        # The memory tier an agent killed by the test left in /dev/shm (worker/memory.py).
+        memory.remove_leftovers(self.workdir, self.name)

@@ -89,6 +89,7 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
         # nodes
         ("POST", "/v1/nodes/register", {"name": "newcomer"}, {"bootstrap"}),
         ("POST", "/v1/nodes/a/heartbeat", {}, {"cred_a"}),
+        ("GET", "/v1/nodes/a/presence", None, {"cred_a"}),
         ("POST", "/v1/nodes/a/report", {"job_id": j, "attempt": attempt, "state": "running"},
          {"cred_a"}),
         ("POST", f"/v1/jobs/{j}/logs", {"node": "a", "attempt": attempt, "lines": [line]}, {"cred_a"}),
@@ -104,6 +105,7 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
          {"attempt": attempt, "node": "a", "phase": "joining", "call": 0}, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/progress", {"step": 5, "attempt": attempt}, {"job_j"}),
         ("GET", f"/v1/jobs/{j}/control", None, {"job_j"}),
+        ("PUT", f"/v1/jobs/{j}/memory/a", {"step": 5, "attempt": attempt}, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots", commit, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots/5/corrupt", {"reason": "test"}, {"job_j"}),
         # for good
@@ -162,7 +164,7 @@ def test_a_forged_snapshot_commit_is_refused_with_the_node_token_or_a_members_cr
         resp = call(cp, tokens[who], "POST", f"/v1/jobs/{j}/snapshots", forged)
         assert resp.status_code == 403, f"{who}: {resp.status_code} {resp.text}"
     with cp.client("user") as api:
-        assert api.get(f"/v1/jobs/{j}/snapshots").json() == {"items": [], "latest": None}
+        assert api.get(f"/v1/jobs/{j}/snapshots").json() == {"items": [], "latest": None, "memory": []}
         assert api.get(f"/v1/jobs/{j}").json()["latest_snapshot"] is None
 
 

@@ -18,12 +18,12 @@ from service.context import Context
 from service.decide.change import Change
 from service.errors import Conflict, HistoryCompacted, StaleAttempt
 from service.keys import Keys
-from service.models import JobRecord, JobSpec, JobState
+from service.models import JobRecord, JobSpec, JobState, MemberStatus
 from service.rendezvous import Rendezvous, state_token
 from service.settings import Settings
 from service.store.api import Put
 from service.store.memory import MemoryStore
-from worker.protocol import Progress, ProgressReport
+from worker.protocol import MemoryReport, Progress, ProgressReport
 
 SPEC = JobSpec(name="t", command=["true"])
 
@@ -237,5 +237,37 @@ def test_a_rendezvous_wait_re_reads_when_its_watch_starts_before_a_compaction():
         entry, changed = await rdzv.wait_for_state_change(state_token(first), 5)
         assert changed and entry.value == b"s2"
         assert time.monotonic() - began < 2.5  # seen on the re-read, not at the timeout
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ the memory tier's reports
+
+def test_memory_tier_reports_are_listed_per_member_node_and_fenced_by_attempt():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        job = await running_job(ctx)
+        job = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(
+            update={"members": {"n0": MemberStatus(state="running"), "n1": MemberStatus(state="running")}})))
+        await ctx.snapshots.report_memory(job.id, "n0", MemoryReport(step=7, attempt=1))
+        await ctx.snapshots.report_memory(job.id, "n1", MemoryReport(step=6, attempt=1))
+        await ctx.snapshots.report_memory(job.id, "n1", MemoryReport(step=8, attempt=1))
+        listed = await ctx.snapshots.list(job.id)
+        assert [(m.tier, m.node, m.step, m.attempt) for m in listed.memory] == \
+            [("memory", "n0", 7, 1), ("memory", "n1", 8, 1)]
+        before = await ctx.kv.revision()
+        with pytest.raises(StaleAttempt):  # a worker of an attempt that is over
+            await ctx.snapshots.report_memory(job.id, "n0", MemoryReport(step=9, attempt=0))
+        with pytest.raises(Conflict, match="not a member"):
+            await ctx.snapshots.report_memory(job.id, "n9", MemoryReport(step=9, attempt=1))
+        assert await ctx.kv.revision() == before
+        # A node that is no longer a member is not listed (it deleted its copy when it left).
+        await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(
+            update={"members": {"n1": MemberStatus(state="running")}})))
+        assert [m.node for m in (await ctx.snapshots.list(job.id)).memory] == ["n1"]
+        # And the records go with the job.
+        assert any(op.key == ctx.keys.memory_copies(job.id) and op.prefix
+                   for op in ctx.jobs.deletion(job))
 
     asyncio.run(main())

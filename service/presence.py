@@ -1,0 +1,101 @@
+"""Fast loss detection: a node agent's dropped connection.
+
+The node lease (`node_ttl_s`, 6 s) is what tells a control plane that a node has gone
+silent, and it has to be long enough to ride out a slow heartbeat. Yet an agent that dies
+is visible at once: the kernel closes its connections. So every agent keeps one presence
+request open (`GET /v1/nodes/{name}/presence`), which the control plane holds for
+`HOLD_S` and then answers, and the agent asks again at once. A connection that closes
+while it is held is a dropped connection: if no presence request of that node arrives
+within `GRACE_S` (a network blip, an agent that reconnects), the control plane revokes the
+node's lease, which is exactly what a lapsed lease does (the node record goes, the
+scheduler treats the node as lost and its jobs move on), only seconds sooner. The lease
+stays the backstop for a node that goes silent without closing anything (power, a
+partition, a stopped agent).
+
+With several control planes an agent may reconnect to another replica: the first request
+a replica holds for a node writes the presence key (`Keys.presence`, bound to the node's
+lease) with the replica's id, and a replica revokes only if that key still names it. The
+lease revoked is the one the node had when the connection dropped: an agent that
+registered again since (a new lease) is not touched. A control plane that stops (or is
+killed) revokes nothing: its held requests end normally, or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+from service.keys import Keys
+from service.store.api import KeyValue
+
+log = logging.getLogger(__name__)
+
+HOLD_S = 1.0  # how long the control plane holds one presence request
+GRACE_S = 1.0  # a dropped connection not back within this is a lost node
+
+
+class Presence:
+    """This replica's presence requests and the checks after dropped ones."""
+
+    def __init__(self, kv: KeyValue, keys: Keys, grace_s: float = GRACE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.kv = kv
+        self.keys = keys
+        self.grace_s = grace_s
+        self.clock = clock
+        self.replica = secrets.token_hex(8)
+        self._opened: dict[str, float] = {}  # node -> when its latest presence request came here
+        self._owned: dict[str, int] = {}  # node -> the lease under which the presence key names us
+        self._checks: set[asyncio.Task] = set()
+        self.revoked: list[str] = []  # nodes this replica found lost (for tests and logs)
+
+    async def hold(self, name: str, lease: int, receive: Callable[[], Awaitable[dict]],
+                   hold_s: float = HOLD_S) -> bool:
+        """Hold node `name`'s presence request for `hold_s`; False if its connection
+        dropped meanwhile (then the check after the grace is started)."""
+        opened = self.clock()
+        self._opened[name] = opened
+        if self._owned.get(name) != lease:
+            value = json.dumps({"replica": self.replica}).encode()
+            await self.kv.put(self.keys.presence(name), value, lease=lease)
+            self._owned[name] = lease
+        try:
+            async with asyncio.timeout(hold_s):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+        except TimeoutError:
+            return True
+        dropped = self.clock()
+        task = asyncio.get_running_loop().create_task(self._check(name, lease, dropped))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+        return False
+
+    async def _check(self, name: str, lease: int, dropped: float) -> None:
+        """After the grace: revoke the node's lease unless it came back."""
+        await asyncio.sleep(self.grace_s)
+        if self._opened.get(name, 0.0) > dropped:
+            return  # it asked again here
+        try:
+            presence = await self.kv.get(self.keys.presence(name))
+            if presence is None or json.loads(presence.value).get("replica") != self.replica:
+                return  # gone with its lease already, or another replica holds it now
+            record = await self.kv.get(self.keys.node(name))
+            if record is None or record.lease != lease:
+                return  # deregistered, or registered again under a new lease
+            log.warning("node %s lost: its agent's connection dropped and did not come back "
+                        "within %g s; its lease is revoked", name, self.grace_s)
+            self._owned.pop(name, None)
+            self.revoked.append(name)
+            await self.kv.revoke_lease(lease)
+        except Exception as exc:  # noqa: BLE001 - the lease is the backstop
+            log.warning("could not act on node %s's dropped connection (%s); its lease will", name, exc)
+
+    async def close(self) -> None:
+        """Cancel the checks in flight (a control plane stopping revokes nothing)."""
+        for task in list(self._checks):
+            task.cancel()

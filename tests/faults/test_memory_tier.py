@@ -1,0 +1,104 @@
+"""The memory tier under real faults: a worker SIGKILLed, a node's agent SIGKILLed with
+its whole tree. Disk snapshots are taken every 1000 steps, so everything a restart does
+not retrain comes from the memory tier (worker/memory.py), which copies every step
+(FTRAIN_MEMORY_EVERY=1, so that a loaded machine does not space the copies out); each fault
+may cost one step."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
+from tests.helpers.faults import events_of, rank0_lines, train_spec, wait_workers, workers
+from tests.helpers.processes import pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+EVERY_STEP = {"FTRAIN_MEMORY_EVERY": "1"}
+_STEP = re.compile(r"^step=(\d+)\b")
+_START = re.compile(r"^start step=(\d+)")
+
+
+def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
+    """Rank 0's runs in order: (the step it started from, the steps it logged)."""
+    out: list[tuple[int, list[int]]] = []
+    for item in rank0_lines(api, job_id):
+        if m := _START.match(item["line"]):
+            out.append((int(m.group(1)), []))
+        elif (m := _STEP.match(item["line"])) and out:
+            out[-1][1].append(int(m.group(1)))
+    return out
+
+
+def steps_lost(api, job_id: str, last: int, restarts: int = 1) -> int:
+    """Check that every run trained on from where it started, to `last` at the end; return
+    how many steps the restarts retrained (those logged before one, from its start on). A
+    killed node's last lines may never have been shipped: a step it trained and did not
+    log is not counted as lost."""
+    got = runs(api, job_id)
+    assert len(got) == restarts + 1 and got[0][0] == 0, got
+    for start, steps in got:
+        assert steps == list(range(start + 1, start + 1 + len(steps))), (start, steps)
+    assert got[-1][1][-1] == last, got
+    return sum(max(0, max(before[1]) - after[0]) for before, after in zip(got, got[1:]))
+
+
+def wait_logged_step(api, job_id: str, step: int) -> None:
+    wait_for(lambda: (r := runs(api, job_id)) and r[-1][1] and r[-1][1][-1] >= step, 60,
+             f"step {step} logged")
+
+
+def test_worker_sigkill_loses_at_most_one_step(api, agents):
+    (a,) = agents(1, nproc=2)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("memwkill", 60, nproc=2, every=1000, env=EVERY_STEP))
+    wait_logged_step(api, job_id, 20)
+    # The API lists the node's memory tier next to the disk tier.
+    wait_for(lambda: any(m["tier"] == "memory" and m["node"] == "n0" and m["step"] >= 20
+                         for m in api.get(f"/v1/jobs/{job_id}/snapshots").json()["memory"]),
+             10, "the memory tier of n0 listed at step >= 20")
+    victim = wait_workers(a, 2)[1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert done["restarts"] == 1
+    assert steps_lost(api, job_id, 60) <= 1, runs(api, job_id)
+
+
+# A 60 s node lease: only the agent's dropped connection can tell the control plane in seconds.
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_rejoins(
+        control_plane, api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("memakill", 200, mn=1, mx=2, every=1000, env=EVERY_STEP))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
+    wait_logged_step(api, job_id, 20)
+    assert workers(b)
+    killed_at = time.time()
+    killed = b.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+    lost = wait_for(lambda: next((e for e in events_of(api, job_id) if "node n1 lost" in e["reason"]), None),
+                    15, "the job to lose n1 (its lease has 60 s to live)")
+    assert lost["time"] - killed_at < 5, lost
+    wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1], 60, "training again on n0 alone")
+
+    # n1 comes back with an empty memory tier: the job grows to it (a planned change), and
+    # n0 sends it the state of the step they restart from.
+    b.start()
+    wait_for(lambda: job(api, job_id)["world_size"] == 2 and len(runs(api, job_id)) == 3, 60,
+             "the job to grow back to n1")
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert steps_lost(api, job_id, 200, restarts=2) <= 1, runs(api, job_id)
+    lines = [i["line"] for i in log_items(api, job_id)
+             if i["node"] == "n1" and i["attempt"] == done["attempt"]]
+    assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
+

@@ -1,0 +1,76 @@
+"""Fast loss detection (service/presence.py) on the in-memory KeyValue: a presence request
+whose connection drops revokes the node's lease after the grace, unless the node asks
+again, registered again, or another replica holds its presence now."""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.keys import Keys
+from service.nodes import NodeStore
+from service.presence import Presence
+from service.store.memory import MemoryStore
+
+KEYS = Keys("/t")
+GRACE_S = 0.05
+
+
+async def receive_held():
+    await asyncio.sleep(3600)  # the connection stays open
+    return {"type": "http.disconnect"}
+
+
+async def receive_dropped():
+    return {"type": "http.disconnect"}
+
+
+async def setup(replicas: int = 1):
+    kv = MemoryStore()
+    nodes = NodeStore(kv, KEYS)
+    lease = await nodes.register("n1", 1, None, ttl_s=60)
+    return kv, nodes, lease, [Presence(kv, KEYS, grace_s=GRACE_S) for _ in range(replicas)]
+
+
+async def settle(p: Presence) -> None:
+    await asyncio.gather(*p._checks)
+
+
+def test_a_dropped_connection_not_back_within_the_grace_revokes_the_nodes_lease():
+    async def main():
+        kv, nodes, lease, (p,) = await setup()
+        assert await p.hold("n1", lease, receive_held, hold_s=0.01)  # held, answered
+        assert not await p.hold("n1", lease, receive_dropped)
+        assert await kv.get(KEYS.node("n1")) is not None  # not before the grace
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
+
+    asyncio.run(main())
+
+
+def test_a_node_that_asks_again_within_the_grace_is_kept():
+    async def main():
+        kv, nodes, lease, (p,) = await setup()
+        assert not await p.hold("n1", lease, receive_dropped)
+        await p.hold("n1", lease, receive_held, hold_s=0.01)  # the agent reconnected
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+
+    asyncio.run(main())
+
+
+def test_a_node_registered_again_or_held_by_another_replica_is_kept():
+    async def main():
+        kv, nodes, lease, (p, q) = await setup(replicas=2)
+        assert not await p.hold("n1", lease, receive_dropped)
+        await q.hold("n1", lease, receive_held, hold_s=0.01)  # it reconnected to the other replica
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is not None
+
+        kv, nodes, lease, (p,) = await setup()
+        assert not await p.hold("n1", lease, receive_dropped)
+        await kv.revoke_lease(lease)  # the agent deregistered and registered again
+        new = await nodes.register("n1", 1, None, ttl_s=60)
+        await settle(p)
+        assert (await kv.get(KEYS.node("n1"))).lease == new and p.revoked == []
+
+    asyncio.run(main())

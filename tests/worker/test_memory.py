@@ -1,0 +1,224 @@
+"""The memory tier (worker/memory.py): a copy every step that a restart resumes from, whole
+even when the copier died mid-copy, and the runtime choosing between it and the disk tier."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from worker import memory as mem
+from worker import runtime
+
+
+def _model_and_opt(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _step(model, opt, seed: int) -> None:
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _state(model, opt, step: int) -> dict:
+    return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _later(model, opt) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()} | {
+        v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_copy_is_the_state_of_its_step_although_the_optimizer_steps_right_after(tmp_path, monkeypatch):
+    finish = mem.MemoryWriter._finish
+
+    def slow_finish(*args):  # a copy slower than the next step's forward and backward
+        time.sleep(0.2)
+        finish(*args)
+
+    monkeypatch.setattr(mem.MemoryWriter, "_finish", slow_finish)
+    model, opt = _model_and_opt()
+    writer = mem.MemoryWriter(tmp_path, attempt=3, rank=0)
+    opt.register_step_pre_hook(writer.guard)
+    _step(model, opt, 0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    exp_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    writer.capture(_state(model, opt, 1), 1, _later(model, opt))
+    _step(model, opt, 1)  # the guard lets the optimizer change the parameters only after the copy
+    writer.wait()
+
+    got = mem.load(tmp_path)
+    assert got["step"] == 1 and mem.read_held(tmp_path).step == 1
+    assert mem.read_held(tmp_path).attempt == 3
+    assert _equal(got["model"], expected)
+    assert all(torch.equal(a, got["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(exp_avg))
+    # and it loads into a fresh model and optimizer
+    fresh, fresh_opt = _model_and_opt(seed=1)
+    fresh.load_state_dict(got["model"])
+    fresh_opt.load_state_dict(got["optimizer"])
+    assert _equal(fresh.state_dict(), expected)
+
+
+def test_a_copier_killed_mid_copy_leaves_the_previous_copy_whole(tmp_path, monkeypatch):
+    model, opt = _model_and_opt()
+    writer = mem.MemoryWriter(tmp_path)
+    _step(model, opt, 0)
+    writer.capture(_state(model, opt, 1), 1, _later(model, opt))
+    writer.wait()
+    at_one = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt, 1)
+    # The copy of step 2 writes the other slot and dies before it is whole.
+    monkeypatch.setattr(mem.MemoryWriter, "_finish", lambda *a, **k: None)
+    writer.capture(_state(model, opt, 2), 2, set())  # everything copied at once, nothing named
+    writer.wait()
+
+    assert mem.read_held(tmp_path).step == 1
+    got = mem.load(tmp_path)
+    assert got["step"] == 1 and _equal(got["model"], at_one)
+    assert mem.load(tmp_path, step=2) is None
+
+
+def test_no_room_for_a_copy_turns_the_tier_off_instead_of_crashing(tmp_path, monkeypatch):
+    model, opt = _model_and_opt()
+    writer = mem.MemoryWriter(tmp_path)
+    _step(model, opt, 0)
+    writer.capture(_state(model, opt, 1), 1, set())
+    writer.wait()
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mem.os, "posix_fallocate", full)
+    writer._maps.clear()  # as if the layout changed
+    writer.capture(_state(model, opt, 2), 2, set())
+    writer.wait()
+    assert writer.disabled and "No space left" in writer.disabled
+    assert mem.read_held(tmp_path).step == 1  # the whole copy before it is kept
+    writer.capture(_state(model, opt, 3), 3, set())  # and nothing more is tried
+    assert mem.read_held(tmp_path).step == 1
+
+
+def test_copies_alternate_slots_and_a_new_writer_keeps_the_whole_one(tmp_path):
+    model, opt = _model_and_opt()
+    writer = mem.MemoryWriter(tmp_path)
+    for step in range(1, 6):
+        _step(model, opt, step)
+        writer.capture(_state(model, opt, step), step, _later(model, opt))
+    writer.wait()
+    assert mem.read_held(tmp_path).step == 5
+    again = mem.MemoryWriter(tmp_path)  # a restarted worker writes the slot that is not latest
+    _step(model, opt, 6)
+    again.capture(_state(model, opt, 6), 6, set())
+    again.wait()
+    assert mem.load(tmp_path)["step"] == 6
+
+
+def _train(rt: runtime.Runtime, steps: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = rt.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sampler = rt.sampler(64, batch_size=4)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    rt.restore(model=model, optimizer=opt, sampler=sampler)
+    for indices in sampler:
+        if rt.step >= steps:
+            break
+        opt.zero_grad()
+        model(x[indices]).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+    rt.finish()
+    return model
+
+
+def test_the_runtime_resumes_from_memory_when_it_is_newer_than_the_disk(tmp_path):
+    disk, memory = tmp_path / "disk", tmp_path / "memory"
+    memory.mkdir()
+    env: dict[str, str] = {}
+
+    def init():
+        return runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env=env)
+
+    straight = _train(runtime.init(env={}), 13)
+    _train(init(), 8)  # disk: step 5; memory: step 8
+    rt = init()
+    model = _train(rt, 13)
+    assert rt.resumed_from == 8 and rt.resumed_tier == "memory"
+    assert torch.equal(model.weight, straight.weight)
+
+    rt = init()
+    _train(rt, 13)
+    assert rt.resumed_from == 13 and rt.resumed_tier == "memory"
+
+
+def test_the_runtime_falls_back_to_the_disk_without_a_newer_memory_copy(tmp_path):
+    disk, memory = tmp_path / "disk", tmp_path / "memory"
+    memory.mkdir()
+    _train(runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={}), 8)
+    for p in memory.iterdir():  # the node lost its memory (a new node, a reboot)
+        p.unlink()
+    rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, env={})
+    _train(rt, 9)
+    assert rt.resumed_from == 5 and rt.resumed_tier == "disk"
+
+
+def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
+    rt = runtime.init(memory_dir=tmp_path, env={})
+    _train(rt, 3)
+    writer = rt._memory
+    rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
+    writer.copies_s[:] = [0.0195]
+    writer.stalls_s[:] = [0.0005]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 4 and rt._memory_next == rt.step + 4  # 20 ms: 5% of 4 steps
+    writer.copies_s[:] = [10.0]
+    rt._plan_next_copy()
+    assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
+    fixed = runtime.init(memory_dir=tmp_path, memory_every=3, env={})
+    _train(fixed, 7)
+    assert fixed.memory_interval == 3 and mem.read_held(tmp_path).step == 6
+
+
+def test_memory_every_zero_turns_the_tier_off(tmp_path):
+    rt = runtime.init(memory_dir=tmp_path, memory_every=0, env={})
+    _train(rt, 3)
+    assert rt._memory is None and mem.read_held(tmp_path) is None
+
+
+def test_leftover_memory_dirs_of_this_agent_are_removed_and_others_kept(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mine = mem.make_job_dir(tmp_path / "a", "n0", "job1", shm=shm)
+    other_dir = mem.make_job_dir(tmp_path / "b", "n0", "job1", shm=shm)  # same name, other data dir
+    other_name = mem.make_job_dir(tmp_path / "a", "n1", "job1", shm=shm)
+    assert mine.parent == shm
+    assert mem.remove_leftovers(tmp_path / "a", "n0", shm=shm) == [mine]
+    assert not mine.exists() and other_dir.exists() and other_name.exists()
+
+
+def test_a_copy_read_back_in_many_chunks_is_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(mem, "READ_CHUNK", 1000)  # a read of many chunks on several threads
+    model, opt = _model_and_opt()
+    _step(model, opt, 0)
+    writer = mem.MemoryWriter(tmp_path)
+    writer.capture(_state(model, opt, 1), 1, set())
+    writer.wait()
+    got = mem.load(tmp_path)
+    assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
