@@ -60,7 +60,8 @@ class Context:
         unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
-        return cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
+        return cls(settings=settings, kv=kv, keys=keys, jobs=jobs,
+                   nodes=NodeStore(kv, keys, ttl_s=settings.node_ttl_s),
                    snapshots=SnapshotStore(jobs),
                    progress=ProgressStore(jobs, settings.progress_min_interval_s),
                    logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
