@@ -51,8 +51,9 @@ class ProgressStore:
             ops = [Put(progress_key, d.progress.model_dump_json().encode())]
             if d.job is not None:
                 ops.append(Put(job_key, d.job.model_dump_json().encode()))
-            expect = {job_key: job_entry.mod_revision,
-                      progress_key: 0 if progress_entry is None else progress_entry.mod_revision}
+            # The progress key first: the one read back for the index (cas.update's `written`).
+            expect = {progress_key: 0 if progress_entry is None else progress_entry.mod_revision,
+                      job_key: job_entry.mod_revision}
             return cas.Write(expect, ops, d.progress)
 
-        return await cas.update(kv, read, decide, f"progress of job {job_id}")
+        return await cas.update(kv, read, decide, f"progress of job {job_id}", self.jobs.written)

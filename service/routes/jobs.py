@@ -20,6 +20,14 @@ from service.models import CancelResult, EventList, JobList, JobSpec, JobState, 
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
 
+# The etcd revision of a write, answered with it; a client sends back the highest it has seen
+# and reads no older state (service.job_index).
+REVISION_HEADER = "X-Ftrain-Revision"
+READ_WAIT_S = 1.0  # how long a read waits for the index to reach that revision, then reads etcd
+RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
+                                            description="The highest X-Ftrain-Revision this "
+                                                        "client has seen: answer nothing older.")]
+
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobView)
 async def submit(
@@ -38,19 +46,18 @@ async def submit(
         ctx.keyring.put_env(nonce, spec.secret_env)
         fingerprint = ctx.keyring.fingerprint(spec.secret_env)
     try:
-        job, created = await ctx.jobs.create(spec, idempotency_key, owner=caller.name, nonce=nonce,
-                                             fingerprint=fingerprint)
+        job, created, revision = await ctx.jobs.create_at(spec, idempotency_key, owner=caller.name,
+                                                          nonce=nonce, fingerprint=fingerprint)
     except Conflict:  # nothing was written (after an error etcd may have written: kept)
         ctx.keyring.delete_env(nonce)
         raise
     if job.token_nonce != nonce:  # a replay: the first job keeps its own
         ctx.keyring.delete_env(nonce)
-    if created:
-        ctx.index.note_created(job)  # listed at once by this replica, before the watch brings it
-    else:
+    if not created:  # (a created job is in this replica's index already: JobStore.written)
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"
+    response.headers[REVISION_HEADER] = str(revision)
     return job.view()
 
 
@@ -84,8 +91,19 @@ async def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobView)
-async def get_job(job_id: str, ctx: ContextDep) -> JobView:
-    return await ctx.jobs.view(job_id)
+async def get_job(job_id: str, ctx: ContextDep, seen: RevisionSeen = None) -> Response:
+    """The job, from this control plane's watch-fed index, no older than the revision the
+    client last saw (`X-Ftrain-Revision`: its own writes, through any replica); read from
+    etcd if the index has not reached that revision within a second, or has no such job
+    (created through another replica a moment ago, or none: 404)."""
+    index = ctx.index
+    fresh = index.ready.is_set() and index.progress_ready.is_set() and (
+        seen is None or await index.wait_for_revision(seen, READ_WAIT_S))
+    body = index.view_json(job_id) if fresh else None
+    revision = max(index.revision, seen or 0)
+    if body is None:  # read through
+        body = (await ctx.jobs.view(job_id)).model_dump_json().encode()
+    return Response(body, media_type="application/json", headers={REVISION_HEADER: str(revision)})
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
