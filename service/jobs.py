@@ -303,13 +303,21 @@ class JobStore:
 
         With `fence` (the leader's key at its revision: `Leadership.fence`), the write also
         compares it, so a replica that lost the lead writes nothing (StaleLeader)."""
+        return (await self.update_at(job_id, decide, fence))[0]
+
+    async def update_at(self, job_id: str, decide: Decide,
+                        fence: dict[str, int] | None = None) -> tuple[JobRecord, int]:
+        """Like `update`, with the job record's revision (the write's, or the one read when
+        there was nothing to write): a read that waits for it sees the change."""
+        revision_of: dict[str, int] = {}
 
         async def read() -> tuple[JobRecord, int]:
             for key, revision in (fence or {}).items():
                 entry = await self.kv.get(key)
                 if entry is None or entry.mod_revision != revision:
                     raise StaleLeader("this control plane no longer leads; its scheduler stops")
-            return await self.get_with_revision(job_id)
+            job, revision_of["read"] = await self.get_with_revision(job_id)
+            return job, revision_of["read"]
 
         def outcome(read: tuple[JobRecord, int]) -> cas.Done[JobRecord] | cas.Write[JobRecord]:
             job, revision = read
@@ -319,7 +327,13 @@ class JobStore:
             write = self.write(revision, change, change.job)
             return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 
-        return await cas.update(self.kv, read, outcome, f"job {job_id}", self.written)
+        def written(entry: Entry) -> None:
+            revision_of["written"] = entry.mod_revision
+            if self.written is not None:
+                self.written(entry)
+
+        job = await cas.update(self.kv, read, outcome, f"job {job_id}", written)
+        return job, revision_of.get("written", revision_of["read"])
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

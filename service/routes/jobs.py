@@ -17,12 +17,10 @@ from service.deps import CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound
 from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView
+from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_index)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
 
-# The etcd revision of a write, answered with it; a client sends back the highest it has seen
-# and reads no older state (service.job_index).
-REVISION_HEADER = "X-Ftrain-Revision"
 READ_WAIT_S = 1.0  # how long a read waits for the index to reach that revision, then reads etcd
 RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
                                             description="The highest X-Ftrain-Revision this "
@@ -107,11 +105,13 @@ async def get_job(job_id: str, ctx: ContextDep, seen: RevisionSeen = None) -> Re
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
-async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep) -> CancelResult:
+async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Response) -> CancelResult:
     """Ask a job to stop: its owner or the admin (403 for anyone else). Cancelling twice is
     fine; a finished job answers 409 with its state."""
     now = ctx.jobs.clock()
-    job = await ctx.jobs.update(job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+    job, revision = await ctx.jobs.update_at(
+        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+    response.headers[REVISION_HEADER] = str(revision)
     return CancelResult(id=job.id, state=job.state)
 
 
