@@ -1,29 +1,31 @@
-"""Control-plane load: submissions and status reads per second, with 1,000 nodes heartbeating.
+"""Control-plane load: status reads, submissions and heartbeats, against the machine's ceiling.
 
-    python bench/api.py                      # 1,000 nodes, 10 s per phase, table + JSON
-    python bench/api.py --quick              # 5 s per phase
-    python bench/api.py --nodes 200 --duration 20 --concurrency 32
+    python bench/api.py                        # 1,000 nodes, 10 s per phase, table + JSON
+    python bench/api.py --quick                # 5 s per phase
+    python bench/api.py --nodes 5000 --heartbeats-only --duration 60   # do leases lapse?
+    python bench/api.py --quick --profile cp.prof   # where the control plane's time goes
 
-Starts a real etcd and a real control plane (uvicorn) on loopback, then, each in a
-process of its own (asyncio + httpx):
+Starts a real etcd and a real control plane (`ftrain serve`, uvicorn) on loopback, and:
 
+* `--ceiling` (on by default): the same app stack (FastAPI, the body-size middleware,
+  uvicorn as `ftrain serve` runs it) answering a constant from memory, loaded by the same
+  clients: what this machine serves at most, before the nodes register ("quiet") and again
+  while they heartbeat, so the figures read as a share of the machine's own ceiling;
 * the heartbeat load (`--hb-procs` processes, each with a share of the nodes): registers
-  `--nodes` nodes with the node token (`POST /v1/nodes/register`) and heartbeats each at
-  the interval the control plane gives it (`POST /v1/nodes/{name}/heartbeat`),
-  phase-shifted evenly, for the whole run; it records every beat, so the table says
-  whether the control plane kept up (beats per second against those due, their latency,
-  lease lapses seen as 404). A Python client is itself costly: when it falls behind,
-  the CPU column says whose fault it is;
-* the request load, one phase at a time, `--concurrency` requests in flight:
-  `GET /v1/jobs/{id}` over a handful of jobs (status reads), then `POST /v1/jobs`
-  (submissions; the jobs need one node each, so the scheduler hands them the fake
-  nodes, as it would real ones, and the rest wait PENDING).
+  `--nodes` nodes with the node token, then heartbeats each with its own credential at the
+  interval the control plane gives it (TTL/4), phase-shifted evenly, for the whole run; it
+  records every beat (beats a second against those due, latency, leases lapsed: a 404,
+  after which the node registers again, as an agent does);
+* one job training: a job of one node is handed to a fake node, which reports it running
+  and reports progress every second with the job's token, as rank 0 does;
+* the request load, one phase at a time, `--concurrency` requests in flight: `GET
+  /v1/jobs/{id}` (status reads) and `POST /v1/jobs` (submissions; each job wants one node,
+  so the scheduler hands them the fake nodes and the rest wait PENDING), each with wrk where
+  installed (a C client) and with a lean Python client (bench/wire.py), in processes of
+  their own.
 
-If `wrk` is on PATH the status reads are measured again with it (a C client that costs
-the machine far less than Python does; DESIGN.md's figures came from it), and so is the
-most heartbeats a second the control plane answers (round robin over the nodes). Also reports
-the CPU each process used per phase, since on a 2-core machine the load generators
-compete with the server. Writes bench/results/api.json (or --out).
+Every phase reports the CPU each process used (cores): the load generators run on the same
+machine as the server, and their share is printed. Writes bench/results/api.json (or --out).
 """
 
 from __future__ import annotations

@@ -32,9 +32,8 @@ async def submit(
     spec: JobSpec,
     ctx: ContextDep,
     caller: CallerDep,
-    response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-) -> JobView:
+) -> Response:
     """Submit a job, owned by the caller. With an `Idempotency-Key`, a retried submit
     returns the first job."""
     if errors := spec.size_errors():
@@ -51,12 +50,13 @@ async def submit(
         raise
     if job.token_nonce != nonce:  # a replay: the first job keeps its own
         ctx.keyring.delete_env(nonce)
+    headers = {"Location": f"/v1/jobs/{job.id}", REVISION_HEADER: str(revision)}
     if not created:  # (a created job is in this replica's index already: JobStore.written)
-        response.status_code = status.HTTP_200_OK
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    response.headers[REVISION_HEADER] = str(revision)
-    return job.view()
+        headers["Idempotent-Replayed"] = "true"
+    # Serialised as it is: FastAPI would validate the view again on the way out.
+    return Response(job.view().model_dump_json().encode(),
+                    status_code=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+                    media_type="application/json", headers=headers)
 
 
 @router.get("", response_model=JobList)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Response, status
 
 from service.context import Context
 from service.decide.members import decide_registered, decide_report, is_recorded
@@ -69,9 +69,13 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
                          heartbeat_interval_s=max(ttl / 4, 0.5), credential=credential)
 
 
+# A heartbeat's most common answer, made once (answers are serialised, not revalidated).
+_IDLE = Response(HeartbeatReply(assignment=None).model_dump_json().encode(), media_type="application/json")
+
+
 @router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply)
 async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
-                    req: HeartbeatRequest | None = None) -> HeartbeatReply:
+                    req: HeartbeatRequest | None = None) -> Response:
     """Keep the node's lease alive and tell it what to run. 404: register again.
 
     With the node's credential, a heartbeat refreshes the lease that credential was issued
@@ -92,14 +96,14 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
                                    req.wait_s)
     job = ctx.index.job_of_node(name)
     if job is None:
-        return HeartbeatReply(assignment=None)
+        return Response(_IDLE.body, media_type="application/json")
     spec = job.spec
     secret_env = ctx.keyring.get_env(job.token_nonce) if job.secret_env_names else {}
     if missing := sorted(set(job.secret_env_names) - secret_env.keys()):
         log.error("job %s: the secret env values of %s are not in %s/env (is the secret dir shared "
                   "by every control plane?); its workers run without them", job.id,
                   ", ".join(missing), ctx.settings.secret_dir)
-    return HeartbeatReply(assignment=Assignment(
+    return _json(HeartbeatReply(assignment=Assignment(
         job_id=job.id, attempt=job.attempt, rdzv_id=job.rdzv_id,
         action="stop" if job.stopping else "run",
         command=spec.command, working_dir=spec.working_dir, env=spec.env,
@@ -108,7 +112,12 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
-    ))
+    )))
+
+
+def _json(model) -> Response:
+    """`model` as its JSON answer, without FastAPI's second validation of it on the way out."""
+    return Response(model.model_dump_json().encode(), media_type="application/json")
 
 
 def _known_of(job: JobRecord | None) -> Known | None:
