@@ -20,6 +20,7 @@ from service.errors import (
     LogStorageUnavailable,
     StoreUnavailable,
 )
+from service.fastpath import FastPaths
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, users
 from service.settings import Settings
 
@@ -42,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ftrain", version="1", lifespan=lifespan,
                   description="Elastic, fault-tolerant PyTorch training service.")
     app.state.ctx = ctx
+    app.add_middleware(FastPaths, ctx=ctx)  # inside the body-size limit (added after it: outside)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):

@@ -70,7 +70,7 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
 
 
 # A heartbeat's most common answer, made once (answers are serialised, not revalidated).
-_IDLE = Response(HeartbeatReply(assignment=None).model_dump_json().encode(), media_type="application/json")
+_IDLE = HeartbeatReply(assignment=None).model_dump_json().encode()
 
 
 @router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply)
@@ -78,11 +78,20 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
                     req: HeartbeatRequest | None = None) -> Response:
     """Keep the node's lease alive and tell it what to run. 404: register again.
 
-    With the node's credential, a heartbeat refreshes the lease that credential was issued
-    under: one keep-alive on a shared stream, and a read only the first time this control
-    plane sees the credential. (Open cluster: the lease id of the registration, if given,
-    saves the read of the node's record.)
+    With the node's credential, a heartbeat is noted in memory: the lease that credential
+    was issued under is kept alive by this control plane's batched keep-alives
+    (service.heartbeats), and its record read only the first time this control plane sees
+    the credential. (Open cluster: the lease id of the registration, if given, saves the
+    read of the node's record.) `service.fastpath` answers the same, for the same request,
+    without FastAPI's per-request work.
     """
+    return Response(await heartbeat_answer(ctx, name, digest, req), media_type="application/json")
+
+
+async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
+                           req: HeartbeatRequest | None) -> bytes:
+    """The heartbeat of node `name` (its credential's `digest`; None in an open cluster):
+    the answer's JSON. Raises NodeNotFound (404: register again), OutdatedCredential."""
     if digest is not None:
         await ctx.nodes.heartbeat_with(name, digest)
     else:
@@ -96,14 +105,14 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
                                    req.wait_s)
     job = ctx.index.job_of_node(name)
     if job is None:
-        return Response(_IDLE.body, media_type="application/json")
+        return _IDLE
     spec = job.spec
     secret_env = ctx.keyring.get_env(job.token_nonce) if job.secret_env_names else {}
     if missing := sorted(set(job.secret_env_names) - secret_env.keys()):
         log.error("job %s: the secret env values of %s are not in %s/env (is the secret dir shared "
                   "by every control plane?); its workers run without them", job.id,
                   ", ".join(missing), ctx.settings.secret_dir)
-    return _json(HeartbeatReply(assignment=Assignment(
+    return HeartbeatReply(assignment=Assignment(
         job_id=job.id, attempt=job.attempt, rdzv_id=job.rdzv_id,
         action="stop" if job.stopping else "run",
         command=spec.command, working_dir=spec.working_dir, env=spec.env,
@@ -112,12 +121,7 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
-    )))
-
-
-def _json(model) -> Response:
-    """`model` as its JSON answer, without FastAPI's second validation of it on the way out."""
-    return Response(model.model_dump_json().encode(), media_type="application/json")
+    )).model_dump_json().encode()
 
 
 def _known_of(job: JobRecord | None) -> Known | None:
