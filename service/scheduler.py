@@ -86,7 +86,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     control plane's own are waited for, not counted as lost (`Contact.graced`). `fence`
     (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
     lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead."""
-    live_nodes = await nodes.list()
+    live_nodes = await nodes.live()
     active = {j.id: j for j in await active_jobs(jobs, index)}
     graced: frozenset[str] = frozenset()
     if missing_since is not None:
@@ -178,20 +178,6 @@ async def _cleanup(jobs: JobStore, job_id: str) -> None:
         await delete_rendezvous(jobs.kv, jobs.keys, job_id)
 
 
-async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
-    """Set `wake` on every change of a node; re-watch after errors. (Job changes wake the
-    scheduler through the job index, once the index has applied them.)"""
-    while True:
-        try:
-            async for _ in nodes.changes():
-                wake.set()
-        except StoreUnavailable:
-            pass
-        except Exception:  # a broken stream: re-watch, the periodic tick covers the gap
-            log.debug("watch ended", exc_info=True)
-        await asyncio.sleep(1.0)
-
-
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
@@ -249,7 +235,8 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     passes = passes if passes is not None else PassTimes()
     wake = asyncio.Event()
     index.wake_on_change(wake)
-    watcher = asyncio.create_task(_watch_changes(nodes, wake))
+    # Node changes wake the scheduler once the node view has them (NodeStore.follow).
+    watcher = asyncio.create_task(nodes.follow(wake))
     last_reason: dict[str, str] = {}
     watches: dict[str, hangs.Watch] = {}
     last_lead_check = 0.0

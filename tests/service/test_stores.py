@@ -277,3 +277,32 @@ def test_the_job_index_follows_the_store_and_wakes_a_waiting_heartbeat():
             await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_the_watch_fed_node_view_follows_registrations_and_lapses_and_wakes_the_scheduler():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        wake = asyncio.Event()
+        follow = asyncio.create_task(ctx.nodes.follow(wake))
+        try:
+            await ctx.nodes.register("n0", 1, None, ttl_s=6)
+            for _ in range(200):
+                if "n0" in await ctx.nodes.live() and wake.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert ctx.nodes._live is not None and list(await ctx.nodes.live()) == ["n0"]
+            wake.clear()
+            clock.now += 7  # its lease lapses
+            await ctx.kv.check_ready()  # (the in-memory store expires leases when called)
+            for _ in range(200):
+                if not await ctx.nodes.live():
+                    break
+                await asyncio.sleep(0.01)
+            assert await ctx.nodes.live() == {} and wake.is_set()
+        finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+        assert ctx.nodes._live is None  # stopped: passes read etcd again
+
+    asyncio.run(main())
