@@ -54,17 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FtrainError)
     async def _domain_error(request: Request, exc: FtrainError):
-        body: dict = {"detail": exc.message}
-        headers = {}
-        if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
-            body["detail"] = f"{exc.message} ({describe(request.app.state.ctx.settings.retention)})"
-        if isinstance(exc, InvalidTransition):
-            body["state"] = exc.state
-        if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
-            headers["Retry-After"] = "1"
-        if exc.status_code == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        return domain_error(request.app.state.ctx, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -76,6 +66,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return JSONResponse({"detail": f"invalid request: {summary}", "errors": errors},
                             status_code=422)
+
+
+def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
+    """The answer to a domain error (also `service.fastpath`'s)."""
+    body: dict = {"detail": exc.message}
+    headers = {}
+    if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
+        body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
+    if isinstance(exc, InvalidTransition):
+        body["state"] = exc.state
+    if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
+        headers["Retry-After"] = "1"
+    if exc.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 class BodySizeLimit:

@@ -15,10 +15,10 @@ the same checks of the caller (`service.deps`):
   index can answer (`routes.jobs.status_from_index`).
 
 Anything else, and anything unusual about one of those (another principal's token, a
-named user's token, a body that does not parse, an error such as a lapsed lease or etcd
-away, a job the index does not have), goes to the app unchanged, which answers it as
-always: errors are mapped in one place (`service.app`), and a heartbeat is idempotent, so
-asking the app again after the fast path raised is safe.
+named user's token, a body that does not parse, a job the index does not have), goes to the
+app unchanged, which answers it as always. A heartbeat's domain error (a lapsed lease: 404,
+etcd away: 503) is answered as the app answers it, by the same function
+(`service.app.domain_error`).
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class FastPaths:
 
         try:
             answer = await heartbeat_answer(self.ctx, name, credential_digest(token), req)
-        except FtrainError:
-            return await self.app(scope, replay, send)  # 404, 401, 503: answered by the app
+        except FtrainError as exc:  # 404 (register again), 401, 503: as the app answers them
+            from service.app import domain_error
+
+            return await domain_error(self.ctx, exc)(scope, replay, send)
         await _answer(send, answer)
 
     async def _status(self, job_id: str, scope: Scope, receive: Receive, send: Send) -> None:
