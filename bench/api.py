@@ -372,6 +372,7 @@ def main() -> int:
     hbs: list[subprocess.Popen] = []
     result: dict = {"phases": {}}
     pids = {"control plane": cp.proc.pid, "etcd": etcd.proc.pid}
+    finished = False
 
     def phase(name: str, argv: list[str] | None, runner=None) -> None:
         before = {k: cpu_s(p) for k, p in pids.items()}
@@ -464,6 +465,7 @@ def main() -> int:
             final = api.get(f"/v1/jobs/{train}").json()
         result["training_job"] = {"id": train, "state": final["state"],
                                   "step": (final.get("progress") or {}).get("step")}
+        finished = True
     finally:
         for h in hbs:
             if h.poll() is None:
@@ -475,6 +477,8 @@ def main() -> int:
                 h.kill()
         cp.stop()
         etcd.kill()
+        if not finished:  # a failed run leaves nothing behind (etcd's data, the beats' files)
+            shutil.rmtree(root, ignore_errors=True)
 
     beats_data = {"beats": [], "interval_s": 1.0, "register_s": None}
     for k in range(len(hbs)):
