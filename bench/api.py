@@ -1,35 +1,38 @@
-"""Control-plane load: submissions and status reads per second, with 1,000 nodes heartbeating.
+"""Control-plane load: status reads, submissions and heartbeats, against the machine's ceiling.
 
-    python bench/api.py                      # 1,000 nodes, 10 s per phase, table + JSON
-    python bench/api.py --quick              # 5 s per phase
-    python bench/api.py --nodes 200 --duration 20 --concurrency 32
+    python bench/api.py                        # 1,000 nodes, 10 s per phase, table + JSON
+    python bench/api.py --quick                # 5 s per phase
+    python bench/api.py --nodes 5000 --heartbeats-only --duration 60   # do leases lapse?
+    python bench/api.py --quick --profile cp.prof   # where the control plane's time goes
 
-Starts a real etcd and a real control plane (uvicorn) on loopback, then, each in a
-process of its own (asyncio + httpx):
+Starts a real etcd and a real control plane (`ftrain serve`, uvicorn) on loopback, and:
 
+* `--ceiling` (on by default): the same app stack (FastAPI, the body-size middleware,
+  uvicorn as `ftrain serve` runs it) answering a constant from memory, loaded by the same
+  clients: what this machine serves at most, before the nodes register ("quiet") and again
+  while they heartbeat, so the figures read as a share of the machine's own ceiling;
 * the heartbeat load (`--hb-procs` processes, each with a share of the nodes): registers
-  `--nodes` nodes with the node token (`POST /v1/nodes/register`) and heartbeats each at
-  the interval the control plane gives it (`POST /v1/nodes/{name}/heartbeat`),
-  phase-shifted evenly, for the whole run; it records every beat, so the table says
-  whether the control plane kept up (beats per second against those due, their latency,
-  lease lapses seen as 404). A Python client is itself costly: when it falls behind,
-  the CPU column says whose fault it is;
-* the request load, one phase at a time, `--concurrency` requests in flight:
-  `GET /v1/jobs/{id}` over a handful of jobs (status reads), then `POST /v1/jobs`
-  (submissions; the jobs need one node each, so the scheduler hands them the fake
-  nodes, as it would real ones, and the rest wait PENDING).
+  `--nodes` nodes with the node token, then heartbeats each with its own credential at the
+  interval the control plane gives it (TTL/4), phase-shifted evenly, for the whole run; it
+  records every beat (beats a second against those due, latency, leases lapsed: a 404,
+  after which the node registers again, as an agent does);
+* one job training: a job of one node is handed to a fake node, which reports it running
+  and reports progress every second with the job's token, as rank 0 does;
+* the request load, one phase at a time, `--concurrency` requests in flight: `GET
+  /v1/jobs/{id}` (status reads) and `POST /v1/jobs` (submissions; each job wants one node,
+  so the scheduler hands them the fake nodes and the rest wait PENDING), each with wrk where
+  installed (a C client) and with a lean Python client (bench/wire.py), in processes of
+  their own.
 
-If `wrk` is on PATH the status reads are measured again with it (a C client that costs
-the machine far less than Python does; DESIGN.md's figures came from it), and so is the
-most heartbeats a second the control plane answers (round robin over the nodes). Also reports
-the CPU each process used per phase, since on a 2-core machine the load generators
-compete with the server. Writes bench/results/api.json (or --out).
+Every phase reports the CPU each process used (cores): the load generators run on the same
+machine as the server, and their share is printed. Writes bench/results/api.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -37,6 +40,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,8 @@ sys.path.insert(0, str(REPO))
 import httpx
 
 TICKS = os.sysconf("SC_CLK_TCK")
+SUBMISSION = {"name": "load", "command": ["python", "-c", "pass"], "nodes": {"min": 1, "max": 1},
+              "max_restarts": 0}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -61,107 +67,155 @@ def pct(values: list[float], q: float) -> float | None:
 # ------------------------------------------------------------------ role: heartbeat load
 
 async def heartbeat_role(args) -> None:
-    headers = {"Authorization": f"Bearer {args.token}"}
-    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
+    from bench.wire import Client
+
     # This process beats for nodes first, first + step, ... (several processes share the load).
     names = [f"load-{i:05d}" for i in range(args.first, args.nodes, args.step)]
-    in_flight = asyncio.Semaphore(args.connections)  # queue here, not inside httpx's pool
+    client = Client(args.server, conns=args.connections, token=args.token)
     beats: list[tuple[float, float, int, float]] = []  # (sent at, latency, status, lag)
-    registered: dict[str, float] = {}
-    leases: dict[str, int | None] = {}  # sent back with each beat, as the node agent does
+    interval_of: dict[str, float] = {}
+    credential: dict[str, str] = {}  # each node's own, from its registration
+    lease: dict[str, int | None] = {}
+    training: dict[str, asyncio.Task] = {}  # the job that trains, on the node it was given
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    async with httpx.AsyncClient(base_url=args.server, headers=headers, limits=limits, timeout=30) as client:
-        sem = asyncio.Semaphore(32)
+    sem = asyncio.Semaphore(32)
 
-        async def register(name: str) -> None:
-            async with sem:
-                r = await client.post("/v1/nodes/register", json={"name": name, "nproc_per_node": 1})
-                r.raise_for_status()
-                registered[name] = float(r.json()["heartbeat_interval_s"])
-                leases[name] = r.json().get("lease_id")
+    async def register(name: str) -> None:
+        async with sem:
+            r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
+            if r.status != 200:
+                raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
+            body = r.json()
+            interval_of[name] = float(body["heartbeat_interval_s"])
+            credential[name], lease[name] = body["credential"], body.get("lease_id")
 
-        t = time.monotonic()
-        await asyncio.gather(*(register(n) for n in names))
-        register_s = time.monotonic() - t
-        interval = min(registered.values())
-        Path(args.ready_file).write_text(json.dumps({"register_s": register_s, "interval_s": interval}))
+    async def train(name: str, a: dict) -> None:
+        """Hold the job RUNNING as an agent would, and report progress as rank 0 does."""
+        report = {"job_id": a["job_id"], "attempt": a["attempt"]}
+        await client.request("POST", f"/v1/nodes/{name}/report", {**report, "state": "running"},
+                             token=credential[name])
+        step = 0
+        while not stop.is_set():
+            step += 10
+            await client.request("POST", f"/v1/jobs/{a['job_id']}/progress",
+                                 {"step": step, "loss": 1.0 / step, "attempt": a["attempt"]},
+                                 token=a["job_token"])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
 
-        async def beat(i: int, name: str) -> None:
-            start = time.monotonic() + interval * i / len(names)  # spread evenly over one interval
-            k = 0
-            while not stop.is_set():
-                due = start + k * interval
-                delay = due - time.monotonic()
-                if delay > 0:
-                    try:
-                        await asyncio.wait_for(stop.wait(), delay)
-                        return
-                    except TimeoutError:
-                        pass
-                sent = time.monotonic()
+    t = time.monotonic()
+    register_s = 0.0
+
+    async def node(i: int, name: str) -> None:
+        """Register, then beat at once, as an agent does (registering 5,000 nodes takes longer
+        than a lease: the first ones would lapse if they waited for the last)."""
+        nonlocal register_s
+        await register(name)
+        if len(interval_of) == len(names):
+            register_s = time.monotonic() - t
+            Path(args.ready_file).write_text(json.dumps({"register_s": register_s,
+                                                         "interval_s": interval_of[name]}))
+        await beat(i, name)
+
+    async def beat(i: int, name: str) -> None:
+        interval = interval_of[name]
+        start = time.monotonic() + interval * i / len(names)  # spread evenly over one interval
+        k = 0
+        while not stop.is_set():
+            due = start + k * interval
+            delay = due - time.monotonic()
+            if delay > 0:
                 try:
-                    async with in_flight:
-                        r = await client.post(f"/v1/nodes/{name}/heartbeat",
-                                              json={"lease_id": leases.get(name)})
-                    code = r.status_code
-                    if code == 404:  # the lease lapsed: register again, as an agent would
-                        again = await client.post("/v1/nodes/register",
-                                                  json={"name": name, "nproc_per_node": 1})
-                        leases[name] = again.json().get("lease_id")
-                except httpx.HTTPError:
-                    code = 0
-                took = time.monotonic() - sent
-                beats.append((time.time() - took, took, code, sent - due))
-                k += 1
-                if time.monotonic() - due > interval:  # fell behind by more than a beat: skip ahead
-                    k = int((time.monotonic() - start) / interval) + 1
+                    await asyncio.wait_for(stop.wait(), delay)
+                    return
+                except TimeoutError:
+                    pass
+            sent = time.monotonic()
+            try:
+                r = await client.request("POST", f"/v1/nodes/{name}/heartbeat",
+                                         {"lease_id": lease.get(name)}, token=credential[name])
+                code = r.status
+                if code == 404:  # the lease lapsed: register again, as an agent would
+                    await register(name)
+                elif code == 200 and name not in training:
+                    a = r.json()["assignment"]
+                    if a is not None and a["job_id"].startswith("train-") and a["action"] == "run":
+                        training[name] = asyncio.create_task(train(name, a))
+            except (OSError, asyncio.IncompleteReadError, RuntimeError):
+                code = 0
+            took = time.monotonic() - sent
+            beats.append((time.time() - took, took, code, sent - due))
+            k += 1
+            if time.monotonic() - due > interval:  # fell behind by more than a beat: skip ahead
+                k = int((time.monotonic() - start) / interval) + 1
 
-        await asyncio.gather(*(beat(i, n) for i, n in enumerate(names)))
+    await asyncio.gather(*(node(i, n) for i, n in enumerate(names)))
+    interval = min(interval_of.values())
+    for task in training.values():
+        task.cancel()
     Path(args.stats_file).write_text(json.dumps({"register_s": register_s, "interval_s": interval,
-                                                 "beats": beats}))
+                                                 "beats": beats, "training": sorted(training)}))
 
 
 # ------------------------------------------------------------------ role: request load
 
 async def load_role(args) -> None:
-    headers = {"Authorization": f"Bearer {args.token}"}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    from bench.wire import Client
+
     ids = args.job_ids.split(",") if args.job_ids else []
+    client = Client(args.server, conns=args.concurrency, token=args.token)
     latencies: list[float] = []
     codes: dict[int, int] = {}
-    counter = 0
-    async with httpx.AsyncClient(base_url=args.server, headers=headers, limits=limits, timeout=30) as client:
-        end = time.monotonic() + args.duration
+    end = time.monotonic() + args.duration
 
-        async def worker(w: int) -> None:
-            nonlocal counter
-            i = 0
-            while time.monotonic() < end:
-                i += 1
-                t = time.perf_counter()
-                try:
-                    if args.kind == "read":
-                        r = await client.get(f"/v1/jobs/{ids[(w + i) % len(ids)]}")
-                    else:
-                        counter += 1
-                        r = await client.post("/v1/jobs", json={
-                            "name": f"load-{w}-{i}", "command": ["python", "-c", "pass"],
-                            "nodes": {"min": 1, "max": 1}, "max_restarts": 0})
-                    code = r.status_code
-                except httpx.HTTPError:
-                    code = 0
-                latencies.append(time.perf_counter() - t)
-                codes[code] = codes.get(code, 0) + 1
+    async def worker(w: int) -> None:
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            t = time.perf_counter()
+            try:
+                if args.kind == "read":
+                    r = await client.request("GET", f"/v1/jobs/{ids[(w + i) % len(ids)]}")
+                elif args.kind == "ceiling":
+                    r = await client.request("GET", "/ceiling")
+                else:
+                    r = await client.request("POST", "/v1/jobs", SUBMISSION)
+                code = r.status
+            except (OSError, asyncio.IncompleteReadError):
+                code = 0
+            latencies.append(time.perf_counter() - t)
+            codes[code] = codes.get(code, 0) + 1
 
-        t0 = time.monotonic()
-        await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
-        elapsed = time.monotonic() - t0
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+    elapsed = time.monotonic() - t0
     ok = sum(n for c, n in codes.items() if 200 <= c < 300)
     print(json.dumps({"requests": len(latencies), "ok": ok, "codes": codes, "elapsed_s": elapsed,
                       "per_s": ok / elapsed, "p50_ms": pct(latencies, 50) * 1e3,
                       "p99_ms": pct(latencies, 99) * 1e3, "max_ms": max(latencies) * 1e3}))
+
+
+# ------------------------------------------------------------------ role: the ceiling
+
+def ceiling_role(args) -> None:
+    """The control plane's app stack (FastAPI, its body-size middleware, uvicorn as `ftrain
+    serve` runs it) answering one constant from memory: what this machine serves at most."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from service.app import BodySizeLimit
+
+    app = FastAPI(title="ceiling")
+    app.add_middleware(BodySizeLimit, max_bytes=64 * 1024)
+    constant = {"id": "ceiling-000000", "state": "RUNNING", "attempt": 1}
+
+    @app.get("/ceiling")
+    async def ceiling() -> dict:
+        return constant
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 # ------------------------------------------------------------------ the orchestrator
@@ -175,13 +229,12 @@ def cpu_s(pid: int) -> float:
         return float("nan")
 
 
-def heartbeat_script(root: Path, nodes: int) -> Path:
-    """A wrk script that heartbeats the registered nodes round robin, as fast as it can."""
-    path = root / "heartbeat.lua"
-    path.write_text("n = 0\nrequest = function()\n  n = n + 1\n"
-                    "  return wrk.format('POST', "
-                    f"string.format('/v1/nodes/load-%05d/heartbeat', n % {nodes}))\n"
-                    "end\n")
+def submission_script(root: Path) -> Path:
+    """A wrk script that submits jobs (each wants one node), as fast as it can."""
+    path = root / "submit.lua"
+    path.write_text('wrk.method = "POST"\n'
+                    f"wrk.body = '{json.dumps(SUBMISSION)}'\n"
+                    'wrk.headers["Content-Type"] = "application/json"\n')
     return path
 
 
@@ -199,13 +252,16 @@ def run_wrk(url: str, token: str, concurrency: int, duration: float,
         v = float(m.group(1))
         return v / 1000 if m.group(2) == "us" else v * 1000 if m.group(2) == "s" else v
     rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    p50 = re.search(r"50%\s+(\S+)", out)
-    p99 = re.search(r"99%\s+(\S+)", out)
+    total = re.search(r"(\d+) requests in", out)
+    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)  # the latency distribution, not a Stdev share
+    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     if not rate:
         return {"error": out[-500:]}
-    return {"per_s": float(rate.group(1)), "p50_ms": ms(p50.group(1)), "p99_ms": ms(p99.group(1)),
-            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
+    bad = int(non2xx.group(1)) if non2xx else 0
+    share_ok = 1 - bad / max(1, int(total.group(1))) if total else 1.0
+    return {"per_s": float(rate.group(1)) * share_ok, "p50_ms": ms(p50.group(1)),
+            "p99_ms": ms(p99.group(1)), "non_2xx": bad}
 
 
 def beat_stats(beats: list, t0: float, t1: float, nodes: int, interval: float) -> dict:
@@ -220,18 +276,59 @@ def beat_stats(beats: list, t0: float, t1: float, nodes: int, interval: float) -
             "errors": sum(1 for b in window if b[2] not in (200, 404))}
 
 
+def profiled_control_plane(base, profile: Path | None):
+    """`base` (tests.helpers.processes.ControlPlane), its process run under cProfile if asked."""
+    if profile is None:
+        return base
+
+    class Profiled(base):
+        def start(self, timeout_s: float = 30.0):
+            real = sys.executable
+            wrapper = self.workdir / "python-cprofile"
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            # uvicorn re-raises SIGTERM after its graceful shutdown, with the handler it found
+            # in place: this one, which writes the stats (python -m cProfile never would).
+            runner = self.workdir / "cprofile_run.py"
+            runner.write_text(
+                "import cProfile, runpy, signal, sys\n"
+                "p = cProfile.Profile()\n"
+                "def dump(*_):\n"
+                f"    p.disable(); p.dump_stats({str(profile.resolve())!r}); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, dump)\n"
+                "module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]  # -m MODULE ARGS\n"
+                "p.enable()\n"
+                "runpy.run_module(module, run_name='__main__', alter_sys=True)\n")
+            wrapper.write_text(f"#!/bin/sh\nexec {real} {runner} \"$@\"\n")
+            wrapper.chmod(0o755)
+            sys.executable = str(wrapper)
+            try:
+                return super().start(timeout_s)
+            finally:
+                sys.executable = real
+
+    return Profiled
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("main", "heartbeat", "load"), default="main", help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("main", "heartbeat", "load", "ceiling"), default="main",
+                    help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--token", help=argparse.SUPPRESS)
     ap.add_argument("--ready-file", help=argparse.SUPPRESS)
     ap.add_argument("--stats-file", help=argparse.SUPPRESS)
-    ap.add_argument("--kind", choices=("read", "submit"), help=argparse.SUPPRESS)
+    ap.add_argument("--kind", choices=("read", "submit", "ceiling"), help=argparse.SUPPRESS)
     ap.add_argument("--job-ids", help=argparse.SUPPRESS)
     ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--step", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--connections", type=int, default=32, help="heartbeat connections per process")
+    ap.add_argument("--connections", type=int, default=64, help="heartbeat connections per process")
     ap.add_argument("--hb-procs", type=int, default=2, help="processes sharing the heartbeat load")
     ap.add_argument("--nodes", type=int, default=1000, help="registered nodes heartbeating")
     ap.add_argument("--node-ttl", type=int, default=None,
@@ -240,6 +337,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     ap.add_argument("--quick", action="store_true", help="5 s per phase")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the machine's ceiling too: the same app stack serving a constant "
+                         "from memory, before the nodes register and again under their heartbeats")
+    ap.add_argument("--heartbeats-only", action="store_true",
+                    help="no request phases: the nodes heartbeat for --duration (e.g. --nodes 5000)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="run the control plane under cProfile and write its stats here (it runs slower)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "api.json")
     args = ap.parse_args()
     if args.role == "heartbeat":
@@ -247,6 +351,9 @@ def main() -> int:
         return 0
     if args.role == "load":
         asyncio.run(load_role(args))
+        return 0
+    if args.role == "ceiling":
+        ceiling_role(args)
         return 0
     if args.quick:
         args.duration = 5.0
@@ -256,73 +363,109 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-api-"))
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()
     cp_env = {"FTRAIN_NODE_TTL_S": str(args.node_ttl)} if args.node_ttl else {}
-    cp = ControlPlane(etcd.endpoint, root / "cp", env=cp_env).start()
+    cp = profiled_control_plane(ControlPlane, args.profile)(etcd.endpoint, root / "cp", env=cp_env).start()
     me = [sys.executable, str(Path(__file__).resolve())]
     load_before = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"api benchmark: {args.nodes} nodes heartbeating, concurrency {args.concurrency}, "
-          f"{args.duration:g} s per phase; control plane {cp.url}")
+          f"{args.duration:g} s per phase; control plane {cp.url}; wrk: {bool(shutil.which('wrk'))}")
     print(f"machine: {platform.node()}, {os.cpu_count()} cores; {load_before}")
     hbs: list[subprocess.Popen] = []
     result: dict = {"phases": {}}
+    pids = {"control plane": cp.proc.pid, "etcd": etcd.proc.pid}
+    finished = False
+
+    def phase(name: str, argv: list[str] | None, runner=None) -> None:
+        before = {k: cpu_s(p) for k, p in pids.items()}
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.time()
+        if argv is not None:
+            # The load generator's CPU is read from the rusage of its wait (RUSAGE_CHILDREN).
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+            out, _ = proc.communicate(timeout=args.duration + 120)
+            got = json.loads(out.strip().splitlines()[-1])
+        else:
+            got = runner() or {}
+        t1 = time.time()
+        cpu = {k: round((cpu_s(p) - before[k]) / (t1 - t0), 2) for k, p in pids.items()}
+        cpu["heartbeat load"] = round(
+            sum(v for k, v in cpu.items() if k.startswith("heartbeat load ")), 2)
+        done = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
+                            / (t1 - t0), 2)
+        got["cpu_cores"] = cpu
+        got["window"] = (t0, t1)
+        result["phases"][name] = got
+        print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
+              f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
+
+    def ceiling_phases(label: str) -> None:
+        port = free_port()
+        server = subprocess.Popen([*me, "--role", "ceiling", "--port", str(port)], cwd=REPO)
+        pids["ceiling server"] = server.pid
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: httpx.get(f"{url}/ceiling", timeout=1).status_code == 200, 30,
+                     "the ceiling server")
+            if shutil.which("wrk"):
+                phase(f"ceiling, {label} (wrk)", None,
+                      lambda: run_wrk(f"{url}/ceiling", "x", args.concurrency, args.duration))
+            phase(f"ceiling, {label} (python)",
+                  [*me, "--role", "load", "--server", url, "--token=x", "--kind", "ceiling",
+                   "--concurrency", str(args.concurrency), "--duration", str(args.duration)])
+        finally:
+            server.terminate()
+            server.wait(30)
+            del pids["ceiling server"]
+
     try:
-        hbs = []
+        if args.ceiling:
+            ceiling_phases("quiet")
         for k in range(args.hb_procs):
             hbs.append(subprocess.Popen(
                 [*me, "--role", "heartbeat", "--server", cp.url, f"--token={cp.node_token}",
                  "--nodes", str(args.nodes), "--first", str(k), "--step", str(args.hb_procs),
                  "--connections", str(args.connections), "--ready-file", str(root / f"ready-{k}.json"),
                  "--stats-file", str(root / f"beats-{k}.json")], cwd=REPO))
-        wait_for(lambda: all((root / f"ready-{k}.json").exists() for k in range(args.hb_procs)), 300,
+            pids[f"heartbeat load {k}"] = hbs[-1].pid
+        wait_for(lambda: all((root / f"ready-{k}.json").exists() for k in range(args.hb_procs)), 600,
                  f"{args.nodes} nodes to register")
         info = [json.loads((root / f"ready-{k}.json").read_text()) for k in range(args.hb_procs)]
         print(f"registered {args.nodes} nodes in {max(i['register_s'] for i in info):.1f} s; heartbeat every "
               f"{info[0]['interval_s']:g} s each, from {args.hb_procs} process(es)")
-        time.sleep(min(3.0, args.duration))  # let the beats settle into their phases
 
         with cp.client("user") as api:
-            job_ids = [api.post("/v1/jobs", json={"name": f"read-{i}", "command": ["python", "-c", "pass"],
-                                                  "nodes": {"min": 1, "max": 1}}).json()["id"]
-                       for i in range(8)]
-
-        pids = {"control plane": cp.proc.pid, "etcd": etcd.proc.pid}
-        pids.update({f"heartbeat load {k}": h.pid for k, h in enumerate(hbs)})
-
-        def phase(name: str, argv: list[str] | None, runner=None) -> None:
-            before = {k: cpu_s(p) for k, p in pids.items()}
-            children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t0 = time.time()
-            if argv is not None:
-                # The load generator's CPU is read from the rusage of its wait (RUSAGE_CHILDREN).
-                proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
-                out, _ = proc.communicate(timeout=args.duration + 120)
-                got = json.loads(out.strip().splitlines()[-1])
-            else:
-                got = runner()
-            t1 = time.time()
-            cpu = {k: round((cpu_s(p) - before[k]) / (t1 - t0), 2) for k, p in pids.items()}
-            cpu["heartbeat load"] = round(
-                sum(v for k, v in cpu.items() if k.startswith("heartbeat load ")), 2)
-            done = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
-                                / (t1 - t0), 2)
-            got["cpu_cores"] = cpu
-            got["window"] = (t0, t1)
-            result["phases"][name] = got
-            print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
-                  f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
+            train = api.post("/v1/jobs", json={"name": "train", "command": ["python", "-c", "pass"],
+                                               "nodes": {"min": 1, "max": 1}}).json()["id"]
+            wait_for(lambda: api.get(f"/v1/jobs/{train}").json()["state"] == "RUNNING", 60,
+                     "the training job to run on a fake node")
+            wait_for(lambda: (api.get(f"/v1/jobs/{train}").json().get("progress") or {}).get("step"),
+                     60, "the training job's first progress report")
+            job_ids = [train] + [api.post("/v1/jobs", json={
+                "name": f"read-{i}", "command": ["python", "-c", "pass"],
+                "nodes": {"min": 1, "max": 1}}).json()["id"] for i in range(7)]
+        print(f"one job training ({train}: RUNNING on a fake node, progress every second)")
+        time.sleep(min(3.0, args.duration))  # let the beats settle into their phases
 
         common = ["--role", "load", "--server", cp.url, f"--token={cp.user_token}",
                   "--concurrency", str(args.concurrency), "--duration", str(args.duration)]
-        phase("status reads (httpx)", [*me, *common, "--kind", "read", "--job-ids", ",".join(job_ids)])
-        if shutil.which("wrk"):
-            phase("status reads (wrk)", None, lambda: run_wrk(f"{cp.url}/v1/jobs/{job_ids[0]}", cp.user_token,
-                                                              args.concurrency, args.duration))
-        phase("submissions (httpx)", [*me, *common, "--kind", "submit"])
-        if shutil.which("wrk"):
-            phase("heartbeats, max (wrk)", None,
-                  lambda: run_wrk(cp.url, cp.node_token, args.concurrency, args.duration,
-                                  heartbeat_script(root, args.nodes)))
-        phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration) or {})
+        if not args.heartbeats_only:
+            if shutil.which("wrk"):
+                phase("status reads (wrk)", None, lambda: run_wrk(
+                    f"{cp.url}/v1/jobs/{train}", cp.user_token, args.concurrency, args.duration))
+            phase("status reads (python)", [*me, *common, "--kind", "read", "--job-ids", ",".join(job_ids)])
+            if shutil.which("wrk"):
+                phase("submissions (wrk)", None, lambda: run_wrk(
+                    f"{cp.url}/v1/jobs", cp.user_token, args.concurrency, args.duration,
+                    submission_script(root)))
+            phase("submissions (python)", [*me, *common, "--kind", "submit"])
+            if args.ceiling:
+                ceiling_phases("under the heartbeats")
+        phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration))
+        with cp.client("user") as api:
+            final = api.get(f"/v1/jobs/{train}").json()
+        result["training_job"] = {"id": train, "state": final["state"],
+                                  "step": (final.get("progress") or {}).get("step")}
+        finished = True
     finally:
         for h in hbs:
             if h.poll() is None:
@@ -334,6 +477,8 @@ def main() -> int:
                 h.kill()
         cp.stop()
         etcd.kill()
+        if not finished:  # a failed run leaves nothing behind (etcd's data, the beats' files)
+            shutil.rmtree(root, ignore_errors=True)
 
     beats_data = {"beats": [], "interval_s": 1.0, "register_s": None}
     for k in range(len(hbs)):
@@ -346,13 +491,17 @@ def main() -> int:
     for got in result["phases"].values():
         t0, t1 = got.pop("window")
         got["heartbeats"] = beat_stats(beats_data["beats"], t0, t1, args.nodes, beats_data["interval_s"])
+    whole = [b for b in beats_data["beats"]]
+    result["heartbeats_whole_run"] = {"beats": len(whole),
+                                      "lapsed_404": sum(1 for b in whole if b[2] == 404),
+                                      "errors": sum(1 for b in whole if b[2] not in (200, 404))}
     load_after = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
     print()
     print(f"load before: {load_before}")
     print(f"load after:  {load_after}")
     print()
-    head = (f"{'phase':<24}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>9}   "
+    head = (f"{'phase':<34}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>9}   "
             f"{'beats/s (due)':>15}{'beat p99 ms':>12}{'lapsed':>8}   cpu: cp / etcd / hb / load")
     print(head)
     print("-" * len(head))
@@ -364,9 +513,15 @@ def main() -> int:
         cpu = g["cpu_cores"]
         beats = f"{h['beats_per_s']:.0f} ({h['due_per_s']:.0f})"
         beat_p99 = "-" if h["p99_ms"] is None else f"{h['p99_ms']:.0f}"
-        print(f"{name:<24}{req}   {beats:>15}{beat_p99:>12}{h['lapsed_404']:>8}   "
-              f"{cpu['control plane']:.2f} / {cpu['etcd']:.2f} / "
+        server = cpu.get("ceiling server", cpu["control plane"])
+        print(f"{name:<34}{req}   {beats:>15}{beat_p99:>12}{h['lapsed_404']:>8}   "
+              f"{server:.2f} / {cpu['etcd']:.2f} / "
               f"{cpu['heartbeat load']:.2f} / {cpu['load']:.2f}")
+    whole = result["heartbeats_whole_run"]
+    print(f"heartbeats over the whole run: {whole['beats']}, leases lapsed (404): {whole['lapsed_404']}, "
+          f"errors: {whole['errors']}; training job: {result.get('training_job')}")
+    print("(cpu: cores used; 'cp' is the ceiling server in the ceiling phases. The load "
+          "generators share the machine's 2 cores with the server: their share is 'hb' + 'load'.)")
     result.update({"machine": {"host": platform.node(), "cores": os.cpu_count(), "load_before": load_before,
                                "load_after": load_after, "wrk": bool(shutil.which("wrk"))},
                    "config": {"nodes": args.nodes, "concurrency": args.concurrency,
@@ -374,9 +529,7 @@ def main() -> int:
                               "register_s": beats_data.get("register_s"), "command": " ".join(sys.argv)}})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print()
-    print(f"JSON written to {args.out}:")
-    print(json.dumps(result, indent=1))
+    print(f"JSON written to {args.out}")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

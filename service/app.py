@@ -20,6 +20,7 @@ from service.errors import (
     LogStorageUnavailable,
     StoreUnavailable,
 )
+from service.fastpath import FastPaths
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
 from service.settings import Settings
 
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ftrain", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Elastic, fault-tolerant PyTorch training service.")
     app.state.ctx = ctx
+    app.add_middleware(FastPaths, ctx=ctx)  # inside the body-size limit (added after it: outside)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
@@ -55,17 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FtrainError)
     async def _domain_error(request: Request, exc: FtrainError):
-        body: dict = {"detail": exc.message}
-        headers = {}
-        if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
-            body["detail"] = f"{exc.message} ({describe(request.app.state.ctx.settings.retention)})"
-        if isinstance(exc, InvalidTransition):
-            body["state"] = exc.state
-        if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
-            headers["Retry-After"] = "1"
-        if exc.status_code == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        return domain_error(request.app.state.ctx, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -77,6 +69,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return JSONResponse({"detail": f"invalid request: {summary}", "errors": errors},
                             status_code=422)
+
+
+def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
+    """The answer to a domain error (also `service.fastpath`'s)."""
+    body: dict = {"detail": exc.message}
+    headers = {}
+    if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
+        body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
+    if isinstance(exc, InvalidTransition):
+        body["state"] = exc.state
+    if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
+        headers["Retry-After"] = "1"
+    if exc.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 class BodySizeLimit:

@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 async def start(ctx: Context) -> None:
     await _drop_legacy_logs(ctx)
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
+    ctx.tasks.append(asyncio.create_task(ctx.index.run_progress(), name="progress-index"))
+    # Every replica keeps the leases of the nodes that beat to it (service.heartbeats).
+    ctx.tasks.append(asyncio.create_task(ctx.nodes.leases.run(), name="node-leases"))
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
     ctx.tasks.append(asyncio.create_task(

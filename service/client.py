@@ -28,6 +28,7 @@ import httpx
 
 from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
 from worker.http import RETRYABLE_STATUS, Servers
+from worker.protocol import REVISION_HEADER
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
@@ -140,6 +141,9 @@ class FtrainClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
+        # The highest X-Ftrain-Revision answered so far, sent with every request: a read is
+        # never older than this client's own writes, whichever replica answers it.
+        self.revision_seen: int | None = None
 
     @property
     def server(self) -> str:
@@ -279,6 +283,8 @@ class FtrainClient:
         while attempt < attempts:
             attempt += 1
             server = self.server
+            if self.revision_seen is not None:
+                kw["headers"] = {**kw.get("headers", {}), REVISION_HEADER: str(self.revision_seen)}
             try:
                 resp = self._http.request(method, server + path, **kw)
             except httpx.ConnectError as exc:
@@ -299,6 +305,7 @@ class FtrainClient:
                     time.sleep(min(0.2 * attempt, MAX_RETRY_DELAY_S))
                     continue
                 raise self._transport_error(exc) from exc
+            self._saw(resp)
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
             if safe_to_retry and resp.status_code in RETRYABLE_STATUS:
@@ -312,6 +319,11 @@ class FtrainClient:
                 continue
             raise error
         raise AssertionError("unreachable")
+
+    def _saw(self, resp: httpx.Response) -> None:
+        value = resp.headers.get(REVISION_HEADER, "")
+        if value.isdigit():
+            self.revision_seen = max(self.revision_seen or 0, int(value))
 
     def _transport_error(self, exc: httpx.TransportError) -> ApiError:
         if isinstance(exc, httpx.ConnectError):

@@ -66,13 +66,16 @@ class Context:
         unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
-        ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs, nodes=NodeStore(kv, keys),
-                   snapshots=SnapshotStore(jobs),
-                   progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
-                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=JobIndex(kv, keys),
-                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
-                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
-                   presence=Presence(kv, keys))
+        index = JobIndex(kv, keys)
+        jobs.written = index.note_written  # a replica reads its own writes at once
+        ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs,
+                  nodes=NodeStore(kv, keys, ttl_s=settings.node_ttl_s),
+                  snapshots=SnapshotStore(jobs),
+                  progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
+                  logs=LogStore(settings.log_root, settings.log_cap_bytes), index=index,
+                  users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
+                  contact=Contact(kv, keys.contact, settings.node_ttl_s),
+                  presence=Presence(kv, keys))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         return ctx

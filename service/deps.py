@@ -28,7 +28,9 @@ _bearer = HTTPBearer(auto_error=False)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def get_context(request: Request) -> Context:
+async def get_context(request: Request) -> Context:
+    # async, as every dependency here: FastAPI runs a plain `def` one in a worker thread, a
+    # thread hop per request that cost more than the request's own work (bench/api.py --profile).
     return request.app.state.ctx
 
 
@@ -75,7 +77,7 @@ async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
 CallerDep = Annotated[Caller, Depends(require_user)]
 
 
-def require_admin(caller: CallerDep) -> Caller:
+async def require_admin(caller: CallerDep) -> Caller:
     """The admin: managing users, draining nodes."""
     if not caller.is_admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN,

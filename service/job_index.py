@@ -13,6 +13,15 @@ broken or compacted watch makes it load again. It is only used where a slightly 
 (assignments are re-sent on the next heartbeat, records are read fresh); every write still
 goes to etcd as a compare-and-set. A watch whose history was compacted away
 (HistoryCompacted) loads again at once, serving what it has meanwhile.
+
+A job's status (`GET /v1/jobs/{id}`) is answered from the index, with its progress (a second
+watch, on the progress keys) and its JSON made once per change (`view_json`), with
+read-your-writes: `revision` is the etcd revision up to which the index has applied every
+change of a job record. A write returns the revision it made (the `X-Ftrain-Revision`
+header); a client sends back the highest it saw, and a read waits until the index has
+reached it (`wait_for_revision`), or reads through to etcd if it does not within a second.
+A write's revision is that of a job record, which the watch brings to every replica, so a
+read after a write through another replica is never older than the write.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from service.errors import HistoryCompacted, StoreUnavailable
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
-from service.store.api import KeyValue
+from service.store.api import Entry, KeyValue
+from worker.protocol import Progress
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,12 @@ class JobIndex:
         self._by_node: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
+        self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
+        self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
+        self._progress_revs: dict[str, int] = {}
+        self._views: dict[str, bytes] = {}  # job id -> its JobView's JSON, made on first read
+        self.revision = 0  # every change of a job record up to this revision is applied
+        self.progress_ready = asyncio.Event()
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
         self._wakes: list[asyncio.Event] = []
@@ -60,7 +76,8 @@ class JobIndex:
         self._wakes.append(event)
 
     def observe(self, fn: Callable[[JobRecord | None, JobRecord | None], None]) -> None:
-        """Call `fn(old, new)` for every change the watch brings (None: not known / deleted);
+        """Call `fn(old, new)` for every change of a job (the watch's, or this replica's own
+        write shown at once; None: not known / deleted);
         the metrics of `service.telemetry` are fed this way."""
         self._observers.append(fn)
 
@@ -86,6 +103,28 @@ class JobIndex:
     def get(self, job_id: str) -> JobRecord | None:
         """The job as the index last saw it (it may lag etcd by a watch event)."""
         return self._jobs.get(job_id)
+
+    def view_json(self, job_id: str) -> bytes | None:
+        """The job's view (record and progress) as JSON, as the index has them; None if the
+        index has no such job. Made once per change of either: records were validated when
+        the watch brought them, and are not validated again to answer."""
+        view = self._views.get(job_id)
+        if view is None:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None
+            raw = self._progress.get(job_id)
+            view = job.view(None if raw is None else Progress.model_validate_json(raw)
+                            ).model_dump_json().encode()
+            self._views[job_id] = view
+        return view
+
+    async def wait_for_revision(self, revision: int, timeout_s: float) -> bool:
+        """Wait until the index has applied every job change up to `revision` (at most
+        `timeout_s`); returns whether it has."""
+        if self.revision >= revision:
+            return True
+        return await self.wait_until(lambda: self.revision >= revision, timeout_s)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -137,7 +176,39 @@ class JobIndex:
         if self.ready.is_set() and job.id not in self._jobs:
             self._apply(job, job.id)
 
-    def _apply(self, job: JobRecord | None, job_id: str) -> None:
+    def note_written(self, entry: Entry) -> None:
+        """A job record or progress that this control plane has just written (as its
+        transaction read it back): shown at once, not a watch event later. What the watch
+        brings later of an older revision does not replace it."""
+        if entry.key.startswith(self._keys.jobs):
+            job_id = entry.key[len(self._keys.jobs):]
+            if self.ready.is_set() and entry.mod_revision > self._revs.get(job_id, 0):
+                self._apply(JobRecord.model_validate_json(entry.value), job_id, entry.mod_revision)
+        elif entry.key.startswith(self._progress_prefix):
+            job_id = entry.key[len(self._progress_prefix):]
+            if self.progress_ready.is_set() and entry.mod_revision > self._progress_revs.get(job_id, 0):
+                self._set_progress(job_id, entry.value, entry.mod_revision)
+
+    def _set_progress(self, job_id: str, value: bytes | None, revision: int) -> None:
+        if value is None:
+            self._progress.pop(job_id, None)
+            self._progress_revs.pop(job_id, None)
+        else:
+            self._progress[job_id] = value
+            self._progress_revs[job_id] = revision
+        self._views.pop(job_id, None)
+
+    @property
+    def _progress_prefix(self) -> str:
+        return self._keys.progress("")
+
+    def _apply(self, job: JobRecord | None, job_id: str, revision: int = 0) -> None:
+        # The watch's echo of a write this replica already showed (note_written) changes
+        # nothing: the observers were told of it then.
+        echo = bool(revision) and job is not None and self._revs.get(job_id) == revision
+        if revision:  # a deleted job's too: a late note of an older write brings nothing back
+            self._revs[job_id] = revision
+        self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
         if old is not None:
             for n in old.members:
@@ -158,11 +229,16 @@ class JobIndex:
                 for n, m in job.members.items():
                     if m.is_live():
                         self._by_node[n] = job_id
+        if not echo:
+            for observe in self._observers:
+                observe(old, job)
 
     def _remember_deleted(self, job_id: str, place: SortKey) -> None:
         self._gone[job_id] = place
         while len(self._gone) > REMEMBERED_DELETIONS:
-            self._gone.popitem(last=False)
+            forgotten, _ = self._gone.popitem(last=False)
+            if forgotten not in self._jobs:
+                self._revs.pop(forgotten, None)
 
     async def _notify(self) -> None:
         """Tell the scheduler and every waiter that the index changed (a re-read after a
@@ -177,12 +253,16 @@ class JobIndex:
         prefix = self._keys.jobs
         revision = await self._kv.revision()
         jobs: dict[str, JobRecord] = {}
+        revs: dict[str, int] = {}
         async for e in self._kv.scan_prefix(prefix, page_size=JOB_PAGE_SIZE):
             jobs[e.key[len(prefix):]] = JobRecord.model_validate_json(e.value)
+            revs[e.key[len(prefix):]] = e.mod_revision
         for job_id in self._jobs.keys() - jobs.keys():
             old = self._jobs[job_id]
             self._remember_deleted(job_id, (old.created_at, job_id))
         self._jobs.clear()
+        self._revs = revs
+        self._views.clear()
         self._by_node.clear()
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         for job_id, job in jobs.items():
@@ -200,19 +280,20 @@ class JobIndex:
             try:
                 if revision is None:
                     revision = await self._load()
+                    self.revision = max(self.revision, revision)
                     self.ready.set()
                     await self._notify()
                 # From `revision` itself, not after it: a session that ended between two
                 # events of one transaction must not lose the second (applying one twice is
                 # harmless).
                 async for ev in self._kv.watch_prefix(prefix, revision):
-                    job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                     job_id = ev.key[len(prefix):]
-                    old = self._jobs.get(job_id)
-                    self._apply(job, job_id)
-                    for observe in self._observers:
-                        observe(old, job)
+                    if ev.value is None or ev.mod_revision >= self._revs.get(job_id, 0):
+                        # (older than what this replica wrote and showed already: skipped)
+                        job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
+                        self._apply(job, job_id, ev.mod_revision)
                     revision = ev.mod_revision
+                    self.revision = max(self.revision, revision)
                     await self._notify()
                 continue  # the session ended quietly: watch on from where it was
             except HistoryCompacted as exc:  # not an outage: load again at once
@@ -227,4 +308,37 @@ class JobIndex:
                 log.exception("job index watch failed; re-reading")
             revision = None
             self.ready.clear()
+            await asyncio.sleep(0.5)
+
+    async def run_progress(self) -> None:
+        """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
+        again after a broken watch. Runs until cancelled."""
+        prefix = self._progress_prefix
+        revision: int | None = None
+        while True:
+            try:
+                if revision is None:
+                    revision = await self._kv.revision()
+                    entries = [e async for e in self._kv.scan_prefix(prefix)]
+                    self._progress = {e.key[len(prefix):]: e.value for e in entries}
+                    self._progress_revs = {e.key[len(prefix):]: e.mod_revision for e in entries}
+                    self._views.clear()
+                    self.progress_ready.set()
+                async for ev in self._kv.watch_prefix(prefix, revision):
+                    job_id = ev.key[len(prefix):]
+                    if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
+                        self._set_progress(job_id, ev.value, ev.mod_revision)
+                    revision = ev.mod_revision
+                continue
+            except HistoryCompacted:
+                revision = None
+                continue
+            except StoreUnavailable as exc:
+                log.debug("progress index: %s", exc.message)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("progress watch failed; re-reading")
+            revision = None
+            self.progress_ready.clear()
             await asyncio.sleep(0.5)

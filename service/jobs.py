@@ -33,7 +33,7 @@ from service.keyring import new_nonce
 from service.keys import Keys
 from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView, MetricHistory
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, KeyValue, Put
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put
 from worker.protocol import Progress
 
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
@@ -77,11 +77,24 @@ class JobStore:
         self.kv = kv
         self.keys = keys
         self.clock = clock
+        # Told of every job record (and progress) this control plane writes, as written, with
+        # its revision: the job index shows a replica's own writes at once (service.job_index).
+        self.written: Callable[[Entry], None] | None = None
 
     async def create(self, spec: JobSpec, idempotency_key: str | None = None, *, owner: str = ADMIN,
                      nonce: str | None = None, fingerprint: str = "") -> tuple[JobRecord, bool]:
         """Store a new PENDING job of `owner`; returns (job, created). A repeated key returns
-        the first job.
+        the first job. (`create_at` also returns the record's revision.)"""
+        job, created, _ = await self.create_at(spec, idempotency_key, owner=owner, nonce=nonce,
+                                               fingerprint=fingerprint)
+        return job, created
+
+    async def create_at(self, spec: JobSpec, idempotency_key: str | None = None, *,
+                        owner: str = ADMIN, nonce: str | None = None,
+                        fingerprint: str = "") -> tuple[JobRecord, bool, int]:
+        """Like `create`, with the etcd revision of the job record returned (the revision
+        the write made, or the first job's for a repeated key): a read that waits for it
+        sees the job (read-your-writes, `service.job_index`).
 
         The record keeps the spec without its secret env values (their names only);
         `nonce` (random if None) names where the caller keeps the values, and `fingerprint`
@@ -108,23 +121,26 @@ class JobStore:
             ops.append(Put(idem_key, json.dumps(
                 {"job_id": job.id, "spec": spec_digest(spec, fingerprint)}).encode()))
             expect[idem_key] = 0
-        if await self.kv.commit(expect, ops):
-            return job, True
+        written, entry = await self.kv.commit_read(expect, ops, self.keys.job(job.id))
+        if written and entry is not None:
+            if self.written is not None:
+                self.written(entry)
+            return job, True, entry.mod_revision
         again = {"owner": owner, "nonce": job.token_nonce, "fingerprint": fingerprint}
         if idem_key is None:  # a 6-character id collided: vanishingly rare, try once more
-            return await self.create(spec, None, **again)
+            return await self.create_at(spec, None, **again)
         entry = await self.kv.get(idem_key)
         if entry is None:  # the key expired between the txn and this read: retry
-            return await self.create(spec, idempotency_key, **again)
+            return await self.create_at(spec, idempotency_key, **again)
         first = json.loads(entry.value)
         if first["spec"] != spec_digest(spec, fingerprint):
             raise Conflict("Idempotency-Key was already used for a different job spec "
                            f"(job {first['job_id']}); use a new key for a new job")
         try:
-            existing, _ = await self.get_with_revision(first["job_id"])
+            existing, revision = await self.get_with_revision(first["job_id"])
         except JobNotFound:  # deleted (with its key) since: the key is free again
-            return await self.create(spec, idempotency_key, **again)
-        return existing, False
+            return await self.create_at(spec, idempotency_key, **again)
+        return existing, False, revision
 
     async def get_with_revision(self, job_id: str) -> tuple[JobRecord, int]:
         """The job and its mod_revision (the fencing token of a change); JobNotFound if none."""
@@ -299,13 +315,21 @@ class JobStore:
 
         With `fence` (the leader's key at its revision: `Leadership.fence`), the write also
         compares it, so a replica that lost the lead writes nothing (StaleLeader)."""
+        return (await self.update_at(job_id, decide, fence))[0]
+
+    async def update_at(self, job_id: str, decide: Decide,
+                        fence: dict[str, int] | None = None) -> tuple[JobRecord, int]:
+        """Like `update`, with the job record's revision (the write's, or the one read when
+        there was nothing to write): a read that waits for it sees the change."""
+        revision_of: dict[str, int] = {}
 
         async def read() -> tuple[JobRecord, int]:
             for key, revision in (fence or {}).items():
                 entry = await self.kv.get(key)
                 if entry is None or entry.mod_revision != revision:
                     raise StaleLeader("this control plane no longer leads; its scheduler stops")
-            return await self.get_with_revision(job_id)
+            job, revision_of["read"] = await self.get_with_revision(job_id)
+            return job, revision_of["read"]
 
         def outcome(read: tuple[JobRecord, int]) -> cas.Done[JobRecord] | cas.Write[JobRecord]:
             job, revision = read
@@ -315,7 +339,13 @@ class JobStore:
             write = self.write(revision, change, change.job)
             return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 
-        return await cas.update(self.kv, read, outcome, f"job {job_id}")
+        def written(entry: Entry) -> None:
+            revision_of["written"] = entry.mod_revision
+            if self.written is not None:
+                self.written(entry)
+
+        job = await cas.update(self.kv, read, outcome, f"job {job_id}", written)
+        return job, revision_of.get("written", revision_of["read"])
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

@@ -61,6 +61,7 @@ class ProgressStore:
             ops = [Put(progress_key, d.progress.model_dump_json().encode())]
             if d.job is not None:
                 ops.append(Put(job_key, d.job.model_dump_json().encode()))
+            # The progress key first: the one read back for the index (cas.update's `written`).
             for key, part in ((body_key, d.body), (tail_key, d.tail)):
                 if part is not None:
                     ops.append(Put(key, part.model_dump_json().encode()))
@@ -70,4 +71,4 @@ class ProgressStore:
             expect[job_key] = job_entry.mod_revision
             return cas.Write(expect, ops, d.progress)
 
-        return await cas.update(kv, read, decide, f"progress of job {job_id}")
+        return await cas.update(kv, read, decide, f"progress of job {job_id}", self.jobs.written)

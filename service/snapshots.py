@@ -91,7 +91,7 @@ class SnapshotStore:
                 return cas.Done(decision)
             return store.write(revision, decision.change, decision)
 
-        return await cas.update(store.kv, read, outcome, f"job {job_id}")
+        return await cas.update(store.kv, read, outcome, f"job {job_id}", store.written)
 
     async def commit(self, job_id: str, req: CommitRequest) -> CommitResult:
         """Commit rank 0's snapshot; the answer lists the files to delete."""

@@ -32,6 +32,9 @@ MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent (`cut_l
 # default body limit (64 KiB), since even a line of escapes (6 bytes a character) fits.
 # A control plane with a smaller limit answers 413, and the agent halves its shipments.
 MAX_SHIPMENT_BYTES = 48 * 1024
+# The etcd revision a job write made (answered with it, and with reads); a client sends back
+# the highest it has seen, and no control plane answers it anything older.
+REVISION_HEADER = "X-Ftrain-Revision"
 MAX_SHIPMENT_LINES = 2000
 
 

@@ -22,6 +22,7 @@ one has, the job is ending and none of the above changes its membership any more
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from service.decide import outcome
@@ -196,8 +197,9 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Scale-up: free ready nodes join a job below its max.
-    room = d.job.spec.nodes.max - len(live)
-    joining = [n for n in free if nodes[n].state is NodeState.READY][: max(room, 0)]
+    room = max(d.job.spec.nodes.max - len(live), 0)
+    # (the first `room` of them, not all: a full job would list every free node on every pass)
+    joining = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY), room))
     if joining and not draining:
         if uses_runtime(d.job) and "running" in states:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"node(s) {', '.join(joining)} joining")

@@ -12,13 +12,20 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 
+from service.context import Context
 from service.decide.cancel import decide_cancel
 from service.deps import CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound
 from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
+from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_index)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
+
+READ_WAIT_S = 1.0  # how long a read waits for the index to reach that revision, then reads etcd
+RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
+                                            description="The highest X-Ftrain-Revision this "
+                                                        "client has seen: answer nothing older.")]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobView)
@@ -26,9 +33,8 @@ async def submit(
     spec: JobSpec,
     ctx: ContextDep,
     caller: CallerDep,
-    response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-) -> JobView:
+) -> Response:
     """Submit a job, owned by the caller. With an `Idempotency-Key`, a retried submit
     returns the first job."""
     if errors := spec.size_errors():
@@ -38,20 +44,20 @@ async def submit(
         ctx.keyring.put_env(nonce, spec.secret_env)
         fingerprint = ctx.keyring.fingerprint(spec.secret_env)
     try:
-        job, created = await ctx.jobs.create(spec, idempotency_key, owner=caller.name, nonce=nonce,
-                                             fingerprint=fingerprint)
+        job, created, revision = await ctx.jobs.create_at(spec, idempotency_key, owner=caller.name,
+                                                          nonce=nonce, fingerprint=fingerprint)
     except Conflict:  # nothing was written (after an error etcd may have written: kept)
         ctx.keyring.delete_env(nonce)
         raise
     if job.token_nonce != nonce:  # a replay: the first job keeps its own
         ctx.keyring.delete_env(nonce)
-    if created:
-        ctx.index.note_created(job)  # listed at once by this replica, before the watch brings it
-    else:
-        response.status_code = status.HTTP_200_OK
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return job.view()
+    headers = {"Location": f"/v1/jobs/{job.id}", REVISION_HEADER: str(revision)}
+    if not created:  # (a created job is in this replica's index already: JobStore.written)
+        headers["Idempotent-Replayed"] = "true"
+    # Serialised as it is: FastAPI would validate the view again on the way out.
+    return Response(job.view().model_dump_json().encode(),
+                    status_code=status.HTTP_201_CREATED if created else status.HTTP_200_OK,
+                    media_type="application/json", headers=headers)
 
 
 @router.get("", response_model=JobList)
@@ -84,16 +90,41 @@ async def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobView)
-async def get_job(job_id: str, ctx: ContextDep) -> JobView:
-    return await ctx.jobs.view(job_id)
+async def get_job(job_id: str, ctx: ContextDep, seen: RevisionSeen = None) -> Response:
+    """The job, from this control plane's watch-fed index, no older than the revision the
+    client last saw (`X-Ftrain-Revision`: its own writes, through any replica); read from
+    etcd if the index has not reached that revision within a second, or has no such job
+    (created through another replica a moment ago, or none: 404). `service.fastpath`
+    answers the same from the index, without FastAPI's per-request work."""
+    cached = await status_from_index(ctx, job_id, seen)
+    if cached is not None:
+        body, revision = cached
+    else:  # read through
+        body, revision = (await ctx.jobs.view(job_id)).model_dump_json().encode(), ctx.index.revision
+    return Response(body, media_type="application/json",
+                    headers={REVISION_HEADER: str(max(revision, seen or 0))})
+
+
+async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:
+    """The job's view as JSON and the index's revision, if the index can answer: it is
+    loaded, has reached `seen` (waited for, at most READ_WAIT_S) and has the job."""
+    index = ctx.index
+    if not (index.ready.is_set() and index.progress_ready.is_set()):
+        return None
+    if seen is not None and not await index.wait_for_revision(seen, READ_WAIT_S):
+        return None
+    body = index.view_json(job_id)
+    return None if body is None else (body, max(index.revision, seen or 0))
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
-async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep) -> CancelResult:
+async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Response) -> CancelResult:
     """Ask a job to stop: its owner or the admin (403 for anyone else). Cancelling twice is
     fine; a finished job answers 409 with its state."""
     now = ctx.jobs.clock()
-    job = await ctx.jobs.update(job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+    job, revision = await ctx.jobs.update_at(
+        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+    response.headers[REVISION_HEADER] = str(revision)
     return CancelResult(id=job.id, state=job.state)
 
 

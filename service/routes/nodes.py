@@ -69,17 +69,30 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
                          heartbeat_interval_s=max(ttl / 4, 0.5), credential=credential)
 
 
+# A heartbeat's most common answer, made once (answers are serialised, not revalidated).
+_IDLE = HeartbeatReply(assignment=None).model_dump_json().encode()
+
+
 @router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply)
 async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
-                    req: HeartbeatRequest | None = None) -> HeartbeatReply:
+                    req: HeartbeatRequest | None = None) -> Response:
     """Keep the node's lease alive and tell it what to run. 404: register again.
 
-    With the node's credential, a heartbeat refreshes the lease that credential was issued
-    under: one keep-alive on a shared stream, and a read only the first time this control
-    plane sees the credential. (Open cluster: the lease id of the registration, if given,
-    saves the read of the node's record.)
+    With the node's credential, a heartbeat is noted in memory: the lease that credential
+    was issued under is kept alive by this control plane's batched keep-alives
+    (service.heartbeats), and its record read only the first time this control plane sees
+    the credential. (Open cluster: the lease id of the registration, if given, saves the
+    read of the node's record.) `service.fastpath` answers the same, for the same request,
+    without FastAPI's per-request work.
     """
-    with ctx.telemetry.heartbeat_s.time():
+    return Response(await heartbeat_answer(ctx, name, digest, req), media_type="application/json")
+
+
+async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
+                           req: HeartbeatRequest | None) -> bytes:
+    """The heartbeat of node `name` (its credential's `digest`; None in an open cluster):
+    the answer's JSON. Raises NodeNotFound (404: register again), OutdatedCredential."""
+    with ctx.telemetry.heartbeat_s.time():  # the lease's part, not the long poll
         if digest is not None:
             await ctx.nodes.heartbeat_with(name, digest)
         else:
@@ -93,7 +106,7 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
                                    req.wait_s)
     job = ctx.index.job_of_node(name)
     if job is None:
-        return HeartbeatReply(assignment=None)
+        return _IDLE
     spec = job.spec
     secret_env = ctx.keyring.get_env(job.token_nonce) if job.secret_env_names else {}
     if missing := sorted(set(job.secret_env_names) - secret_env.keys()):
@@ -109,7 +122,7 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
-    ))
+    )).model_dump_json().encode()
 
 
 def _known_of(job: JobRecord | None) -> Known | None:

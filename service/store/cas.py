@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from service.errors import ContentionError
-from service.store.api import KeyValue, Op
+from service.store.api import Entry, KeyValue, Op
 
 # Concurrent writers of one key (N agents `add`ing to one barrier counter): each round one
 # of them wins, so this bounds how many may contend, not how often one may lose.
@@ -47,16 +47,27 @@ class Write(Generic[T]):
 
 
 async def update(kv: KeyValue, read: Callable[[], Awaitable[R]],
-                 decide: Callable[[R], Done[T] | Write[T]], what: str) -> T:
+                 decide: Callable[[R], Done[T] | Write[T]], what: str,
+                 written: Callable[[Entry], None] | None = None) -> T:
     """Read, decide and write by compare-and-set, re-reading and re-deciding on a lost race.
 
-    `what` names the contended thing in the error ("job train-x1y2z3").
+    `what` names the contended thing in the error ("job train-x1y2z3"). `written`: told of
+    the first key a write compared, as that write left it (read back in its transaction:
+    its mod_revision is the write's revision), e.g. to show a cache its own writes at once.
     """
     for _ in range(MAX_CAS_ATTEMPTS):
         outcome = decide(await read())
         if isinstance(outcome, Done):
             return outcome.result
-        if await kv.commit(outcome.expect, outcome.ops):
+        if written is None:
+            if await kv.commit(outcome.expect, outcome.ops):
+                return outcome.result
+            continue
+        key = next(iter(outcome.expect))
+        ok, entry = await kv.commit_read(outcome.expect, outcome.ops, key)
+        if ok:
+            if entry is not None:
+                written(entry)
             return outcome.result
     raise ContentionError(f"{what} changed {MAX_CAS_ATTEMPTS} times while this request tried to "
                           "change it; retry the request")

@@ -17,6 +17,7 @@ from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader
 from service.models import JobRecord, JobSpec, JobState, NodeState
+from service.nodes import NodeStore
 from service.settings import Settings
 from service.store.memory import MemoryStore
 from worker.protocol import ProgressReport
@@ -31,7 +32,11 @@ class ManualClock:
 
 
 def context(clock: ManualClock | None = None, **settings) -> Context:
-    return Context.wire(Settings(**settings), MemoryStore(clock or ManualClock()))
+    clock = clock or ManualClock()
+    ctx = Context.wire(Settings(**settings), MemoryStore(clock))
+    # The node store keeps leases alive by the clock the leases run on: the one the test moves.
+    ctx.nodes = NodeStore(ctx.kv, ctx.keys, clock, ttl_s=ctx.settings.node_ttl_s)
+    return ctx
 
 
 # ------------------------------------------------------------------ nodes
@@ -79,8 +84,6 @@ def test_a_live_nodes_name_is_refused_and_a_drained_one_is_replaced_under_a_new_
 
 def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
     async def main():
-        from service.nodes import NodeStore
-
         clock = ManualClock()
         ctx = context(clock)
         other = NodeStore(ctx.kv, ctx.keys, clock)  # another control plane on the same etcd
@@ -93,9 +96,14 @@ def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
         with pytest.raises(OutdatedCredential):
             await other.heartbeat_with("n0", "b" * 64)
         # registered again on the first replica (drained: a new credential and lease); the
-        # other one, which knew the old credential, refuses it and takes the new one
+        # other one, which knew the old credential, learns that its lease ended at its next
+        # keep-alive of it (service.heartbeats: the flush after a third of the TTL), refuses
+        # it from then on and takes the new one
         await ctx.nodes.drain("n0")
         await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="b" * 64)
+        await other.heartbeat_with("n0", "a" * 64)  # answered from memory
+        clock.now += 2
+        assert await other.leases.flush() == 1
         with pytest.raises(NodeNotFound):
             await other.heartbeat_with("n0", "a" * 64)
         await other.heartbeat_with("n0", "b" * 64)
@@ -267,5 +275,34 @@ def test_the_job_index_follows_the_store_and_wakes_a_waiting_heartbeat():
         finally:
             index.cancel()
             await asyncio.gather(index, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_the_watch_fed_node_view_follows_registrations_and_lapses_and_wakes_the_scheduler():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        wake = asyncio.Event()
+        follow = asyncio.create_task(ctx.nodes.follow(wake))
+        try:
+            await ctx.nodes.register("n0", 1, None, ttl_s=6)
+            for _ in range(200):
+                if "n0" in await ctx.nodes.live() and wake.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert ctx.nodes._live is not None and list(await ctx.nodes.live()) == ["n0"]
+            wake.clear()
+            clock.now += 7  # its lease lapses
+            await ctx.kv.check_ready()  # (the in-memory store expires leases when called)
+            for _ in range(200):
+                if not await ctx.nodes.live():
+                    break
+                await asyncio.sleep(0.01)
+            assert await ctx.nodes.live() == {} and wake.is_set()
+        finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+        assert ctx.nodes._live is None  # stopped: passes read etcd again
 
     asyncio.run(main())
