@@ -20,7 +20,7 @@ etcd_pid=$!
 trap 'kill -TERM "$etcd_pid"' TERM INT
 
 endpoint=http://127.0.0.1:2379
-until etcdctl --endpoints="$endpoint" --dial-timeout=1s endpoint health >/dev/null 2>&1; do
+until etcdctl --endpoints="$endpoint" --dial-timeout=1s endpoint status >/dev/null 2>&1; do
     kill -0 "$etcd_pid" 2>/dev/null || { wait "$etcd_pid"; exit 1; }
     sleep 0.2
 done
