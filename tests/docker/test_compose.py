@@ -173,7 +173,8 @@ def test_the_compose_cluster_runs_the_example_and_survives_a_killed_node(cluster
     assert done["state"] == "SUCCEEDED", (done, events)
     assert killed_at < 400 and done["progress"]["step"] == 400, done
     reasons = " ".join(e["reason"] for e in events)
-    assert "node-1" in reasons, reasons  # the lost node was noticed, and the job went on
+    assert "node node-1 lost" in reasons, reasons
+    assert "training again: world size 1" in reasons, reasons  # on the node that is left
     lines = [item["line"] for item in log_items(api, job_id)]
     assert any("saved final.pt" in line for line in lines), lines[-20:]
     saved = [s for s in ("node-0", "node-1")
