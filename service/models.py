@@ -325,7 +325,9 @@ class EventView(BaseModel):
     seq: int
     time: float
     state: JobState
-    reason: str
+    reason: str = Field(..., description="One line.")
+    detail: str | None = Field(None, description="More than the line: e.g. the last log lines of a "
+                                                 "failure (they are in the job's logs too).")
     by: str | None = Field(None, description="The user whose request caused it (submit, cancel).")
 
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,7 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import Assignment, LogLineIn, cut_line
+from worker.protocol import Assignment, LogLineIn, cut_line, telling_line
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -125,7 +126,23 @@ class WorkerGroup:
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, f"torchrun exited with code {code}; last lines:\n" + "\n".join(lines)
+        return "failed", code, headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+
+
+def headline(tails: Mapping, code: int | None) -> str:
+    """One line that says why a group failed: the missing command named as such, else the
+    first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
+    in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
+    ranks = sorted(r for r in tails if r is not None)
+    for r in ranks:
+        why = telling_line(list(tails[r]))
+        if why is not None:
+            if why.startswith("command not"):
+                return why
+            return f"rank {r}: {why} (torchrun exited with code {code})"
+    last = next((f"rank {r}: {x.strip()[:300]}" for r in ranks for x in reversed(tails[r]) if x.strip()),
+                None)
+    return f"torchrun exited with code {code}" + (f"; {last}" if last else "")
 
 
 @dataclass

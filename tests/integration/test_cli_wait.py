@@ -54,3 +54,14 @@ def test_submit_follow_exits_non_zero_with_the_reason_when_the_job_fails(control
     assert f"{job_id} FAILED" in again.stderr
     tail = ftrain(control_plane, "logs", "--tail", "1", job_id)
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1
+
+
+def test_a_missing_command_fails_the_job_with_a_one_line_reason_that_names_it(control_plane, api, agents):
+    agents(1)
+    done = ftrain(control_plane, "run", "--name", "typo", "--max-restarts", "0", "--", "trian-no-such-x")
+    assert done.returncode == 1, done.stderr
+    job_id = done.stderr.split("submitted ", 1)[1].split()[0]
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "FAILED"
+    assert "command not found: trian-no-such-x" in job["reason"] and "\n" not in job["reason"], job["reason"]
+    assert "Traceback" not in done.stderr
