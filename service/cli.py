@@ -605,13 +605,27 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
 @click.argument("name")
 @_client_options
 def drain(client: FtrainClient, as_json: bool, name: str) -> None:
-    """Take a node out of service: its job snapshots and moves on, no new work comes to it."""
+    """Take a node out of service: its job snapshots and moves on, no new work comes to it.
+
+    The drain holds until `ftrain undrain` (across the node's re-registration and control-plane
+    restarts); the node shows DRAINING while it still has work, DRAINED once idle."""
     result = client.drain(name)
     if as_json:
         _print_json(result)
     else:
-        state = result.get("state", "DRAINING") if isinstance(result, dict) else "DRAINING"
-        click.echo(f"{name}: {state}")
+        click.echo(f"{name}: {result.get('state', 'DRAINING')}")
+
+
+@main.command()
+@click.argument("name")
+@_client_options
+def undrain(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Put a drained node back in service (READY: it may be given work again)."""
+    result = client.undrain(name)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"{name}: {result.get('state', 'READY')}")
 
 
 # Users (the admin's)

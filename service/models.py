@@ -377,7 +377,8 @@ class UserCreated(UserView):
 
 class NodeState(str, enum.Enum):
     READY = "READY"
-    DRAINING = "DRAINING"
+    DRAINING = "DRAINING"  # drained, still holding a job's work
+    DRAINED = "DRAINED"  # drained and idle (views only: the record says DRAINING)
 
 
 class NodeRecord(BaseModel):
