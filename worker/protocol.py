@@ -434,15 +434,18 @@ class ControlView(BaseModel):
 
 COMMAND_NOT_FOUND = "ftrain: command not found: "  # worker/launch.py prints it (exit 127)
 COMMAND_NOT_EXECUTABLE = "ftrain: command not executable: "  # (exit 126)
-_ERROR_LINE = re.compile(r"^(\[rank\d+\] )?[\w.]*(Error|Exception|Interrupt|Exit)\b")
+ERROR_LINE = re.compile(r"^(\[rank\d+\] )?[\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
 def telling_line(lines: list[str], width: int = 300) -> str | None:
     """The line of a failed run's last `lines` that says why: a missing command named as
-    such, else the last error line (`ValueError: ...`), else None."""
+    such, else the last error line (`ValueError: ...`), else the last line; None if none."""
     for line in lines:
         for said in (COMMAND_NOT_FOUND, COMMAND_NOT_EXECUTABLE):
             if said in line:
                 return line[line.index(said) + len("ftrain: "):][:width]
-    errors = [x.strip() for x in lines if _ERROR_LINE.match(x.strip())]
-    return errors[-1][:width] if errors else None
+    errors = [x.strip() for x in lines if ERROR_LINE.match(x.strip())]
+    if errors:
+        return errors[-1][:width]
+    last = next((x.strip() for x in reversed(lines) if x.strip()), None)
+    return last[:width] if last else None

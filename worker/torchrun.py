@@ -58,7 +58,7 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import Assignment, LogLineIn, cut_line, telling_line
+from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, telling_line
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -134,15 +134,14 @@ def headline(tails: Mapping, code: int | None) -> str:
     first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
     in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
     ranks = sorted(r for r in tails if r is not None)
-    for r in ranks:
-        why = telling_line(list(tails[r]))
-        if why is not None:
-            if why.startswith("command not"):
-                return why
-            return f"rank {r}: {why} (torchrun exited with code {code})"
-    last = next((f"rank {r}: {x.strip()[:300]}" for r in ranks for x in reversed(tails[r]) if x.strip()),
-                None)
-    return f"torchrun exited with code {code}" + (f"; {last}" if last else "")
+    said = [(r, why) for r in ranks if (why := telling_line(list(tails[r]))) is not None]
+    for _, why in said:
+        if why.startswith("command not"):
+            return why
+    # the first rank with an error line, else the first with any line
+    r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
+    return f"torchrun exited with code {code}" if why is None else \
+        f"rank {r}: {why} (torchrun exited with code {code})"
 
 
 @dataclass

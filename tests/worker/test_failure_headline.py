@@ -16,7 +16,9 @@ TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 3, i
     ({0: ["ftrain: command not found: trian"], None: ["torchrun noise"]}, 1, "command not found: trian"),
     ({0: ["ftrain: command not executable: ./run.sh"]}, 1, "command not executable: ./run.sh"),
     ({0: ["step 1"], 1: TRACEBACK}, 1, "rank 1: ValueError: boom (torchrun exited with code 1)"),
-    ({0: ["step 1", "bye"]}, 3, "torchrun exited with code 3; rank 0: bye"),
+    ({0: ["step 1", "bye"]}, 3, "rank 0: bye (torchrun exited with code 3)"),
+    ({0: ["step 1", "bye"], 1: ["RuntimeError: x"]}, 1,
+     "rank 1: RuntimeError: x (torchrun exited with code 1)"),
     ({None: ["torchrun says"]}, 1, "torchrun exited with code 1"),
 ])
 def test_headline(tails, code, line):
