@@ -39,3 +39,18 @@ def test_the_launcher_and_the_protocol_agree_on_the_lines():
 
     assert launch.COMMAND_NOT_FOUND == protocol.COMMAND_NOT_FOUND
     assert launch.COMMAND_NOT_EXECUTABLE == protocol.COMMAND_NOT_EXECUTABLE
+
+
+@pytest.mark.parametrize("lines,why", [
+    (["[rank0] step=1", "[rank0 stderr] failing on purpose", "[rank0] step=2"],
+     "[rank0 stderr] failing on purpose"),
+    (["[rank0] a", "[rank0 stderr] Traceback", "[rank0 stderr] KeyError: 'x'", "[rank0] b"],
+     "[rank0 stderr] KeyError: 'x'"),
+    (["[rank0] ftrain: command not found: trian"], "command not found: trian"),
+    (["[rank0] a", "[rank0] b"], "[rank0] b"),
+    ([], None),
+])
+def test_telling_line_of_the_stored_tail(lines, why):
+    from worker.protocol import telling_line
+
+    assert telling_line(lines) == why
