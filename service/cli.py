@@ -468,7 +468,8 @@ def _progress_line(job: dict, now: float) -> str:
         parts.append(f"step {p['step']}" + (f"/{total}" if total else "")
                      + (f" ({p['percent']:.0f}%)" if p.get("percent") is not None else ""))
     if p.get("eta_s") is not None and job["state"] == "RUNNING":
-        left = max(0.0, p["eta_s"] - (now - (p.get("time") or now)))
+        # counted down from the report's time (never up: the server's clock may be ahead)
+        left = max(0.0, p["eta_s"] - max(0.0, now - (p.get("time") or now)))
         parts.append(f"ETA {_span(left)}")
     if p.get("loss") is not None:
         parts.append(f"loss {p['loss']:.4g}")

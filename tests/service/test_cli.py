@@ -344,3 +344,28 @@ def test_serve_reads_the_etcd_password_from_its_file(monkeypatch, tmp_path):
     no_file = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain"],
                                  env={"FTRAIN_ETCD_PASSWORD_FILE": None})
     assert no_file.exit_code == 2 and "give both an etcd user and its password file" in no_file.output
+
+
+def test_status_watch_prints_a_progress_line_with_eta_and_exits_with_the_final_state(monkeypatch):
+    from service import cli as cli_module
+
+    spec = JobSpec(name="j", command=["true"])
+    running = JobView(id="j1", name="j", owner="admin", state=JobState.RUNNING, reason="started",
+                      spec=spec, created_at=1.0, updated_at=2.0, attempt=1, nodes=["n0", "n1"],
+                      world_size=2, restarts=0,
+                      progress={"step": 100, "total_steps": 400, "percent": 25.0, "eta_s": 125.0,
+                                "time": 1e12, "loss": 0.5})
+    seen = [running, running.model_copy(update={"state": JobState.CANCELLED, "reason": "cancelled by admin",
+                                                "finished_at": 3.0})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=(seen.pop(0) if len(seen) > 1 else seen[0]).model_dump(mode="json"))
+
+    monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
+    monkeypatch.setattr(cli_module.time, "sleep", lambda s: None)
+    result = CliRunner().invoke(main, ["status", "--watch", "j1"], catch_exceptions=False)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "RUNNING  step 100/400 (25%)  ETA 2m05s  loss 0.5  nodes 2"
+    assert lines[1].startswith("CANCELLED  step 100/400")
+    assert result.exit_code == 3
+    assert result.stderr.strip() == "ftrain: j1 CANCELLED: cancelled by admin (exit 3)"
