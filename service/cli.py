@@ -8,6 +8,7 @@ with --json, JSON for scripts.
 
 from __future__ import annotations
 
+import collections
 import functools
 import ipaddress
 import json
@@ -240,8 +241,12 @@ def _progress(job: dict) -> str:
 @click.option("--idempotency-key", help="Makes a retried submit return the first job. "
                                         "[default: a fresh random key per invocation]")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the job id.")
+@click.option("--wait", is_flag=True, help="Wait until the job ends; print its final state and exit "
+                                           "with its code (SUCCEEDED 0, FAILED 1, CANCELLED 3).")
+@click.option("-f", "--follow", is_flag=True, help="Like --wait, printing the job's logs as they come.")
 @_client_options
-def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str | None, quiet: bool) -> None:
+def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str | None, quiet: bool,
+           wait: bool, follow: bool) -> None:
     """Submit the job spec in FILE (YAML or JSON; `-` reads stdin)."""
     job = client.submit(_load_spec(file), idempotency_key)
     if as_json:
@@ -249,7 +254,9 @@ def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str 
     elif quiet:
         click.echo(job["id"])
     else:
-        click.echo(f"submitted {job['id']} ({job['name']}): {job['state']}")
+        click.echo(f"submitted {job['id']} ({job['name']}): {job['state']}", err=follow or wait)
+    if follow or wait:
+        sys.exit(_see_through(client, job["id"], follow, as_json))
 
 
 @main.command("list")
@@ -265,18 +272,51 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         _print_json(jobs)
         return
     now = time.time()
-    _table([[j["id"], j["name"], j.get("owner", "-"), j["state"],
-             f"{j['spec']['nodes']['min']}-{j['spec']['nodes']['max']}",
-             str(j.get("world_size", 0)), _progress(j), _ago(j["created_at"], now), j.get("reason", "")]
+    _table([[j["id"], j["name"], j.get("owner", "-"), j["state"], _nodes_in_use(j),
+             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(j.get("reason", ""))]
             for j in jobs],
-           ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"])
+           ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION", "REASON"])
+
+
+def _nodes_in_use(job: dict) -> str:
+    """The nodes a job holds now, and the range it asked for: `2 (1-4)`."""
+    wanted = job["spec"]["nodes"]
+    return f"{len(job.get('nodes') or [])} ({wanted['min']}-{wanted['max']})"
+
+
+def _duration(job: dict, now: float) -> str:
+    """How long a job has existed: until it finished, or until now."""
+    end = job.get("finished_at") or now
+    return _span(max(0.0, end - job["created_at"]))
+
+
+def _span(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _one_line(text: str, width: int = 100) -> str:
+    """A table cell: the first line, cut to `width` characters."""
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 @main.command()
 @click.argument("job_id")
+@click.option("-w", "--watch", is_flag=True, help="Show a progress line (step, total, ETA) until the job "
+                                                  "ends; exit with its code (SUCCEEDED 0, FAILED 1, "
+                                                  "CANCELLED 3).")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(0.2, 3600),
+              help="Seconds between two looks, with --watch.")
 @_client_options
-def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
+def status(client: FtrainClient, as_json: bool, job_id: str, watch: bool, interval: float) -> None:
     """One job: state, nodes, progress, latest snapshot."""
+    if watch:
+        sys.exit(_watch(client, job_id, interval, as_json))
     job = client.get_job(job_id)
     if as_json:
         _print_json(job)
@@ -286,7 +326,7 @@ def status(client: FtrainClient, as_json: bool, job_id: str) -> None:
     snap = job.get("latest_snapshot")
     rows = [
         ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner", "-")),
-        ("state", job["state"]), ("reason", job["reason"]),
+        ("state", job["state"]), ("reason", _one_line(job["reason"], 300)),
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
@@ -337,25 +377,214 @@ def _log_line(item: dict) -> str:
 
 @main.command()
 @click.argument("job_id")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends, then print "
+                                                   "its final state and exit with its code (SUCCEEDED 0, "
+                                                   "FAILED 1, CANCELLED 3).")
 @click.option("--rank", type=int, help="Only this global rank.")
+@click.option("-n", "--tail", type=click.IntRange(min=0), default=None, help="Only the last N lines "
+                                                                            "(then new ones, with -f).")
+@click.option("--since", "since_s", type=Duration(), default=None,
+              help="Only lines of the last 10m, 2h, 90s... (by the time the node read them).")
 @_client_options
-def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: int | None) -> None:
+def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: int | None,
+         tail: int | None, since_s: float | None) -> None:
     """A job's worker output (stdout and stderr of every rank); --json: one line of JSON each."""
+    oldest = time.time() - since_s if since_s is not None else None
     try:
+        kept: collections.deque = collections.deque(maxlen=tail)  # maxlen None: every line
+        cursor = 0
+        if not follow or tail is not None:
+            for i, page in enumerate(client.log_pages(job_id, rank)):
+                if i == 0 and page.get("cut_lines"):
+                    click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) "
+                               f"of this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
+                               err=True)
+                for item in page.get("items", []):
+                    if oldest is None or (item.get("time") or 0) >= oldest:
+                        kept.append(item)
+                while tail is None and kept:
+                    _echo_line(kept.popleft(), as_json)
+                cursor = max(cursor, page.get("next_seq") or 0)
+            for item in kept:
+                _echo_line(item, as_json)
         if follow:
-            for item in client.follow_logs(job_id, rank):
-                click.echo(json.dumps(item) if as_json else _log_line(item))
-            return
-        for i, page in enumerate(client.log_pages(job_id, rank)):
-            if i == 0 and page.get("cut_lines"):
-                click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) of "
-                           f"this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
-                           err=True)
-            for item in page.get("items", []):
-                click.echo(json.dumps(item) if as_json else _log_line(item))
+            sys.exit(_see_through(client, job_id, True, as_json, rank, cursor, oldest))
     except KeyboardInterrupt:
         return
+
+
+def _echo_line(item: dict, as_json: bool) -> None:
+    click.echo(json.dumps(item) if as_json else _log_line(item))
+
+
+# Waiting for a job: submit --wait/--follow, run, logs -f, status --watch
+
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the README's "Exit codes"
+WAIT_POLL_S = 1.0
+
+
+def _see_through(client: FtrainClient, job_id: str, follow: bool, as_json: bool, rank: int | None = None,
+                 since: int = 0, oldest: float | None = None) -> int:
+    """Wait for the job to end (printing its logs as they come if `follow`), print its final
+    state on stderr, and return the exit code of that state. Ctrl-C stops waiting, not the job."""
+    try:
+        if follow:
+            job = client.get_job(job_id)
+            if job["state"] == "PENDING":
+                click.echo(f"ftrain: {job_id} is PENDING: {_one_line(job['reason'])}", err=True)
+            for item in client.follow_logs(job_id, rank, since):
+                if oldest is None or (item.get("time") or 0) >= oldest:
+                    _echo_line(item, as_json)
+        job = _final(client, job_id)
+    except KeyboardInterrupt:
+        click.echo(f"\nftrain: stopped waiting; {job_id} goes on (`ftrain cancel {job_id}` stops it)",
+                   err=True)
+        return 130
+    _say_final(job)
+    return EXIT_CODES[job["state"]]
+
+
+def _final(client: FtrainClient, job_id: str) -> dict:
+    """The job once it has ended (its record is terminal)."""
+    while True:
+        job = client.get_job(job_id)
+        if job["state"] in EXIT_CODES:
+            return job
+        time.sleep(WAIT_POLL_S)
+
+
+def _say_final(job: dict) -> None:
+    reason = _one_line(job.get("reason", ""), 300)
+    click.echo(f"ftrain: {job['id']} {job['state']}" + (f": {reason}" if reason else "")
+               + f" (exit {EXIT_CODES[job['state']]})", err=True)
+
+
+def _progress_line(job: dict, now: float) -> str:
+    """`RUNNING  step 120/400 (30%)  ETA 2m05s  loss 0.531  12.0 samples/s  nodes 2`."""
+    p = job.get("progress") or {}
+    parts = [job["state"]]
+    if p.get("step") is not None:
+        total = p.get("total_steps")
+        parts.append(f"step {p['step']}" + (f"/{total}" if total else "")
+                     + (f" ({p['percent']:.0f}%)" if p.get("percent") is not None else ""))
+    if p.get("eta_s") is not None and job["state"] == "RUNNING":
+        # counted down from the report's time (never up: the server's clock may be ahead)
+        left = max(0.0, p["eta_s"] - max(0.0, now - (p.get("time") or now)))
+        parts.append(f"ETA {_span(left)}")
+    if p.get("loss") is not None:
+        parts.append(f"loss {p['loss']:.4g}")
+    if p.get("samples_per_s"):
+        parts.append(f"{p['samples_per_s']:.1f} samples/s")
+    parts.append(f"nodes {len(job.get('nodes') or [])}")
+    if job["state"] in ("PENDING", "RECOVERING") and job.get("reason"):
+        parts.append(_one_line(job["reason"], 80))
+    return "  ".join(parts)
+
+
+def _watch(client: FtrainClient, job_id: str, interval_s: float, as_json: bool) -> int:
+    """`status --watch`: the progress line, redrawn in place on a terminal, one line per
+    change otherwise (or per look, with --json); the final state's exit code."""
+    tty = sys.stdout.isatty() and not as_json
+    last = None
+    try:
+        while True:
+            job = client.get_job(job_id)
+            line = json.dumps(job) if as_json else _progress_line(job, time.time())
+            if tty:
+                click.echo("\r\x1b[2K" + line, nl=False)
+            elif line != last:
+                click.echo(line)
+            last = line
+            if job["state"] in EXIT_CODES:
+                if tty:
+                    click.echo()
+                _say_final(job)
+                return EXIT_CODES[job["state"]]
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        click.echo()
+        return 130
+
+
+def _env_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
+        env[name] = value
+    return env
+
+
+def _node_range(text: str) -> dict[str, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        nodes = {"min": int(lo), "max": int(hi or lo)}
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not N or MIN:MAX", param_hint="--nodes") from None
+    return nodes
+
+
+def _name_from(command: tuple[str, ...]) -> str:
+    """A job name from the command: `python train.py` -> `train`."""
+    import re
+
+    words = [w for w in command if not w.startswith("-")]
+    script = next((w for w in words[1:] if w.endswith(".py")), words[0] if words else "job")
+    stem = Path(script).stem.lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", stem).strip("-")[:40].strip("-")
+    return name if name and name[0].isalpha() else f"job-{name}".strip("-")[:40]
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--name", help="Job name (a DNS label) [default: from the script, `train.py` -> train].")
+@click.option("--nodes", "node_range", default="1", show_default=True, metavar="N|MIN:MAX",
+              help="Nodes: exactly N, or MIN to start and up to MAX.")
+@click.option("--nproc-per-node", "nproc", default=None, metavar="N|auto",
+              help="Workers per node [default: 1].")
+@click.option("-e", "--env", "env_pairs", multiple=True, metavar="NAME=VALUE",
+              help="Environment for the workers (repeatable).")
+@click.option("--working-dir", default=None, type=click.Path(file_okay=False),
+              help="Where the workers run, a path every node sees [default: this directory].")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None, help="Snapshot every N steps.")
+@click.option("--snapshot-keep", type=click.IntRange(min=1), default=None, help="Snapshots kept.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None, help="Worker failures tolerated.")
+@click.option("-d", "--detach", is_flag=True, help="Print the job id and return at once.")
+@click.option("--wait", "wait_only", is_flag=True, help="Wait without printing the logs.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_client_options
+def run(client: FtrainClient, as_json: bool, name: str | None, node_range: str, nproc: str | None,
+        env_pairs: tuple[str, ...], working_dir: str | None, snapshot_every: int | None,
+        snapshot_keep: int | None, max_restarts: int | None, detach: bool, wait_only: bool,
+        command: tuple[str, ...]) -> None:
+    """Run COMMAND as a job and follow its logs: `ftrain run --nodes 2 -- python train.py --lr 0.1`.
+
+    Exits with the job's code (SUCCEEDED 0, FAILED 1, CANCELLED 3); Ctrl-C stops following,
+    not the job."""
+    spec: dict = {"name": name or _name_from(command), "command": list(command),
+                  "nodes": _node_range(node_range), "env": _env_pairs(env_pairs),
+                  "working_dir": str(Path(working_dir or os.getcwd()).resolve())}
+    if nproc is not None:
+        spec["nproc_per_node"] = nproc if nproc == "auto" else _int_option(nproc, "--nproc-per-node")
+    snapshot = {k: v for k, v in (("every_steps", snapshot_every), ("keep", snapshot_keep)) if v}
+    if snapshot:
+        spec["snapshot"] = snapshot
+    if max_restarts is not None:
+        spec["max_restarts"] = max_restarts
+    job = client.submit(spec)
+    if detach:
+        _print_json(job) if as_json else click.echo(job["id"])
+        return
+    click.echo(f"ftrain: submitted {job['id']} ({job['name']}); Ctrl-C stops following, "
+               f"`ftrain cancel {job['id']}` stops the job", err=True)
+    sys.exit(_see_through(client, job["id"], not wait_only, as_json))
+
+
+def _int_option(text: str, hint: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number or 'auto'", param_hint=hint) from None
 
 
 @main.command()
@@ -377,13 +606,27 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
 @click.argument("name")
 @_client_options
 def drain(client: FtrainClient, as_json: bool, name: str) -> None:
-    """Take a node out of service: its job snapshots and moves on, no new work comes to it."""
+    """Take a node out of service: its job snapshots and moves on, no new work comes to it.
+
+    The drain holds until `ftrain undrain` (across the node's re-registration and control-plane
+    restarts); the node shows DRAINING while it still has work, DRAINED once idle."""
     result = client.drain(name)
     if as_json:
         _print_json(result)
     else:
-        state = result.get("state", "DRAINING") if isinstance(result, dict) else "DRAINING"
-        click.echo(f"{name}: {state}")
+        click.echo(f"{name}: {result.get('state', 'DRAINING')}")
+
+
+@main.command()
+@click.argument("name")
+@_client_options
+def undrain(client: FtrainClient, as_json: bool, name: str) -> None:
+    """Put a drained node back in service (READY: it may be given work again)."""
+    result = client.undrain(name)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"{name}: {result.get('state', 'READY')}")
 
 
 # Users (the admin's)

@@ -258,6 +258,9 @@ class FtrainClient:
     def drain(self, name: str) -> dict:
         return self._request("POST", f"/v1/nodes/{_segment(name)}/drain")
 
+    def undrain(self, name: str) -> dict:
+        return self._request("POST", f"/v1/nodes/{_segment(name)}/undrain")
+
     # Users
 
     def add_user(self, name: str) -> dict:

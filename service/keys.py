@@ -11,6 +11,9 @@
     <prefix>/idempotency/<sha256>        {"job_id", "spec"} for Idempotency-Key; the job record
                                          names it (idempotency_digest): deleted with the job
     <prefix>/nodes/<name>                NodeRecord, attached to the node's lease
+    <prefix>/drains/<name>               a drained node's name, with no lease: the drain outlives
+                                         the record (re-registration, an etcd pause); undrain
+                                         deletes it
     <prefix>/rdzv/<rdzv id>/state        torch rendezvous state (opaque bytes)
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
@@ -73,6 +76,9 @@ class Keys:
 
     def node(self, name: str) -> str:
         return f"{self.prefix}/nodes/{name}"
+
+    def drain(self, name: str) -> str:
+        return f"{self.prefix}/drains/{name}"
 
     def rdzv(self, rdzv_id: str) -> str:
         return f"{self.prefix}/rdzv/{rdzv_id}/"

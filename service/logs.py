@@ -254,7 +254,9 @@ class LogStore:
                 raws = raws[1:]  # the first may have begun before what was read
             lines = [x for x in (_decode(0, r + b"\n") for r in raws) if x is not None and x.rank is not None]
             if len(lines) >= n or complete or want >= TAIL_MAX_BYTES:
-                return [f"[rank{x.rank}] {x.line}" for x in lines[-n:]] if n > 0 else []
+                # stderr marked: a failure's one-line reason prefers its last stderr line
+                return [f"[rank{x.rank}{' stderr' if x.stream == 'stderr' else ''}] {x.line}"
+                        for x in lines[-n:]] if n > 0 else []
             want *= 4
 
     def _delete(self, job_id: str) -> None:

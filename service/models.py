@@ -325,7 +325,9 @@ class EventView(BaseModel):
     seq: int
     time: float
     state: JobState
-    reason: str
+    reason: str = Field(..., description="One line.")
+    detail: str | None = Field(None, description="More than the line: e.g. the last log lines of a "
+                                                 "failure (they are in the job's logs too).")
     by: str | None = Field(None, description="The user whose request caused it (submit, cancel).")
 
 
@@ -375,7 +377,8 @@ class UserCreated(UserView):
 
 class NodeState(str, enum.Enum):
     READY = "READY"
-    DRAINING = "DRAINING"
+    DRAINING = "DRAINING"  # drained, still holding a job's work
+    DRAINED = "DRAINED"  # drained and idle (views only: the record says DRAINING)
 
 
 class NodeRecord(BaseModel):

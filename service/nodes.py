@@ -8,6 +8,11 @@ drained the node, or the registration presents the live record's own credential 
 node's agent, restarted: its credential file survived it); then the record is replaced under
 a fresh lease and the old one revoked, which also ends the old credential.
 
+A drain is stored twice: on the record (what the scheduler reads) and under the node's name
+with no lease (`Keys.drain`), so it outlives the record: a node that registers again (after
+its agent restarted, or after an etcd pause in which its lease lapsed) comes back DRAINING,
+until an undrain deletes the name's drain.
+
 Each registration comes with a new node credential; the record keeps only its sha256, and
 the credential is good while the lease it was registered under lives. A heartbeat checks
 it against a small per-process map (name -> digest, lease) instead of reading the record:
@@ -61,11 +66,13 @@ class NodeStore:
             NodeNameTaken: a node of this name is alive, not drained, and not reclaimed.
         """
         granted_at = self.clock()
+        drained = await self.kv.get(self.keys.drain(name)) is not None
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
         record = NodeRecord(name=name, nproc_per_node=nproc_per_node, address=address,
                             registered_at=self.clock(), lease_id=lease,
-                            credential_sha256=credential_sha256)
+                            credential_sha256=credential_sha256,
+                            state=NodeState.DRAINING if drained else NodeState.READY)
         value = record.model_dump_json().encode()
 
         def decide(old: Entry | None) -> cas.Write[Entry | None]:
@@ -199,13 +206,24 @@ class NodeStore:
             yield event
 
     async def drain(self, name: str) -> NodeRecord:
-        """Mark the node DRAINING (it gets no new work; its job goes on without it)."""
+        """Mark the node DRAINING (it gets no new work; its job goes on without it), and keep
+        the drain under its name, so a registration of the node later is DRAINING too."""
+        await self._entry(name)  # NodeNotFound: only a registered node is drained
+        await self.kv.put(self.keys.drain(name), b'{"drained_at": %.3f}' % self.clock())
+        return await self._set_state(name, NodeState.DRAINING)
 
+    async def undrain(self, name: str) -> NodeRecord:
+        """Put a drained node back in service (READY: it may be given work again). The drain
+        is deleted even when the node is not registered now (then NodeNotFound)."""
+        await self.kv.delete(self.keys.drain(name))
+        return await self._set_state(name, NodeState.READY)
+
+    async def _set_state(self, name: str, state: NodeState) -> NodeRecord:
         def decide(read: tuple[Entry, NodeRecord]) -> cas.Done[NodeRecord] | cas.Write[NodeRecord]:
             entry, record = read
-            if record.state is NodeState.DRAINING:
+            if record.state is state:
                 return cas.Done(record)
-            record = record.model_copy(update={"state": NodeState.DRAINING})
+            record = record.model_copy(update={"state": state})
             return cas.Write({entry.key: entry.mod_revision},
                              [Put(entry.key, record.model_dump_json().encode(), entry.lease)], record)
 

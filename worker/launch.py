@@ -48,8 +48,25 @@ def _signal_name(sig):
         return f"signal {sig}"
 
 
+# worker.protocol's COMMAND_NOT_FOUND and COMMAND_NOT_EXECUTABLE (this file imports nothing of
+# ftrain: it starts in every worker); tests/worker/test_failure_headline.py checks they agree.
+COMMAND_NOT_FOUND = "ftrain: command not found: "
+COMMAND_NOT_EXECUTABLE = "ftrain: command not executable: "
+
+
 def _exec(command):
-    os.execvp(command[0], command)
+    """Become COMMAND; a missing or unrunnable one is named in one line (exit 127 or 126, as a
+    shell does), not a Python traceback."""
+    try:
+        os.execvp(command[0], command)
+    except FileNotFoundError:
+        sys.stderr.write(f"{COMMAND_NOT_FOUND}{command[0]}\n")
+        sys.stderr.flush()
+        os._exit(127)
+    except PermissionError:
+        sys.stderr.write(f"{COMMAND_NOT_EXECUTABLE}{command[0]}\n")
+        sys.stderr.flush()
+        os._exit(126)
 
 
 def _forked_worker(name, command):

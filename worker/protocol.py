@@ -453,3 +453,27 @@ class ControlView(BaseModel):
     id: int = 0
     action: ControlAction = ControlAction.NONE
     reason: str = ""
+
+
+# One-line failure reasons: the node's report and the control plane's "restarts spent" both
+# pick the line that says why from the workers' last lines (the lines stay in the logs).
+
+COMMAND_NOT_FOUND = "ftrain: command not found: "  # worker/launch.py prints it (exit 127)
+COMMAND_NOT_EXECUTABLE = "ftrain: command not executable: "  # (exit 126)
+ERROR_LINE = re.compile(r"^(\[rank\d+( stderr)?\] )?[\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def telling_line(lines: list[str], width: int = 300) -> str | None:
+    """The line of a failed run's last `lines` that says why: a missing command named as
+    such, else the last error line (`ValueError: ...`), else the last stderr line (marked
+    `[rankN stderr]` by the log store), else the last line; None if none."""
+    for line in lines:
+        for said in (COMMAND_NOT_FOUND, COMMAND_NOT_EXECUTABLE):
+            if said in line:
+                return line[line.index(said) + len("ftrain: "):][:width]
+    errors = [x.strip() for x in lines if ERROR_LINE.match(x.strip())]
+    if errors:
+        return errors[-1][:width]
+    said = [x.strip() for x in lines if x.strip()]
+    last = next((x for x in reversed(said) if " stderr] " in x), said[-1] if said else None)
+    return last[:width] if last else None

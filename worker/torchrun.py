@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,7 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import Assignment, LogLineIn, cut_line
+from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, telling_line
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -127,7 +128,22 @@ class WorkerGroup:
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, f"torchrun exited with code {code}; last lines:\n" + "\n".join(lines)
+        return "failed", code, headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+
+
+def headline(tails: Mapping, code: int | None) -> str:
+    """One line that says why a group failed: the missing command named as such, else the
+    first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
+    in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
+    ranks = sorted(r for r in tails if r is not None)
+    said = [(r, why) for r in ranks if (why := telling_line(list(tails[r]))) is not None]
+    for _, why in said:
+        if why.startswith("command not"):
+            return why
+    # the first rank with an error line, else the first with any line
+    r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
+    return f"torchrun exited with code {code}" if why is None else \
+        f"rank {r}: {why} (torchrun exited with code {code})"
 
 
 @dataclass

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from service.models import JobState, MemberStatus
+from worker.protocol import telling_line
 
 S = JobState
 
@@ -93,5 +94,6 @@ def by_restarts(restarts: int, max_restarts: int, last_lines: Sequence[str] = ()
     if restarts < max_restarts:
         return None
     lines = "\n".join(last_lines)
+    why = telling_line(list(last_lines))
     return Outcome(S.FAILED, f"workers failed {restarts + 1} times (max_restarts={max_restarts})"
-                   + (f"; last log lines:\n{lines}" if lines else ""))
+                   + (f": {why}" if why else "") + (f"\nlast log lines:\n{lines}" if lines else ""))

@@ -30,19 +30,35 @@ def transition(job: JobRecord, target: JobState, reason: str, now: float) -> tup
     if not can_transition(job.state, target):
         raise InvalidTransition(job.id, job.state.value, target.value)
     seq = job.event_seq + 1
+    line, detail = split_reason(reason)
     changed = job.model_copy(update={
         "state": target,
-        "reason": reason,
+        "reason": line,
         "updated_at": now,
         "event_seq": seq,
         "finished_at": now if target.is_terminal() else job.finished_at,
     })
-    return changed, EventView(seq=seq, time=now, state=target, reason=reason)
+    return changed, EventView(seq=seq, time=now, state=target, reason=line, detail=detail)
 
 
 def note(job: JobRecord, reason: str, now: float) -> tuple[JobRecord, EventView]:
     """An event without a state change (a restart, a node joining, a skipped snapshot)."""
     seq = job.event_seq + 1
     changed = job.model_copy(update={"event_seq": seq, "updated_at": now})
-    return changed, EventView(seq=seq, time=now, state=job.state, reason=reason)
+    line, detail = split_reason(reason)
+    return changed, EventView(seq=seq, time=now, state=job.state, reason=line, detail=detail)
+
+
+REASON_MAX_CHARS = 300
+
+
+def split_reason(reason: str) -> tuple[str, str | None]:
+    """A reason as the job and the tables show it (its first line, at most 300 characters),
+    and the rest (log lines quoted by a failure, a line cut short) for the event's detail."""
+    text = reason.strip()
+    line, _, rest = text.partition("\n")
+    line = line.strip()
+    if len(line) > REASON_MAX_CHARS:
+        return line[: REASON_MAX_CHARS - 1] + "…", text
+    return line, (rest.strip("\n") or None)
 

@@ -26,6 +26,7 @@ from service.models import (
     JobRecord,
     NodeList,
     NodeRecord,
+    NodeState,
     NodeView,
 )
 from service.rendezvous import delete_rendezvous
@@ -184,7 +185,10 @@ def _holders(ctx: Context) -> dict[str, tuple[str, str]]:
 
 def _view(record: NodeRecord, holders: dict[str, tuple[str, str]]) -> NodeView:
     job_id, part = holders.get(record.name, (None, None))
-    return NodeView(name=record.name, state=record.state, nproc_per_node=record.nproc_per_node,
+    state = record.state
+    if state is NodeState.DRAINING and job_id is None:
+        state = NodeState.DRAINED  # idle: safe to take away
+    return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
                     address=record.address, registered_at=record.registered_at,
                     job=job_id, member_state=part)
 
@@ -202,6 +206,12 @@ async def drain(name: str, ctx: ContextDep) -> NodeView:
     """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work.
     The admin's: draining moves whoever's job runs there."""
     return _view(await ctx.nodes.drain(name), _holders(ctx))
+
+
+@router.post("/v1/nodes/{name}/undrain", response_model=NodeView, dependencies=[AdminAuth])
+async def undrain(name: str, ctx: ContextDep) -> NodeView:
+    """Put a drained node back in service: READY, it may be given work again. The admin's."""
+    return _view(await ctx.nodes.undrain(name), _holders(ctx))
 
 
 @router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)

@@ -161,8 +161,8 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.wait_for_selector('tr[data-node="n0"] [data-state="READY"]')
             assert page.inner_text('tr[data-node="n0"]').count("idle") == 1
             page.click('tr[data-node="n0"] button[data-drain="n0"]')
-            page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINING"]')
-            assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINING"
+            page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINED"]')
+            assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINED"  # idle
 
             # a job that does not exist: the page says so (and what retention keeps)
             page.goto(f"{control_plane.url}/ui/#/jobs/no-such-job")

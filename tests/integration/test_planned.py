@@ -98,7 +98,7 @@ def test_a_drained_node_loses_no_step(api, agents):
     # The drain moved n0 to a new attempt: its new torchrun came from the job's fork server.
     assert j["attempt"] == 2 and len(torchrun_launchers(a)) == 1
     nodes = {n["name"]: n for n in api.get("/v1/nodes").json()["items"]}
-    assert nodes["n1"]["state"] == "DRAINING" and nodes["n1"]["job"] is None
+    assert nodes["n1"]["state"] == "DRAINED" and nodes["n1"]["job"] is None  # drained and idle
 
 
 def test_cancel_snapshots_at_the_step_where_it_stops(api, agents):

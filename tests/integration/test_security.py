@@ -110,6 +110,7 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
         ("POST", f"/v1/jobs/{j}/snapshots/5/corrupt", {"reason": "test"}, {"job_j"}),
         # for good
         ("POST", "/v1/nodes/c/drain", None, {"user"}),  # the admin only
+        ("POST", "/v1/nodes/c/undrain", None, {"user"}),  # the admin only
         ("POST", f"/v1/jobs/{lone}/cancel", None, {"user"}),  # the admin's job: not alice's
         ("DELETE", "/v1/nodes/a", None, {"cred_a"}),
     ]

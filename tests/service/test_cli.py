@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from service.cli import main
 from service.client import FtrainClient, InvalidRequest, ServerUnreachable, resolve_target
-from service.models import LogLine, LogPage, NodeList, NodeState, NodeView
+from service.models import JobSpec, JobState, JobView, LogLine, LogPage, NodeList, NodeState, NodeView
 from tests.helpers.processes import REPO, free_port
 
 SPEC_YAML = """\
@@ -53,8 +53,10 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     assert job["spec"]["snapshot"]["every_steps"] == 50
 
     table = ftrain("list").output.splitlines()
-    assert table[0].split() == ["ID", "NAME", "OWNER", "STATE", "NODES", "WORLD", "STEP", "AGE", "REASON"]
-    assert any(line.split()[:5] == [job["id"], "mnist", "admin", "PENDING", "1-2"] for line in table[1:])
+    assert table[0].split() == ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION",
+                                "REASON"]
+    assert any(line.split()[:8] == [job["id"], "mnist", "admin", "PENDING", "0", "(1-2)", "-", "0"]
+               for line in table[1:])
     assert [j["id"] for j in json.loads(ftrain("list", "--json").output)] == [job["id"]]
 
     status = ftrain("status", job["id"]).output
@@ -208,6 +210,9 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
              LogLine(seq=2, time=2.0, node="local-1", rank=1, stream="stderr", line="warn")]
     node = NodeView(name="local-0", state=NodeState.READY, nproc_per_node=2, address="127.0.0.1",
                     registered_at=1.0, job="j1")
+    ended = JobView(id="j1", name="j", owner="admin", state=JobState.FAILED, reason="rank 1: ValueError: x",
+                    spec=JobSpec(name="j", command=["true"]), created_at=1.0, updated_at=2.0,
+                    finished_at=2.0, attempt=1, nodes=[], world_size=1, restarts=0)
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.headers["Authorization"] == "Bearer t"
@@ -228,6 +233,10 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
         if request.url.path == "/v1/nodes/local-0/drain" and request.method == "POST":
             drained = node.model_copy(update={"state": NodeState.DRAINING})
             return httpx.Response(202, json=drained.model_dump(mode="json"))
+        if request.url.path == "/v1/nodes/local-0/undrain" and request.method == "POST":
+            return httpx.Response(200, json=node.model_dump(mode="json"))
+        if request.url.path == "/v1/jobs/j1":  # logs -f ends with the job's final state
+            return httpx.Response(200, json=ended.model_dump(mode="json"))
         return httpx.Response(404, json={"detail": "not found"})
 
     monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
@@ -237,14 +246,17 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
     assert "the first 1 lines (1 bytes) of this log were cut" in result.stderr
     out = runner.invoke(main, ["logs", "--json", "j1"], catch_exceptions=False).stdout
     assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines]
-    out = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False).output
-    assert out.splitlines() == ["[local-1 rank 1] warn"]
-    out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).output
+    followed = runner.invoke(main, ["logs", "-f", "--rank", "1", "j1"], catch_exceptions=False)
+    assert followed.stdout.splitlines() == ["[local-1 rank 1] warn"]
+    assert followed.exit_code == 1  # the job FAILED
+    assert followed.stderr.strip() == "ftrain: j1 FAILED: rank 1: ValueError: x (exit 1)"
+    out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).stdout
     assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines[1:]]
     out = runner.invoke(main, ["nodes"], catch_exceptions=False).output.splitlines()
     assert out[0].split() == ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"]
     assert out[1].split()[:5] == ["local-0", "READY", "2", "127.0.0.1", "j1"]
     assert runner.invoke(main, ["drain", "local-0"]).output.strip() == "local-0: DRAINING"
+    assert runner.invoke(main, ["undrain", "local-0"]).output.strip() == "local-0: READY"
 
 
 def test_422_from_the_server_carries_field_errors(control_plane):
@@ -332,3 +344,28 @@ def test_serve_reads_the_etcd_password_from_its_file(monkeypatch, tmp_path):
     no_file = CliRunner().invoke(main, ["serve", "--etcd", "http://etcd-1:2379", "--etcd-user", "ftrain"],
                                  env={"FTRAIN_ETCD_PASSWORD_FILE": None})
     assert no_file.exit_code == 2 and "give both an etcd user and its password file" in no_file.output
+
+
+def test_status_watch_prints_a_progress_line_with_eta_and_exits_with_the_final_state(monkeypatch):
+    from service import cli as cli_module
+
+    spec = JobSpec(name="j", command=["true"])
+    running = JobView(id="j1", name="j", owner="admin", state=JobState.RUNNING, reason="started",
+                      spec=spec, created_at=1.0, updated_at=2.0, attempt=1, nodes=["n0", "n1"],
+                      world_size=2, restarts=0,
+                      progress={"step": 100, "total_steps": 400, "percent": 25.0, "eta_s": 125.0,
+                                "time": 1e12, "loss": 0.5})
+    seen = [running, running.model_copy(update={"state": JobState.CANCELLED, "reason": "cancelled by admin",
+                                                "finished_at": 3.0})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=(seen.pop(0) if len(seen) > 1 else seen[0]).model_dump(mode="json"))
+
+    monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(handler)))
+    monkeypatch.setattr(cli_module.time, "sleep", lambda s: None)
+    result = CliRunner().invoke(main, ["status", "--watch", "j1"], catch_exceptions=False)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "RUNNING  step 100/400 (25%)  ETA 2m05s  loss 0.5  nodes 2"
+    assert lines[1].startswith("CANCELLED  step 100/400")
+    assert result.exit_code == 3
+    assert result.stderr.strip() == "ftrain: j1 CANCELLED: cancelled by admin (exit 3)"

@@ -54,7 +54,7 @@ def test_by_restarts(restarts, max_restarts, ends):
     assert (got is not None) is ends
     if ends:
         assert got.state is S.FAILED and got.stops_workers
-        assert got.reason == f"workers failed {restarts + 1} times (max_restarts={max_restarts}); " \
+        assert got.reason == f"workers failed {restarts + 1} times (max_restarts={max_restarts}): x\n" \
                              "last log lines:\nx"
 
 

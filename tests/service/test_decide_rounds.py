@@ -79,12 +79,10 @@ CHANGES = [
                               "training again: world size 4 on 2 node(s)"])),
     ("one restart more than allowed fails the job, quoting the last lines",
      job(S.RECOVERING, rounds=4, round_nodes=2, restarts=3), joined(2),
-     (S.FAILED, 5, 2, 3, 4, ["workers failed 4 times (max_restarts=3); last log lines:\n"
-                             "[rank0] Traceback\n[rank0] RuntimeError: boom"])),
+     (S.FAILED, 5, 2, 3, 4, ["workers failed 4 times (max_restarts=3): [rank0] RuntimeError: boom"])),
     ("max_restarts=0: the first restart fails the job",
      job(S.RECOVERING, rounds=1, round_nodes=2, max_restarts=0), joined(2),
-     (S.FAILED, 2, 2, 0, 4, ["workers failed 1 times (max_restarts=0); last log lines:\n"
-                             "[rank0] Traceback\n[rank0] RuntimeError: boom"])),
+     (S.FAILED, 2, 2, 0, 4, ["workers failed 1 times (max_restarts=0): [rank0] RuntimeError: boom"])),
     ("a report from a node that is not a member counts one process per node",
      job(), joined(2, node="z"),
      (S.RUNNING, 1, 2, 0, 2, ["rendezvous complete: world size 2 on 2 node(s)"])),
@@ -105,6 +103,13 @@ def test_reports_that_change_the_job(what, before, report, after):
     assert got.stopping is (state is S.FAILED)
     assert got.finished_at == (NOW if state.is_terminal() else None)
     assert change.ops == []
+
+
+def test_spent_restarts_give_a_one_line_reason_and_quote_the_log_lines_in_the_events_detail():
+    change = decide_round(job(S.RECOVERING, rounds=4, round_nodes=2, restarts=3), joined(2), TAIL, NOW)
+    assert change.job.reason == "workers failed 4 times (max_restarts=3): [rank0] RuntimeError: boom"
+    assert change.events[-1].reason == change.job.reason
+    assert change.events[-1].detail == "last log lines:\n[rank0] Traceback\n[rank0] RuntimeError: boom"
 
 
 def test_spent_restarts_without_log_lines_say_so_plainly():

@@ -123,6 +123,9 @@ def test_last_lines_reads_only_the_tail(tmp_path, monkeypatch):
     monkeypatch.setattr(logs_module, "open", counting_open, raising=False)
     tail = run(store.last_lines("j", 3))
     assert tail[-2:] == ["[rank1] last but one", "[rank0] last"] and len(tail) == 3
+    run(store.ship("j", LogShipment(node="a", attempt=1, lines=[
+        LogLineIn(rank=0, line="failing", time=1.0, stream="stderr")])))
+    assert run(store.last_lines("j", 1)) == ["[rank0 stderr] failing"]
     assert 0 < sum(read) <= TAIL_MAX_BYTES
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from service.decide.cancel import cancel
-from service.decide.state import ALLOWED, transition
+from service.decide.state import ALLOWED, split_reason, transition
 from service.errors import InvalidTransition
 from service.models import JobRecord, JobSpec, JobState
 
@@ -48,3 +48,23 @@ def test_cancel(state, expected):
 def test_cancel_twice_is_a_noop():
     moved, event = cancel(job(S.CANCELLING), NOW)
     assert moved.state is S.CANCELLING and event is None
+
+
+# ------------------------------------------------------------------ one-line reasons
+
+@pytest.mark.parametrize("reason,line,detail", [
+    ("node n0 lost", "node n0 lost", None),
+    ("node n0: command not found: trian.py\nlast lines:\n[rank0] x", "node n0: command not found: trian.py",
+     "last lines:\n[rank0] x"),
+    ("  padded\n\n", "padded", None),
+    ("x" * 400, "x" * 299 + "…", "x" * 400),
+])
+def test_split_reason_keeps_one_line_for_the_job_and_the_rest_for_the_event(reason, line, detail):
+    assert split_reason(reason) == (line, detail)
+
+
+def test_a_transition_with_log_lines_gives_the_job_one_line_and_the_event_the_lines():
+    why = "node n0: rank 0: ValueError: boom\nlast lines:\n[rank0] a"
+    changed, event = transition(job(S.RUNNING), S.FAILED, why, 5.0)
+    assert changed.reason == event.reason == "node n0: rank 0: ValueError: boom"
+    assert event.detail == "last lines:\n[rank0] a"

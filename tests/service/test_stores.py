@@ -164,6 +164,30 @@ def test_drain_marks_the_node_and_keeps_it_on_its_lease():
     asyncio.run(main())
 
 
+def test_a_drain_outlives_the_lease_and_a_re_registration_until_undrain():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        await ctx.nodes.drain("n0")
+        clock.now += 7  # an etcd pause: the lease lapses, the record with it
+        assert await ctx.nodes.list() == {}
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        assert (await ctx.nodes.list())["n0"].state is NodeState.DRAINING
+        await ctx.nodes.deregister("n0")  # its agent restarted
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        assert (await ctx.nodes.list())["n0"].state is NodeState.DRAINING
+        assert (await ctx.nodes.undrain("n0")).state is NodeState.READY
+        await ctx.nodes.deregister("n0")
+        await ctx.nodes.register("n0", 1, None, ttl_s=6)
+        assert (await ctx.nodes.list())["n0"].state is NodeState.READY
+        assert (await ctx.nodes.undrain("n0")).state is NodeState.READY  # twice is fine
+        with pytest.raises(NodeNotFound):
+            await ctx.nodes.undrain("ghost")
+
+    asyncio.run(main())
+
+
 def test_deregister_removes_the_node_at_once_and_is_idempotent():
     async def main():
         ctx = context()

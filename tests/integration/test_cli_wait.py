@@ -1,0 +1,67 @@
+"""The CLI waits for a job: `ftrain run --` and `submit --follow` stream the logs, print the
+final state and exit with its code (real control plane, agent, torchrun and `ftrain` processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers.processes import REPO
+
+SCRIPT = REPO / "tests" / "scripts" / "exit_with.py"
+
+
+def ftrain(control_plane, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRAIN_")}
+    command, *rest = args  # the options before any `--`
+    return subprocess.run([sys.executable, "-m", "service.cli", command, "--server", control_plane.url,
+                           "--token", control_plane.user_token, *rest],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_run_dash_dash_follows_a_succeeding_job_and_exits_0(control_plane, api, agents):
+    agents(1)
+    done = ftrain(control_plane, "run", "--name", "hello", "--max-restarts", "0", "--",
+                  "python", str(SCRIPT), "0")
+    assert done.returncode == 0, done.stderr
+    assert "hello from rank 0" in done.stdout
+    job_id = done.stderr.split("submitted ", 1)[1].split()[0]
+    assert f"{job_id} SUCCEEDED" in done.stderr
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "SUCCEEDED"
+    assert job["spec"]["command"] == ["python", str(SCRIPT), "0"]
+    assert job["spec"]["working_dir"] == str(REPO)
+
+
+def test_submit_follow_exits_non_zero_with_the_reason_when_the_job_fails(control_plane, api, agents,
+                                                                            tmp_path):
+    agents(1)
+    spec = tmp_path / "fails.json"
+    spec.write_text(json.dumps({"name": "fails", "command": ["python", str(SCRIPT), "7"],
+                                "max_restarts": 0}))
+    done = ftrain(control_plane, "submit", "--follow", str(spec))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "hello from rank 0" in done.stdout
+    final = [ln for ln in done.stderr.splitlines() if " FAILED" in ln]
+    assert final and "(exit 1)" in final[-1], done.stderr
+    job_id = done.stderr.split("submitted ", 1)[1].split()[0]
+    assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "FAILED"
+    # `logs -f` of the ended job: its lines, then the same final state and code
+    again = ftrain(control_plane, "logs", "-f", job_id)
+    assert again.returncode == 1 and "hello from rank 0" in again.stdout
+    assert f"{job_id} FAILED" in again.stderr
+    tail = ftrain(control_plane, "logs", "--tail", "1", job_id)
+    assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1
+
+
+def test_a_missing_command_fails_the_job_with_a_one_line_reason_that_names_it(control_plane, api, agents):
+    agents(1)
+    done = ftrain(control_plane, "run", "--name", "typo", "--max-restarts", "0", "--", "trian-no-such-x")
+    assert done.returncode == 1, done.stderr
+    job_id = done.stderr.split("submitted ", 1)[1].split()[0]
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "FAILED"
+    assert "command not found: trian-no-such-x" in job["reason"] and "\n" not in job["reason"], job["reason"]
+    assert "Traceback" not in done.stderr

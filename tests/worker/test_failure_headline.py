@@ -1,0 +1,56 @@
+"""A failed group's one-line reason (`worker.torchrun.headline`), and the launcher naming a
+missing command: a table of tails, no processes but one exec of a name that does not exist."""
+
+import subprocess
+import sys
+
+import pytest
+
+from worker.torchrun import headline
+
+TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
+             "ValueError: boom"]
+
+
+@pytest.mark.parametrize("tails,code,line", [
+    ({0: ["ftrain: command not found: trian"], None: ["torchrun noise"]}, 1, "command not found: trian"),
+    ({0: ["ftrain: command not executable: ./run.sh"]}, 1, "command not executable: ./run.sh"),
+    ({0: ["step 1"], 1: TRACEBACK}, 1, "rank 1: ValueError: boom (torchrun exited with code 1)"),
+    ({0: ["step 1", "bye"]}, 3, "rank 0: bye (torchrun exited with code 3)"),
+    ({0: ["step 1", "bye"], 1: ["RuntimeError: x"]}, 1,
+     "rank 1: RuntimeError: x (torchrun exited with code 1)"),
+    ({None: ["torchrun says"]}, 1, "torchrun exited with code 1"),
+])
+def test_headline(tails, code, line):
+    assert headline(tails, code) == line
+
+
+@pytest.mark.integration
+def test_the_launcher_names_a_missing_command_in_one_line_and_exits_127():
+    # argv[1] is the death signal; the launcher's guard needs a live parent: this test.
+    done = subprocess.run([sys.executable, "-m", "worker.launch", "15", "ftrain-no-such-command-x"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 127
+    assert done.stderr == "ftrain: command not found: ftrain-no-such-command-x\n"
+
+
+def test_the_launcher_and_the_protocol_agree_on_the_lines():
+    from worker import launch, protocol
+
+    assert launch.COMMAND_NOT_FOUND == protocol.COMMAND_NOT_FOUND
+    assert launch.COMMAND_NOT_EXECUTABLE == protocol.COMMAND_NOT_EXECUTABLE
+
+
+@pytest.mark.parametrize("lines,why", [
+    (["[rank0] step=1", "[rank0 stderr] failing on purpose", "[rank0] step=2"],
+     "[rank0 stderr] failing on purpose"),
+    (["[rank0] a", "[rank0 stderr] Traceback", "[rank0 stderr] KeyError: 'x'", "[rank0] b"],
+     "[rank0 stderr] KeyError: 'x'"),
+    (["[rank0] ftrain: command not found: trian"], "command not found: trian"),
+    (["[rank0] a", "[rank0] b"], "[rank0] b"),
+    ([], None),
+])
+def test_telling_line_of_the_stored_tail(lines, why):
+    from worker.protocol import telling_line
+
+    assert telling_line(lines) == why
