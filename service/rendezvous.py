@@ -32,6 +32,18 @@ write and costs etcd nothing while nothing changes: agents sit in the exit barri
 `exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
 steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC stream.
 
+Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
+this control plane while its previous write is in flight wait, and go together as one batch
+(`StateWrites`): one etcd read, then every write applied in order, then one compare-and-set.
+A plain write (a token and a whole state) applies iff its token is the state's and nothing
+before it in the batch changed the state: torch's compare-and-set, unchanged. A write that
+carries its change as ops (`merge`, a version-2 state: `worker.rdzv_state`) applies to the
+state as the batch found it or left it, stale token or not, wherever torch would have decided
+the same action; each is answered with the batch's result and whether it was applied. So N
+nodes joining at once cost a few batches, not N^2/2 lost compare-and-sets; the waiters see
+a few changes, not N. With several replicas each batches its own requests; a batch whose
+compare-and-set loses to another replica's is applied again to what won.
+
 The state has a long poll too (`wait_for_state_change`): an agent waiting for other nodes
 asks "answer when the token is no longer the one I saw", and the same kind of watch, on the
 state key, answers it within a millisecond of another node's write instead of at torch's
@@ -51,14 +63,18 @@ import asyncio
 import base64
 import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from service.errors import FtrainError, HistoryCompacted
 from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
+from worker.protocol import StateNotSealed, open_state, seal_state, state_version
+from worker.rdzv_state import MergeSpec, NotAState, RdzvDoc, apply_ops
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
+BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
 _OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -96,12 +112,63 @@ def _encode_key(key: str) -> str:
     return base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
 
 
+@dataclass
+class _Write:
+    state: bytes  # sealed
+    token: str | None
+    merge: MergeSpec | None
+    done: asyncio.Future
+
+
+class StateWrites:
+    """The state writes of this control plane waiting for the batch in flight, per state key
+    (module docstring); one per control plane (`Context.rdzv_writes`)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, list[_Write]] = {}
+        self._drains: set[asyncio.Task] = set()
+        self.batches = 0  # written batches and the writes they carried, for the bench
+        self.writes = 0
+
+    async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                     write: _Write) -> tuple[Entry | None, bool]:
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = []
+            task = asyncio.get_running_loop().create_task(self._drain(key, apply))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        waiting.append(write)
+        return await write.done
+
+    async def _drain(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
+        while batch := self._waiting[key]:
+            self._waiting[key] = []
+            try:
+                results = await apply(batch)
+            except BaseException as exc:  # every waiter gets it (a 503 when etcd is away)
+                for write in batch:
+                    if not write.done.done():
+                        write.done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    self._waiting.pop(key, None)
+                    raise
+                continue
+            self.batches += 1
+            self.writes += len(batch)
+            for write, result in zip(batch, results):
+                if not write.done.done():
+                    write.done.set_result(result)
+        del self._waiting[key]
+
+
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str):
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, writes: StateWrites | None = None):
         self.kv = kv
         self.rdzv_id = rdzv_id
+        self._writes = writes or StateWrites()
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
         self._ops_prefix = keys.rdzv(rdzv_id) + "ops/"
@@ -111,16 +178,56 @@ class Rendezvous:
     async def get_state(self) -> Entry | None:
         return await self.kv.get(self._state_key)
 
-    async def set_state(self, state: bytes, token: str | None) -> tuple[Entry | None, bool]:
-        """Write `state` iff `token` is the current one (None: iff there is no state yet).
+    async def set_state(self, state: bytes, token: str | None,
+                        merge: MergeSpec | None = None) -> tuple[Entry | None, bool]:
+        """Write `state` iff `token` is the current one (None: iff there is no state yet), or,
+        with `merge`, apply its ops to the state as it is now (module docstring).
 
-        Returns what is stored after the attempt and whether this call wrote it. A token that
-        is not one of ours (not a revision) can never match: nothing is written.
+        Returns what is stored after the attempt and whether this call's change is in it. A
+        token that is not one of ours (not a revision) can never match.
         """
-        expected = _revision(token)
-        if expected is None:
+        if merge is not None and state_version(state) != 2:
+            merge = None  # ops describe a version-2 state only
+        if _revision(token) is None and merge is None:
             return await self.get_state(), False
-        return await self._cas_read(self._state_key, expected, Put(self._state_key, state))
+        write = _Write(state, token, merge, asyncio.get_running_loop().create_future())
+        return await self._writes.submit(self._state_key, self._apply_batch, write)
+
+    async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
+        """Apply `batch` to the stored state with one compare-and-set (again if it loses)."""
+        for _ in range(BATCH_ATTEMPTS):
+            entry = await self.get_state()
+            revision = 0 if entry is None else entry.mod_revision
+            value = None if entry is None else entry.value
+            doc: RdzvDoc | None = None  # the state as data, once a merge needs it
+            changed = False
+            applied = [False] * len(batch)
+            # Plain writes first: at most one wins (on an unchanged state), merges go on top.
+            order = sorted(range(len(batch)), key=lambda i: batch[i].merge is not None)
+            for i in order:
+                write = batch[i]
+                if not changed and _revision(write.token) == revision:
+                    value, changed, applied[i] = write.state, True, True
+                    continue
+                if write.merge is None:
+                    continue
+                if doc is None:
+                    doc = _doc(value)
+                    if doc is None:
+                        continue  # not a state this control plane reads: compare-and-set only
+                merged = apply_ops(doc, write.merge)
+                if merged is not None:
+                    doc, value, changed, applied[i] = merged, None, True, True
+            if not changed:
+                return [(entry, False)] * len(batch)
+            if value is None:
+                assert doc is not None
+                value = seal_state(doc.to_json(), version=2)
+            written, after = await self.kv.commit_read({self._state_key: revision},
+                                                       [Put(self._state_key, value)], self._state_key)
+            if written:
+                return [(after, was) for was in applied]
+        return [(await self.get_state(), False)] * len(batch)
 
     async def wait_for_state_change(self, after: str, wait_s: float) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
@@ -275,12 +382,20 @@ class Rendezvous:
 
         return await cas.update(self.kv, read, decide, self._what(key))
 
-    async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
-        written, entry = await self.kv.commit_read({key: revision}, [op], key)
-        return entry, written
-
     def _what(self, key: str) -> str:
         return f"store key {key!r} of rendezvous {self.rdzv_id}"
+
+
+def _doc(value: bytes | None) -> RdzvDoc | None:
+    """The stored state as data: empty if none, None if it is not a version-2 state."""
+    if value is None:
+        return RdzvDoc()
+    if state_version(value) != 2:
+        return None
+    try:
+        return RdzvDoc.from_json(open_state(value))
+    except (StateNotSealed, NotAState):
+        return None
 
 
 def state_token(entry: Entry | None) -> str:

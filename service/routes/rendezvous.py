@@ -68,7 +68,7 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
-    return Rendezvous(ctx.kv, ctx.keys, rdzv_id)
+    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_writes)
 
 
 async def _job_of_caller(ctx, given: str, job_id: str):
@@ -125,8 +125,9 @@ async def get_state(
 
 @router.put("/state", response_model=SetStateResult)
 async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> SetStateResult:
-    """Compare-and-set: write iff `token` is current (null: iff none yet); returns what is there."""
-    entry, written = await rdzv.set_state(body.state, body.token)
+    """Compare-and-set: write iff `token` is current (null: iff none yet), or with `merge`, apply
+    its ops to the state as it is now; returns what is there and whether this change is in it."""
+    entry, written = await rdzv.set_state(body.state, body.token, body.merge)
     return SetStateResult(**_state(entry), written=written, outage=ctx.contact.recent_outage())
 
 
