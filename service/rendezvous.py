@@ -34,7 +34,7 @@ steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC str
 
 Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
 this control plane while its previous write is in flight wait, and go together as one batch
-(`StateWrites`): one etcd read, then every write applied in order, then one compare-and-set.
+(`StateHub`): one etcd read, then every write applied in order, then one compare-and-set.
 A plain write (a token and a whole state) applies iff its token is the state's and nothing
 before it in the batch changed the state: torch's compare-and-set, unchanged. A write that
 carries its change as ops (`merge`, a version-2 state: `worker.rdzv_state`) applies to the
@@ -45,9 +45,12 @@ a few changes, not N. With several replicas each batches its own requests; a bat
 compare-and-set loses to another replica's is applied again to what won.
 
 The state has a long poll too (`wait_for_state_change`): an agent waiting for other nodes
-asks "answer when the token is no longer the one I saw", and the same kind of watch, on the
-state key, answers it within a millisecond of another node's write instead of at torch's
-next one-second poll (see `worker.rendezvous`).
+asks "answer when the token is no longer the one I saw", and a watch of the state key answers
+it within a millisecond of another node's write instead of at torch's next one-second poll
+(see `worker.rendezvous`). All the long polls on one state share one watch per control plane
+(`StateHub.wait`): it reads the state once per change and hands that to every waiter, and a
+batch written here is handed to them at once; so N waiting nodes cost etcd one watch and one
+read a change, not N of each.
 
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
@@ -64,7 +67,7 @@ import base64
 import contextlib
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.errors import FtrainError, HistoryCompacted
 from service.keys import Keys
@@ -74,6 +77,7 @@ from worker.protocol import StateNotSealed, open_state, seal_state, state_versio
 from worker.rdzv_state import MergeSpec, NotAState, RdzvDoc, apply_ops
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
+WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
 BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
@@ -120,11 +124,35 @@ class _Write:
     done: asyncio.Future
 
 
-class StateWrites:
-    """The state writes of this control plane waiting for the batch in flight, per state key
-    (module docstring); one per control plane (`Context.rdzv_writes`)."""
+@dataclass
+class _Watched:
+    """One state key's long polls on this control plane: the latest state seen, and an event
+    set (and replaced) at each change."""
+
+    entry: Entry | None = None
+    known: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: int = 0
+    task: asyncio.Task | None = None
+
+    def publish(self, entry: Entry | None) -> None:
+        if self.known and self.entry is not None and entry is not None \
+                and entry.mod_revision <= self.entry.mod_revision:
+            return  # not newer (the watch and a batch of this replica both tell of a write)
+        if self.known and self.entry is None and entry is None:
+            return
+        self.entry, self.known = entry, True
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class StateHub:
+    """The rendezvous state writes of this control plane waiting for the batch in flight, and
+    its long polls waiting for a change, per state key (module docstring); one per control
+    plane (`Context.rdzv_states`)."""
 
     def __init__(self) -> None:
+        self._watched: dict[str, _Watched] = {}
         self._waiting: dict[str, list[_Write]] = {}
         self._drains: set[asyncio.Task] = set()
         self.batches = 0  # written batches and the writes they carried, for the bench
@@ -156,19 +184,71 @@ class StateWrites:
                 continue
             self.batches += 1
             self.writes += len(batch)
+            if key in self._watched and any(applied for _, applied in results):
+                self._watched[key].publish(results[0][0])  # waiters here learn it at once
             for write, result in zip(batch, results):
                 if not write.done.done():
                     write.done.set_result(result)
         del self._waiting[key]
 
+    async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float) -> tuple[Entry | None, bool]:
+        """The state at `key` once its token is no longer `after`, waiting up to `wait_s`; and
+        whether it changed. Every wait on one key shares one etcd watch (`_follow`)."""
+        watched = self._watched.get(key)
+        if watched is None:
+            watched = self._watched[key] = _Watched()
+            watched.task = asyncio.get_running_loop().create_task(self._follow(kv, key, watched))
+        watched.waiters += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        try:
+            while True:
+                if watched.known and state_token(watched.entry) != after:
+                    return watched.entry, True
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(watched.changed.wait(), remaining)
+        finally:
+            watched.waiters -= 1
+            if watched.waiters == 0:  # kept a moment: the waiters it just answered ask again
+                loop.call_later(WATCH_LINGER_S, self._drop_unwatched, key, watched)
+        entry = watched.entry if watched.known else await kv.get(key)
+        return entry, state_token(entry) != after
+
+    def _drop_unwatched(self, key: str, watched: _Watched) -> None:
+        if watched.waiters == 0 and self._watched.get(key) is watched:
+            del self._watched[key]
+            assert watched.task is not None
+            watched.task.cancel()
+
+    @staticmethod
+    async def _follow(kv: KeyValue, key: str, watched: _Watched) -> None:
+        """Keep `watched` up to date: read the key, then watch it from just after that read
+        (a write in between is seen by one or the other); again after the watch ends."""
+        while True:
+            try:
+                revision = await kv.revision()
+                watched.publish(await kv.get(key))
+                events = kv.watch_prefix(key, revision + 1)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if event.key == key:
+                            watched.publish(await kv.get(key))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - etcd away, history compacted: read again shortly
+                await asyncio.sleep(0.2)
+
 
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, writes: StateWrites | None = None):
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, states: StateHub | None = None):
         self.kv = kv
         self.rdzv_id = rdzv_id
-        self._writes = writes or StateWrites()
+        self._states = states or StateHub()
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
         self._ops_prefix = keys.rdzv(rdzv_id) + "ops/"
@@ -191,7 +271,7 @@ class Rendezvous:
         if _revision(token) is None and merge is None:
             return await self.get_state(), False
         write = _Write(state, token, merge, asyncio.get_running_loop().create_future())
-        return await self._writes.submit(self._state_key, self._apply_batch, write)
+        return await self._states.submit(self._state_key, self._apply_batch, write)
 
     async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
         """Apply `batch` to the stored state with one compare-and-set (again if it loses)."""
@@ -233,19 +313,7 @@ class Rendezvous:
         """The state once its token is no longer `after` ("0": no state), waiting up to
         `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
-        while True:
-            # As in `get`: a write after `revision` is seen either by the read or by the watch.
-            revision = await self.kv.revision()
-            entry = await self.get_state()
-            if state_token(entry) != after:
-                return entry, True
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return entry, False
-            await self._wait_for_event(self._state_key, revision + 1, remaining,
-                                       lambda event: event.key == self._state_key)
+        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S))
 
     # -- the c10d store ------------------------------------------------------------------
 

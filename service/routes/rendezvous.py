@@ -68,7 +68,7 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
-    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_writes)
+    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states)
 
 
 async def _job_of_caller(ctx, given: str, job_id: str):
