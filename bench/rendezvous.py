@@ -52,10 +52,14 @@ import worker.rendezvous as ftrain_rdzv  # noqa: E402
 SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 
 
+KEEP_ALIVE_S = 5  # torch's default keep-alive interval (x 3 attempts: a node is dead after 15 s)
+
+
 def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -> RendezvousParameters:
     return RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=n, max_nodes=n,
                                 join_timeout=str(int(timeout_s)), read_timeout=str(int(timeout_s)),
-                                retry_timeout=str(int(timeout_s)), local_addr="127.0.0.1")
+                                retry_timeout=str(int(timeout_s)), local_addr="127.0.0.1",
+                                keep_alive_interval=str(KEEP_ALIVE_S))
 
 
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
@@ -126,10 +130,18 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
                 "participants_cpu_s": round(cpu_s, 1)}
     ranks = sorted(r[0] for r in results)
     if ranks != list(range(n)) or any(r[1] != n for r in results):
-        return {"ok": False, "error": f"bad ranks or world sizes: {ranks[:10]}...",
+        sizes = sorted({r[1] for r in results})
+        return {"ok": False, "error": f"ranks 0..{n - 1} not each once, or world sizes {sizes} not {n} "
+                                      "(nodes whose keep-alive expired were dropped)",
                 "participants_cpu_s": round(cpu_s, 1)}
     return {"ok": True, "round_s": round(max(r[2] for r in results) - start_at, 3),
             "participants_cpu_s": round(cpu_s, 1)}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_tcpstore() -> tuple[subprocess.Popen, int]:
@@ -147,15 +159,19 @@ def start_tcpstore() -> tuple[subprocess.Popen, int]:
 
 
 def main() -> int:
+    global KEEP_ALIVE_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="participants per round, comma-separated")
     ap.add_argument("--procs", type=int, default=16, help="processes the participants are spread over")
     ap.add_argument("--timeout", type=float, default=300.0, help="join timeout of a round, s")
     ap.add_argument("--backends", default="ftrain,c10d")
+    ap.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S,
+                    help="torch's keep_alive_interval, s, for both backends (a node is dead after 3 of them)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    KEEP_ALIVE_S = args.keep_alive
     backends = args.backends.split(",")
 
     from tests.helpers.processes import ControlPlane, EtcdProcess
@@ -164,7 +180,8 @@ def main() -> int:
     etcd = cp = tcp = None
     load = os.getloadavg()
     print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
-          f"forked processes; {platform.node()}, {os.cpu_count()} cores, load {load[0]:.1f} at start")
+          f"forked processes, keep-alive {KEEP_ALIVE_S} s; {platform.node()}, {os.cpu_count()} cores, "
+          f"load {load[0]:.1f} at start")
     rows: list[dict] = []
     failed: set[str] = set()
     try:
@@ -181,6 +198,9 @@ def main() -> int:
                 if kind in failed:
                     row[kind] = {"ok": False, "error": "skipped: a smaller size did not complete"}
                     continue
+                servers = {"ftrain": [cp.proc.pid, etcd.proc.pid] if cp else [],
+                           "c10d": [tcp.pid] if tcp else []}
+                before = sum(cpu_s(p) for p in servers[kind])
                 if kind == "ftrain":
                     job = api.post("/v1/jobs", json={"name": f"rdzv-{n}", "command": ["python", "-c", "pass"],
                                                      "nodes": {"min": 1, "max": 1}}).json()
@@ -191,6 +211,7 @@ def main() -> int:
                 else:
                     got = one_round("c10d", f"127.0.0.1:{tcp_port}", f"rdzv-{n}-{time.time_ns()}", n,
                                     args.procs, args.timeout)
+                got["server_cpu_s"] = round(sum(cpu_s(p) for p in servers[kind]) - before, 1)
                 row[kind] = got
                 if not got["ok"]:
                     failed.add(kind)
@@ -198,8 +219,10 @@ def main() -> int:
             f, c = row.get("ftrain", {}), row.get("c10d", {})
             ratio = f"{f['round_s'] / c['round_s']:.2f}" if f.get("ok") and c.get("ok") else "-"
             notes = "; ".join(f"{k}: {row[k]['error']}" for k in backends if not row[k]["ok"])
-            print(f"{n:>6} {f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10} {ratio:>12}   {notes}",
-                  flush=True)
+            cpu = " ".join(f"{k} cpu: participants {row[k].get('participants_cpu_s', '-')} s, "
+                           f"server {row[k].get('server_cpu_s', '-')} s;" for k in backends)
+            times = f"{f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10}"
+            print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}", flush=True)
     finally:
         if tcp is not None:
             tcp.send_signal(signal.SIGTERM)
