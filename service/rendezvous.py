@@ -288,6 +288,7 @@ class Rendezvous:
                 write = batch[i]
                 if not changed and _revision(write.token) == revision:
                     value, changed, applied[i] = write.state, True, True
+                    doc = None  # read from `value` if a merge comes after
                     continue
                 if write.merge is None:
                     continue
@@ -295,7 +296,7 @@ class Rendezvous:
                     doc = _doc(value)
                     if doc is None:
                         continue  # not a state this control plane reads: compare-and-set only
-                merged = apply_ops(doc, write.merge)
+                merged = apply_ops(doc, write.merge, in_place=True)
                 if merged is not None:
                     doc, value, changed, applied[i] = merged, None, True, True
             if not changed:

@@ -132,41 +132,52 @@ class MergeSpec(BaseModel):
     max_nodes: int = Field(..., ge=1)
 
 
-def apply_ops(doc: RdzvDoc, merge: MergeSpec) -> RdzvDoc | None:
+def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc | None:
     """`doc` with `merge`'s ops applied, or None if one of them is not valid on `doc` (then
-    torch, re-reading `doc`, would have decided otherwise; see the module docstring)."""
-    doc = doc.copy()
+    torch, re-reading `doc`, would have decided otherwise; see the module docstring).
+
+    `in_place`: change `doc` itself where that is safe (one op, checked before it changes
+    anything; the control plane's batches, where a copy per write would cost N per join)."""
+    if not (in_place and len(merge.ops) == 1):
+        doc = doc.copy()
     for op in merge.ops:
-        node = tuple(op.node)
-        if op.kind == "drop":
-            if doc.last_heartbeats.get(node) == op.at_us:
-                _drop(doc, node, merge.min_nodes)
-            continue
-        if op.kind == "keep_alive":
-            if node not in doc.last_heartbeats:
-                return None
-        elif op.kind == "join":
-            if doc.closed or doc.complete or node in doc.participants or node in doc.redundancy_list \
-                    or len(doc.participants) >= merge.max_nodes:
-                return None
-            doc.wait_list.discard(node)
-            doc.participants[node] = 0
-        elif op.kind == "wait":
-            if doc.closed or not doc.complete or len(doc.participants) >= merge.max_nodes \
-                    or node in doc.wait_list or node in doc.participants:
-                return None
-            doc.redundancy_list.discard(node)
-            doc.wait_list.add(node)
-        doc.last_heartbeats[node] = op.at_us
-        if op.kind == "join":
-            if len(doc.participants) == merge.min_nodes:
-                doc.deadline_us = op.deadline_us
-            if len(doc.participants) == merge.max_nodes:
-                doc.complete = True
-                doc.deadline_us = None
-                for rank, member in enumerate(sorted(doc.participants)):
-                    doc.participants[member] = rank
+        if not _apply(doc, op, merge):
+            return None
     return doc
+
+
+def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
+    """Apply one op to `doc` if it is valid there (checked before any change); else False."""
+    node = tuple(op.node)
+    if op.kind == "drop":
+        if doc.last_heartbeats.get(node) == op.at_us:
+            _drop(doc, node, merge.min_nodes)
+        return True
+    if op.kind == "keep_alive":
+        if node not in doc.last_heartbeats:
+            return False
+    elif op.kind == "join":
+        if doc.closed or doc.complete or node in doc.participants or node in doc.redundancy_list \
+                or len(doc.participants) >= merge.max_nodes:
+            return False
+        doc.wait_list.discard(node)
+        doc.participants[node] = 0
+    elif op.kind == "wait":
+        if doc.closed or not doc.complete or len(doc.participants) >= merge.max_nodes \
+                or node in doc.wait_list or node in doc.participants:
+            return False
+        doc.redundancy_list.discard(node)
+        doc.wait_list.add(node)
+    doc.last_heartbeats[node] = op.at_us
+    if op.kind == "join":
+        if len(doc.participants) == merge.min_nodes:
+            doc.deadline_us = op.deadline_us
+        if len(doc.participants) == merge.max_nodes:
+            doc.complete = True
+            doc.deadline_us = None
+            for rank, member in enumerate(sorted(doc.participants)):
+                doc.participants[member] = rank
+    return True
 
 
 def _drop(doc: RdzvDoc, node: Node, min_nodes: int) -> None:
