@@ -50,7 +50,11 @@ it within a millisecond of another node's write instead of at torch's next one-s
 (see `worker.rendezvous`). All the long polls on one state share one watch per control plane
 (`StateHub.wait`): it reads the state once per change and hands that to every waiter, and a
 batch written here is handed to them at once; so N waiting nodes cost etcd one watch and one
-read a change, not N of each.
+read a change, not N of each. A waiter that says what the state it holds looks like apart
+from heartbeats (`shape`, `worker.rdzv_state.RdzvDoc.shape`) sleeps through changes that
+are only other nodes' keep-alives: N joined nodes beat N/5 times a second, and waking every
+waiter at each beat was N^2/5 answers a second; torch looks at heartbeats only against the
+clock, and the wait still ends within torch's one-second poll.
 
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
@@ -130,6 +134,7 @@ class _Watched:
     set (and replaced) at each change."""
 
     entry: Entry | None = None
+    shape: str | None = None  # `RdzvDoc.shape` of `entry`, if a version-2 state
     known: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     waiters: int = 0
@@ -141,7 +146,8 @@ class _Watched:
             return  # not newer (the watch and a batch of this replica both tell of a write)
         if self.known and self.entry is None and entry is None:
             return
-        self.entry, self.known = entry, True
+        doc = None if entry is None else _doc(entry.value)
+        self.entry, self.shape, self.known = entry, None if doc is None else doc.shape(), True
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -191,9 +197,12 @@ class StateHub:
                     write.done.set_result(result)
         del self._waiting[key]
 
-    async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float) -> tuple[Entry | None, bool]:
-        """The state at `key` once its token is no longer `after`, waiting up to `wait_s`; and
-        whether it changed. Every wait on one key shares one etcd watch (`_follow`)."""
+    async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
+                   shape: str | None = None) -> tuple[Entry | None, bool]:
+        """The state at `key` once its token is no longer `after` (and, given the `shape` of
+        the state at `after`, once it differs in more than heartbeats), waiting up to
+        `wait_s`; and whether its token changed. Every wait on one key shares one etcd watch
+        (`_follow`)."""
         watched = self._watched.get(key)
         if watched is None:
             watched = self._watched[key] = _Watched()
@@ -203,7 +212,8 @@ class StateHub:
         deadline = loop.time() + wait_s
         try:
             while True:
-                if watched.known and state_token(watched.entry) != after:
+                if watched.known and state_token(watched.entry) != after \
+                        and (shape is None or watched.shape != shape):
                     return watched.entry, True
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -310,11 +320,12 @@ class Rendezvous:
                 return [(after, was) for was in applied]
         return [(await self.get_state(), False)] * len(batch)
 
-    async def wait_for_state_change(self, after: str, wait_s: float) -> tuple[Entry | None, bool]:
+    async def wait_for_state_change(self, after: str, wait_s: float,
+                                    shape: str | None = None) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
         `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
         """
-        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S))
+        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape)
 
     # -- the c10d store ------------------------------------------------------------------
 

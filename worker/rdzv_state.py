@@ -32,6 +32,7 @@ compare-and-set, as before.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Literal
@@ -62,6 +63,16 @@ class RdzvDoc:
         return RdzvDoc(self.round, self.complete, self.deadline_us, self.closed,
                        dict(self.participants), set(self.wait_list), set(self.redundancy_list),
                        dict(self.last_heartbeats))
+
+    def shape(self) -> str:
+        """A digest of everything but the heartbeats: what a node waiting for its round decides
+        on (torch looks at heartbeats only against the clock, at least once a second anyway),
+        so a long poll can sleep through other nodes' keep-alives (`service.rendezvous`)."""
+        beats, self.last_heartbeats = self.last_heartbeats, {}
+        try:
+            return hashlib.sha256(self.to_json()).hexdigest()[:16]
+        finally:
+            self.last_heartbeats = beats
 
     def to_json(self) -> bytes:
         return json.dumps({

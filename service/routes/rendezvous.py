@@ -113,13 +113,16 @@ async def get_state(
                                                    "one (\"0\": no state yet).")] = None,
     wait_s: Annotated[float, Query(ge=0, le=600,
                                    description="How long to wait for that (at most 5 s).")] = 0.0,
+    shape: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
+                                       description="Long poll: the `shape` of the state at `after`; "
+                                                   "a change of heartbeats only does not answer.")] = None,
 ) -> StateChange | RdzvState:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
         entry = await rdzv.get_state()
         return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
-    entry, changed = await rdzv.wait_for_state_change(after, wait_s)
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape)
     return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
 
 

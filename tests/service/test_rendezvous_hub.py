@@ -68,3 +68,32 @@ def test_concurrent_joins_go_to_etcd_in_fewer_writes_than_joins_and_all_land():
     assert commits < n
     doc = RdzvDoc.from_json(open_state(final.value))
     assert doc.complete and sorted(doc.participants.values()) == list(range(n))
+
+
+def test_a_waiter_that_gives_its_shape_sleeps_through_keep_alives_but_not_a_join():
+    a, b = ("h", 1, 0), ("h", 2, 0)
+    base = RdzvDoc(participants={a: 0}, last_heartbeats={a: 1})
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        after = str(first.mod_revision)
+        spec = MergeSpec(ops=[Op(kind="keep_alive", node=a, at_us=5)], min_nodes=2, max_nodes=2)
+        waiting = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, base.shape()))
+        await asyncio.sleep(0.05)
+        beat, written = await rdzv.set_state(seal_state(base.to_json(), version=2), after, spec)
+        start = loop.time()
+        _, changed = await waiting  # the keep-alive alone did not end the wait
+        slept = loop.time() - start
+        joined = asyncio.create_task(rdzv.wait_for_state_change(str(beat.mod_revision), 5, base.shape()))
+        await asyncio.sleep(0.05)
+        state, spec = join(1, 2)
+        spec = MergeSpec(ops=[spec.ops[0].model_copy(update={"node": b})], min_nodes=2, max_nodes=2)
+        await rdzv.set_state(state, after, spec)  # a stale token: merged into the current state
+        woke = await asyncio.wait_for(joined, 2)
+        return written, changed, slept, woke
+
+    written, changed, slept, (entry, woke) = asyncio.run(scenario())
+    assert written and changed and slept > 0.3
+    assert woke and RdzvDoc.from_json(open_state(entry.value)).complete

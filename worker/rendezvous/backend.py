@@ -116,7 +116,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         """
         after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
         timeout_s = max(0.0, timeout_s)
-        result = self._call("GET", "/state", params={"after": after, "wait_s": f"{timeout_s:.3f}"},
+        params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
+        read = self._read_docs.get(after)
+        if read is not None:  # other nodes' keep-alives alone do not end the wait
+            params["shape"] = read.shape()
+        result = self._call("GET", "/state", params=params,
                             deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
         if "changed" not in result:
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
