@@ -57,8 +57,7 @@ KEEP_ALIVE_S = 5  # torch's default keep-alive interval (x 3 attempts: a node is
 
 def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -> RendezvousParameters:
     return RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=n, max_nodes=n,
-                                join_timeout=str(int(timeout_s)), read_timeout=str(int(timeout_s)),
-                                retry_timeout=str(int(timeout_s)), local_addr="127.0.0.1",
+                                join_timeout=str(int(timeout_s)), local_addr="127.0.0.1",
                                 keep_alive_interval=str(KEEP_ALIVE_S))
 
 
@@ -90,8 +89,9 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
     threads = [threading.Thread(target=participant, args=(*common, i), daemon=True) for i in range(len(mine))]
     for t in threads:
         t.start()
+    deadline = start_at + timeout_s + 90  # torch's join timeout, then its store's 60 s read timeout
     for t in threads:
-        t.join(timeout_s + 30)
+        t.join(max(0.0, deadline - time.time()))
     with os.fdopen(write_fd, "w") as pipe:
         pipe.write(json.dumps([o if o is not None else (None, None, "no answer") for o in out]))
 
@@ -126,7 +126,10 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
     errors = [r[2] for r in results if r[0] is None]
     if errors:
-        return {"ok": False, "error": f"{len(errors)} of {n} failed, e.g. {errors[0][:200]}",
+        kinds: dict[str, int] = {}
+        for e in errors:
+            kinds[e.split(":")[0]] = kinds.get(e.split(":")[0], 0) + 1
+        return {"ok": False, "error": f"{len(errors)} of {n} failed ({kinds}), e.g. {errors[0][:200]}",
                 "participants_cpu_s": round(cpu_s, 1)}
     ranks = sorted(r[0] for r in results)
     if ranks != list(range(n)) or any(r[1] != n for r in results):

@@ -122,7 +122,7 @@ def _encode_key(key: str) -> str:
 
 @dataclass
 class _Write:
-    state: bytes  # sealed
+    state: bytes | None  # sealed; None for a merge
     token: str | None
     merge: MergeSpec | None
     done: asyncio.Future
@@ -268,16 +268,15 @@ class Rendezvous:
     async def get_state(self) -> Entry | None:
         return await self.kv.get(self._state_key)
 
-    async def set_state(self, state: bytes, token: str | None,
+    async def set_state(self, state: bytes | None, token: str | None,
                         merge: MergeSpec | None = None) -> tuple[Entry | None, bool]:
         """Write `state` iff `token` is the current one (None: iff there is no state yet), or,
-        with `merge`, apply its ops to the state as it is now (module docstring).
+        with `merge`, apply its ops to the state as it is now (module docstring; `state` is
+        then not needed: the ops on the state at `token` rebuild it).
 
         Returns what is stored after the attempt and whether this call's change is in it. A
         token that is not one of ours (not a revision) can never match.
         """
-        if merge is not None and state_version(state) != 2:
-            merge = None  # ops describe a version-2 state only
         if _revision(token) is None and merge is None:
             return await self.get_state(), False
         write = _Write(state, token, merge, asyncio.get_running_loop().create_future())
@@ -296,7 +295,7 @@ class Rendezvous:
             order = sorted(range(len(batch)), key=lambda i: batch[i].merge is not None)
             for i in order:
                 write = batch[i]
-                if not changed and _revision(write.token) == revision:
+                if write.merge is None and not changed and _revision(write.token) == revision:
                     value, changed, applied[i] = write.state, True, True
                     doc = None  # read from `value` if a merge comes after
                     continue

@@ -24,7 +24,15 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PlainSerializer, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
 
 from worker.rdzv_state import MergeSpec
 
@@ -251,12 +259,20 @@ class StateChange(RdzvState):
 
 
 class SetStateRequest(BaseModel):
-    state: Annotated[B64, AfterValidator(_sealed)]
+    state: Annotated[B64, AfterValidator(_sealed)] | None = Field(
+        None, description="The whole new state; null only with `merge`, which then says the change "
+                          "(a join does not send N nodes' state).")
     token: str | None = Field(None, max_length=64,
                               description="Token of the state this one replaces; null: create only.")
     merge: MergeSpec | None = Field(None, description="The change this write makes (a version-2 "
                                                       "state only): merged into a newer state "
                                                       "instead of losing to it (worker.rdzv_state).")
+
+    @model_validator(mode="after")
+    def _state_or_merge(self) -> SetStateRequest:
+        if self.state is None and self.merge is None:
+            raise ValueError("give the new state, or the change as `merge`")
+        return self
 
 
 class SetStateResult(RdzvState):

@@ -9,9 +9,10 @@ each an HTTP request and an etcd transaction. Here the control plane merges inst
 The client (`worker.rendezvous.merge`) turns torch's pickle into a `RdzvDoc` (plain data:
 nodes are (addr, pid, local_id), times are integer microseconds since the epoch) and sends it
 as JSON, sealed as version 2 (`worker.protocol.seal_state`); the control plane never unpickles
-anything. Alongside, it sends the change it made as `Op`s, found by `infer_ops`: a diff of its
-new state against the state it read, accepted only if `apply_ops(read, ops)` rebuilds the new
-state exactly. The control plane applies the ops of every request in a batch to the state as
+anything. Where its change is one of the ops below, it sends the ops instead of the state
+(`infer_ops`: a diff of its new state against the state it read, accepted only if
+`apply_ops(read, ops)` rebuilds the new state exactly; so a join costs a few hundred bytes,
+not the N nodes' state). The control plane applies the ops of every request in a batch to the state as
 it is (`service.rendezvous`), so requests whose token went stale in the meantime are merged,
 not refused: one etcd write per batch. An op applies only where torch, re-reading the state,
 would have decided the same action (`apply_ops`'s rules); otherwise that request loses as

@@ -97,6 +97,8 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 min_nodes, max_nodes, last_call = self.merge_settings
                 body.merge = infer_ops(read, doc, min_nodes, max_nodes,
                                        last_call // timedelta(microseconds=1))
+                if body.merge is not None:
+                    body.state = None  # the ops rebuild it from the state at `token`
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
