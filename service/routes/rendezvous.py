@@ -58,9 +58,9 @@ async def current_rendezvous(
         if creds is None:
             raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
                                 "FTRAIN_JOB_TOKEN, or a member node's credential)")
-        job = await _job_of_caller(ctx, creds.credentials, job_id, attempt)
+        job = await _job_of_caller(ctx, creds.credentials, job_id)
     else:
-        job = await _job(ctx, job_id, attempt)
+        job = await ctx.jobs.get(job_id)
     if job.state.is_terminal():
         raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "
                              "closed. The agent should stop.")
@@ -71,32 +71,18 @@ async def current_rendezvous(
     return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states)
 
 
-async def _job(ctx, job_id: str, attempt: int, node: str | None = None):
-    """The job, from the watch-fed index where it shows `attempt` running (with `node` a
-    member): N waiting nodes ask several times a second each, and an etcd read per request
-    was most of the control plane's work in a large rendezvous. Anything else (a new attempt,
-    a new member, an end the index has not seen yet) is read from etcd, so a refusal is never
-    based on a lagging index; an acceptance that is (an attempt that ended a moment ago) lets
-    a stale agent only into its own dead attempt's keys (module docstring of service.rendezvous)."""
-    cached = ctx.index.get(job_id)
-    if cached is not None and cached.attempt == attempt and not cached.state.is_terminal() \
-            and (node is None or node in cached.members):
-        return cached
-    return await ctx.jobs.get(job_id)
-
-
-async def _job_of_caller(ctx, given: str, job_id: str, attempt: int):
+async def _job_of_caller(ctx, given: str, job_id: str):
     """The job, if `given` is its token or the credential of a live member node; else 401/403."""
     node = _node_of_credential(given)
     if node is not None:
         await verify_node(ctx, node, credential_digest(given))
-        job = await _job(ctx, job_id, attempt, node)
+        job = await ctx.jobs.get(job_id)
         if node not in job.members:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 f"node {node!r} is not a member of job {job_id}")
         return job
     try:
-        job = await _job(ctx, job_id, attempt)
+        job = await ctx.jobs.get(job_id)
     except JobNotFound:
         job = None  # don't tell strangers which jobs exist
     if job is not None and token_matches(given, ctx.job_token(job)):  # derived (service.keyring)
