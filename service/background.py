@@ -24,7 +24,8 @@ async def start(ctx: Context) -> None:
                       passes=ctx.scheduler_passes, contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
-        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
+        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s,
+                       ctx.keys.compacted), name="compaction"))
     ctx.tasks.append(asyncio.create_task(
         retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention,
                       ctx.settings.snapshot_root, ctx.keyring),

@@ -125,7 +125,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: d
             continue
         active[job_id] = new
         if new.state.is_terminal():
-            await _cleanup(jobs, job_id)
+            await _cleanup(jobs, job_id, fence)
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
@@ -169,13 +169,14 @@ async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
         active[job.id] = new
         watches[job.id] = hangs.observe(None, new, step, now)
         if new.state.is_terminal():
-            await _cleanup(jobs, job.id)
+            await _cleanup(jobs, job.id, fence)
 
 
-async def _cleanup(jobs: JobStore, job_id: str) -> None:
-    """A finished job's rendezvous keys are of no further use."""
+async def _cleanup(jobs: JobStore, job_id: str, fence: dict[str, int] | None = None) -> None:
+    """A finished job's rendezvous keys are of no further use. Fenced like every scheduler
+    write: a replica that lost the lead deletes nothing (StaleLeader stops its loop)."""
     with contextlib.suppress(StoreUnavailable):
-        await delete_rendezvous(jobs.kv, jobs.keys, job_id)
+        await delete_rendezvous(jobs.kv, jobs.keys, job_id, fence)
 
 
 async def _watch_changes(nodes: NodeStore, wake: asyncio.Event) -> None:
@@ -196,9 +197,9 @@ class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
     The scheduler loop calls `hold` about once a second; the other leader-only loops read
-    `leading`, the answer of the last call (`service.compaction`), or ask `fence()`: the
-    leader key at the revision this replica wrote it, to compare in their transactions, so
-    that a replica that lost the lead without noticing writes nothing (`service.retention`).
+    `fence()`: the leader key at the revision this replica wrote it, to compare in their
+    transactions, so that a replica that lost the lead without noticing writes nothing
+    (`service.retention`, `service.compaction`).
     """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
@@ -263,7 +264,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 if time.monotonic() - last_lead_check > 1.0:
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
-                    await contact.settle(leading)
+                    await contact.settle(leadership.fence() if leading else None)
                 if leading:
                     started = time.perf_counter()
                     await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
