@@ -18,7 +18,7 @@ async def start(ctx: Context) -> None:
     await _drop_legacy_logs(ctx)
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
-    leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+    leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ctx.settings.leader_ttl_s)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
                       passes=ctx.scheduler_passes, contact=ctx.contact),

@@ -21,6 +21,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import socket
 import time
 
 from service.contact import Contact
@@ -207,7 +209,8 @@ class Leadership:
         self.key = key
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
-        self.identity = f"{id(self):x}-{time.time_ns()}"
+        # Who leads, for people and tests reading the key: host, PID, then what makes it unique.
+        self.identity = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}-{time.time_ns()}"
         self.leading = False
         self._fence: dict[str, int] | None = None
 
@@ -261,7 +264,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
         while True:
             try:
                 contact.observe()
-                if time.monotonic() - last_lead_check > 1.0:
+                if time.monotonic() - last_lead_check > min(1.0, leadership.ttl_s / 4):
                     leading = await leadership.hold()
                     last_lead_check = time.monotonic()
                     await contact.settle(leadership.fence() if leading else None)
@@ -285,7 +288,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 log.exception("scheduler tick failed; retrying")
             wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval_s)
+                await asyncio.wait_for(wake.wait(), min(interval_s, leadership.ttl_s / 4))
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
