@@ -279,6 +279,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     missing_since.clear()
             except StoreUnavailable as exc:
                 leading = False
+                leadership.lost()  # compaction and retention stop too, until hold() answers
                 log.warning("scheduler paused: %s", exc.message)
             except StaleLeader as exc:
                 leading = False
