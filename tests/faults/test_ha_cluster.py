@@ -5,8 +5,8 @@ real processes, a real two-node job on its agents.
   lost), the other replica takes the lead and schedules a job submitted at the kill (the
   time from the kill to that job's start is printed), and a node started during the outage
   joins and is given work. Then one etcd member is SIGKILLed: nothing is noticed.
-- Rolling restart: each control plane and each etcd member in turn is stopped and started
-  again while a job trains: 0 restarts, 0 steps lost.
+- Rolling restart (the same layout built from its parts): each control plane and each etcd
+  member in turn is stopped and started again while a job trains: 0 restarts, 0 steps lost.
 
 Minutes each: marked `slow` and left out of the default run (FTRAIN_TEST_SLOW=1 runs them).
 """
@@ -24,12 +24,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.embedded import EtcdProcess
+from service.embedded import EtcdProcess, cluster_endpoints, start_cluster
 from service.up import is_port_free
 from tests.helpers.elastic import job, submit, wait_nodes, wait_state
 from tests.helpers.faults import SnapshotWatch, check_steps, events_of, latest_step, train_spec, wait_latest
-from tests.helpers.processes import REPO, NodeAgentProc, descendants, free_port, pid_alive, wait_for
-from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_USER_TOKEN
+from tests.helpers.processes import (
+    REPO,
+    ControlPlane,
+    NodeAgentProc,
+    descendants,
+    free_port,
+    pid_alive,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.slow,
@@ -195,65 +202,72 @@ def test_the_leader_is_killed_mid_job_and_one_etcd_member_too(cluster, tmp_path)
         late.stop()
 
 
-def test_rolling_restart_of_both_control_planes_and_every_etcd_member(cluster, tmp_path):
-    c = cluster(nodes=2)
-    with c.client(c.urls[0]) as api:
-        wait_nodes(api, 2)
-        job_id = submit(api, train_spec("rolling", 250, every=5, delay_s=0.1, mn=2, mx=2))
-        wait_latest(api, job_id, 10)
-        attempt = job(api, job_id)["attempt"]
-    restarted: list[subprocess.Popen] = []
-    watch = SnapshotWatch(c, job_id).__enter__()  # polls whichever replica c.url names
+def test_rolling_restart_of_both_control_planes_and_every_etcd_member(tmp_path):
+    """The same layout built from its parts (3 etcd members, 2 `ftrain serve`, 2 agents given
+    both URLs), since `up` stops when it has seen each of its control planes exit: each part
+    in turn is stopped (SIGTERM) and started again on its own data while the job trains."""
+    members = [EtcdProcess(tmp_path / f"etcd-{i}", name=f"m{i}", log_path=tmp_path / f"etcd-{i}.log")
+               for i in range(3)]
+    cluster_spec = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    for m in members:
+        m.initial_cluster = cluster_spec
+    start_cluster(members)
+    endpoints = cluster_endpoints(members)
+    a = ControlPlane(endpoints, tmp_path / "a").start()
+    b = ControlPlane(endpoints, tmp_path / "b", user_token=a.user_token, node_token=a.node_token)
+    b.secret_dir, b.snapshot_root, b.log_root = a.secret_dir, a.snapshot_root, a.log_root
+    b.start()
+    both = f"{a.url},{b.url}"
+    agents = [NodeAgentProc(a, f"n{i}", tmp_path / f"n{i}").start(server=both) for i in range(2)]
+    view = UpView(urls=[a.url, b.url], user_token=a.user_token)
     try:
-        # Control planes: stop one (SIGTERM), start the same command again, wait until ready.
-        for i, url in enumerate(c.urls):
-            c.url = c.urls[1 - i]
-            with c.client() as api:
-                pid = c.replica_pid(url)
-                argv = [a.decode() for a in _argv(pid) if a]
-                before = latest_step(api, job_id)
-                os.kill(pid, signal.SIGTERM)
-                wait_for(lambda pid=pid: not pid_alive(pid), 20, "the replica to stop")
-                proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True, env=_serve_env(c))
-                restarted.append(proc)
-                wait_for(lambda url=url: httpx.get(f"{url}/readyz", timeout=2).status_code == 200,
-                         60, f"{url} ready again")
-                wait_latest(api, job_id, (before or 0) + 10, timeout_s=60)
-        # etcd members, one at a time: stop one, start it on its own data dir, wait until it serves.
-        for pid in c.etcd_pids():
-            argv = [a.decode() for a in _argv(pid) if a]
-            data_dir = Path(argv[argv.index("--data-dir") + 1])
-            name = argv[argv.index("--name") + 1]
-            client = int(argv[argv.index("--listen-client-urls") + 1].rsplit(":", 1)[1])
-            peer = int(argv[argv.index("--listen-peer-urls") + 1].rsplit(":", 1)[1])
-            with c.client() as api:
-                before = latest_step(api, job_id)
-                os.kill(pid, signal.SIGTERM)
-                wait_for(lambda pid=pid: not pid_alive(pid), 20, "the etcd member to stop")
-                member = EtcdProcess(data_dir, client_port=client, peer_port=peer, name=name,
-                                     log_path=tmp_path / f"{name}.log")
-                member.launch()
-                member.wait_serving(30)
-                assert member.proc is not None
-                restarted.append(member.proc)
-                wait_latest(api, job_id, (before or 0) + 10, timeout_s=60)
-        with c.client() as api:
-            assert_trained_through(api, job_id, attempt, watch, 250)
+        with view.client(a.url) as api:
+            wait_nodes(api, 2)
+            job_id = submit(api, train_spec("rolling", 250, every=5, delay_s=0.1, mn=2, mx=2))
+            wait_latest(api, job_id, 10)
+            attempt = job(api, job_id)["attempt"]
+        with SnapshotWatch(view, job_id) as watch:  # polls whichever replica view.url names
+            for cp, other in ((a, b), (b, a)):
+                view.url = other.url
+                with view.client() as api:
+                    before = latest_step(api, job_id) or 0
+                    cp.stop()
+                    cp.start(timeout_s=60)
+                    wait_committed(api, job_id, before + 10)
+            for m in members:
+                with view.client() as api:
+                    before = latest_step(api, job_id) or 0
+                    m.stop()
+                    m.launch()  # its data directory holds the member: it rejoins the cluster
+                    m.wait_serving(30)
+                    wait_committed(api, job_id, before + 10)
+            with view.client() as api:
+                assert_trained_through(api, job_id, attempt, watch, 250)
     finally:
-        watch.__exit__(None, None, None)
-        for proc in restarted:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        for agent in agents:
+            agent.stop()
+        a.stop()
+        b.stop()
+        for m in members:
+            m.stop()
 
 
-def _serve_env(c: UpCluster) -> dict:
-    """The environment `up` gives a control plane: its user and node tokens."""
-    return {**os.environ, FTRAIN_USER_TOKEN: c.user_token,
-            FTRAIN_NODE_TOKEN: c.node_token_file.read_text().strip()}
+class UpView:
+    """What SnapshotWatch needs of a control plane, over the replica `url` names now."""
+
+    def __init__(self, urls: list[str], user_token: str):
+        self.urls, self.user_token, self.url = urls, user_token, urls[0]
+
+    def client(self, url: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=url or self.url, timeout=10,
+                            headers={"Authorization": f"Bearer {self.user_token}"})
+
+
+def wait_committed(api: httpx.Client, job_id: str, at_least: int, timeout_s: float = 90) -> int:
+    """Like `wait_latest`, and a refusal's body in the failure (not a bare KeyError)."""
+    def latest() -> int | None:
+        resp = api.get(f"/v1/jobs/{job_id}/snapshots")
+        assert resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
+        step = resp.json()["latest"]
+        return step if step is not None and step >= at_least else None
+    return wait_for(latest, timeout_s, f"job {job_id} to commit step {at_least} through {api.base_url}")
