@@ -21,13 +21,14 @@ async def start(ctx: Context) -> None:
     # Every replica keeps the leases of the nodes that beat to it (service.heartbeats).
     ctx.tasks.append(asyncio.create_task(ctx.nodes.leases.run(), name="node-leases"))
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
-    leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+    leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ctx.settings.leader_ttl_s)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
                       passes=ctx.scheduler_passes, contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
-        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s), name="compaction"))
+        compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s,
+                       ctx.keys.compacted), name="compaction"))
     ctx.tasks.append(asyncio.create_task(
         retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention,
                       ctx.settings.snapshot_root, ctx.keyring),

@@ -694,14 +694,19 @@ def whoami(client: FtrainClient, as_json: bool) -> None:
               help="Tokens, etcd data, snapshots and logs; reused by the next `ftrain up`.")
 @click.option("--nodes", "node_count", default=2, show_default=True, type=click.IntRange(0, 64),
               help="Local node agents to start.")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Control planes to run, on ports --port, --port+1, ...; clients get them all.")
+@click.option("--etcd-members", default=1, show_default=True, type=click.IntRange(1, 7),
+              help="Members of the local etcd cluster (3 survives one lost member).")
 @_retention_options
-def up(host: str, port: int, data_dir: str, node_count: int, retention_s: float | None,
-       retention_jobs: int | None) -> None:
-    """Run a one-machine cluster in the foreground: etcd, control plane, N node agents."""
+def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd_members: int,
+       retention_s: float | None, retention_jobs: int | None) -> None:
+    """Run a one-machine cluster in the foreground: etcd, control plane(s), N node agents."""
     from service.up import UpOptions, run
 
     sys.exit(run(UpOptions(data_dir=Path(data_dir), host=host, port=port, nodes=node_count,
-                           retention_s=retention_s, retention_jobs=retention_jobs)))
+                           retention_s=retention_s, retention_jobs=retention_jobs,
+                           replicas=replicas, etcd_members=etcd_members)))
 
 
 @main.command()

@@ -1,7 +1,8 @@
 """The cluster's contact with its nodes: outages in which no control plane could hear them.
 
 The leading control plane notes in etcd when it last heard the nodes (`Keys.contact`, a
-wall-clock time, every `liveness.HEARD_EVERY_S`; one small write every two seconds).
+wall-clock time, every `liveness.HEARD_EVERY_S`; one small write every two seconds,
+fenced on the leader's key like every leader-only write: `Leadership.fence`).
 Every replica's scheduler loop notes when it last reached etcd itself (`reached`) and, on
 each pass (`observe`), how long ago that was: when the replica has just started or comes
 back from a gap of more than `GAP_S` (the process was stopped or starved, or etcd was out
@@ -29,7 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from service.decide.liveness import HEARD_EVERY_S, Outage, graced, outage_grace, outage_since
-from service.store.api import KeyValue
+from service.errors import StaleLeader
+from service.store.api import KeyValue, Put
 from worker.protocol import ControlPlaneOutage
 
 log = logging.getLogger(__name__)
@@ -62,9 +64,11 @@ class Contact:
         """A request to etcd went through."""
         self._last = self._clock()
 
-    async def settle(self, leading: bool) -> None:
+    async def settle(self, fence: dict[str, int] | None) -> None:
         """With etcd reachable: if unsure, read the note and take in an outage it shows; while
-        `leading`, renew the note. Call before planning (the grace must be known by then)."""
+        leading (`fence`: `Leadership.fence`, None when not), renew the note, fenced on the
+        leader's key like every leader's write (StaleLeader if the lead was lost). Call before
+        planning (the grace must be known by then)."""
         now = self._wall()
         if self._unsure:
             entry = await self.kv.get(self.key)
@@ -77,8 +81,9 @@ class Contact:
                             "they count as lost", outage.ended - outage.started,
                             outage_grace(self.node_ttl_s))
             self._unsure = False
-        if leading and self._clock() - self._noted >= HEARD_EVERY_S:
-            await self.kv.put(self.key, repr(now).encode())
+        if fence is not None and self._clock() - self._noted >= HEARD_EVERY_S:
+            if not await self.kv.commit(fence, [Put(self.key, repr(now).encode())]):
+                raise StaleLeader("this control plane no longer leads; it notes nothing")
             self._noted = self._clock()
         self.reached()
 

@@ -54,13 +54,21 @@ class EtcdProcess:
     With `root_password`, etcd's authentication is on and only its `root` user (that
     password) may use it; `auth_token_ttl_s` is how long etcd keeps an unused auth token
     (its --auth-token-ttl; 300 s by default).
+
+    A member of a cluster of several (`ftrain up --etcd-members M`) is given its `name` and
+    the whole `initial_cluster` ("name=peer URL,..."); such members are `launch`ed together
+    and then waited for (`wait_serving`: a member serves once a majority has met), and
+    authentication is turned on through one of them (`enable_auth`; etcd replicates it).
     """
 
     def __init__(self, data_dir: str | Path, client_port: int | None = None,
                  peer_port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None,
                  quota_backend_bytes: int = 2 * 1024**3, root_password: str | None = None,
-                 auth_token_ttl_s: int | None = None):
+                 auth_token_ttl_s: int | None = None, name: str = "ftrain",
+                 initial_cluster: str | None = None):
         self.data_dir = Path(data_dir)
+        self.name = name
+        self.initial_cluster = initial_cluster
         self.root_password = root_password
         self.auth_token_ttl_s = auth_token_ttl_s
         self.quota_backend_bytes = quota_backend_bytes
@@ -79,16 +87,25 @@ class EtcdProcess:
         """The etcd user to connect as (None: authentication is off)."""
         return ROOT_USER if self.root_password is not None else None
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
     def start(self, timeout_s: float = 20.0) -> EtcdProcess:
+        self.launch()
+        return self.wait_serving(timeout_s, enable_auth=True)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
         client = f"http://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [
-            find_etcd(), "--name", "ftrain", "--data-dir", str(self.data_dir),
+            find_etcd(), "--name", self.name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"ftrain={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             # The leading control plane compacts by itself (service/compaction.py); this is
             # the backstop of a private etcd that no control plane uses for a while.
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
@@ -100,12 +117,17 @@ class EtcdProcess:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
+
+    def wait_serving(self, timeout_s: float = 20.0, enable_auth: bool = True) -> EtcdProcess:
+        """Wait until the member serves; then turn authentication on (if a root password is
+        given and `enable_auth`). Stops the member and raises RuntimeError if it does not."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode}; see {self.log_path}")
             if self.is_healthy():
-                if self.root_password is not None:
+                if self.root_password is not None and enable_auth:
                     try:
                         self._enable_auth(self.root_password)
                     except RuntimeError:
@@ -136,6 +158,11 @@ class EtcdProcess:
             except ValueError:
                 message = str(exc)
             raise EtcdRefused(message) from None
+
+    def enable_auth(self) -> None:
+        """Turn the cluster's authentication on through this member (see `_enable_auth`)."""
+        assert self.root_password is not None
+        self._enable_auth(self.root_password)
 
     def _enable_auth(self, password: str) -> None:
         """Create the root user with `password` and turn authentication on, unless it is on."""
@@ -169,3 +196,30 @@ class EtcdProcess:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def start_cluster(members: list[EtcdProcess], timeout_s: float = 30.0) -> None:
+    """Start the members of one etcd cluster (one or several) and wait until all serve.
+
+    All are launched first (a member serves only once a majority has met); authentication,
+    if the members have a root password, is turned on through the first one (etcd
+    replicates it) and then checked on each. On failure every member is stopped.
+    """
+    try:
+        for member in members:
+            member.launch()
+        for member in members:
+            member.wait_serving(timeout_s, enable_auth=False)
+        if members[0].root_password is not None:
+            members[0].enable_auth()
+            for member in members[1:]:
+                member.wait_serving(timeout_s, enable_auth=True)  # the password, on each
+    except BaseException:
+        for member in members:
+            member.stop()
+        raise
+
+
+def cluster_endpoints(members: list[EtcdProcess]) -> str:
+    """The members' client URLs, comma-separated (the control plane's --etcd)."""
+    return ",".join(member.endpoint for member in members)

@@ -28,6 +28,8 @@
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
                                          service.contact), rewritten every 2 s
+    <prefix>/compacted                   the revision the leader last compacted etcd to
+                                         (service.compaction; written fenced, just before)
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, memory/, rdzv/ and logs/
@@ -129,3 +131,7 @@ class Keys:
     @property
     def contact(self) -> str:
         return f"{self.prefix}/contact"
+
+    @property
+    def compacted(self) -> str:
+        return f"{self.prefix}/compacted"

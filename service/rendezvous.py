@@ -73,7 +73,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.errors import FtrainError, HistoryCompacted
+from service.errors import FtrainError, HistoryCompacted, StaleLeader
 from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
@@ -492,9 +492,13 @@ def _revision(token: str | None) -> int | None:
     return revision if revision > 0 else None
 
 
-async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
+async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str,
+                            fence: dict[str, int] | None = None) -> int:
     """Delete the rendezvous keys of every attempt of `job_id` (the scheduler calls this when a
     job ends); returns how many keys went.
+
+    `fence` (`Leadership.fence`, from the leader-only loops): every deletion compares the
+    leader's key, and a replica that lost the lead deletes nothing (StaleLeader).
 
     `keys.rdzv_of_job` is a string prefix, and a job named like another job's id plus
     '-a<digits>' would share it; only keys whose rendezvous id parses back to `job_id` go.
@@ -510,5 +514,6 @@ async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str) -> int:
                 attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
     ops = [Delete(keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
     for start in range(0, len(ops), MAX_TXN_OPS):
-        await kv.commit({}, ops[start:start + MAX_TXN_OPS])
+        if not await kv.commit(fence or {}, ops[start:start + MAX_TXN_OPS]):
+            raise StaleLeader("this control plane no longer leads; rendezvous keys are left")
     return sum(attempts.values())

@@ -5,8 +5,8 @@ knows (so no pass reads the whole history from etcd). Each pass then reads the c
 records fresh (a page at a time), and for each job still finished deletes its rendezvous
 keys, then its record, events, snapshot records and idempotency key (which its record names;
 keys of jobs deleted before records named them are swept once per lead), in transactions of
-at most MAX_TXN_OPS operations, each fenced on the job's revision and on the leader's key
-(`Leadership.fence`): a replica that lost the lead deletes nothing more.
+at most MAX_TXN_OPS operations, each fenced on the leader's key (`Leadership.fence`; the
+record's also on the job's revision): a replica that lost the lead deletes nothing more.
 
 Files go after the record: the job's log folder, its secret env file (`Keyring.delete_env`)
 and, when the control plane has a snapshot root (`--snapshot-root`; `ftrain up` sets one),
@@ -58,7 +58,7 @@ async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str
     doomed = [(job, revision) for job, revision in await jobs.get_many_with_revisions(list(reasons))
               if job.state.is_terminal()]
     for job, _ in doomed:
-        await delete_rendezvous(jobs.kv, jobs.keys, job.id)
+        await delete_rendezvous(jobs.kv, jobs.keys, job.id, fence)
     deleted = await jobs.delete_finished(doomed, fence)
     nonces = {job.id: job.token_nonce for job, _ in doomed if job.secret_env_names}
     for job_id in deleted:  # after the record (the module's docstring says why)

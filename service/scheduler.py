@@ -21,6 +21,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import socket
 import time
 
 from service.contact import Contact
@@ -135,7 +137,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: d
             continue
         active[job_id] = new
         if new.state.is_terminal():
-            await _cleanup(jobs, job_id)
+            await _cleanup(jobs, job_id, fence)
         if last_reason.get(job_id) != p.reason:
             log.info("job %s: %s", job_id, p.reason)
             last_reason[job_id] = p.reason
@@ -179,22 +181,23 @@ async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
         active[job.id] = new
         watches[job.id] = hangs.observe(None, new, step, now)
         if new.state.is_terminal():
-            await _cleanup(jobs, job.id)
+            await _cleanup(jobs, job.id, fence)
 
 
-async def _cleanup(jobs: JobStore, job_id: str) -> None:
-    """A finished job's rendezvous keys are of no further use."""
+async def _cleanup(jobs: JobStore, job_id: str, fence: dict[str, int] | None = None) -> None:
+    """A finished job's rendezvous keys are of no further use. Fenced like every scheduler
+    write: a replica that lost the lead deletes nothing (StaleLeader stops its loop)."""
     with contextlib.suppress(StoreUnavailable):
-        await delete_rendezvous(jobs.kv, jobs.keys, job_id)
+        await delete_rendezvous(jobs.kv, jobs.keys, job_id, fence)
 
 
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
     The scheduler loop calls `hold` about once a second; the other leader-only loops read
-    `leading`, the answer of the last call (`service.compaction`), or ask `fence()`: the
-    leader key at the revision this replica wrote it, to compare in their transactions, so
-    that a replica that lost the lead without noticing writes nothing (`service.retention`).
+    `fence()`: the leader key at the revision this replica wrote it, to compare in their
+    transactions, so that a replica that lost the lead without noticing writes nothing
+    (`service.retention`, `service.compaction`).
     """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
@@ -202,7 +205,8 @@ class Leadership:
         self.key = key
         self.ttl_s = ttl_s
         self.lease_id: int | None = None
-        self.identity = f"{id(self):x}-{time.time_ns()}"
+        # Who leads, for people and tests reading the key: host, PID, then what makes it unique.
+        self.identity = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}-{time.time_ns()}"
         self.leading = False
         self._fence: dict[str, int] | None = None
 
@@ -258,14 +262,14 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
         while True:
             try:
                 contact.observe()
-                if time.monotonic() - last_lead_check > 1.0:
+                if time.monotonic() - last_lead_check > min(1.0, leadership.ttl_s / 4):
                     was_leading, leading = leading, await leadership.hold()
                     if leading and not was_leading:
                         # The last writes of the replica that led before may still be on
                         # their way to this index: read etcd for a while (active_jobs).
                         fresh_until = time.monotonic() + FRESH_AFTER_TAKEOVER_S
                     last_lead_check = time.monotonic()
-                    await contact.settle(leading)
+                    await contact.settle(leadership.fence() if leading else None)
                 if leading:
                     started = time.perf_counter()
                     await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
@@ -277,6 +281,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     missing_since.clear()
             except StoreUnavailable as exc:
                 leading = False
+                leadership.lost()  # compaction and retention stop too, until hold() answers
                 log.warning("scheduler paused: %s", exc.message)
             except StaleLeader as exc:
                 leading = False
@@ -286,7 +291,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 log.exception("scheduler tick failed; retrying")
             wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval_s)
+                await asyncio.wait_for(wake.wait(), min(interval_s, leadership.ttl_s / 4))
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    leader_ttl_s: int = Field(
+        2, ge=2, le=60,
+        description="Lease of the scheduler leader's key: after the leader dies, another replica "
+                    "leads within about this long (the lead is renewed every quarter of it).")
     cancel_grace_s: float = Field(5.0, ge=0, description="SIGTERM to SIGKILL grace period on cancel.")
     snapshot_root: str | None = Field(
         None, description="Directory every node sees; each job snapshots under <root>/<job id>."

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from service.embedded import ROOT_USER, EtcdProcess, free_port
+from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, free_port, start_cluster
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,6 +76,8 @@ class UpOptions:
     nodes: int = 2
     retention_s: float | None = None  # None: the control plane's default (or its env)
     retention_jobs: int | None = None
+    replicas: int = 1  # control planes, on ports port, port+1, ...
+    etcd_members: int = 1  # etcd members of one cluster, each with its own data directory
 
 
 @dataclass
@@ -115,6 +117,10 @@ class Paths:
         self.job_logs = r / "job-logs"
         # The control plane's secret (job tokens are derived from it) and the jobs' secret env.
         self.secret_dir = r / "secrets"
+
+    def etcd_member_data(self, i: int, members: int) -> Path:
+        """Member i's data directory: `etcd` for a lone member, else `etcd-<i>`."""
+        return self.etcd_data if members == 1 else self.root / f"etcd-{i}"
 
 
 # Pieces that decide, without starting anything (tested on their own).
@@ -158,6 +164,35 @@ def choose_etcd_ports(path: Path, host: str = "127.0.0.1") -> tuple[int, int]:
         peer = free_port(host)
     path.write_text(json.dumps({"client": client, "peer": peer}) + "\n")
     return client, peer
+
+
+def choose_cluster_ports(path: Path, members: int, host: str = "127.0.0.1") -> list[tuple[int, int]]:
+    """(client, peer) ports of each member of a cluster of `members` (more than one).
+
+    A cluster's members know each other by their peer URLs, kept in their data directories,
+    so the ports of the first start are kept for good (a restart whose port is taken says so).
+    """
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+        saved = json.loads(path.read_text())
+        if "members" not in saved:
+            raise UpError(f"this data directory holds a one-member etcd ({path}); run `ftrain up` "
+                          "on it with --etcd-members 1, or pass another --data-dir for a cluster")
+        ports = [(int(m["client"]), int(m["peer"])) for m in saved["members"]]
+        if len(ports) != members:
+            raise UpError(f"this data directory holds an etcd of {len(ports)} members ({path}); run "
+                          f"`ftrain up` on it with --etcd-members {len(ports)}, or pass another --data-dir")
+        taken = [p for pair in ports for p in pair if not is_port_free(p, host)]
+        if taken:
+            raise UpError(f"the etcd members' ports {', '.join(map(str, taken))} on {host} are in "
+                          "use (a leftover etcd?); stop what holds them and start again")
+        return ports
+    chosen: set[int] = set()
+    while len(chosen) < 2 * members:
+        chosen.add(free_port(host))
+    flat = sorted(chosen)
+    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(members)]
+    path.write_text(json.dumps({"members": [{"client": c, "peer": p} for c, p in ports]}) + "\n")
+    return ports
 
 
 def local_url(host: str, port: int) -> str:
@@ -256,37 +291,50 @@ def _tail(path: Path, chars: int = 2000) -> str:
 def _stop_leftover_etcd(paths: Paths) -> None:
     """Stop an etcd that a SIGKILLed `up` on this data directory left running."""
     try:
-        pid = int(paths.etcd_pid.read_text().strip())
+        pids = [int(line) for line in paths.etcd_pid.read_text().split()]
     except (FileNotFoundError, ValueError):
         return
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        argv = []
-    # Only a process that is an etcd on this very data directory is ours to stop.
-    ours = {str(paths.etcd_data).encode(), str(paths.etcd_data.resolve()).encode()}
-    if argv and os.path.basename(argv[0]) == b"etcd" and ours & set(argv):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-            time.sleep(0.05)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid in pids:  # one line per member
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            argv = []
+        # Only a process that is an etcd on one of this data directory's members is ours to stop.
+        if argv and os.path.basename(argv[0]) == b"etcd" and _our_etcd_dir(paths, argv):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+                time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     paths.etcd_pid.unlink(missing_ok=True)
 
 
+def _our_etcd_dir(paths: Paths, argv: list[bytes]) -> bool:
+    """Whether an etcd's argv names a member data directory under this data directory."""
+    try:
+        data_dir = Path(argv[argv.index(b"--data-dir") + 1].decode())
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return False
+    roots = {paths.root, paths.root.resolve()}
+    return data_dir.parent in roots and (data_dir.name == "etcd" or data_dir.name.startswith("etcd-"))
+
+
 class LocalCluster:
-    """etcd, one control plane and N node agents on this machine, started and stopped in order."""
+    """etcd (M members), control planes (N replicas) and node agents on this machine,
+    started and stopped in order."""
 
     def __init__(self, options: UpOptions, out=None):
         self.options = options
         self.paths = Paths(Path(options.data_dir).absolute())
-        self.url = local_url(options.host, options.port)
+        self.urls = [local_url(options.host, options.port + i) for i in range(options.replicas)]
+        self.url = self.urls[0]
+        self.server = ",".join(self.urls)  # what clients are given: every replica, to fail over
         self.out = out or sys.stdout
         self.stop_requested = threading.Event()
-        self.etcd: EtcdProcess | None = None
-        self.control_plane: Child | None = None
+        self.etcds: list[EtcdProcess] = []
+        self.control_planes: list[Child] = []
         self.agents: list[Child] = []
         self.user_token = ""
         self.node_token = ""
@@ -328,61 +376,86 @@ class LocalCluster:
         ensure_token(p.etcd_password)
         for d in (p.snapshots, p.logs, p.job_logs):
             d.mkdir(mode=0o700, exist_ok=True)
-        if not is_port_free(self.options.port, self.options.host):
-            raise UpError(f"port {self.options.port} on {self.options.host} is in use (another "
-                          "`ftrain up` or another server?); pass another --port")
-        p.server.write_text(self.url + "\n")
+        for port in range(self.options.port, self.options.port + self.options.replicas):
+            if not is_port_free(port, self.options.host):
+                raise UpError(f"port {port} on {self.options.host} is in use (another "
+                              "`ftrain up` or another server?); pass another --port")
+        p.server.write_text(self.server + "\n")
 
     def _start_etcd(self) -> None:
         _stop_leftover_etcd(self.paths)
-        client, peer = choose_etcd_ports(self.paths.etcd_ports)
-        self.etcd = EtcdProcess(self.paths.etcd_data, client_port=client, peer_port=peer,
-                                log_path=self.paths.logs / "etcd.log",
-                                root_password=ensure_token(self.paths.etcd_password))
+        m = self.options.etcd_members
+        password = ensure_token(self.paths.etcd_password)
+        if m == 1:
+            ports = [choose_etcd_ports(self.paths.etcd_ports)]
+        else:
+            if self.paths.etcd_data.exists():
+                raise UpError(f"this data directory holds a one-member etcd ({self.paths.etcd_data}); "
+                              "run `ftrain up` on it with --etcd-members 1, or pass another --data-dir")
+            ports = choose_cluster_ports(self.paths.etcd_ports, m)
+        names = ["ftrain"] if m == 1 else [f"ftrain-{i}" for i in range(m)]
+        peers = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports, strict=True))
+        self.etcds = [
+            EtcdProcess(self.paths.etcd_member_data(i, m), client_port=client, peer_port=peer,
+                        log_path=self.paths.logs / ("etcd.log" if m == 1 else f"etcd-{i}.log"),
+                        root_password=password, name=names[i],
+                        initial_cluster=None if m == 1 else peers)
+            for i, (client, peer) in enumerate(ports)]
         try:
-            self.etcd.start()
+            start_cluster(self.etcds)
         except FileNotFoundError as exc:
             raise UpError(f"cannot start etcd: {exc}") from exc
         except RuntimeError as exc:
-            raise UpError(f"{exc}\n{_tail(self.paths.logs / 'etcd.log')}") from exc
-        assert self.etcd.proc is not None
-        self.paths.etcd_pid.write_text(f"{self.etcd.proc.pid}\n")
+            raise UpError(f"{exc}\n{_tail(self.etcds[0].log_path)}") from exc
+        finally:
+            pids = [e.proc.pid for e in self.etcds if e.proc is not None]
+            self.paths.etcd_pid.write_text("".join(f"{pid}\n" for pid in pids))
 
-    def _start_control_plane(self) -> None:
-        assert self.etcd is not None
+    @property
+    def etcd_endpoints(self) -> str:
+        return cluster_endpoints(self.etcds)
+
+    def control_plane_argv(self, i: int) -> list[str]:
+        """Replica i's `ftrain serve`: every etcd member, its own port, the shared folders."""
         o = self.options
-        env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
-        argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd.endpoint,
-                "--host", o.host, "--port", str(o.port), "--snapshot-root", str(self.paths.snapshots),
+        argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoints,
+                "--host", o.host, "--port", str(o.port + i), "--snapshot-root", str(self.paths.snapshots),
                 "--log-root", str(self.paths.job_logs), "--secret-dir", str(self.paths.secret_dir),
                 "--etcd-user", ROOT_USER, "--etcd-password-file", str(self.paths.etcd_password)]
         if o.retention_s is not None:
             argv += ["--retention", str(o.retention_s)]
         if o.retention_jobs is not None:
             argv += ["--retention-jobs", str(o.retention_jobs)]
-        self.control_plane = _spawn("control plane", argv, env, self.paths.logs / "control-plane.log")
-        self._wait_ready()
+        return argv
 
-    def _wait_ready(self) -> None:
-        assert self.control_plane is not None
+    def _start_control_plane(self) -> None:
+        env = {**os.environ, FTRAIN_USER_TOKEN: self.user_token, FTRAIN_NODE_TOKEN: self.node_token}
+        for i in range(self.options.replicas):
+            name, log = ("control plane", "control-plane.log") if self.options.replicas == 1 else \
+                (f"control plane {i}", f"control-plane-{i}.log")
+            self.control_planes.append(_spawn(name, self.control_plane_argv(i), env, self.paths.logs / log))
+        for child, url in zip(self.control_planes, self.urls, strict=True):
+            self._wait_ready(child, url)
+
+    def _wait_ready(self, child: Child, url: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         last = "no answer yet"
         while time.monotonic() < deadline:
             self._check_stop()
-            if self.control_plane.proc.poll() is not None:
-                raise UpError(f"the control plane exited with code {self.control_plane.proc.returncode}; "
-                              f"its log ({self.control_plane.log_path}) ends with:\n"
-                              f"{_tail(self.control_plane.log_path)}")
+            if child.proc.poll() is not None:
+                raise UpError(f"the {child.name} exited with code {child.proc.returncode}; "
+                              f"its log ({child.log_path}) ends with:\n"
+                              f"{_tail(child.log_path)}")
             try:
-                resp = httpx.get(f"{self.url}/readyz", timeout=1)
+                resp = httpx.get(f"{url}/readyz", timeout=1)
                 if resp.status_code == 200:
                     return
                 last = resp.text
             except httpx.HTTPError as exc:
                 last = repr(exc)
             time.sleep(POLL_INTERVAL_S)
-        raise UpError(f"the control plane at {self.url} was not ready within {READY_TIMEOUT_S:g} s "
-                      f"(last answer: {last}); see {self.control_plane.log_path}")
+        raise UpError(f"the {child.name} at {url} was not ready within {READY_TIMEOUT_S:g} s "
+                      f"(last answer: {last}); see {child.log_path}")
 
     def _start_agents(self) -> None:
         if self.options.nodes <= 0:
@@ -398,7 +471,7 @@ class LocalCluster:
                if k not in (FTRAIN_TOKEN, FTRAIN_USER_TOKEN, FTRAIN_NODE_TOKEN)}
         for i in range(self.options.nodes):
             name = f"local-{i}"
-            argv = [sys.executable, "-m", "service.cli", "node", "--server", self.url,
+            argv = [sys.executable, "-m", "service.cli", "node", "--server", self.server,
                     "--name", name, "--data-dir", str(self.paths.root),
                     "--token-file", str(self.paths.node_token)]
             self.agents.append(_spawn(f"node {name}", argv, env, self.paths.logs / f"node-{name}.log"))
@@ -430,16 +503,34 @@ class LocalCluster:
     # run
 
     def watch(self) -> int:
-        """Wait for a stop signal; report children that die. Returns the exit code."""
+        """Wait for a stop signal; report children that die. Returns the exit code.
+
+        The cluster serves while one control plane and a quorum of etcd members are alive: a
+        part that dies is reported, and `up` stops only when the cluster can no longer serve."""
+        reported: set[int] = set()
         while not self.stop_requested.wait(POLL_INTERVAL_S):
-            for part in (self.control_plane,):
-                if part is not None and part.proc.poll() is not None:
-                    self.say(f"error: the {part.name} exited with code {part.proc.returncode}; "
-                             f"stopping. Its log ({part.log_path}) ends with:\n{_tail(part.log_path)}")
-                    return 1
-            if self.etcd is not None and self.etcd.proc is not None and self.etcd.proc.poll() is not None:
-                self.say(f"error: etcd exited with code {self.etcd.proc.returncode}; stopping. "
-                         f"See {self.paths.logs / 'etcd.log'}")
+            dead_cps = [c for c in self.control_planes if c.proc.poll() is not None]
+            dead_etcds = [e for e in self.etcds if e.proc is not None and e.proc.poll() is not None]
+            for part in dead_cps:
+                if id(part) not in reported and len(dead_cps) < len(self.control_planes):
+                    reported.add(id(part))
+                    self.say(f"warning: the {part.name} exited with code {part.proc.returncode}; "
+                             f"the other replicas serve. See {part.log_path}")
+            for member in dead_etcds:
+                if id(member) not in reported and len(dead_etcds) <= (len(self.etcds) - 1) // 2:
+                    reported.add(id(member))
+                    self.say(f"warning: etcd member {member.name} exited with code "
+                             f"{member.proc.returncode}; the others keep a quorum. See {member.log_path}")
+            if self.control_planes and len(dead_cps) == len(self.control_planes):
+                part = dead_cps[-1]
+                self.say(f"error: the {part.name} exited with code {part.proc.returncode}; "
+                         f"stopping. Its log ({part.log_path}) ends with:\n{_tail(part.log_path)}")
+                return 1
+            if len(dead_etcds) > (len(self.etcds) - 1) // 2:
+                member = dead_etcds[-1]
+                what = "etcd" if len(self.etcds) == 1 else f"etcd member {member.name} (no quorum left)"
+                self.say(f"error: {what} exited with code {member.proc.returncode}; stopping. "
+                         f"See {member.log_path}")
                 return 1
             for agent in self.agents:
                 if not agent.reported_exit and agent.proc.poll() is not None:
@@ -454,22 +545,28 @@ class LocalCluster:
         """Agents, then the control plane, then etcd; each by PID, each waited for."""
         if self.agents:
             _stop_children(self.agents, AGENT_STOP_GRACE_S)
-        if self.control_plane is not None:
-            _stop_children([self.control_plane], CONTROL_PLANE_STOP_GRACE_S)
-        if self.etcd is not None:
-            self.etcd.stop()
+        if self.control_planes:
+            _stop_children(self.control_planes, CONTROL_PLANE_STOP_GRACE_S)
+        if self.etcds:
+            for member in self.etcds:
+                member.stop()
             self.paths.etcd_pid.unlink(missing_ok=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def print_banner(self, nodes: list[str]) -> None:
-        assert self.etcd is not None
         rel = self.paths.root
         with contextlib.suppress(ValueError):
             rel = self.paths.root.relative_to(Path.cwd())
-        self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
-                 f"etcd {self.etcd.endpoint}")
+        if len(self.urls) == 1 and len(self.etcds) == 1:
+            self.say(f"ftrain is up: control plane {self.url} (API docs {self.url}/docs), "
+                     f"etcd {self.etcd_endpoints}")
+        else:
+            self.say(f"ftrain is up: {len(self.urls)} control plane(s) {', '.join(self.urls)} (API docs "
+                     f"{self.url}/docs), etcd of {len(self.etcds)} member(s) {self.etcd_endpoints}")
+            self.say(f"clients take every replica and fail over: --server {self.server} "
+                     f"(or FTRAIN_SERVER={self.server}; the CLI reads {rel}/server)")
         self.say(f"dashboard: {self.url}/ui/ (sign in with the user token)")
         self.say(f"data directory {rel}: user (admin) token in {rel}/token, node token in "
                  f"{rel}/node-token, etcd's root password in {rel}/etcd-password, the control-plane "

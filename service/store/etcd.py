@@ -7,7 +7,10 @@ Every foreign error (gRPC, timeouts, connection refused) leaves this module as
 `StoreFull` when etcd's NOSPACE alarm refuses writes ("database space exceeded"), and
 `HistoryCompacted` when a watch starts before the compacted history (neither drops the
 connection, which serves everything else as before).
-Several endpoints may be given: on a connection failure the next one is tried.
+Several endpoints may be given (the members of one cluster): on a connection failure the
+next one is used, and a request that found its member's port closed (a member killed or
+restarting: the request never reached it) is sent to the next member at once, so a lost
+member costs no failed request; a timeout is not resent (it may have been applied).
 
 With etcd's own authentication (a user and password; `ftrain up` turns it on for its
 etcd), the client authenticates when it connects and sends the token etcd gave it with
@@ -167,16 +170,28 @@ class EtcdStore(KeyValue):
         start = time.perf_counter()
         try:
             try:
-                return await self._call_once(what, fn)
+                return await self._call_next_member(what, fn)
             except _TokenRefused as refused:
                 await self._reauthenticate(refused.client)
             try:
-                return await self._call_once(what, fn)
+                return await self._call_next_member(what, fn)
             except _TokenRefused as refused:
                 raise self._refused(refused.__cause__) from refused.__cause__
         finally:
             if self.on_call is not None:
                 self.on_call(time.perf_counter() - start)
+
+    async def _call_next_member(self, what: str, fn):
+        """`_call_once`, sent once more (to the next member) if its member was unreachable."""
+        try:
+            return await self._call_once(what, fn)
+        except _Unreachable as unreachable:
+            log.info("etcd at %s unreachable; %s goes to %s", unreachable.endpoint, what,
+                     self.endpoint)
+            try:
+                return await self._call_once(what, fn)
+            except _Unreachable as again:
+                raise again.error from again.__cause__
 
     async def _call_once(self, what: str, fn):
         client = None
@@ -197,7 +212,10 @@ class EtcdStore(KeyValue):
                 raise self._full() from exc
             if isinstance(exc, (aetcd.exceptions.ConnectionFailedError,
                                 aetcd.exceptions.ConnectionTimeoutError, grpc.aio.AioRpcError)):
+                endpoint = self.endpoint
                 await self._drop_client()
+                if len(self._endpoints) > 1 and _is_unreachable(exc):
+                    raise _Unreachable(self._unavailable(what, exc), endpoint) from exc
             raise self._unavailable(what, exc) from exc
         except (TimeoutError, OSError) as exc:
             await self._drop_client()
@@ -453,6 +471,23 @@ _REFUSED_WATCH_ID = -1
 
 class _StaleToken(Exception):
     """etcd refused a watch: our token expired (or there is none and etcd wants one)."""
+
+
+class _Unreachable(Exception):
+    """A member refused the connection (`error`, the StoreUnavailable to raise if the next
+    member does too): the request never reached it, so it may go to the next member."""
+
+    def __init__(self, error: StoreUnavailable, endpoint: str):
+        super().__init__(error.message)
+        self.error, self.endpoint = error, endpoint
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """gRPC could not reach the member (UNAVAILABLE: connection refused or reset), as opposed
+    to a deadline that passed (the request may have been applied)."""
+    if isinstance(exc, aetcd.exceptions.ConnectionFailedError):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
 class _TokenRefused(Exception):

@@ -150,8 +150,9 @@ def test_a_control_plane_idle_past_the_token_ttl_keeps_serving(closed_etcd, tmp_
     password_file.chmod(0o600)
     cp = ControlPlane(e.endpoint, tmp_path / "cp", env={
         "FTRAIN_ETCD_USER": "ftrain", "FTRAIN_ETCD_PASSWORD_FILE": str(password_file),
-        # idle for real: no scheduler pass to keep the token in use meanwhile
-        "FTRAIN_SCHEDULER_INTERVAL_S": "60"}).start()
+        # idle for real: no scheduler pass, and the leader's lease renewed only every 5 s
+        # (a quarter of its TTL), to keep the token in use meanwhile
+        "FTRAIN_SCHEDULER_INTERVAL_S": "60", "FTRAIN_LEADER_TTL_S": "20"}).start()
     try:
         with cp.client() as api:
             first = submit(api, job_spec("before"))

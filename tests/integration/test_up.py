@@ -27,8 +27,8 @@ FALLBACK_SPEC = {"name": "example", "command": ["python", "examples/train.py"]}
 class Up:
     """One `ftrain up` child process, its output kept in a file."""
 
-    def __init__(self, data_dir: Path, port: int, nodes: int = 0):
-        self.data_dir, self.port, self.nodes = data_dir, port, nodes
+    def __init__(self, data_dir: Path, port: int, nodes: int = 0, extra: tuple[str, ...] = ()):
+        self.data_dir, self.port, self.nodes, self.extra = data_dir, port, nodes, list(extra)
         self.out_path = data_dir.parent / f"up-{port}-{os.urandom(3).hex()}.out"
         self.proc: subprocess.Popen | None = None
 
@@ -37,7 +37,7 @@ class Up:
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "service.cli", "up", "--port", str(self.port),
-                 "--data-dir", str(self.data_dir), "--nodes", str(self.nodes)],
+                 "--data-dir", str(self.data_dir), "--nodes", str(self.nodes), *self.extra],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(self._banner_printed, timeout_s, "`ftrain up` to print its banner")
         return self
@@ -77,8 +77,9 @@ class Up:
 def start_up(tmp_path):
     started: list[Up] = []
 
-    def start(data_dir: Path | None = None, port: int | None = None, nodes: int = 0) -> Up:
-        up = Up(data_dir or tmp_path / "data", port or free_port(), nodes)
+    def start(data_dir: Path | None = None, port: int | None = None, nodes: int = 0,
+              extra: tuple[str, ...] = ()) -> Up:
+        up = Up(data_dir or tmp_path / "data", port or free_port(), nodes, extra)
         started.append(up)
         return up.start()
 

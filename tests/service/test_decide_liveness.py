@@ -11,6 +11,8 @@ import pytest
 from service.contact import Contact
 from service.decide.liveness import HEARD_EVERY_S, MIN_MARGIN_S, NOTICE_S, Outage, graced, outage_since
 from service.decide.scheduling import plan
+from service.errors import StaleLeader
+from service.scheduler import Leadership
 from service.store.memory import MemoryStore
 from tests.service.test_scheduler import CFG, NOW, job, nodes
 
@@ -70,6 +72,9 @@ def test_a_graced_member_does_not_stop_a_join_or_a_drain():
     assert "a" not in p.job.members and "drained" in " ".join(e.reason for e in p.events)
 
 
+LEAD = {"/ftrain/leader": 0}  # a fence that holds while no leader key exists
+
+
 def test_a_replica_learns_of_an_outage_from_the_leaders_note_not_from_its_own_start():
     kv = MemoryStore()
     mono, wall = [100.0], [NOW]
@@ -84,31 +89,52 @@ def test_a_replica_learns_of_an_outage_from_the_leaders_note_not_from_its_own_st
     async def scenario() -> None:
         first = replica()
         first.observe()
-        await first.settle(leading=True)  # a fresh etcd: no note, no outage
+        await first.settle(LEAD)  # a fresh etcd: no note, no outage
         assert first.outage is None and first.recent_outage() is None
         assert first.graced({"a": wall[0]}, wall[0]) == frozenset()
         for _ in range(20):  # leading, in touch every 0.5 s: the note stays fresh
             tick(0.5)
             first.observe()
-            await first.settle(leading=True)
+            await first.settle(LEAD)
         second = replica()  # another replica starts while the first leads: no outage either
         second.observe()
-        await second.settle(leading=False)
+        await second.settle(None)
         assert second.outage is None
         stopped_at = wall[0]
         tick(90)  # the leader stopped (SIGSTOP), or etcd out of its reach, for 90 s
         first.observe()
-        await first.settle(leading=True)
+        await first.settle(LEAD)
         assert first.outage == Outage(stopped_at, wall[0])
         assert (first.recent_outage().started, first.recent_outage().ended) == (stopped_at, wall[0])
         assert first.graced({"a": wall[0]}, wall[0]) == {"a"}
         third = replica()  # a replica started just after: it reads the same note
         third.observe()
-        await third.settle(leading=False)
+        await third.settle(None)
         assert third.outage is None  # the leader renewed the note as it came back
         tick(2.5)  # a short gap: the note is fresh, nothing changes
         first.observe()
-        await first.settle(leading=True)
+        await first.settle(LEAD)
         assert first.outage.ended == wall[0] - 2.5
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_lost_the_lead_does_not_renew_the_note():
+    async def scenario() -> None:
+        kv = MemoryStore()
+        lead = Leadership(kv, "/ftrain/leader")
+        assert await lead.hold()
+        stale = lead.fence()
+        mono = [100.0]
+        contact = Contact(kv, "/ftrain/contact", TTL, clock=lambda: mono[0])
+        contact.observe()
+        await contact.settle(stale)
+        noted = await kv.get("/ftrain/contact")
+        await kv.revoke_lease(lead.lease_id)  # its lease lapsed; another replica leads
+        assert await Leadership(kv, "/ftrain/leader").hold()
+        mono[0] += HEARD_EVERY_S  # due to note again
+        with pytest.raises(StaleLeader):
+            await contact.settle(stale)
+        assert await kv.get("/ftrain/contact") == noted
 
     asyncio.run(scenario())

@@ -143,3 +143,34 @@ def test_a_lease_id_outside_int64_is_no_lease_and_leaves_no_waiter(etcd):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_request_to_a_member_whose_port_is_closed_goes_to_the_next_member_at_once(etcd):
+    """Several endpoints (one cluster's members): the first is down (a killed member: its
+    port refuses connections); requests still succeed, on the next one, none failing."""
+    from service.embedded import free_port
+
+    async def main() -> None:
+        client = EtcdStore(f"http://127.0.0.1:{free_port()},{etcd.endpoint}", timeout_s=2)
+        try:
+            await client.put("/t/failover", b"1")  # the first request of all, refused by the first
+            assert (await client.get("/t/failover")).value == b"1"
+            assert client.endpoint == etcd.endpoint.removeprefix("http://")
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_lone_endpoint_that_refuses_still_fails_as_store_unavailable():
+    from service.embedded import free_port
+
+    async def main() -> None:
+        client = EtcdStore(f"http://127.0.0.1:{free_port()}", timeout_s=1)
+        try:
+            with pytest.raises(StoreUnavailable):
+                await client.get("/t/x")
+        finally:
+            await client.close()
+
+    asyncio.run(main())

@@ -16,10 +16,11 @@ import pytest
 from service.compaction import Compactor
 from service.context import Context
 from service.decide.change import Change
-from service.errors import Conflict, HistoryCompacted, StaleAttempt
+from service.errors import Conflict, HistoryCompacted, StaleAttempt, StaleLeader
 from service.keys import Keys
 from service.models import JobRecord, JobSpec, JobState, MemberStatus
 from service.rendezvous import Rendezvous, state_token
+from service.scheduler import Leadership
 from service.settings import Settings
 from service.store.api import Put
 from service.store.memory import MemoryStore
@@ -170,22 +171,48 @@ def test_a_record_written_with_progress_on_it_counts_as_reporting():
 def test_the_compactor_compacts_to_the_revision_it_saw_one_step_earlier_while_leading():
     async def main():
         kv = MemoryStore()
-        compactor = Compactor(kv)
+        lead = Leadership(kv, "/leader")
+        assert await lead.hold()
+        compactor = Compactor(kv, "/compacted")
         await kv.put("/k", b"0")
-        assert await compactor.step(leading=True) is None  # first step: only observes
+        assert await compactor.step(lead.fence()) is None  # first step: only observes
         seen = await kv.revision()
         await kv.put("/k", b"1")
         await kv.put("/k", b"2")
-        assert await compactor.step(leading=True) == seen
+        assert await compactor.step(lead.fence()) == seen
+        assert (await kv.get("/compacted")).value == str(seen).encode()  # noted, fenced
         with pytest.raises(HistoryCompacted):  # older history is gone
             await anext(kv.watch_prefix("/k", seen - 1))
         events = kv.watch_prefix("/k", seen + 1)  # a watch one interval behind survives
         assert (await anext(events)).value == b"1"
         await events.aclose()
         await kv.put("/k", b"3")
-        assert await compactor.step(leading=False) is None  # not leading: nothing, and forget
-        assert await compactor.step(leading=True) is None
-        assert await compactor.step(leading=True) == await kv.revision()
+        assert await compactor.step(None) is None  # not leading: nothing, and forget
+        assert await compactor.step(lead.fence()) is None
+        assert await compactor.step(lead.fence()) == await kv.revision() - 1  # less its note
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_lost_the_lead_compacts_nothing():
+    async def main():
+        kv = MemoryStore()
+        lead = Leadership(kv, "/leader")
+        assert await lead.hold()
+        compactor = Compactor(kv, "/compacted")
+        await kv.put("/k", b"0")
+        assert await compactor.step(lead.fence()) is None
+        first = await kv.revision()
+        stale = lead.fence()
+        await kv.revoke_lease(lead.lease_id)  # its lease lapsed; another replica leads
+        assert await Leadership(kv, "/leader").hold()
+        await kv.put("/k", b"1")
+        with pytest.raises(StaleLeader):
+            await compactor.step(stale)  # it has not noticed yet: its fence is refused
+        assert await kv.get("/compacted") is None
+        events = kv.watch_prefix("/k", first)  # the history is all there
+        assert (await anext(events)).value == b"0"
+        await events.aclose()
 
     asyncio.run(main())
 

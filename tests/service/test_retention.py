@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from service import retention
+from service import retention, scheduler
 from service.context import Context
 from service.decide.retention import RetentionPolicy
 from service.errors import JobNotFound, StaleLeader
@@ -197,6 +197,7 @@ def test_many_expired_jobs_go_in_passes_of_transactions_etcd_accepts():
 def test_a_replica_that_lost_the_lead_deletes_no_job():
     async def test(c: Cluster):
         job_id = await c.job("old", finish=True)
+        before = await c.keys_of(job_id)
         assert await c.leadership.hold()
         fence = c.leadership.fence()
         # Another replica leads now (this one's lease lapsed and the other took the key).
@@ -208,8 +209,30 @@ def test_a_replica_that_lost_the_lead_deletes_no_job():
             await retention.prune(c.ctx.jobs, c.ctx.logs, c.ctx.index, fence, POLICY)
         assert (await c.ctx.jobs.get(job_id)).state is JobState.CANCELLED
         assert (c.log_root / job_id).is_dir()  # its log too: files go only after the record
+        assert await c.keys_of(job_id) == before  # its rendezvous keys too (fenced as well)
         assert c.leadership.fence() == fence  # it has not noticed yet; its next hold() will
         assert not await c.leadership.hold() and c.leadership.fence() is None
+
+    run(test)
+
+
+def test_a_scheduler_that_lost_the_lead_leaves_a_finished_jobs_rendezvous_keys():
+    async def test(c: Cluster):
+        job_id = await c.job("done", finish=True)
+        before = await c.keys_of(job_id)
+        assert any("/rdzv/" in k for k in before)
+        assert await c.leadership.hold()
+        stale = c.leadership.fence()
+        await c.kv.revoke_lease(c.leadership.lease_id)
+        assert await Leadership(c.kv, c.ctx.keys.leader).hold()  # another replica leads now
+        with pytest.raises(StaleLeader):
+            await scheduler._cleanup(c.ctx.jobs, job_id, stale)
+        assert await c.keys_of(job_id) == before
+        fresh = Leadership(c.kv, c.ctx.keys.leader)
+        await c.kv.delete(c.ctx.keys.leader)  # the other one gave up; a third one leads
+        assert await fresh.hold()
+        await scheduler._cleanup(c.ctx.jobs, job_id, fresh.fence())  # the leader's goes through
+        assert not any("/rdzv/" in k for k in await c.keys_of(job_id))
 
     run(test)
 

@@ -8,6 +8,7 @@ so these run without a process and with a clock the test moves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -15,7 +16,7 @@ from service import scheduler
 from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
-from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader
+from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader, StoreUnavailable
 from service.models import JobRecord, JobSpec, JobState, NodeState
 from service.nodes import NodeStore
 from service.settings import Settings
@@ -235,6 +236,49 @@ def test_a_scheduler_that_lost_the_lead_writes_nothing():
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING  # nothing written
         fence = lead.fence() if await lead.hold() else None
         assert fence is None  # it does not lead again while the other one does
+
+    asyncio.run(main())
+
+
+class CutOff(MemoryStore):
+    """A store that stops answering lease refreshes (etcd out of this replica's reach)."""
+
+    cut = False
+
+    async def refresh_lease(self, lease_id: int) -> bool:
+        if self.cut:
+            raise StoreUnavailable("etcd out of reach (the test)")
+        return await super().refresh_lease(lease_id)
+
+
+def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_stop():
+    async def main():
+        ctx = context()
+        kv = CutOff()
+        ctx = Context.wire(ctx.settings, kv)
+        lead = scheduler.Leadership(kv, ctx.keys.leader, ttl_s=2)
+        tasks = [asyncio.create_task(ctx.index.run()),
+                 asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, lead, 0.05))]
+        loop = asyncio.get_running_loop()
+
+        async def until(cond, what: str) -> None:
+            deadline = loop.time() + 5
+            while not cond():
+                assert loop.time() < deadline, what
+                await asyncio.sleep(0.01)
+
+        try:
+            await until(lambda: lead.fence() is not None, "the replica to lead")
+            kv.cut = True
+            await until(lambda: lead.fence() is None, "the fence to go when etcd is out of reach")
+            kv.cut = False  # back in reach, its lease still valid: it leads on
+            await until(lambda: lead.fence() is not None, "the replica to lead again")
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
 
     asyncio.run(main())
 
