@@ -95,7 +95,11 @@ class JobSpec(_Strict):
     nodes: NodesSpec = Field(default_factory=NodesSpec)
     nproc_per_node: int | str = Field(
         1, union_mode="left_to_right",
-        description="Worker processes per node, or 'auto' (one per GPU, else one).")
+        description="Worker processes per node, or 'auto' (one per GPU the node has, else one).")
+    gpus_per_node: int | None = Field(
+        None, ge=1, le=1024,
+        description="Place the job only on nodes with at least this many GPUs (their workers' "
+                    "CUDA_VISIBLE_DEVICES); null: any node.")
     max_restarts: int = Field(3, ge=0, le=1000, description="Worker failures tolerated.")
     snapshot: SnapshotSpec = Field(default_factory=SnapshotSpec)
     global_batch_size: int | None = Field(
@@ -383,6 +387,8 @@ class NodeRecord(BaseModel):
 
     name: str
     nproc_per_node: int = 1
+    gpus: int = 0
+    gpu_model: str | None = None
     address: str | None = None
     state: NodeState = NodeState.READY
     registered_at: float
@@ -396,6 +402,8 @@ class NodeView(BaseModel):
     name: str
     state: NodeState
     nproc_per_node: int
+    gpus: int = Field(0, description="GPUs this node's workers may use.")
+    gpu_model: str | None = Field(None, description="Their model (null without GPUs).")
     address: str | None
     registered_at: float
     job: str | None = Field(None, description="The unfinished job this node belongs to, if any: it "

@@ -43,7 +43,8 @@ class NodeStore:
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
                        ttl_s: int, credential_sha256: str | None = None,
-                       reclaim_sha256: str | None = None) -> int:
+                       reclaim_sha256: str | None = None, gpus: int = 0,
+                       gpu_model: str | None = None) -> int:
         """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
 
         `reclaim_sha256`: the digest of the credential the registering agent presents as its
@@ -54,7 +55,8 @@ class NodeStore:
         """
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
-        record = NodeRecord(name=name, nproc_per_node=nproc_per_node, address=address,
+        record = NodeRecord(name=name, nproc_per_node=nproc_per_node, gpus=gpus, gpu_model=gpu_model,
+                            address=address,
                             registered_at=self.clock(), lease_id=lease,
                             credential_sha256=credential_sha256)
         value = record.model_dump_json().encode()
