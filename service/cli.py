@@ -367,10 +367,16 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
         _print_json(items)
         return
     now = time.time()
-    _table([[n["name"], n["state"], str(n["nproc_per_node"]), n.get("address") or "-",
+    _table([[n["name"], n["state"], str(n["nproc_per_node"]), _gpus_cell(n), n.get("address") or "-",
              (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
-           ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"])
+           ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"])
+
+
+def _gpus_cell(node: dict) -> str:
+    """A node's GPUs for the nodes table: '2 x NVIDIA H100 80GB HBM3', or '-'."""
+    count = node.get("gpus") or 0
+    return f"{count} x {node.get('gpu_model') or 'GPU'}" if count else "-"
 
 
 @main.command()
