@@ -50,6 +50,7 @@ class ValidationErrorBody(BaseModel):
 
 
 _WHY = {
+    400: "The body cannot be read (not JSON).",
     401: "No token, or not one this endpoint takes (`WWW-Authenticate: Bearer`).",
     403: "A token of another kind or another job/node than this endpoint takes, or not the admin.",
     404: "No such job or node (finished jobs are deleted after their retention).",
@@ -124,12 +125,12 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
     responses = op.setdefault("responses", {})
     if path.startswith("/v1/"):
         codes = [401, 403, 503]
-        if "{job_id}" in path or "{name}" in path:
+        if "{" in path:  # a job, node, user, rendezvous or snapshot named in the path
             codes.append(404)
         if method in ("post", "put", "delete"):
             codes.append(409)
         if "requestBody" in op:
-            codes.append(413)
+            codes += [400, 413]
         for code in codes:
             responses.setdefault(str(code), _error(code, "ErrorBody"))
     if "422" in responses or "requestBody" in op or op.get("parameters"):
