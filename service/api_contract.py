@@ -140,3 +140,33 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
         ok.setdefault("content", {})["application/x-ndjson"] = {
             "schema": _ref("LogLine"),
             "description": "With follow=true: one LogLine (JSON) a line, until the job ends."}
+
+
+class AllowAll:
+    """A 405's `Allow` header lists every method of the path, not only the first route's
+    (Starlette stops at the first route whose path matches)."""
+
+    def __init__(self, app: ASGIApp, routes_of):
+        self.app = app
+        self.routes_of = routes_of  # () -> the app's routes
+
+    def _allowed(self, path: str) -> list[str]:
+        methods: set[str] = set()
+        for route in self.routes_of():
+            regex = getattr(route, "path_regex", None)
+            if regex is not None and regex.match(path) and getattr(route, "methods", None):
+                methods |= set(route.methods)
+        return sorted(methods)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_allow(message):
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                allowed = ", ".join(self._allowed(scope["path"])).encode()
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
+                message = {**message, "headers": [*headers, (b"allow", allowed)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_allow)

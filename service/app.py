@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outside the size limit: no token and a bad or large body is a 401 (service/api_contract.py).
+    app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
     app.add_middleware(api_contract.RequireBearer,
                        closed=settings.user_token is not None and settings.node_token is not None)
     _install_error_handlers(app)

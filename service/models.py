@@ -81,12 +81,14 @@ class JobSpec(_Strict):
     """A training job as submitted (JSON over REST, or YAML/JSON through the CLI)."""
 
     name: str = Field(..., min_length=1, max_length=40,
-                      description="DNS label: lower-case letters, digits and '-'.")
+                      description="DNS label: lower-case letters, digits and '-'.",
+                      json_schema_extra={"pattern": DNS_LABEL.pattern})
     command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
         ..., min_length=1, max_length=256,
         description="The worker command, as torchrun would run it, e.g. ['python', 'train.py'].")
     working_dir: str | None = Field(None, max_length=4096,
-                                    description="Directory the command runs in, on every node.")
+                                    description="Directory the command runs in, on every node.",
+                                    json_schema_extra={"pattern": "^/[^\\x00]*$"})
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.")
     secret_env: dict[str, str] = Field(
         default_factory=dict,
@@ -344,7 +346,8 @@ class CancelResult(BaseModel):
 
 class NewUser(_Strict):
     name: str = Field(..., min_length=1, max_length=40,
-                      description="DNS label: lower-case letters, digits and '-'; not 'admin'.")
+                      description="DNS label: lower-case letters, digits and '-'; not 'admin'.",
+                      json_schema_extra={"pattern": DNS_LABEL.pattern, "not": {"const": ADMIN}})
 
     @field_validator("name")
     @classmethod
