@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service import background
+from service import api_contract, background
 from service.context import Context
 from service.decide.retention import describe
 from service.errors import (
@@ -47,10 +47,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(FastPaths, ctx=ctx)  # inside the body-size limit (added after it: outside)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Outside the size limit: no token and a bad or large body is a 401 (service/api_contract.py).
+    app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
+    app.add_middleware(api_contract.RequireBearer,
+                       closed=settings.user_token is not None and settings.node_token is not None)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)
     ui.install(app)
+    api_contract.describe(app)
     return app
 
 

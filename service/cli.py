@@ -596,10 +596,16 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
         _print_json(items)
         return
     now = time.time()
-    _table([[n["name"], n["state"], str(n["nproc_per_node"]), n.get("address") or "-",
+    _table([[n["name"], n["state"], str(n["nproc_per_node"]), _gpus_cell(n), n.get("address") or "-",
              (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
-           ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"])
+           ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"])
+
+
+def _gpus_cell(node: dict) -> str:
+    """A node's GPUs for the nodes table: '2 x NVIDIA H100 80GB HBM3', or '-'."""
+    count = node.get("gpus") or 0
+    return f"{count} x {node.get('gpu_model') or 'GPU'}" if count else "-"
 
 
 @main.command()
@@ -719,6 +725,10 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
               help="Where the agent keeps its local state.")
+@click.option("--gpus", default=None, metavar="IDS",
+              help="The GPUs this node's workers may use (indices or UUIDs, e.g. 0,1; 'none': no "
+                   "GPU): their CUDA_VISIBLE_DEVICES. Default: the agent's CUDA_VISIBLE_DEVICES, "
+                   "else every GPU nvidia-smi lists.")
 @click.option("--address", default=None,
               help="Address other nodes reach this one at (torchrun's --local-addr); default: hostname.")
 @click.option("--run-as", "run_as", metavar="USER", default=None,
@@ -730,7 +740,8 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
 def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
-         address: str | None, run_as: str | None, keep_logs_jobs: int, keep_logs_days: float) -> None:
+         gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
+         keep_logs_days: float) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -756,10 +767,28 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
             job_user.check_can_run(sys.executable)
     except RunAsError as exc:
         raise click.UsageError(str(exc)) from None
+    if gpus is not None:
+        _use_gpus(gpus)
     # The agent sets up its own logging (with the node's name in every line).
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
                         keep_logs_jobs, keep_logs_days * 86400)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _use_gpus(value: str) -> None:
+    """`ftrain node --gpus`: the agent's CUDA_VISIBLE_DEVICES, so its workers inherit it and its
+    registration reports those GPUs alone."""
+    from worker import gpus
+
+    try:
+        ids = gpus.parse_gpus(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    missing = gpus.unknown(ids, gpus.list_gpus())
+    if missing:
+        raise click.BadParameter(f"no GPU {', '.join(missing)} on this host (nvidia-smi -L lists them)",
+                                 param_hint="--gpus")
+    os.environ[gpus.CUDA_VISIBLE_DEVICES] = ",".join(ids)
 
 
 if __name__ == "__main__":

@@ -81,12 +81,14 @@ class JobSpec(_Strict):
     """A training job as submitted (JSON over REST, or YAML/JSON through the CLI)."""
 
     name: str = Field(..., min_length=1, max_length=40,
-                      description="DNS label: lower-case letters, digits and '-'.")
+                      description="DNS label: lower-case letters, digits and '-'.",
+                      json_schema_extra={"pattern": DNS_LABEL.pattern})
     command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
         ..., min_length=1, max_length=256,
         description="The worker command, as torchrun would run it, e.g. ['python', 'train.py'].")
     working_dir: str | None = Field(None, max_length=4096,
-                                    description="Directory the command runs in, on every node.")
+                                    description="Directory the command runs in, on every node.",
+                                    json_schema_extra={"pattern": "^/[^\\x00]*$"})
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.")
     secret_env: dict[str, str] = Field(
         default_factory=dict,
@@ -95,7 +97,11 @@ class JobSpec(_Strict):
     nodes: NodesSpec = Field(default_factory=NodesSpec)
     nproc_per_node: int | str = Field(
         1, union_mode="left_to_right",
-        description="Worker processes per node, or 'auto' (one per GPU, else one).")
+        description="Worker processes per node, or 'auto' (one per GPU the node has, else one).")
+    gpus_per_node: int | None = Field(
+        None, ge=1, le=1024,
+        description="Place the job only on nodes with at least this many GPUs (their workers' "
+                    "CUDA_VISIBLE_DEVICES); null: any node.")
     max_restarts: int = Field(3, ge=0, le=1000, description="Worker failures tolerated.")
     snapshot: SnapshotSpec = Field(default_factory=SnapshotSpec)
     global_batch_size: int | None = Field(
@@ -342,7 +348,8 @@ class CancelResult(BaseModel):
 
 class NewUser(_Strict):
     name: str = Field(..., min_length=1, max_length=40,
-                      description="DNS label: lower-case letters, digits and '-'; not 'admin'.")
+                      description="DNS label: lower-case letters, digits and '-'; not 'admin'.",
+                      json_schema_extra={"pattern": DNS_LABEL.pattern, "not": {"const": ADMIN}})
 
     @field_validator("name")
     @classmethod
@@ -386,6 +393,8 @@ class NodeRecord(BaseModel):
 
     name: str
     nproc_per_node: int = 1
+    gpus: int = 0
+    gpu_model: str | None = None
     address: str | None = None
     state: NodeState = NodeState.READY
     registered_at: float
@@ -399,6 +408,8 @@ class NodeView(BaseModel):
     name: str
     state: NodeState
     nproc_per_node: int
+    gpus: int = Field(0, description="GPUs this node's workers may use.")
+    gpu_model: str | None = Field(None, description="Their model (null without GPUs).")
     address: str | None
     registered_at: float
     job: str | None = Field(None, description="The unfinished job this node belongs to, if any: it "

@@ -56,7 +56,8 @@ class NodeStore:
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
                        ttl_s: int, credential_sha256: str | None = None,
-                       reclaim_sha256: str | None = None) -> int:
+                       reclaim_sha256: str | None = None, gpus: int = 0,
+                       gpu_model: str | None = None) -> int:
         """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
 
         `reclaim_sha256`: the digest of the credential the registering agent presents as its
@@ -69,7 +70,8 @@ class NodeStore:
         drained = await self.kv.get(self.keys.drain(name)) is not None
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
-        record = NodeRecord(name=name, nproc_per_node=nproc_per_node, address=address,
+        record = NodeRecord(name=name, nproc_per_node=nproc_per_node, gpus=gpus, gpu_model=gpu_model,
+                            address=address,
                             registered_at=self.clock(), lease_id=lease,
                             credential_sha256=credential_sha256,
                             state=NodeState.DRAINING if drained else NodeState.READY)

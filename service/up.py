@@ -469,12 +469,30 @@ class LocalCluster:
         # to every local user) or its environment (/proc/<pid>/environ shows that to its user).
         env = {k: v for k, v in os.environ.items()
                if k not in (FTRAIN_TOKEN, FTRAIN_USER_TOKEN, FTRAIN_NODE_TOKEN)}
+        shares = self._gpu_shares()
         for i in range(self.options.nodes):
             name = f"local-{i}"
             argv = [sys.executable, "-m", "service.cli", "node", "--server", self.server,
                     "--name", name, "--data-dir", str(self.paths.root),
                     "--token-file", str(self.paths.node_token)]
+            if shares is not None:
+                argv += ["--gpus", ",".join(shares[i]) or "none"]
             self.agents.append(_spawn(f"node {name}", argv, env, self.paths.logs / f"node-{name}.log"))
+
+    def _gpu_shares(self) -> list[list[str]] | None:
+        """This host's GPUs dealt out among the local agents, each its own (`ftrain node --gpus`),
+        so that no two agents' workers use one GPU; None without GPUs."""
+        from worker import gpus
+
+        ids = gpus.host_ids()
+        if not ids:
+            return None
+        shares = gpus.split(ids, self.options.nodes)
+        self.say(f"GPUs: {len(ids)}, " + ", ".join(f"local-{i}: {len(s)}" for i, s in enumerate(shares)))
+        if len(ids) < self.options.nodes:
+            self.say(f"warning: fewer GPUs ({len(ids)}) than local nodes ({self.options.nodes}); "
+                     "the nodes without one run their workers without a GPU")
+        return shares
 
     def wait_for_nodes(self) -> list[str]:
         """Names of the local nodes registered within NODES_TIMEOUT_S (best effort)."""

@@ -25,6 +25,7 @@ import logging
 import os
 from pathlib import Path
 
+from worker import gpus
 from worker.http import ApiError, ControlPlaneClient, HttpError, server_urls
 from worker.protocol import (
     Assignment,
@@ -108,7 +109,9 @@ class NodeLink:
         raises `ApiError`: the agent's loop tries again a beat later, and takes the name once
         the other's lease lapses.
         """
+        found = gpus.detect()
         request = RegisterRequest(name=self.name, nproc_per_node=self.nproc_per_node, address=self.address,
+                                  gpus=found.count, gpu_model=found.model,
                                   running=None if running is None else RunningGroup(job_id=running[0],
                                                                                     attempt=running[1]),
                                   previous_credential=self._read_credential())

@@ -68,6 +68,8 @@ class RunningGroup(BaseModel):
 class RegisterRequest(BaseModel):
     name: str = Field(..., max_length=64)
     nproc_per_node: int = Field(1, ge=1, le=1024)
+    gpus: int = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
+    gpu_model: str | None = Field(None, max_length=128, description="Their model, as nvidia-smi names it.")
     address: str | None = Field(None, max_length=255)
     running: RunningGroup | None = Field(
         None, description="What this agent still runs when it registers again because its lease "

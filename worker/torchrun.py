@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker import memory
+from worker import gpus, memory
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -442,11 +441,6 @@ def _private_file(path: Path, mode: str):
 
 
 def gpu_count() -> int:
-    """How many GPUs `nvidia-smi -L` lists here (0 without nvidia-smi)."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    """How many GPUs this node's workers may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES
+    (which `ftrain node --gpus` sets); 0 without any."""
+    return gpus.detect().count

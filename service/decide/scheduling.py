@@ -8,7 +8,8 @@ ones first; the loop that applies the plans is `service.scheduler`.
 
 Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and takes up
 to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
-pending job can use them. A lost node (its lease lapsed) leaves the job; if fewer than
+pending job can use them. Only nodes with what the job asks of each (`gpus_per_node`:
+`placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
 released. Not a member in `graced`, though: after an outage in which no control plane could
 hear the nodes, one whose lease lapsed in it is waited for, as if present (`liveness.graced`).
@@ -26,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 from service.decide import outcome
+from service.decide.placement import fits
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -124,7 +126,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     d = _Draft(job, now)
 
     if job.state is S.PENDING:
-        ready = [n for n in free if nodes[n].state is NodeState.READY]
+        ready = [n for n in free if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
         if len(ready) >= job.spec.nodes.min:
             chosen = ready[: job.spec.nodes.max]
             d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
@@ -199,7 +201,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     # Scale-up: free ready nodes join a job below its max.
     room = max(d.job.spec.nodes.max - len(live), 0)
     # (the first `room` of them, not all: a full job would list every free node on every pass)
-    joining = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY), room))
+    joining = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY
+                                     and fits(job.spec, nodes[n])), room))
     if joining and not draining:
         if uses_runtime(d.job) and "running" in states:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"node(s) {', '.join(joining)} joining")

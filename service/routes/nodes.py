@@ -56,7 +56,8 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     ttl = ctx.settings.node_ttl_s
     credential, digest = new_node_credential(req.name)
     reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
-    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest, reclaim)
+    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest, reclaim,
+                                     gpus=req.gpus, gpu_model=req.gpu_model)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -189,7 +190,8 @@ def _view(record: NodeRecord, holders: dict[str, tuple[str, str]]) -> NodeView:
     if state is NodeState.DRAINING and job_id is None:
         state = NodeState.DRAINED  # idle: safe to take away
     return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
-                    address=record.address, registered_at=record.registered_at,
+                    gpus=record.gpus, gpu_model=record.gpu_model, address=record.address,
+                    registered_at=record.registered_at,
                     job=job_id, member_state=part)
 
 

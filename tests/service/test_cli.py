@@ -253,8 +253,8 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).stdout
     assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines[1:]]
     out = runner.invoke(main, ["nodes"], catch_exceptions=False).output.splitlines()
-    assert out[0].split() == ["NAME", "STATE", "NPROC", "ADDRESS", "JOB", "UP"]
-    assert out[1].split()[:5] == ["local-0", "READY", "2", "127.0.0.1", "j1"]
+    assert out[0].split() == ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"]
+    assert out[1].split()[:6] == ["local-0", "READY", "2", "-", "127.0.0.1", "j1"]
     assert runner.invoke(main, ["drain", "local-0"]).output.strip() == "local-0: DRAINING"
     assert runner.invoke(main, ["undrain", "local-0"]).output.strip() == "local-0: READY"
 

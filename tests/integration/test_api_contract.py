@@ -1,0 +1,37 @@
+"""The API's contract against a real server: authentication before the body, and an OpenAPI
+description that lists the error answers as the server sends them."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def test_no_token_and_a_bad_body_is_401_not_400_413_or_422(control_plane):
+    with httpx.Client(base_url=control_plane.url, timeout=10) as anon:
+        for body in (b"{not json", b'{"name": "Bad Name"}', b"x" * 200_000):
+            resp = anon.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+            assert resp.status_code == 401, (body[:20], resp.status_code, resp.text)
+            assert resp.headers["www-authenticate"] == "Bearer"
+        resp = anon.post("/v1/nodes/register", content=b"[", headers={"Content-Type": "application/json"})
+        assert resp.status_code == 401
+    with control_plane.client("user") as api:  # with the token, the body is judged
+        resp = api.post("/v1/jobs", json={"name": "Bad Name", "command": ["true"]})
+        assert resp.status_code == 422
+        body = resp.json()
+        assert isinstance(body["detail"], str) and body["errors"][0]["field"] == "name"
+
+
+def test_openapi_documents_the_answers_as_sent(control_plane):
+    with httpx.Client(base_url=control_plane.url, timeout=10) as anon:
+        doc = anon.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert schemas["ValidationErrorBody"]["properties"]["detail"]["type"] == "string"
+    assert "errors" in schemas["ValidationErrorBody"]["properties"]
+    submit = doc["paths"]["/v1/jobs"]["post"]["responses"]
+    assert {"201", "401", "403", "409", "413", "422", "503"} <= set(submit)
+    assert submit["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ValidationErrorBody")
+    assert submit["401"]["headers"]["WWW-Authenticate"]
+    assert "404" in doc["paths"]["/v1/jobs/{job_id}"]["get"]["responses"]
+    logs = doc["paths"]["/v1/jobs/{job_id}/logs"]["get"]["responses"]["200"]["content"]
+    assert "application/x-ndjson" in logs
+    assert "HTTPValidationError" not in schemas
