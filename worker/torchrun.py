@@ -20,8 +20,8 @@ import logging
 import os
 import re
 import secrets
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
