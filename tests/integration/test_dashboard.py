@@ -1,7 +1,7 @@
 """The web dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright):
 a job submitted through the API shows up, its loss curve grows while it trains, a worker
 SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, a job
-with a long log shows its end, and the nodes page drains a node.
+with a long log shows its end, and the nodes page drains a node and undrains it.
 
 RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
 SIGKILL the job is RECOVERING only while the group re-forms (under a second here), which a
@@ -163,6 +163,9 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page.click('tr[data-node="n0"] button[data-drain="n0"]')
             page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINED"]')
             assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINED"  # idle
+            page.click('tr[data-node="n0"] button[data-undrain="n0"]')  # and back in service
+            page.wait_for_selector('tr[data-node="n0"] [data-state="READY"]')
+            assert api.get("/v1/nodes").json()["items"][0]["state"] == "READY"
 
             # a job that does not exist: the page says so (and what retention keeps)
             page.goto(f"{control_plane.url}/ui/#/jobs/no-such-job")

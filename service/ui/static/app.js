@@ -400,26 +400,31 @@ function nodesView() {
   view.innerHTML = `
     <h1>Nodes</h1>
     <div class="panel"><table id="nodes">
-      <thead><tr><th>Node</th><th>State</th><th>Workers</th><th>Job</th><th>Address</th><th>Registered</th><th></th></tr></thead>
+      <thead><tr><th>Node</th><th>State</th><th>Workers</th><th>GPUs</th><th>Job</th><th>Address</th><th>Registered</th><th></th></tr></thead>
       <tbody></tbody></table></div>`;
   const body = view.querySelector("#nodes tbody");
   body.addEventListener("click", async ev => {
-    const name = ev.target.dataset.drain;
-    if (!name || !confirm(`Drain node ${name}? Its job snapshots and goes on without it.`)) return;
+    const { drain, undrain } = ev.target.dataset;
+    const name = drain || undrain;
+    if (!name) return;
+    if (drain && !confirm(`Drain node ${name}? Its job snapshots and goes on without it.`)) return;
+    const verb = drain ? "drain" : "undrain";
     ev.target.disabled = true;
-    try { await api(`v1/nodes/${encodeURIComponent(name)}/drain`, { method: "POST" }); }
-    catch (e) { banner(`Drain failed: ${e.message}`); ev.target.disabled = false; }
+    try { await api(`v1/nodes/${encodeURIComponent(name)}/${verb}`, { method: "POST" }); }
+    catch (e) { banner(`${drain ? "Drain" : "Undrain"} failed: ${e.message}`); ev.target.disabled = false; }
   });
   const stop = poll(async () => {
     const nodes = (await api("v1/nodes")).items;
     body.innerHTML = nodes.length ? nodes.map(n => `
       <tr data-node="${esc(n.name)}">
         <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}</td><td>${n.nproc_per_node}</td>
+        <td>${n.gpus ? `${n.gpus} <span class="muted">${esc(n.gpu_model || "")}</span>` : '<span class="muted">0</span>'}</td>
         <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>` : '<span class="muted">idle</span>'}</td>
         <td class="mono muted">${esc(n.address || "–")}</td><td class="muted">${when(n.registered_at)}</td>
-        <td>${n.state === "READY" ? `<button data-drain="${esc(n.name)}">Drain</button>` : ""}</td>
+        <td>${n.state === "READY" ? `<button data-drain="${esc(n.name)}">Drain</button>`
+            : ["DRAINING", "DRAINED"].includes(n.state) ? `<button data-undrain="${esc(n.name)}">Undrain</button>` : ""}</td>
       </tr>`).join("")
-      : `<tr><td colspan="7" class="empty">No nodes. Start one with <span class="mono">ftrain node --server URL</span>.</td></tr>`;
+      : `<tr><td colspan="8" class="empty">No nodes. Start one with <span class="mono">ftrain node --server URL</span>.</td></tr>`;
   }, 2000);
   return { stop };
 }
