@@ -116,8 +116,9 @@ def decide_corrupt(job: JobRecord, records: Records, step: int, reason: str, now
         good = newest_good(records)
         latest = good.meta() if good else None
     resume = f"step {latest.step}" if latest else "the start (no good snapshot left)"
-    changed, event = note(job, f"snapshot at step {step} is corrupt ({reason}); "
-                               f"resuming from {resume}", now)
+    # What it means first: a reason is shown cut to its first 300 characters (a path is long).
+    changed, event = note(job, f"snapshot at step {step} is corrupt; resuming from {resume} "
+                               f"({reason})", now)
     changed = changed.model_copy(update={"latest_snapshot": latest})
     return Decision(Change(changed, [event], [Put(snapshot_key(step), bad.model_dump_json().encode())]))
 

@@ -99,7 +99,7 @@ def test_corrupt_latest_snapshot_is_skipped_for_the_previous_one_and_said_in_the
         assert done["state"] == "SUCCEEDED", events_of(api, job_id)
         reasons = [e["reason"] for e in events_of(api, job_id)]
         assert any(f"snapshot at step {latest['step']} is corrupt" in r
-                   and f"resuming from step {previous}" in r for r in reasons), reasons
+                   and f"resuming from step {previous}" in r for r in reasons), "\n".join(reasons)
         trace = check_steps(api, job_id, watch=watch)
         assert trace.steps[-1] == 60
         assert [r[1] for r in trace.resumes] == [previous], trace.resumes

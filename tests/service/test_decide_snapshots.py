@@ -134,7 +134,7 @@ def test_a_corrupt_snapshot_is_marked_bad_and_latest_falls_back(stored, bad, lat
     change = decide_corrupt(job, records(*stored, bad=bad), step, "checksum mismatch", NOW, key).change
     assert (change.job.latest_snapshot.step if change.job.latest_snapshot else None) == new_latest
     assert [e.reason for e in change.events] == [
-        f"snapshot at step {step} is corrupt (checksum mismatch); resuming from {resume}"]
+        f"snapshot at step {step} is corrupt; resuming from {resume} (checksum mismatch)"]
     (op,) = change.ops
     assert isinstance(op, Put) and op.key == key(step)
     assert SnapshotRecord.model_validate_json(op.value).bad
