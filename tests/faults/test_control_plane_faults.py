@@ -72,8 +72,10 @@ def test_etcd_killed_and_restarted_api_answers_503_meanwhile_and_training_goes_o
         etcd.kill()
         killed = time.monotonic()
         assert etcd.proc.poll() is not None and not etcd.is_healthy()
-        down = api.get(f"/v1/jobs/{job_id}")
-        assert down.status_code == 503 and "etcd" in down.json()["detail"], down.text
+        # Status reads come from the watch-fed index: 503 once it notices its watch broke.
+        down = wait_for(lambda: (r := api.get(f"/v1/jobs/{job_id}")).status_code == 503 and r, 10,
+                        "status reads to answer 503 with etcd gone")
+        assert "etcd" in down.json()["detail"], down.text
         _trains_on_without(a, job_id, attempt)
         # Down for longer than a commit's 5 s retry window (which once crashed rank 0): the
         # fault itself, held on purpose.
