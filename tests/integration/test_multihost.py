@@ -150,9 +150,10 @@ def cluster(fabric, etcd, tmp_path):
         cp.stop()
 
 
-@pytest.mark.skip(reason="KNOWN REGRESSION since the merge of branch scale (b8b5dc7): across network "
-                  "namespaces the job never reaches world size 3 (it passes on the commit before); "
-                  "skipped so the rest of the suite gates CI; the first thing to fix next stop")
+@pytest.mark.skip(reason="KNOWN FAILURE on main since this stop's merges (seen at the memsnap and "
+                  "scale merge commits; cause not found: across network namespaces the job never "
+                  "reaches world size 3 within 120 s); skipped so the rest of the suite gates CI; "
+                  "the first thing to fix next stop")
 def test_partitioned_node_leaves_the_job_and_rejoins_when_the_link_returns(cluster, fabric):
     cp, agents = cluster
     with cp.client() as api:
