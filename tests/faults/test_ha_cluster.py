@@ -35,6 +35,7 @@ from tests.helpers.processes import (
     descendants,
     free_port,
     pid_alive,
+    stop_tree,
     wait_for,
 )
 
@@ -116,17 +117,7 @@ class UpCluster:
         return wait_for(grows, 30, "one replica to lead")
 
     def stop(self) -> None:
-        left = descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in left:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_tree(self.proc, signal.SIGINT, 60)
 
 
 @pytest.fixture

@@ -44,6 +44,22 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, inter
                          + (f" (last error: {last_exc!r})" if last_exc else ""))
 
 
+
+def stop_tree(proc: subprocess.Popen, sig: int, wait_s: float) -> None:
+    """Test clean-up of a process this test started and of everything it left: `sig` to
+    it (SIGKILL after `wait_s`), then SIGKILL to its descendants still alive."""
+    left = descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid in left:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
 class ProcessExited(AssertionError):
     """A process a test waits on has died: waiting longer will not help."""
 

@@ -18,7 +18,7 @@ import pytest
 
 from service.up import agent_available, choose_etcd_ports, curl_lines, ensure_token
 from tests.helpers.other_user import everything_under, needs_root, probe_as_other_user
-from tests.helpers.processes import REPO, descendants, free_port, pid_alive, wait_for
+from tests.helpers.processes import REPO, descendants, free_port, pid_alive, stop_tree, wait_for
 
 BANNER_END = "Ctrl-C stops everything."
 FALLBACK_SPEC = {"name": "example", "command": ["python", "examples/train.py"]}
@@ -60,17 +60,7 @@ class Up:
         """Test clean-up: the `up` process, and whatever it left, all started by this test."""
         if self.proc is None:
             return
-        left = descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in left:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_tree(self.proc, signal.SIGTERM, 30)
 
 
 @pytest.fixture
