@@ -612,6 +612,9 @@ class Runtime:
     # -------------------------------------------------------------- the end
     def finish(self) -> None:
         """Wait for the save in flight, stop reporting, leave the process group."""
+        self._finish(clean=True)
+
+    def _finish(self, clean: bool) -> None:
         if self._finished:
             return
         self._finished = True
@@ -624,13 +627,30 @@ class Runtime:
         finally:
             self._stop_poller()
             if self.distributed and dist.is_initialized():
+                if clean:
+                    _settle_collectives()
                 dist.destroy_process_group()
 
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.finish()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._finish(clean=exc_type is None)  # no barrier with peers that may be gone
+
+
+def _settle_collectives() -> None:
+    """Let gloo's threads let go of the last collective's tensors before the process ends.
+
+    A gloo work item that held tensors made in Python (`gather_object`'s, at a snapshot)
+    is destroyed on gloo's own thread, which takes the GIL to drop them. DDP's reducer
+    keeps the process group alive past `destroy_process_group`, and when the script
+    returns, its destructor joins gloo's threads while holding the GIL: if that drop is
+    still pending, the worker hangs for ever after its last step (seen: one `min == max
+    == 2` job in five stayed RUNNING at its last step). A barrier waits without the GIL,
+    so the pending drop runs meanwhile; the short sleep gives it the GIL once more.
+    """
+    dist.barrier()
+    time.sleep(0.01)
 
 
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
