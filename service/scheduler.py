@@ -219,6 +219,7 @@ class Leadership:
         self.leading = False
         self._fence: Fence | None = None
         self._until = 0.0  # clock() after which this replica no longer counts itself leader
+        self._timer: asyncio.TimerHandle | None = None  # notes that moment when it comes
 
     def _lapsed(self) -> bool:
         return self.clock() >= self._until
@@ -235,6 +236,12 @@ class Leadership:
             log.info("leading (term %d) as %s", revision, self.identity)
         self.leading, self._until = True, sent + self.ttl_s
         self._fence = Fence(self.key, revision, self.identity, self._lapsed)
+        # Stop at that moment even while this replica's etcd calls hang (the lapse is said
+        # in the log when it happens, not when a call times out).
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, self._until - self.clock()) + 0.001
+        self._timer = asyncio.get_running_loop().call_later(delay, self.fence)
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
@@ -262,6 +269,8 @@ class Leadership:
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
         self.lost("stopping")
+        if self._timer is not None:
+            self._timer.cancel()
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
