@@ -23,6 +23,7 @@ import secrets
 import string
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 from service.decide.change import Change
@@ -33,7 +34,7 @@ from service.keyring import new_nonce
 from service.keys import Keys
 from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView, MetricHistory
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, Fence, KeyValue, Put
 from worker.protocol import Progress
 
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
@@ -324,6 +325,8 @@ class JobStore:
         revision_of: dict[str, int] = {}
 
         async def read() -> tuple[JobRecord, int]:
+            if isinstance(fence, Fence) and fence.lapsed():
+                raise StaleLeader("this control plane's lead lapsed; its scheduler stops")
             for key, revision in (fence or {}).items():
                 entry = await self.kv.get(key)
                 if entry is None or entry.mod_revision != revision:
@@ -336,6 +339,9 @@ class JobStore:
             change = decide(job)
             if change is None:
                 return cas.Done(job)
+            if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
+                stamp = {"leader": fence.holder, "term": fence.term}
+                change = replace(change, events=[e.model_copy(update=stamp) for e in change.events])
             write = self.write(revision, change, change.job)
             return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 

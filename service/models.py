@@ -335,6 +335,11 @@ class EventView(BaseModel):
     detail: str | None = Field(None, description="More than the line: e.g. the last log lines of a "
                                                  "failure (they are in the job's logs too).")
     by: str | None = Field(None, description="The user whose request caused it (submit, cancel).")
+    leader: str | None = Field(None, description="For an event of the leader-only loops (the "
+                               "scheduler, the hang watch): the leading control plane that wrote it "
+                               "(its identity in the leader key: host, PID, ...).")
+    term: int | None = Field(None, description="With `leader`: its term, the etcd revision at which it "
+                             "took the lead; a later lead has a larger one.")
 
 
 class EventList(BaseModel):

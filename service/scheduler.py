@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from service.contact import Contact
 from service.decide import hangs
@@ -35,7 +36,7 @@ from service.jobs import JobStore
 from service.models import JobRecord, NodeRecord
 from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
-from service.store.api import KeyValue, Put
+from service.store.api import Fence, KeyValue, Put
 
 log = logging.getLogger(__name__)
 
@@ -195,47 +196,81 @@ class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
     The scheduler loop calls `hold` about once a second; the other leader-only loops read
-    `fence()`: the leader key at the revision this replica wrote it, to compare in their
-    transactions, so that a replica that lost the lead without noticing writes nothing
-    (`service.retention`, `service.compaction`).
+    `fence()`: the leader key at the revision this replica wrote it (its term), to compare
+    in their transactions, so that a replica that lost the lead without noticing writes
+    nothing (`service.retention`, `service.compaction`).
+
+    The lead also ends here before it can end in etcd: a replica counts itself leader only
+    until `ttl_s` after it *sent* the last grant or keep-alive that etcd confirmed (etcd
+    starts the lease's TTL when it receives that, later), so a replica cut off from etcd
+    stops acting (`fence()` is None, the scheduler passes stop) before its lease can lapse
+    and another replica take the lead, even when its etcd calls hang for longer than that.
     """
 
-    def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5):
+    def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv = kv
         self.key = key
         self.ttl_s = ttl_s
+        self.clock = clock
         self.lease_id: int | None = None
         # Who leads, for people and tests reading the key: host, PID, then what makes it unique.
         self.identity = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}-{time.time_ns()}"
         self.leading = False
-        self._fence: dict[str, int] | None = None
+        self._fence: Fence | None = None
+        self._until = 0.0  # clock() after which this replica no longer counts itself leader
+        self._timer: asyncio.TimerHandle | None = None  # notes that moment when it comes
 
-    def fence(self) -> dict[str, int] | None:
-        """{leader key: its mod_revision} while this replica last knew itself leader, else None."""
+    def _lapsed(self) -> bool:
+        return self.clock() >= self._until
+
+    def fence(self) -> Fence | None:
+        """{leader key: its mod_revision} (with this replica's identity and term) while this
+        replica knows itself leader, else None."""
+        if self._fence is not None and self._lapsed():
+            self.lost(f"its lease was not confirmed within {self.ttl_s} s")
         return self._fence
+
+    def _lead(self, revision: int, sent: float) -> None:
+        if self._fence is None or self._fence.term != revision:
+            log.info("leading (term %d) as %s", revision, self.identity)
+        self.leading, self._until = True, sent + self.ttl_s
+        self._fence = Fence(self.key, revision, self.identity, self._lapsed)
+        # Stop at that moment even while this replica's etcd calls hang (the lapse is said
+        # in the log when it happens, not when a call times out).
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, self._until - self.clock()) + 0.001
+        self._timer = asyncio.get_running_loop().call_later(delay, self.fence)
 
     async def hold(self) -> bool:
         """Try to be (or stay) leader; True while this replica leads."""
+        sent = self.clock()
         if self.lease_id is not None and await self.kv.refresh_lease(self.lease_id):
             entry = await self.kv.get(self.key)
             if entry is not None and entry.value.decode() == self.identity:
-                self.leading, self._fence = True, {self.key: entry.mod_revision}
-                return True
-        self.lost()
+                self._lead(entry.mod_revision, sent)
+                return self.fence() is not None
+        self.lost("its lease lapsed")
+        sent = self.clock()
         self.lease_id = await self.kv.grant_lease(self.ttl_s)
         won, entry = await self.kv.commit_read(
             {self.key: 0}, [Put(self.key, self.identity.encode(), self.lease_id)], self.key)
         if won and entry is not None:
-            self.leading, self._fence = True, {self.key: entry.mod_revision}
-        return self.leading
+            self._lead(entry.mod_revision, sent)
+        return self.fence() is not None
 
-    def lost(self) -> None:
+    def lost(self, why: str = "etcd did not answer") -> None:
         """This replica does not lead, or cannot tell (etcd did not answer)."""
+        if self._fence is not None:
+            log.warning("stopped leading (term %d): %s", self._fence.term, why)
         self.leading, self._fence = False, None
 
     async def release(self) -> None:
         """Give up the lead (the next replica need not wait for the lease to lapse)."""
-        self.lost()
+        self.lost("stopping")
+        if self._timer is not None:
+            self._timer.cancel()
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
@@ -270,10 +305,11 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                         fresh_until = time.monotonic() + FRESH_AFTER_TAKEOVER_S
                     last_lead_check = time.monotonic()
                     await contact.settle(leadership.fence() if leading else None)
-                if leading:
+                fence = leadership.fence() if leading else None  # None: the lead lapsed here
+                if fence is not None:
                     started = time.perf_counter()
                     await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
-                               leadership.fence(), fresh=time.monotonic() < fresh_until)
+                               fence, fresh=time.monotonic() < fresh_until)
                     passes.record(time.perf_counter() - started)
                     contact.reached()
                 else:
@@ -281,11 +317,11 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     missing_since.clear()
             except StoreUnavailable as exc:
                 leading = False
-                leadership.lost()  # compaction and retention stop too, until hold() answers
+                leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
                 log.warning("scheduler paused: %s", exc.message)
             except StaleLeader as exc:
                 leading = False
-                leadership.lost()
+                leadership.lost(exc.message)
                 log.warning("scheduler stopped: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")

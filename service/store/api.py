@@ -24,7 +24,7 @@ Two implementations: `service.store.etcd.EtcdStore` (production) and
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from service.errors import ReplyTooLarge
@@ -69,6 +69,21 @@ class Delete:
 
 
 Op = Put | Delete
+
+
+class Fence(dict[str, int]):
+    """What a leader-only write compares: {the leader's key: the revision at which this
+    replica wrote it} (`service.scheduler.Leadership.fence`), and who holds it: `holder`,
+    the replica's identity as the key names it, and `term`, that revision (a later lead
+    has a larger one), which the events such a write adds carry (`service.jobs`).
+    `lapsed()`: True once the holder no longer counts itself leader (its lease may have
+    lapsed in etcd), so that it sends no write after that (`service.jobs.JobStore.update`)."""
+
+    def __init__(self, key: str, term: int, holder: str, lapsed: Callable[[], bool] = lambda: False):
+        super().__init__({key: term})
+        self.term = term
+        self.holder = holder
+        self.lapsed = lapsed
 
 
 class KeyValue(abc.ABC):

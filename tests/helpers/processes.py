@@ -86,12 +86,14 @@ def _runs_launchers(pid: int) -> bool:
 
 
 class ControlPlane:
-    """A real `ftrain serve` (uvicorn) process on a free port (loopback unless `host` is given)."""
+    """A real `ftrain serve` (uvicorn) process on a free port (loopback unless `host` is given;
+    in the network namespace `netns` if given)."""
 
     def __init__(self, etcd_endpoint: str, workdir: Path, user_token: str | None = None,
                  node_token: str | None = None, port: int | None = None, env: dict | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", netns: str | None = None):
         self.host = host
+        self.netns = netns  # a network namespace to run in (`ip netns exec`)
         self.etcd_endpoint = etcd_endpoint
         self.workdir = workdir
         self.user_token = user_token or secrets.token_urlsafe(16)
@@ -112,11 +114,13 @@ class ControlPlane:
         env = {**os.environ, "FTRAIN_USER_TOKEN": self.user_token,
                "FTRAIN_NODE_TOKEN": self.node_token, **self.env}
         log = open(self.workdir / f"control-plane-{self.port}.log", "ab")  # noqa: SIM115
+        argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
+                "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),
+                "--log-root", str(self.log_root), "--secret-dir", str(self.secret_dir)]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
-             "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),
-             "--log-root", str(self.log_root), "--secret-dir", str(self.secret_dir)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
         return self

@@ -240,6 +240,33 @@ def test_a_scheduler_that_lost_the_lead_writes_nothing():
     asyncio.run(main())
 
 
+def test_a_leader_whose_etcd_calls_hang_stops_by_its_own_clock_and_its_events_name_its_term():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
+        await ctx.nodes.register("n0", 1, None, ttl_s=600)
+        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=2, clock=clock)
+        assert await lead.hold()
+        fence = lead.fence()
+        await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=fence)
+        submitted, started = await ctx.jobs.events(job.id)
+        assert (submitted.leader, submitted.term) == (None, None)  # a user's request, not the leader's
+        assert (started.state, started.leader, started.term) == (JobState.RUNNING, lead.identity,
+                                                                 fence.term)
+        # No keep-alive confirmed for the lease's TTL (etcd's answers hang): it stops leading
+        # by its own clock, and the fence it handed out before stops its writes too.
+        clock.now += 1.9
+        assert lead.fence() is not None
+        clock.now += 0.1
+        assert lead.fence() is None
+        with pytest.raises(StaleLeader):
+            await ctx.jobs.update(job.id, lambda j: None, fence)
+
+    asyncio.run(main())
+
+
 class CutOff(MemoryStore):
     """A store that stops answering lease refreshes (etcd out of this replica's reach)."""
 
