@@ -26,8 +26,21 @@ The copy stalls training as little as it can. Parameters and optimizer state cha
 in `optimizer.step()`, so `capture` copies everything else (buffers, which a forward pass
 may change; the small state) at once and hands the parameters and optimizer state to a
 thread that copies them while the next step's forward and backward run; an optimizer
-step pre-hook (`guard`) waits for that thread before the optimizer may touch them. On a
-GPU the thread copies on a side stream that waits for the training stream's event.
+step pre-hook (`guard`) waits for that thread before the optimizer may touch them.
+
+On a GPU (`capture`'s device path) nothing on the training thread waits for the copy:
+the packing puts the GPU's tensors first, so they fill one contiguous range of the slot;
+`capture` records an event on the training stream at the step boundary, copies the
+buffers into a GPU staging buffer of that range's size on the training stream (a forward
+may change them next), and on a side stream that waits for the event copies the
+parameters and optimizer state into it too (device to device: fractions of a millisecond),
+then the whole range to the host in one non-blocking copy. The slot's pages are registered
+with CUDA (page-locked), so that copy is a DMA straight into /dev/shm at the link's speed,
+beside the training kernels; where registration is refused, into a pinned buffer that the
+thread then copies into the slot. The guard makes the training stream wait (on the GPU, not
+the host) for the staging copy alone; the thread waits for the host copy and commits the
+slot. A capture that comes while the previous copy is still in flight is skipped (`busy`):
+the copies then come as often as the link allows, and the training thread never waits.
 """
 
 from __future__ import annotations
@@ -98,14 +111,26 @@ def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def _aligned(t: torch.Tensor) -> int:
+    return (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+
+
 def _packing(tensors: list[torch.Tensor]) -> tuple[list[tuple[torch.dtype, tuple, int]], int]:
-    """(dtype, shape, offset) of each tensor in a packed buffer, and the buffer's size."""
-    out, offset = [], 0
-    for t in tensors:
-        out.append((t.dtype, tuple(t.shape), offset))
-        nbytes = t.numel() * t.element_size()
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    """(dtype, shape, offset) of each tensor in a packed buffer, and the buffer's size. The
+    GPU's tensors come first, so that they fill one range (`_device_end`) that one copy moves."""
+    offsets = [0] * len(tensors)
+    offset = 0
+    for i in sorted(range(len(tensors)), key=lambda i: tensors[i].device.type != "cuda"):
+        offsets[i] = offset
+        offset += _aligned(tensors[i])
+    out = [(t.dtype, tuple(t.shape), offsets[i]) for i, t in enumerate(tensors)]
     return out, max(offset, ALIGN)
+
+
+def _device_end(tensors: list[torch.Tensor], packing: list[tuple[torch.dtype, tuple, int]]) -> int:
+    """The end of the GPU tensors' range at the start of the packed buffer (0: none)."""
+    return max((off + _aligned(t) for t, (_, _, off) in zip(tensors, packing) if t.device.type == "cuda"),
+               default=0)
 
 
 def _views(buf: torch.Tensor, packing: list[tuple[torch.dtype, tuple, int]]) -> list[torch.Tensor]:
@@ -206,6 +231,13 @@ class MemoryWriter:
     """The writer of one node's memory tier: `capture` each step, `guard` before the
     optimizer's step. See the module docstring."""
 
+    # "staged": the GPU path of the module docstring; "pageable": the first version (each
+    # GPU tensor copied by the thread on a side stream straight into the slot's pageable
+    # pages, the optimizer's guard waiting for the thread): kept for bench/snapshot.py's
+    # comparison, and used where the GPU tensors are on more than one device.
+    device_path = "staged"
+    register_host = True  # False: copy through a pinned buffer (the fallback), for the bench
+
     def __init__(self, directory: str | Path, attempt: int = 0, rank: int = 0):
         self.directory = Path(directory)
         self.attempt = attempt
@@ -217,9 +249,16 @@ class MemoryWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stream = None
+        self._on_device = False  # the copy in flight is the GPU path's (the guard need not join it)
+        self._staged = None  # GPU path: (event, device) the optimizer's step waits for: staging done
+        self._staging: tuple[list, torch.Tensor] | None = None  # (packing, GPU bytes)
+        self._pinned: dict[int, bool] = {}  # slot -> its mapping is registered with CUDA
+        self._bounce: torch.Tensor | None = None  # pinned host buffer where registration is refused
+        self.host_copy: str | None = None  # "registered" or "pinned": how the GPU path reaches the slot
         self.disabled: str | None = None  # why the tier is off (no room for a copy)
         self.stalls_s: list[float] = []  # per capture: the training thread's time in capture + guard
         self.copies_s: list[float] = []  # per capture: from capture to the copy being whole
+        self.skipped = 0  # captures skipped because the previous copy was still in flight
 
     def _slot_of_latest(self) -> int | None:
         try:
@@ -232,7 +271,7 @@ class MemoryWriter:
         if known is not None and known[0] == packing:
             return known[1]
         path = self.directory / f"slot{slot}.bin"
-        self._maps.pop(slot, None)
+        self._unmap(slot)
         with open(path, "wb") as f:
             # Reserve the pages now: a write through the mapping into a tmpfs that is full
             # (a container's 64 MiB /dev/shm) would be a SIGBUS, not an error.
@@ -241,11 +280,53 @@ class MemoryWriter:
         self._maps[slot] = (packing, buf)
         return buf
 
+    def _unmap(self, slot: int) -> None:
+        known = self._maps.pop(slot, None)
+        if known is not None and self._pinned.pop(slot, False):
+            if self._stream is not None:
+                self._stream.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(known[1].data_ptr())
+
+    def _register(self, slot: int, buf: torch.Tensor) -> bool:
+        """Page-lock the slot's mapping for CUDA (once per mapping), so that a non-blocking
+        copy from the GPU lands in it directly; False where CUDA refuses."""
+        if slot not in self._pinned:
+            ok = False
+            if self.register_host:
+                try:
+                    # 1: cudaHostRegisterPortable, as torch.distributed.checkpoint's stager does
+                    ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
+                except (RuntimeError, AttributeError) as exc:
+                    log.info("memory tier: cannot register the slot with CUDA (%s)", exc)
+                if not ok:
+                    log.info("memory tier: CUDA refused to register the slot; copying through a "
+                             "pinned buffer")
+            self._pinned[slot] = ok
+            self.host_copy = "registered" if ok else "pinned"
+        return self._pinned[slot]
+
+    def busy(self) -> bool:
+        """The GPU path's previous copy is still in flight: a capture now would be skipped."""
+        t = self._thread
+        return self._on_device and t is not None and t.is_alive()
+
+    def last_cost_s(self) -> float:
+        """What the last copy cost the training loop: on the GPU path the training thread's
+        time alone (the copy runs on the copy engine); otherwise also the copy thread's whole
+        time (it takes a core)."""
+        stall = self.stalls_s[-1] if self.stalls_s else 0.0
+        if self._on_device:
+            return stall
+        return stall + (self.copies_s[-1] if self.copies_s else 0.0)
+
     def capture(self, state: dict, step: int, later: set[int]) -> None:
         """Start the copy of `state` at `step`. Tensors whose storage pointer is in `later`
         (parameters, optimizer state: changed only by the optimizer's step) are copied in
-        a thread; everything else now."""
+        a thread (on a GPU: on a side stream); everything else now."""
         if self.disabled:
+            return
+        if self.busy():
+            self.skipped += 1
             return
         start = time.perf_counter()
         self.wait()
@@ -262,32 +343,98 @@ class MemoryWriter:
             (self.directory / f"slot{slot}.bin").unlink(missing_ok=True)
             return
         views = _views(buf, packing)
+        meta = {"step": step, "size": size, "packing": packing, "skeleton": skeleton}
+        devices = {t.device for t in tensors if t.device.type == "cuda"}
+        if len(devices) == 1 and self.device_path == "staged":
+            deferred, event = self._capture_device(tensors, views, packing, buf, slot, later, devices.pop())
+        else:
+            deferred, event = self._capture_host(tensors, views, later)
+        self._on_device = event is not None and event[0] == "staged"
+        self._thread = threading.Thread(target=self._finish, args=(deferred, meta, slot, event, start),
+                                        name=f"memory-copy-{step}", daemon=True)
+        self._thread.start()
+        self.stalls_s.append(time.perf_counter() - start)
+
+    def _capture_host(self, tensors: list, views: list, later: set[int]) -> tuple[list, Any]:
+        """CPU tensors not in `later` now, the rest by the thread (GPU ones on a side stream)."""
         deferred = []
         for src, dst in zip(tensors, views):
             if src.device.type == "cpu" and src.untyped_storage().data_ptr() not in later:
                 dst.copy_(src)
             else:
                 deferred.append((src, dst))
-        meta = {"step": step, "size": size, "packing": packing, "skeleton": skeleton}
         event = None
         if any(s.device.type == "cuda" for s, _ in deferred):
             event = torch.cuda.Event()
             event.record()
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
-        self._thread = threading.Thread(target=self._finish, args=(deferred, meta, slot, event, start),
-                                        name=f"memory-copy-{step}", daemon=True)
-        self._thread.start()
-        self.stalls_s.append(time.perf_counter() - start)
+        return deferred, None if event is None else ("pageable", event, self._stream)
+
+    def _capture_device(self, tensors: list, views: list, packing: list, buf: torch.Tensor, slot: int,
+                        later: set[int], device: torch.device) -> tuple[list, Any]:
+        """The GPU path (module docstring): enqueue the copies, return the thread's work."""
+        end = _device_end(tensors, packing)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        if self._staging is None or self._staging[0] != packing:
+            self._staging = None
+            self._staging = (packing, torch.empty(end, dtype=torch.uint8, device=device))
+        staging = self._staging[1]
+        on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        staged_views = _views(staging, [packing[i] for i in on_device])
+        now: tuple[list, list] = ([], [])
+        late: tuple[list, list] = ([], [])
+        for i, dst in zip(on_device, staged_views):
+            src = tensors[i]
+            pair = late if src.untyped_storage().data_ptr() in later else now
+            pair[0].append(dst)
+            pair[1].append(src)
+        # CPU tensors (small: counters, RNG states) now, the optimizer's too: the guard
+        # does not wait for the thread on this path.
+        for src, dst in zip(tensors, views):
+            if src.device.type != "cuda":
+                dst.copy_(src)
+        training = torch.cuda.current_stream(device)
+        if now[0]:
+            torch._foreach_copy_(now[0], now[1])  # on the training stream: a forward may change them
+        boundary = torch.cuda.Event()
+        boundary.record(training)
+        side = self._stream
+        side.wait_event(boundary)
+        with torch.cuda.stream(side):
+            if late[0]:
+                torch._foreach_copy_(late[0], late[1])
+            staged = torch.cuda.Event()
+            staged.record(side)
+            deferred: list = []
+            if self._register(slot, buf):
+                buf[:end].copy_(staging, non_blocking=True)
+            else:
+                if self._bounce is None or self._bounce.numel() != end:
+                    self._bounce = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+                self._bounce.copy_(staging, non_blocking=True)
+                deferred = [(self._bounce, buf[:end])]
+            done = torch.cuda.Event()
+            done.record(side)
+        self._staged = (staged, device)
+        return deferred, ("staged", done)
 
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float) -> None:
         try:
-            if event is not None:
-                with torch.cuda.stream(self._stream):
-                    self._stream.wait_event(event)
+            if event is not None and event[0] == "staged":
+                done = event[1]
+                while not done.query():  # the host copy, beside training; no core spun
+                    time.sleep(0.0005)
+                for src, dst in deferred:  # from the pinned buffer, where registration was refused
+                    dst.copy_(src)
+            elif event is not None:  # the pageable path: the copies on the side stream, here
+                _, boundary, stream = event
+                with torch.cuda.stream(stream):
+                    stream.wait_event(boundary)
                     for src, dst in deferred:
                         dst.copy_(src)
-                    self._stream.synchronize()
+                    stream.synchronize()
             else:
                 for src, dst in deferred:
                     dst.copy_(src)
@@ -317,7 +464,13 @@ class MemoryWriter:
             log.warning("memory copy failed (%s); training goes on, the disk tier still holds", error)
 
     def guard(self, *_args, **_kwargs) -> None:
-        """An optimizer step pre-hook: the copy must be whole before the optimizer changes it."""
+        """An optimizer step pre-hook: the copy must be whole before the optimizer changes it.
+        On the GPU path that is the staging copy, and the wait is the training stream's."""
+        if self._on_device:
+            staged, self._staged = self._staged, None
+            if staged is not None:
+                torch.cuda.current_stream(staged[1]).wait_event(staged[0])
+            return
         self.wait()
 
 

@@ -430,21 +430,25 @@ class Runtime:
         self._last_step_t = now
 
     def _memory_due(self) -> bool:
+        assert self._memory is not None
+        if self._memory.busy():  # the GPU's previous copy is in flight: try again next step
+            self._memory.skipped += 1
+            return False
         if self.memory_every:
             return self.step % self.memory_every == 0
         return self.step >= self._memory_next
 
     def _plan_next_copy(self) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'
-        cost within MEMORY_BUDGET of the step time. The cost is the last whole copy's time
-        (its thread runs beside training: on a CPU it takes a core, on a GPU the copy
-        engine; counted whole, which errs on the safe side) plus the training thread's wait."""
+        cost within MEMORY_BUDGET of the step time. The cost is the training thread's time in
+        the copy, plus on a CPU the copy thread's whole time (it takes a core); on a GPU the
+        copy runs on the copy engine, and a copy still in flight skips the next (`_memory_due`)."""
         if self.memory_every:
             self.memory_interval = self.memory_every
             return
         w = self._memory
         assert w is not None
-        cost = (w.copies_s[-1] if w.copies_s else 0.0) + (w.stalls_s[-1] if w.stalls_s else 0.0)
+        cost = w.last_cost_s()
         k = 1
         if self._step_s and cost > MEMORY_BUDGET * self._step_s:
             k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from worker import memory as mem
@@ -222,3 +223,38 @@ def test_a_copy_read_back_in_many_chunks_is_whole(tmp_path, monkeypatch):
     writer.wait()
     got = mem.load(tmp_path)
     assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
+@pytest.mark.parametrize("path,register", [("staged", True), ("staged", False), ("pageable", True)])
+def test_on_a_gpu_a_copy_is_the_state_of_its_step_although_training_goes_on_at_once(
+        tmp_path, monkeypatch, path, register):
+    monkeypatch.setattr(mem.MemoryWriter, "device_path", path)
+    monkeypatch.setattr(mem.MemoryWriter, "register_host", register)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512),
+                                torch.nn.Linear(512, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    writer = mem.MemoryWriter(tmp_path)
+    opt.register_step_pre_hook(writer.guard)
+
+    def step(seed: int) -> None:
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()  # changes the BatchNorm's running stats too
+        opt.step()
+
+    for n in range(1, 4):
+        step(n)
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        exp_avg = [opt.state[p]["exp_avg"].cpu().clone() for p in model.parameters()]
+        writer.capture(_state(model, opt, n), n, _later(model, opt))
+        step(100 + n)  # at once: forward, backward and optimizer step on the training stream
+        step(200 + n)
+        writer.wait()
+        got = mem.load(tmp_path)
+        assert got["step"] == n and mem.read_held(tmp_path).step == n
+        assert _equal(got["model"], expected)
+        assert all(torch.equal(a, got["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(exp_avg))
+    if path == "staged":
+        assert writer.host_copy == ("registered" if register else "pinned")
