@@ -259,17 +259,20 @@ def main() -> None:
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
                 backend = "gloo" if args.device == "cpu" else None
-                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm, backend)
-                if on_gpu:  # the same, through a pinned buffer, and the first version's path
-                    row["memory_pinned"] = memory_overhead(width, 2 * steps, args.batch, shm, backend,
+                for name in ("every_1", "pinned", "pageable", "auto"):
+                    (shm / name).mkdir()
+                n = 2 * steps
+                if on_gpu:  # through a pinned buffer, and the first version's path
+                    row["memory_pinned"] = memory_overhead(width, n, args.batch, shm / "pinned", backend,
                                                            register=False)
-                    row["memory_pageable"] = memory_overhead(width, 2 * steps, args.batch, shm, backend,
-                                                             path="pageable")
-                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm, backend,
+                    row["memory_pageable"] = memory_overhead(width, n, args.batch, shm / "pageable",
+                                                             backend, path="pageable")
+                row["memory_every_1"] = memory_overhead(width, n, args.batch, shm / "every_1", backend)
+                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm / "auto", backend,
                                                      block=max(10, steps // 2), every=None)
                 disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
-                row["restore"] = restore_times(width, shm, disk_file, 3)
-                row["replicate_s"] = replication_times(shm, root, 3)
+                row["restore"] = restore_times(width, shm / "every_1", disk_file, 3)
+                row["replicate_s"] = replication_times(shm / "every_1", root, 3)
             finally:
                 import shutil
 

@@ -293,11 +293,20 @@ class MemoryWriter:
         if slot not in self._pinned:
             ok = False
             if self.register_host:
-                try:
-                    # 1: cudaHostRegisterPortable, as torch.distributed.checkpoint's stager does
-                    ok = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)) == 0
-                except (RuntimeError, AttributeError) as exc:
-                    log.info("memory tier: cannot register the slot with CUDA (%s)", exc)
+                got: list = []
+
+                def register() -> None:
+                    try:  # 1: cudaHostRegisterPortable, as torch.distributed.checkpoint's stager does
+                        got.append(int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)))
+                    except (RuntimeError, AttributeError) as exc:
+                        log.info("memory tier: cannot register the slot with CUDA (%s)", exc)
+
+                # In a thread of its own: CUDA keeps a refused call's error per thread, and the
+                # training thread's next kernel launch would raise it.
+                t = threading.Thread(target=register, name="memory-register")
+                t.start()
+                t.join()
+                ok = got == [0]
                 if not ok:
                     log.info("memory tier: CUDA refused to register the slot; copying through a "
                              "pinned buffer")
@@ -356,10 +365,11 @@ class MemoryWriter:
         self.stalls_s.append(time.perf_counter() - start)
 
     def _capture_host(self, tensors: list, views: list, later: set[int]) -> tuple[list, Any]:
-        """CPU tensors not in `later` now, the rest by the thread (GPU ones on a side stream)."""
+        """Tensors not in `later` now (a GPU's too: a forward may change its buffers next), the
+        rest by the thread (GPU ones on a side stream)."""
         deferred = []
         for src, dst in zip(tensors, views):
-            if src.device.type == "cpu" and src.untyped_storage().data_ptr() not in later:
+            if src.untyped_storage().data_ptr() not in later:
                 dst.copy_(src)
             else:
                 deferred.append((src, dst))
