@@ -117,20 +117,21 @@ def _aligned(t: torch.Tensor) -> int:
 
 def _packing(tensors: list[torch.Tensor]) -> tuple[list[tuple[torch.dtype, tuple, int]], int]:
     """(dtype, shape, offset) of each tensor in a packed buffer, and the buffer's size. The
-    GPU's tensors come first, so that they fill one range (`_device_end`) that one copy moves."""
+    GPU's tensors come last, so that they fill one range (`_device_range`) that one copy moves;
+    the others keep their order from offset 0 (where the first version put them)."""
     offsets = [0] * len(tensors)
     offset = 0
-    for i in sorted(range(len(tensors)), key=lambda i: tensors[i].device.type != "cuda"):
+    for i in sorted(range(len(tensors)), key=lambda i: tensors[i].device.type == "cuda"):
         offsets[i] = offset
         offset += _aligned(tensors[i])
     out = [(t.dtype, tuple(t.shape), offsets[i]) for i, t in enumerate(tensors)]
     return out, max(offset, ALIGN)
 
 
-def _device_end(tensors: list[torch.Tensor], packing: list[tuple[torch.dtype, tuple, int]]) -> int:
-    """The end of the GPU tensors' range at the start of the packed buffer (0: none)."""
-    return max((off + _aligned(t) for t, (_, _, off) in zip(tensors, packing) if t.device.type == "cuda"),
-               default=0)
+def _device_range(tensors: list[torch.Tensor], packing: list) -> tuple[int, int]:
+    """(start, end) of the GPU tensors' range at the end of the packed buffer."""
+    spans = [(off, off + _aligned(t)) for t, (_, _, off) in zip(tensors, packing) if t.device.type == "cuda"]
+    return min(a for a, _ in spans), max(b for _, b in spans)
 
 
 def _views(buf: torch.Tensor, packing: list[tuple[torch.dtype, tuple, int]]) -> list[torch.Tensor]:
@@ -259,6 +260,8 @@ class MemoryWriter:
         self.stalls_s: list[float] = []  # per capture: the training thread's time in capture + guard
         self.copies_s: list[float] = []  # per capture: from capture to the copy being whole
         self.skipped = 0  # captures skipped because the previous copy was still in flight
+        self._layout_cache: tuple | None = None  # (dtypes, shapes, devices) -> packing, size
+        self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
 
     def _slot_of_latest(self) -> int | None:
         try:
@@ -314,6 +317,23 @@ class MemoryWriter:
             self.host_copy = "registered" if ok else "pinned"
         return self._pinned[slot]
 
+    def _layout(self, tensors: list[torch.Tensor]) -> tuple[list, int]:
+        """`_packing` of `tensors`, kept while their dtypes, shapes and devices stay the same
+        (every step, in training): the training thread's time in a capture is mostly Python."""
+        key = tuple((t.dtype, t.shape, t.device) for t in tensors)
+        if self._layout_cache is None or self._layout_cache[0] != key:
+            self._layout_cache = (key, *_packing(tensors))
+            self._view_cache.clear()
+        return self._layout_cache[1], self._layout_cache[2]
+
+    def _views_of(self, name: tuple, buf: torch.Tensor, packing: list) -> list[torch.Tensor]:
+        """`_views(buf, packing)`, kept per buffer while the layout stays (`_layout`)."""
+        known = self._view_cache.get(name)
+        if known is None or known[0] is not buf:
+            known = (buf, _views(buf, packing))
+            self._view_cache[name] = known
+        return known[1]
+
     def busy(self) -> bool:
         """The GPU path's previous copy is still in flight: a capture now would be skipped."""
         t = self._thread
@@ -341,7 +361,7 @@ class MemoryWriter:
         self.wait()
         tensors: list[torch.Tensor] = []
         skeleton = _split(state, tensors)
-        packing, size = _packing(tensors)
+        packing, size = self._layout(tensors)
         slot = 1 if self._latest_slot == 0 else 0
         try:
             buf = self._mapped(slot, packing, size)
@@ -351,7 +371,7 @@ class MemoryWriter:
                         "room for two copies, e.g. docker's --shm-size)", self.disabled)
             (self.directory / f"slot{slot}.bin").unlink(missing_ok=True)
             return
-        views = _views(buf, packing)
+        views = self._views_of(("slot", slot), buf, packing)
         meta = {"step": step, "size": size, "packing": packing, "skeleton": skeleton}
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         if len(devices) == 1 and self.device_path == "staged":
@@ -384,15 +404,16 @@ class MemoryWriter:
     def _capture_device(self, tensors: list, views: list, packing: list, buf: torch.Tensor, slot: int,
                         later: set[int], device: torch.device) -> tuple[list, Any]:
         """The GPU path (module docstring): enqueue the copies, return the thread's work."""
-        end = _device_end(tensors, packing)
+        start, end = _device_range(tensors, packing)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         if self._staging is None or self._staging[0] != packing:
             self._staging = None
-            self._staging = (packing, torch.empty(end, dtype=torch.uint8, device=device))
+            self._staging = (packing, torch.empty(end - start, dtype=torch.uint8, device=device))
         staging = self._staging[1]
         on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
-        staged_views = _views(staging, [packing[i] for i in on_device])
+        shifted = [(dtype, shape, off - start) for dtype, shape, off in (packing[i] for i in on_device)]
+        staged_views = self._views_of(("staging",), staging, shifted)
         now: tuple[list, list] = ([], [])
         late: tuple[list, list] = ([], [])
         for i, dst in zip(on_device, staged_views):
@@ -419,12 +440,12 @@ class MemoryWriter:
             staged.record(side)
             deferred: list = []
             if self._register(slot, buf):
-                buf[:end].copy_(staging, non_blocking=True)
+                buf[start:end].copy_(staging, non_blocking=True)
             else:
-                if self._bounce is None or self._bounce.numel() != end:
-                    self._bounce = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+                if self._bounce is None or self._bounce.numel() != end - start:
+                    self._bounce = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
                 self._bounce.copy_(staging, non_blocking=True)
-                deferred = [(self._bounce, buf[:end])]
+                deferred = [(self._bounce, buf[start:end])]
             done = torch.cuda.Event()
             done.record(side)
         self._staged = (staged, device)
@@ -433,9 +454,7 @@ class MemoryWriter:
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float) -> None:
         try:
             if event is not None and event[0] == "staged":
-                done = event[1]
-                while not done.query():  # the host copy, beside training; no core spun
-                    time.sleep(0.0005)
+                event[1].synchronize()  # the host copy, beside training (the GIL released meanwhile)
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
             elif event is not None:  # the pageable path: the copies on the side stream, here
@@ -460,14 +479,15 @@ class MemoryWriter:
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
-    def wait(self) -> None:
-        """Block until the copy in flight is whole (the optimizer may then change the state)."""
+    def wait(self, stall: bool = True) -> None:
+        """Block until the copy in flight is whole (the optimizer may then change the state).
+        `stall`: count the wait as the training thread's (False: a benchmark's untimed wait)."""
         t = self._thread
         if t is not None:
             start = time.perf_counter()
             t.join()
             self._thread = None
-            if self.stalls_s:
+            if self.stalls_s and stall:
                 self.stalls_s[-1] += time.perf_counter() - start
         if self._error is not None:
             error, self._error = self._error, None
