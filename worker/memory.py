@@ -259,6 +259,9 @@ class MemoryWriter:
         self.disabled: str | None = None  # why the tier is off (no room for a copy)
         self.stalls_s: list[float] = []  # per capture: the training thread's time in capture + guard
         self.copies_s: list[float] = []  # per capture: from capture to the copy being whole
+        self.setups_s: list[float] = []  # one-time work of a capture (slot mapped, registered, buffers)
+        self._setup_s = 0.0
+        self.commits_s: list[float] = []  # GPU path, per copy: the thread's Python work once the copy is in
         self.skipped = 0  # captures skipped because the previous copy was still in flight
         self._layout_cache: tuple | None = None  # (dtypes, shapes, devices) -> packing, size
         self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
@@ -273,6 +276,7 @@ class MemoryWriter:
         known = self._maps.get(slot)
         if known is not None and known[0] == packing:
             return known[1]
+        began = time.perf_counter()
         path = self.directory / f"slot{slot}.bin"
         self._unmap(slot)
         with open(path, "wb") as f:
@@ -281,6 +285,7 @@ class MemoryWriter:
             os.posix_fallocate(f.fileno(), 0, size)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = (packing, buf)
+        self._setup_s += time.perf_counter() - began
         return buf
 
     def _unmap(self, slot: int) -> None:
@@ -294,6 +299,7 @@ class MemoryWriter:
         """Page-lock the slot's mapping for CUDA (once per mapping), so that a non-blocking
         copy from the GPU lands in it directly; False where CUDA refuses."""
         if slot not in self._pinned:
+            began = time.perf_counter()
             ok = False
             if self.register_host:
                 got: list = []
@@ -315,6 +321,7 @@ class MemoryWriter:
                              "pinned buffer")
             self._pinned[slot] = ok
             self.host_copy = "registered" if ok else "pinned"
+            self._setup_s += time.perf_counter() - began
         return self._pinned[slot]
 
     def _layout(self, tensors: list[torch.Tensor]) -> tuple[list, int]:
@@ -344,8 +351,8 @@ class MemoryWriter:
         time alone (the copy runs on the copy engine); otherwise also the copy thread's whole
         time (it takes a core)."""
         stall = self.stalls_s[-1] if self.stalls_s else 0.0
-        if self._on_device:
-            return stall
+        if self._on_device:  # plus the thread's commit, which holds the GIL the training thread needs
+            return stall + (self.commits_s[-1] if self.commits_s else 0.0)
         return stall + (self.copies_s[-1] if self.copies_s else 0.0)
 
     def capture(self, state: dict, step: int, later: set[int]) -> None:
@@ -358,6 +365,7 @@ class MemoryWriter:
             self.skipped += 1
             return
         start = time.perf_counter()
+        self._setup_s = 0.0
         self.wait()
         tensors: list[torch.Tensor] = []
         skeleton = _split(state, tensors)
@@ -382,7 +390,11 @@ class MemoryWriter:
         self._thread = threading.Thread(target=self._finish, args=(deferred, meta, slot, event, start),
                                         name=f"memory-copy-{step}", daemon=True)
         self._thread.start()
-        self.stalls_s.append(time.perf_counter() - start)
+        # One-time work (mapping a slot, registering it, making buffers) is counted apart:
+        # the stall is what every copy costs, and the interval is picked from it.
+        self.stalls_s.append(time.perf_counter() - start - self._setup_s)
+        if self._setup_s:
+            self.setups_s.append(self._setup_s)
 
     def _capture_host(self, tensors: list, views: list, later: set[int]) -> tuple[list, Any]:
         """Tensors not in `later` now (a GPU's too: a forward may change its buffers next), the
@@ -408,8 +420,10 @@ class MemoryWriter:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         if self._staging is None or self._staging[0] != packing:
+            began = time.perf_counter()
             self._staging = None
             self._staging = (packing, torch.empty(end - start, dtype=torch.uint8, device=device))
+            self._setup_s += time.perf_counter() - began
         staging = self._staging[1]
         on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
         shifted = [(dtype, shape, off - start) for dtype, shape, off in (packing[i] for i in on_device)]
@@ -443,7 +457,9 @@ class MemoryWriter:
                 buf[start:end].copy_(staging, non_blocking=True)
             else:
                 if self._bounce is None or self._bounce.numel() != end - start:
+                    began = time.perf_counter()
                     self._bounce = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
+                    self._setup_s += time.perf_counter() - began
                 self._bounce.copy_(staging, non_blocking=True)
                 deferred = [(self._bounce, buf[start:end])]
             done = torch.cuda.Event()
@@ -455,6 +471,7 @@ class MemoryWriter:
         try:
             if event is not None and event[0] == "staged":
                 event[1].synchronize()  # the host copy, beside training (the GIL released meanwhile)
+                committing = time.perf_counter()
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
             elif event is not None:  # the pageable path: the copies on the side stream, here
@@ -476,6 +493,8 @@ class MemoryWriter:
             self._latest_slot = slot
             self.held = Held(meta["step"], self.attempt, self.rank, now)
             self.copies_s.append(time.perf_counter() - started)
+            if event is not None and event[0] == "staged":
+                self.commits_s.append(time.perf_counter() - committing)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
@@ -492,6 +511,18 @@ class MemoryWriter:
         if self._error is not None:
             error, self._error = self._error, None
             log.warning("memory copy failed (%s); training goes on, the disk tier still holds", error)
+
+    def close(self) -> None:
+        """The copy in flight whole, then the slots' CUDA registrations undone and the GPU
+        buffers freed (a mapping unmapped while registered would make a later registration
+        of the same addresses, by another writer of this process, fail)."""
+        self.wait()
+        for slot in list(self._maps):
+            self._unmap(slot)
+        self._view_cache.clear()
+        self._layout_cache = None
+        self._staging = None
+        self._bounce = None
 
     def guard(self, *_args, **_kwargs) -> None:
         """An optimizer step pre-hook: the copy must be whole before the optimizer changes it.

@@ -199,6 +199,7 @@ class Runtime:
     memory_every: int | None = None  # steps between copies; None: picked to fit MEMORY_BUDGET
     memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
     _memory_next: int = 0  # the step of the next copy
+    _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
     _step_s: float | None = None  # the step period (moving average), for the picked interval
     _last_step_t: float | None = None
     attempt: int = 0
@@ -431,12 +432,24 @@ class Runtime:
 
     def _memory_due(self) -> bool:
         assert self._memory is not None
-        if self._memory.busy():  # the GPU's previous copy is in flight: try again next step
+        due = self.step % self.memory_every == 0 if self.memory_every else self.step >= self._memory_next
+        if due and self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
             self._memory.skipped += 1
+            self._memory_missed = self.step
             return False
-        if self.memory_every:
-            return self.step % self.memory_every == 0
-        return self.step >= self._memory_next
+        return due
+
+    def _flush_memory(self) -> None:
+        """At the end: the copy in flight whole; the last step's copy if it was due and skipped
+        (a copy was in flight), so the tier holds the state the job ended with; the writer's
+        buffers freed."""
+        w = self._memory
+        assert w is not None
+        w.wait()
+        if self._memory_missed == self.step and not w.disabled and self._state:
+            self._copy_to_memory()
+            w.wait()
+        w.close()
 
     def _plan_next_copy(self) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'
@@ -622,7 +635,7 @@ class Runtime:
         try:
             self._stop_report.set()
             if self._memory is not None:
-                self._memory.wait()
+                self._flush_memory()
             if self._writer is not None:
                 self._writer.wait()
         finally:

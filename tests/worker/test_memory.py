@@ -195,9 +195,43 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     writer.copies_s[:] = [10.0]
     rt._plan_next_copy()
     assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
+    # On the GPU path the copy runs on the copy engine: its cost is the training thread's
+    # time and the thread's commit (which holds the GIL), not the whole copy.
+    writer._on_device = True
+    writer.commits_s[:] = [0.001]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 1
+    writer.commits_s[:] = [0.0195]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 4
+    writer._on_device = False
     fixed = runtime.init(memory_dir=tmp_path, memory_every=3, env={})
     _train(fixed, 7)
     assert fixed.memory_interval == 3 and mem.read_held(tmp_path).step == 6
+
+
+def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path, monkeypatch):
+    """On a GPU a copy that is due while the previous one is still in flight is skipped (the
+    training thread does not wait); the job's last step is copied when the runtime finishes."""
+    in_flight = [False]
+    monkeypatch.setattr(mem.MemoryWriter, "busy", lambda self: in_flight[0])
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    torch.manual_seed(0)
+    model = rt.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rt.restore(model=model, optimizer=opt)
+    for step in range(1, 5):
+        in_flight[0] = step >= 3  # steps 3 and 4: skipped
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 2 and rt._memory.skipped == 2
+    in_flight[0] = False
+    rt.finish()
+    assert mem.read_held(tmp_path).step == 4
+    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach())
 
 
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
