@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import shutil
 import threading
 import time
@@ -85,16 +86,23 @@ class Held:
     time: float
 
 
+_ATOMS = (int, float, str, bool, bytes, type(None))
+
+
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """`obj` with every tensor replaced by a `_Ref` into `tensors` (appended to)."""
+    """`obj` with every tensor replaced by a `_Ref` into `tensors` (appended to). Runs on
+    the training thread every copy: lists and tuples of plain values (Python's RNG state,
+    625 ints) are kept as they are, and tensors that need no grad are not detached."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
+        tensors.append(obj.detach() if obj.requires_grad else obj)
         return _Ref(len(tensors) - 1)
     if isinstance(obj, dict):
         return {k: _split(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
+    if isinstance(obj, (list, tuple)):
+        if all(type(v) in _ATOMS for v in obj):
+            return obj if isinstance(obj, tuple) else list(obj)  # a list may change after
+        if isinstance(obj, list):
+            return [_split(v, tensors) for v in obj]
         return tuple(_split(v, tensors) for v in obj)
     return obj
 
@@ -247,7 +255,9 @@ class MemoryWriter:
         self._latest_slot = self._slot_of_latest()
         self.held: Held | None = held
         self._maps: dict[int, tuple[list, torch.Tensor]] = {}  # slot -> (packing, mapped bytes)
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the copy thread, started at the first copy
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # its work: (args of _finish, done)
+        self._current: threading.Event | None = None  # set once the copy in flight is whole
         self._error: BaseException | None = None
         self._stream = None
         self._on_device = False  # the copy in flight is the GPU path's (the guard need not join it)
@@ -343,8 +353,8 @@ class MemoryWriter:
 
     def busy(self) -> bool:
         """The GPU path's previous copy is still in flight: a capture now would be skipped."""
-        t = self._thread
-        return self._on_device and t is not None and t.is_alive()
+        done = self._current
+        return self._on_device and done is not None and not done.is_set()
 
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
@@ -387,9 +397,11 @@ class MemoryWriter:
         else:
             deferred, event = self._capture_host(tensors, views, later)
         self._on_device = event is not None and event[0] == "staged"
-        self._thread = threading.Thread(target=self._finish, args=(deferred, meta, slot, event, start),
-                                        name=f"memory-copy-{step}", daemon=True)
-        self._thread.start()
+        if self._thread is None:  # one thread for the writer's life: starting one per copy
+            self._thread = threading.Thread(target=self._serve, name="memory-copy", daemon=True)
+            self._thread.start()  # made the training thread wait for its start
+        self._current = threading.Event()
+        self._jobs.put(((deferred, meta, slot, event, start), self._current))
         # One-time work (mapping a slot, registering it, making buffers) is counted apart:
         # the stall is what every copy costs, and the interval is picked from it.
         self.stalls_s.append(time.perf_counter() - start - self._setup_s)
@@ -498,14 +510,26 @@ class MemoryWriter:
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
+    def _serve(self) -> None:
+        """The copy thread: each copy's second half (`_finish`), in order, until `close`."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            args, done = job
+            try:
+                self._finish(*args)
+            finally:
+                done.set()
+
     def wait(self, stall: bool = True) -> None:
         """Block until the copy in flight is whole (the optimizer may then change the state).
         `stall`: count the wait as the training thread's (False: a benchmark's untimed wait)."""
-        t = self._thread
-        if t is not None:
+        done = self._current
+        if done is not None:
             start = time.perf_counter()
-            t.join()
-            self._thread = None
+            done.wait()
+            self._current = None
             if self.stalls_s and stall:
                 self.stalls_s[-1] += time.perf_counter() - start
         if self._error is not None:
@@ -517,6 +541,10 @@ class MemoryWriter:
         buffers freed (a mapping unmapped while registered would make a later registration
         of the same addresses, by another writer of this process, fail)."""
         self.wait()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
         for slot in list(self._maps):
             self._unmap(slot)
         self._view_cache.clear()
