@@ -393,7 +393,14 @@ class MemoryWriter:
         meta = {"step": step, "size": size, "packing": packing, "skeleton": skeleton}
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         if len(devices) == 1 and self.device_path == "staged":
-            deferred, event = self._capture_device(tensors, views, packing, buf, slot, later, devices.pop())
+            device = devices.pop()
+            try:
+                deferred, event = self._capture_device(tensors, views, packing, buf, slot, later, device)
+            except torch.cuda.OutOfMemoryError:  # no room for the staging buffer (before any copy)
+                log.warning("memory tier: no GPU memory for a staging copy of %.0f MiB; copying "
+                            "through pageable memory (slower)", size / 2**20)
+                self.device_path, self._staging = "pageable", None
+                deferred, event = self._capture_host(tensors, views, later)
         else:
             deferred, event = self._capture_host(tensors, views, later)
         self._on_device = event is not None and event[0] == "staged"

@@ -445,11 +445,15 @@ class Runtime:
         buffers freed."""
         w = self._memory
         assert w is not None
-        w.wait()
-        if self._memory_missed == self.step and not w.disabled and self._state:
-            self._copy_to_memory()
+        try:
             w.wait()
-        w.close()
+            if self._memory_missed == self.step and not w.disabled and self._state:
+                self._copy_to_memory()
+                w.wait()
+        except Exception as exc:  # noqa: BLE001 - the end of the job must not fail for it
+            log.warning("memory tier: the last copy failed (%s); the disk tier still holds", exc)
+        finally:
+            w.close()
 
     def _plan_next_copy(self) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'
