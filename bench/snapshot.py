@@ -45,6 +45,14 @@ from worker import snapshot as snap  # noqa: E402
 SIZES = {"10M": 1536, "100M": 5000}  # width of a 4-layer square MLP: params ~ 4 * width^2
 
 
+def sync(device: torch.device) -> None:
+    """The end of a step as a training loop sees it (a `loss.item()`): the training stream's
+    work done. Not `torch.cuda.synchronize()`, which also waits for the memory tier's copy on
+    its side stream, a wait no loop has (that made the first GPU figures 511% / 1,628%)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def build(width: int, device: torch.device) -> torch.nn.Module:
     layers = []
     for _ in range(4):
@@ -83,8 +91,7 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
     for _ in range(steps):
         start = time.perf_counter()
         step()
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(rt.device)
         times.append(time.perf_counter() - start)
     drain_start = time.perf_counter()
     rt.finish()  # the last save in flight
@@ -99,10 +106,13 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
-                    block: int = 3, every: int | None = 1) -> dict:
+                    block: int = 3, every: int | None = 1, path: str = "staged",
+                    register: bool = True) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
     (so that a load that drifts over the run weighs on both alike); step times of each.
-    `every`: the copy interval (None: the runtime picks it to fit its 5% budget)."""
+    `every`: the copy interval (None: the runtime picks it to fit its 5% budget). `path`,
+    `register`: the writer's GPU path (MemoryWriter.device_path, .register_host)."""
+    mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = path, register
     rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
@@ -119,24 +129,30 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         loss.backward()
         opt.step()
         rt.step_done(loss=loss, samples=batch)
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(rt.device)
         return time.perf_counter() - start
 
-    for _ in range(3):
+    for _ in range(4):  # warm-up, a whole copy each: both slots mapped (and registered), staging made
         step()
+        writer.wait(stall=False)
     writer.stalls_s.clear()
     writer.copies_s.clear()
+    writer.skipped = 0
     on: list[float] = []
     off: list[float] = []
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
+        writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
     rt._memory = writer
     rt.finish()
-    mean = statistics.mean if every is None else statistics.median  # a copy every K steps: the mean
+    mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
+    mean = statistics.mean  # a copy every K steps (or skipped while one is in flight): the mean
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
-            "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1}
+            "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
+            "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
+            "path": path if rt.device.type == "cuda" else "cpu",
+            "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
 
 
 def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
@@ -221,6 +237,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
     results = []
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         for size in args.sizes:
@@ -242,12 +259,20 @@ def main() -> None:
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
                 backend = "gloo" if args.device == "cpu" else None
-                row["memory_every_1"] = memory_overhead(width, 2 * steps, args.batch, shm, backend)
-                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm, backend,
+                for name in ("every_1", "pinned", "pageable", "auto"):
+                    (shm / name).mkdir()
+                n = 2 * steps
+                if on_gpu:  # through a pinned buffer, and the first version's path
+                    row["memory_pinned"] = memory_overhead(width, n, args.batch, shm / "pinned", backend,
+                                                           register=False)
+                    row["memory_pageable"] = memory_overhead(width, n, args.batch, shm / "pageable",
+                                                             backend, path="pageable")
+                row["memory_every_1"] = memory_overhead(width, n, args.batch, shm / "every_1", backend)
+                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm / "auto", backend,
                                                      block=max(10, steps // 2), every=None)
                 disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
-                row["restore"] = restore_times(width, shm, disk_file, 3)
-                row["replicate_s"] = replication_times(shm, root, 3)
+                row["restore"] = restore_times(width, shm / "every_1", disk_file, 3)
+                row["replicate_s"] = replication_times(shm / "every_1", root, 3)
             finally:
                 import shutil
 
@@ -267,7 +292,6 @@ def main() -> None:
             results.append(row)
             print(f"{size}: done", file=sys.stderr, flush=True)
 
-    on_gpu = torch.cuda.is_available() and args.device != "cpu"
     device = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
     print(f"\nsnapshot cost, torch {torch.__version__}, {device}, {os.cpu_count()} cores, "
           f"batch {args.batch}, AdamW\n")
@@ -285,27 +309,38 @@ def main() -> None:
     print("\nstall = copy-off to host memory on the training thread (median over the snapshots of "
           "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
           "still being written\nwhen snapshots are taken every step (one save in flight).")
-    print(f"\nmemory tier (a copy every step, /dev/shm), {device}\n")
-    head = (f"{'model':>6} | {'step ms: off':>12} {'memory every 1':>14} {'overhead':>8} | "
-            f"{'stall ms':>8} {'copy ms':>8} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | "
-            f"{'replicate ms':>12}")
+    print(f"\nmemory tier (a copy asked for every step, /dev/shm), {device}, batch {args.batch}\n")
+    head = (f"{'model':>6} {'path':>20} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
+            f"{'stall ms':>8} {'copy ms':>8} {'steps/copy':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
-        m = r["memory_every_1"]
-        print(f"{r['size']:>6} | {statistics.median(m['off_s']) * 1e3:>12.1f} "
-              f"{statistics.median(m['on_s']) * 1e3:>14.1f} {r['memory_overhead'] * 100:>7.1f}% | "
-              f"{r['memory_stall_s_median'] * 1e3:>8.1f} {r['memory_copy_s_median'] * 1e3:>8.1f} | "
-              f"{r['restore_memory_s_median'] * 1e3:>18.1f} {r['restore_disk_s_median'] * 1e3:>7.1f} "
+        for key in ("memory_every_1", "memory_pinned", "memory_pageable"):
+            m = r.get(key)
+            if m is None:
+                continue
+            name = m["path"] + (f" ({m['host_copy']})" if m["path"] == "staged" else "")
+            print(f"{r['size']:>6} {name:>20} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
+                  f"{statistics.mean(m['on_s']) * 1e3:>9.2f} {m['overhead'] * 100:>7.1f}% | "
+                  f"{statistics.median(m['memory_stalls_s']) * 1e3:>8.2f} "
+                  f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} {m['steps_per_copy']:>10.1f}")
+    print(f"\n{'model':>6} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | {'replicate ms':>12}")
+    for r in results:
+        print(f"{r['size']:>6} | {r['restore_memory_s_median'] * 1e3:>18.1f} "
+              f"{r['restore_disk_s_median'] * 1e3:>7.1f} "
               f"{r['restore_disk_s_median'] / r['restore_memory_s_median']:>5.1f} | "
               f"{r['replicate_s_median'] * 1e3:>12.1f}")
     for r in results:
         a = r["memory_auto"]
         print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
               f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
-    print("\noverhead = median step time with the memory tier / without - 1 (one loop, the tier on "
-          "and off in\nalternating blocks of 3 steps); stall = the training "
-          "thread's wait\n(median per step); copy = step_done to the copy being whole; restore "
+    print("\noverhead = mean step time with the memory tier (a copy asked for every step) / without - 1\n"
+          "(one loop, the tier on and off in alternating blocks of 3 steps; a step ends when the training\n"
+          "stream's work is done); path: staged = GPU staging copy + one non-blocking copy into the\n"
+          "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"
+          "next; pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
+          "waits for them); steps/copy = steps of the on blocks per whole copy; stall = the training "
+          "thread's wait\n(median per copy); copy = step_done to the copy being whole; restore "
           "= into a fresh model and\noptimizer (disk: checksum + torch.load, from the page "
           "cache); replicate = one gloo broadcast\nof the copy's packed bytes to a second process "
           "(loopback).")

@@ -199,6 +199,7 @@ class Runtime:
     memory_every: int | None = None  # steps between copies; None: picked to fit MEMORY_BUDGET
     memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
     _memory_next: int = 0  # the step of the next copy
+    _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
     _step_s: float | None = None  # the step period (moving average), for the picked interval
     _last_step_t: float | None = None
     attempt: int = 0
@@ -430,21 +431,41 @@ class Runtime:
         self._last_step_t = now
 
     def _memory_due(self) -> bool:
-        if self.memory_every:
-            return self.step % self.memory_every == 0
-        return self.step >= self._memory_next
+        assert self._memory is not None
+        due = self.step % self.memory_every == 0 if self.memory_every else self.step >= self._memory_next
+        if due and self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
+            self._memory.skipped += 1
+            self._memory_missed = self.step
+            return False
+        return due
+
+    def _flush_memory(self) -> None:
+        """At the end: the copy in flight whole; the last step's copy if it was due and skipped
+        (a copy was in flight), so the tier holds the state the job ended with; the writer's
+        buffers freed."""
+        w = self._memory
+        assert w is not None
+        try:
+            w.wait()
+            if self._memory_missed == self.step and not w.disabled and self._state:
+                self._copy_to_memory()
+                w.wait()
+        except Exception as exc:  # noqa: BLE001 - the end of the job must not fail for it
+            log.warning("memory tier: the last copy failed (%s); the disk tier still holds", exc)
+        finally:
+            w.close()
 
     def _plan_next_copy(self) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'
-        cost within MEMORY_BUDGET of the step time. The cost is the last whole copy's time
-        (its thread runs beside training: on a CPU it takes a core, on a GPU the copy
-        engine; counted whole, which errs on the safe side) plus the training thread's wait."""
+        cost within MEMORY_BUDGET of the step time. The cost is the training thread's time in
+        the copy, plus on a CPU the copy thread's whole time (it takes a core); on a GPU the
+        copy runs on the copy engine, and a copy still in flight skips the next (`_memory_due`)."""
         if self.memory_every:
             self.memory_interval = self.memory_every
             return
         w = self._memory
         assert w is not None
-        cost = (w.copies_s[-1] if w.copies_s else 0.0) + (w.stalls_s[-1] if w.stalls_s else 0.0)
+        cost = w.last_cost_s()
         k = 1
         if self._step_s and cost > MEMORY_BUDGET * self._step_s:
             k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
@@ -621,7 +642,7 @@ class Runtime:
         try:
             self._stop_report.set()
             if self._memory is not None:
-                self._memory.wait()
+                self._flush_memory()
             if self._writer is not None:
                 self._writer.wait()
         finally:

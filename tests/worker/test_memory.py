@@ -3,8 +3,12 @@ even when the copier died mid-copy, and the runtime choosing between it and the 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from worker import memory as mem
@@ -139,7 +143,7 @@ def _train(rt: runtime.Runtime, steps: int) -> torch.nn.Module:
         if rt.step >= steps:
             break
         opt.zero_grad()
-        model(x[indices]).pow(2).mean().backward()
+        model(x[indices].to(rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
     rt.finish()
@@ -191,9 +195,43 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     writer.copies_s[:] = [10.0]
     rt._plan_next_copy()
     assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
+    # On the GPU path the copy runs on the copy engine: its cost is the training thread's
+    # time and the thread's commit (which holds the GIL), not the whole copy.
+    writer._on_device = True
+    writer.commits_s[:] = [0.001]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 1
+    writer.commits_s[:] = [0.0195]
+    rt._plan_next_copy()
+    assert rt.memory_interval == 4
+    writer._on_device = False
     fixed = runtime.init(memory_dir=tmp_path, memory_every=3, env={})
     _train(fixed, 7)
     assert fixed.memory_interval == 3 and mem.read_held(tmp_path).step == 6
+
+
+def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path, monkeypatch):
+    """On a GPU a copy that is due while the previous one is still in flight is skipped (the
+    training thread does not wait); the job's last step is copied when the runtime finishes."""
+    in_flight = [False]
+    monkeypatch.setattr(mem.MemoryWriter, "busy", lambda self: in_flight[0])
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    torch.manual_seed(0)
+    model = rt.wrap(torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rt.restore(model=model, optimizer=opt)
+    for step in range(1, 5):
+        in_flight[0] = step >= 3  # steps 3 and 4: skipped
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 2 and rt._memory.skipped == 2
+    in_flight[0] = False
+    rt.finish()
+    assert mem.read_held(tmp_path).step == 4
+    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach())
 
 
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
@@ -222,3 +260,51 @@ def test_a_copy_read_back_in_many_chunks_is_whole(tmp_path, monkeypatch):
     writer.wait()
     got = mem.load(tmp_path)
     assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
+
+
+@pytest.fixture
+def shm_dir():
+    base = mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None
+    d = Path(tempfile.mkdtemp(prefix="ftrain-test-memory-", dir=base))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
+@pytest.mark.parametrize("path,register,where", [("staged", True, "shm"), ("staged", False, "shm"),
+                                                  ("pageable", True, "shm"), ("staged", True, "disk")])
+def test_on_a_gpu_a_copy_is_the_state_of_its_step_although_training_goes_on_at_once(
+        tmp_path, shm_dir, monkeypatch, path, register, where):
+    """On /dev/shm the slot is registered with CUDA; on a disk CUDA may refuse that, and the
+    copy goes through a pinned buffer without the refusal reaching the training thread."""
+    monkeypatch.setattr(mem.MemoryWriter, "device_path", path)
+    monkeypatch.setattr(mem.MemoryWriter, "register_host", register)
+    if where == "shm":
+        tmp_path = shm_dir
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512),
+                                torch.nn.Linear(512, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    writer = mem.MemoryWriter(tmp_path)
+    opt.register_step_pre_hook(writer.guard)
+
+    def step(seed: int) -> None:
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()  # changes the BatchNorm's running stats too
+        opt.step()
+
+    for n in range(1, 4):
+        step(n)
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        exp_avg = [opt.state[p]["exp_avg"].cpu().clone() for p in model.parameters()]
+        writer.capture(_state(model, opt, n), n, _later(model, opt))
+        step(100 + n)  # at once: forward, backward and optimizer step on the training stream
+        step(200 + n)
+        writer.wait()
+        got = mem.load(tmp_path)
+        assert got["step"] == n and mem.read_held(tmp_path).step == n
+        assert _equal(got["model"], expected)
+        assert all(torch.equal(a, got["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(exp_avg))
+    if path == "staged" and where == "shm":
+        assert writer.host_copy == ("registered" if register else "pinned")
