@@ -201,6 +201,7 @@ class Runtime:
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
     _step_s: float | None = None  # the step period (moving average), for the picked interval
+    _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
     attempt: int = 0
     step: int = 0
@@ -469,9 +470,18 @@ class Runtime:
         k = 1
         if self._step_s and cost > MEMORY_BUDGET * self._step_s:
             k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
-        if k != self.memory_interval:
-            log.info("memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, budget %.0f%%)",
-                     k, cost * 1e3, (self._step_s or 0) * 1e3, MEMORY_BUDGET * 100)
+        # The job's log hears of the interval when it is first picked, then at most once a
+        # minute if it moved; the step-to-step wobble (it was a third of a job's log) goes to
+        # debug.
+        now = time.monotonic()
+        told = self._told_interval
+        if k != self.memory_interval or told is None:
+            loud = told is None or (k != told[0] and now - told[1] >= 60.0)
+            log.log(logging.INFO if loud else logging.DEBUG,
+                    "memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, budget %.0f%%)",
+                    k, cost * 1e3, (self._step_s or 0) * 1e3, MEMORY_BUDGET * 100)
+            if loud:
+                self._told_interval = (k, now)
         self.memory_interval = k
         self._memory_next = self.step + k
 
