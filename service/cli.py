@@ -393,20 +393,22 @@ def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: i
     try:
         kept: collections.deque = collections.deque(maxlen=tail)  # maxlen None: every line
         cursor = 0
-        if not follow or tail is not None:
-            for i, page in enumerate(client.log_pages(job_id, rank)):
-                if i == 0 and page.get("cut_lines"):
-                    click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) "
-                               f"of this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
-                               err=True)
-                for item in page.get("items", []):
-                    if oldest is None or (item.get("time") or 0) >= oldest:
-                        kept.append(item)
-                while tail is None and kept:
-                    _echo_line(kept.popleft(), as_json)
-                cursor = max(cursor, page.get("next_seq") or 0)
-            for item in kept:
-                _echo_line(item, as_json)
+        # --tail: the server reads the last N lines from the end of the log (`?tail=N`)
+        pages = [client.logs(job_id, rank, tail=tail)] if tail is not None else \
+            client.log_pages(job_id, rank) if not follow else []
+        for i, page in enumerate(pages):
+            if i == 0 and tail is None and page.get("cut_lines"):
+                click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) "
+                           f"of this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
+                           err=True)
+            for item in page.get("items", []):
+                if oldest is None or (item.get("time") or 0) >= oldest:
+                    kept.append(item)
+            while tail is None and kept:
+                _echo_line(kept.popleft(), as_json)
+            cursor = max(cursor, page.get("next_seq") or 0)
+        for item in kept:
+            _echo_line(item, as_json)
         if follow:
             sys.exit(_see_through(client, job_id, True, as_json, rank, cursor, oldest))
     except KeyboardInterrupt:
