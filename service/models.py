@@ -104,13 +104,17 @@ class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=40,
                       description="DNS label: lower-case letters, digits and '-'.",
                       json_schema_extra={"pattern": DNS_LABEL.pattern})
-    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+    command: list[Annotated[str, Field(min_length=1, max_length=4096,
+                                       json_schema_extra={"pattern": "^[^\\x00]*$"})]] = Field(
         ..., min_length=1, max_length=256,
-        description="The worker command, as torchrun would run it, e.g. ['python', 'train.py'].")
+        description="The worker command, as torchrun would run it, e.g. ['python', 'train.py']; "
+                    f"at most {MAX_COMMAND_BYTES} bytes in all (UTF-8).")
     working_dir: str | None = Field(None, max_length=4096,
                                     description="Directory the command runs in, on every node.",
                                     json_schema_extra={"pattern": "^/[^\\x00]*$"})
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.",
+    env: dict[str, str] = Field(default_factory=dict, description=(
+        f"Extra environment for workers; names and values of env and secret_env at most "
+        f"{MAX_ENV_BYTES} bytes in all (UTF-8), no name in both."),
                                 json_schema_extra=_ENV_SCHEMA)
     secret_env: dict[str, str] = Field(
         default_factory=dict, json_schema_extra=_ENV_SCHEMA,

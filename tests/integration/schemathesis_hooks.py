@@ -1,15 +1,23 @@
 """Schemathesis hooks for tests/integration/test_schemathesis.py (SCHEMATHESIS_HOOKS).
 
-A job spec has two rules between fields that JSON Schema cannot state: `nodes.min <= nodes.max`
-and no name in both `env` and `secret_env` (the server answers 422 for either, naming the
-field). A generated spec is made to keep them (max raised to min, the shared names dropped
-from secret_env), so a spec the schema calls valid is one the server takes; every other
-value and every check stays as generated.
+A job spec has rules that JSON Schema cannot state: between fields, `nodes.min <= nodes.max`
+and no name in both `env` and `secret_env`; over a whole field, at most MAX_COMMAND_BYTES of
+command and MAX_ENV_BYTES of env and secret_env (UTF-8; the server answers 422 for each,
+naming the field, and the descriptions say so). A generated spec is made to keep them (max
+raised to min, the shared names dropped from secret_env, the last arguments or entries
+dropped), so a spec the schema calls valid is one the server takes; every other value and
+every check stays as generated.
 """
 
 from __future__ import annotations
 
 import schemathesis
+
+from service.models import MAX_COMMAND_BYTES, MAX_ENV_BYTES
+
+
+def _size(value) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
 
 
 @schemathesis.hook
@@ -28,4 +36,13 @@ def map_case(context, case):
     if isinstance(env, dict) and isinstance(secret, dict):
         for name in env.keys() & secret.keys():
             del secret[name]
+    command = body.get("command")
+    if isinstance(command, list) and all(isinstance(x, str) for x in command):
+        while len(command) > 1 and sum(map(_size, command)) > MAX_COMMAND_BYTES:
+            command.pop()
+    envs = [e for e in (env, secret) if isinstance(e, dict)]
+    if all(isinstance(k, str) and isinstance(v, str) for e in envs for k, v in e.items()):
+        while sum(_size(k) + _size(v) for e in envs for k, v in e.items()) > MAX_ENV_BYTES:
+            biggest = max((e for e in envs if e), key=len)
+            biggest.pop(next(reversed(biggest)))
     return case

@@ -25,7 +25,8 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
             "--request-timeout", "40",
             ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,
-           "PYTHONPATH": os.pathsep.join([str(CONFIG.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(CONFIG.parent), str(CONFIG.parents[2]),
+                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     (tmp_path / "schemathesis.txt").write_text(done.stdout + done.stderr)
     assert done.returncode == 0, done.stdout[-30000:] + done.stderr[-2000:]
