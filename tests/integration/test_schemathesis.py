@@ -20,11 +20,12 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
     argv = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "run",
             f"{control_plane.url}/openapi.json",
             "--checks", "all", "--max-examples", os.environ.get("FTRAIN_SCHEMATHESIS_EXAMPLES", "20"),
-            "-H", f"Authorization: Bearer {control_plane.user_token}",
             # a follow stream is held up to its `wait_s` (30 s at most) while the job is PENDING
             "--request-timeout", "40",
             ]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,  # the tokens of its security schemes:
+           "FTRAIN_ST_USER_TOKEN": control_plane.user_token,
+           "FTRAIN_ST_NODE_TOKEN": control_plane.node_token,
            "PYTHONPATH": os.pathsep.join([str(CONFIG.parent), str(CONFIG.parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
