@@ -101,6 +101,11 @@ class SnapshotSpec(_Strict):
 class JobSpec(_Strict):
     """A training job as submitted (JSON over REST, or YAML/JSON through the CLI)."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{  # examples/job.json
+        "name": "example", "command": ["python", "examples/train.py", "--steps", "400"],
+        "nodes": {"min": 1, "max": 2}, "nproc_per_node": 1, "max_restarts": 3,
+        "snapshot": {"every_steps": 20, "keep": 3}, "env": {"OMP_NUM_THREADS": "1"}}]})
+
     name: str = Field(..., min_length=1, max_length=40,
                       description="DNS label: lower-case letters, digits and '-'.",
                       json_schema_extra={"pattern": DNS_LABEL.pattern})
