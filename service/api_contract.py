@@ -5,7 +5,9 @@ description that lists the answers the server really sends.
 user and a node token configured, as `ftrain up` and any non-loopback server have), a `/v1/`
 request with no `Authorization: Bearer` header gets 401 before its body is read or parsed,
 so no token and a bad (or too large) body is a 401, not a 400, 413 or 422. Every `/v1/`
-route takes some token there (`service/deps.py`); a wrong token is still judged by the route.
+route takes some token there (`service/deps.py`). A wrong token (or another principal's) is
+judged by the route's own dependencies before its body too (`AuthFirstRoute`, the class of
+every `/v1/` route): 401/403, then 413 or 422.
 
 `describe(app)` adds to each operation of the generated OpenAPI the error answers of
 `service/app.py` as they are sent: 401 (with `WWW-Authenticate: Bearer`), 403, 404 (routes of
@@ -18,8 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.dependencies.utils import solve_dependencies
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -83,6 +89,55 @@ class RequireBearer:
         await send({"type": "http.response.body", "body": body})
 
 
+TOO_LARGE = "ftrain.body_too_large"  # scope key: BodySizeLimit's limit, when it held the body back
+
+
+def _route_context(route: APIRoute) -> Any:
+    """What FastAPI builds `route`'s handler for: since 0.16x an included route's handler is
+    built under a context (its dependant with the router's dependencies); before, the route."""
+    try:
+        from fastapi.routing import _effective_route_context_var
+    except ImportError:  # older FastAPI: include_router copied the route, dependencies merged
+        return route
+    context = _effective_route_context_var.get()
+    return context if context is not None and getattr(context, "original_route", None) is route \
+        else route
+
+
+class AuthFirstRoute(APIRoute):
+    """A route whose token is judged before its body: a body that is not JSON, or one over
+    the size limit (`service.app.BodySizeLimit` marks the request `TOO_LARGE` and passes it
+    on without its body), gets the route's 401/403 when its token is wrong, and its 422/413
+    only for a caller the route takes. The route's dependencies (the token checks) are run
+    once more, with no body, only on those error paths."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        dependant = _route_context(self).dependant
+        embed = getattr(_route_context(self), "_embed_body_fields", False)
+
+        async def authenticate(request: Request) -> None:
+            # Raises the dependencies' HTTPException (401/403/404); the missing body's errors
+            # are the endpoint's own and not looked at.
+            await solve_dependencies(request=request, dependant=dependant, body=None,
+                                     async_exit_stack=request.scope["fastapi_inner_astack"],
+                                     embed_body_fields=embed)
+
+        async def auth_first(request: Request):
+            limit = request.scope.get(TOO_LARGE)
+            if limit is not None:
+                await authenticate(request)
+                return JSONResponse({"detail": f"request body larger than {limit} bytes"}, 413)
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                if any(e.get("type") == "json_invalid" for e in exc.errors()):
+                    await authenticate(request)
+                raise
+
+        return auth_first
+
+
 def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -122,10 +177,20 @@ def describe(app: FastAPI) -> None:
 
 
 def _describe_operation(path: str, method: str, op: dict) -> None:
+    for param in op.get("parameters", ()):
+        # A query, header or path parameter is a string on the wire: it is left out, never
+        # null. FastAPI writes an optional one as anyOf [T, null]; a client sending "null"
+        # for it gets a 422, so the description says T.
+        schema = param.get("schema", {})
+        kinds = [k for k in schema.get("anyOf", ()) if k != {"type": "null"}]
+        if len(kinds) == 1 and len(schema["anyOf"]) == 2:
+            rest = {k: v for k, v in schema.items() if k != "anyOf"}
+            param["schema"] = {**kinds[0], **rest}
     responses = op.setdefault("responses", {})
     if path.startswith("/v1/"):
         codes = [401, 403, 503]
-        if "{" in path:  # a job, node, user, rendezvous or snapshot named in the path
+        names = {p.get("name") for p in op.get("parameters", ())}
+        if "{" in path or "after" in names:  # a job, node, user, rendezvous or snapshot named
             codes.append(404)
         if method in ("post", "put", "delete"):
             codes.append(409)

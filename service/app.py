@@ -92,7 +92,8 @@ def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
 
 
 class BodySizeLimit:
-    """Reject bodies over `max_bytes` with 413 before they are parsed (pure ASGI)."""
+    """Reject bodies over `max_bytes` with 413 before they are parsed (pure ASGI); under `/v1/`
+    after the route has judged the token (`api_contract.AuthFirstRoute`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -105,7 +106,7 @@ class BodySizeLimit:
         length = headers.get(b"content-length")
         if length is not None:  # the server holds the body to this length
             if length.isdigit() and int(length) > self.max_bytes:
-                return await self._too_large(send)
+                return await self._too_large(scope, send)
             return await self.app(scope, receive, send)
         if b"transfer-encoding" not in headers:  # no body
             return await self.app(scope, receive, send)
@@ -121,7 +122,7 @@ class BodySizeLimit:
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
             if seen > self.max_bytes:
-                return await self._too_large(send)
+                return await self._too_large(scope, send)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -135,7 +136,14 @@ class BodySizeLimit:
 
         await self.app(scope, replay_then_receive, send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        if scope["path"].startswith("/v1/"):
+            # The route judges the token first, then answers 413 (api_contract.AuthFirstRoute):
+            # it gets the request marked, without its body.
+            async def no_body():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            return await self.app({**scope, api_contract.TOO_LARGE: self.max_bytes}, no_body, send)
         body = (f'{{"detail":"request body larger than {self.max_bytes} bytes"}}').encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),

@@ -31,7 +31,8 @@ async def start(ctx: Context) -> None:
                        ctx.keys.compacted), name="compaction"))
     ctx.tasks.append(asyncio.create_task(
         retention.run(ctx.jobs, ctx.logs, ctx.index, leadership, ctx.settings.retention,
-                      ctx.settings.snapshot_root, ctx.keyring),
+                      ctx.settings.snapshot_root, ctx.keyring,
+                      drains=(ctx.nodes, ctx.settings.drain_keep_s)),
         name="retention"))
 
 

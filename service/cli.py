@@ -393,20 +393,22 @@ def logs(client: FtrainClient, as_json: bool, job_id: str, follow: bool, rank: i
     try:
         kept: collections.deque = collections.deque(maxlen=tail)  # maxlen None: every line
         cursor = 0
-        if not follow or tail is not None:
-            for i, page in enumerate(client.log_pages(job_id, rank)):
-                if i == 0 and page.get("cut_lines"):
-                    click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) "
-                               f"of this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
-                               err=True)
-                for item in page.get("items", []):
-                    if oldest is None or (item.get("time") or 0) >= oldest:
-                        kept.append(item)
-                while tail is None and kept:
-                    _echo_line(kept.popleft(), as_json)
-                cursor = max(cursor, page.get("next_seq") or 0)
-            for item in kept:
-                _echo_line(item, as_json)
+        # --tail: the server reads the last N lines from the end of the log (`?tail=N`)
+        pages = [client.logs(job_id, rank, tail=tail)] if tail is not None else \
+            client.log_pages(job_id, rank) if not follow else []
+        for i, page in enumerate(pages):
+            if i == 0 and tail is None and page.get("cut_lines"):
+                click.echo(f"ftrain: the first {page['cut_lines']} lines ({page['cut_bytes']} bytes) "
+                           f"of this log were cut: a job keeps its newest {page['cap_bytes']} bytes",
+                           err=True)
+            for item in page.get("items", []):
+                if oldest is None or (item.get("time") or 0) >= oldest:
+                    kept.append(item)
+            while tail is None and kept:
+                _echo_line(kept.popleft(), as_json)
+            cursor = max(cursor, page.get("next_seq") or 0)
+        for item in kept:
+            _echo_line(item, as_json)
         if follow:
             sys.exit(_see_through(client, job_id, True, as_json, rank, cursor, oldest))
     except KeyboardInterrupt:
@@ -461,8 +463,13 @@ def _say_final(job: dict) -> None:
 
 def _progress_line(job: dict, now: float) -> str:
     """`RUNNING  step 120/400 (30%)  ETA 2m05s  loss 0.531  12.0 samples/s  nodes 2`."""
+    return "  ".join([job["state"], _progress_details(job, now)])
+
+
+def _progress_details(job: dict, now: float) -> str:
+    """The progress line after the state."""
     p = job.get("progress") or {}
-    parts = [job["state"]]
+    parts = []
     if p.get("step") is not None:
         total = p.get("total_steps")
         parts.append(f"step {p['step']}" + (f"/{total}" if total else "")
@@ -482,22 +489,25 @@ def _progress_line(job: dict, now: float) -> str:
 
 
 def _watch(client: FtrainClient, job_id: str, interval_s: float, as_json: bool) -> int:
-    """`status --watch`: the progress line, redrawn in place on a terminal, one line per
-    change otherwise (or per look, with --json); the final state's exit code."""
-    tty = sys.stdout.isatty() and not as_json
-    last = None
+    """`status --watch`: on a terminal a progress bar redrawn in place (rich:
+    `service.progress_view`); otherwise the progress line (the job as JSON, with --json), once
+    per change; the final state's exit code."""
     try:
+        if sys.stdout.isatty() and not as_json:
+            from service.progress_view import watch_with_bar
+
+            job = watch_with_bar(lambda: client.get_job(job_id), interval_s, _progress_details,
+                                 EXIT_CODES)
+            _say_final(job)
+            return EXIT_CODES[job["state"]]
+        last = None
         while True:
             job = client.get_job(job_id)
             line = json.dumps(job) if as_json else _progress_line(job, time.time())
-            if tty:
-                click.echo("\r\x1b[2K" + line, nl=False)
-            elif line != last:
+            if line != last:
                 click.echo(line)
             last = line
             if job["state"] in EXIT_CODES:
-                if tty:
-                    click.echo()
                 _say_final(job)
                 return EXIT_CODES[job["state"]]
             time.sleep(interval_s)

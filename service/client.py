@@ -34,6 +34,8 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
 RETRY_ATTEMPTS = 3
 MAX_RETRY_DELAY_S = 2.0
+FOLLOW_WAIT_S = 30  # a follow stream with no new line for this long ends; it is followed again
+TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 class ApiError(Exception):
@@ -195,10 +197,14 @@ class FtrainClient:
     def events(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
 
-    def logs(self, job_id: str, rank: int | None = None, since: int = 0, limit: int | None = None) -> dict:
+    def logs(self, job_id: str, rank: int | None = None, since: int = 0, limit: int | None = None,
+             tail: int | None = None) -> dict:
         """One page of the job's log: {"items": [{seq, time, node, rank, stream, line}],
-        "next_seq", "end_seq", "first_seq", "cut_bytes", "cut_lines", "cap_bytes"}."""
+        "next_seq", "end_seq", "first_seq", "cut_bytes", "cut_lines", "cap_bytes"}; with
+        `tail`, its last `tail` lines (read from the end by the server)."""
         params: dict[str, Any] = {"since": since}
+        if tail is not None:
+            params["tail"] = tail
         if rank is not None:
             params["rank"] = rank
         if limit is not None:
@@ -216,12 +222,13 @@ class FtrainClient:
             since = page["next_seq"]
 
     def follow_logs(self, job_id: str, rank: int | None = None, since: int = 0) -> Iterator[dict]:
-        """Log lines as they come (newline-delimited JSON) until the server ends the stream
-        (the job finished). A dropped stream is resumed after the last line seen."""
+        """Log lines as they come (newline-delimited JSON) until the job has ended and the
+        server has sent every line. A stream the server ended while the job goes on (no line
+        for `wait_s`), or one that dropped, is followed again after the last line seen."""
         url = f"/v1/jobs/{_segment(job_id)}/logs"
-        cursor, failures = since, 0
+        cursor, failures, over = since, 0, False
         while True:
-            params: dict[str, Any] = {"follow": "true", "since": cursor}
+            params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": FOLLOW_WAIT_S}
             if rank is not None:
                 params["rank"] = rank
             try:
@@ -237,7 +244,9 @@ class FtrainClient:
                             cursor = max(cursor, int(item.get("seq", cursor - 1)) + 1)
                             failures = 0
                             yield item
-                return
+                if over:  # this stream began after the job had ended: it sent every line
+                    return
+                over = self.get_job(job_id)["state"] in TERMINAL_STATES
             except httpx.ConnectError as exc:
                 self._servers.failed(server)
                 failures += 1

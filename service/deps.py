@@ -24,8 +24,29 @@ from service.context import Context
 from service.errors import JobNotFound
 from service.models import ADMIN, JobRecord, NodeRecord
 
-_bearer = HTTPBearer(auto_error=False)
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+# One security scheme per kind of token, so the OpenAPI says which one each endpoint takes
+# (all are `Authorization: Bearer <token>`; the README's security table says the same).
+_SCHEMES = {
+    "userToken": "A user token: the admin's (the server's user token; `ftrain up` writes it to "
+                 "<data-dir>/token) or a named user's (`ftrain users add`).",
+    "adminToken": "The admin's token: the server's user token (`ftrain up`: <data-dir>/token).",
+    "nodeToken": "The node (bootstrap) token: registers a node, nothing else.",
+    "nodeCredential": "A node's own credential, returned by its registration "
+                      "(`ftrain-node.<name>.<secret>`).",
+    "jobToken": "A job's token, given to its workers as FTRAIN_JOB_TOKEN.",
+}
+
+
+def _scheme(name: str):
+    return Annotated[HTTPAuthorizationCredentials | None,
+                     Depends(HTTPBearer(auto_error=False, scheme_name=name, description=_SCHEMES[name]))]
+
+
+UserCredentials = _scheme("userToken")
+AdminCredentials = _scheme("adminToken")
+NodeTokenCredentials = _scheme("nodeToken")
+NodeCredentials = _scheme("nodeCredential")
+JobCredentials = _scheme("jobToken")
 
 
 async def get_context(request: Request) -> Context:
@@ -57,9 +78,14 @@ class Caller:
     is_admin: bool = False
 
 
-async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
+async def require_user(ctx: ContextDep, creds: UserCredentials) -> Caller:
     """A user token (submit, read, cancel): the admin's, or a named user's (service.users).
     Open, as the admin, only when no user token is configured."""
+    return await user_caller(ctx, creds)
+
+
+async def user_caller(ctx: Context, creds: HTTPAuthorizationCredentials | None) -> Caller:
+    """Who a user token is (the admin or a named user); 401/403 for anything else."""
     expected = ctx.settings.user_token
     if creds is not None and token_matches(creds.credentials, expected):
         return Caller(ADMIN, is_admin=True)
@@ -77,8 +103,9 @@ async def require_user(ctx: ContextDep, creds: Credentials) -> Caller:
 CallerDep = Annotated[Caller, Depends(require_user)]
 
 
-async def require_admin(caller: CallerDep) -> Caller:
+async def require_admin(ctx: ContextDep, creds: AdminCredentials) -> Caller:
     """The admin: managing users, draining nodes."""
+    caller = await user_caller(ctx, creds)
     if not caller.is_admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"only the admin may do this (you are {caller.name!r}); the admin's "
@@ -132,7 +159,7 @@ async def _refuse_other_principal(ctx: Context, given: str, what: str) -> None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"a job token cannot call {what}")
 
 
-async def require_node_token(ctx: ContextDep, creds: Credentials) -> None:
+async def require_node_token(ctx: ContextDep, creds: NodeTokenCredentials) -> None:
     """The node (bootstrap) token: registration only. Never a user token."""
     expected = ctx.settings.node_token
     if expected is None:
@@ -166,7 +193,7 @@ async def verify_node(ctx: Context, name: str, digest: str) -> NodeRecord:
     return await ctx.nodes.verify(name, digest)
 
 
-async def require_node_self(ctx: ContextDep, creds: Credentials,
+async def require_node_self(ctx: ContextDep, creds: NodeCredentials,
                             name: Annotated[str, Path()]) -> str | None:
     """The credential of node `name` itself (heartbeat, report, leaving); returns its digest.
 
@@ -182,7 +209,7 @@ async def require_node_self(ctx: ContextDep, creds: Credentials,
     return digest
 
 
-async def require_member_node(ctx: ContextDep, creds: Credentials,
+async def require_member_node(ctx: ContextDep, creds: NodeCredentials,
                               job_id: Annotated[str, Path()]) -> str | None:
     """The credential of a live node that is (or was) a member of job `job_id`; its name.
 
@@ -200,7 +227,7 @@ async def require_member_node(ctx: ContextDep, creds: Credentials,
 
 
 async def require_job_token(
-    ctx: ContextDep, creds: Credentials, job_id: Annotated[str, Path()]
+    ctx: ContextDep, creds: JobCredentials, job_id: Annotated[str, Path()]
 ) -> JobRecord:
     """The job's own token (given to its workers); returns the job. Nothing else opens it."""
     if ctx.settings.node_token is None:

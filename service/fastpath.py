@@ -27,6 +27,7 @@ import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.api_contract import TOO_LARGE
 from service.context import Context
 from service.deps import _node_of_credential, credential_digest, token_matches
 from service.errors import FtrainError
@@ -44,7 +45,7 @@ class FastPaths:
         self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and TOO_LARGE not in scope:
             method, path = scope["method"], scope["path"]
             if method == "POST" and (m := _HEARTBEAT.match(path)):
                 return await self._heartbeat(m.group(1), scope, receive, send)

@@ -19,7 +19,8 @@ closed with a newline by the next writer; a reader skips a record it cannot pars
 Readers take no lock: they list the segments, read whole lines up to the last newline
 (a line being appended is left for the next read), and list again if a segment they want
 was deleted under them. Every read is bounded: a page scans at most `PAGE_SCAN_BYTES`, the
-tail for `last_lines` at most `TAIL_MAX_BYTES`; nothing loads a whole log.
+tail for `last_lines` at most `TAIL_MAX_BYTES`, a tail page (`read_tail`, `?tail=N`, read
+from the end in growing blocks) at most `TAIL_PAGE_MAX_BYTES`; nothing loads a whole log.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PAGE_MAX_LINES = 10_000
 PAGE_SCAN_BYTES = 4 * 1024 * 1024  # a page (filtered by rank) reads at most this much log
 TAIL_FIRST_BYTES = 64 * 1024
 TAIL_MAX_BYTES = 1024 * 1024
+TAIL_PAGE_MAX_BYTES = 8 * 1024 * 1024  # `GET /logs?tail=N` looks at most this far back
 _READ_TRIES = 5  # a reader lists the segments again when the cap deleted one under it
 _LOCKS = 64  # thread locks, shared by the jobs whose ids hash alike
 _FILE_MODE = 0o600  # the log files: the control plane's user alone reads them
@@ -100,6 +102,12 @@ class LogStore:
         lines): `next_seq < end_seq` says there is more to read now.
         """
         return await self._io("read the log of", job_id, self._read, job_id, since, limit, rank)
+
+    async def read_tail(self, job_id: str, n: int, rank: int | None = None) -> LogPage:
+        """The last `n` lines (of one rank, if given), oldest first, read from the end: at most
+        the last `TAIL_PAGE_MAX_BYTES` of the log are looked at, however long it is. The
+        page's `next_seq` is where the lines read end (follow on from it)."""
+        return await self._io("read the log of", job_id, self._read_tail, job_id, n, rank)
 
     async def last_lines(self, job_id: str, n: int) -> list[str]:
         """The last `n` worker lines of a job, as text (for failure reasons); reads the tail only.
@@ -237,6 +245,38 @@ class LogStore:
                         items.append(line)
         return LogPage(items=items, next_seq=cursor, end_seq=max(end, cursor), first_seq=first.start,
                        cut_bytes=first.start, cut_lines=first.line, cap_bytes=self.cap_bytes)
+
+    def _read_tail(self, job_id: str, n: int, rank: int | None) -> LogPage:
+        want, tries = TAIL_FIRST_BYTES, 0
+        while True:
+            segments = self._segments(job_id)
+            try:
+                data, complete = _last_bytes(segments, want)
+            except FileNotFoundError:  # the cap deleted a segment we were about to read
+                tries += 1
+                if tries < _READ_TRIES:
+                    continue
+                raise
+            end = segments[-1].end if segments else 0
+            start = end - len(data)  # the stream's offset of data[0]
+            whole = data[:data.rfind(b"\n") + 1]  # a line still being written is left out
+            pos = start
+            if not complete:  # the first line may have begun before what was read
+                skip = whole.find(b"\n") + 1
+                whole, pos = whole[skip:], pos + skip
+            lines: list[LogLine] = []
+            for raw in whole.splitlines(keepends=True):
+                line = _decode(pos, raw)
+                pos += len(raw)
+                if line is not None and (rank is None or line.rank == rank):
+                    lines.append(line)
+            if len(lines) >= n or complete or want >= TAIL_PAGE_MAX_BYTES:
+                first = segments[0] if segments else Segment(0, 0, Path(), 0)
+                next_seq = start + len(data[:data.rfind(b"\n") + 1])
+                return LogPage(items=lines[len(lines) - n:] if n else [], next_seq=next_seq,
+                               end_seq=max(end, next_seq), first_seq=first.start,
+                               cut_bytes=first.start, cut_lines=first.line, cap_bytes=self.cap_bytes)
+            want = min(want * 4, TAIL_PAGE_MAX_BYTES)
 
     def _tail(self, job_id: str, n: int) -> list[str]:
         want, tries = TAIL_FIRST_BYTES, 0

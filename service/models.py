@@ -60,6 +60,27 @@ class JobState(str, enum.Enum):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v, info):
+        # pydantic takes true/false for a number (as 1/0); JSON Schema's integer does not.
+        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true or false")
+        return v
+
+
+def _env_name_pattern() -> str:
+    """The env names a spec may set, as one regular expression (for the OpenAPI): a valid
+    name not set by ftrain (`RESERVED_ENV`, a prefix each), or one of the job's own knobs."""
+    reserved = "|".join(re.escape(p) for p in RESERVED_ENV)
+    knobs = "|".join(re.escape(k) for k in sorted(USER_FTRAIN_ENV))
+    return f"^(?:(?!{reserved})[A-Za-z_][A-Za-z0-9_]*|{knobs})$"
+
+
+_ENV_SCHEMA = {"propertyNames": {"pattern": _env_name_pattern()}, "maxProperties": MAX_ENV_ENTRIES,
+               "additionalProperties": {"type": "string", "maxLength": MAX_ENV_VALUE_CHARS,
+                                        "pattern": "^[^\\x00]*$"}}
+
 
 class NodesSpec(_Strict):
     min: int = Field(1, ge=1, le=1024, description="Nodes needed to start (gang size).")
@@ -80,23 +101,35 @@ class SnapshotSpec(_Strict):
 class JobSpec(_Strict):
     """A training job as submitted (JSON over REST, or YAML/JSON through the CLI)."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{  # examples/job.json
+        "name": "example", "command": ["python", "examples/train.py", "--steps", "400"],
+        "nodes": {"min": 1, "max": 2}, "nproc_per_node": 1, "max_restarts": 3,
+        "snapshot": {"every_steps": 20, "keep": 3}, "env": {"OMP_NUM_THREADS": "1"}}]})
+
     name: str = Field(..., min_length=1, max_length=40,
                       description="DNS label: lower-case letters, digits and '-'.",
                       json_schema_extra={"pattern": DNS_LABEL.pattern})
-    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+    command: list[Annotated[str, Field(min_length=1, max_length=4096,
+                                       json_schema_extra={"pattern": "^[^\\x00]*$"})]] = Field(
         ..., min_length=1, max_length=256,
-        description="The worker command, as torchrun would run it, e.g. ['python', 'train.py'].")
+        description="The worker command, as torchrun would run it, e.g. ['python', 'train.py']; "
+                    f"at most {MAX_COMMAND_BYTES} bytes in all (UTF-8).")
     working_dir: str | None = Field(None, max_length=4096,
                                     description="Directory the command runs in, on every node.",
                                     json_schema_extra={"pattern": "^/[^\\x00]*$"})
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for workers.")
+    env: dict[str, str] = Field(default_factory=dict, description=(
+        f"Extra environment for workers; names and values of env and secret_env at most "
+        f"{MAX_ENV_BYTES} bytes in all (UTF-8), no name in both."),
+                                json_schema_extra=_ENV_SCHEMA)
     secret_env: dict[str, str] = Field(
-        default_factory=dict,
+        default_factory=dict, json_schema_extra=_ENV_SCHEMA,
         description="Environment for workers whose values are secret: never stored in etcd, never "
                     "returned by the API (a job shows their names only), masked in the job's logs.")
     nodes: NodesSpec = Field(default_factory=NodesSpec)
     nproc_per_node: int | str = Field(
         1, union_mode="left_to_right",
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1024},
+                                     {"type": "string", "const": "auto"}]},
         description="Worker processes per node, or 'auto' (one per GPU the node has, else one).")
     gpus_per_node: int | None = Field(
         None, ge=1, le=1024,

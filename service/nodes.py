@@ -11,7 +11,8 @@ a fresh lease and the old one revoked, which also ends the old credential.
 A drain is stored twice: on the record (what the scheduler reads) and under the node's name
 with no lease (`Keys.drain`), so it outlives the record: a node that registers again (after
 its agent restarted, or after an etcd pause in which its lease lapsed) comes back DRAINING,
-until an undrain deletes the name's drain.
+until an undrain deletes the name's drain, or the leader's retention loop sweeps the drain
+of a node absent for `FTRAIN_DRAIN_KEEP_S` (`sweep_drains`, `service.decide.drains`).
 
 Each registration comes with a new node credential; the record keeps only its sha256, and
 the credential is good while the lease it was registered under lives. A heartbeat checks
@@ -25,17 +26,20 @@ the request path by a `LeaseKeeper` (`service.heartbeats`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
+from service.decide import drains as decide_drains
+from service.decide.drains import StoredDrain
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StoreUnavailable
 from service.heartbeats import LeaseKeeper
 from service.keys import Keys
 from service.models import NodeRecord, NodeState
 from service.store import cas
-from service.store.api import Entry, KeyValue, Put, WatchEvent
+from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -219,6 +223,43 @@ class NodeStore:
         is deleted even when the node is not registered now (then NodeNotFound)."""
         await self.kv.delete(self.keys.drain(name))
         return await self._set_state(name, NodeState.READY)
+
+    async def sweep_drains(self, fence: dict[str, int], keep_s: float) -> list[str]:
+        """Note, clear or delete the stored drains of absent nodes (`service.decide.drains`);
+        returns the names whose drain was deleted. Each write compares the drain, the node's
+        record (absent, or present for a clear) and `fence` (the leader's key)."""
+        entries = [e async for e in self.kv.scan_prefix(self.keys.drain(""))]
+        if not entries:
+            return []
+        names = [e.key[len(self.keys.drain("")):] for e in entries]
+        records = await self.kv.get_many([self.keys.node(n) for n in names])
+        live = {n for n, r in zip(names, records, strict=True) if r is not None}
+        stored = {}
+        for name, entry in zip(names, entries, strict=True):
+            try:
+                note = json.loads(entry.value)
+            except ValueError:
+                note = {}
+            stored[name] = (entry, note)
+        drains = [StoredDrain(n, float(note.get("drained_at") or 0), note.get("absent_since"))
+                  for n, (_, note) in stored.items()]
+        deleted = []
+        for action in decide_drains.sweep(drains, live, self.clock(), keep_s):
+            entry, note = stored[action.name]
+            node_key = self.keys.node(action.name)
+            if action.do == "delete":
+                ops: list = [Delete(entry.key)]
+            else:
+                note = {k: v for k, v in note.items() if k != "absent_since"}
+                if action.do == "note_absent":
+                    note["absent_since"] = round(self.clock(), 3)
+                ops = [Put(entry.key, json.dumps(note).encode())]
+            expect = {**fence, entry.key: entry.mod_revision}
+            if action.do != "clear_absent":
+                expect[node_key] = 0  # still no node of that name
+            if await self.kv.commit(expect, ops) and action.do == "delete":
+                deleted.append(action.name)
+        return deleted
 
     async def _set_state(self, name: str, state: NodeState) -> NodeRecord:
         def decide(read: tuple[Entry, NodeRecord]) -> cas.Done[NodeRecord] | cas.Write[NodeRecord]:

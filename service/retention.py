@@ -19,6 +19,10 @@ the lead and every ORPHAN_SWEEP_S after (secret env files are named by a nonce, 
 and are not swept). Snapshot files kept on a node's own disk (no snapshot root) are out of
 the control plane's
 reach and stay there.
+
+Drains: a drain is stored under the node's name, apart from its lease-bound record, so it
+outlives the node; the loop sweeps the drains of nodes absent for `FTRAIN_DRAIN_KEEP_S`
+(7 days by default) every DRAIN_SWEEP_S (`service.decide.drains` says how).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from service.job_index import JobIndex
 from service.jobs import JobStore, looks_like_job_id
 from service.keyring import Keyring
 from service.logs import LogStore
+from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
 from service.scheduler import Leadership
 
@@ -45,6 +50,8 @@ log = logging.getLogger(__name__)
 MAX_DELETIONS_PER_PASS = 256
 # How often the leader looks for folders (logs, snapshots) of jobs that no longer exist.
 ORPHAN_SWEEP_S = 600.0
+# How often the leader looks at the stored drains (`NodeStore.sweep_drains`).
+DRAIN_SWEEP_S = 60.0
 
 
 async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str, int],
@@ -110,9 +117,12 @@ async def sweep_orphans(jobs: JobStore, logs: LogStore, snapshot_root: str | Pat
 
 async def run(jobs: JobStore, logs: LogStore, index: JobIndex, leadership: Leadership,
               policy: RetentionPolicy, snapshot_root: str | Path | None = None,
-              keyring: Keyring | None = None) -> None:
-    """Prune while this replica leads, every `pass_interval_s(policy)`. Runs until cancelled."""
+              keyring: Keyring | None = None, drains: tuple[NodeStore, float] | None = None) -> None:
+    """Prune while this replica leads, every `pass_interval_s(policy)`; with `drains` (the
+    node store, the keep in seconds), sweep the stored drains of nodes gone for good once every
+    DRAIN_SWEEP_S (`service.decide.drains`). Runs until cancelled."""
     interval_s = pass_interval_s(policy)
+    drains_swept_at = 0.0  # when stored drains were last swept (monotonic)
     swept: dict[str, int] | None = None  # the lead under which orphaned keys were last swept
     files_swept_at = 0.0  # when folders of deleted jobs were last swept (monotonic)
     while True:
@@ -131,6 +141,11 @@ async def run(jobs: JobStore, logs: LogStore, index: JobIndex, leadership: Leade
                     if gone := await sweep_orphans(jobs, logs, snapshot_root):
                         log.info("retention: deleted the folders of %d deleted job(s)", len(gone))
                     files_swept_at = time.monotonic()
+                if drains is not None and time.monotonic() - drains_swept_at >= DRAIN_SWEEP_S:
+                    if gone := await drains[0].sweep_drains(fence, drains[1]):
+                        log.info("retention: deleted the drains of %d node(s) absent for %.0f s or "
+                                 "more: %s", len(gone), drains[1], ", ".join(gone))
+                    drains_swept_at = time.monotonic()
         except StaleLeader as exc:
             log.info("retention: %s", exc.message)
         except StoreUnavailable as exc:

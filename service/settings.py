@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         7 * DAY_S, gt=0,
         description="Finished jobs (record, events, logs, snapshot records, idempotency key) "
                     "are deleted this long after they end; seconds, or e.g. 7d, 12h, 30m, 90s.")
+    drain_keep_s: float = Field(
+        7 * DAY_S, gt=0,
+        description="A drained node's stored drain is deleted once no node of its name has been "
+                    "registered for this long (a node back sooner is still drained); seconds, or "
+                    "e.g. 7d, 12h, 30m, 90s.")
     retention_jobs: int | None = Field(
         None, ge=1, description="Keep at most this many finished jobs (the oldest finished go "
                                 "first); none: no cap.")
@@ -86,7 +91,7 @@ class Settings(BaseSettings):
             raise ValueError(f"the etcd password file {self.etcd_password_file} is empty")
         return self.etcd_user, password
 
-    @field_validator("retention_s", mode="before")
+    @field_validator("retention_s", "drain_keep_s", mode="before")
     @classmethod
     def _duration(cls, v):
         return parse_duration(v) if isinstance(v, str) else v

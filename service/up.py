@@ -223,7 +223,7 @@ def curl_lines(url: str, token: str, job_file: str) -> list[str]:
         "# then set JOB to the \"id\" it printed (JOB=...) for its status, events, logs and cancel:",
         f"curl -sS {url}/v1/jobs/$JOB -H {auth}",
         f"curl -sS {url}/v1/jobs/$JOB/events -H {auth}",
-        f"curl -sSN \"{url}/v1/jobs/$JOB/logs?follow=true\" -H {auth}",
+        f"curl -sSN \"{url}/v1/jobs/$JOB/logs?follow=true&wait_s=30\" -H {auth}",
         f"curl -sS -X POST {url}/v1/jobs/$JOB/cancel -H {auth}",
     ]
 

@@ -48,15 +48,28 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
-class RunningGroup(BaseModel):
+class _NoBoolNumbers(BaseModel):
+    """A body whose numbers refuse true/false (pydantic takes them as 1/0; JSON Schema's
+    integer does not). Used on the registration only: the frequent bodies (heartbeats, log
+    shipments) skip the per-field check."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool(cls, v, info):
+        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true or false")
+        return v
+
+
+class RunningGroup(_NoBoolNumbers):
     """A job attempt whose workers an agent is running."""
 
     job_id: str = Field(..., max_length=64)
     attempt: int = Field(..., ge=0)
 
 
-class RegisterRequest(BaseModel):
-    name: str = Field(..., max_length=64)
+class RegisterRequest(_NoBoolNumbers):
+    name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
     nproc_per_node: int = Field(1, ge=1, le=1024)
     gpus: int = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, max_length=128, description="Their model, as nvidia-smi names it.")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 
+from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide.cancel import decide_cancel
 from service.deps import CallerDep, ContextDep, UserAuth
@@ -20,7 +21,7 @@ from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
 from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_index)
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth], route_class=AuthFirstRoute)
 
 READ_WAIT_S = 1.0  # how long a read waits for the index to reach that revision, then reads etcd
 RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
@@ -28,7 +29,9 @@ RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
                                                         "client has seen: answer nothing older.")]
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobView)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobView, responses={
+    200: {"model": JobView, "description": "A retried submit (the same `Idempotency-Key`): the first "
+                                           "job, with `Idempotent-Replayed: true`."}})
 async def submit(
     spec: JobSpec,
     ctx: ContextDep,
@@ -66,7 +69,8 @@ async def list_jobs(
     state: Annotated[list[JobState] | None, Query(description="Only jobs in these states.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[str | None,
-                     Query(max_length=100, description="The `next` of the previous page.")] = None,
+                     Query(min_length=1, max_length=100,
+                           description="The `next` of the previous page (404 if no such job).")] = None,
 ) -> JobList:
     """Jobs, oldest first, filtered by state and paginated.
 
@@ -81,9 +85,9 @@ async def list_jobs(
             try:
                 job = await ctx.jobs.get(after)
             except JobNotFound:
-                raise RequestValidationError([{
-                    "loc": ("query", "after"), "type": "value_error",
-                    "msg": f"no job {after} (to list from the start, leave `after` out)"}]) from None
+                raise HTTPException(status.HTTP_404_NOT_FOUND,
+                                    f"job {after} not found (`after` names the last job of the "
+                                    "previous page; to list from the start, leave it out)") from None
             place = (job.created_at, job.id)
     page, more = await ctx.jobs.page(ctx.index.ids_after(place, state), state, limit)
     return JobList(items=await ctx.jobs.views(page), next=page[-1].id if more and page else None)

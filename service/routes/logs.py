@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 
+from service.api_contract import AuthFirstRoute
 from service.deps import ContextDep, MemberNode, UserAuth
 from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
 from worker.protocol import LogShipment
 
-router = APIRouter(tags=["logs"])
+router = APIRouter(tags=["logs"], route_class=AuthFirstRoute)
 FOLLOW_POLL_S = 0.5  # how often a follower that has read everything looks for new lines
+FOLLOW_IDLE_S = 5.0  # a follow stream with no new line for this long ends (`wait_s`)
+FOLLOW_MAX_WAIT_S = 30.0  # the longest `wait_s`: no request is held longer without news
 
 
 @router.post("/v1/jobs/{job_id}/logs", status_code=204)
@@ -39,10 +43,23 @@ async def get_logs(
     since: Annotated[int, Query(ge=0, description="Only lines with seq >= since (a page's next_seq).")] = 0,
     limit: Annotated[int, Query(ge=1, le=PAGE_MAX_LINES, description="Most lines in the page.")] = PAGE_LIMIT,
     follow: bool = False,
+    tail: Annotated[int | None, Query(ge=0, le=PAGE_MAX_LINES, description=(
+        "Only the last N lines (of `rank`, if given), read from the end of the log, whatever its "
+        "size (`since` and `limit` are not used); with follow=true, then the new ones."))] = None,
+    wait_s: Annotated[float, Query(ge=0.5, le=FOLLOW_MAX_WAIT_S, description=(
+        "With follow=true: end the stream once no new line came for this long (the job goes on; "
+        "follow again from the last line's seq + 1)."))] = FOLLOW_IDLE_S,
 ):
     """A page of a job's worker logs, oldest first; `follow=true` streams the lines from
-    `since` on (NDJSON), new ones as they come, until the job ends."""
+    `since` on (NDJSON), new ones as they come, until the job ends or no line came for
+    `wait_s` seconds (so no request is held for ever; a client follows again)."""
     await ctx.jobs.get(job_id)
+    if tail is not None:
+        page = await ctx.logs.read_tail(job_id, tail, rank)
+        if not follow:
+            await ctx.jobs.get(job_id)  # (as below)
+            return page
+        since = page.items[0].seq if page.items else page.next_seq
     if not follow:
         page = await ctx.logs.read_page(job_id, since, limit, rank)
         # Retention deletes the record before the files: a job that still exists after the
@@ -52,15 +69,19 @@ async def get_logs(
 
     async def stream():
         cursor = since
+        quiet_since = time.monotonic()
         while True:
             over = (await ctx.jobs.get(job_id)).state.is_terminal()
             page = await ctx.logs.read_page(job_id, cursor, limit, rank)
             if page.items:
+                quiet_since = time.monotonic()
                 yield "".join(item.model_dump_json() + "\n" for item in page.items)
             cursor = page.next_seq
             if cursor < page.end_seq:
                 continue  # more to read now
             if over:  # the job had ended before this read: nothing more will come
+                return
+            if time.monotonic() - quiet_since >= wait_s:
                 return
             await asyncio.sleep(FOLLOW_POLL_S)
 

@@ -7,6 +7,7 @@ import logging
 
 from fastapi import APIRouter, Request, Response, status
 
+from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
@@ -42,7 +43,7 @@ from worker.protocol import (
     RoundReport,
 )
 
-router = APIRouter(tags=["nodes"])
+router = APIRouter(tags=["nodes"], route_class=AuthFirstRoute)
 log = logging.getLogger(__name__)
 
 

@@ -17,9 +17,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 
+from service.api_contract import AuthFirstRoute
 from service.deps import (
     ContextDep,
-    Credentials,
+    JobCredentials,
+    NodeCredentials,
     _is_job_token,
     _node_of_credential,
     _refuse_other_principal,
@@ -50,9 +52,11 @@ from worker.protocol import (
 
 
 async def current_rendezvous(
-    ctx: ContextDep, creds: Credentials, rdzv_id: Annotated[str, Path(max_length=200)]
+    ctx: ContextDep, job_creds: JobCredentials, node_creds: NodeCredentials,
+    rdzv_id: Annotated[str, Path(max_length=200)]
 ) -> Rendezvous:
     """The caller's rendezvous, after checking its token and that its attempt is current."""
+    creds = job_creds or node_creds  # one header: the OpenAPI names both schemes
     job_id, attempt = parse_rdzv_id(rdzv_id)
     if ctx.settings.node_token is not None:
         if creds is None:
@@ -96,7 +100,7 @@ async def _job_of_caller(ctx, given: str, job_id: str):
 
 RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]
 
-router = APIRouter(prefix="/v1/rdzv/{rdzv_id}", tags=["rendezvous"])
+router = APIRouter(prefix="/v1/rdzv/{rdzv_id}", tags=["rendezvous"], route_class=AuthFirstRoute)
 
 
 def _state(entry) -> dict:

@@ -11,8 +11,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
+from service.api_contract import AuthFirstRoute
 from service.decide.snapshots import control_for
-from service.deps import ContextDep, Credentials, JobTokenDep, require_job_token, token_matches
+from service.deps import (
+    ContextDep,
+    JobCredentials,
+    JobTokenDep,
+    UserCredentials,
+    require_job_token,
+    token_matches,
+)
 from service.snapshots import SnapshotStore
 from worker.protocol import (
     CommitRequest,
@@ -26,7 +34,7 @@ from worker.protocol import (
     SnapshotList,
 )
 
-router = APIRouter(prefix="/v1/jobs", tags=["snapshots"])
+router = APIRouter(prefix="/v1/jobs", tags=["snapshots"], route_class=AuthFirstRoute)
 
 
 def get_snapshots(ctx: ContextDep) -> SnapshotStore:
@@ -36,9 +44,10 @@ def get_snapshots(ctx: ContextDep) -> SnapshotStore:
 SnapshotsDep = Annotated[SnapshotStore, Depends(get_snapshots)]
 
 
-async def require_reader(ctx: ContextDep, creds: Credentials,
+async def require_reader(ctx: ContextDep, user_creds: UserCredentials, job_creds: JobCredentials,
                          job_id: Annotated[str, Path()]) -> None:
     """A user token (the admin's or a named user's), or the job's own token."""
+    creds = user_creds or job_creds  # one header: the OpenAPI names both schemes
     if creds is not None and (token_matches(creds.credentials, ctx.settings.user_token)
                               or await ctx.users.who(creds.credentials) is not None):
         return

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, status
 
+from service.api_contract import AuthFirstRoute
 from service.deps import AdminAuth, CallerDep, ContextDep
 from service.models import ADMIN, NewUser, UserCreated, UserList, UserView
 
-router = APIRouter(prefix="/v1/users", tags=["users"])
+router = APIRouter(prefix="/v1/users", tags=["users"], route_class=AuthFirstRoute)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=UserCreated,

@@ -218,9 +218,16 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
         assert request.headers["Authorization"] == "Bearer t"
         if request.url.path == "/v1/jobs/j1/logs" and request.url.params.get("follow") == "true":
             assert request.url.params.get("rank") == "1"
-            body = "".join(x.model_dump_json() + "\n" for x in lines[1:])
+            since = int(request.url.params.get("since", 0))  # followed again until the job ended
+            body = "".join(x.model_dump_json() + "\n" for x in lines[1:] if x.seq >= since)
             return httpx.Response(200, content=body.encode(),
                                   headers={"Content-Type": "application/x-ndjson"})
+        if request.url.path == "/v1/jobs/j1/logs" and "tail" in request.url.params:
+            tails.append(int(request.url.params["tail"]))  # the server reads the tail
+            page = lines[-int(request.url.params["tail"]):]
+            return httpx.Response(200, json=LogPage(
+                items=page, next_seq=3, end_seq=3, first_seq=1, cut_bytes=1, cut_lines=1,
+                cap_bytes=1024).model_dump(mode="json"))
         if request.url.path == "/v1/jobs/j1/logs":
             # Two pages: the CLI reads on from next_seq until it reaches end_seq.
             since = int(request.url.params.get("since", 0))
@@ -252,6 +259,9 @@ def test_logs_and_nodes_are_printed_from_the_documented_shapes(monkeypatch):
     assert followed.stderr.strip() == "ftrain: j1 FAILED: rank 1: ValueError: x (exit 1)"
     out = runner.invoke(main, ["logs", "-f", "--rank", "1", "--json", "j1"], catch_exceptions=False).stdout
     assert [json.loads(x) for x in out.splitlines()] == [x.model_dump(mode="json") for x in lines[1:]]
+    tails: list[int] = []
+    result = runner.invoke(main, ["logs", "--tail", "1", "j1"], catch_exceptions=False)
+    assert result.stdout.splitlines() == ["[local-1 rank 1] warn"] and tails == [1]  # one request
     out = runner.invoke(main, ["nodes"], catch_exceptions=False).output.splitlines()
     assert out[0].split() == ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"]
     assert out[1].split()[:6] == ["local-0", "READY", "2", "-", "127.0.0.1", "j1"]

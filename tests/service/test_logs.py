@@ -129,6 +129,36 @@ def test_last_lines_reads_only_the_tail(tmp_path, monkeypatch):
     assert 0 < sum(read) <= TAIL_MAX_BYTES
 
 
+def test_a_tail_page_of_a_multi_mib_log_reads_from_the_end(tmp_path, monkeypatch):
+    store = LogStore(tmp_path, 64 * 1024 * 1024)
+    for i in range(200):  # about 5.5 MiB
+        run(store.ship("j", shipment("a", *[(i % 2, f"{i}.{k} " + "z" * 2700) for k in range(10)])))
+    every = read_all(store, "j", limit=10_000)
+    read = []
+    real_open = builtins.open
+
+    def counting_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        real_read = f.read
+        f.read = lambda n=-1: read.append(len(data := real_read(n))) or data
+        return f
+
+    monkeypatch.setattr(logs_module, "open", counting_open, raising=False)
+    page = run(store.read_tail("j", 5))
+    assert page.items == every[-5:]
+    assert page.next_seq == page.end_seq
+    assert 0 < sum(read) <= 256 * 1024  # the end of a 5.5 MiB log, not all of it
+    assert run(store.read_tail("j", 3, rank=1)).items == [x for x in every if x.rank == 1][-3:]
+    assert run(store.read_tail("j", 0)).items == []
+    # where the tail ends is where a follower goes on: the next line, nothing else
+    run(store.ship("j", shipment("a", (0, "after the tail"))))
+    after = run(store.read_page("j", page.next_seq, 100))
+    assert [x.line for x in after.items] == ["after the tail"]
+    # a log shorter than the tail: all of it
+    run(store.ship("k", shipment("a", (0, "one"), (1, "two"))))
+    assert [x.line for x in run(store.read_tail("k", 10)).items] == ["one", "two"]
+
+
 def test_a_torn_write_costs_one_record_not_the_log(tmp_path):
     store = LogStore(tmp_path, CAP)
     run(store.ship("j", shipment("a", (0, "before"))))

@@ -402,3 +402,59 @@ def test_idempotency_keys_whose_job_is_gone_are_swept():
             [(await c.kv.get(c.ctx.keys.idempotency(kept.idempotency_digest))).value]
 
     run(test)
+
+
+def test_the_drain_of_a_node_gone_for_good_is_swept_after_the_keep_a_returning_node_keeps_its_own():
+    async def test(c: Cluster):
+        nodes, keep = c.ctx.nodes, 100.0
+        nodes.clock = c.clock
+        for name in ("gone", "back"):
+            await nodes.register(name, 1, None, ttl_s=60)
+            await nodes.drain(name)
+            await nodes.deregister(name)
+        assert await c.leadership.hold()
+        fence = c.leadership.fence()
+        assert await nodes.sweep_drains(fence, keep) == []  # both noted absent, none deleted
+        await nodes.register("back", 1, None, ttl_s=100_000)  # back within the keep: still drained
+        assert (await nodes.list())["back"].state.value == "DRAINING"
+        c.clock.now += keep - 1
+        assert await nodes.sweep_drains(fence, keep) == []  # "back"'s note cleared
+        c.clock.now += 2
+        stale = c.leadership.fence()
+        await c.kv.revoke_lease(c.leadership.lease_id)  # a replica that lost the lead
+        assert await nodes.sweep_drains(stale, keep) == []
+        assert await c.kv.get(c.ctx.keys.drain("gone")) is not None
+        assert await c.leadership.hold()
+        assert await nodes.sweep_drains(c.leadership.fence(), keep) == ["gone"]
+        assert await c.kv.get(c.ctx.keys.drain("gone")) is None
+        assert await c.kv.get(c.ctx.keys.drain("back")) is not None  # present: kept
+        c.clock.now += 10 * keep
+        assert await nodes.sweep_drains(c.leadership.fence(), keep) == []
+
+    run(test)
+
+
+def test_the_retention_loop_sweeps_stale_drains(monkeypatch):
+    monkeypatch.setattr(retention, "DRAIN_SWEEP_S", 0.0)
+
+    async def test(c: Cluster):
+        nodes = c.ctx.nodes
+        await nodes.register("gone", 1, None, ttl_s=60)
+        await nodes.drain("gone")
+        await nodes.deregister("gone")
+        loop = asyncio.create_task(retention.run(
+            c.ctx.jobs, c.ctx.logs, c.ctx.index, c.leadership, RetentionPolicy(retention_s=1.0),
+            drains=(nodes, 0.001)))
+        try:
+            assert await c.leadership.hold()
+            for _ in range(100):  # noted on one pass, deleted on a later one
+                if await c.kv.get(c.ctx.keys.drain("gone")) is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert await c.kv.get(c.ctx.keys.drain("gone")) is None
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    run(test)

@@ -346,7 +346,7 @@ function jobView(jobId) {
       logAbort = new AbortController();
       $("log-state").textContent = "following";
       try {
-        const resp = await api(`v1/jobs/${encodeURIComponent(jobId)}/logs?follow=true&since=${since}`,
+        const resp = await api(`v1/jobs/${encodeURIComponent(jobId)}/logs?follow=true&wait_s=30&since=${since}`,
                                { raw: true, signal: logAbort.signal });
         const reader = resp.body.getReader();
         const decoder = new TextDecoder();

@@ -1,0 +1,48 @@
+"""Schemathesis hooks for tests/integration/test_schemathesis.py (SCHEMATHESIS_HOOKS).
+
+A job spec has rules that JSON Schema cannot state: between fields, `nodes.min <= nodes.max`
+and no name in both `env` and `secret_env`; over a whole field, at most MAX_COMMAND_BYTES of
+command and MAX_ENV_BYTES of env and secret_env (UTF-8; the server answers 422 for each,
+naming the field, and the descriptions say so). A generated spec is made to keep them (max
+raised to min, the shared names dropped from secret_env, the last arguments or entries
+dropped), so a spec the schema calls valid is one the server takes; every other value and
+every check stays as generated.
+"""
+
+from __future__ import annotations
+
+import schemathesis
+
+from service.models import MAX_COMMAND_BYTES, MAX_ENV_BYTES
+
+
+def _size(value) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+@schemathesis.hook
+def map_case(context, case):
+    op = context.operation
+    body = case.body
+    if op is None or op.method.upper() != "POST" or op.path != "/v1/jobs" or not isinstance(body, dict):
+        return case
+    nodes = body.get("nodes")
+    if isinstance(nodes, dict):
+        lo, hi = nodes.get("min", 1), nodes.get("max", 1)
+        # only between two valid counts: a case made invalid on purpose stays invalid
+        if all(type(v) is int and 1 <= v <= 1024 for v in (lo, hi)) and lo > hi:
+            nodes["max"] = lo
+    env, secret = body.get("env"), body.get("secret_env")
+    if isinstance(env, dict) and isinstance(secret, dict):
+        for name in env.keys() & secret.keys():
+            del secret[name]
+    command = body.get("command")
+    if isinstance(command, list) and all(isinstance(x, str) for x in command):
+        while len(command) > 1 and sum(map(_size, command)) > MAX_COMMAND_BYTES:
+            command.pop()
+    envs = [e for e in (env, secret) if isinstance(e, dict)]
+    if all(isinstance(k, str) and isinstance(v, str) for e in envs for k, v in e.items()):
+        while sum(_size(k) + _size(v) for e in envs for k, v in e.items()) > MAX_ENV_BYTES:
+            biggest = max((e for e in envs if e), key=len)
+            biggest.pop(next(reversed(biggest)))
+    return case
