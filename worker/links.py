@@ -33,8 +33,11 @@ from worker.protocol import (
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryCorrupt,
     MemoryReport,
     ProgressReport,
+    RestorePoint,
+    RestoreRequest,
     SnapshotList,
     SnapshotRecord,
     steps_to_prune,
@@ -91,6 +94,8 @@ class Link(Protocol):
                         total_steps: int | None = None) -> None: ...
     def control(self) -> ControlRequest: ...
     def report_memory(self, node: str, step: int) -> None: ...
+    def restore_point(self, held: int | None) -> RestorePoint: ...
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None: ...
 
 
 def _committed(items: list[dict]) -> list[CommittedSnapshot]:
@@ -173,6 +178,25 @@ class ServiceLink:
         """What this node's memory tier holds (tried once: the next report comes soon)."""
         self._call("PUT", f"/memory/{node}", MemoryReport(step=step, attempt=self.attempt))
 
+    def report_memory_held(self, node: str, step: int) -> None:
+        """The same, at a restart: retried, since the restore point is decided from it."""
+        self._retrying("PUT", f"/memory/{node}", MemoryReport(step=step, attempt=self.attempt))
+
+    def restore_point(self, held: int | None) -> RestorePoint:
+        """The control plane's restore point of this attempt (decided from the members'
+        reports of it; `held` is not sent: this node's first worker reported it)."""
+        try:
+            return self._read(RestorePoint, self._retrying("POST", "/restore",
+                                                           RestoreRequest(attempt=self.attempt)))
+        except LinkError as exc:
+            if exc.status == 409:
+                raise Fenced(f"no restore point for attempt {self.attempt}: {exc}") from exc
+            raise
+
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
+        self._retrying("POST", f"/memory/{node}/corrupt",
+                       MemoryCorrupt(attempt=self.attempt, step=step, reason=reason[:500]))
+
 
 class LocalLink:
     """The local twin of the control plane: a `snapshots.json` index next to the files."""
@@ -237,3 +261,15 @@ class LocalLink:
 
     def report_memory(self, node: str, step: int) -> None:
         pass
+
+    def restore_point(self, held: int | None) -> RestorePoint:
+        """The control plane's rule, for one process: its copy if at least the latest."""
+        _, latest = self.snapshots()
+        if held is not None and (latest is None or held >= latest):
+            return RestorePoint(attempt=0, tier="memory", step=held, reason="this process's memory copy")
+        if latest is not None:
+            return RestorePoint(attempt=0, tier="disk", step=latest, reason="the latest snapshot")
+        return RestorePoint(attempt=0, tier="none")
+
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
+        log.warning("memory copy at step %d is corrupt (%s); falling back", step, reason)

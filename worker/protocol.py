@@ -419,6 +419,32 @@ class SnapshotList(BaseModel):
         "`latest`, else from `latest`.")
 
 
+class RestoreRequest(BaseModel):
+    """Rank 0 of a (re)started group: which state should every rank load?"""
+
+    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
+
+
+class RestorePoint(BaseModel):
+    """The control plane's answer (service/decide/restore.py): the newest step a member
+    node's memory tier holds (reported under this attempt) when it is at least the disk's
+    latest, else the disk's latest, else nothing."""
+
+    attempt: int
+    tier: Literal["memory", "disk", "none"]
+    step: int | None = None
+    nodes: list[str] = Field(default_factory=list, description="The members that hold `step` in memory.")
+    reason: str = ""
+
+
+class MemoryCorrupt(BaseModel):
+    """A worker found its node's memory copy damaged (checksum) and fell back."""
+
+    attempt: int = Field(..., ge=0)
+    step: int = Field(..., ge=0)
+    reason: str = Field("checksum mismatch", max_length=500)
+
+
 class CorruptReport(BaseModel):
     reason: str = Field("checksum mismatch", max_length=500)
 

@@ -208,6 +208,7 @@ class Runtime:
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
     node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
     memory_report_s: float = 1.0
+    _keep_rng: bool = True  # each rank keeps its RNG states beside the node's memory tier
     _reporter: threading.Thread | None = None
     _stop_report: threading.Event = field(default_factory=threading.Event)
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
@@ -260,10 +261,11 @@ class Runtime:
         """
         self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
                        "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
-        # What each node's memory tier holds; the group agrees on the newest copy any rank
-        # holds, unless the disk tier's latest is newer.
-        copy = mem.read_copy(self.memory_dir) if self.memory_dir is not None else None
-        held = -1 if copy is None else int(copy[0]["step"])
+        # What each node's memory tier holds (verified; its first rank reports it under this
+        # attempt); then the control plane decides the restore point (service/decide/restore.py)
+        # and rank 0 broadcasts it. The gather is the barrier after which every report is in,
+        # and tells ranks whose node lacks the chosen copy which rank sends it.
+        copy, held = self._read_memory()
         helds = [held]
         if self.distributed:
             helds = [None] * self.world_size
@@ -312,15 +314,47 @@ class Runtime:
                     return
                 log.debug("memory tier report failed: %s", exc)
 
+    def _read_memory(self) -> tuple[tuple | None, int]:
+        """This node's memory copy (verified) and its step (-1: none). A corrupt one counts as
+        none, so the restore falls back to a peer's copy or disk, and the job's events say so."""
+        if self.memory_dir is None:
+            return None, -1
+        try:
+            copy = mem.read_copy(self.memory_dir)
+        except mem.CopyCorrupt as exc:
+            log.warning("rank %d: %s; falling back to the next source (a peer's copy, then disk)",
+                        self.rank, exc)
+            if self.local_rank == 0 and self.link is not None:
+                try:
+                    self.link.report_memory_corrupt(self.node or "local", exc.step, exc.reason)
+                except LinkError as err:
+                    log.warning("rank %d: could not report the corrupt memory copy: %s", self.rank, err)
+            return None, -1
+        if copy is None:
+            return None, -1
+        held = int(copy[0]["step"])
+        if self.local_rank == 0 and self.node and isinstance(self.link, ServiceLink):
+            try:
+                self.link.report_memory_held(self.node, held)
+            except LinkError as exc:
+                log.warning("rank %d: could not report this node's memory copy (step %d): %s; the "
+                            "restore point will not count it", self.rank, held, exc)
+        return copy, held
+
     def _choose(self, helds: list[int]) -> tuple | None:
-        """Rank 0: ("memory", step, source rank) when some rank's memory copy is at least as
-        new as the latest committed snapshot, else ("disk", path) or None."""
+        """Rank 0: ("memory", step, source rank) when the control plane's restore point is a
+        memory copy some rank holds, else ("disk", path) or None."""
         newest = max(helds)
-        latest = None
-        if self.link is not None:
-            _, latest = self.link.snapshots()
-        if newest >= 0 and (latest is None or newest >= latest):
+        if newest >= 0 and self.link is None:
             return ("memory", newest, helds.index(newest))
+        if newest >= 0 and self.link is not None:
+            point = self.link.restore_point(newest)
+            log.info("restore point: %s", point.reason)
+            if point.tier == "memory" and point.step in helds:
+                return ("memory", point.step, helds.index(point.step))
+            if point.tier == "memory":
+                log.warning("restore point: step %s is held by no rank of this group; trying disk",
+                            point.step)
         path = self._choose_snapshot()
         return None if path is None else ("disk", path)
 
@@ -344,8 +378,16 @@ class Runtime:
         for name, obj in self._state.items():
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
-        if self.local_rank == 0 and state.get("rng") is not None:
-            _set_rng_state(state["rng"])  # the RNG of the node's first rank that wrote the copy
+        # Each rank's own RNG states of that step, kept on its node (`_save_rng`); failing
+        # that, the writer's (the node's first rank) for the node's first rank.
+        rng = mem.load_rng(self.memory_dir, self.rank, step, self.rng_ring) if self.memory_dir else None
+        if rng is None and self.local_rank == 0 and helds[self.rank] == step:
+            rng = state.get("rng")
+        if rng is not None:
+            _set_rng_state(rng)
+        else:
+            log.info("rank %d: no RNG state of step %d on this node; keeping this process's own",
+                     self.rank, step)
         self.step = int(state["step"])
         self.resumed_from, self.resumed_tier = self.step, "memory"
         log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,
@@ -401,6 +443,8 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
+        if self.memory_dir is not None and self._keep_rng:
+            self._save_rng()
         if self._memory is not None:
             self._time_step()
             if self._memory_due():
@@ -421,6 +465,20 @@ class Runtime:
             return
         for name, value in scalars.items():
             self._scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
+    @property
+    def rng_ring(self) -> int:
+        """How many steps of RNG states each rank keeps: enough to outlast two copies."""
+        return 2 * max(self.memory_every or 0, MEMORY_EVERY_MAX) + 2
+
+    def _save_rng(self) -> None:
+        assert self.memory_dir is not None
+        try:
+            mem.save_rng(self.memory_dir, self.rank, self.step, _rng_state(), self.rng_ring)
+        except OSError as exc:
+            log.warning("rank %d: cannot keep its RNG states in %s (%s); a restore from memory "
+                        "will not give them back", self.rank, self.memory_dir, exc)
+            self._keep_rng = False
 
     def _time_step(self) -> None:
         now = time.perf_counter()

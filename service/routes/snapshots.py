@@ -19,10 +19,13 @@ from worker.protocol import (
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryCorrupt,
     MemoryReport,
     MemorySnapshot,
     Progress,
     ProgressReport,
+    RestorePoint,
+    RestoreRequest,
     SnapshotList,
 )
 
@@ -84,6 +87,23 @@ async def report_memory(job_id: str, node: Annotated[str, Path(max_length=253)],
     """The step a member node's memory tier holds (its first worker, about once a second);
     409 from a stale attempt, a finished job or a node that is not a member."""
     return await snapshots.report_memory(job.id, node, report)
+
+
+@router.post("/{job_id}/memory/{node}/corrupt", status_code=status.HTTP_204_NO_CONTENT)
+async def report_memory_corrupt(job_id: str, node: Annotated[str, Path(max_length=253)],
+                                report: MemoryCorrupt, job: JobTokenDep, snapshots: SnapshotsDep) -> None:
+    """A worker found its node's memory copy damaged and fell back: noted in the job's events;
+    409 from a stale attempt or a finished job."""
+    await snapshots.memory_corrupt(job.id, node, report)
+
+
+@router.post("/{job_id}/restore", response_model=RestorePoint)
+async def restore_point(job_id: str, req: RestoreRequest, job: JobTokenDep,
+                        snapshots: SnapshotsDep) -> RestorePoint:
+    """Rank 0 of a (re)started group: the step every rank loads, and from which tier, decided
+    from the members' memory reports of this attempt and the disk's latest (an event says
+    which); 409 from a stale attempt or a finished job."""
+    return await snapshots.restore_point(job.id, req)
 
 
 @router.post("/{job_id}/progress", response_model=Progress)
