@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from worker import snapshot as snap
 from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
 from worker.protocol import (
+    BrokenPeer,
     CommitRequest,
     CommitResult,
     ControlView,
@@ -96,6 +97,7 @@ class Link(Protocol):
     def report_memory(self, node: str, step: int) -> None: ...
     def restore_point(self, held: int | None) -> RestorePoint: ...
     def report_memory_corrupt(self, node: str, step: int, reason: str) -> None: ...
+    def report_broken(self, node: str, detail: str) -> None: ...
 
 
 def _committed(items: list[dict]) -> list[CommittedSnapshot]:
@@ -193,6 +195,10 @@ class ServiceLink:
                 raise Fenced(f"no restore point for attempt {self.attempt}: {exc}") from exc
             raise
 
+    def report_broken(self, node: str, detail: str) -> None:
+        """This worker's process group broke (tried once: the worker is on its way out)."""
+        self._call("POST", "/broken", BrokenPeer(attempt=self.attempt, node=node, detail=detail[:500]))
+
     def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
         self._retrying("POST", f"/memory/{node}/corrupt",
                        MemoryCorrupt(attempt=self.attempt, step=step, reason=reason[:500]))
@@ -270,6 +276,9 @@ class LocalLink:
         if latest is not None:
             return RestorePoint(attempt=0, tier="disk", step=latest, reason="the latest snapshot")
         return RestorePoint(attempt=0, tier="none")
+
+    def report_broken(self, node: str, detail: str) -> None:
+        pass
 
     def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
         log.warning("memory copy at step %d is corrupt (%s); falling back", step, reason)

@@ -437,6 +437,21 @@ class RestorePoint(BaseModel):
     reason: str = ""
 
 
+class BrokenPeer(BaseModel):
+    """A worker's process group broke (a peer's connection closed, a collective failed)."""
+
+    attempt: int = Field(..., ge=0)
+    node: str = Field(..., max_length=253, description="The reporter's node (FTRAIN_NODE).")
+    detail: str = Field("", max_length=500)
+
+
+class Suspects(BaseModel):
+    """The member nodes a broken-peer report made suspect (lost if their agent's connection
+    dropped too)."""
+
+    nodes: list[str] = Field(default_factory=list)
+
+
 class MemoryCorrupt(BaseModel):
     """A worker found its node's memory copy damaged (checksum) and fell back."""
 

@@ -174,6 +174,45 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# What a collective's error says when a peer's process or node is gone (gloo's TCP pairs, NCCL).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+              "socket closed", "remote process exited", "nccl communicator was aborted")
+
+
+def is_broken_peer(exc: BaseException) -> bool:
+    """Whether an error that ends a worker says its process group lost a peer."""
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_GONE)
+
+
+def _report_broken_peers(link: Link, node: str) -> None:
+    """When the worker dies of a broken peer, tell the control plane first (service/presence.py:
+    a member whose agent's connection dropped as well is lost at once, not after the longer
+    bound a network blip gets). At most ~1 s; then the previous hook runs as before."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb) -> None:
+        if is_broken_peer(exc):
+            t = threading.Thread(target=_try_report, args=(link, node, f"{kind.__name__}: {exc}"),
+                                 daemon=True)
+            t.start()
+            t.join(1.0)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _try_report(link: Link, node: str, detail: str) -> None:
+    try:
+        link.report_broken(node, detail)
+    except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the lease remains
+        log.info("could not report the broken peer: %s", exc)
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -740,6 +779,8 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
+    if distributed and isinstance(link, ServiceLink) and rt.node:
+        _report_broken_peers(link, rt.node)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,
              job_id or "(local twin)", directory or "off", rt.snapshot_every)
     return rt

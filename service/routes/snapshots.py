@@ -11,10 +11,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
+from service.decide.liveness import broken_peer_suspects
 from service.decide.snapshots import control_for
 from service.deps import ContextDep, Credentials, JobTokenDep, require_job_token, token_matches
 from service.snapshots import SnapshotStore
 from worker.protocol import (
+    BrokenPeer,
     CommitRequest,
     CommitResult,
     ControlView,
@@ -27,6 +29,7 @@ from worker.protocol import (
     RestorePoint,
     RestoreRequest,
     SnapshotList,
+    Suspects,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["snapshots"])
@@ -104,6 +107,17 @@ async def restore_point(job_id: str, req: RestoreRequest, job: JobTokenDep,
     from the members' memory reports of this attempt and the disk's latest (an event says
     which); 409 from a stale attempt or a finished job."""
     return await snapshots.restore_point(job.id, req)
+
+
+@router.post("/{job_id}/broken", response_model=Suspects)
+async def report_broken_peer(job_id: str, report: BrokenPeer, job: JobTokenDep, ctx: ContextDep) -> Suspects:
+    """A worker's process group broke: the job's other members are suspect, and one whose
+    agent's presence connection dropped is lost at once (service/presence.py), not after
+    the longer bound a network blip gets. A stale attempt's report suspects nobody."""
+    nodes = broken_peer_suspects(job.members, report.node, report.attempt, job.attempt,
+                                 job.state.is_terminal())
+    ctx.presence.suspect(nodes)
+    return Suspects(nodes=nodes)
 
 
 @router.post("/{job_id}/progress", response_model=Progress)
