@@ -247,7 +247,7 @@ class Runtime:
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
     node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
     memory_report_s: float = 1.0
-    _keep_rng: bool = True  # each rank keeps its RNG states beside the node's memory tier
+    _rng_keeper: mem.RngKeeper | None = None  # each rank's RNG states beside the node's memory tier
     _reporter: threading.Thread | None = None
     _stop_report: threading.Event = field(default_factory=threading.Event)
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
@@ -482,7 +482,7 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
-        if self.memory_dir is not None and self._keep_rng:
+        if self.memory_dir is not None:
             self._save_rng()
         if self._memory is not None:
             self._time_step()
@@ -511,13 +511,11 @@ class Runtime:
         return 2 * max(self.memory_every or 0, MEMORY_EVERY_MAX) + 2
 
     def _save_rng(self) -> None:
+        """Hand this step's RNG states to the rank's keeper (worker/memory.RngKeeper)."""
         assert self.memory_dir is not None
-        try:
-            mem.save_rng(self.memory_dir, self.rank, self.step, _rng_state(), self.rng_ring)
-        except OSError as exc:
-            log.warning("rank %d: cannot keep its RNG states in %s (%s); a restore from memory "
-                        "will not give them back", self.rank, self.memory_dir, exc)
-            self._keep_rng = False
+        if self._rng_keeper is None:
+            self._rng_keeper = mem.RngKeeper(self.memory_dir, self.rank, self.rng_ring)
+        self._rng_keeper.keep(self.step, _rng_state())
 
     def _time_step(self) -> None:
         now = time.perf_counter()
@@ -716,6 +714,8 @@ class Runtime:
             self._stop_report.set()
             if self._memory is not None:
                 self._memory.wait()
+            if self._rng_keeper is not None:
+                self._rng_keeper.flush()
             if self._writer is not None:
                 self._writer.wait()
         finally:
