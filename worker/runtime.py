@@ -81,6 +81,7 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -191,8 +192,6 @@ def _report_broken_peers(link: Link, node: str) -> None:
     """When the worker dies of a broken peer, tell the control plane first (service/presence.py:
     a member whose agent's connection dropped as well is lost at once, not after the longer
     bound a network blip gets). At most ~1 s; then the previous hook runs as before."""
-    import sys
-
     previous = sys.excepthook
 
     def hook(kind, exc, tb) -> None:
