@@ -55,6 +55,7 @@ class Presence:
         self.blip_s = max(blip_s, grace_s)
         self.clock = clock
         self._suspected: dict[str, float] = {}  # node -> when a survivor last reported it broken
+        self._holding: dict[str, int] = {}  # node -> its presence requests held here now
         self.replica = secrets.token_hex(8)
         self._opened: dict[str, float] = {}  # node -> when its latest presence request came here
         self._owned: dict[str, int] = {}  # node -> the lease under which the presence key names us
@@ -71,17 +72,22 @@ class Presence:
             value = json.dumps({"replica": self.replica}).encode()
             await self.kv.put(self.keys.presence(name), value, lease=lease)
             self._owned[name] = lease
+        self._holding[name] = self._holding.get(name, 0) + 1
         try:
             async with asyncio.timeout(hold_s):
                 while (await receive())["type"] != "http.disconnect":
                     pass
         except TimeoutError:
             return True
-        dropped = self.clock()
+        finally:
+            self._holding[name] -= 1
+        self._start_check(name, lease, self.clock())
+        return False
+
+    def _start_check(self, name: str, lease: int, dropped: float) -> None:
         task = asyncio.get_running_loop().create_task(self._check(name, lease, dropped))
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
-        return False
 
     def suspect(self, nodes: list[str]) -> None:
         """A survivor's report of a broken peer: each of `nodes` whose connection dropped (or
@@ -89,6 +95,11 @@ class Presence:
         now = self.clock()
         for name in nodes:
             self._suspected[name] = now
+            # An agent that died between two presence requests dropped nothing while held:
+            # a suspect whose presence this replica owns but holds no request of is checked
+            # as if it had dropped now.
+            if name in self._owned and not self._holding.get(name):
+                self._start_check(name, self._owned[name], now)
         for name, when in list(self._suspected.items()):  # forget the old ones
             if now - when > SUSPECT_WINDOW_S:
                 del self._suspected[name]

@@ -76,9 +76,21 @@ def test_a_broken_peer_report_alone_revokes_nothing():
     async def main():
         kv, nodes, lease, (p,) = await setup()
         assert await p.hold("n1", lease, receive_held, hold_s=0.01)
-        p.suspect(["n1"])  # its worker died, its agent is fine and holds on
+        p.suspect(["n1"])  # its worker died, its agent is fine and asks again at once
         assert await p.hold("n1", lease, receive_held, hold_s=0.01)
-        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == [] and not p._checks
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+
+    asyncio.run(main())
+
+
+def test_a_suspect_that_died_between_two_presence_requests_is_lost_after_the_grace():
+    async def main():
+        kv, nodes, lease, (p,) = await setup()
+        assert await p.hold("n1", lease, receive_held, hold_s=0.01)  # answered; no next request
+        p.suspect(["n1"])
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
 
     asyncio.run(main())
 
