@@ -75,7 +75,7 @@ class Context:
                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=index,
                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
-                  presence=Presence(kv, keys))
+                  presence=Presence(kv, keys, blip_s=settings.presence_blip_s))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         return ctx

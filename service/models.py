@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.keyring import new_nonce
 from worker.env import JOB_KNOBS
-from worker.protocol import ControlAction, Progress, SnapshotMeta
+from worker.protocol import ControlAction, Progress, RestorePoint, SnapshotMeta
 
 ADMIN = "admin"  # the user of the single user token (`ftrain serve --token`)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -294,6 +294,8 @@ class JobRecord(BaseModel):
     round_nodes: int = 0
     # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
     idempotency_digest: str | None = None
+    # Where the current attempt's group resumes (service.decide.restore): decided once per attempt.
+    restore: RestorePoint | None = None
 
     @model_validator(mode="before")
     @classmethod

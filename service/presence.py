@@ -5,10 +5,14 @@ silent, and it has to be long enough to ride out a slow heartbeat. Yet an agent 
 is visible at once: the kernel closes its connections. So every agent keeps one presence
 request open (`GET /v1/nodes/{name}/presence`), which the control plane holds for
 `HOLD_S` and then answers, and the agent asks again at once. A connection that closes
-while it is held is a dropped connection: if no presence request of that node arrives
-within `GRACE_S` (a network blip, an agent that reconnects), the control plane revokes the
-node's lease, which is exactly what a lapsed lease does (the node record goes, the
-scheduler treats the node as lost and its jobs move on), only seconds sooner. The lease
+while it is held is a dropped connection. A dropped connection alone may be a network blip
+(an agent that reconnects), so it takes a second signal before the control plane revokes
+the node's lease: a survivor's report of a broken peer (a worker of a job the node is a
+member of saw its process group break: `suspect`), after which the node is lost if it is
+not back within `GRACE_S` (1 s); or, without a report, the drop outlasting `BLIP_S` (5 s).
+A revoke is exactly what a lapsed lease does (the node record goes, the scheduler treats
+the node as lost and its jobs move on), only seconds sooner. A report alone revokes
+nothing: a peer whose connection is held is alive (its worker died, not its agent). The lease
 stays the backstop for a node that goes silent without closing anything (power, a
 partition, a stopped agent).
 
@@ -35,18 +39,23 @@ from service.store.api import KeyValue
 log = logging.getLogger(__name__)
 
 HOLD_S = 1.0  # how long the control plane holds one presence request
-GRACE_S = 1.0  # a dropped connection not back within this is a lost node
+GRACE_S = 1.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
+BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
+SUSPECT_WINDOW_S = 3.0  # a broken-peer report confirms a drop from this long before it on
 
 
 class Presence:
     """This replica's presence requests and the checks after dropped ones."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, grace_s: float = GRACE_S,
+    def __init__(self, kv: KeyValue, keys: Keys, grace_s: float = GRACE_S, blip_s: float = BLIP_S,
                  clock: Callable[[], float] = time.monotonic):
         self.kv = kv
         self.keys = keys
         self.grace_s = grace_s
+        self.blip_s = max(blip_s, grace_s)
         self.clock = clock
+        self._suspected: dict[str, float] = {}  # node -> when a survivor last reported it broken
+        self._holding: dict[str, int] = {}  # node -> its presence requests held here now
         self.replica = secrets.token_hex(8)
         self._opened: dict[str, float] = {}  # node -> when its latest presence request came here
         self._owned: dict[str, int] = {}  # node -> the lease under which the presence key names us
@@ -63,23 +72,53 @@ class Presence:
             value = json.dumps({"replica": self.replica}).encode()
             await self.kv.put(self.keys.presence(name), value, lease=lease)
             self._owned[name] = lease
+        self._holding[name] = self._holding.get(name, 0) + 1
         try:
             async with asyncio.timeout(hold_s):
                 while (await receive())["type"] != "http.disconnect":
                     pass
         except TimeoutError:
             return True
-        dropped = self.clock()
+        finally:
+            self._holding[name] -= 1
+        self._start_check(name, lease, self.clock())
+        return False
+
+    def _start_check(self, name: str, lease: int, dropped: float) -> None:
         task = asyncio.get_running_loop().create_task(self._check(name, lease, dropped))
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
-        return False
+
+    def suspect(self, nodes: list[str]) -> None:
+        """A survivor's report of a broken peer: each of `nodes` whose connection dropped (or
+        drops soon) is lost once the grace is over."""
+        now = self.clock()
+        for name in nodes:
+            self._suspected[name] = now
+            # An agent that died between two presence requests dropped nothing while held:
+            # a suspect whose presence this replica owns but holds no request of is checked
+            # as if it had dropped now.
+            if name in self._owned and not self._holding.get(name):
+                self._start_check(name, self._owned[name], now)
+        for name, when in list(self._suspected.items()):  # forget the old ones
+            if now - when > SUSPECT_WINDOW_S:
+                del self._suspected[name]
+
+    def _is_confirmed(self, name: str, dropped: float) -> bool:
+        return self._suspected.get(name, float("-inf")) >= dropped - SUSPECT_WINDOW_S
 
     async def _check(self, name: str, lease: int, dropped: float) -> None:
-        """After the grace: revoke the node's lease unless it came back."""
+        """After the grace: revoke the node's lease unless it came back, once a broken-peer
+        report confirms the drop, or when the drop outlasts `blip_s` unconfirmed."""
         await asyncio.sleep(self.grace_s)
+        while not self._is_confirmed(name, dropped) and self.clock() - dropped < self.blip_s:
+            if self._opened.get(name, 0.0) > dropped:
+                return  # it asked again here
+            await asyncio.sleep(min(0.05, max(0.0, self.blip_s - (self.clock() - dropped))))
         if self._opened.get(name, 0.0) > dropped:
             return  # it asked again here
+        signal = ("a survivor reported a broken peer" if self._is_confirmed(name, dropped)
+                  else f"no second signal, but it outlasted {self.blip_s:g} s")
         try:
             presence = await self.kv.get(self.keys.presence(name))
             if presence is None or json.loads(presence.value).get("replica") != self.replica:
@@ -87,8 +126,8 @@ class Presence:
             record = await self.kv.get(self.keys.node(name))
             if record is None or record.lease != lease:
                 return  # deregistered, or registered again under a new lease
-            log.warning("node %s lost: its agent's connection dropped and did not come back "
-                        "within %g s; its lease is revoked", name, self.grace_s)
+            log.warning("node %s lost: its agent's connection dropped and did not come back (%s); "
+                        "its lease is revoked", name, signal)
             self._owned.pop(name, None)
             self.revoked.append(name)
             await self.kv.revoke_lease(lease)

@@ -33,6 +33,10 @@ class Settings(BaseSettings):
 
     max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
+    presence_blip_s: float = Field(
+        5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
+        "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
+        "network blip costs nothing (service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
     leader_ttl_s: int = Field(
         2, ge=2, le=60,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from service.decide.restore import decide_memory_corrupt, decide_restore
 from service.decide.snapshots import Decision, Records, decide_commit, decide_corrupt, decide_memory
 from service.errors import JobNotFound
 from service.jobs import JobStore
@@ -26,8 +27,11 @@ from service.store.api import Entry, Put
 from worker.protocol import (
     CommitRequest,
     CommitResult,
+    MemoryCorrupt,
     MemoryReport,
     MemorySnapshot,
+    RestorePoint,
+    RestoreRequest,
     SnapshotList,
     SnapshotRecord,
 )
@@ -109,3 +113,30 @@ class SnapshotStore:
         await self._update(job_id, lambda job, recs: decide_corrupt(job, recs, step, reason, now,
                                                                      self._key(job_id)))
         return await self.list(job_id)
+
+    async def _copies(self, job_id: str) -> list[MemorySnapshot]:
+        return [MemorySnapshot.model_validate_json(e.value)
+                async for e in self.jobs.kv.scan_prefix(self.jobs.keys.memory_copies(job_id))]
+
+    async def restore_point(self, job_id: str, req: RestoreRequest) -> RestorePoint:
+        """The restore point (service.decide.restore), recorded with an event; fenced on the
+        job's revision (the members' reports are read after the job)."""
+        now = self.jobs.clock()
+        store = self.jobs
+
+        async def read() -> tuple[JobRecord, int, list[MemorySnapshot]]:
+            job, revision = await store.get_with_revision(job_id)
+            return job, revision, await self._copies(job_id)
+
+        def outcome(got: tuple[JobRecord, int, list[MemorySnapshot]]):
+            job, revision, copies = got
+            point, change = decide_restore(job, copies, req.attempt, now)
+            return store.write(revision, change, point)
+
+        return await cas.update(store.kv, read, outcome, f"job {job_id}", store.written)
+
+    async def memory_corrupt(self, job_id: str, node: str, report: MemoryCorrupt) -> None:
+        """Note in the job's events that a node's memory copy was found damaged."""
+        now = self.jobs.clock()
+        await self._update(job_id, lambda job, _recs: Decision(
+            decide_memory_corrupt(job, node, report.step, report.reason, report.attempt, now)))

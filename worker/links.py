@@ -29,12 +29,16 @@ from pydantic import BaseModel, ValidationError
 from worker import snapshot as snap
 from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
 from worker.protocol import (
+    BrokenPeer,
     CommitRequest,
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryCorrupt,
     MemoryReport,
     ProgressReport,
+    RestorePoint,
+    RestoreRequest,
     SnapshotList,
     SnapshotRecord,
     steps_to_prune,
@@ -91,6 +95,9 @@ class Link(Protocol):
                         total_steps: int | None = None) -> None: ...
     def control(self) -> ControlRequest: ...
     def report_memory(self, node: str, step: int) -> None: ...
+    def restore_point(self, held: int | None) -> RestorePoint: ...
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None: ...
+    def report_broken(self, node: str, detail: str) -> None: ...
 
 
 def _committed(items: list[dict]) -> list[CommittedSnapshot]:
@@ -173,6 +180,29 @@ class ServiceLink:
         """What this node's memory tier holds (tried once: the next report comes soon)."""
         self._call("PUT", f"/memory/{node}", MemoryReport(step=step, attempt=self.attempt))
 
+    def report_memory_held(self, node: str, step: int) -> None:
+        """The same, at a restart: retried, since the restore point is decided from it."""
+        self._retrying("PUT", f"/memory/{node}", MemoryReport(step=step, attempt=self.attempt))
+
+    def restore_point(self, held: int | None) -> RestorePoint:
+        """The control plane's restore point of this attempt (decided from the members'
+        reports of it; `held` is not sent: this node's first worker reported it)."""
+        try:
+            return self._read(RestorePoint, self._retrying("POST", "/restore",
+                                                           RestoreRequest(attempt=self.attempt)))
+        except LinkError as exc:
+            if exc.status == 409:
+                raise Fenced(f"no restore point for attempt {self.attempt}: {exc}") from exc
+            raise
+
+    def report_broken(self, node: str, detail: str) -> None:
+        """This worker's process group broke (tried once: the worker is on its way out)."""
+        self._call("POST", "/broken", BrokenPeer(attempt=self.attempt, node=node, detail=detail[:500]))
+
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
+        self._retrying("POST", f"/memory/{node}/corrupt",
+                       MemoryCorrupt(attempt=self.attempt, step=step, reason=reason[:500]))
+
 
 class LocalLink:
     """The local twin of the control plane: a `snapshots.json` index next to the files."""
@@ -237,3 +267,18 @@ class LocalLink:
 
     def report_memory(self, node: str, step: int) -> None:
         pass
+
+    def restore_point(self, held: int | None) -> RestorePoint:
+        """The control plane's rule, for one process: its copy if at least the latest."""
+        _, latest = self.snapshots()
+        if held is not None and (latest is None or held >= latest):
+            return RestorePoint(attempt=0, tier="memory", step=held, reason="this process's memory copy")
+        if latest is not None:
+            return RestorePoint(attempt=0, tier="disk", step=latest, reason="the latest snapshot")
+        return RestorePoint(attempt=0, tier="none")
+
+    def report_broken(self, node: str, detail: str) -> None:
+        pass
+
+    def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
+        log.warning("memory copy at step %d is corrupt (%s); falling back", step, reason)

@@ -432,6 +432,47 @@ class SnapshotList(BaseModel):
         "`latest`, else from `latest`.")
 
 
+class RestoreRequest(BaseModel):
+    """Rank 0 of a (re)started group: which state should every rank load?"""
+
+    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
+
+
+class RestorePoint(BaseModel):
+    """The control plane's answer (service/decide/restore.py): the newest step a member
+    node's memory tier holds (reported under this attempt) when it is at least the disk's
+    latest, else the disk's latest, else nothing."""
+
+    attempt: int
+    tier: Literal["memory", "disk", "none"]
+    step: int | None = None
+    nodes: list[str] = Field(default_factory=list, description="The members that hold `step` in memory.")
+    reason: str = ""
+
+
+class BrokenPeer(BaseModel):
+    """A worker's process group broke (a peer's connection closed, a collective failed)."""
+
+    attempt: int = Field(..., ge=0)
+    node: str = Field(..., max_length=253, description="The reporter's node (FTRAIN_NODE).")
+    detail: str = Field("", max_length=500)
+
+
+class Suspects(BaseModel):
+    """The member nodes a broken-peer report made suspect (lost if their agent's connection
+    dropped too)."""
+
+    nodes: list[str] = Field(default_factory=list)
+
+
+class MemoryCorrupt(BaseModel):
+    """A worker found its node's memory copy damaged (checksum) and fell back."""
+
+    attempt: int = Field(..., ge=0)
+    step: int = Field(..., ge=0)
+    reason: str = Field("checksum mismatch", max_length=500)
+
+
 class CorruptReport(BaseModel):
     reason: str = Field("checksum mismatch", max_length=500)
 

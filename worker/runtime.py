@@ -81,6 +81,7 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -174,6 +175,43 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# What a collective's error says when a peer's process or node is gone (gloo's TCP pairs, NCCL).
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+              "socket closed", "remote process exited", "nccl communicator was aborted")
+
+
+def is_broken_peer(exc: BaseException) -> bool:
+    """Whether an error that ends a worker says its process group lost a peer."""
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_GONE)
+
+
+def _report_broken_peers(link: Link, node: str) -> None:
+    """When the worker dies of a broken peer, tell the control plane first (service/presence.py:
+    a member whose agent's connection dropped as well is lost at once, not after the longer
+    bound a network blip gets). At most ~1 s; then the previous hook runs as before."""
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb) -> None:
+        if is_broken_peer(exc):
+            t = threading.Thread(target=_try_report, args=(link, node, f"{kind.__name__}: {exc}"),
+                                 daemon=True)
+            t.start()
+            t.join(1.0)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _try_report(link: Link, node: str, detail: str) -> None:
+    try:
+        link.report_broken(node, detail)
+    except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the lease remains
+        log.info("could not report the broken peer: %s", exc)
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
@@ -210,6 +248,7 @@ class Runtime:
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
     node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
     memory_report_s: float = 1.0
+    _rng_keeper: mem.RngKeeper | None = None  # each rank's RNG states beside the node's memory tier
     _reporter: threading.Thread | None = None
     _stop_report: threading.Event = field(default_factory=threading.Event)
     stalls_s: list[float] = field(default_factory=list)  # per snapshot: the training loop's stall
@@ -262,10 +301,11 @@ class Runtime:
         """
         self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
                        "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
-        # What each node's memory tier holds; the group agrees on the newest copy any rank
-        # holds, unless the disk tier's latest is newer.
-        copy = mem.read_copy(self.memory_dir) if self.memory_dir is not None else None
-        held = -1 if copy is None else int(copy[0]["step"])
+        # What each node's memory tier holds (verified; its first rank reports it under this
+        # attempt); then the control plane decides the restore point (service/decide/restore.py)
+        # and rank 0 broadcasts it. The gather is the barrier after which every report is in,
+        # and tells ranks whose node lacks the chosen copy which rank sends it.
+        copy, held = self._read_memory()
         helds = [held]
         if self.distributed:
             helds = [None] * self.world_size
@@ -314,15 +354,47 @@ class Runtime:
                     return
                 log.debug("memory tier report failed: %s", exc)
 
+    def _read_memory(self) -> tuple[tuple | None, int]:
+        """This node's memory copy (verified) and its step (-1: none). A corrupt one counts as
+        none, so the restore falls back to a peer's copy or disk, and the job's events say so."""
+        if self.memory_dir is None:
+            return None, -1
+        try:
+            copy = mem.read_copy(self.memory_dir)
+        except mem.CopyCorrupt as exc:
+            log.warning("rank %d: %s; falling back to the next source (a peer's copy, then disk)",
+                        self.rank, exc)
+            if self.local_rank == 0 and self.link is not None:
+                try:
+                    self.link.report_memory_corrupt(self.node or "local", exc.step, exc.reason)
+                except LinkError as err:
+                    log.warning("rank %d: could not report the corrupt memory copy: %s", self.rank, err)
+            return None, -1
+        if copy is None:
+            return None, -1
+        held = int(copy[0]["step"])
+        if self.local_rank == 0 and self.node and isinstance(self.link, ServiceLink):
+            try:
+                self.link.report_memory_held(self.node, held)
+            except LinkError as exc:
+                log.warning("rank %d: could not report this node's memory copy (step %d): %s; the "
+                            "restore point will not count it", self.rank, held, exc)
+        return copy, held
+
     def _choose(self, helds: list[int]) -> tuple | None:
-        """Rank 0: ("memory", step, source rank) when some rank's memory copy is at least as
-        new as the latest committed snapshot, else ("disk", path) or None."""
+        """Rank 0: ("memory", step, source rank) when the control plane's restore point is a
+        memory copy some rank holds, else ("disk", path) or None."""
         newest = max(helds)
-        latest = None
-        if self.link is not None:
-            _, latest = self.link.snapshots()
-        if newest >= 0 and (latest is None or newest >= latest):
+        if newest >= 0 and self.link is None:
             return ("memory", newest, helds.index(newest))
+        if newest >= 0 and self.link is not None:
+            point = self.link.restore_point(newest)
+            log.info("restore point: %s", point.reason)
+            if point.tier == "memory" and point.step in helds:
+                return ("memory", point.step, helds.index(point.step))
+            if point.tier == "memory":
+                log.warning("restore point: step %s is held by no rank of this group; trying disk",
+                            point.step)
         path = self._choose_snapshot()
         return None if path is None else ("disk", path)
 
@@ -346,8 +418,16 @@ class Runtime:
         for name, obj in self._state.items():
             if obj is not None and state.get(name) is not None:
                 obj.load_state_dict(state[name])
-        if self.local_rank == 0 and state.get("rng") is not None:
-            _set_rng_state(state["rng"])  # the RNG of the node's first rank that wrote the copy
+        # Each rank's own RNG states of that step, kept on its node (`_save_rng`); failing
+        # that, the writer's (the node's first rank) for the node's first rank.
+        rng = mem.load_rng(self.memory_dir, self.rank, step, self.rng_ring) if self.memory_dir else None
+        if rng is None and self.local_rank == 0 and helds[self.rank] == step:
+            rng = state.get("rng")
+        if rng is not None:
+            _set_rng_state(rng)
+        else:
+            log.info("rank %d: no RNG state of step %d on this node; keeping this process's own",
+                     self.rank, step)
         self.step = int(state["step"])
         self.resumed_from, self.resumed_tier = self.step, "memory"
         log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,
@@ -403,6 +483,8 @@ class Runtime:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self._progress = (self.step, loss, self._samples, time.monotonic())
+        if self.memory_dir is not None:
+            self._save_rng()
         if self._memory is not None:
             self._time_step()
             if self._memory_due():
@@ -423,6 +505,18 @@ class Runtime:
             return
         for name, value in scalars.items():
             self._scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
+    @property
+    def rng_ring(self) -> int:
+        """How many steps of RNG states each rank keeps: enough to outlast two copies."""
+        return 2 * max(self.memory_every or 0, MEMORY_EVERY_MAX) + 2
+
+    def _save_rng(self) -> None:
+        """Hand this step's RNG states to the rank's keeper (worker/memory.RngKeeper)."""
+        assert self.memory_dir is not None
+        if self._rng_keeper is None:
+            self._rng_keeper = mem.RngKeeper(self.memory_dir, self.rank, self.rng_ring)
+        self._rng_keeper.keep(self.step, _rng_state())
 
     def _time_step(self) -> None:
         now = time.perf_counter()
@@ -653,6 +747,8 @@ class Runtime:
             self._stop_report.set()
             if self._memory is not None:
                 self._flush_memory()
+            if self._rng_keeper is not None:
+                self._rng_keeper.flush()
             if self._writer is not None:
                 self._writer.wait()
         finally:
@@ -733,6 +829,8 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
+    if distributed and isinstance(link, ServiceLink) and rt.node:
+        _report_broken_peers(link, rt.node)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,
              job_id or "(local twin)", directory or "off", rt.snapshot_every)
     return rt

@@ -70,3 +70,15 @@ def graced(missing_since: Mapping[str, float], outage: Outage | None, node_ttl_s
     # A heartbeat that landed after the outage ended keeps a lease until at least a lease later.
     unheard_until = outage.ended + node_ttl_s + NOTICE_S
     return frozenset(n for n, since in missing_since.items() if since < unheard_until)
+
+
+def broken_peer_suspects(members: Mapping[str, object], reporter: str, attempt: int,
+                         job_attempt: int, finished: bool) -> list[str]:
+    """The nodes a survivor's broken-peer report makes suspect: the other members of the
+    attempt it runs (its process group broke; it cannot tell which peer). None from a stale
+    attempt or a finished job (a report of a group that is gone says nothing now), nor from
+    a node that is not a member. A suspect is lost only if its agent's connection dropped
+    too (`service.presence`)."""
+    if finished or attempt != job_attempt or reporter not in members:
+        return []
+    return sorted(n for n in members if n != reporter)

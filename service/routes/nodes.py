@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response, status
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
+from service.decide.liveness import broken_peer_suspects
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
 from service.deps import (
@@ -164,7 +165,15 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
     Only group rank 0 reports 'joined', once per round. A round with as many nodes as the
     one before is a restart after a worker failure and counts against `max_restarts`; a
     round with more or fewer nodes is a membership change and does not.
+
+    A 'joining' after the first round is also the agent's sign that its group broke (a
+    worker failed, or a peer is gone): like a worker's broken-peer report, it makes the
+    other members suspect (service/presence.py), so a script without the ftrain runtime
+    gets the fast loss detection too.
     """
+    if req.phase == "joining" and req.call > 0:
+        ctx.presence.suspect(broken_peer_suspects(job.members, req.node, req.attempt, job.attempt,
+                                                  job.state.is_terminal()))
     now = ctx.jobs.clock()
     tail = await ctx.logs.last_lines(job_id, 15) if req.phase == "joined" else []
     updated = await ctx.jobs.update(job_id, lambda job: decide_round(job, req, tail, now))

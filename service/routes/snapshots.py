@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from service.api_contract import AuthFirstRoute
+from service.decide.liveness import broken_peer_suspects
 from service.decide.snapshots import control_for
 from service.deps import (
     ContextDep,
@@ -23,15 +24,20 @@ from service.deps import (
 )
 from service.snapshots import SnapshotStore
 from worker.protocol import (
+    BrokenPeer,
     CommitRequest,
     CommitResult,
     ControlView,
     CorruptReport,
+    MemoryCorrupt,
     MemoryReport,
     MemorySnapshot,
     Progress,
     ProgressReport,
+    RestorePoint,
+    RestoreRequest,
     SnapshotList,
+    Suspects,
 )
 
 router = APIRouter(prefix="/v1/jobs", tags=["snapshots"], route_class=AuthFirstRoute)
@@ -93,6 +99,34 @@ async def report_memory(job_id: str, node: Annotated[str, Path(max_length=253)],
     """The step a member node's memory tier holds (its first worker, about once a second);
     409 from a stale attempt, a finished job or a node that is not a member."""
     return await snapshots.report_memory(job.id, node, report)
+
+
+@router.post("/{job_id}/memory/{node}/corrupt", status_code=status.HTTP_204_NO_CONTENT)
+async def report_memory_corrupt(job_id: str, node: Annotated[str, Path(max_length=253)],
+                                report: MemoryCorrupt, job: JobTokenDep, snapshots: SnapshotsDep) -> None:
+    """A worker found its node's memory copy damaged and fell back: noted in the job's events;
+    409 from a stale attempt or a finished job."""
+    await snapshots.memory_corrupt(job.id, node, report)
+
+
+@router.post("/{job_id}/restore", response_model=RestorePoint)
+async def restore_point(job_id: str, req: RestoreRequest, job: JobTokenDep,
+                        snapshots: SnapshotsDep) -> RestorePoint:
+    """Rank 0 of a (re)started group: the step every rank loads, and from which tier, decided
+    from the members' memory reports of this attempt and the disk's latest (an event says
+    which); 409 from a stale attempt or a finished job."""
+    return await snapshots.restore_point(job.id, req)
+
+
+@router.post("/{job_id}/broken", response_model=Suspects)
+async def report_broken_peer(job_id: str, report: BrokenPeer, job: JobTokenDep, ctx: ContextDep) -> Suspects:
+    """A worker's process group broke: the job's other members are suspect, and one whose
+    agent's presence connection dropped is lost at once (service/presence.py), not after
+    the longer bound a network blip gets. A stale attempt's report suspects nobody."""
+    nodes = broken_peer_suspects(job.members, report.node, report.attempt, job.attempt,
+                                 job.state.is_terminal())
+    ctx.presence.suspect(nodes)
+    return Suspects(nodes=nodes)
 
 
 @router.post("/{job_id}/progress", response_model=Progress)

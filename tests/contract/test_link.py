@@ -197,3 +197,43 @@ def test_the_local_twin_has_no_attempts_to_fence(tmp_path):
 def test_the_local_index_survives_a_new_link(tmp_path: Path):
     LocalLink(tmp_path, keep=KEEP).commit(written(10), 0.0, None)
     assert steps_and_latest(LocalLink(tmp_path, keep=KEEP)) == ([10], 10)
+
+
+def test_the_restore_point_is_the_disk_without_a_newer_copy_in_memory(link):
+    assert link.restore_point(None).tier == "none"
+    link.commit(written(5), 0.0, None)
+    point = link.restore_point(None)
+    assert (point.tier, point.step) == ("disk", 5)
+
+
+@pytest.mark.integration
+def test_the_service_restores_from_a_members_memory_of_this_attempt_only(service_job):
+    from service.models import MemberStatus
+
+    _job_store(service_job["etcd"], lambda store: store.update(service_job["id"], lambda job: Change(
+        job.model_copy(update={"members": {"n0": MemberStatus(state="running")}}))))
+    link = ServiceLink(service_job["url"], service_job["id"], service_job["token"], service_job["attempt"])
+    link.commit(written(5), 0.0, None)
+    link.report_memory_held("n0", 7)
+    point = link.restore_point(7)
+    assert (point.tier, point.step, point.nodes) == ("memory", 7, ["n0"])
+    events = service_job["api"].get(f"/v1/jobs/{service_job['id']}/events").json()["items"]
+    assert any("resumes from step 7 in the memory of n0" in e["reason"] for e in events)
+    # A new attempt: the old one's group gets no restore point, and n0's report of the old
+    # attempt does not count (its copy may have been overwritten since).
+    move_to_attempt(service_job["etcd"], service_job["id"], service_job["attempt"] + 1)
+    with pytest.raises(Fenced):
+        link.restore_point(7)
+    after = ServiceLink(service_job["url"], service_job["id"], service_job["token"],
+                        service_job["attempt"] + 1)
+    point = after.restore_point(None)
+    assert (point.tier, point.step) == ("disk", 5)
+
+
+def test_the_local_twin_restores_from_its_memory_copy_when_at_least_the_latest():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        link = LocalLink(Path(d), keep=KEEP)
+        link.commit(written(5), 0.0, None)
+        assert (link.restore_point(5).tier, link.restore_point(4).tier) == ("memory", "disk")

@@ -1,21 +1,25 @@
 """The memory tier under real faults: a worker SIGKILLed, a node's agent SIGKILLed with
-its whole tree. Disk snapshots are taken every 1000 steps, so everything a restart does
-not retrain comes from the memory tier (worker/memory.py), which copies every step
+its whole tree, a node's copy damaged in /dev/shm. Disk snapshots are taken every 1000
+steps, so everything a restart does not retrain comes from the memory tier
+(worker/memory.py), which copies every step
 (FTRAIN_MEMORY_EVERY=1, so that a loaded machine does not space the copies out); each fault
 may cost one step."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
-from tests.helpers.faults import events_of, rank0_lines, train_spec, wait_workers, workers
+from tests.helpers.faults import events_of, rank0_lines, state_letter, train_spec, wait_workers, workers
 from tests.helpers.processes import pid_alive, wait_for
+from worker import memory as mem
 
 pytestmark = pytest.mark.integration
 
@@ -72,8 +76,10 @@ def test_worker_sigkill_loses_at_most_one_step(api, agents):
     assert steps_lost(api, job_id, 60) <= 1, runs(api, job_id)
 
 
-# A 60 s node lease: only the agent's dropped connection can tell the control plane in seconds.
-@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+# A 60 s node lease and a 30 s bound on a dropped connection alone: only the dropped
+# connection confirmed by the survivor's broken-peer report can tell the control plane in seconds.
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60", "FTRAIN_PRESENCE_BLIP_S": "30"}],
+                         indirect=True)
 def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_rejoins(
         control_plane, api, agents):
     (a, b) = agents(2)
@@ -86,7 +92,7 @@ def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_re
     killed = b.kill_tree()
     wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
     lost = wait_for(lambda: next((e for e in events_of(api, job_id) if "node n1 lost" in e["reason"]), None),
-                    15, "the job to lose n1 (its lease has 60 s to live)")
+                    15, "the job to lose n1 (its lease has 60 s to live, its dropped connection 30 s)")
     assert lost["time"] - killed_at < 5, lost
     wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1], 60, "training again on n0 alone")
 
@@ -102,3 +108,45 @@ def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_re
              if i["node"] == "n1" and i["attempt"] == done["attempt"]]
     assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
 
+
+
+def _memory_dir(agent, job_id: str) -> Path:
+    """The agent's memory-tier directory of `job_id` (worker/memory.py's naming)."""
+    prefix = mem.node_root(agent.workdir, agent.name)
+    found = [p for base in (mem.SHM_ROOT, agent.workdir / "memory") if base.is_dir()
+             for p in base.glob(f"{prefix}{job_id}.*")]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_corrupt_memory_copy_falls_back_to_the_peers_copy_and_says_so(api, agents):
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("memcorrupt", 60, mn=2, mx=2, every=1000, env=EVERY_STEP))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2, 60, "world size 2")
+    wait_logged_step(api, job_id, 15)
+    # Freeze the group (no copy in flight can rewrite a slot), damage n1's newest copy in
+    # /dev/shm, then SIGKILL n1's worker: the restart must notice and take n0's copy.
+    frozen = [wait_workers(a, 1)[0], wait_workers(b, 1)[0]]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: all(state_letter(p) == "T" for p in frozen), 10, "both workers stopped")
+    directory = _memory_dir(b, job_id)
+    slot = json.loads((directory / mem.LATEST).read_text())["slot"]
+    with open(directory / f"slot{slot}.bin", "r+b") as f:
+        f.seek(64)
+        byte = f.read(1)[0]
+        f.seek(64)
+        f.write(bytes([byte ^ 0xFF]))
+    os.kill(frozen[1], signal.SIGKILL)
+    os.kill(frozen[0], signal.SIGCONT)
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=90)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    reasons = [e["reason"] for e in events_of(api, job_id)]
+    assert any("on node n1 is corrupt; falling back" in r for r in reasons), reasons
+    assert any("in the memory of n0" in r for r in reasons), reasons
+    assert steps_lost(api, job_id, 60) <= 1, runs(api, job_id)
+    lines = [i["line"] for i in log_items(api, job_id)
+             if i["node"] == "n1" and i["attempt"] == done["attempt"]]
+    assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]

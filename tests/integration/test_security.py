@@ -106,6 +106,8 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
         ("POST", f"/v1/jobs/{j}/progress", {"step": 5, "attempt": attempt}, {"job_j"}),
         ("GET", f"/v1/jobs/{j}/control", None, {"job_j"}),
         ("PUT", f"/v1/jobs/{j}/memory/a", {"step": 5, "attempt": attempt}, {"job_j"}),
+        ("POST", f"/v1/jobs/{j}/memory/a/corrupt", {"step": 5, "attempt": attempt}, {"job_j"}),
+        ("POST", f"/v1/jobs/{j}/restore", {"attempt": attempt}, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots", commit, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots/5/corrupt", {"reason": "test"}, {"job_j"}),
         # for good

@@ -138,3 +138,13 @@ def test_a_replica_that_lost_the_lead_does_not_renew_the_note():
         assert await kv.get("/ftrain/contact") == noted
 
     asyncio.run(scenario())
+
+
+def test_broken_peer_suspects_are_the_reporters_fellow_members_of_the_current_attempt():
+    from service.decide.liveness import broken_peer_suspects
+
+    members = {"a": 1, "b": 1, "c": 1}
+    assert broken_peer_suspects(members, "a", 2, 2, False) == ["b", "c"]
+    assert broken_peer_suspects(members, "a", 1, 2, False) == []  # a stale attempt's group
+    assert broken_peer_suspects(members, "a", 2, 2, True) == []  # a finished job
+    assert broken_peer_suspects(members, "z", 2, 2, False) == []  # not a member

@@ -308,3 +308,29 @@ def test_on_a_gpu_a_copy_is_the_state_of_its_step_although_training_goes_on_at_o
         assert all(torch.equal(a, got["optimizer"]["state"][i]["exp_avg"]) for i, a in enumerate(exp_avg))
     if path == "staged" and where == "shm":
         assert writer.host_copy == ("registered" if register else "pinned")
+
+
+def _flip_a_byte(memory) -> None:
+    """Corrupt the bytes of the copy that latest.json names (as a bad page or a stray write would)."""
+    slot = mem.json.loads((memory / mem.LATEST).read_text())["slot"]
+    with open(memory / f"slot{slot}.bin", "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_corrupt_copy_fails_its_checksum_and_the_runtime_falls_back_to_disk(tmp_path):
+    disk, memory = tmp_path / "disk", tmp_path / "memory"
+    memory.mkdir()
+    _train(runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={}), 8)
+    assert mem.load(memory)["step"] == 8  # whole: it passes
+    _flip_a_byte(memory)
+    try:
+        mem.read_copy(memory)
+        raise AssertionError("a corrupt copy was read back")
+    except mem.CopyCorrupt as exc:
+        assert exc.step == 8 and "checksum mismatch" in str(exc)
+    rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={})
+    _train(rt, 9)
+    assert rt.resumed_from == 5 and rt.resumed_tier == "disk"

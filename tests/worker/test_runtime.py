@@ -262,3 +262,16 @@ def test_rank0_reports_its_logged_scalars_and_total_steps_with_its_progress():
     rt._poll()
     assert link.reports == [{"step": 1, "loss": 0.25, "final": True, "metrics": {"lr": pytest.approx(0.1)},
                              "total_steps": 10}]
+
+
+@pytest.mark.parametrize("exc, broken", [
+    # what gloo raised in a survivor when its peer was SIGKILLed (torch 2.13, CPU)
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                  "[127.0.0.1]:27266. This is typically caused by a remote worker crashing."), True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection reset by peer"), True),
+    (RuntimeError("NCCL communicator was aborted on rank 0."), True),
+    (RuntimeError("CUDA out of memory"), False),
+    (ValueError("broken pipe"), False),  # not from a collective
+])
+def test_an_error_says_whether_a_peer_is_gone(exc, broken):
+    assert runtime.is_broken_peer(exc) is broken
