@@ -259,6 +259,13 @@ class JobRecord(BaseModel):
     stopping: bool = False
     # When the current round of the rendezvous formed, and with how many nodes.
     round_nodes: int = 0
+    # The group that trains now, as '<node>/<round>' of the rendezvous round that formed it
+    # (group rank 0's node and its torchrun's round: `worker.env.FTRAIN_GROUP`); None while a
+    # group re-forms. Only a step reported by this group ends a recovery (`decide.recovery`).
+    group: str | None = None
+    # Set from the moment a fault (RECOVERING) or a planned change (RUNNING) stops the group
+    # until the first step of the group that replaces it: then "training again" is recorded.
+    regrouping: bool = False
     # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
     idempotency_digest: str | None = None
 

@@ -98,6 +98,7 @@ from worker.data import ResumableSampler
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_GROUP,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
     FTRAIN_MEMORY_DIR,
@@ -663,7 +664,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
             raise RuntimeError(f"{FTRAIN_JOB_ID} is set but {', '.join(missing)} is not: this worker "
                                "cannot reach its control plane (is it started by an ftrain node?)")
         link = ServiceLink(env[FTRAIN_SERVER], job_id, env[FTRAIN_JOB_TOKEN],
-                           _env_int(env, FTRAIN_ATTEMPT) or 0)
+                           _env_int(env, FTRAIN_ATTEMPT) or 0, group=env.get(FTRAIN_GROUP))
     elif directory:
         link = LocalLink(directory, keep)
     rt = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, distributed=distributed,
