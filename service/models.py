@@ -294,6 +294,7 @@ class JobRecord(BaseModel):
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
             latest_snapshot=self.latest_snapshot, progress=progress,
+            regrouping=self.regrouping or self.state is JobState.RECOVERING,
         )
 
 
@@ -315,6 +316,9 @@ class JobView(BaseModel):
     restarts: int
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
+    regrouping: bool = Field(False, description="Its group stopped and no step of the new one has been "
+                             "seen yet: after a fault (state RECOVERING) or for a planned change (a node "
+                             "joining, a drain: state RUNNING); `reason` says which.")
 
 
 class MetricHistory(BaseModel):
