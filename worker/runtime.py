@@ -218,6 +218,9 @@ class Runtime:
     _staging: snap.HostStaging = field(default_factory=snap.HostStaging)
     _poller: threading.Thread | None = None
     _stop_poll: threading.Event = field(default_factory=threading.Event)
+    # Wakes the poller: to stop, or to report the run's first step at once (the control plane
+    # records a recovery's end, "training again", at the new group's first report).
+    _wake_poll: threading.Event = field(default_factory=threading.Event)
     _control: ControlRequest = field(default_factory=ControlRequest)
     _handled_control: int = 0
     _progress: tuple | None = None
@@ -401,7 +404,10 @@ class Runtime:
         if self.is_chief:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
+            first = self._progress is None
             self._progress = (self.step, loss, self._samples, time.monotonic())
+            if first:
+                self._wake_poll.set()
         if self._memory is not None:
             self._time_step()
             if self._memory_due():
@@ -557,6 +563,7 @@ class Runtime:
     def _stop_poller(self) -> None:
         if self._poller is not None:
             self._stop_poll.set()
+            self._wake_poll.set()
             self._poller.join(timeout=5)
             self._poller = None
 
@@ -591,7 +598,8 @@ class Runtime:
             if self._progress is not None and now - last_report >= self.progress_every_s:
                 last_report = now
                 report()
-            self._stop_poll.wait(self.control_poll_s)
+            self._wake_poll.wait(self.control_poll_s)
+            self._wake_poll.clear()
         if self._progress is not None and self._progress[0] != reported:
             report(final=True)  # the step the run ended at, before the job can finish
 
