@@ -266,6 +266,9 @@ class JobRecord(BaseModel):
     # Set from the moment a fault (RECOVERING) or a planned change (RUNNING) stops the group
     # until the first step of the group that replaces it: then "training again" is recorded.
     regrouping: bool = False
+    # The group that stopped (its name), while the job re-forms in the same attempt: a step of
+    # any other group of this attempt is the new group's, should its 'joined' report be lost.
+    stopped_group: str | None = None
     # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
     idempotency_digest: str | None = None
 

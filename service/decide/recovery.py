@@ -43,7 +43,11 @@ def regroup(job: JobRecord, reason: str, now: float, *, planned: bool = False,
         changed, event = transition(job, S.RECOVERING, reason, now)
     else:
         changed, event = note(job, reason, now, as_reason=True)
-    return changed.model_copy(update={"regrouping": True, "group": None, **fields}), event
+    stopped = job.group if job.group is not None else job.stopped_group
+    update = {"regrouping": True, "group": None, "stopped_group": stopped, **fields}
+    if changed.attempt != update.get("attempt", changed.attempt):
+        update["stopped_group"] = None  # a new attempt: an older one's reports are refused anyway
+    return changed.model_copy(update=update), event
 
 
 def resume(job: JobRecord, how: str, now: float) -> Change:
@@ -53,7 +57,7 @@ def resume(job: JobRecord, how: str, now: float) -> Change:
         changed, event = transition(job, S.RUNNING, what, now)
     else:
         changed, event = note(job, what, now, as_reason=True)
-    return Change(changed.model_copy(update={"regrouping": False}), [event])
+    return Change(changed.model_copy(update={"regrouping": False, "stopped_group": None}), [event])
 
 
 def first_step(job: JobRecord, attempt: int | None, group: str | None, step: int,
@@ -61,11 +65,15 @@ def first_step(job: JobRecord, attempt: int | None, group: str | None, step: int
     """The job after rank 0 reported `step` from `group` of `attempt`; None unless that is the
     first step of the group that replaced a stopped one. A report without a group (a runtime
     not started by torchrun under an agent) counts once the group has formed."""
-    if not is_regrouping(job) or job.group is None:
+    if not is_regrouping(job) or (attempt is not None and attempt != job.attempt):
         return None
-    if attempt is not None and attempt != job.attempt:
-        return None
-    if group is not None and group != job.group:
+    if job.group is None:
+        # the group's 'joined' report did not arrive (a control-plane outage): a group of this
+        # attempt other than the one that stopped is the new one all the same
+        if group is None or group == job.stopped_group:
+            return None
+        job = job.model_copy(update={"group": group})
+    elif group is not None and group != job.group:
         return None
     return resume(job, f"step {step}", now)
 
