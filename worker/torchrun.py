@@ -162,8 +162,9 @@ _CLOSED_BY_FTRAIN = ("RendezvousGoneError", "RendezvousClosedError")
 
 
 def starts_shutdown(line: str) -> bool:
-    """A line of torchrun's own that begins its exit: a traceback of its own."""
-    return line.startswith(TRACEBACK)
+    """A line of torchrun's own that begins its exit: a traceback of its own, or word that the
+    control plane closed its rendezvous (its keep-alive's warning comes before the agent's stop)."""
+    return line.startswith(TRACEBACK) or any(w in line for w in _CLOSED_BY_FTRAIN)
 
 
 def shutdown_summary(held: list[str], stop_requested: bool, attempt: int, node: str) -> str | None:

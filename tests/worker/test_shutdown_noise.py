@@ -30,6 +30,8 @@ def test_which_shutdowns_are_hidden(held, stopped, hidden):
 
 def test_a_shutdown_starts_with_torchruns_own_traceback():
     assert starts_shutdown(GONE[0]) and not starts_shutdown("W1127 Received 15 death signal")
+    assert starts_shutdown("W1127 Failed to send a keep-alive heartbeat to the rendezvous 'j-a1' due "
+                           "to an error of type RendezvousGoneError.")
 
 
 class Shipper:
