@@ -570,11 +570,13 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
 
     For ftrain also the control plane's view from the job's events: when a surviving node
     began re-forming the group (RECOVERING), when the group was formed (rank 0's report),
+    when it trained again (the new group's first step, as the control plane recorded it),
     and for a join when the scheduler gave the job the new node.
     """
     out: dict = {}
     marks = {"recovering": lambda r: r["state"] == "RECOVERING",
-             "group_formed": lambda r: r["reason"].startswith(("training again", "rendezvous complete")),
+             "group_formed": lambda r: r["reason"].startswith(("group formed", "rendezvous complete")),
+             "training_again": lambda r: r["reason"].startswith("training again"),
              "node_given": lambda r: "joined; scaling up" in r["reason"],
              "lease_lapsed": lambda r: "lease lapsed" in r["reason"]}
     for scenario in SCENARIOS:

@@ -483,7 +483,7 @@ def _progress_details(job: dict, now: float) -> str:
     if p.get("samples_per_s"):
         parts.append(f"{p['samples_per_s']:.1f} samples/s")
     parts.append(f"nodes {len(job.get('nodes') or [])}")
-    if job["state"] in ("PENDING", "RECOVERING") and job.get("reason"):
+    if (job["state"] in ("PENDING", "RECOVERING") or job.get("regrouping")) and job.get("reason"):
         parts.append(_one_line(job["reason"], 80))
     return "  ".join(parts)
 

@@ -292,6 +292,16 @@ class JobRecord(BaseModel):
     stopping: bool = False
     # When the current round of the rendezvous formed, and with how many nodes.
     round_nodes: int = 0
+    # The group that trains now, as '<node>/<round>' of the rendezvous round that formed it
+    # (group rank 0's node and its torchrun's round: `worker.env.FTRAIN_GROUP`); None while a
+    # group re-forms. Only a step reported by this group ends a recovery (`decide.recovery`).
+    group: str | None = None
+    # Set from the moment a fault (RECOVERING) or a planned change (RUNNING) stops the group
+    # until the first step of the group that replaces it: then "training again" is recorded.
+    regrouping: bool = False
+    # The group that stopped (its name), while the job re-forms in the same attempt: a step of
+    # any other group of this attempt is the new group's, should its 'joined' report be lost.
+    stopped_group: str | None = None
     # sha256 of the Idempotency-Key it was submitted with: that key is deleted with the job.
     idempotency_digest: str | None = None
     # Where the current attempt's group resumes (service.decide.restore): decided once per attempt.
@@ -322,6 +332,7 @@ class JobRecord(BaseModel):
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
             latest_snapshot=self.latest_snapshot, progress=progress,
+            regrouping=self.regrouping or self.state is JobState.RECOVERING,
         )
 
 
@@ -343,6 +354,9 @@ class JobView(BaseModel):
     restarts: int
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
+    regrouping: bool = Field(False, description="Its group stopped and no step of the new one has been "
+                             "seen yet: after a fault (state RECOVERING) or for a planned change (a node "
+                             "joining, a drain: state RUNNING); `reason` says which.")
 
 
 class MetricHistory(BaseModel):

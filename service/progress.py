@@ -7,7 +7,8 @@ history, so a report goes to `keys.progress(id)`, a small key, at most once per
 the write is a transaction that applies only if the job record is unchanged since it was
 read, so a report from a stale attempt or to a finished job is refused
 (`decide.snapshots.decide_progress`) even when it races with the change that made it so.
-The job record is written once, by the first report (`reports_progress`). The job view
+The job record is written by the first report (`reports_progress`), and by the first report
+of a group that replaced a stopped one, with its "training again" event (`decide.recovery`). The job view
 merges the key back in (`JobStore.view`). Each stored report also adds a point to the job's
 metric history (`keys.metrics_body(id)` and `metrics_tail(id)`, bounded: `decide.metrics`)
 in the same transaction.
@@ -61,6 +62,7 @@ class ProgressStore:
             ops = [Put(progress_key, d.progress.model_dump_json().encode())]
             if d.job is not None:
                 ops.append(Put(job_key, d.job.model_dump_json().encode()))
+                ops += [Put(keys.event(job_id, e.seq), e.model_dump_json().encode()) for e in d.events]
             # The progress key first: the one read back for the index (cas.update's `written`).
             for key, part in ((body_key, d.body), (tail_key, d.tail)):
                 if part is not None:

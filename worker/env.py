@@ -26,6 +26,10 @@ FTRAIN_SNAPSHOT_KEEP = "FTRAIN_SNAPSHOT_KEEP"
 FTRAIN_GLOBAL_BATCH_SIZE = "FTRAIN_GLOBAL_BATCH_SIZE"
 FTRAIN_FORK_SERVER_SOCKET = "FTRAIN_FORK_SERVER_SOCKET"  # the abstract socket of the job's fork server
 FTRAIN_MEMORY_DIR = "FTRAIN_MEMORY_DIR"  # the node's memory tier for the job (worker/memory.py), the agent's
+# Set by torchrun's rendezvous handler for the workers of each round it forms: '<node>/<round>'
+# of group rank 0 (worker/rendezvous/rounds.py); rank 0 sends it with its progress, so the
+# control plane tells the new group's first step from a late one of the group it replaced.
+FTRAIN_GROUP = "FTRAIN_GROUP"
 
 # ---------------------------------------------------------------- a job's own knobs
 # The only FTRAIN_* names a job spec's `env` may set (service/models.py refuses the others).

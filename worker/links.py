@@ -118,8 +118,10 @@ class ServiceLink:
     # six tries that it was before there was one retry policy.
     RETRY_S = 5.0
 
-    def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0):
+    def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0,
+                 group: str | None = None):
         self.attempt = attempt
+        self.group = group  # FTRAIN_GROUP: the rendezvous round this worker's group formed in
         self.timeout_s = timeout_s
         # `server`: one URL or several, comma-separated (any replica serves; see worker/http.py).
         self._client = ControlPlaneClient(server, token, suffix=f"/v1/jobs/{job_id}", timeout=timeout_s)
@@ -169,8 +171,8 @@ class ServiceLink:
                         final: bool = False, metrics: dict[str, float] | None = None,
                         total_steps: int | None = None) -> None:
         self._call("POST", "/progress", ProgressReport(
-            step=step, loss=loss, samples_per_s=samples_per_s, attempt=self.attempt, final=final,
-            metrics=metrics or {}, total_steps=total_steps))
+            step=step, loss=loss, samples_per_s=samples_per_s, attempt=self.attempt, group=self.group,
+            final=final, metrics=metrics or {}, total_steps=total_steps))
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))

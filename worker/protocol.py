@@ -501,6 +501,8 @@ class ProgressReport(BaseModel):
     metrics: Annotated[dict[str, float], AfterValidator(_check_metrics)] = Field(
         default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
     attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
+    group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
+                              "rendezvous round its group formed in ('<node>/<round>').")
     final: bool = Field(False, description="Rank 0's last report of its run (its script is "
                         "ending): stored whatever the rate limit, so a finished job shows its last step.")
 

@@ -99,6 +99,7 @@ from worker.data import ResumableSampler
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_GLOBAL_BATCH_SIZE,
+    FTRAIN_GROUP,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
     FTRAIN_MEMORY_DIR,
@@ -258,6 +259,9 @@ class Runtime:
     _staging: snap.HostStaging = field(default_factory=snap.HostStaging)
     _poller: threading.Thread | None = None
     _stop_poll: threading.Event = field(default_factory=threading.Event)
+    # Wakes the poller: to stop, or to report the run's first step at once (the control plane
+    # records a recovery's end, "training again", at the new group's first report).
+    _wake_poll: threading.Event = field(default_factory=threading.Event)
     _control: ControlRequest = field(default_factory=ControlRequest)
     _handled_control: int = 0
     _progress: tuple | None = None
@@ -482,7 +486,10 @@ class Runtime:
         if self.is_chief:
             if isinstance(loss, torch.Tensor):
                 loss = loss.detach()
+            first = self._progress is None
             self._progress = (self.step, loss, self._samples, time.monotonic())
+            if first:
+                self._wake_poll.set()
         if self.memory_dir is not None:
             self._save_rng()
         if self._memory is not None:
@@ -681,6 +688,7 @@ class Runtime:
     def _stop_poller(self) -> None:
         if self._poller is not None:
             self._stop_poll.set()
+            self._wake_poll.set()
             self._poller.join(timeout=5)
             self._poller = None
 
@@ -715,7 +723,8 @@ class Runtime:
             if self._progress is not None and now - last_report >= self.progress_every_s:
                 last_report = now
                 report()
-            self._stop_poll.wait(self.control_poll_s)
+            self._wake_poll.wait(self.control_poll_s)
+            self._wake_poll.clear()
         if self._progress is not None and self._progress[0] != reported:
             report(final=True)  # the step the run ended at, before the job can finish
 
@@ -810,7 +819,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
             raise RuntimeError(f"{FTRAIN_JOB_ID} is set but {', '.join(missing)} is not: this worker "
                                "cannot reach its control plane (is it started by an ftrain node?)")
         link = ServiceLink(env[FTRAIN_SERVER], job_id, env[FTRAIN_JOB_TOKEN],
-                           _env_int(env, FTRAIN_ATTEMPT) or 0)
+                           _env_int(env, FTRAIN_ATTEMPT) or 0, group=env.get(FTRAIN_GROUP))
     elif directory:
         link = LocalLink(directory, keep)
     rt = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, distributed=distributed,

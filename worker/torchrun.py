@@ -9,6 +9,12 @@ tree, the workers the fork server forked included.
 
 torchrun writes its output to files, which `Torchrun` follows line by line: each line
 goes to the `LogShipper`, and the last lines of each rank are kept for the failure reason.
+torchrun's own shutdown is not the job's output: once the agent stops a group (a new
+attempt replaces it, a cancel) or torchrun starts a traceback of its own, torchrun's lines
+(those without a rank) are held until it exits; then they go out as they were if torchrun
+failed by itself, else (stopped, or its rendezvous closed by the control plane:
+`RendezvousGoneError`) one line says how many were hidden (`shutdown_summary`). The
+workers' lines (the user's output) are shipped as they come, always.
 A worker stopped (state T) for longer than `STOPPED_WORKER_GRACE_S` is killed, so that
 torch restarts the group instead of the other ranks waiting out a collective's timeout.
 """
@@ -111,6 +117,9 @@ class WorkerGroup:
     tails: dict = field(default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=20)))
     threads: list = field(default_factory=list)
     secrets: tuple[str, ...] = ()  # values masked in the output it ships (mask_secrets)
+    # torchrun's own lines held back since its shutdown began (see the module's docstring)
+    held: list = field(default_factory=list)
+    holding: bool = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -144,6 +153,29 @@ def headline(tails: Mapping, code: int | None) -> str:
     r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
     return f"torchrun exited with code {code}" if why is None else \
         f"rank {r}: {why} (torchrun exited with code {code})"
+
+
+TRACEBACK = "Traceback (most recent call last):"
+# What torchrun raises when ftrain's control plane closed the attempt's rendezvous (a new
+# attempt, the job ended): its own exit, never the job's failure.
+_CLOSED_BY_FTRAIN = ("RendezvousGoneError", "RendezvousClosedError")
+
+
+def starts_shutdown(line: str) -> bool:
+    """A line of torchrun's own that begins its exit: a traceback of its own, or word that the
+    control plane closed its rendezvous (its keep-alive's warning comes before the agent's stop)."""
+    return line.startswith(TRACEBACK) or any(w in line for w in _CLOSED_BY_FTRAIN)
+
+
+def shutdown_summary(held: list[str], stop_requested: bool, attempt: int, node: str) -> str | None:
+    """The one line that stands for torchrun's `held` shutdown lines, or None when they are
+    the job's to read: torchrun failed by itself (not stopped by the agent, its rendezvous
+    not closed by the control plane)."""
+    if not held:
+        return None
+    if not stop_requested and not any(w in x for x in held for w in _CLOSED_BY_FTRAIN):
+        return None
+    return f"ftrain: attempt {attempt}'s torchrun on {node} shut down ({len(held)} lines of its own hidden)"
 
 
 @dataclass
@@ -382,8 +414,23 @@ class Torchrun:
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
                 line = mask_secrets(line, g.secrets)
                 g.tails[rank].append(line)
-                self.shipper.add(g.job_id, g.attempt, LogLineIn(
-                    rank=rank, stream=stream, line=cut_line(line), time=time.time()))
+                out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time())
+                if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
+                    g.holding = True
+                    g.held.append(out)
+                    continue
+                self.shipper.add(g.job_id, g.attempt, out)
+
+    def _release_held(self, g: WorkerGroup) -> None:
+        """torchrun has exited: ship its held lines, or the one line that stands for them."""
+        held, g.held = g.held, []
+        summary = shutdown_summary([x.line for x in held], g.stop_requested, g.attempt, self.node)
+        if summary is None:
+            for x in held:
+                self.shipper.add(g.job_id, g.attempt, x)
+        else:
+            self.shipper.add(g.job_id, g.attempt, LogLineIn(
+                rank=None, stream="stderr", line=summary, time=held[-1].time))
 
     def exited(self) -> WorkerGroup | None:
         """The group, once its torchrun has exited (what is left of its tree is killed)."""
@@ -392,6 +439,7 @@ class Torchrun:
             return None
         for t in g.threads:
             t.join(2)
+        self._release_held(g)
         self.group = None
         kill_all(self.group_tree(g))
         return g

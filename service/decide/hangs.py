@@ -2,13 +2,14 @@
 
 A job with `hang_timeout_s` in its spec whose rank 0 reports progress through the runtime
 (its step) is watched while it trains: RUNNING, its group formed in this attempt (a round
-reported), no planned change pending. If the step does not advance for `hang_timeout_s`,
+reported; RECOVERING too once the new group formed, until its first step), no planned
+change pending. If the step does not advance for `hang_timeout_s`,
 `decide_hang` treats it as a worker failure: it counts against `max_restarts`, and the
 workers restart under a new attempt (a fresh rendezvous, as for a lost node: a worker stuck
-in a collective would not notice anything less), the job RECOVERING until the new group
-forms; once the restarts are spent the job fails (`outcome.by_restarts`). A job some of
-whose nodes finished already cannot be restarted (`outcome`: finished nodes are not run
-again), so a hang then fails it.
+in a collective would not notice anything less), the job RECOVERING until the new group's
+first step (`decide.recovery`); once the restarts are spent the job fails
+(`outcome.by_restarts`). A job some of whose nodes finished already cannot be restarted
+(`outcome`: finished nodes are not run again), so a hang then fails it.
 
 The clock: "when the step last advanced" is not stored anywhere. The scheduler keeps a
 `Watch` per job in the memory of the leading control plane (`observe`, called on every
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from service.decide import outcome
 from service.decide.change import Change
+from service.decide.recovery import is_regrouping, regroup
 from service.decide.state import transition
 from service.models import JobRecord, JobState, MemberStatus
 
@@ -44,9 +46,14 @@ class Watch:
 
 
 def is_watched(job: JobRecord) -> bool:
-    """The job trains and has a hang timeout: RUNNING, its group formed, no planned change."""
-    return (job.spec.hang_timeout_s is not None and job.state is S.RUNNING and job.rounds >= 1
-            and job.control is None)
+    """The job has a hang timeout and a group that should be training: formed in this attempt
+    (a round reported; while it re-forms, the new one formed), no planned change pending. A
+    group that formed is watched before its first step, RECOVERING or not, so a group that
+    never makes one is found too."""
+    if job.spec.hang_timeout_s is None or job.state not in (S.RUNNING, S.RECOVERING):
+        return False
+    formed = job.group is not None if is_regrouping(job) else job.state is S.RUNNING
+    return formed and job.rounds >= 1 and job.control is None
 
 
 def observe(prev: Watch | None, job: JobRecord, step: int | None, now: float) -> Watch:
@@ -77,10 +84,10 @@ def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float
         changed, event = transition(job, spent.state, f"{what}; {spent.reason}", now)
         return Change(changed.model_copy(update={"stopping": True}), [event])
     restarts = job.restarts + 1
-    changed, event = transition(job, S.RECOVERING, f"{what}; restarting the workers "
-                                                   f"({restarts} of {job.spec.max_restarts})", now)
+    changed, event = regroup(job, f"{what}; restarting the workers "
+                                  f"({restarts} of {job.spec.max_restarts})", now)
     members = {n: MemberStatus(nproc=m.nproc) for n, m in job.members.items() if m.is_live()}
     changed = changed.model_copy(update={
         "attempt": job.attempt + 1, "restarts": restarts, "members": members, "rounds": 0,
-        "round_nodes": 0, "world_size": 0})
+        "round_nodes": 0, "world_size": 0, "group": None, "regrouping": True})
     return Change(changed, [event])

@@ -5,6 +5,11 @@ is the start), and group rank 0 reports 'joined' once per round with the group's
 A round with as many nodes as the one before is a restart after a worker failure and
 counts against `max_restarts` (once they are spent, `outcome.by_restarts` fails the job);
 a round with more or fewer nodes is a membership change and does not count.
+
+A 'joining' is a fault noticed (the job is RECOVERING, `decide.recovery`) unless the job is
+re-forming already (a recovery, or a planned change: a node joining). A 'joined' names the
+group it formed ('<node>/<round>' of group rank 0); the job is RUNNING again only at that
+group's first step (`recovery.first_step`), not when it forms.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Sequence
 
 from service.decide import outcome
 from service.decide.change import Change
+from service.decide.recovery import is_regrouping, regroup
 from service.decide.state import note, transition
 from service.models import JobRecord, JobState
 from worker.protocol import RoundReport
@@ -34,10 +40,9 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
     if job.attempt != report.attempt or job.state not in (S.RUNNING, S.RECOVERING):
         return None
     if report.phase == "joining":
-        if report.call == 0 or job.state is S.RECOVERING:
+        if report.call == 0 or is_regrouping(job):
             return None
-        changed, event = transition(job, S.RECOVERING,
-                                    f"node {report.node} is restarting its workers", now)
+        changed, event = regroup(job, f"node {report.node} is restarting its workers", now)
         return Change(changed, [event])
     if report.group_rank != 0 or report.group_world_size is None:
         return None
@@ -56,13 +61,16 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
     changed = job.model_copy(update=update)
     events = []
     if restarted:
-        changed, event = note(changed, f"workers restarted after a failure "
-                                       f"({changed.restarts} of {job.spec.max_restarts})", now)
+        why = f"workers restarted after a failure ({changed.restarts} of {job.spec.max_restarts})"
+        if is_regrouping(changed):
+            changed, event = note(changed, why, now)
+        else:  # the restart was not seen coming (no 'joining'): a recovery all the same
+            changed, event = regroup(changed, why, now)
         events.append(event)
     what = f"world size {world} on {nodes} node(s)"
-    if job.state is S.RECOVERING:
-        changed, event = transition(changed, S.RUNNING, f"training again: {what}", now)
+    if is_regrouping(changed):
+        changed, event = note(changed, f"group formed: {what}; training again at its first step", now)
     else:
         changed, event = note(changed, f"rendezvous complete: {what}", now)
     events.append(event)
-    return Change(changed, events)
+    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}"}), events)

@@ -15,6 +15,9 @@ released. Not a member in `graced`, though: after an outage in which no control 
 hear the nodes, one whose lease lapsed in it is waited for, as if present (`liveness.graced`).
 Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at a step
 boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
+A lost node that stops the group is a fault (RECOVERING until the new group's first step);
+a join, a drain or a change called off is not: the job stays RUNNING with the change as its
+reason until then (`recovery.regroup`).
 When the members' reports end the job is `outcome.by_members`. A member that finished
 (its workers exited 0) keeps its node until the job ends and counts towards `min`; once
 one has, the job is ending and none of the above changes its membership any more
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 from service.decide import outcome
 from service.decide.placement import fits
+from service.decide.recovery import is_regrouping, regroup
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -77,8 +81,15 @@ class _Draft:
         self.events.append(event)
         self.reasons.append(reason)
 
-    def note(self, reason: str) -> None:
-        self.job, event = note(self.job, reason, self.now)
+    def note(self, reason: str, as_reason: bool = False) -> None:
+        self.job, event = note(self.job, reason, self.now, as_reason=as_reason)
+        self.events.append(event)
+        self.reasons.append(reason)
+
+    def regroup(self, reason: str, planned: bool, **fields) -> None:
+        """The group stops for `reason`: a fault (RECOVERING) or a planned change (`recovery`)."""
+        self.job, event = regroup(self.job, reason, self.now, planned=planned, **fields)
+        self.job = self.job.model_copy(update={"updated_at": self.now})
         self.events.append(event)
         self.reasons.append(reason)
 
@@ -132,7 +143,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
-                   control=None, stopping=False)
+                   control=None, stopping=False, group=None, regrouping=False)
         return d.result(job)
 
     # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
@@ -147,7 +158,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                     or stopped
             members[name] = stopped
             d.update(members=dict(members))
-            d.note(f"node {name} lost (its lease lapsed)")
+            # while re-forming, the loss is what the job now waits on: its reason says so
+            d.note(f"node {name} lost (its lease lapsed)", as_reason=is_regrouping(d.job))
 
     states = {m.state for m in d.job.members.values()}
 
@@ -180,22 +192,23 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
             members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                        if m.is_live() and n not in draining}
-            d.update(members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
-                     round_nodes=0, world_size=0)
-            d.note(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot")
+            d.regroup(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot",
+                      planned=True, members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
+                      round_nodes=0, world_size=0)
 
     live = live_members(d.job)
     lost = [n for n in job.members if job.members[n].is_live() and n not in nodes and n not in graced]
     if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
         # The survivors have not re-formed without the lost node (NCCL blocks in a collective
         # with a dead peer instead of failing): restart them under a fresh rendezvous.
-        d.update(attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
-                 members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
-        d.note(f"restarting the {len(live)} remaining node(s) under a new rendezvous")
+        d.regroup(f"node(s) {', '.join(sorted(lost))} lost: restarting the {len(live)} remaining "
+                  "node(s) under a new rendezvous", planned=False,
+                  attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
+                  members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
     if len(live) < d.job.spec.nodes.min:
         d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
                "waiting for nodes (snapshots are kept)",
-               members={}, world_size=0, round_nodes=0, control=None)
+               members={}, world_size=0, round_nodes=0, control=None, group=None, regrouping=False)
         return d.result(job)
 
     # Scale-up: free ready nodes join a job below its max.
@@ -210,15 +223,15 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             members = dict(d.job.members)
             for name in joining:
                 members[name] = MemberStatus(nproc=nodes[name].nproc_per_node)
-            d.update(members=members, control=None)
-            d.note(f"node(s) {', '.join(joining)} joined; scaling up")
+            d.regroup(f"node(s) {', '.join(joining)} joined; scaling up", planned=True,
+                      members=members, control=None)
     elif d.job.control is not None and d.job.control.action is ControlAction.CHECKPOINT_PAUSE \
             and not draining and _control_done(d.job, now, cfg.control_ack_timeout_s):
         # The nodes it paused for went elsewhere: restart the group from the snapshot it took.
-        d.update(control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
-                 members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
-                          if m.is_live()})
-        d.note("the planned change was called off; restarting from the committed snapshot")
+        d.regroup("the planned change was called off; restarting from the committed snapshot",
+                  planned=True, control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
+                  members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
+                           if m.is_live()})
     return d.result(job)
 
 

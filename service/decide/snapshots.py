@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from service.decide.change import Change
 from service.decide.metrics import add_point, merged, split
+from service.decide.recovery import first_step
 from service.decide.state import note
 from service.errors import Conflict, SnapshotNotFound, StaleAttempt
-from service.models import JobRecord, MetricHistory, Progress
+from service.models import EventView, JobRecord, MetricHistory, Progress
 from service.store.api import Delete, Put
 from worker.protocol import (
     MAX_METRICS,
@@ -130,7 +131,8 @@ class ProgressDecision:
 
     progress: Progress  # what is stored once the decision is applied (the answer)
     write: bool  # write `progress` to the job's progress key
-    job: JobRecord | None = None  # the job record to write too (only on the first report)
+    job: JobRecord | None = None  # the job record to write too (the first report; a recovery's end)
+    events: list[EventView] = field(default_factory=list)  # the job's events to write with it
     body: MetricHistory | None = None  # the history's body to write (None: unchanged)
     tail: MetricHistory | None = None  # its tail to write (None: unchanged)
 
@@ -152,7 +154,9 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     """
     _check_writable(job, report.attempt, "progress")
     first = not job.reports_progress
-    if (stored is not None and stored.time is not None and not first and not report.final
+    # The first step of a group that replaced a stopped one: "training again" (`recovery`).
+    resumed = first_step(job, report.attempt, report.group, report.step, now)
+    if (stored is not None and stored.time is not None and not first and resumed is None and not report.final
             and 0 <= now - stored.time < min_interval_s):
         return ProgressDecision(stored, write=False)
     speed = stored.steps_per_s if stored is not None else None
@@ -171,8 +175,12 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     values = {"loss": report.loss, "samples_per_s": report.samples_per_s, **report.metrics}
     added = add_point(merged(body, tail), report.step, now, values, metric_points, MAX_METRICS + 2)
     new_body, new_tail = (None, None) if added is None else split(body, added)
+    changed = job if resumed is None else resumed.job
+    if first:
+        changed = changed.model_copy(update={"reports_progress": True})
     return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
-                            job=job.model_copy(update={"reports_progress": True}) if first else None)
+                            job=changed if changed is not job else None,
+                            events=[] if resumed is None else resumed.events)
 
 
 def decide_memory(job: JobRecord, node: str, report: MemoryReport, now: float) -> MemorySnapshot:

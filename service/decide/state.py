@@ -41,11 +41,13 @@ def transition(job: JobRecord, target: JobState, reason: str, now: float) -> tup
     return changed, EventView(seq=seq, time=now, state=target, reason=line, detail=detail)
 
 
-def note(job: JobRecord, reason: str, now: float) -> tuple[JobRecord, EventView]:
-    """An event without a state change (a restart, a node joining, a skipped snapshot)."""
+def note(job: JobRecord, reason: str, now: float, *, as_reason: bool = False) -> tuple[JobRecord, EventView]:
+    """An event without a state change (a restart, a node joining, a skipped snapshot);
+    `as_reason`: its line becomes the job's reason too (what the job is doing changed)."""
     seq = job.event_seq + 1
-    changed = job.model_copy(update={"event_seq": seq, "updated_at": now})
     line, detail = split_reason(reason)
+    update = {"event_seq": seq, "updated_at": now} | ({"reason": line} if as_reason else {})
+    changed = job.model_copy(update=update)
     return changed, EventView(seq=seq, time=now, state=job.state, reason=line, detail=detail)
 
 

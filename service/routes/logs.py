@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 
 from service.api_contract import AuthFirstRoute
+from service.decide.recovery import first_output
 from service.deps import ContextDep, MemberNode, UserAuth
 from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
@@ -30,8 +31,12 @@ async def ship(job_id: str, body: LogShipment, ctx: ContextDep, node: MemberNode
     if node is not None and body.node != node:
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"node {node!r} cannot ship lines as node {body.node!r}")
-    await ctx.jobs.get(job_id)  # 404 for an unknown job
+    job = await ctx.jobs.get(job_id)  # 404 for an unknown job
     await ctx.logs.ship(job_id, body)
+    now = ctx.jobs.clock()
+    if first_output(job, body.attempt, body.lines, now) is not None:
+        # a plain script's workers printed: its new group trains (`decide.recovery`)
+        await ctx.jobs.update(job_id, lambda j: first_output(j, body.attempt, body.lines, now))
     return None
 
 

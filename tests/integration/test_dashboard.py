@@ -4,8 +4,9 @@ SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels i
 with a long log shows its end, and the nodes page drains a node and undrains it.
 
 RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
-SIGKILL the job is RECOVERING only while the group re-forms (under a second here), which a
-page that polls once a second may not catch in its state badge.
+SIGKILL the job is RECOVERING from the fault until the new group's first step (a second or
+two here), which a page that polls once a second may not catch in its state badge. The
+timeline shows the group forming while still RECOVERING, then RUNNING at a step it names.
 
 The browser is the system's: nothing downloads one (`apt-get install chromium`; `make
 setup` and .ci/run install it). Every request the page makes to another host is refused,
@@ -130,6 +131,13 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             states = timeline(page)
             recovering = len(states) - 1 - states[::-1].index("RECOVERING")
             assert "RUNNING" in states[recovering + 1:], states
+            # RUNNING again only at the new group's first step, after it formed (RECOVERING)
+            shown = page.eval_on_selector_all(
+                "#events li", "els => els.map(e => [e.dataset.eventState, e.textContent])")[::-1]
+            back = next(i for i, (state, _) in enumerate(shown) if state == "RUNNING" and i > recovering)
+            assert "training again: world size 1 on 1 node(s), step " in shown[back][1], shown
+            assert any(state == "RECOVERING" and "group formed:" in text
+                       for state, text in shown[recovering:back]), shown
             page.wait_for_selector("#job-state [data-state='RUNNING']")
             after = points(page, "loss")
             wait_points(page, after)

@@ -140,6 +140,12 @@ def test_third_agent_joining_scales_the_job_up(api, agents):
     wait_step(api, job_id, 1, world=3, after=before, timeout_s=60)
     j = job(api, job_id)
     assert j["world_size"] == 3 and sorted(j["nodes"]) == ["n0", "n1", "n2"] and j["restarts"] == 0
+    # a planned change is no fault: RUNNING throughout, its end recorded at the new group's output
+    wait_for(lambda: any(e["reason"] == "training again: world size 3 on 3 node(s), its workers' first "
+                         "output" for e in events(api, job_id)), 10, "training again at world size 3")
+    evs = events(api, job_id)
+    assert "RECOVERING" not in [e["state"] for e in evs], evs
+    assert any(e["reason"] == "node(s) n2 joined; scaling up" for e in evs), evs
 
 
 def test_control_plane_restart_does_not_disturb_training(control_plane, api, agents):

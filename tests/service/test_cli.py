@@ -379,3 +379,15 @@ def test_status_watch_prints_a_progress_line_with_eta_and_exits_with_the_final_s
     assert lines[1].startswith("CANCELLED  step 100/400")
     assert result.exit_code == 3
     assert result.stderr.strip() == "ftrain: j1 CANCELLED: cancelled by admin (exit 3)"
+
+
+@pytest.mark.parametrize("state,regrouping,shown", [
+    ("RECOVERING", True, True),  # a fault: what it recovers from
+    ("RUNNING", True, True),  # a planned change under way: what is changing
+    ("RUNNING", False, False),  # training: the reason is history
+])
+def test_the_progress_line_shows_the_reason_while_the_group_re_forms(state, regrouping, shown):
+    from service.cli import _progress_line
+    job = {"state": state, "regrouping": regrouping, "reason": "node(s) n2 joined; scaling up",
+           "nodes": ["n0"], "progress": {"step": 5}}
+    assert ("node(s) n2 joined" in _progress_line(job, 0.0)) is shown

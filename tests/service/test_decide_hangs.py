@@ -27,6 +27,7 @@ def hung(state=S.RUNNING, members=None, *, timeout: float | None = 3, restarts=0
     (hung(), None, NOW - 1e6),  # rank 0 never reported progress (no runtime)
     (hung(), 7, NOW - 2.9),  # not yet
     (hung(S.RECOVERING), 7, NOW - 1e6),  # torchrun is re-forming the group
+    (hung(regrouping=True), 7, NOW - 1e6),  # a planned change re-forms it (no group yet)
     (hung(S.CANCELLING), 7, NOW - 1e6),
     (hung(S.PENDING, {}), 7, NOW - 1e6),
     (hung(S.SUCCEEDED), 7, NOW - 1e6),
@@ -101,7 +102,8 @@ def test_observe_starts_a_clock_for_a_job_it_has_not_seen():
 
 def test_a_new_group_gets_the_whole_timeout_before_its_first_step():
     restarted = decide_hang(JOB, 7, NOW - 3, NOW).job
-    formed = restarted.model_copy(update={"state": S.RUNNING, "rounds": 1})
+    # the new group formed: still RECOVERING (until its first step), and watched
+    formed = restarted.model_copy(update={"rounds": 1, "group": "a/0"})
     watch = observe(observe(None, restarted, 7, NOW), formed, 7, NOW + 5)
     assert watch.since == NOW + 5
     assert decide_hang(formed, watch.step, watch.since, NOW + 7.9) is None

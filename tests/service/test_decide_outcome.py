@@ -155,7 +155,9 @@ ORDERS = [
     # which does not hold up the end)
     ([("restart", "a"), ("ok", "b")], 1, OK),
     ([("restart", "a"), ("fail", "b")], 1, failed("b")),
-    ([("restart", "a"), ("gone", "b")], 1, (S.RUNNING, "submitted", 2)),
+    # b lost: the group stops, a fault (RECOVERING until the new group's first step)
+    ([("restart", "a"), ("gone", "b")], 1,
+     (S.RECOVERING, "node(s) b lost: restarting the 1 remaining node(s) under a new rendezvous", 2)),
     ([("drain", "b"), ("ok", "a")], 1, (S.SUCCEEDED, "every worker exited 0", 2)),
 ]
 

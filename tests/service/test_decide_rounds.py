@@ -18,6 +18,13 @@ S = JobState
 TAIL = ["[rank0] Traceback", "[rank0] RuntimeError: boom"]
 
 
+def formed(world: int, nodes: int) -> str:
+    return f"group formed: world size {world} on {nodes} node(s); training again at its first step"
+
+
+FORMED_4 = formed(4, 2)
+
+
 def joining(call: int = 1, node: str = "a", attempt: int = 1) -> RoundReport:
     return RoundReport(attempt=attempt, node=node, phase="joining", call=call)
 
@@ -41,6 +48,7 @@ NOTHING = [
     ("a failed job", job(S.FAILED), joining()),
     ("the first rendezvous of a torchrun", job(), joining(call=0)),
     ("a second node joining a recovery", job(S.RECOVERING), joining(call=3, node="b")),
+    ("a node re-forming for a planned change (a join)", job(regrouping=True), joining(call=1)),
     ("a joined round reported by rank 1", job(rounds=1, round_nodes=2), joined(2, rank=1)),
     ("a joined round without its size", job(), joined(None)),
 ]
@@ -62,21 +70,25 @@ CHANGES = [
     ("a round with more nodes is a scale-up, not a restart",
      job(rounds=1, round_nodes=2), joined(3),
      (S.RUNNING, 2, 3, 0, 6, ["rendezvous complete: world size 6 on 3 node(s)"])),
+    # a group formed is not training yet: RECOVERING until its first step (test_decide_recovery)
     ("a round with fewer nodes is a shrink, not a restart",
      job(S.RECOVERING, rounds=1, round_nodes=2), joined(1),
-     (S.RUNNING, 2, 1, 0, 2, ["training again: world size 2 on 1 node(s)"])),
+     (S.RECOVERING, 2, 1, 0, 2, [formed(2, 1)])),
     ("a round with as many nodes after a recovery is a restart",
      job(S.RECOVERING, rounds=1, round_nodes=2), joined(2),
-     (S.RUNNING, 2, 2, 1, 4, ["workers restarted after a failure (1 of 3)",
-                              "training again: world size 4 on 2 node(s)"])),
-    ("a restart seen without its 'joining' still counts",
+     (S.RECOVERING, 2, 2, 1, 4, ["workers restarted after a failure (1 of 3)",
+                                 FORMED_4])),
+    ("a restart seen without its 'joining' still counts, and is a recovery",
      job(rounds=3, round_nodes=2, restarts=1), joined(2),
-     (S.RUNNING, 4, 2, 2, 4, ["workers restarted after a failure (2 of 3)",
-                              "rendezvous complete: world size 4 on 2 node(s)"])),
+     (S.RECOVERING, 4, 2, 2, 4, ["workers restarted after a failure (2 of 3)",
+                                 FORMED_4])),
     ("the last restart allowed",
      job(S.RECOVERING, rounds=3, round_nodes=2, restarts=2), joined(2),
-     (S.RUNNING, 4, 2, 3, 4, ["workers restarted after a failure (3 of 3)",
-                              "training again: world size 4 on 2 node(s)"])),
+     (S.RECOVERING, 4, 2, 3, 4, ["workers restarted after a failure (3 of 3)",
+                                 FORMED_4])),
+    ("a planned change's round (RUNNING, regrouping) is no restart and stays RUNNING",
+     job(rounds=1, round_nodes=2, regrouping=True), joined(3),
+     (S.RUNNING, 2, 3, 0, 6, [formed(6, 3)])),
     ("one restart more than allowed fails the job, quoting the last lines",
      job(S.RECOVERING, rounds=4, round_nodes=2, restarts=3), joined(2),
      (S.FAILED, 5, 2, 3, 4, ["workers failed 4 times (max_restarts=3): [rank0] RuntimeError: boom"])),
@@ -98,8 +110,8 @@ def test_reports_that_change_the_job(what, before, report, after):
         (state, rounds, round_nodes, restarts, world)
     assert [e.reason for e in change.events] == reasons
     assert [e.seq for e in change.events] == list(range(6, 6 + len(reasons)))
-    assert got.event_seq == 5 + len(reasons) and got.reason == (
-        reasons[-1] if state is not before.state else before.reason)
+    moved = [e.reason for e in change.events if e.state is not before.state]
+    assert got.event_seq == 5 + len(reasons) and got.reason == (moved[0] if moved else before.reason)
     assert got.stopping is (state is S.FAILED)
     assert got.finished_at == (NOW if state.is_terminal() else None)
     assert change.ops == []
@@ -122,3 +134,15 @@ def test_spent_restarts_without_log_lines_say_so_plainly():
 ])
 def test_is_restart(rounds, round_nodes, nodes, restart):
     assert is_restart(job(rounds=rounds, round_nodes=round_nodes), nodes) is restart
+
+
+def test_a_joining_report_stops_the_group_and_a_joined_one_names_the_new_group():
+    """The group that trains is named by rank 0's node and round; none while it re-forms."""
+    running = job(rounds=1, round_nodes=2).model_copy(update={"group": "a/0"})
+    stopped = decide_round(running, joining(call=1, node="b"), TAIL, NOW).job
+    assert (stopped.state, stopped.regrouping, stopped.group, stopped.stopped_group) == \
+        (S.RECOVERING, True, None, "a/0")
+    assert stopped.reason == "node b is restarting its workers"
+    formed = decide_round(stopped, joined(2, node="c").model_copy(update={"call": 4}), TAIL, NOW).job
+    assert (formed.state, formed.regrouping, formed.group) == (S.RECOVERING, True, "c/4")
+    assert formed.reason == "node b is restarting its workers"  # still what it recovers from

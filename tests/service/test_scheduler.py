@@ -66,7 +66,10 @@ def test_lost_node_above_min_keeps_running_without_it_once_the_survivors_reforme
 def test_survivors_stuck_with_a_lost_node_restart_under_a_new_attempt():
     j = job(S.RUNNING, {"a": "running", "b": "running", "c": "running"}, mn=1, mx=3, round_nodes=3)
     p = plan(j, nodes("a", "b"), [], NOW, CFG)
-    assert p.job.state is S.RUNNING and p.job.attempt == j.attempt + 1
+    # a fault: RECOVERING at once, the reason naming the lost node, until the new group's first step
+    assert p.job.state is S.RECOVERING and p.job.attempt == j.attempt + 1
+    assert p.job.reason == "node(s) c lost: restarting the 2 remaining node(s) under a new rendezvous"
+    assert p.job.regrouping and p.job.group is None
     assert sorted(p.job.members) == ["a", "b"]
     assert all(m.state == "assigned" for m in p.job.members.values())
 

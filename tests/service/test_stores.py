@@ -338,8 +338,8 @@ def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout
         assert (await ctx.jobs.events(job.id))[-1].reason == \
             "no progress for 5 s (hang_timeout_s=5); restarting the workers (1 of 1)"
         await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
-            "state": JobState.RUNNING, "rounds": 1})))  # the new group formed
-        assert (await tick_at(1020)).state is JobState.RUNNING
+            "rounds": 1, "group": "n0/0"})))  # the new group formed: RECOVERING until its first step
+        assert (await tick_at(1020)).state is JobState.RECOVERING
         failed = await tick_at(1025)  # and made no progress either
         assert failed.state is JobState.FAILED and failed.stopping
         assert failed.reason == "no progress for 5 s (hang_timeout_s=5); workers failed 2 times " \

@@ -6,6 +6,11 @@ way round (failures count, membership changes do not), so torchrun runs with an
 unlimited budget and this wrapper reports every round: 'joining' when this node starts
 re-forming the group (the job is RECOVERING), 'joined' from the new group's rank 0 with
 the number of nodes (the control plane compares it with the round before).
+
+Each round also names the group it formed, '<node>/<round>' of group rank 0, in this
+process's environment (`FTRAIN_GROUP`), which torch passes to the workers it starts next:
+rank 0 sends it with its progress, and the control plane ends a recovery only on a step of
+the group that its 'joined' report named (`service.decide.recovery`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ import os
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from worker.env import FTRAIN_ATTEMPT, FTRAIN_JOB_ID, FTRAIN_JOB_TOKEN, FTRAIN_NODE, FTRAIN_SERVER
+from worker.env import (
+    FTRAIN_ATTEMPT,
+    FTRAIN_GROUP,
+    FTRAIN_JOB_ID,
+    FTRAIN_JOB_TOKEN,
+    FTRAIN_NODE,
+    FTRAIN_SERVER,
+)
 from worker.http import ControlPlaneClient, HttpError
 from worker.protocol import RoundReport
 
@@ -32,7 +44,7 @@ class RoundReporter:
         self._client = ControlPlaneClient(server, token, timeout=REQUEST_TIMEOUT_S)
         self._path = f"/v1/jobs/{job_id}/rounds"
         self._attempt = attempt
-        self._node = node
+        self.node = node
 
     @classmethod
     def from_env(cls) -> RoundReporter | None:
@@ -44,7 +56,7 @@ class RoundReporter:
                    int(env[FTRAIN_ATTEMPT]), env[FTRAIN_NODE])
 
     def report(self, phase: str, call: int, info: RendezvousInfo | None = None) -> None:
-        body = RoundReport(attempt=self._attempt, node=self._node, phase=phase, call=call,
+        body = RoundReport(attempt=self._attempt, node=self.node, phase=phase, call=call,
                            group_rank=None if info is None else info.rank,
                            group_world_size=None if info is None else info.world_size)
         try:
@@ -78,6 +90,12 @@ class ReportingHandler(RendezvousHandler):
         self._reporter.report("joining", call)
         info = self._inner.next_rendezvous()
         self._reporter.report("joined", call, info)
+        if info.rank == 0:
+            # The group's name as rank 0's node reports it; other nodes' workers do not
+            # report progress, so they need no name (and cannot know rank 0's round).
+            os.environ[FTRAIN_GROUP] = f"{self._reporter.node}/{call}"
+        else:
+            os.environ.pop(FTRAIN_GROUP, None)
         return info
 
     def is_closed(self) -> bool:

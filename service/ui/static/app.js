@@ -56,6 +56,11 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
 }
 function num(v, digits = 4) { return v == null ? "–" : Number(v).toPrecision(digits); }
+// A job whose group is re-forming (a fault: RECOVERING; a planned change: RUNNING) until the
+// new group's first step: its reason under the badge, so a RUNNING job that is resizing says so.
+function regroupingNote(job) {
+  return job.regrouping ? `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>` : "";
+}
 function badge(state) { return `<span class="state ${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`; }
 
 function jobDuration(job) {
@@ -179,7 +184,7 @@ function jobsView() {
     body.innerHTML = items.length ? items.map(job => `
       <tr data-job="${esc(job.id)}">
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
-        <td>${badge(job.state)}</td>
+        <td>${badge(job.state)}${regroupingNote(job)}</td>
         <td>${progressCell(job)}</td>
         <td>${nodesInUse(job)}</td>
         <td>${job.restarts}</td>
@@ -251,6 +256,7 @@ function jobView(jobId) {
     $("job-name").textContent = j.name;
     $("job-state").innerHTML = badge(j.state);
     $("job-reason").textContent = j.reason || "";
+    $("job-reason").dataset.regrouping = j.regrouping ? "1" : "";
     $("cancel").hidden = TERMINAL.has(j.state);
     if (j.state === "CANCELLING") $("cancel").disabled = true;
     const p = j.progress || {};
