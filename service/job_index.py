@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import heapq
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
@@ -58,6 +59,9 @@ class JobIndex:
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
+        # The unfinished jobs, sorted, apart: PENDING ones, and the others (which hold nodes).
+        self._pending: list[SortKey] = []
+        self._running: list[SortKey] = []
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
         self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
@@ -87,8 +91,17 @@ class JobIndex:
 
     def active_ids(self) -> list[str]:
         """The jobs not yet finished, oldest first (submission order)."""
-        active = [j for j in self._jobs.values() if not j.state.is_terminal()]
-        return [j.id for j in sorted(active, key=lambda j: (j.created_at, j.id))]
+        return [job_id for _, job_id in heapq.merge(self._pending, self._running)]
+
+    def pending_ids(self) -> Iterator[str]:
+        """The PENDING jobs, oldest first: kept in order as they change, so a scheduler pass
+        reads the queue only as far as it can start jobs (`decide.scheduling.schedule_queue`).
+        To be consumed before the next await (the index may change at any await)."""
+        return (job_id for _, job_id in self._pending)
+
+    def running_ids(self) -> list[str]:
+        """The unfinished jobs that are not PENDING (they hold nodes), oldest first."""
+        return [job_id for _, job_id in self._running]
 
     def finished(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every finished job, as the index has them (for retention)."""
@@ -176,14 +189,17 @@ class JobIndex:
         if self.ready.is_set() and job.id not in self._jobs:
             self._apply(job, job.id)
 
-    def note_written(self, entry: Entry) -> None:
+    def note_written(self, entry: Entry, record: JobRecord | None = None) -> None:
         """A job record or progress that this control plane has just written (as its
-        transaction read it back): shown at once, not a watch event later. What the watch
+        transaction read it back; `record`: the job record it holds, if the writer has it,
+        so it is not parsed again): shown at once, not a watch event later. What the watch
         brings later of an older revision does not replace it."""
         if entry.key.startswith(self._keys.jobs):
             job_id = entry.key[len(self._keys.jobs):]
             if self.ready.is_set() and entry.mod_revision > self._revs.get(job_id, 0):
-                self._apply(JobRecord.model_validate_json(entry.value), job_id, entry.mod_revision)
+                if record is None or record.id != job_id:
+                    record = JobRecord.model_validate_json(entry.value)
+                self._apply(record, job_id, entry.mod_revision)
         elif entry.key.startswith(self._progress_prefix):
             job_id = entry.key[len(self._progress_prefix):]
             if self.progress_ready.is_set() and entry.mod_revision > self._progress_revs.get(job_id, 0):
@@ -210,6 +226,7 @@ class JobIndex:
             self._revs[job_id] = revision
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
+        self._queue(job_id, old, job)
         if old is not None:
             for n in old.members:
                 if self._by_node.get(n) == job_id:
@@ -232,6 +249,23 @@ class JobIndex:
         if not echo:
             for observe in self._observers:
                 observe(old, job)
+
+    def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
+        """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
+        was, now = self._queue_of(old), self._queue_of(new)
+        if old is not None and was is not None and (was is not now or new.created_at != old.created_at):
+            place = (old.created_at, job_id)
+            i = bisect.bisect_left(was, place)
+            if i < len(was) and was[i] == place:
+                del was[i]
+        if new is not None and now is not None and (
+                was is not now or old is None or new.created_at != old.created_at):
+            bisect.insort(now, (new.created_at, job_id))
+
+    def _queue_of(self, job: JobRecord | None) -> list[SortKey] | None:
+        if job is None or job.state.is_terminal():
+            return None
+        return self._pending if job.state is JobState.PENDING else self._running
 
     def _remember_deleted(self, job_id: str, place: SortKey) -> None:
         self._gone[job_id] = place
@@ -265,6 +299,9 @@ class JobIndex:
         self._views.clear()
         self._by_node.clear()
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
+        self._pending = [p for p in self._order if jobs[p[1]].state is JobState.PENDING]
+        self._running = [p for p in self._order
+                         if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
             if job.state.is_active():
@@ -288,8 +325,9 @@ class JobIndex:
                 # harmless).
                 async for ev in self._kv.watch_prefix(prefix, revision):
                     job_id = ev.key[len(prefix):]
-                    if ev.value is None or ev.mod_revision >= self._revs.get(job_id, 0):
-                        # (older than what this replica wrote and showed already: skipped)
+                    if ev.value is None or ev.mod_revision > self._revs.get(job_id, 0):
+                        # (older than what this replica wrote and showed already, or that
+                        # very write, which the index has: skipped, not parsed again)
                         job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
                         self._apply(job, job_id, ev.mod_revision)
                     revision = ev.mod_revision
