@@ -32,13 +32,13 @@ import contextlib
 import heapq
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 
 from service.errors import HistoryCompacted, StoreUnavailable
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
-from service.store.api import Entry, KeyValue
+from service.store.api import Entry, KeyValue, WatchEvent
 from worker.protocol import Progress
 
 log = logging.getLogger(__name__)
@@ -311,72 +311,78 @@ class JobIndex:
     async def run(self) -> None:
         """Load every job, then follow the watch; load again after a broken watch. Runs
         until cancelled."""
-        prefix = self._keys.jobs
-        revision: int | None = None  # the index has applied every change up to it
-        while True:
-            try:
-                if revision is None:
-                    revision = await self._load()
-                    self.revision = max(self.revision, revision)
-                    self.ready.set()
-                    await self._notify()
-                # From `revision` itself, not after it: a session that ended between two
-                # events of one transaction must not lose the second (applying one twice is
-                # harmless).
-                async for ev in self._kv.watch_prefix(prefix, revision):
-                    job_id = ev.key[len(prefix):]
-                    if ev.value is None or ev.mod_revision > self._revs.get(job_id, 0):
-                        # (older than what this replica wrote and showed already, or that
-                        # very write, which the index has: skipped, not parsed again)
-                        job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
-                        self._apply(job, job_id, ev.mod_revision)
-                    revision = ev.mod_revision
-                    self.revision = max(self.revision, revision)
-                    await self._notify()
-                continue  # the session ended quietly: watch on from where it was
-            except HistoryCompacted as exc:  # not an outage: load again at once
-                log.debug("job index: %s", exc.message)
-                revision = None
-                continue
-            except StoreUnavailable as exc:
-                log.debug("job index: %s", exc.message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("job index watch failed; re-reading")
-            revision = None
-            self.ready.clear()
-            await asyncio.sleep(0.5)
+        await self._follow(self._keys.jobs, self._load_jobs, self._job_event, self.ready,
+                           "job index", self._notify)
 
     async def run_progress(self) -> None:
         """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
         again after a broken watch. Runs until cancelled."""
+        await self._follow(self._progress_prefix, self._load_progress, self._progress_event,
+                           self.progress_ready, "progress index")
+
+    async def _load_jobs(self) -> int:
+        revision = await self._load()
+        self.revision = max(self.revision, revision)
+        return revision
+
+    def _job_event(self, ev: WatchEvent, job_id: str) -> None:
+        if ev.value is None or ev.mod_revision > self._revs.get(job_id, 0):
+            # (older than what this replica wrote and showed already, or that very write,
+            # which the index has: skipped, not parsed again)
+            job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
+            self._apply(job, job_id, ev.mod_revision)
+        self.revision = max(self.revision, ev.mod_revision)
+
+    async def _load_progress(self) -> int:
         prefix = self._progress_prefix
-        revision: int | None = None
+        revision = await self._kv.revision()
+        entries = [e async for e in self._kv.scan_prefix(prefix)]
+        self._progress = {e.key[len(prefix):]: e.value for e in entries}
+        self._progress_revs = {e.key[len(prefix):]: e.mod_revision for e in entries}
+        self._views.clear()
+        return revision
+
+    def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
+        if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
+            self._set_progress(job_id, ev.value, ev.mod_revision)
+
+    async def _follow(self, prefix: str, load: Callable[[], Awaitable[int]],
+                      apply: Callable[[WatchEvent, str], None], ready: asyncio.Event, what: str,
+                      notify: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The one watch loop of the index, for the keys under `prefix`: `load` them (it
+        returns the revision read before the load), set `ready`, then `apply` each watch
+        event (with the key past `prefix`), `notify` after the load and after each event.
+
+        A watch is started from the revision of the last event applied, not after it: a
+        session that ended between two events of one transaction must not lose the second
+        (applying one twice is harmless). A session that ends quietly watches on from there;
+        a compacted history loads again at once; a broken watch (etcd away) clears `ready`
+        and loads again half a second later.
+        """
+        revision: int | None = None  # every change up to it is applied
         while True:
             try:
                 if revision is None:
-                    revision = await self._kv.revision()
-                    entries = [e async for e in self._kv.scan_prefix(prefix)]
-                    self._progress = {e.key[len(prefix):]: e.value for e in entries}
-                    self._progress_revs = {e.key[len(prefix):]: e.mod_revision for e in entries}
-                    self._views.clear()
-                    self.progress_ready.set()
+                    revision = await load()
+                    ready.set()
+                    if notify is not None:
+                        await notify()
                 async for ev in self._kv.watch_prefix(prefix, revision):
-                    job_id = ev.key[len(prefix):]
-                    if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
-                        self._set_progress(job_id, ev.value, ev.mod_revision)
+                    apply(ev, ev.key[len(prefix):])
                     revision = ev.mod_revision
-                continue
-            except HistoryCompacted:
+                    if notify is not None:
+                        await notify()
+                continue  # the session ended quietly: watch on from where it was
+            except HistoryCompacted as exc:  # not an outage: load again at once
+                log.debug("%s: %s", what, exc.message)
                 revision = None
                 continue
             except StoreUnavailable as exc:
-                log.debug("progress index: %s", exc.message)
+                log.debug("%s: %s", what, exc.message)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("progress watch failed; re-reading")
+                log.exception("%s: watch failed; re-reading", what)
             revision = None
-            self.progress_ready.clear()
+            ready.clear()
             await asyncio.sleep(0.5)

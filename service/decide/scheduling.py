@@ -127,9 +127,10 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     d = _Draft(job, now)
 
     if job.state is S.PENDING:
-        ready = [n for n in free if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
-        if len(ready) >= job.spec.nodes.min:
-            chosen = ready[: job.spec.nodes.max]
+        # (the first `max` that fit, not all of them: a pass may start a job for each free node)
+        chosen = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY
+                                        and fits(job.spec, nodes[n])), job.spec.nodes.max))
+        if len(chosen) >= job.spec.nodes.min:
             d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
