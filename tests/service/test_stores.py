@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
@@ -439,5 +440,29 @@ def test_a_burst_of_submissions_makes_a_few_scheduler_passes_not_one_each():
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_heartbeats_assignment_is_made_once_per_change_of_its_jobs_record():
+    from service.routes.nodes import heartbeat_answer
+
+    async def main():
+        ctx = context()
+        index = asyncio.create_task(ctx.index.run())
+        try:
+            await ctx.index.wait_ready(5)
+            await ctx.nodes.register("n0", 1, None, ttl_s=600)
+            job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            first = await heartbeat_answer(ctx, "n0", None, None)
+            assert json.loads(first)["assignment"]["action"] == "run"
+            assert await heartbeat_answer(ctx, "n0", None, None) is first  # not made again
+            await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={"stopping": True}), []))
+            assert json.loads(await heartbeat_answer(ctx, "n0", None, None))["assignment"]["action"] \
+                == "stop"  # a changed record: a new answer
+        finally:
+            index.cancel()
+            await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
