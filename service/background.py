@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from service import compaction, retention, scheduler
+from service import compaction, gc_pauses, retention, scheduler
 from service.context import Context
 from service.errors import StoreUnavailable
 
@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 async def start(ctx: Context) -> None:
     await _drop_legacy_logs(ctx)
+    if ctx.settings.gc_freeze_s > 0:
+        ctx.tasks.append(asyncio.create_task(
+            gc_pauses.run(ctx.settings.gc_freeze_s, ctx.settings.gc_reclaim_s), name="gc-pauses"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run_progress(), name="progress-index"))
     # Every replica keeps the leases of the nodes that beat to it (service.heartbeats).

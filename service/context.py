@@ -47,6 +47,9 @@ class Context:
     telemetry: Telemetry = field(init=False)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
+    # job id -> (the record, a heartbeat's answer for it): made once per change of the record
+    # (routes.nodes.heartbeat_answer), not on every beat of its nodes.
+    assignments: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, settings: Settings) -> Context:

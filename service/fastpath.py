@@ -1,4 +1,4 @@
-"""The two requests a large cluster sends most, answered without FastAPI's per-request work.
+"""The requests a large cluster sends most, answered without FastAPI's per-request work.
 
 A node heartbeat (every node, every TTL/4: 3,333 a second for 5,000 nodes at the default
 TTL) and a job's status read cost the control plane little of their own once they are
@@ -6,19 +6,22 @@ answered from memory (`service.heartbeats`, `service.job_index`); what is left i
 own work per request (matching the route among all of them, solving each dependency,
 parsing), measured with `bench/api.py --profile` at several times the work of the answer.
 This ASGI layer, inside the body-size limit and in front of the app, recognises exactly
-those two requests and answers them by calling the same functions as their routes, with
+those requests and answers them by calling the same functions as their routes, with
 the same checks of the caller (`service.deps`):
 
 * `POST /v1/nodes/{name}/heartbeat` with a node credential of node `name`
   (`routes.nodes.heartbeat_answer`);
 * `GET /v1/jobs/{id}` with the admin's token (or none, in an open cluster), when the
-  index can answer (`routes.jobs.status_from_index`).
+  index can answer (`routes.jobs.status_from_index`);
+* `POST /v1/jobs` with the admin's token (or none, in an open cluster), a JSON body that is
+  a valid `JobSpec` within its size limits (`routes.jobs.submit_answer`): submissions come
+  in bursts, and FastAPI's dependencies and parsing were half of one's time.
 
 Anything else, and anything unusual about one of those (another principal's token, a
-named user's token, a body that does not parse, a job the index does not have), goes to the
-app unchanged, which answers it as always. A heartbeat's domain error (a lapsed lease: 404,
-etcd away: 503) is answered as the app answers it, by the same function
-(`service.app.domain_error`).
+named user's token, a body that does not parse or is not JSON, a job the index does not
+have), goes to the app unchanged, which answers it as always. A domain error (a lapsed
+lease: 404, a reused Idempotency-Key: 409, etcd away: 503) is answered as the app answers
+it, by the same function (`service.app.domain_error`).
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api_contract import TOO_LARGE
 from service.context import Context
-from service.deps import _node_of_credential, credential_digest, token_matches
+from service.deps import Caller, _node_of_credential, credential_digest, token_matches
 from service.errors import FtrainError
+from service.models import ADMIN, JobSpec
 from worker.protocol import REVISION_HEADER, HeartbeatRequest
 
 _HEARTBEAT = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
 _JOB = re.compile(r"^/v1/jobs/([^/]+)$")
 _JSON = (b"content-type", b"application/json")
 _REVISION = REVISION_HEADER.lower().encode()
+MAX_IDEMPOTENCY_KEY = 200  # characters, as the route's `Header(max_length=200)`
 
 
 class FastPaths:
@@ -51,7 +56,46 @@ class FastPaths:
                 return await self._heartbeat(m.group(1), scope, receive, send)
             if method == "GET" and (m := _JOB.match(path)):
                 return await self._status(m.group(1), scope, receive, send)
+            if method == "POST" and path == "/v1/jobs":
+                return await self._submit(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    def _admin(self, scope: Scope) -> bool:
+        """The admin's token (or none, in an open cluster), as `deps.require_user` reads it."""
+        token, expected = _bearer(scope), self.ctx.settings.user_token
+        return (token is not None and token_matches(token, expected)) or (
+            token is None and expected is None)
+
+    async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._admin(scope):
+            return await self.app(scope, receive, send)
+        idempotency_key: str | None = None
+        for key, value in scope["headers"]:
+            if key == b"content-type" and value.split(b";")[0].strip().lower() != b"application/json":
+                return await self.app(scope, receive, send)
+            if key == b"idempotency-key":
+                if idempotency_key is not None or len(value) > MAX_IDEMPOTENCY_KEY:
+                    return await self.app(scope, receive, send)  # the app answers 422
+                idempotency_key = value.decode("latin-1")
+        first = await receive()
+        replay = _replaying(first, receive)
+        if first["type"] != "http.request" or first.get("more_body", False):
+            return await self.app(scope, replay, send)
+        try:
+            spec = JobSpec.model_validate_json(first.get("body", b""))
+        except ValueError:
+            return await self.app(scope, replay, send)  # the app answers 422
+        if spec.size_errors():
+            return await self.app(scope, replay, send)
+        from service.routes.jobs import submit_answer
+
+        try:
+            answer = await submit_answer(self.ctx, spec, Caller(ADMIN, is_admin=True), idempotency_key)
+        except FtrainError as exc:  # a reused Idempotency-Key (409), etcd away (503)
+            from service.app import domain_error
+
+            return await domain_error(self.ctx, exc)(scope, replay, send)
+        await answer(scope, replay, send)
 
     async def _heartbeat(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         first = await receive()
@@ -77,10 +121,7 @@ class FastPaths:
         await _answer(send, answer)
 
     async def _status(self, job_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        settings = self.ctx.settings
-        token = _bearer(scope)
-        admin = (token is not None and token_matches(token, settings.user_token)) or (
-            token is None and settings.user_token is None)
+        admin = self._admin(scope)
         seen: int | None = None
         for key, value in scope["headers"]:
             if key == _REVISION:

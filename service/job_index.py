@@ -29,15 +29,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import heapq
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 
 from service.errors import HistoryCompacted, StoreUnavailable
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
-from service.store.api import Entry, KeyValue
+from service.store.api import Entry, KeyValue, WatchEvent
 from worker.protocol import Progress
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class JobIndex:
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
+        # The unfinished jobs, sorted, apart: PENDING ones, and the others (which hold nodes).
+        self._pending: list[SortKey] = []
+        self._running: list[SortKey] = []
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
         self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
@@ -87,8 +91,17 @@ class JobIndex:
 
     def active_ids(self) -> list[str]:
         """The jobs not yet finished, oldest first (submission order)."""
-        active = [j for j in self._jobs.values() if not j.state.is_terminal()]
-        return [j.id for j in sorted(active, key=lambda j: (j.created_at, j.id))]
+        return [job_id for _, job_id in heapq.merge(self._pending, self._running)]
+
+    def pending_ids(self) -> Iterator[str]:
+        """The PENDING jobs, oldest first: kept in order as they change, so a scheduler pass
+        reads the queue only as far as it can start jobs (`decide.scheduling.schedule_queue`).
+        To be consumed before the next await (the index may change at any await)."""
+        return (job_id for _, job_id in self._pending)
+
+    def running_ids(self) -> list[str]:
+        """The unfinished jobs that are not PENDING (they hold nodes), oldest first."""
+        return [job_id for _, job_id in self._running]
 
     def finished(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every finished job, as the index has them (for retention)."""
@@ -176,14 +189,17 @@ class JobIndex:
         if self.ready.is_set() and job.id not in self._jobs:
             self._apply(job, job.id)
 
-    def note_written(self, entry: Entry) -> None:
+    def note_written(self, entry: Entry, record: JobRecord | None = None) -> None:
         """A job record or progress that this control plane has just written (as its
-        transaction read it back): shown at once, not a watch event later. What the watch
+        transaction read it back; `record`: the job record it holds, if the writer has it,
+        so it is not parsed again): shown at once, not a watch event later. What the watch
         brings later of an older revision does not replace it."""
         if entry.key.startswith(self._keys.jobs):
             job_id = entry.key[len(self._keys.jobs):]
             if self.ready.is_set() and entry.mod_revision > self._revs.get(job_id, 0):
-                self._apply(JobRecord.model_validate_json(entry.value), job_id, entry.mod_revision)
+                if record is None or record.id != job_id:
+                    record = JobRecord.model_validate_json(entry.value)
+                self._apply(record, job_id, entry.mod_revision)
         elif entry.key.startswith(self._progress_prefix):
             job_id = entry.key[len(self._progress_prefix):]
             if self.progress_ready.is_set() and entry.mod_revision > self._progress_revs.get(job_id, 0):
@@ -210,6 +226,7 @@ class JobIndex:
             self._revs[job_id] = revision
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
+        self._queue(job_id, old, job)
         if old is not None:
             for n in old.members:
                 if self._by_node.get(n) == job_id:
@@ -232,6 +249,23 @@ class JobIndex:
         if not echo:
             for observe in self._observers:
                 observe(old, job)
+
+    def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
+        """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
+        was, now = self._queue_of(old), self._queue_of(new)
+        if old is not None and was is not None and (was is not now or new.created_at != old.created_at):
+            place = (old.created_at, job_id)
+            i = bisect.bisect_left(was, place)
+            if i < len(was) and was[i] == place:
+                del was[i]
+        if new is not None and now is not None and (
+                was is not now or old is None or new.created_at != old.created_at):
+            bisect.insort(now, (new.created_at, job_id))
+
+    def _queue_of(self, job: JobRecord | None) -> list[SortKey] | None:
+        if job is None or job.state.is_terminal():
+            return None
+        return self._pending if job.state is JobState.PENDING else self._running
 
     def _remember_deleted(self, job_id: str, place: SortKey) -> None:
         self._gone[job_id] = place
@@ -265,6 +299,9 @@ class JobIndex:
         self._views.clear()
         self._by_node.clear()
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
+        self._pending = [p for p in self._order if jobs[p[1]].state is JobState.PENDING]
+        self._running = [p for p in self._order
+                         if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
             if job.state.is_active():
@@ -274,71 +311,78 @@ class JobIndex:
     async def run(self) -> None:
         """Load every job, then follow the watch; load again after a broken watch. Runs
         until cancelled."""
-        prefix = self._keys.jobs
-        revision: int | None = None  # the index has applied every change up to it
-        while True:
-            try:
-                if revision is None:
-                    revision = await self._load()
-                    self.revision = max(self.revision, revision)
-                    self.ready.set()
-                    await self._notify()
-                # From `revision` itself, not after it: a session that ended between two
-                # events of one transaction must not lose the second (applying one twice is
-                # harmless).
-                async for ev in self._kv.watch_prefix(prefix, revision):
-                    job_id = ev.key[len(prefix):]
-                    if ev.value is None or ev.mod_revision >= self._revs.get(job_id, 0):
-                        # (older than what this replica wrote and showed already: skipped)
-                        job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
-                        self._apply(job, job_id, ev.mod_revision)
-                    revision = ev.mod_revision
-                    self.revision = max(self.revision, revision)
-                    await self._notify()
-                continue  # the session ended quietly: watch on from where it was
-            except HistoryCompacted as exc:  # not an outage: load again at once
-                log.debug("job index: %s", exc.message)
-                revision = None
-                continue
-            except StoreUnavailable as exc:
-                log.debug("job index: %s", exc.message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("job index watch failed; re-reading")
-            revision = None
-            self.ready.clear()
-            await asyncio.sleep(0.5)
+        await self._follow(self._keys.jobs, self._load_jobs, self._job_event, self.ready,
+                           "job index", self._notify)
 
     async def run_progress(self) -> None:
         """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
         again after a broken watch. Runs until cancelled."""
+        await self._follow(self._progress_prefix, self._load_progress, self._progress_event,
+                           self.progress_ready, "progress index")
+
+    async def _load_jobs(self) -> int:
+        revision = await self._load()
+        self.revision = max(self.revision, revision)
+        return revision
+
+    def _job_event(self, ev: WatchEvent, job_id: str) -> None:
+        if ev.value is None or ev.mod_revision > self._revs.get(job_id, 0):
+            # (older than what this replica wrote and showed already, or that very write,
+            # which the index has: skipped, not parsed again)
+            job = None if ev.value is None else JobRecord.model_validate_json(ev.value)
+            self._apply(job, job_id, ev.mod_revision)
+        self.revision = max(self.revision, ev.mod_revision)
+
+    async def _load_progress(self) -> int:
         prefix = self._progress_prefix
-        revision: int | None = None
+        revision = await self._kv.revision()
+        entries = [e async for e in self._kv.scan_prefix(prefix)]
+        self._progress = {e.key[len(prefix):]: e.value for e in entries}
+        self._progress_revs = {e.key[len(prefix):]: e.mod_revision for e in entries}
+        self._views.clear()
+        return revision
+
+    def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
+        if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
+            self._set_progress(job_id, ev.value, ev.mod_revision)
+
+    async def _follow(self, prefix: str, load: Callable[[], Awaitable[int]],
+                      apply: Callable[[WatchEvent, str], None], ready: asyncio.Event, what: str,
+                      notify: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The one watch loop of the index, for the keys under `prefix`: `load` them (it
+        returns the revision read before the load), set `ready`, then `apply` each watch
+        event (with the key past `prefix`), `notify` after the load and after each event.
+
+        A watch is started from the revision of the last event applied, not after it: a
+        session that ended between two events of one transaction must not lose the second
+        (applying one twice is harmless). A session that ends quietly watches on from there;
+        a compacted history loads again at once; a broken watch (etcd away) clears `ready`
+        and loads again half a second later.
+        """
+        revision: int | None = None  # every change up to it is applied
         while True:
             try:
                 if revision is None:
-                    revision = await self._kv.revision()
-                    entries = [e async for e in self._kv.scan_prefix(prefix)]
-                    self._progress = {e.key[len(prefix):]: e.value for e in entries}
-                    self._progress_revs = {e.key[len(prefix):]: e.mod_revision for e in entries}
-                    self._views.clear()
-                    self.progress_ready.set()
+                    revision = await load()
+                    ready.set()
+                    if notify is not None:
+                        await notify()
                 async for ev in self._kv.watch_prefix(prefix, revision):
-                    job_id = ev.key[len(prefix):]
-                    if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
-                        self._set_progress(job_id, ev.value, ev.mod_revision)
+                    apply(ev, ev.key[len(prefix):])
                     revision = ev.mod_revision
-                continue
-            except HistoryCompacted:
+                    if notify is not None:
+                        await notify()
+                continue  # the session ended quietly: watch on from where it was
+            except HistoryCompacted as exc:  # not an outage: load again at once
+                log.debug("%s: %s", what, exc.message)
                 revision = None
                 continue
             except StoreUnavailable as exc:
-                log.debug("progress index: %s", exc.message)
+                log.debug("%s: %s", what, exc.message)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("progress watch failed; re-reading")
+                log.exception("%s: watch failed; re-reading", what)
             revision = None
-            self.progress_ready.clear()
+            ready.clear()
             await asyncio.sleep(0.5)

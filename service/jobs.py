@@ -79,8 +79,9 @@ class JobStore:
         self.keys = keys
         self.clock = clock
         # Told of every job record (and progress) this control plane writes, as written, with
-        # its revision: the job index shows a replica's own writes at once (service.job_index).
-        self.written: Callable[[Entry], None] | None = None
+        # its revision (and the record written, when it is a job's, so that it is not parsed
+        # again): the job index shows a replica's own writes at once (service.job_index).
+        self.written: Callable[..., None] | None = None  # (entry[, record])
 
     async def create(self, spec: JobSpec, idempotency_key: str | None = None, *, owner: str = ADMIN,
                      nonce: str | None = None, fingerprint: str = "") -> tuple[JobRecord, bool]:
@@ -125,7 +126,7 @@ class JobStore:
         written, entry = await self.kv.commit_read(expect, ops, self.keys.job(job.id))
         if written and entry is not None:
             if self.written is not None:
-                self.written(entry)
+                self.written(entry, job)
             return job, True, entry.mod_revision
         again = {"owner": owner, "nonce": job.token_nonce, "fingerprint": fingerprint}
         if idem_key is None:  # a 6-character id collided: vanishingly rare, try once more
@@ -323,6 +324,7 @@ class JobStore:
         """Like `update`, with the job record's revision (the write's, or the one read when
         there was nothing to write): a read that waits for it sees the change."""
         revision_of: dict[str, int] = {}
+        record: dict[str, JobRecord] = {}  # the record of the last write tried
 
         async def read() -> tuple[JobRecord, int]:
             if isinstance(fence, Fence) and fence.lapsed():
@@ -343,12 +345,13 @@ class JobStore:
                 stamp = {"leader": fence.holder, "term": fence.term}
                 change = replace(change, events=[e.model_copy(update=stamp) for e in change.events])
             write = self.write(revision, change, change.job)
+            record["written"] = change.job
             return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 
         def written(entry: Entry) -> None:
             revision_of["written"] = entry.mod_revision
             if self.written is not None:
-                self.written(entry)
+                self.written(entry, record.get("written"))
 
         job = await cas.update(self.kv, read, outcome, f"job {job_id}", written)
         return job, revision_of.get("written", revision_of["read"])

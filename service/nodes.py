@@ -56,6 +56,10 @@ class NodeStore:
         self.clock = clock
         self.leases = LeaseKeeper(kv, ttl_s, clock)
         self._live: dict[str, NodeRecord] | None = None  # the watch-fed view (`follow`), once loaded
+        # Which state of that view `live` gave last: a new number for every change (None
+        # while there is no view), so a scheduler pass knows the nodes did not change.
+        self.version: int | None = None
+        self._changes = 0
         self._verified: dict[str, tuple[str, int]] = {}  # name -> (credential digest, lease)
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
@@ -171,7 +175,9 @@ class NodeStore:
         scheduler pass then parses no node record: 5,000 nodes cost 40 reads and 5,000 parses
         a pass), else read from etcd."""
         if self._live is not None:
+            self.version = self._changes
             return dict(self._live)
+        self.version = None
         return await self.list()
 
     async def follow(self, wake: asyncio.Event) -> None:
@@ -184,6 +190,7 @@ class NodeStore:
                 live = {r.name: r for r in [NodeRecord.model_validate_json(e.value)
                                             async for e in self.kv.scan_prefix(prefix)]}
                 self._live = live
+                self._changes += 1
                 wake.set()
                 while True:  # from `revision` itself: a change during the load is replayed
                     async for event in self.kv.watch_prefix(prefix, revision):
@@ -193,6 +200,7 @@ class NodeStore:
                             record = NodeRecord.model_validate_json(event.value)
                             live[record.name] = record
                         revision = event.mod_revision
+                        self._changes += 1
                         wake.set()
             except asyncio.CancelledError:
                 self._live = None

@@ -24,16 +24,24 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from service.contact import Contact
 from service.decide import hangs
 from service.decide.change import Change
-from service.decide.scheduling import SchedulerConfig, free_nodes, live_members, plan, schedule
+from service.decide.scheduling import (
+    SchedulerConfig,
+    Settled,
+    free_for,
+    holders,
+    live_members,
+    plan,
+    schedule_queue,
+)
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord, NodeRecord
+from service.models import JobRecord, JobState, NodeRecord
 from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
@@ -41,6 +49,10 @@ from service.store.api import Fence, KeyValue, Put
 log = logging.getLogger(__name__)
 
 PASS_WINDOW = 1000  # the passes whose quantiles /metrics gives
+# Passes are coalesced: after a pass, the next one waits this long (or as long as the pass
+# took, if longer), so a burst of submissions, each of which wakes the scheduler, makes one
+# pass, and passes take at most about half of the event loop that answers the requests.
+MIN_PASS_GAP_S = 0.02
 
 
 class PassTimes:
@@ -69,7 +81,17 @@ FRESH_AFTER_TAKEOVER_S = 5.0  # a new leader's passes read the jobs from etcd th
 
 
 async def active_jobs(jobs: JobStore, index: JobIndex, fresh: bool = False) -> list[JobRecord]:
-    """The unfinished jobs, oldest first, as the watch-fed index has them.
+    """The unfinished jobs, oldest first, as the watch-fed index has them (`queue`, in one
+    list)."""
+    pending, others = await queue(jobs, index, fresh)
+    return sorted([*pending, *others], key=lambda j: (j.created_at, j.id))
+
+
+async def queue(jobs: JobStore, index: JobIndex,
+                fresh: bool = False) -> tuple[Iterable[JobRecord], list[JobRecord]]:
+    """The unfinished jobs, oldest first, as the watch-fed index has them, apart: the
+    PENDING ones (lazily: to be read before the next await, and only as far as needed) and
+    the others (those that hold nodes).
 
     The index has this control plane's own writes at once (`JobIndex.note_written`), so a
     tick sees its last writes; another replica's (a report, a cancel) a watch event later,
@@ -80,53 +102,72 @@ async def active_jobs(jobs: JobStore, index: JobIndex, fresh: bool = False) -> l
     Until the index is ready, or with `fresh`: every unfinished job as etcd has it now.
     """
     if fresh and index.ready.is_set():
-        return [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
-    if not index.ready.is_set():
-        return sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
-                      key=lambda j: (j.created_at, j.id))
-    found = (index.get(job_id) for job_id in index.active_ids())
-    return [j for j in found if j is not None and not j.state.is_terminal()]
+        found = [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
+    elif not index.ready.is_set():
+        found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
+                       key=lambda j: (j.created_at, j.id))
+    else:
+        pending = (j for j in map(index.get, index.pending_ids())
+                   if j is not None and j.state is JobState.PENDING)
+        others = [j for j in map(index.get, index.running_ids())
+                  if j is not None and not j.state.is_terminal()]
+        return pending, others
+    return ([j for j in found if j.state is JobState.PENDING],
+            [j for j in found if j.state is not JobState.PENDING])
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
-               fence: dict[str, int] | None = None, fresh: bool = False) -> None:
+               fence: dict[str, int] | None = None, fresh: bool = False,
+               settled: Settled | None = None) -> None:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
 
     `missing_since` (kept across passes): since when each member node whose record is gone
     has been seen gone; with `contact`, those whose lease lapsed in an outage of the
     control plane's own are waited for, not counted as lost (`Contact.graced`). `fence`
     (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
-    lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead."""
+    lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead.
+    `settled` (kept across passes): the jobs whose plan is known to be None still
+    (`decide.scheduling.Settled`)."""
     live_nodes = await nodes.live()
-    active = {j.id: j for j in await active_jobs(jobs, index, fresh)}
+    if settled is not None:
+        settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
+    pending, others = await queue(jobs, index, fresh)
+    active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     graced: frozenset[str] = frozenset()
     if missing_since is not None:
         now = jobs.clock()
-        missing = {n for j in active.values() for n in live_members(j) if n not in live_nodes}
+        missing = {n for j in others for n in live_members(j) if n not in live_nodes}
         for name in missing_since.keys() - missing:
             del missing_since[name]
         for name in missing:
             missing_since.setdefault(name, now)
         if contact is not None:
             graced = contact.graced(missing_since, now)
-    await _schedule(jobs, live_nodes, active, cfg, last_reason, graced, fence)
+    if settled is not None:
+        settled.keep_only(active)
+    await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence, settled)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence)
 
 
-async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: dict[str, JobRecord],
-                    cfg: SchedulerConfig, last_reason: dict[str, str], graced: frozenset[str],
-                    fence: dict[str, int] | None = None) -> None:
-    for p in schedule(list(active.values()), live_nodes, jobs.clock(), cfg, graced):
+async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: Iterable[JobRecord],
+                    active: dict[str, JobRecord], cfg: SchedulerConfig, last_reason: dict[str, str],
+                    graced: frozenset[str], fence: dict[str, int] | None = None,
+                    settled: Settled | None = None) -> None:
+    """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
+    each plan; `active` (the jobs that hold nodes, by id) takes in the changes made."""
+    plans = schedule_queue(pending, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
+                           settled)
+    held = holders(active.values()) if plans else {}
+    for p in plans:
         job_id = p.job.id
 
         def decide(current: JobRecord) -> Change | None:
             # Re-decide on what is stored now; the free list excludes nodes others hold.
-            free = free_nodes([*(j for j in active.values() if j.id != current.id), current],
-                              live_nodes)
-            again = plan(current, live_nodes, free, jobs.clock(), cfg, graced)
+            again = plan(current, live_nodes, free_for(current, held, live_nodes), jobs.clock(),
+                         cfg, graced)
             return None if again is None else Change(again.job, again.events)
 
         try:
@@ -136,7 +177,14 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], active: d
         except FtrainError as exc:
             log.warning("scheduling job %s failed: %s", job_id, exc)
             continue
-        active[job_id] = new
+        old = active.pop(job_id, None)
+        for n in [] if old is None else old.members:
+            held.get(n, set()).discard(job_id)
+        if new.state.is_active():
+            active[job_id] = new
+            for n, m in new.members.items():
+                if m.holds_node():
+                    held.setdefault(n, set()).add(job_id)
         if new.state.is_terminal():
             await _cleanup(jobs, job_id, fence)
         if last_reason.get(job_id) != p.reason:
@@ -154,8 +202,9 @@ async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int |
 async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
                       watches: dict[str, hangs.Watch], fence: dict[str, int] | None = None) -> None:
     """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang."""
-    watched = [j for j in active.values()
-               if j.spec.hang_timeout_s is not None and not j.state.is_terminal()]
+    # (A PENDING job is never watched: its clock starts afresh when it runs, `hangs.observe`.)
+    watched = [j for j in active.values() if j.spec.hang_timeout_s is not None
+               and not j.state.is_terminal() and j.state is not JobState.PENDING]
     for job_id in watches.keys() - {j.id for j in watched}:
         del watches[job_id]
     if not watched:
@@ -292,9 +341,12 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     leading = False
     contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=6.0)
     missing_since: dict[str, float] = {}
+    settled = Settled()
     fresh_until = 0.0
+    pass_s = 0.0  # how long the last pass took
     try:
         while True:
+            wake.clear()  # before the pass: a change it does not see wakes the next one
             try:
                 contact.observe()
                 if time.monotonic() - last_lead_check > min(1.0, leadership.ttl_s / 4):
@@ -309,12 +361,16 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 if fence is not None:
                     started = time.perf_counter()
                     await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
-                               fence, fresh=time.monotonic() < fresh_until)
-                    passes.record(time.perf_counter() - started)
+                               fence, fresh=time.monotonic() < fresh_until,
+                               settled=settled)
+                    pass_s = time.perf_counter() - started
+                    passes.record(pass_s)
                     contact.reached()
                 else:
                     watches.clear()  # another replica keeps the clocks while it leads
                     missing_since.clear()
+                    settled = Settled()
+                    pass_s = 0.0
             except StoreUnavailable as exc:
                 leading = False
                 leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
@@ -325,7 +381,8 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 log.warning("scheduler stopped: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")
-            wake.clear()
+            if leading:  # coalesce: what wakes it meanwhile is planned in the next pass
+                await asyncio.sleep(max(MIN_PASS_GAP_S, pass_s))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), min(interval_s, leadership.ttl_s / 4))
     finally:

@@ -38,6 +38,12 @@ class Settings(BaseSettings):
         "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
         "network blip costs nothing (service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    gc_freeze_s: float = Field(
+        1.0, ge=0, description="Objects that live this long are left out of the garbage collector's "
+                               "passes (its full passes paused the API for hundreds of ms with "
+                               "many jobs; service.gc_pauses); 0: off.")
+    gc_reclaim_s: float = Field(
+        600.0, gt=0, description="Every this many seconds, everything left out is collected once.")
     leader_ttl_s: int = Field(
         2, ge=2, le=60,
         description="Lease of the scheduler leader's key: after the leader dies, another replica "

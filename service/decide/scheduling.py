@@ -27,6 +27,7 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from service.decide import outcome
@@ -137,9 +138,10 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     d = _Draft(job, now)
 
     if job.state is S.PENDING:
-        ready = [n for n in free if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
-        if len(ready) >= job.spec.nodes.min:
-            chosen = ready[: job.spec.nodes.max]
+        # (the first `max` that fit, not all of them: a pass may start a job for each free node)
+        chosen = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY
+                                        and fits(job.spec, nodes[n])), job.spec.nodes.max))
+        if len(chosen) >= job.spec.nodes.min:
             d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
@@ -235,22 +237,111 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     return d.result(job)
 
 
-def free_nodes(jobs: list[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:
+def free_nodes(jobs: Iterable[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:
     """Live nodes that no active job holds (a finished member holds its node), by name."""
     held = {n for j in jobs if j.state.is_active() for n, m in j.members.items() if m.holds_node()}
     return sorted(n for n in nodes if n not in held)
 
 
+def holders(jobs: Iterable[JobRecord]) -> dict[str, set[str]]:
+    """node -> the ids of the active jobs that hold it (one, unless records disagree)."""
+    held: dict[str, set[str]] = {}
+    for j in jobs:
+        if j.state.is_active():
+            for n, m in j.members.items():
+                if m.holds_node():
+                    held.setdefault(n, set()).add(j.id)
+    return held
+
+
+def free_for(job: JobRecord, held: dict[str, set[str]], nodes: dict[str, NodeRecord]) -> list[str]:
+    """`free_nodes` of `job` as it is now and the other jobs of `held` (`holders`): what a
+    decision on a re-read record may take, without going through every job again."""
+    own = {n for n, m in job.members.items() if m.holds_node()} if job.state.is_active() else set()
+    return sorted(n for n in nodes if n not in own and not held.get(n, set()) - {job.id})
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset()) -> list[Plan]:
     """Plans for every job, pending jobs (oldest first) served before scale-ups."""
-    free = free_nodes(jobs, nodes)
-    order = sorted(jobs, key=lambda j: (j.state is not S.PENDING, j.created_at, j.id))
+    order = sorted(jobs, key=lambda j: (j.created_at, j.id))
+    return schedule_queue((j for j in order if j.state is S.PENDING),
+                          [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced)
+
+
+def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
+                   nodes: dict[str, NodeRecord], now: float, cfg: SchedulerConfig = SchedulerConfig(),
+                   graced: frozenset[str] = frozenset(), settled: Settled | None = None) -> list[Plan]:
+    """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
+    `others` (the other unfinished jobs, oldest first).
+
+    `pending` is read only while some free node is READY: past that no pending job can start
+    (`plan` would return None for each), so a pass costs the jobs that hold nodes and the
+    pending ones that might start, not the whole queue (bench/scheduler_pass.py). `settled`
+    (kept across passes by the caller) skips the others whose plan is known to be None
+    still (`Settled`).
+    """
+    free = free_nodes(others, nodes)
+    ready = {n for n in free if nodes[n].state is NodeState.READY}
     plans = []
-    for job in order:
+
+    def take(p: Plan, job: JobRecord) -> None:
+        nonlocal free
+        plans.append(p)
+        taken = set(live_members(p.job)) - set(live_members(job))
+        if taken:
+            free = [n for n in free if n not in taken]
+            ready.difference_update(taken)
+
+    queue = iter(pending)
+    while ready and (job := next(queue, None)) is not None:
         p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
-            plans.append(p)
-            taken = set(live_members(p.job)) - set(live_members(job))
-            free = [n for n in free if n not in taken]
+            take(p, job)
+    for job in others:
+        if settled is not None and settled.known(job, graced, ready, nodes):
+            continue
+        p = plan(job, nodes, free, now, cfg, graced)
+        if settled is not None:
+            settled.note(job, graced, p is None)
+        if p is not None:
+            take(p, job)
     return plans
+
+
+class Settled:
+    """The unfinished jobs (not PENDING) whose last plan was None, and on what it was made.
+
+    `plan` of a RUNNING or RECOVERING job with no planned change pending (`control` None)
+    reads no clock: it depends on the record, the live nodes, `graced`, and the free nodes
+    only where one that is READY and fits could join (below `max`). So while the record is
+    the same object, the node view the same version (`nodes_version`, set by the caller for
+    each pass; None: unknown, nothing is skipped) and no such node free, its plan is None
+    again and is not made (a pass over a thousand running jobs costs milliseconds each time
+    a submission wakes it)."""
+
+    def __init__(self) -> None:
+        self.nodes_version: int | None = None
+        self._seen: dict[str, tuple[JobRecord, int, frozenset[str]]] = {}
+
+    def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
+              nodes: dict[str, NodeRecord]) -> bool:
+        seen = self._seen.get(job.id)
+        if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
+            return False
+        room = job.spec.nodes.max - len(live_members(job))
+        return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
+
+    def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
+        """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
+        if settled and self.nodes_version is not None and job.control is None \
+                and job.state in (S.RUNNING, S.RECOVERING):
+            self._seen[job.id] = (job, self.nodes_version, graced)
+        else:
+            self._seen.pop(job.id, None)
+
+    def keep_only(self, job_ids: Iterable[str]) -> None:
+        """Forget every job but these (the unfinished ones)."""
+        keep = set(job_ids)
+        for job_id in self._seen.keys() - keep:
+            del self._seen[job_id]

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide.cancel import decide_cancel
-from service.deps import CallerDep, ContextDep, UserAuth
+from service.deps import Caller, CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound
 from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
@@ -42,6 +42,13 @@ async def submit(
     returns the first job."""
     if errors := spec.size_errors():
         raise RequestValidationError(errors)
+    return await submit_answer(ctx, spec, caller, idempotency_key)
+
+
+async def submit_answer(ctx: Context, spec: JobSpec, caller: Caller,
+                        idempotency_key: str | None) -> Response:
+    """The answer to a valid submit (one etcd transaction); `service.fastpath` answers an
+    admin's submit by it too, without FastAPI's per-request work."""
     nonce, fingerprint = new_nonce(), ""
     if spec.secret_env:  # kept before the job exists: no node may get it without them
         ctx.keyring.put_env(nonce, spec.secret_env)

@@ -111,6 +111,20 @@ async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
     job = ctx.index.job_of_node(name)
     if job is None:
         return _IDLE
+    made = ctx.assignments.get(job.id)
+    if made is not None and made[0] is job:  # the same record: the same answer
+        return made[1]
+    if len(ctx.assignments) > 2 * len(ctx.index.running_ids()) + 100:
+        ctx.assignments.clear()  # (those of finished jobs go this way)
+    answer, complete = _assignment(ctx, job)
+    if complete:  # (one whose secret values are not found yet is made again next time)
+        ctx.assignments[job.id] = (job, answer)
+    return answer
+
+
+def _assignment(ctx: Context, job: JobRecord) -> tuple[bytes, bool]:
+    """The heartbeat answer that assigns `job` (the same for each of its nodes), and whether
+    it holds every secret env value of the job."""
     spec = job.spec
     secret_env = ctx.keyring.get_env(job.token_nonce) if job.secret_env_names else {}
     if missing := sorted(set(job.secret_env_names) - secret_env.keys()):
@@ -126,7 +140,7 @@ async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
         global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
-    )).model_dump_json().encode()
+    )).model_dump_json().encode(), not missing
 
 
 def _known_of(job: JobRecord | None) -> Known | None:

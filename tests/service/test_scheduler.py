@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from service.decide.scheduling import SchedulerConfig, free_nodes, plan, schedule
+from service.decide.scheduling import (
+    SchedulerConfig,
+    Settled,
+    free_for,
+    free_nodes,
+    holders,
+    plan,
+    schedule,
+    schedule_queue,
+)
 from service.models import (
     Control,
     ControlAction,
@@ -201,3 +210,75 @@ def test_a_member_lost_after_another_finished_during_a_cancel_just_stops():
     j = job(S.CANCELLING, {"a": "succeeded", "b": "running"}, mn=1, mx=2, stopping=True)
     p = plan(j, nodes("a"), [], NOW, CFG)
     assert p.job.state is S.CANCELLED and p.job.members["b"].state == "stopped"
+
+
+# A pass over a long queue (bench/scheduler_pass.py): the pending jobs are read only as far
+# as a node is free for them, and the running jobs whose plan cannot have changed are skipped.
+
+def test_a_pass_reads_the_pending_queue_only_while_a_ready_node_is_free():
+    queue = [job(S.PENDING, mn=1, mx=1, jid=f"p{i}", created=10.0 + i) for i in range(1000)]
+    read: list[str] = []
+
+    def pending():
+        for j in queue:
+            read.append(j.id)
+            yield j
+
+    ns = nodes("a", "b", "c", draining=("c",))
+    plans = schedule_queue(pending(), [], ns, NOW, CFG)
+    assert [(p.job.id, list(p.job.members)) for p in plans] == [("p0", ["a"]), ("p1", ["b"])]
+    assert read == ["p0", "p1"]  # not the 998 that no node is free for
+    # The same plans as over the whole list.
+    assert [p.job for p in schedule(queue, ns, NOW, CFG)] == [p.job for p in plans]
+
+
+def test_a_running_job_whose_plan_was_none_is_skipped_until_its_record_or_the_nodes_change():
+    settled = Settled()
+    settled.nodes_version = 1
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=1)
+    ns = nodes("a", "b")
+    assert schedule_queue([], [j], ns, NOW, CFG, settled=settled) == []
+    assert settled.known(j, frozenset(), {"b"}, ns)  # full (max 1): b cannot join
+    # Its node lost, in a new version of the node view: planned again, and it goes back to PENDING.
+    settled.nodes_version = 2
+    assert not settled.known(j, frozenset(), set(), nodes("b"))
+    (p,) = schedule_queue([], [j], nodes("b"), NOW, CFG, settled=settled)
+    assert p.job.state is S.PENDING
+    # A changed record (another object) is planned again, as is one under other `graced`.
+    assert not settled.known(j.model_copy(), frozenset(), set(), ns)
+    settled.nodes_version = 1
+    assert settled.known(j, frozenset(), set(), ns) is False  # forgotten: its plan was not None
+
+
+def test_a_settled_job_below_its_max_is_planned_again_when_a_node_it_fits_is_free():
+    settled = Settled()
+    settled.nodes_version = 7
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2)
+    assert schedule_queue([], [j], nodes("a"), NOW, CFG, settled=settled) == []
+    assert settled.known(j, frozenset(), set(), nodes("a"))
+    (p,) = schedule_queue([], [j], nodes("a", "b"), NOW, CFG, settled=settled)  # same version
+    assert sorted(p.job.members) == ["a", "b"]
+
+
+def test_a_job_waiting_on_the_clock_is_never_settled():
+    settled = Settled()
+    settled.nodes_version = 1
+    asked = job(S.RUNNING, {"a": "running"}, mn=1, mx=1,
+                control=Control(id=1, action=ControlAction.CHECKPOINT_PAUSE, reason="x",
+                                requested_at=NOW))
+    assert schedule_queue([], [asked], nodes("a"), NOW, CFG, settled=settled) == []
+    assert not settled.known(asked, frozenset(), set(), nodes("a"))
+    settled.nodes_version = None  # no node view: nothing is settled
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=1)
+    schedule_queue([], [j], nodes("a"), NOW, CFG, settled=settled)
+    assert not settled.known(j, frozenset(), set(), nodes("a"))
+
+
+def test_free_for_a_re_read_record_is_free_nodes_of_it_and_the_others():
+    a = job(S.RUNNING, {"a": "running"}, jid="ja")
+    b = job(S.RUNNING, {"b": "running", "c": "succeeded"}, jid="jb")
+    held = holders([a, b])
+    ns = nodes("a", "b", "c", "d")
+    now_a = a.model_copy(update={"members": {}})  # re-read: it let its node go meanwhile
+    assert free_for(now_a, held, ns) == free_nodes([now_a, b], ns) == ["a", "d"]
+    assert free_for(a, held, ns) == free_nodes([a, b], ns) == ["d"]

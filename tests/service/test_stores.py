@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
@@ -399,5 +400,96 @@ def test_the_watch_fed_node_view_follows_registrations_and_lapses_and_wakes_the_
             follow.cancel()
             await asyncio.gather(follow, return_exceptions=True)
         assert ctx.nodes._live is None  # stopped: passes read etcd again
+
+    asyncio.run(main())
+
+
+def test_the_job_index_keeps_the_pending_and_the_running_jobs_apart_in_submission_order():
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        index = asyncio.create_task(ctx.index.run())
+        try:
+            await asyncio.wait_for(ctx.index.ready.wait(), 5)
+            ids = []
+            for i in range(4):
+                clock.now += 1
+                ids.append((await ctx.jobs.create(JobSpec(name=f"t{i}", command=["true"])))[0].id)
+            assert list(ctx.index.pending_ids()) == ids and ctx.index.running_ids() == []
+            await ctx.nodes.register("n0", 1, None, ttl_s=600)
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})  # t0 runs
+            await ctx.jobs.move(ids[2], JobState.CANCELLED, "test")
+            expected = (ids[1:2] + ids[3:], ids[:1])
+            assert (list(ctx.index.pending_ids()), ctx.index.running_ids()) == expected
+            assert ctx.index.active_ids() == [ids[0], ids[1], ids[3]]
+            # The watch's events bring nothing new (the writes were shown at once), and a
+            # load from etcd (after a broken watch) gives the same lists.
+            assert await ctx.index.wait_for_revision(await ctx.kv.revision(), 5)
+            assert (list(ctx.index.pending_ids()), ctx.index.running_ids()) == expected
+            await ctx.index._load()
+            assert (list(ctx.index.pending_ids()), ctx.index.running_ids()) == expected
+        finally:
+            index.cancel()
+            await asyncio.gather(index, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_burst_of_submissions_makes_a_few_scheduler_passes_not_one_each():
+    async def main():
+        ctx = context()
+        leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
+        tasks = [asyncio.create_task(ctx.index.run()),
+                 asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 5.0,
+                                                   passes=ctx.scheduler_passes))]
+        try:
+            while ctx.scheduler_passes.count == 0:
+                await asyncio.sleep(0.01)
+            before = ctx.scheduler_passes.count
+            started = asyncio.get_running_loop().time()
+            for i in range(100):  # a submission every millisecond or so, each waking the scheduler
+                await ctx.jobs.create(JobSpec(name=f"t{i}", command=["true"]))
+                await asyncio.sleep(0.001)
+            burst_s = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(0.1)
+            passes = ctx.scheduler_passes.count - before
+            # At most one pass per MIN_PASS_GAP_S (and the one at the start), not one a submission.
+            assert 1 <= passes <= burst_s / scheduler.MIN_PASS_GAP_S + 6, (passes, burst_s)
+            # ...and what came in during the burst is scheduled: a node takes the oldest job.
+            await ctx.nodes.register("n0", 1, None, ttl_s=600)
+            first = next(ctx.index.pending_ids())
+            deadline = asyncio.get_running_loop().time() + 5
+            while ctx.index.get(first).state is not JobState.RUNNING:
+                assert asyncio.get_running_loop().time() < deadline, "the oldest job did not start"
+                await asyncio.sleep(0.01)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_a_heartbeats_assignment_is_made_once_per_change_of_its_jobs_record():
+    from service.routes.nodes import heartbeat_answer
+
+    async def main():
+        ctx = context()
+        index = asyncio.create_task(ctx.index.run())
+        try:
+            await ctx.index.wait_ready(5)
+            await ctx.nodes.register("n0", 1, None, ttl_s=600)
+            job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            first = await heartbeat_answer(ctx, "n0", None, None)
+            assert json.loads(first)["assignment"]["action"] == "run"
+            assert await heartbeat_answer(ctx, "n0", None, None) is first  # not made again
+            await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={"stopping": True}), []))
+            assert json.loads(await heartbeat_answer(ctx, "n0", None, None))["assignment"]["action"] \
+                == "stop"  # a changed record: a new answer
+        finally:
+            index.cancel()
+            await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
