@@ -66,6 +66,8 @@ def test_list_filters_by_state_and_paginates(api):
             break
     assert seen == ids
     resp = api.get("/v1/jobs", params={"after": "nope-123456"})
+    assert resp.status_code == 404 and "nope-123456" in resp.json()["detail"]
+    resp = api.get("/v1/jobs", params={"after": ""})
     assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "query.after"
 
 
