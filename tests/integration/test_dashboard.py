@@ -129,7 +129,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
                                    ".map(li => li.dataset.eventState); "
                                    "return s.indexOf('RUNNING') < s.indexOf('RECOVERING'); }")  # newest first
             states = timeline(page)
-            recovering = len(states) - 1 - states[::-1].index("RECOVERING")
+            recovering = states.index("RECOVERING")  # the fault; then the group's forming, the restore point
             assert "RUNNING" in states[recovering + 1:], states
             # RUNNING again only at the new group's first step, after it formed (RECOVERING)
             shown = page.eval_on_selector_all(
@@ -137,7 +137,8 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             back = next(i for i, (state, _) in enumerate(shown) if state == "RUNNING" and i > recovering)
             assert "training again: world size 1 on 1 node(s), step " in shown[back][1], shown
             assert any(state == "RECOVERING" and "group formed:" in text
-                       for state, text in shown[recovering:back]), shown
+                       for state, text in shown[recovering:back]), \
+                [(st, " ".join(t.split())[:100]) for st, t in shown]
             page.wait_for_selector("#job-state [data-state='RUNNING']")
             after = points(page, "loss")
             wait_points(page, after)
