@@ -32,7 +32,10 @@ from worker.protocol import (
     StateNotSealed,
     open_state,
     seal_state,
+    state_version,
 )
+from worker.rdzv_state import NotAState, RdzvDoc, infer_ops
+from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
 from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
@@ -61,6 +64,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # `create_ftrain_handler`: with them, heartbeats an outage made stale count as due
         # (`outage.refresh_stale_heartbeats`); without, states are handed on as they are.
         self.keep_alive: tuple[timedelta, timedelta] | None = None
+        # torch's (min_nodes, max_nodes, last_call) of the handler, set by
+        # `create_ftrain_handler`: with them, a join, wait or keep-alive is sent as ops the
+        # control plane merges (worker.rdzv_state); without, every write is compare-and-set.
+        self.merge_settings: tuple[int, int, timedelta] | None = None
+        self._read_docs: dict[str, RdzvDoc] = {}  # token -> the state handed to torch, as data
 
     @property
     def name(self) -> str:
@@ -79,7 +87,18 @@ class FtrainRendezvousBackend(RendezvousBackend):
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
-        body = SetStateRequest(state=seal_state(state), token=None if token is None else str(token))
+        token = None if token is None else str(token)
+        body = SetStateRequest(state=seal_state(state), token=token)
+        doc = to_doc(state) if self.merge_settings is not None else None
+        if doc is not None:
+            body.state = seal_state(doc.to_json(), version=2)
+            read = RdzvDoc() if token is None else self._read_docs.get(token)
+            if read is not None:
+                min_nodes, max_nodes, last_call = self.merge_settings
+                body.merge = infer_ops(read, doc, min_nodes, max_nodes,
+                                       last_call // timedelta(microseconds=1))
+                if body.merge is not None:
+                    body.state = None  # the ops rebuild it from the state at `token`
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
@@ -99,7 +118,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         """
         after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
         timeout_s = max(0.0, timeout_s)
-        result = self._call("GET", "/state", params={"after": after, "wait_s": f"{timeout_s:.3f}"},
+        params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
+        read = self._read_docs.get(after)
+        if read is not None:  # other nodes' keep-alives alone do not end the wait
+            params["shape"] = read.shape()
+        result = self._call("GET", "/state", params=params,
                             deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
         if "changed" not in result:
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
@@ -157,9 +180,13 @@ class FtrainRendezvousBackend(RendezvousBackend):
     def _decode(self, result: RdzvState) -> tuple[bytes, Any] | None:
         if result.state is None:
             return None
+        doc = None
         try:
             state = open_state(result.state)
-        except StateNotSealed as exc:
+            if state_version(result.state) == 2:
+                doc = RdzvDoc.from_json(state)
+                state = from_doc(doc)
+        except (StateNotSealed, NotAState) as exc:
             raise RendezvousStateError(
                 f"the rendezvous state of {self._transport.rdzv_id} on {self._transport.base_url} is "
                 f"corrupt ({exc}); the control plane's etcd holds a damaged or foreign value at its "
@@ -167,5 +194,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if self.keep_alive is not None:  # outages this node saw, and the control plane's own
             now = time.time()
             for outage in (self._transport.last_outage, result.outage):
-                state = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
+                refreshed = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
+                if refreshed is not state:
+                    state, doc = refreshed, to_doc(refreshed)
+        if doc is not None and self.merge_settings is not None and result.token is not None:
+            if len(self._read_docs) >= 4:
+                self._read_docs.pop(next(iter(self._read_docs)))
+            self._read_docs[result.token] = doc
         return state, result.token
