@@ -20,6 +20,10 @@ before and the client re-decides.
 
 The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4 to 2.13):
 
+- `refresh`: a heartbeat that a control-plane outage made stale, moved to "due" by the
+  client as it read the state (`worker.rendezvous.outage.refresh_stale_heartbeats`); applied
+  only where the stored heartbeat is still the stale one it read, so one member's write
+  carries the others' refreshed heartbeats, as a whole-state write did;
 - `drop`: the sanitizer's removal of a node whose heartbeat expired (the node's heartbeat in
   the state it read rides along: a node that beat since is not dropped);
 - `join` (`_add_to_participants`): valid while the round is open and the node is neither a
@@ -40,6 +44,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
 
 
@@ -129,9 +134,11 @@ def _node(row) -> Node:
 class Op(BaseModel):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
-    kind: Literal["drop", "join", "wait", "keep_alive"]
+    kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
     node: tuple[str, int, int]
     at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
+    was_us: int | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
+                                                 "made it stale; the new one is 'due').")
     deadline_us: int | None = Field(None, description="join: the last-call deadline it sets at "
                                                       "min_nodes participants.")
 
@@ -139,7 +146,7 @@ class Op(BaseModel):
 class MergeSpec(BaseModel):
     """A state write the control plane may merge into a newer state (`apply_ops`)."""
 
-    ops: list[Op] = Field(..., min_length=1, max_length=2048)
+    ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
     min_nodes: int = Field(..., ge=1)
     max_nodes: int = Field(..., ge=1)
 
@@ -161,6 +168,10 @@ def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc
 def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
     """Apply one op to `doc` if it is valid there (checked before any change); else False."""
     node = tuple(op.node)
+    if op.kind == "refresh":
+        if doc.last_heartbeats.get(node) == op.was_us:
+            doc.last_heartbeats[node] = op.at_us
+        return True
     if op.kind == "drop":
         if doc.last_heartbeats.get(node) == op.at_us:
             _drop(doc, node, merge.min_nodes)
@@ -205,6 +216,14 @@ def _drop(doc: RdzvDoc, node: Node, min_nodes: int) -> None:
             doc.round += 1
     elif len(doc.participants) < min_nodes:
         doc.deadline_us = None
+
+
+def refresh_ops(stored: RdzvDoc, refreshed: RdzvDoc) -> list[Op]:
+    """The `refresh` ops that turn the heartbeats of `stored` into those of `refreshed` (the
+    same state after `refresh_stale_heartbeats`: only heartbeats moved, none added or gone)."""
+    return [Op(kind="refresh", node=n, at_us=t, was_us=stored.last_heartbeats[n])
+            for n, t in sorted(refreshed.last_heartbeats.items())
+            if n in stored.last_heartbeats and stored.last_heartbeats[n] != t]
 
 
 def infer_ops(read: RdzvDoc, new: RdzvDoc, min_nodes: int, max_nodes: int,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from worker.rdzv_state import MergeSpec, NotAState, Op, RdzvDoc, apply_ops, infer_ops
+from worker.rdzv_state import MergeSpec, NotAState, Op, RdzvDoc, apply_ops, infer_ops, refresh_ops
 from worker.rendezvous.merge import from_doc, to_doc
 
 A, B, C = ("a", 1, 0), ("b", 2, 0), ("c", 3, 0)
@@ -84,6 +84,26 @@ def test_a_dead_node_is_dropped_only_if_it_has_not_beaten_since():
     assert spec is not None and [op.kind for op in spec.ops] == ["drop", "join"]
     beaten = RdzvDoc(participants={A: 0, B: 0}, last_heartbeats={A: 7, B: 5})  # A beat meanwhile
     assert A in apply_ops(beaten, MergeSpec(ops=spec.ops[:1], min_nodes=2, max_nodes=3)).participants
+
+
+def test_heartbeats_an_outage_made_stale_and_a_reader_refreshed_are_written_with_its_keep_alive():
+    """After a control-plane outage a node reads the stored state with every member's heartbeat
+    moved to due (worker.rendezvous.outage); its merged keep-alive carries those refreshed
+    heartbeats too, as its whole-state write did before merges, so a member whose own keep-alive
+    comes later is not left with a stale heartbeat in the stored state. One that beat since
+    keeps its own."""
+    stored = RdzvDoc(participants={A: 0, B: 1}, complete=True, last_heartbeats={A: 1, B: 2})
+    refreshed = RdzvDoc(participants={A: 0, B: 1}, complete=True, last_heartbeats={A: 50, B: 50})
+    ops = refresh_ops(stored, refreshed)
+    assert [(op.kind, op.node, op.was_us, op.at_us) for op in ops] == [
+        ("refresh", A, 1, 50), ("refresh", B, 2, 50)]
+    kept_alive = refreshed.copy()
+    kept_alive.last_heartbeats[A] = 60
+    spec = infer_ops(refreshed, kept_alive, 2, 2, LAST_CALL_US)
+    spec.ops[:0] = ops
+    assert apply_ops(stored, spec).last_heartbeats == {A: 60, B: 50}
+    beaten = RdzvDoc(participants={A: 0, B: 1}, complete=True, last_heartbeats={A: 1, B: 55})
+    assert apply_ops(beaten, spec).last_heartbeats == {A: 60, B: 55}
 
 
 def test_a_change_that_is_not_a_join_wait_or_keep_alive_is_compare_and_set():

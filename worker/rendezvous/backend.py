@@ -34,7 +34,7 @@ from worker.protocol import (
     seal_state,
     state_version,
 )
-from worker.rdzv_state import NotAState, RdzvDoc, infer_ops
+from worker.rdzv_state import MAX_OPS, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
 from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
@@ -68,7 +68,9 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # `create_ftrain_handler`: with them, a join, wait or keep-alive is sent as ops the
         # control plane merges (worker.rdzv_state); without, every write is compare-and-set.
         self.merge_settings: tuple[int, int, timedelta] | None = None
-        self._read_docs: dict[str, RdzvDoc] = {}  # token -> the state handed to torch, as data
+        # token -> the state handed to torch, as data, and the `refresh` ops that made it from
+        # the stored state (heartbeats an outage made stale, moved to due: `outage.py`)
+        self._read_docs: dict[str, tuple[RdzvDoc, list[Op]]] = {}
 
     @property
     def name(self) -> str:
@@ -92,12 +94,17 @@ class FtrainRendezvousBackend(RendezvousBackend):
         doc = to_doc(state) if self.merge_settings is not None else None
         if doc is not None:
             body.state = seal_state(doc.to_json(), version=2)
-            read = RdzvDoc() if token is None else self._read_docs.get(token)
+            read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
             if read is not None:
                 min_nodes, max_nodes, last_call = self.merge_settings
                 body.merge = infer_ops(read, doc, min_nodes, max_nodes,
                                        last_call // timedelta(microseconds=1))
+                if body.merge is not None and len(body.merge.ops) + len(refreshed) > MAX_OPS:
+                    body.merge = None  # too many to merge: the whole state, compare-and-set
                 if body.merge is not None:
+                    # The refreshed heartbeats go too (the others' as well as this node's):
+                    # a reader after this write sees the group alive, as after a whole-state write.
+                    body.merge.ops[:0] = refreshed
                     body.state = None  # the ops rebuild it from the state at `token`
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
@@ -121,7 +128,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
         read = self._read_docs.get(after)
         if read is not None:  # other nodes' keep-alives alone do not end the wait
-            params["shape"] = read.shape()
+            params["shape"] = read[0].shape()
         result = self._call("GET", "/state", params=params,
                             deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
         if "changed" not in result:
@@ -191,6 +198,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 f"the rendezvous state of {self._transport.rdzv_id} on {self._transport.base_url} is "
                 f"corrupt ({exc}); the control plane's etcd holds a damaged or foreign value at its "
                 "key. Restarting the job's attempt gives it a fresh rendezvous.") from exc
+        stored = doc
         if self.keep_alive is not None:  # outages this node saw, and the control plane's own
             now = time.time()
             for outage in (self._transport.last_outage, result.outage):
@@ -200,5 +208,6 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if doc is not None and self.merge_settings is not None and result.token is not None:
             if len(self._read_docs) >= 4:
                 self._read_docs.pop(next(iter(self._read_docs)))
-            self._read_docs[result.token] = doc
+            refreshed = refresh_ops(stored, doc) if stored is not None and stored is not doc else []
+            self._read_docs[result.token] = (doc, refreshed)
         return state, result.token
