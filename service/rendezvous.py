@@ -135,6 +135,7 @@ class _Watched:
 
     entry: Entry | None = None
     shape: str | None = None  # `RdzvDoc.shape` of `entry`, if a version-2 state
+    progress: str | None = None  # `RdzvDoc.progress` of it, ditto
     known: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     waiters: int = 0
@@ -148,6 +149,7 @@ class _Watched:
             return
         doc = None if entry is None else _doc(entry.value)
         self.entry, self.shape, self.known = entry, None if doc is None else doc.shape(), True
+        self.progress = None if doc is None else doc.progress()
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -198,11 +200,12 @@ class StateHub:
         del self._waiting[key]
 
     async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
-                   shape: str | None = None) -> tuple[Entry | None, bool]:
+                   shape: str | None = None, progress: str | None = None) -> tuple[Entry | None, bool]:
         """The state at `key` once its token is no longer `after` (and, given the `shape` of
         the state at `after`, once it differs in more than heartbeats), waiting up to
-        `wait_s`; and whether its token changed. Every wait on one key shares one etcd watch
-        (`_follow`)."""
+        `wait_s`; and whether its token changed. Given the `progress` of the state at `after`
+        (a node that joined an open round), only once that differs. Every wait on one key
+        shares one etcd watch (`_follow`)."""
         watched = self._watched.get(key)
         if watched is None:
             watched = self._watched[key] = _Watched()
@@ -213,7 +216,8 @@ class StateHub:
         try:
             while True:
                 if watched.known and state_token(watched.entry) != after \
-                        and (shape is None or watched.shape != shape):
+                        and (shape is None or watched.shape != shape) \
+                        and (progress is None or watched.progress != progress):
                     return watched.entry, True
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -319,12 +323,13 @@ class Rendezvous:
                 return [(after, was) for was in applied]
         return [(await self.get_state(), False)] * len(batch)
 
-    async def wait_for_state_change(self, after: str, wait_s: float,
-                                    shape: str | None = None) -> tuple[Entry | None, bool]:
+    async def wait_for_state_change(self, after: str, wait_s: float, shape: str | None = None,
+                                    progress: str | None = None) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
         `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
         """
-        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape)
+        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape,
+                                      progress)
 
     # -- the c10d store ------------------------------------------------------------------
 

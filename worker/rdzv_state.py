@@ -80,6 +80,14 @@ class RdzvDoc:
         finally:
             self.last_heartbeats = beats
 
+    def progress(self) -> str:
+        """A digest of the round's progress only (round, complete, closed, last-call deadline):
+        all a node that already joined an open round waits for, besides the clock (its own
+        keep-alive, the deadline), so its long poll sleeps through the other nodes' joins
+        (`FtrainRendezvousBackend.wait_instead_of_poll`)."""
+        return hashlib.sha256(json.dumps(["progress", self.round, self.complete, self.closed,
+                                          self.deadline_us]).encode()).hexdigest()[:16]
+
     def to_json(self) -> bytes:
         return json.dumps({
             "round": self.round, "complete": self.complete, "deadline_us": self.deadline_us,

@@ -116,13 +116,17 @@ async def get_state(
     shape: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
                                        description="Long poll: the `shape` of the state at `after`; "
                                                    "a change of heartbeats only does not answer.")] = None,
+    progress: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
+                                          description="Long poll: the `progress` of the state at "
+                                                      "`after` (round, complete, closed, deadline); "
+                                                      "only a change of it answers.")] = None,
 ) -> StateChange | RdzvState:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
         entry = await rdzv.get_state()
         return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
-    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape)
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
     return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
 
 

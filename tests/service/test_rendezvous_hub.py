@@ -97,3 +97,34 @@ def test_a_waiter_that_gives_its_shape_sleeps_through_keep_alives_but_not_a_join
     written, changed, slept, (entry, woke) = asyncio.run(scenario())
     assert written and changed and slept > 0.3
     assert woke and RdzvDoc.from_json(open_state(entry.value)).complete
+
+
+def test_a_joined_waiter_that_gives_its_progress_sleeps_through_joins_but_not_the_round_completing():
+    """A node already in an open round waits for the round's progress only: another node's
+    join that leaves the round open does not end its wait; the join that completes it does."""
+    a, b, c = ("h", 1, 0), ("h", 2, 0), ("h", 3, 0)
+    base = RdzvDoc(participants={a: 0}, last_heartbeats={a: 1})
+
+    def join_of(node) -> MergeSpec:
+        return MergeSpec(ops=[Op(kind="join", node=node, at_us=5)], min_nodes=3, max_nodes=3)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        after = str(first.mod_revision)
+        waiting = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, progress=base.progress()))
+        await asyncio.sleep(0.05)
+        second, _ = await rdzv.set_state(None, after, join_of(b))
+        start = loop.time()
+        _, changed = await waiting  # b's join alone did not end the wait
+        slept = loop.time() - start
+        completing = asyncio.create_task(
+            rdzv.wait_for_state_change(str(second.mod_revision), 5, progress=base.progress()))
+        await asyncio.sleep(0.05)
+        await rdzv.set_state(None, after, join_of(c))
+        return changed, slept, await asyncio.wait_for(completing, 2)
+
+    changed, slept, (entry, woke) = asyncio.run(scenario())
+    assert changed and slept > 0.3
+    assert woke and RdzvDoc.from_json(open_state(entry.value)).complete

@@ -111,6 +111,9 @@ def dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
     wake_on_change(handler, backend)
     settings = handler._settings
     backend.merge_settings = (settings.min_nodes, settings.max_nodes, settings.timeout.last_call)
+    node = getattr(handler, "_this_node", None)
+    if node is not None:
+        backend.this_node = ((node.addr, node.pid, node.local_id), settings.keep_alive_interval)
     if ride_out_outages(handler, backend._transport):
         backend.keep_alive = (settings.keep_alive_interval,
                               settings.keep_alive_interval * settings.keep_alive_max_attempt)

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)
 
 NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
+# The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
+# join timeout may be overrun by, and as long as the control plane holds a long poll.
+MAX_QUIET_S = 5.0
 
 
 class LongPollUnsupported(RendezvousError):
@@ -71,6 +74,10 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # token -> the state handed to torch, as data, and the `refresh` ops that made it from
         # the stored state (heartbeats an outage made stale, moved to due: `outage.py`)
         self._read_docs: dict[str, tuple[RdzvDoc, list[Op]]] = {}
+        # This handler's node (addr, pid, local_id) and torch's keep-alive interval, set by
+        # `dynamic_handler`: with them, a node that joined an open round waits for the round's
+        # progress only, until its own keep-alive or the deadline is due (`_quiet_s`).
+        self.this_node: tuple[tuple[str, int, int], timedelta] | None = None
 
     @property
     def name(self) -> str:
@@ -127,7 +134,9 @@ class FtrainRendezvousBackend(RendezvousBackend):
         timeout_s = max(0.0, timeout_s)
         params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
         read = self._read_docs.get(after)
-        if read is not None:  # other nodes' keep-alives alone do not end the wait
+        if read is not None and self._joined_open_round(read[0]):
+            params["progress"] = read[0].progress()  # other nodes' joins do not end the wait
+        elif read is not None:  # other nodes' keep-alives alone do not end the wait
             params["shape"] = read[0].shape()
         result = self._call("GET", "/state", params=params,
                             deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
@@ -144,7 +153,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         return when the state changes, after at most `seconds`."""
         clock = time.monotonic
         start = clock()
-        deadline = start + seconds
+        deadline = start + max(seconds, self._quiet_s(after))
         pause = self._last_wake + MIN_WAKE_INTERVAL_S - start
         if pause > 0:
             time.sleep(pause)
@@ -165,6 +174,28 @@ class FtrainRendezvousBackend(RendezvousBackend):
             self._last_wake = clock()
             self._expire_cache()
         time.sleep(max(0.0, deadline - clock()))
+
+    def _joined_open_round(self, doc: RdzvDoc) -> bool:
+        return self.this_node is not None and self.this_node[0] in doc.participants \
+            and not doc.complete and not doc.closed
+
+    def _quiet_s(self, after: str | None) -> float:
+        """How long a node that joined an open round (in the state at `after`) has nothing to
+        do but wait for the round's progress: until its own keep-alive is due (torch: its
+        heartbeat `keep_alive_interval` old) or the last-call deadline, at most
+        `MAX_QUIET_S`; 0 for any other node, which keeps torch's one-second look."""
+        read = None if after is None else self._read_docs.get(after)
+        if read is None or not self._joined_open_round(read[0]):
+            return 0.0
+        doc, (node, interval) = read[0], self.this_node
+        beat = doc.last_heartbeats.get(node)
+        if beat is None:
+            return 0.0
+        now_us = time.time() * 1e6
+        due_us = beat + interval / timedelta(microseconds=1)
+        if doc.deadline_us is not None:
+            due_us = min(due_us, doc.deadline_us)
+        return min(MAX_QUIET_S, max(0.0, (due_us - now_us) / 1e6))
 
     def _saw(self, token: Any) -> None:
         self._seen_token = None if token is None else str(token)
