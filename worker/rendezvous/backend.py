@@ -47,6 +47,9 @@ NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
 # The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
 # join timeout may be overrun by, and as long as the control plane holds a long poll.
 MAX_QUIET_S = 5.0
+# The most refreshed heartbeats a merged write carries (`refresh` ops, ~100 bytes each, under
+# the control plane's 64 KiB body limit); past it, each node's own keep-alive refreshes its own.
+MAX_REFRESH_OPS = 256
 
 
 class LongPollUnsupported(RendezvousError):
@@ -106,6 +109,8 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 min_nodes, max_nodes, last_call = self.merge_settings
                 body.merge = infer_ops(read, doc, min_nodes, max_nodes,
                                        last_call // timedelta(microseconds=1))
+                if len(refreshed) > MAX_REFRESH_OPS:
+                    refreshed = []  # each node's own keep-alive refreshes it (a body limit)
                 if body.merge is not None and len(body.merge.ops) + len(refreshed) > MAX_OPS:
                     body.merge = None  # too many to merge: the whole state, compare-and-set
                 if body.merge is not None:
