@@ -18,6 +18,7 @@ from service.models import JobRecord
 from service.nodes import NodeStore
 from service.presence import Presence
 from service.progress import ProgressStore
+from service.rendezvous import StateHub
 from service.scheduler import PassTimes
 from service.settings import Settings
 from service.snapshots import SnapshotStore
@@ -45,6 +46,8 @@ class Context:
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
     telemetry: Telemetry = field(init=False)
+    # Rendezvous state writes waiting for their batch, long polls for a change (service.rendezvous).
+    rdzv_states: StateHub = field(default_factory=StateHub)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
     tasks: list = field(default_factory=list)
     # job id -> (the record, a heartbeat's answer for it): made once per change of the record

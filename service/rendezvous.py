@@ -32,10 +32,29 @@ write and costs etcd nothing while nothing changes: agents sit in the exit barri
 `exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
 steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC stream.
 
+Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
+this control plane while its previous write is in flight wait, and go together as one batch
+(`StateHub`): one etcd read, then every write applied in order, then one compare-and-set.
+A plain write (a token and a whole state) applies iff its token is the state's and nothing
+before it in the batch changed the state: torch's compare-and-set, unchanged. A write that
+carries its change as ops (`merge`, a version-2 state: `worker.rdzv_state`) applies to the
+state as the batch found it or left it, stale token or not, wherever torch would have decided
+the same action; each is answered with the batch's result and whether it was applied. So N
+nodes joining at once cost a few batches, not N^2/2 lost compare-and-sets; the waiters see
+a few changes, not N. With several replicas each batches its own requests; a batch whose
+compare-and-set loses to another replica's is applied again to what won.
+
 The state has a long poll too (`wait_for_state_change`): an agent waiting for other nodes
-asks "answer when the token is no longer the one I saw", and the same kind of watch, on the
-state key, answers it within a millisecond of another node's write instead of at torch's
-next one-second poll (see `worker.rendezvous`).
+asks "answer when the token is no longer the one I saw", and a watch of the state key answers
+it within a millisecond of another node's write instead of at torch's next one-second poll
+(see `worker.rendezvous`). All the long polls on one state share one watch per control plane
+(`StateHub.wait`): it reads the state once per change and hands that to every waiter, and a
+batch written here is handed to them at once; so N waiting nodes cost etcd one watch and one
+read a change, not N of each. A waiter that says what the state it holds looks like apart
+from heartbeats (`shape`, `worker.rdzv_state.RdzvDoc.shape`) sleeps through changes that
+are only other nodes' keep-alives: N joined nodes beat N/5 times a second, and waking every
+waiter at each beat was N^2/5 answers a second; torch looks at heartbeats only against the
+clock, and the wait still ends within torch's one-second poll.
 
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
@@ -51,14 +70,19 @@ import asyncio
 import base64
 import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from service.errors import FtrainError, HistoryCompacted, StaleLeader
 from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
+from worker.protocol import StateNotSealed, open_state, seal_state, state_version
+from worker.rdzv_state import MergeSpec, NotAState, RdzvDoc, apply_ops
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
+WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
+BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
 _OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -96,12 +120,149 @@ def _encode_key(key: str) -> str:
     return base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
 
 
+@dataclass
+class _Write:
+    state: bytes | None  # sealed; None for a merge
+    token: str | None
+    merge: MergeSpec | None
+    done: asyncio.Future
+
+
+@dataclass
+class _Watched:
+    """One state key's long polls on this control plane: the latest state seen, and an event
+    set (and replaced) at each change."""
+
+    entry: Entry | None = None
+    shape: str | None = None  # `RdzvDoc.shape` of `entry`, if a version-2 state
+    progress: str | None = None  # `RdzvDoc.progress` of it, ditto
+    known: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: int = 0
+    task: asyncio.Task | None = None
+
+    def publish(self, entry: Entry | None) -> None:
+        if self.known and self.entry is not None and entry is not None \
+                and entry.mod_revision <= self.entry.mod_revision:
+            return  # not newer (the watch and a batch of this replica both tell of a write)
+        if self.known and self.entry is None and entry is None:
+            return
+        doc = None if entry is None else _doc(entry.value)
+        self.entry, self.shape, self.known = entry, None if doc is None else doc.shape(), True
+        self.progress = None if doc is None else doc.progress()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class StateHub:
+    """The rendezvous state writes of this control plane waiting for the batch in flight, and
+    its long polls waiting for a change, per state key (module docstring); one per control
+    plane (`Context.rdzv_states`)."""
+
+    def __init__(self) -> None:
+        self._watched: dict[str, _Watched] = {}
+        self._waiting: dict[str, list[_Write]] = {}
+        self._drains: set[asyncio.Task] = set()
+        self.batches = 0  # written batches and the writes they carried, for the bench
+        self.writes = 0
+
+    async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                     write: _Write) -> tuple[Entry | None, bool]:
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = []
+            task = asyncio.get_running_loop().create_task(self._drain(key, apply))
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        waiting.append(write)
+        return await write.done
+
+    async def _drain(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
+        while batch := self._waiting[key]:
+            self._waiting[key] = []
+            try:
+                results = await apply(batch)
+            except BaseException as exc:  # every waiter gets it (a 503 when etcd is away)
+                for write in batch:
+                    if not write.done.done():
+                        write.done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    self._waiting.pop(key, None)
+                    raise
+                continue
+            self.batches += 1
+            self.writes += len(batch)
+            if key in self._watched and any(applied for _, applied in results):
+                self._watched[key].publish(results[0][0])  # waiters here learn it at once
+            for write, result in zip(batch, results):
+                if not write.done.done():
+                    write.done.set_result(result)
+        del self._waiting[key]
+
+    async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
+                   shape: str | None = None, progress: str | None = None) -> tuple[Entry | None, bool]:
+        """The state at `key` once its token is no longer `after` (and, given the `shape` of
+        the state at `after`, once it differs in more than heartbeats), waiting up to
+        `wait_s`; and whether its token changed. Given the `progress` of the state at `after`
+        (a node that joined an open round), only once that differs. Every wait on one key
+        shares one etcd watch (`_follow`)."""
+        watched = self._watched.get(key)
+        if watched is None:
+            watched = self._watched[key] = _Watched()
+            watched.task = asyncio.get_running_loop().create_task(self._follow(kv, key, watched))
+        watched.waiters += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        try:
+            while True:
+                if watched.known and state_token(watched.entry) != after \
+                        and (shape is None or watched.shape != shape) \
+                        and (progress is None or watched.progress != progress):
+                    return watched.entry, True
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(watched.changed.wait(), remaining)
+        finally:
+            watched.waiters -= 1
+            if watched.waiters == 0:  # kept a moment: the waiters it just answered ask again
+                loop.call_later(WATCH_LINGER_S, self._drop_unwatched, key, watched)
+        entry = watched.entry if watched.known else await kv.get(key)
+        return entry, state_token(entry) != after
+
+    def _drop_unwatched(self, key: str, watched: _Watched) -> None:
+        if watched.waiters == 0 and self._watched.get(key) is watched:
+            del self._watched[key]
+            assert watched.task is not None
+            watched.task.cancel()
+
+    @staticmethod
+    async def _follow(kv: KeyValue, key: str, watched: _Watched) -> None:
+        """Keep `watched` up to date: read the key, then watch it from just after that read
+        (a write in between is seen by one or the other); again after the watch ends."""
+        while True:
+            try:
+                revision = await kv.revision()
+                watched.publish(await kv.get(key))
+                events = kv.watch_prefix(key, revision + 1)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if event.key == key:
+                            watched.publish(await kv.get(key))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - etcd away, history compacted: read again shortly
+                await asyncio.sleep(0.2)
+
+
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str):
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, states: StateHub | None = None):
         self.kv = kv
         self.rdzv_id = rdzv_id
+        self._states = states or StateHub()
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
         self._ops_prefix = keys.rdzv(rdzv_id) + "ops/"
@@ -111,34 +272,64 @@ class Rendezvous:
     async def get_state(self) -> Entry | None:
         return await self.kv.get(self._state_key)
 
-    async def set_state(self, state: bytes, token: str | None) -> tuple[Entry | None, bool]:
-        """Write `state` iff `token` is the current one (None: iff there is no state yet).
+    async def set_state(self, state: bytes | None, token: str | None,
+                        merge: MergeSpec | None = None) -> tuple[Entry | None, bool]:
+        """Write `state` iff `token` is the current one (None: iff there is no state yet), or,
+        with `merge`, apply its ops to the state as it is now (module docstring; `state` is
+        then not needed: the ops on the state at `token` rebuild it).
 
-        Returns what is stored after the attempt and whether this call wrote it. A token that
-        is not one of ours (not a revision) can never match: nothing is written.
+        Returns what is stored after the attempt and whether this call's change is in it. A
+        token that is not one of ours (not a revision) can never match.
         """
-        expected = _revision(token)
-        if expected is None:
+        if _revision(token) is None and merge is None:
             return await self.get_state(), False
-        return await self._cas_read(self._state_key, expected, Put(self._state_key, state))
+        write = _Write(state, token, merge, asyncio.get_running_loop().create_future())
+        return await self._states.submit(self._state_key, self._apply_batch, write)
 
-    async def wait_for_state_change(self, after: str, wait_s: float) -> tuple[Entry | None, bool]:
+    async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
+        """Apply `batch` to the stored state with one compare-and-set (again if it loses)."""
+        for _ in range(BATCH_ATTEMPTS):
+            entry = await self.get_state()
+            revision = 0 if entry is None else entry.mod_revision
+            value = None if entry is None else entry.value
+            doc: RdzvDoc | None = None  # the state as data, once a merge needs it
+            changed = False
+            applied = [False] * len(batch)
+            # Plain writes first: at most one wins (on an unchanged state), merges go on top.
+            order = sorted(range(len(batch)), key=lambda i: batch[i].merge is not None)
+            for i in order:
+                write = batch[i]
+                if write.merge is None and not changed and _revision(write.token) == revision:
+                    value, changed, applied[i] = write.state, True, True
+                    doc = None  # read from `value` if a merge comes after
+                    continue
+                if write.merge is None:
+                    continue
+                if doc is None:
+                    doc = _doc(value)
+                    if doc is None:
+                        continue  # not a state this control plane reads: compare-and-set only
+                merged = apply_ops(doc, write.merge, in_place=True)
+                if merged is not None:
+                    doc, value, changed, applied[i] = merged, None, True, True
+            if not changed:
+                return [(entry, False)] * len(batch)
+            if value is None:
+                assert doc is not None
+                value = seal_state(doc.to_json(), version=2)
+            written, after = await self.kv.commit_read({self._state_key: revision},
+                                                       [Put(self._state_key, value)], self._state_key)
+            if written:
+                return [(after, was) for was in applied]
+        return [(await self.get_state(), False)] * len(batch)
+
+    async def wait_for_state_change(self, after: str, wait_s: float, shape: str | None = None,
+                                    progress: str | None = None) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
         `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
-        while True:
-            # As in `get`: a write after `revision` is seen either by the read or by the watch.
-            revision = await self.kv.revision()
-            entry = await self.get_state()
-            if state_token(entry) != after:
-                return entry, True
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return entry, False
-            await self._wait_for_event(self._state_key, revision + 1, remaining,
-                                       lambda event: event.key == self._state_key)
+        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape,
+                                      progress)
 
     # -- the c10d store ------------------------------------------------------------------
 
@@ -275,12 +466,20 @@ class Rendezvous:
 
         return await cas.update(self.kv, read, decide, self._what(key))
 
-    async def _cas_read(self, key: str, revision: int, op: Put) -> tuple[Entry | None, bool]:
-        written, entry = await self.kv.commit_read({key: revision}, [op], key)
-        return entry, written
-
     def _what(self, key: str) -> str:
         return f"store key {key!r} of rendezvous {self.rdzv_id}"
+
+
+def _doc(value: bytes | None) -> RdzvDoc | None:
+    """The stored state as data: empty if none, None if it is not a version-2 state."""
+    if value is None:
+        return RdzvDoc()
+    if state_version(value) != 2:
+        return None
+    try:
+        return RdzvDoc.from_json(open_state(value))
+    except (StateNotSealed, NotAState):
+        return None
 
 
 def state_token(entry: Entry | None) -> str:

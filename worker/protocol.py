@@ -24,7 +24,17 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PlainSerializer, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
+
+from worker.rdzv_state import MergeSpec
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
 MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent (`cut_line`)
@@ -208,7 +218,10 @@ OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
 # damaged at rest (or written by anything but a rendezvous client) is told from a valid one
 # (torch's own backends do the same with their base64 layer); the control plane refuses to
 # store a state that is not sealed.
+# Version 1 holds torch's pickle, which the control plane never opens; version 2 holds the same
+# state as JSON (`worker.rdzv_state.RdzvDoc`), which the control plane reads to merge joins.
 STATE_SEAL = b"ftrain-rdzv-state/1\n"
+STATE_SEAL_V2 = b"ftrain-rdzv-state/2\n"
 _DIGEST_BYTES = 32
 
 
@@ -216,15 +229,20 @@ class StateNotSealed(ValueError):
     """Bytes that are not a sealed rendezvous state, or whose seal does not match them."""
 
 
-def seal_state(state: bytes) -> bytes:
+def seal_state(state: bytes, version: int = 1) -> bytes:
     """`state` as it is stored and sent: the seal, its SHA-256, the state."""
-    return STATE_SEAL + hashlib.sha256(state).digest() + state
+    return (STATE_SEAL_V2 if version == 2 else STATE_SEAL) + hashlib.sha256(state).digest() + state
+
+
+def state_version(sealed: bytes) -> int:
+    """2 for a state sealed as JSON (`RdzvDoc`), else 1 (`open_state` checks the seal)."""
+    return 2 if sealed.startswith(STATE_SEAL_V2) else 1
 
 
 def open_state(sealed: bytes) -> bytes:
     """The state inside `sealed`; StateNotSealed if it is not one `seal_state` made."""
     head = len(STATE_SEAL)
-    if not sealed.startswith(STATE_SEAL) or len(sealed) < head + _DIGEST_BYTES:
+    if not sealed.startswith((STATE_SEAL, STATE_SEAL_V2)) or len(sealed) < head + _DIGEST_BYTES:
         raise StateNotSealed(f"{len(sealed)} bytes that do not start with the rendezvous state's "
                              f"seal {STATE_SEAL!r}")
     digest, state = sealed[head:head + _DIGEST_BYTES], sealed[head + _DIGEST_BYTES:]
@@ -259,9 +277,20 @@ class StateChange(RdzvState):
 
 
 class SetStateRequest(BaseModel):
-    state: Annotated[B64, AfterValidator(_sealed)]
+    state: Annotated[B64, AfterValidator(_sealed)] | None = Field(
+        None, description="The whole new state; null only with `merge`, which then says the change "
+                          "(a join does not send N nodes' state).")
     token: str | None = Field(None, max_length=64,
                               description="Token of the state this one replaces; null: create only.")
+    merge: MergeSpec | None = Field(None, description="The change this write makes (a version-2 "
+                                                      "state only): merged into a newer state "
+                                                      "instead of losing to it (worker.rdzv_state).")
+
+    @model_validator(mode="after")
+    def _state_or_merge(self) -> SetStateRequest:
+        if self.state is None and self.merge is None:
+            raise ValueError("give the new state, or the change as `merge`")
+        return self
 
 
 class SetStateResult(RdzvState):

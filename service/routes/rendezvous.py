@@ -72,7 +72,7 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
-    return Rendezvous(ctx.kv, ctx.keys, rdzv_id)
+    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states)
 
 
 async def _job_of_caller(ctx, given: str, job_id: str):
@@ -117,20 +117,28 @@ async def get_state(
                                                    "one (\"0\": no state yet).")] = None,
     wait_s: Annotated[float, Query(ge=0, le=600,
                                    description="How long to wait for that (at most 5 s).")] = 0.0,
+    shape: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
+                                       description="Long poll: the `shape` of the state at `after`; "
+                                                   "a change of heartbeats only does not answer.")] = None,
+    progress: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
+                                          description="Long poll: the `progress` of the state at "
+                                                      "`after` (round, complete, closed, deadline); "
+                                                      "only a change of it answers.")] = None,
 ) -> StateChange | RdzvState:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
         entry = await rdzv.get_state()
         return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
-    entry, changed = await rdzv.wait_for_state_change(after, wait_s)
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
     return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
 
 
 @router.put("/state", response_model=SetStateResult)
 async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> SetStateResult:
-    """Compare-and-set: write iff `token` is current (null: iff none yet); returns what is there."""
-    entry, written = await rdzv.set_state(body.state, body.token)
+    """Compare-and-set: write iff `token` is current (null: iff none yet), or with `merge`, apply
+    its ops to the state as it is now; returns what is there and whether this change is in it."""
+    entry, written = await rdzv.set_state(body.state, body.token, body.merge)
     return SetStateResult(**_state(entry), written=written, outage=ctx.contact.recent_outage())
 
 

@@ -833,3 +833,50 @@ def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen
     finally:
         for handler in (first, second, third):
             handler._stop_heartbeats()
+
+
+# --------------------------------------------------------------------------------------
+# Joins merged on the control plane (worker.rdzv_state, service.rendezvous.StateWrites)
+# --------------------------------------------------------------------------------------
+
+
+def test_joins_written_on_one_stale_token_are_all_merged(transports):
+    """Eight nodes join from the same (empty) state at once: as compare-and-sets, seven would
+    lose and try again; merged, all eight land and the last completes the round."""
+    n = 8
+    backends = []
+    for _ in range(n):
+        backend = FtrainRendezvousBackend(transports())
+        backend.merge_settings = (n, n, timedelta(seconds=30))
+        backends.append(backend)
+    nodes = [dynamic_rendezvous._NodeDesc("127.0.0.1", 1000 + i, 0) for i in range(n)]
+
+    def join(i: int):
+        state = _RendezvousState()
+        state.participants = {nodes[i]: 0}
+        state.last_heartbeats = {nodes[i]: datetime.now(UTC)}
+        return backends[i].set_state(pickle.dumps(state), None)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(join, range(n)))
+    assert all(written for _, _, written in results)
+    final = pickle.loads(backends[0].get_state()[0])
+    assert final.complete and final.participants == {node: rank for rank, node in enumerate(sorted(nodes))}
+    # Every answer holds its own join (and the last ones the complete round).
+    assert all(nodes[i] in pickle.loads(results[i][0]).participants for i in range(n))
+
+
+def test_a_round_of_torch_handlers_completes_with_every_rank_once(control_plane, rdzv_id, monkeypatch, token):
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    n = 12
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=n, max_nodes=n, local_addr="127.0.0.1", join_timeout=60)
+    handlers = [ftrain_rdzv.dynamic_handler(params) for _ in range(n)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert sorted(i.rank for i in infos) == list(range(n)) and {i.world_size for i in infos} == {n}
+    finally:
+        for handler in handlers:
+            handler._stop_heartbeats()

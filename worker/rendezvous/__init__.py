@@ -58,7 +58,8 @@ __all__ = [
     "DEFAULT_PORT", "DEFAULT_READ_TIMEOUT_S", "DEFAULT_RETRY_TIMEOUT_S", "LONG_POLL_S",
     "MIN_WAKE_INTERVAL_S", "NO_STATE_TOKEN", "SYNC_DELAY_S", "TOKEN_ENV",
     "ControlPlaneUnreachable", "FtrainRendezvousBackend", "HttpStore", "LongPollUnsupported",
-    "RendezvousGoneError", "Transport", "create_backend", "create_ftrain_handler", "endpoint_url",
+    "RendezvousGoneError", "Transport", "create_backend", "create_ftrain_handler", "dynamic_handler",
+    "endpoint_url",
     "handler_creator", "wake_on_change",
 ]
 
@@ -98,14 +99,25 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     from worker.rendezvous.rounds import with_round_reports
 
     act_on_first_death_signal()  # before torch's agent registers its handler
+    return with_round_reports(dynamic_handler(params))
+
+
+def dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's handler over the ftrain backend and store, waking on a change of the state and
+    sending its joins as ops the control plane merges (`worker.rdzv_state`); without the
+    agent's additions (round reports, death signals), as `bench/rendezvous.py` runs it."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     wake_on_change(handler, backend)
+    settings = handler._settings
+    backend.merge_settings = (settings.min_nodes, settings.max_nodes, settings.timeout.last_call)
+    node = getattr(handler, "_this_node", None)
+    if node is not None:
+        backend.this_node = ((node.addr, node.pid, node.local_id), settings.keep_alive_interval)
     if ride_out_outages(handler, backend._transport):
-        settings = handler._settings
         backend.keep_alive = (settings.keep_alive_interval,
                               settings.keep_alive_interval * settings.keep_alive_max_attempt)
-    return with_round_reports(handler)
+    return handler
 
 
 def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

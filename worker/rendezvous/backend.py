@@ -32,7 +32,10 @@ from worker.protocol import (
     StateNotSealed,
     open_state,
     seal_state,
+    state_version,
 )
+from worker.rdzv_state import MAX_OPS, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
+from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
 from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
@@ -41,6 +44,12 @@ log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)
 
 NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
+# The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
+# join timeout may be overrun by, and as long as the control plane holds a long poll.
+MAX_QUIET_S = 5.0
+# The most refreshed heartbeats a merged write carries (`refresh` ops, ~100 bytes each, under
+# the control plane's 64 KiB body limit); past it, each node's own keep-alive refreshes its own.
+MAX_REFRESH_OPS = 256
 
 
 class LongPollUnsupported(RendezvousError):
@@ -61,6 +70,17 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # `create_ftrain_handler`: with them, heartbeats an outage made stale count as due
         # (`outage.refresh_stale_heartbeats`); without, states are handed on as they are.
         self.keep_alive: tuple[timedelta, timedelta] | None = None
+        # torch's (min_nodes, max_nodes, last_call) of the handler, set by
+        # `create_ftrain_handler`: with them, a join, wait or keep-alive is sent as ops the
+        # control plane merges (worker.rdzv_state); without, every write is compare-and-set.
+        self.merge_settings: tuple[int, int, timedelta] | None = None
+        # token -> the state handed to torch, as data, and the `refresh` ops that made it from
+        # the stored state (heartbeats an outage made stale, moved to due: `outage.py`)
+        self._read_docs: dict[str, tuple[RdzvDoc, list[Op]]] = {}
+        # This handler's node (addr, pid, local_id) and torch's keep-alive interval, set by
+        # `dynamic_handler`: with them, a node that joined an open round waits for the round's
+        # progress only, until its own keep-alive or the deadline is due (`_quiet_s`).
+        self.this_node: tuple[tuple[str, int, int], timedelta] | None = None
 
     @property
     def name(self) -> str:
@@ -79,7 +99,25 @@ class FtrainRendezvousBackend(RendezvousBackend):
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
-        body = SetStateRequest(state=seal_state(state), token=None if token is None else str(token))
+        token = None if token is None else str(token)
+        body = SetStateRequest(state=seal_state(state), token=token)
+        doc = to_doc(state) if self.merge_settings is not None else None
+        if doc is not None:
+            body.state = seal_state(doc.to_json(), version=2)
+            read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
+            if read is not None:
+                min_nodes, max_nodes, last_call = self.merge_settings
+                body.merge = infer_ops(read, doc, min_nodes, max_nodes,
+                                       last_call // timedelta(microseconds=1))
+                if len(refreshed) > MAX_REFRESH_OPS:
+                    refreshed = []  # each node's own keep-alive refreshes it (a body limit)
+                if body.merge is not None and len(body.merge.ops) + len(refreshed) > MAX_OPS:
+                    body.merge = None  # too many to merge: the whole state, compare-and-set
+                if body.merge is not None:
+                    # The refreshed heartbeats go too (the others' as well as this node's):
+                    # a reader after this write sees the group alive, as after a whole-state write.
+                    body.merge.ops[:0] = refreshed
+                    body.state = None  # the ops rebuild it from the state at `token`
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
@@ -99,7 +137,13 @@ class FtrainRendezvousBackend(RendezvousBackend):
         """
         after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
         timeout_s = max(0.0, timeout_s)
-        result = self._call("GET", "/state", params={"after": after, "wait_s": f"{timeout_s:.3f}"},
+        params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
+        read = self._read_docs.get(after)
+        if read is not None and self._joined_open_round(read[0]):
+            params["progress"] = read[0].progress()  # other nodes' joins do not end the wait
+        elif read is not None:  # other nodes' keep-alives alone do not end the wait
+            params["shape"] = read[0].shape()
+        result = self._call("GET", "/state", params=params,
                             deadline=time.monotonic() + timeout_s, wait_s=timeout_s)
         if "changed" not in result:
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
@@ -114,7 +158,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         return when the state changes, after at most `seconds`."""
         clock = time.monotonic
         start = clock()
-        deadline = start + seconds
+        deadline = start + max(seconds, self._quiet_s(after))
         pause = self._last_wake + MIN_WAKE_INTERVAL_S - start
         if pause > 0:
             time.sleep(pause)
@@ -135,6 +179,28 @@ class FtrainRendezvousBackend(RendezvousBackend):
             self._last_wake = clock()
             self._expire_cache()
         time.sleep(max(0.0, deadline - clock()))
+
+    def _joined_open_round(self, doc: RdzvDoc) -> bool:
+        return self.this_node is not None and self.this_node[0] in doc.participants \
+            and not doc.complete and not doc.closed
+
+    def _quiet_s(self, after: str | None) -> float:
+        """How long a node that joined an open round (in the state at `after`) has nothing to
+        do but wait for the round's progress: until its own keep-alive is due (torch: its
+        heartbeat `keep_alive_interval` old) or the last-call deadline, at most
+        `MAX_QUIET_S`; 0 for any other node, which keeps torch's one-second look."""
+        read = None if after is None else self._read_docs.get(after)
+        if read is None or not self._joined_open_round(read[0]):
+            return 0.0
+        doc, (node, interval) = read[0], self.this_node
+        beat = doc.last_heartbeats.get(node)
+        if beat is None:
+            return 0.0
+        now_us = time.time() * 1e6
+        due_us = beat + interval / timedelta(microseconds=1)
+        if doc.deadline_us is not None:
+            due_us = min(due_us, doc.deadline_us)
+        return min(MAX_QUIET_S, max(0.0, (due_us - now_us) / 1e6))
 
     def _saw(self, token: Any) -> None:
         self._seen_token = None if token is None else str(token)
@@ -157,15 +223,27 @@ class FtrainRendezvousBackend(RendezvousBackend):
     def _decode(self, result: RdzvState) -> tuple[bytes, Any] | None:
         if result.state is None:
             return None
+        doc = None
         try:
             state = open_state(result.state)
-        except StateNotSealed as exc:
+            if state_version(result.state) == 2:
+                doc = RdzvDoc.from_json(state)
+                state = from_doc(doc)
+        except (StateNotSealed, NotAState) as exc:
             raise RendezvousStateError(
                 f"the rendezvous state of {self._transport.rdzv_id} on {self._transport.base_url} is "
                 f"corrupt ({exc}); the control plane's etcd holds a damaged or foreign value at its "
                 "key. Restarting the job's attempt gives it a fresh rendezvous.") from exc
+        stored = doc
         if self.keep_alive is not None:  # outages this node saw, and the control plane's own
             now = time.time()
             for outage in (self._transport.last_outage, result.outage):
-                state = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
+                refreshed = refresh_stale_heartbeats(state, outage, *self.keep_alive, now=now)
+                if refreshed is not state:
+                    state, doc = refreshed, to_doc(refreshed)
+        if doc is not None and self.merge_settings is not None and result.token is not None:
+            if len(self._read_docs) >= 4:
+                self._read_docs.pop(next(iter(self._read_docs)))
+            refreshed = refresh_ops(stored, doc) if stored is not None and stored is not doc else []
+            self._read_docs[result.token] = (doc, refreshed)
         return state, result.token

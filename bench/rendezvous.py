@@ -1,0 +1,245 @@
+"""One rendezvous round of N participants: ftrain's backend against torch's c10d (TCPStore).
+
+    python bench/rendezvous.py                          # N = 8 16 32 64 128 256 512 1024
+    python bench/rendezvous.py --sizes 8,64,256 --procs 16 --timeout 300
+
+Each participant is torch's own `DynamicRendezvousHandler` (`min == max == N`) calling
+`next_rendezvous()` once, as torchrun's agent does. Participants are threads spread over
+`--procs` processes forked from this one after it imported torch, so they are not held to
+one interpreter (and no process pays torch's import). They start together at a moment agreed
+in advance; a round's time is from that moment to the last participant's return (its rank
+and the world size checked: ranks 0..N-1 once each).
+
+- ftrain: a real etcd and a real control plane (uvicorn) on loopback, a job submitted for
+  each round (a fresh rendezvous id), participants made by `worker.rendezvous.dynamic_handler`
+  (the handler torchrun gets, without round reports);
+- c10d: a TCPStore server in a process of its own, participants made by torch's
+  `C10dRendezvousBackend` over a TCPStore client each, as `--rdzv-backend=c10d` does.
+
+Both use TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the setting ftrain's agent uses). Both run in
+the same invocation, one after the other at each N, so they meet the same machine. A size a
+backend does not finish within `--timeout` is reported as such and that backend is not tried
+at larger sizes. Prints a table and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+import torch.distributed as dist  # noqa: E402  (imported before the forks, on purpose)
+from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
+
+import worker.rendezvous as ftrain_rdzv  # noqa: E402
+
+SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+KEEP_ALIVE_S = 5  # torch's default keep-alive interval (x 3 attempts: a node is dead after 15 s)
+
+
+def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -> RendezvousParameters:
+    return RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=n, max_nodes=n,
+                                join_timeout=str(int(timeout_s)), local_addr="127.0.0.1",
+                                keep_alive_interval=str(KEEP_ALIVE_S))
+
+
+def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
+                out: list, index: int) -> None:
+    """One node: make the handler, wait for the start, join the round; record (rank, world, t)."""
+    try:
+        if kind == "ftrain":
+            handler = ftrain_rdzv.dynamic_handler(params("ftrain", endpoint, run_id, n, timeout_s))
+        else:
+            host, port = endpoint.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            handler = create_handler(store, C10dRendezvousBackend(store, run_id),
+                                     params("c10d", endpoint, run_id, n, timeout_s))
+        time.sleep(max(0.0, start_at - time.time()))
+        info = handler.next_rendezvous()
+        out[index] = (info.rank, info.world_size, time.time())
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out[index] = (None, None, f"{type(exc).__name__}: {exc}")
+
+
+def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
+          first: int, step: int, write_fd: int) -> None:
+    """A forked process running the participants first, first+step, ... as threads."""
+    mine = list(range(first, n, step))
+    out: list = [None] * len(mine)
+    threading.stack_size(512 * 1024)
+    common = (kind, endpoint, run_id, n, timeout_s, start_at, out)
+    threads = [threading.Thread(target=participant, args=(*common, i), daemon=True) for i in range(len(mine))]
+    for t in threads:
+        t.start()
+    deadline = start_at + timeout_s + 90  # torch's join timeout, then its store's 60 s read timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    with os.fdopen(write_fd, "w") as pipe:
+        pipe.write(json.dumps([o if o is not None else (None, None, "no answer") for o in out]))
+
+
+def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float) -> dict:
+    """Fork the participants, return the round's time or why it failed."""
+    procs = max(1, min(procs, n))
+    # Time to make N handlers (and connections) before the common start.
+    start_at = time.time() + 2.0 + n * 0.01
+    children = []
+    usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for k in range(procs):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            code = 0
+            try:
+                child(kind, endpoint, run_id, n, timeout_s, start_at, k, procs, write_fd)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            os._exit(code)
+        os.close(write_fd)
+        children.append((pid, read_fd))
+    results = []
+    for pid, read_fd in children:
+        with os.fdopen(read_fd) as pipe:
+            text = pipe.read()
+        os.waitpid(pid, 0)
+        results.extend(json.loads(text) if text else [(None, None, "process died")])
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
+    errors = [r[2] for r in results if r[0] is None]
+    if errors:
+        kinds: dict[str, int] = {}
+        for e in errors:
+            kinds[e.split(":")[0]] = kinds.get(e.split(":")[0], 0) + 1
+        return {"ok": False, "error": f"{len(errors)} of {n} failed ({kinds}), e.g. {errors[0][:200]}",
+                "participants_cpu_s": round(cpu_s, 1)}
+    ranks = sorted(r[0] for r in results)
+    if ranks != list(range(n)) or any(r[1] != n for r in results):
+        sizes = sorted({r[1] for r in results})
+        return {"ok": False, "error": f"ranks 0..{n - 1} not each once, or world sizes {sizes} not {n} "
+                                      "(nodes whose keep-alive expired were dropped)",
+                "participants_cpu_s": round(cpu_s, 1)}
+    return {"ok": True, "round_s": round(max(r[2] for r in results) - start_at, 3),
+            "participants_cpu_s": round(cpu_s, 1)}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_tcpstore() -> tuple[subprocess.Popen, int]:
+    """torch's TCPStore server (the c10d backend's) in a process of its own."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, signal, datetime, torch.distributed as d\n"
+         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+         "timeout=datetime.timedelta(seconds=600))\n"
+         "print(s.port, flush=True)\n"
+         "signal.sigwait([signal.SIGTERM])\n"],
+        stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    return proc, port
+
+
+def main() -> int:
+    global KEEP_ALIVE_S
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                    help="participants per round, comma-separated")
+    ap.add_argument("--procs", type=int, default=16, help="processes the participants are spread over")
+    ap.add_argument("--timeout", type=float, default=300.0, help="join timeout of a round, s")
+    ap.add_argument("--backends", default="ftrain,c10d")
+    ap.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_S,
+                    help="torch's keep_alive_interval, s, for both backends (a node is dead after 3 of them)")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    KEEP_ALIVE_S = args.keep_alive
+    backends = args.backends.split(",")
+
+    from tests.helpers.processes import ControlPlane, EtcdProcess
+
+    root = Path(tempfile.mkdtemp(prefix="ftrain-bench-rdzv-"))
+    etcd = cp = tcp = None
+    load = os.getloadavg()
+    print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
+          f"forked processes, keep-alive {KEEP_ALIVE_S} s; {platform.node()}, {os.cpu_count()} cores, "
+          f"load {load[0]:.1f} at start")
+    rows: list[dict] = []
+    failed: set[str] = set()
+    try:
+        if "ftrain" in backends:
+            etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()
+            cp = ControlPlane(etcd.endpoint, root / "cp").start()
+            api = cp.client("user")
+        if "c10d" in backends:
+            tcp, tcp_port = start_tcpstore()
+        print(f"{'N':>6} {'ftrain s':>10} {'c10d s':>10} {'ftrain/c10d':>12}   notes")
+        for n in sizes:
+            row: dict = {"n": n}
+            for kind in backends:
+                if kind in failed:
+                    row[kind] = {"ok": False, "error": "skipped: a smaller size did not complete"}
+                    continue
+                servers = {"ftrain": [cp.proc.pid, etcd.proc.pid] if cp else [],
+                           "c10d": [tcp.pid] if tcp else []}
+                before = sum(cpu_s(p) for p in servers[kind])
+                if kind == "ftrain":
+                    job = api.post("/v1/jobs", json={"name": f"rdzv-{n}", "command": ["python", "-c", "pass"],
+                                                     "nodes": {"min": 1, "max": 1}}).json()
+                    os.environ["FTRAIN_JOB_TOKEN"] = cp.job_token_of(job["id"])
+                    rdzv_id = f"{job['id']}-a{job['attempt']}"
+                    got = one_round("ftrain", cp.url, rdzv_id, n, args.procs, args.timeout)
+                    api.post(f"/v1/jobs/{job['id']}/cancel")
+                else:
+                    got = one_round("c10d", f"127.0.0.1:{tcp_port}", f"rdzv-{n}-{time.time_ns()}", n,
+                                    args.procs, args.timeout)
+                got["server_cpu_s"] = round(sum(cpu_s(p) for p in servers[kind]) - before, 1)
+                row[kind] = got
+                if not got["ok"]:
+                    failed.add(kind)
+            rows.append(row)
+            f, c = row.get("ftrain", {}), row.get("c10d", {})
+            ratio = f"{f['round_s'] / c['round_s']:.2f}" if f.get("ok") and c.get("ok") else "-"
+            notes = "; ".join(f"{k}: {row[k]['error']}" for k in backends if not row[k]["ok"])
+            cpu = " ".join(f"{k} cpu: participants {row[k].get('participants_cpu_s', '-')} s, "
+                           f"server {row[k].get('server_cpu_s', '-')} s;" for k in backends)
+            times = f"{f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10}"
+            print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}", flush=True)
+    finally:
+        if tcp is not None:
+            tcp.send_signal(signal.SIGTERM)
+            tcp.wait(10)
+        if cp is not None:
+            cp.stop()
+        if etcd is not None:
+            etcd.stop()
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": platform.node(), "cores": os.cpu_count(),
+                                          "procs": args.procs, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

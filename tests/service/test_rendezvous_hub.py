@@ -1,0 +1,130 @@
+"""The control plane's side of merged rendezvous writes and shared long polls
+(`service.rendezvous.StateHub`), on the in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.keys import Keys
+from service.rendezvous import Rendezvous, StateHub
+from service.store.memory import MemoryStore
+from worker.protocol import open_state, seal_state
+from worker.rdzv_state import MergeSpec, Op, RdzvDoc
+
+RDZV = "job-abc123-a0"
+
+
+class CountingStore(MemoryStore):
+    """Counts the etcd-like calls the hub makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.watches = 0
+        self.commits = 0
+
+    def watch_prefix(self, prefix, start_revision, max_session_s=60.0):
+        self.watches += 1
+        return super().watch_prefix(prefix, start_revision, max_session_s)
+
+    async def commit_read(self, expect, ops, read):
+        self.commits += 1
+        return await super().commit_read(expect, ops, read)
+
+
+def join(i: int, n: int) -> tuple[bytes, MergeSpec]:
+    node = ("127.0.0.1", 100 + i, 0)
+    doc = RdzvDoc(participants={node: 0}, last_heartbeats={node: 1})
+    spec = MergeSpec(ops=[Op(kind="join", node=node, at_us=1, deadline_us=9)], min_nodes=n, max_nodes=n)
+    return seal_state(doc.to_json(), version=2), spec
+
+
+def test_many_waiters_share_one_watch_and_all_see_the_write():
+    async def scenario():
+        kv, hub = CountingStore(), StateHub()
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        waits = [asyncio.create_task(rdzv.wait_for_state_change("0", 5)) for _ in range(20)]
+        await asyncio.sleep(0.05)  # let them start waiting
+        entry, written = await rdzv.set_state(seal_state(b"x"), None)
+        results = await asyncio.gather(*waits)
+        return kv.watches, entry, written, results
+
+    watches, entry, written, results = asyncio.run(scenario())
+    assert written and watches == 1
+    assert all(changed and got.mod_revision == entry.mod_revision for got, changed in results)
+
+
+def test_concurrent_joins_go_to_etcd_in_fewer_writes_than_joins_and_all_land():
+    n = 16
+
+    async def scenario():
+        kv = CountingStore()
+        rdzv = Rendezvous(kv, Keys(), RDZV, StateHub())
+        writes = [join(i, n) for i in range(n)]
+        answers = await asyncio.gather(*(rdzv.set_state(state, None, spec) for state, spec in writes))
+        return kv.commits, answers, await rdzv.get_state()
+
+    commits, answers, final = asyncio.run(scenario())
+    assert all(written for _, written in answers)
+    assert commits < n
+    doc = RdzvDoc.from_json(open_state(final.value))
+    assert doc.complete and sorted(doc.participants.values()) == list(range(n))
+
+
+def test_a_waiter_that_gives_its_shape_sleeps_through_keep_alives_but_not_a_join():
+    a, b = ("h", 1, 0), ("h", 2, 0)
+    base = RdzvDoc(participants={a: 0}, last_heartbeats={a: 1})
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        after = str(first.mod_revision)
+        spec = MergeSpec(ops=[Op(kind="keep_alive", node=a, at_us=5)], min_nodes=2, max_nodes=2)
+        waiting = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, base.shape()))
+        await asyncio.sleep(0.05)
+        beat, written = await rdzv.set_state(seal_state(base.to_json(), version=2), after, spec)
+        start = loop.time()
+        _, changed = await waiting  # the keep-alive alone did not end the wait
+        slept = loop.time() - start
+        joined = asyncio.create_task(rdzv.wait_for_state_change(str(beat.mod_revision), 5, base.shape()))
+        await asyncio.sleep(0.05)
+        state, spec = join(1, 2)
+        spec = MergeSpec(ops=[spec.ops[0].model_copy(update={"node": b})], min_nodes=2, max_nodes=2)
+        await rdzv.set_state(state, after, spec)  # a stale token: merged into the current state
+        woke = await asyncio.wait_for(joined, 2)
+        return written, changed, slept, woke
+
+    written, changed, slept, (entry, woke) = asyncio.run(scenario())
+    assert written and changed and slept > 0.3
+    assert woke and RdzvDoc.from_json(open_state(entry.value)).complete
+
+
+def test_a_joined_waiter_that_gives_its_progress_sleeps_through_joins_but_not_the_round_completing():
+    """A node already in an open round waits for the round's progress only: another node's
+    join that leaves the round open does not end its wait; the join that completes it does."""
+    a, b, c = ("h", 1, 0), ("h", 2, 0), ("h", 3, 0)
+    base = RdzvDoc(participants={a: 0}, last_heartbeats={a: 1})
+
+    def join_of(node) -> MergeSpec:
+        return MergeSpec(ops=[Op(kind="join", node=node, at_us=5)], min_nodes=3, max_nodes=3)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        after = str(first.mod_revision)
+        waiting = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, progress=base.progress()))
+        await asyncio.sleep(0.05)
+        second, _ = await rdzv.set_state(None, after, join_of(b))
+        start = loop.time()
+        _, changed = await waiting  # b's join alone did not end the wait
+        slept = loop.time() - start
+        completing = asyncio.create_task(
+            rdzv.wait_for_state_change(str(second.mod_revision), 5, progress=base.progress()))
+        await asyncio.sleep(0.05)
+        await rdzv.set_state(None, after, join_of(c))
+        return changed, slept, await asyncio.wait_for(completing, 2)
+
+    changed, slept, (entry, woke) = asyncio.run(scenario())
+    assert changed and slept > 0.3
+    assert woke and RdzvDoc.from_json(open_state(entry.value)).complete

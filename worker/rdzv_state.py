@@ -1,0 +1,255 @@
+"""torch's rendezvous state in a form the control plane can read, and the joins it merges.
+
+torch's `DynamicRendezvousHandler` keeps one shared `_RendezvousState` and changes it by
+compare-and-set: a node reads the state, decides one action (join, keep-alive, wait for the
+next round), writes the whole state back on the token it read, and on a lost race reads again
+and re-decides. With N nodes joining at once that is N winners out of about N^2/2 attempts,
+each an HTTP request and an etcd transaction. Here the control plane merges instead.
+
+The client (`worker.rendezvous.merge`) turns torch's pickle into a `RdzvDoc` (plain data:
+nodes are (addr, pid, local_id), times are integer microseconds since the epoch) and sends it
+as JSON, sealed as version 2 (`worker.protocol.seal_state`); the control plane never unpickles
+anything. Where its change is one of the ops below, it sends the ops instead of the state
+(`infer_ops`: a diff of its new state against the state it read, accepted only if
+`apply_ops(read, ops)` rebuilds the new state exactly; so a join costs a few hundred bytes,
+not the N nodes' state). The control plane applies the ops of every request in a batch to the state as
+it is (`service.rendezvous`), so requests whose token went stale in the meantime are merged,
+not refused: one etcd write per batch. An op applies only where torch, re-reading the state,
+would have decided the same action (`apply_ops`'s rules); otherwise that request loses as
+before and the client re-decides.
+
+The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4 to 2.13):
+
+- `refresh`: a heartbeat that a control-plane outage made stale, moved to "due" by the
+  client as it read the state (`worker.rendezvous.outage.refresh_stale_heartbeats`); applied
+  only where the stored heartbeat is still the stale one it read, so one member's write
+  carries the others' refreshed heartbeats, as a whole-state write did;
+- `drop`: the sanitizer's removal of a node whose heartbeat expired (the node's heartbeat in
+  the state it read rides along: a node that beat since is not dropped);
+- `join` (`_add_to_participants`): valid while the round is open and the node is neither a
+  participant nor redundant; at `min_nodes` participants the last-call deadline is set, at
+  `max_nodes` the round completes and ranks are given in node order;
+- `wait` (`_add_to_wait_list`): valid while a complete round has room;
+- `keep_alive`: valid while the node has a heartbeat.
+Any other change (a node leaving, a round completed at its deadline, closing) is a plain
+compare-and-set, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+MAX_OPS = 2048  # ops in one merged write
+Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
+
+
+class NotAState(ValueError):
+    """A version-2 state whose JSON is not a rendezvous state."""
+
+
+@dataclass
+class RdzvDoc:
+    """torch's `_RendezvousState` as plain data (times: microseconds since the epoch, UTC)."""
+
+    round: int = 0
+    complete: bool = False
+    deadline_us: int | None = None
+    closed: bool = False
+    participants: dict[Node, int] = field(default_factory=dict)
+    wait_list: set[Node] = field(default_factory=set)
+    redundancy_list: set[Node] = field(default_factory=set)
+    last_heartbeats: dict[Node, int] = field(default_factory=dict)
+
+    def copy(self) -> RdzvDoc:
+        return RdzvDoc(self.round, self.complete, self.deadline_us, self.closed,
+                       dict(self.participants), set(self.wait_list), set(self.redundancy_list),
+                       dict(self.last_heartbeats))
+
+    def shape(self) -> str:
+        """A digest of everything but the heartbeats: what a node waiting for its round decides
+        on (torch looks at heartbeats only against the clock, at least once a second anyway),
+        so a long poll can sleep through other nodes' keep-alives (`service.rendezvous`)."""
+        beats, self.last_heartbeats = self.last_heartbeats, {}
+        try:
+            return hashlib.sha256(self.to_json()).hexdigest()[:16]
+        finally:
+            self.last_heartbeats = beats
+
+    def progress(self) -> str:
+        """A digest of the round's progress only (round, complete, closed, last-call deadline):
+        all a node that already joined an open round waits for, besides the clock (its own
+        keep-alive, the deadline), so its long poll sleeps through the other nodes' joins
+        (`FtrainRendezvousBackend.wait_instead_of_poll`)."""
+        return hashlib.sha256(json.dumps(["progress", self.round, self.complete, self.closed,
+                                          self.deadline_us]).encode()).hexdigest()[:16]
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "round": self.round, "complete": self.complete, "deadline_us": self.deadline_us,
+            "closed": self.closed,
+            "participants": [[*n, r] for n, r in sorted(self.participants.items())],
+            "wait_list": [list(n) for n in sorted(self.wait_list)],
+            "redundancy_list": [list(n) for n in sorted(self.redundancy_list)],
+            "last_heartbeats": [[*n, t] for n, t in sorted(self.last_heartbeats.items())],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RdzvDoc:
+        try:
+            raw = json.loads(data)
+            doc = cls(round=_int(raw["round"]), complete=_bool(raw["complete"]),
+                      deadline_us=None if raw["deadline_us"] is None else _int(raw["deadline_us"]),
+                      closed=_bool(raw["closed"]),
+                      participants={_node(e[:3]): _int(e[3]) for e in _rows(raw["participants"], 4)},
+                      wait_list={_node(e) for e in _rows(raw["wait_list"], 3)},
+                      redundancy_list={_node(e) for e in _rows(raw["redundancy_list"], 3)},
+                      last_heartbeats={_node(e[:3]): _int(e[3]) for e in _rows(raw["last_heartbeats"], 4)})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise NotAState(f"not a rendezvous state: {exc}") from None
+        return doc
+
+
+def _int(value) -> int:
+    if type(value) is not int:
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
+def _bool(value) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{value!r} is not a boolean")
+    return value
+
+
+def _rows(value, width: int) -> list[list]:
+    if not isinstance(value, list) or not all(isinstance(e, list) and len(e) == width for e in value):
+        raise ValueError(f"expected rows of {width}")
+    return value
+
+
+def _node(row) -> Node:
+    addr, pid, local_id = row
+    if not isinstance(addr, str):
+        raise ValueError(f"{addr!r} is not a node address")
+    return addr, _int(pid), _int(local_id)
+
+
+class Op(BaseModel):
+    """One node's change to the state, replayable on a newer state (module docstring)."""
+
+    kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
+    node: tuple[str, int, int]
+    at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
+    was_us: int | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
+                                                 "made it stale; the new one is 'due').")
+    deadline_us: int | None = Field(None, description="join: the last-call deadline it sets at "
+                                                      "min_nodes participants.")
+
+
+class MergeSpec(BaseModel):
+    """A state write the control plane may merge into a newer state (`apply_ops`)."""
+
+    ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
+    min_nodes: int = Field(..., ge=1)
+    max_nodes: int = Field(..., ge=1)
+
+
+def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc | None:
+    """`doc` with `merge`'s ops applied, or None if one of them is not valid on `doc` (then
+    torch, re-reading `doc`, would have decided otherwise; see the module docstring).
+
+    `in_place`: change `doc` itself where that is safe (one op, checked before it changes
+    anything; the control plane's batches, where a copy per write would cost N per join)."""
+    if not (in_place and len(merge.ops) == 1):
+        doc = doc.copy()
+    for op in merge.ops:
+        if not _apply(doc, op, merge):
+            return None
+    return doc
+
+
+def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
+    """Apply one op to `doc` if it is valid there (checked before any change); else False."""
+    node = tuple(op.node)
+    if op.kind == "refresh":
+        if doc.last_heartbeats.get(node) == op.was_us:
+            doc.last_heartbeats[node] = op.at_us
+        return True
+    if op.kind == "drop":
+        if doc.last_heartbeats.get(node) == op.at_us:
+            _drop(doc, node, merge.min_nodes)
+        return True
+    if op.kind == "keep_alive":
+        if node not in doc.last_heartbeats:
+            return False
+    elif op.kind == "join":
+        if doc.closed or doc.complete or node in doc.participants or node in doc.redundancy_list \
+                or len(doc.participants) >= merge.max_nodes:
+            return False
+        doc.wait_list.discard(node)
+        doc.participants[node] = 0
+    elif op.kind == "wait":
+        if doc.closed or not doc.complete or len(doc.participants) >= merge.max_nodes \
+                or node in doc.wait_list or node in doc.participants:
+            return False
+        doc.redundancy_list.discard(node)
+        doc.wait_list.add(node)
+    doc.last_heartbeats[node] = op.at_us
+    if op.kind == "join":
+        if len(doc.participants) == merge.min_nodes:
+            doc.deadline_us = op.deadline_us
+        if len(doc.participants) == merge.max_nodes:
+            doc.complete = True
+            doc.deadline_us = None
+            for rank, member in enumerate(sorted(doc.participants)):
+                doc.participants[member] = rank
+    return True
+
+
+def _drop(doc: RdzvDoc, node: Node, min_nodes: int) -> None:
+    """torch's sanitizer on one dead node, with `_remove_participant_epilogue`."""
+    del doc.last_heartbeats[node]
+    doc.wait_list.discard(node)
+    doc.redundancy_list.discard(node)
+    if doc.participants.pop(node, None) is None:
+        return
+    if doc.complete:
+        if not doc.participants:
+            doc.complete = False
+            doc.round += 1
+    elif len(doc.participants) < min_nodes:
+        doc.deadline_us = None
+
+
+def refresh_ops(stored: RdzvDoc, refreshed: RdzvDoc) -> list[Op]:
+    """The `refresh` ops that turn the heartbeats of `stored` into those of `refreshed` (the
+    same state after `refresh_stale_heartbeats`: only heartbeats moved, none added or gone)."""
+    return [Op(kind="refresh", node=n, at_us=t, was_us=stored.last_heartbeats[n])
+            for n, t in sorted(refreshed.last_heartbeats.items())
+            if n in stored.last_heartbeats and stored.last_heartbeats[n] != t]
+
+
+def infer_ops(read: RdzvDoc, new: RdzvDoc, min_nodes: int, max_nodes: int,
+              last_call_us: int) -> MergeSpec | None:
+    """The ops that turn `read` into `new`, if the change is one the control plane may merge
+    (expired nodes dropped, then one node's join, wait or keep-alive); else None."""
+    drops = [Op(kind="drop", node=n, at_us=t) for n, t in sorted(read.last_heartbeats.items())
+             if n not in new.last_heartbeats]
+    changed = [n for n, t in new.last_heartbeats.items() if read.last_heartbeats.get(n) != t]
+    if len(changed) != 1:
+        return None
+    node, at_us = changed[0], new.last_heartbeats[changed[0]]
+    deadline_us = new.deadline_us if new.deadline_us is not None and new.deadline_us != read.deadline_us \
+        else at_us + last_call_us
+    for kind in ("join", "keep_alive", "wait"):
+        spec = MergeSpec(ops=[*drops, Op(kind=kind, node=node, at_us=at_us,
+                                         deadline_us=deadline_us if kind == "join" else None)],
+                         min_nodes=min_nodes, max_nodes=max_nodes)
+        if apply_ops(read, spec) == new:
+            return spec
+    return None

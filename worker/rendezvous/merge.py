@@ -1,0 +1,90 @@
+"""torch's pickled `_RendezvousState` to and from `worker.rdzv_state.RdzvDoc`, the form the
+control plane reads to merge joins (that module says why and how).
+
+Only a state that converts both ways without loss travels as a `RdzvDoc`: the pickle must be
+exactly a `_RendezvousState` with the attributes of torch 2.4 to 2.13, its nodes `_NodeDesc`s
+and its times aware datetimes, and converting it back must give an equal state. Anything
+else (a torch that added a field, the contract suite's arbitrary bytes) travels as the pickle,
+sealed as version 1, and is only ever compare-and-set, as before.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from worker.rdzv_state import Node, RdzvDoc
+
+_FIELDS = {"round", "complete", "deadline", "closed", "participants", "wait_list",
+           "redundancy_list", "last_heartbeats"}
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def to_doc(state: bytes) -> RdzvDoc | None:
+    """The pickled torch state as a `RdzvDoc`, or None if it does not convert without loss."""
+    try:
+        obj = pickle.loads(state)  # torch's own pickle, made a moment ago in this process
+    except Exception:
+        return None
+    if type(obj) is not _RendezvousState or set(vars(obj)) != _FIELDS:
+        return None
+    try:
+        doc = RdzvDoc(round=_int(obj.round), complete=_bool(obj.complete),
+                      deadline_us=None if obj.deadline is None else _us(obj.deadline),
+                      closed=_bool(obj.closed),
+                      participants={_node(n): _int(r) for n, r in obj.participants.items()},
+                      wait_list={_node(n) for n in obj.wait_list},
+                      redundancy_list={_node(n) for n in obj.redundancy_list},
+                      last_heartbeats={_node(n): _us(t) for n, t in obj.last_heartbeats.items()})
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return doc if vars(_state_of(doc)) == vars(obj) else None
+
+
+def from_doc(doc: RdzvDoc) -> bytes:
+    """The `RdzvDoc` as torch's pickle."""
+    return pickle.dumps(_state_of(doc))
+
+
+def _state_of(doc: RdzvDoc) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = doc.round
+    state.complete = doc.complete
+    state.deadline = None if doc.deadline_us is None else _time(doc.deadline_us)
+    state.closed = doc.closed
+    state.participants = {_NodeDesc(*n): r for n, r in doc.participants.items()}
+    state.wait_list = {_NodeDesc(*n) for n in doc.wait_list}
+    state.redundancy_list = {_NodeDesc(*n) for n in doc.redundancy_list}
+    state.last_heartbeats = {_NodeDesc(*n): _time(t) for n, t in doc.last_heartbeats.items()}
+    return state
+
+
+def _us(moment: Any) -> int:
+    if type(moment) is not datetime or moment.tzinfo is None:
+        raise ValueError(f"{moment!r} is not an aware datetime")
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+def _time(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
+
+
+def _node(node: Any) -> Node:
+    if type(node) is not _NodeDesc or not isinstance(node.addr, str):
+        raise ValueError(f"{node!r} is not a node")
+    return node.addr, _int(node.pid), _int(node.local_id)
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{value!r} is not a boolean")
+    return value
