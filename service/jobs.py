@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from service.decide.change import Change
+from service.decide.members import note_former_members
 from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
@@ -336,6 +337,7 @@ class JobStore:
             change = decide(job)
             if change is None:
                 return cas.Done(job)
+            change.job = note_former_members(job, change.job)  # whichever decision dropped them
             write = self.write(revision, change, change.job)
             return cas.Write({**write.expect, **(fence or {})}, write.ops, write.result)
 
