@@ -220,7 +220,7 @@ async def require_member_node(ctx: ContextDep, creds: NodeCredentials,
     name, digest = await _node_credential(ctx, creds, "this endpoint")
     await verify_node(ctx, name, digest)
     job = await ctx.jobs.get(job_id)
-    if name not in job.members:
+    if name not in job.members and name not in job.former_members:
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             f"node {name!r} is not a member of job {job_id}")
     return name

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import TypeVar
 
 from service.decide.change import Change
+from service.decide.members import note_former_members
 from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
@@ -341,6 +342,7 @@ class JobStore:
             change = decide(job)
             if change is None:
                 return cas.Done(job)
+            change.job = note_former_members(job, change.job)  # whichever decision dropped them
             if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
                 stamp = {"leader": fence.holder, "term": fence.term}
                 change = replace(change, events=[e.model_copy(update=stamp) for e in change.events])

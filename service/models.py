@@ -274,6 +274,9 @@ class JobRecord(BaseModel):
     secret_env_names: list[str] = Field(default_factory=list)
     attempt: int = 0
     members: dict[str, MemberStatus] = Field(default_factory=dict)
+    # Nodes that were members and are no longer (drained, lost, left by a new attempt): they
+    # may still ship the lines their workers wrote (`decide.members.note_former_members`).
+    former_members: list[str] = Field(default_factory=list)
     world_size: int = 0
     restarts: int = 0
     rounds: int = 0

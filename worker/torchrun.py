@@ -227,9 +227,7 @@ class Torchrun:
         nproc = a.nproc_per_node
         if nproc == "auto":
             nproc = gpu_count() or 1
-        command = list(a.command)
-        if command[0] in ("python", "python3"):
-            command[0] = sys.executable  # the agent's interpreter: the venv with torch
+        command = self.job_command(a)
         argv = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
@@ -247,6 +245,14 @@ class Torchrun:
             # SIGTERM when this agent dies, which it forwards to torchrun.
             return worker_launch_prefix(signal.SIGTERM) + argv
         return pdeathsig_argv(argv, signal.SIGTERM)
+
+    @staticmethod
+    def job_command(a: Assignment) -> list[str]:
+        """The command each worker runs: the job's, `python` being the agent's interpreter."""
+        command = list(a.command)
+        if command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the agent's interpreter: the venv with torch
+        return command
 
     def job_env(self, a: Assignment) -> dict[str, str]:
         """The environment of torchrun and its workers: the agent's, the job's, ftrain's."""
@@ -366,6 +372,12 @@ class Torchrun:
         for d in (self.data_dir / "logs", log_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = self.job_env(a)
+        if (why := missing_command(self.job_command(a), env, cwd)) is not None:
+            # Said before anything starts: the reason must not depend on whether the
+            # launcher's line is shipped before torchrun's restart round is reported.
+            self.shipper.add(a.job_id, a.attempt, LogLineIn(
+                rank=None, stream="stderr", line=f"ftrain: {why}", time=time.time()))
+            raise CouldNotStart(why)
         if (memory_dir := self.memory_dir(a)) is not None:
             env[FTRAIN_MEMORY_DIR] = str(memory_dir)
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
@@ -481,6 +493,31 @@ class Torchrun:
         deadline = time.monotonic() + 5
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def missing_command(command: list[str], env: Mapping[str, str], cwd: str) -> str | None:
+    """`command not found: X` when the job's command X is nowhere the workers' exec would
+    look (X itself, relative to `cwd`, if it has a slash; else each directory of the job's
+    PATH), so the node fails the attempt with that reason before starting torchrun; None
+    when it is there or when this agent cannot tell (a directory it may not read, a missing
+    `cwd`): then the launcher says what exec said (`worker/launch.py`)."""
+    name = command[0]
+    if not name or not os.path.isdir(cwd):
+        return None
+    if "/" in name:
+        candidates = [os.path.join(cwd, name)]
+    else:  # an empty PATH entry is the working directory, as for execvp
+        candidates = [os.path.join(cwd, d or ".", name)
+                      for d in env.get("PATH", os.defpath).split(os.pathsep)]
+    for path in candidates:
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return None
+        return None  # there (runnable or not: the launcher says which)
+    return f"command not found: {name}"
 
 
 def _private_file(path: Path, mode: str):

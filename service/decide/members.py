@@ -7,6 +7,11 @@ wire, and a late one must not revive or re-end a member. A live member that stop
 another member has finished is recorded as failed (`outcome.failed_after_finish`), except
 during a cancel or after the scheduler told the members to stop. Whether the new states
 end the job is `outcome.by_members`, which the scheduler applies.
+
+A node that leaves the members (drained, lost, not in a new attempt) is kept among the
+job's former members (`note_former_members`): its agent still ships the last lines its
+workers wrote (rank 0's note of the step where it stopped for a drain is among them),
+which reach the control plane after the change that removed it.
 """
 
 from __future__ import annotations
@@ -57,3 +62,12 @@ def is_recorded(job: JobRecord, node: str, attempt: int, state: str) -> bool:
     if job.attempt != attempt or member is None:
         return False
     return member.state == state or (state == "stopped" and member.state == "failed")
+
+
+def note_former_members(before: JobRecord, after: JobRecord) -> JobRecord:
+    """`after` with the nodes that `before` had as members and `after` has not added to its
+    former members (a node that is a member again stays listed: it was one)."""
+    left = before.members.keys() - after.members.keys()
+    if not left or left <= set(after.former_members):
+        return after
+    return after.model_copy(update={"former_members": sorted({*after.former_members, *left})})

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from service.decide.members import AGENT_RESTARTED, decide_registered, decide_report, is_recorded
+from service.decide.members import (
+    AGENT_RESTARTED,
+    decide_registered,
+    decide_report,
+    is_recorded,
+    note_former_members,
+)
 from service.models import JobState
 from tests.service.records import NOW, make_job
 
@@ -107,3 +113,16 @@ def test_registering_again_keeps_the_member_only_if_the_agent_still_runs_its_att
     else:
         assert change.job.members["a"].state == "stopped"
         assert change.job.members["a"].reason == AGENT_RESTARTED
+
+
+@pytest.mark.parametrize("before,after,former,expected", [
+    ({"a": "running", "b": "running"}, {"a": "assigned"}, [], ["b"]),  # b drained or lost
+    ({"a": "running", "b": "running"}, {}, ["c"], ["a", "b", "c"]),  # back to PENDING
+    ({"a": "running"}, {"a": "stopped"}, [], []),  # still a member
+    ({"a": "running"}, {"a": "assigned", "b": "assigned"}, ["b"], ["b"]),  # b back: still listed
+    ({}, {"a": "assigned"}, [], []),
+])
+def test_a_node_that_leaves_the_members_is_a_former_member(before, after, former, expected):
+    old = make_job(S.RUNNING, before, former_members=former)
+    new = make_job(S.RUNNING, after, former_members=former)
+    assert note_former_members(old, new).former_members == expected

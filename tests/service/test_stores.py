@@ -18,7 +18,7 @@ from service.context import Context
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader, StoreUnavailable
-from service.models import JobRecord, JobSpec, JobState, NodeState
+from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeState
 from service.nodes import NodeStore
 from service.settings import Settings
 from service.store.memory import MemoryStore
@@ -39,6 +39,23 @@ def context(clock: ManualClock | None = None, **settings) -> Context:
     # The node store keeps leases alive by the clock the leases run on: the one the test moves.
     ctx.nodes = NodeStore(ctx.kv, ctx.keys, clock, ttl_s=ctx.settings.node_ttl_s)
     return ctx
+
+
+# ------------------------------------------------------------------ jobs
+
+def test_a_node_dropped_from_the_members_by_any_decision_is_kept_as_a_former_member():
+    # It may still ship its workers' last lines (service/deps.py, require_member_node).
+    async def main():
+        ctx = context()
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 2}))
+        members = {n: MemberStatus() for n in ("n0", "n1")}
+        await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={"members": members})))
+        stored = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(
+            update={"members": {"n0": MemberStatus()}})))
+        assert stored.former_members == ["n1"]
+        assert (await ctx.jobs.get(job.id)).former_members == ["n1"]
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------ nodes

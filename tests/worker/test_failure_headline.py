@@ -1,12 +1,13 @@
-"""A failed group's one-line reason (`worker.torchrun.headline`), and the launcher naming a
-missing command: a table of tails, no processes but one exec of a name that does not exist."""
+"""A failed group's one-line reason (`worker.torchrun.headline`), the agent's check for a
+missing command before it starts torchrun (`missing_command`), and the launcher naming a
+missing command: tables, no processes but one exec of a name that does not exist."""
 
 import subprocess
 import sys
 
 import pytest
 
-from worker.torchrun import headline
+from worker.torchrun import headline, missing_command
 
 TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
              "ValueError: boom"]
@@ -54,3 +55,19 @@ def test_telling_line_of_the_stored_tail(lines, why):
     from worker.protocol import telling_line
 
     assert telling_line(lines) == why
+
+
+def test_a_missing_command_is_named_before_torchrun_starts(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "train-x").write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    env = {"PATH": f"/nonexistent:{bin_dir}"}
+    cwd = str(tmp_path)
+    assert missing_command(["train-x", "--lr", "1"], env, cwd) is None  # on the job's PATH
+    assert missing_command(["trian-x"], env, cwd) == "command not found: trian-x"
+    assert missing_command(["./run.sh"], env, cwd) is None  # a slash: relative to the job's folder
+    assert missing_command(["./rnu.sh"], env, cwd) == "command not found: ./rnu.sh"
+    assert missing_command([str(bin_dir / "train-x")], {}, "/") is None
+    assert missing_command(["run.sh"], {"PATH": ""}, cwd) is None  # an empty entry: the folder
+    assert missing_command(["trian-x"], env, str(tmp_path / "gone")) is None  # start says why
