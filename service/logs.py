@@ -246,17 +246,23 @@ class LogStore:
         return LogPage(items=items, next_seq=cursor, end_seq=max(end, cursor), first_seq=first.start,
                        cut_bytes=first.start, cut_lines=first.line, cap_bytes=self.cap_bytes)
 
-    def _read_tail(self, job_id: str, n: int, rank: int | None) -> LogPage:
-        want, tries = TAIL_FIRST_BYTES, 0
-        while True:
+    def _last(self, job_id: str, want: int) -> tuple[list[Segment], bytes, bool]:
+        """The job's segments and up to `want` bytes from the end of its log (whether that is
+        all of it), read again if the cap deleted a segment under the read."""
+        for tries in range(1, _READ_TRIES + 1):
             segments = self._segments(job_id)
             try:
                 data, complete = _last_bytes(segments, want)
+                return segments, data, complete
             except FileNotFoundError:  # the cap deleted a segment we were about to read
-                tries += 1
-                if tries < _READ_TRIES:
-                    continue
-                raise
+                if tries == _READ_TRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_tail(self, job_id: str, n: int, rank: int | None) -> LogPage:
+        want = TAIL_FIRST_BYTES
+        while True:
+            segments, data, complete = self._last(job_id, want)
             end = segments[-1].end if segments else 0
             start = end - len(data)  # the stream's offset of data[0]
             whole = data[:data.rfind(b"\n") + 1]  # a line still being written is left out
@@ -279,16 +285,9 @@ class LogStore:
             want = min(want * 4, TAIL_PAGE_MAX_BYTES)
 
     def _tail(self, job_id: str, n: int) -> list[str]:
-        want, tries = TAIL_FIRST_BYTES, 0
+        want = TAIL_FIRST_BYTES
         while True:
-            segments = self._segments(job_id)
-            try:
-                data, complete = _last_bytes(segments, want)
-            except FileNotFoundError:  # the cap deleted a segment we were about to read
-                tries += 1
-                if tries < _READ_TRIES:
-                    continue
-                raise
+            segments, data, complete = self._last(job_id, want)
             raws = data.split(b"\n")[:-1]  # the last piece is empty or still being written
             if not complete:
                 raws = raws[1:]  # the first may have begun before what was read
