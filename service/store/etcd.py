@@ -197,7 +197,10 @@ class EtcdStore(KeyValue):
         client = None
         try:
             client = await self._connected()
-            return await asyncio.wait_for(fn(client), self._timeout_s + 0.5)
+            # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes as the
+            # call ends (Python 3.11), and a task cancelled then never ends (a hung shutdown).
+            async with asyncio.timeout(self._timeout_s + 0.5):
+                return await fn(client)
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
             if _is_token_refused(exc):  # expired, or etcd restarted: authenticate again
                 if self._user is None:
@@ -411,9 +414,9 @@ class EtcdStore(KeyValue):
             generation = self._generation
             client = await self._call("a watch", lambda c: asyncio.sleep(0, c))
             try:
-                watch = await asyncio.wait_for(
-                    client.watch(key, range_end=_prefix_end(key), start_revision=start_revision),
-                    self._timeout_s)
+                async with asyncio.timeout(self._timeout_s):  # not wait_for: see _call_once
+                    watch = await client.watch(key, range_end=_prefix_end(key),
+                                               start_revision=start_revision)
             except aetcd.exceptions.RevisionCompactedError as exc:
                 raise _compacted(start_revision, exc) from exc
             except (TimeoutError, aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError) as exc:

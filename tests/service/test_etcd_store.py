@@ -174,3 +174,34 @@ def test_a_lone_endpoint_that_refuses_still_fails_as_store_unavailable():
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_cancellation_that_comes_as_a_call_ends_is_not_lost():
+    """A task cancelled just as its etcd call finishes stays cancelled. (`asyncio.wait_for`
+    in Python 3.11 returns the call's result and drops the cancellation: a stopping control
+    plane's task that was in such a call never ended.) No etcd is needed: the call is given a
+    client, and cancels its own task as it returns."""
+
+    async def main() -> str:
+        store = EtcdStore("http://127.0.0.1:9", timeout_s=1)
+
+        async def connected():
+            return object()
+
+        store._connected = connected
+        me = asyncio.current_task()
+
+        async def call(client):
+            me.cancel()
+            return "answer"
+
+        got = await store._call_once("a call", call)
+        await asyncio.sleep(0)  # the cancellation, if it was kept, comes here
+        return got
+
+    async def run() -> None:
+        task = asyncio.create_task(main())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
