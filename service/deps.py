@@ -234,17 +234,23 @@ async def require_job_token(
         return await ctx.jobs.get(job_id)
     if creds is None:
         raise unauthorized("missing 'Authorization: Bearer <job token>' (FTRAIN_JOB_TOKEN)")
+    return await job_of_token(ctx, creds.credentials, job_id, f"act for job {job_id}",
+                              "job-runtime endpoints (they take the job's own token, FTRAIN_JOB_TOKEN)")
+
+
+async def job_of_token(ctx: Context, given: str, job_id: str, to: str, endpoints: str) -> JobRecord:
+    """The job whose own token `given` is. Another job's token: 403 ("it cannot `to`");
+    another kind of principal: 403 naming `endpoints`; anything else: 401. Strangers are
+    not told which jobs exist."""
     try:
         job = await ctx.jobs.get(job_id)
     except JobNotFound:
-        job = None  # don't tell strangers which jobs exist
-    if job is not None and token_matches(creds.credentials, ctx.job_token(job)):  # derived (service.keyring)
+        job = None
+    if job is not None and token_matches(given, ctx.job_token(job)):  # derived (service.keyring)
         return job
-    if _is_job_token(ctx, creds.credentials):
-        raise HTTPException(status.HTTP_403_FORBIDDEN,
-                            f"this is another job's token; it cannot act for job {job_id}")
-    await _refuse_other_principal(ctx, creds.credentials, "job-runtime endpoints (they take the job's "
-                                                    "own token, FTRAIN_JOB_TOKEN)")
+    if _is_job_token(ctx, given):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"this is another job's token; it cannot {to}")
+    await _refuse_other_principal(ctx, given, endpoints)
     raise unauthorized("invalid job token")
 
 

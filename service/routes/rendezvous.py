@@ -22,15 +22,12 @@ from service.deps import (
     ContextDep,
     JobCredentials,
     NodeCredentials,
-    _is_job_token,
     _node_of_credential,
-    _refuse_other_principal,
     credential_digest,
-    token_matches,
+    job_of_token,
     unauthorized,
     verify_node,
 )
-from service.errors import JobNotFound
 from service.rendezvous import Rendezvous, RendezvousGone, parse_rdzv_id, state_token
 from worker.protocol import (
     AddRequest,
@@ -85,17 +82,7 @@ async def _job_of_caller(ctx, given: str, job_id: str):
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 f"node {node!r} is not a member of job {job_id}")
         return job
-    try:
-        job = await ctx.jobs.get(job_id)
-    except JobNotFound:
-        job = None  # don't tell strangers which jobs exist
-    if job is not None and token_matches(given, ctx.job_token(job)):  # derived (service.keyring)
-        return job
-    if _is_job_token(ctx, given):
-        raise HTTPException(status.HTTP_403_FORBIDDEN,
-                            f"this is another job's token; it cannot join job {job_id}'s rendezvous")
-    await _refuse_other_principal(ctx, given, "rendezvous endpoints")
-    raise unauthorized("invalid job token")
+    return await job_of_token(ctx, given, job_id, f"join job {job_id}'s rendezvous", "rendezvous endpoints")
 
 
 RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]
