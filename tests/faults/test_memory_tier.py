@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -17,26 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
-from tests.helpers.faults import events_of, rank0_lines, state_letter, train_spec, wait_workers, workers
+from tests.helpers.faults import events_of, runs, state_letter, train_spec, wait_workers, workers
 from tests.helpers.processes import pid_alive, wait_for
 from worker import memory as mem
 
 pytestmark = pytest.mark.integration
 
 EVERY_STEP = {"FTRAIN_MEMORY_EVERY": "1"}
-_STEP = re.compile(r"^step=(\d+)\b")
-_START = re.compile(r"^start step=(\d+)")
-
-
-def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
-    """Rank 0's runs in order: (the step it started from, the steps it logged)."""
-    out: list[tuple[int, list[int]]] = []
-    for item in rank0_lines(api, job_id):
-        if m := _START.match(item["line"]):
-            out.append((int(m.group(1)), []))
-        elif (m := _STEP.match(item["line"])) and out:
-            out[-1][1].append(int(m.group(1)))
-    return out
 
 
 def steps_lost(api, job_id: str, last: int, restarts: int = 1) -> int:

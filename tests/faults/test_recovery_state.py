@@ -19,13 +19,11 @@ import time
 import pytest
 
 from tests.helpers.elastic import log_items, submit, wait_nodes
-from tests.helpers.faults import events_of, rank0_lines, train_spec, wait_workers
+from tests.helpers.faults import events_of, runs, train_spec, wait_workers
 from tests.helpers.processes import pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
-_STEP = re.compile(r"^step=(\d+)\b")
-_START = re.compile(r"^start step=(\d+)")
 _TRAINING = re.compile(r"^training again: world size (\d+) on (\d+) node\(s\), step (\d+)$")
 
 
@@ -49,17 +47,6 @@ class Sampler:
         self._stop.set()
         self._thread.join(5)
         return self.samples
-
-
-def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
-    """Rank 0's runs in order: (the step it started from, the steps it logged)."""
-    out: list[tuple[int, list[int]]] = []
-    for item in rank0_lines(api, job_id):
-        if m := _START.match(item["line"]):
-            out.append((int(m.group(1)), []))
-        elif (m := _STEP.match(item["line"])) and out:
-            out[-1][1].append(int(m.group(1)))
-    return out
 
 
 def check_recovery(api, job_id: str, samples, killed_at: float, world: int, nodes: int) -> dict:
