@@ -267,10 +267,13 @@ def check_steps(api: httpx.Client, job_id: str, *, watch: SnapshotWatch | None =
     steps: list[int] = []
     resumes: list[tuple[float, int, int]] = []
     marker: int | None = None  # "start step=S" (the runtime) or "resumed step=S" (the script)
-    from_memory: set[int] = set()  # steps rank 0 loaded from the memory tier (worker/memory.py)
-    for item in rank0_lines(api, job_id):
-        if m := _FROM_MEMORY.search(item["line"]):
-            from_memory.add(int(m.group(1)))
+    lines = rank0_lines(api, job_id)
+    # Steps rank 0 loaded from the memory tier (worker/memory.py). Gathered first: the line
+    # that says so is the runtime's log on stderr, read apart from the steps on stdout, so
+    # its read time may come after the first step it resumed to.
+    from_memory = {int(m.group(1)) for i in lines if (m := _FROM_MEMORY.search(i["line"]))}
+    for item in lines:
+        if _FROM_MEMORY.search(item["line"]):
             continue
         if m := _START.match(item["line"]):
             marker = int(m.group(1))
