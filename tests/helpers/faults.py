@@ -238,15 +238,14 @@ def rank0_lines(api: httpx.Client, job_id: str) -> list[dict]:
     return sorted(unique.values(), key=lambda i: (i["time"], i["seq"]))
 
 
-_STEP = re.compile(r"^step=(\d+)\b")
-_START = re.compile(r"^start step=(\d+)")
+_RUN_START = re.compile(r"^start step=(\d+)")  # the runtime's own, not a script's "resumed"
 
 
 def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
     """Rank 0's runs in order: (the step it started from, the steps it logged)."""
     out: list[tuple[int, list[int]]] = []
     for item in rank0_lines(api, job_id):
-        if m := _START.match(item["line"]):
+        if m := _RUN_START.match(item["line"]):
             out.append((int(m.group(1)), []))
         elif (m := _STEP.match(item["line"])) and out:
             out[-1][1].append(int(m.group(1)))
