@@ -107,6 +107,7 @@ def test_corrupt_latest_snapshot_is_skipped_for_the_previous_one_and_said_in_the
         assert job(api, job_id)["attempt"] == 2
 
 
+@pytest.mark.slow  # about a minute (900 steps, a join held up by the full disk): out of the default run
 def test_a_join_while_the_disk_is_full_goes_ahead_from_the_latest_snapshot(
         control_plane, api, small_snapshot_disk, agents):
     """A planned change asks rank 0 for a snapshot first; if the disk refuses it, every rank

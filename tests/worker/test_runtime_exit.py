@@ -24,7 +24,7 @@ from tests.helpers.processes import REPO
 
 pytestmark = pytest.mark.integration
 
-ROUNDS = 8
+ROUNDS = 6
 
 SCRIPT = r"""
 import os, sys
