@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.netns import fabric_up, netns_unavailable
 from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc
 
 TESTS = Path(__file__).resolve().parent
@@ -85,3 +86,14 @@ def agents(control_plane, tmp_path):
     yield start
     for agent in started:
         agent.stop()
+
+
+@pytest.fixture
+def fabric():
+    """A bridge in a network namespace of its own (tests/helpers/netns.py), or a skip where
+    namespaces cannot be made; removed afterwards."""
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with fabric_up() as f:
+        yield f

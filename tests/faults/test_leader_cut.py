@@ -38,7 +38,6 @@ import pytest
 from service.embedded import ROOT_USER, EtcdProcess
 from tests.helpers.elastic import submit, wait_nodes, wait_state
 from tests.helpers.faults import SnapshotWatch, check_steps, events_of, train_spec, wait_latest
-from tests.helpers.netns import fabric_up, netns_unavailable
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 pytestmark = [
@@ -66,15 +65,6 @@ def _leads(cp: ControlPlane) -> list[tuple[float, int]]:
 
 def _stops(cp: ControlPlane) -> list[tuple[float, int, str]]:
     return [(_when(t), int(term), why) for t, term, why in STOP.findall(_log(cp))]
-
-
-@pytest.fixture
-def fabric():
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with fabric_up() as f:
-        yield f
 
 
 def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on(fabric, tmp_path):

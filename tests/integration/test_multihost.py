@@ -24,19 +24,9 @@ import pytest
 
 from tests.helpers.elastic import events, job, job_spec, steps, submit, wait_nodes, wait_state, wait_step
 from tests.helpers.faults import check_steps
-from tests.helpers.netns import fabric_up, netns_unavailable
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
-
-
-@pytest.fixture
-def fabric():
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with fabric_up() as f:
-        yield f
 
 
 @pytest.fixture
