@@ -161,25 +161,44 @@ class EtcdStore(KeyValue):
                      "restarted); authenticating again", self.endpoint)
             await self._drop_client(next_endpoint=False)
 
-    async def _call(self, what: str, fn):
+    async def _call(self, what: str, fn, repeatable: bool = False):
         """Run `fn(client)` with a deadline; map every failure to StoreUnavailable.
 
         A call that etcd refuses because our auth token expired is tried once more, on a
-        client that authenticated again.
+        client that authenticated again. A call that etcd answered with "no leader" (its
+        members are electing one, after the leader was lost: nothing was done) is sent again
+        until it is answered or `timeout_s` has passed, and so is a `repeatable` one (a read,
+        a keep-alive: doing it twice does no harm) answered "leader changed", and one whose
+        member (and the next) could not be reached, so that losing one member of three, the
+        leader included, fails no request.
         """
         start = time.perf_counter()
         try:
-            try:
-                return await self._call_next_member(what, fn)
-            except _TokenRefused as refused:
-                await self._reauthenticate(refused.client)
-            try:
-                return await self._call_next_member(what, fn)
-            except _TokenRefused as refused:
-                raise self._refused(refused.__cause__) from refused.__cause__
+            while True:
+                try:
+                    return await self._call_authenticated(what, fn)
+                except StoreUnavailable as exc:
+                    again = _in_election(exc, repeatable) or (
+                        len(self._endpoints) > 1 and _is_unreachable(exc.__cause__)
+                        and (repeatable or not _said(exc.__cause__, _LEADER_LOST)))
+                    if not again or time.perf_counter() + ELECTION_RETRY_S > start + self._timeout_s:
+                        raise
+                    log.info("etcd did not take %s (%s); sent again", what, exc.__cause__)
+                    await asyncio.sleep(ELECTION_RETRY_S)
         finally:
             if self.on_call is not None:
                 self.on_call(time.perf_counter() - start)
+
+    async def _call_authenticated(self, what: str, fn):
+        """`_call_next_member`, once more on a new client if etcd refused our auth token."""
+        try:
+            return await self._call_next_member(what, fn)
+        except _TokenRefused as refused:
+            await self._reauthenticate(refused.client)
+        try:
+            return await self._call_next_member(what, fn)
+        except _TokenRefused as refused:
+            raise self._refused(refused.__cause__) from refused.__cause__
 
     async def _call_next_member(self, what: str, fn):
         """`_call_once`, sent once more (to the next member) if its member was unreachable."""
@@ -237,7 +256,7 @@ class EtcdStore(KeyValue):
             await asyncio.wait(set(self._closing), timeout=2)
 
     async def get(self, key: str) -> Entry | None:
-        got = await self._call(f"GET {key}", lambda c: c.get(key.encode()))
+        got = await self._call(f"GET {key}", lambda c: c.get(key.encode()), repeatable=True)
         return None if got is None else _entry(got)
 
     async def get_many(self, keys: Sequence[str], *, page_size: int = MAX_TXN_OPS) -> list[Entry | None]:
@@ -255,7 +274,7 @@ class EtcdStore(KeyValue):
                 return [(_entry(r[0][1]) if r else None) for r in responses]
 
             try:
-                out += await self._call(f"GET {len(chunk)} keys", txn)
+                out += await self._call(f"GET {len(chunk)} keys", txn, repeatable=True)
             except ReplyTooLarge:
                 if size == 1:
                     raise
@@ -277,7 +296,7 @@ class EtcdStore(KeyValue):
         async def read(c: aetcd.Client):
             return await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)
 
-        reply = await self._call(f"GET {limit} keys of {prefix}*", read)
+        reply = await self._call(f"GET {limit} keys of {prefix}*", read, repeatable=True)
         return [_entry(kv) for kv in reply.kvs]
 
     async def count_prefix(self, prefix: str) -> int:
@@ -287,7 +306,7 @@ class EtcdStore(KeyValue):
         async def count(c: aetcd.Client):
             return (await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)).count
 
-        return await self._call(f"COUNT {prefix}*", count)
+        return await self._call(f"COUNT {prefix}*", count, repeatable=True)
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         await self._call(f"PUT {key}", lambda c: c.put(key.encode(), value, lease=lease))
@@ -334,7 +353,7 @@ class EtcdStore(KeyValue):
             resp = await c.kvstub.Range(self._probe, timeout=self._timeout_s, metadata=c.metadata)
             return resp.header.revision
 
-        return await self._call("a status request", status)
+        return await self._call("a status request", status, repeatable=True)
 
     async def compact(self, revision: int) -> None:
         """Compact etcd's history to `revision`; one at or below an earlier compaction is a no-op."""
@@ -346,7 +365,7 @@ class EtcdStore(KeyValue):
                     raise
                 log.debug("etcd history was compacted past %d already", revision)
 
-        await self._call(f"a compaction to revision {revision}", compact)
+        await self._call(f"a compaction to revision {revision}", compact, repeatable=True)
 
     async def check_ready(self) -> None:
         """etcd answers a read and has no alarm raised (NOSPACE: StoreFull)."""
@@ -358,7 +377,7 @@ class EtcdStore(KeyValue):
                 timeout=self._timeout_s, metadata=c.metadata)
             return [a.alarm for a in reply.alarms]
 
-        raised = await self._call("a status request", alarms)
+        raised = await self._call("a status request", alarms, repeatable=True)
         if aetcd.rpc.NOSPACE in raised:
             raise self._full()
         if aetcd.rpc.CORRUPT in raised:
@@ -387,7 +406,7 @@ class EtcdStore(KeyValue):
                 self._keepalive = _KeepAliveStream(c)
             return await self._keepalive.refresh(lease_id)
 
-        return await self._call("a lease keep-alive", refresh) > 0
+        return await self._call("a lease keep-alive", refresh, repeatable=True) > 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         async def revoke(c: aetcd.Client) -> None:
@@ -483,6 +502,31 @@ class _Unreachable(Exception):
     def __init__(self, error: StoreUnavailable, endpoint: str):
         super().__init__(error.message)
         self.error, self.endpoint = error, endpoint
+
+
+# etcd's answers while its members elect a leader. "no leader": refused before anything was
+# done; the others may follow a write that was applied, so only a read or a keep-alive
+# (`repeatable`) is sent again on them.
+_NO_LEADER = ("etcdserver: no leader",)
+_LEADER_LOST = ("etcdserver: leader changed", "possibly due to previous leader failure")
+ELECTION_RETRY_S = 0.1
+
+
+def _in_election(exc: BaseException, repeatable: bool) -> bool:
+    """`exc` (a StoreUnavailable) is etcd's answer during an election that may be sent again."""
+    return _said(exc.__cause__, _NO_LEADER + (_LEADER_LOST if repeatable else ()))
+
+
+def _said(exc: BaseException | None, phrases: tuple[str, ...]) -> bool:
+    """`exc` or one of its causes says one of `phrases`."""
+    said = []
+    while exc is not None and len(said) < 10:
+        said.append(str(exc))
+        if isinstance(exc, grpc.aio.AioRpcError):
+            said.append(exc.details() or "")
+        exc = exc.__cause__
+    text = " ".join(said)
+    return any(p in text for p in phrases)
 
 
 def _is_unreachable(exc: BaseException) -> bool:

@@ -35,7 +35,8 @@ from datetime import datetime
 import httpx
 import pytest
 
-from service.embedded import ROOT_USER, EtcdProcess
+from service.client import FtrainClient
+from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, start_cluster
 from tests.helpers.elastic import submit, wait_nodes, wait_state
 from tests.helpers.faults import SnapshotWatch, check_steps, events_of, train_spec, wait_latest
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
@@ -67,32 +68,51 @@ def _stops(cp: ControlPlane) -> list[tuple[float, int, str]]:
     return [(_when(t), int(term), why) for t, term, why in STOP.findall(_log(cp))]
 
 
-def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on(fabric, tmp_path):
+CASES = {
+    # etcd members, what is cut: the leader's whole link, or its link to etcd only
+    "one-member-whole-link": (1, "whole"),
+    "three-members-whole-link": (3, "whole"),
+    "three-members-etcd-link-only": (3, "etcd"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on(fabric, tmp_path, case):
+    members, cut = CASES[case]
     # etcd on an address that is not loopback is closed (the control plane refuses it open).
     password = secrets.token_urlsafe(16)
     password_file = tmp_path / "etcd-password"
     password_file.write_text(password + "\n")
     password_file.chmod(0o600)
     credentials = {"FTRAIN_ETCD_USER": ROOT_USER, "FTRAIN_ETCD_PASSWORD_FILE": str(password_file)}
-    etcd = EtcdProcess(tmp_path / "etcd-data", host=fabric.gateway, log_path=tmp_path / "etcd.log",
-                       root_password=password)
+    etcds = [EtcdProcess(tmp_path / f"etcd-{i}", name=f"m{i}", host=fabric.gateway,
+                         log_path=tmp_path / f"etcd-{i}.log", root_password=password)
+             for i in range(members)]
+    for m in etcds:
+        m.initial_cluster = ",".join(f"{x.name}={x.peer_url}" for x in etcds)
     started: list = []
     try:
-        etcd.start()
+        start_cluster(etcds)
+        endpoints = cluster_endpoints(etcds)
         ns, addr = fabric.add_node(0)
-        a = ControlPlane(etcd.endpoint, tmp_path / "a", host=addr, netns=ns, env=credentials)
+        # Cut from etcd only: A serves on a second link to the root namespace, which stays up.
+        host = fabric.add_client_link(0) if cut == "etcd" else addr
+        a = ControlPlane(endpoints, tmp_path / "a", host=host, netns=ns, env=credentials)
         started.append(a)
         a.start()
         term_a = wait_for(lambda: _leads(a) and _leads(a)[-1][1], 30, "replica A to lead")
-        b = ControlPlane(etcd.endpoint, tmp_path / "b", user_token=a.user_token, node_token=a.node_token,
+        b = ControlPlane(endpoints, tmp_path / "b", user_token=a.user_token, node_token=a.node_token,
                          env=credentials)
         b.secret_dir, b.snapshot_root, b.log_root = a.secret_dir, a.snapshot_root, a.log_root
         started.append(b)
         b.start()
         agents = [NodeAgentProc(b, f"n{i}", tmp_path / f"n{i}") for i in range(3)]
         started[:0] = agents  # stopped first
+        # A cut from etcd alone still hears the agents: they are given A first, and must be
+        # failed over by A (their heartbeats, rendezvous, progress and snapshot commits).
+        servers = f"{a.url},{b.url}" if cut == "etcd" else f"{b.url},{a.url}"
         for agent in agents:
-            agent.start(server=f"{b.url},{a.url}")
+            agent.start(server=servers)
 
         with b.client() as api:
             wait_nodes(api, 3)
@@ -106,6 +126,8 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
                 led = wait_for(lambda: _leads(b), 5, "B's log to say it leads")
                 stopped = wait_for(lambda: [x for x in _stops(a) if x[1] == term_a], 15,
                                    "A's log to say it stopped leading")
+                if cut == "etcd":
+                    check_cut_replica_answers(a, b, at_cut)
 
                 # The link back: A reaches etcd again and serves, but does not lead again.
                 fabric.restore(0)
@@ -146,7 +168,7 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
         # And from the logs: A stopped before B took the lead, and never led again.
         stop_a, _, why = stopped[0]
         lead_b = led[0][0]
-        print(f"\nA cut at 0; A stopped leading at {stop_a - cut_at:+.2f} s ({why}); B led at "
+        print(f"\n{case}: A cut at 0; A stopped leading at {stop_a - cut_at:+.2f} s ({why}); B led at "
               f"{lead_b - cut_at:+.2f} s (term {term_a} -> {term_b}); gap {lead_b - stop_a:+.2f} s "
               f"(negative: an overlap); B's first event {first_b - cut_at:+.2f} s; A's last event "
               f"{last_a - cut_at:+.2f} s")
@@ -155,5 +177,19 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
     finally:
         for proc in started:
             proc.stop()
-        etcd.kill()
-        shutil.rmtree(etcd.data_dir, ignore_errors=True)
+        for m in etcds:
+            m.kill()
+            shutil.rmtree(m.data_dir, ignore_errors=True)
+
+
+def check_cut_replica_answers(a: ControlPlane, b: ControlPlane, job_id: str) -> None:
+    """A, cut from etcd but not from its clients, keeps answering and serves nothing stale as
+    fresh: B started `job_id` after the cut, which A cannot have seen; A says so (503, which
+    a client fails over on) or answers what etcd has. A client given A first gets the fresh
+    answer through B."""
+    assert httpx.get(f"{a.url}/healthz", timeout=2).status_code == 200  # A is alive and answers
+    with a.client() as on_a:
+        resp = on_a.get(f"/v1/jobs/{job_id}")
+    assert resp.status_code == 503 or resp.json()["state"] != "PENDING", (resp.status_code, resp.text)
+    with FtrainClient(f"{a.url},{b.url}", a.user_token) as client:
+        assert client.get_job(job_id)["state"] != "PENDING"

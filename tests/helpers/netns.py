@@ -1,7 +1,8 @@
 """Network namespaces for tests: a switch, nodes on it, a link cut (`Fabric`).
 
 Used by tests/integration/test_multihost.py (nodes partitioned) and
-tests/faults/test_leader_cut.py (a control plane cut from etcd). Needs root and iproute2.
+tests/faults/test_leader_cut.py (a control plane cut from etcd, or from etcd alone: a node
+with a second link to the root namespace, `add_client_link`). Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -94,6 +95,24 @@ class Fabric:
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         return ns, addr
+
+    def add_client_link(self, i: int) -> str:
+        """A second link of node i (after `add_node`), straight to the root namespace, on a
+        subnet of its own: node i's address on it (inside, `eth1`). Cutting node i's switch
+        port (`cut`) then leaves this link up: what is on the switch (etcd) is cut off, what
+        is in the root namespace (agents, clients) still reaches node i."""
+        ns = f"{self.prefix}-n{i}"
+        net = _free_subnet()
+        root_addr, node_addr = (str(a) for a in list(net.hosts())[:2])
+        _ip("link", "add", self.client_veth(i), "type", "veth", "peer", "name", "eth1", "netns", ns)
+        _ip("addr", "add", f"{root_addr}/{net.prefixlen}", "dev", self.client_veth(i))
+        _ip("link", "set", self.client_veth(i), "up")
+        _ip("-n", ns, "addr", "add", f"{node_addr}/{net.prefixlen}", "dev", "eth1")
+        _ip("-n", ns, "link", "set", "eth1", "up")
+        return node_addr
+
+    def client_veth(self, i: int) -> str:
+        return f"{self.prefix}c{i}"
 
     def link_is_up(self, i: int) -> bool:
         """The switch-side end of node i's pair is administratively up."""

@@ -1,0 +1,76 @@
+"""EtcdStore while etcd elects a leader (its leading member lost): which calls are sent again.
+
+Process-free: the member's answers are faked below `_call`. The real thing (etcd's leading
+member SIGKILLed under a 3-member cluster, nothing noticed) is tests/faults/test_ha_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aetcd.exceptions
+import pytest
+
+from service.errors import StoreUnavailable
+from service.store.etcd import EtcdStore
+
+
+def store_answering(*answers: str | None, endpoints: str = "http://a:1,http://b:2,http://c:3"):
+    """An EtcdStore whose members answer with each of `answers` in turn (None: success)."""
+    store = EtcdStore(endpoints, timeout_s=3)
+    sent: list[str] = []
+
+    async def next_member(what, fn):
+        said = answers[len(sent)]
+        sent.append(what)
+        if said is None:
+            return "done"
+        kind = (aetcd.exceptions.ClientError if said == "permission denied"
+                else aetcd.exceptions.ConnectionFailedError)
+        exc = kind(said)
+        raise StoreUnavailable(f"etcd did not answer {what}") from exc
+
+    store._call_next_member = next_member
+    return store, sent
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("answer", ["etcdserver: leader changed", "etcdserver: no leader",
+                                    "failed to connect to all addresses; Connection refused"])
+def test_a_read_is_sent_again_until_the_new_leader_answers(answer):
+    store, sent = store_answering(answer, answer, None)
+    assert run(store._call("GET /k", None, repeatable=True)) == "done"
+    assert sent == ["GET /k"] * 3
+
+
+def test_a_write_is_sent_again_only_when_etcd_had_no_leader():
+    store, sent = store_answering("etcdserver: no leader", None)
+    assert run(store._call("a transaction", None)) == "done" and len(sent) == 2
+    # "leader changed" may follow a write that was applied: not sent again.
+    store, sent = store_answering("etcdserver: leader changed", None)
+    with pytest.raises(StoreUnavailable):
+        run(store._call("a transaction", None))
+    assert len(sent) == 1
+
+
+def test_one_member_unreachable_fails_at_once_and_others_than_elections_are_not_repeated():
+    store, sent = store_answering("failed to connect to all addresses; Connection refused", None,
+                                  endpoints="http://a:1")
+    with pytest.raises(StoreUnavailable):
+        run(store._call("GET /k", None, repeatable=True))
+    assert len(sent) == 1
+    store, sent = store_answering("permission denied", None)
+    with pytest.raises(StoreUnavailable):
+        run(store._call("GET /k", None, repeatable=True))
+    assert len(sent) == 1
+
+
+def test_the_election_is_waited_for_at_most_the_timeout():
+    store, sent = store_answering(*["etcdserver: no leader"] * 100)
+    store._timeout_s = 0.35
+    with pytest.raises(StoreUnavailable):
+        run(store._call("GET /k", None, repeatable=True))
+    assert 2 <= len(sent) <= 4  # one every ELECTION_RETRY_S (0.1 s) within 0.35 s
