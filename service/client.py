@@ -292,6 +292,7 @@ class FtrainClient:
         attempts = RETRY_ATTEMPTS if safe_to_retry else 1
         others = len(self._servers) - 1  # replicas still to ask at once, before any sleep
         attempt = 0
+        answered = False  # a replica answered (a 503, say) while another refuses connections
         while attempt < attempts:
             attempt += 1
             server = self.server
@@ -304,6 +305,9 @@ class FtrainClient:
                 self._servers.failed(server)
                 if others > 0:
                     others, attempt = others - 1, attempt - 1
+                    continue
+                if answered and attempt < attempts:  # back to the one that answered, later
+                    time.sleep(min(0.2 * attempt, MAX_RETRY_DELAY_S))
                     continue
                 raise self._transport_error(exc) from exc
             except httpx.TransportError as exc:
@@ -318,6 +322,7 @@ class FtrainClient:
                     continue
                 raise self._transport_error(exc) from exc
             self._saw(resp)
+            answered = True
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
             if safe_to_retry and resp.status_code in RETRYABLE_STATUS:

@@ -15,7 +15,11 @@ etcd answered was sent, or the grant), and
   again;
 * a heartbeat on a lease not confirmed lately (this replica's first beat of that node, a
   node back from a pause, a replica back from a gap, flushes failing because etcd is away)
-  refreshes it at once, as before: 404 if it lapsed, 503 if etcd does not answer.
+  refreshes it at once, as before: 404 if it lapsed, 503 if etcd does not answer within
+  `BEAT_WAIT` of a TTL;
+* a heartbeat to a replica that seems cut off from etcd (`KeyValue.check_contact`: a request
+  unanswered for a second) is 503 at once, so that the node takes its beats to another
+  replica while its lease still has time (tests/faults/test_leader_cut.py, the etcd link cut).
 
 Why a beating node's lease cannot lapse: a lease noted at `t` was confirmed at `c > t -
 TTL/2`, and is refreshed by the first flush after `c + TTL/3`, that is before `c + TTL/3 +
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.5
 FAST_WITHIN = 1 / 2  # of a TTL: a beat on a lease confirmed this lately is answered from memory
 REFRESH_AFTER = 1 / 3  # of a TTL: a noted lease confirmed this long ago is refreshed at the flush
+BEAT_WAIT = 1 / 4  # of a TTL: the longest a heartbeat waits for etcd to confirm its lease
 BATCH = 1000  # keep-alives in flight at once during a flush
 REMEMBERED_LAPSES = 100_000
 
@@ -80,13 +85,24 @@ class LeaseKeeper:
         again). Raises StoreUnavailable only when it had to ask etcd and etcd did not answer."""
         if lease_id in self._lapsed:
             return False
+        # A replica cut off from etcd answers 503 at once (the node goes to another replica
+        # while its lease still has time), rather than 200 from memory, keeping nothing alive.
+        self._kv.check_contact()
         now = self._clock()
         confirmed = self._confirmed.get(lease_id)
         if confirmed is not None and now - confirmed < self.ttl_s * FAST_WITHIN:
             self._noted.add(lease_id)
             return True
         self.keepalives += 1
-        if await self._kv.refresh_lease(lease_id):
+        try:
+            # Bounded: a beat held for etcd's whole timeout (3.5 s) by a replica cut off just
+            # after it came would leave the node too little of its lease to go elsewhere.
+            async with asyncio.timeout(self.ttl_s * BEAT_WAIT):
+                alive = await self._kv.refresh_lease(lease_id)
+        except TimeoutError:
+            raise StoreUnavailable(f"etcd did not confirm the node's lease within "
+                                   f"{self.ttl_s * BEAT_WAIT:g} s; try another replica") from None
+        if alive:
             self._confirmed[lease_id] = now
             self._noted.discard(lease_id)
             return True

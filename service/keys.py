@@ -24,6 +24,9 @@
     <prefix>/leader                      the scheduler leader's lease-bound key
     <prefix>/presence/<name>             the replica holding the node's presence request
                                          (service.presence), bound to the node's lease
+    <prefix>/suspects/<name>             the latest broken-peer report naming the node (its
+                                         wall-clock time, the replica), bound to the node's
+                                         lease: shared by the replicas (service.presence)
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
@@ -103,6 +106,9 @@ class Keys:
 
     def presence(self, name: str) -> str:
         return f"{self.prefix}/presence/{name}"
+
+    def suspect(self, name: str) -> str:
+        return f"{self.prefix}/suspects/{name}"
 
     def memory_copies(self, job_id: str) -> str:
         return f"{self.prefix}/memory/{job_id}/"

@@ -16,6 +16,16 @@ nothing: a peer whose connection is held is alive (its worker died, not its agen
 stays the backstop for a node that goes silent without closing anything (power, a
 partition, a stopped agent).
 
+Suspicions are shared: the replica that gets a broken-peer report need not be the one that
+holds the suspect's presence request (an agent talks to one replica, a survivor's worker may
+report to another). Each report is also written to etcd (`Keys.suspect`, bound to the node's
+lease, with the reporter's wall-clock time), and a replica whose held connection dropped reads
+it every `SHARED_POLL_S` while it waits for a second signal, so a report to replica B and a
+drop on replica A confirm each other in either order, as they do on one replica
+(tests/service/test_presence.py). What is not shared: a suspect whose agent died between two
+presence requests (it dropped nothing while held) is checked at once only by the replica
+that owns its presence if the report came there; elsewhere the lease is the backstop.
+
 With several control planes an agent may reconnect to another replica: the first request
 a replica holds for a node writes the presence key (`Keys.presence`, bound to the node's
 lease) with the replica's id, and a replica revokes only if that key still names it. The
@@ -42,18 +52,20 @@ HOLD_S = 1.0  # how long the control plane holds one presence request
 GRACE_S = 1.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
 BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
 SUSPECT_WINDOW_S = 3.0  # a broken-peer report confirms a drop from this long before it on
+SHARED_POLL_S = 0.2  # how often a drop waiting for a second signal reads the shared suspicions
 
 
 class Presence:
     """This replica's presence requests and the checks after dropped ones."""
 
     def __init__(self, kv: KeyValue, keys: Keys, grace_s: float = GRACE_S, blip_s: float = BLIP_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.kv = kv
         self.keys = keys
         self.grace_s = grace_s
         self.blip_s = max(blip_s, grace_s)
         self.clock = clock
+        self.wall = wall  # the clock of the suspicions shared with other replicas
         self._suspected: dict[str, float] = {}  # node -> when a survivor last reported it broken
         self._holding: dict[str, int] = {}  # node -> its presence requests held here now
         self.replica = secrets.token_hex(8)
@@ -85,7 +97,10 @@ class Presence:
         return False
 
     def _start_check(self, name: str, lease: int, dropped: float) -> None:
-        task = asyncio.get_running_loop().create_task(self._check(name, lease, dropped))
+        self._spawn(self._check(name, lease, dropped))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
@@ -103,6 +118,32 @@ class Presence:
         for name, when in list(self._suspected.items()):  # forget the old ones
             if now - when > SUSPECT_WINDOW_S:
                 del self._suspected[name]
+        if nodes:
+            self._spawn(self._share(list(nodes), self.wall()))
+
+    async def _share(self, nodes: list[str], at: float) -> None:
+        """Write each suspicion to etcd, bound to the node's lease, for whichever replica holds
+        (or will hold) the node's presence request."""
+        value = json.dumps({"at": at, "by": self.replica}).encode()
+        for name in nodes:
+            try:
+                record = await self.kv.get(self.keys.node(name))
+                if record is not None and record.lease:
+                    await self.kv.put(self.keys.suspect(name), value, lease=record.lease)
+            except Exception as exc:  # noqa: BLE001 - the blip bound and the lease remain
+                log.warning("could not share the suspicion of node %s (%s)", name, exc)
+
+    async def _shared_confirms(self, name: str, dropped: float) -> bool:
+        """A suspicion of `name` shared by any replica confirms a drop at `dropped` (this
+        replica's clock): reported from SUSPECT_WINDOW_S before it on, in wall-clock time."""
+        try:
+            entry = await self.kv.get(self.keys.suspect(name))
+        except Exception:  # noqa: BLE001 - read again at the next poll
+            return False
+        if entry is None:
+            return False
+        dropped_wall = self.wall() - (self.clock() - dropped)
+        return json.loads(entry.value).get("at", float("-inf")) >= dropped_wall - SUSPECT_WINDOW_S
 
     def _is_confirmed(self, name: str, dropped: float) -> bool:
         return self._suspected.get(name, float("-inf")) >= dropped - SUSPECT_WINDOW_S
@@ -111,13 +152,21 @@ class Presence:
         """After the grace: revoke the node's lease unless it came back, once a broken-peer
         report confirms the drop, or when the drop outlasts `blip_s` unconfirmed."""
         await asyncio.sleep(self.grace_s)
-        while not self._is_confirmed(name, dropped) and self.clock() - dropped < self.blip_s:
+        confirmed = self._is_confirmed(name, dropped)
+        read_at = self.clock()
+        while not confirmed and self.clock() - dropped < self.blip_s:
             if self._opened.get(name, 0.0) > dropped:
                 return  # it asked again here
+            if self.clock() >= read_at:  # a report to another replica confirms it too
+                read_at = self.clock() + SHARED_POLL_S
+                if await self._shared_confirms(name, dropped):
+                    confirmed = True
+                    break
             await asyncio.sleep(min(0.05, max(0.0, self.blip_s - (self.clock() - dropped))))
+            confirmed = self._is_confirmed(name, dropped)
         if self._opened.get(name, 0.0) > dropped:
             return  # it asked again here
-        signal = ("a survivor reported a broken peer" if self._is_confirmed(name, dropped)
+        signal = ("a survivor reported a broken peer" if confirmed
                   else f"no second signal, but it outlasted {self.blip_s:g} s")
         try:
             presence = await self.kv.get(self.keys.presence(name))

@@ -7,6 +7,7 @@ go in `secret_env`, which nobody sees. Only the owner of a job, or the admin, ma
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
@@ -16,7 +17,7 @@ from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide.cancel import decide_cancel
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
-from service.errors import Conflict, JobNotFound
+from service.errors import Conflict, JobNotFound, StoreUnavailable
 from service.keyring import new_nonce
 from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
 from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_index)
@@ -24,6 +25,7 @@ from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_ind
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth], route_class=AuthFirstRoute)
 
 READ_WAIT_S = 1.0  # how long a read waits for the index to reach that revision, then reads etcd
+CUT_OFF_READ_S = 1.0  # how long a replica cut off from etcd waits for it on a status read
 RevisionSeen = Annotated[int | None, Header(alias=REVISION_HEADER, ge=0,
                                             description="The highest X-Ftrain-Revision this "
                                                         "client has seen: answer nothing older.")]
@@ -111,17 +113,37 @@ async def get_job(job_id: str, ctx: ContextDep, seen: RevisionSeen = None) -> Re
     if cached is not None:
         body, revision = cached
     else:  # read through
-        body, revision = (await ctx.jobs.view(job_id)).model_dump_json().encode(), ctx.index.revision
+        body, revision = (await read_through(ctx, job_id)).model_dump_json().encode(), ctx.index.revision
     return Response(body, media_type="application/json",
                     headers={REVISION_HEADER: str(max(revision, seen or 0))})
 
 
+async def read_through(ctx: Context, job_id: str) -> JobView:
+    """The job as etcd has it. A replica that seems cut off from etcd waits for it at most
+    CUT_OFF_READ_S, then answers 503 (its clients fail over to another replica) rather
+    than keep the client for etcd's whole timeout, tried on each member in turn."""
+    try:
+        ctx.kv.check_contact()
+    except StoreUnavailable as cut_off:
+        try:
+            async with asyncio.timeout(CUT_OFF_READ_S):
+                return await ctx.jobs.view(job_id)
+        except TimeoutError:
+            raise cut_off from None
+    return await ctx.jobs.view(job_id)
+
+
 async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:
     """The job's view as JSON and the index's revision, if the index can answer: it is
-    loaded, has reached `seen` (waited for, at most READ_WAIT_S) and has the job."""
+    loaded, has reached `seen` (waited for, at most READ_WAIT_S) and has the job, and this
+    replica is not cut off from etcd (`KeyValue.check_contact`)."""
     index = ctx.index
     if not (index.ready.is_set() and index.progress_ready.is_set()):
         return None
+    try:  # a replica cut off from etcd does not answer from what it last heard
+        ctx.kv.check_contact()
+    except StoreUnavailable:
+        return None  # read through: an answer if etcd was only slow, else 503
     if seen is not None and not await index.wait_for_revision(seen, READ_WAIT_S):
         return None
     body = index.view_json(job_id)

@@ -86,6 +86,13 @@ class Fence(dict[str, int]):
         self.lapsed = lapsed
 
 
+# A request to the store unanswered for this long, with no answer to any request since it was
+# sent: this process is cut off (`KeyValue.check_contact`). Every control plane sends etcd a
+# request at least every second (its leadership check), so a cut is known within about
+# 1 + CUT_OFF_AFTER_S, well inside a node's lease (6 s by default).
+CUT_OFF_AFTER_S = 1.0
+
+
 class KeyValue(abc.ABC):
     """A key-value store with revisions, compare-and-set transactions, leases and watches.
 
@@ -189,6 +196,14 @@ class KeyValue(abc.ABC):
     async def check_ready(self) -> None:
         """Return if the store serves reads and writes; else raise StoreUnavailable saying why
         (StoreFull while etcd's NOSPACE alarm is raised, although reads still work)."""
+
+    def check_contact(self) -> None:
+        """Raise StoreUnavailable if this process seems cut off from the store: a request has
+        waited CUT_OFF_AFTER_S with no answer from the store since it was sent. For what is
+        answered from memory (watch-fed caches, heartbeats), which would otherwise be
+        answered as if fresh by a replica that no longer hears etcd; its clients then fail
+        over to a replica that does. (An in-process store is never cut off.)"""
+        return None
 
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: int) -> int:

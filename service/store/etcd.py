@@ -35,7 +35,7 @@ import aetcd.exceptions
 import grpc
 
 from service.errors import HistoryCompacted, ReplyTooLarge, StoreFull, StoreUnavailable
-from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
+from service.store.api import CUT_OFF_AFTER_S, MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class EtcdStore(KeyValue):
         self._closing: set[asyncio.Task] = set()
         self._keepalive: _KeepAliveStream | None = None
         self.on_call: Callable[[float], None] | None = None  # each call's seconds (GET /metrics)
+        # For check_contact: when the first call sent since etcd's last answer was sent.
+        self._unanswered_since: float | None = None
 
     @property
     def endpoint(self) -> str:
@@ -212,15 +214,31 @@ class EtcdStore(KeyValue):
             except _Unreachable as again:
                 raise again.error from again.__cause__
 
+    def check_contact(self) -> None:
+        since = self._unanswered_since
+        if since is not None and time.monotonic() - since > CUT_OFF_AFTER_S:
+            raise StoreUnavailable(
+                f"this control plane has had no answer from etcd at {self.endpoint} for "
+                f"{time.monotonic() - since:.1f} s: what it holds may be stale; ask another replica")
+
+    def _answered(self) -> None:
+        self._unanswered_since = None
+
     async def _call_once(self, what: str, fn):
         client = None
+        if self._unanswered_since is None:  # (still waiting, or failed: either way no answer)
+            self._unanswered_since = time.monotonic()
         try:
             client = await self._connected()
             # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes as the
             # call ends (Python 3.11), and a task cancelled then never ends (a hung shutdown).
             async with asyncio.timeout(self._timeout_s + 0.5):
-                return await fn(client)
+                answer = await fn(client)
+            self._answered()
+            return answer
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            if not _is_connection_trouble(exc):
+                self._answered()  # etcd's answer, if not the one asked for
             if _is_token_refused(exc):  # expired, or etcd restarted: authenticate again
                 if self._user is None:
                     raise self._refused(exc) from exc
@@ -527,6 +545,14 @@ def _said(exc: BaseException | None, phrases: tuple[str, ...]) -> bool:
         exc = exc.__cause__
     text = " ".join(said)
     return any(p in text for p in phrases)
+
+
+def _is_connection_trouble(exc: BaseException) -> bool:
+    """No answer from etcd: the member unreachable, or the deadline passed."""
+    if isinstance(exc, aetcd.exceptions.ConnectionTimeoutError):
+        return True
+    return _is_unreachable(exc) or (isinstance(exc, grpc.aio.AioRpcError)
+                                    and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _is_unreachable(exc: BaseException) -> bool:

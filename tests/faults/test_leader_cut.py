@@ -2,12 +2,20 @@
 schedulers ever act, proven from the job events, and the job trains on.
 
 Layout (`tests.helpers.netns.Fabric`): etcd (closed: authentication on, as the control
-plane demands off loopback) listens on the switch's gateway address in the root namespace;
-replica A runs in a namespace of its own on the switch and leads (started first); replica
-B runs in the root namespace on loopback; three node agents run in the root namespace and
-are given `B,A` (the nodes' failover is the HA kill test's subject; here the cut is
-between the leader and etcd). `ip link set <A's port> down` on the switch then cuts A from
-etcd (and from everything else): A lives on, its etcd calls hang.
+plane demands off loopback; one member, or three) listens on the switch's gateway address in
+the root namespace; replica A runs in a namespace of its own on the switch and leads (started
+first); replica B runs in the root namespace on loopback; three node agents run in the root
+namespace. `ip link set <A's port> down` on the switch then cuts A from etcd: A lives on, its
+etcd calls hang. Three cases:
+- the whole link (one etcd member, and three): A is cut from everything; the agents are given
+  `B,A` (the nodes' failover is the HA kill test's subject);
+- the etcd link only (three members): A serves on a second link straight to the root
+  namespace (`Fabric.add_client_link`), which stays up, and the agents are given `A,B`: A
+  still hears them and the test's clients. A must stop leading, must not answer from what it
+  last heard as if it were fresh (a status read of the training job, whose progress moved on
+  through B, and of a job B started after the cut: 503 or etcd's answer, never A's stale
+  one; a client given `A,B` gets the fresh answers), and must keep answering (its heartbeats
+  503 at once, so the agents move to B before their leases lapse: the job has 0 restarts).
 
 Every event a leader-only loop writes names the replica that wrote it and its term (the
 etcd revision at which it took the lead: `EventView.leader`, `.term`). The proof:
@@ -20,7 +28,7 @@ etcd revision at which it took the lead: `EventView.leader`, `.term`). The proof
 The two-node job that trains through it all has 0 restarts and rank 0's steps 1..N once.
 When the link comes back, A does not take the lead back.
 
-About 60 s: marked `slow` (FTRAIN_TEST_SLOW=1 runs it; needs root and iproute2).
+About 60-90 s a case: marked `slow` (FTRAIN_TEST_SLOW=1 runs it; needs root and iproute2).
 """
 
 from __future__ import annotations
@@ -119,6 +127,7 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
             job_id = submit(api, train_spec("cut", 200, every=5, delay_s=0.1, mn=2, mx=2))
             wait_latest(api, job_id, 10)
             with SnapshotWatch(b, job_id) as watch:
+                step_at_cut = api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"]
                 fabric.cut(0)
                 cut_at = time.time()
                 at_cut = submit(api, train_spec("at-the-cut", 20, every=5, delay_s=0.05))
@@ -127,7 +136,7 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
                 stopped = wait_for(lambda: [x for x in _stops(a) if x[1] == term_a], 15,
                                    "A's log to say it stopped leading")
                 if cut == "etcd":
-                    check_cut_replica_answers(a, b, at_cut)
+                    check_cut_replica_answers(a, b, job_id, step_at_cut, at_cut)
 
                 # The link back: A reaches etcd again and serves, but does not lead again.
                 fabric.restore(0)
@@ -182,14 +191,24 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
             shutil.rmtree(m.data_dir, ignore_errors=True)
 
 
-def check_cut_replica_answers(a: ControlPlane, b: ControlPlane, job_id: str) -> None:
+def check_cut_replica_answers(a: ControlPlane, b: ControlPlane, training: str, step_at_cut: int,
+                              started_by_b: str) -> None:
     """A, cut from etcd but not from its clients, keeps answering and serves nothing stale as
-    fresh: B started `job_id` after the cut, which A cannot have seen; A says so (503, which
-    a client fails over on) or answers what etcd has. A client given A first gets the fresh
-    answer through B."""
+    fresh: the training job's progress moved on through B since the cut, and B started a job
+    after the cut, neither of which A can have heard of. A says so (503, which a client fails
+    over on) or answers what etcd has. A client given A first gets the fresh answers."""
     assert httpx.get(f"{a.url}/healthz", timeout=2).status_code == 200  # A is alive and answers
+    with b.client() as on_b:
+        fresh = wait_for(lambda: (j := on_b.get(f"/v1/jobs/{training}").json())["progress"]["step"]
+                         > step_at_cut and j, 30, "the training job's progress to move on through B")
     with a.client() as on_a:
-        resp = on_a.get(f"/v1/jobs/{job_id}")
-    assert resp.status_code == 503 or resp.json()["state"] != "PENDING", (resp.status_code, resp.text)
+        resp = on_a.get(f"/v1/jobs/{training}")
+        assert resp.status_code in (200, 503), (resp.status_code, resp.text)
+        if resp.status_code == 200:  # read through to etcd (only if it answered after all)
+            assert resp.json()["progress"]["step"] >= fresh["progress"]["step"], (resp.text, fresh)
+        resp = on_a.get(f"/v1/jobs/{started_by_b}")
+        assert resp.status_code in (200, 503), (resp.status_code, resp.text)
+        assert resp.status_code == 503 or resp.json()["state"] != "PENDING", resp.text
     with FtrainClient(f"{a.url},{b.url}", a.user_token) as client:
-        assert client.get_job(job_id)["state"] != "PENDING"
+        assert client.get_job(training)["progress"]["step"] >= fresh["progress"]["step"]
+        assert client.get_job(started_by_b)["state"] != "PENDING"

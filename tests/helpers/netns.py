@@ -63,6 +63,7 @@ class Fabric:
         self.hosts = list(self.net.hosts())
         self.gateway = str(self.hosts[0])
         self.namespaces: list[str] = []
+        self.client_links: list[str] = []
         self.created_switch = False
 
     def up(self) -> Fabric:
@@ -105,6 +106,7 @@ class Fabric:
         net = _free_subnet()
         root_addr, node_addr = (str(a) for a in list(net.hosts())[:2])
         _ip("link", "add", self.client_veth(i), "type", "veth", "peer", "name", "eth1", "netns", ns)
+        self.client_links.append(self.client_veth(i))
         _ip("addr", "add", f"{root_addr}/{net.prefixlen}", "dev", self.client_veth(i))
         _ip("link", "set", self.client_veth(i), "up")
         _ip("-n", ns, "addr", "add", f"{node_addr}/{net.prefixlen}", "dev", "eth1")
@@ -127,6 +129,11 @@ class Fabric:
         _ip("-n", self.switch, "link", "set", "dev", self.veth(i), "up")
 
     def down(self) -> None:
+        # A pair with an end in the root namespace is deleted from there: a namespace that
+        # something still pins (a socket closing) keeps its end, and with it ours, after
+        # `ip netns del` (seen once: the root end still up a minute later).
+        for link in self.client_links:
+            _ip("link", "del", link, check=False)
         for ns in self.namespaces:  # deleting a namespace deletes its end of the pair, and so both
             _ip("netns", "del", ns, check=False)
         if self.created_switch:

@@ -391,3 +391,23 @@ def test_the_progress_line_shows_the_reason_while_the_group_re_forms(state, regr
     job = {"state": state, "regrouping": regrouping, "reason": "node(s) n2 joined; scaling up",
            "nodes": ["n0"], "progress": {"step": 5}}
     assert ("node(s) n2 joined" in _progress_line(job, 0.0)) is shown
+
+
+def test_a_submit_goes_on_while_one_replica_is_gone_and_the_other_answers_503_for_a_moment():
+    """Two replicas: one refuses connections (killed), the other answers 503 once (etcd was
+    electing a leader). The client comes back to the one that answered, after a pause, with
+    the same Idempotency-Key, instead of giving up on the refused connection."""
+    sent: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.host, request.headers["Idempotency-Key"]))
+        if request.url.host == "dead.test":
+            raise httpx.ConnectError("connection refused", request=request)
+        if len([h for h, _ in sent if h == "live.test"]) == 1:
+            return httpx.Response(503, json={"detail": "etcd: leader changed"}, headers={"Retry-After": "0"})
+        return httpx.Response(201, json={"id": "j1"})
+
+    client = FtrainClient("http://live.test,http://dead.test", "t", transport=httpx.MockTransport(handler))
+    assert client.submit({"name": "x", "command": ["true"]})["id"] == "j1"
+    assert [h for h, _ in sent] == ["live.test", "dead.test", "live.test"]
+    assert len({key for _, key in sent}) == 1

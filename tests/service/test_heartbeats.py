@@ -137,3 +137,66 @@ def test_keeper_with_flush_loop_keeps_a_lease_on_real_time():
         assert await kv.refresh_lease(lease)
 
     asyncio.run(main())
+
+
+def test_a_replica_cut_off_from_etcd_answers_a_heartbeat_503_at_once_and_never_waits_long():
+    """Cut off (a request to etcd unanswered for a second: `check_contact` raises), a beat is
+    refused at once even on a lease confirmed a moment ago, so the node takes its beats to
+    another replica in time; a beat that must ask etcd waits at most BEAT_WAIT of a TTL."""
+    from service.errors import StoreUnavailable
+    from service.heartbeats import BEAT_WAIT
+
+    async def main():
+        clock, kv, _nodes = _store()
+        ttl = 2  # (the shortest: the test waits its BEAT_WAIT)
+        keeper = LeaseKeeper(kv, ttl_s=ttl, clock=clock)
+        lease = await kv.grant_lease(ttl)
+        keeper.granted(lease, clock.now)
+        assert await keeper.beat(lease)  # from memory
+
+        def cut_off() -> None:
+            raise StoreUnavailable("no answer from etcd for 1.2 s")
+        kv.check_contact = cut_off
+        with pytest.raises(StoreUnavailable):
+            await keeper.beat(lease)
+        del kv.check_contact
+
+        async def hangs(lease_id: int) -> bool:
+            await asyncio.sleep(3600)
+            return True
+        kv.refresh_lease = hangs
+        clock.now += ttl * 0.6  # past FAST_WITHIN: the beat asks etcd
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(StoreUnavailable):
+            await keeper.beat(lease)
+        assert loop.time() - started == pytest.approx(ttl * BEAT_WAIT, abs=0.2)
+
+    asyncio.run(main())
+
+
+def test_etcd_store_is_cut_off_only_while_no_answer_came_past_the_bound():
+    import time
+
+    from service.errors import StoreUnavailable
+    from service.store.api import CUT_OFF_AFTER_S
+    from service.store.etcd import EtcdStore
+
+    store = EtcdStore("http://127.0.0.1:1")
+    store.check_contact()  # nothing asked
+    store._unanswered_since = time.monotonic() - CUT_OFF_AFTER_S / 2
+    store.check_contact()  # waiting (or failing), not yet for long
+    store._unanswered_since = time.monotonic() - CUT_OFF_AFTER_S - 0.5
+    with pytest.raises(StoreUnavailable, match="no answer from etcd"):
+        store.check_contact()
+    store._answered()  # an answer came
+    store.check_contact()
+
+    async def refused():  # a member that refuses connections: no answer either
+        async def call(client):
+            raise OSError("connection refused")
+        store._connected = lambda: asyncio.sleep(0)
+        with pytest.raises(StoreUnavailable):
+            await store._call_once("GET /k", call)
+    asyncio.run(refused())
+    assert store._unanswered_since is not None

@@ -122,3 +122,42 @@ def test_a_node_registered_again_or_held_by_another_replica_is_kept():
         assert (await kv.get(KEYS.node("n1"))).lease == new and p.revoked == []
 
     asyncio.run(main())
+
+
+def test_a_report_to_one_replica_confirms_a_drop_on_another_in_either_order():
+    """Suspicions are shared through etcd: replica A holds n1's presence, a survivor's report
+    goes to replica B. Either order is lost after the grace, not after the blip bound."""
+    async def main(report_first: bool):
+        kv, nodes, lease, (a, b) = await setup(replicas=2)
+        assert await a.hold("n1", lease, receive_held, hold_s=0.01)
+        t0 = a.clock()
+        if report_first:
+            b.suspect(["n1"])
+            await settle(b)  # written to etcd
+        assert not await a.hold("n1", lease, receive_dropped)
+        if not report_first:
+            await asyncio.sleep(GRACE_S * 2)  # the drop waits for a second signal
+            b.suspect(["n1"])
+        await settle(b)
+        await settle(a)
+        assert a.clock() - t0 < BLIP_S / 2, "lost only at the blip bound: the report was not shared"
+        assert await kv.get(KEYS.node("n1")) is None and a.revoked == ["n1"] and b.revoked == []
+
+    asyncio.run(main(report_first=True))
+    asyncio.run(main(report_first=False))
+
+
+def test_a_shared_report_older_than_the_window_confirms_nothing():
+    async def main():
+        kv, nodes, lease, (a, b) = await setup(replicas=2)
+        b.wall = lambda: a.wall() - 10  # a report made long before the drop
+        b.suspect(["n1"])
+        await settle(b)
+        assert await kv.get(KEYS.suspect("n1")) is not None
+        assert not await a.hold("n1", lease, receive_dropped)
+        await asyncio.sleep(GRACE_S * 4)
+        assert await kv.get(KEYS.node("n1")) is not None and a.revoked == []  # a blip still
+        await settle(a)  # lost at the blip bound
+        assert a.revoked == ["n1"]
+
+    asyncio.run(main())
