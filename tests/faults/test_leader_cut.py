@@ -152,26 +152,31 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
             events = {j: events_of(api, j) for j in (job_id, at_cut)}
 
         # Who wrote what, from the events alone.
-        (term_b,) = {term for _, term in led}
+        term_b = led[0][1]
         stamped = sorted(((e["time"], e["term"], e["leader"], j, e["seq"], e["reason"])
                           for j, evs in events.items() for e in evs if e.get("term") is not None))
         holders: dict[int, set[str]] = {}
         for _, term, leader, *_ in stamped:
             holders.setdefault(term, set()).add(leader)
-        assert holders.keys() == {term_a, term_b} and term_a < term_b, stamped
+        # One holder a term; A's term before the cut, B's after it. (B may lead under more
+        # than one term: on a starved machine its own 2 s lease can lapse and be taken again.)
+        assert all(len(h) == 1 for h in holders.values()), holders
+        b_terms = sorted(holders.keys() - {term_a})
+        assert term_a in holders and b_terms and b_terms[0] == term_b and term_a < term_b, stamped
         (leader_a,), (leader_b,) = holders[term_a], holders[term_b]
         assert f":{a.proc.pid}:" in leader_a and f":{b.proc.pid}:" in leader_b, holders
+        assert all(holders[t] == {leader_b} for t in b_terms), holders
         first_of_job = [e for e in events[job_id] if e["state"] == "RUNNING"][0]
         assert first_of_job["term"] == term_a  # A started the job before the cut
         started_at_cut = [e for e in events[at_cut] if e["state"] == "RUNNING"][0]
-        assert started_at_cut["term"] == term_b  # B started the job submitted at the cut
+        assert started_at_cut["term"] in b_terms  # B started the job submitted at the cut
         terms_in_time = [term for _, term, *_ in stamped]
         assert terms_in_time == sorted(terms_in_time), stamped  # no event of A's after one of B's
         for evs in events.values():
             terms_in_seq = [e["term"] for e in sorted(evs, key=lambda e: e["seq"]) if e.get("term")]
             assert terms_in_seq == sorted(terms_in_seq), evs
         last_a = max(t for t, term, *_ in stamped if term == term_a)
-        first_b = min(t for t, term, *_ in stamped if term == term_b)
+        first_b = min(t for t, term, *_ in stamped if term != term_a)
         assert last_a < cut_at < first_b
 
         # And from the logs: A stopped before B took the lead, and never led again.
@@ -180,7 +185,8 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
         print(f"\n{case}: A cut at 0; A stopped leading at {stop_a - cut_at:+.2f} s ({why}); B led at "
               f"{lead_b - cut_at:+.2f} s (term {term_a} -> {term_b}); gap {lead_b - stop_a:+.2f} s "
               f"(negative: an overlap); B's first event {first_b - cut_at:+.2f} s; A's last event "
-              f"{last_a - cut_at:+.2f} s")
+              f"{last_a - cut_at:+.2f} s; B's terms in the events: {b_terms}; B stopped leading: "
+              f"{[(round(t - cut_at, 2), term, why) for t, term, why in _stops(b)]}")
         assert stop_a < lead_b, (stopped, led)
         assert [term for _, term in _leads(a)] == [term_a]
     finally:
