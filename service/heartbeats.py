@@ -86,8 +86,14 @@ class LeaseKeeper:
         if lease_id in self._lapsed:
             return False
         # A replica cut off from etcd answers 503 at once (the node goes to another replica
-        # while its lease still has time), rather than 200 from memory, keeping nothing alive.
-        self._kv.check_contact()
+        # while its lease still has time), rather than 200 from memory. The lease is noted as
+        # for any beat, so the flush goes on sending its keep-alives: if etcd was only slow
+        # (a starved machine), they keep it alive as before.
+        try:
+            self._kv.check_contact()
+        except StoreUnavailable:
+            self._noted.add(lease_id)
+            raise
         now = self._clock()
         confirmed = self._confirmed.get(lease_id)
         if confirmed is not None and now - confirmed < self.ttl_s * FAST_WITHIN:
@@ -100,6 +106,7 @@ class LeaseKeeper:
             async with asyncio.timeout(self.ttl_s * BEAT_WAIT):
                 alive = await self._kv.refresh_lease(lease_id)
         except TimeoutError:
+            self._noted.add(lease_id)  # the flush tries it again
             raise StoreUnavailable(f"etcd did not confirm the node's lease within "
                                    f"{self.ttl_s * BEAT_WAIT:g} s; try another replica") from None
         if alive:
