@@ -82,6 +82,7 @@ from worker.rdzv_state import MergeSpec, NotAState, RdzvDoc, apply_ops
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
+MAX_ENCODED = 64  # states kept encoded (`StateHub.encoded`): a few revisions of a few rounds
 BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
@@ -163,8 +164,20 @@ class StateHub:
         self._watched: dict[str, _Watched] = {}
         self._waiting: dict[str, list[_Write]] = {}
         self._drains: set[asyncio.Task] = set()
+        self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
         self.batches = 0  # written batches and the writes they carried, for the bench
         self.writes = 0
+
+    def encoded(self, entry: Entry) -> str:
+        """The state `entry` as it travels (base64), made once per revision: a round's N nodes
+        read the same few revisions (the last one by all N at once), each up to N nodes' size."""
+        known = (entry.key, entry.mod_revision)
+        text = self._encoded.get(known)
+        if text is None:
+            if len(self._encoded) >= MAX_ENCODED:
+                del self._encoded[next(iter(self._encoded))]  # the oldest
+            text = self._encoded[known] = base64.b64encode(entry.value).decode()
+        return text
 
     async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
                      write: _Write) -> tuple[Entry | None, bool]:

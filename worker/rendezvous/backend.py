@@ -34,7 +34,7 @@ from worker.protocol import (
     seal_state,
     state_version,
 )
-from worker.rdzv_state import MAX_OPS, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
+from worker.rdzv_state import MAX_OPS, MergeSpec, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
 from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
@@ -100,30 +100,39 @@ class FtrainRendezvousBackend(RendezvousBackend):
         this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
         token = None if token is None else str(token)
-        body = SetStateRequest(state=seal_state(state), token=token)
         doc = to_doc(state) if self.merge_settings is not None else None
-        if doc is not None:
-            body.state = seal_state(doc.to_json(), version=2)
-            read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
-            if read is not None:
-                min_nodes, max_nodes, last_call = self.merge_settings
-                body.merge = infer_ops(read, doc, min_nodes, max_nodes,
-                                       last_call // timedelta(microseconds=1))
-                if len(refreshed) > MAX_REFRESH_OPS:
-                    refreshed = []  # each node's own keep-alive refreshes it (a body limit)
-                if body.merge is not None and len(body.merge.ops) + len(refreshed) > MAX_OPS:
-                    body.merge = None  # too many to merge: the whole state, compare-and-set
-                if body.merge is not None:
-                    # The refreshed heartbeats go too (the others' as well as this node's):
-                    # a reader after this write sees the group alive, as after a whole-state write.
-                    body.merge.ops[:0] = refreshed
-                    body.state = None  # the ops rebuild it from the state at `token`
+        merge = self._merge_of(doc, token) if doc is not None else None
+        if merge is not None:  # the ops rebuild the state from the state at `token`
+            body = SetStateRequest.model_construct(state=None, token=token, merge=merge)
+        elif doc is not None:
+            body = SetStateRequest(state=seal_state(doc.to_json(), version=2), token=token)
+        else:
+            body = SetStateRequest(state=seal_state(state), token=token)
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
         if decoded is None:
             return None
         return decoded[0], decoded[1], result.written
+
+    def _merge_of(self, doc: RdzvDoc, token: str | None) -> MergeSpec | None:
+        """`doc`'s change from the state read at `token`, as ops the control plane merges, with
+        the heartbeats this node refreshed after an outage; None: send the whole state."""
+        read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
+        if read is None:
+            return None
+        min_nodes, max_nodes, last_call = self.merge_settings
+        merge = infer_ops(read, doc, min_nodes, max_nodes, last_call // timedelta(microseconds=1))
+        if merge is None:
+            return None
+        if len(refreshed) > MAX_REFRESH_OPS:
+            refreshed = []  # each node's own keep-alive refreshes it (a body limit)
+        if len(merge.ops) + len(refreshed) > MAX_OPS:
+            return None  # too many to merge: the whole state, compare-and-set
+        # The refreshed heartbeats go too (the others' as well as this node's): a reader after
+        # this write sees the group alive, as after a whole-state write.
+        merge.ops[:0] = refreshed
+        return merge
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this
