@@ -47,8 +47,9 @@ NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
 # The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
 # join timeout may be overrun by, and as long as the control plane holds a long poll.
 MAX_QUIET_S = 5.0
-# The most refreshed heartbeats a merged write carries (`refresh` ops, ~100 bytes each, under
-# the control plane's 64 KiB body limit); past it, each node's own keep-alive refreshes its own.
+# The most refreshed heartbeats a merged write carries one by one (`refresh` ops, ~100 bytes
+# each, under the control plane's 64 KiB body limit); past it, each node's own keep-alive
+# refreshes its own. An outage's refresh is usually one `refresh_stale` op, whatever N.
 MAX_REFRESH_OPS = 256
 
 
