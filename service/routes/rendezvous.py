@@ -118,13 +118,28 @@ async def get_state(
                                           description="Long poll: the `progress` of the state at "
                                                       "`after` (round, complete, closed, deadline); "
                                                       "only a change of it answers.")] = None,
+    alive: Annotated[str | None, Query(pattern=r"^[0-9]{1,10},[0-9]{1,10},[^,]{1,255}$",
+                                       description="Long poll: '<pid>,<local_id>,<addr>' of the node "
+                                                   "waiting, to be kept alive while it waits "
+                                                   "(`kept_alive` says if it is; then an answer with "
+                                                   "nothing changed comes without the state).")] = None,
+    beat_s: Annotated[float, Query(gt=0, le=3600, description="With `alive`: the node's keep-alive "
+                                                              "interval, s.")] = 5.0,
 ) -> Response:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
         return _answer(ctx, await rdzv.get_state())
-    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
-    return _answer(ctx, entry, changed=changed)
+    if alive is None:
+        entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
+        return _answer(ctx, entry, changed=changed)
+    pid, local_id, addr = alive.split(",", 2)
+    node = (addr, int(pid), int(local_id))
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress, (node, beat_s))
+    kept = rdzv.kept_alive(node)
+    if kept and not changed:
+        return _answer(ctx, None, changed=False, kept_alive=True)
+    return _answer(ctx, entry, changed=changed, kept_alive=kept)
 
 
 @router.put("/state", response_model=SetStateResult)

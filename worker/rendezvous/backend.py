@@ -47,6 +47,9 @@ NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
 # The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
 # join timeout may be overrun by, and as long as the control plane holds a long poll.
 MAX_QUIET_S = 5.0
+# The same while the control plane keeps the node alive (it writes the node's keep-alives while
+# the node polls; `service.rendezvous`): torch then has nothing to do until the round moves.
+MAX_KEPT_QUIET_S = 30.0
 # The most refreshed heartbeats a merged write carries one by one (`refresh` ops, ~100 bytes
 # each, under the control plane's 64 KiB body limit); past it, each node's own keep-alive
 # refreshes its own. An outage's refresh is usually one `refresh_stale` op, whatever N.
@@ -145,12 +148,20 @@ class FtrainRendezvousBackend(RendezvousBackend):
         Raises:
             LongPollUnsupported: the control plane predates the long poll.
         """
+        return self._wait(timeout_s, after)[0]
+
+    def _wait(self, timeout_s: float, after: str | None) -> tuple[bool, bool]:
+        """`wait_for_change`, and whether the control plane keeps this node alive and nothing
+        it waits for changed (then no state came, and none is handed to `get_state`)."""
         after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
         timeout_s = max(0.0, timeout_s)
         params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
         read = self._read_docs.get(after)
         if read is not None and self._joined_open_round(read[0]):
             params["progress"] = read[0].progress()  # other nodes' joins do not end the wait
+            (addr, pid, local_id), interval = self.this_node
+            params["alive"] = f"{pid},{local_id},{addr}"  # its keep-alives written for it
+            params["beat_s"] = f"{interval.total_seconds():g}"
         elif read is not None:  # other nodes' keep-alives alone do not end the wait
             params["shape"] = read[0].shape()
         result = self._call("GET", "/state", params=params,
@@ -159,13 +170,17 @@ class FtrainRendezvousBackend(RendezvousBackend):
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
                                       "long poll on the rendezvous state; upgrade it")
         change = self._read(StateChange, result)
+        if change.kept_alive and not change.changed and change.state is None:
+            return False, True
         decoded = self._decode(change)
         this_thread.prefetched = (self, decoded)
-        return change.changed
+        return change.changed, False
 
     def wait_instead_of_poll(self, seconds: float, after: str | None) -> None:
         """What torch's `_delay(seconds=1)` after a SYNC does for a handler over this backend:
-        return when the state changes, after at most `seconds`."""
+        return when the state changes, after at most `seconds`; a node that joined an open
+        round waits for the round's progress (`_quiet_s`), polling again while the control
+        plane keeps it alive and nothing changed."""
         clock = time.monotonic
         start = clock()
         deadline = start + max(seconds, self._quiet_s(after))
@@ -174,8 +189,12 @@ class FtrainRendezvousBackend(RendezvousBackend):
             time.sleep(pause)
         try:
             if self._long_poll:
-                self.wait_for_change(deadline - clock(), after or NO_STATE_TOKEN)
-                return
+                while True:
+                    _, kept = self._wait(deadline - clock(), after or NO_STATE_TOKEN)
+                    if kept:  # its keep-alive is not due: as long as the round's deadline allows
+                        deadline = max(deadline, start + self._quiet_s(after, kept=True))
+                    if not kept or clock() >= deadline - MIN_WAKE_INTERVAL_S:
+                        return
         except LongPollUnsupported as exc:
             self._long_poll = False
             log.warning("rendezvous %s: %s; re-reading the state once a second instead",
@@ -194,11 +213,12 @@ class FtrainRendezvousBackend(RendezvousBackend):
         return self.this_node is not None and self.this_node[0] in doc.participants \
             and not doc.complete and not doc.closed
 
-    def _quiet_s(self, after: str | None) -> float:
+    def _quiet_s(self, after: str | None, kept: bool = False) -> float:
         """How long a node that joined an open round (in the state at `after`) has nothing to
         do but wait for the round's progress: until its own keep-alive is due (torch: its
         heartbeat `keep_alive_interval` old) or the last-call deadline, at most
-        `MAX_QUIET_S`; 0 for any other node, which keeps torch's one-second look."""
+        `MAX_QUIET_S`; while the control plane keeps it alive (`kept`), until the deadline,
+        at most `MAX_KEPT_QUIET_S`. 0 for any other node, which keeps torch's one-second look."""
         read = None if after is None else self._read_docs.get(after)
         if read is None or not self._joined_open_round(read[0]):
             return 0.0
@@ -207,10 +227,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if beat is None:
             return 0.0
         now_us = time.time() * 1e6
-        due_us = beat + interval / timedelta(microseconds=1)
+        longest = MAX_KEPT_QUIET_S if kept else MAX_QUIET_S
+        due_us = now_us + longest * 1e6 if kept else beat + interval / timedelta(microseconds=1)
         if doc.deadline_us is not None:
             due_us = min(due_us, doc.deadline_us)
-        return min(MAX_QUIET_S, max(0.0, (due_us - now_us) / 1e6))
+        return min(longest, max(0.0, (due_us - now_us) / 1e6))
 
     def _saw(self, token: Any) -> None:
         self._seen_token = None if token is None else str(token)
