@@ -37,7 +37,9 @@ The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4
 - `wait` (`_add_to_wait_list`): valid while a complete round has room;
 - `keep_alive`: valid while the node has a heartbeat.
 Any other change (a node leaving, a round completed at its deadline, closing) is a plain
-compare-and-set, as before.
+compare-and-set, as before. (`expire` and `refresh_stale` are newer than the others: a control
+plane that predates them refuses such a write with 422, so upgrade the control planes before
+the nodes, as for any change of this wire contract.)
 """
 
 from __future__ import annotations
