@@ -117,7 +117,7 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     gc.collect()
     gc.freeze()  # the forks' objects from before the fork are left out of their collections
     # Time to make N handlers (and connections) before the common start.
-    start_at = time.time() + 2.0 + n * 0.01
+    start_at = time.time() + 3.0 + n * 0.03
     children = []
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for k in range(procs):
