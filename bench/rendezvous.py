@@ -16,9 +16,11 @@ and the world size checked: ranks 0..N-1 once each).
 - c10d: a TCPStore server in a process of its own, participants made by torch's
   `C10dRendezvousBackend` over a TCPStore client each, as `--rdzv-backend=c10d` does.
 
-The participant processes stand in for other machines: they run niced (`--nice`, 10 by default;
+The participant processes stand in for other machines: they run niced (`--nice`, 19 by default;
 0 to leave them be), so that on a small machine the servers (etcd and the control plane; the
-TCPStore) are not starved by the very participants that stand in for other hosts, and their
+TCPStore) are not starved by the very participants that stand in for other hosts (the kernel
+weighs each thread: 1,024 participant threads at nice 10 outweighed the control plane's one
+about 28 to 1 while they ran, and it got 11% of a core; at nice 19, about 4 to 1), and their
 objects from before the fork (torch's) are frozen out of the garbage collector (`gc.freeze`): on
 a machine of its own an agent's collector scans one handler's state, here it would scan the
 states of all the participants of its process. The header line says both, and the load average
@@ -70,7 +72,7 @@ def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -
                                 keep_alive_interval=str(KEEP_ALIVE_S))
 
 
-NICE = 10  # of the participant processes (--nice)
+NICE = 19  # of the participant processes (--nice)
 
 
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
