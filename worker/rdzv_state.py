@@ -30,14 +30,15 @@ The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4
   (the newest expired heartbeat of the state it read, plus 1 µs; a node that beat since is
   not dropped); one op however many expired, so the write that follows an outage of
   heartbeats (a thousand nodes dropped at once) is as small as a join. (`drop`: one node, by
-  the heartbeat the client read, where the expired ones are not all the oldest.)
+  the heartbeat the client read, where the expired ones are not all the oldest; and a node's
+  own leave, `_remove_from_participants` or `_remove_from_wait_list`.)
 - `join` (`_add_to_participants`): valid while the round is open and the node is neither a
   participant nor redundant; at `min_nodes` participants the last-call deadline is set, at
   `max_nodes` the round completes and ranks are given in node order;
 - `wait` (`_add_to_wait_list`): valid while a complete round has room;
 - `keep_alive`: valid while the node has a heartbeat.
-Any other change (a node leaving, a round completed at its deadline, closing) is a plain
-compare-and-set, as before. (`expire` and `refresh_stale` are newer than the others: a control
+Any other change (a round completed at its deadline, closing) is a plain compare-and-set, as
+before. (`expire` and `refresh_stale` are newer than the others: a control
 plane that predates them refuses such a write with 422, so upgrade the control planes before
 the nodes, as for any change of this wire contract.)
 """
@@ -278,11 +279,10 @@ def refresh_ops(stored: RdzvDoc, refreshed: RdzvDoc) -> list[Op]:
     return [Op(kind="refresh", node=n, at_us=t, was_us=w) for n, (w, t) in sorted(moved.items())]
 
 
-def _expire_ops(read: RdzvDoc, new: RdzvDoc) -> list[Op]:
-    """The ops that drop the nodes of `read` that `new` lacks (torch's sanitizer: expired
-    heartbeats): one `expire` where they are exactly the heartbeats older than some time,
-    else a `drop` per node."""
-    gone = {n: t for n, t in read.last_heartbeats.items() if n not in new.last_heartbeats}
+def _expire_ops(read: RdzvDoc, gone: dict[Node, int]) -> list[Op]:
+    """The ops that drop the nodes `gone` (node -> its heartbeat in `read`; torch's sanitizer:
+    expired heartbeats): one `expire` where they are exactly the heartbeats older than some
+    time, else a `drop` per node."""
     if not gone:
         return []
     cutoff = max(gone.values()) + 1
@@ -294,9 +294,19 @@ def _expire_ops(read: RdzvDoc, new: RdzvDoc) -> list[Op]:
 def infer_ops(read: RdzvDoc, new: RdzvDoc, min_nodes: int, max_nodes: int,
               last_call_us: int) -> MergeSpec | None:
     """The ops that turn `read` into `new`, if the change is one the control plane may merge
-    (expired nodes dropped, then one node's join, wait or keep-alive); else None."""
-    drops = _expire_ops(read, new)
+    (expired nodes dropped, then one node's join, wait or keep-alive, or its leave); else None."""
+    gone = {n: t for n, t in read.last_heartbeats.items() if n not in new.last_heartbeats}
     changed = [n for n, t in new.last_heartbeats.items() if read.last_heartbeats.get(n) != t]
+    if not changed and gone:
+        # A node leaving (torch's _remove_from_participants / _remove_from_wait_list, with the
+        # sanitizer's drops before it): the leaver is the freshest of those gone. As ops, a
+        # round of N nodes does not send its N-node state (over the body limit past ~700).
+        leaver = max(gone, key=gone.__getitem__)
+        expired = {n: t for n, t in gone.items() if n != leaver}
+        ops = [*_expire_ops(read, expired), Op(kind="drop", node=leaver, at_us=gone[leaver])]
+        spec = MergeSpec(ops=ops, min_nodes=min_nodes, max_nodes=max_nodes)
+        return spec if apply_ops(read, spec) == new else None
+    drops = _expire_ops(read, gone)
     if len(changed) != 1:
         return None
     node, at_us = changed[0], new.last_heartbeats[changed[0]]

@@ -194,3 +194,19 @@ def test_an_outage_refresh_of_a_thousand_heartbeats_is_one_op():
 def test_ops_with_the_wrong_fields_for_their_kind_are_refused(op):
     with pytest.raises(ValueError):
         Op.model_validate(op)
+
+
+def test_a_node_leaving_a_large_round_is_merged_not_sent_whole():
+    """torch's rollback after a join timeout removes the node from the participants: a whole
+    1,024-node state was over the control plane's 64 KiB body limit (HTTP 413); as ops it is
+    a drop of the leaver (with the sanitizer's expired nodes as one op before it)."""
+    nodes = [(f"h{i}", i, 0) for i in range(1024)]
+    read = RdzvDoc(participants={n: 0 for n in nodes},
+                   last_heartbeats={n: 1_000 + i for i, n in enumerate(nodes)})
+    me = nodes[500]
+    new = read.copy()
+    for n in (*nodes[:3], me):  # three expired, then it leaves
+        del new.participants[n], new.last_heartbeats[n]
+    spec = infer_ops(read, new, 1024, 1024, LAST_CALL_US)
+    assert spec is not None and [(op.kind, op.node) for op in spec.ops] == [("expire", None), ("drop", me)]
+    assert len(spec.model_dump_json()) < 400 and apply_ops(read, spec) == new
