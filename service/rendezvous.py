@@ -56,6 +56,19 @@ are only other nodes' keep-alives: N joined nodes beat N/5 times a second, and w
 waiter at each beat was N^2/5 answers a second; torch looks at heartbeats only against the
 clock, and the wait still ends within torch's one-second poll.
 
+Keep-alives of waiting nodes. A node that has joined an open round has nothing to do but wait
+for the round to complete, yet torch makes it write a keep-alive every `keep_alive_interval`
+(5 s), each a read and a write of the whole state by that node: in a round of N nodes that
+takes longer than the interval, N/5 writes and 2N/5 decodes of an N-node state a second, which
+on a 1,024-node round outgrew the machine. So a long poll may name its node (`alive`) and its
+interval: while it is held (or was, within `ALIVE_GRACE_S`) this control plane writes that
+node's keep-alive itself when torch would (the heartbeat `beat_s` old), the held polls'
+keep-alives batched into one write a tick (`KEEP_ALIVE_TICK_S`), and answers "kept alive"; a
+poll that ends with nothing changed then comes back without the state, and the node polls again
+(`worker.rendezvous.backend`) instead of decoding the state and writing its own keep-alive. A
+node whose process dies or stops holds no poll, is kept alive no longer, and expires by
+torch's rules, as before. A node that is not in the state is not kept alive (the answer says so).
+
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
 write are two etcd requests, not one transaction (comparing the job key's revision would make
@@ -70,6 +83,7 @@ import asyncio
 import base64
 import contextlib
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -78,10 +92,13 @@ from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
 from worker.protocol import StateNotSealed, open_state, seal_state, state_version
-from worker.rdzv_state import MergeSpec, NotAState, RdzvDoc, apply_ops
+from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
+KEEP_ALIVE_TICK_S = 1.0  # how often the held polls' nodes are looked at (keep-alives of waiters)
+ALIVE_GRACE_S = 2.0  # a node between two polls (it re-polls at once) counts as holding one
+MAX_ENCODED = 64  # states kept encoded (`StateHub.encoded`): a few revisions of a few rounds
 BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
@@ -140,6 +157,11 @@ class _Watched:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     waiters: int = 0
     task: asyncio.Task | None = None
+    doc: RdzvDoc | None = None  # `entry` as data, if a version-2 state
+    # The nodes of held polls that asked to be kept alive: node -> [polls held now, when the
+    # last one ended (loop time), its keep-alive interval s]; and the task that keeps them.
+    alive: dict[Node, list] = field(default_factory=dict)
+    keeper: asyncio.Task | None = None
 
     def publish(self, entry: Entry | None) -> None:
         if self.known and self.entry is not None and entry is not None \
@@ -148,7 +170,7 @@ class _Watched:
         if self.known and self.entry is None and entry is None:
             return
         doc = None if entry is None else _doc(entry.value)
-        self.entry, self.shape, self.known = entry, None if doc is None else doc.shape(), True
+        self.entry, self.shape, self.known, self.doc = entry, None if doc is None else doc.shape(), True, doc
         self.progress = None if doc is None else doc.progress()
         self.changed.set()
         self.changed = asyncio.Event()
@@ -163,8 +185,20 @@ class StateHub:
         self._watched: dict[str, _Watched] = {}
         self._waiting: dict[str, list[_Write]] = {}
         self._drains: set[asyncio.Task] = set()
+        self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
         self.batches = 0  # written batches and the writes they carried, for the bench
         self.writes = 0
+
+    def encoded(self, entry: Entry) -> str:
+        """The state `entry` as it travels (base64), made once per revision: a round's N nodes
+        read the same few revisions (the last one by all N at once), each up to N nodes' size."""
+        known = (entry.key, entry.mod_revision)
+        text = self._encoded.get(known)
+        if text is None:
+            if len(self._encoded) >= MAX_ENCODED:
+                del self._encoded[next(iter(self._encoded))]  # the oldest
+            text = self._encoded[known] = base64.b64encode(entry.value).decode()
+        return text
 
     async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
                      write: _Write) -> tuple[Entry | None, bool]:
@@ -200,12 +234,15 @@ class StateHub:
         del self._waiting[key]
 
     async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
-                   shape: str | None = None, progress: str | None = None) -> tuple[Entry | None, bool]:
+                   shape: str | None = None, progress: str | None = None,
+                   alive: tuple[Node, float, Callable[[list[_Write]], Awaitable[list]]] | None = None,
+                   ) -> tuple[Entry | None, bool]:
         """The state at `key` once its token is no longer `after` (and, given the `shape` of
         the state at `after`, once it differs in more than heartbeats), waiting up to
         `wait_s`; and whether its token changed. Given the `progress` of the state at `after`
         (a node that joined an open round), only once that differs. Every wait on one key
-        shares one etcd watch (`_follow`)."""
+        shares one etcd watch (`_follow`). `alive`: (node, its keep-alive interval s, the
+        batch writer): the node is kept alive while it waits (module docstring)."""
         watched = self._watched.get(key)
         if watched is None:
             watched = self._watched[key] = _Watched()
@@ -213,6 +250,12 @@ class StateHub:
         watched.waiters += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
+        if alive is not None:
+            node, beat_s, apply = alive
+            held = watched.alive.setdefault(node, [0, 0.0, beat_s])
+            held[0], held[2] = held[0] + 1, beat_s
+            if watched.keeper is None:
+                watched.keeper = loop.create_task(self._keep_alive(key, watched, apply))
         try:
             while True:
                 if watched.known and state_token(watched.entry) != after \
@@ -225,17 +268,54 @@ class StateHub:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(watched.changed.wait(), remaining)
         finally:
+            if alive is not None:
+                held = watched.alive[alive[0]]
+                held[0], held[1] = held[0] - 1, loop.time()
             watched.waiters -= 1
             if watched.waiters == 0:  # kept a moment: the waiters it just answered ask again
                 loop.call_later(WATCH_LINGER_S, self._drop_unwatched, key, watched)
         entry = watched.entry if watched.known else await kv.get(key)
-        return entry, state_token(entry) != after
+        # A kept-alive node's poll that timed out: nothing it waits for changed (its answer
+        # then comes without the state, `service.routes.rendezvous`).
+        return entry, alive is None and state_token(entry) != after
+
+    def kept_alive(self, key: str, node: Node) -> bool:
+        """Whether `node` is kept alive by this control plane's polls (it is in the state)."""
+        watched = self._watched.get(key)
+        return watched is not None and watched.doc is not None and node in watched.doc.last_heartbeats
 
     def _drop_unwatched(self, key: str, watched: _Watched) -> None:
         if watched.waiters == 0 and self._watched.get(key) is watched:
             del self._watched[key]
             assert watched.task is not None
             watched.task.cancel()
+            if watched.keeper is not None:
+                watched.keeper.cancel()
+
+    async def _keep_alive(self, key: str, watched: _Watched,
+                          apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
+        """Each tick, write the keep-alives torch would have the nodes of held polls write
+        (their heartbeats `beat_s` old), as one batch (module docstring)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(KEEP_ALIVE_TICK_S)
+            now, doc = loop.time(), watched.doc
+            for node in [n for n, (held, ended, _) in watched.alive.items()
+                         if not held and now - ended > ALIVE_GRACE_S]:
+                del watched.alive[node]
+            if doc is None:
+                continue
+            now_us = time.time_ns() // 1000
+            due = [node for node, (_, _, beat_s) in watched.alive.items()
+                   if node in doc.last_heartbeats and doc.last_heartbeats[node] <= now_us - beat_s * 1e6]
+            if not due:
+                continue
+            # min/max nodes matter only to joins and drops; a keep-alive applies iff the node
+            # still has a heartbeat (one dropped meanwhile is left dropped).
+            writes = [_Write(None, None, MergeSpec(ops=[Op(kind="keep_alive", node=node, at_us=now_us)],
+                                                   min_nodes=1, max_nodes=1), loop.create_future())
+                      for node in due]
+            await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
 
     @staticmethod
     async def _follow(kv: KeyValue, key: str, watched: _Watched) -> None:
@@ -324,12 +404,19 @@ class Rendezvous:
         return [(await self.get_state(), False)] * len(batch)
 
     async def wait_for_state_change(self, after: str, wait_s: float, shape: str | None = None,
-                                    progress: str | None = None) -> tuple[Entry | None, bool]:
+                                    progress: str | None = None, alive: tuple[Node, float] | None = None,
+                                    ) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
         `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
+        `alive`: (node, its keep-alive interval s) to keep alive while it waits (`StateHub`).
         """
+        keep = None if alive is None else (*alive, self._apply_batch)
         return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape,
-                                      progress)
+                                      progress, keep)
+
+    def kept_alive(self, node: Node) -> bool:
+        """Whether this control plane keeps `node` alive while it polls (`StateHub.kept_alive`)."""
+        return self._states.kept_alive(self._state_key, node)
 
     # -- the c10d store ------------------------------------------------------------------
 

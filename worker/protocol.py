@@ -274,6 +274,8 @@ class RdzvState(BaseModel):
 
 class StateChange(RdzvState):
     changed: bool = Field(..., description="The token is no longer `after`; false: the wait ended.")
+    kept_alive: bool = Field(False, description="The node named in `alive` is kept alive while it "
+                                                "polls; with `changed` false, `state` is left out.")
 
 
 class SetStateRequest(BaseModel):

@@ -20,19 +20,27 @@ before and the client re-decides.
 
 The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4 to 2.13):
 
-- `refresh`: a heartbeat that a control-plane outage made stale, moved to "due" by the
-  client as it read the state (`worker.rendezvous.outage.refresh_stale_heartbeats`); applied
-  only where the stored heartbeat is still the stale one it read, so one member's write
-  carries the others' refreshed heartbeats, as a whole-state write did;
-- `drop`: the sanitizer's removal of a node whose heartbeat expired (the node's heartbeat in
-  the state it read rides along: a node that beat since is not dropped);
+- `refresh_stale`: the heartbeats that a control-plane outage made stale, moved to "due" by
+  the client as it read the state (`worker.rendezvous.outage.refresh_stale_heartbeats`):
+  every heartbeat in [`was_us`, `before_us`) becomes `at_us` (after `before_us`), so one
+  member's write carries the others' refreshed heartbeats, as a whole-state write did, in
+  one op whatever the number of nodes; a node that beat since is past the range and keeps
+  its own. (`refresh`: the same for one node, where the moved heartbeats are not one range.)
+- `expire`: the sanitizer's removal of every node whose heartbeat is older than `at_us`
+  (the newest expired heartbeat of the state it read, plus 1 µs; a node that beat since is
+  not dropped); one op however many expired, so the write that follows an outage of
+  heartbeats (a thousand nodes dropped at once) is as small as a join. (`drop`: one node, by
+  the heartbeat the client read, where the expired ones are not all the oldest; and a node's
+  own leave, `_remove_from_participants` or `_remove_from_wait_list`.)
 - `join` (`_add_to_participants`): valid while the round is open and the node is neither a
   participant nor redundant; at `min_nodes` participants the last-call deadline is set, at
   `max_nodes` the round completes and ranks are given in node order;
 - `wait` (`_add_to_wait_list`): valid while a complete round has room;
 - `keep_alive`: valid while the node has a heartbeat.
-Any other change (a node leaving, a round completed at its deadline, closing) is a plain
-compare-and-set, as before.
+Any other change (a round completed at its deadline, closing) is a plain compare-and-set, as
+before. (`expire` and `refresh_stale` are newer than the others: a control
+plane that predates them refuses such a write with 422, so upgrade the control planes before
+the nodes, as for any change of this wire contract.)
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
@@ -139,16 +147,34 @@ def _node(row) -> Node:
     return addr, _int(pid), _int(local_id)
 
 
+NODELESS = ("expire", "refresh_stale")  # ops on every node they match, not on one
+
+
 class Op(BaseModel):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
-    kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
-    node: tuple[str, int, int]
-    at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
+    kind: Literal["refresh", "drop", "join", "wait", "keep_alive", "expire", "refresh_stale"]
+    node: tuple[str, int, int] | None = Field(None, description="The node it changes; none for "
+                                                                "expire and refresh_stale.")
+    at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one; "
+                                        "expire: older heartbeats are dropped; refresh_stale: "
+                                        "the heartbeat the stale ones get).")
     was_us: int | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
-                                                 "made it stale; the new one is 'due').")
+                                                 "made it stale; the new one is 'due'); "
+                                                 "refresh_stale: the oldest it replaces.")
+    before_us: int | None = Field(None, description="refresh_stale: heartbeats before this one "
+                                                    "(and from was_us on) are replaced.")
     deadline_us: int | None = Field(None, description="join: the last-call deadline it sets at "
                                                       "min_nodes participants.")
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> Op:
+        if (self.node is None) != (self.kind in NODELESS):
+            raise ValueError(f"a {self.kind} op {'takes no' if self.kind in NODELESS else 'needs a'} node")
+        if self.kind == "refresh_stale" and (self.was_us is None or self.before_us is None
+                                             or not self.was_us <= self.before_us <= self.at_us):
+            raise ValueError("a refresh_stale op needs was_us <= before_us <= at_us")
+        return self
 
 
 class MergeSpec(BaseModel):
@@ -175,6 +201,16 @@ def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc
 
 def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
     """Apply one op to `doc` if it is valid there (checked before any change); else False."""
+    if op.kind == "expire":
+        for node in [n for n, t in doc.last_heartbeats.items() if t < op.at_us]:
+            _drop(doc, node, merge.min_nodes)
+        return True
+    if op.kind == "refresh_stale":
+        beats = doc.last_heartbeats
+        for node, t in beats.items():
+            if op.was_us <= t < op.before_us:
+                beats[node] = op.at_us
+        return True
     node = tuple(op.node)
     if op.kind == "refresh":
         if doc.last_heartbeats.get(node) == op.was_us:
@@ -227,20 +263,50 @@ def _drop(doc: RdzvDoc, node: Node, min_nodes: int) -> None:
 
 
 def refresh_ops(stored: RdzvDoc, refreshed: RdzvDoc) -> list[Op]:
-    """The `refresh` ops that turn the heartbeats of `stored` into those of `refreshed` (the
-    same state after `refresh_stale_heartbeats`: only heartbeats moved, none added or gone)."""
-    return [Op(kind="refresh", node=n, at_us=t, was_us=stored.last_heartbeats[n])
-            for n, t in sorted(refreshed.last_heartbeats.items())
-            if n in stored.last_heartbeats and stored.last_heartbeats[n] != t]
+    """The ops that turn the heartbeats of `stored` into those of `refreshed` (the same state
+    after `refresh_stale_heartbeats`: only heartbeats moved, none added or gone): one
+    `refresh_stale` where the moved ones are every heartbeat of a range, moved to one time
+    (as an outage's refresh moves them), else a `refresh` per node."""
+    moved = {n: (stored.last_heartbeats[n], t) for n, t in refreshed.last_heartbeats.items()
+             if n in stored.last_heartbeats and stored.last_heartbeats[n] != t}
+    if not moved:
+        return []
+    if len({t for _, t in moved.values()}) == 1:
+        at = next(iter(moved.values()))[1]
+        lo, hi = min(w for w, _ in moved.values()), max(w for w, _ in moved.values()) + 1
+        if hi <= at and all(n in moved for n, t in stored.last_heartbeats.items() if lo <= t < hi):
+            return [Op(kind="refresh_stale", at_us=at, was_us=lo, before_us=hi)]
+    return [Op(kind="refresh", node=n, at_us=t, was_us=w) for n, (w, t) in sorted(moved.items())]
+
+
+def _expire_ops(read: RdzvDoc, gone: dict[Node, int]) -> list[Op]:
+    """The ops that drop the nodes `gone` (node -> its heartbeat in `read`; torch's sanitizer:
+    expired heartbeats): one `expire` where they are exactly the heartbeats older than some
+    time, else a `drop` per node."""
+    if not gone:
+        return []
+    cutoff = max(gone.values()) + 1
+    if all(t >= cutoff for n, t in read.last_heartbeats.items() if n not in gone):
+        return [Op(kind="expire", at_us=cutoff)]
+    return [Op(kind="drop", node=n, at_us=t) for n, t in sorted(gone.items())]
 
 
 def infer_ops(read: RdzvDoc, new: RdzvDoc, min_nodes: int, max_nodes: int,
               last_call_us: int) -> MergeSpec | None:
     """The ops that turn `read` into `new`, if the change is one the control plane may merge
-    (expired nodes dropped, then one node's join, wait or keep-alive); else None."""
-    drops = [Op(kind="drop", node=n, at_us=t) for n, t in sorted(read.last_heartbeats.items())
-             if n not in new.last_heartbeats]
+    (expired nodes dropped, then one node's join, wait or keep-alive, or its leave); else None."""
+    gone = {n: t for n, t in read.last_heartbeats.items() if n not in new.last_heartbeats}
     changed = [n for n, t in new.last_heartbeats.items() if read.last_heartbeats.get(n) != t]
+    if not changed and gone:
+        # A node leaving (torch's _remove_from_participants / _remove_from_wait_list, with the
+        # sanitizer's drops before it): the leaver is the freshest of those gone. As ops, a
+        # round of N nodes does not send its N-node state (over the body limit past ~700).
+        leaver = max(gone, key=gone.__getitem__)
+        expired = {n: t for n, t in gone.items() if n != leaver}
+        ops = [*_expire_ops(read, expired), Op(kind="drop", node=leaver, at_us=gone[leaver])]
+        spec = MergeSpec(ops=ops, min_nodes=min_nodes, max_nodes=max_nodes)
+        return spec if apply_ops(read, spec) == new else None
+    drops = _expire_ops(read, gone)
     if len(changed) != 1:
         return None
     node, at_us = changed[0], new.last_heartbeats[changed[0]]

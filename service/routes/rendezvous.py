@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
 
 from service.api_contract import AuthFirstRoute
 from service.deps import (
@@ -90,9 +90,16 @@ RendezvousDep = Annotated[Rendezvous, Depends(current_rendezvous)]
 router = APIRouter(prefix="/v1/rdzv/{rdzv_id}", tags=["rendezvous"], route_class=AuthFirstRoute)
 
 
-def _state(entry) -> dict:
-    return {"state": None, "token": None} if entry is None else {
-        "state": entry.value, "token": state_token(entry)}
+def _answer(ctx, entry, **flags: bool) -> Response:
+    """A state answer (`RdzvState` and its `flags`) as JSON, the state encoded once per revision
+    (`StateHub.encoded`): N nodes read the same large state, and pydantic's encoding of it
+    for each one was most of the control plane's time in a round."""
+    outage = ctx.contact.recent_outage()
+    head = '{"state":null,"token":null' if entry is None else \
+        f'{{"state":"{ctx.rdzv_states.encoded(entry)}","token":"{state_token(entry)}"'
+    tail = "".join(f',"{name}":{"true" if value else "false"}' for name, value in flags.items())
+    body = f'{head},"outage":{"null" if outage is None else outage.model_dump_json()}{tail}}}'
+    return Response(body.encode(), media_type="application/json")
 
 
 @router.get("/state", response_model=StateChange | RdzvState)
@@ -111,22 +118,36 @@ async def get_state(
                                           description="Long poll: the `progress` of the state at "
                                                       "`after` (round, complete, closed, deadline); "
                                                       "only a change of it answers.")] = None,
-) -> StateChange | RdzvState:
+    alive: Annotated[str | None, Query(pattern=r"^[0-9]{1,10},[0-9]{1,10},[^,]{1,255}$",
+                                       description="Long poll: '<pid>,<local_id>,<addr>' of the node "
+                                                   "waiting, to be kept alive while it waits "
+                                                   "(`kept_alive` says if it is; then an answer with "
+                                                   "nothing changed comes without the state).")] = None,
+    beat_s: Annotated[float, Query(gt=0, le=3600, description="With `alive`: the node's keep-alive "
+                                                              "interval, s.")] = 5.0,
+) -> Response:
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
-        entry = await rdzv.get_state()
-        return RdzvState(**_state(entry), outage=ctx.contact.recent_outage())
-    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
-    return StateChange(**_state(entry), changed=changed, outage=ctx.contact.recent_outage())
+        return _answer(ctx, await rdzv.get_state())
+    if alive is None:
+        entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
+        return _answer(ctx, entry, changed=changed)
+    pid, local_id, addr = alive.split(",", 2)
+    node = (addr, int(pid), int(local_id))
+    entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress, (node, beat_s))
+    kept = rdzv.kept_alive(node)
+    if kept and not changed:
+        return _answer(ctx, None, changed=False, kept_alive=True)
+    return _answer(ctx, entry, changed=changed, kept_alive=kept)
 
 
 @router.put("/state", response_model=SetStateResult)
-async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> SetStateResult:
+async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep) -> Response:
     """Compare-and-set: write iff `token` is current (null: iff none yet), or with `merge`, apply
     its ops to the state as it is now; returns what is there and whether this change is in it."""
     entry, written = await rdzv.set_state(body.state, body.token, body.merge)
-    return SetStateResult(**_state(entry), written=written, outage=ctx.contact.recent_outage())
+    return _answer(ctx, entry, written=written)
 
 
 @router.post("/store/get", response_model=GetResult, response_model_exclude_none=True)

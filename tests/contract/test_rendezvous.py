@@ -718,15 +718,15 @@ def test_waiting_handler_wakes_on_the_second_join_without_a_one_second_poll(
     monkeypatch.setattr(wake, "_stock_delay", count_stock_delay)
     entered: list[FtrainRendezvousBackend] = []
     waits: list[tuple[str, FtrainRendezvousBackend, bool]] = []
-    wait_for_change = FtrainRendezvousBackend.wait_for_change
+    wait = FtrainRendezvousBackend._wait  # wait_for_change's, and the handler's wait's
 
-    def record_wait(self, timeout_s, after=None):
+    def record_wait(self, timeout_s, after):
         entered.append(self)
-        changed = wait_for_change(self, timeout_s, after)
+        changed, kept = wait(self, timeout_s, after)
         waits.append((threading.current_thread().name, self, changed))
-        return changed
+        return changed, kept
 
-    monkeypatch.setattr(FtrainRendezvousBackend, "wait_for_change", record_wait)
+    monkeypatch.setattr(FtrainRendezvousBackend, "_wait", record_wait)
     backend_of_thread: dict[str, FtrainRendezvousBackend] = {}
 
     def join(handler):

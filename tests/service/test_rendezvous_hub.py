@@ -128,3 +128,39 @@ def test_a_joined_waiter_that_gives_its_progress_sleeps_through_joins_but_not_th
     changed, slept, (entry, woke) = asyncio.run(scenario())
     assert changed and slept > 0.3
     assert woke and RdzvDoc.from_json(open_state(entry.value)).complete
+
+
+def test_a_node_is_kept_alive_while_it_polls_and_not_after(monkeypatch):
+    """A joined node's long poll that names it keeps its heartbeat fresh (the control plane
+    writes its keep-alive when torch would: the heartbeat `beat_s` old), without waking the
+    other waiters; once it stops polling (its process died or stopped), its heartbeat ages as
+    torch's rules expect, and a node that is not in the state is not kept alive."""
+    import service.rendezvous as hub_module
+
+    monkeypatch.setattr(hub_module, "KEEP_ALIVE_TICK_S", 0.05)
+    monkeypatch.setattr(hub_module, "ALIVE_GRACE_S", 0.05)
+    a, b, stranger = ("h", 1, 0), ("h", 2, 0), ("h", 9, 0)
+    base = RdzvDoc(participants={a: 0, b: 0}, last_heartbeats={a: 1, b: 1})
+
+    def beats(entry) -> dict:
+        return RdzvDoc.from_json(open_state(entry.value)).last_heartbeats
+
+    async def scenario():
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        after = str(first.mod_revision)
+        other = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, progress=base.progress()))
+        _, changed = await rdzv.wait_for_state_change(after, 0.3, progress=base.progress(), alive=(a, 0.1))
+        kept = rdzv.kept_alive(a), rdzv.kept_alive(stranger)
+        during = beats(await rdzv.get_state())
+        _, other_woke = await other
+        await asyncio.sleep(0.4)  # a no longer polls
+        stopped = beats(await rdzv.get_state())
+        await asyncio.sleep(0.3)
+        return changed, kept, during, other_woke, stopped, beats(await rdzv.get_state())
+
+    changed, kept, during, other_woke, stopped, later = asyncio.run(scenario())
+    assert not changed and kept == (True, False)
+    assert during[a] > 1 and during[b] == 1  # only the polling node is kept alive
+    assert other_woke  # its token changed, but its wait ran to the end (progress unchanged)
+    assert later[a] == stopped[a]  # not kept alive once it stopped polling

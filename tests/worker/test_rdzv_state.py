@@ -81,7 +81,7 @@ def test_a_dead_node_is_dropped_only_if_it_has_not_beaten_since():
     new = joined(RdzvDoc(participants={B: 0}, last_heartbeats={B: 5}), C, 9, 2, 3)
     # torch's sanitizer dropped A (below min: deadline cleared), then C's join set it again.
     spec = infer_ops(stale, new, 2, 3, LAST_CALL_US)
-    assert spec is not None and [op.kind for op in spec.ops] == ["drop", "join"]
+    assert spec is not None and [op.kind for op in spec.ops] == ["expire", "join"]
     beaten = RdzvDoc(participants={A: 0, B: 0}, last_heartbeats={A: 7, B: 5})  # A beat meanwhile
     assert A in apply_ops(beaten, MergeSpec(ops=spec.ops[:1], min_nodes=2, max_nodes=3)).participants
 
@@ -95,8 +95,7 @@ def test_heartbeats_an_outage_made_stale_and_a_reader_refreshed_are_written_with
     stored = RdzvDoc(participants={A: 0, B: 1}, complete=True, last_heartbeats={A: 1, B: 2})
     refreshed = RdzvDoc(participants={A: 0, B: 1}, complete=True, last_heartbeats={A: 50, B: 50})
     ops = refresh_ops(stored, refreshed)
-    assert [(op.kind, op.node, op.was_us, op.at_us) for op in ops] == [
-        ("refresh", A, 1, 50), ("refresh", B, 2, 50)]
+    assert [(op.kind, op.was_us, op.before_us, op.at_us) for op in ops] == [("refresh_stale", 1, 3, 50)]
     kept_alive = refreshed.copy()
     kept_alive.last_heartbeats[A] = 60
     spec = infer_ops(refreshed, kept_alive, 2, 2, LAST_CALL_US)
@@ -141,3 +140,73 @@ def test_anything_else_stays_an_opaque_pickle():
     state = _RendezvousState()
     state.extra = 1  # a torch with a field this version does not know
     assert to_doc(pickle.dumps(state)) is None
+
+
+def test_a_thousand_expired_nodes_are_dropped_by_one_op_of_a_few_bytes():
+    """After a stall in which every heartbeat expired, the first node's write drops the others
+    (torch's sanitizer). It goes as one `expire` op, not a drop per node (1,023 of those were
+    over the control plane's 64 KiB body limit: HTTP 413); a node that beat meanwhile stays."""
+    nodes = [(f"h{i}", i, 0) for i in range(1024)]
+    me = nodes[0]
+    read = RdzvDoc(participants={n: 0 for n in nodes}, deadline_us=5,
+                   last_heartbeats={n: 100 + i for i, n in enumerate(nodes)} | {me: 2_000})
+    sanitized = RdzvDoc(participants={me: 0}, last_heartbeats={me: 2_000})
+    new = sanitized.copy()
+    new.last_heartbeats[me] = 9_000  # its keep-alive
+    spec = infer_ops(read, new, 1024, 1024, LAST_CALL_US)
+    assert spec is not None and [op.kind for op in spec.ops] == ["expire", "keep_alive"]
+    assert len(spec.model_dump_json()) < 400
+    assert apply_ops(read, spec) == new
+    beaten = read.copy()
+    beaten.last_heartbeats[nodes[7]] = 8_000
+    assert set(apply_ops(beaten, spec).participants) == {me, nodes[7]}
+
+
+def test_expired_nodes_that_are_not_the_oldest_are_dropped_one_by_one():
+    read = RdzvDoc(participants={A: 0, B: 0, C: 0}, last_heartbeats={A: 1, B: 5, C: 3})
+    new = RdzvDoc(participants={A: 0, C: 0}, last_heartbeats={A: 9, C: 3})  # B dropped, A beat
+    spec = infer_ops(read, new, 3, 3, LAST_CALL_US)
+    assert spec is not None and [(op.kind, op.node) for op in spec.ops] == [("drop", B), ("keep_alive", A)]
+
+
+def test_an_outage_refresh_of_a_thousand_heartbeats_is_one_op():
+    nodes = [(f"h{i}", i, 0) for i in range(1000)]
+    stored = RdzvDoc(participants={n: 0 for n in nodes}, complete=True,
+                     last_heartbeats={n: 10 + i for i, n in enumerate(nodes)})
+    refreshed = stored.copy()
+    refreshed.last_heartbeats = {n: 5_000 for n in nodes}
+    ops = refresh_ops(stored, refreshed)
+    assert [(op.kind, op.was_us, op.before_us, op.at_us) for op in ops] == [
+        ("refresh_stale", 10, 1010, 5_000)]
+    beaten = stored.copy()
+    beaten.last_heartbeats[nodes[3]] = 6_000  # beat after the outage: keeps its own
+    after = apply_ops(beaten, MergeSpec(ops=ops, min_nodes=1000, max_nodes=1000))
+    assert after.last_heartbeats[nodes[3]] == 6_000
+    assert {t for n, t in after.last_heartbeats.items() if n != nodes[3]} == {5_000}
+
+
+@pytest.mark.parametrize("op", [
+    {"kind": "expire", "node": ["a", 1, 0], "at_us": 5},
+    {"kind": "join", "at_us": 5},
+    {"kind": "refresh_stale", "at_us": 5, "was_us": 1, "before_us": 9},
+    {"kind": "refresh_stale", "at_us": 5},
+])
+def test_ops_with_the_wrong_fields_for_their_kind_are_refused(op):
+    with pytest.raises(ValueError):
+        Op.model_validate(op)
+
+
+def test_a_node_leaving_a_large_round_is_merged_not_sent_whole():
+    """torch's rollback after a join timeout removes the node from the participants: a whole
+    1,024-node state was over the control plane's 64 KiB body limit (HTTP 413); as ops it is
+    a drop of the leaver (with the sanitizer's expired nodes as one op before it)."""
+    nodes = [(f"h{i}", i, 0) for i in range(1024)]
+    read = RdzvDoc(participants={n: 0 for n in nodes},
+                   last_heartbeats={n: 1_000 + i for i, n in enumerate(nodes)})
+    me = nodes[500]
+    new = read.copy()
+    for n in (*nodes[:3], me):  # three expired, then it leaves
+        del new.participants[n], new.last_heartbeats[n]
+    spec = infer_ops(read, new, 1024, 1024, LAST_CALL_US)
+    assert spec is not None and [(op.kind, op.node) for op in spec.ops] == [("expire", None), ("drop", me)]
+    assert len(spec.model_dump_json()) < 400 and apply_ops(read, spec) == new

@@ -34,7 +34,7 @@ from worker.protocol import (
     seal_state,
     state_version,
 )
-from worker.rdzv_state import MAX_OPS, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
+from worker.rdzv_state import MAX_OPS, MergeSpec, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
 from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
@@ -47,8 +47,12 @@ NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
 # The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
 # join timeout may be overrun by, and as long as the control plane holds a long poll.
 MAX_QUIET_S = 5.0
-# The most refreshed heartbeats a merged write carries (`refresh` ops, ~100 bytes each, under
-# the control plane's 64 KiB body limit); past it, each node's own keep-alive refreshes its own.
+# The same while the control plane keeps the node alive (it writes the node's keep-alives while
+# the node polls; `service.rendezvous`): torch then has nothing to do until the round moves.
+MAX_KEPT_QUIET_S = 30.0
+# The most refreshed heartbeats a merged write carries one by one (`refresh` ops, ~100 bytes
+# each, under the control plane's 64 KiB body limit); past it, each node's own keep-alive
+# refreshes its own. An outage's refresh is usually one `refresh_stale` op, whatever N.
 MAX_REFRESH_OPS = 256
 
 
@@ -100,30 +104,39 @@ class FtrainRendezvousBackend(RendezvousBackend):
         this_thread.prefetched = None
         # A token that is not ours (torch only hands back what we gave it) cannot match.
         token = None if token is None else str(token)
-        body = SetStateRequest(state=seal_state(state), token=token)
         doc = to_doc(state) if self.merge_settings is not None else None
-        if doc is not None:
-            body.state = seal_state(doc.to_json(), version=2)
-            read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
-            if read is not None:
-                min_nodes, max_nodes, last_call = self.merge_settings
-                body.merge = infer_ops(read, doc, min_nodes, max_nodes,
-                                       last_call // timedelta(microseconds=1))
-                if len(refreshed) > MAX_REFRESH_OPS:
-                    refreshed = []  # each node's own keep-alive refreshes it (a body limit)
-                if body.merge is not None and len(body.merge.ops) + len(refreshed) > MAX_OPS:
-                    body.merge = None  # too many to merge: the whole state, compare-and-set
-                if body.merge is not None:
-                    # The refreshed heartbeats go too (the others' as well as this node's):
-                    # a reader after this write sees the group alive, as after a whole-state write.
-                    body.merge.ops[:0] = refreshed
-                    body.state = None  # the ops rebuild it from the state at `token`
+        merge = self._merge_of(doc, token) if doc is not None else None
+        if merge is not None:  # the ops rebuild the state from the state at `token`
+            body = SetStateRequest.model_construct(state=None, token=token, merge=merge)
+        elif doc is not None:
+            body = SetStateRequest(state=seal_state(doc.to_json(), version=2), token=token)
+        else:
+            body = SetStateRequest(state=seal_state(state), token=token)
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
         if decoded is None:
             return None
         return decoded[0], decoded[1], result.written
+
+    def _merge_of(self, doc: RdzvDoc, token: str | None) -> MergeSpec | None:
+        """`doc`'s change from the state read at `token`, as ops the control plane merges, with
+        the heartbeats this node refreshed after an outage; None: send the whole state."""
+        read, refreshed = (RdzvDoc(), []) if token is None else self._read_docs.get(token, (None, []))
+        if read is None:
+            return None
+        min_nodes, max_nodes, last_call = self.merge_settings
+        merge = infer_ops(read, doc, min_nodes, max_nodes, last_call // timedelta(microseconds=1))
+        if merge is None:
+            return None
+        if len(refreshed) > MAX_REFRESH_OPS:
+            refreshed = []  # each node's own keep-alive refreshes it (a body limit)
+        if len(merge.ops) + len(refreshed) > MAX_OPS:
+            return None  # too many to merge: the whole state, compare-and-set
+        # The refreshed heartbeats go too (the others' as well as this node's): a reader after
+        # this write sees the group alive, as after a whole-state write.
+        merge.ops[:0] = refreshed
+        return merge
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this
@@ -135,12 +148,20 @@ class FtrainRendezvousBackend(RendezvousBackend):
         Raises:
             LongPollUnsupported: the control plane predates the long poll.
         """
+        return self._wait(timeout_s, after)[0]
+
+    def _wait(self, timeout_s: float, after: str | None) -> tuple[bool, bool]:
+        """`wait_for_change`, and whether the control plane keeps this node alive and nothing
+        it waits for changed (then no state came, and none is handed to `get_state`)."""
         after = after if after is not None else (self._seen_token or NO_STATE_TOKEN)
         timeout_s = max(0.0, timeout_s)
         params = {"after": after, "wait_s": f"{timeout_s:.3f}"}
         read = self._read_docs.get(after)
         if read is not None and self._joined_open_round(read[0]):
             params["progress"] = read[0].progress()  # other nodes' joins do not end the wait
+            (addr, pid, local_id), interval = self.this_node
+            params["alive"] = f"{pid},{local_id},{addr}"  # its keep-alives written for it
+            params["beat_s"] = f"{interval.total_seconds():g}"
         elif read is not None:  # other nodes' keep-alives alone do not end the wait
             params["shape"] = read[0].shape()
         result = self._call("GET", "/state", params=params,
@@ -149,13 +170,17 @@ class FtrainRendezvousBackend(RendezvousBackend):
             raise LongPollUnsupported(f"the control plane at {self._transport.base_url} has no "
                                       "long poll on the rendezvous state; upgrade it")
         change = self._read(StateChange, result)
+        if change.kept_alive and not change.changed and change.state is None:
+            return False, True
         decoded = self._decode(change)
         this_thread.prefetched = (self, decoded)
-        return change.changed
+        return change.changed, False
 
     def wait_instead_of_poll(self, seconds: float, after: str | None) -> None:
         """What torch's `_delay(seconds=1)` after a SYNC does for a handler over this backend:
-        return when the state changes, after at most `seconds`."""
+        return when the state changes, after at most `seconds`; a node that joined an open
+        round waits for the round's progress (`_quiet_s`), polling again while the control
+        plane keeps it alive and nothing changed."""
         clock = time.monotonic
         start = clock()
         deadline = start + max(seconds, self._quiet_s(after))
@@ -164,8 +189,12 @@ class FtrainRendezvousBackend(RendezvousBackend):
             time.sleep(pause)
         try:
             if self._long_poll:
-                self.wait_for_change(deadline - clock(), after or NO_STATE_TOKEN)
-                return
+                while True:
+                    _, kept = self._wait(deadline - clock(), after or NO_STATE_TOKEN)
+                    if kept:  # its keep-alive is not due: as long as the round's deadline allows
+                        deadline = max(deadline, start + self._quiet_s(after, kept=True))
+                    if not kept or clock() >= deadline - MIN_WAKE_INTERVAL_S:
+                        return
         except LongPollUnsupported as exc:
             self._long_poll = False
             log.warning("rendezvous %s: %s; re-reading the state once a second instead",
@@ -184,11 +213,12 @@ class FtrainRendezvousBackend(RendezvousBackend):
         return self.this_node is not None and self.this_node[0] in doc.participants \
             and not doc.complete and not doc.closed
 
-    def _quiet_s(self, after: str | None) -> float:
+    def _quiet_s(self, after: str | None, kept: bool = False) -> float:
         """How long a node that joined an open round (in the state at `after`) has nothing to
         do but wait for the round's progress: until its own keep-alive is due (torch: its
         heartbeat `keep_alive_interval` old) or the last-call deadline, at most
-        `MAX_QUIET_S`; 0 for any other node, which keeps torch's one-second look."""
+        `MAX_QUIET_S`; while the control plane keeps it alive (`kept`), until the deadline,
+        at most `MAX_KEPT_QUIET_S`. 0 for any other node, which keeps torch's one-second look."""
         read = None if after is None else self._read_docs.get(after)
         if read is None or not self._joined_open_round(read[0]):
             return 0.0
@@ -197,10 +227,11 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if beat is None:
             return 0.0
         now_us = time.time() * 1e6
-        due_us = beat + interval / timedelta(microseconds=1)
+        longest = MAX_KEPT_QUIET_S if kept else MAX_QUIET_S
+        due_us = now_us + longest * 1e6 if kept else beat + interval / timedelta(microseconds=1)
         if doc.deadline_us is not None:
             due_us = min(due_us, doc.deadline_us)
-        return min(MAX_QUIET_S, max(0.0, (due_us - now_us) / 1e6))
+        return min(longest, max(0.0, (due_us - now_us) / 1e6))
 
     def _saw(self, token: Any) -> None:
         self._seen_token = None if token is None else str(token)

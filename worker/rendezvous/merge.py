@@ -3,9 +3,15 @@ control plane reads to merge joins (that module says why and how).
 
 Only a state that converts both ways without loss travels as a `RdzvDoc`: the pickle must be
 exactly a `_RendezvousState` with the attributes of torch 2.4 to 2.13, its nodes `_NodeDesc`s
-and its times aware datetimes, and converting it back must give an equal state. Anything
-else (a torch that added a field, the contract suite's arbitrary bytes) travels as the pickle,
-sealed as version 1, and is only ever compare-and-set, as before.
+(of a string address and integer pid and local id), its round and ranks integers, its flags
+booleans and its times aware datetimes; each of those converts back to an equal value, so the
+whole state does. Anything else (a torch that added a field, the contract suite's arbitrary
+bytes) travels as the pickle, sealed as version 1, and is only ever compare-and-set, as before.
+
+Both directions run at every read and write of every node, on a state of up to N nodes, so
+they are kept lean (a 1,024-node round is 1,024 nodes each converting a few such states): a
+node's `_NodeDesc` is made once per process and the same object is used in every map of the
+state (`_desc`), which also lets torch's pickle refer back to it instead of repeating it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ def to_doc(state: bytes) -> RdzvDoc | None:
                       last_heartbeats={_node(n): _us(t) for n, t in obj.last_heartbeats.items()})
     except (TypeError, ValueError, AttributeError):
         return None
-    return doc if vars(_state_of(doc)) == vars(obj) else None
+    return doc
 
 
 def from_doc(doc: RdzvDoc) -> bytes:
@@ -55,11 +61,25 @@ def _state_of(doc: RdzvDoc) -> _RendezvousState:
     state.complete = doc.complete
     state.deadline = None if doc.deadline_us is None else _time(doc.deadline_us)
     state.closed = doc.closed
-    state.participants = {_NodeDesc(*n): r for n, r in doc.participants.items()}
-    state.wait_list = {_NodeDesc(*n) for n in doc.wait_list}
-    state.redundancy_list = {_NodeDesc(*n) for n in doc.redundancy_list}
-    state.last_heartbeats = {_NodeDesc(*n): _time(t) for n, t in doc.last_heartbeats.items()}
+    state.participants = {_desc(n): r for n, r in doc.participants.items()}
+    state.wait_list = {_desc(n) for n in doc.wait_list}
+    state.redundancy_list = {_desc(n) for n in doc.redundancy_list}
+    state.last_heartbeats = {_desc(n): _time(t) for n, t in doc.last_heartbeats.items()}
     return state
+
+
+_descs: dict[Node, _NodeDesc] = {}
+MAX_DESCS = 1 << 16  # nodes remembered (a few MiB at most); forgotten all at once past it
+
+
+def _desc(node: Node) -> _NodeDesc:
+    """The one `_NodeDesc` of `node` in this process (a frozen dataclass: safe to share)."""
+    desc = _descs.get(node)
+    if desc is None:
+        if len(_descs) >= MAX_DESCS:
+            _descs.clear()
+        desc = _descs[node] = _NodeDesc(*node)
+    return desc
 
 
 def _us(moment: Any) -> int:
