@@ -137,6 +137,8 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         writer.wait(stall=False)
     writer.stalls_s.clear()
     writer.copies_s.clear()
+    writer.commits_s.clear()
+    writer.checksums_s.clear()
     writer.skipped = 0
     on: list[float] = []
     off: list[float] = []
@@ -151,6 +153,8 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
+            "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
+            "plan": rt._memory_plan is not None,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
 
@@ -311,7 +315,7 @@ def main() -> None:
           "still being written\nwhen snapshots are taken every step (one save in flight).")
     print(f"\nmemory tier (a copy asked for every step, /dev/shm), {device}, batch {args.batch}\n")
     head = (f"{'model':>6} {'path':>20} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
-            f"{'stall ms':>8} {'copy ms':>8} {'steps/copy':>10}")
+            f"{'stall ms':>8} {'copy ms':>8} {'sum ms':>7} {'commit ms':>9} {'steps/copy':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -323,7 +327,10 @@ def main() -> None:
             print(f"{r['size']:>6} {name:>20} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
                   f"{statistics.mean(m['on_s']) * 1e3:>9.2f} {m['overhead'] * 100:>7.1f}% | "
                   f"{statistics.median(m['memory_stalls_s']) * 1e3:>8.2f} "
-                  f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} {m['steps_per_copy']:>10.1f}")
+                  f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} "
+                  f"{statistics.median(m['memory_checksums_s'] or [0]) * 1e3:>7.2f} "
+                  f"{statistics.median(m['memory_commits_s'] or [0]) * 1e3:>9.2f} "
+                  f"{m['steps_per_copy']:>10.1f}")
     print(f"\n{'model':>6} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | {'replicate ms':>12}")
     for r in results:
         print(f"{r['size']:>6} | {r['restore_memory_s_median'] * 1e3:>18.1f} "
@@ -340,7 +347,10 @@ def main() -> None:
           "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"
           "next; pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
           "waits for them); steps/copy = steps of the on blocks per whole copy; stall = the training "
-          "thread's wait\n(median per copy); copy = step_done to the copy being whole; restore "
+          "thread's wait\n(median per copy); copy = step_done to the copy being whole; sum = the "
+          "checksum's time on the\ncopy thread (on the GPU path: summed on the GPU); commit = the copy "
+          "thread's work after the copy\nis in (GPU path: checksum, plan check, metadata; it holds "
+          "the GIL at times); restore "
           "= into a fresh model and\noptimizer (disk: checksum + torch.load, from the page "
           "cache); replicate = one gloo broadcast\nof the copy's packed bytes to a second process "
           "(loopback).")

@@ -61,6 +61,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,49 @@ class CopyCorrupt(RuntimeError):
         self.reason = reason
 
 
+SUM_BLOCK = 512  # words (8 bytes) per row of `sum64`'s blocked sums: 4 KiB
+_MASK = (1 << 64) - 1
+
+
+def sum64(flat: torch.Tensor) -> tuple[int, int]:
+    """The checksum of a packed slot's bytes, on whatever device they are: the words (int64,
+    little-endian) summed, and summed weighted by their 1-based position, each modulo 2**64
+    (a Fletcher-like pair: a changed word changes the first, two swapped words the second).
+    Integer sums are exact in any order, so the GPU that staged a copy and the CPU that reads
+    it back get the same pair; torch's kernels run without the GIL (xxhash's held it for the
+    whole 25 ms of a 120 MB copy, which the training thread waited for). `flat`: uint8,
+    a multiple of 8 bytes."""
+    words = flat.view(torch.int64)
+    n = words.numel()
+    m = n // SUM_BLOCK * SUM_BLOCK
+    body, tail = words[:m].view(-1, SUM_BLOCK), words[m:]
+    rows, cols = body.sum(1), body.sum(0)
+    kw = {"dtype": torch.int64, "device": flat.device}
+    s1 = rows.sum() + tail.sum()
+    # position of word (r, c) = r * SUM_BLOCK + c + 1
+    s2 = ((rows * torch.arange(rows.numel(), **kw)).sum() * SUM_BLOCK
+          + (cols * torch.arange(1, SUM_BLOCK + 1, **kw)).sum()
+          + (tail * torch.arange(m + 1, n + 1, **kw)).sum())
+    if flat.device.type != "cpu":
+        pair = torch.stack([s1, s2]).cpu()
+        return int(pair[0]) & _MASK, int(pair[1]) & _MASK
+    return int(s1) & _MASK, int(s2) & _MASK
+
+
+
+def sum64_join(head: tuple[int, int], tail: tuple[int, int], head_bytes: int) -> tuple[int, int]:
+    """`sum64` of two ranges one after the other, from each range's own (the first
+    `head_bytes` long): positions in the second move up by the first's words."""
+    shift = head_bytes // 8
+    return (head[0] + tail[0]) & _MASK, (head[1] + tail[1] + shift * tail[0]) & _MASK
+
+
+def _sum64_text(pair: tuple[int, int]) -> str:
+    return f"sum64:{pair[0]:016x}{pair[1]:016x}"
+
+
 def _digest(data: memoryview, algorithm: str) -> str:
+    """The older checksums (copies written before `sum64`), for reading them back."""
     if algorithm == "xxh3_64":
         import xxhash
 
@@ -97,21 +140,17 @@ def _digest(data: memoryview, algorithm: str) -> str:
 
 def checksum(buf: torch.Tensor) -> str:
     """"<algorithm>:<hex>" of a packed slot's bytes (cheap: it runs with every copy)."""
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return _digest(memoryview(buf.numpy()), "crc32")
-    return _digest(memoryview(buf.numpy()), "xxh3_64")
+    return _sum64_text(sum64(buf))
 
 
 def _verify(flat: torch.Tensor, expected: str | None, step: int) -> None:
     if expected is None:
         return  # written before copies had checksums
     algorithm = expected.partition(":")[0]
-    if algorithm not in ("crc32", "xxh3_64"):
+    if algorithm not in ("sum64", "crc32", "xxh3_64"):
         raise CopyCorrupt(step, f"unknown checksum {expected!r}")
     try:
-        got = _digest(memoryview(flat.numpy()), algorithm)
+        got = checksum(flat) if algorithm == "sum64" else _digest(memoryview(flat.numpy()), algorithm)
     except ImportError:
         log.warning("memory copy at step %d has an xxh3 checksum and xxhash is not installed here; "
                     "not verified", step)
@@ -191,6 +230,56 @@ def _device_range(tensors: list[torch.Tensor], packing: list) -> tuple[int, int]
     """(start, end) of the GPU tensors' range at the end of the packed buffer."""
     spans = [(off, off + _aligned(t)) for t, (_, _, off) in zip(tensors, packing) if t.device.type == "cuda"]
     return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+class _Layout:
+    """What a capture derives from its list of tensors: their packing, and for the GPU path
+    the GPU tensors' range, the lists of each batched copy and the views they copy into
+    (made once and kept while the same list comes every step)."""
+
+    def __init__(self, tensors: list[torch.Tensor], key: tuple, packing: list, size: int, later: set[int]):
+        self.tensors, self.key, self.packing, self.size = tensors, key, packing, size
+        devices = {t.device for t in tensors if t.device.type == "cuda"}
+        self.device = devices.pop() if len(devices) == 1 else None  # None: not the one-GPU path
+        self.later = [t.untyped_storage().data_ptr() in later for t in tensors]  # copied by the thread
+        self.cpu = [i for i, t in enumerate(tensors) if t.device.type != "cuda"]
+        self.cpu_src = [tensors[i] for i in self.cpu]
+        self.start = self.end = 0
+        self.now_src: list[torch.Tensor] = []
+        self.late_src: list[torch.Tensor] = []
+        self._now: list[int] = []
+        self._late: list[int] = []
+        if self.device is not None:
+            self.start, self.end = _device_range(tensors, packing)
+            for i, (t, late) in enumerate(zip(tensors, self.later)):
+                if t.device.type == "cuda":
+                    (self._late if late else self._now).append(i)
+                    (self.late_src if late else self.now_src).append(t)
+        self._staged: tuple | None = None  # (staging buffer, views for now_src, views for late_src)
+        self._cpu_views: dict[int, tuple] = {}  # slot -> (its buffer's views, the CPU tensors' views)
+        self._host: dict[int, tuple] = {}  # slot -> (buffer, its GPU range)
+
+    def staged_views(self, staging: torch.Tensor) -> tuple[list, list]:
+        if self._staged is None or self._staged[0] is not staging:
+            shifted = [(dtype, shape, off - self.start) for dtype, shape, off in self.packing]
+            views = {i: v for i, v in zip(self._now + self._late,
+                                          _views(staging, [shifted[i] for i in self._now + self._late]))}
+            self._staged = (staging, [views[i] for i in self._now], [views[i] for i in self._late])
+        return self._staged[1], self._staged[2]
+
+    def cpu_views(self, slot: int, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        known = self._cpu_views.get(slot)
+        if known is None or known[0] is not views:
+            known = (views, [views[i] for i in self.cpu])
+            self._cpu_views[slot] = known
+        return known[1]
+
+    def host_range(self, slot: int, buf: torch.Tensor) -> torch.Tensor:
+        known = self._host.get(slot)
+        if known is None or known[0] is not buf:
+            known = (buf, buf[self.start:self.end])
+            self._host[slot] = known
+        return known[1]
 
 
 def _views(buf: torch.Tensor, packing: list[tuple[torch.dtype, tuple, int]]) -> list[torch.Tensor]:
@@ -325,7 +414,10 @@ class MemoryWriter:
         self._setup_s = 0.0
         self.commits_s: list[float] = []  # GPU path, per copy: the thread's Python work once the copy is in
         self.skipped = 0  # captures skipped because the previous copy was still in flight
-        self._layout_cache: tuple | None = None  # (dtypes, shapes, devices) -> packing, size
+        self._layout_cache: _Layout | None = None  # the last capture's tensors, their packing and copy lists
+        self._events: tuple = ()  # GPU path: (boundary, staged, done), made with the staging buffer
+        self.checksums_s: list[float] = []  # per copy: the checksum's time on the copy thread
+        self.stale = False  # a copy's `check` failed: the runtime's plan no longer holds the state
         self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
 
     def _slot_of_latest(self) -> int | None:
@@ -336,7 +428,7 @@ class MemoryWriter:
 
     def _mapped(self, slot: int, packing: list, size: int) -> torch.Tensor:
         known = self._maps.get(slot)
-        if known is not None and known[0] == packing:
+        if known is not None and (known[0] is packing or known[0] == packing):
             return known[1]
         began = time.perf_counter()
         path = self.directory / f"slot{slot}.bin"
@@ -386,14 +478,23 @@ class MemoryWriter:
             self._setup_s += time.perf_counter() - began
         return self._pinned[slot]
 
-    def _layout(self, tensors: list[torch.Tensor]) -> tuple[list, int]:
-        """`_packing` of `tensors`, kept while their dtypes, shapes and devices stay the same
-        (every step, in training): the training thread's time in a capture is mostly Python."""
+    def _layout(self, tensors: list[torch.Tensor], later: set[int]) -> _Layout:
+        """The `_Layout` of `tensors`. The same list as last time (a runtime's `StatePlan`
+        hands over one list every step) costs nothing; another list of the same dtypes,
+        shapes and devices keeps the packing and the buffers' views, and only sorts its
+        tensors again by `later`."""
+        lay = self._layout_cache
+        if lay is not None and lay.tensors is tensors:
+            return lay
         key = tuple((t.dtype, t.shape, t.device) for t in tensors)
-        if self._layout_cache is None or self._layout_cache[0] != key:
-            self._layout_cache = (key, *_packing(tensors))
+        if lay is None or lay.key != key:
+            packing, size = _packing(tensors)
             self._view_cache.clear()
-        return self._layout_cache[1], self._layout_cache[2]
+        else:
+            packing, size = lay.packing, lay.size
+        lay = _Layout(tensors, key, packing, size, later)
+        self._layout_cache = lay
+        return lay
 
     def _views_of(self, name: tuple, buf: torch.Tensor, packing: list) -> list[torch.Tensor]:
         """`_views(buf, packing)`, kept per buffer while the layout stays (`_layout`)."""
@@ -410,10 +511,11 @@ class MemoryWriter:
 
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
-        time alone (the copy runs on the copy engine); otherwise also the copy thread's whole
-        time (it takes a core)."""
+        time alone (the copy and its checksum run on the GPU) plus the copy thread's Python
+        (its commit: it holds the GIL the training thread needs); otherwise also the copy
+        thread's whole time (it takes a core)."""
         stall = self.stalls_s[-1] if self.stalls_s else 0.0
-        if self._on_device:  # plus the thread's commit, which holds the GIL the training thread needs
+        if self._on_device:
             return stall + (self.commits_s[-1] if self.commits_s else 0.0)
         return stall + (self.copies_s[-1] if self.copies_s else 0.0)
 
@@ -426,53 +528,65 @@ class MemoryWriter:
         if self.busy():
             self.skipped += 1
             return
+        tensors: list[torch.Tensor] = []
+        skeleton = _split(state, tensors)
+        self.capture_split(skeleton, tensors, step, later)
+
+    def capture_split(self, skeleton: Any, tensors: list[torch.Tensor], step: int, later: set[int],
+                      check: Callable[[], bool] | None = None) -> None:
+        """`capture` of a state already split (`_split`): `skeleton` refers to `tensors` by
+        index. A runtime's `StatePlan` hands over the same `tensors` list every step, so the
+        layout, the views and the lists of the batched copies are made once. `check`, if
+        given, runs on the copy thread once the copy is whole: False (the plan's tensors are
+        no longer the state's) leaves the copy uncommitted and sets `stale`."""
+        if self.disabled:
+            return
+        if self.busy():
+            self.skipped += 1
+            return
         start = time.perf_counter()
         self._setup_s = 0.0
         self.wait()
-        tensors: list[torch.Tensor] = []
-        skeleton = _split(state, tensors)
-        packing, size = self._layout(tensors)
+        lay = self._layout(tensors, later)
         slot = 1 if self._latest_slot == 0 else 0
         try:
-            buf = self._mapped(slot, packing, size)
+            buf = self._mapped(slot, lay.packing, lay.size)
         except OSError as exc:
-            self.disabled = f"no room for a copy of {size / 2**20:.0f} MiB in {self.directory}: {exc}"
+            self.disabled = f"no room for a copy of {lay.size / 2**20:.0f} MiB in {self.directory}: {exc}"
             log.warning("memory tier off: %s; restarts resume from the disk tier (give /dev/shm "
                         "room for two copies, e.g. docker's --shm-size)", self.disabled)
             (self.directory / f"slot{slot}.bin").unlink(missing_ok=True)
             return
-        views = self._views_of(("slot", slot), buf, packing)
-        meta = {"step": step, "size": size, "packing": packing, "skeleton": skeleton}
-        devices = {t.device for t in tensors if t.device.type == "cuda"}
-        if len(devices) == 1 and self.device_path == "staged":
-            device = devices.pop()
+        meta = {"step": step, "size": lay.size, "packing": lay.packing, "skeleton": skeleton}
+        views = self._views_of(("slot", slot), buf, lay.packing)
+        if lay.device is not None and self.device_path == "staged":
             try:
-                deferred, event = self._capture_device(tensors, views, packing, buf, slot, later, device)
+                deferred, event = self._capture_device(lay, buf, slot, views)
             except torch.cuda.OutOfMemoryError:  # no room for the staging buffer (before any copy)
                 log.warning("memory tier: no GPU memory for a staging copy of %.0f MiB; copying "
-                            "through pageable memory (slower)", size / 2**20)
+                            "through pageable memory (slower)", lay.size / 2**20)
                 self.device_path, self._staging = "pageable", None
-                deferred, event = self._capture_host(tensors, views, later)
+                deferred, event = self._capture_host(lay, views)
         else:
-            deferred, event = self._capture_host(tensors, views, later)
+            deferred, event = self._capture_host(lay, views)
         self._on_device = event is not None and event[0] == "staged"
         if self._thread is None:  # one thread for the writer's life: starting one per copy
             self._thread = threading.Thread(target=self._serve, name="memory-copy", daemon=True)
             self._thread.start()  # made the training thread wait for its start
         self._current = threading.Event()
-        self._jobs.put(((deferred, meta, slot, event, start), self._current))
+        self._jobs.put(((deferred, meta, slot, event, start, check), self._current))
         # One-time work (mapping a slot, registering it, making buffers) is counted apart:
         # the stall is what every copy costs, and the interval is picked from it.
         self.stalls_s.append(time.perf_counter() - start - self._setup_s)
         if self._setup_s:
             self.setups_s.append(self._setup_s)
 
-    def _capture_host(self, tensors: list, views: list, later: set[int]) -> tuple[list, Any]:
+    def _capture_host(self, lay: _Layout, views: list) -> tuple[list, Any]:
         """Tensors not in `later` now (a GPU's too: a forward may change its buffers next), the
         rest by the thread (GPU ones on a side stream)."""
         deferred = []
-        for src, dst in zip(tensors, views):
-            if src.untyped_storage().data_ptr() not in later:
+        for src, dst, late in zip(lay.tensors, views, lay.later):
+            if not late:
                 dst.copy_(src)
             else:
                 deferred.append((src, dst))
@@ -484,78 +598,85 @@ class MemoryWriter:
                 self._stream = torch.cuda.Stream()
         return deferred, None if event is None else ("pageable", event, self._stream)
 
-    def _capture_device(self, tensors: list, views: list, packing: list, buf: torch.Tensor, slot: int,
-                        later: set[int], device: torch.device) -> tuple[list, Any]:
-        """The GPU path (module docstring): enqueue the copies, return the thread's work."""
-        start, end = _device_range(tensors, packing)
+    def _capture_device(self, lay: _Layout, buf: torch.Tensor, slot: int, views: list) -> tuple[list, Any]:
+        """The GPU path (module docstring): enqueue the copies, return the thread's work. With
+        the layout kept, this is a fixed handful of calls whatever the number of tensors: one
+        batched copy of the CPU tensors into the slot, one of the buffers into the staging
+        buffer on the training stream, one of the parameters and optimizer state on the side
+        stream, one copy to the host; three events, made once."""
+        device = lay.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        if self._staging is None or self._staging[0] != packing:
+        if self._staging is None or self._staging[0] is not lay.packing:
             began = time.perf_counter()
             self._staging = None
-            self._staging = (packing, torch.empty(end - start, dtype=torch.uint8, device=device))
+            self._staging = (lay.packing, torch.empty(lay.end - lay.start, dtype=torch.uint8, device=device))
+            self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
             self._setup_s += time.perf_counter() - began
         staging = self._staging[1]
-        on_device = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
-        shifted = [(dtype, shape, off - start) for dtype, shape, off in (packing[i] for i in on_device)]
-        staged_views = self._views_of(("staging",), staging, shifted)
-        now: tuple[list, list] = ([], [])
-        late: tuple[list, list] = ([], [])
-        for i, dst in zip(on_device, staged_views):
-            src = tensors[i]
-            pair = late if src.untyped_storage().data_ptr() in later else now
-            pair[0].append(dst)
-            pair[1].append(src)
-        # CPU tensors (small: counters, RNG states) now, the optimizer's too: the guard
-        # does not wait for the thread on this path.
-        for src, dst in zip(tensors, views):
-            if src.device.type != "cuda":
-                dst.copy_(src)
+        now_dst, late_dst = lay.staged_views(staging)
+        if lay.cpu:
+            torch._foreach_copy_(lay.cpu_views(slot, views), lay.cpu_src)
+        boundary, staged, done = self._events
         training = torch.cuda.current_stream(device)
-        if now[0]:
-            torch._foreach_copy_(now[0], now[1])  # on the training stream: a forward may change them
-        boundary = torch.cuda.Event()
+        if lay.now_src:
+            torch._foreach_copy_(now_dst, lay.now_src)  # on the training stream: a forward may change them
         boundary.record(training)
         side = self._stream
         side.wait_event(boundary)
+        deferred: list = []
         with torch.cuda.stream(side):
-            if late[0]:
-                torch._foreach_copy_(late[0], late[1])
-            staged = torch.cuda.Event()
+            if lay.late_src:
+                torch._foreach_copy_(late_dst, lay.late_src)
             staged.record(side)
-            deferred: list = []
+            host = lay.host_range(slot, buf)
             if self._register(slot, buf):
-                buf[start:end].copy_(staging, non_blocking=True)
+                host.copy_(staging, non_blocking=True)
             else:
-                if self._bounce is None or self._bounce.numel() != end - start:
+                if self._bounce is None or self._bounce.numel() != staging.numel():
                     began = time.perf_counter()
-                    self._bounce = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
+                    self._bounce = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
                     self._setup_s += time.perf_counter() - began
                 self._bounce.copy_(staging, non_blocking=True)
-                deferred = [(self._bounce, buf[start:end])]
-            done = torch.cuda.Event()
+                deferred = [(self._bounce, host)]
             done.record(side)
         self._staged = (staged, device)
-        return deferred, ("staged", done)
+        return deferred, ("staged", done, staging, side, lay.start)
 
-    def _finish(self, deferred: list, meta: dict, slot: int, event, started: float) -> None:
+    def _finish(self, deferred: list, meta: dict, slot: int, event, started: float,
+                check: Callable[[], bool] | None = None) -> None:
         try:
+            buf = self._maps[slot][1]
             if event is not None and event[0] == "staged":
-                event[1].synchronize()  # the host copy, beside training (the GIL released meanwhile)
+                _, done, staging, side, start = event
+                done.synchronize()  # the host copy, beside training (the GIL released meanwhile)
                 committing = time.perf_counter()
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
-            elif event is not None:  # the pageable path: the copies on the side stream, here
-                _, boundary, stream = event
-                with torch.cuda.stream(stream):
-                    stream.wait_event(boundary)
+                # The checksum: the GPU's range on the GPU (the staging buffer holds its bytes
+                # until the next capture, which waits for this one), the small CPU range here.
+                summing = time.perf_counter()
+                with torch.cuda.stream(side):
+                    on_gpu = sum64(staging)
+                head = sum64(buf[:start]) if start else (0, 0)
+                meta["checksum"] = _sum64_text(sum64_join(head, on_gpu, start))
+            else:
+                if event is not None:  # the pageable path: the copies on the side stream, here
+                    _, boundary, stream = event
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(boundary)
+                        for src, dst in deferred:
+                            dst.copy_(src)
+                        stream.synchronize()
+                else:
                     for src, dst in deferred:
                         dst.copy_(src)
-                    stream.synchronize()
-            else:
-                for src, dst in deferred:
-                    dst.copy_(src)
-            meta["checksum"] = checksum(self._maps[slot][1])
+                summing = time.perf_counter()
+                meta["checksum"] = checksum(buf)
+            self.checksums_s.append(time.perf_counter() - summing)
+            if check is not None and not check():
+                self.stale = True  # the runtime makes its plan again; this copy is not committed
+                return
             with open(self.directory / f".slot{slot}.pkl.tmp", "wb") as f:
                 pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(self.directory / f".slot{slot}.pkl.tmp", self.directory / f"slot{slot}.pkl")
@@ -621,6 +742,107 @@ class MemoryWriter:
                 torch.cuda.current_stream(staged[1]).wait_event(staged[0])
             return
         self.wait()
+
+
+class StatePlan:
+    """A training loop's state split once into the tensors it holds and the skeleton around
+    them, so that a capture every step costs no `state_dict()` and no walk over the tensors.
+
+    A module's parameters and buffers and an optimizer's state tensors are the same tensors
+    from step to step (changed in place), so the plan keeps the tensors that the first
+    `state_dict()` gave (views of them) and the skeleton that refers to them; each step it
+    takes afresh only what is small and changes: an optimizer's `param_groups` (a scheduler
+    moves the learning rate), and the whole `state_dict()` of the other objects (scheduler,
+    sampler, extras), which hold no tensors. `check` runs on the copy thread before a copy is
+    committed: it takes the `state_dict()`s again and compares (same tensors, by address,
+    shape, dtype and stride; same skeleton), so a copy made after a tensor was replaced
+    (`p.data = ...`, optimizer state that appears later) is never committed and the runtime
+    makes the plan again. `make` returns None for a state it cannot follow this way (a
+    module's extra state, an optimizer state that is not all tensors, tensors in the other
+    objects' state): such a loop takes the full path every step."""
+
+    def __init__(self, objects: dict[str, Any], skeleton: dict, groups: dict[str, list], live: list[str],
+                 tensors: list[torch.Tensor], later: set[int]):
+        self.objects, self.skeleton, self.groups, self.live = objects, skeleton, groups, live
+        self.tensors, self.later = tensors, later
+
+    @staticmethod
+    def _static(objects: dict[str, Any]) -> tuple[dict, dict, list[torch.Tensor]] | None:
+        """(skeletons, param groups' indices, tensors) of the modules and optimizers."""
+        skeleton: dict[str, Any] = {}
+        groups: dict[str, list] = {}
+        tensors: list[torch.Tensor] = []
+        for name, obj in objects.items():
+            if isinstance(obj, torch.nn.Module):
+                sd = obj.state_dict()
+                if any(k.endswith("_extra_state") for k in sd):
+                    return None
+                skeleton[name] = _split(sd, tensors)
+            elif isinstance(obj, torch.optim.Optimizer):
+                sd = obj.state_dict()
+                if any(not isinstance(v, torch.Tensor) for st in sd["state"].values() for v in st.values()):
+                    return None
+                if any(isinstance(v, torch.Tensor) for g in sd["param_groups"] for v in g.values()):
+                    return None
+                skeleton[name] = _split(sd["state"], tensors)
+                groups[name] = [g["params"] for g in sd["param_groups"]]
+        return skeleton, groups, tensors
+
+    @classmethod
+    def make(cls, objects: dict[str, Any]) -> StatePlan | None:
+        objects = {k: v for k, v in objects.items() if v is not None}
+        static = cls._static(objects)
+        if static is None:
+            return None
+        skeleton, groups, tensors = static
+        live = [k for k in objects if k not in skeleton]
+        for name in live:
+            found: list[torch.Tensor] = []
+            _split(objects[name].state_dict(), found)
+            if found:
+                return None
+        later: set[int] = set()
+        for obj in objects.values():
+            if isinstance(obj, torch.nn.Module):
+                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
+            elif isinstance(obj, torch.optim.Optimizer):
+                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
+                             for v in st.values() if isinstance(v, torch.Tensor))
+        if not any(isinstance(obj, torch.optim.Optimizer) for obj in objects.values()):
+            later = set()  # nothing tells when the parameters change: copy them at once
+        return cls(objects, skeleton, groups, live, tensors, later)
+
+    def state(self) -> dict:
+        """This step's skeleton of every object (referring to `tensors`)."""
+        out: dict[str, Any] = {}
+        for name, obj in self.objects.items():
+            if name in self.groups:
+                groups = []
+                for group, params in zip(obj.param_groups, self.groups[name]):
+                    packed = {k: v for k, v in group.items() if k != "params"}
+                    packed["params"] = params
+                    groups.append(packed)
+                out[name] = {"state": self.skeleton[name], "param_groups": groups}
+            elif name in self.skeleton:
+                out[name] = self.skeleton[name]
+            else:
+                out[name] = obj.state_dict()
+        return out
+
+    def check(self) -> bool:
+        """The plan still holds the state: the same tensors and skeleton as `make` found."""
+        try:
+            static = self._static(self.objects)
+        except RuntimeError:  # a dict changed while it was read (state made by the optimizer now)
+            return False
+        if static is None:
+            return False
+        skeleton, groups, tensors = static
+        if skeleton != self.skeleton or groups != self.groups or len(tensors) != len(self.tensors):
+            return False
+        return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+                   and a.stride() == b.stride() and a.device == b.device
+                   for a, b in zip(tensors, self.tensors))
 
 
 def _rng_path(directory: Path, rank: int, step: int, ring: int) -> Path:

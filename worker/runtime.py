@@ -128,6 +128,10 @@ SNAPSHOT_FORMAT = 1
 # interval (FTRAIN_MEMORY_EVERY unset), and the longest interval it picks.
 MEMORY_BUDGET = 0.05
 MEMORY_EVERY_MAX = 50
+# How often the memory tier makes its StatePlan (worker/memory.py) before it keeps to the full
+# state_dict() path: a plan found stale each time (a state_dict hook that makes new tensors)
+# would otherwise never commit a copy.
+MEMORY_PLAN_REMAKES = 4
 EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchrun restarts it
 
 _ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
@@ -247,6 +251,8 @@ class Runtime:
     resumed_from: int | None = None
     resumed_tier: str | None = None  # "memory" or "disk", once restored from a snapshot
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
+    _memory_plan: mem.StatePlan | None = None  # its state split once (worker/memory.StatePlan)
+    _memory_plans: int = 0  # plans made so far (at most MEMORY_PLAN_REMAKES)
     node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
     memory_report_s: float = 1.0
     _rng_keeper: mem.RngKeeper | None = None  # each rank's RNG states beside the node's memory tier
@@ -490,12 +496,14 @@ class Runtime:
             self._progress = (self.step, loss, self._samples, time.monotonic())
             if first:
                 self._wake_poll.set()
+        rng = None
         if self.memory_dir is not None:
-            self._save_rng()
+            rng = _rng_state()
+            self._save_rng(rng)
         if self._memory is not None:
             self._time_step()
             if self._memory_due():
-                self._copy_to_memory()
+                self._copy_to_memory(rng)
                 self._plan_next_copy()
         action, control_id = self._agree_on_control()
         if action != "none":
@@ -518,12 +526,12 @@ class Runtime:
         """How many steps of RNG states each rank keeps: enough to outlast two copies."""
         return 2 * max(self.memory_every or 0, MEMORY_EVERY_MAX) + 2
 
-    def _save_rng(self) -> None:
+    def _save_rng(self, rng: dict) -> None:
         """Hand this step's RNG states to the rank's keeper (worker/memory.RngKeeper)."""
         assert self.memory_dir is not None
         if self._rng_keeper is None:
             self._rng_keeper = mem.RngKeeper(self.memory_dir, self.rank, self.rng_ring)
-        self._rng_keeper.keep(self.step, _rng_state())
+        self._rng_keeper.keep(self.step, rng)
 
     def _time_step(self) -> None:
         now = time.perf_counter()
@@ -586,11 +594,29 @@ class Runtime:
         self.memory_interval = k
         self._memory_next = self.step + k
 
-    def _copy_to_memory(self) -> None:
-        """Start the copy of this step into the node's memory tier (worker/memory.py)."""
-        assert self._memory is not None
-        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
-                                 "rng": _rng_state()}
+    def _copy_to_memory(self, rng: dict | None = None) -> None:
+        """Start the copy of this step into the node's memory tier (worker/memory.py): through
+        the `StatePlan` (made at the first copy, again when the copy thread finds it stale, at
+        most MEMORY_PLAN_REMAKES times), else the full `state_dict()`s every copy."""
+        w = self._memory
+        assert w is not None
+        header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
+                  "rng": rng if rng is not None else _rng_state()}
+        if w.stale:  # a copy's check found a tensor replaced: that copy was not committed
+            w.stale = False
+            self._memory_plan = None
+            log.info("memory tier: the state's tensors changed (a tensor replaced, optimizer state "
+                     "added); taking them again")
+        if self._memory_plan is None and self._memory_plans < MEMORY_PLAN_REMAKES:
+            self._memory_plans += 1
+            self._memory_plan = mem.StatePlan.make(self._state)
+            if self._memory_plan is None:
+                self._memory_plans = MEMORY_PLAN_REMAKES  # not a state a plan can follow
+        plan = self._memory_plan
+        if plan is not None:
+            w.capture_split({**header, **plan.state()}, plan.tensors, self.step, plan.later, check=plan.check)
+            return
+        state: dict[str, Any] = header
         later: set[int] = set()
         for name, obj in self._state.items():
             if obj is None:
@@ -603,7 +629,7 @@ class Runtime:
                              for v in st.values() if isinstance(v, torch.Tensor))
         if self._state.get("optimizer") is None:
             later = set()  # nothing tells when the parameters change: copy them now
-        self._memory.capture(state, self.step, later)
+        w.capture(state, self.step, later)
 
     def _agree_on_control(self) -> tuple[str, int]:
         """Rank 0 decides from what its poller last heard; every rank gets the same answer."""

@@ -23,7 +23,7 @@ def _model_and_opt(seed: int = 0):
 
 
 def _step(model, opt, seed: int) -> None:
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
@@ -334,3 +334,110 @@ def test_a_corrupt_copy_fails_its_checksum_and_the_runtime_falls_back_to_disk(tm
     rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={})
     _train(rt, 9)
     assert rt.resumed_from == 5 and rt.resumed_tier == "disk"
+
+
+def test_sum64_is_the_same_whole_or_joined_from_two_ranges():
+    """The GPU path sums the GPU's range on the GPU and the CPU tensors' range on the host,
+    and joins them; a reader sums the whole slot at once: both must agree, and a changed or
+    moved word must change the sum."""
+    import numpy as np
+
+    flat = torch.randint(0, 256, (64 * 300 + 4096 * 3,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    words = flat.view(torch.int64).numpy().astype(np.uint64)
+    with np.errstate(over="ignore"):
+        ref = (int(words.sum(dtype=np.uint64)),
+               int((words * np.arange(1, len(words) + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
+    assert mem.sum64(flat) == ref
+    for cut in (64, 4096, 64 * 77):
+        assert mem.sum64_join(mem.sum64(flat[:cut]), mem.sum64(flat[cut:]), cut) == ref
+    if torch.cuda.is_available():
+        assert mem.sum64(flat.cuda()) == ref
+    swapped = flat.clone()
+    swapped[:8], swapped[8:16] = flat[8:16].clone(), flat[:8].clone()
+    assert mem.sum64(swapped)[0] == ref[0] and mem.sum64(swapped) != ref
+
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_plan_copies_the_state_of_its_step_as_the_full_state_dicts_would(tmp_path, shm_dir, device):
+    """The runtime's StatePlan (tensors taken once, the small state afresh each step): each
+    copy equals the state_dicts of that step, the learning rate a scheduler moved included
+    (on a GPU: the staged path, its checksum summed on the GPU and checked on the CPU)."""
+    rt = runtime.init(memory_dir=shm_dir, memory_every=1, env={})
+    tmp_path = shm_dir
+    model, opt = _model_and_opt()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    rt.restore(model=model, optimizer=opt, scheduler=sched)
+    for n in range(1, 5):
+        _step(model, opt, n)
+        sched.step()
+        rt.step_done()
+        rt._memory.wait()
+        got = mem.load(tmp_path)
+        assert got["step"] == n and rt._memory_plan is not None
+        assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
+        assert got["scheduler"] == sched.state_dict()
+        assert got["optimizer"]["param_groups"][0]["lr"] == 0.01 / 2**n
+    assert rt._memory_plans == 1
+    if device == "cuda":
+        assert rt._memory._on_device and rt._memory.host_copy == "registered"
+    rt.finish()
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
+    """A parameter replaced (`p.data = ...`) after the plan was made: the copy that the plan
+    took is not committed (its check fails on the copy thread), the next one is, from a new
+    plan, and holds the new tensor."""
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    model, opt = _model_and_opt()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rt.restore(model=model, optimizer=opt)
+    _step(model, opt, 1)
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 1
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data + 1.0  # a new storage; the plan's is the old one
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 1 and rt._memory.stale
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 3 and rt._memory_plans == 2
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach())
+    rt.finish()
+
+
+def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
+    """A module with extra state (`get_extra_state`) is copied through its state_dict()
+    every time."""
+
+    class Extra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calls": self.calls}
+
+        def set_extra_state(self, state):
+            self.calls = state["calls"]
+
+    model = Extra(4, 1)
+    model.calls = 0
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert mem.StatePlan.make({"model": model, "optimizer": opt}) is None
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    rt.restore(model=model, optimizer=opt)
+    for n in range(1, 3):
+        model.calls = n
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+        rt._memory.wait()
+        assert mem.load(tmp_path)["model"]["_extra_state"] == {"calls": n}
+    rt.finish()
