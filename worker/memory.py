@@ -123,6 +123,53 @@ def sum64_join(head: tuple[int, int], tail: tuple[int, int], head_bytes: int) ->
     return (head[0] + tail[0]) & _MASK, (head[1] + tail[1] + shift * tail[0]) & _MASK
 
 
+def _sum64_small(flat: torch.Tensor) -> tuple[int, int]:
+    """`sum64` of a small CPU range (the CPU tensors of a GPU copy) with numpy: a few calls
+    where torch's would be a dozen, on the copy thread."""
+    import numpy as np
+
+    words = flat.numpy().view(np.uint64)
+    with np.errstate(over="ignore"):
+        return (int(words.sum(dtype=np.uint64)),
+                int((words * np.arange(1, len(words) + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
+
+
+def _sum64_blocks(rows: Any, cols: Any) -> tuple[int, int]:
+    """`sum64` from a range's row sums and column sums (numpy int64 arrays of its
+    [rows, SUM_BLOCK] view, made on the GPU), with no tail."""
+    import numpy as np
+
+    rows, cols = rows.view(np.uint64), cols.view(np.uint64)
+    with np.errstate(over="ignore"):
+        s1 = int(rows.sum(dtype=np.uint64))
+        s2 = (int((rows * np.arange(len(rows), dtype=np.uint64)).sum(dtype=np.uint64)) * SUM_BLOCK
+              + int((cols * np.arange(1, SUM_BLOCK + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
+    return s1 & _MASK, s2 & _MASK
+
+
+def _tensor_from(array: Any) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles small CPU tensors (RNG states) through numpy: torch's own reduction costs
+    ~0.2 ms a tensor here, held under the GIL the training thread needs."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad
+                and obj.dtype in _NUMPY_DTYPES and obj.is_contiguous()):
+            return _tensor_from, (obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64, torch.bool}
+
+
+def _dump(obj: Any, f: Any) -> None:
+    _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
 def _sum64_text(pair: tuple[int, int]) -> str:
     return f"sum64:{pair[0]:016x}{pair[1]:016x}"
 
@@ -610,10 +657,16 @@ class MemoryWriter:
         if self._staging is None or self._staging[0] is not lay.packing:
             began = time.perf_counter()
             self._staging = None
-            self._staging = (lay.packing, torch.empty(lay.end - lay.start, dtype=torch.uint8, device=device))
+            n = lay.end - lay.start
+            block = 8 * SUM_BLOCK
+            padded = torch.zeros((n + block - 1) // block * block, dtype=torch.uint8, device=device)
+            blocks = padded.view(torch.int64).view(-1, SUM_BLOCK)  # zeros past n add nothing to sum64
+            sums = (torch.empty(blocks.shape[0], dtype=torch.int64, pin_memory=True),
+                    torch.empty(SUM_BLOCK, dtype=torch.int64, pin_memory=True))
+            self._staging = (lay.packing, padded[:n], blocks, sums)
             self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
             self._setup_s += time.perf_counter() - began
-        staging = self._staging[1]
+        _, staging, blocks, sums = self._staging
         now_dst, late_dst = lay.staged_views(staging)
         if lay.cpu:
             torch._foreach_copy_(lay.cpu_views(slot, views), lay.cpu_src)
@@ -629,6 +682,8 @@ class MemoryWriter:
             if lay.late_src:
                 torch._foreach_copy_(late_dst, lay.late_src)
             staged.record(side)
+            sums[0].copy_(blocks.sum(1), non_blocking=True)  # the checksum's GPU part (sum64)
+            sums[1].copy_(blocks.sum(0), non_blocking=True)
             host = lay.host_range(slot, buf)
             if self._register(slot, buf):
                 host.copy_(staging, non_blocking=True)
@@ -641,24 +696,23 @@ class MemoryWriter:
                 deferred = [(self._bounce, host)]
             done.record(side)
         self._staged = (staged, device)
-        return deferred, ("staged", done, staging, side, lay.start)
+        return deferred, ("staged", done, sums, lay.start)
 
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float,
                 check: Callable[[], bool] | None = None) -> None:
         try:
             buf = self._maps[slot][1]
             if event is not None and event[0] == "staged":
-                _, done, staging, side, start = event
+                _, done, sums, start = event
                 done.synchronize()  # the host copy, beside training (the GIL released meanwhile)
                 committing = time.perf_counter()
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
-                # The checksum: the GPU's range on the GPU (the staging buffer holds its bytes
-                # until the next capture, which waits for this one), the small CPU range here.
+                # The checksum: the GPU's range from its row and column sums (made on the GPU
+                # beside the copy), the small CPU range here.
                 summing = time.perf_counter()
-                with torch.cuda.stream(side):
-                    on_gpu = sum64(staging)
-                head = sum64(buf[:start]) if start else (0, 0)
+                on_gpu = _sum64_blocks(sums[0].numpy(), sums[1].numpy())
+                head = _sum64_small(buf[:start]) if start else (0, 0)
                 meta["checksum"] = _sum64_text(sum64_join(head, on_gpu, start))
             else:
                 if event is not None:  # the pageable path: the copies on the side stream, here
@@ -678,7 +732,7 @@ class MemoryWriter:
                 self.stale = True  # the runtime makes its plan again; this copy is not committed
                 return
             with open(self.directory / f".slot{slot}.pkl.tmp", "wb") as f:
-                pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+                _dump(meta, f)
             os.replace(self.directory / f".slot{slot}.pkl.tmp", self.directory / f"slot{slot}.pkl")
             now = time.time()
             _write_json(self.directory / LATEST, {"slot": slot, "step": meta["step"], "attempt": self.attempt,
@@ -855,7 +909,7 @@ def save_rng(directory: str | Path, rank: int, step: int, state: dict, ring: int
     path = _rng_path(Path(directory), rank, step, ring)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        pickle.dump({"step": step, "rng": state}, f, protocol=pickle.HIGHEST_PROTOCOL)
+        _dump({"step": step, "rng": state}, f)
     os.replace(tmp, path)
 
 

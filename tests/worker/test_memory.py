@@ -40,7 +40,7 @@ def _later(model, opt) -> set[int]:
 
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
+        return torch.equal(a, b.to(a.device))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -185,6 +185,7 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 3)
     writer = rt._memory
+    writer._on_device = False  # the host path's cost first (on a GPU machine _train took the GPU path)
     rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
     rt._plan_next_copy()
     assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
@@ -223,7 +224,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
     for step in range(1, 5):
         in_flight[0] = step >= 3  # steps 3 and 4: skipped
         opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
+        model(torch.randn(8, 4, device=rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
     rt._memory.wait()
@@ -231,7 +232,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
     in_flight[0] = False
     rt.finish()
     assert mem.read_held(tmp_path).step == 4
-    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach())
+    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach().cpu())
 
 
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
@@ -351,6 +352,14 @@ def test_sum64_is_the_same_whole_or_joined_from_two_ranges():
     assert mem.sum64(flat) == ref
     for cut in (64, 4096, 64 * 77):
         assert mem.sum64_join(mem.sum64(flat[:cut]), mem.sum64(flat[cut:]), cut) == ref
+    assert mem._sum64_small(flat) == ref
+    # the GPU path's way: the row and column sums of the range padded with zeros to whole blocks
+    block = 8 * mem.SUM_BLOCK
+    padded = torch.zeros((flat.numel() + block - 1) // block * block, dtype=torch.uint8)
+    padded[:flat.numel()] = flat
+    on = padded.cuda() if torch.cuda.is_available() else padded
+    blocks = on.view(torch.int64).view(-1, mem.SUM_BLOCK)
+    assert mem._sum64_blocks(blocks.sum(1).cpu().numpy(), blocks.sum(0).cpu().numpy()) == ref
     if torch.cuda.is_available():
         assert mem.sum64(flat.cuda()) == ref
     swapped = flat.clone()
@@ -411,7 +420,7 @@ def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
     rt.step_done()
     rt._memory.wait()
     assert mem.read_held(tmp_path).step == 3 and rt._memory_plans == 2
-    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach())
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
     rt.finish()
 
 
