@@ -107,12 +107,13 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
                     block: int = 3, every: int | None = 1, path: str = "staged",
-                    register: bool = True) -> dict:
+                    register: bool = True, graphs: bool = True) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
     (so that a load that drifts over the run weighs on both alike); step times of each.
     `every`: the copy interval (None: the runtime picks it to fit its 5% budget). `path`,
     `register`: the writer's GPU path (MemoryWriter.device_path, .register_host)."""
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = path, register
+    mem.MemoryWriter.graphs = graphs
     rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
@@ -149,12 +150,13 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     rt._memory = writer
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
+    mem.MemoryWriter.graphs = True
     mean = statistics.mean  # a copy every K steps (or skipped while one is in flight): the mean
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
             "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
-            "plan": rt._memory_plan is not None,
+            "plan": rt._memory_plan is not None, "graphed": writer.graphed,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
 
@@ -263,7 +265,7 @@ def main() -> None:
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
                 backend = "gloo" if args.device == "cpu" else None
-                for name in ("every_1", "pinned", "pageable", "auto"):
+                for name in ("every_1", "pinned", "pageable", "auto", "eager"):
                     (shm / name).mkdir()
                 n = 2 * steps
                 if on_gpu:  # through a pinned buffer, and the first version's path
@@ -271,6 +273,8 @@ def main() -> None:
                                                            register=False)
                     row["memory_pageable"] = memory_overhead(width, n, args.batch, shm / "pageable",
                                                              backend, path="pageable")
+                    row["memory_eager"] = memory_overhead(width, n, args.batch, shm / "eager", backend,
+                                                          graphs=False)
                 row["memory_every_1"] = memory_overhead(width, n, args.batch, shm / "every_1", backend)
                 row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm / "auto", backend,
                                                      block=max(10, steps // 2), every=None)
@@ -314,17 +318,18 @@ def main() -> None:
           "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
           "still being written\nwhen snapshots are taken every step (one save in flight).")
     print(f"\nmemory tier (a copy asked for every step, /dev/shm), {device}, batch {args.batch}\n")
-    head = (f"{'model':>6} {'path':>20} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
+    head = (f"{'model':>6} {'path':>28} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
             f"{'stall ms':>8} {'copy ms':>8} {'sum ms':>7} {'commit ms':>9} {'steps/copy':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
-        for key in ("memory_every_1", "memory_pinned", "memory_pageable"):
+        for key in ("memory_every_1", "memory_eager", "memory_pinned", "memory_pageable"):
             m = r.get(key)
             if m is None:
                 continue
-            name = m["path"] + (f" ({m['host_copy']})" if m["path"] == "staged" else "")
-            print(f"{r['size']:>6} {name:>20} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
+            name = m["path"] + (f" ({m['host_copy']}{', graphs' if m.get('graphed') else ''})"
+                                if m["path"] == "staged" else "")
+            print(f"{r['size']:>6} {name:>28} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
                   f"{statistics.mean(m['on_s']) * 1e3:>9.2f} {m['overhead'] * 100:>7.1f}% | "
                   f"{statistics.median(m['memory_stalls_s']) * 1e3:>8.2f} "
                   f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} "
@@ -345,7 +350,8 @@ def main() -> None:
           "(one loop, the tier on and off in alternating blocks of 3 steps; a step ends when the training\n"
           "stream's work is done); path: staged = GPU staging copy + one non-blocking copy into the\n"
           "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"
-          "next; pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
+          "next (graphs: the side stream's work replayed from CUDA graphs);\n"
+          "pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
           "waits for them); steps/copy = steps of the on blocks per whole copy; stall = the training "
           "thread's wait\n(median per copy); copy = step_done to the copy being whole; sum = the "
           "checksum's time on the\ncopy thread (on the GPU path: summed on the GPU); commit = the copy "

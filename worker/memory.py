@@ -302,6 +302,7 @@ class _Layout:
                 if t.device.type == "cuda":
                     (self._late if late else self._now).append(i)
                     (self.late_src if late else self.now_src).append(t)
+        self.repeated = False  # the same list came again (a plan's): worth graphs
         self._staged: tuple | None = None  # (staging buffer, views for now_src, views for late_src)
         self._cpu_views: dict[int, tuple] = {}  # slot -> (its buffer's views, the CPU tensors' views)
         self._host: dict[int, tuple] = {}  # slot -> (buffer, its GPU range)
@@ -434,6 +435,10 @@ class MemoryWriter:
     # comparison, and used where the GPU tensors are on more than one device.
     device_path = "staged"
     register_host = True  # False: copy through a pinned buffer (the fallback), for the bench
+    # Replay the side stream's work (the batched copy into staging; the checksum's sums and
+    # the copy to the slot) as two CUDA graphs once the same layout comes a second time (a
+    # plan's): two launches where there were a dozen calls. False: enqueue them one by one.
+    graphs = True
 
     def __init__(self, directory: str | Path, attempt: int = 0, rank: int = 0):
         self.directory = Path(directory)
@@ -463,6 +468,8 @@ class MemoryWriter:
         self.skipped = 0  # captures skipped because the previous copy was still in flight
         self._layout_cache: _Layout | None = None  # the last capture's tensors, their packing and copy lists
         self._events: tuple = ()  # GPU path: (boundary, staged, done), made with the staging buffer
+        self._graphs: dict = {}  # GPU path, for one layout: "layout", "stage" -> graph, slot -> graph
+        self.graphed = 0  # copies whose side-stream work was replayed from graphs
         self.checksums_s: list[float] = []  # per copy: the checksum's time on the copy thread
         self.stale = False  # a copy's `check` failed: the runtime's plan no longer holds the state
         self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
@@ -490,6 +497,7 @@ class MemoryWriter:
         return buf
 
     def _unmap(self, slot: int) -> None:
+        self._graphs.pop(slot, None)  # its copy to the slot's old address
         known = self._maps.pop(slot, None)
         if known is not None and self._pinned.pop(slot, False):
             if self._stream is not None:
@@ -532,6 +540,7 @@ class MemoryWriter:
         tensors again by `later`."""
         lay = self._layout_cache
         if lay is not None and lay.tensors is tensors:
+            lay.repeated = True
             return lay
         key = tuple((t.dtype, t.shape, t.device) for t in tensors)
         if lay is None or lay.key != key:
@@ -665,6 +674,7 @@ class MemoryWriter:
                     torch.empty(SUM_BLOCK, dtype=torch.int64, pin_memory=True))
             self._staging = (lay.packing, padded[:n], blocks, sums)
             self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+            self._graphs = {}
             self._setup_s += time.perf_counter() - began
         _, staging, blocks, sums = self._staging
         now_dst, late_dst = lay.staged_views(staging)
@@ -678,16 +688,40 @@ class MemoryWriter:
         side = self._stream
         side.wait_event(boundary)
         deferred: list = []
-        with torch.cuda.stream(side):
+        host = lay.host_range(slot, buf)
+        registered = self._register(slot, buf)
+
+        def stage() -> None:
             if lay.late_src:
                 torch._foreach_copy_(late_dst, lay.late_src)
-            staged.record(side)
+
+        def send() -> None:
             sums[0].copy_(blocks.sum(1), non_blocking=True)  # the checksum's GPU part (sum64)
             sums[1].copy_(blocks.sum(0), non_blocking=True)
-            host = lay.host_range(slot, buf)
-            if self._register(slot, buf):
-                host.copy_(staging, non_blocking=True)
+            host.copy_(staging, non_blocking=True)
+
+        graphs = None
+        if self._graphs.get("layout") is not lay:  # graphs copy fixed addresses: this layout's
+            self._graphs = {"layout": lay}
+        if self.graphs and registered and lay.repeated:
+            graphs = self._graph("stage", stage, device), self._graph(slot, send, device)
+            if None in graphs:
+                graphs = None
+        with torch.cuda.stream(side):
+            if graphs is not None:
+                graphs[0].replay()
+                staged.record(side)
+                graphs[1].replay()
+                self.graphed += 1
+            elif registered:
+                stage()
+                staged.record(side)
+                send()
             else:
+                stage()
+                staged.record(side)
+                sums[0].copy_(blocks.sum(1), non_blocking=True)
+                sums[1].copy_(blocks.sum(0), non_blocking=True)
                 if self._bounce is None or self._bounce.numel() != staging.numel():
                     began = time.perf_counter()
                     self._bounce = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
@@ -697,6 +731,25 @@ class MemoryWriter:
             done.record(side)
         self._staged = (staged, device)
         return deferred, ("staged", done, sums, lay.start)
+
+    def _graph(self, key: Any, work: Callable[[], None], device: torch.device) -> Any:
+        """The CUDA graph of `work` (captured once per staging buffer and key), or None where
+        capturing fails (then this writer enqueues its work call by call from now on)."""
+        if key in self._graphs:
+            return self._graphs[key]
+        began = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
+                work()
+        except Exception as exc:  # noqa: BLE001 - the eager path does the same work
+            log.info("memory tier: cannot capture the copy as a CUDA graph (%s); enqueuing it call by call",
+                     exc)
+            self.graphs = False
+            graph = None
+        self._graphs[key] = graph
+        self._setup_s += time.perf_counter() - began
+        return graph
 
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float,
                 check: Callable[[], bool] | None = None) -> None:
@@ -785,6 +838,7 @@ class MemoryWriter:
         self._view_cache.clear()
         self._layout_cache = None
         self._staging = None
+        self._graphs = {}
         self._bounce = None
 
     def guard(self, *_args, **_kwargs) -> None:

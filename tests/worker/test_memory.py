@@ -393,8 +393,8 @@ def test_a_plan_copies_the_state_of_its_step_as_the_full_state_dicts_would(tmp_p
         assert got["scheduler"] == sched.state_dict()
         assert got["optimizer"]["param_groups"][0]["lr"] == 0.01 / 2**n
     assert rt._memory_plans == 1
-    if device == "cuda":
-        assert rt._memory._on_device and rt._memory.host_copy == "registered"
+    if device == "cuda":  # from the second copy on, the side stream's work replayed from CUDA graphs
+        assert rt._memory._on_device and rt._memory.host_copy == "registered" and rt._memory.graphed == 3
     rt.finish()
 
 
@@ -420,6 +420,11 @@ def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
     rt.step_done()
     rt._memory.wait()
     assert mem.read_held(tmp_path).step == 3 and rt._memory_plans == 2
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
+    _step(model, opt, 4)  # the new plan's layout comes again (on a GPU: its own graphs, not the old ones)
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 4
     assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
     rt.finish()
 
