@@ -145,6 +145,9 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     off: list[float] = []
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
+        # The runtime times its steps while the tier is on: an off block in between is not a
+        # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
+        rt._last_step_t = None
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
     rt._memory = writer

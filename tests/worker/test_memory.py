@@ -430,8 +430,8 @@ def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
 
 
 def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
-    """A module with extra state (`get_extra_state`) is copied through its state_dict()
-    every time."""
+    """A module with extra state (`get_extra_state`) or a state_dict hook is copied through
+    its state_dict() every time."""
 
     class Extra(torch.nn.Linear):
         def get_extra_state(self):
@@ -444,6 +444,9 @@ def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
     model.calls = 0
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert mem.StatePlan.make({"model": model, "optimizer": opt}) is None
+    normed = torch.nn.utils.spectral_norm(torch.nn.Linear(4, 1))  # a state_dict hook
+    assert mem.StatePlan.make({"model": normed}) is None
+    assert mem.StatePlan.make({"model": torch.nn.Linear(4, 1)}) is not None
     rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
     rt.restore(model=model, optimizer=opt)
     for n in range(1, 3):
