@@ -119,6 +119,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     LocalLink,
     ServiceLink,
 )
+from worker.peer_watch import PeerWatch
 from worker.protocol import MAX_METRICS, METRIC_NAME
 
 log = logging.getLogger("ftrain.runtime")
@@ -251,6 +252,7 @@ class Runtime:
     resumed_from: int | None = None
     resumed_tier: str | None = None  # "memory" or "disk", once restored from a snapshot
     _memory: mem.MemoryWriter | None = None  # the node's first rank writes the memory tier
+    _peer_watch: PeerWatch | None = None  # the node leader's part of the job's ring (worker/peer_watch.py)
     _memory_plan: mem.StatePlan | None = None  # its state split once (worker/memory.StatePlan)
     _memory_plans: int = 0  # plans made so far (at most MEMORY_PLAN_REMAKES)
     node: str | None = None  # FTRAIN_NODE: the name its memory tier is reported under
@@ -318,8 +320,13 @@ class Runtime:
         copy, held = self._read_memory()
         helds = [held]
         if self.distributed:
-            helds = [None] * self.world_size
-            dist.all_gather_object(helds, held)
+            # The node leaders' peer-watch addresses travel with the same gather.
+            address = self._start_peer_watch()
+            got: list = [None] * self.world_size
+            dist.all_gather_object(got, (held, address))
+            helds = [g[0] for g in got]
+            if self._peer_watch is not None:
+                self._peer_watch.join([g[1] for g in got], self.rank)
         chosen = self._choose(helds) if self.is_chief else None
         if self.distributed:
             box = [chosen]
@@ -337,6 +344,20 @@ class Runtime:
         self._start_poller()
         self._start_memory_reports()
         return self.step
+
+    def _start_peer_watch(self) -> str | None:
+        """A node's first worker joins the job's ring of peer connections (worker/peer_watch.py),
+        so that a node lost while NCCL holds the survivors is reported at once."""
+        if self.local_rank != 0 or not isinstance(self.link, ServiceLink) or not self.node:
+            return None
+        link, node = self.link, self.node
+        self._peer_watch = PeerWatch(lambda detail: link.report_broken(node, detail))
+        try:
+            return self._peer_watch.listen()
+        except OSError as exc:
+            log.info("rank %d: no peer watch (%s); a lost node is found by its lease", self.rank, exc)
+            self._peer_watch = None
+            return None
 
     def _start_memory_reports(self) -> None:
         """The node's first rank tells the control plane what its memory tier holds, about
@@ -788,6 +809,8 @@ class Runtime:
                 self._writer.wait()
         finally:
             self._stop_poller()
+            if self._peer_watch is not None:  # a goodbye: the peers do not report this as a loss
+                self._peer_watch.close()
             if self.distributed and dist.is_initialized():
                 if clean:
                     _settle_collectives()
