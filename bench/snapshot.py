@@ -143,14 +143,16 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     writer.skipped = 0
     on: list[float] = []
     off: list[float] = []
+    memory_dir = rt.memory_dir
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
+        rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
         # The runtime times its steps while the tier is on: an off block in between is not a
         # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
         rt._last_step_t = None
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
-    rt._memory = writer
+    rt._memory, rt.memory_dir = writer, memory_dir
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
     mem.MemoryWriter.graphs = True
@@ -349,7 +351,8 @@ def main() -> None:
         a = r["memory_auto"]
         print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
               f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
-    print("\noverhead = mean step time with the memory tier (a copy asked for every step) / without - 1\n"
+    print("\noverhead = mean step time with the memory tier (a copy asked for every step, each rank's RNG\n"
+          "states kept every step) / without either - 1\n"
           "(one loop, the tier on and off in alternating blocks of 3 steps; a step ends when the training\n"
           "stream's work is done); path: staged = GPU staging copy + one non-blocking copy into the\n"
           "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"

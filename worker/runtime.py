@@ -165,8 +165,8 @@ def _rng_state() -> dict:
         state["numpy"] = np.random.get_state()
     except ImportError:
         pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():  # what get_rng_state_all gives, without its per-device checks
+        state["cuda"] = [g.get_state() for g in torch.cuda.default_generators]
     return state
 
 
