@@ -458,3 +458,25 @@ def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
         rt._memory.wait()
         assert mem.load(tmp_path)["model"]["_extra_state"] == {"calls": n}
     rt.finish()
+
+
+def test_the_rng_ring_keeps_the_last_steps_across_a_restart_and_refuses_a_torn_slot(tmp_path):
+    keeper = mem.RngKeeper(tmp_path, rank=1, ring=4)
+    states = {n: {"python": (3, tuple(range(n, n + 625)), None),
+                  "torch": torch.full((8,), n, dtype=torch.uint8)} for n in range(1, 7)}
+    for n, state in states.items():
+        keeper.keep(n, state)
+    again = mem.RngKeeper(tmp_path, rank=1, ring=4)  # a restarted worker: the old slots stay readable
+    for n in (3, 4, 5, 6):
+        got = mem.load_rng(tmp_path, 1, n, 4)
+        assert got["python"] == states[n]["python"] and torch.equal(got["torch"], states[n]["torch"])
+    assert mem.load_rng(tmp_path, 1, 2, 4) is None  # its slot holds step 6 now
+    assert mem.load_rng(tmp_path, 0, 6, 4) is None  # another rank's
+    with open(tmp_path / "rng.r1.ring", "r+b") as f:  # a byte of step 5's payload changed
+        f.seek((5 % 4) * mem.RNG_SLOT + 40)
+        b = f.read(1)
+        f.seek((5 % 4) * mem.RNG_SLOT + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert mem.load_rng(tmp_path, 1, 5, 4) is None and mem.load_rng(tmp_path, 1, 6, 4) is not None
+    again.keep(7, states[1])
+    assert mem.load_rng(tmp_path, 1, 7, 4)["python"] == states[1]["python"]
