@@ -78,6 +78,11 @@ class PeerWatch:
         if len(leaders) == 2 and leaders.index(me) == 1:
             return  # two nodes: one connection between them is the whole ring
         assert nxt is not None
+        # On a thread: a peer behind a firewall that drops the connection must not hold up
+        # the start (the connection is there in a millisecond otherwise).
+        threading.Thread(target=self._connect, args=(nxt,), name="ftrain-peer-connect", daemon=True).start()
+
+    def _connect(self, nxt: str) -> None:
         host, _, port = nxt.rpartition(":")
         try:
             conn = socket.create_connection((host, int(port)), timeout=5.0)
