@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import pickle
 import signal
 import threading
@@ -778,6 +779,37 @@ def test_monitor_checks_still_read_the_state_at_most_once_a_second(control_plane
         assert checks >= 10 and len(reads) <= 1
     finally:
         handler.shutdown()
+
+
+def test_a_formed_node_sees_a_waiting_node_sooner_than_its_one_second_state_cache(
+        control_plane, rdzv_id, token, monkeypatch):
+    """After its group formed, a torchrun's monitor (num_nodes_waiting()) sees a node that
+    joins the wait list as soon as it joins (worker/rendezvous/follow.py): with torch's state
+    cache alone, up to a second later, which on GPUs (a survivor stuck in NCCL) is the whole
+    wait until the group re-forms."""
+    monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    params = RendezvousParameters(backend="ftrain", endpoint=control_plane.url, run_id=rdzv_id,
+                                  min_nodes=1, max_nodes=2, local_addr="127.0.0.1",
+                                  last_call_timeout=1, keep_alive_interval=5)
+    first, second = (create_ftrain_handler(params) for _ in range(2))
+    try:
+        assert first.next_rendezvous().world_size == 1
+        assert first.num_nodes_waiting() == 0  # the monitor's first look: the state is cached now
+        seen = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            joined_at = time.monotonic()
+            pending = pool.submit(second.next_rendezvous)
+            wait_for(lambda: first.num_nodes_waiting() == 1, 10, "the first node to see the second")
+            seen.append(time.monotonic() - joined_at)
+            second.set_closed()  # (ends the second's wait: the test is over)
+            with contextlib.suppress(Exception):
+                pending.result(timeout=30)
+        # well inside the cache's second, on a busy machine too (the join itself is ~10 ms):
+        assert seen[0] < 0.75, seen  # ~0.1 s; 0.95-1 s without the follower
+    finally:
+        for handler in (first, second):
+            handler.shutdown()
 
 
 def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen(
