@@ -190,7 +190,11 @@ def is_broken_peer(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_GONE)
 
 
-def _report_broken_peers(link: Link, node: str) -> None:
+# What a worker whose group broke gives its memory tier's copy in flight before it exits.
+SETTLE_S = 1.0
+
+
+def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> None:
     """When the worker dies of a broken peer, tell the control plane first (service/presence.py:
     a member whose agent's connection dropped as well is lost at once, not after the longer
     bound a network blip gets). At most ~1 s; then the previous hook runs as before (the
@@ -206,6 +210,8 @@ def _report_broken_peers(link: Link, node: str) -> None:
             t.join(1.0)
         previous(kind, exc, tb)
         if broken:
+            if rt is not None:
+                rt._settle_memory(SETTLE_S)
             _exit_now(1)
 
     sys.excepthook = hook
@@ -539,6 +545,17 @@ class Runtime:
     def rng_ring(self) -> int:
         """How many steps of RNG states each rank keeps: enough to outlast two copies."""
         return 2 * max(self.memory_every or 0, MEMORY_EVERY_MAX) + 2
+
+    def _settle_memory(self, timeout_s: float) -> None:
+        """The memory tier's copy in flight made whole, and this rank's RNG states written, in
+        at most `timeout_s` (a worker about to exit at once: a copy of the step before the
+        fault is consistent, since the optimizer waits for the copy before it changes the
+        state, and it is the newest step this node holds)."""
+        deadline = time.monotonic() + timeout_s
+        if self._memory is not None:
+            self._memory.settle(timeout_s)
+        if self._rng_keeper is not None:
+            self._rng_keeper.flush(max(0.0, deadline - time.monotonic()))
 
     def _save_rng(self) -> None:
         """Hand this step's RNG states to the rank's keeper (worker/memory.RngKeeper)."""
@@ -888,7 +905,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
     if distributed and isinstance(link, ServiceLink) and rt.node:
-        _report_broken_peers(link, rt.node)
+        _report_broken_peers(link, rt.node, rt)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,
              job_id or "(local twin)", directory or "off", rt.snapshot_every)
     return rt
