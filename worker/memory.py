@@ -845,6 +845,12 @@ class MemoryWriter:
             error, self._error = self._error, None
             log.warning("memory copy failed (%s); training goes on, the disk tier still holds", error)
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the copy in flight to be whole (a worker on its way out:
+        that copy is the newest step it holds); True if none is left in flight."""
+        done = self._current
+        return done is None or done.wait(timeout_s)
+
     def close(self) -> None:
         """The copy in flight whole, then the slots' CUDA registrations undone and the GPU
         buffers freed (a mapping unmapped while registered would make a later registration

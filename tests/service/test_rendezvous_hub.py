@@ -9,7 +9,7 @@ from service.keys import Keys
 from service.rendezvous import Rendezvous, StateHub
 from service.store.memory import MemoryStore
 from worker.protocol import open_state, seal_state
-from worker.rdzv_state import MergeSpec, Op, RdzvDoc
+from worker.rdzv_state import ENDED_LAST_CALL_US, MergeSpec, Op, RdzvDoc
 
 RDZV = "job-abc123-a0"
 
@@ -128,3 +128,21 @@ def test_a_joined_waiter_that_gives_its_progress_sleeps_through_joins_but_not_th
     changed, slept, (entry, woke) = asyncio.run(scenario())
     assert changed and slept > 0.3
     assert woke and RdzvDoc.from_json(open_state(entry.value)).complete
+
+
+def test_the_join_of_the_last_expected_member_ends_the_last_call_and_no_other_does():
+    def joined_deadline(expected: int) -> int | None:
+        async def scenario():
+            rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), expected_nodes=expected)
+            node = ("127.0.0.1", 100, 0)
+            doc = RdzvDoc(participants={node: 0}, last_heartbeats={node: 1}, deadline_us=9)
+            spec = MergeSpec(ops=[Op(kind="join", node=node, at_us=1, deadline_us=9)], min_nodes=1,
+                             max_nodes=2)
+            entry, written = await rdzv.set_state(seal_state(doc.to_json(), version=2), None, spec)
+            assert written
+            return RdzvDoc.from_json(open_state(entry.value)).deadline_us
+        return asyncio.run(scenario())
+
+    assert joined_deadline(1) == ENDED_LAST_CALL_US  # the one member left is in: complete now
+    assert joined_deadline(2) == 9  # one more member to come: torch's last call
+    assert joined_deadline(0) == 9  # members unknown: torch's last call
