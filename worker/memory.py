@@ -22,9 +22,10 @@ Layout of the directory (one writer, the node's local rank 0; any number of read
                            restore from memory each rank gets its own back (`RngKeeper`,
                            `load_rng`; a state too large for a slot: rng.r<rank>.<i>.pkl)
 
-Each slot's .pkl holds a checksum of its .bin (xxh3-64, or crc32 where xxhash is not
-installed), taken once the copy is whole; a reader verifies it (`read_copy` raises
-`CopyCorrupt`) and the restore falls back to the next source: a peer's copy, then disk.
+Each slot's .pkl holds a checksum of its .bin (`sum64`; on the GPU path its GPU range is
+summed on the GPU beside the copy), taken once the copy is whole; a reader verifies it
+(`read_copy` raises `CopyCorrupt`; copies with the older xxh3-64 or crc32 are verified too)
+and the restore falls back to the next source: a peer's copy, then disk.
 
 A copy goes into the slot that `latest.json` does not name, and `latest.json` is replaced
 (rename) only once the copy is complete: a worker killed in the middle of a copy leaves
@@ -49,6 +50,12 @@ thread then copies into the slot. The guard makes the training stream wait (on t
 the host) for the staging copy alone; the thread waits for the host copy and commits the
 slot. A capture that comes while the previous copy is still in flight is skipped (`busy`):
 the copies then come as often as the link allows, and the training thread never waits.
+
+What a capture costs the training thread is Python (10-30 us a torch call on a GPU host), so
+the runtime hands over a `StatePlan` (the state split once, the same tensor list every step)
+and the writer keeps everything derived from that list (`_Layout`: packing, views, the lists
+of the batched copies) and, once the list comes again, replays the side stream's work from
+two CUDA graphs (`_graph`).
 """
 
 from __future__ import annotations
