@@ -463,6 +463,7 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
             else:
                 fault_t = cluster.launch_node()
                 world = 3
+            rec["fault_t"] = fault_t  # wall clock, to line up the nodes' logs (--timeline)
             try:
                 rec["fault"] = {"recovered": True, **cluster.log.recovery(fault_t, world, deadline_s)}
             except Unrecovered as exc:

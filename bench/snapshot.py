@@ -107,12 +107,13 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
                     block: int = 3, every: int | None = 1, path: str = "staged",
-                    register: bool = True) -> dict:
+                    register: bool = True, graphs: bool = True) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
     (so that a load that drifts over the run weighs on both alike); step times of each.
     `every`: the copy interval (None: the runtime picks it to fit its 5% budget). `path`,
     `register`: the writer's GPU path (MemoryWriter.device_path, .register_host)."""
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = path, register
+    mem.MemoryWriter.graphs = graphs
     rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
@@ -137,20 +138,30 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         writer.wait(stall=False)
     writer.stalls_s.clear()
     writer.copies_s.clear()
+    writer.commits_s.clear()
+    writer.checksums_s.clear()
     writer.skipped = 0
     on: list[float] = []
     off: list[float] = []
+    memory_dir = rt.memory_dir
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
+        rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
+        # The runtime times its steps while the tier is on: an off block in between is not a
+        # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
+        rt._last_step_t = None
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
-    rt._memory = writer
+    rt._memory, rt.memory_dir = writer, memory_dir
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
+    mem.MemoryWriter.graphs = True
     mean = statistics.mean  # a copy every K steps (or skipped while one is in flight): the mean
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
+            "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
+            "plan": rt._memory_plan is not None, "graphed": writer.graphed,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
 
@@ -259,7 +270,7 @@ def main() -> None:
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
                 backend = "gloo" if args.device == "cpu" else None
-                for name in ("every_1", "pinned", "pageable", "auto"):
+                for name in ("every_1", "pinned", "pageable", "auto", "eager"):
                     (shm / name).mkdir()
                 n = 2 * steps
                 if on_gpu:  # through a pinned buffer, and the first version's path
@@ -267,6 +278,8 @@ def main() -> None:
                                                            register=False)
                     row["memory_pageable"] = memory_overhead(width, n, args.batch, shm / "pageable",
                                                              backend, path="pageable")
+                    row["memory_eager"] = memory_overhead(width, n, args.batch, shm / "eager", backend,
+                                                          graphs=False)
                 row["memory_every_1"] = memory_overhead(width, n, args.batch, shm / "every_1", backend)
                 row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm / "auto", backend,
                                                      block=max(10, steps // 2), every=None)
@@ -310,20 +323,24 @@ def main() -> None:
           "both modes);\nstall every 1 = the same plus waiting for the previous save, which is "
           "still being written\nwhen snapshots are taken every step (one save in flight).")
     print(f"\nmemory tier (a copy asked for every step, /dev/shm), {device}, batch {args.batch}\n")
-    head = (f"{'model':>6} {'path':>20} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
-            f"{'stall ms':>8} {'copy ms':>8} {'steps/copy':>10}")
+    head = (f"{'model':>6} {'path':>28} | {'step ms: off':>12} {'memory on':>9} {'overhead':>8} | "
+            f"{'stall ms':>8} {'copy ms':>8} {'sum ms':>7} {'commit ms':>9} {'steps/copy':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
-        for key in ("memory_every_1", "memory_pinned", "memory_pageable"):
+        for key in ("memory_every_1", "memory_eager", "memory_pinned", "memory_pageable"):
             m = r.get(key)
             if m is None:
                 continue
-            name = m["path"] + (f" ({m['host_copy']})" if m["path"] == "staged" else "")
-            print(f"{r['size']:>6} {name:>20} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
+            name = m["path"] + (f" ({m['host_copy']}{', graphs' if m.get('graphed') else ''})"
+                                if m["path"] == "staged" else "")
+            print(f"{r['size']:>6} {name:>28} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
                   f"{statistics.mean(m['on_s']) * 1e3:>9.2f} {m['overhead'] * 100:>7.1f}% | "
                   f"{statistics.median(m['memory_stalls_s']) * 1e3:>8.2f} "
-                  f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} {m['steps_per_copy']:>10.1f}")
+                  f"{statistics.median(m['memory_copies_s']) * 1e3:>8.1f} "
+                  f"{statistics.median(m['memory_checksums_s'] or [0]) * 1e3:>7.2f} "
+                  f"{statistics.median(m['memory_commits_s'] or [0]) * 1e3:>9.2f} "
+                  f"{m['steps_per_copy']:>10.1f}")
     print(f"\n{'model':>6} | {'restore ms: memory':>18} {'disk':>7} {'x':>5} | {'replicate ms':>12}")
     for r in results:
         print(f"{r['size']:>6} | {r['restore_memory_s_median'] * 1e3:>18.1f} "
@@ -334,13 +351,18 @@ def main() -> None:
         a = r["memory_auto"]
         print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
               f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
-    print("\noverhead = mean step time with the memory tier (a copy asked for every step) / without - 1\n"
+    print("\noverhead = mean step time with the memory tier (a copy asked for every step, each rank's RNG\n"
+          "states kept every step) / without either - 1\n"
           "(one loop, the tier on and off in alternating blocks of 3 steps; a step ends when the training\n"
           "stream's work is done); path: staged = GPU staging copy + one non-blocking copy into the\n"
           "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"
-          "next; pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
+          "next (graphs: the side stream's work replayed from CUDA graphs);\n"
+          "pageable = the first version (per-tensor copies into pageable memory, the optimizer\n"
           "waits for them); steps/copy = steps of the on blocks per whole copy; stall = the training "
-          "thread's wait\n(median per copy); copy = step_done to the copy being whole; restore "
+          "thread's wait\n(median per copy); copy = step_done to the copy being whole; sum = the "
+          "checksum's time on the\ncopy thread (on the GPU path: summed on the GPU); commit = the copy "
+          "thread's work after the copy\nis in (GPU path: checksum, plan check, metadata; it holds "
+          "the GIL at times); restore "
           "= into a fresh model and\noptimizer (disk: checksum + torch.load, from the page "
           "cache); replicate = one gloo broadcast\nof the copy's packed bytes to a second process "
           "(loopback).")

@@ -92,7 +92,7 @@ from service.keys import Keys
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
 from worker.protocol import StateNotSealed, open_state, seal_state, state_version
-from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops
+from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops, end_last_call
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
@@ -143,6 +143,7 @@ class _Write:
     token: str | None
     merge: MergeSpec | None
     done: asyncio.Future
+    expected_nodes: int = 0  # the job's live members as the writer's request saw them (0: unknown)
 
 
 @dataclass
@@ -339,9 +340,13 @@ class StateHub:
 class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, states: StateHub | None = None):
+    def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, states: StateHub | None = None,
+                 expected_nodes: int = 0):
         self.kv = kv
         self.rdzv_id = rdzv_id
+        # The nodes the job's attempt counts on (its live members): once all of them joined an
+        # open round, its last call ends (`worker.rdzv_state.end_last_call`); 0: never.
+        self.expected_nodes = expected_nodes
         self._states = states or StateHub()
         self._state_key = keys.rdzv_state(rdzv_id)
         self._store_prefix = keys.rdzv_store(rdzv_id)
@@ -363,7 +368,8 @@ class Rendezvous:
         """
         if _revision(token) is None and merge is None:
             return await self.get_state(), False
-        write = _Write(state, token, merge, asyncio.get_running_loop().create_future())
+        write = _Write(state, token, merge, asyncio.get_running_loop().create_future(),
+                       self.expected_nodes)
         return await self._states.submit(self._state_key, self._apply_batch, write)
 
     async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
@@ -396,6 +402,10 @@ class Rendezvous:
                 return [(entry, False)] * len(batch)
             if value is None:
                 assert doc is not None
+                merged_specs = [w.merge for w, was in zip(batch, applied) if was and w.merge is not None]
+                if merged_specs:
+                    end_last_call(doc, max(w.expected_nodes for w in batch),
+                                  max(m.min_nodes for m in merged_specs))
                 value = seal_state(doc.to_json(), version=2)
             written, after = await self.kv.commit_read({self._state_key: revision},
                                                        [Put(self._state_key, value)], self._state_key)

@@ -88,8 +88,12 @@ class NodeAgent:
                     group = self.torchrun.group
                     link.register(running=None if group is None else group.key)
                 link.send_reports()
-                # An idle node long-polls: the answer comes as soon as it is given a job.
-                assignment = link.heartbeat(idle=self.torchrun.group is None and not link.reports)
+                # The heartbeat long-polls: an idle node learns of its job, a running one of a
+                # new attempt (a lost peer's node), as soon as the control plane decides it; a
+                # running node's wait is its exit-check interval.
+                running = self.torchrun.group is not None
+                wait_s = 0.0 if link.reports else RUNNING_CHECK_S if running else link.heartbeat_interval_s
+                assignment = link.heartbeat(wait_s)
                 self.reconcile(assignment)
                 link.send_reports()
             except NodeForgotten:
@@ -105,7 +109,7 @@ class NodeAgent:
             # Running: check exits often. Idle: the heartbeat itself waited for a change (a
             # long poll), so go again at once after a change, else keep the beat's interval.
             if self.torchrun.group:
-                pause = RUNNING_CHECK_S
+                pause = max(0.0, RUNNING_CHECK_S - (time.monotonic() - beat_started))
             elif link.known != known_before:
                 pause = 0.05
             else:

@@ -67,3 +67,7 @@ SETTINGS_PREFIX = "FTRAIN_"
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # "[rank3]:" before each worker line, which the agent parses to tell ranks apart.
 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+# Every node runs the same number of workers (a job's nproc_per_node that is not "auto"):
+# torch's agent then computes the ranks instead of exchanging them through the rendezvous
+# store after each round (four requests to the control plane, and a wait for the slowest node).
+TORCH_ELASTIC_WORKER_IDENTICAL = "TORCH_ELASTIC_WORKER_IDENTICAL"

@@ -125,15 +125,16 @@ class NodeLink:
         self.registered = True
         log.info("registered node %s with %s (lease %ss)", self.name, self._enrol.base_url, reply.lease_ttl_s)
 
-    def heartbeat(self, idle: bool) -> Assignment | None:
-        """What this node should be doing now; an idle node waits up to an interval for it.
+    def heartbeat(self, wait_s: float = 0.0) -> Assignment | None:
+        """What this node should be doing now, waiting up to `wait_s` (at most an interval)
+        for it to change from what this node last heard.
 
         Raises:
             NodeForgotten: the control plane answered 404 (the lease lapsed) or 401 (the
                 credential is outdated): the node must register again.
         """
         request = HeartbeatRequest(lease_id=self.lease_id, known=self.known,
-                                   wait_s=self.heartbeat_interval_s if idle else 0)
+                                   wait_s=min(wait_s, self.heartbeat_interval_s))
         try:
             got = self.client.call("POST", f"/v1/nodes/{self.name}/heartbeat", request,
                                    timeout=self.heartbeat_interval_s + REQUEST_TIMEOUT_S)

@@ -247,6 +247,28 @@ def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
     return True
 
 
+# The deadline of a round whose last call the control plane ended (`end_last_call`): past
+# on every node's clock, however far apart the clocks are.
+ENDED_LAST_CALL_US = 1
+
+
+def end_last_call(doc: RdzvDoc, expected_nodes: int, min_nodes: int) -> bool:
+    """End an open round's last call once the `expected_nodes` nodes that the control plane
+    gave the job's attempt have all joined; True if the deadline moved.
+
+    torch waits `last_call_timeout` past `min_nodes` for latecomers, but only the job's member
+    nodes may join its rendezvous, and all of them are in: the wait only delays the group (1 s
+    of every agent SIGKILL's recovery, with ftrain's settings). The deadline moves into the
+    past; the next participant to look marks the round complete, as torch does at its deadline.
+    Never later than torch: a round short of its members keeps torch's deadline."""
+    if doc.closed or doc.complete or doc.deadline_us is None or expected_nodes < 1:
+        return False
+    if len(doc.participants) < max(expected_nodes, min_nodes) or doc.deadline_us <= ENDED_LAST_CALL_US:
+        return False
+    doc.deadline_us = ENDED_LAST_CALL_US
+    return True
+
+
 def _drop(doc: RdzvDoc, node: Node, min_nodes: int) -> None:
     """torch's sanitizer on one dead node, with `_remove_participant_epilogue`."""
     del doc.last_heartbeats[node]

@@ -54,6 +54,7 @@ from worker.env import (
     FTRAIN_TOKEN,
     FTRAIN_USER_TOKEN,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+    TORCH_ELASTIC_WORKER_IDENTICAL,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
 from worker.log_shipper import LogShipper
@@ -75,6 +76,10 @@ log = logging.getLogger("ftrain.agent")
 # keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
 # waits 1 s for latecomers instead of torch's 30 s.
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
+# How often torchrun looks at its workers (and asks num_nodes_waiting(), answered from a
+# cached state that worker/rendezvous/follow.py expires on a change): a dead worker is seen
+# 0.05 s later on average, instead of 0.1 s at 0.2.
+MONITOR_INTERVAL_S = 0.1
 # torch must never give up by itself: ftrain counts failures (not membership changes)
 # against the job's max_restarts and stops the job when they are spent.
 TORCHRUN_MAX_RESTARTS = 1_000_000
@@ -233,7 +238,7 @@ class Torchrun:
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
             f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
-            "--monitor-interval=0.2", "--tee=3",
+            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3",
         ]
         if self.address:
             argv.append(f"--local-addr={self.address}")
@@ -278,6 +283,8 @@ class Torchrun:
         })
         if a.global_batch_size:
             env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a.global_batch_size)
+        if a.nproc_per_node != "auto":  # the same count on every node (worker/env.py)
+            env.setdefault(TORCH_ELASTIC_WORKER_IDENTICAL, "1")
         # Workers run the user's code: the node's and a user's tokens stay with the agent.
         for name in (FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN):
             env.pop(name, None)

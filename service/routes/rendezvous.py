@@ -69,7 +69,8 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
-    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states)
+    return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states,
+                      expected_nodes=sum(1 for m in job.members.values() if m.is_live()))
 
 
 async def _job_of_caller(ctx, given: str, job_id: str):

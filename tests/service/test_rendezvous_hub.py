@@ -9,7 +9,7 @@ from service.keys import Keys
 from service.rendezvous import Rendezvous, StateHub
 from service.store.memory import MemoryStore
 from worker.protocol import open_state, seal_state
-from worker.rdzv_state import MergeSpec, Op, RdzvDoc
+from worker.rdzv_state import ENDED_LAST_CALL_US, MergeSpec, Op, RdzvDoc
 
 RDZV = "job-abc123-a0"
 
@@ -164,3 +164,21 @@ def test_a_node_is_kept_alive_while_it_polls_and_not_after(monkeypatch):
     assert during[a] > 1 and during[b] == 1  # only the polling node is kept alive
     assert other_woke  # its token changed, but its wait ran to the end (progress unchanged)
     assert later[a] == stopped[a]  # not kept alive once it stopped polling
+
+
+def test_the_join_of_the_last_expected_member_ends_the_last_call_and_no_other_does():
+    def joined_deadline(expected: int) -> int | None:
+        async def scenario():
+            rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), expected_nodes=expected)
+            node = ("127.0.0.1", 100, 0)
+            doc = RdzvDoc(participants={node: 0}, last_heartbeats={node: 1}, deadline_us=9)
+            spec = MergeSpec(ops=[Op(kind="join", node=node, at_us=1, deadline_us=9)], min_nodes=1,
+                             max_nodes=2)
+            entry, written = await rdzv.set_state(seal_state(doc.to_json(), version=2), None, spec)
+            assert written
+            return RdzvDoc.from_json(open_state(entry.value)).deadline_us
+        return asyncio.run(scenario())
+
+    assert joined_deadline(1) == ENDED_LAST_CALL_US  # the one member left is in: complete now
+    assert joined_deadline(2) == 9  # one more member to come: torch's last call
+    assert joined_deadline(0) == 9  # members unknown: torch's last call

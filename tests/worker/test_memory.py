@@ -23,7 +23,7 @@ def _model_and_opt(seed: int = 0):
 
 
 def _step(model, opt, seed: int) -> None:
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
     opt.zero_grad()
     model(x).pow(2).mean().backward()
     opt.step()
@@ -40,7 +40,7 @@ def _later(model, opt) -> set[int]:
 
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
+        return torch.equal(a, b.to(a.device))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -185,6 +185,7 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 3)
     writer = rt._memory
+    writer._on_device = False  # the host path's cost first (on a GPU machine _train took the GPU path)
     rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
     rt._plan_next_copy()
     assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
@@ -223,7 +224,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
     for step in range(1, 5):
         in_flight[0] = step >= 3  # steps 3 and 4: skipped
         opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
+        model(torch.randn(8, 4, device=rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
     rt._memory.wait()
@@ -231,7 +232,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
     in_flight[0] = False
     rt.finish()
     assert mem.read_held(tmp_path).step == 4
-    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach())
+    assert torch.equal(mem.load(tmp_path)["model"]["weight"], model.weight.detach().cpu())
 
 
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
@@ -334,3 +335,148 @@ def test_a_corrupt_copy_fails_its_checksum_and_the_runtime_falls_back_to_disk(tm
     rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, memory_every=1, env={})
     _train(rt, 9)
     assert rt.resumed_from == 5 and rt.resumed_tier == "disk"
+
+
+def test_sum64_is_the_same_whole_or_joined_from_two_ranges():
+    """The GPU path sums the GPU's range on the GPU and the CPU tensors' range on the host,
+    and joins them; a reader sums the whole slot at once: both must agree, and a changed or
+    moved word must change the sum."""
+    import numpy as np
+
+    flat = torch.randint(0, 256, (64 * 300 + 4096 * 3,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    words = flat.view(torch.int64).numpy().astype(np.uint64)
+    with np.errstate(over="ignore"):
+        ref = (int(words.sum(dtype=np.uint64)),
+               int((words * np.arange(1, len(words) + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
+    assert mem.sum64(flat) == ref
+    for cut in (64, 4096, 64 * 77):
+        assert mem.sum64_join(mem.sum64(flat[:cut]), mem.sum64(flat[cut:]), cut) == ref
+    assert mem._sum64_small(flat) == ref
+    # the GPU path's way: the row and column sums of the range padded with zeros to whole blocks
+    block = 8 * mem.SUM_BLOCK
+    padded = torch.zeros((flat.numel() + block - 1) // block * block, dtype=torch.uint8)
+    padded[:flat.numel()] = flat
+    on = padded.cuda() if torch.cuda.is_available() else padded
+    blocks = on.view(torch.int64).view(-1, mem.SUM_BLOCK)
+    assert mem._sum64_blocks(blocks.sum(1).cpu().numpy(), blocks.sum(0).cpu().numpy()) == ref
+    if torch.cuda.is_available():
+        assert mem.sum64(flat.cuda()) == ref
+    swapped = flat.clone()
+    swapped[:8], swapped[8:16] = flat[8:16].clone(), flat[:8].clone()
+    assert mem.sum64(swapped)[0] == ref[0] and mem.sum64(swapped) != ref
+
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_plan_copies_the_state_of_its_step_as_the_full_state_dicts_would(tmp_path, shm_dir, device):
+    """The runtime's StatePlan (tensors taken once, the small state afresh each step): each
+    copy equals the state_dicts of that step, the learning rate a scheduler moved included
+    (on a GPU: the staged path, its checksum summed on the GPU and checked on the CPU)."""
+    rt = runtime.init(memory_dir=shm_dir, memory_every=1, env={})
+    tmp_path = shm_dir
+    model, opt = _model_and_opt()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    rt.restore(model=model, optimizer=opt, scheduler=sched)
+    for n in range(1, 5):
+        _step(model, opt, n)
+        sched.step()
+        rt.step_done()
+        rt._memory.wait()
+        got = mem.load(tmp_path)
+        assert got["step"] == n and rt._memory_plan is not None
+        assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
+        assert got["scheduler"] == sched.state_dict()
+        assert got["optimizer"]["param_groups"][0]["lr"] == 0.01 / 2**n
+    assert rt._memory_plans == 1
+    if device == "cuda":  # from the second copy on, the side stream's work replayed from CUDA graphs
+        assert rt._memory._on_device and rt._memory.host_copy == "registered" and rt._memory.graphed == 3
+    rt.finish()
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
+    """A parameter replaced (`p.data = ...`) after the plan was made: the copy that the plan
+    took is not committed (its check fails on the copy thread), the next one is, from a new
+    plan, and holds the new tensor."""
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    model, opt = _model_and_opt()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rt.restore(model=model, optimizer=opt)
+    _step(model, opt, 1)
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 1
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data + 1.0  # a new storage; the plan's is the old one
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 1 and rt._memory.stale
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 3 and rt._memory_plans == 2
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
+    _step(model, opt, 4)  # the new plan's layout comes again (on a GPU: its own graphs, not the old ones)
+    rt.step_done()
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 4
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
+    rt.finish()
+
+
+def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
+    """A module with extra state (`get_extra_state`) or a state_dict hook is copied through
+    its state_dict() every time."""
+
+    class Extra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calls": self.calls}
+
+        def set_extra_state(self, state):
+            self.calls = state["calls"]
+
+    model = Extra(4, 1)
+    model.calls = 0
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert mem.StatePlan.make({"model": model, "optimizer": opt}) is None
+    normed = torch.nn.utils.spectral_norm(torch.nn.Linear(4, 1))  # a state_dict hook
+    assert mem.StatePlan.make({"model": normed}) is None
+    assert mem.StatePlan.make({"model": torch.nn.Linear(4, 1)}) is not None
+    rt = runtime.init(memory_dir=tmp_path, memory_every=1, env={})
+    rt.restore(model=model, optimizer=opt)
+    for n in range(1, 3):
+        model.calls = n
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+        rt._memory.wait()
+        assert mem.load(tmp_path)["model"]["_extra_state"] == {"calls": n}
+    rt.finish()
+
+
+def test_the_rng_ring_keeps_the_last_steps_across_a_restart_and_refuses_a_torn_slot(tmp_path):
+    keeper = mem.RngKeeper(tmp_path, rank=1, ring=4)
+    states = {n: {"python": (3, tuple(range(n, n + 625)), None),
+                  "torch": torch.full((8,), n, dtype=torch.uint8)} for n in range(1, 7)}
+    for n, state in states.items():
+        keeper.keep(n, state)
+    again = mem.RngKeeper(tmp_path, rank=1, ring=4)  # a restarted worker: the old slots stay readable
+    for n in (3, 4, 5, 6):
+        got = mem.load_rng(tmp_path, 1, n, 4)
+        assert got["python"] == states[n]["python"] and torch.equal(got["torch"], states[n]["torch"])
+    assert mem.load_rng(tmp_path, 1, 2, 4) is None  # its slot holds step 6 now
+    assert mem.load_rng(tmp_path, 0, 6, 4) is None  # another rank's
+    with open(tmp_path / "rng.r1.ring", "r+b") as f:  # a byte of step 5's payload changed
+        f.seek((5 % 4) * mem.RNG_SLOT + 40)
+        b = f.read(1)
+        f.seek((5 % 4) * mem.RNG_SLOT + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert mem.load_rng(tmp_path, 1, 5, 4) is None and mem.load_rng(tmp_path, 1, 6, 4) is not None
+    again.keep(7, states[1])
+    assert mem.load_rng(tmp_path, 1, 7, 4)["python"] == states[1]["python"]

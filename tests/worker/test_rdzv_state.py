@@ -9,7 +9,17 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from worker.rdzv_state import MergeSpec, NotAState, Op, RdzvDoc, apply_ops, infer_ops, refresh_ops
+from worker.rdzv_state import (
+    ENDED_LAST_CALL_US,
+    MergeSpec,
+    NotAState,
+    Op,
+    RdzvDoc,
+    apply_ops,
+    end_last_call,
+    infer_ops,
+    refresh_ops,
+)
 from worker.rendezvous.merge import from_doc, to_doc
 
 A, B, C = ("a", 1, 0), ("b", 2, 0), ("c", 3, 0)
@@ -210,3 +220,45 @@ def test_a_node_leaving_a_large_round_is_merged_not_sent_whole():
     spec = infer_ops(read, new, 1024, 1024, LAST_CALL_US)
     assert spec is not None and [(op.kind, op.node) for op in spec.ops] == [("expire", None), ("drop", me)]
     assert len(spec.model_dump_json()) < 400 and apply_ops(read, spec) == new
+
+
+@pytest.mark.parametrize("participants, expected, min_nodes, complete, deadline, ends", [
+    ((A,), 1, 1, False, 99, True),          # every member in, past min: the last call ends
+    ((A, B), 2, 1, False, 99, True),
+    ((A,), 2, 1, False, 99, False),         # a member still to come: torch's deadline stands
+    ((A, B), 2, 3, False, None, False),     # below min: no deadline to move
+    ((A,), 0, 1, False, 99, False),         # members unknown: never
+    ((A, B), 2, 1, True, None, False),      # complete already
+    ((A,), 1, 1, False, ENDED_LAST_CALL_US, False),  # ended already: no second write
+])
+def test_end_last_call_only_once_every_expected_member_has_joined(participants, expected, min_nodes,
+                                                                 complete, deadline, ends):
+    doc = RdzvDoc(complete=complete, deadline_us=deadline,
+                  participants={n: 0 for n in participants}, last_heartbeats={n: 1 for n in participants})
+    assert end_last_call(doc, expected, min_nodes) is ends
+    assert doc.deadline_us == (ENDED_LAST_CALL_US if ends else deadline)
+
+
+def test_a_round_whose_last_call_ended_is_one_torch_completes_at_once():
+    """torch's join op, on the state after `end_last_call`, marks the round complete."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings,
+        RendezvousTimeout,
+        _Action,
+        _RendezvousContext,
+        _RendezvousJoinOp,
+    )
+    me = _NodeDesc("a", 1, 0)
+    doc = RdzvDoc(participants={("a", 1, 0): 0}, last_heartbeats={("a", 1, 0): 1},
+                  deadline_us=int((datetime.now(UTC) + timedelta(seconds=30)).timestamp() * 1e6))
+    settings = RendezvousSettings("r", min_nodes=1, max_nodes=2, timeout=RendezvousTimeout(),
+                                  keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3)
+
+    def action(d: RdzvDoc):
+        ctx = _RendezvousContext(me, pickle.loads(from_doc(d)), settings)
+        ctx.state.last_heartbeats[me] = datetime.now(UTC)  # not due for a keep-alive
+        return _RendezvousJoinOp()(ctx, deadline=float("inf"))
+
+    assert action(doc) is _Action.SYNC  # torch's last call: wait for a second node
+    assert end_last_call(doc, 1, 1)
+    assert action(doc) is _Action.MARK_RENDEZVOUS_COMPLETE

@@ -275,3 +275,31 @@ def test_rank0_reports_its_logged_scalars_and_total_steps_with_its_progress():
 ])
 def test_an_error_says_whether_a_peer_is_gone(exc, broken):
     assert runtime.is_broken_peer(exc) is broken
+
+
+def test_wait_for_store_returns_once_rank_0_listens_and_gives_up_at_its_timeout():
+    import socket
+    import threading
+
+    from tests.helpers.processes import free_port
+
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later():
+        time.sleep(0.2)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    t = threading.Thread(target=listen_later)
+    t.start()
+    start = time.monotonic()
+    try:
+        assert runtime.wait_for_store("127.0.0.1", str(port), 5.0)
+        assert 0.15 < time.monotonic() - start < 4.0  # as soon as it listens, not at the timeout
+    finally:
+        t.join()
+        server.close()
+    assert not runtime.wait_for_store("127.0.0.1", str(free_port()), 0.1)  # nobody: gives up
+    assert not runtime.wait_for_store(None, None, 5.0)  # no address: nothing to wait for

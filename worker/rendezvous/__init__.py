@@ -19,6 +19,7 @@ The parts:
   state with an etcd revision as fencing token, and a long poll of it);
 - `store.py`: `HttpStore`, a `torch.distributed.Store` for the agents' small exchanges;
 - `wake.py`: the patch of torch's one-second poll into a wait for a change;
+- `follow.py`: a torchrun's monitor that sees a waiting node at once (a long poll per node);
 - `rounds.py`: each rendezvous round reported to the control plane, which counts restarts;
 - `outage.py`: a group that trains through a control-plane outage of any length, and still
   sees nodes join once it is back.
@@ -41,6 +42,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler, Rendezvo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
+from worker.rendezvous.follow import follow_changes
 from worker.rendezvous.outage import ride_out_outages
 from worker.rendezvous.store import DEFAULT_READ_TIMEOUT_S, LONG_POLL_S, HttpStore
 from worker.rendezvous.transport import (
@@ -99,16 +101,18 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     from worker.rendezvous.rounds import with_round_reports
 
     act_on_first_death_signal()  # before torch's agent registers its handler
-    return with_round_reports(dynamic_handler(params))
+    return with_round_reports(dynamic_handler(params, follow=True))
 
 
-def dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
+def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> RendezvousHandler:
     """torch's handler over the ftrain backend and store, waking on a change of the state and
     sending its joins as ops the control plane merges (`worker.rdzv_state`); without the
-    agent's additions (round reports, death signals), as `bench/rendezvous.py` runs it."""
+    agent's additions (round reports, death signals), as `bench/rendezvous.py` runs it.
+    `follow`: its `num_nodes_waiting()` sees a change at once (`follow.py`; a torchrun's)."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
-    wake_on_change(handler, backend)
+    if wake_on_change(handler, backend) and follow:
+        follow_changes(handler, backend)
     settings = handler._settings
     backend.merge_settings = (settings.min_nodes, settings.max_nodes, settings.timeout.last_call)
     node = getattr(handler, "_this_node", None)

@@ -3,11 +3,11 @@
 While a group trains, torch's elastic agent talks to the rendezvous in two places, and
 stock torch would end the group if the control plane were away for long:
 
-- its monitor asks `num_nodes_waiting()` every --monitor-interval (0.2 s). Under the
+- its monitor asks `num_nodes_waiting()` every --monitor-interval (0.1 s). Under the
   handler's heartbeat lock, the backend retries for `retry_timeout` (60 s) and then raises
   `RendezvousConnectionError`, which torch's `_invoke_run` does not catch: the agent shuts
   its workers down and torchrun exits with an error, a restart. Here the monitor's
-  question gets a single try with a short read timeout (the next one comes 0.2 s later),
+  question gets a single try with a short read timeout (the next one comes 0.1 s later),
   and one that gets no answer is answered from the last answer that came (0 until a node
   waits: a waiting node makes the agent restart the group at once, so a later question is
   only asked after a 0). A node that joins while the control plane is away is seen when

@@ -9,17 +9,18 @@ such waits: they were most of the time from a worker's death to the next round.
 still after at most that second, so torch's timers (keep-alive, last call, deadlines) are
 looked at at least as often as before; a wait that ends expires the holder's cache, so the
 read after it is fresh. The cache itself stays: the agent's monitor asks
-`num_nodes_waiting()` every --monitor-interval (0.2 s), which must not become five reads a
-second per node.
+`num_nodes_waiting()` every --monitor-interval (0.1 s under the node agent), which must not become ten reads
+a second per node.
 
 dynamic_rendezvous's `_delay` is a module-level name, so the patch is process-wide; it
 dispatches on a thread-local that the backend sets on each read or write, i.e. in the sync
 that precedes the delay in the same thread, so each handler waits for its own state; a
-thread with no such read pending (and every other delay, such as the random one before a
-first join) gets torch's own `_delay`. Waits are at least `MIN_WAKE_INTERVAL_S` apart (N
-nodes' heartbeats change the state N times a second), and a failed wait sleeps the rest of
-the second. A torch whose handler lacks these internals keeps the stock polling (a warning
-says so).
+thread with no such read pending (and every other delay) gets torch's own `_delay`. The
+random skew (0 to 0.3 s) before a first join is skipped: it spreads joins for torch's c10d
+store, and the control plane merges concurrent joins instead. Waits are at least
+`MIN_WAKE_INTERVAL_S` apart (N nodes' heartbeats change the state N times a second), and a
+failed wait sleeps the rest of the second. A torch whose handler lacks these internals keeps
+the stock polling (a warning says so).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def wake_on_change(handler: RendezvousHandler, backend: FtrainRendezvousBackend)
     else:
         _patch_delay()
         # torch's state cache stays (the agent's monitor asks num_nodes_waiting() every
-        # 0.2 s: that must not become five reads a second per node); a wait that ends
+        # 0.1 s: that must not become ten reads a second per node); a wait that ends
         # expires it, so the read after the wait is a fresh one.
         backend._expire_cache = lambda: setattr(holder, "_last_sync_time", -1)
         backend._wakes_on_change = True
@@ -88,7 +89,13 @@ def _delay_or_wait_for_change(seconds: float | tuple[float, float]) -> None:
     change, wait for that handler's state to change; any other delay is torch's."""
     synced = getattr(this_thread, "synced", None)
     this_thread.synced = None
-    if synced is None or isinstance(seconds, tuple) or seconds != SYNC_DELAY_S:
+    if isinstance(seconds, tuple):
+        # torch's random skew (0 to 0.3 s) before a handler's first join spreads the joins
+        # over time for its c10d store; the control plane merges concurrent joins into one
+        # write per batch (worker.rdzv_state), so the skew would only delay every new
+        # attempt's group (by 0.15 s on average: after a lost node, at a drain, at a start).
+        return
+    if synced is None or seconds != SYNC_DELAY_S:
         assert _stock_delay is not None
         _stock_delay(seconds=seconds)
         return

@@ -1,0 +1,119 @@
+"""What one memory-tier capture costs the training thread, apart from training: the
+runtime's `_copy_to_memory` (a `StatePlan`'s state, the writer's `capture_split`) timed
+alone, the copy waited for (untimed) between captures, with the side stream's work
+replayed from CUDA graphs and enqueued call by call; and the single calls a capture is
+made of, for scale (a host's Python speed decides these figures, not its GPU).
+
+    python bench/capture_cost.py [--width 1536] [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from worker import memory as mem  # noqa: E402
+from worker import runtime  # noqa: E402
+
+
+def median_us(fn, repeats: int, between=None) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if between is not None:
+            between()
+    return statistics.median(times) * 1e6
+
+
+def captures(width: int, repeats: int, graphs: bool, directory: Path) -> dict:
+    mem.MemoryWriter.graphs = graphs
+    rt = runtime.init(env={}, memory_dir=directory, memory_every=1)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = rt.wrap(torch.nn.Sequential(*layers[:-1]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rt.restore(model=model, optimizer=opt)
+    x = torch.randn(32, width, device=rt.device)
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+        rt._memory.wait(stall=False)
+    w = rt._memory
+    rng = runtime._rng_state()
+    out = {"rng_state_us": median_us(runtime._rng_state, repeats),
+           "copy_to_memory_us": median_us(lambda: rt._copy_to_memory(rng), repeats,
+                                          between=lambda: w.wait(stall=False)),
+           "commit_ms": statistics.median(w.commits_s[-repeats:] or [0.0]) * 1e3,
+           "graphed": w.graphed, "tensors": len(rt._memory_plan.tensors) if rt._memory_plan else None}
+    rt.finish()
+    mem.MemoryWriter.graphs = True
+    return out
+
+
+def calls(repeats: int) -> dict:
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream(dev)
+    ev = torch.cuda.Event()
+    small = [torch.zeros((), device=dev) for _ in range(24)]
+    dst = [torch.zeros((), device=dev) for _ in range(24)]
+    cpu = [torch.zeros(()) for _ in range(8)]
+    cpu_dst = [torch.zeros(()) for _ in range(8)]
+    host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    dev_buf = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
+        torch._foreach_copy_(dst, small)
+    torch.cuda.synchronize()
+
+    def in_side():
+        with torch.cuda.stream(side):
+            pass
+
+    out = {"current_stream_us": median_us(lambda: torch.cuda.current_stream(dev), repeats),
+           "event_record_us": median_us(lambda: ev.record(torch.cuda.current_stream(dev)), repeats),
+           "wait_event_us": median_us(lambda: side.wait_event(ev), repeats),
+           "stream_context_us": median_us(in_side, repeats),
+           "foreach_copy_24_gpu_us": median_us(lambda: torch._foreach_copy_(dst, small), repeats),
+           "foreach_copy_8_cpu_us": median_us(lambda: torch._foreach_copy_(cpu_dst, cpu), repeats),
+           "copy_d2h_1mb_nonblocking_us": median_us(lambda: host.copy_(dev_buf, non_blocking=True), repeats),
+           "graph_replay_us": median_us(graph.replay, repeats)}
+    torch.cuda.synchronize()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--repeats", type=int, default=200)
+    args = p.parse_args()
+    base = mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None
+    results = {}
+    for graphs in ((True, False) if torch.cuda.is_available() else (False,)):
+        with tempfile.TemporaryDirectory(prefix="ftrain-capture-", dir=base) as d:
+            name = "graphs" if graphs else "call_by_call"
+            results[name] = captures(args.width, args.repeats, graphs, Path(d))
+    if torch.cuda.is_available():
+        results["calls"] = calls(args.repeats)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"capture cost on the training thread, {device}, torch {torch.__version__}, width {args.width}, "
+          f"median of {args.repeats}")
+    for name, got in results.items():
+        for key, value in got.items():
+            print(f"  {name:>12}  {key:<30} {value:.1f}" if isinstance(value, float)
+                  else f"  {name:>12}  {key:<30} {value}")
+
+
+if __name__ == "__main__":
+    main()
