@@ -30,6 +30,9 @@ from pydantic import (
     BeforeValidator,
     Field,
     PlainSerializer,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     field_validator,
     model_validator,
 )
@@ -58,30 +61,24 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
-class _NoBoolNumbers(BaseModel):
-    """A body whose numbers refuse true/false (pydantic takes them as 1/0; JSON Schema's
-    integer does not). Used on the registration only: the frequent bodies (heartbeats, log
-    shipments) skip the per-field check."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool(cls, v, info):
-        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
-            raise ValueError("must be a number, not true or false")
-        return v
+# The numbers and booleans of the bodies a node or a job's workers send are strict
+# (StrictInt, StrictFloat, StrictBool): pydantic's lax mode takes true/false for a number (as
+# 1/0), "3" for 3 and 1 for true, which JSON Schema's types do not. Checked in pydantic's
+# core, so the frequent bodies (heartbeats, log shipments, progress) pay nothing for it; a
+# 422 names the field.
 
 
-class RunningGroup(_NoBoolNumbers):
+class RunningGroup(BaseModel):
     """A job attempt whose workers an agent is running."""
 
     job_id: str = Field(..., max_length=64)
-    attempt: int = Field(..., ge=0)
+    attempt: StrictInt = Field(..., ge=0)
 
 
-class RegisterRequest(_NoBoolNumbers):
+class RegisterRequest(BaseModel):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
-    nproc_per_node: int = Field(1, ge=1, le=1024)
-    gpus: int = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
+    nproc_per_node: StrictInt = Field(1, ge=1, le=1024)
+    gpus: StrictInt = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, max_length=128, description="Their model, as nvidia-smi names it.")
     address: str | None = Field(None, max_length=255)
     running: RunningGroup | None = Field(
@@ -117,17 +114,17 @@ class RegisterReply(BaseModel):
 
 class Known(BaseModel):
     job_id: str
-    attempt: int
+    attempt: StrictInt
     action: Literal["run", "stop"]
 
 
 class HeartbeatRequest(BaseModel):
     # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
-    lease_id: int | None = Field(None, ge=1, le=2**63 - 1,
-                                 description="From the registration; saves a read.")
+    lease_id: StrictInt | None = Field(None, ge=1, le=2**63 - 1,
+                                       description="From the registration; saves a read.")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
-    wait_s: float = Field(0.0, ge=0, le=30,
-                          description="Hold the answer this long while the assignment is `known`.")
+    wait_s: StrictFloat = Field(0.0, ge=0, le=30,
+                                description="Hold the answer this long while the assignment is `known`.")
 
 
 class Assignment(BaseModel):
@@ -160,9 +157,9 @@ class HeartbeatReply(BaseModel):
 
 class ReportRequest(BaseModel):
     job_id: str = Field(..., max_length=100)
-    attempt: int
+    attempt: StrictInt
     state: Literal["running", "succeeded", "failed", "stopped"]
-    exit_code: int | None = None
+    exit_code: StrictInt | None = None
     reason: str | None = Field(None, max_length=8000)
 
 
@@ -172,24 +169,24 @@ class ReportReply(BaseModel):
 
 
 class RoundReport(BaseModel):
-    attempt: int
+    attempt: StrictInt
     node: str = Field(..., max_length=64)
     phase: Literal["joining", "joined"]
-    call: int = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
-    group_rank: int | None = Field(None, ge=0)
-    group_world_size: int | None = Field(None, ge=1)
+    call: StrictInt = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
+    group_rank: StrictInt | None = Field(None, ge=0)
+    group_world_size: StrictInt | None = Field(None, ge=1)
 
 
 class LogLineIn(BaseModel):
-    rank: int | None = Field(None, ge=0)
+    rank: StrictInt | None = Field(None, ge=0)
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(..., max_length=MAX_LINE_CHARS)
-    time: float
+    time: StrictFloat
 
 
 class LogShipment(BaseModel):
     node: str = Field(..., max_length=64)
-    attempt: int = 0
+    attempt: StrictInt = 0
     lines: list[LogLineIn] = Field(..., max_length=MAX_SHIPMENT_LINES)
 
 
@@ -299,9 +296,9 @@ class SetStateResult(RdzvState):
 
 class GetRequest(BaseModel):
     keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
-    wait_s: float = Field(0.0, ge=0, le=600,
-                          description="Wait this long (at most 5 s on the server) for missing keys.")
-    values: bool = Field(True, description="false: only say whether all keys exist (wait, check).")
+    wait_s: StrictFloat = Field(0.0, ge=0, le=600,
+                                description="Wait this long (at most 5 s on the server) for missing keys.")
+    values: StrictBool = Field(True, description="false: only say whether all keys exist (wait, check).")
 
 
 class GetResult(BaseModel):
@@ -320,7 +317,7 @@ class SetRequest(BaseModel):
 
 class AddRequest(BaseModel):
     key: StoreKey
-    amount: int = Field(..., ge=-(2**62), le=2**62)
+    amount: StrictInt = Field(..., ge=-(2**62), le=2**62)
     op_id: OpId = None
 
 
@@ -403,14 +400,14 @@ class SnapshotRecord(SnapshotMeta):
 
 
 class CommitRequest(BaseModel):
-    step: int = Field(..., ge=0)
+    step: StrictInt = Field(..., ge=0)
     path: str = Field(..., min_length=1, max_length=4096)
-    size: int = Field(..., ge=0)
+    size: StrictInt = Field(..., ge=0)
     checksum: str = Field(..., min_length=1, max_length=200)
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
-    control_id: int | None = Field(None, ge=1, description="Acknowledges this control request.")
-    stall_s: float | None = Field(None, ge=0)
-    write_s: float | None = Field(None, ge=0)
+    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
+    control_id: StrictInt | None = Field(None, ge=1, description="Acknowledges this control request.")
+    stall_s: StrictFloat | None = Field(None, ge=0)
+    write_s: StrictFloat | None = Field(None, ge=0)
 
 
 class CommitResult(BaseModel):
@@ -438,8 +435,8 @@ def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: 
 class MemoryReport(BaseModel):
     """A node's first worker: the newest whole copy in the node's memory tier (worker/memory.py)."""
 
-    step: int = Field(..., ge=0)
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
+    step: StrictInt = Field(..., ge=0)
+    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
 
 
 class MemorySnapshot(BaseModel):
@@ -464,7 +461,7 @@ class SnapshotList(BaseModel):
 class RestoreRequest(BaseModel):
     """Rank 0 of a (re)started group: which state should every rank load?"""
 
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
+    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
 
 
 class RestorePoint(BaseModel):
@@ -482,7 +479,7 @@ class RestorePoint(BaseModel):
 class BrokenPeer(BaseModel):
     """A worker's process group broke (a peer's connection closed, a collective failed)."""
 
-    attempt: int = Field(..., ge=0)
+    attempt: StrictInt = Field(..., ge=0)
     node: str = Field(..., max_length=253, description="The reporter's node (FTRAIN_NODE).")
     detail: str = Field("", max_length=500)
 
@@ -497,8 +494,8 @@ class Suspects(BaseModel):
 class MemoryCorrupt(BaseModel):
     """A worker found its node's memory copy damaged (checksum) and fell back."""
 
-    attempt: int = Field(..., ge=0)
-    step: int = Field(..., ge=0)
+    attempt: StrictInt = Field(..., ge=0)
+    step: StrictInt = Field(..., ge=0)
     reason: str = Field("checksum mismatch", max_length=500)
 
 
@@ -523,17 +520,18 @@ def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class ProgressReport(BaseModel):
-    step: int = Field(..., ge=0)
-    loss: float | None = None
-    samples_per_s: float | None = Field(None, ge=0)
-    total_steps: int | None = Field(None, ge=1, description="The steps the script means to make.")
-    metrics: Annotated[dict[str, float], AfterValidator(_check_metrics)] = Field(
+    step: StrictInt = Field(..., ge=0)
+    loss: StrictFloat | None = None
+    samples_per_s: StrictFloat | None = Field(None, ge=0)
+    total_steps: StrictInt | None = Field(None, ge=1, description="The steps the script means to make.")
+    metrics: Annotated[dict[str, StrictFloat], AfterValidator(_check_metrics)] = Field(
         default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
-    attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
+    attempt: StrictInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
                               "rendezvous round its group formed in ('<node>/<round>').")
-    final: bool = Field(False, description="Rank 0's last report of its run (its script is "
-                        "ending): stored whatever the rate limit, so a finished job shows its last step.")
+    final: StrictBool = Field(False, description="Rank 0's last report of its run (its script is "
+                              "ending): stored whatever the rate limit, so a finished job shows its "
+                              "last step.")
 
 
 class ControlView(BaseModel):

@@ -42,7 +42,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
@@ -143,20 +143,20 @@ class Op(BaseModel):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
     kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
-    node: tuple[str, int, int]
-    at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
-    was_us: int | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
-                                                 "made it stale; the new one is 'due').")
-    deadline_us: int | None = Field(None, description="join: the last-call deadline it sets at "
-                                                      "min_nodes participants.")
+    node: tuple[str, StrictInt, StrictInt]
+    at_us: StrictInt = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
+    was_us: StrictInt | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
+                                                       "made it stale; the new one is 'due').")
+    deadline_us: StrictInt | None = Field(None, description="join: the last-call deadline it sets at "
+                                                            "min_nodes participants.")
 
 
 class MergeSpec(BaseModel):
     """A state write the control plane may merge into a newer state (`apply_ops`)."""
 
     ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
-    min_nodes: int = Field(..., ge=1)
-    max_nodes: int = Field(..., ge=1)
+    min_nodes: StrictInt = Field(..., ge=1)
+    max_nodes: StrictInt = Field(..., ge=1)
 
 
 def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc | None:
