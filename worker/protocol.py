@@ -30,13 +30,11 @@ from pydantic import (
     BeforeValidator,
     Field,
     PlainSerializer,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
     field_validator,
     model_validator,
 )
 
+from worker.jsontypes import JsonBool, JsonFloat, JsonInt
 from worker.rdzv_state import MergeSpec
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
@@ -61,24 +59,21 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
-# The numbers and booleans of the bodies a node or a job's workers send are strict
-# (StrictInt, StrictFloat, StrictBool): pydantic's lax mode takes true/false for a number (as
-# 1/0), "3" for 3 and 1 for true, which JSON Schema's types do not. Checked in pydantic's
-# core, so the frequent bodies (heartbeats, log shipments, progress) pay nothing for it; a
-# 422 names the field.
+# The numbers and booleans of the bodies a node or a job's workers send follow JSON Schema
+# (worker/jsontypes.py): true is not a number, nor "3", nor 1 a boolean.
 
 
 class RunningGroup(BaseModel):
     """A job attempt whose workers an agent is running."""
 
     job_id: str = Field(..., max_length=64)
-    attempt: StrictInt = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
 
 
 class RegisterRequest(BaseModel):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
-    nproc_per_node: StrictInt = Field(1, ge=1, le=1024)
-    gpus: StrictInt = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
+    nproc_per_node: JsonInt = Field(1, ge=1, le=1024)
+    gpus: JsonInt = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, max_length=128, description="Their model, as nvidia-smi names it.")
     address: str | None = Field(None, max_length=255)
     running: RunningGroup | None = Field(
@@ -114,16 +109,16 @@ class RegisterReply(BaseModel):
 
 class Known(BaseModel):
     job_id: str
-    attempt: StrictInt
+    attempt: JsonInt
     action: Literal["run", "stop"]
 
 
 class HeartbeatRequest(BaseModel):
     # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
-    lease_id: StrictInt | None = Field(None, ge=1, le=2**63 - 1,
+    lease_id: JsonInt | None = Field(None, ge=1, le=2**63 - 1,
                                        description="From the registration; saves a read.")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
-    wait_s: StrictFloat = Field(0.0, ge=0, le=30,
+    wait_s: JsonFloat = Field(0.0, ge=0, le=30,
                                 description="Hold the answer this long while the assignment is `known`.")
 
 
@@ -157,9 +152,9 @@ class HeartbeatReply(BaseModel):
 
 class ReportRequest(BaseModel):
     job_id: str = Field(..., max_length=100)
-    attempt: StrictInt
+    attempt: JsonInt
     state: Literal["running", "succeeded", "failed", "stopped"]
-    exit_code: StrictInt | None = None
+    exit_code: JsonInt | None = None
     reason: str | None = Field(None, max_length=8000)
 
 
@@ -169,24 +164,24 @@ class ReportReply(BaseModel):
 
 
 class RoundReport(BaseModel):
-    attempt: StrictInt
+    attempt: JsonInt
     node: str = Field(..., max_length=64)
     phase: Literal["joining", "joined"]
-    call: StrictInt = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
-    group_rank: StrictInt | None = Field(None, ge=0)
-    group_world_size: StrictInt | None = Field(None, ge=1)
+    call: JsonInt = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
+    group_rank: JsonInt | None = Field(None, ge=0)
+    group_world_size: JsonInt | None = Field(None, ge=1)
 
 
 class LogLineIn(BaseModel):
-    rank: StrictInt | None = Field(None, ge=0)
+    rank: JsonInt | None = Field(None, ge=0)
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(..., max_length=MAX_LINE_CHARS)
-    time: StrictFloat
+    time: JsonFloat
 
 
 class LogShipment(BaseModel):
     node: str = Field(..., max_length=64)
-    attempt: StrictInt = 0
+    attempt: JsonInt = 0
     lines: list[LogLineIn] = Field(..., max_length=MAX_SHIPMENT_LINES)
 
 
@@ -296,9 +291,9 @@ class SetStateResult(RdzvState):
 
 class GetRequest(BaseModel):
     keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
-    wait_s: StrictFloat = Field(0.0, ge=0, le=600,
+    wait_s: JsonFloat = Field(0.0, ge=0, le=600,
                                 description="Wait this long (at most 5 s on the server) for missing keys.")
-    values: StrictBool = Field(True, description="false: only say whether all keys exist (wait, check).")
+    values: JsonBool = Field(True, description="false: only say whether all keys exist (wait, check).")
 
 
 class GetResult(BaseModel):
@@ -317,7 +312,7 @@ class SetRequest(BaseModel):
 
 class AddRequest(BaseModel):
     key: StoreKey
-    amount: StrictInt = Field(..., ge=-(2**62), le=2**62)
+    amount: JsonInt = Field(..., ge=-(2**62), le=2**62)
     op_id: OpId = None
 
 
@@ -400,14 +395,14 @@ class SnapshotRecord(SnapshotMeta):
 
 
 class CommitRequest(BaseModel):
-    step: StrictInt = Field(..., ge=0)
+    step: JsonInt = Field(..., ge=0)
     path: str = Field(..., min_length=1, max_length=4096)
-    size: StrictInt = Field(..., ge=0)
+    size: JsonInt = Field(..., ge=0)
     checksum: str = Field(..., min_length=1, max_length=200)
-    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
-    control_id: StrictInt | None = Field(None, ge=1, description="Acknowledges this control request.")
-    stall_s: StrictFloat | None = Field(None, ge=0)
-    write_s: StrictFloat | None = Field(None, ge=0)
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
+    control_id: JsonInt | None = Field(None, ge=1, description="Acknowledges this control request.")
+    stall_s: JsonFloat | None = Field(None, ge=0)
+    write_s: JsonFloat | None = Field(None, ge=0)
 
 
 class CommitResult(BaseModel):
@@ -435,8 +430,8 @@ def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: 
 class MemoryReport(BaseModel):
     """A node's first worker: the newest whole copy in the node's memory tier (worker/memory.py)."""
 
-    step: StrictInt = Field(..., ge=0)
-    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
+    step: JsonInt = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
 
 
 class MemorySnapshot(BaseModel):
@@ -461,7 +456,7 @@ class SnapshotList(BaseModel):
 class RestoreRequest(BaseModel):
     """Rank 0 of a (re)started group: which state should every rank load?"""
 
-    attempt: StrictInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
 
 
 class RestorePoint(BaseModel):
@@ -479,7 +474,7 @@ class RestorePoint(BaseModel):
 class BrokenPeer(BaseModel):
     """A worker's process group broke (a peer's connection closed, a collective failed)."""
 
-    attempt: StrictInt = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
     node: str = Field(..., max_length=253, description="The reporter's node (FTRAIN_NODE).")
     detail: str = Field("", max_length=500)
 
@@ -494,8 +489,8 @@ class Suspects(BaseModel):
 class MemoryCorrupt(BaseModel):
     """A worker found its node's memory copy damaged (checksum) and fell back."""
 
-    attempt: StrictInt = Field(..., ge=0)
-    step: StrictInt = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
+    step: JsonInt = Field(..., ge=0)
     reason: str = Field("checksum mismatch", max_length=500)
 
 
@@ -520,16 +515,16 @@ def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class ProgressReport(BaseModel):
-    step: StrictInt = Field(..., ge=0)
-    loss: StrictFloat | None = None
-    samples_per_s: StrictFloat | None = Field(None, ge=0)
-    total_steps: StrictInt | None = Field(None, ge=1, description="The steps the script means to make.")
-    metrics: Annotated[dict[str, StrictFloat], AfterValidator(_check_metrics)] = Field(
+    step: JsonInt = Field(..., ge=0)
+    loss: JsonFloat | None = None
+    samples_per_s: JsonFloat | None = Field(None, ge=0)
+    total_steps: JsonInt | None = Field(None, ge=1, description="The steps the script means to make.")
+    metrics: Annotated[dict[str, JsonFloat], AfterValidator(_check_metrics)] = Field(
         default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
-    attempt: StrictInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
+    attempt: JsonInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
                               "rendezvous round its group formed in ('<node>/<round>').")
-    final: StrictBool = Field(False, description="Rank 0's last report of its run (its script is "
+    final: JsonBool = Field(False, description="Rank 0's last report of its run (its script is "
                               "ending): stored whatever the rate limit, so a finished job shows its "
                               "last step.")
 

@@ -42,7 +42,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field
+
+from worker.jsontypes import JsonInt
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
@@ -143,11 +145,11 @@ class Op(BaseModel):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
     kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
-    node: tuple[str, StrictInt, StrictInt]
-    at_us: StrictInt = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
-    was_us: StrictInt | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
+    node: tuple[str, JsonInt, JsonInt]
+    at_us: JsonInt = Field(..., description="The node's heartbeat it writes (drop: the expired one).")
+    was_us: JsonInt | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
                                                        "made it stale; the new one is 'due').")
-    deadline_us: StrictInt | None = Field(None, description="join: the last-call deadline it sets at "
+    deadline_us: JsonInt | None = Field(None, description="join: the last-call deadline it sets at "
                                                             "min_nodes participants.")
 
 
@@ -155,8 +157,8 @@ class MergeSpec(BaseModel):
     """A state write the control plane may merge into a newer state (`apply_ops`)."""
 
     ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
-    min_nodes: StrictInt = Field(..., ge=1)
-    max_nodes: StrictInt = Field(..., ge=1)
+    min_nodes: JsonInt = Field(..., ge=1)
+    max_nodes: JsonInt = Field(..., ge=1)
 
 
 def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc | None:

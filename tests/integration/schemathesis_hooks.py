@@ -29,8 +29,10 @@ def map_case(context, case):
     nodes = body.get("nodes")
     if isinstance(nodes, dict):
         lo, hi = nodes.get("min", 1), nodes.get("max", 1)
-        # only between two valid counts: a case made invalid on purpose stays invalid
-        if all(type(v) is int and 1 <= v <= 1024 for v in (lo, hi)) and lo > hi:
+        # only between two valid counts (3.0 is one: JSON Schema's integer takes it); a case
+        # made invalid on purpose stays invalid
+        if all(type(v) in (int, float) and float(v).is_integer() and 1 <= v <= 1024
+               for v in (lo, hi)) and lo > hi:
             nodes["max"] = lo
     env, secret = body.get("env"), body.get("secret_env")
     if isinstance(env, dict) and isinstance(secret, dict):
