@@ -299,6 +299,10 @@ class JobRecord(BaseModel):
     # (group rank 0's node and its torchrun's round: `worker.env.FTRAIN_GROUP`); None while a
     # group re-forms. Only a step reported by this group ends a recovery (`decide.recovery`).
     group: str | None = None
+    # torch's rendezvous round that formed `group` (the same on every member node; None: not
+    # reported): a plain script's worker lines carry it, so a replaced group's late lines do
+    # not end a recovery (`decide.recovery.first_output`).
+    group_round: int | None = None
     # Set from the moment a fault (RECOVERING) or a planned change (RUNNING) stops the group
     # until the first step of the group that replaces it: then "training again" is recorded.
     regrouping: bool = False

@@ -170,6 +170,8 @@ class RoundReport(BaseModel):
     call: JsonInt = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
     group_rank: JsonInt | None = Field(None, ge=0)
     group_world_size: JsonInt | None = Field(None, ge=1)
+    round: JsonInt | None = Field(None, ge=0, description="torch's rendezvous round that formed the "
+                                  "group (the same on every member node); null: not known.")
 
 
 class LogLineIn(BaseModel):
@@ -177,6 +179,28 @@ class LogLineIn(BaseModel):
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(..., max_length=MAX_LINE_CHARS)
     time: JsonFloat
+    round: JsonInt | None = Field(None, ge=0, description="The rendezvous round of the group whose "
+                                  "worker printed it (`RoundReport.round`), so that a replaced "
+                                  "group's late lines are told apart; null: not known.")
+
+
+# The line a job's torchrun prints (on stdout and on stderr) once a rendezvous round has formed
+# its group, before it starts that group's workers: the agent reads it in order with the
+# workers' lines (torchrun copies every line of the old workers before it re-rendezvouses), so
+# each worker line is tagged with its group's round (`LogLineIn.round`); the mark is not shipped.
+ROUND_MARK = "ftrain-round-formed: "
+
+
+def round_mark(round_: int) -> str:
+    return f"{ROUND_MARK}{round_}"
+
+
+def round_of_mark(line: str) -> int | None:
+    """The round a `round_mark` line names; None for any other line."""
+    if not line.startswith(ROUND_MARK):
+        return None
+    value = line[len(ROUND_MARK):].strip()
+    return int(value) if value.isdigit() else None
 
 
 class LogShipment(BaseModel):

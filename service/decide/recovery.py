@@ -14,7 +14,12 @@ step (several seconds on GPUs). So the recovery ends, and "training again" is re
   `group` is the job's: a late report of the replaced group in the same attempt does not
   count; one of an earlier attempt is refused anyway);
 - a plain script (it never reported progress): the first line its workers print in the job's
-  current attempt once the new group has formed (ftrain's own "ftrain: ..." notices aside).
+  current attempt once the new group has formed (ftrain's own "ftrain: ..." notices aside),
+  from a worker of that group: each line carries the rendezvous round of the group whose
+  worker printed it (the agent reads torchrun's mark of each round formed, in order with the
+  workers' lines: `worker.protocol.ROUND_MARK`), and the job the round of its group (the
+  'joined' report's), so a late line of the replaced group, shipped after the new one formed,
+  does not count.
 Faults, planned changes and their ends are decided here as pure functions.
 """
 
@@ -44,7 +49,7 @@ def regroup(job: JobRecord, reason: str, now: float, *, planned: bool = False,
     else:
         changed, event = note(job, reason, now, as_reason=True)
     stopped = job.group if job.group is not None else job.stopped_group
-    update = {"regrouping": True, "group": None, "stopped_group": stopped, **fields}
+    update = {"regrouping": True, "group": None, "group_round": None, "stopped_group": stopped, **fields}
     if changed.attempt != update.get("attempt", changed.attempt):
         update["stopped_group"] = None  # a new attempt: an older one's reports are refused anyway
     return changed.model_copy(update=update), event
@@ -78,11 +83,18 @@ def first_step(job: JobRecord, attempt: int | None, group: str | None, step: int
     return resume(job, f"step {step}", now)
 
 
+def _of_group(job: JobRecord, line: LogLineIn) -> bool:
+    """`line` may be the new group's: printed by a worker of the round that formed it (lines of
+    the group it replaced, printed before the new one formed, may be shipped after it did). A
+    line or a group whose round is not known (an agent or a handler that does not say) may."""
+    return line.round is None or job.group_round is None or line.round == job.group_round
+
+
 def first_output(job: JobRecord, attempt: int, lines: Sequence[LogLineIn], now: float) -> Change | None:
     """The job after a node shipped `lines` of `attempt`; None unless the job runs a plain
     script (no progress reports) and one is the first worker line since the new group formed."""
     if job.reports_progress or not is_regrouping(job) or job.group is None or attempt != job.attempt:
         return None
-    if not any(x.rank is not None and not x.line.startswith("ftrain:") for x in lines):
+    if not any(x.rank is not None and not x.line.startswith("ftrain:") and _of_group(job, x) for x in lines):
         return None
     return resume(job, "its workers' first output", now)

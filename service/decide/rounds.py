@@ -73,4 +73,5 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
     else:
         changed, event = note(changed, f"rendezvous complete: {what}", now)
     events.append(event)
-    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}"}), events)
+    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}",
+                                             "group_round": report.round}), events)

@@ -28,7 +28,7 @@ VALID = {
                          "wait_s": 1.5},
     "ReportRequest": {"job_id": "j", "attempt": 1, "state": "failed", "exit_code": 1},
     "RoundReport": {"attempt": 1, "node": "n0", "phase": "joined", "call": 0, "group_rank": 0,
-                    "group_world_size": 2},
+                    "group_world_size": 2, "round": 3},
     "SetStateRequest": {"merge": {"ops": [{"kind": "join", "node": ["h", 10, 0], "at_us": 5, "was_us": 4,
                                            "deadline_us": 9}], "min_nodes": 1, "max_nodes": 2}},
     "GetRequest": {"keys": ["k"], "wait_s": 0.5, "values": False},
@@ -46,7 +46,7 @@ VALID = {
     "BrokenPeer": {"attempt": 1, "node": "n0"},
     "ProgressReport": {"step": 3, "loss": 0.5, "samples_per_s": 2.0, "total_steps": 9,
                        "metrics": {"lr": 0.1}, "attempt": 1, "final": False},
-    "LogShipment": {"node": "n0", "attempt": 1, "lines": [{"rank": 0, "line": "x", "time": 1.5}]},
+    "LogShipment": {"node": "n0", "attempt": 1, "lines": [{"rank": 0, "line": "x", "time": 1.5, "round": 2}]},
 }
 
 

@@ -74,8 +74,8 @@ def test_training_again_is_the_first_step_of_the_new_group(what, before, attempt
     assert [(e.state, e.reason, e.time) for e in change.events] == [(*after, NOW)]
 
 
-def line(text: str, rank: int | None = 0) -> LogLineIn:
-    return LogLineIn(rank=rank, stream="stdout", line=text, time=NOW)
+def line(text: str, rank: int | None = 0, round_: int | None = None) -> LogLineIn:
+    return LogLineIn(rank=rank, stream="stdout", line=text, time=NOW, round=round_)
 
 
 OUTPUT = [
@@ -87,6 +87,13 @@ OUTPUT = [
     ("a script on the runtime waits for its step", job(reports_progress=True), 1, [line("epoch 3")], False),
     ("lines of the attempt before", job(), 0, [line("epoch 3")], False),
     ("the group has not formed yet", job(group=None), 1, [line("epoch 3")], False),
+    ("a worker line of the group that formed in round 5", job(group_round=5), 1, [line("epoch 3", round_=5)],
+     True),
+    ("a late line of the replaced group (round 4), shipped after round 5 formed", job(group_round=5), 1,
+     [line("Traceback", round_=4), line("epoch 2", rank=1, round_=4)], False),
+    ("its late lines, then the new group's", job(group_round=5), 1,
+     [line("epoch 2", round_=4), line("epoch 3", round_=5)], True),
+    ("a line of an agent that does not tag them", job(group_round=5), 1, [line("epoch 3")], True),
 ]
 
 
