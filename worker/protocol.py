@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from worker.jsontypes import JsonBool, JsonFloat, JsonInt
+from worker.jsontypes import JsonBody, JsonBool, JsonFloat, JsonInt, integral
 from worker.rdzv_state import MergeSpec
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
@@ -59,18 +59,18 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
-# The numbers and booleans of the bodies a node or a job's workers send follow JSON Schema
-# (worker/jsontypes.py): true is not a number, nor "3", nor 1 a boolean.
+# The bodies a node or a job's workers send are JsonBody: their numbers and booleans follow JSON
+# Schema (worker/jsontypes.py): true is not a number, nor "3", nor 1 a boolean; 3.0 is an integer.
 
 
-class RunningGroup(BaseModel):
+class RunningGroup(JsonBody):
     """A job attempt whose workers an agent is running."""
 
     job_id: str = Field(..., max_length=64)
     attempt: JsonInt = Field(..., ge=0)
 
 
-class RegisterRequest(BaseModel):
+class RegisterRequest(JsonBody):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
     nproc_per_node: JsonInt = Field(1, ge=1, le=1024)
     gpus: JsonInt = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
@@ -107,13 +107,13 @@ class RegisterReply(BaseModel):
                           "Shown once; the control plane keeps only its hash.")
 
 
-class Known(BaseModel):
+class Known(JsonBody):
     job_id: str
     attempt: JsonInt
     action: Literal["run", "stop"]
 
 
-class HeartbeatRequest(BaseModel):
+class HeartbeatRequest(JsonBody):
     # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
     lease_id: JsonInt | None = Field(None, ge=1, le=2**63 - 1,
                                        description="From the registration; saves a read.")
@@ -150,7 +150,7 @@ class HeartbeatReply(BaseModel):
     assignment: Assignment | None
 
 
-class ReportRequest(BaseModel):
+class ReportRequest(JsonBody):
     job_id: str = Field(..., max_length=100)
     attempt: JsonInt
     state: Literal["running", "succeeded", "failed", "stopped"]
@@ -163,7 +163,7 @@ class ReportReply(BaseModel):
     detail: str
 
 
-class RoundReport(BaseModel):
+class RoundReport(JsonBody):
     attempt: JsonInt
     node: str = Field(..., max_length=64)
     phase: Literal["joining", "joined"]
@@ -175,6 +175,7 @@ class RoundReport(BaseModel):
 
 
 class LogLineIn(BaseModel):
+    # its integers: see LogShipment (one call per shipment, not one per line)
     rank: JsonInt | None = Field(None, ge=0)
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(..., max_length=MAX_LINE_CHARS)
@@ -203,10 +204,23 @@ def round_of_mark(line: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-class LogShipment(BaseModel):
+class LogShipment(JsonBody):
     node: str = Field(..., max_length=64)
     attempt: JsonInt = 0
     lines: list[LogLineIn] = Field(..., max_length=MAX_SHIPMENT_LINES)
+
+    @field_validator("lines", mode="before")
+    @classmethod
+    def _integral_lines(cls, lines):
+        """The lines' integers (rank, round) as JsonBody makes a body's: 3.0 is 3."""
+        if type(lines) is not list:
+            return lines
+        out = None
+        for i, x in enumerate(lines):
+            if type(x) is dict and (type(x.get("rank")) is float or type(x.get("round")) is float):
+                out = out or list(lines)
+                out[i] = {**x, **{k: integral(x[k]) for k in ("rank", "round") if k in x}}
+        return lines if out is None else out
 
 
 # ---------------------------------------------------------------------------- rendezvous
@@ -313,7 +327,7 @@ class SetStateResult(RdzvState):
     written: bool = Field(..., description="This request wrote `state`; else it is what won.")
 
 
-class GetRequest(BaseModel):
+class GetRequest(JsonBody):
     keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
     wait_s: JsonFloat = Field(0.0, ge=0, le=600,
                                 description="Wait this long (at most 5 s on the server) for missing keys.")
@@ -334,7 +348,7 @@ class SetRequest(BaseModel):
     items: list[StoreItem] = Field(..., min_length=1, max_length=4096)
 
 
-class AddRequest(BaseModel):
+class AddRequest(JsonBody):
     key: StoreKey
     amount: JsonInt = Field(..., ge=-(2**62), le=2**62)
     op_id: OpId = None
@@ -418,7 +432,7 @@ class SnapshotRecord(SnapshotMeta):
         return SnapshotMeta(**self.model_dump(include=set(SnapshotMeta.model_fields)))
 
 
-class CommitRequest(BaseModel):
+class CommitRequest(JsonBody):
     step: JsonInt = Field(..., ge=0)
     path: str = Field(..., min_length=1, max_length=4096)
     size: JsonInt = Field(..., ge=0)
@@ -451,7 +465,7 @@ def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: 
     return sorted(step for step in bad_by_step if step not in kept)
 
 
-class MemoryReport(BaseModel):
+class MemoryReport(JsonBody):
     """A node's first worker: the newest whole copy in the node's memory tier (worker/memory.py)."""
 
     step: JsonInt = Field(..., ge=0)
@@ -477,7 +491,7 @@ class SnapshotList(BaseModel):
         "`latest`, else from `latest`.")
 
 
-class RestoreRequest(BaseModel):
+class RestoreRequest(JsonBody):
     """Rank 0 of a (re)started group: which state should every rank load?"""
 
     attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
@@ -495,7 +509,7 @@ class RestorePoint(BaseModel):
     reason: str = ""
 
 
-class BrokenPeer(BaseModel):
+class BrokenPeer(JsonBody):
     """A worker's process group broke (a peer's connection closed, a collective failed)."""
 
     attempt: JsonInt = Field(..., ge=0)
@@ -510,7 +524,7 @@ class Suspects(BaseModel):
     nodes: list[str] = Field(default_factory=list)
 
 
-class MemoryCorrupt(BaseModel):
+class MemoryCorrupt(JsonBody):
     """A worker found its node's memory copy damaged (checksum) and fell back."""
 
     attempt: JsonInt = Field(..., ge=0)
@@ -538,7 +552,7 @@ def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-class ProgressReport(BaseModel):
+class ProgressReport(JsonBody):
     step: JsonInt = Field(..., ge=0)
     loss: JsonFloat | None = None
     samples_per_s: JsonFloat | None = Field(None, ge=0)

@@ -42,9 +42,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field, field_validator
 
-from worker.jsontypes import JsonInt
+from worker.jsontypes import JsonBody, JsonInt, integral
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
@@ -141,7 +141,7 @@ def _node(row) -> Node:
     return addr, _int(pid), _int(local_id)
 
 
-class Op(BaseModel):
+class Op(JsonBody):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
     kind: Literal["refresh", "drop", "join", "wait", "keep_alive"]
@@ -152,8 +152,13 @@ class Op(BaseModel):
     deadline_us: JsonInt | None = Field(None, description="join: the last-call deadline it sets at "
                                                             "min_nodes participants.")
 
+    @field_validator("node", mode="before")
+    @classmethod
+    def _integral_node(cls, v):
+        return [integral(x) for x in v] if isinstance(v, (list, tuple)) else v
 
-class MergeSpec(BaseModel):
+
+class MergeSpec(JsonBody):
     """A state write the control plane may merge into a newer state (`apply_ops`)."""
 
     ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
