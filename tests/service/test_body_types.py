@@ -100,3 +100,23 @@ def test_a_boolean_for_a_number_and_a_number_for_a_boolean_are_refused_naming_th
             assert [e["loc"] for e in got.value.errors()] == [path], (name, path, wrong)
         if type(value) is int:
             model.model_validate(replaced(VALID[name], path, float(value)))  # 3.0 is an integer
+
+
+def test_the_openapi_states_number_rules_in_json_schema_words(tmp_path):
+    """minimum/maximum, never pydantic's own ge/le (which Schemathesis, and any other client,
+    would not know: it took -1 for a valid rank)."""
+    app = create_app(Settings(log_root=str(tmp_path / "logs"), secret_dir=str(tmp_path / "s"), user_token="t"))
+
+    def keys(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield k
+                if k != "properties":  # a property may be named anything
+                    yield from keys(v)
+                else:
+                    for sub in v.values():
+                        yield from keys(sub)
+        elif isinstance(node, list):
+            for v in node:
+                yield from keys(v)
+    assert not {"ge", "le", "gt", "lt"} & set(keys(app.openapi()))
