@@ -105,7 +105,8 @@ def test_a_boolean_for_a_number_and_a_number_for_a_boolean_are_refused_naming_th
 def test_the_openapi_states_number_rules_in_json_schema_words(tmp_path):
     """minimum/maximum, never pydantic's own ge/le (which Schemathesis, and any other client,
     would not know: it took -1 for a valid rank)."""
-    app = create_app(Settings(log_root=str(tmp_path / "logs"), secret_dir=str(tmp_path / "s"), user_token="t"))
+    app = create_app(Settings(log_root=str(tmp_path / "logs"), secret_dir=str(tmp_path / "s"),
+                              user_token="t"))
 
     def keys(node):
         if isinstance(node, dict):
