@@ -28,8 +28,10 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     PlainSerializer,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -113,9 +115,14 @@ class Known(JsonBody):
     action: Literal["run", "stop"]
 
 
+MAX_LEASE_ID = 2**63 - 1024  # the largest double below 2**63; etcd's ids beyond it: 1 in 9e15
+
+
 class HeartbeatRequest(JsonBody):
     # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
-    lease_id: JsonInt | None = Field(None, ge=1, le=2**63 - 1,
+    # The bound is one a double holds exactly (2**63 - 1 is not: a client comparing as JSON
+    # numbers, as JSON Schema validators may, takes 2**63 + 191 for within it).
+    lease_id: JsonInt | None = Field(None, ge=1, le=MAX_LEASE_ID,
                                        description="From the registration; saves a read.")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
     wait_s: JsonFloat = Field(0.0, ge=0, le=30,
@@ -236,8 +243,11 @@ def _b64decode(value: object) -> bytes:
         raise ValueError(f"not valid base64: {exc}") from None
 
 
+# Standard base64 with its padding, as `base64.b64decode(validate=True)` takes it.
+_B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 B64 = Annotated[bytes, BeforeValidator(_b64decode),
-                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str)]
+                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str),
+                WithJsonSchema({"type": "string", "contentEncoding": "base64", "pattern": _B64_PATTERN})]
 StoreKey = Annotated[str, Field(min_length=1, max_length=1024)]
 OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                    description="Makes a retried add/append apply once.")]
@@ -307,6 +317,10 @@ class StateChange(RdzvState):
 
 
 class SetStateRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["state"], "properties": {"state": {"type": "string"}}},
+        {"required": ["merge"], "properties": {"merge": {"type": "object"}}}]})
+
     state: Annotated[B64, AfterValidator(_sealed)] | None = Field(
         None, description="The whole new state; null only with `merge`, which then says the change "
                           "(a join does not send N nodes' state).")
@@ -558,6 +572,7 @@ class ProgressReport(JsonBody):
     samples_per_s: JsonFloat | None = Field(None, ge=0)
     total_steps: JsonInt | None = Field(None, ge=1, description="The steps the script means to make.")
     metrics: Annotated[dict[str, JsonFloat], AfterValidator(_check_metrics)] = Field(
+        json_schema_extra={"propertyNames": {"pattern": METRIC_NAME.pattern}, "maxProperties": MAX_METRICS},
         default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
     attempt: JsonInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
