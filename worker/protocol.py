@@ -115,18 +115,24 @@ class Known(JsonBody):
     action: Literal["run", "stop"]
 
 
-MAX_LEASE_ID = 2**63 - 1024  # the largest double below 2**63; etcd's ids beyond it: 1 in 9e15
+MAX_LEASE_ID = 2**63 - 1  # etcd's lease ids are int64s
 
 
 class HeartbeatRequest(JsonBody):
-    # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
-    # The bound is one a double holds exactly (2**63 - 1 is not: a client comparing as JSON
-    # numbers, as JSON Schema validators may, takes 2**63 + 191 for within it).
-    lease_id: JsonInt | None = Field(None, ge=1, le=MAX_LEASE_ID,
-                                       description="From the registration; saves a read.")
+    # etcd lease ids are positive int64s; a larger one is no lease of etcd's and is set aside (the
+    # lease is read, as without one) rather than refused: the description has no maximum,
+    # since near 2**63 a client comparing JSON numbers as doubles (as JSON Schema validators
+    # may) takes ids past any bound for within it.
+    lease_id: JsonInt | None = Field(None, ge=1, description="From the registration; saves a read. One "
+                                     "past int64 is no etcd lease: set aside (the lease is read).")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
     wait_s: JsonFloat = Field(0.0, ge=0, le=30,
                                 description="Hold the answer this long while the assignment is `known`.")
+
+    @field_validator("lease_id")
+    @classmethod
+    def _etcd_lease(cls, v: int | None) -> int | None:
+        return v if v is None or v <= MAX_LEASE_ID else None
 
 
 class Assignment(BaseModel):

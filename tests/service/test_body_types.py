@@ -121,3 +121,9 @@ def test_the_openapi_states_number_rules_in_json_schema_words(tmp_path):
             for v in node:
                 yield from keys(v)
     assert not {"ge", "le", "gt", "lt"} & set(keys(app.openapi()))
+
+
+def test_a_lease_id_past_int64_is_set_aside_not_refused():
+    """No maximum in the description (see HeartbeatRequest): one past int64 is no etcd lease."""
+    assert worker.protocol.HeartbeatRequest.model_validate({"lease_id": 2**63}).lease_id is None
+    assert worker.protocol.HeartbeatRequest.model_validate({"lease_id": 2**63 - 1}).lease_id == 2**63 - 1
