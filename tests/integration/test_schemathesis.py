@@ -71,6 +71,9 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
             "--checks", "all", "--max-examples", os.environ.get("FTRAIN_SCHEMATHESIS_EXAMPLES", "20"),
             # a follow stream is held up to its `wait_s` (30 s at most) while the job is PENDING
             "--request-timeout", "40",
+            # Hypothesis's check that generating a case is fast: on 2 cores shared with other
+            # runs (load 40-100) a pattern-heavy body (a heartbeat's) failed it, no finding of ours
+            "--suppress-health-check", "too_slow",
             ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,  # the tokens of its security schemes:
            "FTRAIN_ST_USER_TOKEN": cp.user_token, "FTRAIN_ST_NODE_TOKEN": cp.node_token,
