@@ -59,7 +59,7 @@ async def main(args) -> None:
         return time.perf_counter() - t
 
     await one_pass()
-    running = sum(1 for j in ctx.index.jobs() if j.state is JobState.RUNNING)
+    running = sum(1 for j in ctx.index.jobs() if j.state in (JobState.STARTING, JobState.RUNNING))
     print(f"{args.nodes} nodes, {running} jobs running; {args.passes} passes per row")
     print(f"{'pending':>8}{'pass p50 ms':>13}{'pass max ms':>13}{'submit+pass ms':>16}")
     pending = 0

@@ -33,7 +33,7 @@ from service.models import LogLine
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body (401, 403, 404, 409, 413, 503)."""
+    """Every error answer's body (401, 403, 404, 409, 410, 413, 503)."""
 
     detail: str = Field(..., examples=["job mnist-1a2b3c not found"])
     state: str | None = Field(None, description="409 on a job: the state it is in.",
@@ -61,6 +61,8 @@ _WHY = {
     403: "A token of another kind or another job/node than this endpoint takes, or not the admin.",
     404: "No such job or node (finished jobs are deleted after their retention).",
     409: "The request conflicts with the current state (`state` says which, for a job).",
+    410: "The rendezvous is closed: its attempt is not the job's current one, or the job has ended "
+         "(do not retry).",
     413: "The request body is larger than the server's limit.",
     422: "The request breaks the API's rules: `errors` names each field.",
     503: "The store (etcd) or the log storage cannot be reached now; try again (`Retry-After`).",
@@ -196,6 +198,8 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
             codes.append(409)
         if "requestBody" in op:
             codes += [400, 413]
+        if path.startswith("/v1/rdzv/"):
+            codes.append(410)
         for code in codes:
             responses.setdefault(str(code), _error(code, "ErrorBody"))
     if "422" in responses or "requestBody" in op or op.get("parameters"):

@@ -261,7 +261,7 @@ def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str 
 
 @main.command("list")
 @click.option("--state", "states", multiple=True, metavar="STATE",
-              type=click.Choice(["PENDING", "RUNNING", "RECOVERING", "CANCELLING", "SUCCEEDED",
+              type=click.Choice(["PENDING", "STARTING", "RUNNING", "RECOVERING", "CANCELLING", "SUCCEEDED",
                                  "FAILED", "CANCELLED"], case_sensitive=False),
               help="Only jobs in this state (repeatable).")
 @_client_options

@@ -42,6 +42,7 @@ RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE
 
 class JobState(str, enum.Enum):
     PENDING = "PENDING"
+    STARTING = "STARTING"  # given its nodes; no step (nor, for a plain script, output) seen yet
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
     CANCELLING = "CANCELLING"
@@ -54,7 +55,7 @@ class JobState(str, enum.Enum):
 
     def is_active(self) -> bool:
         """Holds nodes: workers may be running."""
-        return self in (JobState.RUNNING, JobState.RECOVERING, JobState.CANCELLING)
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.CANCELLING)
 
 
 class _Strict(BaseModel):
@@ -299,6 +300,10 @@ class JobRecord(BaseModel):
     # (group rank 0's node and its torchrun's round: `worker.env.FTRAIN_GROUP`); None while a
     # group re-forms. Only a step reported by this group ends a recovery (`decide.recovery`).
     group: str | None = None
+    # torch's rendezvous round that formed `group` (the same on every member node; None: not
+    # reported): a plain script's worker lines carry it, so a replaced group's late lines do
+    # not end a recovery (`decide.recovery.first_output`).
+    group_round: int | None = None
     # Set from the moment a fault (RECOVERING) or a planned change (RUNNING) stops the group
     # until the first step of the group that replaces it: then "training again" is recorded.
     regrouping: bool = False
@@ -335,7 +340,7 @@ class JobRecord(BaseModel):
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
             latest_snapshot=self.latest_snapshot, progress=progress,
-            regrouping=self.regrouping or self.state is JobState.RECOVERING,
+            regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
         )
 
 
@@ -343,7 +348,9 @@ class JobView(BaseModel):
     id: str
     name: str
     owner: str
-    state: JobState
+    state: JobState = Field(..., description="PENDING (waiting for nodes), STARTING (given its nodes; no "
+                            "step yet), RUNNING (steps are being made), RECOVERING (after a fault, until "
+                            "the new group's first step), CANCELLING, then SUCCEEDED, FAILED or CANCELLED.")
     reason: str
     spec: JobSpec = Field(..., description="As submitted, without the secret env values.")
     secret_env_names: list[str] = Field(default_factory=list,
@@ -357,9 +364,10 @@ class JobView(BaseModel):
     restarts: int
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
-    regrouping: bool = Field(False, description="Its group stopped and no step of the new one has been "
-                             "seen yet: after a fault (state RECOVERING) or for a planned change (a node "
-                             "joining, a drain: state RUNNING); `reason` says which.")
+    regrouping: bool = Field(False, description="Its group stopped (or has yet to start) and no step of "
+                             "the new one has been seen yet: at the start (state STARTING), after a fault "
+                             "(state RECOVERING) or for a planned change (a node joining, a drain: state "
+                             "RUNNING); `reason` says which.")
 
 
 class MetricHistory(BaseModel):

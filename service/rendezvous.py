@@ -463,8 +463,10 @@ class Rendezvous:
         return all(v is not None for v in await self._read([self.store_key(k) for k in keys]))
 
     async def set(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Set every (key, value); atomically when there are at most MAX_TXN_OPS of them."""
-        puts = [Put(self.store_key(k), v) for k, v in items]
+        """Set every (key, value); atomically when there are at most MAX_TXN_OPS of them. A key
+        given twice takes its last value, as setting them one by one would (etcd refuses a
+        transaction that names a key twice)."""
+        puts = [Put(self.store_key(k), v) for k, v in dict(items).items()]
         for start in range(0, len(puts), MAX_TXN_OPS):
             await self.kv.commit({}, puts[start:start + MAX_TXN_OPS])
 

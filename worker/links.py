@@ -170,9 +170,11 @@ class ServiceLink:
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
                         total_steps: int | None = None) -> None:
+        # int(): the report's numbers are strict (a script's step may be a numpy integer)
         self._call("POST", "/progress", ProgressReport(
-            step=step, loss=loss, samples_per_s=samples_per_s, attempt=self.attempt, group=self.group,
-            final=final, metrics=metrics or {}, total_steps=total_steps))
+            step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
+            group=self.group, final=final, metrics=metrics or {},
+            total_steps=None if total_steps is None else int(total_steps)))
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))

@@ -28,12 +28,15 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     PlainSerializer,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
+from worker.jsontypes import JsonBody, JsonBool, JsonFloat, JsonInt, integral
 from worker.rdzv_state import MergeSpec
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
@@ -58,30 +61,21 @@ def cut_line(text: str) -> str:
 
 # ---------------------------------------------------------------------------- node agent
 
-class _NoBoolNumbers(BaseModel):
-    """A body whose numbers refuse true/false (pydantic takes them as 1/0; JSON Schema's
-    integer does not). Used on the registration only: the frequent bodies (heartbeats, log
-    shipments) skip the per-field check."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool(cls, v, info):
-        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
-            raise ValueError("must be a number, not true or false")
-        return v
+# The bodies a node or a job's workers send are JsonBody: their numbers and booleans follow JSON
+# Schema (worker/jsontypes.py): true is not a number, nor "3", nor 1 a boolean; 3.0 is an integer.
 
 
-class RunningGroup(_NoBoolNumbers):
+class RunningGroup(JsonBody):
     """A job attempt whose workers an agent is running."""
 
     job_id: str = Field(..., max_length=64)
-    attempt: int = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
 
 
-class RegisterRequest(_NoBoolNumbers):
+class RegisterRequest(JsonBody):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
-    nproc_per_node: int = Field(1, ge=1, le=1024)
-    gpus: int = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
+    nproc_per_node: JsonInt = Field(1, ge=1, le=1024)
+    gpus: JsonInt = Field(0, ge=0, le=1024, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, max_length=128, description="Their model, as nvidia-smi names it.")
     address: str | None = Field(None, max_length=255)
     running: RunningGroup | None = Field(
@@ -115,19 +109,30 @@ class RegisterReply(BaseModel):
                           "Shown once; the control plane keeps only its hash.")
 
 
-class Known(BaseModel):
+class Known(JsonBody):
     job_id: str
-    attempt: int
+    attempt: JsonInt
     action: Literal["run", "stop"]
 
 
-class HeartbeatRequest(BaseModel):
-    # etcd lease ids are positive int64s; anything else would reach etcd's client and fail there.
-    lease_id: int | None = Field(None, ge=1, le=2**63 - 1,
-                                 description="From the registration; saves a read.")
+MAX_LEASE_ID = 2**63 - 1  # etcd's lease ids are int64s
+
+
+class HeartbeatRequest(JsonBody):
+    # etcd lease ids are positive int64s; a larger one is no lease of etcd's and is set aside (the
+    # lease is read, as without one) rather than refused: the description has no maximum,
+    # since near 2**63 a client comparing JSON numbers as doubles (as JSON Schema validators
+    # may) takes ids past any bound for within it.
+    lease_id: JsonInt | None = Field(None, ge=1, description="From the registration; saves a read. One "
+                                     "past int64 is no etcd lease: set aside (the lease is read).")
     known: Known | None = Field(None, description="The assignment the node acts on now.")
-    wait_s: float = Field(0.0, ge=0, le=30,
-                          description="Hold the answer this long while the assignment is `known`.")
+    wait_s: JsonFloat = Field(0.0, ge=0, le=30,
+                                description="Hold the answer this long while the assignment is `known`.")
+
+    @field_validator("lease_id")
+    @classmethod
+    def _etcd_lease(cls, v: int | None) -> int | None:
+        return v if v is None or v <= MAX_LEASE_ID else None
 
 
 class Assignment(BaseModel):
@@ -158,11 +163,11 @@ class HeartbeatReply(BaseModel):
     assignment: Assignment | None
 
 
-class ReportRequest(BaseModel):
+class ReportRequest(JsonBody):
     job_id: str = Field(..., max_length=100)
-    attempt: int
+    attempt: JsonInt
     state: Literal["running", "succeeded", "failed", "stopped"]
-    exit_code: int | None = None
+    exit_code: JsonInt | None = None
     reason: str | None = Field(None, max_length=8000)
 
 
@@ -171,26 +176,64 @@ class ReportReply(BaseModel):
     detail: str
 
 
-class RoundReport(BaseModel):
-    attempt: int
+class RoundReport(JsonBody):
+    attempt: JsonInt
     node: str = Field(..., max_length=64)
     phase: Literal["joining", "joined"]
-    call: int = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
-    group_rank: int | None = Field(None, ge=0)
-    group_world_size: int | None = Field(None, ge=1)
+    call: JsonInt = Field(..., ge=0, description="How many times this torchrun re-rendezvoused before.")
+    group_rank: JsonInt | None = Field(None, ge=0)
+    group_world_size: JsonInt | None = Field(None, ge=1)
+    round: JsonInt | None = Field(None, ge=0, description="torch's rendezvous round that formed the "
+                                  "group (the same on every member node); null: not known.")
 
 
 class LogLineIn(BaseModel):
-    rank: int | None = Field(None, ge=0)
+    # its integers: see LogShipment (one call per shipment, not one per line)
+    rank: JsonInt | None = Field(None, ge=0)
     stream: Literal["stdout", "stderr"] = "stdout"
     line: str = Field(..., max_length=MAX_LINE_CHARS)
-    time: float
+    time: JsonFloat
+    round: JsonInt | None = Field(None, ge=0, description="The rendezvous round of the group whose "
+                                  "worker printed it (`RoundReport.round`), so that a replaced "
+                                  "group's late lines are told apart; null: not known.")
 
 
-class LogShipment(BaseModel):
+# The line a job's torchrun prints (on stdout and on stderr) once a rendezvous round has formed
+# its group, before it starts that group's workers: the agent reads it in order with the
+# workers' lines (torchrun copies every line of the old workers before it re-rendezvouses), so
+# each worker line is tagged with its group's round (`LogLineIn.round`); the mark is not shipped.
+ROUND_MARK = "ftrain-round-formed: "
+
+
+def round_mark(round_: int) -> str:
+    return f"{ROUND_MARK}{round_}"
+
+
+def round_of_mark(line: str) -> int | None:
+    """The round a `round_mark` line names; None for any other line."""
+    if not line.startswith(ROUND_MARK):
+        return None
+    value = line[len(ROUND_MARK):].strip()
+    return int(value) if value.isdigit() else None
+
+
+class LogShipment(JsonBody):
     node: str = Field(..., max_length=64)
-    attempt: int = 0
+    attempt: JsonInt = 0
     lines: list[LogLineIn] = Field(..., max_length=MAX_SHIPMENT_LINES)
+
+    @field_validator("lines", mode="before")
+    @classmethod
+    def _integral_lines(cls, lines):
+        """The lines' integers (rank, round) as JsonBody makes a body's: 3.0 is 3."""
+        if type(lines) is not list:
+            return lines
+        out = None
+        for i, x in enumerate(lines):
+            if type(x) is dict and (type(x.get("rank")) is float or type(x.get("round")) is float):
+                out = out or list(lines)
+                out[i] = {**x, **{k: integral(x[k]) for k in ("rank", "round") if k in x}}
+        return lines if out is None else out
 
 
 # ---------------------------------------------------------------------------- rendezvous
@@ -206,8 +249,11 @@ def _b64decode(value: object) -> bytes:
         raise ValueError(f"not valid base64: {exc}") from None
 
 
+# Standard base64 with its padding, as `base64.b64decode(validate=True)` takes it.
+_B64_PATTERN = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 B64 = Annotated[bytes, BeforeValidator(_b64decode),
-                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str)]
+                PlainSerializer(lambda b: base64.b64encode(b).decode(), return_type=str),
+                WithJsonSchema({"type": "string", "contentEncoding": "base64", "pattern": _B64_PATTERN})]
 StoreKey = Annotated[str, Field(min_length=1, max_length=1024)]
 OpId = Annotated[str | None, Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                    description="Makes a retried add/append apply once.")]
@@ -279,6 +325,10 @@ class StateChange(RdzvState):
 
 
 class SetStateRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["state"], "properties": {"state": {"type": "string"}}},
+        {"required": ["merge"], "properties": {"merge": {"type": "object"}}}]})
+
     state: Annotated[B64, AfterValidator(_sealed)] | None = Field(
         None, description="The whole new state; null only with `merge`, which then says the change "
                           "(a join does not send N nodes' state).")
@@ -299,11 +349,11 @@ class SetStateResult(RdzvState):
     written: bool = Field(..., description="This request wrote `state`; else it is what won.")
 
 
-class GetRequest(BaseModel):
+class GetRequest(JsonBody):
     keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
-    wait_s: float = Field(0.0, ge=0, le=600,
-                          description="Wait this long (at most 5 s on the server) for missing keys.")
-    values: bool = Field(True, description="false: only say whether all keys exist (wait, check).")
+    wait_s: JsonFloat = Field(0.0, ge=0, le=600,
+                                description="Wait this long (at most 5 s on the server) for missing keys.")
+    values: JsonBool = Field(True, description="false: only say whether all keys exist (wait, check).")
 
 
 class GetResult(BaseModel):
@@ -320,9 +370,11 @@ class SetRequest(BaseModel):
     items: list[StoreItem] = Field(..., min_length=1, max_length=4096)
 
 
-class AddRequest(BaseModel):
+class AddRequest(JsonBody):
     key: StoreKey
-    amount: int = Field(..., ge=-(2**62), le=2**62)
+    # No bounds: the store keeps the sum as a decimal string (Python's ints do not overflow), and
+    # bounds near 2**62 read as doubles let a client take a value past them for within them.
+    amount: JsonInt
     op_id: OpId = None
 
 
@@ -404,15 +456,15 @@ class SnapshotRecord(SnapshotMeta):
         return SnapshotMeta(**self.model_dump(include=set(SnapshotMeta.model_fields)))
 
 
-class CommitRequest(BaseModel):
-    step: int = Field(..., ge=0)
+class CommitRequest(JsonBody):
+    step: JsonInt = Field(..., ge=0)
     path: str = Field(..., min_length=1, max_length=4096)
-    size: int = Field(..., ge=0)
+    size: JsonInt = Field(..., ge=0)
     checksum: str = Field(..., min_length=1, max_length=200)
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
-    control_id: int | None = Field(None, ge=1, description="Acknowledges this control request.")
-    stall_s: float | None = Field(None, ge=0)
-    write_s: float | None = Field(None, ge=0)
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the writer (fencing).")
+    control_id: JsonInt | None = Field(None, ge=1, description="Acknowledges this control request.")
+    stall_s: JsonFloat | None = Field(None, ge=0)
+    write_s: JsonFloat | None = Field(None, ge=0)
 
 
 class CommitResult(BaseModel):
@@ -437,11 +489,11 @@ def steps_to_prune(bad_by_step: dict[int, bool], latest_step: int | None, keep: 
     return sorted(step for step in bad_by_step if step not in kept)
 
 
-class MemoryReport(BaseModel):
+class MemoryReport(JsonBody):
     """A node's first worker: the newest whole copy in the node's memory tier (worker/memory.py)."""
 
-    step: int = Field(..., ge=0)
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
+    step: JsonInt = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the reporter (fencing).")
 
 
 class MemorySnapshot(BaseModel):
@@ -463,10 +515,10 @@ class SnapshotList(BaseModel):
         "`latest`, else from `latest`.")
 
 
-class RestoreRequest(BaseModel):
+class RestoreRequest(JsonBody):
     """Rank 0 of a (re)started group: which state should every rank load?"""
 
-    attempt: int = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
+    attempt: JsonInt = Field(..., ge=0, description="FTRAIN_ATTEMPT of the asker (fencing).")
 
 
 class RestorePoint(BaseModel):
@@ -481,10 +533,10 @@ class RestorePoint(BaseModel):
     reason: str = ""
 
 
-class BrokenPeer(BaseModel):
+class BrokenPeer(JsonBody):
     """A worker's process group broke (a peer's connection closed, a collective failed)."""
 
-    attempt: int = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
     node: str = Field(..., max_length=253, description="The reporter's node (FTRAIN_NODE).")
     detail: str = Field("", max_length=500)
 
@@ -496,11 +548,11 @@ class Suspects(BaseModel):
     nodes: list[str] = Field(default_factory=list)
 
 
-class MemoryCorrupt(BaseModel):
+class MemoryCorrupt(JsonBody):
     """A worker found its node's memory copy damaged (checksum) and fell back."""
 
-    attempt: int = Field(..., ge=0)
-    step: int = Field(..., ge=0)
+    attempt: JsonInt = Field(..., ge=0)
+    step: JsonInt = Field(..., ge=0)
     reason: str = Field("checksum mismatch", max_length=500)
 
 
@@ -524,18 +576,20 @@ def _check_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-class ProgressReport(BaseModel):
-    step: int = Field(..., ge=0)
-    loss: float | None = None
-    samples_per_s: float | None = Field(None, ge=0)
-    total_steps: int | None = Field(None, ge=1, description="The steps the script means to make.")
-    metrics: Annotated[dict[str, float], AfterValidator(_check_metrics)] = Field(
+class ProgressReport(JsonBody):
+    step: JsonInt = Field(..., ge=0)
+    loss: JsonFloat | None = None
+    samples_per_s: JsonFloat | None = Field(None, ge=0)
+    total_steps: JsonInt | None = Field(None, ge=1, description="The steps the script means to make.")
+    metrics: Annotated[dict[str, JsonFloat], AfterValidator(_check_metrics)] = Field(
+        json_schema_extra={"propertyNames": {"pattern": METRIC_NAME.pattern}, "maxProperties": MAX_METRICS},
         default_factory=dict, description=f"Scalars the script logged (`rt.log`), at most {MAX_METRICS}.")
-    attempt: int | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
+    attempt: JsonInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
                               "rendezvous round its group formed in ('<node>/<round>').")
-    final: bool = Field(False, description="Rank 0's last report of its run (its script is "
-                        "ending): stored whatever the rate limit, so a finished job shows its last step.")
+    final: JsonBool = Field(False, description="Rank 0's last report of its run (its script is "
+                              "ending): stored whatever the rate limit, so a finished job shows its "
+                              "last step.")
 
 
 class ControlView(BaseModel):

@@ -50,7 +50,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from worker.jsontypes import JsonBody, JsonInt, integral
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them
@@ -150,22 +152,27 @@ def _node(row) -> Node:
 NODELESS = ("expire", "refresh_stale")  # ops on every node they match, not on one
 
 
-class Op(BaseModel):
+class Op(JsonBody):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
     kind: Literal["refresh", "drop", "join", "wait", "keep_alive", "expire", "refresh_stale"]
-    node: tuple[str, int, int] | None = Field(None, description="The node it changes; none for "
-                                                                "expire and refresh_stale.")
-    at_us: int = Field(..., description="The node's heartbeat it writes (drop: the expired one; "
-                                        "expire: older heartbeats are dropped; refresh_stale: "
-                                        "the heartbeat the stale ones get).")
-    was_us: int | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
-                                                 "made it stale; the new one is 'due'); "
-                                                 "refresh_stale: the oldest it replaces.")
-    before_us: int | None = Field(None, description="refresh_stale: heartbeats before this one "
-                                                    "(and from was_us on) are replaced.")
-    deadline_us: int | None = Field(None, description="join: the last-call deadline it sets at "
-                                                      "min_nodes participants.")
+    node: tuple[str, JsonInt, JsonInt] | None = Field(None, description="The node it changes; none "
+                                                                        "for expire and refresh_stale.")
+    at_us: JsonInt = Field(..., description="The node's heartbeat it writes (drop: the expired one; "
+                                            "expire: older heartbeats are dropped; refresh_stale: "
+                                            "the heartbeat the stale ones get).")
+    was_us: JsonInt | None = Field(None, description="refresh: the heartbeat it replaces (an outage "
+                                                     "made it stale; the new one is 'due'); "
+                                                     "refresh_stale: the oldest it replaces.")
+    before_us: JsonInt | None = Field(None, description="refresh_stale: heartbeats before this one "
+                                                        "(and from was_us on) are replaced.")
+    deadline_us: JsonInt | None = Field(None, description="join: the last-call deadline it sets at "
+                                                          "min_nodes participants.")
+
+    @field_validator("node", mode="before")
+    @classmethod
+    def _integral_node(cls, v):
+        return [integral(x) for x in v] if isinstance(v, (list, tuple)) else v
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> Op:
@@ -177,12 +184,12 @@ class Op(BaseModel):
         return self
 
 
-class MergeSpec(BaseModel):
+class MergeSpec(JsonBody):
     """A state write the control plane may merge into a newer state (`apply_ops`)."""
 
     ops: list[Op] = Field(..., min_length=1, max_length=MAX_OPS)
-    min_nodes: int = Field(..., ge=1)
-    max_nodes: int = Field(..., ge=1)
+    min_nodes: JsonInt = Field(..., ge=1)
+    max_nodes: JsonInt = Field(..., ge=1)
 
 
 def apply_ops(doc: RdzvDoc, merge: MergeSpec, in_place: bool = False) -> RdzvDoc | None:

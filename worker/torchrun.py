@@ -67,7 +67,7 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, telling_line
+from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, round_of_mark, telling_line
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -125,6 +125,8 @@ class WorkerGroup:
     # torchrun's own lines held back since its shutdown began (see the module's docstring)
     held: list = field(default_factory=list)
     holding: bool = False
+    # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
+    rounds: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -431,9 +433,13 @@ class Torchrun:
                 text = raw.decode("utf-8", errors="replace").rstrip("\n")
                 m = _RANK_PREFIX.match(text)
                 rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+                if rank is None and (formed := round_of_mark(line)) is not None:
+                    g.rounds[stream] = formed  # the lines after it are the new group's
+                    continue
                 line = mask_secrets(line, g.secrets)
                 g.tails[rank].append(line)
-                out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time())
+                out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
+                                round=g.rounds.get(stream) if rank is not None else None)
                 if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
                     g.holding = True
                     g.held.append(out)

@@ -50,7 +50,7 @@ def is_watched(job: JobRecord) -> bool:
     (a round reported; while it re-forms, the new one formed), no planned change pending. A
     group that formed is watched before its first step, RECOVERING or not, so a group that
     never makes one is found too."""
-    if job.spec.hang_timeout_s is None or job.state not in (S.RUNNING, S.RECOVERING):
+    if job.spec.hang_timeout_s is None or job.state not in (S.STARTING, S.RUNNING, S.RECOVERING):
         return False
     formed = job.group is not None if is_regrouping(job) else job.state is S.RUNNING
     return formed and job.rounds >= 1 and job.control is None

@@ -37,7 +37,7 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
 
     `last_lines` are the job's last worker log lines, quoted when the restarts are spent.
     """
-    if job.attempt != report.attempt or job.state not in (S.RUNNING, S.RECOVERING):
+    if job.attempt != report.attempt or job.state not in (S.STARTING, S.RUNNING, S.RECOVERING):
         return None
     if report.phase == "joining":
         if report.call == 0 or is_regrouping(job):
@@ -69,8 +69,10 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
         events.append(event)
     what = f"world size {world} on {nodes} node(s)"
     if is_regrouping(changed):
-        changed, event = note(changed, f"group formed: {what}; training again at its first step", now)
+        again = "" if changed.state is S.STARTING else " again"
+        changed, event = note(changed, f"group formed: {what}; training{again} at its first step", now)
     else:
         changed, event = note(changed, f"rendezvous complete: {what}", now)
     events.append(event)
-    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}"}), events)
+    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}",
+                                             "group_round": report.round}), events)

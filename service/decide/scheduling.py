@@ -142,13 +142,15 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         chosen = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY
                                         and fits(job.spec, nodes[n])), job.spec.nodes.max))
         if len(chosen) >= job.spec.nodes.min:
-            d.move(S.RUNNING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
+            # STARTING until its first step: RUNNING means steps are being made (`decide.recovery`)
+            d.move(S.STARTING, f"started on {len(chosen)} node(s): {', '.join(chosen)}",
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
-                   control=None, stopping=False, group=None, regrouping=False)
+                   control=None, stopping=False, group=None, group_round=None, regrouping=True,
+                   stopped_group=None)
         return d.result(job)
 
-    # Active: RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
+    # Active: STARTING, RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
     # (a finished member is not lost: nothing of the job runs there any more; nor yet one
     # whose lease lapsed while no control plane could hear it: `graced`).
     members = dict(job.members)
@@ -210,7 +212,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     if len(live) < d.job.spec.nodes.min:
         d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
                "waiting for nodes (snapshots are kept)",
-               members={}, world_size=0, round_nodes=0, control=None, group=None, regrouping=False)
+               members={}, world_size=0, round_nodes=0, control=None, group=None, group_round=None,
+               regrouping=False)
         return d.result(job)
 
     # Scale-up: free ready nodes join a job below its max.
@@ -335,7 +338,7 @@ class Settled:
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
         if settled and self.nodes_version is not None and job.control is None \
-                and job.state in (S.RUNNING, S.RECOVERING):
+                and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
             self._seen[job.id] = (job, self.nodes_version, graced)
         else:
             self._seen.pop(job.id, None)

@@ -7,7 +7,9 @@ from service.models import EventView, JobRecord, JobState
 
 S = JobState
 ALLOWED: dict[JobState, frozenset[JobState]] = {
-    S.PENDING: frozenset({S.RUNNING, S.CANCELLED, S.FAILED}),
+    S.PENDING: frozenset({S.STARTING, S.CANCELLED, S.FAILED}),
+    # started: RUNNING at its first step (`decide.recovery`), as after a recovery
+    S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.PENDING, S.CANCELLING, S.SUCCEEDED, S.FAILED}),
     S.RUNNING: frozenset({S.RECOVERING, S.PENDING, S.CANCELLING, S.SUCCEEDED, S.FAILED}),
     S.RECOVERING: frozenset({S.RUNNING, S.PENDING, S.CANCELLING, S.SUCCEEDED, S.FAILED}),
     S.CANCELLING: frozenset({S.CANCELLED}),

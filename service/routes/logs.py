@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Annotated
 
@@ -12,10 +13,12 @@ from fastapi.responses import StreamingResponse
 from service.api_contract import AuthFirstRoute
 from service.decide.recovery import first_output
 from service.deps import ContextDep, MemberNode, UserAuth
+from service.errors import JobNotFound, LogStorageUnavailable, StoreUnavailable
 from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
 from worker.protocol import LogShipment
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["logs"], route_class=AuthFirstRoute)
 FOLLOW_POLL_S = 0.5  # how often a follower that has read everything looks for new lines
 FOLLOW_IDLE_S = 5.0  # a follow stream with no new line for this long ends (`wait_s`)
@@ -76,8 +79,14 @@ async def get_logs(
         cursor = since
         quiet_since = time.monotonic()
         while True:
-            over = (await ctx.jobs.get(job_id)).state.is_terminal()
-            page = await ctx.logs.read_page(job_id, cursor, limit, rank)
+            try:
+                over = (await ctx.jobs.get(job_id)).state.is_terminal()
+                page = await ctx.logs.read_page(job_id, cursor, limit, rank)
+            except (StoreUnavailable, LogStorageUnavailable, JobNotFound) as exc:
+                # The answer has begun (200): end it whole, not cut mid-chunk; a client follows
+                # again from its last seq and hears the error (503, 404) as an answer then.
+                log.info("follow of job %s ended early: %s", job_id, exc)
+                return
             if page.items:
                 quiet_since = time.monotonic()
                 yield "".join(item.model_dump_json() + "\n" for item in page.items)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Path, status
+from fastapi import APIRouter, Depends, Path, status
 
 from service.api_contract import AuthFirstRoute
 from service.decide.liveness import broken_peer_suspects
@@ -85,11 +85,9 @@ async def list_snapshots(job_id: str, snapshots: SnapshotsDep) -> SnapshotList:
 
 
 @router.post("/{job_id}/snapshots/{step}/corrupt", response_model=SnapshotList)
-async def report_corrupt(job_id: str, step: int, job: JobTokenDep, snapshots: SnapshotsDep,
-                         report: CorruptReport | None = None) -> SnapshotList:
+async def report_corrupt(job_id: str, step: Annotated[int, Path(ge=0)], job: JobTokenDep,
+                         snapshots: SnapshotsDep, report: CorruptReport | None = None) -> SnapshotList:
     """A worker found this snapshot damaged: mark it bad and fall back to the previous one."""
-    if step < 0:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "step must be >= 0")
     return await snapshots.report_corrupt(job.id, step, (report or CorruptReport()).reason)
 
 

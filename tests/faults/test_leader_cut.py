@@ -166,9 +166,9 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
         (leader_a,), (leader_b,) = holders[term_a], holders[term_b]
         assert f":{a.proc.pid}:" in leader_a and f":{b.proc.pid}:" in leader_b, holders
         assert all(holders[t] == {leader_b} for t in b_terms), holders
-        first_of_job = [e for e in events[job_id] if e["state"] == "RUNNING"][0]
+        first_of_job = [e for e in events[job_id] if e["state"] == "STARTING"][0]
         assert first_of_job["term"] == term_a  # A started the job before the cut
-        started_at_cut = [e for e in events[at_cut] if e["state"] == "RUNNING"][0]
+        started_at_cut = [e for e in events[at_cut] if e["state"] == "STARTING"][0]
         assert started_at_cut["term"] in b_terms  # B started the job submitted at the cut
         terms_in_time = [term for _, term, *_ in stamped]
         assert terms_in_time == sorted(terms_in_time), stamped  # no event of A's after one of B's

@@ -1,19 +1,35 @@
 """Schemathesis hooks for tests/integration/test_schemathesis.py (SCHEMATHESIS_HOOKS).
 
-A job spec has rules that JSON Schema cannot state: between fields, `nodes.min <= nodes.max`
-and no name in both `env` and `secret_env`; over a whole field, at most MAX_COMMAND_BYTES of
-command and MAX_ENV_BYTES of env and secret_env (UTF-8; the server answers 422 for each,
-naming the field, and the descriptions say so). A generated spec is made to keep them (max
-raised to min, the shared names dropped from secret_env, the last arguments or entries
-dropped), so a spec the schema calls valid is one the server takes; every other value and
-every check stays as generated.
+A rendezvous state written whole is sealed (a mark and a checksum: `seal_state`); a generated
+one is sealed here. A job spec has rules that JSON Schema cannot state: between fields,
+`nodes.min <= nodes.max` and no name in both `env` and `secret_env`; over a whole field, at
+most MAX_COMMAND_BYTES of command and MAX_ENV_BYTES of env and secret_env (UTF-8; the server
+answers 422 for each, naming the field, and the descriptions say so). A generated spec is made
+to keep them (max raised to min, the shared names dropped from secret_env, the last arguments
+or entries dropped), so a spec the schema calls valid is one the server takes; every other
+value and every check stays as generated.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 import schemathesis
 
 from service.models import MAX_COMMAND_BYTES, MAX_ENV_BYTES
+from worker.protocol import seal_state
+
+
+def _seal(body: dict) -> None:
+    """A rendezvous state as torch's handler would send it: sealed (`seal_state`: a mark and
+    the SHA-256 of what follows, which JSON Schema cannot state). Base64 that is not valid
+    stays as generated."""
+    try:
+        raw = base64.b64decode(body["state"], validate=True)
+    except (binascii.Error, ValueError):
+        return
+    body["state"] = base64.b64encode(seal_state(raw)).decode()
 
 
 def _size(value) -> int:
@@ -24,13 +40,18 @@ def _size(value) -> int:
 def map_case(context, case):
     op = context.operation
     body = case.body
+    if op is not None and op.method.upper() == "PUT" and op.path == "/v1/rdzv/{rdzv_id}/state" \
+            and isinstance(body, dict) and isinstance(body.get("state"), str):
+        _seal(body)
     if op is None or op.method.upper() != "POST" or op.path != "/v1/jobs" or not isinstance(body, dict):
         return case
     nodes = body.get("nodes")
     if isinstance(nodes, dict):
         lo, hi = nodes.get("min", 1), nodes.get("max", 1)
-        # only between two valid counts: a case made invalid on purpose stays invalid
-        if all(type(v) is int and 1 <= v <= 1024 for v in (lo, hi)) and lo > hi:
+        # only between two valid counts (3.0 is one: JSON Schema's integer takes it); a case
+        # made invalid on purpose stays invalid
+        if all(type(v) in (int, float) and float(v).is_integer() and 1 <= v <= 1024
+               for v in (lo, hi)) and lo > hi:
             nodes["max"] = lo
     env, secret = body.get("env"), body.get("secret_env")
     if isinstance(env, dict) and isinstance(secret, dict):

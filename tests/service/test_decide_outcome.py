@@ -90,7 +90,7 @@ def run(events: list[tuple[str, str] | list[tuple[str, str]]], mn: int,
 OK = (S.SUCCEEDED, "every worker exited 0", 1)
 PENDING_2 = "only 1 of the 2 nodes it needs are left; waiting for nodes (snapshots are kept)"
 PENDING_1 = "only 0 of the 1 nodes it needs are left; waiting for nodes (snapshots are kept)"
-RESTARTED_2 = (S.RUNNING, "started on 2 node(s): a, b", 2)
+RESTARTED_2 = (S.STARTING, "started on 2 node(s): a, b", 2)
 AFTER = ("after node(s) {} finished; the job succeeds only when every node's workers exit 0, "
          "and finished nodes are not run again (snapshots are kept)")
 

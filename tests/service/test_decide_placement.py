@@ -48,7 +48,7 @@ def job(state=S.PENDING, members=(), **spec_kw) -> JobRecord:
 def test_pending_gpu_job_starts_only_on_nodes_with_the_gpus():
     ns = {"cpu": node("cpu", 0), "one": node("one", 1), "two": node("two", 2)}
     p = plan(job(gpus_per_node=1, mn=2, mx=3), ns, ["cpu", "one", "two"], NOW, SchedulerConfig())
-    assert p.job.state is S.RUNNING and sorted(p.job.members) == ["one", "two"]
+    assert p.job.state is S.STARTING and sorted(p.job.members) == ["one", "two"]
 
 
 def test_pending_gpu_job_waits_while_too_few_nodes_have_them():

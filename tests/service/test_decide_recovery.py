@@ -74,8 +74,8 @@ def test_training_again_is_the_first_step_of_the_new_group(what, before, attempt
     assert [(e.state, e.reason, e.time) for e in change.events] == [(*after, NOW)]
 
 
-def line(text: str, rank: int | None = 0) -> LogLineIn:
-    return LogLineIn(rank=rank, stream="stdout", line=text, time=NOW)
+def line(text: str, rank: int | None = 0, round_: int | None = None) -> LogLineIn:
+    return LogLineIn(rank=rank, stream="stdout", line=text, time=NOW, round=round_)
 
 
 OUTPUT = [
@@ -87,6 +87,13 @@ OUTPUT = [
     ("a script on the runtime waits for its step", job(reports_progress=True), 1, [line("epoch 3")], False),
     ("lines of the attempt before", job(), 0, [line("epoch 3")], False),
     ("the group has not formed yet", job(group=None), 1, [line("epoch 3")], False),
+    ("a worker line of the group that formed in round 5", job(group_round=5), 1, [line("epoch 3", round_=5)],
+     True),
+    ("a late line of the replaced group (round 4), shipped after round 5 formed", job(group_round=5), 1,
+     [line("Traceback", round_=4), line("epoch 2", rank=1, round_=4)], False),
+    ("its late lines, then the new group's", job(group_round=5), 1,
+     [line("epoch 2", round_=4), line("epoch 3", round_=5)], True),
+    ("a line of an agent that does not tag them", job(group_round=5), 1, [line("epoch 3")], True),
 ]
 
 
@@ -126,3 +133,29 @@ def test_the_scheduler_stops_the_group_for_a_lost_node_or_a_planned_change(what,
     p = plan(before, nodes(*live), free, NOW, SchedulerConfig())
     assert (p.job.state, p.job.reason, p.job.attempt) == after
     assert p.job.regrouping and p.job.group is None
+
+
+STARTED = "training: world size 4 on 2 node(s), "
+
+
+def test_a_started_job_is_starting_until_its_first_step_then_running():
+    """RUNNING means steps are being made: a job given its nodes is STARTING until its group's
+    first step (rank 0's progress) or, for a plain script, its workers' first output."""
+    starting = job(S.STARTING, group="a/0")
+    unnamed = starting.model_copy(update={"group": None})  # no 'joined' report came (a fake node)
+    assert first_step(starting, 0, "a/0", 1, NOW) is None  # another attempt's
+    assert first_output(starting, 1, [line("W torchrun", rank=None)], NOW) is None  # not a worker's
+    for change, how in ((first_step(starting, 1, "a/0", 1, NOW), "step 1"),
+                        (first_step(unnamed, 1, None, 1, NOW), "step 1"),
+                        (first_output(starting, 1, [line("epoch 1")], NOW), "its workers' first output"),
+                        (first_output(unnamed, 1, [line("epoch 1")], NOW), "its workers' first output")):
+        assert (change.job.state, change.job.reason, change.job.regrouping) == \
+            (S.RUNNING, STARTED + how, False)
+        assert [(e.state, e.reason) for e in change.events] == [(S.RUNNING, STARTED + how)]
+
+
+def test_a_fault_before_the_first_step_keeps_the_job_starting_with_the_fault_as_its_reason():
+    changed, event = regroup(job(S.STARTING, regrouping=True), "node b is restarting its workers", NOW)
+    assert (changed.state, changed.reason, changed.group) == \
+        (S.STARTING, "node b is restarting its workers", None)
+    assert event.state is S.STARTING

@@ -138,11 +138,13 @@ def test_is_restart(rounds, round_nodes, nodes, restart):
 
 def test_a_joining_report_stops_the_group_and_a_joined_one_names_the_new_group():
     """The group that trains is named by rank 0's node and round; none while it re-forms."""
-    running = job(rounds=1, round_nodes=2).model_copy(update={"group": "a/0"})
+    running = job(rounds=1, round_nodes=2).model_copy(update={"group": "a/0", "group_round": 6})
     stopped = decide_round(running, joining(call=1, node="b"), TAIL, NOW).job
-    assert (stopped.state, stopped.regrouping, stopped.group, stopped.stopped_group) == \
-        (S.RECOVERING, True, None, "a/0")
+    assert (stopped.state, stopped.regrouping, stopped.group, stopped.group_round, stopped.stopped_group) == \
+        (S.RECOVERING, True, None, None, "a/0")
     assert stopped.reason == "node b is restarting its workers"
-    formed = decide_round(stopped, joined(2, node="c").model_copy(update={"call": 4}), TAIL, NOW).job
-    assert (formed.state, formed.regrouping, formed.group) == (S.RECOVERING, True, "c/4")
+    report = joined(2, node="c").model_copy(update={"call": 4, "round": 7})  # torch's round 7
+    formed = decide_round(stopped, report, TAIL, NOW).job
+    assert (formed.state, formed.regrouping, formed.group, formed.group_round) == \
+        (S.RECOVERING, True, "c/4", 7)
     assert formed.reason == "node b is restarting its workers"  # still what it recovers from

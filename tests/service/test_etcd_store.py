@@ -205,3 +205,21 @@ def test_a_cancellation_that_comes_as_a_call_ends_is_not_lost():
             await task
 
     asyncio.run(run())
+
+
+def test_a_multi_set_that_names_a_key_twice_takes_its_last_value(etcd):
+    """etcd refuses a transaction that puts one key twice ('duplicate key given in txn
+    request': a 503 before); setting them one by one would leave the last value."""
+    from service.keys import Keys
+    from service.rendezvous import Rendezvous
+
+    async def main():
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
+        try:
+            rdzv = Rendezvous(client, Keys(), "j-a1")
+            await rdzv.set([("k", b"1"), ("other", b"x"), ("k", b"2")])
+            assert await rdzv.get(["k", "other"], 0) == [b"2", b"x"]
+        finally:
+            await client.close()
+
+    asyncio.run(main())

@@ -40,6 +40,7 @@ class ManualClock:
 async def running_job(ctx: Context) -> JobRecord:
     """A job RUNNING its attempt 1."""
     job, _ = await ctx.jobs.create(SPEC)
+    await ctx.jobs.move(job.id, JobState.STARTING, "test")
     await ctx.jobs.move(job.id, JobState.RUNNING, "test")
     return await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={"attempt": 1})))
 

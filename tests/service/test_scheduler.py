@@ -49,7 +49,7 @@ def test_pending_job_waits_for_min_nodes():
 
 def test_pending_job_gang_starts_on_up_to_max_nodes():
     p = plan(job(mn=2, mx=3), nodes("a", "b", "c", "d"), ["a", "b", "c", "d"], NOW, CFG)
-    assert p.job.state is S.RUNNING and p.job.attempt == 1
+    assert p.job.state is S.STARTING and p.job.attempt == 1 and p.job.regrouping  # RUNNING at its first step
     assert sorted(p.job.members) == ["a", "b", "c"]
     assert all(m.state == "assigned" for m in p.job.members.values())
 

@@ -229,7 +229,7 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
         await ctx.nodes.register("n0", 1, None, ttl_s=6)
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         started = await ctx.jobs.get(job.id)
-        assert (started.state, list(started.members), started.attempt) == (JobState.RUNNING, ["n0"], 1)
+        assert (started.state, list(started.members), started.attempt) == (JobState.STARTING, ["n0"], 1)
         clock.now += 7  # the node's lease lapses: the job goes back to waiting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
@@ -271,7 +271,7 @@ def test_a_leader_whose_etcd_calls_hang_stops_by_its_own_clock_and_its_events_na
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=fence)
         submitted, started = await ctx.jobs.events(job.id)
         assert (submitted.leader, submitted.term) == (None, None)  # a user's request, not the leader's
-        assert (started.state, started.leader, started.term) == (JobState.RUNNING, lead.identity,
+        assert (started.state, started.leader, started.term) == (JobState.STARTING, lead.identity,
                                                                  fence.term)
         # No keep-alive confirmed for the lease's TTL (etcd's answers hang): it stops leading
         # by its own clock, and the fence it handed out before stops its writes too.
@@ -342,13 +342,14 @@ def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout
             clock.now = now
             if step is not None:  # its group formed (a round), and rank 0 reports this step
                 current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
-                    "rounds": max(j.rounds, 1)})))
-                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt))
+                    "rounds": max(j.rounds, 1), "group": j.group or f"n0/{j.attempt}"})))
+                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt,
+                                                                 group=current.group))
             await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches)
             return await ctx.jobs.get(job.id)
 
-        assert (await tick_at(1000)).state is JobState.RUNNING
-        await tick_at(1001, step=1)
+        assert (await tick_at(1000)).state is JobState.STARTING
+        assert (await tick_at(1001, step=1)).state is JobState.RUNNING  # its first step
         assert (await tick_at(1005.9, step=2)).attempt == 1  # advancing: no hang
         assert (await tick_at(1010.8)).attempt == 1  # 4.9 s since step 2
         hung = await tick_at(1010.9)
@@ -477,7 +478,7 @@ def test_a_burst_of_submissions_makes_a_few_scheduler_passes_not_one_each():
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             first = next(ctx.index.pending_ids())
             deadline = asyncio.get_running_loop().time() + 5
-            while ctx.index.get(first).state is not JobState.RUNNING:
+            while ctx.index.get(first).state is JobState.PENDING:
                 assert asyncio.get_running_loop().time() < deadline, "the oldest job did not start"
                 await asyncio.sleep(0.01)
         finally:

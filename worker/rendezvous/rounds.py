@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
@@ -29,7 +30,7 @@ from worker.env import (
     FTRAIN_SERVER,
 )
 from worker.http import ControlPlaneClient, HttpError
-from worker.protocol import RoundReport
+from worker.protocol import RoundReport, round_mark
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,11 @@ class RoundReporter:
         return cls(env[FTRAIN_SERVER], env[FTRAIN_JOB_TOKEN], env[FTRAIN_JOB_ID],
                    int(env[FTRAIN_ATTEMPT]), env[FTRAIN_NODE])
 
-    def report(self, phase: str, call: int, info: RendezvousInfo | None = None) -> None:
+    def report(self, phase: str, call: int, info: RendezvousInfo | None = None,
+               round_: int | None = None) -> None:
         body = RoundReport(attempt=self._attempt, node=self.node, phase=phase, call=call,
                            group_rank=None if info is None else info.rank,
-                           group_world_size=None if info is None else info.world_size)
+                           group_world_size=None if info is None else info.world_size, round=round_)
         try:
             self._client.call("POST", self._path, body, retry_s=RETRY_S)
             return
@@ -89,7 +91,13 @@ class ReportingHandler(RendezvousHandler):
         self._calls += 1
         self._reporter.report("joining", call)
         info = self._inner.next_rendezvous()
-        self._reporter.report("joined", call, info)
+        round_ = rendezvous_round(self._inner)
+        if round_ is not None:
+            # Before the group's workers start: every line after this one on this node is
+            # theirs (worker/protocol.py's ROUND_MARK; the agent reads it and ships no mark).
+            for stream in (sys.stdout, sys.stderr):
+                print(round_mark(round_), file=stream, flush=True)
+        self._reporter.report("joined", call, info, round_)
         if info.rank == 0:
             # The group's name as rank 0's node reports it; other nodes' workers do not
             # report progress, so they need no name (and cannot know rank 0's round).
@@ -122,6 +130,14 @@ class ReportingHandler(RendezvousHandler):
         if stop is not None:
             stop()
         return True
+
+
+def rendezvous_round(handler: RendezvousHandler) -> int | None:
+    """The round of torch's dynamic rendezvous that `handler` last completed (the same on every
+    member node: torch names the group's store by it); None where a handler has no such state."""
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    value = getattr(state, "round", None)
+    return value if type(value) is int else None
 
 
 def with_round_reports(handler: RendezvousHandler) -> RendezvousHandler:

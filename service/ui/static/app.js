@@ -56,8 +56,9 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
 }
 function num(v, digits = 4) { return v == null ? "–" : Number(v).toPrecision(digits); }
-// A job whose group is re-forming (a fault: RECOVERING; a planned change: RUNNING) until the
-// new group's first step: its reason under the badge, so a RUNNING job that is resizing says so.
+// A job whose group is forming (its start: STARTING; a fault: RECOVERING; a planned change:
+// RUNNING) until the group's first step: its reason under the badge, so a RUNNING job that is
+// resizing says so.
 function regroupingNote(job) {
   return job.regrouping ? `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>` : "";
 }
