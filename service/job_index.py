@@ -117,6 +117,11 @@ class JobIndex:
         """The job as the index last saw it (it may lag etcd by a watch event)."""
         return self._jobs.get(job_id)
 
+    def revision_of(self, job_id: str) -> int:
+        """The mod_revision of the job's record as the index has it (0: not known): what a
+        change decided on that record compares (`JobStore.write_many`)."""
+        return self._revs.get(job_id, 0) if job_id in self._jobs else 0
+
     def view_json(self, job_id: str) -> bytes | None:
         """The job's view (record and progress) as JSON, as the index has them; None if the
         index has no such job. Made once per change of either: records were validated when
@@ -138,6 +143,16 @@ class JobIndex:
         if self.revision >= revision:
             return True
         return await self.wait_until(lambda: self.revision >= revision, timeout_s)
+
+    async def catch_up(self, timeout_s: float) -> bool:
+        """Wait until the index has every job record as etcd has it now: the latest change
+        under the jobs prefix applied (at most `timeout_s`; one read of etcd); returns
+        whether it has. A replica that has just taken the lead plans on the index only then:
+        the last writes of the one that led before may still be on their way here."""
+        if not self.ready.is_set():
+            return False
+        latest = await self._kv.latest_revision(self._keys.jobs)
+        return await self.wait_for_revision(latest, timeout_s)
 
     def __len__(self) -> int:
         return len(self._jobs)

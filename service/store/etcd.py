@@ -280,6 +280,19 @@ class EtcdStore(KeyValue):
         reply = await self._call(f"GET {limit} keys of {prefix}*", read)
         return [_entry(kv) for kv in reply.kvs]
 
+    async def latest_revision(self, prefix: str) -> int:
+        """One Range of the key under `prefix` changed last (sorted by mod_revision, keys only)."""
+        request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
+                                         limit=1, keys_only=True,
+                                         sort_order=aetcd.rpc.RangeRequest.DESCEND,
+                                         sort_target=aetcd.rpc.RangeRequest.MOD)
+
+        async def read(c: aetcd.Client):
+            return await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)
+
+        reply = await self._call(f"GET the latest change of {prefix}*", read)
+        return reply.kvs[0].mod_revision if reply.kvs else 0
+
     async def count_prefix(self, prefix: str) -> int:
         request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
                                          count_only=True)
