@@ -352,15 +352,20 @@ class Leadership:
                 await self.kv.revoke_lease(self.lease_id)
 
 
-async def keep_lead(leadership: Leadership, every_s: float) -> None:
+async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event | None = None) -> None:
     """Hold the lead, or try to take it, every `every_s`, apart from the scheduler's passes:
     a pass that starts a thousand jobs takes seconds, and the lead must not lapse meanwhile.
     (Kept between passes, it lapsed under bench/api.py's submissions, and each new term's
-    first passes read every unfinished job from etcd, which stalled the API for seconds.)"""
+    first passes read every unfinished job from etcd, which stalled the API for seconds.)
+    `wake` is set when the lead is taken or comes back (the scheduler plans at once)."""
+    leading = False
     while True:
         try:
-            await leadership.hold()
+            if await leadership.hold() and not leading and wake is not None:
+                wake.set()
+            leading = leadership.fence() is not None
         except StoreUnavailable as exc:
+            leading = False
             leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
             log.warning("scheduler paused: %s", exc.message)
         await asyncio.sleep(every_s)
@@ -378,7 +383,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     every_s = min(1.0, leadership.ttl_s / 4)
     # Node changes wake the scheduler once the node view has them (NodeStore.follow).
     helpers = [asyncio.create_task(nodes.follow(wake)),
-               asyncio.create_task(keep_lead(leadership, every_s))]
+               asyncio.create_task(keep_lead(leadership, every_s, wake))]
     last_reason: dict[str, str] = {}
     watches: dict[str, hangs.Watch] = {}
     last_settle = 0.0
