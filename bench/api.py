@@ -84,9 +84,15 @@ async def heartbeat_role(args) -> None:
 
     async def register(name: str) -> None:
         async with sem:
-            r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
-            if r.status != 200:
-                raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
+            # As an agent does: a 503 (etcd slow to answer on a loaded machine) is tried again.
+            deadline = time.monotonic() + 120
+            while True:
+                r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
+                if r.status == 200:
+                    break
+                if r.status not in (502, 503, 504) or time.monotonic() > deadline:
+                    raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
+                await asyncio.sleep(0.5)
             body = r.json()
             interval_of[name] = float(body["heartbeat_interval_s"])
             credential[name], lease[name] = body["credential"], body.get("lease_id")
