@@ -54,6 +54,9 @@ PASS_WINDOW = 1000  # the passes whose quantiles /metrics gives
 # took, if longer), so a burst of submissions, each of which wakes the scheduler, makes one
 # pass, and passes take at most about half of the event loop that answers the requests.
 MIN_PASS_GAP_S = 0.02
+# At most this many jobs start in one pass (its planning is one step of the event loop; two
+# transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
+MAX_STARTS_PER_PASS = 128
 
 
 class PassTimes:
@@ -119,8 +122,9 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
-               fence: dict[str, int] | None = None, settled: Settled | None = None) -> None:
+               fence: dict[str, int] | None = None, settled: Settled | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
+    Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
     `missing_since` (kept across passes): since when each member node whose record is gone
     has been seen gone; with `contact`, those whose lease lapsed in an outage of the
@@ -147,19 +151,21 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
             graced = contact.graced(missing_since, now)
     if settled is not None:
         settled.keep_only(active)
-    await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence, settled,
-                    index.revision_of if from_index else None)
+    more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
+                           settled, index.revision_of if from_index else None)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence)
+    return more
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: Iterable[JobRecord],
                     active: dict[str, JobRecord], cfg: SchedulerConfig, last_reason: dict[str, str],
                     graced: frozenset[str], fence: dict[str, int] | None = None,
                     settled: Settled | None = None,
-                    revision_of: Callable[[str], int] | None = None) -> None:
+                    revision_of: Callable[[str], int] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
-    each plan; `active` (the jobs that hold nodes, by id) takes in the changes made.
+    each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
+    whether it started as many jobs as a pass may (more may wait).
 
     Plans made on records the index has at a known revision (`revision_of`) are written
     together first (`JobStore.write_many`: a transaction per few dozen jobs, comparing each
@@ -170,7 +176,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled)
+                           settled, MAX_STARTS_PER_PASS)
+    starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
     batch = [(p, originals[p.job.id], revision_of(p.job.id)) for p in plans
              if revision_of is not None and p.job.id in originals]
@@ -212,6 +219,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             last_reason[job_id] = p.reason
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
+    return starts >= MAX_STARTS_PER_PASS
 
 
 def _note(seen: dict[str, JobRecord], job: JobRecord) -> bool:
@@ -413,8 +421,9 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     # (not ready: the pass reads etcd itself, `queue`)
                 if fence is not None:
                     started = time.perf_counter()
-                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
-                               fence, settled=settled)
+                    if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
+                                  missing_since, fence, settled=settled):
+                        wake.set()  # jobs left to start: another pass after the gap
                     pass_s = time.perf_counter() - started
                     passes.record(pass_s)
                     contact.reached()
