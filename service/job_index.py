@@ -68,6 +68,9 @@ class JobIndex:
         self._progress_revs: dict[str, int] = {}
         self._views: dict[str, bytes] = {}  # job id -> its JobView's JSON, made on first read
         self.revision = 0  # every change of a job record up to this revision is applied
+        # Changes applied other than a new PENDING job's: while it stands still and no node is
+        # free, a scheduler pass has nothing to do (`scheduler.run` skips it).
+        self.changes = 0
         self.progress_ready = asyncio.Event()
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
@@ -237,6 +240,8 @@ class JobIndex:
         # The watch's echo of a write this replica already showed (note_written) changes
         # nothing: the observers were told of it then.
         echo = bool(revision) and job is not None and self._revs.get(job_id) == revision
+        if job is None or job.state is not JobState.PENDING or job_id in self._jobs:
+            self.changes += 1  # (a new PENDING job's is not counted: `changes`)
         if revision:  # a deleted job's too: a late note of an older write brings nothing back
             self._revs[job_id] = revision
         self._views.pop(job_id, None)
@@ -306,6 +311,7 @@ class JobIndex:
         async for e in self._kv.scan_prefix(prefix, page_size=JOB_PAGE_SIZE):
             jobs[e.key[len(prefix):]] = JobRecord.model_validate_json(e.value)
             revs[e.key[len(prefix):]] = e.mod_revision
+        self.changes += 1
         for job_id in self._jobs.keys() - jobs.keys():
             old = self._jobs[job_id]
             self._remember_deleted(job_id, (old.created_at, job_id))

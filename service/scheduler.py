@@ -400,10 +400,21 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     settled = Settled()
     caught_up: int | None = None  # the term in which the index was found to have every write
     pass_s = 0.0  # how long the last pass took
+    woken = False  # by a change (not by the interval)
+    last: tuple | None = None  # what the last pass saw, when it left nothing to do meanwhile
     try:
         while True:
             wake.clear()  # before the pass: a change it does not see wakes the next one
             fence = leadership.fence()  # None: not leading (or the lead lapsed here)
+            seen = (fence and fence.term, index.changes, nodes.version)
+            if woken and fence is not None and seen == last:
+                # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
+                # submission woke a pass over every running job; the interval's pass still
+                # runs, for the clocks of planned changes and hangs).
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
+                woken = wake.is_set()
+                continue
             try:
                 contact.observe()
                 if time.monotonic() - last_settle > every_s:
@@ -421,9 +432,12 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     # (not ready: the pass reads etcd itself, `queue`)
                 if fence is not None:
                     started = time.perf_counter()
+                    last = None
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
                                   missing_since, fence, settled=settled):
                         wake.set()  # jobs left to start: another pass after the gap
+                    elif not settled.ready_left:
+                        last = seen  # as it was before the pass: a change during it runs the next
                     pass_s = time.perf_counter() - started
                     passes.record(pass_s)
                     contact.reached()
@@ -446,6 +460,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 await asyncio.sleep(max(MIN_PASS_GAP_S, pass_s))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
+            woken = wake.is_set()
     finally:
         for helper in helpers:
             helper.cancel()

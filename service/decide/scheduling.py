@@ -313,6 +313,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             settled.note(job, graced, p is None)
         if p is not None:
             take(p, job)
+    if settled is not None:
+        settled.ready_left = bool(ready)
     return plans
 
 
@@ -330,6 +332,7 @@ class Settled:
     def __init__(self) -> None:
         self.nodes_version: int | None = None
         self._seen: dict[str, tuple[JobRecord, int, frozenset[str]]] = {}
+        self.ready_left = True  # a READY node was left free by the last pass (unknown: True)
 
     def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
               nodes: dict[str, NodeRecord]) -> bool:

@@ -543,7 +543,7 @@ def test_the_job_index_keeps_the_pending_and_the_running_jobs_apart_in_submissio
     asyncio.run(main())
 
 
-def test_a_burst_of_submissions_makes_a_few_scheduler_passes_not_one_each():
+def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
     async def main():
         ctx = context()
         leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
@@ -561,8 +561,9 @@ def test_a_burst_of_submissions_makes_a_few_scheduler_passes_not_one_each():
             burst_s = asyncio.get_running_loop().time() - started
             await asyncio.sleep(0.1)
             passes = ctx.scheduler_passes.count - before
-            # At most one pass per MIN_PASS_GAP_S (and the one at the start), not one a submission.
-            assert 1 <= passes <= burst_s / scheduler.MIN_PASS_GAP_S + 6, (passes, burst_s)
+            # No node is free: new PENDING jobs have nothing to plan, and wake no pass at all
+            # (before: one per MIN_PASS_GAP_S, each over every running job).
+            assert passes <= 1, (passes, burst_s)
             # ...and what came in during the burst is scheduled: a node takes the oldest job.
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             first = next(ctx.index.pending_ids())
