@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from service import scheduler  # noqa: E402
 from service.context import Context  # noqa: E402
-from service.decide.scheduling import SchedulerConfig  # noqa: E402
+from service.decide.scheduling import SchedulerConfig, Settled  # noqa: E402
 from service.models import JobSpec, JobState  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers.processes import EtcdProcess  # noqa: E402
@@ -60,10 +60,11 @@ async def one_run(endpoint: str, prefix: str, nodes: int, jobs: int) -> dict:
     await asyncio.sleep(0.01)
     wall, cpu = time.perf_counter(), time.process_time()
     passes = 0
+    settled = Settled()  # kept across passes, as the scheduler loop keeps it
     while True:  # as the scheduler loop runs them: another pass, after the gap, while jobs are left
         passes += 1
         if not await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {},
-                                    fence=lead.fence()):
+                                    fence=lead.fence(), settled=settled):
             break
         await asyncio.sleep(getattr(scheduler, "MIN_PASS_GAP_S", 0.02))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
