@@ -84,9 +84,15 @@ async def heartbeat_role(args) -> None:
 
     async def register(name: str) -> None:
         async with sem:
-            r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
-            if r.status != 200:
-                raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
+            # As an agent does: a 503 (etcd slow to answer on a loaded machine) is tried again.
+            deadline = time.monotonic() + 120
+            while True:
+                r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
+                if r.status == 200:
+                    break
+                if r.status not in (502, 503, 504) or time.monotonic() > deadline:
+                    raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
+                await asyncio.sleep(0.5)
             body = r.json()
             interval_of[name] = float(body["heartbeat_interval_s"])
             credential[name], lease[name] = body["credential"], body.get("lease_id")
@@ -167,6 +173,7 @@ async def load_role(args) -> None:
     ids = args.job_ids.split(",") if args.job_ids else []
     client = Client(args.server, conns=args.concurrency, token=args.token)
     latencies: list[float] = []
+    started: list[float] = []  # when each request was sent (for the p99 of each second)
     codes: dict[int, int] = {}
     end = time.monotonic() + args.duration
 
@@ -186,15 +193,22 @@ async def load_role(args) -> None:
             except (OSError, asyncio.IncompleteReadError):
                 code = 0
             latencies.append(time.perf_counter() - t)
+            started.append(t)
             codes[code] = codes.get(code, 0) + 1
 
     t0 = time.monotonic()
+    p0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
     elapsed = time.monotonic() - t0
     ok = sum(n for c, n in codes.items() if 200 <= c < 300)
+    by_second: dict[int, list[float]] = {}
+    for t, took in zip(started, latencies, strict=True):
+        by_second.setdefault(int(t - p0), []).append(took)
     print(json.dumps({"requests": len(latencies), "ok": ok, "codes": codes, "elapsed_s": elapsed,
                       "per_s": ok / elapsed, "p50_ms": pct(latencies, 50) * 1e3,
-                      "p99_ms": pct(latencies, 99) * 1e3, "max_ms": max(latencies) * 1e3}))
+                      "p99_ms": pct(latencies, 99) * 1e3, "max_ms": max(latencies) * 1e3,
+                      "p99_ms_by_second": [round(pct(v, 99) * 1e3, 1)
+                                           for _, v in sorted(by_second.items())]}))
 
 
 # ------------------------------------------------------------------ role: the ceiling
@@ -340,6 +354,8 @@ def main() -> int:
     ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the machine's ceiling too: the same app stack serving a constant "
                          "from memory, before the nodes register and again under their heartbeats")
+    ap.add_argument("--phases", default="reads,submissions",
+                    help="the request phases to run, of reads,submissions (e.g. --phases submissions)")
     ap.add_argument("--heartbeats-only", action="store_true",
                     help="no request phases: the nodes heartbeat for --duration (e.g. --nodes 5000)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -397,6 +413,8 @@ def main() -> int:
         result["phases"][name] = got
         print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
               f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
+        if "p99_ms_by_second" in got:
+            print(f"    p99 ms of each second: {got['p99_ms_by_second']}", flush=True)
 
     def ceiling_phases(label: str) -> None:
         port = free_port()
@@ -448,16 +466,19 @@ def main() -> int:
 
         common = ["--role", "load", "--server", cp.url, f"--token={cp.user_token}",
                   "--concurrency", str(args.concurrency), "--duration", str(args.duration)]
-        if not args.heartbeats_only:
+        wanted = set() if args.heartbeats_only else set(args.phases.split(","))
+        if "reads" in wanted:
             if shutil.which("wrk"):
                 phase("status reads (wrk)", None, lambda: run_wrk(
                     f"{cp.url}/v1/jobs/{train}", cp.user_token, args.concurrency, args.duration))
             phase("status reads (python)", [*me, *common, "--kind", "read", "--job-ids", ",".join(job_ids)])
+        if "submissions" in wanted:
             if shutil.which("wrk"):
                 phase("submissions (wrk)", None, lambda: run_wrk(
                     f"{cp.url}/v1/jobs", cp.user_token, args.concurrency, args.duration,
                     submission_script(root)))
             phase("submissions (python)", [*me, *common, "--kind", "submit"])
+        if wanted:
             if args.ceiling:
                 ceiling_phases("under the heartbeats")
         phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration))

@@ -21,6 +21,7 @@ async def start(ctx: Context) -> None:
             gc_pauses.run(ctx.settings.gc_freeze_s, ctx.settings.gc_reclaim_s), name="gc-pauses"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run_progress(), name="progress-index"))
+    ctx.tasks.append(asyncio.create_task(ctx.users.follow(), name="user-tokens"))
     # Every replica keeps the leases of the nodes that beat to it (service.heartbeats).
     ctx.tasks.append(asyncio.create_task(ctx.nodes.leases.run(), name="node-leases"))
     # One election: the scheduler's loop keeps it; compaction and retention act on it.

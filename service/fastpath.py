@@ -11,15 +11,17 @@ the same checks of the caller (`service.deps`):
 
 * `POST /v1/nodes/{name}/heartbeat` with a node credential of node `name`
   (`routes.nodes.heartbeat_answer`);
-* `GET /v1/jobs/{id}` with the admin's token (or none, in an open cluster), when the
-  index can answer (`routes.jobs.status_from_index`);
-* `POST /v1/jobs` with the admin's token (or none, in an open cluster), a JSON body that is
-  a valid `JobSpec` within its size limits (`routes.jobs.submit_answer`): submissions come
-  in bursts, and FastAPI's dependencies and parsing were half of one's time.
+* `GET /v1/jobs/{id}` with a user token, when the index can answer
+  (`routes.jobs.status_from_index`);
+* `POST /v1/jobs` with a user token, a JSON body that is a valid `JobSpec` within its size
+  limits (`routes.jobs.submit_answer`): submissions come in bursts, and FastAPI's
+  dependencies and parsing were half of one's time.
 
+A user token is the admin's (or none, in an open cluster), or a named user's that this
+replica's cache of tokens has (`UserStore.cached`, fed by a watch: no etcd read).
 Anything else, and anything unusual about one of those (another principal's token, a
-named user's token, a body that does not parse or is not JSON, a job the index does not
-have), goes to the app unchanged, which answers it as always. A domain error (a lapsed
+token the cache has not, a body that does not parse or is not JSON, a job the index does
+not have), goes to the app unchanged, which answers it as always. A domain error (a lapsed
 lease: 404, a reused Idempotency-Key: 409, etcd away: 503) is answered as the app answers
 it, by the same function (`service.app.domain_error`).
 """
@@ -35,6 +37,7 @@ from service.context import Context
 from service.deps import Caller, _node_of_credential, credential_digest, token_matches
 from service.errors import FtrainError
 from service.models import ADMIN, JobSpec
+from service.users import token_digest
 from worker.protocol import REVISION_HEADER, HeartbeatRequest
 
 _HEARTBEAT = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
@@ -60,14 +63,19 @@ class FastPaths:
                 return await self._submit(scope, receive, send)
         return await self.app(scope, receive, send)
 
-    def _admin(self, scope: Scope) -> bool:
-        """The admin's token (or none, in an open cluster), as `deps.require_user` reads it."""
+    def _user(self, scope: Scope) -> Caller | None:
+        """The admin (its token, or none in an open cluster), or a named user whose token the
+        cache has, as `deps.require_user` tells them; None: the app decides."""
         token, expected = _bearer(scope), self.ctx.settings.user_token
-        return (token is not None and token_matches(token, expected)) or (
-            token is None and expected is None)
+        if (token is not None and token_matches(token, expected)) or (token is None and expected is None):
+            return Caller(ADMIN, is_admin=True)
+        if token is not None and (name := self.ctx.users.cached(token_digest(token))) is not None:
+            return Caller(name)
+        return None
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._admin(scope):
+        caller = self._user(scope)
+        if caller is None:
             return await self.app(scope, receive, send)
         idempotency_key: str | None = None
         for key, value in scope["headers"]:
@@ -90,7 +98,7 @@ class FastPaths:
         from service.routes.jobs import submit_answer
 
         try:
-            answer = await submit_answer(self.ctx, spec, Caller(ADMIN, is_admin=True), idempotency_key)
+            answer = await submit_answer(self.ctx, spec, caller, idempotency_key)
         except FtrainError as exc:  # a reused Idempotency-Key (409), etcd away (503)
             from service.app import domain_error
 
@@ -121,14 +129,14 @@ class FastPaths:
         await _answer(send, answer)
 
     async def _status(self, job_id: str, scope: Scope, receive: Receive, send: Send) -> None:
-        admin = self._admin(scope)
+        user = self._user(scope) is not None
         seen: int | None = None
         for key, value in scope["headers"]:
             if key == _REVISION:
                 if not value.isdigit():
-                    admin = False  # the app answers 422
+                    user = False  # the app answers 422
                 seen = int(value) if value.isdigit() else None
-        if not admin:
+        if not user:
             return await self.app(scope, receive, send)
         from service.routes.jobs import status_from_index
 

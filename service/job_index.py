@@ -68,6 +68,9 @@ class JobIndex:
         self._progress_revs: dict[str, int] = {}
         self._views: dict[str, bytes] = {}  # job id -> its JobView's JSON, made on first read
         self.revision = 0  # every change of a job record up to this revision is applied
+        # Changes applied other than a new PENDING job's: while it stands still and no node is
+        # free, a scheduler pass has nothing to do (`scheduler.run` skips it).
+        self.changes = 0
         self.progress_ready = asyncio.Event()
         self.ready = asyncio.Event()
         self.changed = asyncio.Condition()
@@ -117,6 +120,11 @@ class JobIndex:
         """The job as the index last saw it (it may lag etcd by a watch event)."""
         return self._jobs.get(job_id)
 
+    def revision_of(self, job_id: str) -> int:
+        """The mod_revision of the job's record as the index has it (0: not known): what a
+        change decided on that record compares (`JobStore.write_many`)."""
+        return self._revs.get(job_id, 0) if job_id in self._jobs else 0
+
     def view_json(self, job_id: str) -> bytes | None:
         """The job's view (record and progress) as JSON, as the index has them; None if the
         index has no such job. Made once per change of either: records were validated when
@@ -138,6 +146,16 @@ class JobIndex:
         if self.revision >= revision:
             return True
         return await self.wait_until(lambda: self.revision >= revision, timeout_s)
+
+    async def catch_up(self, timeout_s: float) -> bool:
+        """Wait until the index has every job record as etcd has it now: the latest change
+        under the jobs prefix applied (at most `timeout_s`; one read of etcd); returns
+        whether it has. A replica that has just taken the lead plans on the index only then:
+        the last writes of the one that led before may still be on their way here."""
+        if not self.ready.is_set():
+            return False
+        latest = await self._kv.latest_revision(self._keys.jobs)
+        return await self.wait_for_revision(latest, timeout_s)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -222,6 +240,8 @@ class JobIndex:
         # The watch's echo of a write this replica already showed (note_written) changes
         # nothing: the observers were told of it then.
         echo = bool(revision) and job is not None and self._revs.get(job_id) == revision
+        if job is None or job.state is not JobState.PENDING or job_id in self._jobs:
+            self.changes += 1  # (a new PENDING job's is not counted: `changes`)
         if revision:  # a deleted job's too: a late note of an older write brings nothing back
             self._revs[job_id] = revision
         self._views.pop(job_id, None)
@@ -291,6 +311,7 @@ class JobIndex:
         async for e in self._kv.scan_prefix(prefix, page_size=JOB_PAGE_SIZE):
             jobs[e.key[len(prefix):]] = JobRecord.model_validate_json(e.value)
             revs[e.key[len(prefix):]] = e.mod_revision
+        self.changes += 1
         for job_id in self._jobs.keys() - jobs.keys():
             old = self._jobs[job_id]
             self._remember_deleted(job_id, (old.created_at, job_id))

@@ -38,6 +38,10 @@ from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, Fence, KeyValue, Put
 from worker.protocol import Progress
 
+# At most this many bytes of records and events in one transaction of `write_many` (etcd
+# refuses a request over 1.5 MiB by default; a record may hold a 64 KiB spec).
+MAX_BATCH_BYTES = 512 * 1024
+
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
 # and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
 JOB_PAGE_SIZE = 16
@@ -357,6 +361,67 @@ class JobStore:
 
         job = await cas.update(self.kv, read, outcome, f"job {job_id}", written)
         return job, revision_of.get("written", revision_of["read"])
+
+    async def write_many(self, changes: Sequence[tuple[JobRecord, int, Change]],
+                         fence: dict[str, int] | None = None) -> list[JobRecord | None]:
+        """Write the changes of several jobs, each decided on the record given at the
+        revision given (e.g. the job index's), in transactions of as many jobs as fit
+        (MAX_TXN_OPS operations, MAX_BATCH_BYTES), each comparing every job's revision and
+        `fence`: a scheduler pass that starts a thousand jobs makes a few dozen round trips,
+        not three thousand (`update`: the leader's key, the record, the write, per job).
+
+        Returns the record written for each change, or None where its transaction lost (a
+        job of it changed since that revision): nothing of that transaction was written,
+        and the caller decides on those jobs again (`update`). StaleLeader if `fence` moved
+        or lapsed."""
+        out: list[JobRecord | None] = [None] * len(changes)
+        batch: list[tuple[int, JobRecord, list[Put | Delete]]] = []  # (place, record, ops)
+        size = n_ops = 0
+
+        async def flush() -> None:
+            nonlocal batch, size, n_ops
+            if batch:
+                await self._write_batch(batch, changes, fence, out)
+            batch, size, n_ops = [], 0, 0
+
+        for place, (job, revision, change) in enumerate(changes):
+            if isinstance(fence, Fence) and fence.lapsed():
+                raise StaleLeader("this control plane's lead lapsed; its scheduler stops")
+            record = note_former_members(job, change.job)
+            events = change.events
+            if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
+                stamp = {"leader": fence.holder, "term": fence.term}
+                events = [e.model_copy(update=stamp) for e in events]
+            ops = self.write(revision, Change(record, events, change.ops), None).ops
+            n = sum(len(op.value) for op in ops if isinstance(op, Put))
+            # (+ 1: the transaction reads a record back)
+            if batch and (n_ops + len(ops) + 1 > MAX_TXN_OPS or size + n > MAX_BATCH_BYTES
+                          or len(batch) + 1 + len(fence or {}) > MAX_TXN_OPS):
+                await flush()
+            batch.append((place, record, ops))
+            size, n_ops = size + n, n_ops + len(ops)
+        await flush()
+        return out
+
+    async def _write_batch(self, batch: list[tuple[int, JobRecord, list[Put | Delete]]],
+                           changes: Sequence[tuple[JobRecord, int, Change]],
+                           fence: dict[str, int] | None, out: list[JobRecord | None]) -> None:
+        expect = {**{self.keys.job(record.id): changes[place][1] for place, record, _ in batch},
+                  **(fence or {})}
+        first = self.keys.job(batch[0][1].id)
+        ok, entry = await self.kv.commit_read(expect, [op for _, _, ops in batch for op in ops], first)
+        if not ok:
+            now = await self.kv.get_many(list(fence or {}))
+            if any((e.mod_revision if e else 0) != fence[k] for k, e in zip(fence or {}, now, strict=True)):
+                raise StaleLeader("this control plane no longer leads; its scheduler stops")
+            return  # a job changed since it was read: the caller decides on each again
+        for place, record, ops in batch:
+            out[place] = record
+            if self.written is not None and entry is not None:
+                # Every key of one transaction has its revision. (The index reads the key,
+                # the value and that revision; the creation revision is not known here.)
+                put = ops[0]
+                self.written(Entry(put.key, put.value, entry.mod_revision, 0, 0), record)
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

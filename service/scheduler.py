@@ -1,6 +1,7 @@
 """The scheduler loop: read, plan (`service.decide.scheduling`), write by compare-and-set.
 
-The loop (`run`) runs only on the elected leader among control-plane replicas. On
+The loop (`run`) runs only on the elected leader among control-plane replicas (the lead is
+kept by a task of its own, `keep_lead`, so that a long pass cannot let it lapse). On
 every change under the job and node prefixes (an etcd watch) and at least every
 `scheduler_interval_s`, it reads the nodes and the unfinished jobs and applies `plan`
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
@@ -53,6 +54,9 @@ PASS_WINDOW = 1000  # the passes whose quantiles /metrics gives
 # took, if longer), so a burst of submissions, each of which wakes the scheduler, makes one
 # pass, and passes take at most about half of the event loop that answers the requests.
 MIN_PASS_GAP_S = 0.02
+# At most this many jobs start in one pass (its planning is one step of the event loop; two
+# transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
+MAX_STARTS_PER_PASS = 128
 
 
 class PassTimes:
@@ -77,18 +81,19 @@ class PassTimes:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-FRESH_AFTER_TAKEOVER_S = 5.0  # a new leader's passes read the jobs from etcd this long
+# How long a replica that has just taken the lead waits for its job index to have the last
+# writes of the one that led before (`JobIndex.catch_up`) before it plans without them.
+CATCH_UP_S = 5.0
 
 
-async def active_jobs(jobs: JobStore, index: JobIndex, fresh: bool = False) -> list[JobRecord]:
+async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
     """The unfinished jobs, oldest first, as the watch-fed index has them (`queue`, in one
     list)."""
-    pending, others = await queue(jobs, index, fresh)
+    pending, others = await queue(jobs, index)
     return sorted([*pending, *others], key=lambda j: (j.created_at, j.id))
 
 
-async def queue(jobs: JobStore, index: JobIndex,
-                fresh: bool = False) -> tuple[Iterable[JobRecord], list[JobRecord]]:
+async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], list[JobRecord]]:
     """The unfinished jobs, oldest first, as the watch-fed index has them, apart: the
     PENDING ones (lazily: to be read before the next await, and only as far as needed) and
     the others (those that hold nodes).
@@ -99,29 +104,27 @@ async def queue(jobs: JobStore, index: JobIndex,
     re-reads the job and decides again on what is stored, so a record a moment old costs
     nothing but that re-read. (Reading every unfinished record from etcd on every pass cost
     a pass 190 reads and 3,000 parses with 3,000 jobs waiting: bench/api.py's submissions.)
-    Until the index is ready, or with `fresh`: every unfinished job as etcd has it now.
+    A new leader plans on the index once it has the last leader's writes (`run`,
+    `JobIndex.catch_up`). Until the index is ready: every unfinished job as etcd has it now.
     """
-    if fresh and index.ready.is_set():
-        found = [j for j in await jobs.get_many(index.active_ids()) if not j.state.is_terminal()]
-    elif not index.ready.is_set():
+    if not index.ready.is_set():
         found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
                        key=lambda j: (j.created_at, j.id))
-    else:
-        pending = (j for j in map(index.get, index.pending_ids())
-                   if j is not None and j.state is JobState.PENDING)
-        others = [j for j in map(index.get, index.running_ids())
-                  if j is not None and not j.state.is_terminal()]
-        return pending, others
-    return ([j for j in found if j.state is JobState.PENDING],
-            [j for j in found if j.state is not JobState.PENDING])
+        return ([j for j in found if j.state is JobState.PENDING],
+                [j for j in found if j.state is not JobState.PENDING])
+    pending = (j for j in map(index.get, index.pending_ids())
+               if j is not None and j.state is JobState.PENDING)
+    others = [j for j in map(index.get, index.running_ids())
+              if j is not None and not j.state.is_terminal()]
+    return pending, others
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
-               fence: dict[str, int] | None = None, fresh: bool = False,
-               settled: Settled | None = None) -> None:
+               fence: dict[str, int] | None = None, settled: Settled | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
+    Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
     `missing_since` (kept across passes): since when each member node whose record is gone
     has been seen gone; with `contact`, those whose lease lapsed in an outage of the
@@ -133,7 +136,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
-    pending, others = await queue(jobs, index, fresh)
+    from_index = index.ready.is_set()  # (then `queue` reads the index, without an await)
+    pending, others = await queue(jobs, index)
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     graced: frozenset[str] = frozenset()
     if missing_since is not None:
@@ -147,36 +151,59 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
             graced = contact.graced(missing_since, now)
     if settled is not None:
         settled.keep_only(active)
-    await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence, settled)
+    more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
+                           settled, index.revision_of if from_index else None)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence)
+    return more
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: Iterable[JobRecord],
                     active: dict[str, JobRecord], cfg: SchedulerConfig, last_reason: dict[str, str],
                     graced: frozenset[str], fence: dict[str, int] | None = None,
-                    settled: Settled | None = None) -> None:
+                    settled: Settled | None = None,
+                    revision_of: Callable[[str], int] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
-    each plan; `active` (the jobs that hold nodes, by id) takes in the changes made."""
-    plans = schedule_queue(pending, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled)
+    each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
+    whether it started as many jobs as a pass may (more may wait).
+
+    Plans made on records the index has at a known revision (`revision_of`) are written
+    together first (`JobStore.write_many`: a transaction per few dozen jobs, comparing each
+    one's revision), so that a pass that starts a thousand jobs does not make three thousand
+    round trips; a plan whose transaction lost, or made on a record read otherwise, goes
+    through `JobStore.update`, which re-reads the job and decides again. (`revision_of` is
+    asked before any await: the records and their revisions are the index's of one moment.)"""
+    originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
+    queue = (j for j in pending if _note(originals, j))
+    plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
+                           settled, MAX_STARTS_PER_PASS)
+    starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
+    batch = [(p, originals[p.job.id], revision_of(p.job.id)) for p in plans
+             if revision_of is not None and p.job.id in originals]
+    batch = [(p, job, rev) for p, job, rev in batch if rev]
+    written: dict[str, JobRecord] = {}
+    if batch:
+        got = await jobs.write_many([(job, rev, Change(p.job, p.events)) for p, job, rev in batch],
+                                    fence)
+        written = {p.job.id: new for (p, _, _), new in zip(batch, got, strict=True) if new is not None}
     for p in plans:
         job_id = p.job.id
+        new = written.get(job_id)
+        if new is None:
+            def decide(current: JobRecord) -> Change | None:
+                # Re-decide on what is stored now; the free list excludes nodes others hold.
+                again = plan(current, live_nodes, free_for(current, held, live_nodes), jobs.clock(),
+                             cfg, graced)
+                return None if again is None else Change(again.job, again.events)
 
-        def decide(current: JobRecord) -> Change | None:
-            # Re-decide on what is stored now; the free list excludes nodes others hold.
-            again = plan(current, live_nodes, free_for(current, held, live_nodes), jobs.clock(),
-                         cfg, graced)
-            return None if again is None else Change(again.job, again.events)
-
-        try:
-            new = await jobs.update(job_id, decide, fence)
-        except StaleLeader:
-            raise
-        except FtrainError as exc:
-            log.warning("scheduling job %s failed: %s", job_id, exc)
-            continue
+            try:
+                new = await jobs.update(job_id, decide, fence)
+            except StaleLeader:
+                raise
+            except FtrainError as exc:
+                log.warning("scheduling job %s failed: %s", job_id, exc)
+                continue
         old = active.pop(job_id, None)
         for n in [] if old is None else old.members:
             held.get(n, set()).discard(job_id)
@@ -192,6 +219,13 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             last_reason[job_id] = p.reason
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
+    return starts >= MAX_STARTS_PER_PASS
+
+
+def _note(seen: dict[str, JobRecord], job: JobRecord) -> bool:
+    """Keep `job` as read (the record its plan is made on); always True (a filter's step)."""
+    seen[job.id] = job
+    return True
 
 
 async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int | None]:
@@ -244,7 +278,8 @@ async def _cleanup(jobs: JobStore, job_id: str, fence: dict[str, int] | None = N
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
-    The scheduler loop calls `hold` about once a second; the other leader-only loops read
+    `keep_lead` calls `hold` every quarter of the TTL (at most every second), in a task of
+    its own beside the scheduler's passes; the scheduler and the other leader-only loops read
     `fence()`: the leader key at the revision this replica wrote it (its term), to compare
     in their transactions, so that a replica that lost the lead without noticing writes
     nothing (`service.retention`, `service.compaction`).
@@ -325,44 +360,84 @@ class Leadership:
                 await self.kv.revoke_lease(self.lease_id)
 
 
+async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event | None = None) -> None:
+    """Hold the lead, or try to take it, every `every_s`, apart from the scheduler's passes:
+    a pass that starts a thousand jobs takes seconds, and the lead must not lapse meanwhile.
+    (Kept between passes, it lapsed under bench/api.py's submissions, and each new term's
+    first passes read every unfinished job from etcd, which stalled the API for seconds.)
+    `wake` is set when the lead is taken or comes back (the scheduler plans at once)."""
+    leading = False
+    while True:
+        try:
+            if await leadership.hold() and not leading and wake is not None:
+                wake.set()
+            leading = leadership.fence() is not None
+        except StoreUnavailable as exc:
+            leading = False
+            leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
+            log.warning("scheduler paused: %s", exc.message)
+        await asyncio.sleep(every_s)
+
+
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
               interval_s: float, cfg: SchedulerConfig | None = None,
               passes: PassTimes | None = None, contact: Contact | None = None) -> None:
-    """Schedule while this replica leads: on every change and at least every `interval_s`."""
+    """Schedule while this replica leads (`keep_lead`): on every change and at least every
+    `interval_s`; in a new term, once the job index has the writes of the term before."""
     cfg = cfg or SchedulerConfig()
     passes = passes if passes is not None else PassTimes()
     wake = asyncio.Event()
     index.wake_on_change(wake)
+    every_s = min(1.0, leadership.ttl_s / 4)
     # Node changes wake the scheduler once the node view has them (NodeStore.follow).
-    watcher = asyncio.create_task(nodes.follow(wake))
+    helpers = [asyncio.create_task(nodes.follow(wake)),
+               asyncio.create_task(keep_lead(leadership, every_s, wake))]
     last_reason: dict[str, str] = {}
     watches: dict[str, hangs.Watch] = {}
-    last_lead_check = 0.0
-    leading = False
+    last_settle = 0.0
     contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=6.0)
     missing_since: dict[str, float] = {}
     settled = Settled()
-    fresh_until = 0.0
+    caught_up: int | None = None  # the term in which the index was found to have every write
     pass_s = 0.0  # how long the last pass took
+    woken = False  # by a change (not by the interval)
+    last: tuple | None = None  # what the last pass saw, when it left nothing to do meanwhile
     try:
         while True:
             wake.clear()  # before the pass: a change it does not see wakes the next one
+            fence = leadership.fence()  # None: not leading (or the lead lapsed here)
+            seen = (fence and fence.term, index.changes, nodes.version)
+            if woken and fence is not None and seen == last:
+                # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
+                # submission woke a pass over every running job; the interval's pass still
+                # runs, for the clocks of planned changes and hangs).
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
+                woken = wake.is_set()
+                continue
             try:
                 contact.observe()
-                if time.monotonic() - last_lead_check > min(1.0, leadership.ttl_s / 4):
-                    was_leading, leading = leading, await leadership.hold()
-                    if leading and not was_leading:
-                        # The last writes of the replica that led before may still be on
-                        # their way to this index: read etcd for a while (active_jobs).
-                        fresh_until = time.monotonic() + FRESH_AFTER_TAKEOVER_S
-                    last_lead_check = time.monotonic()
-                    await contact.settle(leadership.fence() if leading else None)
-                fence = leadership.fence() if leading else None  # None: the lead lapsed here
+                if time.monotonic() - last_settle > every_s:
+                    await contact.settle(fence)
+                    last_settle = time.monotonic()
+                if fence is not None and fence.term != caught_up:
+                    # The last writes of the replica that led before may still be on their
+                    # way to this index: plan once it has them.
+                    if await index.catch_up(CATCH_UP_S):
+                        caught_up = fence.term
+                    elif index.ready.is_set():
+                        log.warning("the job index did not catch up with etcd within %g s; "
+                                    "not scheduling yet", CATCH_UP_S)
+                        fence = None
+                    # (not ready: the pass reads etcd itself, `queue`)
                 if fence is not None:
                     started = time.perf_counter()
-                    await tick(jobs, nodes, index, cfg, last_reason, watches, contact, missing_since,
-                               fence, fresh=time.monotonic() < fresh_until,
-                               settled=settled)
+                    last = None
+                    if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
+                                  missing_since, fence, settled=settled):
+                        wake.set()  # jobs left to start: another pass after the gap
+                    elif not settled.ready_left:
+                        last = seen  # as it was before the pass: a change during it runs the next
                     pass_s = time.perf_counter() - started
                     passes.record(pass_s)
                     contact.reached()
@@ -372,21 +447,24 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     settled = Settled()
                     pass_s = 0.0
             except StoreUnavailable as exc:
-                leading = False
+                fence = None
                 leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
                 log.warning("scheduler paused: %s", exc.message)
             except StaleLeader as exc:
-                leading = False
+                fence = None
                 leadership.lost(exc.message)
                 log.warning("scheduler stopped: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")
-            if leading:  # coalesce: what wakes it meanwhile is planned in the next pass
+            if fence is not None:  # coalesce: what wakes it meanwhile is planned in the next pass
                 await asyncio.sleep(max(MIN_PASS_GAP_S, pass_s))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), min(interval_s, leadership.ttl_s / 4))
+                await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
+            woken = wake.is_set()
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watcher
+        for helper in helpers:
+            helper.cancel()
+        for helper in helpers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await helper
         await leadership.release()

@@ -274,7 +274,8 @@ def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    nodes: dict[str, NodeRecord], now: float, cfg: SchedulerConfig = SchedulerConfig(),
-                   graced: frozenset[str] = frozenset(), settled: Settled | None = None) -> list[Plan]:
+                   graced: frozenset[str] = frozenset(), settled: Settled | None = None,
+                   max_starts: int | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
     `others` (the other unfinished jobs, oldest first).
 
@@ -282,7 +283,10 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     (`plan` would return None for each), so a pass costs the jobs that hold nodes and the
     pending ones that might start, not the whole queue (bench/scheduler_pass.py). `settled`
     (kept across passes by the caller) skips the others whose plan is known to be None
-    still (`Settled`).
+    still (`Settled`). With `max_starts`, at most that many pending jobs start (a pass is
+    one step of the event loop that answers the requests: a thousand starts at once kept
+    it for hundreds of ms); when that stops the queue, no running job scales up onto the
+    nodes left free (the queue comes first, in the next pass).
     """
     free = free_nodes(others, nodes)
     ready = {n for n in free if nodes[n].state is NodeState.READY}
@@ -297,10 +301,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             ready.difference_update(taken)
 
     queue = iter(pending)
-    while ready and (job := next(queue, None)) is not None:
+    while ready and (max_starts is None or len(plans) < max_starts) \
+            and (job := next(queue, None)) is not None:
         p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
+    if ready and max_starts is not None and len(plans) >= max_starts:
+        free, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
         if settled is not None and settled.known(job, graced, ready, nodes):
             continue
@@ -309,6 +316,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             settled.note(job, graced, p is None)
         if p is not None:
             take(p, job)
+    if settled is not None:
+        settled.ready_left = bool(ready)
     return plans
 
 
@@ -326,6 +335,7 @@ class Settled:
     def __init__(self) -> None:
         self.nodes_version: int | None = None
         self._seen: dict[str, tuple[JobRecord, int, frozenset[str]]] = {}
+        self.ready_left = True  # a READY node was left free by the last pass (unknown: True)
 
     def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
               nodes: dict[str, NodeRecord]) -> bool:

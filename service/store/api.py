@@ -155,6 +155,15 @@ class KeyValue(abc.ABC):
                 return
             after = page[-1].key
 
+    async def latest_revision(self, prefix: str) -> int:
+        """The highest mod_revision of a key under `prefix` (0: none): a cache fed by a watch
+        of `prefix` that has applied it has every entry there as it is now (a deletion aside).
+        (Here every key is read; the etcd store asks for the one most recently changed.)"""
+        latest = 0
+        async for entry in self.scan_prefix(prefix, keys_only=True):
+            latest = max(latest, entry.mod_revision)
+        return latest
+
     @abc.abstractmethod
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         """Write `key` unconditionally (attached to `lease` if given)."""

@@ -317,6 +317,19 @@ class EtcdStore(KeyValue):
         reply = await self._call(f"GET {limit} keys of {prefix}*", read, repeatable=True)
         return [_entry(kv) for kv in reply.kvs]
 
+    async def latest_revision(self, prefix: str) -> int:
+        """One Range of the key under `prefix` changed last (sorted by mod_revision, keys only)."""
+        request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
+                                         limit=1, keys_only=True,
+                                         sort_order=aetcd.rpc.RangeRequest.DESCEND,
+                                         sort_target=aetcd.rpc.RangeRequest.MOD)
+
+        async def read(c: aetcd.Client):
+            return await c.kvstub.Range(request, timeout=self._timeout_s, metadata=c.metadata)
+
+        reply = await self._call(f"GET the latest change of {prefix}*", read)
+        return reply.kvs[0].mod_revision if reply.kvs else 0
+
     async def count_prefix(self, prefix: str) -> int:
         request = aetcd.rpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix.encode()),
                                          count_only=True)
@@ -594,7 +607,7 @@ class _KeepAliveStream:
 
     def __init__(self, client: aetcd.Client):
         self.client = client
-        self.dead = False
+        self._ended = False
         self._call = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
         self._waiters: dict[int, list[asyncio.Future]] = {}
         self._write_lock = asyncio.Lock()
@@ -613,12 +626,17 @@ class _KeepAliveStream:
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             error = exc
         finally:
-            self.dead = True
+            self._ended = True
             waiters, self._waiters = self._waiters, {}
             for futs in waiters.values():
                 for fut in futs:
                     if not fut.done():
                         fut.set_exception(ConnectionError(f"lease keep-alive stream broke: {error!r}"))
+
+    @property
+    def dead(self) -> bool:
+        """The stream ended, or was closed (its reader may not have run since)."""
+        return self._ended or self._call.done()
 
     async def refresh(self, lease_id: int) -> int:
         fut = asyncio.get_running_loop().create_future()
@@ -627,18 +645,24 @@ class _KeepAliveStream:
         try:
             async with self._write_lock:
                 await self._call.write(aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id))
-        except BaseException:
+        except BaseException as exc:
             # Not sent (e.g. an id outside int64 that protobuf refuses): no answer will come
-            # for this future, so it must not wait in the map for ever.
+            # for this future, so it must not wait in the map for ever (nor be failed later
+            # with nobody to see it).
+            fut.cancel()
             with contextlib.suppress(ValueError):
                 waiting.remove(fut)
             if not waiting and self._waiters.get(lease_id) is waiting:
                 del self._waiters[lease_id]
+            if isinstance(exc, asyncio.InvalidStateError):
+                # The stream was closed under this write (the client dropped by another
+                # call's failure): etcd away for this request (503), not a server error (500).
+                raise ConnectionError("lease keep-alive stream already closed") from exc
             raise
         return await fut
 
     def close(self) -> None:
-        self.dead = True
+        self._ended = True
         self._call.cancel()
         self._reader.cancel()
 

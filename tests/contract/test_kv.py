@@ -151,6 +151,19 @@ def test_scan_prefix_returns_only_keys_under_the_prefix_in_key_order(backend):
     backend.run(test)
 
 
+def test_latest_revision_is_that_of_the_key_under_the_prefix_changed_last(backend):
+    async def test(kv: KeyValue):
+        assert await kv.latest_revision("/c/p/") == 0
+        for key in ("/c/p/b", "/c/p/a", "/c/p/c"):
+            await kv.put(key, b"1")
+        await kv.put("/c/p/a", b"2")  # not the last key, nor the first: changed last
+        latest = (await kv.get("/c/p/a")).mod_revision
+        await kv.put("/c/q", b"1")  # not under the prefix
+        assert await kv.latest_revision("/c/p/") == latest
+
+    backend.run(test)
+
+
 def test_get_range_reads_at_most_limit_entries_after_a_key(backend):
     async def test(kv: KeyValue):
         keys = [f"/c/r/{i:03d}" for i in range(7)]

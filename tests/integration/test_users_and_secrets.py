@@ -135,7 +135,12 @@ def test_users_own_their_jobs_only_owners_and_the_admin_cancel(api, control_plan
         # Tokens are stored hashed only; a removed user's token stops working at once.
         dump = etcd_dump(etcd.endpoint)
         assert tokens["alice"].encode() not in dump and token_digest(tokens["alice"]).encode() in dump
+        # (bob's submits and status reads above were answered by the fast path, from the
+        # watch-fed cache of tokens: the removal must reach it at once too)
+        assert bob.get(f"/v1/jobs/{other}").status_code == 200
         assert api.delete("/v1/users/bob").status_code == 204
         assert bob.get("/v1/jobs").status_code == 401
+        assert bob.get(f"/v1/jobs/{other}").status_code == 401
+        assert bob.post("/v1/jobs", json=job_spec("late", mn=1, mx=1)).status_code == 401
         assert api.delete("/v1/users/bob").status_code == 404
         assert [u["name"] for u in api.get("/v1/users").json()["items"]] == ["admin", "alice"]

@@ -145,6 +145,27 @@ def test_a_lease_id_outside_int64_is_no_lease_and_leaves_no_waiter(etcd):
     asyncio.run(main())
 
 
+def test_a_keep_alive_written_to_a_closed_stream_is_store_unavailable_not_a_500(etcd):
+    """Under load a dropped client closes its keep-alive stream while heartbeats wait to
+    write on it; such a write raised InvalidStateError ('RPC already finished'), which came
+    out of the heartbeat as a 500 (bench/api.py's submissions at load 13)."""
+    async def main():
+        client = EtcdStore(etcd.endpoint, timeout_s=2)
+        try:
+            lease = await client.grant_lease(10)
+            assert await client.refresh_lease(lease)
+            stream = client._keepalive
+            stream._call.cancel()  # what closing the dropped client's channel does to it
+            with pytest.raises(ConnectionError):
+                await stream.refresh(lease)
+            assert stream._waiters == {}
+            assert await client.refresh_lease(lease)  # a new stream
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
 def test_a_request_to_a_member_whose_port_is_closed_goes_to_the_next_member_at_once(etcd):
     """Several endpoints (one cluster's members): the first is down (a killed member: its
     port refuses connections); requests still succeed, on the next one, none failing."""

@@ -232,6 +232,20 @@ def test_a_pass_reads_the_pending_queue_only_while_a_ready_node_is_free():
     assert [p.job for p in schedule(queue, ns, NOW, CFG)] == [p.job for p in plans]
 
 
+def test_a_pass_starts_at_most_max_starts_jobs_and_then_scales_nothing_up():
+    queue = [job(S.PENDING, mn=1, mx=1, jid=f"p{i}", created=10.0 + i) for i in range(5)]
+    running = job(S.RUNNING, members={"a": "running"}, mn=1, mx=3, jid="r", created=1.0)
+    ns = nodes("a", "b", "c", "d", "e", "f")
+    plans = schedule_queue(iter(queue), [running], ns, NOW, CFG, max_starts=2)
+    assert [(p.job.id, list(p.job.members)) for p in plans] == [("p0", ["b"]), ("p1", ["c"])]
+    # Uncapped, the rest of the queue takes the free nodes before any scale-up.
+    plans = schedule_queue(iter(queue), [running], ns, NOW, CFG)
+    assert [p.job.id for p in plans] == ["p0", "p1", "p2", "p3", "p4"]
+    # A queue the cap does not stop leaves the free nodes to scale-ups, as before.
+    plans = schedule_queue(iter(queue[:1]), [running], ns, NOW, CFG, max_starts=2)
+    assert [p.job.id for p in plans] == ["p0", "r"]
+
+
 def test_a_running_job_whose_plan_was_none_is_skipped_until_its_record_or_the_nodes_change():
     settled = Settled()
     settled.nodes_version = 1

@@ -130,3 +130,45 @@ def test_a_user_is_found_by_its_token_which_is_stored_only_hashed():
             await ctx.users.remove("alice")
 
     asyncio.run(main())
+
+
+def test_tokens_are_answered_from_the_watch_fed_cache_and_a_removal_takes_effect_at_once():
+    """`UserStore.follow`: a known token costs no etcd read; a token the cache has not yet
+    (added through another replica a moment ago) is read from etcd; a removal here is
+    refused at once, and one through another replica once the watch brings it."""
+    kv = MemoryStore()
+    ctx, other = Context.wire(Settings(), kv), Context.wire(Settings(), kv)
+
+    async def until(cond) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("not within 5 s")
+
+    async def main():
+        _, alice = await ctx.users.add("alice")
+        follow = asyncio.create_task(ctx.users.follow())
+        try:
+            await until(lambda: ctx.users.cached(token_digest(alice)) == "alice")
+            reads: list[str] = []
+            get = kv.get
+
+            async def counting_get(key):
+                reads.append(key)
+                return await get(key)
+
+            kv.get = counting_get
+            assert await ctx.users.who(alice) == "alice" and reads == []  # from the cache
+            _, bob = await other.users.add("bob")  # through another replica
+            assert await ctx.users.who(bob) == "bob"  # cached or read: never refused
+            await until(lambda: ctx.users.cached(token_digest(bob)) == "bob")
+            await ctx.users.remove("alice")  # here: at once, no watch event waited for
+            assert ctx.users.cached(token_digest(alice)) is None and await ctx.users.who(alice) is None
+            await other.users.remove("bob")  # there: once the watch brings it
+            await until(lambda: ctx.users.cached(token_digest(bob)) is None)
+            assert await ctx.users.who(bob) is None
+        finally:
+            follow.cancel()
+
+    asyncio.run(main())
