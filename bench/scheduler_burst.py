@@ -71,7 +71,7 @@ async def one_run(endpoint: str, prefix: str, nodes: int, jobs: int) -> dict:
     stop.set()
     await ticker
     after = await ctx.kv.revision()
-    started = sum(1 for j in await ctx.jobs.get_many(ids) if j.state is JobState.RUNNING)
+    started = sum(1 for j in await ctx.jobs.get_many(ids) if j.state is JobState.STARTING)
     index.cancel()
     await lead.release()
     await ctx.kv.close()

@@ -344,14 +344,14 @@ def test_a_pass_that_starts_many_jobs_writes_them_in_few_transactions_each_fence
         ctx.kv.commit_read = counting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=lead.fence())
         jobs = [await ctx.jobs.get(i) for i in ids]
-        assert all(j.state is JobState.RUNNING for j in jobs)
+        assert all(j.state is JobState.STARTING for j in jobs)
         assert len({n for j in jobs for n in j.members}) == 100  # every node once
         # 2 operations a job (record, event): 63 jobs a transaction. The one with the bumped
         # job lost, whole; its jobs went through `update`, one by one.
         batches, singles = [n for n in commits if n > 2], [n for n in commits if n <= 2]
         assert batches == [126, 74] and len(singles) in (63, 37), commits  # (ids order the queue)
         for job_id in (ids[0], bumped, ids[99]):
-            started = [e for e in await ctx.jobs.events(job_id) if e.state is JobState.RUNNING]
+            started = [e for e in await ctx.jobs.events(job_id) if e.state is JobState.STARTING]
             assert len(started) == 1 and started[0].term == lead.fence().term
 
     asyncio.run(main())
