@@ -122,7 +122,13 @@ class ControlPlane:
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
-        wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
+        try:
+            wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
+        except BaseException:
+            # A fixture whose start failed has no teardown: stopped here, or it would outlive
+            # the test, asking an etcd that is gone twice a second.
+            self.stop(signal.SIGKILL)
+            raise
         return self
 
     def job_token(self, job: JobRecord) -> str:
