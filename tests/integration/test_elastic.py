@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -207,3 +208,23 @@ def test_a_crash_in_teardown_after_the_script_finished_does_not_fail_the_job(api
     else:
         assert done["state"] == "FAILED" and not notes
         assert "workers failed 1 times" in done["reason"], done["reason"]
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_an_idle_agent_then_its_control_plane_stop_at_once_not_after_its_long_poll(
+        control_plane, api, agents):
+    """Under a 60 s lease an idle agent's heartbeat is a long poll of 15 s (a quarter of the
+    lease). SIGTERM cuts it short (the agent still deregisters on its way out), and the
+    control plane's end of the poll ends with the connection, so it does not hold the
+    control plane's own stop (uvicorn waits for the requests in flight)."""
+    (agent,) = agents(1)
+    wait_nodes(api, 1)
+    asked = time.monotonic()
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.proc.wait(30)
+    took_s = time.monotonic() - asked
+    assert agent.proc.returncode == 0 and took_s < 5, took_s
+    assert api.get("/v1/nodes").json()["items"] == []  # deregistered
+    asked = time.monotonic()
+    control_plane.stop()
+    assert time.monotonic() - asked < 5
