@@ -84,6 +84,8 @@ def agents(control_plane, tmp_path):
         return new
 
     yield start
+    for agent in started:  # told at once, then waited for: each ends its own way out
+        agent.ask_to_stop()
     for agent in started:
         agent.stop()
 
