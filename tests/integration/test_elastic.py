@@ -79,21 +79,6 @@ def test_job_can_opt_out_of_the_fork_server(api, agents):
     wait_state(api, job_id, "CANCELLED")
 
 
-def test_agent_sigkill_with_its_tree_leaves_no_orphan_and_job_goes_on(api, agents):
-    (a, b) = agents(2)
-    wait_nodes(api, 2)
-    job_id = submit(api, job_spec("lose", "--steps", "400", "--step-time", "0.05"))
-    wait_step(api, job_id, 5, world=2)
-    assert worker_pids(b)
-    killed = b.kill_tree()
-    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of the agent to die")
-
-    before = len(steps(api, job_id))
-    wait_step(api, job_id, 1, world=1, after=before, timeout_s=60)
-    j = wait_for(lambda: (j := job(api, job_id))["nodes"] == ["n0"] and j, 30, "n1 to leave the job")
-    assert j["state"] in ("RUNNING", "RECOVERING") and j["restarts"] == 0
-
-
 # A 60 s node lease: a restarted agent that had to wait for its old lease to lapse would
 # miss every deadline below; it takes its name back with its credential file instead.
 @pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
