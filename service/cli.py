@@ -236,17 +236,41 @@ def _progress(job: dict) -> str:
     return "-" if p.get("step") is None else str(p["step"])
 
 
+_STAYS = {  # how long `submit` and `run` stay with the job they submitted: its flags, its help
+    "no": (("-d", "--detach"), "Print the job id and return at once."),
+    "to-end": (("--wait",), "Wait until the job ends, without its logs; print its final state and "
+                            "exit with its code (SUCCEEDED 0, FAILED 1, CANCELLED 3)."),
+    "logs": (("-f", "--follow"), "Like --wait, printing the job's logs as they come."),
+}
+
+
+def _staying_options(default: str):
+    """The flags of `_STAYS` but `default`'s (what the command does without one: `submit`
+    returns at once, `run` follows), as one parameter `stay`, shared by `submit` and `run`."""
+    def decorate(fn):
+        for value, (decls, help_) in reversed(_STAYS.items()):
+            if value != default:
+                fn = click.option(*decls, "stay", flag_value=value, default=default, help=help_)(fn)
+        return fn
+
+    return decorate
+
+
+def _stay_with(client: FtrainClient, job_id: str, stay: str, as_json: bool) -> None:
+    """Follow or wait for the submitted job as `stay` says, then exit with its code."""
+    if stay != "no":
+        sys.exit(_see_through(client, job_id, stay == "logs", as_json))
+
+
 @main.command()
 @click.argument("file")
 @click.option("--idempotency-key", help="Makes a retried submit return the first job. "
                                         "[default: a fresh random key per invocation]")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the job id.")
-@click.option("--wait", is_flag=True, help="Wait until the job ends; print its final state and exit "
-                                           "with its code (SUCCEEDED 0, FAILED 1, CANCELLED 3).")
-@click.option("-f", "--follow", is_flag=True, help="Like --wait, printing the job's logs as they come.")
+@_staying_options(default="no")
 @_client_options
 def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str | None, quiet: bool,
-           wait: bool, follow: bool) -> None:
+           stay: str) -> None:
     """Submit the job spec in FILE (YAML or JSON; `-` reads stdin)."""
     job = client.submit(_load_spec(file), idempotency_key)
     if as_json:
@@ -254,9 +278,8 @@ def submit(client: FtrainClient, as_json: bool, file: str, idempotency_key: str 
     elif quiet:
         click.echo(job["id"])
     else:
-        click.echo(f"submitted {job['id']} ({job['name']}): {job['state']}", err=follow or wait)
-    if follow or wait:
-        sys.exit(_see_through(client, job["id"], follow, as_json))
+        click.echo(f"submitted {job['id']} ({job['name']}): {job['state']}", err=stay != "no")
+    _stay_with(client, job["id"], stay, as_json)
 
 
 @main.command("list")
@@ -559,13 +582,12 @@ def _name_from(command: tuple[str, ...]) -> str:
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=None, help="Snapshot every N steps.")
 @click.option("--snapshot-keep", type=click.IntRange(min=1), default=None, help="Snapshots kept.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None, help="Worker failures tolerated.")
-@click.option("-d", "--detach", is_flag=True, help="Print the job id and return at once.")
-@click.option("--wait", "wait_only", is_flag=True, help="Wait without printing the logs.")
+@_staying_options(default="logs")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_client_options
 def run(client: FtrainClient, as_json: bool, name: str | None, node_range: str, nproc: str | None,
         env_pairs: tuple[str, ...], working_dir: str | None, snapshot_every: int | None,
-        snapshot_keep: int | None, max_restarts: int | None, detach: bool, wait_only: bool,
+        snapshot_keep: int | None, max_restarts: int | None, stay: str,
         command: tuple[str, ...]) -> None:
     """Run COMMAND as a job and follow its logs: `ftrain run --nodes 2 -- python train.py --lr 0.1`.
 
@@ -582,12 +604,12 @@ def run(client: FtrainClient, as_json: bool, name: str | None, node_range: str, 
     if max_restarts is not None:
         spec["max_restarts"] = max_restarts
     job = client.submit(spec)
-    if detach:
+    if stay == "no":
         _print_json(job) if as_json else click.echo(job["id"])
-        return
-    click.echo(f"ftrain: submitted {job['id']} ({job['name']}); Ctrl-C stops following, "
-               f"`ftrain cancel {job['id']}` stops the job", err=True)
-    sys.exit(_see_through(client, job["id"], not wait_only, as_json))
+    else:
+        click.echo(f"ftrain: submitted {job['id']} ({job['name']}); Ctrl-C stops following, "
+                   f"`ftrain cancel {job['id']}` stops the job", err=True)
+    _stay_with(client, job["id"], stay, as_json)
 
 
 def _int_option(text: str, hint: str) -> int:

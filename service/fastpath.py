@@ -121,7 +121,7 @@ class FastPaths:
         from service.routes.nodes import heartbeat_answer
 
         try:
-            answer = await heartbeat_answer(self.ctx, name, credential_digest(token), req)
+            answer = await heartbeat_answer(self.ctx, name, credential_digest(token), req, receive)
         except FtrainError as exc:  # 404 (register again), 401, 503: as the app answers them
             from service.app import domain_error
 

@@ -35,9 +35,10 @@ import re
 import shutil
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from service.errors import LogStorageUnavailable
 from service.models import LogLine, LogPage
@@ -52,6 +53,7 @@ PAGE_SCAN_BYTES = 4 * 1024 * 1024  # a page (filtered by rank) reads at most thi
 TAIL_FIRST_BYTES = 64 * 1024
 TAIL_MAX_BYTES = 1024 * 1024
 TAIL_PAGE_MAX_BYTES = 8 * 1024 * 1024  # `GET /logs?tail=N` looks at most this far back
+_T = TypeVar("_T")
 _READ_TRIES = 5  # a reader lists the segments again when the cap deleted one under it
 _LOCKS = 64  # thread locks, shared by the jobs whose ids hash alike
 _FILE_MODE = 0o600  # the log files: the control plane's user alone reads them
@@ -199,14 +201,18 @@ class LogStore:
                     break
                 old.path.unlink(missing_ok=True)
 
-    def _read(self, job_id: str, since: int, limit: int, rank: int | None) -> LogPage:
+    def _listed(self, job_id: str, read: Callable[[list[Segment]], _T]) -> _T:
+        """`read` over the job's segments, listed again if the cap deleted one under the read."""
         for _ in range(_READ_TRIES):
             segments = self._segments(job_id)
             try:
-                return self._read_segments(segments, since, limit, rank)
+                return read(segments)
             except FileNotFoundError:
                 continue  # the cap deleted a segment we were about to read: list again
         raise FileNotFoundError(f"the log of job {job_id} kept changing under the reader")
+
+    def _read(self, job_id: str, since: int, limit: int, rank: int | None) -> LogPage:
+        return self._listed(job_id, lambda segments: self._read_segments(segments, since, limit, rank))
 
     def _read_segments(self, segments: list[Segment], since: int, limit: int,
                        rank: int | None) -> LogPage:
@@ -249,15 +255,7 @@ class LogStore:
     def _last(self, job_id: str, want: int) -> tuple[list[Segment], bytes, bool]:
         """The job's segments and up to `want` bytes from the end of its log (whether that is
         all of it), read again if the cap deleted a segment under the read."""
-        for tries in range(1, _READ_TRIES + 1):
-            segments = self._segments(job_id)
-            try:
-                data, complete = _last_bytes(segments, want)
-                return segments, data, complete
-            except FileNotFoundError:  # the cap deleted a segment we were about to read
-                if tries == _READ_TRIES:
-                    raise
-        raise AssertionError("unreachable")
+        return self._listed(job_id, lambda segments: (segments, *_last_bytes(segments, want)))
 
     def _read_tail(self, job_id: str, n: int, rank: int | None) -> LogPage:
         want = TAIL_FIRST_BYTES

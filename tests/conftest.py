@@ -26,6 +26,13 @@ PROCESS_DIRS = {"integration", "faults"}
 PROCESS_FIXTURES = {"etcd"}
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared_control_plane: the etcd and control_plane fixtures give "
+                            "the module's one (its tests each work on jobs of their own)")
+    config.addinivalue_line("markers", "own_control_plane: in a shared_control_plane module, this test "
+                            "gets its own (it stops, restarts or registers nodes on it)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
@@ -46,21 +53,62 @@ def _processes_only_in_integration_tests(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    """A real etcd on free loopback ports with its own data directory."""
-    server = EtcdProcess(tmp_path / "etcd-data", log_path=tmp_path / "etcd.log").start()
-    yield server
+def _shares(request) -> bool:
+    """Whether the test takes its module's shared etcd and control plane: marked
+    `shared_control_plane` (its module's tests each work on jobs of their own) and not
+    `own_control_plane` (it stops, restarts or registers nodes on it), nor given more
+    environment."""
+    node = request.node
+    return (node.get_closest_marker("shared_control_plane") is not None
+            and node.get_closest_marker("own_control_plane") is None
+            and not hasattr(request, "param"))
+
+
+def _started_etcd(directory: Path) -> EtcdProcess:
+    return EtcdProcess(directory / "etcd-data", log_path=directory / "etcd.log").start()
+
+
+def _stop_etcd(server: EtcdProcess) -> None:
     server.kill()
     # etcd preallocates 64 MB of WAL: kept, one per test, they came to 15 GB a run
     shutil.rmtree(server.data_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def _module_etcd(tmp_path_factory):
+    server = _started_etcd(tmp_path_factory.mktemp("shared-etcd"))
+    yield server
+    _stop_etcd(server)
+
+
+@pytest.fixture(scope="module")
+def _module_control_plane(_module_etcd, tmp_path_factory):
+    cp = ControlPlane(_module_etcd.endpoint, tmp_path_factory.mktemp("shared-cp")).start()
+    yield cp
+    cp.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path, request):
+    """A real etcd on free loopback ports with its own data directory (the module's shared
+    one for a test marked `shared_control_plane`)."""
+    if _shares(request):
+        yield request.getfixturevalue("_module_etcd")
+        return
+    server = _started_etcd(tmp_path)
+    yield server
+    _stop_etcd(server)
+
+
 @pytest.fixture
 def control_plane(etcd, tmp_path, request):
-    """A real control plane (uvicorn subprocess) on that etcd, with user and node tokens.
+    """A real control plane (uvicorn subprocess) on that etcd, with user and node tokens (the
+    module's shared one for a test marked `shared_control_plane`: a start saved per test).
 
     Indirect parametrization passes it more environment (`{"FTRAIN_NODE_TTL_S": "60"}`)."""
+    if _shares(request):
+        yield request.getfixturevalue("_module_control_plane")
+        return
     cp = ControlPlane(etcd.endpoint, tmp_path / "cp", env=getattr(request, "param", None)).start()
     yield cp
     cp.stop()
@@ -84,6 +132,8 @@ def agents(control_plane, tmp_path):
         return new
 
     yield start
+    for agent in started:  # told at once, then waited for: each ends its own way out
+        agent.ask_to_stop()
     for agent in started:
         agent.stop()
 

@@ -53,6 +53,12 @@ REPLACE_GRACE_S = 0.3
 RUNNING_CHECK_S = 0.5
 
 
+class _Stopping(BaseException):
+    """Raised by the stop signal's handler into an idle heartbeat's long poll, and only
+    there, so that a stop does not wait for the poll's answer (up to a quarter of the node
+    lease: 15 s under a 60 s lease). A BaseException, so no retry loop takes it for an error."""
+
+
 class NodeAgent:
     """One node's reconcile loop: the control plane's assignment in, torchrun out."""
 
@@ -74,6 +80,7 @@ class NodeAgent:
         self.finished: set[tuple[str, int]] = set()
         self.keep_logs = (keep_logs_jobs, keep_logs_s)
         self._shutdown = threading.Event()
+        self._in_idle_poll = False  # where the stop signal's handler may cut in (`_beat`)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -93,7 +100,7 @@ class NodeAgent:
                 # running node's wait is its exit-check interval.
                 running = self.torchrun.group is not None
                 wait_s = 0.0 if link.reports else RUNNING_CHECK_S if running else link.heartbeat_interval_s
-                assignment = link.heartbeat(wait_s)
+                assignment = self._beat(wait_s, idle=not running and not link.reports)
                 self.reconcile(assignment)
                 link.send_reports()
             except NodeForgotten:
@@ -104,6 +111,8 @@ class NodeAgent:
                 continue
             except (HttpError, ValidationError) as exc:
                 log.warning("control plane at %s: %s; workers keep running", self.server, exc)
+            except _Stopping:
+                break
             self.check_exit()
             self.torchrun.kill_stopped_workers()
             # Running: check exits often. Idle: the heartbeat itself waited for a change (a
@@ -134,9 +143,27 @@ class NodeAgent:
             except HttpError:  # no answer, or 404 (the loop registers again): soon again
                 self._shutdown.wait(0.2)
 
+    def _beat(self, wait_s: float, idle: bool) -> Assignment | None:
+        """The heartbeat, waiting up to `wait_s` for news; an idle one (a long poll of a whole
+        interval) is cut short by a stop signal."""
+        self._in_idle_poll = idle
+        try:
+            if idle and self._shutdown.is_set():  # the signal came before the flag was up
+                raise _Stopping
+            return self.link.heartbeat(wait_s)
+        finally:
+            self._in_idle_poll = False
+
     def shutdown(self, *_args) -> None:
-        """Ask the loop to end (a signal handler)."""
+        """Ask the loop to end."""
         self._shutdown.set()
+
+    def on_stop_signal(self, *_args) -> None:
+        """SIGTERM, SIGINT: end the loop, at once if it waits in an idle long poll."""
+        self.shutdown()
+        if self._in_idle_poll:
+            self._in_idle_poll = False
+            raise _Stopping
 
     def reconcile(self, a: Assignment | None) -> None:
         """Start, stop or leave this node's torchrun so that it matches assignment `a`."""
@@ -235,8 +262,8 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
         return 2
     if run_as is not None:
         log.info("the jobs' processes run as %s (uid %d)", run_as.name, run_as.uid)
-    signal.signal(signal.SIGTERM, agent.shutdown)
-    signal.signal(signal.SIGINT, agent.shutdown)
+    signal.signal(signal.SIGTERM, agent.on_stop_signal)
+    signal.signal(signal.SIGINT, agent.on_stop_signal)
     agent.run()
 
 

@@ -3,7 +3,9 @@ their workers did, and report rendezvous rounds; users list and drain nodes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request, Response, status
 
@@ -78,7 +80,7 @@ _IDLE = HeartbeatReply(assignment=None).model_dump_json().encode()
 
 
 @router.post("/v1/nodes/{name}/heartbeat", response_model=HeartbeatReply)
-async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
+async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf, request: Request,
                     req: HeartbeatRequest | None = None) -> Response:
     """Keep the node's lease alive and tell it what to run. 404: register again.
 
@@ -89,13 +91,19 @@ async def heartbeat(name: str, ctx: ContextDep, digest: NodeSelf,
     read of the node's record.) `service.fastpath` answers the same, for the same request,
     without FastAPI's per-request work.
     """
-    return Response(await heartbeat_answer(ctx, name, digest, req), media_type="application/json")
+    return Response(await heartbeat_answer(ctx, name, digest, req, request.receive),
+                    media_type="application/json")
 
 
 async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
-                           req: HeartbeatRequest | None) -> bytes:
+                           req: HeartbeatRequest | None,
+                           receive: Callable[[], Awaitable[object]] | None = None) -> bytes:
     """The heartbeat of node `name` (its credential's `digest`; None in an open cluster):
-    the answer's JSON. Raises NodeNotFound (404: register again), OutdatedCredential."""
+    the answer's JSON. Raises NodeNotFound (404: register again), OutdatedCredential.
+
+    `receive`, the request's ASGI receive once its body is read, answers when the node's
+    connection drops: a long poll ends then, so that a stopped agent's poll does not hold
+    a stopping control plane (uvicorn waits for the requests in flight) for the rest of it."""
     with ctx.telemetry.heartbeat_s.time():  # the lease's part, not the long poll
         if digest is not None:
             await ctx.nodes.heartbeat_with(name, digest)
@@ -106,8 +114,8 @@ async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
         # a heartbeat later; the wait is bounded by the heartbeat interval, so the lease is
         # refreshed in time.
         known = req.known
-        await ctx.index.wait_until(lambda: _known_of(ctx.index.job_of_node(name)) != known,
-                                   req.wait_s)
+        await _unless_dropped(ctx.index.wait_until(
+            lambda: _known_of(ctx.index.job_of_node(name)) != known, req.wait_s), receive)
     job = ctx.index.job_of_node(name)
     if job is None:
         return _IDLE
@@ -120,6 +128,19 @@ async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
     if complete:  # (one whose secret values are not found yet is made again next time)
         ctx.assignments[job.id] = (job, answer)
     return answer
+
+
+async def _unless_dropped(wait: Awaitable[object], receive: Callable[[], Awaitable[object]] | None) -> None:
+    """`wait`, or less if the connection drops first (`receive` answers)."""
+    if receive is None:
+        await wait
+        return
+    tasks = {asyncio.ensure_future(wait), asyncio.ensure_future(receive())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _assignment(ctx: Context, job: JobRecord) -> tuple[bytes, bool]:

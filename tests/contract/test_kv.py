@@ -18,6 +18,7 @@ import pytest
 from service.errors import HistoryCompacted, ReplyTooLarge, StoreUnavailable
 from service.store.api import MAX_TXN_OPS, Delete, Entry, KeyValue, Put, WatchEvent
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 
 LEASE_TTL_S = 2  # etcd rounds shorter TTLs up to its minimum
 
@@ -514,8 +515,7 @@ def test_a_watch_sees_the_deletes_of_a_lapsed_lease(backend):
             await backend.eventually(deleted, within_s=LEASE_TTL_S + 5)
             assert [(e.key, e.value) for e in seen] == [("/c/w/node", None)]
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
             await events.aclose()
 
     backend.run(test)

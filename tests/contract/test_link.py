@@ -22,6 +22,9 @@ from worker.snapshot import WrittenSnapshot
 KEEP = 3
 SPEC = {"name": "link", "command": ["python", "train.py"], "snapshot": {"every_steps": 10, "keep": KEEP}}
 
+# One etcd and control plane for the module: each service case has a job of its own.
+pytestmark = pytest.mark.shared_control_plane
+
 
 def _job_store(etcd_endpoint: str, use):
     async def run():

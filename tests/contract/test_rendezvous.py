@@ -49,6 +49,11 @@ from worker.rendezvous import (
     wake_on_change,
 )
 
+# One etcd and control plane for the module (each test has a job, and so a rendezvous, of
+# its own): the tests that stop it, restart it, register a node or read every rendezvous key
+# have their own.
+pytestmark = pytest.mark.shared_control_plane
+
 SPEC = {"name": "rdzv", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 2}}
 # Two states as they travel (sealed, base64), for the tests that speak HTTP themselves.
 S1 = base64.b64encode(seal_state(b"\x00\x01")).decode()
@@ -374,6 +379,7 @@ def test_job_token_is_accepted_only_for_its_own_job(control_plane, api, job, rdz
         assert stranger.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 401
 
 
+@pytest.mark.own_control_plane
 def test_unknown_job_or_malformed_id_is_404_to_a_node(control_plane):
     with control_plane.client(control_plane.enrol("n0")) as client:
         assert client.get("/v1/rdzv/nope-zzzzzz-a0/state").status_code == 404
@@ -480,6 +486,7 @@ def test_add_to_a_non_integer_is_an_error(control_plane, transports):
         store.add("s", 1)
 
 
+@pytest.mark.own_control_plane
 def test_blocking_get_survives_a_control_plane_restart(control_plane, transports):
     reader = HttpStore(transports(retry_timeout_s=30), timeout=timedelta(seconds=40))
     backend = FtrainRendezvousBackend(transports(retry_timeout_s=30))
@@ -509,6 +516,7 @@ def test_unreachable_control_plane_raises_connection_error_after_retry_timeout()
     transport.close()
 
 
+@pytest.mark.own_control_plane
 def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
     keys = Keys()
     neighbour = "train-abc123-a1-zzzzzz"  # a job whose id starts like "train-abc123-a"
@@ -799,6 +807,7 @@ def test_monitor_checks_read_the_state_at_most_once_a_second_yet_see_a_waiting_n
             handler.shutdown()
 
 
+@pytest.mark.own_control_plane
 def test_after_a_control_plane_outage_the_group_stays_and_a_joining_node_is_seen(
         control_plane, rdzv_id, token, monkeypatch):
     """Two nodes formed a group; the control plane is stopped for longer than the keep-alive

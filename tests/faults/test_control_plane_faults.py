@@ -146,18 +146,18 @@ def _rank0_steps_on_the_nodes(agents: list[NodeAgentProc], job_id: str) -> tuple
     return steps, sorted(starts)
 
 
-# The outage of the next test: 20 s in the default run (past the node lease and a commit's
+# The outage of the next test: 12 s in the default run (past the node lease and a commit's
 # retry window, so the grace, the re-registration and the stale keep-alives are all
 # exercised); FTRAIN_TEST_OUTAGE_S=90 also passes torch's retry_timeout (60 s), and
 # FTRAIN_TEST_OUTAGE_S=600 is the 10-minute run (with pytest's --timeout=1500).
-OUTAGE_S = float(os.environ.get("FTRAIN_TEST_OUTAGE_S", "20"))
+OUTAGE_S = float(os.environ.get("FTRAIN_TEST_OUTAGE_S", "12"))
 # Snapshot every EVERY steps: at up to 10 steps a second, a 10-minute stop at every 5 steps
 # would write more snapshots than the spec keeps (KEEP_ALL), and the oldest would be pruned.
 EVERY = 5 if OUTAGE_S <= 120 else 25
 
 
 def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_seen(etcd, tmp_path):
-    """The control plane stopped for OUTAGE_S (20 s by default: longer than the node lease
+    """The control plane stopped for OUTAGE_S (12 s by default: longer than the node lease
     of 6 s and a commit's retry window; see above for the long runs) while a two-node job
     snapshots. Training goes on throughout; the snapshots written meanwhile are
     committed once it is back; the nodes, whose leases lapsed, are waited for (not lost),

@@ -122,7 +122,13 @@ class ControlPlane:
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
-        wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
+        try:
+            wait_for(self._healthy, timeout_s, f"control plane on {self.url}")
+        except BaseException:
+            # A fixture whose start failed has no teardown: stopped here, or it would outlive
+            # the test, asking an etcd that is gone twice a second.
+            self.stop(signal.SIGKILL)
+            raise
         return self
 
     def job_token(self, job: JobRecord) -> str:
@@ -229,6 +235,7 @@ class NodeAgentProc:
         self.address = address
         self.netns = netns
         self.proc: subprocess.Popen | None = None
+        self._stopping: list[int] = []  # asked to stop: its process tree then
 
     def start(self, server: str | None = None) -> NodeAgentProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -270,10 +277,16 @@ class NodeAgentProc:
             self.proc.wait()
         return pids
 
-    def stop(self, timeout_s: float = 20) -> None:
-        if self.proc and self.proc.poll() is None:
-            pids = self.tree()
+    def ask_to_stop(self) -> None:
+        """SIGTERM, without waiting for the exit (`stop` waits): agents stop side by side."""
+        if self.proc and self.proc.poll() is None and not self._stopping:
+            self._stopping = self.tree()  # the processes to sweep once it has exited
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 20) -> None:
+        self.ask_to_stop()
+        pids, self._stopping = self._stopping, []
+        if self.proc and pids:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ from service.jobs import Change, JobStore
 from service.keys import Keys
 from service.models import JobSpec, JobState
 from service.store.etcd import EtcdStore
+from tests.helpers.tasks import cancel_and_wait
 
 
 def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
@@ -104,11 +105,7 @@ def test_scheduler_reads_only_unfinished_jobs_once_the_index_is_ready(etcd):
             await ctx.jobs.move(live.id, JobState.CANCELLED, "done")
             assert await scheduler.active_jobs(ctx.jobs, ctx.index) == []
         finally:
-            # Python 3.11's wait_for may drop a cancellation that lands as the call it waits
-            # for completes (the index's watch set-up): cancel until the task has ended.
-            while not index.done():
-                index.cancel()
-                await asyncio.wait({index}, timeout=1)
+            await cancel_and_wait(index)
             await ctx.kv.close()
 
     asyncio.run(main())

@@ -411,3 +411,32 @@ def test_a_submit_goes_on_while_one_replica_is_gone_and_the_other_answers_503_fo
     assert client.submit({"name": "x", "command": ["true"]})["id"] == "j1"
     assert [h for h, _ in sent] == ["live.test", "dead.test", "live.test"]
     assert len({key for _, key in sent}) == 1
+
+
+@pytest.mark.parametrize("args,stay", [
+    (["submit", "SPEC"], None), (["submit", "SPEC", "--wait"], "to-end"), (["submit", "SPEC", "-f"], "logs"),
+    (["run", "--", "true"], "logs"), (["run", "--wait", "--", "true"], "to-end"),
+    (["run", "-d", "--", "true"], None),
+])
+def test_submit_and_run_stay_with_the_job_as_their_flags_say(monkeypatch, tmp_path, args, stay):
+    """submit returns at once unless --wait or -f/--follow; run follows the logs unless --wait
+    or -d/--detach; waiting exits with the job's code."""
+    from service import cli as cli_module
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(SPEC_YAML)
+    submitted = JobView(id="j1", name="j", owner="admin", state=JobState.PENDING, reason="queued",
+                        spec=JobSpec(name="j", command=["true"]), created_at=1.0, updated_at=1.0,
+                        attempt=0, nodes=[], world_size=0, restarts=0)
+    waited: list[str] = []
+
+    def see_through(client, job_id: str, follow: bool, as_json: bool) -> int:
+        waited.append("logs" if follow else "to-end")
+        return 3
+
+    monkeypatch.setattr(FtrainClient, "from_target", classmethod(lambda cls, target: _fake_server(
+        lambda request: httpx.Response(201, json=submitted.model_dump(mode="json")))))
+    monkeypatch.setattr(cli_module, "_see_through", see_through)
+    result = CliRunner().invoke(main, [str(spec) if a == "SPEC" else a for a in args], catch_exceptions=False)
+    assert waited == ([stay] if stay else [])
+    assert result.exit_code == (3 if stay else 0), result.output

@@ -4,11 +4,11 @@ freeze interval is left out of collections, and a reclaim collects it once."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import weakref
 
 from service import gc_pauses
+from tests.helpers.tasks import cancel_and_wait
 
 
 class Cycle:
@@ -32,9 +32,7 @@ def test_long_lived_objects_are_frozen_and_a_reclaim_collects_a_frozen_cycle_tha
             assert alive() is None  # ...until a reclaim
             assert gc.get_freeze_count() == 0
         finally:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+            await cancel_and_wait(loop)
         assert gc.get_freeze_count() == 0  # the loop leaves nothing frozen
 
     asyncio.run(main())

@@ -13,6 +13,7 @@ from service.heartbeats import FLUSH_S, LeaseKeeper
 from service.keys import Keys
 from service.nodes import NodeStore
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 
 TTL = 6
 
@@ -133,7 +134,7 @@ def test_keeper_with_flush_loop_keeps_a_lease_on_real_time():
                 assert await keeper.beat(lease)
                 await asyncio.sleep(0.25)
         finally:
-            loop.cancel()
+            await cancel_and_wait(loop)
         assert await kv.refresh_lease(lease)
 
     asyncio.run(main())

@@ -24,6 +24,7 @@ from service.scheduler import Leadership
 from service.settings import Settings
 from service.store.api import Put
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 from worker.protocol import MemoryReport, Progress, ProgressReport
 
 SPEC = JobSpec(name="t", command=["true"])
@@ -246,8 +247,7 @@ def test_the_job_index_re_reads_what_a_compaction_took_from_its_watch():
         try:
             assert await ctx.index.wait_until(lambda: ctx.index.get(job.id) is not None, 5)
         finally:
-            index.cancel()
-            await asyncio.gather(index, return_exceptions=True)
+            await cancel_and_wait(index)
 
     asyncio.run(main())
 

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from service import logs as logs_module
+from service.errors import LogStorageUnavailable
 from service.logs import TAIL_MAX_BYTES, LogStore
 from worker.protocol import LogLineIn, LogShipment
 
@@ -214,3 +215,28 @@ def test_records_on_disk_are_one_json_object_a_line(tmp_path):
     raw = next((tmp_path / "j").glob("*.ndjson")).read_text()
     assert json.loads(raw) == {"time": 1.0, "node": "a", "attempt": 1, "rank": 0, "stream": "stdout",
                                "line": "hello"}
+
+
+def test_a_read_lists_the_segments_again_when_the_cap_deletes_one_under_it(tmp_path, monkeypatch):
+    store = LogStore(tmp_path, CAP)
+    run(store.ship("j", shipment("a", (0, "a0"), (0, "a1"))))
+    deletions = {"left": 2}
+
+    def deleted_under_the_reader(original):
+        def read(*args):
+            if deletions["left"] > 0:
+                deletions["left"] -= 1
+                raise FileNotFoundError("a segment the cap deleted")
+            return original(*args)
+        return read
+
+    monkeypatch.setattr(logs_module, "_last_bytes", deleted_under_the_reader(logs_module._last_bytes))
+    monkeypatch.setattr(store, "_read_segments", deleted_under_the_reader(store._read_segments))
+    assert [x.line for x in run(store.read_tail("j", 5)).items] == ["a0", "a1"]
+    assert run(store.last_lines("j", 5)) == ["[rank0] a0", "[rank0] a1"]
+    deletions["left"] = 2
+    assert [x.line for x in run(store.read_page("j")).items] == ["a0", "a1"]
+    # A log that keeps changing under every try is an error that says so, not a wrong page.
+    deletions["left"] = logs_module._READ_TRIES
+    with pytest.raises(LogStorageUnavailable, match="kept changing under the reader"):
+        run(store.read_tail("j", 5))

@@ -4,7 +4,6 @@ times the job index sees."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import tempfile
 
@@ -14,6 +13,7 @@ from service.models import JobSpec, JobState
 from service.routes.health import metrics
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 from tests.service.records import make_job
 
 
@@ -52,11 +52,7 @@ def test_the_leading_scheduler_records_its_passes_and_metrics_publishes_them():
                 await asyncio.sleep(0.01)
             got = parse(await metrics(ctx))
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await cancel_and_wait(*tasks)
             shutil.rmtree(log_root, ignore_errors=True)
         assert got["ftrain_scheduler_pass_seconds_count"] >= 3
         assert 0 < got['ftrain_scheduler_pass_seconds{quantile="0.5"}'] <= \
@@ -87,9 +83,7 @@ def test_the_index_feeds_jobs_by_state_restarts_and_recovery_time():
                 assert await ctx.index.wait_until(lambda v=v: ctx.index.get(v.id) == v, 5)
                 seen.append(parse(await metrics(ctx)))
         finally:
-            index.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await index
+            await cancel_and_wait(index)
             shutil.rmtree(log_root, ignore_errors=True)
         running, recovering, again, done = seen
         assert (running['ftrain_jobs{state="RUNNING"}'], running['ftrain_jobs{state="PENDING"}']) == (1, 1)

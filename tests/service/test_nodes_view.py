@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import tempfile
 
@@ -12,6 +11,7 @@ from service.models import JobSpec, JobState, MemberStatus, NodesSpec
 from service.routes.nodes import list_nodes
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 
 
 def test_a_node_that_finished_its_part_still_shows_the_job_that_holds_it():
@@ -32,9 +32,7 @@ def test_a_node_that_finished_its_part_still_shows_the_job_that_holds_it():
                 lambda: (j := ctx.index.get(job.id)) is not None and j.state is JobState.RUNNING, 5)
             views = {n.name: n for n in (await list_nodes(ctx)).items}
         finally:
-            index.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await index
+            await cancel_and_wait(index)
             shutil.rmtree(log_root, ignore_errors=True)
         assert (views["n0"].job, views["n0"].member_state) == (job.id, "succeeded")
         assert (views["n1"].job, views["n1"].member_state) == (job.id, "running")

@@ -12,6 +12,7 @@ from service.decide.cancel import decide_cancel
 from service.models import JobSpec
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 from worker.protocol import ProgressReport
 
 SPEC = JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1})
@@ -50,9 +51,7 @@ def test_a_change_through_one_replica_is_read_through_the_other_once_it_has_the_
             assert await b.index.wait_for_revision(revision, 5)  # ...which a read waits for
             assert _state(b, job.id) == cancelled.state.value
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
@@ -63,9 +62,7 @@ def test_a_revision_the_index_never_reaches_is_not_waited_for_past_the_timeout()
         try:
             assert not await a.index.wait_for_revision(a.index.revision + 1000, 0.2)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
@@ -85,8 +82,6 @@ def test_progress_is_in_the_view_at_once_on_the_replica_that_wrote_it_and_soon_o
             # the view is made once per change, then served as it is
             assert a.index.view_json(job.id) is a.index.view_json(job.id)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     asyncio.run(main())

@@ -8,7 +8,6 @@ this replica leads; and that the index lists jobs in a stable order across delet
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ from service.scheduler import Leadership
 from service.settings import Settings
 from service.store.api import MAX_TXN_OPS, Put
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait
 from worker.protocol import CommitRequest, LogLineIn, LogShipment, ProgressReport
 
 RETENTION_S = 100.0
@@ -97,9 +97,7 @@ def run(test) -> None:
             await asyncio.wait_for(cluster.ctx.index.ready.wait(), 5)
             await test(cluster)
         finally:
-            index.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await index
+            await cancel_and_wait(index)
             shutil.rmtree(cluster.log_root, ignore_errors=True)
 
     asyncio.run(main())
@@ -453,8 +451,6 @@ def test_the_retention_loop_sweeps_stale_drains(monkeypatch):
                 await asyncio.sleep(0.05)
             assert await c.kv.get(c.ctx.keys.drain("gone")) is None
         finally:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+            await cancel_and_wait(loop)
 
     run(test)

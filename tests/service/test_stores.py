@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -22,6 +23,7 @@ from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeState
 from service.nodes import NodeStore
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.helpers.tasks import cancel_and_wait, running
 from worker.protocol import ProgressReport
 
 
@@ -31,6 +33,14 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@contextlib.asynccontextmanager
+async def following(ctx: Context) -> AsyncIterator[None]:
+    """The context's job index following the store for the block, loaded when it begins."""
+    async with running(ctx.index.run()):
+        await ctx.index.wait_ready(5)
+        yield
 
 
 def context(clock: ManualClock | None = None, **settings) -> Context:
@@ -409,11 +419,7 @@ def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_
             kv.cut = False  # back in reach, its lease still valid: it leads on
             await until(lambda: lead.fence() is not None, "the replica to lead again")
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
@@ -462,9 +468,7 @@ def test_the_job_index_follows_the_store_and_wakes_a_waiting_heartbeat():
         ctx = context()
         job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
         await ctx.nodes.register("n0", 1, None, ttl_s=6)
-        index = asyncio.create_task(ctx.index.run())
-        try:
-            await asyncio.wait_for(ctx.index.ready.wait(), 5)
+        async with following(ctx):
             assert ctx.index.active_ids() == [job.id] and ctx.index.job_of_node("n0") is None
             waiting = asyncio.create_task(
                 ctx.index.wait_until(lambda: ctx.index.job_of_node("n0") is not None, 5))
@@ -476,9 +480,6 @@ def test_the_job_index_follows_the_store_and_wakes_a_waiting_heartbeat():
             await ctx.jobs.move(job.id, JobState.CANCELLED, "test")
             assert await ctx.index.wait_until(lambda: ctx.index.active_ids() == [], 5)
             assert ctx.index.job_of_node("n0") is None
-        finally:
-            index.cancel()
-            await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
 
@@ -505,8 +506,7 @@ def test_the_watch_fed_node_view_follows_registrations_and_lapses_and_wakes_the_
                 await asyncio.sleep(0.01)
             assert await ctx.nodes.live() == {} and wake.is_set()
         finally:
-            follow.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
+            await cancel_and_wait(follow)
         assert ctx.nodes._live is None  # stopped: passes read etcd again
 
     asyncio.run(main())
@@ -517,9 +517,7 @@ def test_the_job_index_keeps_the_pending_and_the_running_jobs_apart_in_submissio
         clock = ManualClock()
         ctx = context(clock)
         ctx.jobs.clock = clock
-        index = asyncio.create_task(ctx.index.run())
-        try:
-            await asyncio.wait_for(ctx.index.ready.wait(), 5)
+        async with following(ctx):
             ids = []
             for i in range(4):
                 clock.now += 1
@@ -537,9 +535,6 @@ def test_the_job_index_keeps_the_pending_and_the_running_jobs_apart_in_submissio
             assert (list(ctx.index.pending_ids()), ctx.index.running_ids()) == expected
             await ctx.index._load()
             assert (list(ctx.index.pending_ids()), ctx.index.running_ids()) == expected
-        finally:
-            index.cancel()
-            await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
 
@@ -573,9 +568,7 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
                 assert asyncio.get_running_loop().time() < deadline, "the oldest job did not start"
                 await asyncio.sleep(0.01)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
@@ -585,9 +578,7 @@ def test_a_heartbeats_assignment_is_made_once_per_change_of_its_jobs_record():
 
     async def main():
         ctx = context()
-        index = asyncio.create_task(ctx.index.run())
-        try:
-            await ctx.index.wait_ready(5)
+        async with following(ctx):
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
             await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
@@ -597,8 +588,5 @@ def test_a_heartbeats_assignment_is_made_once_per_change_of_its_jobs_record():
             await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={"stopping": True}), []))
             assert json.loads(await heartbeat_answer(ctx, "n0", None, None))["assignment"]["action"] \
                 == "stop"  # a changed record: a new answer
-        finally:
-            index.cancel()
-            await asyncio.gather(index, return_exceptions=True)
 
     asyncio.run(main())
