@@ -278,11 +278,12 @@ async def _cleanup(jobs: JobStore, job_id: str, fence: dict[str, int] | None = N
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
-    `keep_lead` calls `hold` every quarter of the TTL (at most every second), in a task of
-    its own beside the scheduler's passes; the scheduler and the other leader-only loops read
-    `fence()`: the leader key at the revision this replica wrote it (its term), to compare
-    in their transactions, so that a replica that lost the lead without noticing writes
-    nothing (`service.retention`, `service.compaction`).
+    `keep_lead` calls `hold` every quarter of the TTL (a replica that does not lead: at
+    least every second), in a task of its own beside the scheduler's passes; the scheduler
+    and the other leader-only loops read `fence()`: the leader key at the revision this
+    replica wrote it (its term), to compare in their transactions, so that a replica that
+    lost the lead without noticing writes nothing (`service.retention`,
+    `service.compaction`).
 
     The lead also ends here before it can end in etcd: a replica counts itself leader only
     until `ttl_s` after it *sent* the last grant or keep-alive that etcd confirmed (etcd
@@ -361,7 +362,8 @@ class Leadership:
 
 
 async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event | None = None) -> None:
-    """Hold the lead, or try to take it, every `every_s`, apart from the scheduler's passes:
+    """Hold the lead (every quarter of its TTL), or try to take it (every `every_s`), apart
+    from the scheduler's passes:
     a pass that starts a thousand jobs takes seconds, and the lead must not lapse meanwhile.
     (Kept between passes, it lapsed under bench/api.py's submissions, and each new term's
     first passes read every unfinished job from etcd, which stalled the API for seconds.)
@@ -376,7 +378,9 @@ async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event 
             leading = False
             leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
             log.warning("scheduler paused: %s", exc.message)
-        await asyncio.sleep(every_s)
+        # The leader renews every quarter of its TTL; a replica that does not lead tries at
+        # least every second, so that it takes over soon after a lead lapses.
+        await asyncio.sleep(leadership.ttl_s / 4 if leading else every_s)
 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,

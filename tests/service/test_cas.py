@@ -19,7 +19,7 @@ def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
         wins = 0
         for i in range(20):
             job, _ = await store_a.create(JobSpec(name=f"race{i}", command=["true"]))
-            await store_a.move(job.id, JobState.RUNNING, "started")
+            await store_a.move(job.id, JobState.STARTING, "started")
 
             async def finish(store, target, job=job):
                 try:
@@ -36,7 +36,7 @@ def test_two_writers_racing_on_one_status_exactly_one_wins(etcd):
             assert stored.state == winners[0]
             events = await store_a.events(job.id)
             # nothing lost, nothing doubled: submitted, started, and exactly one ending
-            assert [e.state for e in events] == [JobState.PENDING, JobState.RUNNING, winners[0]]
+            assert [e.state for e in events] == [JobState.PENDING, JobState.STARTING, winners[0]]
             wins += 1
         await a.close()
         await b.close()
