@@ -165,7 +165,9 @@ class Op(JsonBody):
                                                      "made it stale; the new one is 'due'); "
                                                      "refresh_stale: the oldest it replaces.")
     before_us: JsonInt | None = Field(None, description="refresh_stale: heartbeats before this one "
-                                                        "(and from was_us on) are replaced.")
+                                                        "(and from was_us on) are replaced; "
+                                                        "refresh_stale needs was_us <= before_us "
+                                                        "<= at_us.")
     deadline_us: JsonInt | None = Field(None, description="join: the last-call deadline it sets at "
                                                           "min_nodes participants.")
 

@@ -7,7 +7,9 @@ most MAX_COMMAND_BYTES of command and MAX_ENV_BYTES of env and secret_env (UTF-8
 answers 422 for each, naming the field, and the descriptions say so). A generated spec is made
 to keep them (max raised to min, the shared names dropped from secret_env, the last arguments
 or entries dropped), so a spec the schema calls valid is one the server takes; every other
-value and every check stays as generated.
+value and every check stays as generated. Likewise a merged rendezvous write's ops: a node
+only for the kinds that change one (not `expire`, `refresh_stale`), and a `refresh_stale`'s
+`was_us <= before_us <= at_us` (put in order).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import schemathesis
 
 from service.models import MAX_COMMAND_BYTES, MAX_ENV_BYTES
 from worker.protocol import seal_state
+from worker.rdzv_state import NODELESS
 
 
 def _seal(body: dict) -> None:
@@ -32,6 +35,23 @@ def _seal(body: dict) -> None:
     body["state"] = base64.b64encode(seal_state(raw)).decode()
 
 
+def _mend_ops(merge) -> None:
+    """Each op of a merged write as the server's rules between fields want it (the module
+    docstring); an op whose fields are not of their types stays as generated."""
+    ops = merge.get("ops") if isinstance(merge, dict) else None
+    for op in ops if isinstance(ops, list) else []:
+        if not isinstance(op, dict) or not isinstance(op.get("kind"), str):
+            continue
+        if op["kind"] in NODELESS:
+            op.pop("node", None)
+            times = [op.get(k) if op.get(k) is not None else op.get("at_us")
+                     for k in ("was_us", "before_us", "at_us")]
+            if op["kind"] == "refresh_stale" and all(type(t) is int for t in times):
+                op["was_us"], op["before_us"], op["at_us"] = sorted(times)
+        elif op.get("node") is None:
+            op["node"] = ["127.0.0.1", 1, 0]
+
+
 def _size(value) -> int:
     return len(value.encode("utf-8", "surrogatepass"))
 
@@ -41,8 +61,10 @@ def map_case(context, case):
     op = context.operation
     body = case.body
     if op is not None and op.method.upper() == "PUT" and op.path == "/v1/rdzv/{rdzv_id}/state" \
-            and isinstance(body, dict) and isinstance(body.get("state"), str):
-        _seal(body)
+            and isinstance(body, dict):
+        if isinstance(body.get("state"), str):
+            _seal(body)
+        _mend_ops(body.get("merge"))
     if op is None or op.method.upper() != "POST" or op.path != "/v1/jobs" or not isinstance(body, dict):
         return case
     nodes = body.get("nodes")
