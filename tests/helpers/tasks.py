@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 
@@ -33,3 +33,13 @@ async def running(*coros: Coroutine[Any, Any, Any]) -> AsyncIterator[list[asynci
         yield tasks
     finally:
         await cancel_and_wait(*tasks)
+
+
+async def until(cond: Callable[[], object], what: str, within_s: float = 5.0) -> None:
+    """Wait, yielding to the loop's tasks, until `cond()` holds; fail naming `what` if it
+    does not within `within_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not cond():
+        assert loop.time() < deadline, f"not within {within_s:g} s: {what}"
+        await asyncio.sleep(0.01)

@@ -23,7 +23,7 @@ from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeState
 from service.nodes import NodeStore
 from service.settings import Settings
 from service.store.memory import MemoryStore
-from tests.helpers.tasks import cancel_and_wait, running
+from tests.helpers.tasks import cancel_and_wait, running, until
 from worker.protocol import ProgressReport
 
 
@@ -404,13 +404,6 @@ def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_
         lead = scheduler.Leadership(kv, ctx.keys.leader, ttl_s=2)
         tasks = [asyncio.create_task(ctx.index.run()),
                  asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, lead, 0.05))]
-        loop = asyncio.get_running_loop()
-
-        async def until(cond, what: str) -> None:
-            deadline = loop.time() + 5
-            while not cond():
-                assert loop.time() < deadline, what
-                await asyncio.sleep(0.01)
 
         try:
             await until(lambda: lead.fence() is not None, "the replica to lead")
@@ -563,10 +556,7 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
             # ...and what came in during the burst is scheduled: a node takes the oldest job.
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             first = next(ctx.index.pending_ids())
-            deadline = asyncio.get_running_loop().time() + 5
-            while ctx.index.get(first).state is JobState.PENDING:
-                assert asyncio.get_running_loop().time() < deadline, "the oldest job did not start"
-                await asyncio.sleep(0.01)
+            await until(lambda: ctx.index.get(first).state is not JobState.PENDING, "the oldest job to start")
         finally:
             await cancel_and_wait(*tasks)
 

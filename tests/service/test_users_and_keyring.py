@@ -19,6 +19,7 @@ from service.models import JobRecord, JobSpec
 from service.settings import Settings
 from service.store.memory import MemoryStore
 from service.users import token_digest
+from tests.helpers.tasks import until
 
 
 async def stored(ctx: Context) -> bytes:
@@ -139,18 +140,11 @@ def test_tokens_are_answered_from_the_watch_fed_cache_and_a_removal_takes_effect
     kv = MemoryStore()
     ctx, other = Context.wire(Settings(), kv), Context.wire(Settings(), kv)
 
-    async def until(cond) -> None:
-        for _ in range(500):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("not within 5 s")
-
     async def main():
         _, alice = await ctx.users.add("alice")
         follow = asyncio.create_task(ctx.users.follow())
         try:
-            await until(lambda: ctx.users.cached(token_digest(alice)) == "alice")
+            await until(lambda: ctx.users.cached(token_digest(alice)) == "alice", "alice in the cache")
             reads: list[str] = []
             get = kv.get
 
@@ -162,11 +156,11 @@ def test_tokens_are_answered_from_the_watch_fed_cache_and_a_removal_takes_effect
             assert await ctx.users.who(alice) == "alice" and reads == []  # from the cache
             _, bob = await other.users.add("bob")  # through another replica
             assert await ctx.users.who(bob) == "bob"  # cached or read: never refused
-            await until(lambda: ctx.users.cached(token_digest(bob)) == "bob")
+            await until(lambda: ctx.users.cached(token_digest(bob)) == "bob", "bob in the cache")
             await ctx.users.remove("alice")  # here: at once, no watch event waited for
             assert ctx.users.cached(token_digest(alice)) is None and await ctx.users.who(alice) is None
             await other.users.remove("bob")  # there: once the watch brings it
-            await until(lambda: ctx.users.cached(token_digest(bob)) is None)
+            await until(lambda: ctx.users.cached(token_digest(bob)) is None, "bob gone from the cache")
             assert await ctx.users.who(bob) is None
         finally:
             follow.cancel()
