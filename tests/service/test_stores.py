@@ -402,17 +402,12 @@ def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_
         kv = CutOff()
         ctx = Context.wire(ctx.settings, kv)
         lead = scheduler.Leadership(kv, ctx.keys.leader, ttl_s=2)
-        tasks = [asyncio.create_task(ctx.index.run()),
-                 asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, lead, 0.05))]
-
-        try:
+        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, lead, 0.05)):
             await until(lambda: lead.fence() is not None, "the replica to lead")
             kv.cut = True
             await until(lambda: lead.fence() is None, "the fence to go when etcd is out of reach")
             kv.cut = False  # back in reach, its lease still valid: it leads on
             await until(lambda: lead.fence() is not None, "the replica to lead again")
-        finally:
-            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
@@ -536,12 +531,9 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
     async def main():
         ctx = context()
         leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
-        tasks = [asyncio.create_task(ctx.index.run()),
-                 asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 5.0,
-                                                   passes=ctx.scheduler_passes))]
-        try:
-            while ctx.scheduler_passes.count == 0:
-                await asyncio.sleep(0.01)
+        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 5.0,
+                                                          passes=ctx.scheduler_passes)):
+            await until(lambda: ctx.scheduler_passes.count > 0, "the first scheduler pass")
             before = ctx.scheduler_passes.count
             started = asyncio.get_running_loop().time()
             for i in range(100):  # a submission every millisecond or so, each waking the scheduler
@@ -557,8 +549,6 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             first = next(ctx.index.pending_ids())
             await until(lambda: ctx.index.get(first).state is not JobState.PENDING, "the oldest job to start")
-        finally:
-            await cancel_and_wait(*tasks)
 
     asyncio.run(main())
 
