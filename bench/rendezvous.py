@@ -170,6 +170,32 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+COUNTS = {"ftrain_etcd_request_seconds_count": "etcd_calls",  # watches not counted
+          "ftrain_rdzv_state_writes_total": "state_writes",
+          "ftrain_rdzv_state_batches_total": "state_batches",
+          "ftrain_rdzv_poll_waits_total": "poll_waits"}
+
+
+def counts(api) -> dict[str, int]:
+    """The control plane's counts so far (its /metrics): etcd calls, rendezvous state writes,
+    the batches that wrote them, waits of state long polls."""
+    got = dict.fromkeys(COUNTS.values(), 0)
+    for line in api.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COUNTS:
+            got[COUNTS[name]] = int(float(value))
+    return got
+
+
+def _apart(got: dict) -> str:
+    """' (control plane C s, etcd E s; K etcd calls, ...)' for an ftrain round."""
+    if "control_plane_cpu_s" not in got:
+        return ""
+    return (f" (control plane {got['control_plane_cpu_s']} s, etcd {got['etcd_cpu_s']} s; "
+            f"{got['etcd_calls']} etcd calls, {got['state_writes']} state writes in "
+            f"{got['state_batches']} batches, {got['poll_waits']} poll waits)")
+
+
 def start_tcpstore() -> tuple[subprocess.Popen, int]:
     """torch's TCPStore server (the c10d backend's) in a process of its own."""
     proc = subprocess.Popen(
@@ -230,7 +256,8 @@ def main() -> int:
                     continue
                 servers = {"ftrain": [cp.proc.pid, etcd.proc.pid] if cp else [],
                            "c10d": [tcp.pid] if tcp else []}
-                before = sum(cpu_s(p) for p in servers[kind])
+                before = [cpu_s(p) for p in servers[kind]]
+                counts_before = counts(api) if kind == "ftrain" else {}
                 if kind == "ftrain":
                     job = api.post("/v1/jobs", json={"name": f"rdzv-{n}", "command": ["python", "-c", "pass"],
                                                      "nodes": {"min": 1, "max": 1}}).json()
@@ -241,7 +268,11 @@ def main() -> int:
                 else:
                     got = one_round("c10d", f"127.0.0.1:{tcp_port}", f"rdzv-{n}-{time.time_ns()}", n,
                                     args.procs, args.timeout)
-                got["server_cpu_s"] = round(sum(cpu_s(p) for p in servers[kind]) - before, 1)
+                spent = [cpu_s(p) - b for p, b in zip(servers[kind], before)]
+                got["server_cpu_s"] = round(sum(spent), 1)
+                if kind == "ftrain":  # the control plane and etcd apart, and its etcd calls
+                    got["control_plane_cpu_s"], got["etcd_cpu_s"] = round(spent[0], 1), round(spent[1], 1)
+                    got.update({k: v - counts_before[k] for k, v in counts(api).items()})
                 row[kind] = got
                 if not got["ok"]:
                     failed.add(kind)
@@ -252,7 +283,7 @@ def main() -> int:
                               + [f"{k}: {row[k]['late']} ready after the start" for k in backends
                                  if row[k].get("late")])
             cpu = " ".join(f"{k} cpu: participants {row[k].get('participants_cpu_s', '-')} s, "
-                           f"server {row[k].get('server_cpu_s', '-')} s;" for k in backends)
+                           f"server {row[k].get('server_cpu_s', '-')} s{_apart(row[k])};" for k in backends)
             times = f"{f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10}"
             print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}", flush=True)
     finally:

@@ -155,7 +155,13 @@ class _Watched:
     shape: str | None = None  # `RdzvDoc.shape` of `entry`, if a version-2 state
     progress: str | None = None  # `RdzvDoc.progress` of it, ditto
     known: bool = False
+    # Set (and replaced) at each change of the state; of its shape (`RdzvDoc.shape`); of its
+    # progress (`RdzvDoc.progress`). A poll waits on the one its condition needs, so a joined
+    # node's poll (progress) sleeps through the other nodes' joins and keep-alives, and a
+    # shape poll through keep-alives: N waiters woken at every write of a round were N^2 wakes.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    reshaped: asyncio.Event = field(default_factory=asyncio.Event)
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)
     waiters: int = 0
     task: asyncio.Task | None = None
     doc: RdzvDoc | None = None  # `entry` as data, if a version-2 state
@@ -171,10 +177,17 @@ class _Watched:
         if self.known and self.entry is None and entry is None:
             return
         doc = None if entry is None else _doc(entry.value)
+        was_known, shape, progress = self.known, self.shape, self.progress
         self.entry, self.shape, self.known, self.doc = entry, None if doc is None else doc.shape(), True, doc
         self.progress = None if doc is None else doc.progress()
         self.changed.set()
         self.changed = asyncio.Event()
+        if not was_known or self.shape != shape or self.shape is None:
+            self.reshaped.set()
+            self.reshaped = asyncio.Event()
+        if not was_known or self.progress != progress or self.progress is None:
+            self.progressed.set()
+            self.progressed = asyncio.Event()
 
 
 class StateHub:
@@ -187,8 +200,24 @@ class StateHub:
         self._waiting: dict[str, list[_Write]] = {}
         self._drains: set[asyncio.Task] = set()
         self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
-        self.batches = 0  # written batches and the writes they carried, for the bench
+        self._live_members: dict[str, tuple[object, int]] = {}  # job id -> (its record, live members)
+        # Written batches and the writes they carried; waits of long polls (one per poll and
+        # per wake-up that did not answer it): GET /metrics, for the bench.
+        self.batches = 0
         self.writes = 0
+        self.wakes = 0
+
+    def live_members(self, job) -> int:
+        """How many of `job`'s members are live (`Rendezvous.expected_nodes`), counted once per
+        record: the index hands every request of a round the same record object."""
+        known = self._live_members.get(job.id)
+        if known is not None and known[0] is job:
+            return known[1]
+        if len(self._live_members) >= MAX_ENCODED:
+            self._live_members.clear()
+        count = sum(1 for m in job.members.values() if m.is_live())
+        self._live_members[job.id] = (job, count)
+        return count
 
     def encoded(self, entry: Entry) -> str:
         """The state `entry` as it travels (base64), made once per revision: a round's N nodes
@@ -266,8 +295,12 @@ class StateHub:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
+                event = watched.changed if not watched.known else \
+                    watched.progressed if progress is not None else \
+                    watched.reshaped if shape is not None else watched.changed
+                self.wakes += 1
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(watched.changed.wait(), remaining)
+                    await asyncio.wait_for(event.wait(), remaining)
         finally:
             if alive is not None:
                 held = watched.alive[alive[0]]
