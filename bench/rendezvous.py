@@ -73,6 +73,8 @@ def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -
 
 
 NICE = 19  # of the participant processes (--nice)
+SETUP_S = 0.03  # a participant's time to make its handler before the common start (--setup), s
+MARGIN_S = 90.0  # after the join timeout, how long a round's participants are waited for (--margin)
 
 
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
@@ -106,7 +108,7 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
     threads = [threading.Thread(target=participant, args=(*common, i), daemon=True) for i in range(len(mine))]
     for t in threads:
         t.start()
-    deadline = start_at + timeout_s + 90  # torch's join timeout, then its store's 60 s read timeout
+    deadline = start_at + timeout_s + MARGIN_S  # torch's join timeout, then a margin for reads in flight
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
     with os.fdopen(write_fd, "w") as pipe:
@@ -119,7 +121,7 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     gc.collect()
     gc.freeze()  # the forks' objects from before the fork are left out of their collections
     # Time to make N handlers (and connections) before the common start.
-    start_at = time.time() + 3.0 + n * 0.03
+    start_at = time.time() + 3.0 + n * SETUP_S
     children = []
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for k in range(procs):
@@ -162,6 +164,20 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     if late:
         got["late"] = late  # ready after the common start: the round's time includes their set-up
     return got
+
+
+def open_files(n: int) -> int:
+    """Raise this process's open-file limit (inherited by the servers it starts: the control
+    plane, etcd, the TCPStore) to what N participants need (a few sockets each at a server),
+    as far as the hard limit allows; the limit now. The usual soft limit, 1,024, is below
+    what a server of 1,024 participants holds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, 4 * n + 1024)
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def cpu_s(pid: int) -> float:
@@ -211,7 +227,7 @@ def start_tcpstore() -> tuple[subprocess.Popen, int]:
 
 
 def main() -> int:
-    global KEEP_ALIVE_S, NICE
+    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="participants per round, comma-separated")
@@ -222,11 +238,18 @@ def main() -> int:
                     help="torch's keep_alive_interval, s, for both backends (a node is dead after 3 of them)")
     ap.add_argument("--nice", type=int, default=NICE,
                     help="niceness of the participant processes (they stand in for other machines)")
+    ap.add_argument("--setup", type=float, default=SETUP_S,
+                    help="s per participant given to make the handlers before the common start "
+                         "(3 s + N x this; the default suits 2 cores)")
+    ap.add_argument("--margin", type=float, default=MARGIN_S,
+                    help="s after the join timeout a failing round's participants are waited for")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     KEEP_ALIVE_S = args.keep_alive
     NICE = args.nice
+    SETUP_S, MARGIN_S = args.setup, args.margin
+    files = open_files(max(sizes))
     backends = args.backends.split(",")
 
     from tests.helpers.processes import ControlPlane, EtcdProcess
@@ -237,7 +260,7 @@ def main() -> int:
     print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
           f"forked processes (nice {NICE}, gc frozen at the fork), keep-alive {KEEP_ALIVE_S} s, "
           f"join timeout {args.timeout:g} s; {platform.node()}, {os.cpu_count()} cores, "
-          f"load {load[0]:.1f} at start", flush=True)
+          f"load {load[0]:.1f} at start, open files {files}", flush=True)
     rows: list[dict] = []
     failed: set[str] = set()
     try:

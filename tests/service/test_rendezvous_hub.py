@@ -215,3 +215,27 @@ def test_joined_waiters_are_not_woken_by_joins_that_leave_the_round_open():
     waits_before, woken_meanwhile, answers = asyncio.run(scenario())
     assert waits_before >= waiting_n and woken_meanwhile == 0
     assert all(changed and RdzvDoc.from_json(open_state(e.value)).complete for e, changed in answers)
+
+
+def test_blocking_store_reads_share_one_watch_and_all_get_the_value():
+    """N nodes wait for the master's address at once: one etcd watch of the store (before:
+    one a waiting read), and every read answers with the value once it is set."""
+
+    async def scenario():
+        kv, hub = CountingStore(), StateHub()
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        reads = [asyncio.create_task(rdzv.get(["MASTER_ADDR", "MASTER_PORT"], 5)) for _ in range(20)]
+        await asyncio.sleep(0.1)  # they all wait
+        pending = sum(not r.done() for r in reads)
+        await rdzv.set([("MASTER_ADDR", b"10.0.0.1")])
+        await asyncio.sleep(0.05)
+        still = sum(not r.done() for r in reads)  # only one key of two: all still wait
+        await rdzv.set([("MASTER_PORT", b"29500")])
+        values = await asyncio.wait_for(asyncio.gather(*reads), 2)
+        late = await rdzv.get(["MASTER_ADDR"], 5)  # present: no wait
+        return kv.watches, hub.store_watches, pending, still, values, late
+
+    watches, store_watches, pending, still, values, late = asyncio.run(scenario())
+    assert pending == 20 and still == 20
+    assert watches == 1 and store_watches == 1
+    assert all(v == [b"10.0.0.1", b"29500"] for v in values) and late == [b"10.0.0.1"]
