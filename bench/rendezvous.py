@@ -29,7 +29,12 @@ at the start and the end of the run (`os.getloadavg`).
 Both use TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the setting ftrain's agent uses). Both run in
 the same invocation, one after the other at each N, so they meet the same machine. A size a
 backend does not finish within `--timeout` is reported as such and that backend is not tried
-at larger sizes. Prints a table and writes JSON (--out).
+at larger sizes. Prints a table and writes JSON (--out). For ftrain it also prints the control
+plane's and etcd's CPU apart and, from the control plane's /metrics, its etcd calls, the state
+writes and the batches that wrote them, and the waits of state long polls in the round.
+
+On a larger machine (e.g. 32 cores): `--procs 32 --nice 0 --setup 0.005`; the bench raises its
+open-file limit to what N participants need at a server (the usual 1,024 is too few).
 """
 
 from __future__ import annotations
