@@ -76,7 +76,10 @@ the routes refuse (410) any id whose attempt is not the job's current one. The c
 write are two etcd requests, not one transaction (comparing the job key's revision would make
 every progress report of the job abort rendezvous writes); this is safe because each attempt
 has its own keys: a stale agent that slips through the window writes only into its own,
-dead, attempt's keys, never into the current one's.
+dead, attempt's keys, never into the current one's. The check takes the job from the watch-fed
+job index where that answers (`service.routes.rendezvous._cached_job`), which widens the
+window by a watch event's delay and changes nothing else: a refusal (410) rests only on an
+attempt newer than the caller's, which the index never shows early.
 """
 
 from __future__ import annotations
