@@ -29,7 +29,12 @@ at the start and the end of the run (`os.getloadavg`).
 Both use TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the setting ftrain's agent uses). Both run in
 the same invocation, one after the other at each N, so they meet the same machine. A size a
 backend does not finish within `--timeout` is reported as such and that backend is not tried
-at larger sizes. Prints a table and writes JSON (--out).
+at larger sizes. Prints a table and writes JSON (--out). For ftrain it also prints the control
+plane's and etcd's CPU apart and, from the control plane's /metrics, its etcd calls, the state
+writes and the batches that wrote them, and the waits of state long polls in the round.
+
+On a larger machine (e.g. 32 cores): `--procs 32 --nice 0 --setup 0.005`; the bench raises its
+open-file limit to what N participants need at a server (the usual 1,024 is too few).
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def params(backend: str, endpoint: str, run_id: str, n: int, timeout_s: float) -
 
 
 NICE = 19  # of the participant processes (--nice)
+SETUP_S = 0.03  # a participant's time to make its handler before the common start (--setup), s
+MARGIN_S = 90.0  # after the join timeout, how long a round's participants are waited for (--margin)
 
 
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
@@ -106,7 +113,7 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
     threads = [threading.Thread(target=participant, args=(*common, i), daemon=True) for i in range(len(mine))]
     for t in threads:
         t.start()
-    deadline = start_at + timeout_s + 90  # torch's join timeout, then its store's 60 s read timeout
+    deadline = start_at + timeout_s + MARGIN_S  # torch's join timeout, then a margin for reads in flight
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
     with os.fdopen(write_fd, "w") as pipe:
@@ -119,7 +126,7 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     gc.collect()
     gc.freeze()  # the forks' objects from before the fork are left out of their collections
     # Time to make N handlers (and connections) before the common start.
-    start_at = time.time() + 3.0 + n * 0.03
+    start_at = time.time() + 3.0 + n * SETUP_S
     children = []
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     for k in range(procs):
@@ -164,10 +171,50 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     return got
 
 
+def open_files(n: int) -> int:
+    """Raise this process's open-file limit (inherited by the servers it starts: the control
+    plane, etcd, the TCPStore) to what N participants need (a few sockets each at a server),
+    as far as the hard limit allows; the limit now. The usual soft limit, 1,024, is below
+    what a server of 1,024 participants holds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, 4 * n + 1024)
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a live process (its threads included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+COUNTS = {"ftrain_etcd_request_seconds_count": "etcd_calls",  # watches not counted
+          "ftrain_rdzv_state_writes_total": "state_writes",
+          "ftrain_rdzv_state_batches_total": "state_batches",
+          "ftrain_rdzv_poll_waits_total": "poll_waits"}
+
+
+def counts(api) -> dict[str, int]:
+    """The control plane's counts so far (its /metrics): etcd calls, rendezvous state writes,
+    the batches that wrote them, waits of state long polls."""
+    got = dict.fromkeys(COUNTS.values(), 0)
+    for line in api.get("/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COUNTS:
+            got[COUNTS[name]] = int(float(value))
+    return got
+
+
+def _apart(got: dict) -> str:
+    """' (control plane C s, etcd E s; K etcd calls, ...)' for an ftrain round."""
+    if "control_plane_cpu_s" not in got:
+        return ""
+    return (f" (control plane {got['control_plane_cpu_s']} s, etcd {got['etcd_cpu_s']} s; "
+            f"{got['etcd_calls']} etcd calls, {got['state_writes']} state writes in "
+            f"{got['state_batches']} batches, {got['poll_waits']} poll waits)")
 
 
 def start_tcpstore() -> tuple[subprocess.Popen, int]:
@@ -185,7 +232,7 @@ def start_tcpstore() -> tuple[subprocess.Popen, int]:
 
 
 def main() -> int:
-    global KEEP_ALIVE_S, NICE
+    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="participants per round, comma-separated")
@@ -196,11 +243,18 @@ def main() -> int:
                     help="torch's keep_alive_interval, s, for both backends (a node is dead after 3 of them)")
     ap.add_argument("--nice", type=int, default=NICE,
                     help="niceness of the participant processes (they stand in for other machines)")
+    ap.add_argument("--setup", type=float, default=SETUP_S,
+                    help="s per participant given to make the handlers before the common start "
+                         "(3 s + N x this; the default suits 2 cores)")
+    ap.add_argument("--margin", type=float, default=MARGIN_S,
+                    help="s after the join timeout a failing round's participants are waited for")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     KEEP_ALIVE_S = args.keep_alive
     NICE = args.nice
+    SETUP_S, MARGIN_S = args.setup, args.margin
+    files = open_files(max(sizes))
     backends = args.backends.split(",")
 
     from tests.helpers.processes import ControlPlane, EtcdProcess
@@ -211,7 +265,7 @@ def main() -> int:
     print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
           f"forked processes (nice {NICE}, gc frozen at the fork), keep-alive {KEEP_ALIVE_S} s, "
           f"join timeout {args.timeout:g} s; {platform.node()}, {os.cpu_count()} cores, "
-          f"load {load[0]:.1f} at start", flush=True)
+          f"load {load[0]:.1f} at start, open files {files}", flush=True)
     rows: list[dict] = []
     failed: set[str] = set()
     try:
@@ -230,7 +284,8 @@ def main() -> int:
                     continue
                 servers = {"ftrain": [cp.proc.pid, etcd.proc.pid] if cp else [],
                            "c10d": [tcp.pid] if tcp else []}
-                before = sum(cpu_s(p) for p in servers[kind])
+                before = [cpu_s(p) for p in servers[kind]]
+                counts_before = counts(api) if kind == "ftrain" else {}
                 if kind == "ftrain":
                     job = api.post("/v1/jobs", json={"name": f"rdzv-{n}", "command": ["python", "-c", "pass"],
                                                      "nodes": {"min": 1, "max": 1}}).json()
@@ -241,7 +296,11 @@ def main() -> int:
                 else:
                     got = one_round("c10d", f"127.0.0.1:{tcp_port}", f"rdzv-{n}-{time.time_ns()}", n,
                                     args.procs, args.timeout)
-                got["server_cpu_s"] = round(sum(cpu_s(p) for p in servers[kind]) - before, 1)
+                spent = [cpu_s(p) - b for p, b in zip(servers[kind], before)]
+                got["server_cpu_s"] = round(sum(spent), 1)
+                if kind == "ftrain":  # the control plane and etcd apart, and its etcd calls
+                    got["control_plane_cpu_s"], got["etcd_cpu_s"] = round(spent[0], 1), round(spent[1], 1)
+                    got.update({k: v - counts_before[k] for k, v in counts(api).items()})
                 row[kind] = got
                 if not got["ok"]:
                     failed.add(kind)
@@ -252,7 +311,7 @@ def main() -> int:
                               + [f"{k}: {row[k]['late']} ready after the start" for k in backends
                                  if row[k].get("late")])
             cpu = " ".join(f"{k} cpu: participants {row[k].get('participants_cpu_s', '-')} s, "
-                           f"server {row[k].get('server_cpu_s', '-')} s;" for k in backends)
+                           f"server {row[k].get('server_cpu_s', '-')} s{_apart(row[k])};" for k in backends)
             times = f"{f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10}"
             print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}", flush=True)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,6 +92,12 @@ def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
+# The largest rendezvous state write (PUT /v1/rdzv/{id}/state) taken, whatever the body limit
+# of other requests: a whole state of about 11,000 nodes (etcd takes 1.5 MiB a request).
+RDZV_STATE_MAX_BYTES = 1024 * 1024
+_RDZV_STATE_PATH = re.compile(r"^/v1/rdzv/[^/]+/state$")
+
+
 class BodySizeLimit:
     """Reject bodies over `max_bytes` with 413 before they are parsed (pure ASGI); under `/v1/`
     after the route has judged the token (`api_contract.AuthFirstRoute`)."""
@@ -99,14 +106,23 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
 
+    def limit_of(self, path: str) -> int:
+        """`max_bytes`, or more for a rendezvous state write: any node may write the whole
+        state (torch's compare-and-set), about 90 bytes a node as it travels, so a round of
+        1,024 nodes would be over a 64 KiB limit (`RDZV_STATE_MAX_BYTES`)."""
+        if path.startswith("/v1/rdzv/") and _RDZV_STATE_PATH.match(path):
+            return max(self.max_bytes, RDZV_STATE_MAX_BYTES)
+        return self.max_bytes
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", ()))
         length = headers.get(b"content-length")
+        limit = self.limit_of(scope["path"])
         if length is not None:  # the server holds the body to this length
-            if length.isdigit() and int(length) > self.max_bytes:
-                return await self._too_large(scope, send)
+            if length.isdigit() and int(length) > limit:
+                return await self._too_large(scope, send, limit)
             return await self.app(scope, receive, send)
         if b"transfer-encoding" not in headers:  # no body
             return await self.app(scope, receive, send)
@@ -121,8 +137,8 @@ class BodySizeLimit:
                 return
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
-            if seen > self.max_bytes:
-                return await self._too_large(scope, send)
+            if seen > limit:
+                return await self._too_large(scope, send, limit)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -136,15 +152,15 @@ class BodySizeLimit:
 
         await self.app(scope, replay_then_receive, send)
 
-    async def _too_large(self, scope: Scope, send: Send) -> None:
+    async def _too_large(self, scope: Scope, send: Send, limit: int) -> None:
         if scope["path"].startswith("/v1/"):
             # The route judges the token first, then answers 413 (api_contract.AuthFirstRoute):
             # it gets the request marked, without its body.
             async def no_body():
                 return {"type": "http.request", "body": b"", "more_body": False}
 
-            return await self.app({**scope, api_contract.TOO_LARGE: self.max_bytes}, no_body, send)
-        body = (f'{{"detail":"request body larger than {self.max_bytes} bytes"}}').encode()
+            return await self.app({**scope, api_contract.TOO_LARGE: limit}, no_body, send)
+        body = (f'{{"detail":"request body larger than {limit} bytes"}}').encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

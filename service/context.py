@@ -84,6 +84,7 @@ class Context:
                   presence=Presence(kv, keys, blip_s=settings.presence_blip_s))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
+        ctx.telemetry.count_rendezvous(ctx.rdzv_states)
         return ctx
 
     def job_token(self, job: JobRecord) -> str:

@@ -25,12 +25,14 @@ Blocking reads (`get`, `multi_get`, `wait`) are long polls: a request waits at m
 `MAX_WAIT_S` on the server and answers "not yet"; the client asks again until its own store
 timeout. A short wait per request keeps a control-plane restart or a lost connection cheap
 (the client just asks again) and no request outlives uvicorn's graceful shutdown for long.
-While keys are missing the server waits on an etcd watch of the store's prefix, started at
-the revision read before the keys were found missing, so no write in between is lost. A
-watch (rather than polling etcd every few ms) wakes the waiter within a millisecond of the
-write and costs etcd nothing while nothing changes: agents sit in the exit barrier for up to
-`exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
-steady reads a tick for nothing. aetcd multiplexes every watch over one gRPC stream.
+While keys are missing the server waits on an etcd watch of the store's prefix, one per
+store and control plane shared by all its waiting reads (`StateHub.key_waits`), started
+after a revision read before the waiter's own read of its keys, so no write in between is
+lost. A watch (rather than polling etcd every few ms) wakes the waiter within a millisecond
+of the write and costs etcd nothing while nothing changes: agents sit in the exit barrier for
+up to `exit_barrier_timeout` (300 s by default), and N agents polling for minutes would be N
+steady reads a tick for nothing; and one watch, not one a waiting read: a round's N nodes
+all ask for the master's address at once.
 
 Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
 this control plane while its previous write is in flight wait, and go together as one batch
@@ -74,7 +76,10 @@ the routes refuse (410) any id whose attempt is not the job's current one. The c
 write are two etcd requests, not one transaction (comparing the job key's revision would make
 every progress report of the job abort rendezvous writes); this is safe because each attempt
 has its own keys: a stale agent that slips through the window writes only into its own,
-dead, attempt's keys, never into the current one's.
+dead, attempt's keys, never into the current one's. The check takes the job from the watch-fed
+job index where that answers (`service.routes.rendezvous._cached_job`), which widens the
+window by a watch event's delay and changes nothing else: a refusal (410) rests only on an
+attempt newer than the caller's, which the index never shows early.
 """
 
 from __future__ import annotations
@@ -87,10 +92,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from service.errors import FtrainError, HistoryCompacted, StaleLeader
+from service.errors import FtrainError, StaleLeader
 from service.keys import Keys
 from service.store import cas
-from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put, WatchEvent
+from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put
 from worker.protocol import StateNotSealed, open_state, seal_state, state_version
 from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops, end_last_call
 
@@ -155,7 +160,13 @@ class _Watched:
     shape: str | None = None  # `RdzvDoc.shape` of `entry`, if a version-2 state
     progress: str | None = None  # `RdzvDoc.progress` of it, ditto
     known: bool = False
+    # Set (and replaced) at each change of the state; of its shape (`RdzvDoc.shape`); of its
+    # progress (`RdzvDoc.progress`). A poll waits on the one its condition needs, so a joined
+    # node's poll (progress) sleeps through the other nodes' joins and keep-alives, and a
+    # shape poll through keep-alives: N waiters woken at every write of a round were N^2 wakes.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    reshaped: asyncio.Event = field(default_factory=asyncio.Event)
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)
     waiters: int = 0
     task: asyncio.Task | None = None
     doc: RdzvDoc | None = None  # `entry` as data, if a version-2 state
@@ -171,10 +182,34 @@ class _Watched:
         if self.known and self.entry is None and entry is None:
             return
         doc = None if entry is None else _doc(entry.value)
+        was_known, shape, progress = self.known, self.shape, self.progress
         self.entry, self.shape, self.known, self.doc = entry, None if doc is None else doc.shape(), True, doc
         self.progress = None if doc is None else doc.progress()
         self.changed.set()
         self.changed = asyncio.Event()
+        if not was_known or self.shape != shape or self.shape is None:
+            self.reshaped.set()
+            self.reshaped = asyncio.Event()
+        if not was_known or self.progress != progress or self.progress is None:
+            self.progressed.set()
+            self.progressed = asyncio.Event()
+
+
+@dataclass
+class _KeyWaits:
+    """The blocking store reads of one rendezvous on this control plane that wait for keys,
+    and the one etcd watch of its store's prefix that wakes them (`StateHub.key_waits`)."""
+
+    start: asyncio.Future  # the revision the watch starts after (read once, by the first)
+    waiters: dict[asyncio.Future, frozenset[str]] = field(default_factory=dict)
+    task: asyncio.Task | None = None
+    ended: bool = False
+
+    def wake(self, key: str | None) -> None:
+        """Wake the waiters for `key` (None: all of them: the watch ended, they read again)."""
+        for done, keys in self.waiters.items():
+            if not done.done() and (key is None or key in keys):
+                done.set_result(None)
 
 
 class StateHub:
@@ -187,8 +222,26 @@ class StateHub:
         self._waiting: dict[str, list[_Write]] = {}
         self._drains: set[asyncio.Task] = set()
         self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
-        self.batches = 0  # written batches and the writes they carried, for the bench
+        self._live_members: dict[str, tuple[object, int]] = {}  # job id -> (its record, live members)
+        self._key_waits: dict[str, _KeyWaits] = {}  # store prefix -> its waiting reads
+        self.store_watches = 0  # etcd watches of store prefixes started (for the tests)
+        # Written batches and the writes they carried; waits of long polls (one per poll and
+        # per wake-up that did not answer it): GET /metrics, for the bench.
+        self.batches = 0
         self.writes = 0
+        self.wakes = 0
+
+    def live_members(self, job) -> int:
+        """How many of `job`'s members are live (`Rendezvous.expected_nodes`), counted once per
+        record: the index hands every request of a round the same record object."""
+        known = self._live_members.get(job.id)
+        if known is not None and known[0] is job:
+            return known[1]
+        if len(self._live_members) >= MAX_ENCODED:
+            self._live_members.clear()
+        count = sum(1 for m in job.members.values() if m.is_live())
+        self._live_members[job.id] = (job, count)
+        return count
 
     def encoded(self, entry: Entry) -> str:
         """The state `entry` as it travels (base64), made once per revision: a round's N nodes
@@ -266,8 +319,12 @@ class StateHub:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
+                event = watched.changed if not watched.known else \
+                    watched.progressed if progress is not None else \
+                    watched.reshaped if shape is not None else watched.changed
+                self.wakes += 1
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(watched.changed.wait(), remaining)
+                    await asyncio.wait_for(event.wait(), remaining)
         finally:
             if alive is not None:
                 held = watched.alive[alive[0]]
@@ -279,6 +336,59 @@ class StateHub:
         # A kept-alive node's poll that timed out: nothing it waits for changed (its answer
         # then comes without the state, `service.routes.rendezvous`).
         return entry, alive is None and state_token(entry) != after
+
+    @contextlib.asynccontextmanager
+    async def key_waits(self, kv: KeyValue, prefix: str, keys: frozenset[str]):
+        """Wait for a write of one of `keys` (etcd keys under `prefix`): yields a future that is
+        done once one of them is written after the block's start (or the watch ended: read
+        again). Every wait on one prefix shares one etcd watch per control plane, started
+        after a revision read before the first waiter's; a waiter reads its keys inside the
+        block, so any write after that read wakes it. A round's N nodes all wait for the
+        master's address at once: N watches of etcd before, one now."""
+        waits = self._key_waits.get(prefix)
+        if waits is None or waits.ended:
+            waits = self._key_waits[prefix] = _KeyWaits(asyncio.get_running_loop().create_future())
+            waits.task = asyncio.get_running_loop().create_task(self._follow_keys(kv, prefix, waits))
+        done = asyncio.get_running_loop().create_future()
+        waits.waiters[done] = keys
+        try:
+            await asyncio.shield(waits.start)  # the watch starts after this revision
+            yield done
+        finally:
+            del waits.waiters[done]
+            if not waits.waiters:
+                asyncio.get_running_loop().call_later(WATCH_LINGER_S, self._drop_key_waits, prefix, waits)
+
+    def _drop_key_waits(self, prefix: str, waits: _KeyWaits) -> None:
+        if not waits.waiters and self._key_waits.get(prefix) is waits:
+            del self._key_waits[prefix]
+            waits.ended = True
+            assert waits.task is not None
+            waits.task.cancel()
+
+    async def _follow_keys(self, kv: KeyValue, prefix: str, waits: _KeyWaits) -> None:
+        """The watch of `prefix`: wakes the waiters of each key written; when it ends (etcd
+        away, history compacted, its session over), every waiter reads again and the next
+        wait starts another."""
+        try:
+            revision = await kv.revision()
+            waits.start.set_result(revision)
+            self.store_watches += 1
+            events = kv.watch_prefix(prefix, revision + 1)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if event.value is not None:
+                        waits.wake(event.key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the waiters read again (and raise, if etcd is away)
+            if not waits.start.done():
+                waits.start.set_exception(exc)
+        finally:
+            waits.ended = True
+            if self._key_waits.get(prefix) is waits:
+                del self._key_waits[prefix]
+            waits.wake(None)
 
     def kept_alive(self, key: str, node: Node) -> bool:
         """Whether `node` is kept alive by this control plane's polls (it is in the state)."""
@@ -445,15 +555,14 @@ class Rendezvous:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return None
-            # Read again at a known revision, then watch from just after it: a key written
-            # between the first read and the watch is either seen here or by the watch.
-            revision = await self.kv.revision()
-            missing = [k for k, v in zip(etcd_keys, await self._read(etcd_keys)) if v is None]
-            if not missing:
-                continue
-            await self._wait_for_event(
-                self._store_prefix, revision + 1, remaining,
-                lambda event, wanted=frozenset(missing): event.key in wanted and event.value is not None)
+            # Read again once the shared watch of the store is under way: a key written
+            # after this read wakes the wait (`StateHub.key_waits`).
+            async with self._states.key_waits(self.kv, self._store_prefix, frozenset(etcd_keys)) as written:
+                values = await self._read(etcd_keys)
+                if all(v is not None for v in values):
+                    return values  # type: ignore[return-value]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(written), max(0.0, deadline - loop.time()))
             if deadline - loop.time() <= 0:
                 # One last read: the write that ended the wait may have landed at the deadline.
                 values = await self._read(etcd_keys)
@@ -522,21 +631,6 @@ class Rendezvous:
     async def _read(self, etcd_keys: Sequence[str]) -> list[bytes | None]:
         entries = await asyncio.gather(*(self.kv.get(k) for k in etcd_keys))
         return [None if e is None else e.value for e in entries]
-
-    async def _wait_for_event(self, prefix: str, start_revision: int, timeout_s: float,
-                              wanted: Callable[[WatchEvent], bool]) -> None:
-        """Return once a change under `prefix` at or after `start_revision` is `wanted`, or at
-        the timeout, or when that history was compacted away (the caller reads again)."""
-
-        async def first_wanted() -> None:
-            events = self.kv.watch_prefix(prefix, start_revision)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if wanted(event):
-                        return
-
-        with contextlib.suppress(asyncio.TimeoutError, HistoryCompacted):
-            await asyncio.wait_for(first_wanted(), timeout_s)
 
     async def _update(self, key: str, combine, op_id: str | None) -> bytes:
         """Read-modify-write `key` by CAS; with `op_id`, at most once across retries."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.models import JobRecord, JobState
@@ -78,8 +78,30 @@ class Telemetry:
             if new.state is JobState.RUNNING:
                 self.recovery_s.observe(max(0.0, new.updated_at - since))
 
+    def count_rendezvous(self, hub) -> None:
+        """Publish the counts of `hub` (the replica's `StateHub`)."""
+        self.registry.register(_Rendezvous(hub))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Rendezvous(Collector):
+    """The rendezvous hub's counts (`service.rendezvous.StateHub`): state writes and the
+    batches that carried them, and long-poll waits (what a round costs this replica)."""
+
+    def __init__(self, hub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value, what in (
+                ("ftrain_rdzv_state_writes", self._hub.writes, "Rendezvous state writes served."),
+                ("ftrain_rdzv_state_batches", self._hub.batches, "etcd writes that carried them."),
+                ("ftrain_rdzv_poll_waits", self._hub.wakes, "Waits of state long polls (one a poll, "
+                                                            "one more a wake-up that did not answer it).")):
+            family = CounterMetricFamily(name, what)
+            family.add_metric([], value)
+            yield family
 
 
 class _Jobs(Collector):

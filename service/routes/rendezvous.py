@@ -25,6 +25,7 @@ from service.deps import (
     _node_of_credential,
     credential_digest,
     job_of_token,
+    token_matches,
     unauthorized,
     verify_node,
 )
@@ -55,12 +56,14 @@ async def current_rendezvous(
     """The caller's rendezvous, after checking its token and that its attempt is current."""
     creds = job_creds or node_creds  # one header: the OpenAPI names both schemes
     job_id, attempt = parse_rdzv_id(rdzv_id)
-    if ctx.settings.node_token is not None:
-        if creds is None:
-            raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
-                                "FTRAIN_JOB_TOKEN, or a member node's credential)")
-        job = await _job_of_caller(ctx, creds.credentials, job_id)
-    else:
+    if ctx.settings.node_token is not None and creds is None:
+        raise unauthorized("missing 'Authorization: Bearer <token>' (the job token in "
+                            "FTRAIN_JOB_TOKEN, or a member node's credential)")
+    given = None if ctx.settings.node_token is None else creds.credentials
+    job = _cached_job(ctx, given, job_id, attempt)
+    if job is None and given is not None:
+        job = await _job_of_caller(ctx, given, job_id)
+    elif job is None:
         job = await ctx.jobs.get(job_id)
     if job.state.is_terminal():
         raise RendezvousGone(f"job {job_id} is {job.state.value}; its rendezvous {rdzv_id} is "
@@ -70,7 +73,27 @@ async def current_rendezvous(
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
     return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states,
-                      expected_nodes=sum(1 for m in job.members.values() if m.is_live()))
+                      expected_nodes=ctx.rdzv_states.live_members(job))
+
+
+def _cached_job(ctx, given: str | None, job_id: str, attempt: int):
+    """The job as the watch-fed index has it, if that alone answers this request: the caller
+    is the job's token (`given`; None: an open cluster), the index has the job unfinished and
+    at `attempt` or newer (a newer one is a 410 either way: attempts only grow). None
+    otherwise (a node's credential, which is verified in etcd; a job the index lacks, has
+    finished or at an older attempt; a token that does not match): read from etcd as before.
+
+    A rendezvous request used to read the job from etcd (and parse every member) each time:
+    a round of N nodes makes several requests a node. The index may lag etcd by a watch
+    event; a request it lets through for an attempt that has just ended only reaches that
+    attempt's own keys (the module docstring of `service.rendezvous`: fencing of attempts)."""
+    job = ctx.index.get(job_id)
+    if job is None or job.attempt < attempt or job.state.is_terminal():
+        return None
+    if given is not None and (_node_of_credential(given) is not None
+                              or not token_matches(given, ctx.job_token(job))):
+        return None
+    return job
 
 
 async def _job_of_caller(ctx, given: str, job_id: str):

@@ -180,6 +180,15 @@ def test_state_holds_arbitrary_bytes(backend):
     assert written and state == blob and backend.get_state()[0] == blob
 
 
+def test_a_whole_state_of_a_large_round_is_written(backend):
+    """Any node may write the whole state (torch's compare-and-set): a round of 1,024 nodes'
+    state is about 64 KB, which travels as about 86 KB (base64), over the control plane's
+    default 64 KiB body limit for other requests; the state write takes it."""
+    blob = bytes(range(256)) * 400  # 100 KB
+    state, _, written = backend.set_state(blob)
+    assert written and state == blob and backend.get_state()[0] == blob
+
+
 # --------------------------------------------------------------------------------------
 # c10d Store contract (run on HttpStore and torch's TCPStore)
 # --------------------------------------------------------------------------------------

@@ -182,3 +182,60 @@ def test_the_join_of_the_last_expected_member_ends_the_last_call_and_no_other_do
     assert joined_deadline(1) == ENDED_LAST_CALL_US  # the one member left is in: complete now
     assert joined_deadline(2) == 9  # one more member to come: torch's last call
     assert joined_deadline(0) == 9  # members unknown: torch's last call
+
+
+def test_joined_waiters_are_not_woken_by_joins_that_leave_the_round_open():
+    """A poll waiting for the round's progress waits on its own event: the other nodes' joins
+    (each a change of the state) do not wake it to find nothing it waits for: 14 joins, no
+    wake-up of the 10 polls (before: each woke at every join, 140 wake-ups)."""
+    n, waiting_n = 16, 10
+    first = ("h", 0, 0)
+    base = RdzvDoc(participants={first: 0}, last_heartbeats={first: 1})
+
+    async def scenario():
+        hub = StateHub()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub)
+        start, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
+        polls = [asyncio.create_task(rdzv.wait_for_state_change(str(start.mod_revision), 5,
+                                                                progress=base.progress()))
+                 for _ in range(waiting_n)]
+        await asyncio.sleep(0.05)
+        waits_before = hub.wakes
+        for i in range(1, n - 1):  # 14 joins one by one; the round (of 16) stays open
+            spec = MergeSpec(ops=[Op(kind="join", node=("h", i, 0), at_us=5)], min_nodes=n, max_nodes=n)
+            _, written = await rdzv.set_state(None, str(start.mod_revision), spec)
+            assert written
+        await asyncio.sleep(0.05)
+        woken_meanwhile = hub.wakes - waits_before
+        spec = MergeSpec(ops=[Op(kind="join", node=("h", n - 1, 0), at_us=5)], min_nodes=n, max_nodes=n)
+        await rdzv.set_state(None, str(start.mod_revision), spec)  # completes the round
+        answers = await asyncio.wait_for(asyncio.gather(*polls), 2)
+        return waits_before, woken_meanwhile, answers
+
+    waits_before, woken_meanwhile, answers = asyncio.run(scenario())
+    assert waits_before >= waiting_n and woken_meanwhile == 0
+    assert all(changed and RdzvDoc.from_json(open_state(e.value)).complete for e, changed in answers)
+
+
+def test_blocking_store_reads_share_one_watch_and_all_get_the_value():
+    """N nodes wait for the master's address at once: one etcd watch of the store (before:
+    one a waiting read), and every read answers with the value once it is set."""
+
+    async def scenario():
+        kv, hub = CountingStore(), StateHub()
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        reads = [asyncio.create_task(rdzv.get(["MASTER_ADDR", "MASTER_PORT"], 5)) for _ in range(20)]
+        await asyncio.sleep(0.1)  # they all wait
+        pending = sum(not r.done() for r in reads)
+        await rdzv.set([("MASTER_ADDR", b"10.0.0.1")])
+        await asyncio.sleep(0.05)
+        still = sum(not r.done() for r in reads)  # only one key of two: all still wait
+        await rdzv.set([("MASTER_PORT", b"29500")])
+        values = await asyncio.wait_for(asyncio.gather(*reads), 2)
+        late = await rdzv.get(["MASTER_ADDR"], 5)  # present: no wait
+        return kv.watches, hub.store_watches, pending, still, values, late
+
+    watches, store_watches, pending, still, values, late = asyncio.run(scenario())
+    assert pending == 20 and still == 20
+    assert watches == 1 and store_watches == 1
+    assert all(v == [b"10.0.0.1", b"29500"] for v in values) and late == [b"10.0.0.1"]
