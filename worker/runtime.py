@@ -138,6 +138,8 @@ EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchru
 
 _ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
 _ACTION_NAMES = {v: k for k, v in _ACTIONS.items()}
+# Rank 0's word on the memory tier, broadcast with the control decision each step.
+_COPY_NONE, _COPY, _COPY_SKIPPED = 0, 1, 2
 
 
 class Stopped(SystemExit):
@@ -272,6 +274,7 @@ class Runtime:
     memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
+    _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only)
     _step_s: float | None = None  # the step period (moving average), for the picked interval
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
@@ -545,16 +548,14 @@ class Runtime:
             self._progress = (self.step, loss, self._samples, time.monotonic())
             if first:
                 self._wake_poll.set()
-        rng = None
-        if self.memory_dir is not None:
-            rng = _rng_state()
-            self._save_rng(rng)
-        if self._memory is not None:
-            self._time_step()
-            if self._memory_due():
-                self._copy_to_memory(rng)
-                self._plan_next_copy()
-        action, control_id = self._agree_on_control()
+        # One broadcast a step (rank 0's): the control decision, and whether the memory tier
+        # copies this step. Every node copies at the steps rank 0 picks, so each rank takes its
+        # RNG states only then, not every step (they cost ~0.2 ms a step on a GPU host).
+        action, control_id, copy = self._agree_on_control()
+        if copy == _COPY:
+            self._keep_rng_and_copy()
+        elif copy == _COPY_SKIPPED:
+            self._memory_missed = self.step
         if action != "none":
             self._obey(action, control_id)
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
@@ -600,14 +601,41 @@ class Runtime:
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
         self._last_step_t = now
 
-    def _memory_due(self) -> bool:
-        assert self._memory is not None
+    def _copy_decision(self) -> int:
+        """Rank 0: does the memory tier copy this step (_COPY), was the copy due but skipped
+        because rank 0's previous copy is still in flight (_COPY_SKIPPED), or neither. Rank 0
+        follows its own writer's cost (`_plan_next_copy`); every node copies when it says so."""
+        if self.memory_dir is None:
+            return _COPY_NONE
+        if self._memory is None:  # no writer here (its node's tier is elsewhere): a fixed interval
+            return _COPY if self.step % (self.memory_every or 1) == 0 else _COPY_NONE
+        self._time_step()
         due = self.step % self.memory_every == 0 if self.memory_every else self.step >= self._memory_next
-        if due and self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
+        if not due:
+            return _COPY_NONE
+        if self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
             self._memory.skipped += 1
+            return _COPY_SKIPPED
+        return _COPY
+
+    def _keep_rng_and_copy(self) -> None:
+        """A copy step: every rank keeps its RNG states of this step in its ring; a node's
+        first rank starts its copy (skipped if its own previous copy is still in flight)."""
+        if self.memory_dir is None:
+            return
+        start = time.perf_counter()
+        rng = _rng_state()
+        self._save_rng(rng)
+        self._rng_s = time.perf_counter() - start
+        w = self._memory
+        if w is None:
+            return
+        if w.busy():
+            w.skipped += 1
             self._memory_missed = self.step
-            return False
-        return due
+            return
+        self._copy_to_memory(rng)
+        self._plan_next_copy()
 
     def _flush_memory(self) -> None:
         """At the end: the copy in flight whole; the last step's copy if it was due and skipped
@@ -629,13 +657,13 @@ class Runtime:
         """Without a fixed interval: copy again after as many steps as keep the copies'
         cost within MEMORY_BUDGET of the step time. The cost is the training thread's time in
         the copy, plus on a CPU the copy thread's whole time (it takes a core); on a GPU the
-        copy runs on the copy engine, and a copy still in flight skips the next (`_memory_due`)."""
+        copy runs on the copy engine, and a copy still in flight skips the next (`_copy_decision`)."""
         if self.memory_every:
             self.memory_interval = self.memory_every
             return
         w = self._memory
         assert w is not None
-        cost = w.last_cost_s()
+        cost = w.last_cost_s() + self._rng_s  # every rank's RNG capture comes with a copy
         k = 1
         if self._step_s and cost > MEMORY_BUDGET * self._step_s:
             k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
@@ -691,18 +719,21 @@ class Runtime:
             later = set()  # nothing tells when the parameters change: copy them now
         w.capture(state, self.step, later)
 
-    def _agree_on_control(self) -> tuple[str, int]:
-        """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
+    def _agree_on_control(self) -> tuple[str, int, int]:
+        """Rank 0 decides from what its poller last heard, and whether the memory tier copies
+        this step (`_copy_decision`); every rank gets the same answer."""
         code, control_id = 0, 0
+        copy = _COPY_NONE
         if self.is_chief:
             ctl = self._control
             if ctl.id > self._handled_control and ctl.action in _ACTIONS:
                 code, control_id = _ACTIONS[ctl.action], ctl.id
+            copy = self._copy_decision()
         if self.distributed:
-            t = torch.tensor([code, control_id], dtype=torch.int64, device=self.device)
+            t = torch.tensor([code, control_id, copy], dtype=torch.int64, device=self.device)
             dist.broadcast(t, src=0)
-            code, control_id = int(t[0]), int(t[1])
-        return _ACTION_NAMES.get(code, "none"), control_id
+            code, control_id, copy = (int(v) for v in t.tolist())
+        return _ACTION_NAMES.get(code, "none"), control_id, copy
 
     def _obey(self, action: str, control_id: int) -> None:
         self._handled_control = control_id
@@ -840,6 +871,10 @@ class Runtime:
         self._finished = True
         try:
             self._stop_report.set()
+            if self.memory_dir is not None and self._memory_missed == self.step and self._state:
+                # The last step's copy was due and skipped (a copy in flight): the writers copy
+                # it now (`_flush_memory`), so every rank keeps its RNG states of it.
+                self._save_rng(_rng_state())
             if self._memory is not None:
                 self._flush_memory()
             if self._rng_keeper is not None:

@@ -186,13 +186,17 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     _train(rt, 3)
     writer = rt._memory
     writer._on_device = False  # the host path's cost first (on a GPU machine _train took the GPU path)
-    rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
+    rt._step_s, writer.copies_s[:], writer.stalls_s[:], rt._rng_s = 0.1, [0.001], [0.0], 0.0
     rt._plan_next_copy()
     assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
     writer.copies_s[:] = [0.0195]
     writer.stalls_s[:] = [0.0005]
     rt._plan_next_copy()
     assert rt.memory_interval == 4 and rt._memory_next == rt.step + 4  # 20 ms: 5% of 4 steps
+    rt._rng_s = 0.005  # the ranks' RNG capture comes with each copy: it counts too
+    rt._plan_next_copy()
+    assert rt.memory_interval == 5
+    rt._rng_s = 0.0
     writer.copies_s[:] = [10.0]
     rt._plan_next_copy()
     assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
