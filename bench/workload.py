@@ -117,12 +117,14 @@ def run_runtime(args, events: EventLog) -> int:
     model = rt.wrap(build_model(torch, args.width))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = rt.restore(model=model, optimizer=opt)
-    if rt.is_chief:
-        events.write("resume", step=start, world=rt.world_size)
+    if rt.is_chief:  # with the runtime's start-up and restore phases (s), to see where the time goes
+        events.write("resume", step=start, world=rt.world_size,
+                     phases={k: round(v, 4) for k, v in rt.phases_s.items()})
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
     memory = rt._memory  # the node's memory tier (worker/memory.py), on its first rank
     while rt.step < args.steps:
         waited = sum(memory.stalls_s) if memory else 0.0
+        setup = sum(memory.setups_s) if memory else 0.0
         x = torch.randn(args.batch, 64, generator=g).to(rt.device)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
@@ -134,6 +136,8 @@ def run_runtime(args, events: EventLog) -> int:
             # optimizer's wait for the previous copy), and the copy interval in use.
             extra = {} if memory is None else {"mem_ms": round((sum(memory.stalls_s) - waited) * 1e3, 3),
                                                "mem_every": rt.memory_interval}
+            if memory is not None and sum(memory.setups_s) > setup:  # a slot mapped, registered...
+                extra["mem_setup_ms"] = round((sum(memory.setups_s) - setup) * 1e3, 3)
             events.write("step", step=rt.step, world=rt.world_size, **extra)
         time.sleep(args.step_time)
     rt.finish()

@@ -252,6 +252,30 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+class _Prefetch:
+    """`mem.read_copy(directory)` in a thread of its own, started before CUDA and the process
+    group (a restarted worker's copy read and verified meanwhile, not after them)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._got: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="ftrain-memory-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._got = mem.read_copy(self.directory)
+        except BaseException as exc:  # noqa: BLE001 - raised where the restore reads it
+            self._error = exc
+
+    def result(self) -> tuple | None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._got
+
+
 @dataclass
 class Runtime:
     """One worker's view of the job; made by `init`. See the module docstring."""
@@ -275,6 +299,8 @@ class Runtime:
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
     _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only)
+    _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
+    phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
     _step_s: float | None = None  # the step period (moving average), for the picked interval
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
@@ -322,7 +348,10 @@ class Runtime:
         if not self.distributed:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        began = time.perf_counter()  # DDP's first collective: NCCL's communicator is made here
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        self.phases_s["ddp_s"] = time.perf_counter() - began
+        return wrapped
 
     def sampler(self, num_samples: int, batch_size: int | None = None, *, seed: int = 0,
                 shuffle: bool = True, global_batch_size: int | None = None) -> ResumableSampler:
@@ -348,7 +377,10 @@ class Runtime:
         # attempt); then the control plane decides the restore point (service/decide/restore.py)
         # and rank 0 broadcasts it. The gather is the barrier after which every report is in,
         # and tells ranks whose node lacks the chosen copy which rank sends it.
+        began = time.perf_counter()
         copy, held = self._read_memory()
+        self.phases_s["read_memory_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         helds = [held]
         if self.distributed:
             # The node leaders' peer-watch addresses travel with the same gather.
@@ -358,17 +390,24 @@ class Runtime:
             helds = [g[0] for g in got]
             if self._peer_watch is not None:
                 self._peer_watch.join([g[1] for g in got], self.rank)
+        self.phases_s["gather_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         chosen = self._choose(helds) if self.is_chief else None
         if self.distributed:
             box = [chosen]
             dist.broadcast_object_list(box, src=0)
             chosen = box[0]
+        self.phases_s["choose_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         if chosen is None:
             log.info("rank %d: no committed snapshot; starting at step 0", self.rank)
         elif chosen[0] == "memory":
             self._load_memory(chosen[1], chosen[2], helds, copy)
         else:
             self._load(chosen[1])
+        self.phases_s["load_s"] = time.perf_counter() - began
+        log.info("rank %d: started and restored in phases (s): %s", self.rank,
+                 ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.phases_s.items()))
         if self._memory is not None and optimizer is not None:
             # The copy of a step is whole before the optimizer changes what it copies.
             optimizer.register_step_pre_hook(self._memory.guard)
@@ -416,13 +455,21 @@ class Runtime:
                     return
                 log.debug("memory tier report failed: %s", exc)
 
+    def _read_copy(self) -> tuple | None:
+        """`mem.read_copy` of this node's tier: the one `init` started reading, if it did."""
+        assert self.memory_dir is not None
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None and prefetch.directory == self.memory_dir:
+            return prefetch.result()
+        return mem.read_copy(self.memory_dir)
+
     def _read_memory(self) -> tuple[tuple | None, int]:
         """This node's memory copy (verified) and its step (-1: none). A corrupt one counts as
         none, so the restore falls back to a peer's copy or disk, and the job's events say so."""
         if self.memory_dir is None:
             return None, -1
         try:
-            copy = mem.read_copy(self.memory_dir)
+            copy = self._read_copy()
         except mem.CopyCorrupt as exc:
             log.warning("rank %d: %s; falling back to the next source (a peer's copy, then disk)",
                         self.rank, exc)
@@ -869,6 +916,7 @@ class Runtime:
         if self._finished:
             return
         self._finished = True
+        self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         try:
             self._stop_report.set()
             if self.memory_dir is not None and self._memory_missed == self.step and self._state:
@@ -948,15 +996,28 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
     rank = int(env.get("RANK", 0))
     local_rank = int(env.get("LOCAL_RANK", 0))
     world_size = int(env.get("WORLD_SIZE", 1))
+    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
+    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
+    memory_on = bool(memory_dir) and memory_every != 0
+    # A restarted worker reads its node's memory copy (and verifies it) while CUDA and the
+    # process group start, instead of after them (`Runtime._read_copy`).
+    prefetch = _Prefetch(Path(memory_dir)) if memory_on else None
+    phases: dict[str, float] = {}
+    began = time.perf_counter()
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
+    phases["device_s"] = time.perf_counter() - began
     if distributed and not dist.is_initialized():
         if rank != 0:
+            began = time.perf_counter()
             wait_for_store(env.get("MASTER_ADDR"), env.get("MASTER_PORT"), min(timeout_s, STORE_WAIT_S))
+            phases["store_wait_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(seconds=timeout_s))
+        phases["process_group_s"] = time.perf_counter() - began
 
     directory = snapshot_dir or env.get(FTRAIN_SNAPSHOT_DIR) or None
     every = snapshot_every or _env_int(env, FTRAIN_SNAPSHOT_EVERY) or (100 if directory else None)
@@ -980,9 +1041,9 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  pause_timeout_s=pause_timeout_s, total_steps=total_steps,
                  attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
                  node=env.get(FTRAIN_NODE) or None)
-    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
-    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
-    if memory_dir and memory_every != 0:
+    rt.phases_s = phases
+    rt._prefetch = prefetch
+    if memory_on:
         rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
