@@ -190,6 +190,7 @@ class EventFile:
             # one-time memory-tier work (slot mapped and registered, staging made)
             "runtime_phases_s": resume.get("phases"),
             "first_step_mem_setup_ms": first.get("mem_setup_ms"),
+            "first_step_ms": first.get("first_ms"),
         }
 
     def first_step_time(self) -> float:
@@ -636,6 +637,10 @@ def print_runtime_phases(trials: list[dict]) -> None:
         setups = [r["first_step_mem_setup_ms"] for r in rows if r.get("first_step_mem_setup_ms")]
         if setups:
             parts.append(f"first-step memory setup={statistics.median(setups):.1f} ms")
+        firsts = [r["first_step_ms"] for r in rows if r.get("first_step_ms")]
+        if firsts:
+            parts.append("first step (ms): " + " ".join(
+                f"{k}={statistics.median(f[k] for f in firsts):.1f}" for k in firsts[0]))
         print(f"  {scenario:<12} rank 0 (s, median of {len(rows)}): " + "  ".join(parts))
 
 
