@@ -467,6 +467,12 @@ class MemoryWriter:
     # the copy to the slot) as two CUDA graphs once the same layout comes a second time (a
     # plan's): two launches where there were a dozen calls. False: enqueue them one by one.
     graphs = True
+    # GPU path with the slot registered: the copy's commit (checksum from the GPU's sums, plan
+    # check, metadata, `latest.json`) runs on the training thread once the copy is whole
+    # (`poll`, each step), not on the copy thread: ~0.3 ms of Python either way, but on the
+    # copy thread it took the GIL from the training thread in many small turns (its wall time
+    # 1-2 ms a copy on an H100 host). False: the copy thread commits (for the bench).
+    commit_inline = True
 
     def __init__(self, directory: str | Path, attempt: int = 0, rank: int = 0):
         self.directory = Path(directory)
@@ -479,6 +485,9 @@ class MemoryWriter:
         self._thread: threading.Thread | None = None  # the copy thread, started at the first copy
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # its work: (args of _finish, done)
         self._current: threading.Event | None = None  # set once the copy in flight is whole
+        # A copy in flight whose commit the training thread makes (`commit_inline`): the args
+        # of `_finish`, and the CUDA event of the copy being whole.
+        self._pending: tuple | None = None
         self._error: BaseException | None = None
         self._stream = None
         self._on_device = False  # the copy in flight is the GPU path's (the guard need not join it)
@@ -493,6 +502,8 @@ class MemoryWriter:
         self.setups_s: list[float] = []  # one-time work of a capture (slot mapped, registered, buffers)
         self._setup_s = 0.0
         self.commits_s: list[float] = []  # GPU path, per copy: the thread's Python work once the copy is in
+        self.commits_cpu_s: list[float] = []  # the same, the committing thread's CPU time
+        self.commit_thread_cpu = 0.0
         self.skipped = 0  # captures skipped because the previous copy was still in flight
         self._layout_cache: _Layout | None = None  # the last capture's tensors, their packing and copy lists
         self._events: tuple = ()  # GPU path: (boundary, staged, done), made with the staging buffer
@@ -601,8 +612,28 @@ class MemoryWriter:
 
     def busy(self) -> bool:
         """The GPU path's previous copy is still in flight: a capture now would be skipped."""
+        if self._pending is not None:
+            return not self.poll()
         done = self._current
         return self._on_device and done is not None and not done.is_set()
+
+    def poll(self) -> bool:
+        """Commit the copy in flight if it is whole (training thread, every step; a CUDA
+        event query while a copy is in flight, nothing otherwise). True if none is left."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if not pending[3][1].query():
+            return False
+        self._commit_pending()
+        return True
+
+    def _commit_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[3][1].synchronize()
+            self._finish(*pending)
+            self._raise_error()
 
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
@@ -665,11 +696,19 @@ class MemoryWriter:
         else:
             deferred, event = self._capture_host(lay, views)
         self._on_device = event is not None and event[0] == "staged"
+        if self._on_device and not deferred and self.commit_inline:
+            self._pending = (deferred, meta, slot, event, start, check)
+            self._current = None
+            self._count_stall(start)
+            return
         if self._thread is None:  # one thread for the writer's life: starting one per copy
             self._thread = threading.Thread(target=self._serve, name="memory-copy", daemon=True)
             self._thread.start()  # made the training thread wait for its start
         self._current = threading.Event()
         self._jobs.put(((deferred, meta, slot, event, start, check), self._current))
+        self._count_stall(start)
+
+    def _count_stall(self, start: float) -> None:
         # One-time work (mapping a slot, registering it, making buffers) is counted apart:
         # the stall is what every copy costs, and the interval is picked from it.
         self.stalls_s.append(time.perf_counter() - start - self._setup_s)
@@ -798,6 +837,7 @@ class MemoryWriter:
                 _, done, sums, start = event
                 done.synchronize()  # the host copy, beside training (the GIL released meanwhile)
                 committing = time.perf_counter()
+                self.commit_thread_cpu = time.thread_time()
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
                 # The checksum: the GPU's range from its row and column sums (made on the GPU
@@ -834,6 +874,7 @@ class MemoryWriter:
             self.copies_s.append(time.perf_counter() - started)
             if event is not None and event[0] == "staged":
                 self.commits_s.append(time.perf_counter() - committing)
+                self.commits_cpu_s.append(time.thread_time() - self.commit_thread_cpu)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
@@ -852,6 +893,12 @@ class MemoryWriter:
     def wait(self, stall: bool = True) -> None:
         """Block until the copy in flight is whole (the optimizer may then change the state).
         `stall`: count the wait as the training thread's (False: a benchmark's untimed wait)."""
+        if self._pending is not None:
+            start = time.perf_counter()
+            self._commit_pending()
+            if self.stalls_s and stall:
+                self.stalls_s[-1] += time.perf_counter() - start
+            return
         done = self._current
         if done is not None:
             start = time.perf_counter()
@@ -859,13 +906,23 @@ class MemoryWriter:
             self._current = None
             if self.stalls_s and stall:
                 self.stalls_s[-1] += time.perf_counter() - start
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             log.warning("memory copy failed (%s); training goes on, the disk tier still holds", error)
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the copy in flight to be whole (a worker on its way out:
-        that copy is the newest step it holds); True if none is left in flight."""
+        """Wait up to `timeout_s` for the copy in flight to be whole and committed (a worker on
+        its way out: that copy is the newest step it holds); True if none is left in flight."""
+        if self._pending is not None:
+            deadline = time.monotonic() + timeout_s
+            while not self.poll():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+            return True
         done = self._current
         return done is None or done.wait(timeout_s)
 

@@ -484,3 +484,31 @@ def test_the_rng_ring_keeps_the_last_steps_across_a_restart_and_refuses_a_torn_s
     assert mem.load_rng(tmp_path, 1, 5, 4) is None and mem.load_rng(tmp_path, 1, 6, 4) is not None
     again.keep(7, states[1])
     assert mem.load_rng(tmp_path, 1, 7, 4)["python"] == states[1]["python"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
+def test_on_a_gpu_the_training_thread_commits_a_whole_copy_at_its_next_step(shm_dir):
+    """The registered GPU path starts no copy thread: the copy of step 1 is committed by the
+    training thread at step 2 (its next `step_done`), once whole, and holds step 1's state."""
+    rt = runtime.init(memory_dir=shm_dir, memory_every=1, env={})
+    torch.manual_seed(0)
+    model = rt.wrap(torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rt.restore(model=model, optimizer=opt)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(4, 64, device=rt.device)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+
+    step()
+    weight = model.weight.detach().cpu().clone()
+    torch.cuda.synchronize()  # the copy of step 1 is whole on the GPU side, not yet committed
+    assert mem.read_held(shm_dir) is None and rt._memory._pending is not None
+    step()
+    assert mem.read_held(shm_dir).step == 1
+    assert torch.equal(mem.load(shm_dir, 1)["model"]["weight"], weight)
+    assert rt._memory._thread is None and rt._memory.commits_cpu_s
+    rt.finish()
+    assert mem.read_held(shm_dir).step == 2
