@@ -17,8 +17,9 @@ Layout of the directory (one writer, the node's local rank 0; any number of read
     slot0.pkl, slot1.pkl   the rest of the state, tensors replaced by their index, and
                            the packing (dtype, shape, offset of each tensor)
     latest.json            {"slot": s, "step": n, "attempt": a, ...}: the slot that is whole
-    rng.r<rank>.ring       each rank's RNG states after step n, for the last steps (a ring
-                           of fixed slots, slot n % ring); written by every rank, so that on a
+    rng.r<rank>.ring       each rank's RNG states after step n, for the last copy steps (a
+                           ring of fixed slots, slot n % ring); written by every rank at each
+                           step its node copies (rank 0 picks them), so that on a
                            restore from memory each rank gets its own back (`RngKeeper`,
                            `load_rng`; a state too large for a slot: rng.r<rank>.<i>.pkl)
 
@@ -47,8 +48,10 @@ then the whole range to the host in one non-blocking copy. The slot's pages are 
 with CUDA (page-locked), so that copy is a DMA straight into /dev/shm at the link's speed,
 beside the training kernels; where registration is refused, into a pinned buffer that the
 thread then copies into the slot. The guard makes the training stream wait (on the GPU, not
-the host) for the staging copy alone; the thread waits for the host copy and commits the
-slot. A capture that comes while the previous copy is still in flight is skipped (`busy`):
+the host) for the staging copy alone; once the host copy is whole (its event), the training
+thread commits the slot at its next step (`poll`; a thread that committed took the GIL in
+small turns), or, through a pinned buffer, the thread copies it in and commits it. A capture
+that comes while the previous copy is still in flight is skipped (`busy`):
 the copies then come as often as the link allows, and the training thread never waits.
 
 What a capture costs the training thread is Python (10-30 us a torch call on a GPU host), so
@@ -637,9 +640,9 @@ class MemoryWriter:
 
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
-        time alone (the copy and its checksum run on the GPU) plus the copy thread's Python
-        (its commit: it holds the GIL the training thread needs); otherwise also the copy
-        thread's whole time (it takes a core)."""
+        time alone (the copy and its checksum run on the GPU) plus the commit (on the training
+        thread, or on the copy thread where it holds the GIL the training thread needs);
+        otherwise also the copy thread's whole time (it takes a core)."""
         stall = self.stalls_s[-1] if self.stalls_s else 0.0
         if self._on_device:
             return stall + (self.commits_s[-1] if self.commits_s else 0.0)
@@ -1130,8 +1133,8 @@ def load_rng(directory: str | Path, rank: int, step: int, ring: int) -> dict | N
 
 
 class RngKeeper:
-    """One rank's RNG states, kept beside the memory tier every step, in a ring file of
-    fixed slots mapped into memory (`rng.r<rank>.ring`, slot = step % ring): each step is
+    """One rank's RNG states, kept beside the memory tier at each copy step, in a ring file of
+    fixed slots mapped into memory (`rng.r<rank>.ring`, slot = step % ring): each is
     one pickle of a few KB and a copy into the mapping, on the training thread. (A thread
     that wrote a file per step cost the training thread ~0.6 ms a step on an H100 host,
     through the GIL.) A slot's header (step, length, crc32) is written after its payload,
