@@ -363,7 +363,10 @@ def test_sum64_is_the_same_whole_or_joined_from_two_ranges():
     padded[:flat.numel()] = flat
     on = padded.cuda() if torch.cuda.is_available() else padded
     blocks = on.view(torch.int64).view(-1, mem.SUM_BLOCK)
-    assert mem._sum64_blocks(blocks.sum(1).cpu().numpy(), blocks.sum(0).cpu().numpy()) == ref
+    rows_at = torch.arange(blocks.shape[0], dtype=torch.int64, device=on.device)
+    cols_at = torch.arange(1, mem.SUM_BLOCK + 1, dtype=torch.int64, device=on.device)
+    pair = mem._sum64_pair(blocks, rows_at, cols_at).tolist()
+    assert (pair[0] & mem._MASK, pair[1] & mem._MASK) == ref
     if torch.cuda.is_available():
         assert mem.sum64(flat.cuda()) == ref
     swapped = flat.clone()
