@@ -712,7 +712,8 @@ class Runtime:
             self._memory_missed = self.step
             return
         self._copy_to_memory(rng)
-        self._plan_next_copy()
+        if self.is_chief:  # the interval is rank 0's to pick (`_copy_decision`)
+            self._plan_next_copy()
 
     def _flush_memory(self) -> None:
         """At the end: the copy in flight whole; the last step's copy if it was due and skipped
