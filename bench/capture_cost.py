@@ -10,6 +10,9 @@ made of, for scale (a host's Python speed decides these figures, not its GPU).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import tempfile
@@ -34,7 +37,7 @@ def median_us(fn, repeats: int, between=None) -> float:
     return statistics.median(times) * 1e6
 
 
-def captures(width: int, repeats: int, graphs: bool, directory: Path) -> dict:
+def captures(width: int, repeats: int, graphs: bool, directory: Path, profile: bool = False) -> dict:
     mem.MemoryWriter.graphs = graphs
     rt = runtime.init(env={}, memory_dir=directory, memory_every=1)
     torch.manual_seed(0)
@@ -52,13 +55,26 @@ def captures(width: int, repeats: int, graphs: bool, directory: Path) -> dict:
         rt._memory.wait(stall=False)
     w = rt._memory
     rng = runtime._rng_state()
+    prof = cProfile.Profile() if profile else None
+
+    def commit() -> None:  # the copy made whole and committed (on this thread, the GPU path's way)
+        if prof is not None:
+            prof.enable()
+        w.wait(stall=False)
+        if prof is not None:
+            prof.disable()
+
     out = {"rng_state_us": median_us(runtime._rng_state, repeats),
-           "copy_to_memory_us": median_us(lambda: rt._copy_to_memory(rng), repeats,
-                                          between=lambda: w.wait(stall=False)),
+           "copy_to_memory_us": median_us(lambda: rt._copy_to_memory(rng), repeats, between=commit),
            "commit_ms": statistics.median(w.commits_s[-repeats:] or [0.0]) * 1e3,
+           "commit_cpu_ms": statistics.median(w.commits_cpu_s[-repeats:] or [0.0]) * 1e3,
            "graphed": w.graphed, "tensors": len(rt._memory_plan.tensors) if rt._memory_plan else None}
     rt.finish()
     mem.MemoryWriter.graphs = True
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        out["commit_profile"] = "\n" + text.getvalue()
     return out
 
 
@@ -97,13 +113,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=1536)
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--profile-commit", action="store_true",
+                   help="cProfile the commits of the copies with graphs (where a commit's time goes)")
     args = p.parse_args()
     base = mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None
     results = {}
     for graphs in ((True, False) if torch.cuda.is_available() else (False,)):
         with tempfile.TemporaryDirectory(prefix="ftrain-capture-", dir=base) as d:
             name = "graphs" if graphs else "call_by_call"
-            results[name] = captures(args.width, args.repeats, graphs, Path(d))
+            profile = args.profile_commit and (graphs or not torch.cuda.is_available())
+            results[name] = captures(args.width, args.repeats, graphs, Path(d), profile)
     if torch.cuda.is_available():
         results["calls"] = calls(args.repeats)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

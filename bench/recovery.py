@@ -185,6 +185,12 @@ class EventFile:
                 "rank0_resumed": round(resume["t"] - since, 3),
                 "first_step": round(first["t"] - since, 3),
             },
+            # rank 0's own account (runtime mode): CUDA device, store wait, process group,
+            # DDP (NCCL's communicator), memory read, gather, choice, load; the first step's
+            # one-time memory-tier work (slot mapped and registered, staging made)
+            "runtime_phases_s": resume.get("phases"),
+            "first_step_mem_setup_ms": first.get("mem_setup_ms"),
+            "first_step_ms": first.get("first_ms"),
         }
 
     def first_step_time(self) -> float:
@@ -616,6 +622,28 @@ def print_phases(phases: dict) -> None:
             print(f"    {v:<17} " + "  ".join(f"{k}={got[k]}" for k in order if k in got))
 
 
+def print_runtime_phases(trials: list[dict]) -> None:
+    """Medians of rank 0's start-up and restore phases (runtime mode), per fault."""
+    for scenario in SCENARIOS:
+        rows = [t["fault"] for t in trials if t["scenario"] == scenario
+                and t.get("fault", {}).get("recovered") and t["fault"].get("runtime_phases_s")]
+        if not rows:
+            continue
+        names = list(dict.fromkeys(k for r in rows for k in r["runtime_phases_s"]))
+        parts = []
+        for k in names:
+            vals = [r["runtime_phases_s"][k] for r in rows if k in r["runtime_phases_s"]]
+            parts.append(f"{k[:-2]}={statistics.median(vals):.3f}")
+        setups = [r["first_step_mem_setup_ms"] for r in rows if r.get("first_step_mem_setup_ms")]
+        if setups:
+            parts.append(f"first-step memory setup={statistics.median(setups):.1f} ms")
+        firsts = [r["first_step_ms"] for r in rows if r.get("first_step_ms")]
+        if firsts:
+            parts.append("first step (ms): " + " ".join(
+                f"{k}={statistics.median(f[k] for f in firsts):.1f}" for k in firsts[0]))
+        print(f"  {scenario:<12} rank 0 (s, median of {len(rows)}): " + "  ".join(parts))
+
+
 def print_memory_tier(trials: list[dict]) -> None:
     """The memory tier's cost per step, as the training thread of rank 0 saw it before the faults."""
     costs = [t["memory_tier"] for t in trials if t.get("memory_tier")]
@@ -735,6 +763,7 @@ def main() -> int:
     phases = phase_table(trials, variants)
     print()
     print_phases(phases)
+    print_runtime_phases(trials)
     print_memory_tier(trials)
     import torch
     gpus = [torch.cuda.get_device_name(i) for i in range(GPUS)]

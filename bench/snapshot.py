@@ -107,13 +107,14 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
                     block: int = 3, every: int | None = 1, path: str = "staged",
-                    register: bool = True, graphs: bool = True) -> dict:
+                    register: bool = True, graphs: bool = True, commit_inline: bool = True) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
     (so that a load that drifts over the run weighs on both alike); step times of each.
     `every`: the copy interval (None: the runtime picks it to fit its 5% budget). `path`,
     `register`: the writer's GPU path (MemoryWriter.device_path, .register_host)."""
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = path, register
     mem.MemoryWriter.graphs = graphs
+    mem.MemoryWriter.commit_inline = commit_inline
     rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
@@ -123,15 +124,21 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     writer = rt._memory
     assert writer is not None
 
+    copied: list[bool] = []  # per on step: a copy started at its end
+
     def step() -> float:
         start = time.perf_counter()
+        before = len(writer.stalls_s)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         rt.step_done(loss=loss, samples=batch)
         sync(rt.device)
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        if rt._memory is not None:
+            copied.append(len(writer.stalls_s) > before)
+        return took
 
     for _ in range(4):  # warm-up, a whole copy each: both slots mapped (and registered), staging made
         step()
@@ -144,23 +151,36 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     on: list[float] = []
     off: list[float] = []
     memory_dir = rt.memory_dir
+    left = 0  # steps to the picked schedule's next copy when an on block ended
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
         rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
         # The runtime times its steps while the tier is on: an off block in between is not a
         # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
         rt._last_step_t = None
+        if b % 2 == 0 and b:  # the picked schedule resumes where it paused: the steps of the
+            rt._memory_next = rt.step + 1 + left  # off block must not make a copy due at once
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
+        if b % 2 == 0:
+            left = max(0, rt._memory_next - rt.step - 1)
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
     rt._memory, rt.memory_dir = writer, memory_dir
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
     mem.MemoryWriter.graphs = True
+    mem.MemoryWriter.commit_inline = True
+    # The on steps that ended with no copy started, and the steps right after a copy (its
+    # commit, its GPU work beside training): is the cost paid every step, or per copy?
+    quiet = [t for t, c, p in zip(on, copied, [False] + copied) if not c and not p]
     mean = statistics.mean  # a copy every K steps (or skipped while one is in flight): the mean
     return {"on_s": on, "off_s": off, "memory_stalls_s": writer.stalls_s, "memory_copies_s": writer.copies_s,
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
             "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
+            "memory_commits_cpu_s": writer.commits_cpu_s, "copied": copied,
+            "quiet_overhead": statistics.median(quiet) / statistics.median(off) - 1 if quiet else None,
+            "median_overhead": statistics.median(on) / statistics.median(off) - 1,
+            "commit_inline": commit_inline,
             "plan": rt._memory_plan is not None, "graphed": writer.graphed,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
@@ -270,7 +290,7 @@ def main() -> None:
                                         if mem.SHM_ROOT.is_dir() else root))
             try:
                 backend = "gloo" if args.device == "cpu" else None
-                for name in ("every_1", "pinned", "pageable", "auto", "eager"):
+                for name in ("every_1", "pinned", "pageable", "auto", "eager", "thread", "auto_thread"):
                     (shm / name).mkdir()
                 n = 2 * steps
                 if on_gpu:  # through a pinned buffer, and the first version's path
@@ -280,8 +300,13 @@ def main() -> None:
                                                              backend, path="pageable")
                     row["memory_eager"] = memory_overhead(width, n, args.batch, shm / "eager", backend,
                                                           graphs=False)
+                    row["memory_thread_commit"] = memory_overhead(width, n, args.batch, shm / "thread",
+                                                                  backend, commit_inline=False)
+                    row["memory_auto_thread_commit"] = memory_overhead(
+                        width, 8 * steps, args.batch, shm / "auto_thread", backend, block=max(10, steps // 2),
+                        every=None, commit_inline=False)
                 row["memory_every_1"] = memory_overhead(width, n, args.batch, shm / "every_1", backend)
-                row["memory_auto"] = memory_overhead(width, 4 * steps, args.batch, shm / "auto", backend,
+                row["memory_auto"] = memory_overhead(width, 8 * steps, args.batch, shm / "auto", backend,
                                                      block=max(10, steps // 2), every=None)
                 disk_file = max((root / f"{size}-every_10").glob("step-*.pt"))
                 row["restore"] = restore_times(width, shm / "every_1", disk_file, 3)
@@ -328,11 +353,13 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for r in results:
-        for key in ("memory_every_1", "memory_eager", "memory_pinned", "memory_pageable"):
+        for key in ("memory_every_1", "memory_thread_commit", "memory_eager", "memory_pinned",
+                    "memory_pageable"):
             m = r.get(key)
             if m is None:
                 continue
-            name = m["path"] + (f" ({m['host_copy']}{', graphs' if m.get('graphed') else ''})"
+            name = m["path"] + (f" ({m['host_copy']}{', graphs' if m.get('graphed') else ''}"
+                                f"{'' if m.get('commit_inline', True) else ', thread commits'})"
                                 if m["path"] == "staged" else "")
             print(f"{r['size']:>6} {name:>28} | {statistics.mean(m['off_s']) * 1e3:>12.2f} "
                   f"{statistics.mean(m['on_s']) * 1e3:>9.2f} {m['overhead'] * 100:>7.1f}% | "
@@ -348,11 +375,22 @@ def main() -> None:
               f"{r['restore_disk_s_median'] / r['restore_memory_s_median']:>5.1f} | "
               f"{r['replicate_s_median'] * 1e3:>12.1f}")
     for r in results:
-        a = r["memory_auto"]
-        print(f"{r['size']:>6} | interval picked for the 5% budget: a copy every {a['interval']} step(s), "
-              f"overhead {a['overhead'] * 100:.1f}% (mean step times, blocks of {a['block']} steps)")
+        for key in ("memory_auto", "memory_auto_thread_commit"):
+            a = r.get(key)
+            if a is None:
+                continue
+            quiet = a.get("quiet_overhead")
+            how = "" if a["commit_inline"] else " (thread commits)"
+            away = "-" if quiet is None else f"{quiet * 100:.1f}%"
+            wall = statistics.median(a["memory_commits_s"] or [0]) * 1e3
+            cpu = statistics.median(a["memory_commits_cpu_s"] or [0]) * 1e3
+            print(f"{r['size']:>6} | interval picked for the 5% budget{how}: a copy every {a['interval']} "
+                  f"step(s) at the end ({a['copies']} copies in {len(a['on_s'])} steps), overhead "
+                  f"{a['overhead'] * 100:.1f}% (means), {a['median_overhead'] * 100:.1f}% (medians), "
+                  f"steps away from copies {away} (medians); commit {wall:.2f} ms wall, {cpu:.2f} ms CPU; "
+                  f"blocks of {a['block']} steps")
     print("\noverhead = mean step time with the memory tier (a copy asked for every step, each rank's RNG\n"
-          "states kept every step) / without either - 1\n"
+          "states kept at each copy step) / without either - 1\n"
           "(one loop, the tier on and off in alternating blocks of 3 steps; a step ends when the training\n"
           "stream's work is done); path: staged = GPU staging copy + one non-blocking copy into the\n"
           "slot (registered with CUDA, or through a pinned buffer), a copy still in flight skips the\n"

@@ -117,24 +117,38 @@ def run_runtime(args, events: EventLog) -> int:
     model = rt.wrap(build_model(torch, args.width))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = rt.restore(model=model, optimizer=opt)
-    if rt.is_chief:
-        events.write("resume", step=start, world=rt.world_size)
+    if rt.is_chief:  # with the runtime's start-up and restore phases (s), to see where the time goes
+        events.write("resume", step=start, world=rt.world_size,
+                     phases={k: round(v, 4) for k, v in rt.phases_s.items()})
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
     memory = rt._memory  # the node's memory tier (worker/memory.py), on its first rank
     while rt.step < args.steps:
         waited = sum(memory.stalls_s) if memory else 0.0
+        setup = sum(memory.setups_s) if memory else 0.0
+        t0 = time.perf_counter()
         x = torch.randn(args.batch, 64, generator=g).to(rt.device)
         loss = model(x).pow(2).mean()
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
         rt.step_done(loss=loss, samples=args.batch * rt.world_size)
+        t4 = time.perf_counter()
+        if rt.is_chief and rt.step == start + 1:  # the first step of a start: where its time goes
+            parts = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step_done": t4 - t3}
+            extra_first = {"first_ms": {k: round(v * 1e3, 1) for k, v in parts.items()}}
+        else:
+            extra_first = {}
         if rt.is_chief:
             # The training thread's time in the memory tier this step (copy start, and the
             # optimizer's wait for the previous copy), and the copy interval in use.
             extra = {} if memory is None else {"mem_ms": round((sum(memory.stalls_s) - waited) * 1e3, 3),
                                                "mem_every": rt.memory_interval}
-            events.write("step", step=rt.step, world=rt.world_size, **extra)
+            if memory is not None and sum(memory.setups_s) > setup:  # a slot mapped, registered...
+                extra["mem_setup_ms"] = round((sum(memory.setups_s) - setup) * 1e3, 3)
+            events.write("step", step=rt.step, world=rt.world_size, **extra, **extra_first)
         time.sleep(args.step_time)
     rt.finish()
     return 0

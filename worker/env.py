@@ -42,8 +42,11 @@ FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
 # Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
 # often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
+# "0": a runtime worker on a GPU does not warm CUDA up (a cuBLAS handle, the autograd thread,
+# common kernels) on a thread of its own while its process group starts (worker/runtime.py).
+FTRAIN_CUDA_WARMUP = "FTRAIN_CUDA_WARMUP"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
-             FTRAIN_MEMORY_EVERY)
+             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

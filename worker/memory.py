@@ -17,8 +17,9 @@ Layout of the directory (one writer, the node's local rank 0; any number of read
     slot0.pkl, slot1.pkl   the rest of the state, tensors replaced by their index, and
                            the packing (dtype, shape, offset of each tensor)
     latest.json            {"slot": s, "step": n, "attempt": a, ...}: the slot that is whole
-    rng.r<rank>.ring       each rank's RNG states after step n, for the last steps (a ring
-                           of fixed slots, slot n % ring); written by every rank, so that on a
+    rng.r<rank>.ring       each rank's RNG states after step n, for the last copy steps (a
+                           ring of fixed slots, slot n % ring); written by every rank at each
+                           step its node copies (rank 0 picks them), so that on a
                            restore from memory each rank gets its own back (`RngKeeper`,
                            `load_rng`; a state too large for a slot: rng.r<rank>.<i>.pkl)
 
@@ -47,8 +48,10 @@ then the whole range to the host in one non-blocking copy. The slot's pages are 
 with CUDA (page-locked), so that copy is a DMA straight into /dev/shm at the link's speed,
 beside the training kernels; where registration is refused, into a pinned buffer that the
 thread then copies into the slot. The guard makes the training stream wait (on the GPU, not
-the host) for the staging copy alone; the thread waits for the host copy and commits the
-slot. A capture that comes while the previous copy is still in flight is skipped (`busy`):
+the host) for the staging copy alone; once the host copy is whole (its event), the training
+thread commits the slot at its next step (`poll`; a thread that committed took the GIL in
+small turns), or, through a pinned buffer, the thread copies it in and commits it. A capture
+that comes while the previous copy is still in flight is skipped (`busy`):
 the copies then come as often as the link allows, and the training thread never waits.
 
 What a capture costs the training thread is Python (10-30 us a torch call on a GPU host), so
@@ -146,17 +149,15 @@ def _sum64_small(flat: torch.Tensor) -> tuple[int, int]:
                 int((words * np.arange(1, len(words) + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
 
 
-def _sum64_blocks(rows: Any, cols: Any) -> tuple[int, int]:
-    """`sum64` from a range's row sums and column sums (numpy int64 arrays of its
-    [rows, SUM_BLOCK] view, made on the GPU), with no tail."""
-    import numpy as np
-
-    rows, cols = rows.view(np.uint64), cols.view(np.uint64)
-    with np.errstate(over="ignore"):
-        s1 = int(rows.sum(dtype=np.uint64))
-        s2 = (int((rows * np.arange(len(rows), dtype=np.uint64)).sum(dtype=np.uint64)) * SUM_BLOCK
-              + int((cols * np.arange(1, SUM_BLOCK + 1, dtype=np.uint64)).sum(dtype=np.uint64)))
-    return s1 & _MASK, s2 & _MASK
+def _sum64_pair(blocks: torch.Tensor, rows_at: torch.Tensor, cols_at: torch.Tensor) -> torch.Tensor:
+    """`sum64` of a range viewed as [rows, SUM_BLOCK] int64 words (zeros past its end add
+    nothing), as a 2-element int64 tensor on the range's device: no host sync, and capturable
+    in a CUDA graph. `rows_at`: arange(rows); `cols_at`: arange(1, SUM_BLOCK + 1), int64 on that
+    device. The GPU path sums its staging buffer so and copies the pair to the host beside the
+    copy (it copied the row sums and finished them with numpy: ~0.1 ms of the commit per
+    100 MB copied, on the training thread)."""
+    rows = blocks.sum(1)
+    return torch.stack([rows.sum(), (rows * rows_at).sum() * SUM_BLOCK + (blocks.sum(0) * cols_at).sum()])
 
 
 def _tensor_from(array: Any) -> torch.Tensor:
@@ -467,6 +468,12 @@ class MemoryWriter:
     # the copy to the slot) as two CUDA graphs once the same layout comes a second time (a
     # plan's): two launches where there were a dozen calls. False: enqueue them one by one.
     graphs = True
+    # GPU path with the slot registered: the copy's commit (checksum from the GPU's sums, plan
+    # check, metadata, `latest.json`) runs on the training thread once the copy is whole
+    # (`poll`, each step), not on the copy thread: ~0.3 ms of Python either way, but on the
+    # copy thread it took the GIL from the training thread in many small turns (its wall time
+    # 1-2 ms a copy on an H100 host). False: the copy thread commits (for the bench).
+    commit_inline = True
 
     def __init__(self, directory: str | Path, attempt: int = 0, rank: int = 0):
         self.directory = Path(directory)
@@ -479,6 +486,9 @@ class MemoryWriter:
         self._thread: threading.Thread | None = None  # the copy thread, started at the first copy
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # its work: (args of _finish, done)
         self._current: threading.Event | None = None  # set once the copy in flight is whole
+        # A copy in flight whose commit the training thread makes (`commit_inline`): the args
+        # of `_finish`, and the CUDA event of the copy being whole.
+        self._pending: tuple | None = None
         self._error: BaseException | None = None
         self._stream = None
         self._on_device = False  # the copy in flight is the GPU path's (the guard need not join it)
@@ -493,6 +503,8 @@ class MemoryWriter:
         self.setups_s: list[float] = []  # one-time work of a capture (slot mapped, registered, buffers)
         self._setup_s = 0.0
         self.commits_s: list[float] = []  # GPU path, per copy: the thread's Python work once the copy is in
+        self.commits_cpu_s: list[float] = []  # the same, the committing thread's CPU time
+        self.commit_thread_cpu = 0.0
         self.skipped = 0  # captures skipped because the previous copy was still in flight
         self._layout_cache: _Layout | None = None  # the last capture's tensors, their packing and copy lists
         self._events: tuple = ()  # GPU path: (boundary, staged, done), made with the staging buffer
@@ -515,10 +527,21 @@ class MemoryWriter:
         began = time.perf_counter()
         path = self.directory / f"slot{slot}.bin"
         self._unmap(slot)
-        with open(path, "wb") as f:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # A slot of the same size (a restarted worker's, the previous one's) keeps its
+            # pages: emptying it and reserving them again cost its first copy ~20 ms per 100 MB.
+            # The copy overwrites every byte its checksum covers.
+            st = os.fstat(fd)
+            if st.st_size != size:
+                os.ftruncate(fd, 0)
             # Reserve the pages now: a write through the mapping into a tmpfs that is full
-            # (a container's 64 MiB /dev/shm) would be a SIGBUS, not an error.
-            os.posix_fallocate(f.fileno(), 0, size)
+            # (a container's 64 MiB /dev/shm) would be a SIGBUS, not an error. (All of them
+            # held already: nothing to reserve.)
+            if st.st_size != size or st.st_blocks * 512 < size:
+                os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._maps[slot] = (packing, buf)
         self._setup_s += time.perf_counter() - began
@@ -590,14 +613,34 @@ class MemoryWriter:
 
     def busy(self) -> bool:
         """The GPU path's previous copy is still in flight: a capture now would be skipped."""
+        if self._pending is not None:
+            return not self.poll()
         done = self._current
         return self._on_device and done is not None and not done.is_set()
 
+    def poll(self) -> bool:
+        """Commit the copy in flight if it is whole (training thread, every step; a CUDA
+        event query while a copy is in flight, nothing otherwise). True if none is left."""
+        pending = self._pending
+        if pending is None:
+            return True
+        if not pending[3][1].query():
+            return False
+        self._commit_pending()
+        return True
+
+    def _commit_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[3][1].synchronize()
+            self._finish(*pending)
+            self._raise_error()
+
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
-        time alone (the copy and its checksum run on the GPU) plus the copy thread's Python
-        (its commit: it holds the GIL the training thread needs); otherwise also the copy
-        thread's whole time (it takes a core)."""
+        time alone (the copy and its checksum run on the GPU) plus the commit (on the training
+        thread, or on the copy thread where it holds the GIL the training thread needs);
+        otherwise also the copy thread's whole time (it takes a core)."""
         stall = self.stalls_s[-1] if self.stalls_s else 0.0
         if self._on_device:
             return stall + (self.commits_s[-1] if self.commits_s else 0.0)
@@ -654,11 +697,19 @@ class MemoryWriter:
         else:
             deferred, event = self._capture_host(lay, views)
         self._on_device = event is not None and event[0] == "staged"
+        if self._on_device and not deferred and self.commit_inline:
+            self._pending = (deferred, meta, slot, event, start, check)
+            self._current = None
+            self._count_stall(start)
+            return
         if self._thread is None:  # one thread for the writer's life: starting one per copy
             self._thread = threading.Thread(target=self._serve, name="memory-copy", daemon=True)
             self._thread.start()  # made the training thread wait for its start
         self._current = threading.Event()
         self._jobs.put(((deferred, meta, slot, event, start, check), self._current))
+        self._count_stall(start)
+
+    def _count_stall(self, start: float) -> None:
         # One-time work (mapping a slot, registering it, making buffers) is counted apart:
         # the stall is what every copy costs, and the interval is picked from it.
         self.stalls_s.append(time.perf_counter() - start - self._setup_s)
@@ -698,8 +749,9 @@ class MemoryWriter:
             block = 8 * SUM_BLOCK
             padded = torch.zeros((n + block - 1) // block * block, dtype=torch.uint8, device=device)
             blocks = padded.view(torch.int64).view(-1, SUM_BLOCK)  # zeros past n add nothing to sum64
-            sums = (torch.empty(blocks.shape[0], dtype=torch.int64, pin_memory=True),
-                    torch.empty(SUM_BLOCK, dtype=torch.int64, pin_memory=True))
+            sums = (torch.empty(2, dtype=torch.int64, pin_memory=True),
+                    torch.arange(blocks.shape[0], dtype=torch.int64, device=device),
+                    torch.arange(1, SUM_BLOCK + 1, dtype=torch.int64, device=device))
             self._staging = (lay.packing, padded[:n], blocks, sums)
             self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
             self._graphs = {}
@@ -724,8 +776,7 @@ class MemoryWriter:
                 torch._foreach_copy_(late_dst, lay.late_src)
 
         def send() -> None:
-            sums[0].copy_(blocks.sum(1), non_blocking=True)  # the checksum's GPU part (sum64)
-            sums[1].copy_(blocks.sum(0), non_blocking=True)
+            sums[0].copy_(_sum64_pair(blocks, sums[1], sums[2]), non_blocking=True)  # the checksum's GPU part
             host.copy_(staging, non_blocking=True)
 
         graphs = None
@@ -748,8 +799,7 @@ class MemoryWriter:
             else:
                 stage()
                 staged.record(side)
-                sums[0].copy_(blocks.sum(1), non_blocking=True)
-                sums[1].copy_(blocks.sum(0), non_blocking=True)
+                sums[0].copy_(_sum64_pair(blocks, sums[1], sums[2]), non_blocking=True)
                 if self._bounce is None or self._bounce.numel() != staging.numel():
                     began = time.perf_counter()
                     self._bounce = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
@@ -787,12 +837,14 @@ class MemoryWriter:
                 _, done, sums, start = event
                 done.synchronize()  # the host copy, beside training (the GIL released meanwhile)
                 committing = time.perf_counter()
+                self.commit_thread_cpu = time.thread_time()
                 for src, dst in deferred:  # from the pinned buffer, where registration was refused
                     dst.copy_(src)
-                # The checksum: the GPU's range from its row and column sums (made on the GPU
-                # beside the copy), the small CPU range here.
+                # The checksum: the GPU's range summed on the GPU beside the copy (`_sum64_pair`),
+                # the small CPU range here.
                 summing = time.perf_counter()
-                on_gpu = _sum64_blocks(sums[0].numpy(), sums[1].numpy())
+                pair = sums[0].tolist()
+                on_gpu = (pair[0] & _MASK, pair[1] & _MASK)
                 head = _sum64_small(buf[:start]) if start else (0, 0)
                 meta["checksum"] = _sum64_text(sum64_join(head, on_gpu, start))
             else:
@@ -823,6 +875,7 @@ class MemoryWriter:
             self.copies_s.append(time.perf_counter() - started)
             if event is not None and event[0] == "staged":
                 self.commits_s.append(time.perf_counter() - committing)
+                self.commits_cpu_s.append(time.thread_time() - self.commit_thread_cpu)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
@@ -841,6 +894,12 @@ class MemoryWriter:
     def wait(self, stall: bool = True) -> None:
         """Block until the copy in flight is whole (the optimizer may then change the state).
         `stall`: count the wait as the training thread's (False: a benchmark's untimed wait)."""
+        if self._pending is not None:
+            start = time.perf_counter()
+            self._commit_pending()
+            if self.stalls_s and stall:
+                self.stalls_s[-1] += time.perf_counter() - start
+            return
         done = self._current
         if done is not None:
             start = time.perf_counter()
@@ -848,13 +907,23 @@ class MemoryWriter:
             self._current = None
             if self.stalls_s and stall:
                 self.stalls_s[-1] += time.perf_counter() - start
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             log.warning("memory copy failed (%s); training goes on, the disk tier still holds", error)
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the copy in flight to be whole (a worker on its way out:
-        that copy is the newest step it holds); True if none is left in flight."""
+        """Wait up to `timeout_s` for the copy in flight to be whole and committed (a worker on
+        its way out: that copy is the newest step it holds); True if none is left in flight."""
+        if self._pending is not None:
+            deadline = time.monotonic() + timeout_s
+            while not self.poll():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+            return True
         done = self._current
         return done is None or done.wait(timeout_s)
 
@@ -1062,8 +1131,8 @@ def load_rng(directory: str | Path, rank: int, step: int, ring: int) -> dict | N
 
 
 class RngKeeper:
-    """One rank's RNG states, kept beside the memory tier every step, in a ring file of
-    fixed slots mapped into memory (`rng.r<rank>.ring`, slot = step % ring): each step is
+    """One rank's RNG states, kept beside the memory tier at each copy step, in a ring file of
+    fixed slots mapped into memory (`rng.r<rank>.ring`, slot = step % ring): each is
     one pickle of a few KB and a copy into the mapping, on the training thread. (A thread
     that wrote a file per step cost the training thread ~0.6 ms a step on an H100 host,
     through the GIL.) A slot's header (step, length, crc32) is written after its payload,

@@ -99,6 +99,7 @@ from worker import snapshot as snap
 from worker.data import ResumableSampler
 from worker.env import (
     FTRAIN_ATTEMPT,
+    FTRAIN_CUDA_WARMUP,
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_GROUP,
     FTRAIN_JOB_ID,
@@ -138,6 +139,8 @@ EXIT_PAUSE_TIMEOUT = 75  # EX_TEMPFAIL: nobody restarted a paused group; torchru
 
 _ACTIONS = {"none": 0, "checkpoint_pause": 1, "checkpoint_stop": 2}
 _ACTION_NAMES = {v: k for k, v in _ACTIONS.items()}
+# Rank 0's word on the memory tier, broadcast with the control decision each step.
+_COPY_NONE, _COPY, _COPY_SKIPPED = 0, 1, 2
 
 
 class Stopped(SystemExit):
@@ -250,6 +253,56 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def _warm_cuda(device: torch.device) -> None:
+    """Meet the costs of a first training step once, on a thread of its own, while the main
+    thread makes the process group and DDP (NCCL's communicator: 0.5-0.8 s on two H100s): a
+    cuBLAS handle and its workspace (handed back to torch's pool when this thread ends, for
+    the training thread to take), the autograd engine's thread for the GPU, and the kernels
+    of a linear layer, ReLU, a mean and AdamW's step loaded. Measured on two H100s before
+    this: a restarted worker's first forward 0.22 s, backward 0.08 s, optimizer step 0.07-0.10 s.
+    No random numbers are drawn (the training's RNG streams stay as they are); its own stream.
+    FTRAIN_CUDA_WARMUP=0 turns it off."""
+    began = time.perf_counter()
+    try:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                w = torch.zeros(64, 64, device=device, requires_grad=True)
+                b = torch.zeros(64, device=device, requires_grad=True)
+                x = torch.ones(32, 64, device=device)
+                y = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w, b)), w, b)
+                y.pow(2).mean().backward()
+                torch.optim.AdamW([w, b], lr=1e-3).step()
+            stream.synchronize()
+        log.debug("CUDA warm-up done in %.3f s", time.perf_counter() - began)
+    except Exception as exc:  # noqa: BLE001 - only a head start; the training does it all anyway
+        log.info("CUDA warm-up failed (%s); the first step makes up for it", exc)
+
+
+class _Prefetch:
+    """`mem.read_copy(directory)` in a thread of its own, started before CUDA and the process
+    group (a restarted worker's copy read and verified meanwhile, not after them)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._got: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="ftrain-memory-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._got = mem.read_copy(self.directory)
+        except BaseException as exc:  # noqa: BLE001 - raised where the restore reads it
+            self._error = exc
+
+    def result(self) -> tuple | None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._got
+
+
 @dataclass
 class Runtime:
     """One worker's view of the job; made by `init`. See the module docstring."""
@@ -272,6 +325,10 @@ class Runtime:
     memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
+    _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only)
+    _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
+    phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
+    _warm: threading.Thread | None = None  # `_warm_cuda`, while the process group and DDP start
     _step_s: float | None = None  # the step period (moving average), for the picked interval
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
@@ -319,7 +376,10 @@ class Runtime:
         if not self.distributed:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        began = time.perf_counter()  # DDP's first collective: NCCL's communicator is made here
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+        self.phases_s["ddp_s"] = time.perf_counter() - began
+        return wrapped
 
     def sampler(self, num_samples: int, batch_size: int | None = None, *, seed: int = 0,
                 shuffle: bool = True, global_batch_size: int | None = None) -> ResumableSampler:
@@ -345,7 +405,10 @@ class Runtime:
         # attempt); then the control plane decides the restore point (service/decide/restore.py)
         # and rank 0 broadcasts it. The gather is the barrier after which every report is in,
         # and tells ranks whose node lacks the chosen copy which rank sends it.
+        began = time.perf_counter()
         copy, held = self._read_memory()
+        self.phases_s["read_memory_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         helds = [held]
         if self.distributed:
             # The node leaders' peer-watch addresses travel with the same gather.
@@ -355,17 +418,24 @@ class Runtime:
             helds = [g[0] for g in got]
             if self._peer_watch is not None:
                 self._peer_watch.join([g[1] for g in got], self.rank)
+        self.phases_s["gather_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         chosen = self._choose(helds) if self.is_chief else None
         if self.distributed:
             box = [chosen]
             dist.broadcast_object_list(box, src=0)
             chosen = box[0]
+        self.phases_s["choose_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         if chosen is None:
             log.info("rank %d: no committed snapshot; starting at step 0", self.rank)
         elif chosen[0] == "memory":
             self._load_memory(chosen[1], chosen[2], helds, copy)
         else:
             self._load(chosen[1])
+        self.phases_s["load_s"] = time.perf_counter() - began
+        log.info("rank %d: started and restored in phases (s): %s", self.rank,
+                 ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.phases_s.items()))
         if self._memory is not None and optimizer is not None:
             # The copy of a step is whole before the optimizer changes what it copies.
             optimizer.register_step_pre_hook(self._memory.guard)
@@ -413,13 +483,21 @@ class Runtime:
                     return
                 log.debug("memory tier report failed: %s", exc)
 
+    def _read_copy(self) -> tuple | None:
+        """`mem.read_copy` of this node's tier: the one `init` started reading, if it did."""
+        assert self.memory_dir is not None
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None and prefetch.directory == self.memory_dir:
+            return prefetch.result()
+        return mem.read_copy(self.memory_dir)
+
     def _read_memory(self) -> tuple[tuple | None, int]:
         """This node's memory copy (verified) and its step (-1: none). A corrupt one counts as
         none, so the restore falls back to a peer's copy or disk, and the job's events say so."""
         if self.memory_dir is None:
             return None, -1
         try:
-            copy = mem.read_copy(self.memory_dir)
+            copy = self._read_copy()
         except mem.CopyCorrupt as exc:
             log.warning("rank %d: %s; falling back to the next source (a peer's copy, then disk)",
                         self.rank, exc)
@@ -545,16 +623,16 @@ class Runtime:
             self._progress = (self.step, loss, self._samples, time.monotonic())
             if first:
                 self._wake_poll.set()
-        rng = None
-        if self.memory_dir is not None:
-            rng = _rng_state()
-            self._save_rng(rng)
+        # One broadcast a step (rank 0's): the control decision, and whether the memory tier
+        # copies this step. Every node copies at the steps rank 0 picks, so each rank takes its
+        # RNG states only then, not every step (they cost ~0.2 ms a step on a GPU host).
         if self._memory is not None:
-            self._time_step()
-            if self._memory_due():
-                self._copy_to_memory(rng)
-                self._plan_next_copy()
-        action, control_id = self._agree_on_control()
+            self._memory.poll()  # the copy in flight committed once whole (GPU path)
+        action, control_id, copy = self._agree_on_control()
+        if copy == _COPY:
+            self._keep_rng_and_copy()
+        elif copy == _COPY_SKIPPED:
+            self._memory_missed = self.step
         if action != "none":
             self._obey(action, control_id)
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
@@ -600,14 +678,42 @@ class Runtime:
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
         self._last_step_t = now
 
-    def _memory_due(self) -> bool:
-        assert self._memory is not None
+    def _copy_decision(self) -> int:
+        """Rank 0: does the memory tier copy this step (_COPY), was the copy due but skipped
+        because rank 0's previous copy is still in flight (_COPY_SKIPPED), or neither. Rank 0
+        follows its own writer's cost (`_plan_next_copy`); every node copies when it says so."""
+        if self.memory_dir is None:
+            return _COPY_NONE
+        if self._memory is None:  # no writer here (its node's tier is elsewhere): a fixed interval
+            return _COPY if self.step % (self.memory_every or 1) == 0 else _COPY_NONE
+        self._time_step()
         due = self.step % self.memory_every == 0 if self.memory_every else self.step >= self._memory_next
-        if due and self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
+        if not due:
+            return _COPY_NONE
+        if self._memory.busy():  # the GPU's previous copy is in flight: skipped (see finish)
             self._memory.skipped += 1
+            return _COPY_SKIPPED
+        return _COPY
+
+    def _keep_rng_and_copy(self) -> None:
+        """A copy step: every rank keeps its RNG states of this step in its ring; a node's
+        first rank starts its copy (skipped if its own previous copy is still in flight)."""
+        if self.memory_dir is None:
+            return
+        start = time.perf_counter()
+        rng = _rng_state()
+        self._save_rng(rng)
+        self._rng_s = time.perf_counter() - start
+        w = self._memory
+        if w is None:
+            return
+        if w.busy():
+            w.skipped += 1
             self._memory_missed = self.step
-            return False
-        return due
+            return
+        self._copy_to_memory(rng)
+        if self.is_chief:  # the interval is rank 0's to pick (`_copy_decision`)
+            self._plan_next_copy()
 
     def _flush_memory(self) -> None:
         """At the end: the copy in flight whole; the last step's copy if it was due and skipped
@@ -629,13 +735,13 @@ class Runtime:
         """Without a fixed interval: copy again after as many steps as keep the copies'
         cost within MEMORY_BUDGET of the step time. The cost is the training thread's time in
         the copy, plus on a CPU the copy thread's whole time (it takes a core); on a GPU the
-        copy runs on the copy engine, and a copy still in flight skips the next (`_memory_due`)."""
+        copy runs on the copy engine, and a copy still in flight skips the next (`_copy_decision`)."""
         if self.memory_every:
             self.memory_interval = self.memory_every
             return
         w = self._memory
         assert w is not None
-        cost = w.last_cost_s()
+        cost = w.last_cost_s() + self._rng_s  # every rank's RNG capture comes with a copy
         k = 1
         if self._step_s and cost > MEMORY_BUDGET * self._step_s:
             k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
@@ -691,18 +797,21 @@ class Runtime:
             later = set()  # nothing tells when the parameters change: copy them now
         w.capture(state, self.step, later)
 
-    def _agree_on_control(self) -> tuple[str, int]:
-        """Rank 0 decides from what its poller last heard; every rank gets the same answer."""
+    def _agree_on_control(self) -> tuple[str, int, int]:
+        """Rank 0 decides from what its poller last heard, and whether the memory tier copies
+        this step (`_copy_decision`); every rank gets the same answer."""
         code, control_id = 0, 0
+        copy = _COPY_NONE
         if self.is_chief:
             ctl = self._control
             if ctl.id > self._handled_control and ctl.action in _ACTIONS:
                 code, control_id = _ACTIONS[ctl.action], ctl.id
+            copy = self._copy_decision()
         if self.distributed:
-            t = torch.tensor([code, control_id], dtype=torch.int64, device=self.device)
+            t = torch.tensor([code, control_id, copy], dtype=torch.int64, device=self.device)
             dist.broadcast(t, src=0)
-            code, control_id = int(t[0]), int(t[1])
-        return _ACTION_NAMES.get(code, "none"), control_id
+            code, control_id, copy = (int(v) for v in t.tolist())
+        return _ACTION_NAMES.get(code, "none"), control_id, copy
 
     def _obey(self, action: str, control_id: int) -> None:
         self._handled_control = control_id
@@ -838,8 +947,15 @@ class Runtime:
         if self._finished:
             return
         self._finished = True
+        self._prefetch = None  # a copy read ahead and never restored from: its memory freed
+        if self._warm is not None:  # done long ago, unless the run was only a few steps
+            self._warm.join(5.0)
         try:
             self._stop_report.set()
+            if self.memory_dir is not None and self._memory_missed == self.step and self._state:
+                # The last step's copy was due and skipped (a copy in flight): the writers copy
+                # it now (`_flush_memory`), so every rank keeps its RNG states of it.
+                self._save_rng(_rng_state())
             if self._memory is not None:
                 self._flush_memory()
             if self._rng_keeper is not None:
@@ -913,15 +1029,32 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
     rank = int(env.get("RANK", 0))
     local_rank = int(env.get("LOCAL_RANK", 0))
     world_size = int(env.get("WORLD_SIZE", 1))
+    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
+    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
+    memory_on = bool(memory_dir) and memory_every != 0
+    # A restarted worker reads its node's memory copy (and verifies it) while CUDA and the
+    # process group start, instead of after them (`Runtime._read_copy`).
+    prefetch = _Prefetch(Path(memory_dir)) if memory_on else None
+    phases: dict[str, float] = {}
+    began = time.perf_counter()
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    warm = None
     if use_cuda:
         torch.cuda.set_device(device)  # before init_process_group, so NCCL binds the right GPU
+        if env.get(FTRAIN_CUDA_WARMUP, "1") != "0":
+            warm = threading.Thread(target=_warm_cuda, args=(device,), name="ftrain-cuda-warmup", daemon=True)
+            warm.start()
+    phases["device_s"] = time.perf_counter() - began
     if distributed and not dist.is_initialized():
         if rank != 0:
+            began = time.perf_counter()
             wait_for_store(env.get("MASTER_ADDR"), env.get("MASTER_PORT"), min(timeout_s, STORE_WAIT_S))
+            phases["store_wait_s"] = time.perf_counter() - began
+        began = time.perf_counter()
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(seconds=timeout_s))
+        phases["process_group_s"] = time.perf_counter() - began
 
     directory = snapshot_dir or env.get(FTRAIN_SNAPSHOT_DIR) or None
     every = snapshot_every or _env_int(env, FTRAIN_SNAPSHOT_EVERY) or (100 if directory else None)
@@ -945,9 +1078,10 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  pause_timeout_s=pause_timeout_s, total_steps=total_steps,
                  attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
                  node=env.get(FTRAIN_NODE) or None)
-    memory_dir = memory_dir or env.get(FTRAIN_MEMORY_DIR) or None
-    memory_every = memory_every if memory_every is not None else _env_int(env, FTRAIN_MEMORY_EVERY)
-    if memory_dir and memory_every != 0:
+    rt.phases_s = phases
+    rt._prefetch = prefetch
+    rt._warm = warm
+    if memory_on:
         rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)

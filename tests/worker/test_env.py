@@ -45,4 +45,5 @@ def test_a_job_may_set_exactly_the_job_knobs():
     from service.models import USER_FTRAIN_ENV
 
     assert set(USER_FTRAIN_ENV) == {"FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS",
-                                    "FTRAIN_EXIT_TIMEOUT_S", "FTRAIN_MEMORY_EVERY"}
+                                    "FTRAIN_EXIT_TIMEOUT_S", "FTRAIN_MEMORY_EVERY",
+                                    "FTRAIN_CUDA_WARMUP"}

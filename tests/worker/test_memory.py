@@ -186,13 +186,17 @@ def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     _train(rt, 3)
     writer = rt._memory
     writer._on_device = False  # the host path's cost first (on a GPU machine _train took the GPU path)
-    rt._step_s, writer.copies_s[:], writer.stalls_s[:] = 0.1, [0.001], [0.0]
+    rt._step_s, writer.copies_s[:], writer.stalls_s[:], rt._rng_s = 0.1, [0.001], [0.0], 0.0
     rt._plan_next_copy()
     assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
     writer.copies_s[:] = [0.0195]
     writer.stalls_s[:] = [0.0005]
     rt._plan_next_copy()
     assert rt.memory_interval == 4 and rt._memory_next == rt.step + 4  # 20 ms: 5% of 4 steps
+    rt._rng_s = 0.005  # the ranks' RNG capture comes with each copy: it counts too
+    rt._plan_next_copy()
+    assert rt.memory_interval == 5
+    rt._rng_s = 0.0
     writer.copies_s[:] = [10.0]
     rt._plan_next_copy()
     assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
@@ -359,7 +363,10 @@ def test_sum64_is_the_same_whole_or_joined_from_two_ranges():
     padded[:flat.numel()] = flat
     on = padded.cuda() if torch.cuda.is_available() else padded
     blocks = on.view(torch.int64).view(-1, mem.SUM_BLOCK)
-    assert mem._sum64_blocks(blocks.sum(1).cpu().numpy(), blocks.sum(0).cpu().numpy()) == ref
+    rows_at = torch.arange(blocks.shape[0], dtype=torch.int64, device=on.device)
+    cols_at = torch.arange(1, mem.SUM_BLOCK + 1, dtype=torch.int64, device=on.device)
+    pair = mem._sum64_pair(blocks, rows_at, cols_at).tolist()
+    assert (pair[0] & mem._MASK, pair[1] & mem._MASK) == ref
     if torch.cuda.is_available():
         assert mem.sum64(flat.cuda()) == ref
     swapped = flat.clone()
@@ -480,3 +487,31 @@ def test_the_rng_ring_keeps_the_last_steps_across_a_restart_and_refuses_a_torn_s
     assert mem.load_rng(tmp_path, 1, 5, 4) is None and mem.load_rng(tmp_path, 1, 6, 4) is not None
     again.keep(7, states[1])
     assert mem.load_rng(tmp_path, 1, 7, 4)["python"] == states[1]["python"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs a GPU")
+def test_on_a_gpu_the_training_thread_commits_a_whole_copy_at_its_next_step(shm_dir):
+    """The registered GPU path starts no copy thread: the copy of step 1 is committed by the
+    training thread at step 2 (its next `step_done`), once whole, and holds step 1's state."""
+    rt = runtime.init(memory_dir=shm_dir, memory_every=1, env={})
+    torch.manual_seed(0)
+    model = rt.wrap(torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rt.restore(model=model, optimizer=opt)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(4, 64, device=rt.device)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+
+    step()
+    weight = model.weight.detach().cpu().clone()
+    torch.cuda.synchronize()  # the copy of step 1 is whole on the GPU side, not yet committed
+    assert mem.read_held(shm_dir) is None and rt._memory._pending is not None
+    step()
+    assert mem.read_held(shm_dir).step == 1
+    assert torch.equal(mem.load(shm_dir, 1)["model"]["weight"], weight)
+    assert rt._memory._thread is None and rt._memory.commits_cpu_s
+    rt.finish()
+    assert mem.read_held(shm_dir).step == 2

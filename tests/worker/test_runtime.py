@@ -303,3 +303,15 @@ def test_wait_for_store_returns_once_rank_0_listens_and_gives_up_at_its_timeout(
         server.close()
     assert not runtime.wait_for_store("127.0.0.1", str(free_port()), 0.1)  # nobody: gives up
     assert not runtime.wait_for_store(None, None, 5.0)  # no address: nothing to wait for
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA warm-up needs a GPU")
+def test_the_cuda_warm_up_draws_no_random_numbers():
+    """The warm-up thread runs while the training sets itself up: it must leave every RNG
+    stream the training draws from as it was (a restore from memory is exact per step)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(3)
+    before = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
+    runtime._warm_cuda(device)
+    after = (torch.get_rng_state(), torch.cuda.get_rng_state(device))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
