@@ -11,7 +11,11 @@ What the control plane does not take stays queued: no answer, a 5xx (etcd or the
 away) or a timeout keeps the lines for the next try. The queue of a job attempt is bounded
 (`MAX_PENDING_LINES`, `MAX_PENDING_BYTES`): past it the *oldest* lines go, and the next
 shipment starts with a line that says how many went ("ftrain: N lines dropped on node X
-while the control plane was away"). A 4xx is the control plane's answer: 404 (the job no
+while the control plane was away"). While the control plane answers, a full queue drops
+nothing: the agent's readers of torchrun's output files wait for room (`add`'s
+`wait_for_room`; the output is on the node's disk meanwhile), so a script that prints faster
+than the lines can be shipped loses none (a burst of 200,000 lines lost 60% of them before).
+A 4xx is the control plane's answer: 404 (the job no
 longer exists) drops the job's queue, another 4xx the shipment; either is logged.
 """
 
@@ -62,6 +66,10 @@ class _Queue:
         self.nbytes += sum(size for size, _ in batch)
         self.trim()
 
+    def full(self, size: int) -> bool:
+        """Whether a line of `size` bytes would make it drop its oldest."""
+        return len(self.lines) >= MAX_PENDING_LINES or self.nbytes + size > MAX_PENDING_BYTES
+
     def trim(self) -> None:
         while len(self.lines) > MAX_PENDING_LINES or self.nbytes > MAX_PENDING_BYTES:
             size, _ = self.lines.popleft()
@@ -94,15 +102,24 @@ class LogShipper:
         self._lock = threading.Lock()  # the queues
         self._flushing = threading.Lock()  # one flush at a time keeps the lines in order
         self._queues: dict[tuple[str, int], _Queue] = {}
+        self._room = threading.Condition(self._lock)  # notified when a queue has room again
+        self._answering = True  # the last shipment was answered (the control plane is there)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="log-shipper", daemon=True)
         if start:
             self._thread.start()
 
-    def add(self, job_id: str, attempt: int, line: LogLineIn) -> None:
-        """Queue one line of a job attempt's output."""
+    def add(self, job_id: str, attempt: int, line: LogLineIn, *, wait_for_room: bool = False) -> None:
+        """Queue one line of a job attempt's output. `wait_for_room`: while the control plane
+        answers, wait until the attempt's queue has room rather than drop its oldest line
+        (for a reader whose lines stay on disk meanwhile; never the agent's own loop)."""
         size = json_size(line)
         with self._lock:
+            while wait_for_room and self._answering and not self._stop.is_set():
+                q = self._queues.get((job_id, attempt))
+                if q is None or not q.full(size):
+                    break
+                self._room.wait(SHIP_EVERY_S)
             self._queues.setdefault((job_id, attempt), _Queue()).push(size, line)
 
     def pending(self) -> int:
@@ -132,6 +149,7 @@ class LogShipper:
                 markers = [self._marker(n, why) for why, n in dropped.items()]
                 room = self.max_shipment_bytes - 200 - len(self._node) - sum(map(json_size, markers))
                 batch = q.take(max(room, 1), MAX_SHIPMENT_LINES - len(markers)) if shipped < budget else []
+                self._room.notify_all()
                 if not batch and not markers:
                     if not q.lines:
                         del self._queues[(job_id, attempt)]
@@ -141,13 +159,18 @@ class LogShipper:
             try:
                 self._client.call("POST", f"/v1/jobs/{job_id}/logs", shipment)
                 shipped += len(batch)
+                self._answering = True
                 continue
             except HttpError as exc:
                 status = exc.status
                 problem = str(exc)
             if status is None or status >= 500:  # not an answer: keep everything for the next try
                 self._put_back(job_id, attempt, batch, dropped)
+                with self._lock:  # the readers waiting for room drop the oldest meanwhile
+                    self._answering = False
+                    self._room.notify_all()
                 return False
+            self._answering = True
             if status == 413 and len(batch) > 1 and self.max_shipment_bytes > MIN_SHIPMENT_BYTES:
                 self.max_shipment_bytes = max(MIN_SHIPMENT_BYTES, self.max_shipment_bytes // 2)
                 log.warning("the control plane refused a log shipment as too large; shipping at "
@@ -192,6 +215,8 @@ class LogShipper:
     def close(self) -> None:
         """Stop the background thread and ship what is left, once."""
         self._stop.set()
+        with self._lock:
+            self._room.notify_all()
         if self._thread.is_alive():
             self._thread.join(5)
         self.flush()

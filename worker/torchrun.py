@@ -127,6 +127,8 @@ class WorkerGroup:
     holding: bool = False
     # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
     rounds: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # stream -> torchrun's output file
+    tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -145,6 +147,30 @@ class WorkerGroup:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
         return "failed", code, headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+
+
+def tails_of_files(paths: list[Path], secrets: tuple[str, ...], nbytes: int = 64 * 1024) -> dict:
+    """The last lines of each rank (and of torchrun's own, rank None) in torchrun's output
+    files, read from their ends, as `WorkerGroup.tails` holds them."""
+    tails: dict = collections.defaultdict(lambda: collections.deque(maxlen=20))
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - nbytes))
+                raw = f.read()
+        except OSError:
+            continue
+        lines = raw.decode("utf-8", errors="replace").split("\n")
+        for text in lines[1 if size > nbytes else 0:]:
+            if not text:
+                continue
+            m = _RANK_PREFIX.match(text)
+            rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+            if rank is None and round_of_mark(line) is not None:
+                continue
+            tails[rank].append(mask_secrets(line, secrets))
+    return tails
 
 
 def headline(tails: Mapping, code: int | None) -> str:
@@ -402,7 +428,7 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env))
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs)
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -419,13 +445,15 @@ class Torchrun:
             while True:
                 raw = f.readline()
                 if not raw:
-                    if g.proc.poll() is not None:
-                        raw = partial + f.read()
-                        if not raw:
-                            return
-                    else:
+                    if g.proc.poll() is None:
                         time.sleep(0.05)
                         continue
+                    # exited: what it wrote just before, a line at a time (not all of it as one)
+                    raw = f.readline()
+                    if not raw:
+                        raw, partial = partial, b""
+                        if not raw:
+                            return
                 if not raw.endswith(b"\n") and g.proc.poll() is None:
                     partial += raw
                     continue
@@ -437,14 +465,15 @@ class Torchrun:
                     g.rounds[stream] = formed  # the lines after it are the new group's
                     continue
                 line = mask_secrets(line, g.secrets)
-                g.tails[rank].append(line)
+                if not g.tails_final:
+                    g.tails[rank].append(line)
                 out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
                                 round=g.rounds.get(stream) if rank is not None else None)
                 if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
                     g.holding = True
                     g.held.append(out)
                     continue
-                self.shipper.add(g.job_id, g.attempt, out)
+                self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the file keeps them)
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""
@@ -464,6 +493,10 @@ class Torchrun:
             return None
         for t in g.threads:
             t.join(2)
+        if any(t.is_alive() for t in g.threads):
+            # A reader is behind (it waits for the shipper: a flood of output): the last lines,
+            # which a failure's reason quotes, from the ends of the files instead.
+            g.tails_final, g.tails = True, tails_of_files(list(g.outputs.values()), g.secrets)
         self._release_held(g)
         self.group = None
         kill_all(self.group_tree(g))

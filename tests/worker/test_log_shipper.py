@@ -188,3 +188,43 @@ def test_an_over_long_line_is_cut_with_a_visible_mark():
     assert cut.endswith("[ftrain: line cut, 10000 characters in all]")
     assert cut_line("short") == "short"
     LogLineIn(rank=0, line=cut, time=0.0)  # what the control plane accepts
+
+
+def test_a_flood_faster_than_shipping_waits_for_room_and_loses_nothing(endpoint, monkeypatch):
+    """A reader of torchrun's output (`wait_for_room`) waits while the queue is full and the
+    control plane answers: 20 times the queue's bound arrive, in order, with no marker."""
+    monkeypatch.setattr(log_shipper, "MAX_PENDING_LINES", 100)
+    client = ControlPlaneClient(endpoint.url, "t", timeout=5)
+    shipper = LogShipper(client, "node-a")  # its background thread ships every SHIP_EVERY_S
+    sent = [f"flood {i}" for i in range(2000)]
+    for text in sent:
+        shipper.add("j", 1, line(text), wait_for_room=True)
+    deadline = time.monotonic() + 30
+    while len(endpoint.texts("j")) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert endpoint.texts("j") == sent
+    shipper.close()
+    client.close()
+
+
+def test_a_reader_waiting_for_room_drops_the_oldest_once_the_control_plane_is_away(endpoint, monkeypatch):
+    monkeypatch.setattr(log_shipper, "MAX_PENDING_LINES", 100)
+    shipper, client = shipper_for(endpoint)
+    endpoint.away = True
+    shipper.add("j", 1, line("first"))
+    shipper.flush()  # no answer: the readers stop waiting (the queue is bounded meanwhile)
+    done = threading.Event()
+
+    def reader():
+        for i in range(250):
+            shipper.add("j", 1, line(f"during {i}"), wait_for_room=True)
+        done.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert done.wait(10), "the reader waited for room although no control plane answered"
+    endpoint.away = False
+    shipper.flush()
+    texts = endpoint.texts("j")
+    assert texts[0] == "ftrain: 151 lines dropped on node node-a while the control plane was away"
+    assert texts[1:] == [f"during {i}" for i in range(150, 250)]
+    client.close()
