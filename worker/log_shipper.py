@@ -122,6 +122,17 @@ class LogShipper:
                 self._room.wait(SHIP_EVERY_S)
             self._queues.setdefault((job_id, attempt), _Queue()).push(size, line)
 
+    @property
+    def answering(self) -> bool:
+        """Whether the last shipment was answered (True until one was not)."""
+        return self._answering
+
+    def pending_of(self, job_id: str, attempt: int) -> int:
+        """Lines of one job attempt queued now."""
+        with self._lock:
+            q = self._queues.get((job_id, attempt))
+            return 0 if q is None else len(q.lines)
+
     def pending(self) -> int:
         """Lines queued now (all jobs)."""
         with self._lock:

@@ -86,6 +86,8 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 # A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
 # restarts the group instead of the others waiting out the collective's timeout.
 STOPPED_WORKER_GRACE_S = 3.0
+# How long a group's end waits for its output to be shipped (`Torchrun.draining`).
+DRAIN_S = 60.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -128,6 +130,7 @@ class WorkerGroup:
     # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
     rounds: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)  # stream -> torchrun's output file
+    exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
 
     @property
@@ -489,7 +492,7 @@ class Torchrun:
     def exited(self) -> WorkerGroup | None:
         """The group, once its torchrun has exited (what is left of its tree is killed)."""
         g = self.group
-        if g is None or g.proc.poll() is None:
+        if g is None or g.proc.poll() is None or self.draining(g):
             return None
         for t in g.threads:
             t.join(2)
@@ -501,6 +504,20 @@ class Torchrun:
         self.group = None
         kill_all(self.group_tree(g))
         return g
+
+    def draining(self, g: WorkerGroup) -> bool:
+        """Whether torchrun, which exited by itself, still has output on its way (a reader
+        behind a flood of lines, or lines queued) while the control plane takes it. Its end
+        is reported once every line is shipped, so that whoever follows the job's log until
+        it ends sees them all (at most DRAIN_S; a stopped group, or a control plane that does
+        not answer, is not waited for)."""
+        if g.stop_requested or not self.shipper.answering:
+            return False
+        if g.exited_at is None:
+            g.exited_at = time.monotonic()
+        if time.monotonic() - g.exited_at > DRAIN_S:
+            return False
+        return any(t.is_alive() for t in g.threads) or self.shipper.pending_of(g.job_id, g.attempt) > 0
 
     def kill_stopped_workers(self) -> None:
         """Kill workers that have been stopped (state T) for longer than the grace period."""

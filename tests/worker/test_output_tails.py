@@ -18,3 +18,49 @@ def test_the_last_lines_of_each_rank_come_from_the_ends_of_the_files(tmp_path):
     assert list(tails[0])[0].startswith("line ") and len(tails[0]) == 20  # whole lines only
     assert list(tails[1]) == ["last of rank 1"] and list(tails[None]) == ["torchrun: worker failed"]
     assert headline(tails, 1) == "rank 0: ValueError: boom (torchrun exited with code 1)"
+
+
+class _Shipper:
+    def __init__(self):
+        self.answering, self.queued = True, 3
+
+    def pending_of(self, job_id: str, attempt: int) -> int:
+        return self.queued
+
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+
+class _Exited:
+    returncode = 0
+    pid = 2 ** 22 + 1  # no such process: nothing left of its tree to kill
+
+    def poll(self) -> int:
+        return 0
+
+
+def _exited_group(tmp_path, shipper, **kw):
+    from worker.torchrun import Torchrun, WorkerGroup
+
+    t = Torchrun("n1", "http://cp", tmp_path, None, shipper)
+    t.group = WorkerGroup("j", 1, _Exited(), **kw)
+    return t
+
+
+def test_a_group_that_exited_is_reported_once_its_output_is_shipped(tmp_path, monkeypatch):
+    """Whoever follows the job's log until it ends sees every line: the end waits while the
+    control plane takes lines still queued (not when it does not answer, nor for a stop)."""
+    shipper = _Shipper()
+    t = _exited_group(tmp_path, shipper)
+    assert t.exited() is None  # 3 lines still on their way
+    shipper.queued = 0
+    assert t.exited() is not None and t.group is None
+    shipper.queued = 3
+    assert _exited_group(tmp_path, shipper, stop_requested=True).exited() is not None
+    shipper.answering = False
+    assert _exited_group(tmp_path, shipper).exited() is not None
+    shipper.answering = True
+    late = _exited_group(tmp_path, shipper)
+    assert late.exited() is None
+    late.group.exited_at -= 61  # DRAIN_S later: reported all the same
+    assert late.exited() is not None
