@@ -42,6 +42,9 @@ FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
 # Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
 # often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
+# The node agent's bound on the lines of one job attempt queued for shipping (default 50,000;
+# worker/log_shipper.py MAX_PENDING_LINES): tests make it small to flood it cheaply.
+FTRAIN_LOG_QUEUE_LINES = "FTRAIN_LOG_QUEUE_LINES"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
              FTRAIN_MEMORY_EVERY)
 

@@ -24,18 +24,20 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from worker.env import FTRAIN_LOG_QUEUE_LINES
 from worker.http import ControlPlaneClient, HttpError
 from worker.protocol import MAX_SHIPMENT_BYTES, MAX_SHIPMENT_LINES, LogLineIn, LogShipment
 
 log = logging.getLogger("ftrain.agent")
 
 SHIP_EVERY_S = 0.5
-MAX_PENDING_LINES = 50_000  # per job attempt
+MAX_PENDING_LINES = int(os.environ.get(FTRAIN_LOG_QUEUE_LINES) or 50_000)  # per job attempt
 MAX_PENDING_BYTES = 32 * 1024 * 1024  # per job attempt, as JSON
 MIN_SHIPMENT_BYTES = 1024  # 413s halve shipments down to this (one line goes alone anyway)
 AWAY = "while the control plane was away"
@@ -217,11 +219,19 @@ class LogShipper:
                          line=f"ftrain: {n} lines dropped on node {self._node} {why}")
 
     def _run(self) -> None:
-        while not self._stop.wait(SHIP_EVERY_S):
+        while not self._stop.wait(0 if self._backlog() else SHIP_EVERY_S):
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - the shipper must outlive any one bad shipment
                 log.exception("shipping worker logs failed; trying again")
+
+    def _backlog(self) -> bool:
+        """A full shipment is queued already and the control plane answers: ship again at
+        once (a flood that readers feed as room is made goes at the speed of the answers)."""
+        with self._lock:
+            return self._answering and any(
+                len(q.lines) >= MAX_SHIPMENT_LINES or q.nbytes >= self.max_shipment_bytes
+                for q in self._queues.values())
 
     def close(self) -> None:
         """Stop the background thread and ship what is left, once."""
