@@ -132,6 +132,7 @@ class WorkerGroup:
     outputs: dict = field(default_factory=dict)  # stream -> torchrun's output file
     exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
+    released: bool = False  # its held lines were handed to the shipper (`_release_held`)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -480,7 +481,7 @@ class Torchrun:
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""
-        held, g.held = g.held, []
+        held, g.held, g.released = g.held, [], True
         summary = shutdown_summary([x.line for x in held], g.stop_requested, g.attempt, self.node)
         if summary is None:
             for x in held:
@@ -500,24 +501,30 @@ class Torchrun:
             # A reader is behind (it waits for the shipper: a flood of output): the last lines,
             # which a failure's reason quotes, from the ends of the files instead.
             g.tails_final, g.tails = True, tails_of_files(list(g.outputs.values()), g.secrets)
-        self._release_held(g)
+        if not g.released:
+            self._release_held(g)
         self.group = None
         kill_all(self.group_tree(g))
         return g
 
     def draining(self, g: WorkerGroup) -> bool:
-        """Whether torchrun, which exited by itself, still has output on its way (a reader
-        behind a flood of lines, or lines queued) while the control plane takes it. Its end
-        is reported once every line is shipped, so that whoever follows the job's log until
-        it ends sees them all (at most DRAIN_S; a stopped group, or a control plane that does
-        not answer, is not waited for)."""
-        if g.stop_requested or not self.shipper.answering:
+        """Whether torchrun, which exited by itself, still has output on its way: a reader
+        behind a flood of lines, or lines queued (torchrun's held ones too, once the readers
+        are done). Its end is reported once every line is shipped, so that whoever reads the
+        job's log when it has ended sees them all: a report sent after an outage of the
+        control plane overtook the lines queued meanwhile (`test_control_plane_killed...`
+        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for."""
+        if g.stop_requested:
             return False
         if g.exited_at is None:
             g.exited_at = time.monotonic()
         if time.monotonic() - g.exited_at > DRAIN_S:
             return False
-        return any(t.is_alive() for t in g.threads) or self.shipper.pending_of(g.job_id, g.attempt) > 0
+        if any(t.is_alive() for t in g.threads):
+            return True
+        if not g.released:
+            self._release_held(g)
+        return self.shipper.pending_of(g.job_id, g.attempt) > 0
 
     def kill_stopped_workers(self) -> None:
         """Kill workers that have been stopped (state T) for longer than the grace period."""
