@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from worker.env import FTRAIN_LOG_QUEUE_LINES
 from worker.http import ControlPlaneClient, HttpError
+from worker.node_link import node_forgotten
 from worker.protocol import MAX_SHIPMENT_BYTES, MAX_SHIPMENT_LINES, LogLineIn, LogShipment
 
 log = logging.getLogger("ftrain.agent")
@@ -177,7 +178,12 @@ class LogShipper:
             except HttpError as exc:
                 status = exc.status
                 problem = str(exc)
-            if status is None or status >= 500:  # not an answer: keep everything for the next try
+                forgotten = node_forgotten(exc)
+            # Not an answer, or one about the node and not the lines (its lease lapsed, e.g. in
+            # an outage of the control plane: 404 "no node named"; its credential outdated:
+            # 401; it registers again): keep everything for the next try. (A 404 about the node
+            # taken for the job's dropped every line queued in an outage.)
+            if status is None or status >= 500 or forgotten:
                 self._put_back(job_id, attempt, batch, dropped)
                 with self._lock:  # the readers waiting for room drop the oldest meanwhile
                     self._answering = False
