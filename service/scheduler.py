@@ -415,13 +415,12 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
             # pass copied, which a skipped pass never updates, so a node registering after
             # skipped passes looked like no change at all and waited for the interval.)
             seen = (fence and fence.term, index.changes, nodes.view_changes)
-            idle = fence is not None and fence.term == caught_up and (
-                # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
-                # submission woke a pass over every running job)...
-                (woken and seen == last)
-                # ...or by the contact's clock, before the interval's pass (which runs for
-                # the clocks of planned changes and hangs) is due.
-                or (not woken and time.monotonic() - last_pass < interval_s))
+            # Until the interval's pass is due (it runs for the clocks of planned changes and
+            # hangs, however many wake-ups come meanwhile): nothing to plan when woken by new
+            # PENDING jobs only while no node was free (each submission woke a pass over
+            # every running job), or when woken by the contact's clock alone.
+            idle = fence is not None and fence.term == caught_up and \
+                time.monotonic() - last_pass < interval_s and (not woken or seen == last)
             try:
                 contact.observe()
                 if time.monotonic() - last_settle > every_s:
