@@ -180,6 +180,12 @@ class NodeStore:
         self.version = None
         return await self.list()
 
+    @property
+    def view_changes(self) -> int:
+        """How many times the watch-fed view has changed so far (`follow`), whether or not a
+        pass has copied it yet (`version` is the count of the copy `live` made last)."""
+        return self._changes
+
     async def follow(self, wake: asyncio.Event) -> None:
         """Keep the view of the live nodes (`live`) from a watch, and set `wake` on every
         change once the view has it; load again after a broken watch. Runs until cancelled."""

@@ -404,21 +404,23 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     settled = Settled()
     caught_up: int | None = None  # the term in which the index was found to have every write
     pass_s = 0.0  # how long the last pass took
+    last_pass = float("-inf")  # monotonic: when the last pass started
     woken = False  # by a change (not by the interval)
     last: tuple | None = None  # what the last pass saw, when it left nothing to do meanwhile
     try:
         while True:
             wake.clear()  # before the pass: a change it does not see wakes the next one
             fence = leadership.fence()  # None: not leading (or the lead lapsed here)
-            seen = (fence and fence.term, index.changes, nodes.version)
-            if woken and fence is not None and seen == last:
-                # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
-                # submission woke a pass over every running job; the interval's pass still
-                # runs, for the clocks of planned changes and hangs).
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
-                woken = wake.is_set()
-                continue
+            # (`view_changes`, not `version`: the version is the count of the view the last
+            # pass copied, which a skipped pass never updates, so a node registering after
+            # skipped passes looked like no change at all and waited for the interval.)
+            seen = (fence and fence.term, index.changes, nodes.view_changes)
+            # Until the interval's pass is due (it runs for the clocks of planned changes and
+            # hangs, however many wake-ups come meanwhile): nothing to plan when woken by new
+            # PENDING jobs only while no node was free (each submission woke a pass over
+            # every running job), or when woken by the contact's clock alone.
+            idle = fence is not None and fence.term == caught_up and \
+                time.monotonic() - last_pass < interval_s and (not woken or seen == last)
             try:
                 contact.observe()
                 if time.monotonic() - last_settle > every_s:
@@ -434,8 +436,9 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                                     "not scheduling yet", CATCH_UP_S)
                         fence = None
                     # (not ready: the pass reads etcd itself, `queue`)
-                if fence is not None:
+                if fence is not None and not idle:
                     started = time.perf_counter()
+                    last_pass = time.monotonic()
                     last = None
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
                                   missing_since, fence, settled=settled):
@@ -445,7 +448,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     pass_s = time.perf_counter() - started
                     passes.record(pass_s)
                     contact.reached()
-                else:
+                elif fence is None:
                     watches.clear()  # another replica keeps the clocks while it leads
                     missing_since.clear()
                     settled = Settled()
@@ -460,10 +463,13 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                 log.warning("scheduler stopped: %s", exc.message)
             except Exception:
                 log.exception("scheduler tick failed; retrying")
-            if fence is not None:  # coalesce: what wakes it meanwhile is planned in the next pass
+            if fence is not None and not idle:  # coalesce: what wakes it meanwhile is planned next
                 await asyncio.sleep(max(MIN_PASS_GAP_S, pass_s))
+            # Wait for a change, or the interval's pass; the contact note (`every_s`) is
+            # kept meanwhile without a pass.
+            due = max(0.0, last_pass + interval_s - time.monotonic()) if fence is not None else every_s
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
+                await asyncio.wait_for(wake.wait(), max(0.001, min(due, every_s)))
             woken = wake.is_set()
     finally:
         for helper in helpers:

@@ -76,6 +76,7 @@ class NodeAgent:
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
         memory.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
+        memory.remove_orphans()  # of any agent on this machine that was killed
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         self.keep_logs = (keep_logs_jobs, keep_logs_s)

@@ -139,7 +139,7 @@ class NodeLink:
             got = self.client.call("POST", f"/v1/nodes/{self.name}/heartbeat", request,
                                    timeout=self.heartbeat_interval_s + REQUEST_TIMEOUT_S)
         except ApiError as exc:
-            if _is_forgotten(exc):
+            if node_forgotten(exc):
                 self.registered = False
                 raise NodeForgotten(exc.detail) from exc
             raise
@@ -163,7 +163,7 @@ class NodeLink:
                     raise  # no connection: the agent's loop says so, and the report waits
                 if exc.status >= 500:
                     return  # etcd or the control plane is away: keep it for the next beat
-                if _is_forgotten(exc):  # kept: sent again once the node has registered again
+                if node_forgotten(exc):  # kept: sent again once the node has registered again
                     self.registered = False
                     raise NodeForgotten(str(exc)) from exc
             self.reports.pop(0)
@@ -226,7 +226,7 @@ class NodeLink:
         self._presence.close()
 
 
-def _is_forgotten(exc: HttpError) -> bool:
+def node_forgotten(exc: HttpError) -> bool:
     """The control plane does not know this node as registered: its lease lapsed (404 on a
     node endpoint) or its credential is outdated (401)."""
     if exc.status == 401:

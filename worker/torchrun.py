@@ -86,6 +86,8 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 # A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
 # restarts the group instead of the others waiting out the collective's timeout.
 STOPPED_WORKER_GRACE_S = 3.0
+# How long a group's end waits for its output to be shipped (`Torchrun.draining`).
+DRAIN_S = 60.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -127,6 +129,10 @@ class WorkerGroup:
     holding: bool = False
     # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
     rounds: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # stream -> torchrun's output file
+    exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
+    tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
+    released: bool = False  # its held lines were handed to the shipper (`_release_held`)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -145,6 +151,30 @@ class WorkerGroup:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
         return "failed", code, headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+
+
+def tails_of_files(paths: list[Path], secrets: tuple[str, ...], nbytes: int = 64 * 1024) -> dict:
+    """The last lines of each rank (and of torchrun's own, rank None) in torchrun's output
+    files, read from their ends, as `WorkerGroup.tails` holds them."""
+    tails: dict = collections.defaultdict(lambda: collections.deque(maxlen=20))
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - nbytes))
+                raw = f.read()
+        except OSError:
+            continue
+        lines = raw.decode("utf-8", errors="replace").split("\n")
+        for text in lines[1 if size > nbytes else 0:]:
+            if not text:
+                continue
+            m = _RANK_PREFIX.match(text)
+            rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
+            if rank is None and round_of_mark(line) is not None:
+                continue
+            tails[rank].append(mask_secrets(line, secrets))
+    return tails
 
 
 def headline(tails: Mapping, code: int | None) -> str:
@@ -402,7 +432,7 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env))
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs)
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -419,13 +449,15 @@ class Torchrun:
             while True:
                 raw = f.readline()
                 if not raw:
-                    if g.proc.poll() is not None:
-                        raw = partial + f.read()
-                        if not raw:
-                            return
-                    else:
+                    if g.proc.poll() is None:
                         time.sleep(0.05)
                         continue
+                    # exited: what it wrote just before, a line at a time (not all of it as one)
+                    raw = f.readline()
+                    if not raw:
+                        raw, partial = partial, b""
+                        if not raw:
+                            return
                 if not raw.endswith(b"\n") and g.proc.poll() is None:
                     partial += raw
                     continue
@@ -437,18 +469,19 @@ class Torchrun:
                     g.rounds[stream] = formed  # the lines after it are the new group's
                     continue
                 line = mask_secrets(line, g.secrets)
-                g.tails[rank].append(line)
+                if not g.tails_final:
+                    g.tails[rank].append(line)
                 out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
                                 round=g.rounds.get(stream) if rank is not None else None)
                 if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
                     g.holding = True
                     g.held.append(out)
                     continue
-                self.shipper.add(g.job_id, g.attempt, out)
+                self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the file keeps them)
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""
-        held, g.held = g.held, []
+        held, g.held, g.released = g.held, [], True
         summary = shutdown_summary([x.line for x in held], g.stop_requested, g.attempt, self.node)
         if summary is None:
             for x in held:
@@ -460,14 +493,38 @@ class Torchrun:
     def exited(self) -> WorkerGroup | None:
         """The group, once its torchrun has exited (what is left of its tree is killed)."""
         g = self.group
-        if g is None or g.proc.poll() is None:
+        if g is None or g.proc.poll() is None or self.draining(g):
             return None
         for t in g.threads:
             t.join(2)
-        self._release_held(g)
+        if any(t.is_alive() for t in g.threads):
+            # A reader is behind (it waits for the shipper: a flood of output): the last lines,
+            # which a failure's reason quotes, from the ends of the files instead.
+            g.tails_final, g.tails = True, tails_of_files(list(g.outputs.values()), g.secrets)
+        if not g.released:
+            self._release_held(g)
         self.group = None
         kill_all(self.group_tree(g))
         return g
+
+    def draining(self, g: WorkerGroup) -> bool:
+        """Whether torchrun, which exited by itself, still has output on its way: a reader
+        behind a flood of lines, or lines queued (torchrun's held ones too, once the readers
+        are done). Its end is reported once every line is shipped, so that whoever reads the
+        job's log when it has ended sees them all: a report sent after an outage of the
+        control plane overtook the lines queued meanwhile (`test_control_plane_killed...`
+        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for."""
+        if g.stop_requested:
+            return False
+        if g.exited_at is None:
+            g.exited_at = time.monotonic()
+        if time.monotonic() - g.exited_at > DRAIN_S:
+            return False
+        if any(t.is_alive() for t in g.threads):
+            return True
+        if not g.released:
+            self._release_held(g)
+        return self.shipper.pending_of(g.job_id, g.attempt) > 0
 
     def kill_stopped_workers(self) -> None:
         """Kill workers that have been stopped (state T) for longer than the grace period."""

@@ -9,7 +9,8 @@ a round with more or fewer nodes is a membership change and does not count.
 A 'joining' is a fault noticed (the job is RECOVERING, `decide.recovery`) unless the job is
 re-forming already (a recovery, or a planned change: a node joining). A 'joined' names the
 group it formed ('<node>/<round>' of group rank 0); the job is RUNNING again only at that
-group's first step (`recovery.first_step`), not when it forms.
+group's first step (`recovery.first_step`), not when it forms; meanwhile its reason says the
+group formed and its workers started, with no step or output yet (`formed_reason`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ S = JobState
 def is_restart(job: JobRecord, group_nodes: int) -> bool:
     """A round formed again with the same number of nodes: the workers failed and restarted."""
     return job.rounds >= 1 and group_nodes == job.round_nodes
+
+
+def formed_reason(what: str, state: JobState) -> str:
+    """The reason while a group that formed has shown no step or line yet: its workers run (a
+    plain script that prints nothing shows nothing more until it ends, so the reason says
+    what is known: the group formed, the workers started, and nothing came from them yet)."""
+    again = "" if state is S.STARTING else " again"
+    return f"group formed: {what}; workers started{again}, no step or output yet"
 
 
 def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
@@ -69,8 +78,10 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
         events.append(event)
     what = f"world size {world} on {nodes} node(s)"
     if is_regrouping(changed):
-        again = "" if changed.state is S.STARTING else " again"
-        changed, event = note(changed, f"group formed: {what}; training{again} at its first step", now)
+        # A job STARTING without a fault says so in its reason (it said "started on ..."
+        # until now); after a fault, the reason keeps naming the fault until the first step.
+        changed, event = note(changed, formed_reason(what, changed.state), now,
+                              as_reason=changed.state is S.STARTING and not restarted)
     else:
         changed, event = note(changed, f"rendezvous complete: {what}", now)
     events.append(event)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
 from tests.helpers.faults import (
     SnapshotWatch,
     agent_stdout,
@@ -64,6 +64,35 @@ def test_control_plane_killed_and_restarted_training_goes_on_undisturbed(control
             assert trace.steps == list(range(1, 121)) and not trace.resumes
             final = watch.check(again)
             assert final["latest"] == 120 and latest in {i["step"] for i in final["items"]}
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2"}], indirect=True)
+def test_a_job_that_ends_while_the_control_plane_is_down_has_all_its_lines_when_it_ends(
+        control_plane, api, agents):
+    """The lines its node queued during the outage reach the log before the job's end: they
+    wait while the restarted control plane does not know the node (its 2 s lease lapsed in
+    the outage: 404 'no node named', which dropped them all before), and the node reports the
+    end once they are shipped (before, the report could go first). A reader at SUCCEEDED
+    missed them: `test_control_plane_killed...` once read rank 0's steps as [1, 2]."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    script = ("import time\nprint('first', flush=True)\ntime.sleep(2)\n"
+              "for i in range(5000):\n    print(f'line {i}')\n")
+    job_id = submit(api, {"name": "ends-away", "command": ["python", "-c", script], "max_restarts": 0,
+                          "env": {"FTRAIN_FORK_SERVER": "0"}})
+    wait_state(api, job_id, "RUNNING", timeout_s=60)  # its first line reached the log
+    control_plane.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    out = agent_stdout(a, job_id, 1)
+    wait_for(lambda: "line 4999" in out.read_text(), 30, "the script's last line, in the outage")
+    time.sleep(max(0.0, 3 - (time.monotonic() - killed)))  # the fault itself: past the node's lease
+    control_plane.start()
+    with control_plane.client() as again:
+        done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+        lines = [i["line"] for i in log_items(again, job_id, rank=0)]
+    assert done["state"] == "SUCCEEDED"
+    got = [x for x in lines if x.startswith("line ")]
+    assert got == [f"line {i}" for i in range(5000)], (len(got), len(set(got)), got[-1:])
 
 
 def test_etcd_killed_and_restarted_api_answers_503_meanwhile_and_training_goes_on(

@@ -19,7 +19,8 @@ TAIL = ["[rank0] Traceback", "[rank0] RuntimeError: boom"]
 
 
 def formed(world: int, nodes: int) -> str:
-    return f"group formed: world size {world} on {nodes} node(s); training again at its first step"
+    return f"group formed: world size {world} on {nodes} node(s); workers started again, " \
+        "no step or output yet"
 
 
 FORMED_4 = formed(4, 2)
@@ -115,6 +116,19 @@ def test_reports_that_change_the_job(what, before, report, after):
     assert got.stopping is (state is S.FAILED)
     assert got.finished_at == (NOW if state.is_terminal() else None)
     assert change.ops == []
+
+
+def test_a_starting_jobs_group_formed_says_in_its_reason_that_its_workers_started():
+    """A plain script that prints nothing stays STARTING until its first line; meanwhile its
+    reason (status, list, the dashboard) says the group formed and its workers started."""
+    starting = job(S.STARTING, reason="started on 2 node(s): a, b")
+    got = decide_round(starting, joined(2), TAIL, NOW).job
+    assert (got.state, got.reason) == (
+        S.STARTING, "group formed: world size 4 on 2 node(s); workers started, no step or output yet")
+    # after a fault the reason keeps naming it
+    failed = job(S.STARTING, rounds=1, round_nodes=2, reason="node b is restarting its workers")
+    got = decide_round(failed, joined(2), TAIL, NOW).job
+    assert got.reason == "node b is restarting its workers" and got.restarts == 1
 
 
 def test_spent_restarts_give_a_one_line_reason_and_quote_the_log_lines_in_the_events_detail():

@@ -531,7 +531,7 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
     async def main():
         ctx = context()
         leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
-        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 5.0,
+        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 600.0,
                                                           passes=ctx.scheduler_passes)):
             await until(lambda: ctx.scheduler_passes.count > 0, "the first scheduler pass")
             before = ctx.scheduler_passes.count

@@ -30,6 +30,7 @@ class FakeLogEndpoint(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.max_body_bytes = max_body_bytes
         self.away = False
+        self.forgotten = False
         self.gone: set[str] = set()
         self.lines: dict[str, list[dict]] = {}
         self.bodies: list[int] = []  # sizes of the bodies it took
@@ -60,6 +61,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if length > self.server.max_body_bytes:
             self.server.refused_413 += 1
             return self._answer(413, f"request body larger than {self.server.max_body_bytes} bytes")
+        if self.server.forgotten:  # the node's lease lapsed (e.g. in an outage of the control plane)
+            return self._answer(404, "no node named 'node-a' is registered (its lease may have lapsed)")
         if job in self.server.gone:
             return self._answer(404, f"no job with id {job!r}")
         self.server.bodies.append(length)
@@ -188,3 +191,58 @@ def test_an_over_long_line_is_cut_with_a_visible_mark():
     assert cut.endswith("[ftrain: line cut, 10000 characters in all]")
     assert cut_line("short") == "short"
     LogLineIn(rank=0, line=cut, time=0.0)  # what the control plane accepts
+
+
+def test_a_flood_faster_than_shipping_waits_for_room_and_loses_nothing(endpoint, monkeypatch):
+    """A reader of torchrun's output (`wait_for_room`) waits while the queue is full and the
+    control plane answers: 20 times the queue's bound arrive, in order, with no marker."""
+    monkeypatch.setattr(log_shipper, "MAX_PENDING_LINES", 100)
+    client = ControlPlaneClient(endpoint.url, "t", timeout=5)
+    shipper = LogShipper(client, "node-a")  # its background thread ships every SHIP_EVERY_S
+    sent = [f"flood {i}" for i in range(2000)]
+    for text in sent:
+        shipper.add("j", 1, line(text), wait_for_room=True)
+    deadline = time.monotonic() + 30
+    while len(endpoint.texts("j")) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert endpoint.texts("j") == sent
+    shipper.close()
+    client.close()
+
+
+def test_a_reader_waiting_for_room_drops_the_oldest_once_the_control_plane_is_away(endpoint, monkeypatch):
+    monkeypatch.setattr(log_shipper, "MAX_PENDING_LINES", 100)
+    shipper, client = shipper_for(endpoint)
+    endpoint.away = True
+    shipper.add("j", 1, line("first"))
+    shipper.flush()  # no answer: the readers stop waiting (the queue is bounded meanwhile)
+    done = threading.Event()
+
+    def reader():
+        for i in range(250):
+            shipper.add("j", 1, line(f"during {i}"), wait_for_room=True)
+        done.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    assert done.wait(10), "the reader waited for room although no control plane answered"
+    endpoint.away = False
+    shipper.flush()
+    texts = endpoint.texts("j")
+    assert texts[0] == "ftrain: 151 lines dropped on node node-a while the control plane was away"
+    assert texts[1:] == [f"during {i}" for i in range(150, 250)]
+    client.close()
+
+
+def test_lines_wait_while_the_control_plane_does_not_know_the_node_then_arrive(endpoint):
+    """A 404 about the node (its lease lapsed in an outage; it registers again) is no answer
+    about the lines: they wait (before, it was taken for the job's 404 and dropped them all)."""
+    shipper, client = shipper_for(endpoint)
+    endpoint.forgotten = True
+    for i in range(30):
+        shipper.add("j", 1, line(f"queued {i}"))
+    shipper.flush()
+    assert endpoint.texts("j") == [] and shipper.pending() == 30
+    endpoint.forgotten = False
+    shipper.flush()
+    assert endpoint.texts("j") == [f"queued {i}" for i in range(30)]
+    client.close()

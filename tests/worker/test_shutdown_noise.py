@@ -38,7 +38,7 @@ class Shipper:
     def __init__(self):
         self.lines: list[LogLineIn] = []
 
-    def add(self, job_id: str, attempt: int, line: LogLineIn) -> None:
+    def add(self, job_id: str, attempt: int, line: LogLineIn, *, wait_for_room: bool = False) -> None:
         self.lines.append(line)
 
 
