@@ -17,6 +17,9 @@ saying which job attempt it still runs, without stopping its workers: the contro
 keeps it a member if the job still counts on it (after an outage of its own it waits for
 such nodes, `service.decide.liveness`), and otherwise the next heartbeat's assignment
 stops the group as usual.
+
+Stopping a group blocks the loop for up to the grace (and a SIGKILL's aftermath), which can
+outlast the node lease; a thread keeps the lease alive meanwhile (`_beating_meanwhile`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -217,8 +222,33 @@ class NodeAgent:
 
     def stop_group(self, why: str, grace_s: float = 5.0) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
-        self.torchrun.stop(why, grace_s)
+        with self._beating_meanwhile():
+            self.torchrun.stop(why, grace_s)
         self.check_exit()
+
+    @contextmanager
+    def _beating_meanwhile(self) -> Iterator[None]:
+        """Keep the node's lease alive from a thread of its own while the loop is held up.
+
+        A group's stop can take longer than the node lease (the cancel grace is 5 s, workers
+        that ignore SIGTERM take all of it, a loaded machine more; one took 7.2 s against a 6 s
+        lease): without a heartbeat meanwhile, the node would be declared lost in the middle
+        of a cancel. The loop's own heartbeat (the one that hears assignments) resumes after."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.link.heartbeat_interval_s):
+                try:
+                    self.link.keep_alive()
+                except HttpError as exc:  # the loop's next heartbeat says what to do
+                    log.info("heartbeat while stopping a group: %s", exc)
+
+        thread = threading.Thread(target=beat, name="heartbeat-while-stopping", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
 
 def take_from_environ(name: str) -> str | None:
