@@ -52,7 +52,8 @@ log = logging.getLogger("ftrain.agent")
 # SIGTERM-to-SIGKILL grace when a group is replaced by a new attempt of the same job. Short
 # on purpose: whatever the old attempt had to save is saved (a planned change snapshots
 # first), and after a lost NCCL peer its workers are stuck in a collective and never exit
-# on SIGTERM (docs/runtime.md, "Stopping a group").
+# on SIGTERM (docs/runtime.md, "Stopping a group"). None at all when its workers have all
+# exited (a gloo survivor's, after a lost peer): torchrun alone took the whole 0.3 s.
 REPLACE_GRACE_S = 0.3
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
@@ -184,8 +185,11 @@ class NodeAgent:
             if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
                 self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
-                # blocked in an NCCL collective with a dead peer and never see SIGTERM)
-                self.stop_group("the job moved to a new attempt", grace_s=REPLACE_GRACE_S)
+                # blocked in an NCCL collective with a dead peer and never see SIGTERM), and
+                # nothing at all once they have exited: torchrun's own tidy exit is no use
+                gone = self.torchrun.workers_gone()
+                why = "the job moved to a new attempt" + ("; its workers had exited" if gone else "")
+                self.stop_group(why, grace_s=0.0 if gone else REPLACE_GRACE_S)
             g = None
         if g is None and key not in self.finished:
             if a.action == "run":

@@ -60,8 +60,10 @@ from worker.env import (
 from worker.log_shipper import LogShipper
 from worker.procs import (
     FORK_SERVER,
+    cmdline,
     descendants,
     is_alive,
+    is_fork_server,
     kill_all,
     pdeathsig_argv,
     state_of,
@@ -369,6 +371,14 @@ class Torchrun:
         z = self.fork_server
         return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
 
+    def workers_gone(self) -> bool:
+        """Whether every worker of the group has exited (its torchrun may live on, re-forming
+        the group, or shutting down): nothing under it but torchrun itself where that came from
+        the job's fork server (a live worker has a `worker/launch.py` under torchrun, or runs
+        the job's own command; anything else, a zombie included, counts as a worker)."""
+        g = self.group
+        return g is None or all(is_fork_server(cmdline(p)) for p in self.group_tree(g))
+
     def start(self, a: Assignment) -> WorkerGroup:
         """Start torchrun for assignment `a` (and the job's fork server, if it has none).
 
@@ -487,14 +497,15 @@ class Torchrun:
                 kill_all([pid])
 
     def stop(self, why: str, grace_s: float = 5.0) -> None:
-        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left."""
+        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left (at once
+        with no grace)."""
         g = self.group
         if g is None:
             return
         g.stop_requested = True
         tree = self.group_tree(g)
         log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
-        if g.proc.poll() is None:
+        if g.proc.poll() is None and grace_s > 0:
             g.proc.send_signal(signal.SIGTERM)
             kill_all(tree, signal.SIGTERM)
             try:
