@@ -121,7 +121,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     ServiceLink,
 )
 from worker.peer_watch import PeerWatch
-from worker.protocol import MAX_METRICS, METRIC_NAME
+from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -183,8 +183,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 # What a collective's error says when a peer's process or node is gone (gloo's TCP pairs, NCCL).
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
-              "socket closed", "remote process exited", "nccl communicator was aborted")
+_PEER_GONE = PEER_GONE
 
 
 def is_broken_peer(exc: BaseException) -> bool:

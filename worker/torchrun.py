@@ -57,6 +57,7 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
+from worker.http import ControlPlaneClient, HttpError
 from worker.log_shipper import LogShipper
 from worker.procs import (
     FORK_SERVER,
@@ -69,7 +70,16 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, round_of_mark, telling_line
+from worker.protocol import (
+    ERROR_LINE,
+    Assignment,
+    BrokenPeer,
+    LogLineIn,
+    cut_line,
+    round_of_mark,
+    says_peer_gone,
+    telling_line,
+)
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -129,6 +139,8 @@ class WorkerGroup:
     holding: bool = False
     # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
     rounds: dict = field(default_factory=dict)
+    job_token: str | None = None  # for the broken-peer report its workers' output can call for
+    peer_reported: bool = False  # (once per group: `Torchrun._report_broken_peer`)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -412,7 +424,8 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env))
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env),
+                        job_token=a.job_token)
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -447,6 +460,8 @@ class Torchrun:
                     g.rounds[stream] = formed  # the lines after it are the new group's
                     continue
                 line = mask_secrets(line, g.secrets)
+                if rank is not None and not g.peer_reported and says_peer_gone(line):
+                    self._report_broken_peer(g, line)
                 g.tails[rank].append(line)
                 out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
                                 round=g.rounds.get(stream) if rank is not None else None)
@@ -455,6 +470,28 @@ class Torchrun:
                     g.held.append(out)
                     continue
                 self.shipper.add(g.job_id, g.attempt, out)
+
+    def _report_broken_peer(self, g: WorkerGroup, line: str) -> None:
+        """A worker printed that its process group lost a peer: tell the control plane now,
+        from a thread (a node whose agent's connection dropped is then lost at once,
+        service/presence.py). The runtime's workers report it themselves; a plain script's
+        worker does not, and spends seconds in the interpreter's teardown after the traceback
+        before torchrun re-forms the group and the control plane hears of it."""
+        g.peer_reported = True
+        if g.stop_requested or not g.job_token:
+            return
+        body = BrokenPeer(attempt=g.attempt, node=self.node, detail=f"worker output: {line}"[:500])
+
+        def send() -> None:
+            client = ControlPlaneClient(self.server, g.job_token, timeout=5.0)
+            try:
+                client.call("POST", f"/v1/jobs/{g.job_id}/broken", body)
+            except HttpError as exc:  # the lease and the blip bound remain
+                log.info("could not report job %s's broken peer: %s", g.job_id, exc)
+            finally:
+                client.close()
+
+        threading.Thread(target=send, name="broken-peer-report", daemon=True).start()
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""
