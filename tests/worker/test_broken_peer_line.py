@@ -23,6 +23,7 @@ GLOO = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534
 
 @pytest.mark.parametrize(("line", "gone"), [
     (GLOO, True),
+    (f"[rank0]: {GLOO}", True),  # torch's own prefix of a worker's uncaught error
     ("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
      "operation to complete; Connection reset by peer", True),
     ("torch.distributed.DistNetworkError: failed to recv, got 0 bytes", True),
