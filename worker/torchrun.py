@@ -140,7 +140,8 @@ class WorkerGroup:
     # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
     rounds: dict = field(default_factory=dict)
     job_token: str | None = None  # for the broken-peer report its workers' output can call for
-    peer_reported: bool = False  # (once per group: `Torchrun._report_broken_peer`)
+    # the rounds whose workers' broken peer was reported (once a round: `_report_broken_peer`)
+    peer_reported: set = field(default_factory=set)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -460,8 +461,8 @@ class Torchrun:
                     g.rounds[stream] = formed  # the lines after it are the new group's
                     continue
                 line = mask_secrets(line, g.secrets)
-                if rank is not None and not g.peer_reported and says_peer_gone(line):
-                    self._report_broken_peer(g, line)
+                if rank is not None and g.rounds.get(stream) not in g.peer_reported and says_peer_gone(line):
+                    self._report_broken_peer(g, g.rounds.get(stream), line)
                 g.tails[rank].append(line)
                 out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
                                 round=g.rounds.get(stream) if rank is not None else None)
@@ -471,13 +472,14 @@ class Torchrun:
                     continue
                 self.shipper.add(g.job_id, g.attempt, out)
 
-    def _report_broken_peer(self, g: WorkerGroup, line: str) -> None:
+    def _report_broken_peer(self, g: WorkerGroup, round_: int | None, line: str) -> None:
         """A worker printed that its process group lost a peer: tell the control plane now,
         from a thread (a node whose agent's connection dropped is then lost at once,
         service/presence.py). The runtime's workers report it themselves; a plain script's
         worker does not, and spends seconds in the interpreter's teardown after the traceback
-        before torchrun re-forms the group and the control plane hears of it."""
-        g.peer_reported = True
+        before torchrun re-forms the group and the control plane hears of it. Once per
+        rendezvous round (`round_`): a group that torchrun re-formed may break again."""
+        g.peer_reported.add(round_)
         if g.stop_requested or not g.job_token:
             return
         body = BrokenPeer(attempt=g.attempt, node=self.node, detail=f"worker output: {line}"[:500])

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.processes import wait_for
 from tests.worker.test_shutdown_noise import Exited, Shipper
-from worker.protocol import says_peer_gone
+from worker.protocol import round_mark, says_peer_gone
 from worker.torchrun import Torchrun, WorkerGroup
 
 GLOO = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
@@ -71,14 +71,20 @@ def _pump(url: str, tmp_path, lines: list[str], stopping: bool = False) -> None:
     Torchrun("n1", url, tmp_path, None, Shipper())._pump(g, "stderr", out)
 
 
-def test_a_workers_broken_peer_error_is_reported_once_with_the_job_token(control_plane, tmp_path):
-    _pump(control_plane, tmp_path, ["[rank0]:Traceback (most recent call last):", f"[rank0]:{GLOO}",
-                                    f"[rank1]:{GLOO}"])
+def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token(control_plane, tmp_path):
+    _pump(control_plane, tmp_path, [round_mark(0), "[rank0]:Traceback (most recent call last):",
+                                    f"[rank0]:{GLOO}", f"[rank1]:{GLOO}"])
     wait_for(lambda: Recorder.got, 10, "the report")
     path, auth, body = Recorder.got[0]
     assert path == "/v1/jobs/j/broken" and auth == "Bearer job-token"
     assert body["attempt"] == 2 and body["node"] == "n1" and "Connection closed by peer" in body["detail"]
-    assert len(Recorder.got) == 1  # once per group
+    assert len(Recorder.got) == 1  # once for the round
+
+    # torchrun re-formed the group (a worker failed), and the new round's group broke too.
+    Recorder.got = []
+    _pump(control_plane, tmp_path, [round_mark(0), f"[rank0]:{GLOO}", round_mark(1), f"[rank0]:{GLOO}",
+                                    f"[rank0]:{GLOO}"])
+    wait_for(lambda: len(Recorder.got) == 2, 10, "a report for each round")
 
 
 def test_no_report_from_a_group_being_stopped_or_of_other_errors(control_plane, tmp_path):
