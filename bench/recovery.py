@@ -404,7 +404,38 @@ class FtrainCluster:
             return {}
         return {"job_id": self.job_id, "events": [
             {"t": round(_event_time(e) - since, 3), "state": e.get("state"), "reason": e.get("reason")}
-            for e in items if _event_time(e) is not None]}
+            for e in items if _event_time(e) is not None], "agent": self.agent_marks(since)}
+
+    def agent_marks(self, since: float) -> dict:
+        """The first survivor's agent, from its log: when it began stopping the old group and
+        when it started the new attempt's torchrun, seconds after `since` (the fault)."""
+        if not self.agents:
+            return {}
+        marks: dict = {}
+        for line in _log_lines(self.agents[0].workdir / f"agent-{self.agents[0].name}.log", since):
+            t, text = line
+            if "stopping job" in text:
+                marks.setdefault("stop_old", round(t - since, 3))
+            elif "started torchrun" in text and "stop_old" in marks:
+                marks.setdefault("torchrun_started", round(t - since, 3))
+        return marks
+
+
+def _log_lines(path: Path, since: float) -> list[tuple[float, str]]:
+    """(wall-clock time, line) of a Python log's lines (`%(asctime)s`: local time, ms) after `since`."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
+        except ValueError:
+            continue
+        if stamp > since:
+            out.append((stamp, line[24:]))
+    return out
 
 
 def _event_time(e: dict) -> float | None:
@@ -598,6 +629,11 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
                         if r["fault"]["phases_s"].get(name) is not None]
                 if vals:
                     got[name] = round(statistics.median(vals), 2)
+            for name in ("stop_old", "torchrun_started"):  # the survivor's agent (ftrain)
+                vals = [r["diagnostics"]["agent"][name] for r in rows
+                        if r.get("diagnostics", {}).get("agent", {}).get(name) is not None]
+                if vals:
+                    got[f"agent:{name}"] = round(statistics.median(vals), 2)
             for name, match in marks.items():
                 vals = []
                 for r in rows:
@@ -613,8 +649,10 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
 
 def print_phases(phases: dict) -> None:
     print("where the time goes: median seconds from the fault to each milestone")
-    print("  (cp:* from ftrain's job events; the rest from the workload's log lines)")
-    order = ["cp:node_given", "cp:lease_lapsed", "cp:recovering", "cp:group_formed", "first_worker_boot",
+    print("  (cp:* from ftrain's job events, cp:lease_lapsed its lost node's lease revoked or lapsed;")
+    print("   agent:* from the surviving agent's log; the rest from the workload's log lines)")
+    order = ["cp:node_given", "cp:recovering", "cp:lease_lapsed", "agent:stop_old", "agent:torchrun_started",
+             "cp:group_formed", "first_worker_boot",
              "rank0_process_group", "rank0_resumed", "first_step"]
     for scenario, per in phases.items():
         print(f"  {scenario}")

@@ -8,13 +8,19 @@ request open (`GET /v1/nodes/{name}/presence`), which the control plane holds fo
 while it is held is a dropped connection. A dropped connection alone may be a network blip
 (an agent that reconnects), so it takes a second signal before the control plane revokes
 the node's lease: a survivor's report of a broken peer (a worker of a job the node is a
-member of saw its process group break: `suspect`), after which the node is lost if it is
-not back within `GRACE_S` (1 s); or, without a report, the drop outlasting `BLIP_S` (5 s).
+member of saw its process group break, or the node leaders' ring of connections saw the
+node's end close: worker/peer_watch.py; `suspect`), and then the node is lost at once, the
+two signals agreeing (`GRACE_S`, 0); or, without a report, the drop outlasting `BLIP_S`
+(5 s). A drop and a report agree only when they are about the same node within
+`SUSPECT_WINDOW_S`; a blip that also broke the job's process group (a partition of the node)
+costs the node its membership, which it takes back by registering again, where waiting a
+second for it to reconnect would have saved one round: the group had to form again anyway.
 A revoke is exactly what a lapsed lease does (the node record goes, the scheduler treats
 the node as lost and its jobs move on), only seconds sooner. A report alone revokes
-nothing: a peer whose connection is held is alive (its worker died, not its agent). The lease
-stays the backstop for a node that goes silent without closing anything (power, a
-partition, a stopped agent).
+nothing: a peer whose connection is held is alive (its worker died, not its agent); one
+whose agent is between two presence requests (it asks again within milliseconds) gets
+`REASK_S` to do so. The lease stays the backstop for a node that goes silent without
+closing anything (power, a partition, a stopped agent).
 
 Suspicions are shared: the replica that gets a broken-peer report need not be the one that
 holds the suspect's presence request (an agent talks to one replica, a survivor's worker may
@@ -49,7 +55,8 @@ from service.store.api import KeyValue
 log = logging.getLogger(__name__)
 
 HOLD_S = 1.0  # how long the control plane holds one presence request
-GRACE_S = 1.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
+GRACE_S = 0.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
+REASK_S = 0.3  # a suspect whose agent held no presence request here: lost unless it asks within this
 BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
 SUSPECT_WINDOW_S = 3.0  # a broken-peer report confirms a drop from this long before it on
 SHARED_POLL_S = 0.2  # how often a drop waiting for a second signal reads the shared suspicions
@@ -72,12 +79,13 @@ class Presence:
         self._opened: dict[str, float] = {}  # node -> when its latest presence request came here
         self._owned: dict[str, int] = {}  # node -> the lease under which the presence key names us
         self._checks: set[asyncio.Task] = set()
+        self._wake: dict[str, set[asyncio.Event]] = {}  # node -> its waiting checks' events (`suspect`)
         self.revoked: list[str] = []  # nodes this replica found lost (for tests and logs)
 
     async def hold(self, name: str, lease: int, receive: Callable[[], Awaitable[dict]],
                    hold_s: float = HOLD_S) -> bool:
         """Hold node `name`'s presence request for `hold_s`; False if its connection
-        dropped meanwhile (then the check after the grace is started)."""
+        dropped meanwhile (then the check for a second signal is started)."""
         opened = self.clock()
         self._opened[name] = opened
         if self._owned.get(name) != lease:
@@ -96,8 +104,8 @@ class Presence:
         self._start_check(name, lease, self.clock())
         return False
 
-    def _start_check(self, name: str, lease: int, dropped: float) -> None:
-        self._spawn(self._check(name, lease, dropped))
+    def _start_check(self, name: str, lease: int, dropped: float, grace_s: float | None = None) -> None:
+        self._spawn(self._check(name, lease, dropped, self.grace_s if grace_s is None else grace_s))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -106,15 +114,18 @@ class Presence:
 
     def suspect(self, nodes: list[str]) -> None:
         """A survivor's report of a broken peer: each of `nodes` whose connection dropped (or
-        drops soon) is lost once the grace is over."""
+        drops soon) is lost: at once, or after REASK_S if it held no request here."""
         now = self.clock()
         for name in nodes:
             self._suspected[name] = now
+            if waiting := self._wake.get(name):
+                for wake in waiting:
+                    wake.set()  # a drop waiting for its second signal: this is it
             # An agent that died between two presence requests dropped nothing while held:
             # a suspect whose presence this replica owns but holds no request of is checked
-            # as if it had dropped now.
-            if name in self._owned and not self._holding.get(name):
-                self._start_check(name, self._owned[name], now)
+            # as if it had dropped now, after the moment a live agent takes to ask again.
+            elif name in self._owned and not self._holding.get(name):
+                self._start_check(name, self._owned[name], now, grace_s=max(self.grace_s, REASK_S))
         for name, when in list(self._suspected.items()):  # forget the old ones
             if now - when > SUSPECT_WINDOW_S:
                 del self._suspected[name]
@@ -148,22 +159,41 @@ class Presence:
     def _is_confirmed(self, name: str, dropped: float) -> bool:
         return self._suspected.get(name, float("-inf")) >= dropped - SUSPECT_WINDOW_S
 
-    async def _check(self, name: str, lease: int, dropped: float) -> None:
-        """After the grace: revoke the node's lease unless it came back, once a broken-peer
-        report confirms the drop, or when the drop outlasts `blip_s` unconfirmed."""
-        await asyncio.sleep(self.grace_s)
-        confirmed = self._is_confirmed(name, dropped)
+    async def _second_signal(self, name: str, dropped: float, wake: asyncio.Event) -> bool:
+        """Wait for a broken-peer report of `name` (here: at once; through etcd: within
+        `SHARED_POLL_S`) until the drop outlasts `blip_s` or the node asks again; whether one came."""
         read_at = self.clock()
-        while not confirmed and self.clock() - dropped < self.blip_s:
-            if self._opened.get(name, 0.0) > dropped:
-                return  # it asked again here
-            if self.clock() >= read_at:  # a report to another replica confirms it too
-                read_at = self.clock() + SHARED_POLL_S
+        while True:
+            wake.clear()  # (before the checks: a report while they await wakes the wait below)
+            if self._is_confirmed(name, dropped):
+                return True
+            now = self.clock()
+            if now - dropped >= self.blip_s or self._opened.get(name, 0.0) > dropped:
+                return False  # the bound, or it asked again here (the caller sees which)
+            if now >= read_at:  # a report to another replica confirms it too
+                read_at = now + SHARED_POLL_S
                 if await self._shared_confirms(name, dropped):
-                    confirmed = True
-                    break
-            await asyncio.sleep(min(0.05, max(0.0, self.blip_s - (self.clock() - dropped))))
-            confirmed = self._is_confirmed(name, dropped)
+                    return True
+            try:
+                async with asyncio.timeout(max(0.0, min(read_at, dropped + self.blip_s) - self.clock())):
+                    await wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _check(self, name: str, lease: int, dropped: float, grace_s: float) -> None:
+        """Revoke the node's lease unless it comes back: once a broken-peer report confirms the
+        drop (and `grace_s` has passed since it), or when the drop outlasts `blip_s` unconfirmed."""
+        wake = asyncio.Event()
+        self._wake.setdefault(name, set()).add(wake)
+        try:
+            confirmed = await self._second_signal(name, dropped, wake)
+        finally:
+            waiting = self._wake[name]
+            waiting.discard(wake)
+            if not waiting:
+                del self._wake[name]
+        if confirmed and grace_s > 0:
+            await asyncio.sleep(max(0.0, dropped + grace_s - self.clock()))
         if self._opened.get(name, 0.0) > dropped:
             return  # it asked again here
         signal = ("a survivor reported a broken peer" if confirmed

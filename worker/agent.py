@@ -17,6 +17,9 @@ saying which job attempt it still runs, without stopping its workers: the contro
 keeps it a member if the job still counts on it (after an outage of its own it waits for
 such nodes, `service.decide.liveness`), and otherwise the next heartbeat's assignment
 stops the group as usual.
+
+Stopping a group blocks the loop for up to the grace (and a SIGKILL's aftermath), which can
+outlast the node lease; a thread keeps the lease alive meanwhile (`_beating_meanwhile`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -47,7 +52,8 @@ log = logging.getLogger("ftrain.agent")
 # SIGTERM-to-SIGKILL grace when a group is replaced by a new attempt of the same job. Short
 # on purpose: whatever the old attempt had to save is saved (a planned change snapshots
 # first), and after a lost NCCL peer its workers are stuck in a collective and never exit
-# on SIGTERM (docs/runtime.md, "Stopping a group").
+# on SIGTERM (docs/runtime.md, "Stopping a group"). None at all when its workers have all
+# exited (a gloo survivor's, after a lost peer): torchrun alone took the whole 0.3 s.
 REPLACE_GRACE_S = 0.3
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
@@ -180,8 +186,11 @@ class NodeAgent:
             if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
                 self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
-                # blocked in an NCCL collective with a dead peer and never see SIGTERM)
-                self.stop_group("the job moved to a new attempt", grace_s=REPLACE_GRACE_S)
+                # blocked in an NCCL collective with a dead peer and never see SIGTERM), and
+                # nothing at all once they have exited: torchrun's own tidy exit is no use
+                gone = self.torchrun.workers_gone()
+                why = "the job moved to a new attempt" + ("; its workers had exited" if gone else "")
+                self.stop_group(why, grace_s=0.0 if gone else REPLACE_GRACE_S)
             g = None
         if g is None and key not in self.finished:
             if a.action == "run":
@@ -218,8 +227,33 @@ class NodeAgent:
 
     def stop_group(self, why: str, grace_s: float = 5.0) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
-        self.torchrun.stop(why, grace_s)
+        with self._beating_meanwhile():
+            self.torchrun.stop(why, grace_s)
         self.check_exit()
+
+    @contextmanager
+    def _beating_meanwhile(self) -> Iterator[None]:
+        """Keep the node's lease alive from a thread of its own while the loop is held up.
+
+        A group's stop can take longer than the node lease (the cancel grace is 5 s, workers
+        that ignore SIGTERM take all of it, a loaded machine more; one took 7.2 s against a 6 s
+        lease): without a heartbeat meanwhile, the node would be declared lost in the middle
+        of a cancel. The loop's own heartbeat (the one that hears assignments) resumes after."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.link.heartbeat_interval_s):
+                try:
+                    self.link.keep_alive()
+                except HttpError as exc:  # the loop's next heartbeat says what to do
+                    log.info("heartbeat while stopping a group: %s", exc)
+
+        thread = threading.Thread(target=beat, name="heartbeat-while-stopping", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
 
 def take_from_environ(name: str) -> str | None:

@@ -93,6 +93,8 @@ class NodeLink:
         self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         # The presence request has a connection (and thread) of its own (hold_presence).
         self._presence = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
+        # So has the lease's keep-alive while the agent's loop is busy stopping a group (keep_alive).
+        self._keep_alive = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.heartbeat_interval_s = 1.0
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
@@ -119,6 +121,7 @@ class NodeLink:
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
             self._presence.set_token(reply.credential)
+            self._keep_alive.set_token(reply.credential)
             self._write_credential(reply.credential)
         self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.lease_id = reply.lease_id
@@ -146,6 +149,13 @@ class NodeLink:
         a = HeartbeatReply.model_validate(got).assignment
         self.known = None if a is None else Known(job_id=a.job_id, attempt=a.attempt, action=a.action)
         return a
+
+    def keep_alive(self) -> None:
+        """A heartbeat that only keeps the node's lease alive: no wait, and its answer (the
+        assignment) left for the agent's loop to hear on its next beat. For a thread of its own,
+        while the loop is busy (`NodeAgent.stop_group`); raises `HttpError` like `heartbeat`."""
+        request = HeartbeatRequest(lease_id=self.lease_id, known=None, wait_s=0.0)
+        self._keep_alive.call("POST", f"/v1/nodes/{self.name}/heartbeat", request)
 
     def report(self, job_id: str, attempt: int, state: str, code: int | None = None,
                reason: str | None = None) -> None:
@@ -224,6 +234,7 @@ class NodeLink:
         self._enrol.close()
         self.client.close()
         self._presence.close()
+        self._keep_alive.close()
 
 
 def node_forgotten(exc: HttpError) -> bool:

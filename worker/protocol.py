@@ -620,3 +620,21 @@ def telling_line(lines: list[str], width: int = 300) -> str | None:
     said = [x.strip() for x in lines if x.strip()]
     last = next((x for x in reversed(said) if " stderr] " in x), said[-1] if said else None)
     return last[:width] if last else None
+
+
+_TORCH_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
+# What an error says when a worker's process group lost a peer (gloo's and NCCL's words; the
+# runtime's excepthook and the agent's reading of a plain script's output both use them).
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+             "socket closed", "remote process exited", "nccl communicator was aborted")
+
+
+def says_peer_gone(line: str) -> bool:
+    """Whether a worker's output line is the error of a process group that lost a peer
+    (`RuntimeError: [...] Connection closed by peer`, `...DistNetworkError: ...`; torch may
+    put its own `[rank0]: ` before a worker's uncaught error)."""
+    text = _TORCH_RANK_PREFIX.sub("", line.strip())
+    if not ERROR_LINE.match(text):
+        return False
+    lowered = text.lower()
+    return "distnetworkerror" in lowered.split(":", 1)[0] or any(s in lowered for s in PEER_GONE)

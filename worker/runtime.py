@@ -122,7 +122,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     ServiceLink,
 )
 from worker.peer_watch import PeerWatch
-from worker.protocol import MAX_METRICS, METRIC_NAME
+from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -185,17 +185,12 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# What a collective's error says when a peer's process or node is gone (gloo's TCP pairs, NCCL).
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
-              "socket closed", "remote process exited", "nccl communicator was aborted")
-
-
 def is_broken_peer(exc: BaseException) -> bool:
     """Whether an error that ends a worker says its process group lost a peer."""
     if isinstance(exc, getattr(dist, "DistNetworkError", ())):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_GONE)
+    return isinstance(exc, RuntimeError) and any(s in text for s in PEER_GONE)
 
 
 # What a worker whose group broke gives its memory tier's copy in flight before it exits.

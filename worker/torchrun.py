@@ -57,17 +57,29 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
+from worker.http import ControlPlaneClient, HttpError
 from worker.log_shipper import LogShipper
 from worker.procs import (
     FORK_SERVER,
+    cmdline,
     descendants,
     is_alive,
+    is_fork_server,
     kill_all,
     pdeathsig_argv,
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import ERROR_LINE, Assignment, LogLineIn, cut_line, round_of_mark, telling_line
+from worker.protocol import (
+    ERROR_LINE,
+    Assignment,
+    BrokenPeer,
+    LogLineIn,
+    cut_line,
+    round_of_mark,
+    says_peer_gone,
+    telling_line,
+)
 from worker.run_as import RunAs, job_dir
 
 log = logging.getLogger("ftrain.agent")
@@ -133,6 +145,9 @@ class WorkerGroup:
     exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
     released: bool = False  # its held lines were handed to the shipper (`_release_held`)
+    job_token: str | None = None  # for the broken-peer report its workers' output can call for
+    # the rounds whose workers' broken peer was reported (once a round: `_report_broken_peer`)
+    peer_reported: set = field(default_factory=set)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -399,6 +414,14 @@ class Torchrun:
         z = self.fork_server
         return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
 
+    def workers_gone(self) -> bool:
+        """Whether every worker of the group has exited (its torchrun may live on, re-forming
+        the group, or shutting down): nothing under it but torchrun itself where that came from
+        the job's fork server (a live worker has a `worker/launch.py` under torchrun, or runs
+        the job's own command; anything else, a zombie included, counts as a worker)."""
+        g = self.group
+        return g is None or all(is_fork_server(cmdline(p)) for p in self.group_tree(g))
+
     def start(self, a: Assignment) -> WorkerGroup:
         """Start torchrun for assignment `a` (and the job's fork server, if it has none).
 
@@ -432,7 +455,8 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs)
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs,
+                        job_token=a.job_token)
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -469,6 +493,8 @@ class Torchrun:
                     g.rounds[stream] = formed  # the lines after it are the new group's
                     continue
                 line = mask_secrets(line, g.secrets)
+                if rank is not None and g.rounds.get(stream) not in g.peer_reported and says_peer_gone(line):
+                    self._report_broken_peer(g, g.rounds.get(stream), line)
                 if not g.tails_final:
                     g.tails[rank].append(line)
                 out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
@@ -478,6 +504,29 @@ class Torchrun:
                     g.held.append(out)
                     continue
                 self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the file keeps them)
+
+    def _report_broken_peer(self, g: WorkerGroup, round_: int | None, line: str) -> None:
+        """A worker printed that its process group lost a peer: tell the control plane now,
+        from a thread (a node whose agent's connection dropped is then lost at once,
+        service/presence.py). The runtime's workers report it themselves; a plain script's
+        worker does not, and spends seconds in the interpreter's teardown after the traceback
+        before torchrun re-forms the group and the control plane hears of it. Once per
+        rendezvous round (`round_`): a group that torchrun re-formed may break again."""
+        g.peer_reported.add(round_)
+        if g.stop_requested or not g.job_token:
+            return
+        body = BrokenPeer(attempt=g.attempt, node=self.node, detail=f"worker output: {line}"[:500])
+
+        def send() -> None:
+            client = ControlPlaneClient(self.server, g.job_token, timeout=5.0)
+            try:
+                client.call("POST", f"/v1/jobs/{g.job_id}/broken", body)
+            except HttpError as exc:  # the lease and the blip bound remain
+                log.info("could not report job %s's broken peer: %s", g.job_id, exc)
+            finally:
+                client.close()
+
+        threading.Thread(target=send, name="broken-peer-report", daemon=True).start()
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""
@@ -544,14 +593,15 @@ class Torchrun:
                 kill_all([pid])
 
     def stop(self, why: str, grace_s: float = 5.0) -> None:
-        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left."""
+        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left (at once
+        with no grace)."""
         g = self.group
         if g is None:
             return
         g.stop_requested = True
         tree = self.group_tree(g)
         log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
-        if g.proc.poll() is None:
+        if g.proc.poll() is None and grace_s > 0:
             g.proc.send_signal(signal.SIGTERM)
             kill_all(tree, signal.SIGTERM)
             try:

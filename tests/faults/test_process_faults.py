@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers.elastic import SCRIPT, job, log_items, submit, wait_nodes, wait_state, wait_step
+from tests.helpers.elastic import SCRIPT, job, job_spec, log_items, submit, wait_nodes, wait_state, wait_step
 from tests.helpers.faults import (
     SnapshotWatch,
     check_steps,
@@ -117,3 +117,34 @@ def test_cancel_during_recovery_ends_cancelled_with_no_worker_left(control_plane
         check_steps(api, job_id, watch=watch)
         watch.check(api)
         assert rank0_lines(api, job_id)
+
+
+@pytest.mark.slow  # 10-20 s, most of it torchrun's start: left out of the default run (README)
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2", "FTRAIN_CANCEL_GRACE_S": "5"}],
+                         indirect=True)
+def test_a_group_stop_longer_than_the_node_lease_keeps_the_node_alive(api, agents):
+    """The agent's stop of a group whose worker ignores SIGTERM takes the whole cancel grace
+    (5 s), past the node lease (2 s). Its heartbeat goes on meanwhile (worker/agent.py,
+    `_beating_meanwhile`): the node is never lost (listed throughout, never registered again)
+    and the job ends CANCELLED, its worker killed at the grace's end."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    script = SCRIPT.with_name("ignores_sigterm.py")
+    job_id = submit(api, job_spec("ignores-term", script=script, mx=1, env={"FTRAIN_FORK_SERVER": "0"}))
+    wait_for(lambda: any("ignoring SIGTERM" in i["line"] for i in log_items(api, job_id)), 60,
+             "the worker to ignore SIGTERM")
+    (registered,) = [n["registered_at"] for n in api.get("/v1/nodes").json()["items"]]
+    (worker,) = wait_workers(a, 1, script, timeout_s=10)
+    cancelled = time.monotonic()
+    assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    while pid_alive(worker):  # the stop is under way: the node must stay, under the same lease
+        nodes = api.get("/v1/nodes").json()["items"]
+        assert [(n["name"], n["registered_at"]) for n in nodes] == [("n0", registered)], \
+            f"node lost {time.monotonic() - cancelled:.1f} s into the group's stop: {nodes}"
+        assert time.monotonic() - cancelled < 30, "the worker was never killed"
+        time.sleep(0.1)
+    assert time.monotonic() - cancelled > 2 * 1.5, "the stop did not outlast the lease: no test"
+    wait_state(api, job_id, "CANCELLED", timeout_s=20)
+    nodes = api.get("/v1/nodes").json()["items"]
+    assert [(n["name"], n["registered_at"]) for n in nodes] == [("n0", registered)]
+    assert not [e for e in events_of(api, job_id) if "lost" in e["reason"]]

@@ -1,7 +1,7 @@
 """Fast loss detection (service/presence.py) on the in-memory KeyValue: a presence request
-whose connection drops revokes the node's lease after the grace when a survivor reported a
-broken peer, or after the blip bound without one, unless the node asks again, registered
-again, or another replica holds its presence now."""
+whose connection drops revokes the node's lease at once when a survivor reported a broken
+peer (before or after the drop), or after the blip bound without one, unless the node asks
+again, registered again, or another replica holds its presence now."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import asyncio
 
 from service.keys import Keys
 from service.nodes import NodeStore
-from service.presence import Presence
+from service.presence import REASK_S, Presence
 from service.store.memory import MemoryStore
 
 KEYS = Keys("/t")
-GRACE_S = 0.05
 BLIP_S = 0.6
+AT_ONCE_S = 0.1  # well under the blip bound and the re-ask window: no waiting of any kind
 
 
 async def receive_held():
@@ -26,28 +26,57 @@ async def receive_dropped():
     return {"type": "http.disconnect"}
 
 
-async def setup(replicas: int = 1):
+async def setup(replicas: int = 1, grace_s: float | None = None):
     kv = MemoryStore()
     nodes = NodeStore(kv, KEYS)
     lease = await nodes.register("n1", 1, None, ttl_s=60)
-    return kv, nodes, lease, [Presence(kv, KEYS, grace_s=GRACE_S, blip_s=BLIP_S) for _ in range(replicas)]
+    extra = {} if grace_s is None else {"grace_s": grace_s}
+    return kv, nodes, lease, [Presence(kv, KEYS, blip_s=BLIP_S, **extra) for _ in range(replicas)]
 
 
 async def settle(p: Presence) -> None:
     await asyncio.gather(*p._checks)
 
 
-def test_a_dropped_connection_with_a_broken_peer_report_revokes_the_lease_after_the_grace():
-    async def main():
+def test_a_dropped_connection_and_a_broken_peer_report_revoke_the_lease_at_once_in_either_order():
+    async def main(report_first: bool):
         kv, nodes, lease, (p,) = await setup()
         assert await p.hold("n1", lease, receive_held, hold_s=0.01)  # held, answered
-        assert not await p.hold("n1", lease, receive_dropped)
-        p.suspect(["n1"])  # a survivor's process group broke
-        assert await kv.get(KEYS.node("n1")) is not None  # not before the grace
+        dropped = asyncio.Event()
+
+        async def receive_until_dropped():
+            await dropped.wait()
+            return {"type": "http.disconnect"}
+
+        held = asyncio.create_task(p.hold("n1", lease, receive_until_dropped))
+        await asyncio.sleep(0.01)  # the next request is held
         t0 = p.clock()
+        if report_first:  # the peer watch's closed connection can come before the drop is seen
+            p.suspect(["n1"])
+        dropped.set()
+        assert not await held
+        if not report_first:
+            await asyncio.sleep(AT_ONCE_S / 2)  # the drop waits for a second signal
+            assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+            p.suspect(["n1"])  # a survivor's process group broke
         await settle(p)
-        assert p.clock() - t0 < BLIP_S / 2
+        assert p.clock() - t0 < AT_ONCE_S, "the two signals agreed, yet the node was not lost at once"
         assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
+
+    asyncio.run(main(report_first=True))
+    asyncio.run(main(report_first=False))
+
+
+def test_a_grace_after_the_two_signals_keeps_a_node_that_asks_again_within_it():
+    async def main():
+        kv, nodes, lease, (p,) = await setup(grace_s=0.3)
+        assert not await p.hold("n1", lease, receive_dropped)
+        p.suspect(["n1"])
+        await asyncio.sleep(0.05)
+        assert await kv.get(KEYS.node("n1")) is not None  # not before the grace
+        await p.hold("n1", lease, receive_held, hold_s=0.01)  # the agent reconnected
+        await settle(p)
+        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
 
     asyncio.run(main())
 
@@ -56,7 +85,7 @@ def test_a_drop_alone_is_a_blip_until_it_outlasts_the_bound_then_the_node_is_los
     async def main():
         kv, nodes, lease, (p,) = await setup()
         assert not await p.hold("n1", lease, receive_dropped)
-        await asyncio.sleep(GRACE_S * 4)  # past the grace: no second signal, still a member
+        await asyncio.sleep(BLIP_S / 3)  # no second signal: still a member
         assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
         await settle(p)  # the blip outlasted BLIP_S
         assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
@@ -64,7 +93,7 @@ def test_a_drop_alone_is_a_blip_until_it_outlasts_the_bound_then_the_node_is_los
         # A blip that is back within the bound costs nothing.
         kv, nodes, lease, (p,) = await setup()
         assert not await p.hold("n1", lease, receive_dropped)
-        await asyncio.sleep(GRACE_S * 4)
+        await asyncio.sleep(BLIP_S / 3)
         await p.hold("n1", lease, receive_held, hold_s=0.01)  # the agent reconnected
         await settle(p)
         assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
@@ -84,18 +113,27 @@ def test_a_broken_peer_report_alone_revokes_nothing():
     asyncio.run(main())
 
 
-def test_a_suspect_that_died_between_two_presence_requests_is_lost_after_the_grace():
-    async def main():
+def test_a_suspect_that_died_between_two_presence_requests_is_lost_unless_it_asks_again():
+    async def main(asks_again: bool):
         kv, nodes, lease, (p,) = await setup()
-        assert await p.hold("n1", lease, receive_held, hold_s=0.01)  # answered; no next request
+        assert await p.hold("n1", lease, receive_held, hold_s=0.01)  # answered; no next request yet
+        t0 = p.clock()
         p.suspect(["n1"])
+        if asks_again:  # a live agent asks again within milliseconds: its worker died, not it
+            await asyncio.sleep(REASK_S / 3)
+            assert await p.hold("n1", lease, receive_held, hold_s=0.01)
         await settle(p)
-        assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
+        if asks_again:
+            assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+        else:
+            assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
+            assert p.clock() - t0 < REASK_S + AT_ONCE_S
 
-    asyncio.run(main())
+    asyncio.run(main(asks_again=True))
+    asyncio.run(main(asks_again=False))
 
 
-def test_a_node_that_asks_again_within_the_grace_is_kept():
+def test_a_node_that_asks_again_before_a_second_signal_is_kept():
     async def main():
         kv, nodes, lease, (p,) = await setup()
         assert not await p.hold("n1", lease, receive_dropped)
@@ -126,7 +164,8 @@ def test_a_node_registered_again_or_held_by_another_replica_is_kept():
 
 def test_a_report_to_one_replica_confirms_a_drop_on_another_in_either_order():
     """Suspicions are shared through etcd: replica A holds n1's presence, a survivor's report
-    goes to replica B. Either order is lost after the grace, not after the blip bound."""
+    goes to replica B. Either order is lost within a poll of the shared reports, not after
+    the blip bound."""
     async def main(report_first: bool):
         kv, nodes, lease, (a, b) = await setup(replicas=2)
         assert await a.hold("n1", lease, receive_held, hold_s=0.01)
@@ -136,7 +175,7 @@ def test_a_report_to_one_replica_confirms_a_drop_on_another_in_either_order():
             await settle(b)  # written to etcd
         assert not await a.hold("n1", lease, receive_dropped)
         if not report_first:
-            await asyncio.sleep(GRACE_S * 2)  # the drop waits for a second signal
+            await asyncio.sleep(0.05)  # the drop waits for a second signal
             b.suspect(["n1"])
         await settle(b)
         await settle(a)
@@ -155,7 +194,7 @@ def test_a_shared_report_older_than_the_window_confirms_nothing():
         await settle(b)
         assert await kv.get(KEYS.suspect("n1")) is not None
         assert not await a.hold("n1", lease, receive_dropped)
-        await asyncio.sleep(GRACE_S * 4)
+        await asyncio.sleep(BLIP_S / 3)
         assert await kv.get(KEYS.node("n1")) is not None and a.revoked == []  # a blip still
         await settle(a)  # lost at the blip bound
         assert a.revoked == ["n1"]
