@@ -360,6 +360,8 @@ def main() -> int:
                     help="no request phases: the nodes heartbeat for --duration (e.g. --nodes 5000)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the control plane under cProfile and write its stats here (it runs slower)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the run's folder (etcd's data, the control plane's log) and say where")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "api.json")
     args = ap.parse_args()
     if args.role == "heartbeat":
@@ -551,7 +553,10 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"JSON written to {args.out}")
-    shutil.rmtree(root, ignore_errors=True)
+    if args.keep:
+        print(f"kept {root} (the control plane's log: {root / 'cp'})")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

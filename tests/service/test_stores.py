@@ -283,11 +283,13 @@ def test_a_leader_whose_etcd_calls_hang_stops_by_its_own_clock_and_its_events_na
         assert (submitted.leader, submitted.term) == (None, None)  # a user's request, not the leader's
         assert (started.state, started.leader, started.term) == (JobState.STARTING, lead.identity,
                                                                  fence.term)
-        # No keep-alive confirmed for the lease's TTL (etcd's answers hang): it stops leading
-        # by its own clock, and the fence it handed out before stops its writes too.
-        clock.now += 1.9
+        # No keep-alive confirmed for the lease's TTL less its margin (etcd's answers hang):
+        # it stops leading by its own clock, half a second (a quarter TTL) before its lease
+        # could lapse, and the fence it handed out before stops its writes too.
+        assert scheduler.STOP_MARGIN * lead.ttl_s == 0.5
+        clock.now += 1.45
         assert lead.fence() is not None
-        clock.now += 0.1
+        clock.now += 0.05
         assert lead.fence() is None
         with pytest.raises(StaleLeader):
             await ctx.jobs.update(job.id, lambda j: None, fence)
