@@ -215,7 +215,8 @@ async def load_role(args) -> None:
 
 def ceiling_role(args) -> None:
     """The control plane's app stack (FastAPI, its body-size middleware, uvicorn as `ftrain
-    serve` runs it) answering one constant from memory: what this machine serves at most."""
+    serve` runs it, each answer in one write) answering one constant from memory: what this
+    machine serves at most."""
     import uvicorn
     from fastapi import FastAPI
 
@@ -229,7 +230,9 @@ def ceiling_role(args) -> None:
     async def ceiling() -> dict:
         return constant
 
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    from service.one_write import OneWriteHttp
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", http=OneWriteHttp)
 
 
 # ------------------------------------------------------------------ the orchestrator
