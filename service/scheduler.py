@@ -330,7 +330,8 @@ class Leadership:
         """{leader key: its mod_revision} (with this replica's identity and term) while this
         replica knows itself leader, else None."""
         if self._fence is not None and self._lapsed():
-            self.lost(f"its lease was not confirmed within {self.ttl_s} s")
+            self.lost(f"its lease was not confirmed within {self.ttl_s * (1 - STOP_MARGIN):g} s "
+                      f"(its TTL {self.ttl_s} s less the stop margin)")
         return self._fence
 
     def _lead(self, revision: int, sent: float) -> None:
