@@ -281,6 +281,38 @@ def run_wrk(url: str, token: str, concurrency: int, duration: float,
             "p99_ms": ms(p99.group(1)), "non_2xx": bad}
 
 
+ETCD_DISK = {"wal fsync": "etcd_disk_wal_fsync_duration_seconds",
+             "backend commit": "etcd_disk_backend_commit_duration_seconds"}
+
+
+def etcd_disk(url: str) -> dict[str, dict[float, float]]:
+    """etcd's own histograms of its disk waits (cumulative buckets, from its /metrics)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict[float, float]] = {}
+    for label, name in ETCD_DISK.items():
+        for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M):
+            out.setdefault(label, {})[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def etcd_disk_delta(before: dict, after: dict) -> dict:
+    """Per histogram: how many waits in the window, and the bucket bound (ms) under which
+    99% and all of them fell (what a submission waits on when etcd's disk is shared)."""
+    out = {}
+    for label, hist in after.items():
+        prior = before.get(label, {})
+        n = hist.get(float("inf"), 0) - prior.get(float("inf"), 0)
+        if n <= 0:
+            continue
+        def bound(q: float, hist=hist, prior=prior, n=n) -> float:
+            return next(le for le in sorted(hist) if hist[le] - prior.get(le, 0) >= q * n)
+        out[label] = {"n": int(n), "p99_le_ms": bound(0.99) * 1e3, "max_le_ms": bound(1.0) * 1e3}
+    return out
+
+
 def beat_stats(beats: list, t0: float, t1: float, nodes: int, interval: float) -> dict:
     window = [b for b in beats if t0 <= b[0] < t1]
     lat = [b[1] for b in window]
@@ -397,6 +429,7 @@ def main() -> int:
 
     def phase(name: str, argv: list[str] | None, runner=None) -> None:
         before = {k: cpu_s(p) for k, p in pids.items()}
+        disk_before = etcd_disk(etcd.endpoint)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.time()
         if argv is not None:
@@ -414,12 +447,17 @@ def main() -> int:
         cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
                             / (t1 - t0), 2)
         got["cpu_cores"] = cpu
+        got["etcd_disk"] = etcd_disk_delta(disk_before, etcd_disk(etcd.endpoint))
         got["window"] = (t0, t1)
         result["phases"][name] = got
         print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
               f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
         if "p99_ms_by_second" in got:
             print(f"    p99 ms of each second: {got['p99_ms_by_second']}", flush=True)
+        if got["etcd_disk"]:
+            print("    etcd's disk: " + "; ".join(
+                f"{label} {d['n']}, p99 <= {d['p99_le_ms']:g} ms, max <= {d['max_le_ms']:g} ms"
+                for label, d in got["etcd_disk"].items()), flush=True)
 
     def ceiling_phases(label: str) -> None:
         port = free_port()
