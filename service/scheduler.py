@@ -426,19 +426,25 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     pass_s = 0.0  # how long the last pass took
     woken = False  # by a change (not by the interval)
     last: tuple | None = None  # what the last pass saw, when it left nothing to do meanwhile
+    last_pass_at = time.monotonic()  # when the loop last went through (a pass, or not leading)
     try:
         while True:
             wake.clear()  # before the pass: a change it does not see wakes the next one
             fence = leadership.fence()  # None: not leading (or the lead lapsed here)
             seen = (fence and fence.term, index.changes, nodes.version)
-            if woken and fence is not None and seen == last:
+            if (woken and fence is not None and seen == last
+                    and time.monotonic() - last_pass_at < min(interval_s, every_s)):
                 # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
-                # submission woke a pass over every running job; the interval's pass still
-                # runs, for the clocks of planned changes and hangs).
+                # submission woke a pass over every running job). The interval's pass still
+                # runs, for the clocks of planned changes and hangs and the leader's contact
+                # note, however often submissions wake it (before stop 14 a steady stream of
+                # them skipped every pass: no contact note for a whole 20 s bench phase, so
+                # the next pass saw an outage that was none).
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
                 woken = wake.is_set()
                 continue
+            last_pass_at = time.monotonic()
             try:
                 contact.observe()
                 if time.monotonic() - last_settle > every_s:

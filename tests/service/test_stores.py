@@ -555,6 +555,29 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
     asyncio.run(main())
 
 
+def test_a_steady_stream_of_submissions_while_no_node_is_free_still_lets_the_interval_pass_run():
+    """Skipping the passes that new PENDING jobs wake must not skip the interval's: it keeps
+    the clocks of planned changes and hangs and the leader's contact note (`service.contact`)."""
+    async def main():
+        ctx = context()
+        leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
+        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 0.2,
+                                                          passes=ctx.scheduler_passes)):
+            await until(lambda: ctx.scheduler_passes.count > 0, "the first scheduler pass")
+            before = ctx.scheduler_passes.count
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 1.2
+            i = 0
+            while loop.time() < end:  # a submission every few ms, each waking the scheduler
+                await ctx.jobs.create(JobSpec(name=f"t{i}", command=["true"]))
+                await asyncio.sleep(0.005)
+                i += 1
+            passes = ctx.scheduler_passes.count - before
+            assert 3 <= passes <= 12, (passes, i)  # about one per 0.2 s interval, not one per job
+
+    asyncio.run(main())
+
+
 def test_a_heartbeats_assignment_is_made_once_per_change_of_its_jobs_record():
     from service.routes.nodes import heartbeat_answer
 
