@@ -433,13 +433,13 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
             fence = leadership.fence()  # None: not leading (or the lead lapsed here)
             seen = (fence and fence.term, index.changes, nodes.version)
             if (woken and fence is not None and seen == last
-                    and time.monotonic() - last_pass_at < min(interval_s, every_s)):
+                    and time.monotonic() - last_pass_at < 2 * min(interval_s, every_s)):
                 # Woken by new PENDING jobs only, and no node was free: nothing to plan (each
-                # submission woke a pass over every running job). The interval's pass still
-                # runs, for the clocks of planned changes and hangs and the leader's contact
-                # note, however often submissions wake it (before stop 14 a steady stream of
-                # them skipped every pass: no contact note for a whole 20 s bench phase, so
-                # the next pass saw an outage that was none).
+                # submission woke a pass over every running job). A pass still runs every
+                # other interval (each second by default), for the clocks of planned changes
+                # and hangs and the leader's contact note, however often submissions wake it
+                # (before stop 14 a steady stream of them skipped every pass: no contact note
+                # for a whole 20 s bench phase, so the next pass saw an outage that was none).
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), min(interval_s, every_s))
                 woken = wake.is_set()

@@ -566,14 +566,14 @@ def test_a_steady_stream_of_submissions_while_no_node_is_free_still_lets_the_int
             await until(lambda: ctx.scheduler_passes.count > 0, "the first scheduler pass")
             before = ctx.scheduler_passes.count
             loop = asyncio.get_running_loop()
-            end = loop.time() + 1.2
+            end = loop.time() + 1.5
             i = 0
             while loop.time() < end:  # a submission every few ms, each waking the scheduler
                 await ctx.jobs.create(JobSpec(name=f"t{i}", command=["true"]))
                 await asyncio.sleep(0.005)
                 i += 1
             passes = ctx.scheduler_passes.count - before
-            assert 3 <= passes <= 12, (passes, i)  # about one per 0.2 s interval, not one per job
+            assert 2 <= passes <= 8, (passes, i)  # one per two 0.2 s intervals, not one per job
 
     asyncio.run(main())
 
