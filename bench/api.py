@@ -525,8 +525,9 @@ def main() -> int:
             if args.ceiling:
                 ceiling_phases("under the heartbeats")
         phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration))
-        with cp.client("user") as api:
+        with cp.client("user") as api:  # (a 503 on a starved machine: said, not a crash)
             final = api.get(f"/v1/jobs/{train}").json()
+            final.setdefault("state", f"not read: {final.get('detail', final)}")
         result["training_job"] = {"id": train, "state": final["state"],
                                   "step": (final.get("progress") or {}).get("step")}
         finished = True
