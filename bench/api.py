@@ -215,7 +215,8 @@ async def load_role(args) -> None:
 
 def ceiling_role(args) -> None:
     """The control plane's app stack (FastAPI, its body-size middleware, uvicorn as `ftrain
-    serve` runs it) answering one constant from memory: what this machine serves at most."""
+    serve` runs it, each answer in one write) answering one constant from memory: what this
+    machine serves at most."""
     import uvicorn
     from fastapi import FastAPI
 
@@ -229,7 +230,9 @@ def ceiling_role(args) -> None:
     async def ceiling() -> dict:
         return constant
 
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    from service.one_write import OneWriteHttp
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", http=OneWriteHttp)
 
 
 # ------------------------------------------------------------------ the orchestrator
@@ -276,6 +279,38 @@ def run_wrk(url: str, token: str, concurrency: int, duration: float,
     share_ok = 1 - bad / max(1, int(total.group(1))) if total else 1.0
     return {"per_s": float(rate.group(1)) * share_ok, "p50_ms": ms(p50.group(1)),
             "p99_ms": ms(p99.group(1)), "non_2xx": bad}
+
+
+ETCD_DISK = {"wal fsync": "etcd_disk_wal_fsync_duration_seconds",
+             "backend commit": "etcd_disk_backend_commit_duration_seconds"}
+
+
+def etcd_disk(url: str) -> dict[str, dict[float, float]]:
+    """etcd's own histograms of its disk waits (cumulative buckets, from its /metrics)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict[float, float]] = {}
+    for label, name in ETCD_DISK.items():
+        for m in re.finditer(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M):
+            out.setdefault(label, {})[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def etcd_disk_delta(before: dict, after: dict) -> dict:
+    """Per histogram: how many waits in the window, and the bucket bound (ms) under which
+    99% and all of them fell (what a submission waits on when etcd's disk is shared)."""
+    out = {}
+    for label, hist in after.items():
+        prior = before.get(label, {})
+        n = hist.get(float("inf"), 0) - prior.get(float("inf"), 0)
+        if n <= 0:
+            continue
+        def bound(q: float, hist=hist, prior=prior, n=n) -> float:
+            return next(le for le in sorted(hist) if hist[le] - prior.get(le, 0) >= q * n)
+        out[label] = {"n": int(n), "p99_le_ms": bound(0.99) * 1e3, "max_le_ms": bound(1.0) * 1e3}
+    return out
 
 
 def beat_stats(beats: list, t0: float, t1: float, nodes: int, interval: float) -> dict:
@@ -360,6 +395,8 @@ def main() -> int:
                     help="no request phases: the nodes heartbeat for --duration (e.g. --nodes 5000)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the control plane under cProfile and write its stats here (it runs slower)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the run's folder (etcd's data, the control plane's log) and say where")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "api.json")
     args = ap.parse_args()
     if args.role == "heartbeat":
@@ -392,6 +429,7 @@ def main() -> int:
 
     def phase(name: str, argv: list[str] | None, runner=None) -> None:
         before = {k: cpu_s(p) for k, p in pids.items()}
+        disk_before = etcd_disk(etcd.endpoint)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.time()
         if argv is not None:
@@ -409,12 +447,17 @@ def main() -> int:
         cpu["load"] = round((done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime)
                             / (t1 - t0), 2)
         got["cpu_cores"] = cpu
+        got["etcd_disk"] = etcd_disk_delta(disk_before, etcd_disk(etcd.endpoint))
         got["window"] = (t0, t1)
         result["phases"][name] = got
         print(f"  {name}: {got.get('per_s', 0):.0f}/s, p50 {got.get('p50_ms', 0):.1f} ms, "
               f"p99 {got.get('p99_ms', 0):.1f} ms; cpu {cpu}", flush=True)
         if "p99_ms_by_second" in got:
             print(f"    p99 ms of each second: {got['p99_ms_by_second']}", flush=True)
+        if got["etcd_disk"]:
+            print("    etcd's disk: " + "; ".join(
+                f"{label} {d['n']}, p99 <= {d['p99_le_ms']:g} ms, max <= {d['max_le_ms']:g} ms"
+                for label, d in got["etcd_disk"].items()), flush=True)
 
     def ceiling_phases(label: str) -> None:
         port = free_port()
@@ -482,8 +525,9 @@ def main() -> int:
             if args.ceiling:
                 ceiling_phases("under the heartbeats")
         phase("idle (heartbeats only)", None, lambda: time.sleep(args.duration))
-        with cp.client("user") as api:
+        with cp.client("user") as api:  # (a 503 on a starved machine: said, not a crash)
             final = api.get(f"/v1/jobs/{train}").json()
+            final.setdefault("state", f"not read: {final.get('detail', final)}")
         result["training_job"] = {"id": train, "state": final["state"],
                                   "step": (final.get("progress") or {}).get("step")}
         finished = True
@@ -551,7 +595,10 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"JSON written to {args.out}")
-    shutil.rmtree(root, ignore_errors=True)
+    if args.keep:
+        print(f"kept {root} (the control plane's log: {root / 'cp'})")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -149,7 +149,9 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")
+    from service.one_write import OneWriteHttp  # each answer in one socket write
+
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", http=OneWriteHttp)
 
 
 # Talking to a control plane

@@ -31,6 +31,7 @@ from service.decide.members import note_former_members
 from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
+from service.group_commit import GroupCommit
 from service.keyring import new_nonce
 from service.keys import Keys
 from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobView, MetricHistory
@@ -87,6 +88,7 @@ class JobStore:
         # its revision (and the record written, when it is a job's, so that it is not parsed
         # again): the job index shows a replica's own writes at once (service.job_index).
         self.written: Callable[..., None] | None = None  # (entry[, record])
+        self.creates = GroupCommit(kv)  # submissions, several to a transaction under a burst
 
     async def create(self, spec: JobSpec, idempotency_key: str | None = None, *, owner: str = ADMIN,
                      nonce: str | None = None, fingerprint: str = "") -> tuple[JobRecord, bool]:
@@ -106,6 +108,7 @@ class JobStore:
         The record keeps the spec without its secret env values (their names only);
         `nonce` (random if None) names where the caller keeps the values, and `fingerprint`
         is their keyed digest (service.keyring): a retry with other values is a conflict.
+        Submissions that come together share transactions (`service.group_commit`).
         """
         now = self.clock()
         job = JobRecord(id=new_job_id(spec.name), spec=spec.without_secrets(), owner=owner,
@@ -128,7 +131,7 @@ class JobStore:
             ops.append(Put(idem_key, json.dumps(
                 {"job_id": job.id, "spec": spec_digest(spec, fingerprint)}).encode()))
             expect[idem_key] = 0
-        written, entry = await self.kv.commit_read(expect, ops, self.keys.job(job.id))
+        written, entry = await self.creates.commit_read(expect, ops, self.keys.job(job.id))
         if written and entry is not None:
             if self.written is not None:
                 self.written(entry, job)

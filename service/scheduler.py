@@ -81,6 +81,13 @@ class PassTimes:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+# The leader stops acting on its own clock this share of its lease's TTL before the lease
+# can lapse in etcd (`Leadership`), and renews it every RENEW_EVERY of the TTL: it stays
+# leader while etcd confirms a renewal within 1 - STOP_MARGIN - RENEW_EVERY of a TTL (1.17 s
+# of the default 2 s; it was 1.5 s with no margin and a renewal every quarter).
+STOP_MARGIN = 1 / 4
+RENEW_EVERY = 1 / 6
+
 # How long a replica that has just taken the lead waits for its job index to have the last
 # writes of the one that led before (`JobIndex.catch_up`) before it plans without them.
 CATCH_UP_S = 5.0
@@ -278,7 +285,7 @@ async def _cleanup(jobs: JobStore, job_id: str, fence: dict[str, int] | None = N
 class Leadership:
     """Leader election over one etcd key bound to a lease (one scheduler at a time).
 
-    `keep_lead` calls `hold` every quarter of the TTL (a replica that does not lead: at
+    `keep_lead` calls `hold` every RENEW_EVERY of the TTL (a replica that does not lead: at
     least every second), in a task of its own beside the scheduler's passes; the scheduler
     and the other leader-only loops read `fence()`: the leader key at the revision this
     replica wrote it (its term), to compare in their transactions, so that a replica that
@@ -286,15 +293,25 @@ class Leadership:
     `service.compaction`).
 
     The lead also ends here before it can end in etcd: a replica counts itself leader only
-    until `ttl_s` after it *sent* the last grant or keep-alive that etcd confirmed (etcd
-    starts the lease's TTL when it receives that, later), so a replica cut off from etcd
-    stops acting (`fence()` is None, the scheduler passes stop) before its lease can lapse
-    and another replica take the lead, even when its etcd calls hang for longer than that.
+    until `ttl_s` less STOP_MARGIN of it after it *sent* the last grant or keep-alive that
+    etcd confirmed (etcd starts the lease's TTL when it receives that, later), so a replica
+    cut off from etcd stops acting (`fence()` is None, the scheduler passes stop) at least
+    STOP_MARGIN of a TTL before its lease can lapse and another replica take the lead, even
+    when its etcd calls hang for longer than that. (Without the margin the two moments
+    could meet: etcd received the last keep-alive at once, the next replica asked just as
+    the lease lapsed; tests/faults/test_leader_cut.py measured 0.19 s between them once.)
+
+    The election's calls go on a connection of their own (`KeyValue.own_connection`), so
+    that the nodes' keep-alives, a thousand at a time on the shared keep-alive stream
+    (`service.heartbeats`), and the request load cannot hold the leader's keep-alive back
+    past its lease (it lapsed three times in one loaded bench/api.py run when it shared
+    that stream).
     """
 
     def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5,
-                 clock: Callable[[], float] = time.monotonic):
-        self.kv = kv
+                 clock: Callable[[], float] = time.monotonic, own_connection: bool = True):
+        self._shared_kv = kv
+        self.kv = kv.own_connection() if own_connection else kv
         self.key = key
         self.ttl_s = ttl_s
         self.clock = clock
@@ -313,13 +330,14 @@ class Leadership:
         """{leader key: its mod_revision} (with this replica's identity and term) while this
         replica knows itself leader, else None."""
         if self._fence is not None and self._lapsed():
-            self.lost(f"its lease was not confirmed within {self.ttl_s} s")
+            self.lost(f"its lease was not confirmed within {self.ttl_s * (1 - STOP_MARGIN):g} s "
+                      f"(its TTL {self.ttl_s} s less the stop margin)")
         return self._fence
 
     def _lead(self, revision: int, sent: float) -> None:
         if self._fence is None or self._fence.term != revision:
             log.info("leading (term %d) as %s", revision, self.identity)
-        self.leading, self._until = True, sent + self.ttl_s
+        self.leading, self._until = True, sent + self.ttl_s * (1 - STOP_MARGIN)
         self._fence = Fence(self.key, revision, self.identity, self._lapsed)
         # Stop at that moment even while this replica's etcd calls hang (the lapse is said
         # in the log when it happens, not when a call times out).
@@ -359,10 +377,12 @@ class Leadership:
         if self.lease_id is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.kv.revoke_lease(self.lease_id)
+        if self.kv is not self._shared_kv:
+            await self.kv.close()
 
 
 async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event | None = None) -> None:
-    """Hold the lead (every quarter of its TTL), or try to take it (every `every_s`), apart
+    """Hold the lead (every RENEW_EVERY of its TTL), or try to take it (every `every_s`), apart
     from the scheduler's passes:
     a pass that starts a thousand jobs takes seconds, and the lead must not lapse meanwhile.
     (Kept between passes, it lapsed under bench/api.py's submissions, and each new term's
@@ -378,9 +398,9 @@ async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event 
             leading = False
             leadership.lost(exc.message)  # compaction and retention stop too, until hold() answers
             log.warning("scheduler paused: %s", exc.message)
-        # The leader renews every quarter of its TTL; a replica that does not lead tries at
-        # least every second, so that it takes over soon after a lead lapses.
-        await asyncio.sleep(leadership.ttl_s / 4 if leading else every_s)
+        # The leader renews every RENEW_EVERY of its TTL; a replica that does not lead tries
+        # at least every second, so that it takes over soon after a lead lapses.
+        await asyncio.sleep(leadership.ttl_s * RENEW_EVERY if leading else every_s)
 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,

@@ -214,6 +214,14 @@ class KeyValue(abc.ABC):
         over to a replica that does. (An in-process store is never cut off.)"""
         return None
 
+    def own_connection(self) -> KeyValue:
+        """The same store for a caller whose few calls must not queue behind this one's many
+        (the scheduler leader's lease: `service.scheduler.Leadership`). etcd: a client of its
+        own, on its own connection, with its own keep-alive stream (the nodes' keep-alives,
+        a thousand at a flush, go on this one's: `service.heartbeats`); the caller closes it.
+        An in-process store: itself (nothing queues)."""
+        return self
+
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds; returns its id."""

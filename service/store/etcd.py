@@ -91,6 +91,16 @@ class EtcdStore(KeyValue):
         # For check_contact: when the first call sent since etcd's last answer was sent.
         self._unanswered_since: float | None = None
 
+    def own_connection(self) -> EtcdStore:
+        """Another client on the same members (from the one this one uses now), with the same
+        credentials and deadline: its own gRPC channel (connection) and keep-alive stream."""
+        hosts = [(f"[{host}]" if ":" in host else host, port) for host, port in self._endpoints]
+        other = EtcdStore([f"http://{host}:{port}" for host, port in hosts], self._timeout_s,
+                          user=self._user, password=self._password,
+                          probe_key=self._probe.key.decode())
+        other._current = self._current
+        return other
+
     @property
     def endpoint(self) -> str:
         host, port = self._endpoints[self._current]

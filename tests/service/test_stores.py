@@ -283,11 +283,13 @@ def test_a_leader_whose_etcd_calls_hang_stops_by_its_own_clock_and_its_events_na
         assert (submitted.leader, submitted.term) == (None, None)  # a user's request, not the leader's
         assert (started.state, started.leader, started.term) == (JobState.STARTING, lead.identity,
                                                                  fence.term)
-        # No keep-alive confirmed for the lease's TTL (etcd's answers hang): it stops leading
-        # by its own clock, and the fence it handed out before stops its writes too.
-        clock.now += 1.9
+        # No keep-alive confirmed for the lease's TTL less its margin (etcd's answers hang):
+        # it stops leading by its own clock, half a second (a quarter TTL) before its lease
+        # could lapse, and the fence it handed out before stops its writes too.
+        assert scheduler.STOP_MARGIN * lead.ttl_s == 0.5
+        clock.now += 1.45
         assert lead.fence() is not None
-        clock.now += 0.1
+        clock.now += 0.05
         assert lead.fence() is None
         with pytest.raises(StaleLeader):
             await ctx.jobs.update(job.id, lambda j: None, fence)
@@ -549,6 +551,29 @@ def test_a_burst_of_submissions_while_no_node_is_free_makes_no_scheduler_pass():
             await ctx.nodes.register("n0", 1, None, ttl_s=600)
             first = next(ctx.index.pending_ids())
             await until(lambda: ctx.index.get(first).state is not JobState.PENDING, "the oldest job to start")
+
+    asyncio.run(main())
+
+
+def test_a_steady_stream_of_submissions_while_no_node_is_free_still_lets_the_interval_pass_run():
+    """Skipping the passes that new PENDING jobs wake must not skip the interval's: it keeps
+    the clocks of planned changes and hangs and the leader's contact note (`service.contact`)."""
+    async def main():
+        ctx = context()
+        leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=600)
+        async with running(ctx.index.run(), scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 0.2,
+                                                          passes=ctx.scheduler_passes)):
+            await until(lambda: ctx.scheduler_passes.count > 0, "the first scheduler pass")
+            before = ctx.scheduler_passes.count
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 1.5
+            i = 0
+            while loop.time() < end:  # a submission every few ms, each waking the scheduler
+                await ctx.jobs.create(JobSpec(name=f"t{i}", command=["true"]))
+                await asyncio.sleep(0.005)
+                i += 1
+            passes = ctx.scheduler_passes.count - before
+            assert 2 <= passes <= 8, (passes, i)  # one per two 0.2 s intervals, not one per job
 
     asyncio.run(main())
 
