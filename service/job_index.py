@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import heapq
 import logging
 from collections import OrderedDict
@@ -73,7 +72,11 @@ class JobIndex:
         self.changes = 0
         self.progress_ready = asyncio.Event()
         self.ready = asyncio.Event()
-        self.changed = asyncio.Condition()
+        # Set and replaced at every change (`_notify`): a waiter awaits the one it read. (No
+        # asyncio.Condition: a wait on one that was cancelled just as its timeout ended
+        # could exit without its lock while its inner wait took the lock for good, and every
+        # later notification and heartbeat long poll then waited on that lock for ever.)
+        self._changed = asyncio.Event()
         self._wakes: list[asyncio.Event] = []
         self._observers: list[Callable[[JobRecord | None, JobRecord | None], None]] = []
 
@@ -185,10 +188,16 @@ class JobIndex:
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until `predicate` holds on the index (checked after every change it applies),
         at most `timeout_s`; returns whether it holds."""
-        async with self.changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait_for(predicate), timeout_s)
-            return predicate()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not predicate():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return predicate()
+        return True
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Return once the index is loaded; StoreUnavailable after `timeout_s`."""
@@ -299,8 +308,8 @@ class JobIndex:
         broken or compacted watch included: what it missed may be what they wait for)."""
         for event in self._wakes:
             event.set()
-        async with self.changed:
-            self.changed.notify_all()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def _load(self) -> int:
         """Read every job, a page at a time; returns the revision to watch from."""
