@@ -414,9 +414,8 @@ class Torchrun:
         fork server forked (workers, and torchrun itself when it came from there), but not
         its standbys (no group's yet: a new group's workers start in them)."""
         z = self.fork_server
-        if z is None:
-            return descendants(g.proc.pid)
-        return [p for p in descendants(g.proc.pid, z.proc.pid) if not is_standby(p)]
+        roots = (g.proc.pid, z.proc.pid) if z is not None else (g.proc.pid,)
+        return [p for p in descendants(*roots) if not is_standby(p)]
 
     def workers_gone(self) -> bool:
         """Whether every worker of the group has exited (its torchrun may live on, re-forming
