@@ -1,6 +1,7 @@
 """worker/torchrun.py `Torchrun.workers_gone`: a replaced group whose workers have all exited
 is killed without the SIGTERM grace (worker/agent.py). Nothing but a process forked by the
-job's fork server (torchrun itself) under the group counts as no worker; anything else does."""
+job's fork server (torchrun itself) or a standby (`ftrain-standby`) under the group counts as no
+worker; anything else does."""
 
 from __future__ import annotations
 
