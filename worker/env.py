@@ -45,11 +45,15 @@ FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
 # "0": a runtime worker on a GPU does not warm CUDA up (a cuBLAS handle, the autograd thread,
 # common kernels) on a thread of its own while its process group starts (worker/runtime.py).
 FTRAIN_CUDA_WARMUP = "FTRAIN_CUDA_WARMUP"
+# A standby per local rank, forked by the job's fork server ahead of the next worker, that has
+# made CUDA's context and loaded NCCL's kernels (worker/standby.py): "0" none, "1" even on a
+# node without an NVIDIA device (warming nothing up), unset: on nodes with one.
+FTRAIN_WORKER_STANDBY = "FTRAIN_WORKER_STANDBY"
 # The node agent's bound on the lines of one job attempt queued for shipping (default 50,000;
 # worker/log_shipper.py MAX_PENDING_LINES): tests make it small to flood it cheaply.
 FTRAIN_LOG_QUEUE_LINES = "FTRAIN_LOG_QUEUE_LINES"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
-             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP)
+             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP, FTRAIN_WORKER_STANDBY)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

@@ -55,6 +55,18 @@ saying so.
 
 CUDA is never initialised here: a process that forks after CUDA is initialised gives
 children that cannot use it. If an import does initialise it, every request is declined.
+
+Standbys (GPU nodes). A restarted GPU worker spends most of its start on costs of its own
+process, not of its group: CUDA's context and NCCL's kernels (`worker/standby.py`). So once a
+worker of a local rank is forked, the server forks a standby for that local rank as well: a
+process that, `STANDBY_DELAY_S` later (not to slow the worker starting beside it), pays
+those costs with the worker's environment and says "ready" on its socket. The next request
+of that local rank whose environment matches in what the warm-up read
+(`standby.fingerprint`) is handed to the standby (its fds and body, sent on that socket)
+instead of forking: the standby becomes the worker as a forked one would (`become_worker`),
+and a new standby follows. A standby that is not ready yet, or does not match, is passed by
+(the request is forked as before). `STANDBY_ENV` ("0": none; "1": even without an NVIDIA
+device, warming nothing; default: when /dev/nvidiactl exists) is read from the request.
 """
 
 from __future__ import annotations
@@ -95,6 +107,21 @@ FINISHED = b"finished"
 TEARDOWN_CRASHES = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 4 << 20
+# worker.env.FTRAIN_WORKER_STANDBY (see the module docstring and worker/standby.py).
+STANDBY_ENV = "FTRAIN_WORKER_STANDBY"
+# A new standby waits this long before its warm-up, so the worker forked beside it (a
+# restarted one starts in well under a second from a standby) does not share the GPU's start
+# with it; short, so one is ready before the next fault even early in a run.
+STANDBY_DELAY_S = 1.0
+READY = b"ready"
+
+
+def wants_standby(env: dict[str, str]) -> bool:
+    """Whether a worker with this environment gets a standby of its local rank after it."""
+    setting = env.get(STANDBY_ENV, "auto")
+    if setting == "0" or not env.get("LOCAL_RANK", "").isdigit():
+        return False
+    return setting == "1" or os.path.exists("/dev/nvidiactl")
 
 
 def exit_timeout_s(env: dict[str, str]) -> float:
@@ -190,6 +217,7 @@ class Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.children: dict[int, Child] = {}
+        self.standbys: dict[str, Standby] = {}  # by local rank
 
     def serve(self) -> Request:
         """Serve forever; returns only in a forked worker, with what it must run."""
@@ -203,6 +231,10 @@ class Server:
                             return request
                     elif isinstance(key.data, Child):
                         self._hear(key.data)
+                    elif isinstance(key.data, Standby):
+                        request = self._standby_event(key.data, key.fileobj)
+                        if request is not None:
+                            return request
                     else:
                         self._reap(key.data)
                 except Exception as exc:  # noqa: BLE001 - one request, never the server
@@ -228,6 +260,8 @@ class Server:
         how = plan(request.argv) if self.decline is None else self.decline
         if isinstance(how, str):
             return self._refuse(conn, request, how)
+        if self._hand_to_standby(conn, request):
+            return self._fork_standby(request)
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -251,12 +285,106 @@ class Server:
         os.set_blocking(finished_r, False)
         for fd in request.fds:
             os.close(fd)
-        child = Child(pid, os.pidfd_open(pid), conn, finished_r, exit_timeout_s(request.env))
-        child.send({"pid": pid})
-        self.children[pid] = child
-        self.selector.register(child.pidfd, selectors.EVENT_READ, pid)
-        self.selector.register(finished_r, selectors.EVENT_READ, child)
+        self._adopt(Child(pid, os.pidfd_open(pid), conn, finished_r, exit_timeout_s(request.env)))
+        return self._fork_standby(request)
+
+    def _adopt(self, child: Child) -> None:
+        child.send({"pid": child.pid})
+        self.children[child.pid] = child
+        self.selector.register(child.pidfd, selectors.EVENT_READ, child.pid)
+        self.selector.register(child.pipe, selectors.EVENT_READ, child)
+
+    # ------------------------------------------------------------------ standbys
+    def _fork_standby(self, request: Request) -> Request | None:
+        """After a worker of a local rank: a standby for the next one (module docstring).
+        Returns, in the standby once it is handed a request, that request."""
+        rank = request.env.get("LOCAL_RANK", "")
+        if not wants_standby(request.env) or rank in self.standbys:
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            ours, theirs = socket.socketpair()
+            finished_r, finished_w = os.pipe()
+        except OSError as exc:
+            log(f"no standby for local rank {rank}: {exc}")
+            return None
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for end in (ours, theirs):
+                end.close()
+            os.close(finished_r)
+            os.close(finished_w)
+            log(f"no standby for local rank {rank}: fork failed: {exc}")
+            return None
+        if pid == 0:
+            self._close_all(None)
+            ours.close()
+            os.close(finished_r)
+            return wait_as_standby(theirs, request, finished_w)
+        theirs.close()
+        os.close(finished_w)
+        os.set_blocking(finished_r, False)
+        standby = Standby(pid, os.pidfd_open(pid), ours, finished_r, request.env)
+        self.standbys[rank] = standby
+        self.selector.register(ours, selectors.EVENT_READ, standby)
+        self.selector.register(standby.pidfd, selectors.EVENT_READ, standby)
         return None
+
+    def _standby_event(self, standby: Standby, fileobj) -> None:
+        """A standby said it is ready, or it exited (before any request was handed to it)."""
+        if standby.handed or standby.gone:  # an event of the same select, now stale
+            return None
+        if fileobj is standby.sock and not standby.ready:
+            try:
+                line = standby.sock.recv(256)
+            except OSError:
+                line = b""
+            if line.startswith(READY):
+                standby.ready = True
+                said = line[len(READY):].strip().decode(errors="replace")
+                log(f"standby {standby.pid} for local rank {standby.rank}: {said}")
+                return None
+        # Its socket closed, or its pidfd says it exited: gone (a kill, a failed warm-up).
+        self._drop_standby(standby)
+        _, status = os.waitpid(standby.pid, 0)
+        log(f"standby {standby.pid} for local rank {standby.rank} ended (wait status {status})")
+        return None
+
+    def _drop_standby(self, standby: Standby) -> None:
+        standby.gone = True
+        if self.standbys.get(standby.rank) is standby:
+            del self.standbys[standby.rank]
+        for fileobj in (standby.sock, standby.pidfd):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(fileobj)
+        standby.sock.close()
+        os.close(standby.pidfd)
+        os.close(standby.pipe)
+
+    def _hand_to_standby(self, conn: socket.socket, request: Request) -> bool:
+        """Give `request` to the ready standby of its local rank, if its environment fits."""
+        standby = self.standbys.get(request.env.get("LOCAL_RANK", ""))
+        if standby is None or not standby.ready or not standby.fits(request.env):
+            return False
+        body = json.dumps({"argv": request.argv, "env": request.env, "cwd": request.cwd,
+                           "pid": request.pid}).encode()
+        try:
+            socket.send_fds(standby.sock, [struct.pack("!I", len(body))], request.fds)
+            standby.sock.sendall(body)
+        except OSError as exc:  # it died meanwhile: fork as before
+            log(f"standby {standby.pid} could not take a request: {exc}")
+            return False
+        for fd in request.fds:
+            os.close(fd)
+        del self.standbys[standby.rank]
+        for fileobj in (standby.sock, standby.pidfd):
+            self.selector.unregister(fileobj)
+        standby.sock.close()
+        standby.handed = True
+        self._adopt(Child(standby.pid, standby.pidfd, conn, standby.pipe, exit_timeout_s(request.env)))
+        return True
 
     @staticmethod
     def _read(conn: socket.socket) -> Request:
@@ -313,16 +441,21 @@ class Server:
         child.send(reply)
         child.conn.close()
 
-    def _close_all(self, request_conn: socket.socket) -> None:
-        """In a new worker: drop everything of the server's (its sockets, its children's
-        pidfds); only the request's fds stay."""
+    def _close_all(self, request_conn: socket.socket | None) -> None:
+        """In a new worker (or standby): drop everything of the server's (its sockets, its
+        children's and standbys' pidfds); only the request's fds stay."""
         self.selector.close()
         self.listener.close()
         for child in self.children.values():
             os.close(child.pidfd)
             os.close(child.pipe)
             child.conn.close()
-        request_conn.close()
+        for standby in self.standbys.values():
+            os.close(standby.pidfd)
+            os.close(standby.pipe)
+            standby.sock.close()
+        if request_conn is not None:
+            request_conn.close()
 
 
 class Child:
@@ -363,6 +496,64 @@ class Child:
                     self.finished = True
                     self.send({"finished": True, "bound_s": self.finalize_s})
         return self.pipe_open
+
+
+class Standby:
+    """A standby the server forked: its pidfd, its socket, its pipe-to-be, what it warmed with."""
+
+    def __init__(self, pid: int, pidfd: int, sock: socket.socket, pipe: int, env: dict[str, str]):
+        self.pid, self.pidfd, self.sock, self.pipe = pid, pidfd, sock, pipe
+        self.rank = env.get("LOCAL_RANK", "")
+        self._env = env
+        self.ready = self.handed = self.gone = False
+
+    def fits(self, env: dict[str, str]) -> bool:
+        return fingerprint(env) == fingerprint(self._env)
+
+
+# Environment names whose values a standby's warm-up depends on (CUDA's visible devices,
+# NCCL's settings, read once per process): a request whose values differ is not given to it.
+FINGERPRINT_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "NVIDIA_", "LD_", "OMP_")
+
+
+def fingerprint(env: dict[str, str]) -> tuple:
+    """What a request's environment must share with a standby's to be run by it."""
+    return (env.get("LOCAL_RANK"),
+            tuple(sorted((k, v) for k, v in env.items() if k.startswith(FINGERPRINT_PREFIXES))))
+
+
+def wait_as_standby(sock: socket.socket, made_for: Request, finished_fd: int) -> Request:
+    """In a standby: warm up with the environment of the worker it was made beside, say so,
+    and wait to be handed a request; returns it (the server's loop returns it to `main`)."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # worker.procs.STANDBY_NAME: the agent's stop of a group leaves a standby be; `run` names
+    # the worker after its script.
+    ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(b"ftrain-standby"))
+    server = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(STANDBY_DELAY_S)
+    if os.getppid() != server:
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(made_for.env)
+    try:
+        from worker import standby
+
+        said = standby.warm(int(made_for.env["LOCAL_RANK"]))
+    except Exception as exc:  # noqa: BLE001 - a standby that cannot warm up is not used
+        log(f"standby warm-up failed: {type(exc).__name__}: {exc}"[:500])
+        os._exit(0)
+    try:
+        sock.sendall(READY + b" " + said.encode()[:200] + b"\n")
+        request = Server._read(sock)
+    except Exception:  # noqa: BLE001 - the server ended, or sent nothing whole
+        os._exit(0)
+    sock.close()
+    how = plan(request.argv)
+    if isinstance(how, str):
+        os._exit(70)
+    request.how, request.finished_fd = how, finished_fd
+    return request
 
 
 def become_worker(request: Request) -> None:

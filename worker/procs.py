@@ -57,6 +57,20 @@ def is_fork_server(argv: list[bytes]) -> bool:
     return any(a.endswith(b"/fork_server.py") for a in argv[:3])
 
 
+# The name (comm) of a fork server's standby until it is handed a worker's request
+# (worker/fork_server.py); kept apart from the FORK_SERVER file so the agent needs no import.
+STANDBY_NAME = b"ftrain-standby"
+
+
+def is_standby(pid: int) -> bool:
+    """True for a fork server's standby (no part of any group: a stop leaves it be)."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().strip() == STANDBY_NAME
+    except OSError:
+        return False
+
+
 def cmdline(pid: int) -> list[bytes]:
     """The process's argv from /proc, [] if it is gone."""
     try:

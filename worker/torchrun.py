@@ -65,6 +65,7 @@ from worker.procs import (
     descendants,
     is_alive,
     is_fork_server,
+    is_standby,
     kill_all,
     pdeathsig_argv,
     state_of,
@@ -410,9 +411,11 @@ class Torchrun:
     # ------------------------------------------------------------------ the group
     def group_tree(self, g: WorkerGroup) -> list[int]:
         """Every process of the group below `g.proc`: torchrun's tree and what the job's
-        fork server forked (workers, and torchrun itself when it came from there)."""
+        fork server forked (workers, and torchrun itself when it came from there), but not
+        its standbys (no group's yet: a new group's workers start in them)."""
         z = self.fork_server
-        return descendants(g.proc.pid, *([z.proc.pid] if z is not None else []))
+        roots = (g.proc.pid, z.proc.pid) if z is not None else (g.proc.pid,)
+        return [p for p in descendants(*roots) if not is_standby(p)]
 
     def workers_gone(self) -> bool:
         """Whether every worker of the group has exited (its torchrun may live on, re-forming

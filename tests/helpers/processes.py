@@ -20,7 +20,7 @@ from service.embedded import EtcdProcess, free_port
 from service.keyring import Keyring
 from service.models import JobRecord
 from worker import memory
-from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
+from worker.procs import cmdline, descendants, is_fork_server, is_launcher, is_standby, parent_of
 from worker.procs import is_alive as pid_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,8 @@ class ProcessExited(AssertionError):
 def workers_under(pid: int, script: Path) -> list[int]:
     """The live training processes under `pid`: those running `script` (not torchrun, not
     the exec shim, not worker/launch.py) and those a fork server started (its children,
-    which keep the server's argv; a forked torchrun is told apart by its launchers)."""
+    which keep the server's argv; a forked torchrun is told apart by its launchers; a standby
+    is no worker yet)."""
     out = []
     for child in descendants(pid):
         argv = cmdline(child)
@@ -75,8 +76,8 @@ def workers_under(pid: int, script: Path) -> list[int]:
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
         elif is_fork_server(argv) and pid_alive(child):
-            out.extend(c for c in descendants(child)
-                       if parent_of(c) == child and pid_alive(c) and not _runs_launchers(c))
+            out.extend(c for c in descendants(child) if parent_of(c) == child and pid_alive(c)
+                       and not _runs_launchers(c) and not is_standby(c))
     return out
 
 

@@ -27,6 +27,7 @@ def test_the_stdlib_only_entry_points_repeat_the_names_of_worker_env():
     assert launch.FORK_SERVER_SOCKET_ENV == env.FTRAIN_FORK_SERVER_SOCKET
     assert fork_server.IMPORTS_ENV == env.FTRAIN_FORK_SERVER_IMPORTS
     assert fork_server.EXIT_TIMEOUT_ENV == env.FTRAIN_EXIT_TIMEOUT_S
+    assert fork_server.STANDBY_ENV == env.FTRAIN_WORKER_STANDBY
 
 
 def test_worker_modules_use_the_constants_not_string_literals():
@@ -46,4 +47,4 @@ def test_a_job_may_set_exactly_the_job_knobs():
 
     assert set(USER_FTRAIN_ENV) == {"FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS",
                                     "FTRAIN_EXIT_TIMEOUT_S", "FTRAIN_MEMORY_EVERY",
-                                    "FTRAIN_CUDA_WARMUP"}
+                                    "FTRAIN_CUDA_WARMUP", "FTRAIN_WORKER_STANDBY"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import pid_alive, wait_for
-from worker.procs import FORK_SERVER, LAUNCH, descendants
+from worker.procs import FORK_SERVER, LAUNCH, descendants, is_standby
 
 pytestmark = pytest.mark.integration
 
@@ -158,15 +159,32 @@ def test_forked_worker_runs_the_script_as_a_fresh_interpreter_would(tmp_path, fo
     assert (tmp_path / "err").read_text() == "to stderr\n"
 
 
-def test_each_forked_worker_gets_its_own_random_seed(tmp_path, fork_server):
-    name, _ = fork_server
-    seen = []
-    for i in range(2):
-        d = tmp_path / str(i)
+def test_a_standby_runs_the_next_matching_worker_of_its_rank_and_every_worker_has_its_own_seed(
+        tmp_path, fork_server):
+    """A standby (forced on: without a GPU it warms nothing up) is made after a worker of a
+    local rank; a request whose NCCL settings differ is forked fresh, a matching one is run
+    by the standby, as a fresh interpreter would run it. Each worker, forked or a standby,
+    draws its own random numbers."""
+    name, server = fork_server
+    env = {"LOCAL_RANK": "0", "FTRAIN_WORKER_STANDBY": "1", "NCCL_ALGO": "Ring"}
+    dirs = [tmp_path / str(i) for i in range(3)]
+    for d in dirs:
         d.mkdir()
-        assert launch(d, name).returncode == 0
-        seen.append(report(d)["rand"])
-    assert seen[0] != seen[1]
+    assert launch(dirs[0], name, env=env).returncode == 0
+    said = wait_for(lambda: re.search(rb"standby (\d+) for local rank 0: ",
+                                      (tmp_path / "server.log").read_bytes()), 30, "a standby")
+    standby = int(said.group(1))
+    assert launch(dirs[1], name, env={**env, "NCCL_ALGO": "Tree"}).returncode == 0
+    assert report(dirs[1])["pid"] != standby and pid_alive(standby)  # not this one's
+    assert is_standby(standby)  # an agent's stop of a group leaves it be
+    proc = launch(dirs[2], name, "exit3", "a b", env=env, stdin=b"input line")
+    assert proc.returncode == 3, (dirs[2] / "err").read_text()
+    r = report(dirs[2])
+    assert r["pid"] == standby and r["ppid"] == server.pid and r["sid"] == standby
+    assert r["argv"] == [str(dirs[2] / "probe.py"), "exit3", "a b"] and r["stdin"] == "input line"
+    assert r["cwd"] == str(dirs[2] / "cwd") and r["path0"] == str(dirs[2]) and r["threads"] == 1
+    assert r["x"] == "from-the-launcher" and (dirs[2] / "err").read_text() == "to stderr\n"
+    assert len({report(d)["rand"] for d in dirs}) == 3
 
 
 def test_exit_code_and_uncaught_exception_reach_torchrun_unchanged(tmp_path, fork_server):

@@ -80,7 +80,7 @@ def _train(rt: runtime.Runtime, steps: int, delay_s: float = 0.0) -> int:
     for indices in sampler:
         if rt.step >= steps:
             break
-        loss = model(x[indices]).pow(2).mean()
+        loss = model(x[indices].to(rt.device)).pow(2).mean()  # the model is on the GPU where there is one
         opt.zero_grad()
         loss.backward()
         opt.step()

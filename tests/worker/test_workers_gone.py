@@ -1,6 +1,7 @@
 """worker/torchrun.py `Torchrun.workers_gone`: a replaced group whose workers have all exited
 is killed without the SIGTERM grace (worker/agent.py). Nothing but a process forked by the
-job's fork server (torchrun itself) under the group counts as no worker; anything else does."""
+job's fork server (torchrun itself) or a standby (`ftrain-standby`) under the group counts as no
+worker; anything else does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.processes import pid_alive, wait_for
-from worker.procs import descendants, kill_all
+from worker.procs import descendants, is_standby, kill_all
 from worker.torchrun import Torchrun, WorkerGroup
 
 pytestmark = pytest.mark.integration  # real processes stand for torchrun and its workers
@@ -63,3 +64,21 @@ def test_torchrun_forked_by_the_fork_server_is_no_worker(tmp_path):
         assert t.workers_gone()
     finally:
         _end(t)
+
+
+def test_a_standby_is_no_part_of_the_group_and_its_stop_leaves_the_standby_be(tmp_path):
+    """A fork server's standby (named `ftrain-standby` until it is handed a worker) is neither
+    a worker that keeps the group alive nor killed by the group's stop: the next group's
+    worker starts in it."""
+    named = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'ftrain-standby'); "
+             "print('named', flush=True); time.sleep(60)")
+    t, child = _group(tmp_path, [sys.executable, "-c", named])
+    try:
+        wait_for(lambda: is_standby(child), 10, "the stand-in to name itself")
+        assert child not in t.group_tree(t.group) and t.workers_gone()
+        t.stop("a new round", grace_s=0)
+        assert pid_alive(child)
+    finally:
+        kill_all([child])
+        if t.group is not None:
+            _end(t)
