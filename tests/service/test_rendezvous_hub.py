@@ -239,3 +239,78 @@ def test_blocking_store_reads_share_one_watch_and_all_get_the_value():
     assert pending == 20 and still == 20
     assert watches == 1 and store_watches == 1
     assert all(v == [b"10.0.0.1", b"29500"] for v in values) and late == [b"10.0.0.1"]
+
+
+def formed(n: int) -> tuple[list, bytes]:
+    """A complete round of `n` nodes (heartbeats at 1 us), sealed as it travels."""
+    nodes = [("h", i, 0) for i in range(n)]
+    doc = RdzvDoc(complete=True, participants={node: i for i, node in enumerate(nodes)},
+                  last_heartbeats=dict.fromkeys(nodes, 1))
+    return nodes, seal_state(doc.to_json(), version=2)
+
+
+def beat(node, at_us: int, n: int) -> MergeSpec:
+    return MergeSpec(ops=[Op(kind="keep_alive", node=node, at_us=at_us)], min_nodes=n, max_nodes=n)
+
+
+def test_keep_alives_of_a_formed_round_share_writes_and_each_is_answered_with_its_own():
+    """torch's keep-alive timers of a formed round's nodes write their heartbeats all the time
+    (N/5 a second); the control plane sends them together, a write every BEATS_GAP_S after a
+    burst (here 39 keep-alives over ~0.8 s: at most 8 writes; one each before). Each answer is
+    the write that carries its heartbeat; a node that sends none is not kept alive."""
+    n, spacing_s = 40, 0.02
+
+    async def scenario():
+        kv, hub = CountingStore(), StateHub()
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        nodes, state = formed(n)
+        start, _ = await rdzv.set_state(state, None)
+        commits = kv.commits
+        began = asyncio.get_running_loop().time()
+        beats = []
+        for i in range(1, n):  # node 0 is dead: no keep-alive of its own
+            beats.append(asyncio.create_task(rdzv.set_state(None, str(start.mod_revision),
+                                                            beat(nodes[i], 1000 + i, n))))
+            await asyncio.sleep(spacing_s)
+        answers = await asyncio.wait_for(asyncio.gather(*beats), 5)
+        spent = asyncio.get_running_loop().time() - began
+        return kv.commits - commits, spent, nodes, answers, await rdzv.get_state()
+
+    from service.rendezvous import BEATS_BURST, BEATS_GAP_S
+
+    writes, spent, nodes, answers, final = asyncio.run(scenario())
+    assert writes <= 1 + BEATS_BURST + spent / BEATS_GAP_S + 1, (writes, spent)
+    for i, (entry, written) in enumerate(answers, start=1):
+        assert written and RdzvDoc.from_json(open_state(entry.value)).last_heartbeats[nodes[i]] == 1000 + i
+    beats = RdzvDoc.from_json(open_state(final.value)).last_heartbeats
+    assert beats == {node: 1 if i == 0 else 1000 + i for i, node in enumerate(nodes)}
+
+
+def test_keep_alives_through_two_replicas_all_land():
+    """Two control planes on one store each send their nodes' keep-alives together; a write
+    that loses its compare-and-set to the other replica's is applied again to what won."""
+    n = 24
+
+    async def scenario():
+        kv = MemoryStore()
+        replicas = [Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2)]
+        nodes, state = formed(n)
+        start, _ = await replicas[0].set_state(state, None)
+        token = str(start.mod_revision)
+        for i in range(2):  # the first keep-alive on each replica starts its watch of the state
+            await replicas[i].set_state(None, token, beat(nodes[i], 1000 + i, n))
+        await asyncio.sleep(0.1)
+        queued = []
+        for replica in replicas:  # both now know the round is formed: keep-alives wait for a write
+            watched = replica._states._watched[replica._state_key]
+            queued.append(watched)
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            replicas[i % 2].set_state(None, token, beat(node, 1000 + i, n))
+            for i, node in enumerate(nodes) if i >= 2)), 5)
+        return nodes, answers, await replicas[0].get_state(), [w.doc.complete for w in queued]
+
+    nodes, answers, final, known = asyncio.run(scenario())
+    assert known == [True, True]
+    assert all(written for _, written in answers)
+    assert RdzvDoc.from_json(open_state(final.value)).last_heartbeats == {
+        node: 1000 + i for i, node in enumerate(nodes)}
