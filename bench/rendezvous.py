@@ -43,7 +43,9 @@ reports: the rendezvous state writes and the etcd writes (puts) a second, the by
 received and sent a second (etcd's own /metrics: gRPC bytes), the control plane's and etcd's
 CPU (% of a core), and the keep-alives as torch's timer thread saw them (each a read and a
 write of the state; count, p50/p99/max latency, failures). At the end it reads the state and
-checks that every participant is still in the round with a live heartbeat.
+checks that every participant is still in the round with a live heartbeat. `--monitor S`:
+each participant also runs torchrun's monitor (`num_nodes_waiting()` every S s; the node agent's
+is 0.1) with ftrain's follower of the state, as a torchrun agent does while its group trains.
 """
 
 from __future__ import annotations
@@ -125,6 +127,18 @@ class KeepAlives:
 
 HANDLERS: list = []  # the participants' handlers, kept (their keep-alive timers hold weak references)
 KEEP_ALIVES = KeepAlives()
+MONITOR_S = 0.0  # --monitor: torchrun's monitor asking num_nodes_waiting() this often (0: not)
+RELEASED = threading.Event()  # the hold is over
+
+
+def monitor(handler) -> None:
+    """torchrun's agent while its group trains: `num_nodes_waiting()` every MONITOR_S."""
+    while not RELEASED.is_set():
+        try:
+            handler.num_nodes_waiting()
+        except Exception:  # noqa: BLE001 - as torch's agent would: the next look tries again
+            pass
+        RELEASED.wait(MONITOR_S)
 
 
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
@@ -133,7 +147,8 @@ def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float,
     whether it was ready only after the start)."""
     try:
         if kind == "ftrain":
-            handler = ftrain_rdzv.dynamic_handler(params("ftrain", endpoint, run_id, n, timeout_s))
+            handler = ftrain_rdzv.dynamic_handler(params("ftrain", endpoint, run_id, n, timeout_s),
+                                                  follow=MONITOR_S > 0)
         else:
             host, port = endpoint.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -145,6 +160,8 @@ def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float,
         HANDLERS.append(handler)
         info = handler.next_rendezvous()
         out[index] = (info.rank, info.world_size, time.time(), late)
+        if MONITOR_S > 0:
+            threading.Thread(target=monitor, args=(handler,), daemon=True).start()
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out[index] = (None, None, f"{type(exc).__name__}: {exc}")
 
@@ -170,6 +187,7 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
         pipe.flush()
         with os.fdopen(release_fd) as release:
             release.read()  # until the parent closes it: the hold is over (or there is none)
+        RELEASED.set()
         with KEEP_ALIVES.lock:
             pipe.write(json.dumps({"seconds": KEEP_ALIVES.seconds, "failed": KEEP_ALIVES.failed}) + "\n")
 
@@ -413,7 +431,7 @@ def start_tcpstore() -> tuple[subprocess.Popen, int]:
 
 
 def main() -> int:
-    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S
+    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S, MONITOR_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="participants per round, comma-separated")
@@ -432,12 +450,17 @@ def main() -> int:
     ap.add_argument("--hold", type=float, default=0.0,
                     help="ftrain: after each round, hold the participants (their keep-alives on) for a "
                          "keep-alive interval and this many s more, measured (module docstring)")
+    ap.add_argument("--monitor", type=float, default=0.0,
+                    help="ftrain, with --hold: each participant also runs torchrun's monitor, "
+                         "num_nodes_waiting() every this many s (the node agent's: 0.1), with ftrain's "
+                         "follower of the state (worker/rendezvous/follow.py), as torchrun's agent does")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     KEEP_ALIVE_S = args.keep_alive
     NICE = args.nice
     SETUP_S, MARGIN_S = args.setup, args.margin
+    MONITOR_S = args.monitor if args.hold > 0 else 0.0
     files = open_files(max(sizes))
     backends = args.backends.split(",")
 
@@ -448,7 +471,8 @@ def main() -> int:
     load = os.getloadavg()
     print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
           f"forked processes (nice {NICE}, gc frozen at the fork), keep-alive {KEEP_ALIVE_S} s, "
-          f"join timeout {args.timeout:g} s{f', held {args.hold:g} s after' if args.hold else ''}; "
+          f"join timeout {args.timeout:g} s{f', held {args.hold:g} s after' if args.hold else ''}"
+          f"{f', monitor every {MONITOR_S:g} s' if MONITOR_S else ''}; "
           f"{platform.node()}, {os.cpu_count()} cores, "
           f"load {load[0]:.1f} at start, open files {files}", flush=True)
     rows: list[dict] = []

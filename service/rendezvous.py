@@ -87,6 +87,12 @@ write's state, as before (at most about a gap later: torch's keep-alive tolerate
 window is interval x attempts, 15 s). A keep-alive in an open round, or with other ops (a
 dropped node), goes at once. Nothing is written for a node that sends none: a dead node expires
 by torch's rules. A batch whose compare-and-set loses to another replica's is applied again.
+While this control plane follows a state (that watch, or the long polls'), a plain read (torch's
+`get_state`: each keep-alive reads before it writes, and torchrun's monitor once a second) is
+answered from it (`Rendezvous.read_state`), not with an etcd read of the N-node state each; as
+the long polls are, so a write through another replica shows a watch event later (torch's
+compare-and-set and the merges hold on a stale token), and a write here at once. Not while
+etcd does not answer (`KeyValue.check_contact`): then the read goes to etcd, and fails, as before.
 
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
@@ -366,6 +372,12 @@ class StateHub:
         # then comes without the state, `service.routes.rendezvous`).
         return entry, alive is None and state_token(entry) != after
 
+    def latest(self, key: str) -> tuple[bool, Entry | None]:
+        """Whether this control plane follows the state at `key` (a watch under way that has read
+        it), and the state as the watch last saw it (or a batch here wrote it)."""
+        watched = self._watched.get(key)
+        return (False, None) if watched is None or not watched.known else (True, watched.entry)
+
     def _watch(self, kv: KeyValue, key: str) -> _Watched:
         """The long polls' view of the state at `key`, fed by one etcd watch (`_follow`)."""
         watched = self._watched.get(key)
@@ -558,6 +570,16 @@ class Rendezvous:
 
     async def get_state(self) -> Entry | None:
         return await self.kv.get(self._state_key)
+
+    async def read_state(self) -> Entry | None:
+        """The state for torch's `get_state`: as this control plane's watch of it has it, where one
+        is under way (the long polls of a round, a formed round's keep-alives keep one), else
+        read from etcd (module docstring). Not from memory while etcd does not answer."""
+        known, entry = self._states.latest(self._state_key)
+        if not known:
+            return await self.get_state()
+        self.kv.check_contact()
+        return entry
 
     async def set_state(self, state: bytes | None, token: str | None,
                         merge: MergeSpec | None = None) -> tuple[Entry | None, bool]:
