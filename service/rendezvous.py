@@ -83,8 +83,9 @@ watch of the state, kept `BEATS_WATCH_S` after the last such write), waits for t
 `BEATS_GAP_S` after a burst of `BEATS_BURST` (a token bucket), so a job of a few nodes, whose
 keep-alives come together, sends them at once as before, and one of a thousand sends two writes
 a second, not two hundred. Each is answered after the write that carries it commits, with that
-write's state, as before (at most about a gap later: torch's keep-alive tolerates seconds, its
-window is interval x attempts, 15 s). A keep-alive in an open round, or with other ops (a
+write's state, as before (about a gap later at most, on a machine that keeps up: a node's
+keep-alive waits 3 s for an answer and retries for 3 s, `worker.rendezvous.outage`, and torch
+drops a node only after interval x attempts, 15 s). A keep-alive in an open round, or with other ops (a
 dropped node), goes at once. Nothing is written for a node that sends none: a dead node expires
 by torch's rules. A batch whose compare-and-set loses to another replica's is applied again.
 While this control plane follows a state (that watch, or the long polls'), a plain read (torch's
@@ -92,7 +93,8 @@ While this control plane follows a state (that watch, or the long polls'), a pla
 answered from it (`Rendezvous.read_state`), not with an etcd read of the N-node state each; as
 the long polls are, so a write through another replica shows a watch event later (torch's
 compare-and-set and the merges hold on a stale token), and a write here at once. Not while
-etcd does not answer (`KeyValue.check_contact`): then the read goes to etcd, and fails, as before.
+this control plane hears nothing from etcd (`KeyValue.check_contact`): then it answers 503 and
+the node asks another replica, as for every answer from memory.
 
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the

@@ -314,3 +314,52 @@ def test_keep_alives_through_two_replicas_all_land():
     assert all(written for _, written in answers)
     assert RdzvDoc.from_json(open_state(final.value)).last_heartbeats == {
         node: 1000 + i for i, node in enumerate(nodes)}
+
+
+def test_plain_reads_of_a_followed_state_come_from_the_watch_and_show_another_replicas_write():
+    """torch reads the state before each keep-alive (and torchrun's monitor once a second): while
+    the control plane follows the state (here: for a formed round's keep-alives), those reads
+    are answered from its watch, not with an etcd read of the whole state each; a write through
+    another replica shows once the watch brings it; cut off from etcd, none is answered."""
+    n = 4
+
+    class ReadCounting(CountingStore):
+        reads = 0
+
+        async def get(self, key):
+            self.reads += 1
+            return await super().get(key)
+
+    async def scenario():
+        kv = ReadCounting()
+        here, there = (Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2))
+        nodes, state = formed(n)
+        start, _ = await here.set_state(state, None)
+        await here.set_state(None, str(start.mod_revision), beat(nodes[0], 1000, n))  # followed now
+        await asyncio.sleep(0.05)
+        before = kv.reads
+        entries = [await here.read_state() for _ in range(20)]
+        reads = kv.reads - before
+        written, _ = await there.set_state(None, str(start.mod_revision), beat(nodes[1], 2000, n))
+        for _ in range(100):  # the watch brings the other replica's write
+            if (await here.read_state()).mod_revision == written.mod_revision:
+                break
+            await asyncio.sleep(0.01)
+        seen = await here.read_state()
+
+        def cut_off():
+            raise StoreUnavailable("no answer from etcd")
+
+        kv.check_contact = cut_off
+        try:
+            await here.read_state()
+            refused = False
+        except StoreUnavailable:
+            refused = True
+        return reads, entries, written, seen, refused
+
+    from service.errors import StoreUnavailable
+
+    reads, entries, written, seen, refused = asyncio.run(scenario())
+    assert reads == 0 and all(e.mod_revision == entries[0].mod_revision for e in entries)
+    assert seen.mod_revision == written.mod_revision and refused
