@@ -214,6 +214,7 @@ class _Watched:
     beats_allowance: float = BEATS_BURST
     beats_topped: float = 0.0
     beats_until: float = 0.0
+    rechecking: bool = False  # a look at dropping the watch is due then (one, however many ended)
 
     def publish(self, entry: Entry | None) -> None:
         if self.known and self.entry is not None and entry is not None \
@@ -399,9 +400,9 @@ class StateHub:
         loop = asyncio.get_running_loop()
         known = key in self._watched
         watched = self._watch(kv, key)
-        if not known:  # kept while keep-alives come (`_drop_unwatched`); the next one knows the round
-            loop.call_later(BEATS_WATCH_S, self._drop_unwatched, key, watched)
         watched.beats_until = loop.time() + BEATS_WATCH_S
+        if not known:  # kept while keep-alives come (`_drop_unwatched`); the next one knows the round
+            self._drop_unwatched(key, watched)
         doc = watched.doc
         if doc is None or not doc.complete or doc.closed or node not in doc.participants:
             return await self.submit(key, apply, write)  # a round under way: at once, as before
@@ -494,12 +495,16 @@ class StateHub:
         watched = self._watched.get(key)
         return watched is not None and watched.doc is not None and node in watched.doc.last_heartbeats
 
-    def _drop_unwatched(self, key: str, watched: _Watched) -> None:
+    def _drop_unwatched(self, key: str, watched: _Watched, recheck: bool = False) -> None:
+        if recheck:
+            watched.rechecking = False
         if watched.waiters == 0 and self._watched.get(key) is watched:
             left = watched.beats_until - asyncio.get_running_loop().time()
-            if left > 0 or watched.beats:  # keep-alives still come (`keep_alive`)
-                asyncio.get_running_loop().call_later(max(left, WATCH_LINGER_S), self._drop_unwatched,
-                                                      key, watched)
+            if left > 0 or watched.beats:  # keep-alives still come (`keep_alive`): look again then
+                if not watched.rechecking:
+                    watched.rechecking = True
+                    asyncio.get_running_loop().call_later(max(left, WATCH_LINGER_S), self._drop_unwatched,
+                                                          key, watched, True)
                 return
             del self._watched[key]
             assert watched.task is not None

@@ -363,3 +363,30 @@ def test_plain_reads_of_a_followed_state_come_from_the_watch_and_show_another_re
     reads, entries, written, seen, refused = asyncio.run(scenario())
     assert reads == 0 and all(e.mod_revision == entries[0].mod_revision for e in entries)
     assert seen.mod_revision == written.mod_revision and refused
+
+
+def test_the_watch_kept_for_keep_alives_ends_once_they_stop(monkeypatch):
+    """A state followed only for its keep-alives is followed no longer once they stop (the job
+    ended, the nodes died): its watch and its sender go (a control plane runs for months)."""
+    import service.rendezvous as module
+
+    monkeypatch.setattr(module, "BEATS_WATCH_S", 0.2)
+    monkeypatch.setattr(module, "WATCH_LINGER_S", 0.1)
+    n = 3
+
+    async def scenario():
+        hub = StateHub()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub)
+        nodes, state = formed(n)
+        start, _ = await rdzv.set_state(state, None)
+        for i in range(n):
+            await rdzv.set_state(None, str(start.mod_revision), beat(nodes[i], 1000 + i, n))
+        followed = rdzv._state_key in hub._watched
+        for _ in range(100):
+            if rdzv._state_key not in hub._watched:
+                break
+            await asyncio.sleep(0.02)
+        return followed, rdzv._state_key in hub._watched, (await rdzv.read_state()).mod_revision
+
+    followed, still, revision = asyncio.run(scenario())
+    assert followed and not still and revision > 0
