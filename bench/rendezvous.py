@@ -101,7 +101,9 @@ class KeepAlives:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seconds: list[float] = []
+        self.writes: list[float] = []  # of those, the state write's request alone (PUT /state)
         self.failed = 0
+        self.local = threading.local()
 
     def time(self, handler) -> None:
         """Time `handler`'s keep-alive operations (its executor's runs of a keep-alive op)."""
@@ -114,15 +116,33 @@ class KeepAlives:
             if not isinstance(op, _RendezvousKeepAliveOp):
                 return run(op, deadline, *args, **kwargs)
             began, ok = time.monotonic(), False
+            self.local.keeping = True
             try:
                 result, ok = run(op, deadline, *args, **kwargs), True
                 return result
             finally:
+                self.local.keeping = False
                 with self.lock:
                     self.seconds.append(time.monotonic() - began)
                     self.failed += not ok
 
         executor.run = timed
+        transport = getattr(getattr(handler._state_holder, "_backend", None), "_transport", None)
+        if transport is None:
+            return
+        call = transport.call
+
+        def timed_call(method, path, body=None, **kwargs):
+            if method != "PUT" or not getattr(self.local, "keeping", False):
+                return call(method, path, body, **kwargs)
+            began = time.monotonic()
+            try:
+                return call(method, path, body, **kwargs)
+            finally:
+                with self.lock:
+                    self.writes.append(time.monotonic() - began)
+
+        transport.call = timed_call
 
 
 HANDLERS: list = []  # the participants' handlers, kept (their keep-alive timers hold weak references)
@@ -189,7 +209,8 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
             release.read()  # until the parent closes it: the hold is over (or there is none)
         RELEASED.set()
         with KEEP_ALIVES.lock:
-            pipe.write(json.dumps({"seconds": KEEP_ALIVES.seconds, "failed": KEEP_ALIVES.failed}) + "\n")
+            pipe.write(json.dumps({"seconds": KEEP_ALIVES.seconds, "writes": KEEP_ALIVES.writes,
+                                   "failed": KEEP_ALIVES.failed}) + "\n")
 
 
 def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float,
@@ -234,6 +255,7 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     for release in releases:
         os.close(release)
     keep_alives: list[float] = []
+    writes: list[float] = []
     failed = 0
     for pid, pipe in children:
         with pipe:
@@ -242,9 +264,10 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
         if text:
             got = json.loads(text)
             keep_alives += got["seconds"]
+            writes += got.get("writes", [])
             failed += got["failed"]
     if held:
-        held.update(keep_alive_stats(keep_alives, failed))
+        held.update(keep_alive_stats(keep_alives, failed, writes))
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
     errors = [r[2] for r in results if r[0] is None]
@@ -325,17 +348,21 @@ def etcd_counts(endpoint: str) -> dict[str, float]:
     return got
 
 
-def keep_alive_stats(seconds: list[float], failed: int) -> dict:
-    """The keep-alives of a hold as torch's timer threads saw them: how many, their latency."""
+def keep_alive_stats(seconds: list[float], failed: int, writes: list[float]) -> dict:
+    """The keep-alives of a hold as torch's timer threads saw them: how many, their latency, and
+    their state writes' (the PUT request alone, answer included, before the node decodes it)."""
     if not seconds:
         return {"keep_alives": 0, "keep_alive_failed": failed}
-    ordered = sorted(seconds)
 
-    def at(q: float) -> float:
+    def at(values: list[float], q: float) -> float:
+        ordered = sorted(values)
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
 
-    return {"keep_alives": len(ordered), "keep_alive_failed": failed, "keep_alive_p50_ms": at(0.5),
-            "keep_alive_p99_ms": at(0.99), "keep_alive_max_ms": round(ordered[-1] * 1000, 1)}
+    got = {"keep_alives": len(seconds), "keep_alive_failed": failed, "keep_alive_p50_ms": at(seconds, 0.5),
+           "keep_alive_p99_ms": at(seconds, 0.99), "keep_alive_max_ms": round(max(seconds) * 1000, 1)}
+    if writes:
+        got.update(write_p50_ms=at(writes, 0.5), write_p99_ms=at(writes, 0.99))
+    return got
 
 
 def holding(api, etcd, servers: list[int], rdzv_id: str, token: str, n: int, hold_s: float,
@@ -401,7 +428,8 @@ def _held(got: dict) -> str:
             f"{h['etcd_calls_per_s']} calls/s, in {h['etcd_in_kb_per_s']} KB/s, "
             f"out {h['etcd_out_kb_per_s']} KB/s; "
             f"cpu control plane {h['control_plane_cpu_pct']}%, etcd {h['etcd_cpu_pct']}% of a core; "
-            f"keep-alives {h['keep_alives']} (failed {h['keep_alive_failed']}), p50/p99/max {ms} ms; "
+            f"keep-alives {h['keep_alives']} (failed {h['keep_alive_failed']}), p50/p99/max {ms} ms "
+            f"(their writes p50/p99 {h.get('write_p50_ms', '-')}/{h.get('write_p99_ms', '-')} ms); "
             f"after: {h['participants_after']} participants, complete {h['complete_after']}, "
             f"state {h['state_kb']} KB, "
             f"stalest heartbeat {h['stalest_heartbeat_s']} s")

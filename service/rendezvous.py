@@ -79,11 +79,13 @@ a second for N nodes at torch's 5 s, each a read and a compare-and-set of the wh
 the control plane; about 1.5-17 MB/s into etcd at 1,024). So a write that is only its node's
 keep-alive (one `keep_alive` op), of a node of a round this control plane knows is complete (its
 watch of the state, kept `BEATS_WATCH_S` after the last such write), waits for the other nodes'
-(`StateHub.keep_alive`): they go together as one batch (`submit`), at most one every
-`BEATS_GAP_S` after a burst of `BEATS_BURST` (a token bucket), so a job of a few nodes, whose
-keep-alives come together, sends them at once as before, and one of a thousand sends two writes
-a second, not two hundred. Each is answered after the write that carries it commits, with that
-write's state, as before (about a gap later at most, on a machine that keeps up: a node's
+(`StateHub.keep_alive`): they go together as one batch (`submit`), the batches started
+`BEATS_GAP_PER_NODE_S` (1 ms) a node of the state apart, at most `BEATS_GAP_S` (0.5 s). A
+write of the state is ~70 bytes a node, so a job's keep-alives write at most ~70 KB a second to
+etcd below 500 nodes and two states a second above (~170 KB/s at 1,024; before: up to N/5
+states a second), while a job of a few nodes waits a few milliseconds. Each is answered after
+the write that carries it commits, with that write's state, as before (a gap later at most, on a
+machine that keeps up: a node's
 keep-alive waits 3 s for an answer and retries for 3 s, `worker.rendezvous.outage`, and torch
 drops a node only after interval x attempts, 15 s). A keep-alive in an open round, or with other ops (a
 dropped node), goes at once. Nothing is written for a node that sends none: a dead node expires
@@ -130,11 +132,12 @@ KEEP_ALIVE_TICK_S = 1.0  # how often the held polls' nodes are looked at (keep-a
 ALIVE_GRACE_S = 2.0  # a node between two polls (it re-polls at once) counts as holding one
 MAX_ENCODED = 64  # states kept encoded (`StateHub.encoded`): a few revisions of a few rounds
 BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
-# Keep-alives of a formed round's nodes (`StateHub.keep_alive`): one write of the state may
-# carry them every BEATS_GAP_S, with BEATS_BURST writes at once after a quiet spell; the
-# state's watch is kept BEATS_WATCH_S after the last one (their interval is 5 s by default).
+# Keep-alives of a formed round's nodes (`StateHub.keep_alive`): the writes that carry them
+# start BEATS_GAP_PER_NODE_S a node of the state apart, at most BEATS_GAP_S (a write of the
+# state is ~70 B a node: at most ~70 KB/s into etcd below 500 nodes, 2 writes a second above);
+# the state's watch is kept BEATS_WATCH_S after the last one (their interval is 5 s by default).
+BEATS_GAP_PER_NODE_S = 0.001
 BEATS_GAP_S = 0.5
-BEATS_BURST = 4
 BEATS_WATCH_S = 30.0
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
@@ -211,8 +214,7 @@ class _Watched:
     # (loop time) the watch is kept for them with no poll held.
     beats: list[_Write] = field(default_factory=list)
     beats_sender: asyncio.Task | None = None
-    beats_allowance: float = BEATS_BURST
-    beats_topped: float = 0.0
+    beats_sent: float = float("-inf")  # when the last write of them started (loop time)
     beats_until: float = 0.0
     rechecking: bool = False  # a look at dropping the watch is due then (one, however many ended)
 
@@ -392,8 +394,8 @@ class StateHub:
     async def keep_alive(self, kv: KeyValue, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
                          write: _Write) -> tuple[Entry | None, bool]:
         """`write`, a state write (`submit`); if it is only its node's keep-alive in a round that
-        is complete, it waits to go with the other nodes' keep-alives (module docstring):
-        at most one write of the state every BEATS_GAP_S carries them, however many nodes."""
+        is complete, it waits to go with the other nodes' keep-alives (module docstring): the
+        writes that carry them start a millisecond a node apart, at most BEATS_GAP_S."""
         node = _keep_alive_of(write.merge)
         if node is None:
             return await self.submit(key, apply, write)
@@ -413,21 +415,19 @@ class StateHub:
 
     async def _send_beats(self, key: str, watched: _Watched,
                           apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
-        """Send the keep-alives queued on `watched`, all that are there at each write, at most a
-        write every BEATS_GAP_S after a burst of BEATS_BURST (a token bucket): a job of two
-        nodes, whose keep-alives come together, sends them at once as before; one of a
-        thousand nodes sends two writes a second, not two hundred."""
+        """Send the keep-alives queued on `watched`, all that are there at each write, the writes
+        started BEATS_GAP_PER_NODE_S a node apart (at most BEATS_GAP_S): a job of two nodes waits
+        2 ms at most, and the bytes a second that a job's keep-alives write to etcd stay
+        bounded whatever its size (one of a thousand nodes: two writes a second, not two hundred)."""
         loop = asyncio.get_running_loop()
         try:
             while watched.beats:
-                now = loop.time()
-                watched.beats_allowance = min(float(BEATS_BURST), watched.beats_allowance
-                                              + (now - watched.beats_topped) / BEATS_GAP_S)
-                watched.beats_topped = now
-                if watched.beats_allowance < 1.0:
-                    await asyncio.sleep((1.0 - watched.beats_allowance) * BEATS_GAP_S)
+                nodes = 0 if watched.doc is None else len(watched.doc.last_heartbeats)
+                wait = watched.beats_sent + min(BEATS_GAP_S, nodes * BEATS_GAP_PER_NODE_S) - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                     continue
-                watched.beats_allowance -= 1.0
+                watched.beats_sent = loop.time()
                 writes, watched.beats = watched.beats, []
                 await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
         finally:
