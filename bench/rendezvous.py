@@ -35,6 +35,17 @@ writes and the batches that wrote them, and the waits of state long polls in the
 
 On a larger machine (e.g. 32 cores): `--procs 32 --nice 0 --setup 0.005`; the bench raises its
 open-file limit to what N participants need at a server (the usual 1,024 is too few).
+
+After the round (`--hold S`, ftrain only): what a formed job costs while it trains. Every
+participant keeps its handler, and torch's keep-alive timer (a keep-alive every
+`--keep-alive` s), for a keep-alive interval and then S seconds more, over which the bench
+reports: the rendezvous state writes and the etcd writes (puts) a second, the bytes etcd
+received and sent a second (etcd's own /metrics: gRPC bytes), the control plane's and etcd's
+CPU (% of a core), and the keep-alives as torch's timer thread saw them (each a read and a
+write of the state; count, p50/p99/max latency, failures). At the end it reads the state and
+checks that every participant is still in the round with a live heartbeat. `--monitor S`:
+each participant also runs torchrun's monitor (`num_nodes_waiting()` every S s; the node agent's
+is 0.1) with ftrain's follower of the state, as a torchrun agent does while its group trains.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -82,13 +94,81 @@ SETUP_S = 0.03  # a participant's time to make its handler before the common sta
 MARGIN_S = 90.0  # after the join timeout, how long a round's participants are waited for (--margin)
 
 
+class KeepAlives:
+    """The keep-alives of one process's participants as torch's timer thread runs them (each a
+    read and a write of the state), timed: `--hold`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seconds: list[float] = []
+        self.writes: list[float] = []  # of those, the state write's request alone (PUT /state)
+        self.failed = 0
+        self.local = threading.local()
+
+    def time(self, handler) -> None:
+        """Time `handler`'s keep-alive operations (its executor's runs of a keep-alive op)."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousKeepAliveOp
+
+        executor = handler._op_executor
+        run = executor.run
+
+        def timed(op, deadline, *args, **kwargs):
+            if not isinstance(op, _RendezvousKeepAliveOp):
+                return run(op, deadline, *args, **kwargs)
+            began, ok = time.monotonic(), False
+            self.local.keeping = True
+            try:
+                result, ok = run(op, deadline, *args, **kwargs), True
+                return result
+            finally:
+                self.local.keeping = False
+                with self.lock:
+                    self.seconds.append(time.monotonic() - began)
+                    self.failed += not ok
+
+        executor.run = timed
+        transport = getattr(getattr(handler._state_holder, "_backend", None), "_transport", None)
+        if transport is None:
+            return
+        call = transport.call
+
+        def timed_call(method, path, body=None, **kwargs):
+            if method != "PUT" or not getattr(self.local, "keeping", False):
+                return call(method, path, body, **kwargs)
+            began = time.monotonic()
+            try:
+                return call(method, path, body, **kwargs)
+            finally:
+                with self.lock:
+                    self.writes.append(time.monotonic() - began)
+
+        transport.call = timed_call
+
+
+HANDLERS: list = []  # the participants' handlers, kept (their keep-alive timers hold weak references)
+KEEP_ALIVES = KeepAlives()
+MONITOR_S = 0.0  # --monitor: torchrun's monitor asking num_nodes_waiting() this often (0: not)
+RELEASED = threading.Event()  # the hold is over
+
+
+def monitor(handler) -> None:
+    """torchrun's agent while its group trains: `num_nodes_waiting()` every MONITOR_S."""
+    while not RELEASED.is_set():
+        try:
+            handler.num_nodes_waiting()
+        except Exception:  # noqa: BLE001 - as torch's agent would: the next look tries again
+            pass
+        RELEASED.wait(MONITOR_S)
+
+
 def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
                 out: list, index: int) -> None:
     """One node: make the handler, wait for the start, join the round; record (rank, world, t,
     whether it was ready only after the start)."""
     try:
         if kind == "ftrain":
-            handler = ftrain_rdzv.dynamic_handler(params("ftrain", endpoint, run_id, n, timeout_s))
+            handler = ftrain_rdzv.dynamic_handler(params("ftrain", endpoint, run_id, n, timeout_s),
+                                                  follow=MONITOR_S > 0)
         else:
             host, port = endpoint.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -96,15 +176,21 @@ def participant(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float,
                                      params("c10d", endpoint, run_id, n, timeout_s))
         late = time.time() > start_at
         time.sleep(max(0.0, start_at - time.time()))
+        KEEP_ALIVES.time(handler)
+        HANDLERS.append(handler)
         info = handler.next_rendezvous()
         out[index] = (info.rank, info.world_size, time.time(), late)
+        if MONITOR_S > 0:
+            threading.Thread(target=monitor, args=(handler,), daemon=True).start()
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out[index] = (None, None, f"{type(exc).__name__}: {exc}")
 
 
 def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start_at: float,
-          first: int, step: int, write_fd: int) -> None:
-    """A forked process running the participants first, first+step, ... as threads."""
+          first: int, step: int, write_fd: int, release_fd: int) -> None:
+    """A forked process running the participants first, first+step, ... as threads. It writes a
+    line of their results once they all returned; then, holding the handlers (their keep-alive
+    timers run on) until the parent closes `release_fd`, a line of their keep-alives."""
     os.nice(NICE)
     mine = list(range(first, n, step))
     out: list = [None] * len(mine)
@@ -117,11 +203,21 @@ def child(kind: str, endpoint: str, run_id: str, n: int, timeout_s: float, start
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
     with os.fdopen(write_fd, "w") as pipe:
-        pipe.write(json.dumps([o if o is not None else (None, None, "no answer") for o in out]))
+        pipe.write(json.dumps([o if o is not None else (None, None, "no answer") for o in out]) + "\n")
+        pipe.flush()
+        with os.fdopen(release_fd) as release:
+            release.read()  # until the parent closes it: the hold is over (or there is none)
+        RELEASED.set()
+        with KEEP_ALIVES.lock:
+            pipe.write(json.dumps({"seconds": KEEP_ALIVES.seconds, "writes": KEEP_ALIVES.writes,
+                                   "failed": KEEP_ALIVES.failed}) + "\n")
 
 
-def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float) -> dict:
-    """Fork the participants, return the round's time or why it failed."""
+def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout_s: float,
+              hold: Callable[[dict], dict] | None = None) -> dict:
+    """Fork the participants, return the round's time or why it failed. `hold`: called once the
+    round completed while the participants still hold their handlers (their keep-alives go on);
+    what it returns is added, with the keep-alives the participants made meanwhile."""
     procs = max(1, min(procs, n))
     gc.collect()
     gc.freeze()  # the forks' objects from before the fork are left out of their collections
@@ -129,25 +225,49 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
     start_at = time.time() + 3.0 + n * SETUP_S
     children = []
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    releases = []
     for k in range(procs):
         read_fd, write_fd = os.pipe()
+        release_read, release_write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
+            os.close(release_write)
+            for other in releases:
+                os.close(other)
             code = 0
             try:
-                child(kind, endpoint, run_id, n, timeout_s, start_at, k, procs, write_fd)
+                child(kind, endpoint, run_id, n, timeout_s, start_at, k, procs, write_fd, release_read)
             except BaseException:  # noqa: BLE001
                 code = 1
             os._exit(code)
         os.close(write_fd)
-        children.append((pid, read_fd))
+        os.close(release_read)
+        releases.append(release_write)
+        children.append((pid, os.fdopen(read_fd)))
     results = []
-    for pid, read_fd in children:
-        with os.fdopen(read_fd) as pipe:
-            text = pipe.read()
-        os.waitpid(pid, 0)
+    for _, pipe in children:
+        text = pipe.readline()
         results.extend(json.loads(text) if text else [(None, None, "process died")])
+    held: dict = {}
+    if hold is not None and all(r[0] is not None for r in results):
+        held = hold({"end": max(r[2] for r in results)})
+    for release in releases:
+        os.close(release)
+    keep_alives: list[float] = []
+    writes: list[float] = []
+    failed = 0
+    for pid, pipe in children:
+        with pipe:
+            text = pipe.readline()
+        os.waitpid(pid, 0)
+        if text:
+            got = json.loads(text)
+            keep_alives += got["seconds"]
+            writes += got.get("writes", [])
+            failed += got["failed"]
+    if held:
+        held.update(keep_alive_stats(keep_alives, failed, writes))
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (usage.ru_utime - usage_before.ru_utime) + (usage.ru_stime - usage_before.ru_stime)
     errors = [r[2] for r in results if r[0] is None]
@@ -166,6 +286,8 @@ def one_round(kind: str, endpoint: str, run_id: str, n: int, procs: int, timeout
                 "participants_cpu_s": round(cpu_s, 1)}
     got = {"ok": True, "round_s": round(max(r[2] for r in results) - start_at, 3),
            "participants_cpu_s": round(cpu_s, 1)}
+    if held:
+        got["hold"] = held
     if late:
         got["late"] = late  # ready after the common start: the round's time includes their set-up
     return got
@@ -208,6 +330,111 @@ def counts(api) -> dict[str, int]:
     return got
 
 
+ETCD_COUNTS = {"etcd_mvcc_put_total": "etcd_puts",
+               "etcd_network_client_grpc_received_bytes_total": "etcd_received_bytes",
+               "etcd_network_client_grpc_sent_bytes_total": "etcd_sent_bytes"}
+
+
+def etcd_counts(endpoint: str) -> dict[str, float]:
+    """etcd's own counts so far (its /metrics): puts, and the bytes its clients sent it (the
+    writes, mostly) and it sent them (the reads)."""
+    import httpx
+
+    got = dict.fromkeys(ETCD_COUNTS.values(), 0.0)
+    for line in httpx.get(f"{endpoint}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ETCD_COUNTS:
+            got[ETCD_COUNTS[name]] += float(value)
+    return got
+
+
+def keep_alive_stats(seconds: list[float], failed: int, writes: list[float]) -> dict:
+    """The keep-alives of a hold as torch's timer threads saw them: how many, their latency, and
+    their state writes' (the PUT request alone, answer included, before the node decodes it)."""
+    if not seconds:
+        return {"keep_alives": 0, "keep_alive_failed": failed}
+
+    def at(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
+
+    got = {"keep_alives": len(seconds), "keep_alive_failed": failed, "keep_alive_p50_ms": at(seconds, 0.5),
+           "keep_alive_p99_ms": at(seconds, 0.99), "keep_alive_max_ms": round(max(seconds) * 1000, 1)}
+    if writes:
+        got.update(write_p50_ms=at(writes, 0.5), write_p99_ms=at(writes, 0.99))
+    return got
+
+
+def holding(api, etcd, servers: list[int], rdzv_id: str, token: str, n: int, hold_s: float,
+            ) -> Callable[[dict], dict]:
+    """The `--hold` of one ftrain round (module docstring): from a keep-alive interval after the
+    round to `hold_s` later, the writes, bytes and CPU a second; then the state's check."""
+
+    def sample() -> tuple[list[float], dict, dict, float]:
+        return [cpu_s(p) for p in servers], counts(api), etcd_counts(etcd.endpoint), time.monotonic()
+
+    def hold(_: dict) -> dict:
+        # The round's own figures end here (main), not with the hold.
+        at_end = {"cpu": [cpu_s(p) for p in servers], "counts": counts(api)}
+        time.sleep(KEEP_ALIVE_S)  # every node's timer has fired once
+        (cpu0, cp0, etcd0, t0) = sample()
+        time.sleep(hold_s)
+        (cpu1, cp1, etcd1, t1) = sample()
+        span = t1 - t0
+
+        def rate(after: dict, before: dict, name: str, scale: float = 1.0) -> float:
+            return round((after[name] - before[name]) / span / scale, 1)
+
+        got = {"hold_s": round(span, 1),
+               "state_writes_per_s": rate(cp1, cp0, "state_writes"),
+               "state_batches_per_s": rate(cp1, cp0, "state_batches"),
+               "etcd_calls_per_s": rate(cp1, cp0, "etcd_calls"),
+               "etcd_puts_per_s": rate(etcd1, etcd0, "etcd_puts"),
+               "etcd_in_kb_per_s": rate(etcd1, etcd0, "etcd_received_bytes", 1000),
+               "etcd_out_kb_per_s": rate(etcd1, etcd0, "etcd_sent_bytes", 1000),
+               "control_plane_cpu_pct": round(100 * (cpu1[0] - cpu0[0]) / span, 1),
+               "etcd_cpu_pct": round(100 * (cpu1[1] - cpu0[1]) / span, 1)}
+        got.update(state_check(api, rdzv_id, token, n))
+        got["round_end"] = at_end
+        return got
+
+    return hold
+
+
+def state_check(api, rdzv_id: str, token: str, n: int) -> dict:
+    """After a hold: the round's participants and the age of the stalest heartbeat (torch drops a
+    node whose heartbeat is 3 keep-alive intervals old)."""
+    import base64
+
+    from worker.protocol import open_state
+    from worker.rdzv_state import RdzvDoc
+
+    reply = api.get(f"/v1/rdzv/{rdzv_id}/state", headers={"Authorization": f"Bearer {token}"}).json()
+    doc = RdzvDoc.from_json(open_state(base64.b64decode(reply["state"])))
+    stalest = min(doc.last_heartbeats.values()) if doc.last_heartbeats else 0
+    return {"participants_after": len(doc.participants), "complete_after": doc.complete,
+            "state_kb": round(len(base64.b64decode(reply["state"])) / 1000, 1),
+            "stalest_heartbeat_s": round(time.time() - stalest / 1e6, 1)}
+
+
+def _held(got: dict) -> str:
+    """' hold: ...' for an ftrain round held (`--hold`)."""
+    h = got.get("hold")
+    if not h:
+        return ""
+    ms = "/".join(str(h.get(f"keep_alive_{q}_ms", "-")) for q in ("p50", "p99", "max"))
+    return (f" | hold {h['hold_s']} s: {h['state_writes_per_s']} state writes/s in "
+            f"{h['state_batches_per_s']} batches/s, etcd {h['etcd_puts_per_s']} puts/s, "
+            f"{h['etcd_calls_per_s']} calls/s, in {h['etcd_in_kb_per_s']} KB/s, "
+            f"out {h['etcd_out_kb_per_s']} KB/s; "
+            f"cpu control plane {h['control_plane_cpu_pct']}%, etcd {h['etcd_cpu_pct']}% of a core; "
+            f"keep-alives {h['keep_alives']} (failed {h['keep_alive_failed']}), p50/p99/max {ms} ms "
+            f"(their writes p50/p99 {h.get('write_p50_ms', '-')}/{h.get('write_p99_ms', '-')} ms); "
+            f"after: {h['participants_after']} participants, complete {h['complete_after']}, "
+            f"state {h['state_kb']} KB, "
+            f"stalest heartbeat {h['stalest_heartbeat_s']} s")
+
+
 def _apart(got: dict) -> str:
     """' (control plane C s, etcd E s; K etcd calls, ...)' for an ftrain round."""
     if "control_plane_cpu_s" not in got:
@@ -232,7 +459,7 @@ def start_tcpstore() -> tuple[subprocess.Popen, int]:
 
 
 def main() -> int:
-    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S
+    global KEEP_ALIVE_S, NICE, SETUP_S, MARGIN_S, MONITOR_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="participants per round, comma-separated")
@@ -248,12 +475,20 @@ def main() -> int:
                          "(3 s + N x this; the default suits 2 cores)")
     ap.add_argument("--margin", type=float, default=MARGIN_S,
                     help="s after the join timeout a failing round's participants are waited for")
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="ftrain: after each round, hold the participants (their keep-alives on) for a "
+                         "keep-alive interval and this many s more, measured (module docstring)")
+    ap.add_argument("--monitor", type=float, default=0.0,
+                    help="ftrain, with --hold: each participant also runs torchrun's monitor, "
+                         "num_nodes_waiting() every this many s (the node agent's: 0.1), with ftrain's "
+                         "follower of the state (worker/rendezvous/follow.py), as torchrun's agent does")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "rendezvous.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     KEEP_ALIVE_S = args.keep_alive
     NICE = args.nice
     SETUP_S, MARGIN_S = args.setup, args.margin
+    MONITOR_S = args.monitor if args.hold > 0 else 0.0
     files = open_files(max(sizes))
     backends = args.backends.split(",")
 
@@ -264,7 +499,9 @@ def main() -> int:
     load = os.getloadavg()
     print(f"rendezvous benchmark: one round, min == max == N, participants as threads over {args.procs} "
           f"forked processes (nice {NICE}, gc frozen at the fork), keep-alive {KEEP_ALIVE_S} s, "
-          f"join timeout {args.timeout:g} s; {platform.node()}, {os.cpu_count()} cores, "
+          f"join timeout {args.timeout:g} s{f', held {args.hold:g} s after' if args.hold else ''}"
+          f"{f', monitor every {MONITOR_S:g} s' if MONITOR_S else ''}; "
+          f"{platform.node()}, {os.cpu_count()} cores, "
           f"load {load[0]:.1f} at start, open files {files}", flush=True)
     rows: list[dict] = []
     failed: set[str] = set()
@@ -289,18 +526,23 @@ def main() -> int:
                 if kind == "ftrain":
                     job = api.post("/v1/jobs", json={"name": f"rdzv-{n}", "command": ["python", "-c", "pass"],
                                                      "nodes": {"min": 1, "max": 1}}).json()
-                    os.environ["FTRAIN_JOB_TOKEN"] = cp.job_token_of(job["id"])
+                    token = os.environ["FTRAIN_JOB_TOKEN"] = cp.job_token_of(job["id"])
                     rdzv_id = f"{job['id']}-a{job['attempt']}"
-                    got = one_round("ftrain", cp.url, rdzv_id, n, args.procs, args.timeout)
+                    hold = holding(api, etcd, servers["ftrain"], rdzv_id, token, n, args.hold) \
+                        if args.hold > 0 else None
+                    got = one_round("ftrain", cp.url, rdzv_id, n, args.procs, args.timeout, hold)
                     api.post(f"/v1/jobs/{job['id']}/cancel")
                 else:
                     got = one_round("c10d", f"127.0.0.1:{tcp_port}", f"rdzv-{n}-{time.time_ns()}", n,
                                     args.procs, args.timeout)
-                spent = [cpu_s(p) - b for p, b in zip(servers[kind], before)]
+                at_end = got.get("hold", {}).pop("round_end", None)  # a held round's figures end with it
+                spent = [(cpu_s(p) if at_end is None else at_end["cpu"][i]) - b
+                         for i, (p, b) in enumerate(zip(servers[kind], before))]
                 got["server_cpu_s"] = round(sum(spent), 1)
                 if kind == "ftrain":  # the control plane and etcd apart, and its etcd calls
                     got["control_plane_cpu_s"], got["etcd_cpu_s"] = round(spent[0], 1), round(spent[1], 1)
-                    got.update({k: v - counts_before[k] for k, v in counts(api).items()})
+                    after = counts(api) if at_end is None else at_end["counts"]
+                    got.update({k: v - counts_before[k] for k, v in after.items()})
                 row[kind] = got
                 if not got["ok"]:
                     failed.add(kind)
@@ -313,7 +555,7 @@ def main() -> int:
             cpu = " ".join(f"{k} cpu: participants {row[k].get('participants_cpu_s', '-')} s, "
                            f"server {row[k].get('server_cpu_s', '-')} s{_apart(row[k])};" for k in backends)
             times = f"{f.get('round_s', '-')!s:>10} {c.get('round_s', '-')!s:>10}"
-            print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}", flush=True)
+            print(f"{n:>6} {times} {ratio:>12}   {cpu} {notes}{_held(f)}", flush=True)
     finally:
         if tcp is not None:
             tcp.send_signal(signal.SIGTERM)

@@ -71,6 +71,33 @@ poll that ends with nothing changed then comes back without the state, and the n
 node whose process dies or stops holds no poll, is kept alive no longer, and expires by
 torch's rules, as before. A node that is not in the state is not kept alive (the answer says so).
 
+Keep-alives of a formed round. Once a round is complete, every node's torch handler writes a
+keep-alive into the state every `keep_alive_interval` for as long as the group trains: N/5 writes
+a second for N nodes at torch's 5 s, each a read and a compare-and-set of the whole N-node state
+(~86 KB at 1,024), which batches of writes in flight merged only as far as the machine was slow
+(measured: 18 batches a second at 256 nodes on 2 cores, 0.3 MB/s into etcd and 15% of a core on
+the control plane; about 1.5-17 MB/s into etcd at 1,024). So a write that is only its node's
+keep-alive (one `keep_alive` op), of a node of a round this control plane knows is complete (its
+watch of the state, kept `BEATS_WATCH_S` after the last such write), waits for the other nodes'
+(`StateHub.keep_alive`): they go together as one batch (`submit`), the batches started
+`BEATS_GAP_PER_NODE_S` (1 ms) a node of the state apart, at most `BEATS_GAP_S` (0.5 s). A
+write of the state is ~70 bytes a node, so a job's keep-alives write at most ~70 KB a second to
+etcd below 500 nodes and two states a second above (~170 KB/s at 1,024; before: up to N/5
+states a second), while a job of a few nodes waits a few milliseconds. Each is answered after
+the write that carries it commits, with that write's state, as before (a gap later at most, on a
+machine that keeps up: a node's
+keep-alive waits 3 s for an answer and retries for 3 s, `worker.rendezvous.outage`, and torch
+drops a node only after interval x attempts, 15 s). A keep-alive in an open round, or with other ops (a
+dropped node), goes at once. Nothing is written for a node that sends none: a dead node expires
+by torch's rules. A batch whose compare-and-set loses to another replica's is applied again.
+While this control plane follows a state (that watch, or the long polls'), a plain read (torch's
+`get_state`: each keep-alive reads before it writes, and torchrun's monitor once a second) is
+answered from it (`Rendezvous.read_state`), not with an etcd read of the N-node state each; as
+the long polls are, so a write through another replica shows a watch event later (torch's
+compare-and-set and the merges hold on a stale token), and a write here at once. Not while
+this control plane hears nothing from etcd (`KeyValue.check_contact`): then it answers 503 and
+the node asks another replica, as for every answer from memory.
+
 Fencing of attempts. Every rendezvous id names its job attempt (`<job id>-a<attempt>`) and
 the routes refuse (410) any id whose attempt is not the job's current one. The check and the
 write are two etcd requests, not one transaction (comparing the job key's revision would make
@@ -105,6 +132,13 @@ KEEP_ALIVE_TICK_S = 1.0  # how often the held polls' nodes are looked at (keep-a
 ALIVE_GRACE_S = 2.0  # a node between two polls (it re-polls at once) counts as holding one
 MAX_ENCODED = 64  # states kept encoded (`StateHub.encoded`): a few revisions of a few rounds
 BATCH_ATTEMPTS = 20  # a batch's compare-and-sets lost to other replicas before it gives up
+# Keep-alives of a formed round's nodes (`StateHub.keep_alive`): the writes that carry them
+# start BEATS_GAP_PER_NODE_S a node of the state apart, at most BEATS_GAP_S (a write of the
+# state is ~70 B a node: at most ~70 KB/s into etcd below 500 nodes, 2 writes a second above);
+# the state's watch is kept BEATS_WATCH_S after the last one (their interval is 5 s by default).
+BEATS_GAP_PER_NODE_S = 0.001
+BEATS_GAP_S = 0.5
+BEATS_WATCH_S = 30.0
 
 _RDZV_ID = re.compile(r"^(?P<job>[a-z0-9][-a-z0-9]*)-a(?P<attempt>[0-9]{1,9})$")
 _OP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -174,6 +208,15 @@ class _Watched:
     # last one ended (loop time), its keep-alive interval s]; and the task that keeps them.
     alive: dict[Node, list] = field(default_factory=dict)
     keeper: asyncio.Task | None = None
+    # Keep-alives of a formed round's nodes waiting for the next write that carries them
+    # (`StateHub.keep_alive`), the task that sends them, its writes' allowance (a token bucket:
+    # writes it may send now, and when it was last topped up, loop time), and until when
+    # (loop time) the watch is kept for them with no poll held.
+    beats: list[_Write] = field(default_factory=list)
+    beats_sender: asyncio.Task | None = None
+    beats_sent: float = float("-inf")  # when the last write of them started (loop time)
+    beats_until: float = 0.0
+    rechecking: bool = False  # a look at dropping the watch is due then (one, however many ended)
 
     def publish(self, entry: Entry | None) -> None:
         if self.known and self.entry is not None and entry is not None \
@@ -297,10 +340,7 @@ class StateHub:
         (a node that joined an open round), only once that differs. Every wait on one key
         shares one etcd watch (`_follow`). `alive`: (node, its keep-alive interval s, the
         batch writer): the node is kept alive while it waits (module docstring)."""
-        watched = self._watched.get(key)
-        if watched is None:
-            watched = self._watched[key] = _Watched()
-            watched.task = asyncio.get_running_loop().create_task(self._follow(kv, key, watched))
+        watched = self._watch(kv, key)
         watched.waiters += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -336,6 +376,66 @@ class StateHub:
         # A kept-alive node's poll that timed out: nothing it waits for changed (its answer
         # then comes without the state, `service.routes.rendezvous`).
         return entry, alive is None and state_token(entry) != after
+
+    def latest(self, key: str) -> tuple[bool, Entry | None]:
+        """Whether this control plane follows the state at `key` (a watch under way that has read
+        it), and the state as the watch last saw it (or a batch here wrote it)."""
+        watched = self._watched.get(key)
+        return (False, None) if watched is None or not watched.known else (True, watched.entry)
+
+    def _watch(self, kv: KeyValue, key: str) -> _Watched:
+        """The long polls' view of the state at `key`, fed by one etcd watch (`_follow`)."""
+        watched = self._watched.get(key)
+        if watched is None:
+            watched = self._watched[key] = _Watched()
+            watched.task = asyncio.get_running_loop().create_task(self._follow(kv, key, watched))
+        return watched
+
+    async def keep_alive(self, kv: KeyValue, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                         write: _Write) -> tuple[Entry | None, bool]:
+        """`write`, a state write (`submit`); if it is only its node's keep-alive in a round that
+        is complete, it waits to go with the other nodes' keep-alives (module docstring): the
+        writes that carry them start a millisecond a node apart, at most BEATS_GAP_S."""
+        node = _keep_alive_of(write.merge)
+        if node is None:
+            return await self.submit(key, apply, write)
+        loop = asyncio.get_running_loop()
+        known = key in self._watched
+        watched = self._watch(kv, key)
+        watched.beats_until = loop.time() + BEATS_WATCH_S
+        if not known:  # kept while keep-alives come (`_drop_unwatched`); the next one knows the round
+            self._drop_unwatched(key, watched)
+        doc = watched.doc
+        if doc is None or not doc.complete or doc.closed or node not in doc.participants:
+            return await self.submit(key, apply, write)  # a round under way: at once, as before
+        watched.beats.append(write)
+        if watched.beats_sender is None:
+            watched.beats_sender = loop.create_task(self._send_beats(key, watched, apply))
+        return await write.done
+
+    async def _send_beats(self, key: str, watched: _Watched,
+                          apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
+        """Send the keep-alives queued on `watched`, all that are there at each write, the writes
+        started BEATS_GAP_PER_NODE_S a node apart (at most BEATS_GAP_S): a job of two nodes waits
+        2 ms at most, and the bytes a second that a job's keep-alives write to etcd stay
+        bounded whatever its size (one of a thousand nodes: two writes a second, not two hundred)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while watched.beats:
+                nodes = 0 if watched.doc is None else len(watched.doc.last_heartbeats)
+                wait = watched.beats_sent + min(BEATS_GAP_S, nodes * BEATS_GAP_PER_NODE_S) - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                watched.beats_sent = loop.time()
+                writes, watched.beats = watched.beats, []
+                await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
+        finally:
+            watched.beats_sender = None
+            if watched.beats:  # cancelled (the watch dropped) with some queued: they go at once
+                writes, watched.beats = watched.beats, []
+                for w in writes:
+                    loop.create_task(self.submit(key, apply, w))
 
     @contextlib.asynccontextmanager
     async def key_waits(self, kv: KeyValue, prefix: str, keys: frozenset[str]):
@@ -395,13 +495,24 @@ class StateHub:
         watched = self._watched.get(key)
         return watched is not None and watched.doc is not None and node in watched.doc.last_heartbeats
 
-    def _drop_unwatched(self, key: str, watched: _Watched) -> None:
+    def _drop_unwatched(self, key: str, watched: _Watched, recheck: bool = False) -> None:
+        if recheck:
+            watched.rechecking = False
         if watched.waiters == 0 and self._watched.get(key) is watched:
+            left = watched.beats_until - asyncio.get_running_loop().time()
+            if left > 0 or watched.beats:  # keep-alives still come (`keep_alive`): look again then
+                if not watched.rechecking:
+                    watched.rechecking = True
+                    asyncio.get_running_loop().call_later(max(left, WATCH_LINGER_S), self._drop_unwatched,
+                                                          key, watched, True)
+                return
             del self._watched[key]
             assert watched.task is not None
             watched.task.cancel()
             if watched.keeper is not None:
                 watched.keeper.cancel()
+            if watched.beats_sender is not None:
+                watched.beats_sender.cancel()
 
     async def _keep_alive(self, key: str, watched: _Watched,
                           apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
@@ -467,6 +578,16 @@ class Rendezvous:
     async def get_state(self) -> Entry | None:
         return await self.kv.get(self._state_key)
 
+    async def read_state(self) -> Entry | None:
+        """The state for torch's `get_state`: as this control plane's watch of it has it, where one
+        is under way (the long polls of a round, a formed round's keep-alives keep one), else
+        read from etcd (module docstring). Not from memory while etcd does not answer."""
+        known, entry = self._states.latest(self._state_key)
+        if not known:
+            return await self.get_state()
+        self.kv.check_contact()
+        return entry
+
     async def set_state(self, state: bytes | None, token: str | None,
                         merge: MergeSpec | None = None) -> tuple[Entry | None, bool]:
         """Write `state` iff `token` is the current one (None: iff there is no state yet), or,
@@ -480,6 +601,8 @@ class Rendezvous:
             return await self.get_state(), False
         write = _Write(state, token, merge, asyncio.get_running_loop().create_future(),
                        self.expected_nodes)
+        if merge is not None:  # a keep-alive of a formed round's node waits for the others'
+            return await self._states.keep_alive(self.kv, self._state_key, self._apply_batch, write)
         return await self._states.submit(self._state_key, self._apply_batch, write)
 
     async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
@@ -673,6 +796,14 @@ def _doc(value: bytes | None) -> RdzvDoc | None:
         return RdzvDoc.from_json(open_state(value))
     except (StateNotSealed, NotAState):
         return None
+
+
+def _keep_alive_of(merge: MergeSpec | None) -> Node | None:
+    """The node of a write that is only its node's keep-alive (torch's keep-alive timer, no
+    expired node dropped with it); else None."""
+    if merge is None or len(merge.ops) != 1 or merge.ops[0].kind != "keep_alive":
+        return None
+    return tuple(merge.ops[0].node)  # type: ignore[return-value]
 
 
 def state_token(entry: Entry | None) -> str:

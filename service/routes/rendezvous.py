@@ -153,7 +153,7 @@ async def get_state(
     """The rendezvous state and its token (both null before the first `set_state`); with
     `after`, once its token differs from `after` or `wait_s` has passed (`changed` says which)."""
     if after is None:
-        return _answer(ctx, await rdzv.get_state())
+        return _answer(ctx, await rdzv.read_state())
     if alive is None:
         entry, changed = await rdzv.wait_for_state_change(after, wait_s, shape, progress)
         return _answer(ctx, entry, changed=changed)

@@ -905,6 +905,47 @@ def test_joins_written_on_one_stale_token_are_all_merged(transports):
     assert all(nodes[i] in pickle.loads(results[i][0]).participants for i in range(n))
 
 
+def test_keep_alives_of_a_formed_round_go_to_etcd_together(transports):
+    """Once a round is complete, every node's keep-alive timer reads the state and writes its
+    heartbeat (N/5 writes a second, each of the whole N-node state). The control plane sends
+    them together, the writes 1 ms a node apart (here 0.2 s): 60 keep-alives over ~0.6 s went to
+    etcd in about one write each before; now at most 10. Each is answered with the write that
+    carries it; the node that sent none keeps its old heartbeat (it expires by torch's rules)."""
+    n, beats, spacing_s = 201, 60, 0.01
+    backends = []
+    for _ in range(2 + beats):
+        backend = FtrainRendezvousBackend(transports())
+        backend.merge_settings = (n, n, timedelta(seconds=30))
+        backends.append(backend)
+    nodes = [dynamic_rendezvous._NodeDesc("127.0.0.1", 2000 + i, 0) for i in range(n)]
+    formed = _RendezvousState()
+    formed.complete = True
+    formed.participants = {node: rank for rank, node in enumerate(nodes)}
+    old = datetime.now(UTC) - timedelta(seconds=2)
+    formed.last_heartbeats = dict.fromkeys(nodes, old)
+    assert backends[0].set_state(pickle.dumps(formed), None)[2]
+
+    def keep_alive(i: int) -> tuple[str, bool, bool]:
+        """torch's keep-alive of node i: read, refresh its own heartbeat, write on that token."""
+        bits, token = backends[i].get_state()
+        state = pickle.loads(bits)
+        state.last_heartbeats[nodes[i]] = datetime.now(UTC)
+        answer, new_token, written = backends[i].set_state(pickle.dumps(state), token)
+        return new_token, written, pickle.loads(answer).last_heartbeats[nodes[i]] > old
+
+    assert keep_alive(1)[1]  # (the control plane now watches the state and knows it is formed)
+    with concurrent.futures.ThreadPoolExecutor(beats) as pool:
+        pending = []
+        for i in range(2, 2 + beats):  # node 0 is dead: it sends none
+            pending.append(pool.submit(keep_alive, i))
+            time.sleep(spacing_s)  # the timers of a real round fire spread out
+        answers = [f.result(timeout=30) for f in pending]
+    assert all(written and carried for _, written, carried in answers)
+    assert len({token for token, _, _ in answers}) <= 10, answers
+    after = pickle.loads(backends[0].get_state()[0]).last_heartbeats
+    assert after[nodes[0]] == old and all(after[node] > old for node in nodes[1:2 + beats])
+
+
 def test_a_round_of_torch_handlers_completes_with_every_rank_once(control_plane, rdzv_id, monkeypatch, token):
     monkeypatch.setenv("FTRAIN_JOB_TOKEN", token)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -239,3 +239,156 @@ def test_blocking_store_reads_share_one_watch_and_all_get_the_value():
     assert pending == 20 and still == 20
     assert watches == 1 and store_watches == 1
     assert all(v == [b"10.0.0.1", b"29500"] for v in values) and late == [b"10.0.0.1"]
+
+
+def formed(n: int) -> tuple[list, bytes]:
+    """A complete round of `n` nodes (heartbeats at 1 us), sealed as it travels."""
+    nodes = [("h", i, 0) for i in range(n)]
+    doc = RdzvDoc(complete=True, participants={node: i for i, node in enumerate(nodes)},
+                  last_heartbeats=dict.fromkeys(nodes, 1))
+    return nodes, seal_state(doc.to_json(), version=2)
+
+
+def beat(node, at_us: int, n: int) -> MergeSpec:
+    return MergeSpec(ops=[Op(kind="keep_alive", node=node, at_us=at_us)], min_nodes=n, max_nodes=n)
+
+
+def test_keep_alives_of_a_formed_round_share_writes_and_each_is_answered_with_its_own(monkeypatch):
+    """torch's keep-alive timers of a formed round's nodes write their heartbeats all the time
+    (N/5 a second); the control plane sends them together, the writes a gap apart that grows
+    with the round (here 10 ms a node: 0.4 s; 39 keep-alives over ~0.8 s: at most 5 writes; one
+    each before). Each answer is the write that carries its heartbeat; a node that sends none
+    is not kept alive."""
+    import service.rendezvous as module
+
+    monkeypatch.setattr(module, "BEATS_GAP_PER_NODE_S", 0.01)
+    n, spacing_s = 40, 0.02
+
+    async def scenario():
+        kv, hub = CountingStore(), StateHub()
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        nodes, state = formed(n)
+        start, _ = await rdzv.set_state(state, None)
+        commits = kv.commits
+        began = asyncio.get_running_loop().time()
+        beats = []
+        for i in range(1, n):  # node 0 is dead: no keep-alive of its own
+            beats.append(asyncio.create_task(rdzv.set_state(None, str(start.mod_revision),
+                                                            beat(nodes[i], 1000 + i, n))))
+            await asyncio.sleep(spacing_s)
+        answers = await asyncio.wait_for(asyncio.gather(*beats), 5)
+        spent = asyncio.get_running_loop().time() - began
+        return kv.commits - commits, spent, nodes, answers, await rdzv.get_state()
+
+    writes, spent, nodes, answers, final = asyncio.run(scenario())
+    assert writes <= 1 + spent / 0.4 + 1, (writes, spent)
+    for i, (entry, written) in enumerate(answers, start=1):
+        assert written and RdzvDoc.from_json(open_state(entry.value)).last_heartbeats[nodes[i]] == 1000 + i
+    beats = RdzvDoc.from_json(open_state(final.value)).last_heartbeats
+    assert beats == {node: 1 if i == 0 else 1000 + i for i, node in enumerate(nodes)}
+
+
+def test_keep_alives_through_two_replicas_all_land():
+    """Two control planes on one store each send their nodes' keep-alives together; a write
+    that loses its compare-and-set to the other replica's is applied again to what won."""
+    n = 24
+
+    async def scenario():
+        kv = MemoryStore()
+        replicas = [Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2)]
+        nodes, state = formed(n)
+        start, _ = await replicas[0].set_state(state, None)
+        token = str(start.mod_revision)
+        for i in range(2):  # the first keep-alive on each replica starts its watch of the state
+            await replicas[i].set_state(None, token, beat(nodes[i], 1000 + i, n))
+        await asyncio.sleep(0.1)
+        queued = []
+        for replica in replicas:  # both now know the round is formed: keep-alives wait for a write
+            watched = replica._states._watched[replica._state_key]
+            queued.append(watched)
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            replicas[i % 2].set_state(None, token, beat(node, 1000 + i, n))
+            for i, node in enumerate(nodes) if i >= 2)), 5)
+        return nodes, answers, await replicas[0].get_state(), [w.doc.complete for w in queued]
+
+    nodes, answers, final, known = asyncio.run(scenario())
+    assert known == [True, True]
+    assert all(written for _, written in answers)
+    assert RdzvDoc.from_json(open_state(final.value)).last_heartbeats == {
+        node: 1000 + i for i, node in enumerate(nodes)}
+
+
+def test_plain_reads_of_a_followed_state_come_from_the_watch_and_show_another_replicas_write():
+    """torch reads the state before each keep-alive (and torchrun's monitor once a second): while
+    the control plane follows the state (here: for a formed round's keep-alives), those reads
+    are answered from its watch, not with an etcd read of the whole state each; a write through
+    another replica shows once the watch brings it; cut off from etcd, none is answered."""
+    n = 4
+
+    class ReadCounting(CountingStore):
+        reads = 0
+
+        async def get(self, key):
+            self.reads += 1
+            return await super().get(key)
+
+    async def scenario():
+        kv = ReadCounting()
+        here, there = (Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2))
+        nodes, state = formed(n)
+        start, _ = await here.set_state(state, None)
+        await here.set_state(None, str(start.mod_revision), beat(nodes[0], 1000, n))  # followed now
+        await asyncio.sleep(0.05)
+        before = kv.reads
+        entries = [await here.read_state() for _ in range(20)]
+        reads = kv.reads - before
+        written, _ = await there.set_state(None, str(start.mod_revision), beat(nodes[1], 2000, n))
+        for _ in range(100):  # the watch brings the other replica's write
+            if (await here.read_state()).mod_revision == written.mod_revision:
+                break
+            await asyncio.sleep(0.01)
+        seen = await here.read_state()
+
+        def cut_off():
+            raise StoreUnavailable("no answer from etcd")
+
+        kv.check_contact = cut_off
+        try:
+            await here.read_state()
+            refused = False
+        except StoreUnavailable:
+            refused = True
+        return reads, entries, written, seen, refused
+
+    from service.errors import StoreUnavailable
+
+    reads, entries, written, seen, refused = asyncio.run(scenario())
+    assert reads == 0 and all(e.mod_revision == entries[0].mod_revision for e in entries)
+    assert seen.mod_revision == written.mod_revision and refused
+
+
+def test_the_watch_kept_for_keep_alives_ends_once_they_stop(monkeypatch):
+    """A state followed only for its keep-alives is followed no longer once they stop (the job
+    ended, the nodes died): its watch and its sender go (a control plane runs for months)."""
+    import service.rendezvous as module
+
+    monkeypatch.setattr(module, "BEATS_WATCH_S", 0.2)
+    monkeypatch.setattr(module, "WATCH_LINGER_S", 0.1)
+    n = 3
+
+    async def scenario():
+        hub = StateHub()
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub)
+        nodes, state = formed(n)
+        start, _ = await rdzv.set_state(state, None)
+        for i in range(n):
+            await rdzv.set_state(None, str(start.mod_revision), beat(nodes[i], 1000 + i, n))
+        followed = rdzv._state_key in hub._watched
+        for _ in range(100):
+            if rdzv._state_key not in hub._watched:
+                break
+            await asyncio.sleep(0.02)
+        return followed, rdzv._state_key in hub._watched, (await rdzv.read_state()).mod_revision
+
+    followed, still, revision = asyncio.run(scenario())
+    assert followed and not still and revision > 0
