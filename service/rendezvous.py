@@ -92,6 +92,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from service.batching import Batcher
 from service.errors import FtrainError, StaleLeader
 from service.keys import Keys
 from service.store import cas
@@ -147,7 +148,6 @@ class _Write:
     state: bytes | None  # sealed; None for a merge
     token: str | None
     merge: MergeSpec | None
-    done: asyncio.Future
     expected_nodes: int = 0  # the job's live members as the writer's request saw them (0: unknown)
 
 
@@ -219,8 +219,8 @@ class StateHub:
 
     def __init__(self) -> None:
         self._watched: dict[str, _Watched] = {}
-        self._waiting: dict[str, list[_Write]] = {}
-        self._drains: set[asyncio.Task] = set()
+        # state key -> its writes waiting for the batch in flight (`submit`)
+        self._batchers: dict[str, Batcher[_Write, tuple[Entry | None, bool]]] = {}
         self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
         self._live_members: dict[str, tuple[object, int]] = {}  # job id -> (its record, live members)
         self._key_waits: dict[str, _KeyWaits] = {}  # store prefix -> its waiting reads
@@ -256,36 +256,27 @@ class StateHub:
 
     async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
                      write: _Write) -> tuple[Entry | None, bool]:
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            waiting = self._waiting[key] = []
-            task = asyncio.get_running_loop().create_task(self._drain(key, apply))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
-        waiting.append(write)
-        return await write.done
+        """`write`'s result, once the batch that holds it was written: one batch of a state in
+        flight here, and every write to it that came meanwhile in the next
+        (`service.batching.Batcher`; `apply` merges a batch into one compare-and-set)."""
+        batcher = self._batchers.get(key)
+        if batcher is None:
+            def idle() -> None:
+                if self._batchers.get(key) is batcher:
+                    del self._batchers[key]
 
-    async def _drain(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
-        while batch := self._waiting[key]:
-            self._waiting[key] = []
-            try:
-                results = await apply(batch)
-            except BaseException as exc:  # every waiter gets it (a 503 when etcd is away)
-                for write in batch:
-                    if not write.done.done():
-                        write.done.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    self._waiting.pop(key, None)
-                    raise
-                continue
-            self.batches += 1
-            self.writes += len(batch)
-            if key in self._watched and any(applied for _, applied in results):
-                self._watched[key].publish(results[0][0])  # waiters here learn it at once
-            for write, result in zip(batch, results):
-                if not write.done.done():
-                    write.done.set_result(result)
-        del self._waiting[key]
+            batcher = self._batchers[key] = Batcher(lambda batch: self._write(key, apply, batch),
+                                                    on_idle=idle)
+        return await batcher.submit(write)
+
+    async def _write(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                     batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
+        results = await apply(batch)
+        self.batches += 1
+        self.writes += len(batch)
+        if key in self._watched and any(applied for _, applied in results):
+            self._watched[key].publish(results[0][0])  # waiters here learn it at once
+        return results
 
     async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
                    shape: str | None = None, progress: str | None = None,
@@ -424,7 +415,7 @@ class StateHub:
             # min/max nodes matter only to joins and drops; a keep-alive applies iff the node
             # still has a heartbeat (one dropped meanwhile is left dropped).
             writes = [_Write(None, None, MergeSpec(ops=[Op(kind="keep_alive", node=node, at_us=now_us)],
-                                                   min_nodes=1, max_nodes=1), loop.create_future())
+                                                   min_nodes=1, max_nodes=1))
                       for node in due]
             await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
 
@@ -478,8 +469,7 @@ class Rendezvous:
         """
         if _revision(token) is None and merge is None:
             return await self.get_state(), False
-        write = _Write(state, token, merge, asyncio.get_running_loop().create_future(),
-                       self.expected_nodes)
+        write = _Write(state, token, merge, self.expected_nodes)
         return await self._states.submit(self._state_key, self._apply_batch, write)
 
     async def _apply_batch(self, batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
