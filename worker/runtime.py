@@ -768,20 +768,9 @@ class Runtime:
         if plan is not None:
             w.capture_split({**header, **plan.state()}, plan.tensors, self.step, plan.later, check=plan.check)
             return
-        state: dict[str, Any] = header
-        later: set[int] = set()
-        for name, obj in self._state.items():
-            if obj is None:
-                continue
-            state[name] = obj.state_dict()
-            if isinstance(obj, torch.nn.Module):
-                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
-            elif isinstance(obj, torch.optim.Optimizer):
-                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
-                             for v in st.values() if isinstance(v, torch.Tensor))
-        if self._state.get("optimizer") is None:
-            later = set()  # nothing tells when the parameters change: copy them now
-        w.capture(state, self.step, later)
+        objects = {name: obj for name, obj in self._state.items() if obj is not None}
+        state: dict[str, Any] = {**header, **{name: obj.state_dict() for name, obj in objects.items()}}
+        w.capture(state, self.step, mem.changed_by_step(objects.values()))
 
     def _agree_on_control(self) -> tuple[str, int, int]:
         """Rank 0 decides from what its poller last heard, and whether the memory tier copies
