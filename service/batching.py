@@ -53,11 +53,11 @@ class Failed:
 
 
 class Room(Protocol[T]):
-    """What one group may still take: asked of every request after the first of a group."""
+    """What one group may still take (a new one for each group)."""
 
-    def fits(self, item: T) -> bool: ...
-
-    def add(self, item: T) -> None: ...
+    def take(self, item: T) -> bool:
+        """Count `item` in and say True if it fits (the first item of a group always does)."""
+        ...
 
 
 class Batcher(Generic[T, R]):
@@ -109,10 +109,8 @@ class Batcher(Generic[T, R]):
             if answer.done():  # its caller is gone: not sent
                 self._waiting.popleft()
                 continue
-            if room is not None:
-                if group and not room.fits(item):
-                    break
-                room.add(item)
+            if room is not None and not room.take(item):
+                break
             group.append(self._waiting.popleft())
         return group
 
@@ -160,19 +158,28 @@ class TxnRoom:
         self.compares = shared
         self.size = 0
         self.keys: set[str] | None = set() if distinct else None
+        self.empty = True
 
-    def fits(self, part: TxnPart) -> bool:
-        return (self.ops + len(part.ops) <= MAX_TXN_OPS
-                and self.compares + len(part.expect) <= MAX_TXN_OPS
-                and self.size + _size(part) <= MAX_BATCH_BYTES
-                and (self.keys is None or self.keys.isdisjoint(_keys(part))))
-
-    def add(self, part: TxnPart) -> None:
+    def take(self, part: TxnPart) -> bool:
+        size = 0
+        keys = None if self.keys is None else set(part.expect)
+        for op in part.ops:  # (one pass: a scheduler pass takes thousands of parts)
+            if isinstance(op, Put):
+                size += len(op.value)
+            if keys is not None:
+                keys.add(op.key)
+        if not self.empty and (self.ops + len(part.ops) > MAX_TXN_OPS
+                               or self.compares + len(part.expect) > MAX_TXN_OPS
+                               or self.size + size > MAX_BATCH_BYTES
+                               or (keys is not None and not keys.isdisjoint(self.keys))):
+            return False
         self.ops += len(part.ops)
         self.compares += len(part.expect)
-        self.size += _size(part)
-        if self.keys is not None:
-            self.keys |= _keys(part)
+        self.size += size
+        if keys is not None:
+            self.keys |= keys
+        self.empty = False
+        return True
 
 
 def pack(parts: Iterable[T], room: Callable[[], Room[T]]) -> Iterator[list[T]]:
@@ -181,18 +188,10 @@ def pack(parts: Iterable[T], room: Callable[[], Room[T]]) -> Iterator[list[T]]:
     group: list[T] = []
     current = room()
     for part in parts:
-        if group and not current.fits(part):
+        if not current.take(part):
             yield group
             group, current = [], room()
-        current.add(part)
+            current.take(part)
         group.append(part)
     if group:
         yield group
-
-
-def _size(part: TxnPart) -> int:
-    return sum(len(op.value) for op in part.ops if isinstance(op, Put))
-
-
-def _keys(part: TxnPart) -> set[str]:
-    return {*part.expect, *(op.key for op in part.ops)}

@@ -31,7 +31,7 @@ MAX_IN_FLIGHT = 2  # transactions of submissions in flight at once
 Answer = tuple[bool, Entry | None]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Create:
     expect: dict[str, int]
     ops: Sequence[Put | Delete]

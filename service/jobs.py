@@ -432,7 +432,7 @@ def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:
     return job.model_copy(update={"event_seq": 1}), event
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _JobWrite:
     """One job's change in a transaction of `write_many` (a `service.batching.TxnPart`)."""
 
@@ -442,7 +442,7 @@ class _JobWrite:
     ops: list[Put | Delete]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _JobDeletion:
     """One finished job's deletion in a transaction of `delete_finished` (a `TxnPart`)."""
 

@@ -36,7 +36,8 @@ all ask for the master's address at once.
 
 Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
 this control plane while its previous write is in flight wait, and go together as one batch
-(`StateHub`): one etcd read, then every write applied in order, then one compare-and-set.
+(`StateHub`, a `service.batching.Batcher` per state): one etcd read, then every write
+applied in order, then one compare-and-set.
 A plain write (a token and a whole state) applies iff its token is the state's and nothing
 before it in the batch changed the state: torch's compare-and-set, unchanged. A write that
 carries its change as ops (`merge`, a version-2 state: `worker.rdzv_state`) applies to the

@@ -116,11 +116,9 @@ def test_a_room_cuts_the_waiting_requests_into_groups_in_order():
         def __init__(self):
             self.n = 0
 
-        def fits(self, item):
-            return self.n < 3
-
-        def add(self, item):
+        def take(self, item):
             self.n += 1
+            return self.n <= 3
 
     async def main():
         send = FakeSend()
@@ -135,27 +133,30 @@ def put(key: str, size: int = 1) -> Put:
     return Put(key, b"x" * size)
 
 
+def filled(room: TxnRoom, *parts: Part) -> TxnRoom:
+    for part in parts:
+        assert room.take(part)
+    return room
+
+
 def test_a_transaction_takes_max_txn_ops_with_its_read_back_and_shared_compares_counted_once():
-    one = Part({"a": 0}, [put("a")])
-    room = TxnRoom()
-    for i in range(MAX_TXN_OPS - 1):  # + 1 read back
-        part = Part({f"k{i}": 0}, [put(f"k{i}")])
-        assert room.fits(part)
-        room.add(part)
-    assert not room.fits(one)
-    assert TxnRoom(reads=0).fits(Part({}, [put("b")] * MAX_TXN_OPS))
-    fenced = TxnRoom(shared=MAX_TXN_OPS - 1)
-    assert fenced.fits(Part({"a": 1}, [])) and not fenced.fits(Part({"a": 1, "b": 1}, []))
+    room = filled(TxnRoom(), *(Part({f"k{i}": 0}, [put(f"k{i}")]) for i in range(MAX_TXN_OPS - 1)))
+    assert not room.take(Part({"a": 0}, [put("a")]))  # (+ 1: the read back)
+    assert filled(TxnRoom(reads=0), Part({}, [put("b")] * (MAX_TXN_OPS - 1))).take(Part({}, [put("c")]))
+    assert filled(TxnRoom(shared=MAX_TXN_OPS - 2), Part({"a": 1}, [])).take(Part({"b": 1}, []))
+    assert not filled(TxnRoom(shared=MAX_TXN_OPS - 2), Part({"a": 1}, [])).take(Part({"b": 1, "c": 1}, []))
+    assert TxnRoom().take(Part({}, [put("big")] * 500))  # the first part of a group always fits
 
 
 def test_a_transaction_holds_no_key_twice_and_at_most_max_batch_bytes():
-    room = TxnRoom()
-    room.add(Part({"job/a": 0}, [put("job/a", MAX_BATCH_BYTES - 10)]))
-    assert not room.fits(Part({"job/b": 0}, [put("job/b", 11)]))
-    assert room.fits(Part({"job/b": 0}, [put("job/b", 10)]))
-    assert not room.fits(Part({"job/c": 0}, [put("job/a", 1)]))  # a key the group puts
-    assert not room.fits(Part({"job/a": 3}, []))  # ... or compares
-    assert TxnRoom(distinct=False).fits(Part({}, [put("job/x")])) is True
+    def room() -> TxnRoom:
+        return filled(TxnRoom(), Part({"job/a": 0}, [put("job/a", MAX_BATCH_BYTES - 10)]))
+
+    assert not room().take(Part({"job/b": 0}, [put("job/b", 11)]))
+    assert room().take(Part({"job/b": 0}, [put("job/b", 10)]))
+    assert not room().take(Part({"job/c": 0}, [put("job/a", 1)]))  # a key the group puts
+    assert not room().take(Part({"job/a": 3}, []))  # ... or compares
+    assert filled(TxnRoom(distinct=False), Part({}, [put("job/x")])).take(Part({}, [put("job/x")]))
 
 
 def test_pack_keeps_order_puts_a_too_large_part_alone_and_takes_parts_only_as_it_needs_them():
