@@ -17,14 +17,16 @@ Its users:
   (`TxnRoom`, no key twice); a group that loses a compare is sent again one by one, so each
   submitter gets its own answer;
 - rendezvous state writes (`service.rendezvous.StateHub`): one `Batcher` per state key, one
-  send in flight, a group is every write waiting (they merge into one new state: one put,
-  whatever their number); a group that loses its compare-and-set to another replica is
-  applied again to what won.
+  send in flight (a second compare-and-set of the same key would only lose to the first), a
+  group is every write waiting (they merge into one new state: one put, whatever their
+  number); a group that loses its compare-and-set to another replica is applied again to
+  what won.
 
 `JobStore.write_many` (a scheduler pass's plans) and `JobStore.delete_finished` have all their
 writes in hand, from one caller, before the first is sent: there is nothing to queue, so they
-take `TxnRoom` only (`pack`), and send the groups one after the other. A group of theirs
-that loses a compare is left to the caller, which decides on those jobs again (`update`).
+take `TxnRoom` only (`pack`), and send the groups one after the other. A group of
+`write_many` that loses a compare is left to the caller, which decides on those jobs again
+(`update`); `delete_finished` reads its group again and deletes the jobs that did not change.
 """
 
 from __future__ import annotations
