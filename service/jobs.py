@@ -22,10 +22,11 @@ import re
 import secrets
 import string
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from service.batching import TxnRoom, pack
 from service.decide.change import Change
 from service.decide.members import note_former_members
 from service.decide.metrics import merged
@@ -38,10 +39,6 @@ from service.models import ADMIN, EventView, JobRecord, JobSpec, JobState, JobVi
 from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, Fence, KeyValue, Put
 from worker.protocol import Progress
-
-# At most this many bytes of records and events in one transaction of `write_many` (etcd
-# refuses a request over 1.5 MiB by default; a record may hold a 64 KiB spec).
-MAX_BATCH_BYTES = 512 * 1024
 
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
 # and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
@@ -245,25 +242,16 @@ class JobStore:
         MAX_TXN_OPS operations that also compare `fence` (the leader's key: only the leader
         deletes). Returns the ids deleted; a job changed since it was read is left for the
         next pass, and a lost fence stops the deletion (StaleLeader)."""
+
+        def parts() -> Iterator[_JobDeletion]:
+            for job, revision in jobs:
+                if not job.state.is_terminal():
+                    raise ValueError(f"job {job.id} is {job.state.value}: only finished jobs are deleted")
+                yield _JobDeletion(job, revision, {self.keys.job(job.id): revision}, self.deletion(job))
+
         deleted: list[str] = []
-        batch: list[tuple[JobRecord, int]] = []
-        ops_in_batch = 0
-
-        async def flush() -> None:
-            nonlocal batch, ops_in_batch
-            if batch:
-                deleted.extend(await self._delete_batch(batch, fence))
-            batch, ops_in_batch = [], 0
-
-        for job, revision in jobs:
-            if not job.state.is_terminal():
-                raise ValueError(f"job {job.id} is {job.state.value}: only finished jobs are deleted")
-            n = len(self.deletion(job))
-            if ops_in_batch + n > MAX_TXN_OPS or len(batch) + 1 + len(fence) > MAX_TXN_OPS:
-                await flush()
-            batch.append((job, revision))
-            ops_in_batch += n
-        await flush()
+        for batch in pack(parts(), lambda: TxnRoom(shared=len(fence), reads=0)):
+            deleted.extend(await self._delete_batch([(d.job, d.revision) for d in batch], fence))
         return deleted
 
     async def delete_orphaned_keys(self, fence: dict[str, int]) -> int:
@@ -369,62 +357,52 @@ class JobStore:
                          fence: dict[str, int] | None = None) -> list[JobRecord | None]:
         """Write the changes of several jobs, each decided on the record given at the
         revision given (e.g. the job index's), in transactions of as many jobs as fit
-        (MAX_TXN_OPS operations, MAX_BATCH_BYTES), each comparing every job's revision and
-        `fence`: a scheduler pass that starts a thousand jobs makes a few dozen round trips,
-        not three thousand (`update`: the leader's key, the record, the write, per job).
+        (`service.batching.TxnRoom`: MAX_TXN_OPS operations, MAX_BATCH_BYTES), each comparing
+        every job's revision and `fence`: a scheduler pass that starts a thousand jobs makes a
+        few dozen round trips, not three thousand (`update`: the leader's key, the record, the
+        write, per job).
 
         Returns the record written for each change, or None where its transaction lost (a
         job of it changed since that revision): nothing of that transaction was written,
         and the caller decides on those jobs again (`update`). StaleLeader if `fence` moved
         or lapsed."""
         out: list[JobRecord | None] = [None] * len(changes)
-        batch: list[tuple[int, JobRecord, list[Put | Delete]]] = []  # (place, record, ops)
-        size = n_ops = 0
 
-        async def flush() -> None:
-            nonlocal batch, size, n_ops
-            if batch:
-                await self._write_batch(batch, changes, fence, out)
-            batch, size, n_ops = [], 0, 0
+        def parts() -> Iterator[_JobWrite]:
+            for place, (job, revision, change) in enumerate(changes):
+                if isinstance(fence, Fence) and fence.lapsed():
+                    raise StaleLeader("this control plane's lead lapsed; its scheduler stops")
+                record = note_former_members(job, change.job)
+                events = change.events
+                if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
+                    stamp = {"leader": fence.holder, "term": fence.term}
+                    events = [e.model_copy(update=stamp) for e in events]
+                ops = self.write(revision, Change(record, events, change.ops), None).ops
+                yield _JobWrite(place, record, {self.keys.job(record.id): revision}, ops)
 
-        for place, (job, revision, change) in enumerate(changes):
-            if isinstance(fence, Fence) and fence.lapsed():
-                raise StaleLeader("this control plane's lead lapsed; its scheduler stops")
-            record = note_former_members(job, change.job)
-            events = change.events
-            if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
-                stamp = {"leader": fence.holder, "term": fence.term}
-                events = [e.model_copy(update=stamp) for e in events]
-            ops = self.write(revision, Change(record, events, change.ops), None).ops
-            n = sum(len(op.value) for op in ops if isinstance(op, Put))
-            # (+ 1: the transaction reads a record back)
-            if batch and (n_ops + len(ops) + 1 > MAX_TXN_OPS or size + n > MAX_BATCH_BYTES
-                          or len(batch) + 1 + len(fence or {}) > MAX_TXN_OPS):
-                await flush()
-            batch.append((place, record, ops))
-            size, n_ops = size + n, n_ops + len(ops)
-        await flush()
+        # Sent one after the other as the pass's plans are made (`pack` is lazy): a lead that
+        # lapses stops the writes that are left.
+        for batch in pack(parts(), lambda: TxnRoom(shared=len(fence or {}))):
+            await self._write_batch(batch, fence, out)
         return out
 
-    async def _write_batch(self, batch: list[tuple[int, JobRecord, list[Put | Delete]]],
-                           changes: Sequence[tuple[JobRecord, int, Change]],
-                           fence: dict[str, int] | None, out: list[JobRecord | None]) -> None:
-        expect = {**{self.keys.job(record.id): changes[place][1] for place, record, _ in batch},
-                  **(fence or {})}
-        first = self.keys.job(batch[0][1].id)
-        ok, entry = await self.kv.commit_read(expect, [op for _, _, ops in batch for op in ops], first)
+    async def _write_batch(self, batch: list[_JobWrite], fence: dict[str, int] | None,
+                           out: list[JobRecord | None]) -> None:
+        expect = {**{k: v for part in batch for k, v in part.expect.items()}, **(fence or {})}
+        first = self.keys.job(batch[0].record.id)
+        ok, entry = await self.kv.commit_read(expect, [op for part in batch for op in part.ops], first)
         if not ok:
             now = await self.kv.get_many(list(fence or {}))
             if any((e.mod_revision if e else 0) != fence[k] for k, e in zip(fence or {}, now, strict=True)):
                 raise StaleLeader("this control plane no longer leads; its scheduler stops")
             return  # a job changed since it was read: the caller decides on each again
-        for place, record, ops in batch:
-            out[place] = record
+        for part in batch:
+            out[part.place] = part.record
             if self.written is not None and entry is not None:
                 # Every key of one transaction has its revision. (The index reads the key,
                 # the value and that revision; the creation revision is not known here.)
-                put = ops[0]
-                self.written(Entry(put.key, put.value, entry.mod_revision, 0, 0), record)
+                put = part.ops[0]
+                self.written(Entry(put.key, put.value, entry.mod_revision, 0, 0), part.record)
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""
@@ -452,3 +430,23 @@ def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:
     event = EventView(seq=1, time=now, state=JobState.PENDING, reason="submitted",
                       by=job.owner)
     return job.model_copy(update={"event_seq": 1}), event
+
+
+@dataclass(slots=True)
+class _JobWrite:
+    """One job's change in a transaction of `write_many` (a `service.batching.TxnPart`)."""
+
+    place: int  # in the changes given
+    record: JobRecord
+    expect: dict[str, int]
+    ops: list[Put | Delete]
+
+
+@dataclass(slots=True)
+class _JobDeletion:
+    """One finished job's deletion in a transaction of `delete_finished` (a `TxnPart`)."""
+
+    job: JobRecord
+    revision: int
+    expect: dict[str, int]
+    ops: list[Delete]

@@ -36,7 +36,8 @@ all ask for the master's address at once.
 
 Merged writes. A `set_state` does not go to etcd by itself: the writes to one state that reach
 this control plane while its previous write is in flight wait, and go together as one batch
-(`StateHub`): one etcd read, then every write applied in order, then one compare-and-set.
+(`StateHub`, a `service.batching.Batcher` per state): one etcd read, then every write
+applied in order, then one compare-and-set.
 A plain write (a token and a whole state) applies iff its token is the state's and nothing
 before it in the batch changed the state: torch's compare-and-set, unchanged. A write that
 carries its change as ops (`merge`, a version-2 state: `worker.rdzv_state`) applies to the
@@ -119,6 +120,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from service.batching import Batcher
 from service.errors import FtrainError, StaleLeader
 from service.keys import Keys
 from service.store import cas
@@ -181,7 +183,6 @@ class _Write:
     state: bytes | None  # sealed; None for a merge
     token: str | None
     merge: MergeSpec | None
-    done: asyncio.Future
     expected_nodes: int = 0  # the job's live members as the writer's request saw them (0: unknown)
 
 
@@ -212,7 +213,7 @@ class _Watched:
     # (`StateHub.keep_alive`), the task that sends them, its writes' allowance (a token bucket:
     # writes it may send now, and when it was last topped up, loop time), and until when
     # (loop time) the watch is kept for them with no poll held.
-    beats: list[_Write] = field(default_factory=list)
+    beats: list[tuple[_Write, asyncio.Future]] = field(default_factory=list)  # and their answers
     beats_sender: asyncio.Task | None = None
     beats_sent: float = float("-inf")  # when the last write of them started (loop time)
     beats_until: float = 0.0
@@ -262,8 +263,8 @@ class StateHub:
 
     def __init__(self) -> None:
         self._watched: dict[str, _Watched] = {}
-        self._waiting: dict[str, list[_Write]] = {}
-        self._drains: set[asyncio.Task] = set()
+        # state key -> its writes waiting for the batch in flight (`submit`)
+        self._batchers: dict[str, Batcher[_Write, tuple[Entry | None, bool]]] = {}
         self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
         self._live_members: dict[str, tuple[object, int]] = {}  # job id -> (its record, live members)
         self._key_waits: dict[str, _KeyWaits] = {}  # store prefix -> its waiting reads
@@ -299,36 +300,27 @@ class StateHub:
 
     async def submit(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
                      write: _Write) -> tuple[Entry | None, bool]:
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            waiting = self._waiting[key] = []
-            task = asyncio.get_running_loop().create_task(self._drain(key, apply))
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
-        waiting.append(write)
-        return await write.done
+        """`write`'s result, once the batch that holds it was written: one batch of a state in
+        flight here, and every write to it that came meanwhile in the next
+        (`service.batching.Batcher`; `apply` merges a batch into one compare-and-set)."""
+        batcher = self._batchers.get(key)
+        if batcher is None:
+            def idle() -> None:
+                if self._batchers.get(key) is batcher:
+                    del self._batchers[key]
 
-    async def _drain(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
-        while batch := self._waiting[key]:
-            self._waiting[key] = []
-            try:
-                results = await apply(batch)
-            except BaseException as exc:  # every waiter gets it (a 503 when etcd is away)
-                for write in batch:
-                    if not write.done.done():
-                        write.done.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    self._waiting.pop(key, None)
-                    raise
-                continue
-            self.batches += 1
-            self.writes += len(batch)
-            if key in self._watched and any(applied for _, applied in results):
-                self._watched[key].publish(results[0][0])  # waiters here learn it at once
-            for write, result in zip(batch, results):
-                if not write.done.done():
-                    write.done.set_result(result)
-        del self._waiting[key]
+            batcher = self._batchers[key] = Batcher(lambda batch: self._write(key, apply, batch),
+                                                    on_idle=idle)
+        return await batcher.submit(write)
+
+    async def _write(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                     batch: list[_Write]) -> list[tuple[Entry | None, bool]]:
+        results = await apply(batch)
+        self.batches += 1
+        self.writes += len(batch)
+        if key in self._watched and any(applied for _, applied in results):
+            self._watched[key].publish(results[0][0])  # waiters here learn it at once
+        return results
 
     async def wait(self, kv: KeyValue, key: str, after: str, wait_s: float,
                    shape: str | None = None, progress: str | None = None,
@@ -408,10 +400,11 @@ class StateHub:
         doc = watched.doc
         if doc is None or not doc.complete or doc.closed or node not in doc.participants:
             return await self.submit(key, apply, write)  # a round under way: at once, as before
-        watched.beats.append(write)
+        answer = loop.create_future()
+        watched.beats.append((write, answer))
         if watched.beats_sender is None:
             watched.beats_sender = loop.create_task(self._send_beats(key, watched, apply))
-        return await write.done
+        return await answer
 
     async def _send_beats(self, key: str, watched: _Watched,
                           apply: Callable[[list[_Write]], Awaitable[list]]) -> None:
@@ -428,14 +421,29 @@ class StateHub:
                     await asyncio.sleep(wait)
                     continue
                 watched.beats_sent = loop.time()
-                writes, watched.beats = watched.beats, []
-                await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
+                beats, watched.beats = watched.beats, []
+                await asyncio.gather(*(self._answer(key, apply, *beat) for beat in beats))
         finally:
             watched.beats_sender = None
             if watched.beats:  # cancelled (the watch dropped) with some queued: they go at once
-                writes, watched.beats = watched.beats, []
-                for w in writes:
-                    loop.create_task(self.submit(key, apply, w))
+                beats, watched.beats = watched.beats, []
+                for beat in beats:
+                    loop.create_task(self._answer(key, apply, *beat))
+
+    async def _answer(self, key: str, apply: Callable[[list[_Write]], Awaitable[list]],
+                      write: _Write, answer: asyncio.Future) -> None:
+        """Submit a queued keep-alive and hand its result (or error) to its caller's `answer`."""
+        try:
+            result = await self.submit(key, apply, write)
+        except asyncio.CancelledError:  # the sender was cancelled: so is its caller's wait
+            answer.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - its caller's error (a 503 when etcd is away)
+            if not answer.done():
+                answer.set_exception(exc)
+        else:
+            if not answer.done():
+                answer.set_result(result)
 
     @contextlib.asynccontextmanager
     async def key_waits(self, kv: KeyValue, prefix: str, keys: frozenset[str]):
@@ -535,7 +543,7 @@ class StateHub:
             # min/max nodes matter only to joins and drops; a keep-alive applies iff the node
             # still has a heartbeat (one dropped meanwhile is left dropped).
             writes = [_Write(None, None, MergeSpec(ops=[Op(kind="keep_alive", node=node, at_us=now_us)],
-                                                   min_nodes=1, max_nodes=1), loop.create_future())
+                                                   min_nodes=1, max_nodes=1))
                       for node in due]
             await asyncio.gather(*(self.submit(key, apply, w) for w in writes), return_exceptions=True)
 
@@ -599,8 +607,7 @@ class Rendezvous:
         """
         if _revision(token) is None and merge is None:
             return await self.get_state(), False
-        write = _Write(state, token, merge, asyncio.get_running_loop().create_future(),
-                       self.expected_nodes)
+        write = _Write(state, token, merge, self.expected_nodes)
         if merge is not None:  # a keep-alive of a formed round's node waits for the others'
             return await self._states.keep_alive(self.kv, self._state_key, self._apply_batch, write)
         return await self._states.submit(self._state_key, self._apply_batch, write)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -206,6 +207,32 @@ class ServiceLink:
     def report_memory_corrupt(self, node: str, step: int, reason: str) -> None:
         self._retrying("POST", f"/memory/{node}/corrupt",
                        MemoryCorrupt(attempt=self.attempt, step=step, reason=reason[:500]))
+
+    def close(self) -> None:
+        """Close its connections (a link made for one report; a worker's lives as long as it)."""
+        self._client.close()
+
+
+def report_broken_peer(link: Link, node: str, detail: str, *, close: bool = False) -> threading.Thread:
+    """Tell the control plane that `node`'s process group lost a peer, from a daemon thread
+    started here; the one way a worker (the runtime's exit hook and peer watch) and an agent
+    (a plain script's worker line, `worker.torchrun`) report it. Its callers must not wait
+    long: a worker on its way out joins the thread for a moment at most, an agent's output
+    reader not at all. Tried once; a failure is logged (the node lease and the blip bound of
+    service/presence.py remain). `close`: close `link` afterwards (one made for this report)."""
+
+    def send() -> None:
+        try:
+            link.report_broken(node, detail)
+        except Exception as exc:  # noqa: BLE001 - a report is help, not a duty
+            log.info("could not report the broken peer of %s: %s", node, exc)
+        finally:
+            if close and isinstance(link, ServiceLink):
+                link.close()
+
+    thread = threading.Thread(target=send, name="broken-peer-report", daemon=True)
+    thread.start()
+    return thread
 
 
 class LocalLink:

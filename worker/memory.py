@@ -76,7 +76,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -1019,15 +1019,7 @@ class StatePlan:
             _split(objects[name].state_dict(), found)
             if found:
                 return None
-        later: set[int] = set()
-        for obj in objects.values():
-            if isinstance(obj, torch.nn.Module):
-                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
-            elif isinstance(obj, torch.optim.Optimizer):
-                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
-                             for v in st.values() if isinstance(v, torch.Tensor))
-        if not any(isinstance(obj, torch.optim.Optimizer) for obj in objects.values()):
-            later = set()  # nothing tells when the parameters change: copy them at once
+        later = changed_by_step(objects.values())
         skeleton = {k: _Frozen(v) if isinstance(v, dict) else v for k, v in skeleton.items()}
         plan = cls(objects, skeleton, groups, live, tensors, later)
         plan.addresses = addresses
@@ -1058,6 +1050,24 @@ class StatePlan:
             return _addresses(self.objects) == self.addresses
         except RuntimeError:  # a dict changed while it was read (state made by the optimizer now)
             return False
+
+
+def changed_by_step(objects: Iterable[Any]) -> set[int]:
+    """The storages (`data_ptr`) of `objects` that only an optimizer's step changes: modules'
+    parameters and optimizers' state; a capture copies them in a thread (`capture`). Empty
+    without an optimizer among `objects`: nothing then tells when the parameters change, and
+    they are copied at once."""
+    objects = list(objects)
+    if not any(isinstance(obj, torch.optim.Optimizer) for obj in objects):
+        return set()
+    later: set[int] = set()
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
+                         for v in st.values() if isinstance(v, torch.Tensor))
+    return later
 
 
 def _hooked(obj: Any) -> bool:

@@ -120,6 +120,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     LinkError,
     LocalLink,
     ServiceLink,
+    report_broken_peer,
 )
 from worker.peer_watch import PeerWatch
 from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
@@ -207,10 +208,7 @@ def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> No
     def hook(kind, exc, tb) -> None:
         broken = is_broken_peer(exc)
         if broken:
-            t = threading.Thread(target=_try_report, args=(link, node, f"{kind.__name__}: {exc}"),
-                                 daemon=True)
-            t.start()
-            t.join(1.0)
+            report_broken_peer(link, node, f"{kind.__name__}: {exc}").join(1.0)
         previous(kind, exc, tb)
         if broken:
             if rt is not None:
@@ -235,13 +233,6 @@ def _exit_now(code: int) -> None:
             pass
     logging.shutdown()
     os._exit(code)
-
-
-def _try_report(link: Link, node: str, detail: str) -> None:
-    try:
-        link.report_broken(node, detail)
-    except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the lease remains
-        log.info("could not report the broken peer: %s", exc)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -777,20 +768,9 @@ class Runtime:
         if plan is not None:
             w.capture_split({**header, **plan.state()}, plan.tensors, self.step, plan.later, check=plan.check)
             return
-        state: dict[str, Any] = header
-        later: set[int] = set()
-        for name, obj in self._state.items():
-            if obj is None:
-                continue
-            state[name] = obj.state_dict()
-            if isinstance(obj, torch.nn.Module):
-                later.update(p.untyped_storage().data_ptr() for p in obj.parameters())
-            elif isinstance(obj, torch.optim.Optimizer):
-                later.update(v.untyped_storage().data_ptr() for st in obj.state.values()
-                             for v in st.values() if isinstance(v, torch.Tensor))
-        if self._state.get("optimizer") is None:
-            later = set()  # nothing tells when the parameters change: copy them now
-        w.capture(state, self.step, later)
+        objects = {name: obj for name, obj in self._state.items() if obj is not None}
+        state: dict[str, Any] = {**header, **{name: obj.state_dict() for name, obj in objects.items()}}
+        w.capture(state, self.step, mem.changed_by_step(objects.values()))
 
     def _agree_on_control(self) -> tuple[str, int, int]:
         """Rank 0 decides from what its poller last heard, and whether the memory tier copies

@@ -57,7 +57,7 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
-from worker.http import ControlPlaneClient, HttpError
+from worker.links import ServiceLink, report_broken_peer
 from worker.log_shipper import LogShipper
 from worker.procs import (
     FORK_SERVER,
@@ -74,7 +74,6 @@ from worker.procs import (
 from worker.protocol import (
     ERROR_LINE,
     Assignment,
-    BrokenPeer,
     LogLineIn,
     cut_line,
     round_of_mark,
@@ -518,18 +517,8 @@ class Torchrun:
         g.peer_reported.add(round_)
         if g.stop_requested or not g.job_token:
             return
-        body = BrokenPeer(attempt=g.attempt, node=self.node, detail=f"worker output: {line}"[:500])
-
-        def send() -> None:
-            client = ControlPlaneClient(self.server, g.job_token, timeout=5.0)
-            try:
-                client.call("POST", f"/v1/jobs/{g.job_id}/broken", body)
-            except HttpError as exc:  # the lease and the blip bound remain
-                log.info("could not report job %s's broken peer: %s", g.job_id, exc)
-            finally:
-                client.close()
-
-        threading.Thread(target=send, name="broken-peer-report", daemon=True).start()
+        link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
+        report_broken_peer(link, self.node, f"worker output: {line}", close=True)
 
     def _release_held(self, g: WorkerGroup) -> None:
         """torchrun has exited: ship its held lines, or the one line that stands for them."""

@@ -1,6 +1,7 @@
 """A plain script's worker that dies of a lost peer prints the error, then spends seconds in
 the interpreter's teardown: the agent reads the error line as torchrun passes it on and
-reports the broken peer at once (worker/torchrun.py `_report_broken_peer`), as the runtime's
+reports the broken peer at once (worker/torchrun.py `_report_broken_peer`, through
+worker/links.py `report_broken_peer`, the runtime's one way too), as the runtime's
 workers do themselves, so a member whose agent's connection dropped is lost at once
 (service/presence.py)."""
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.helpers.processes import wait_for
 from tests.worker.test_shutdown_noise import Exited, Shipper
+from worker.links import ServiceLink
 from worker.protocol import round_mark, says_peer_gone
 from worker.torchrun import Torchrun, WorkerGroup
 
@@ -71,7 +73,11 @@ def _pump(url: str, tmp_path, lines: list[str], stopping: bool = False) -> None:
     Torchrun("n1", url, tmp_path, None, Shipper())._pump(g, "stderr", out)
 
 
-def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token(control_plane, tmp_path):
+def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token(control_plane, tmp_path,
+                                                                                   monkeypatch):
+    closed: list[ServiceLink] = []  # the agent's link for a report is closed after it (no leak)
+    close = ServiceLink.close
+    monkeypatch.setattr(ServiceLink, "close", lambda link: (closed.append(link), close(link)))
     _pump(control_plane, tmp_path, [round_mark(0), "[rank0]:Traceback (most recent call last):",
                                     f"[rank0]:{GLOO}", f"[rank1]:{GLOO}"])
     wait_for(lambda: Recorder.got, 10, "the report")
@@ -79,6 +85,7 @@ def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token
     assert path == "/v1/jobs/j/broken" and auth == "Bearer job-token"
     assert body["attempt"] == 2 and body["node"] == "n1" and "Connection closed by peer" in body["detail"]
     assert len(Recorder.got) == 1  # once for the round
+    wait_for(lambda: len(closed) == 1, 10, "the report's link closed")
 
     # torchrun re-formed the group (a worker failed), and the new round's group broke too.
     Recorder.got = []

@@ -38,6 +38,14 @@ def _later(model, opt) -> set[int]:
         v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()}
 
 
+def test_only_an_optimizers_step_changes_the_parameters_and_its_state_and_nothing_without_one():
+    model, opt = _model_and_opt()
+    _step(model, opt, 0)  # the optimizer has state now
+    later = mem.changed_by_step([model, opt, None, 3])
+    assert later == _later(model, opt) and len(later) > len(list(model.parameters()))
+    assert mem.changed_by_step([model]) == set()  # nothing tells when they change: copied at once
+
+
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b.to(a.device))
