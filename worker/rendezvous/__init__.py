@@ -46,7 +46,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
 from worker.rendezvous.follow import follow_changes
 from worker.rendezvous.outage import ride_out_outages
-from worker.rendezvous.store import DEFAULT_READ_TIMEOUT_S, LONG_POLL_S, HttpStore
+from worker.rendezvous.store import (
+    DEFAULT_READ_TIMEOUT_S,
+    LONG_POLL_S,
+    HttpStore,
+    publish_master_in_one_call,
+)
 from worker.rendezvous.transport import (
     DEFAULT_PORT,
     DEFAULT_RETRY_TIMEOUT_S,
@@ -101,13 +106,22 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     from worker.deathsig import act_on_first_death_signal
     from worker.rendezvous.marks import watch_agent
-    from worker.rendezvous.monitor import wake_monitor_on_news
+    from worker.rendezvous.monitor import (
+        note_broken_groups,
+        stop_broken_groups_at_once,
+        tail_until_finished,
+        wake_monitor_on_news,
+    )
     from worker.rendezvous.rounds import with_round_reports
 
     act_on_first_death_signal()  # before torch's agent registers its handler
+    if wake_monitor_on_news():  # in torchrun: a worker's exit or a waiting node acted on at once
+        stop_broken_groups_at_once()  # and a broken group stopped without SIGTERM's grace
+        tail_until_finished()  # and a stop not held up by its output tails' pauses
     watch_agent()  # phase marks for bench/recovery.py, only with FTRAIN_PHASE_LOG set
-    wake_monitor_on_news()  # a worker's exit or a waiting node acted on at once
-    return with_round_reports(dynamic_handler(params, follow=True))
+    handler = dynamic_handler(params, follow=True)
+    note_broken_groups(handler)
+    return with_round_reports(handler)
 
 
 def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> RendezvousHandler:
@@ -117,6 +131,7 @@ def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> Rende
     `follow`: its `num_nodes_waiting()` sees a change at once (`follow.py`; a torchrun's)."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
+    publish_master_in_one_call()
     if wake_on_change(handler, backend) and follow:
         follow_changes(handler, backend)
     settings = handler._settings

@@ -76,6 +76,20 @@ def watch_agent() -> None:
         finally:
             mark("workers_started")
 
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+        close = SubprocessContext._close
+
+        def _close(self, death_sig, timeout=30):
+            try:
+                return close(self, death_sig, timeout)
+            finally:
+                mark("workers_exited", signal=getattr(death_sig, "name", str(death_sig)))
+
+        SubprocessContext._close = _close
+    except (ImportError, AttributeError):
+        pass
     LocalElasticAgent._monitor_workers = _monitor_workers
     LocalElasticAgent._stop_workers = _stop_workers
     LocalElasticAgent._start_workers = _start_workers
