@@ -158,11 +158,14 @@ def test_a_broken_group_is_stopped_with_sigkill_a_planned_restart_as_torch_does(
     members.wait_list = {waiting}  # a new node: a planned scale-up
     assert handler.num_nodes_waiting() == 1
     stop(agent, healthy)
+    members.wait_list = {waiting, B}  # a member that left first beside it: still planned
+    assert handler.num_nodes_waiting() == 2
+    stop(agent, healthy)
     members.wait_list = {B}  # a member left to re-form the group: its workers died
     assert handler.num_nodes_waiting() == 1
     stop(agent, healthy)
     stop(agent, SimpleNamespace(state=WorkerState.FAILED))  # its own workers failed
-    assert agent.signals == [signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
+    assert agent.signals == [signal.SIGTERM, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
 
 
 def test_an_output_tail_stops_at_once_and_copies_every_line(tmp_path):

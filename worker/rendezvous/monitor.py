@@ -108,9 +108,9 @@ _peer_left = threading.Event()
 
 def note_broken_groups(handler) -> None:
     """Tell a restart for a broken group from a planned one: `handler` (torch's) remembers the
-    nodes of each round it completes, and its `num_nodes_waiting()` notes when one of them is
-    on the wait list (it left the group to re-form it: its workers failed). A new node waiting
-    (a scale-up) is not that: its restart keeps torch's SIGTERM and grace."""
+    nodes of each round it completes, and its `num_nodes_waiting()` notes when only such nodes
+    are on the wait list (they left the group to re-form it: their workers failed). A new node
+    waiting (a scale-up) is not that: its restart keeps torch's SIGTERM and grace."""
     holder = getattr(handler, "_state_holder", None)
     if getattr(getattr(holder, "state", None), "wait_list", None) is None:
         return
@@ -126,7 +126,11 @@ def note_broken_groups(handler) -> None:
 
     def num_nodes_waiting() -> int:
         waiting = inner_waiting()
-        if waiting and members and not members.isdisjoint(holder.state.wait_list):
+        # Only members waiting: a member's workers failed. A new node among them is a planned
+        # scale-up, whose members leave the round one after the other (the first to leave
+        # waits beside the new node): not broken.
+        wait_list = holder.state.wait_list
+        if waiting and members and wait_list and wait_list <= members:
             _peer_left.set()
         return waiting
 
