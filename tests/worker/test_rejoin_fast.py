@@ -80,7 +80,7 @@ def leave(nodes: tuple, max_nodes: int = 2, rejoining: bool = True) -> tuple[Fak
 
 def test_a_node_leaving_a_complete_round_to_rejoin_waits_in_the_same_write():
     cp, doc = leave((A, B))
-    assert cp.merges == [["drop", "wait"]]  # one write: torch's join op then just waits
+    assert cp.merges == [["drop", "wait_if_room"]]  # one write: torch's join op then just waits
     node = (A.addr, A.pid, A.local_id)
     assert node in doc.wait_list and node not in doc.participants and doc.complete
 
@@ -238,7 +238,15 @@ def test_the_master_address_is_published_and_read_in_one_store_call_each():
     assert store.calls == ["multi_set", "multi_get"]
 
 
-def test_merge_spec_of_a_leave_and_wait_is_valid():  # the control plane's own check of the body
-    MergeSpec.model_validate({"ops": [{"kind": "drop", "node": ["a", 1, 0], "at_us": 1},
-                                      {"kind": "wait", "node": ["a", 1, 0], "at_us": 2}],
-                              "min_nodes": 1, "max_nodes": 2})
+def test_a_leave_whose_round_reopened_meanwhile_is_written_without_the_wait():
+    """Both nodes leave at once: the second's drop empties the round (torch reopens it), where
+    a wait is not valid; the leave is still written, and torch's join op joins the new round."""
+    node = ["a", 1, 0]
+    doc = RdzvDoc(round=3, complete=True, participants={tuple(node): 0},
+                  last_heartbeats={tuple(node): 5})
+    spec = MergeSpec.model_validate({"ops": [{"kind": "drop", "node": node, "at_us": 5},
+                                             {"kind": "wait_if_room", "node": node, "at_us": 9}],
+                                     "min_nodes": 1, "max_nodes": 2})
+    merged = apply_ops(doc, spec)
+    assert merged is not None and merged.round == 4 and not merged.complete
+    assert not merged.participants and not merged.wait_list and not merged.last_heartbeats

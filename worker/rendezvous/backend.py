@@ -153,7 +153,9 @@ class FtrainRendezvousBackend(RendezvousBackend):
         write of `next_rendezvous`) joins its wait list in the same write, when torch's join op
         would put it there right after (the round stays complete without it, and has room):
         one round trip fewer before the others see it waiting. torch then finds itself on the
-        wait list, as after its own `ADD_TO_WAIT_LIST`, and waits."""
+        wait list, as after its own `ADD_TO_WAIT_LIST`, and waits. `wait_if_room`, not `wait`:
+        where the others left meanwhile and the round reopened, the leave is written alone (a
+        `wait` would fail the write, and torch would send the leave again)."""
         read = self._read_docs.get(token) if token is not None else None
         if read is None or self.this_node is None:
             return
@@ -168,7 +170,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 or len(doc.participants) >= merge.max_nodes or node in doc.wait_list \
                 or node in doc.redundancy_list or len(merge.ops) >= MAX_OPS:
             return
-        merge.ops.append(Op(kind="wait", node=node, at_us=int(time.time() * 1e6)))
+        merge.ops.append(Op(kind="wait_if_room", node=node, at_us=int(time.time() * 1e6)))
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this
