@@ -81,6 +81,7 @@ from tests.helpers.processes import (
     workers_under,
 )
 from worker import memory
+from worker.env import FTRAIN_PHASE_LOG
 
 WORKLOAD = REPO / "bench" / "workload.py"
 SNAPSHOT_EVERY = 10
@@ -337,8 +338,10 @@ class FtrainCluster:
         root.mkdir(parents=True, exist_ok=True)
 
     def launch_node(self) -> float:
+        # Every node's torchrun notes its re-rendezvous phases in one file (worker/rendezvous/marks.py).
+        env = {**node_env(len(self.agents)), FTRAIN_PHASE_LOG: str(self.root / "phases.jsonl")}
         agent = NodeAgentProc(self.stack.cp, f"{self.tag}-n{len(self.agents)}", self.root / "nodes",
-                              env=node_env(len(self.agents)))
+                              env=env)
         t = time.time()
         agent.start()
         self.agents.append(agent)
@@ -404,7 +407,41 @@ class FtrainCluster:
             return {}
         return {"job_id": self.job_id, "events": [
             {"t": round(_event_time(e) - since, 3), "state": e.get("state"), "reason": e.get("reason")}
-            for e in items if _event_time(e) is not None], "agent": self.agent_marks(since)}
+            for e in items if _event_time(e) is not None], "agent": self.agent_marks(since),
+            "marks": self.phase_marks(since)}
+
+    def phase_marks(self, since: float) -> dict:
+        """Each node's torchrun phases after `since` (the fault), seconds, first of each:
+        `killed:*` the second node's (the one the fault hit), `other:*` the first's
+        (worker/rendezvous/marks.py); `group_formed`: the new round complete and its workers
+        started on every node that was in it."""
+        roles = {a.name: role for a, role in zip(self.agents, ("other", "killed", "joined"))}
+        out: dict = {}
+        started: dict = {}
+        try:
+            lines = (self.root / "phases.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return out
+        for raw in lines:
+            try:
+                m = json.loads(raw)
+            except ValueError:
+                continue
+            if m["t"] <= since or m.get("node") not in roles:
+                continue
+            role = roles[m["node"]]
+            out.setdefault(f"{role}:{m['phase']}", round(m["t"] - since, 3))
+            if m["phase"] == "rdzv_done":
+                started.setdefault(role, (m.get("round"), m.get("world")))
+            elif m["phase"] == "workers_started" and role in started:
+                out.setdefault(f"{role}:started_after_round", round(m["t"] - since, 3))
+        rounds = {r for r, _ in started.values()}
+        worlds = {w for _, w in started.values()}
+        starts = [out.get(f"{role}:started_after_round") for role in started]
+        if len(rounds) == 1 and len(worlds) == 1 and len(started) == next(iter(worlds)) \
+                and all(t is not None for t in starts):
+            out["group_formed"] = max(starts)
+        return out
 
     def agent_marks(self, since: float) -> dict:
         """The first survivor's agent, from its log: when it began stopping the old group and
@@ -506,6 +543,9 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
             except Unrecovered as exc:
                 rec["fault"] = {"recovered": False, "error": str(exc)}
             rec["diagnostics"] = cluster.diagnostics(fault_t)
+            formed = rec["diagnostics"].get("marks", {}).get("group_formed")
+            if rec["fault"]["recovered"] and formed is not None:
+                rec["fault"]["group_formed_s"] = formed
             if not rec["fault"]["recovered"]:
                 return records
         return records
@@ -528,8 +568,10 @@ def sessions_for(scenarios: list[str]) -> list[list[str]]:
 FIGURES = [
     ("cold start (s)", "cold_start", None, "time_s"),
     ("worker SIGKILL -> next step (s)", "fault", "worker_kill", "time_s"),
+    ("  -> new group formed (s)", "fault", "worker_kill", "group_formed_s"),
     ("  steps lost", "fault", "worker_kill", "steps_lost"),
     ("agent SIGKILL -> training again (s)", "fault", "agent_kill", "time_s"),
+    ("  -> new group formed (s)", "fault", "agent_kill", "group_formed_s"),
     ("  steps lost", "fault", "agent_kill", "steps_lost"),
     ("  world size after", "fault", "agent_kill", "world_after"),
     ("node joins -> step at world 3 (s)", "fault", "join", "time_s"),
@@ -592,7 +634,7 @@ def print_table(summary: dict, rat: dict, variants: list[str]) -> None:
                 text = f"none (0/{s['n']})"
                 cells.append(f"{text:>26}")
             else:
-                fmt = (lambda x: f"{x:.1f}") if key == "time_s" else (lambda x: f"{x:g}")
+                fmt = (lambda x: f"{x:.2f}") if key.endswith("_s") else (lambda x: f"{x:g}")
                 text = f"{fmt(s['min'])} / {fmt(s['median'])} / {fmt(s['max'])} ({s['recovered']}/{s['n']})"
                 cells.append(f"{text:>26}")
         print(f"{label:<{w}}" + "".join(cells))
@@ -634,6 +676,11 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
                         if r.get("diagnostics", {}).get("agent", {}).get(name) is not None]
                 if vals:
                     got[f"agent:{name}"] = round(statistics.median(vals), 2)
+            names = dict.fromkeys(k for r in rows for k in r.get("diagnostics", {}).get("marks", {}))
+            for name in names:  # each node's torchrun (worker/rendezvous/marks.py)
+                vals = [r["diagnostics"]["marks"][name] for r in rows
+                        if name in r.get("diagnostics", {}).get("marks", {})]
+                got[f"marks:{name}"] = round(statistics.median(vals), 3)
             for name, match in marks.items():
                 vals = []
                 for r in rows:
@@ -650,7 +697,8 @@ def phase_table(trials: list[dict], variants: list[str]) -> dict:
 def print_phases(phases: dict) -> None:
     print("where the time goes: median seconds from the fault to each milestone")
     print("  (cp:* from ftrain's job events, cp:lease_lapsed its lost node's lease revoked or lapsed;")
-    print("   agent:* from the surviving agent's log; the rest from the workload's log lines)")
+    print("   agent:* from the surviving agent's log; the rest from the workload's log lines;")
+    print("   per node: its torchrun's phase marks, killed = the node the fault hit)")
     order = ["cp:node_given", "cp:recovering", "cp:lease_lapsed", "agent:stop_old", "agent:torchrun_started",
              "cp:group_formed", "first_worker_boot",
              "rank0_process_group", "rank0_resumed", "first_step"]
@@ -658,6 +706,14 @@ def print_phases(phases: dict) -> None:
         print(f"  {scenario}")
         for v, got in per.items():
             print(f"    {v:<17} " + "  ".join(f"{k}={got[k]}" for k in order if k in got))
+            for role in ("killed", "other", "joined"):
+                seen = sorted((t, k.split(":", 2)[2]) for k, t in got.items()
+                              if k.startswith(f"marks:{role}:"))
+                if seen:
+                    print(f"      {role + ' node':<15} " + "  ".join(f"{k}={t}" for t, k in seen))
+            if "marks:group_formed" in got:
+                print(f"      {'group formed':<15} {got['marks:group_formed']} (round complete, "
+                      "workers started on every node)")
 
 
 def print_runtime_phases(trials: list[dict]) -> None:

@@ -72,6 +72,11 @@ FTRAIN_LOG_CAP_BYTES = "FTRAIN_LOG_CAP_BYTES"  # bytes of log kept per job
 # service/settings.py reads every other setting as FTRAIN_<FIELD> (FTRAIN_NODE_TTL_S, ...).
 SETTINGS_PREFIX = "FTRAIN_"
 
+# ---------------------------------------------------------------- measuring
+# A file the node's torchrun appends its re-rendezvous phase marks to (JSON lines; set by
+# bench/recovery.py in each agent's environment; worker/rendezvous/marks.py). Unset: none.
+FTRAIN_PHASE_LOG = "FTRAIN_PHASE_LOG"
+
 # ---------------------------------------------------------------- torch's, set by ftrain
 # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

@@ -36,9 +36,13 @@ The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4
   participant nor redundant; at `min_nodes` participants the last-call deadline is set, at
   `max_nodes` the round completes and ranks are given in node order;
 - `wait` (`_add_to_wait_list`): valid while a complete round has room;
+- `wait_if_room`: the same, sent with a node's `drop` as it leaves a complete round to join
+  the next (torch's exit op, then its join op would add it to the wait list): where it is not
+  valid (the other nodes left too, and the round reopened) it changes nothing instead of
+  failing the write, and torch's join op goes on from the state it gets back;
 - `keep_alive`: valid while the node has a heartbeat.
 Any other change (a round completed at its deadline, closing) is a plain compare-and-set, as
-before. (`expire` and `refresh_stale` are newer than the others: a control
+before. (`expire`, `refresh_stale` and `wait_if_room` are newer than the others: a control
 plane that predates them refuses such a write with 422, so upgrade the control planes before
 the nodes, as for any change of this wire contract.)
 """
@@ -155,7 +159,7 @@ NODELESS = ("expire", "refresh_stale")  # ops on every node they match, not on o
 class Op(JsonBody):
     """One node's change to the state, replayable on a newer state (module docstring)."""
 
-    kind: Literal["refresh", "drop", "join", "wait", "keep_alive", "expire", "refresh_stale"]
+    kind: Literal["refresh", "drop", "join", "wait", "wait_if_room", "keep_alive", "expire", "refresh_stale"]
     node: tuple[str, JsonInt, JsonInt] | None = Field(None, description="The node it changes; none "
                                                                         "for expire and refresh_stale.")
     at_us: JsonInt = Field(..., description="The node's heartbeat it writes (drop: the expired one; "
@@ -243,6 +247,11 @@ def _apply(doc: RdzvDoc, op: Op, merge: MergeSpec) -> bool:
                 or node in doc.wait_list or node in doc.participants:
             return False
         doc.redundancy_list.discard(node)
+        doc.wait_list.add(node)
+    elif op.kind == "wait_if_room":
+        if doc.closed or not doc.complete or len(doc.participants) >= merge.max_nodes \
+                or node in doc.wait_list or node in doc.participants or node in doc.redundancy_list:
+            return True  # nothing: the node re-decides on the state it gets back (torch's join op)
         doc.wait_list.add(node)
     doc.last_heartbeats[node] = op.at_us
     if op.kind == "join":

@@ -20,6 +20,8 @@ The parts:
 - `store.py`: `HttpStore`, a `torch.distributed.Store` for the agents' small exchanges;
 - `wake.py`: the patch of torch's one-second poll into a wait for a change;
 - `follow.py`: a torchrun's monitor that sees a waiting node at once (a long poll per node);
+- `monitor.py`: torchrun's monitor woken by that news and by its workers' exits (SIGCHLD);
+- `marks.py`: phase marks of each re-rendezvous, for `bench/recovery.py` (FTRAIN_PHASE_LOG);
 - `rounds.py`: each rendezvous round reported to the control plane, which counts restarts;
 - `outage.py`: a group that trains through a control-plane outage of any length, and still
   sees nodes join once it is back.
@@ -44,7 +46,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
 from worker.rendezvous.follow import follow_changes
 from worker.rendezvous.outage import ride_out_outages
-from worker.rendezvous.store import DEFAULT_READ_TIMEOUT_S, LONG_POLL_S, HttpStore
+from worker.rendezvous.store import (
+    DEFAULT_READ_TIMEOUT_S,
+    LONG_POLL_S,
+    HttpStore,
+    publish_master_in_one_call,
+)
 from worker.rendezvous.transport import (
     DEFAULT_PORT,
     DEFAULT_RETRY_TIMEOUT_S,
@@ -98,10 +105,23 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
     """
     from worker.deathsig import act_on_first_death_signal
+    from worker.rendezvous.marks import watch_agent
+    from worker.rendezvous.monitor import (
+        note_broken_groups,
+        stop_broken_groups_at_once,
+        tail_until_finished,
+        wake_monitor_on_news,
+    )
     from worker.rendezvous.rounds import with_round_reports
 
     act_on_first_death_signal()  # before torch's agent registers its handler
-    return with_round_reports(dynamic_handler(params, follow=True))
+    if wake_monitor_on_news():  # in torchrun: a worker's exit or a waiting node acted on at once
+        stop_broken_groups_at_once()  # and a broken group stopped without SIGTERM's grace
+        tail_until_finished()  # and a stop not held up by its output tails' pauses
+    watch_agent()  # phase marks for bench/recovery.py, only with FTRAIN_PHASE_LOG set
+    handler = dynamic_handler(params, follow=True)
+    note_broken_groups(handler)
+    return with_round_reports(handler)
 
 
 def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> RendezvousHandler:
@@ -111,6 +131,7 @@ def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> Rende
     `follow`: its `num_nodes_waiting()` sees a change at once (`follow.py`; a torchrun's)."""
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
+    publish_master_in_one_call()
     if wake_on_change(handler, backend) and follow:
         follow_changes(handler, backend)
     settings = handler._settings
@@ -118,10 +139,26 @@ def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> Rende
     node = getattr(handler, "_this_node", None)
     if node is not None:
         backend.this_node = ((node.addr, node.pid, node.local_id), settings.keep_alive_interval)
+    _leave_and_wait_in_one_write(handler, backend)
     if ride_out_outages(handler, backend._transport):
         backend.keep_alive = (settings.keep_alive_interval,
                               settings.keep_alive_interval * settings.keep_alive_max_attempt)
     return handler
+
+
+def _leave_and_wait_in_one_write(handler: RendezvousHandler, backend: FtrainRendezvousBackend) -> None:
+    """Each `next_rendezvous` lets the backend send its leave of a complete round and its wait
+    for the next as one write (`FtrainRendezvousBackend._wait_after_leaving`)."""
+    inner = handler.next_rendezvous
+
+    def next_rendezvous():
+        backend.rejoining = True
+        try:
+            return inner()
+        finally:
+            backend.rejoining = False
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
 
 
 def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:

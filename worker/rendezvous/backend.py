@@ -35,6 +35,7 @@ from worker.protocol import (
     state_version,
 )
 from worker.rdzv_state import MAX_OPS, MergeSpec, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
+from worker.rendezvous import marks
 from worker.rendezvous.merge import from_doc, to_doc
 from worker.rendezvous.outage import refresh_stale_heartbeats
 from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
@@ -85,6 +86,9 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # `dynamic_handler`: with them, a node that joined an open round waits for the round's
         # progress only, until its own keep-alive or the deadline is due (`_quiet_s`).
         self.this_node: tuple[tuple[str, int, int], timedelta] | None = None
+        # Set by `dynamic_handler` as `next_rendezvous` begins, cleared by its first write
+        # (`_wait_after_leaving`).
+        self.rejoining = False
 
     @property
     def name(self) -> str:
@@ -106,6 +110,10 @@ class FtrainRendezvousBackend(RendezvousBackend):
         token = None if token is None else str(token)
         doc = to_doc(state) if self.merge_settings is not None else None
         merge = self._merge_of(doc, token) if doc is not None else None
+        if self.rejoining:
+            self.rejoining = False
+            if merge is not None:
+                self._wait_after_leaving(merge, doc, token)
         if merge is not None:  # the ops rebuild the state from the state at `token`
             body = SetStateRequest.model_construct(state=None, token=token, merge=merge)
         elif doc is not None:
@@ -113,6 +121,8 @@ class FtrainRendezvousBackend(RendezvousBackend):
         else:
             body = SetStateRequest(state=seal_state(state), token=token)
         result = self._read(SetStateResult, self._call("PUT", "/state", body))
+        marks.mark("state_set", written=result.written, token=result.token,
+                   ops=None if merge is None else [op.kind for op in merge.ops])
         decoded = self._decode(result)
         self._saw(None if decoded is None else decoded[1])
         if decoded is None:
@@ -137,6 +147,30 @@ class FtrainRendezvousBackend(RendezvousBackend):
         # this write sees the group alive, as after a whole-state write.
         merge.ops[:0] = refreshed
         return merge
+
+    def _wait_after_leaving(self, merge: MergeSpec, doc: RdzvDoc, token: str | None) -> None:
+        """A node that leaves a complete round to join the next one (torch's exit op, the first
+        write of `next_rendezvous`) joins its wait list in the same write, when torch's join op
+        would put it there right after (the round stays complete without it, and has room):
+        one round trip fewer before the others see it waiting. torch then finds itself on the
+        wait list, as after its own `ADD_TO_WAIT_LIST`, and waits. `wait_if_room`, not `wait`:
+        where the others left meanwhile and the round reopened, the leave is written alone (a
+        `wait` would fail the write, and torch would send the leave again)."""
+        read = self._read_docs.get(token) if token is not None else None
+        if read is None or self.this_node is None:
+            return
+        node = self.this_node[0]
+        last = merge.ops[-1]
+        if last.kind != "drop" or last.node is None or tuple(last.node) != node:
+            return
+        before = read[0]
+        if not (before.complete and node in before.participants) or before.closed:
+            return
+        if not doc.complete or doc.closed or not doc.participants or node in doc.participants \
+                or len(doc.participants) >= merge.max_nodes or node in doc.wait_list \
+                or node in doc.redundancy_list or len(merge.ops) >= MAX_OPS:
+            return
+        merge.ops.append(Op(kind="wait_if_room", node=node, at_us=int(time.time() * 1e6)))
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this
@@ -207,6 +241,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         finally:
             self._last_wake = clock()
             self._expire_cache()
+            marks.mark("woke", waited_s=round(self._last_wake - start, 4))
         time.sleep(max(0.0, deadline - clock()))
 
     def _joined_open_round(self, doc: RdzvDoc) -> bool:

@@ -21,6 +21,8 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from worker.protocol import StateChange, StateNotSealed, open_state, state_version
 from worker.rdzv_state import NotAState, RdzvDoc
+from worker.rendezvous import marks
+from worker.rendezvous.monitor import wake_monitor
 from worker.rendezvous.transport import RendezvousGoneError
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ def _follow(backend: FtrainRendezvousBackend) -> None:
             continue
         if change.changed:
             backend._expire_cache()
+            marks.mark("follow_change", token=change.token)
+            wake_monitor()  # its next look reads the new state now, not an interval later
         if change.token is None or change.state is None:
             after, shape = "0", None
             continue

@@ -4,8 +4,10 @@ torch's agent re-rendezvouses both after a worker failure and when nodes join or
 and counts only the first against its restart budget. ftrain wants the count the other
 way round (failures count, membership changes do not), so torchrun runs with an
 unlimited budget and this wrapper reports every round: 'joining' when this node starts
-re-forming the group (the job is RECOVERING), 'joined' from the new group's rank 0 with
-the number of nodes (the control plane compares it with the round before).
+re-forming the group (the job is RECOVERING; sent from a thread while the node joins, so the
+round does not wait for its answer), 'joined' from the new group's rank 0 with the number
+of nodes (the control plane compares it with the round before; sent after the 'joining'
+report's answer, before the workers start).
 
 Each round also names the group it formed, '<node>/<round>' of group rank 0, in this
 process's environment (`FTRAIN_GROUP`), which torch passes to the workers it starts next:
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
@@ -31,6 +34,7 @@ from worker.env import (
 )
 from worker.http import ControlPlaneClient, HttpError
 from worker.protocol import RoundReport, round_mark
+from worker.rendezvous import marks
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class RoundReporter:
         self._path = f"/v1/jobs/{job_id}/rounds"
         self._attempt = attempt
         self.node = node
+        self._sending: threading.Thread | None = None  # a report sent in the background
 
     @classmethod
     def from_env(cls) -> RoundReporter | None:
@@ -56,8 +61,25 @@ class RoundReporter:
         return cls(env[FTRAIN_SERVER], env[FTRAIN_JOB_TOKEN], env[FTRAIN_JOB_ID],
                    int(env[FTRAIN_ATTEMPT]), env[FTRAIN_NODE])
 
+    def report_soon(self, phase: str, call: int) -> None:
+        """`report` from a thread: the round goes on meanwhile (a 'joining' report needs no
+        answer before the node joins; the next `report` waits for it, so they stay in order)."""
+        self.flush()
+        sending = threading.Thread(target=self.report, args=(phase, call),
+                                   name="ftrain-round-report", daemon=True)
+        self._sending = sending  # before it starts: `report` tells it from the main thread by it
+        sending.start()
+
+    def flush(self) -> None:
+        """Wait for the report sent in the background, if any (at most its retries)."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.join(RETRY_S + REQUEST_TIMEOUT_S)
+
     def report(self, phase: str, call: int, info: RendezvousInfo | None = None,
                round_: int | None = None) -> None:
+        if threading.current_thread() is not self._sending:
+            self.flush()
         body = RoundReport(attempt=self._attempt, node=self.node, phase=phase, call=call,
                            group_rank=None if info is None else info.rank,
                            group_world_size=None if info is None else info.world_size, round=round_)
@@ -89,9 +111,11 @@ class ReportingHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         call = self._calls
         self._calls += 1
-        self._reporter.report("joining", call)
+        marks.mark("rdzv_enter", call=call)
+        self._reporter.report_soon("joining", call)
         info = self._inner.next_rendezvous()
         round_ = rendezvous_round(self._inner)
+        marks.mark("rdzv_done", call=call, round=round_, rank=info.rank, world=info.world_size)
         if round_ is not None:
             # Before the group's workers start: every line after this one on this node is
             # theirs (worker/protocol.py's ROUND_MARK; the agent reads it and ships no mark).
@@ -113,7 +137,10 @@ class ReportingHandler(RendezvousHandler):
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self._inner.num_nodes_waiting()
+        waiting = self._inner.num_nodes_waiting()
+        if waiting:
+            marks.mark("nodes_waiting", waiting=waiting)
+        return waiting
 
     def get_run_id(self) -> str:
         return self._inner.get_run_id()

@@ -11,6 +11,7 @@ through `store.set_timeout`.
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -33,6 +34,7 @@ from worker.protocol import (
     StoreItem,
     ValueResult,
 )
+from worker.rendezvous import marks
 from worker.rendezvous.transport import ControlPlaneUnreachable, Transport
 
 Reply = TypeVar("Reply", bound=BaseModel)
@@ -146,6 +148,8 @@ class HttpStore(dist.Store):
             return self._transport.call(method, path, body, **kwargs)
         except ControlPlaneUnreachable as exc:
             raise dist.DistNetworkError(str(exc)) from exc
+        finally:
+            marks.mark("store", path=path)
 
     @staticmethod
     def _read(model: type[Reply], result: dict) -> Reply:
@@ -153,3 +157,40 @@ class HttpStore(dist.Store):
             return model.model_validate(result)
         except ValidationError as exc:
             raise dist.DistStoreError(f"the control plane sent a malformed {model.__name__}: {exc}") from exc
+
+
+def publish_master_in_one_call() -> bool:
+    """After each round torch's handler publishes the workers' master address and port through
+    the agents' store (`RendezvousStoreInfo.build`): rank 0 sets the two keys one by one and
+    reads both back, every other node reads them one by one; four and two round trips to the
+    control plane, between the round's completion and the workers' start. Here rank 0 sets both
+    in one `multi_set` (and keeps what it set), the others read both in one `multi_get`: the same
+    keys and values, one round trip each. Process-wide (dynamic_rendezvous's module-level name),
+    for stores with the extended API only; others keep torch's `build`. False: torch has no such
+    name, nothing changed."""
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    stock = rdzv_api.RendezvousStoreInfo
+    current = getattr(dynamic_rendezvous, "RendezvousStoreInfo", None)
+    if current is not stock:
+        return current is not None and issubclass(current, stock)
+    keys = [stock.MASTER_ADDR_KEY, stock.MASTER_PORT_KEY]
+
+    class OneCallStoreInfo(stock):
+        @staticmethod
+        def build(rank: int, store: dist.Store, local_addr: str | None,
+                  server_port: int | None = None) -> rdzv_api.RendezvousStoreInfo:
+            if not store.has_extended_api():
+                return stock.build(rank, store, local_addr, server_port)
+            if rank == 0:
+                addr = local_addr or socket.getfqdn()
+                port = server_port or get_free_port()
+                store.multi_set(keys, [addr.encode(), str(port).encode()])
+                return stock(master_addr=addr, master_port=port)
+            addr_b, port_b = store.multi_get(keys)
+            return stock(master_addr=_bytes(addr_b).decode(), master_port=int(_bytes(port_b).decode()))
+
+    dynamic_rendezvous.RendezvousStoreInfo = OneCallStoreInfo
+    return True
