@@ -285,7 +285,7 @@ class Torchrun:
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
             f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
-            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3",
+            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3", f"--log-dir={self.torchrun_log_dir(a)}",
         ]
         if self.address:
             argv.append(f"--local-addr={self.address}")
@@ -297,6 +297,13 @@ class Torchrun:
             # SIGTERM when this agent dies, which it forwards to torchrun.
             return worker_launch_prefix(signal.SIGTERM) + argv
         return pdeathsig_argv(argv, signal.SIGTERM)
+
+    def torchrun_log_dir(self, a: Assignment) -> Path:
+        """Where torchrun keeps its per-worker files (`--tee` writes each worker's output to a
+        file and tails it): in the job's log folder, which `log_retention` bounds. Left to
+        torchrun, a `torchelastic_*` folder in $TMPDIR with a copy of every attempt's output
+        stays there for good (bench/soak.py --minutes found one per attempt after an hour)."""
+        return self.data_dir / "logs" / a.job_id / "torchrun"
 
     @staticmethod
     def job_command(a: Assignment) -> list[str]:
@@ -433,6 +440,9 @@ class Torchrun:
         log_dir = self.data_dir / "logs" / a.job_id
         for d in (self.data_dir / "logs", log_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # torchrun's own files (it runs as the job's user, if there is one)
+        job_dir(self.torchrun_log_dir(a), self.run_as,
+                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir))
         env = self.job_env(a)
         if (why := missing_command(self.job_command(a), env, cwd)) is not None:
             # Said before anything starts: the reason must not depend on whether the
