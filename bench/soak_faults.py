@@ -114,12 +114,12 @@ class Api:
             c.close()
 
 
-def proc_figures(pid: int) -> tuple[int, int] | None:
-    """(RSS in kB, open fds) of a live process."""
+def proc_figures(pid: int) -> tuple[int, int, int] | None:
+    """(RSS in kB, open fds, pid) of a live process."""
     try:
         rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                    if line.startswith("VmRSS:"))
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+        return rss, len(os.listdir(f"/proc/{pid}/fd")), pid
     except (OSError, StopIteration):
         return None
 
@@ -202,7 +202,7 @@ class HourSoak:
             ag.stop()
         time.sleep(1)
         alive = sorted(p for p in self.seen_pids if _alive(p))
-        shm_left = sorted(set(_shm()) - self.shm_before)
+        shm_left = sorted(n for n in set(_shm()) - self.shm_before if ".hour-" in n)  # this soak's nodes
         tmp_left = sorted(str(p.relative_to(self.tmpdir)) for p in self.tmpdir.rglob("*"))
         slash_tmp_left = sorted(set(os.listdir("/tmp")) - self.slash_tmp_before - {self.root.name})
         slash_tmp_left = [n for n in slash_tmp_left if _owned_by_us(Path("/tmp") / n)
@@ -522,14 +522,16 @@ class HourSoak:
         c = self.api.clients[self.api.i]
         run_list = runs(c, self.long_id)
         from tests.helpers.faults import rank0_lines
-        times = {}
-        for item in rank0_lines(c, self.long_id):
-            if item["line"].startswith("start step="):
-                times.setdefault(int(item["line"].split()[1].split("=")[1]), item["time"])
+        starts = [i["time"] for i in rank0_lines(c, self.long_id) if i["line"].startswith("start step=")]
         losses = []
-        for (_s0, steps0), (s1, _steps1) in zip(run_list, run_list[1:], strict=False):
+        for k, ((_s0, steps0), (s1, _steps1)) in enumerate(zip(run_list, run_list[1:], strict=False)):
             last = steps0[-1] if steps0 else None
-            losses.append({"resumed_from": s1, "last_before": last,
+            at = starts[k + 1] - self.t0 if k + 1 < len(starts) else None
+            before = [f for f in self.faults if at is not None and f["t"] <= at]
+            losses.append({"resumed_from": s1, "last_before": last, "at_s": at,
+                           "after_fault": before[-1]["kind"] + f" #{before[-1]['n']} on "
+                                          f"{before[-1].get('target')} at {before[-1]['t']:.0f} s"
+                           if before else None,
                            "lost": None if last is None else last - s1})
         events = c.get(f"/v1/jobs/{self.long_id}/events").json()["items"]
         return {"long_job": {"id": self.long_id, "state": state, "runs": len(run_list),
@@ -597,8 +599,8 @@ def summarize(result: dict, soak: HourSoak) -> list[str]:
     lj = result["long_job"]
     out.append(f"long job {lj['id']}: {lj['state']} after {lj['runs']} runs, last step {lj['last_step']}")
     for r in lj["restarts"]:
-        out.append(f"  restart: last step {r['last_before']} -> resumed from {r['resumed_from']}: "
-                   f"{r['lost']} steps lost")
+        out.append(f"  restart at {r['at_s'] or 0:.0f} s: last step {r['last_before']} -> resumed from "
+                   f"{r['resumed_from']}: {r['lost']} steps lost (after {r['after_fault']})")
     rows = soak.samples
     half = [r for r in rows if r["t"] >= rows[-1]["t"] / 2] if rows else []
 
@@ -608,18 +610,22 @@ def summarize(result: dict, soak: HourSoak) -> list[str]:
             v = r.get(key)
             if v is None:
                 continue
-            pts.append((r["t"], v if idx is None else v[idx]))
+            pts.append((r["t"], v if idx is None else v[idx], None if idx is None else v[2]))
         return pts
 
     def line(label, pts, scale, unit):
+        """First, last, max over the run; the slope over the second half, of the process that
+        was alive at the end (a restarted process starts afresh)."""
         if not pts:
             return f"  {label}: no samples"
         vals = [p[1] for p in pts]
-        hp = [p for p in pts if p[0] >= (half[0]["t"] if half else 0)]
+        pids = len({p[2] for p in pts})
+        hp = [p[:2] for p in pts if p[0] >= (half[0]["t"] if half else 0) and p[2] == pts[-1][2]]
         s = slope_per_hour(hp)
         slope = "-" if s is None else f"{s / scale:+.2f}"
         return (f"  {label}: first {vals[0] / scale:.2f} last {vals[-1] / scale:.2f} "
-                f"max {max(vals) / scale:.2f} {unit}; slope over the second half {slope} {unit}/h")
+                f"max {max(vals) / scale:.2f} {unit}; slope over the second half {slope} {unit}/h"
+                + (f" ({pids} processes in turn)" if pids > 1 else ""))
 
     out.append(f"samples: {len(rows)} (one a minute)")
     out.append(line("etcd keys", series("keys"), 1, "keys"))
@@ -668,14 +674,16 @@ def main_hour(args) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    lines = summarize(result, soak)
-    print("\n".join(["", "summary:", *lines]), flush=True)
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "faults": soak.faults, "samples": soak.samples, "summary": lines,
+           "faults": soak.faults, "samples": soak.samples, "5xx": soak.api.errors_5xx,
            "jobs": [j.__dict__ for j in soak.jobs], **result}
     path = REPO / "bench" / "results" / "soak-hour.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # written first: a summary that fails loses nothing
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    lines = summarize(result, soak)
+    print("\n".join(["", "summary:", *lines]), flush=True)
+    path.write_text(json.dumps({**out, "summary": lines}, indent=1, default=str) + "\n")
     bad = sum(1 for j in soak.jobs if soak.verdict(j) is not None)
     return 1 if bad or soak.api.errors_5xx or result["leftovers"]["processes_alive"] else 0
 
