@@ -383,7 +383,8 @@ class HourSoak:
                 _kill(p, signal.SIGKILL)
             rec.update(target=ag.name, pids=pids)
         elif kind == "agent-kill":
-            ag = self.rng.choice(longs if n % 2 == 0 or not others else others)
+            # the long job's node and another in turn (the rotation's k-th agent kill)
+            ag = self.rng.choice(longs if n // len(self.args.fault_kinds) % 2 == 0 or not others else others)
             self.remember(ag)
             killed = ag.kill_tree()
             rec.update(target=ag.name, pids=len(killed))
