@@ -100,6 +100,8 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 STOPPED_WORKER_GRACE_S = 3.0
 # How long a group's end waits for its output to be shipped (`Torchrun.draining`).
 DRAIN_S = 60.0
+# How long a node without an assignment keeps the memory tier of the job it left (`park_memory`).
+MEMORY_KEEP_S = 300.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -272,6 +274,7 @@ class Torchrun:
         self.group: WorkerGroup | None = None
         self.fork_server: ForkServer | None = None
         self.memory: tuple[str, Path] | None = None  # (job, its memory tier on this node)
+        self.memory_parked_at: float | None = None  # when the node was left without an assignment
 
     # ------------------------------------------------------------------ command and environment
     def argv(self, a: Assignment) -> list[str]:
@@ -396,6 +399,7 @@ class Torchrun:
         attempt here, kept across attempts while the node works on the job, so that a
         restarted group finds the copies of the one before."""
         if self.memory is not None and self.memory[0] == a.job_id and self.memory[1].is_dir():
+            self.memory_parked_at = None
             return self.memory[1]
         self.drop_memory()
         try:
@@ -411,8 +415,22 @@ class Torchrun:
     def drop_memory(self) -> None:
         """Delete the memory tier of the job this node worked on (it left the job)."""
         held, self.memory = self.memory, None
+        self.memory_parked_at = None
         if held is not None:
             shutil.rmtree(held[1], ignore_errors=True)
+
+    def park_memory(self, now: float) -> None:
+        """The node has no assignment: keep the memory tier of the job it left for
+        `MEMORY_KEEP_S` (a job that lost a node is PENDING, its survivors let go; when it
+        starts again here, the copy is its restore point: at most a step lost, where the
+        disk's latest may be `every_steps` behind), then delete it. Called on every idle beat;
+        another job's assignment deletes it at once (`memory_dir`)."""
+        if self.memory is None:
+            return
+        if self.memory_parked_at is None:
+            self.memory_parked_at = now
+        elif now - self.memory_parked_at >= MEMORY_KEEP_S:
+            self.drop_memory()
 
     # ------------------------------------------------------------------ the group
     def group_tree(self, g: WorkerGroup) -> list[int]:
