@@ -296,6 +296,8 @@ class HourSoak:
             if r.status_code == 404:
                 j.state, j.ended = "GONE", now
                 continue
+            if r.status_code != 200:  # a 5xx, counted by `Api`: asked again next round
+                continue
             j.state = r.json()["state"]
             if j.cancel_at == -1.0 and j.state == "RUNNING":
                 j.cancel_at = now + 3
@@ -661,6 +663,11 @@ FAULT_KINDS = ["worker-kill", "agent-kill", "agent-stop-short", "cp-kill", "etcd
 
 
 def main_hour(args) -> int:
+    def interrupted(*_):
+        raise KeyboardInterrupt  # SIGTERM (or SIGINT, ignored in a background job) stops it cleanly
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     root = Path(tempfile.mkdtemp(prefix="ftrain-soak-hour-"))
     soak = HourSoak(args, root)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
