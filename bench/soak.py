@@ -3,6 +3,9 @@
     python bench/soak.py --quick          # ~600 jobs, ~200 MB of log lines, a few minutes
     python bench/soak.py                  # 50,000 jobs, 5 GB of log lines (hours on 2 cores)
     python bench/soak.py --jobs 5000 --log-mb 1000 --retention 20
+    python bench/soak.py --minutes 60 --faults --retention 120 --compaction 30
+                                          # an hour of real jobs, faults on a schedule
+                                          # (bench/soak_faults.py has its own account)
 
 Starts a real etcd and a real control plane (`ftrain serve`, uvicorn) with a short
 retention (`--retention`, seconds), a short compaction interval and a small per-job log cap,
@@ -694,6 +697,8 @@ def options(argv=None):
     ap.add_argument("--max-s", type=float, default=7 * 86400, help="give up after this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak.json")
+    from bench.soak_faults import add_options
+    add_options(ap)
     args = ap.parse_args(argv)
     if args.jobs is None:
         args.jobs = 600 if args.quick else 50_000
@@ -706,6 +711,9 @@ def options(argv=None):
 
 def main(argv=None) -> int:
     args = options(argv)
+    if args.minutes is not None:
+        from bench.soak_faults import main_hour
+        return main_hour(args)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"soak: {args.jobs} jobs, {args.log_mb:g} MB of lines (a {args.burst_mb:g} MB burst every "
           f"{args.burst_every}), cap {args.log_cap_mb:g} MiB a job, retention {args.retention:g} s, "

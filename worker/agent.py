@@ -179,7 +179,9 @@ class NodeAgent:
             if g is not None:
                 self.stop_group("no longer assigned")
             self.torchrun.stop_fork_server()
-            self.torchrun.drop_memory()
+            # Kept a while: a job that lost a node went back to PENDING and let this one go;
+            # its next attempt here resumes from this copy, not from the disk.
+            self.torchrun.park_memory(time.monotonic())
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):

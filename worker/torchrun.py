@@ -100,6 +100,8 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 STOPPED_WORKER_GRACE_S = 3.0
 # How long a group's end waits for its output to be shipped (`Torchrun.draining`).
 DRAIN_S = 60.0
+# How long a node without an assignment keeps the memory tier of the job it left (`park_memory`).
+MEMORY_KEEP_S = 300.0
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
 
 
@@ -272,6 +274,7 @@ class Torchrun:
         self.group: WorkerGroup | None = None
         self.fork_server: ForkServer | None = None
         self.memory: tuple[str, Path] | None = None  # (job, its memory tier on this node)
+        self.memory_parked_at: float | None = None  # when the node was left without an assignment
 
     # ------------------------------------------------------------------ command and environment
     def argv(self, a: Assignment) -> list[str]:
@@ -285,7 +288,7 @@ class Torchrun:
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
             f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
-            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3",
+            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3", f"--log-dir={self.torchrun_log_dir(a)}",
         ]
         if self.address:
             argv.append(f"--local-addr={self.address}")
@@ -297,6 +300,13 @@ class Torchrun:
             # SIGTERM when this agent dies, which it forwards to torchrun.
             return worker_launch_prefix(signal.SIGTERM) + argv
         return pdeathsig_argv(argv, signal.SIGTERM)
+
+    def torchrun_log_dir(self, a: Assignment) -> Path:
+        """Where torchrun keeps its per-worker files (`--tee` writes each worker's output to a
+        file and tails it): in the job's log folder, which `log_retention` bounds. Left to
+        torchrun, a `torchelastic_*` folder in $TMPDIR with a copy of every attempt's output
+        stays there for good (bench/soak.py --minutes found one per attempt after an hour)."""
+        return self.data_dir / "logs" / a.job_id / "torchrun"
 
     @staticmethod
     def job_command(a: Assignment) -> list[str]:
@@ -389,6 +399,7 @@ class Torchrun:
         attempt here, kept across attempts while the node works on the job, so that a
         restarted group finds the copies of the one before."""
         if self.memory is not None and self.memory[0] == a.job_id and self.memory[1].is_dir():
+            self.memory_parked_at = None
             return self.memory[1]
         self.drop_memory()
         try:
@@ -404,8 +415,22 @@ class Torchrun:
     def drop_memory(self) -> None:
         """Delete the memory tier of the job this node worked on (it left the job)."""
         held, self.memory = self.memory, None
+        self.memory_parked_at = None
         if held is not None:
             shutil.rmtree(held[1], ignore_errors=True)
+
+    def park_memory(self, now: float) -> None:
+        """The node has no assignment: keep the memory tier of the job it left for
+        `MEMORY_KEEP_S` (a job that lost a node is PENDING, its survivors let go; when it
+        starts again here, the copy is its restore point: at most a step lost, where the
+        disk's latest may be `every_steps` behind), then delete it. Called on every idle beat;
+        another job's assignment deletes it at once (`memory_dir`)."""
+        if self.memory is None:
+            return
+        if self.memory_parked_at is None:
+            self.memory_parked_at = now
+        elif now - self.memory_parked_at >= MEMORY_KEEP_S:
+            self.drop_memory()
 
     # ------------------------------------------------------------------ the group
     def group_tree(self, g: WorkerGroup) -> list[int]:
@@ -435,6 +460,9 @@ class Torchrun:
         log_dir = self.data_dir / "logs" / a.job_id
         for d in (self.data_dir / "logs", log_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # torchrun's own files (it runs as the job's user, if there is one)
+        job_dir(self.torchrun_log_dir(a), self.run_as,
+                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir))
         env = self.job_env(a)
         if (why := missing_command(self.job_command(a), env, cwd)) is not None:
             # Said before anything starts: the reason must not depend on whether the

@@ -95,6 +95,30 @@ def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_re
     assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
 
 
+@pytest.mark.slow  # 20-40 s on 2 cores, most of it two torchrun starts: left out of the default run (README)
+def test_a_min_max_two_job_that_loses_a_node_resumes_from_the_survivors_copy(api, agents):
+    """min == max == 2: a node's agent is SIGKILLed, the job goes back to PENDING and lets the
+    survivor go; when the node is back, the group restarts from the survivor's memory copy (sent
+    to the other node), losing at most a step. The survivor deleted its copy as soon as it had
+    no assignment, so the job went back to the disk tier (here: step 0). Found by the hour soak
+    (bench/soak.py --minutes), where that cost the long job up to `every_steps` steps."""
+    (a, b) = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("memmm", 120, mn=2, mx=2, every=1000, env=EVERY_STEP))
+    wait_logged_step(api, job_id, 20)
+    killed = b.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+    wait_for(lambda: job(api, job_id)["state"] == "PENDING", 30, "the job back to PENDING")
+    wait_for(lambda: not workers(a), 30, "the survivor's workers stopped (it is let go)")
+    b.start()
+    (_, before), (start, _) = wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1] and r, 90,
+                                       "training again on both nodes")
+    assert start >= before[-1] - 1, (f"resumed from step {start} after step {before[-1]}",
+                                     [e["reason"] for e in events_of(api, job_id)])
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert steps_lost(api, job_id, 120) <= 1, runs(api, job_id)
+
 
 def _memory_dir(agent, job_id: str) -> Path:
     """The agent's memory-tier directory of `job_id` (worker/memory.py's naming)."""

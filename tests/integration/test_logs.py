@@ -102,8 +102,13 @@ def test_a_burst_larger_than_the_agents_queue_all_reaches_the_api_before_the_job
     """10,000 lines at once, ten times what the agent queues (FTRAIN_LOG_QUEUE_LINES=1000):
     the agent reads them as they can be shipped, none dropped while the control plane
     answers, and reports the group's end only once they are all shipped (a reader that stops
-    at the end sees them all; before: 60% of a flood of 200,000 lost, the end reported first)."""
-    agent = NodeAgentProc(control_plane, "n0", tmp_path / "nodes", env={"FTRAIN_LOG_QUEUE_LINES": "1000"})
+    at the end sees them all; before: 60% of a flood of 200,000 lost, the end reported first).
+    torchrun's own copy of the flood (`--tee`) is kept in the agent's bounded log folder, not
+    left in $TMPDIR for good (before: a `torchelastic_*` folder there per attempt)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    agent = NodeAgentProc(control_plane, "n0", tmp_path / "nodes",
+                          env={"FTRAIN_LOG_QUEUE_LINES": "1000", "TMPDIR": str(tmp)})
     try:
         agent.start()
         script = REPO / "tests" / "scripts" / "print_burst.py"
@@ -114,6 +119,7 @@ def test_a_burst_larger_than_the_agents_queue_all_reaches_the_api_before_the_job
     finally:
         agent.stop()
     assert not [t for t in got if "dropped" in t], [t for t in got if "dropped" in t][:3]
+    assert not list(tmp.iterdir()), list(tmp.rglob("*"))[:5]
     got = [t for t in got if t.startswith("burst ")]
     assert [int(t.split()[1]) for t in got] == list(range(10000))
     assert all(len(t) == 40 for t in got)
