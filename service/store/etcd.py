@@ -10,7 +10,10 @@ connection, which serves everything else as before).
 Several endpoints may be given (the members of one cluster): on a connection failure the
 next one is used, and a request that found its member's port closed (a member killed or
 restarting: the request never reached it) is sent to the next member at once, so a lost
-member costs no failed request; a timeout is not resent (it may have been applied).
+member costs no failed request; a timeout is not resent (it may have been applied), except
+for a read (or a keep-alive): with other members to ask, its first member gets half the
+deadline, and one that does not answer within it (a stopped member; a follower whose read
+waits on the leader just killed) is left for the next.
 
 With etcd's own authentication (a user and password; `ftrain up` turns it on for its
 etcd), the client authenticates when it connects and sends the token etcd gave it with
@@ -185,42 +188,50 @@ class EtcdStore(KeyValue):
         leader included, fails no request.
         """
         start = time.perf_counter()
+        # A repeatable call with other members to go to gets half the deadline on its first
+        # member: one that does not answer at all (stopped, or a follower whose read waits on a
+        # leader that was just killed) leaves time to ask the next.
+        hurry = repeatable and len(self._endpoints) > 1
+        attempt_s = self._timeout_s / 2 if hurry else self._timeout_s + 0.5
         try:
             while True:
                 try:
-                    return await self._call_authenticated(what, fn)
+                    return await self._call_authenticated(what, fn, attempt_s)
                 except StoreUnavailable as exc:
-                    again = _in_election(exc, repeatable) or (
+                    unanswered = hurry and isinstance(exc.__cause__, TimeoutError)
+                    again = unanswered or _in_election(exc, repeatable) or (
                         len(self._endpoints) > 1 and _is_unreachable(exc.__cause__)
                         and (repeatable or not _said(exc.__cause__, _LEADER_LOST)))
                     if not again or time.perf_counter() + ELECTION_RETRY_S > start + self._timeout_s:
                         raise
-                    log.info("etcd did not take %s (%s); sent again", what, exc.__cause__)
-                    await asyncio.sleep(ELECTION_RETRY_S)
+                    log.info("etcd did not take %s (%s); sent again", what, exc.__cause__ or exc)
+                    attempt_s = max(ELECTION_RETRY_S, start + self._timeout_s + 0.5 - time.perf_counter())
+                    if not unanswered:  # (a member that did not answer was left: ask the next now)
+                        await asyncio.sleep(ELECTION_RETRY_S)
         finally:
             if self.on_call is not None:
                 self.on_call(time.perf_counter() - start)
 
-    async def _call_authenticated(self, what: str, fn):
+    async def _call_authenticated(self, what: str, fn, attempt_s: float | None = None):
         """`_call_next_member`, once more on a new client if etcd refused our auth token."""
         try:
-            return await self._call_next_member(what, fn)
+            return await self._call_next_member(what, fn, attempt_s)
         except _TokenRefused as refused:
             await self._reauthenticate(refused.client)
         try:
-            return await self._call_next_member(what, fn)
+            return await self._call_next_member(what, fn, attempt_s)
         except _TokenRefused as refused:
             raise self._refused(refused.__cause__) from refused.__cause__
 
-    async def _call_next_member(self, what: str, fn):
+    async def _call_next_member(self, what: str, fn, attempt_s: float | None = None):
         """`_call_once`, sent once more (to the next member) if its member was unreachable."""
         try:
-            return await self._call_once(what, fn)
+            return await self._call_once(what, fn, attempt_s)
         except _Unreachable as unreachable:
             log.info("etcd at %s unreachable; %s goes to %s", unreachable.endpoint, what,
                      self.endpoint)
             try:
-                return await self._call_once(what, fn)
+                return await self._call_once(what, fn, attempt_s)
             except _Unreachable as again:
                 raise again.error from again.__cause__
 
@@ -234,7 +245,9 @@ class EtcdStore(KeyValue):
     def _answered(self) -> None:
         self._unanswered_since = None
 
-    async def _call_once(self, what: str, fn):
+    async def _call_once(self, what: str, fn, attempt_s: float | None = None):
+        """`fn(client)` on the member in use, within `attempt_s` (default: the deadline and a
+        half second more, gRPC's own deadline being the one that ends it)."""
         client = None
         if self._unanswered_since is None:  # (still waiting, or failed: either way no answer)
             self._unanswered_since = time.monotonic()
@@ -242,7 +255,7 @@ class EtcdStore(KeyValue):
             client = await self._connected()
             # asyncio.timeout, not wait_for: wait_for drops a cancellation that comes as the
             # call ends (Python 3.11), and a task cancelled then never ends (a hung shutdown).
-            async with asyncio.timeout(self._timeout_s + 0.5):
+            async with asyncio.timeout(self._timeout_s + 0.5 if attempt_s is None else attempt_s):
                 answer = await fn(client)
             self._answered()
             return answer

@@ -4,7 +4,9 @@ anything a handler would turn into a 500. (What every KeyValue does: tests/contr
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import time
 
 import pytest
 
@@ -181,6 +183,42 @@ def test_a_request_to_a_member_whose_port_is_closed_goes_to_the_next_member_at_o
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_read_on_a_member_that_does_not_answer_goes_to_the_next_within_the_deadline(etcd, tmp_path):
+    """A member that is there but does not answer (SIGSTOP: its port still takes connections;
+    as a follower waiting on a killed leader does) holds a read only half the deadline: the
+    read is then asked of the next member and answered. (Before, it waited the whole deadline
+    and failed: the 503s of the hour-long soak when the first etcd member was killed.) The two
+    members here are two one-member etcds, the key written to each."""
+    from tests.conftest import _started_etcd, _stop_etcd
+
+    other = _started_etcd(tmp_path / "other")
+
+    async def main() -> float:
+        client = EtcdStore(f"{etcd.endpoint},{other.endpoint}", timeout_s=2)
+        second = EtcdStore(other.endpoint, timeout_s=2)
+        try:
+            await client.put("/t/where", b"first")  # connected to the first member
+            await second.put("/t/where", b"second")
+            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                got = await client.get("/t/where")
+                took = time.monotonic() - began
+            finally:
+                os.kill(etcd.proc.pid, signal.SIGCONT)
+            assert got is not None and got.value == b"second"
+            return took
+        finally:
+            await client.close()
+            await second.close()
+
+    try:
+        took = asyncio.run(main())
+        assert took < 2.5, f"the read took {took:.2f} s"
+    finally:
+        _stop_etcd(other)
 
 
 def test_a_lone_endpoint_that_refuses_still_fails_as_store_unavailable():
