@@ -43,6 +43,8 @@ from worker.protocol import Progress
 # Job records per read. A record is its spec (at most MAX_SPEC_BYTES, checked at submit)
 # and a few KiB of state: 16 of them stay near 1 MiB, a quarter of gRPC's 4 MiB reply cap.
 JOB_PAGE_SIZE = 16
+# Events a job keeps in etcd: its first (the submission) and the latest others (`event_ops`).
+MAX_EVENTS = 1000
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 _JOB_ID = re.compile(r"^[a-z0-9-]{1,40}-[a-z0-9]{6}$")
@@ -408,7 +410,7 @@ class JobStore:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""
         job_id = change.job.id
         ops: list[Put | Delete] = [Put(self.keys.job(job_id), _dump(change.job))]
-        ops += [Put(self.keys.event(job_id, e.seq), _dump(e)) for e in change.events]
+        ops += event_ops(self.keys, job_id, change.events)
         ops += change.ops
         return cas.Write({self.keys.job(job_id): revision}, ops, result)
 
@@ -424,6 +426,18 @@ class JobStore:
 
 def _progress(entry) -> Progress | None:
     return None if entry is None else Progress.model_validate_json(entry.value)
+
+
+def event_ops(keys: Keys, job_id: str, events: Sequence[EventView]) -> list[Put | Delete]:
+    """The writes of a job's new `events`, and the deletion of the events they push past the
+    MAX_EVENTS a job keeps: its first (the submission: when, by whom) and the latest others.
+    A job that runs for months and restarts every hour keeps a bounded history in etcd."""
+    ops: list[Put | Delete] = []
+    for e in events:
+        ops.append(Put(keys.event(job_id, e.seq), _dump(e)))
+        if (old := e.seq - (MAX_EVENTS - 1)) > 1:
+            ops.append(Delete(keys.event(job_id, old)))
+    return ops
 
 
 def _first_event(job: JobRecord, now: float) -> tuple[JobRecord, EventView]:

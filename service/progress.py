@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from service.decide.snapshots import ProgressDecision, decide_progress
 from service.errors import JobNotFound
-from service.jobs import JobStore
+from service.jobs import JobStore, event_ops
 from service.models import JobRecord, MetricHistory
 from service.store import cas
 from service.store.api import Entry, Put
@@ -62,7 +62,7 @@ class ProgressStore:
             ops = [Put(progress_key, d.progress.model_dump_json().encode())]
             if d.job is not None:
                 ops.append(Put(job_key, d.job.model_dump_json().encode()))
-                ops += [Put(keys.event(job_id, e.seq), e.model_dump_json().encode()) for e in d.events]
+                ops += event_ops(keys, job_id, d.events)
             # The progress key first: the one read back for the index (cas.update's `written`).
             for key, part in ((body_key, d.body), (tail_key, d.tail)):
                 if part is not None:

@@ -77,6 +77,30 @@ def test_a_node_dropped_from_the_members_by_any_decision_is_kept_as_a_former_mem
 
 # ------------------------------------------------------------------ nodes
 
+def test_a_job_keeps_its_first_event_and_only_the_latest_others(monkeypatch):
+    """A job that runs for months and restarts often would pile up events in etcd: each new
+    event past the cap deletes the oldest but the first (the submission), in the same write."""
+    from service import jobs as jobs_module
+    from service.decide.state import note
+
+    monkeypatch.setattr(jobs_module, "MAX_EVENTS", 5)
+
+    async def main() -> list[int]:
+        ctx = context()
+        job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
+        for i in range(12):
+            await ctx.jobs.update(job.id, lambda j, i=i: Change(*_one(note(j, f"restart {i}", 1.0 + i))))
+        return [e.seq for e in await ctx.jobs.events(job.id)]
+
+    seqs = asyncio.run(main())
+    assert seqs == [1, 10, 11, 12, 13]  # 13 events made: the first, and the 4 latest
+
+
+def _one(made):
+    job, event = made
+    return job, [event]
+
+
 def test_a_registered_node_is_listed_and_lives_while_it_heartbeats():
     async def main():
         clock = ManualClock()
