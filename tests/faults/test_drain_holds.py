@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers.elastic import submit, wait_state
 from tests.helpers.processes import REPO, wait_for
 
 SCRIPT = REPO / "tests" / "scripts" / "exit_with.py"
-ETCD_PAUSE_S = 10  # past the node TTL (6 s): the node's lease lapses and its record with it
+NODE_TTL_S = 2  # the shortest lease the control plane takes (FTRAIN_NODE_TTL_S)
+ETCD_PAUSE_S = 5  # past the node's lease: it lapses and the node's record with it
 
 
 def ftrain(control_plane, command: str, *rest: str) -> subprocess.CompletedProcess:
@@ -31,6 +34,7 @@ def node(api, name: str) -> dict | None:
     return next((n for n in resp.json()["items"] if n["name"] == name), None)
 
 
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": str(NODE_TTL_S)}], indirect=True)
 def test_a_drain_survives_an_etcd_pause_and_a_control_plane_restart_until_undrain(
         etcd, control_plane, api, agents):
     agents(1)

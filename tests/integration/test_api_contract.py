@@ -1,9 +1,13 @@
 """The API's contract against a real server: authentication before the body, and an OpenAPI
-description that lists the error answers as the server sends them."""
+description that lists the error answers as the server sends them. One control plane for
+the module: no test stores anything."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.shared_control_plane
 
 
 def test_a_missing_or_wrong_token_and_a_bad_body_is_401_or_403_not_413_or_422(control_plane):

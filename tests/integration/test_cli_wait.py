@@ -1,5 +1,7 @@
 """The CLI waits for a job: `ftrain run --` and `submit --follow` stream the logs, print the
-final state and exit with its code (real control plane, agent, torchrun and `ftrain` processes)."""
+final state and exit with its code (real control plane, agent, torchrun and `ftrain` processes).
+The module's tests share one control plane and one agent: each runs a job of its own on them,
+one after another, and none stops or restarts them."""
 
 from __future__ import annotations
 
@@ -8,9 +10,21 @@ import os
 import subprocess
 import sys
 
-from tests.helpers.processes import REPO
+import pytest
+
+from tests.helpers.processes import REPO, NodeAgentProc
 
 SCRIPT = REPO / "tests" / "scripts" / "exit_with.py"
+
+pytestmark = pytest.mark.shared_control_plane
+
+
+@pytest.fixture(scope="module")
+def agent(_module_control_plane, tmp_path_factory):
+    """The module's one node agent, on the module's control plane."""
+    node = NodeAgentProc(_module_control_plane, "n0", tmp_path_factory.mktemp("nodes")).start()
+    yield node
+    node.stop()
 
 
 def ftrain(control_plane, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
@@ -21,8 +35,7 @@ def ftrain(control_plane, *args: str, timeout_s: float = 120) -> subprocess.Comp
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_run_dash_dash_follows_a_succeeding_job_and_exits_0(control_plane, api, agents):
-    agents(1)
+def test_run_dash_dash_follows_a_succeeding_job_and_exits_0(control_plane, api, agent):
     done = ftrain(control_plane, "run", "--name", "hello", "--max-restarts", "0", "--",
                   "python", str(SCRIPT), "0")
     assert done.returncode == 0, done.stderr
@@ -35,9 +48,8 @@ def test_run_dash_dash_follows_a_succeeding_job_and_exits_0(control_plane, api, 
     assert job["spec"]["working_dir"] == str(REPO)
 
 
-def test_submit_follow_exits_non_zero_with_the_reason_when_the_job_fails(control_plane, api, agents,
+def test_submit_follow_exits_non_zero_with_the_reason_when_the_job_fails(control_plane, api, agent,
                                                                             tmp_path):
-    agents(1)
     spec = tmp_path / "fails.json"
     spec.write_text(json.dumps({"name": "fails", "command": ["python", str(SCRIPT), "7"],
                                 "max_restarts": 0}))
@@ -56,8 +68,7 @@ def test_submit_follow_exits_non_zero_with_the_reason_when_the_job_fails(control
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1
 
 
-def test_a_missing_command_fails_the_job_with_a_one_line_reason_that_names_it(control_plane, api, agents):
-    agents(1)
+def test_a_missing_command_fails_the_job_with_a_one_line_reason_that_names_it(control_plane, api, agent):
     done = ftrain(control_plane, "run", "--name", "typo", "--max-restarts", "0", "--", "trian-no-such-x")
     assert done.returncode == 1, done.stderr
     job_id = done.stderr.split("submitted ", 1)[1].split()[0]

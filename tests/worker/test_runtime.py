@@ -188,27 +188,39 @@ EXAMPLE = ["examples/train.py", "--steps", "70", "--batch", "16", "--width", "32
 
 
 def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control_plane, api, tmp_path):
-    finals = {}
-    for run in ("clean", "faults"):
-        job_id = api.post("/v1/jobs", json={"name": run, "command": ["x"],
-                                            "snapshot": {"every_steps": 10, "keep": 3}}).json()["id"]
-        env = _job_env(control_plane, job_id, tmp_path / run, every=10)
-        log = tmp_path / f"{run}.log"
-        out = tmp_path / f"{run}.pt"
-        proc = _start_torchrun([*EXAMPLE, "--out", str(out)], env, log)
-        if run == "faults":
-            wait_for(lambda log=log: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 120, "step 25")
-            _kill_a_worker(proc, "examples/train.py")
-            wait_for(lambda log=log: any(s >= 50 for s in _steps_after(log.read_text(), 2)), 120,
-                     "step 50 after the first restart")
-            _kill_a_worker(proc, "examples/train.py")
-        text = _finish(proc, log)
-        if run == "faults":
-            starts = [int(s) for s in re.findall(r"^start step=(\d+)", text, re.M)]
-            assert len(starts) == 3 and starts[0] == 0 and 20 <= starts[1] < starts[2], starts
-        finals[run] = torch.load(out)
-        listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
-        assert listed["latest"] == 70 and len(listed["items"]) == 3
+    # The clean run and the one with faults train side by side: two jobs, each with its own
+    # torchrun, snapshots and output file; only the second is killed.
+    runs = {}
+    try:
+        for run in ("clean", "faults"):
+            job_id = api.post("/v1/jobs", json={"name": run, "command": ["x"],
+                                                "snapshot": {"every_steps": 10, "keep": 3}}).json()["id"]
+            env = _job_env(control_plane, job_id, tmp_path / run, every=10)
+            log, out = tmp_path / f"{run}.log", tmp_path / f"{run}.pt"
+            runs[run] = (job_id, log, out, _start_torchrun([*EXAMPLE, "--out", str(out)], env, log))
+        _, log, _, proc = runs["faults"]
+        wait_for(lambda: any(s >= 25 for s in _steps_after(log.read_text(), 1)), 120, "step 25")
+        _kill_a_worker(proc, "examples/train.py")
+        wait_for(lambda: any(s >= 50 for s in _steps_after(log.read_text(), 2)), 120,
+                 "step 50 after the first restart")
+        _kill_a_worker(proc, "examples/train.py")
+        finals = {}
+        for run, (job_id, log, out, proc) in runs.items():
+            text = _finish(proc, log)
+            if run == "faults":
+                starts = [int(s) for s in re.findall(r"^start step=(\d+)", text, re.M)]
+                assert len(starts) == 3 and starts[0] == 0 and 20 <= starts[1] < starts[2], starts
+            finals[run] = torch.load(out)
+            listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
+            assert listed["latest"] == 70 and len(listed["items"]) == 3
+    finally:
+        for *_, proc in runs.values():  # a run left behind by a failure above
+            if proc.poll() is None:
+                for pid in descendants(proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait()
     assert finals["clean"].keys() == finals["faults"].keys()
     for name, tensor in finals["clean"].items():
         assert torch.equal(tensor, finals["faults"][name]), name
