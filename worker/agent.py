@@ -38,7 +38,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import log_retention, memory
+from worker import log_retention, memory_dirs
 from worker.env import FTRAIN_LOG_LEVEL
 from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
@@ -81,8 +81,8 @@ class NodeAgent:
         self.link = NodeLink(self.server, token, name, nproc_per_node, address,
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
-        memory.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
-        memory.remove_orphans()  # of any agent on this machine that was killed
+        memory_dirs.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
+        memory_dirs.remove_orphans()  # of any agent on this machine that was killed
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         self.keep_logs = (keep_logs_jobs, keep_logs_s)

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker import gpus, memory
+from worker import gpus, memory_dirs
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -403,7 +403,7 @@ class Torchrun:
             return self.memory[1]
         self.drop_memory()
         try:
-            path = memory.make_job_dir(self.data_dir, self.node, a.job_id)
+            path = memory_dirs.make_job_dir(self.data_dir, self.node, a.job_id)
             if self.run_as is not None:
                 os.chown(path, self.run_as.uid, self.run_as.gid)
         except OSError as exc:

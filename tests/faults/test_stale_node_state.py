@@ -1,6 +1,6 @@
 """Node-local state a SIGKILLed agent leaves: its memory-tier directory in /dev/shm is
 removed by the next agent that starts on the machine, whatever its name and data directory
-(`worker.memory.remove_orphans`), and a live agent's is kept."""
+(`worker.memory_dirs.remove_orphans`), and a live agent's is kept."""
 
 from __future__ import annotations
 

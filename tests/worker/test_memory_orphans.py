@@ -1,14 +1,20 @@
 """Memory-tier directories of agents that are gone (SIGKILLed: they removed nothing) are
 removed by any agent that starts on the machine; a live agent's are never touched
-(`worker.memory.remove_orphans`, by the owner each directory notes)."""
+(`worker.memory_dirs.remove_orphans`, by the owner each directory notes); and the agent,
+which only makes and removes these directories, does not import torch."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from worker import memory as mem
+import pytest
+
+from tests.helpers.processes import REPO
+from worker import memory_dirs as mem
 
 
 def _owned(shm: Path, name: str, owner: str) -> Path:
@@ -47,3 +53,13 @@ def test_only_the_directories_of_gone_agents_are_removed(tmp_path):
     assert not any(p.exists() for p in removed)
     assert all(p.exists() for p in (live, elsewhere, old_full, fresh_empty, other))
     assert mem.remove_orphans(shm) == []
+
+
+@pytest.mark.integration
+def test_the_node_agent_starts_without_importing_torch():
+    """The agent only makes and removes the memory tier's directories (worker/memory_dirs.py):
+    importing torch would cost every agent's start a second or more and some 200 MB."""
+    probe = ("import sys, worker.agent, service.cli; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout[-500:], done.stderr[-2000:])
