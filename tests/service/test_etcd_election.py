@@ -20,7 +20,7 @@ def store_answering(*answers: str | None, endpoints: str = "http://a:1,http://b:
     store = EtcdStore(endpoints, timeout_s=3)
     sent: list[str] = []
 
-    async def next_member(what, fn):
+    async def next_member(what, fn, attempt_s=None):
         said = answers[len(sent)]
         sent.append(what)
         if said is None:
