@@ -11,9 +11,10 @@ Several endpoints may be given (the members of one cluster): on a connection fai
 next one is used, and a request that found its member's port closed (a member killed or
 restarting: the request never reached it) is sent to the next member at once, so a lost
 member costs no failed request; a timeout is not resent (it may have been applied), except
-for a read (or a keep-alive): with other members to ask, its first member gets half the
-deadline, and one that does not answer within it (a stopped member; a follower whose read
-waits on the leader just killed) is left for the next.
+for a read (or a keep-alive): with other members to ask, a member gets half the deadline
+and the read twice the deadline in all, so that one that does not answer (a stopped member;
+a follower whose read waits while the members elect a new leader, seconds on a loaded
+machine) is left for the next, and the read is answered once a leader is there.
 
 With etcd's own authentication (a user and password; `ftrain up` turns it on for its
 etcd), the client authenticates when it connects and sends the token etcd gave it with
@@ -188,10 +189,13 @@ class EtcdStore(KeyValue):
         leader included, fails no request.
         """
         start = time.perf_counter()
-        # A repeatable call with other members to go to gets half the deadline on its first
-        # member: one that does not answer at all (stopped, or a follower whose read waits on a
-        # leader that was just killed) leaves time to ask the next.
+        # A repeatable call with other members to go to gets half the deadline on a member,
+        # and twice the deadline in all: one that does not answer (stopped, or a follower whose
+        # read waits for a leader while the members elect one, after theirs was killed) is left
+        # for the next, and an election that takes longer than the deadline (seconds, on a
+        # loaded machine) fails no read.
         hurry = repeatable and len(self._endpoints) > 1
+        budget_s = 2 * self._timeout_s if hurry else self._timeout_s
         attempt_s = self._timeout_s / 2 if hurry else self._timeout_s + 0.5
         try:
             while True:
@@ -202,10 +206,11 @@ class EtcdStore(KeyValue):
                     again = unanswered or _in_election(exc, repeatable) or (
                         len(self._endpoints) > 1 and _is_unreachable(exc.__cause__)
                         and (repeatable or not _said(exc.__cause__, _LEADER_LOST)))
-                    if not again or time.perf_counter() + ELECTION_RETRY_S > start + self._timeout_s:
+                    if not again or time.perf_counter() + ELECTION_RETRY_S > start + budget_s:
                         raise
                     log.info("etcd did not take %s (%s); sent again", what, exc.__cause__ or exc)
-                    attempt_s = max(ELECTION_RETRY_S, start + self._timeout_s + 0.5 - time.perf_counter())
+                    left = start + budget_s + 0.5 - time.perf_counter()
+                    attempt_s = max(ELECTION_RETRY_S, min(left, self._timeout_s / 2) if hurry else left)
                     if not unanswered:  # (a member that did not answer was left: ask the next now)
                         await asyncio.sleep(ELECTION_RETRY_S)
         finally:
