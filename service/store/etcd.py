@@ -202,7 +202,9 @@ class EtcdStore(KeyValue):
                 try:
                     return await self._call_authenticated(what, fn, attempt_s)
                 except StoreUnavailable as exc:
-                    unanswered = hurry and isinstance(exc.__cause__, TimeoutError)
+                    # No answer: its member did not give one in time, or another call dropped
+                    # the client it was sent on (closing its channel cancels the calls in flight).
+                    unanswered = hurry and isinstance(exc.__cause__, (TimeoutError, asyncio.CancelledError))
                     again = unanswered or _in_election(exc, repeatable) or (
                         len(self._endpoints) > 1 and _is_unreachable(exc.__cause__)
                         and (repeatable or not _said(exc.__cause__, _LEADER_LOST)))

@@ -82,3 +82,29 @@ def test_the_election_is_waited_for_twice_the_timeout_by_a_read_and_the_timeout_
     with pytest.raises(StoreUnavailable):
         run(store._call("a transaction", None))
     assert 2 <= len(sent) <= 4  # within 0.35 s
+
+
+def test_a_read_whose_client_was_dropped_under_it_is_sent_again_and_a_write_is_not():
+    """Another call that timed out drops the client (closing its channel cancels every call in
+    flight on it): a read among those is asked of the next member (before, the soak's etcd
+    member kills answered it 503); a write may have been applied and is not sent again."""
+
+    def dropped_once():
+        store = EtcdStore("http://a:1,http://b:2", timeout_s=3)
+        sent: list[str] = []
+
+        async def next_member(what, fn, attempt_s=None):
+            sent.append(what)
+            if len(sent) == 1:
+                raise StoreUnavailable(f"etcd did not answer {what}") from asyncio.CancelledError()
+            return "done"
+
+        store._call_next_member = next_member
+        return store, sent
+
+    store, sent = dropped_once()
+    assert run(store._call("GET /k", None, repeatable=True)) == "done" and len(sent) == 2
+    store, sent = dropped_once()
+    with pytest.raises(StoreUnavailable):
+        run(store._call("a transaction", None))
+    assert len(sent) == 1
