@@ -56,6 +56,13 @@ MAX_KEEPALIVE_CONNECTIONS = 4
 Timeout = httpx.Timeout
 
 
+class CommitUnavailable(Exception):
+    """A snapshot commit did not reach the control plane (no answer, or a server error): the
+    file is whole and the commit is worth trying again later (`worker.snapshot`). Any other
+    error of a commit is final. Here, not in worker/snapshot.py (which imports torch), so that
+    the node agent, which reports through `worker.links`, starts without torch."""
+
+
 class HttpError(Exception):
     """A request to the control plane did not get the answer it asked for."""
 

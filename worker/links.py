@@ -23,12 +23,11 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from worker import snapshot as snap
-from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable
+from worker.http import ApiError, CommitUnavailable, ControlPlaneClient, HttpError, Unreachable
 from worker.protocol import (
     BrokenPeer,
     CommitRequest,
@@ -44,6 +43,9 @@ from worker.protocol import (
     SnapshotRecord,
     steps_to_prune,
 )
+
+if TYPE_CHECKING:  # (worker/snapshot.py imports torch: the node agent reports through here)
+    from worker import snapshot as snap
 
 log = logging.getLogger("ftrain.runtime")
 Model = TypeVar("Model", bound=BaseModel)
@@ -61,7 +63,7 @@ class LinkError(RuntimeError):
         self.status = status
 
 
-class CommitUnreachable(LinkError, snap.CommitUnavailable):
+class CommitUnreachable(LinkError, CommitUnavailable):
     """A commit got no answer (or a server error) within `ServiceLink.RETRY_S`: try it later."""
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from worker.http import CommitUnavailable  # noqa: F401 (a commit's error, raised by worker.links)
+
 log = logging.getLogger(__name__)
 
 CHECKSUM_ALGO = "sha256"
@@ -220,11 +222,6 @@ def delete_files(paths: list[str], directory: str | Path | None = None) -> None:
 
 # commit(written, stall_s, control_id) -> paths to prune
 CommitFn = Callable[[WrittenSnapshot, float, "int | None"], list[str]]
-
-
-class CommitUnavailable(Exception):
-    """A commit did not reach the control plane (no answer, or a server error): the file is
-    whole and the commit is worth trying again later. Any other error of a commit is final."""
 
 
 @dataclass
