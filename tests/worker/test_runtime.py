@@ -161,16 +161,21 @@ def _kill_a_worker(proc: subprocess.Popen, script: str) -> int:
     return pids[-1]
 
 
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun still running and everything under it."""
+    if proc.poll() is None:
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
 def _finish(proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> str:
     try:
         proc.wait(timeout_s)
     finally:
-        if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
+        _kill_if_running(proc)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     return text
@@ -215,12 +220,7 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
             assert listed["latest"] == 70 and len(listed["items"]) == 3
     finally:
         for *_, proc in runs.values():  # a run left behind by a failure above
-            if proc.poll() is None:
-                for pid in descendants(proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                proc.kill()
-                proc.wait()
+            _kill_if_running(proc)
     assert finals["clean"].keys() == finals["faults"].keys()
     for name, tensor in finals["clean"].items():
         assert torch.equal(tensor, finals["faults"][name]), name
