@@ -107,7 +107,10 @@ has its own keys: a stale agent that slips through the window writes only into i
 dead, attempt's keys, never into the current one's. The check takes the job from the watch-fed
 job index where that answers (`service.routes.rendezvous._cached_job`), which widens the
 window by a watch event's delay and changes nothing else: a refusal (410) rests only on an
-attempt newer than the caller's, which the index never shows early.
+attempt newer than the caller's, which the index never shows early. The keys of a job's earlier
+attempts are dead once a request of a newer one passes that check: the first such request a
+control plane sees deletes them in the background (`StateHub.attempt_seen`); the job's end
+deletes the rest.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -127,6 +131,8 @@ from service.store import cas
 from service.store.api import MAX_TXN_OPS, PAGE_SIZE, Delete, Entry, KeyValue, Put
 from worker.protocol import StateNotSealed, open_state, seal_state, state_version
 from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops, end_last_call
+
+log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
@@ -268,12 +274,39 @@ class StateHub:
         self._encoded: dict[tuple[str, int], str] = {}  # (key, mod_revision) -> base64 of the value
         self._live_members: dict[str, tuple[object, int]] = {}  # job id -> (its record, live members)
         self._key_waits: dict[str, _KeyWaits] = {}  # store prefix -> its waiting reads
+        self._attempts: dict[str, int] = {}  # job id -> the newest attempt seen here (`attempt_seen`)
+        self._sweeps: set[asyncio.Task] = set()
         self.store_watches = 0  # etcd watches of store prefixes started (for the tests)
         # Written batches and the writes they carried; waits of long polls (one per poll and
         # per wake-up that did not answer it): GET /metrics, for the bench.
         self.batches = 0
         self.writes = 0
         self.wakes = 0
+
+    def attempt_seen(self, kv: KeyValue, keys: Keys, job_id: str, attempt: int) -> None:
+        """A request of `attempt` of `job_id` passed the attempt check: the first time this
+        control plane sees an attempt newer than its first, delete the keys of the job's
+        earlier attempts in the background. They are dead (every request of an older attempt
+        is refused 410) and were kept until the job ended: a job that runs for months and
+        restarts often kept about five keys a restart."""
+        known = self._attempts.get(job_id)
+        if known is not None and known >= attempt:
+            return
+        if len(self._attempts) >= MAX_ENCODED * 16:
+            self._attempts.clear()
+        self._attempts[job_id] = attempt
+        if attempt == 0:  # (a job's first attempt is 0)
+            return
+        task = asyncio.get_running_loop().create_task(self._sweep(kv, keys, job_id, attempt))
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
+
+    @staticmethod
+    async def _sweep(kv: KeyValue, keys: Keys, job_id: str, attempt: int) -> None:
+        try:
+            await delete_rendezvous(kv, keys, job_id, below=attempt)
+        except FtrainError as exc:  # etcd away: the job's end deletes them, as before
+            log.info("earlier attempts' rendezvous keys of %s left: %s", job_id, exc)
 
     def live_members(self, job) -> int:
         """How many of `job`'s members are live (`Rendezvous.expected_nodes`), counted once per
@@ -829,9 +862,10 @@ def _revision(token: str | None) -> int | None:
 
 
 async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str,
-                            fence: dict[str, int] | None = None) -> int:
+                            fence: dict[str, int] | None = None, below: int | None = None) -> int:
     """Delete the rendezvous keys of every attempt of `job_id` (the scheduler calls this when a
-    job ends); returns how many keys went.
+    job ends), or of its attempts before `below` (`StateHub.attempt_seen`); returns how many
+    keys went.
 
     `fence` (`Leadership.fence`, from the leader-only loops): every deletion compares the
     leader's key, and a replica that lost the lead deletes nothing (StaleLeader).
@@ -846,7 +880,8 @@ async def delete_rendezvous(kv: KeyValue, keys: Keys, job_id: str,
     async for entry in kv.scan_prefix(prefix, page_size=PAGE_SIZE * 8, keys_only=True):
         rdzv_id = entry.key[len(rdzv_root):].split("/", 1)[0]
         with contextlib.suppress(InvalidRendezvousId):
-            if parse_rdzv_id(rdzv_id)[0] == job_id:
+            owner, attempt = parse_rdzv_id(rdzv_id)
+            if owner == job_id and (below is None or attempt < below):
                 attempts[rdzv_id] = attempts.get(rdzv_id, 0) + 1
     ops = [Delete(keys.rdzv(rdzv_id), prefix=True) for rdzv_id in sorted(attempts)]
     for start in range(0, len(ops), MAX_TXN_OPS):

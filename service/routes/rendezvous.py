@@ -72,6 +72,7 @@ async def current_rendezvous(
         raise RendezvousGone(f"rendezvous {rdzv_id} belongs to attempt {attempt} of job {job_id}, "
                              f"which is now at attempt {job.attempt} ({job.rdzv_id}); this agent "
                              "is stale and should stop.")
+    ctx.rdzv_states.attempt_seen(ctx.kv, ctx.keys, job_id, attempt)
     return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states,
                       expected_nodes=ctx.rdzv_states.live_members(job))
 

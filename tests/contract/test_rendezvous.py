@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 import worker.rendezvous as ftrain_rdzv
 from service.keys import Keys
-from service.rendezvous import delete_rendezvous, parse_rdzv_id
+from service.rendezvous import StateHub, delete_rendezvous, parse_rdzv_id
 from service.store.api import Put
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import free_port, wait_for
@@ -546,6 +546,36 @@ def test_delete_rendezvous_removes_every_attempt_of_that_job_only(etcd):
     assert deleted == 4
     assert sorted(left) == sorted([keys.rdzv_state(f"{neighbour}-a0"),
                                    keys.rdzv_store(f"{neighbour}-a0") + "azE"])
+
+
+@pytest.mark.own_control_plane
+def test_a_newer_attempt_seen_deletes_the_keys_of_the_earlier_ones_of_that_job_only(etcd):
+    """A job that restarts for months: the first request of its attempt N that a control plane
+    sees deletes the keys of its attempts before N (dead: refused 410), not N's, not another
+    job's; an attempt seen before starts no second sweep."""
+    keys = Keys()
+    neighbour = "train-abc123-a1-zzzzzz"  # a job whose id starts like "train-abc123-a"
+
+    async def run():
+        client = EtcdStore(etcd.endpoint)
+        hub = StateHub()
+        try:
+            for rdzv in ("train-abc123-a0", "train-abc123-a1", "train-abc123-a2", f"{neighbour}-a0"):
+                await client.commit({}, [Put(keys.rdzv_state(rdzv), b"s"),
+                                         Put(keys.rdzv_store(rdzv) + "azE", b"v")])
+            hub.attempt_seen(client, keys, "train-abc123", 2)
+            await asyncio.gather(*hub._sweeps)
+            left = sorted([e.key async for e in client.scan_prefix(keys.prefix + "/rdzv/")])
+            hub.attempt_seen(client, keys, "train-abc123", 2)
+            hub.attempt_seen(client, keys, "train-abc123", 1)
+            return left, len(hub._sweeps)
+        finally:
+            await client.close()
+
+    left, sweeps = asyncio.run(run())
+    assert left == sorted([keys.rdzv_state("train-abc123-a2"), keys.rdzv_store("train-abc123-a2") + "azE",
+                           keys.rdzv_state(f"{neighbour}-a0"), keys.rdzv_store(f"{neighbour}-a0") + "azE"])
+    assert sweeps == 0
 
 
 def test_parse_rdzv_id():
