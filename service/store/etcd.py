@@ -186,14 +186,12 @@ class EtcdStore(KeyValue):
         until it is answered or `timeout_s` has passed, and so is a `repeatable` one (a read,
         a keep-alive: doing it twice does no harm) answered "leader changed", and one whose
         member (and the next) could not be reached, so that losing one member of three, the
-        leader included, fails no request.
+        leader included, fails no request. A `repeatable` call with other members to ask gets
+        half the deadline on a member and twice the deadline in all (module docstring): one
+        that gives no answer (stopped, or a follower waiting while the members elect a leader)
+        is left for the next, and an election longer than the deadline fails no read.
         """
         start = time.perf_counter()
-        # A repeatable call with other members to go to gets half the deadline on a member,
-        # and twice the deadline in all: one that does not answer (stopped, or a follower whose
-        # read waits for a leader while the members elect one, after theirs was killed) is left
-        # for the next, and an election that takes longer than the deadline (seconds, on a
-        # loaded machine) fails no read.
         hurry = repeatable and len(self._endpoints) > 1
         budget_s = 2 * self._timeout_s if hurry else self._timeout_s
         attempt_s = self._timeout_s / 2 if hurry else self._timeout_s + 0.5
