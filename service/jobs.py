@@ -115,7 +115,7 @@ class JobStore:
                         secret_env_names=sorted(spec.secret_env))
         job, event = _first_event(job, now)
         ops: list[Put | Delete] = [Put(self.keys.job(job.id), _dump(job)),
-                                   Put(self.keys.event(job.id, event.seq), _dump(event))]
+                                   *event_ops(self.keys, job.id, [event])]
         expect = {self.keys.job(job.id): 0}
         idem_key = None
         if idempotency_key is not None:
