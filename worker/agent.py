@@ -100,7 +100,7 @@ class NodeAgent:
             try:
                 if not link.registered:
                     group = self.torchrun.group
-                    link.register(running=None if group is None else group.key)
+                    link.register(running=link.ending() if group is None else group.key)
                 link.send_reports()
                 # The heartbeat long-polls: an idle node learns of its job, a running one of a
                 # new attempt (a lost peer's node), as soon as the control plane decides it; a

@@ -154,17 +154,25 @@ class ServiceLink:
         got = self._read(SnapshotList, self._retrying("GET", "/snapshots"))
         return _committed_records(got.items), got.latest
 
-    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
-        body = CommitRequest(step=written.step, path=written.path, size=written.size,
+    def request_of(self, written: snap.WrittenSnapshot, stall_s: float,
+                   control_id: int | None) -> CommitRequest:
+        """The commit of `written` as this worker sends it (or leaves it to its agent: worker/handoff.py)."""
+        return CommitRequest(step=written.step, path=written.path, size=written.size,
                              checksum=written.checksum, attempt=self.attempt, control_id=control_id,
                              stall_s=round(stall_s, 6), write_s=round(written.write_s, 6))
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        return self.commit_request(self.request_of(written, stall_s, control_id))
+
+    def commit_request(self, body: CommitRequest) -> list[str]:
+        """Send one commit (its attempt is the writer's); the paths it prunes."""
         try:
             return self._read(CommitResult, self._retrying("POST", "/snapshots", body)).prune
         except LinkError as exc:
             if exc.status == 409:
-                raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
+                raise Fenced(f"snapshot of step {body.step} refused: {exc}") from exc
             if isinstance(exc.__cause__, Unreachable) or (exc.status or 0) >= 500:
-                raise CommitUnreachable(f"commit of step {written.step}: {exc}", exc.status) from exc
+                raise CommitUnreachable(f"commit of step {body.step}: {exc}", exc.status) from exc
             raise
 
     def report_corrupt(self, step: int, reason: str) -> None:

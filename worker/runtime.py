@@ -94,11 +94,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker import handoff
 from worker import memory as mem
 from worker import snapshot as snap
 from worker.data import ResumableSampler
 from worker.env import (
     FTRAIN_ATTEMPT,
+    FTRAIN_COMMIT_WAIT_S,
     FTRAIN_CUDA_WARMUP,
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_GROUP,
@@ -936,7 +938,7 @@ class Runtime:
             if self._rng_keeper is not None:
                 self._rng_keeper.flush()
             if self._writer is not None:
-                self._writer.wait()
+                self._writer.finish()  # what the control plane did not take: to the agent
         finally:
             self._stop_poller()
             if self._peer_watch is not None:  # a goodbye: the peers do not report this as a loss
@@ -991,6 +993,28 @@ def wait_for_store(addr: str | None, port: str | None, timeout_s: float) -> bool
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+
+
+def _commit_end(env: Mapping[str, str], link: Link, node: str | None) -> dict[str, Any]:
+    """How rank 0's end treats commits the control plane has not taken: waited for
+    `FTRAIN_COMMIT_WAIT_S` (default 10 s), then, under a node agent, handed over to it
+    (worker/handoff.py)."""
+    out: dict[str, Any] = {}
+    wait_s = env.get(FTRAIN_COMMIT_WAIT_S)
+    if wait_s:
+        try:
+            out["commit_wait_s"] = max(0.0, float(wait_s))
+        except ValueError:
+            log.warning("%s=%r is not a number of seconds: ignored", FTRAIN_COMMIT_WAIT_S, wait_s)
+    if isinstance(link, ServiceLink) and node:
+        directory, attempt = env.get(FTRAIN_SNAPSHOT_DIR), link.attempt
+
+        def hand_over(items: list) -> None:
+            handoff.leave(directory, node, attempt, [link.request_of(*item) for item in items])
+
+        if directory:
+            out["hand_over"] = hand_over
+    return out
 
 
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
@@ -1061,7 +1085,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
-        rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
+        rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep, **_commit_end(env, link, rt.node))
     if distributed and isinstance(link, ServiceLink) and rt.node:
         _report_broken_peers(link, rt.node, rt)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,

@@ -1,0 +1,47 @@
+"""A job's end with the control plane away over its last seconds: the job ends with its
+final snapshot committed and listed as latest, never SUCCEEDED on an older one
+(worker/handoff.py: rank 0 leaves the commits the control plane did not take to its agent)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.helpers.elastic import job, submit, wait_nodes, wait_state
+from tests.helpers.faults import SnapshotWatch, agent_stdout, events_of, local_steps, train_spec, workers
+from tests.helpers.processes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2"}], indirect=True)
+def test_a_job_whose_last_commits_meet_an_outage_ends_with_its_final_snapshot(control_plane, api, agents):
+    """Rank 0 writes its last snapshots while the control plane is down and exits after its
+    commit wait (0.5 s here, 10 s by default); its agent makes the commits once a control
+    plane is back, and only then reports the end. Before: SUCCEEDED with latest 5 of 40.
+    The node's 2 s lease lapses in the outage: it registers again as still running the group."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("endaway", 40, every=5, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        wait_for(lambda: watch.latest and (watch.latest[-1][1] or 0) >= 5, 60, "a first commit")
+        attempt = job(api, job_id)["attempt"]
+        control_plane.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        out = agent_stdout(a, job_id, attempt)
+        # The worker trains to its end and leaves; its last commits are not made.
+        wait_for(lambda: not workers(a) and max(local_steps(out), default=0) == 40, 60,
+                 "the worker to finish its 40 steps and exit while the control plane is away")
+        time.sleep(max(0.0, 3 - (time.monotonic() - killed)))  # the fault itself: past the node's lease
+        control_plane.start()
+        with control_plane.client() as again:
+            done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+            assert done["state"] == "SUCCEEDED", events_of(again, job_id)
+            assert done["attempt"] == attempt and done["restarts"] == 0
+            final = watch.check(again)
+            assert final["latest"] == 40, (final["latest"], events_of(again, job_id))
+            assert set(range(5, 41, 5)) <= {i["step"] for i in final["items"]}
+            assert events_of(again, job_id)[-1]["reason"] == "every worker exited 0"
+    assert not list(control_plane.snapshot_root.glob(f"{job_id}/.handoff-*"))  # the agent's, done

@@ -1,0 +1,184 @@
+"""Snapshot commits that rank 0's worker leaves to its node agent at its end.
+
+Rank 0's runtime ends (`Runtime.finish`) waiting up to `commit_wait_s` for its snapshots'
+commits. When the control plane is still away then (restarting, cut off, its etcd away),
+the commits not made would die with the process, and the job would end SUCCEEDED with an
+older snapshot listed as latest (seen once under load: latest 10 of 120). Instead the
+worker hands them over (`leave`): it writes the very requests it would have sent (attempt
+included, the fencing) to a file beside its snapshots, named by its node and attempt,
+
+    <snapshot dir>/.handoff-<node>-a<attempt>.json   (temporary file, fsync, rename)
+
+and exits. The node agent, which outlives it and already waits across control planes for
+its reports, finds the file when the group has exited (`Torchrun.draining`) and makes the
+commits in a thread (`AgentHandoff`: newest first, each tried again with a pause growing
+from `RETRY_FIRST_S` to `RETRY_MAX_S` while no control plane answers, for as long as it
+takes); it reports the group's end only after them, so the job cannot end before its last
+snapshot is listed. While it waits the group is still the agent's, and a registration
+after a lapsed lease says so, so the node stays a member.
+
+A commit the control plane refuses is final: a newer attempt owns the job or the job has
+ended (409), and whatever this attempt wrote can no longer move "latest". A file that is
+gone or not the size written is not committed. Either way the end report says which steps
+were not committed and why (its reason; the job's end names it), never a silent success.
+A group the control plane stopped (a new attempt, a cancel) is not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
+from worker.protocol import CommitRequest
+
+log = logging.getLogger("ftrain.handoff")
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
+
+
+def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
+    return Path(directory) / f".handoff-{node}-a{attempt}.json"
+
+
+def leave(directory: str | Path, node: str, attempt: int, requests: Iterable[CommitRequest]) -> Path:
+    """The worker's side: write `requests` for the agent (atomically) and return the file."""
+    path = handoff_path(directory, node, attempt)
+    body = json.dumps([r.model_dump(mode="json") for r in requests]).encode()
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read(path: Path) -> list[CommitRequest]:
+    """The requests a worker left in `path`, newest first; [] for an unreadable file."""
+    try:
+        items = json.loads(path.read_bytes())
+        requests = [CommitRequest.model_validate(i) for i in items]
+    except (OSError, ValueError, TypeError, ValidationError) as exc:
+        log.warning("snapshot commits left in %s cannot be read (%s): none made", path, exc)
+        return []
+    return sorted(requests, key=lambda r: r.step, reverse=True)
+
+
+def _whole(req: CommitRequest, directory: Path) -> str | None:
+    """Why the file of `req` cannot be committed (gone, another size), or None."""
+    path = Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        return f"its file cannot be read ({exc.strerror or exc})"
+    if size != req.size:
+        return f"its file is {size} bytes, {req.size} were written"
+    return None
+
+
+def _delete_pruned(paths: list[str], directory: Path) -> None:
+    """Delete the files a commit pruned (only in the job's snapshot directory), as the
+    worker would have."""
+    for p in paths:
+        path = Path(p) if Path(p).is_absolute() else directory / p
+        if path.parent.resolve() != directory.resolve():
+            continue
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete pruned snapshot %s: %s", path, exc)
+
+
+class AgentHandoff:
+    """The agent's side: the commits a worker left in `path`, made in a thread of its own."""
+
+    def __init__(self, path: Path, link: ServiceLink):
+        self.path = path
+        self.link = link
+        self.not_committed: dict[int, str] = {}  # step -> why
+        self.committed: list[int] = []
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"handoff-{path.name}", daemon=True)
+
+    def start(self) -> AgentHandoff:
+        self._thread.start()
+        return self
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop trying (the group was stopped: a new attempt or a cancel); what is left is
+        not committed."""
+        self._cancel.set()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def note(self) -> str | None:
+        """What the end report says of the commits that were not made; None if all were."""
+        if not self.not_committed:
+            return None
+        parts = [f"step {step}: {why}" for step, why in sorted(self.not_committed.items())]
+        return ("snapshot(s) written and not committed, the latest snapshot does not include them: "
+                + "; ".join(parts))
+
+    def _run(self) -> None:
+        requests = read(self.path)
+        if requests:
+            log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
+                        "agent: the control plane did not take them before it ended; committing them",
+                        requests[0].attempt, len(requests), ", ".join(str(r.step) for r in requests))
+        try:
+            for i, req in enumerate(requests):
+                if self._cancel.is_set():
+                    for r in requests[i:]:
+                        self.not_committed[r.step] = "the group was stopped first"
+                    break
+                refused = self._commit(req)
+                if refused is not None:  # a refusal holds for the rest too (the attempt is over)
+                    for r in requests[i:]:
+                        self.not_committed.setdefault(r.step, refused)
+                    break
+        finally:
+            self.path.unlink(missing_ok=True)
+            self.link.close()
+            if self.not_committed:
+                log.warning("%s", self.note())
+
+    def _commit(self, req: CommitRequest) -> str | None:
+        """Commit `req`, trying again while no control plane answers; the refusal's reason
+        if the control plane refused it (None otherwise)."""
+        if (why := _whole(req, self.path.parent)) is not None:
+            self.not_committed[req.step] = why
+            return None
+        pause = RETRY_FIRST_S
+        while not self._cancel.is_set():
+            try:
+                prune = self.link.commit_request(req)
+            except CommitUnreachable as exc:
+                log.info("snapshot commit of step %d left by the worker: %s; trying again", req.step, exc)
+                self._cancel.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            except (Fenced, LinkError) as exc:
+                return f"refused: {exc}"
+            self.committed.append(req.step)
+            _delete_pruned(prune, self.path.parent)
+            log.info("snapshot of step %d committed for the worker that wrote it", req.step)
+            return None
+        self.not_committed[req.step] = "the group was stopped first"
+        return None
