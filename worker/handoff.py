@@ -36,7 +36,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
-from worker.protocol import CommitRequest
+from worker.protocol import CommitRequest, ProgressReport
 
 log = logging.getLogger("ftrain.handoff")
 
@@ -48,10 +48,16 @@ def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
     return Path(directory) / f".handoff-{node}-a{attempt}.json"
 
 
-def leave(directory: str | Path, node: str, attempt: int, requests: Iterable[CommitRequest]) -> Path:
-    """The worker's side: write `requests` for the agent (atomically) and return the file."""
+def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[CommitRequest] = (),
+          progress: ProgressReport | None = None) -> Path:
+    """The worker's side: add `commits` (and its final `progress`) to what it leaves its agent,
+    in one file written whole (temporary file, fsync, rename); returns the file."""
     path = handoff_path(directory, node, attempt)
-    body = json.dumps([r.model_dump(mode="json") for r in requests]).encode()
+    old_commits, old_progress = read(path) if path.exists() else ([], None)
+    by_step = {r.step: r for r in [*old_commits, *commits]}
+    final = progress if progress is not None else old_progress
+    body = json.dumps({"commits": [r.model_dump(mode="json") for r in by_step.values()],
+                       "progress": None if final is None else final.model_dump(mode="json")}).encode()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -66,15 +72,17 @@ def leave(directory: str | Path, node: str, attempt: int, requests: Iterable[Com
     return path
 
 
-def read(path: Path) -> list[CommitRequest]:
-    """The requests a worker left in `path`, newest first; [] for an unreadable file."""
+def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
+    """What a worker left in `path`: its commits, newest first, and its final progress report;
+    nothing for an unreadable file."""
     try:
-        items = json.loads(path.read_bytes())
-        requests = [CommitRequest.model_validate(i) for i in items]
-    except (OSError, ValueError, TypeError, ValidationError) as exc:
-        log.warning("snapshot commits left in %s cannot be read (%s): none made", path, exc)
-        return []
-    return sorted(requests, key=lambda r: r.step, reverse=True)
+        got = json.loads(path.read_bytes())
+        commits = [CommitRequest.model_validate(i) for i in got["commits"]]
+        progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
+    except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
+        log.warning("what the worker left in %s cannot be read (%s): nothing of it is sent", path, exc)
+        return [], None
+    return sorted(commits, key=lambda r: r.step, reverse=True), progress
 
 
 def _whole(req: CommitRequest, directory: Path) -> str | None:
@@ -137,7 +145,7 @@ class AgentHandoff:
                 + "; ".join(parts))
 
     def _run(self) -> None:
-        requests = read(self.path)
+        requests, progress = read(self.path)
         if requests:
             log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
                         "agent: the control plane did not take them before it ended; committing them",
@@ -152,12 +160,33 @@ class AgentHandoff:
                 if refused is not None:  # a refusal holds for the rest too (the attempt is over)
                     for r in requests[i:]:
                         self.not_committed.setdefault(r.step, refused)
+                    progress = None
                     break
+            if progress is not None:
+                self._report_progress(progress)
         finally:
             self.path.unlink(missing_ok=True)
             self.link.close()
             if self.not_committed:
                 log.warning("%s", self.note())
+
+    def _report_progress(self, body: ProgressReport) -> None:
+        """Rank 0's final progress report, which did not land: sent before the end report, so
+        a finished job shows the step it ended at."""
+        pause = RETRY_FIRST_S
+        while not self._cancel.is_set():
+            try:
+                self.link.send_progress(body)
+            except LinkError as exc:
+                if exc.status is not None and exc.status < 500:
+                    log.warning("the final progress report (step %d) left by the worker was refused: %s",
+                                body.step, exc)
+                    return
+                self._cancel.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            log.info("the final progress report (step %d) sent for the worker", body.step)
+            return
 
     def _commit(self, req: CommitRequest) -> str | None:
         """Commit `req`, trying again while no control plane answers; the refusal's reason

@@ -95,7 +95,7 @@ class Link(Protocol):
     def report_corrupt(self, step: int, reason: str) -> None: ...
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None: ...
+                        total_steps: int | None = None) -> int | None: ...
     def control(self) -> ControlRequest: ...
     def report_memory(self, node: str, step: int) -> None: ...
     def restore_point(self, held: int | None) -> RestorePoint: ...
@@ -180,12 +180,25 @@ class ServiceLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None:
+                        total_steps: int | None = None) -> int | None:
+        """The step the control plane holds after it (a report within its rate limit of the
+        stored one is answered, not stored)."""
+        body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps)
+        return self.send_progress(body)
+
+    def progress_request(self, step: int, loss: float | None, samples_per_s: float | None,
+                         final: bool = False, metrics: dict[str, float] | None = None,
+                         total_steps: int | None = None) -> ProgressReport:
         # int(): the report's numbers are strict (a script's step may be a numpy integer)
-        self._call("POST", "/progress", ProgressReport(
-            step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
-            group=self.group, final=final, metrics=metrics or {},
-            total_steps=None if total_steps is None else int(total_steps)))
+        return ProgressReport(step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
+                              group=self.group, final=final, metrics=metrics or {},
+                              total_steps=None if total_steps is None else int(total_steps))
+
+    def send_progress(self, body: ProgressReport, retry_s: float = 0.0) -> int | None:
+        """One progress report (tried once unless `retry_s`); `LinkError` if it did not land;
+        the step the control plane holds after it."""
+        got = self._call("POST", "/progress", body, retry_s=retry_s)
+        return got.get("step") if isinstance(got, dict) else None
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))
@@ -300,8 +313,8 @@ class LocalLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None:
-        pass
+                        total_steps: int | None = None) -> int | None:
+        return None
 
     def control(self) -> ControlRequest:
         return ControlRequest()

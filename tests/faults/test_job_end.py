@@ -19,8 +19,9 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2"}], indirect=True)
 def test_a_job_whose_last_commits_meet_an_outage_ends_with_its_final_snapshot(control_plane, api, agents):
     """Rank 0 writes its last snapshots while the control plane is down and exits after its
-    commit wait (0.5 s here, 10 s by default); its agent makes the commits once a control
-    plane is back, and only then reports the end. Before: SUCCEEDED with latest 5 of 40.
+    commit wait (0.5 s here, 10 s by default); its agent makes the commits (and sends its
+    final progress report) once a control plane is back, and only then reports the end.
+    Before: SUCCEEDED with latest 5 of 40, progress at step 6.
     The node's 2 s lease lapses in the outage: it registers again as still running the group."""
     (a,) = agents(1)
     wait_nodes(api, 1)
@@ -40,6 +41,7 @@ def test_a_job_whose_last_commits_meet_an_outage_ends_with_its_final_snapshot(co
             done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
             assert done["state"] == "SUCCEEDED", events_of(again, job_id)
             assert done["attempt"] == attempt and done["restarts"] == 0
+            assert done["progress"]["step"] == 40  # rank 0's final report, which the agent sent
             final = watch.check(again)
             assert final["latest"] == 40, (final["latest"], events_of(again, job_id))
             assert set(range(5, 41, 5)) <= {i["step"] for i in final["items"]}

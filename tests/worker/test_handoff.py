@@ -1,0 +1,102 @@
+"""worker/handoff.py: what rank 0's end leaves to its node agent, and the agent's commits of it
+(a fake link here; with real processes: tests/faults/test_job_end.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from worker import handoff
+from worker.links import CommitUnreachable, Fenced
+from worker.protocol import CommitRequest, ProgressReport
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(handoff, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(handoff, "RETRY_MAX_S", 0.02)
+
+
+class FakeLink:
+    """The control plane as `AgentHandoff` sees it: away `away` tries, then answers."""
+
+    def __init__(self, away: int = 0, refuse_from: int | None = None, prune: dict | None = None):
+        self.away = away
+        self.refuse_from = refuse_from  # refuse (409) commits of steps <= this
+        self.prune = prune or {}
+        self.calls: list = []
+        self.closed = threading.Event()
+
+    def commit_request(self, req: CommitRequest) -> list[str]:
+        self.calls.append(("commit", req.step))
+        if self.away > 0:
+            self.away -= 1
+            raise CommitUnreachable(f"commit of step {req.step}: no answer")
+        if self.refuse_from is not None and req.step <= self.refuse_from:
+            raise Fenced(f"snapshot of step {req.step} refused: attempt 1 is over")
+        return self.prune.get(req.step, [])
+
+    def send_progress(self, body: ProgressReport) -> int:
+        self.calls.append(("progress", body.step))
+        return body.step
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def written(directory, step: int, size: int = 8) -> CommitRequest:
+    path = directory / f"step-{step:012d}.pt"
+    path.write_bytes(b"x" * size)
+    return CommitRequest(step=step, path=str(path), size=size, checksum=f"sha256:{step}", attempt=1)
+
+
+def run(path, link) -> handoff.AgentHandoff:
+    h = handoff.AgentHandoff(path, link).start()
+    h.join(10)
+    assert h.done()
+    return h
+
+
+def test_leave_merges_what_the_worker_leaves_and_read_gives_the_newest_first(tmp_path):
+    handoff.leave(tmp_path, "n0", 1, commits=[written(tmp_path, 10), written(tmp_path, 20)])
+    path = handoff.leave(tmp_path, "n0", 1, progress=ProgressReport(step=20, attempt=1, final=True))
+    assert path == tmp_path / ".handoff-n0-a1.json" and oct(path.stat().st_mode & 0o777) == "0o600"
+    commits, progress = handoff.read(path)
+    assert [c.step for c in commits] == [20, 10] and progress.step == 20 and progress.final
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_the_agent_commits_newest_first_through_an_outage_then_the_progress_and_removes_the_file(tmp_path):
+    old = written(tmp_path, 5)
+    path = handoff.leave(tmp_path, "n0", 1, commits=[written(tmp_path, 10), written(tmp_path, 20)],
+                         progress=ProgressReport(step=20, attempt=1, final=True))
+    link = FakeLink(away=3, prune={20: [old.path, "/elsewhere/step-000000000001.pt"]})
+    h = run(path, link)
+    assert link.calls == [("commit", 20)] * 4 + [("commit", 10), ("progress", 20)]
+    assert h.committed == [20, 10] and h.note() is None
+    assert not path.exists() and not (tmp_path / "step-000000000005.pt").exists()  # pruned (its folder only)
+    assert link.closed.is_set()
+
+
+def test_a_refusal_or_a_file_gone_is_said_in_the_note_never_silently(tmp_path):
+    a, b, c = written(tmp_path, 10), written(tmp_path, 20), written(tmp_path, 30, size=4)
+    (tmp_path / "step-000000000030.pt").write_bytes(b"x" * 3)  # not the size written
+    path = handoff.leave(tmp_path, "n0", 1, commits=[a, b, c],
+                         progress=ProgressReport(step=30, attempt=1, final=True))
+    link = FakeLink(refuse_from=20)
+    h = run(path, link)
+    assert link.calls == [("commit", 20)]  # 30 not sent; a refusal holds for the rest, progress too
+    assert set(h.not_committed) == {10, 20, 30} and "3 bytes, 4 were written" in h.not_committed[30]
+    assert "attempt 1 is over" in h.not_committed[10]
+    assert h.note().startswith("snapshot(s) written and not committed") and "step 30:" in h.note()
+    assert not path.exists()
+
+
+def test_a_cancel_stops_the_tries_and_says_so(tmp_path):
+    path = handoff.leave(tmp_path, "n0", 1, commits=[written(tmp_path, 10)])
+    link = FakeLink(away=10**9)
+    h = handoff.AgentHandoff(path, link).start()
+    h.cancel()
+    h.join(10)
+    assert h.done() and h.not_committed == {10: "the group was stopped first"}
