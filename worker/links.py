@@ -120,6 +120,9 @@ class ServiceLink:
     # retried while the control plane does not answer: the 0.2 s doubling to 2 s between
     # six tries that it was before there was one retry policy.
     RETRY_S = 5.0
+    # The control planes' time, all together, to answer the final progress report
+    # (`report_progress`); within the 5 s that the worker's end waits for it.
+    FINAL_REPORT_S = 4.0
 
     def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0,
                  group: str | None = None):
@@ -129,9 +132,10 @@ class ServiceLink:
         # `server`: one URL or several, comma-separated (any replica serves; see worker/http.py).
         self._client = ControlPlaneClient(server, token, suffix=f"/v1/jobs/{job_id}", timeout=timeout_s)
 
-    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0,
+              timeout: float | None = None) -> Any:
         try:
-            return self._client.call(method, path, body, retry_s=retry_s)
+            return self._client.call(method, path, body, retry_s=retry_s, timeout=timeout)
         except ApiError as exc:
             raise LinkError(str(exc), exc.status) from exc
         except Unreachable as exc:  # its message names the request
@@ -184,7 +188,11 @@ class ServiceLink:
         """The step the control plane holds after it (a report within its rate limit of the
         stored one is answered, not stored)."""
         body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps)
-        return self.send_progress(body)
+        # The final one is awaited by the worker's end (`Runtime._stop_poller`, 5 s): it must
+        # fail within that when no control plane answers (a stopped one never does), so that
+        # it is left to the node agent (worker/handoff.py) rather than lost with the process.
+        each = self.FINAL_REPORT_S / max(1, len(self._client.servers))  # one try at each
+        return self.send_progress(body, timeout=each if final else None)
 
     def progress_request(self, step: int, loss: float | None, samples_per_s: float | None,
                          final: bool = False, metrics: dict[str, float] | None = None,
@@ -194,10 +202,11 @@ class ServiceLink:
                               group=self.group, final=final, metrics=metrics or {},
                               total_steps=None if total_steps is None else int(total_steps))
 
-    def send_progress(self, body: ProgressReport, retry_s: float = 0.0) -> int | None:
+    def send_progress(self, body: ProgressReport, retry_s: float = 0.0,
+                      timeout: float | None = None) -> int | None:
         """One progress report (tried once unless `retry_s`); `LinkError` if it did not land;
         the step the control plane holds after it."""
-        got = self._call("POST", "/progress", body, retry_s=retry_s)
+        got = self._call("POST", "/progress", body, retry_s=retry_s, timeout=timeout)
         return got.get("step") if isinstance(got, dict) else None
 
     def control(self) -> ControlRequest:

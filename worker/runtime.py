@@ -859,12 +859,17 @@ class Runtime:
         self._poller = threading.Thread(target=self._poll, name="ftrain-control", daemon=True)
         self._poller.start()
 
-    def _stop_poller(self) -> None:
+    def _stop_poller(self) -> bool:
+        """Stop rank 0's poller (after its final progress report); False if it did not end
+        within 5 s (a call to a control plane that does not answer)."""
+        ended = True
         if self._poller is not None:
             self._stop_poll.set()
             self._wake_poll.set()
             self._poller.join(timeout=5)
+            ended = not self._poller.is_alive()
             self._poller = None
+        return ended
 
     def _poll(self) -> None:
         assert self.link is not None
@@ -889,9 +894,8 @@ class Runtime:
                     reported = step
             except LinkError as exc:
                 log.debug("progress report failed: %s", exc)
-                if final and self._leave is not None and isinstance(self.link, ServiceLink):
-                    self._leave_final_progress(self.link.progress_request(
-                        step, loss_value, rate, True, metrics, self.total_steps))
+                if final:
+                    self._leave_final_progress(rate)
 
         while not self._stop_poll.is_set():
             try:
@@ -907,15 +911,21 @@ class Runtime:
         if self._progress is not None and self._progress[0] != reported:
             report(final=True)  # the step the run ended at, before the job can finish
 
-    def _leave_final_progress(self, body: Any) -> None:
+    def _leave_final_progress(self, rate: float | None = None) -> None:
         """The final progress report did not land (the control plane is away): the node agent
         sends it before it reports the end (worker/handoff.py)."""
-        assert self._leave is not None
+        if self._leave is None or self._progress is None or not isinstance(self.link, ServiceLink):
+            return
+        step, loss, _samples, _at = self._progress
+        metrics = self._scalar_values()
+        logged_loss = metrics.pop("loss", None)
+        body = self.link.progress_request(step, float(loss) if loss is not None else logged_loss, rate,
+                                          True, metrics, self.total_steps)
         try:
             self._leave(progress=body)
         except OSError as exc:
             log.warning("the final progress report (step %d) could not be left to the node agent: %s",
-                        body.step, exc)
+                        step, exc)
 
     def _scalar_values(self) -> dict[str, float]:
         """The logged scalars as floats; a name or value the control plane would refuse
@@ -957,7 +967,8 @@ class Runtime:
             if self._writer is not None:
                 self._writer.finish()  # what the control plane did not take: to the agent
         finally:
-            self._stop_poller()
+            if not self._stop_poller() and clean:  # stuck in a call: its final report never went
+                self._leave_final_progress()
             if self._peer_watch is not None:  # a goodbye: the peers do not report this as a loss
                 self._peer_watch.close()
             if self.distributed and dist.is_initialized():

@@ -47,3 +47,27 @@ def test_a_job_whose_last_commits_meet_an_outage_ends_with_its_final_snapshot(co
             assert set(range(5, 41, 5)) <= {i["step"] for i in final["items"]}
             assert events_of(again, job_id)[-1]["reason"] == "every worker exited 0"
     assert not list(control_plane.snapshot_root.glob(f"{job_id}/.handoff-*"))  # the agent's, done
+
+
+@pytest.mark.slow  # ~25 s: torchrun waits for the stopped control plane to leave its rendezvous
+def test_a_two_node_job_that_ends_while_the_control_plane_is_stopped_ends_with_its_final_snapshot(
+        control_plane, api, agents):
+    """`min == max == 2`, the control plane SIGSTOPped (requests hang, nothing refused) from
+    the job's first commit past both nodes' exits: the node that is not rank 0's finishes
+    first, rank 0's node reports its end only after the commits its worker left it."""
+    nodes = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("endstop", 40, every=5, mn=2, mx=2, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
+    with SnapshotWatch(control_plane, job_id) as watch:
+        wait_for(lambda: watch.latest and (watch.latest[-1][1] or 0) >= 5, 60, "a first commit")
+        control_plane.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: not any(workers(a) for a in nodes), 60,
+                     "both nodes' workers to exit while the control plane is stopped")
+        finally:
+            control_plane.proc.send_signal(signal.SIGCONT)
+        done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+        assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+        assert done["restarts"] == 0 and done["progress"]["step"] == 40
+        final = watch.check(api)
+        assert final["latest"] == 40, (final["latest"], events_of(api, job_id))
