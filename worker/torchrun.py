@@ -587,7 +587,8 @@ class Torchrun:
         are done). Its end is reported once every line is shipped, so that whoever reads the
         job's log when it has ended sees them all: a report sent after an outage of the
         control plane overtook the lines queued meanwhile (`test_control_plane_killed...`
-        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for."""
+        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for.
+        Before that, and with no bound, whatever rank 0 left to this agent (`handing_over`)."""
         if g.stop_requested:
             return False
         if g.exited_at is None:
