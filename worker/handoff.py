@@ -5,7 +5,8 @@ commits. When the control plane is still away then (restarting, cut off, its etc
 the commits not made would die with the process, and the job would end SUCCEEDED with an
 older snapshot listed as latest (seen once under load: latest 10 of 120). Instead the
 worker hands them over (`leave`): it writes the very requests it would have sent (attempt
-included, the fencing) to a file beside its snapshots, named by its node and attempt,
+included, the fencing), and its final progress report if that did not land either, to a
+file beside its snapshots, named by its node and attempt,
 
     <snapshot dir>/.handoff-<node>-a<attempt>.json   (temporary file, fsync, rename)
 
@@ -13,8 +14,8 @@ and exits. The node agent, which outlives it and already waits across control pl
 its reports, finds the file when the group has exited (`Torchrun.draining`) and makes the
 commits in a thread (`AgentHandoff`: newest first, each tried again with a pause growing
 from `RETRY_FIRST_S` to `RETRY_MAX_S` while no control plane answers, for as long as it
-takes); it reports the group's end only after them, so the job cannot end before its last
-snapshot is listed. While it waits the group is still the agent's, and a registration
+takes), then sends the progress report; it reports the group's end only after them, so the
+job cannot end before its last snapshot is listed and its last step shown. While it waits the group is still the agent's, and a registration
 after a lapsed lease says so, so the node stays a member.
 
 A commit the control plane refuses is final: a newer attempt owns the job or the job has
