@@ -15,8 +15,9 @@ its reports, finds the file when the group has exited (`Torchrun.draining`) and 
 commits in a thread (`AgentHandoff`: newest first, each tried again with a pause growing
 from `RETRY_FIRST_S` to `RETRY_MAX_S` while no control plane answers, for as long as it
 takes), then sends the progress report; it reports the group's end only after them, so the
-job cannot end before its last snapshot is listed and its last step shown. While it waits the group is still the agent's, and a registration
-after a lapsed lease says so, so the node stays a member.
+job cannot end before its last snapshot is listed and its last step shown. While it waits
+the group is still the agent's, and a registration after a lapsed lease says so, so the
+node stays a member.
 
 A commit the control plane refuses is final: a newer attempt owns the job or the job has
 ended (409), and whatever this attempt wrote can no longer move "latest". A file that is
