@@ -10,8 +10,17 @@ import time
 import pytest
 
 from tests.helpers.elastic import job, submit, wait_nodes, wait_state
-from tests.helpers.faults import SnapshotWatch, agent_stdout, events_of, local_steps, train_spec, workers
-from tests.helpers.processes import wait_for
+from tests.helpers.faults import (
+    SnapshotWatch,
+    agent_stdout,
+    events_of,
+    latest_step,
+    local_steps,
+    train_spec,
+    wait_latest,
+    workers,
+)
+from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -71,3 +80,32 @@ def test_a_two_node_job_that_ends_while_the_control_plane_is_stopped_ends_with_i
         assert done["restarts"] == 0 and done["progress"]["step"] == 40
         final = watch.check(api)
         assert final["latest"] == 40, (final["latest"], events_of(api, job_id))
+
+
+@pytest.mark.slow  # ~18 s: two control planes started, one of them twice
+def test_the_last_commits_go_to_whichever_control_plane_comes_back(etcd, tmp_path):
+    """Two replicas, both SIGKILLed over the job's last steps, only the second restarted: the
+    agent's commits of what rank 0 left go to it (`worker/http.py` `Servers`)."""
+    a = ControlPlane(etcd.endpoint, tmp_path / "a").start()
+    b = ControlPlane(etcd.endpoint, tmp_path / "b", user_token=a.user_token, node_token=a.node_token)
+    b.secret_dir, b.snapshot_root, b.log_root = a.secret_dir, a.snapshot_root, a.log_root
+    b.start()
+    agent = NodeAgentProc(a, "n0", tmp_path / "node").start(server=f"{a.url},{b.url}")
+    try:
+        with a.client() as api:
+            wait_nodes(api, 1)
+            job_id = submit(api, train_spec("endtwo", 30, every=5, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
+            wait_latest(api, job_id, 5)
+        a.stop(signal.SIGKILL)
+        b.stop(signal.SIGKILL)
+        wait_for(lambda: not workers(agent), 60, "the worker to exit while no control plane is up")
+        b.start()
+        with b.client() as again:
+            done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+            assert done["state"] == "SUCCEEDED", events_of(again, job_id)
+            assert done["restarts"] == 0 and done["progress"]["step"] == 30
+            assert latest_step(again, job_id) == 30, events_of(again, job_id)
+    finally:
+        agent.stop()
+        a.stop()
+        b.stop()
