@@ -21,13 +21,16 @@ node stays a member.
 
 A commit the control plane refuses is final: a newer attempt owns the job or the job has
 ended (409), and whatever this attempt wrote can no longer move "latest". A file that is
-gone or not the size written is not committed. Either way the end report says which steps
-were not committed and why (its reason; the job's end names it), never a silent success.
-A group the control plane stopped (a new attempt, a cancel) is not waited for.
+gone, or not the size or checksum written (read once to check: a group that torchrun
+restarted in the same attempt may have written that step again), is not committed. Either
+way the end report says which steps were not committed and why (its reason; the job's end
+names it), never a silent success. A group the control plane stopped (a new attempt, a
+cancel) is not waited for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -88,14 +91,24 @@ def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
 
 
 def _whole(req: CommitRequest, directory: Path) -> str | None:
-    """Why the file of `req` cannot be committed (gone, another size), or None."""
+    """Why the file of `req` cannot be committed (gone, another size, another checksum: a
+    group that torchrun restarted in the same attempt wrote that step again), or None."""
     path = Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+    algo, _, want = req.checksum.partition(":")
     try:
         size = os.path.getsize(path)
+        if size != req.size:
+            return f"its file is {size} bytes, {req.size} were written"
+        digest = hashlib.new(algo)
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except ValueError:
+        return f"its checksum {req.checksum[:40]!r} is of no algorithm known here"
     except OSError as exc:
         return f"its file cannot be read ({exc.strerror or exc})"
-    if size != req.size:
-        return f"its file is {size} bytes, {req.size} were written"
+    if digest.hexdigest() != want:
+        return "its file no longer has the checksum written (it was written again since)"
     return None
 
 

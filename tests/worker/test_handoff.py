@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import pytest
@@ -48,7 +49,8 @@ class FakeLink:
 def written(directory, step: int, size: int = 8) -> CommitRequest:
     path = directory / f"step-{step:012d}.pt"
     path.write_bytes(b"x" * size)
-    return CommitRequest(step=step, path=str(path), size=size, checksum=f"sha256:{step}", attempt=1)
+    checksum = "sha256:" + hashlib.sha256(b"x" * size).hexdigest()
+    return CommitRequest(step=step, path=str(path), size=size, checksum=checksum, attempt=1)
 
 
 def run(path, link) -> handoff.AgentHandoff:
@@ -80,14 +82,17 @@ def test_the_agent_commits_newest_first_through_an_outage_then_the_progress_and_
 
 
 def test_a_refusal_or_a_file_gone_is_said_in_the_note_never_silently(tmp_path):
-    a, b, c = written(tmp_path, 10), written(tmp_path, 20), written(tmp_path, 30, size=4)
+    a, b = written(tmp_path, 10), written(tmp_path, 20)
+    c, d = written(tmp_path, 30, size=4), written(tmp_path, 40)
     (tmp_path / "step-000000000030.pt").write_bytes(b"x" * 3)  # not the size written
-    path = handoff.leave(tmp_path, "n0", 1, commits=[a, b, c],
-                         progress=ProgressReport(step=30, attempt=1, final=True))
+    (tmp_path / "step-000000000040.pt").write_bytes(b"y" * 8)  # written again since: not its checksum
+    path = handoff.leave(tmp_path, "n0", 1, commits=[a, b, c, d],
+                         progress=ProgressReport(step=40, attempt=1, final=True))
     link = FakeLink(refuse_from=20)
     h = run(path, link)
-    assert link.calls == [("commit", 20)]  # 30 not sent; a refusal holds for the rest, progress too
-    assert set(h.not_committed) == {10, 20, 30} and "3 bytes, 4 were written" in h.not_committed[30]
+    assert link.calls == [("commit", 20)]  # 40, 30 not sent; a refusal holds for the rest, progress too
+    assert set(h.not_committed) == {10, 20, 30, 40} and "3 bytes, 4 were written" in h.not_committed[30]
+    assert "no longer has the checksum" in h.not_committed[40]
     assert "attempt 1 is over" in h.not_committed[10]
     assert h.note().startswith("snapshot(s) written and not committed") and "step 30:" in h.note()
     assert not path.exists()
