@@ -121,6 +121,7 @@ class NodeAgent:
             except _Stopping:
                 break
             self.check_exit()
+            self.torchrun.handing_over()  # what rank 0 left to this agent: made as soon as it is there
             self.torchrun.kill_stopped_workers()
             # Running: check exits often. Idle: the heartbeat itself waited for a change (a
             # long poll), so go again at once after a change, else keep the beat's interval.

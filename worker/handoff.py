@@ -11,7 +11,7 @@ file beside its snapshots, named by its node and attempt,
     <snapshot dir>/.handoff-<node>-a<attempt>.json   (temporary file, fsync, rename)
 
 and exits. The node agent, which outlives it and already waits across control planes for
-its reports, finds the file when the group has exited (`Torchrun.draining`) and makes the
+its reports, finds the file (`Torchrun.handing_over`, every loop) and makes the
 commits in a thread (`AgentHandoff`: newest first, each tried again with a pause growing
 from `RETRY_FIRST_S` to `RETRY_MAX_S` while no control plane answers, for as long as it
 takes), then sends the progress report; it reports the group's end only after them, so the
@@ -58,7 +58,7 @@ def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[Comm
     """The worker's side: add `commits` (and its final `progress`) to what it leaves its agent,
     in one file written whole (temporary file, fsync, rename); returns the file."""
     path = handoff_path(directory, node, attempt)
-    old_commits, old_progress = read(path) if path.exists() else ([], None)
+    old_commits, old_progress = read(path)  # what it left before, if the agent has not taken it yet
     by_step = {r.step: r for r in [*old_commits, *commits]}
     final = progress if progress is not None else old_progress
     body = json.dumps({"commits": [r.model_dump(mode="json") for r in by_step.values()],
@@ -84,6 +84,8 @@ def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
         got = json.loads(path.read_bytes())
         commits = [CommitRequest.model_validate(i) for i in got["commits"]]
         progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
+    except FileNotFoundError:  # taken by the agent meanwhile
+        return [], None
     except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
         log.warning("what the worker left in %s cannot be read (%s): nothing of it is sent", path, exc)
         return [], None
@@ -128,10 +130,11 @@ def _delete_pruned(paths: list[str], directory: Path) -> None:
 class AgentHandoff:
     """The agent's side: the commits a worker left in `path`, made in a thread of its own."""
 
-    def __init__(self, path: Path, link: ServiceLink):
+    def __init__(self, path: Path, link: ServiceLink, not_committed: dict[int, str] | None = None):
         self.path = path
         self.link = link
-        self.not_committed: dict[int, str] = {}  # step -> why
+        # step -> why (carried from the same group's earlier hand-over, if any)
+        self.not_committed: dict[int, str] = dict(not_committed or {})
         self.committed: list[int] = []
         self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"handoff-{path.name}", daemon=True)
@@ -160,7 +163,16 @@ class AgentHandoff:
                 + "; ".join(parts))
 
     def _run(self) -> None:
-        requests, progress = read(self.path)
+        # Taken first (renamed away), so that what the worker leaves meanwhile (its final
+        # progress report, a restarted group's commits) makes a new file, not lost with this one.
+        taken = self.path.with_name(f"{self.path.name}.taken-{os.getpid()}")
+        try:
+            os.replace(self.path, taken)
+        except OSError as exc:
+            log.warning("could not take %s: %s", self.path, exc)
+            self.link.close()
+            return
+        requests, progress = read(taken)
         if requests:
             log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
                         "agent: the control plane did not take them before it ended; committing them",
@@ -180,7 +192,7 @@ class AgentHandoff:
             if progress is not None:
                 self._report_progress(progress)
         finally:
-            self.path.unlink(missing_ok=True)
+            taken.unlink(missing_ok=True)
             self.link.close()
             if self.not_committed:
                 log.warning("%s", self.note())
@@ -221,6 +233,7 @@ class AgentHandoff:
             except (Fenced, LinkError) as exc:
                 return f"refused: {exc}"
             self.committed.append(req.step)
+            self.not_committed.pop(req.step, None)  # (an earlier hand-over's note of it is void)
             _delete_pruned(prune, self.path.parent)
             log.info("snapshot of step %d committed for the worker that wrote it", req.step)
             return None

@@ -603,17 +603,27 @@ class Torchrun:
             self._release_held(g)
         return self.shipper.pending_of(g.job_id, g.attempt) > 0
 
-    def handing_over(self, g: WorkerGroup) -> bool:
-        """Whether the snapshot commits rank 0 left to this agent (worker/handoff.py) are still
-        being made: the group's end is reported after them, however long the control plane is
-        away (a job must not end before its last snapshot is listed). Started at the first look
-        after torchrun exited by itself."""
-        if g.handoff is None and g.snapshot_dir is not None and g.job_token:
-            path = handoff_path(g.snapshot_dir, self.node, g.attempt)
-            if path.exists():
-                link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
-                g.handoff = AgentHandoff(path, link).start()
-        return g.handoff is not None and not g.handoff.done()
+    def handing_over(self, g: WorkerGroup | None = None) -> bool:
+        """Whether what rank 0 left to this agent (worker/handoff.py) is being made: its
+        snapshot commits, its final progress report. Started as soon as the file is there
+        (the agent's loop looks every check, so a group that torchrun restarts in the same
+        attempt resumes from those snapshots), again for a file left later; the group's end is
+        reported after them, however long the control plane is away (a job must not end
+        before its last snapshot is listed). A stopped group's is not started."""
+        g = g or self.group
+        if g is None:
+            return False
+        if g.handoff is not None and not g.handoff.done():
+            return True
+        if g.snapshot_dir is None or not g.job_token or g.stop_requested:
+            return False
+        path = handoff_path(g.snapshot_dir, self.node, g.attempt)
+        if not path.exists():
+            return False
+        link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
+        earlier = None if g.handoff is None else g.handoff.not_committed
+        g.handoff = AgentHandoff(path, link, earlier).start()
+        return True
 
     def kill_stopped_workers(self) -> None:
         """Kill workers that have been stopped (state T) for longer than the grace period."""

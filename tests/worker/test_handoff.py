@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tests.helpers.processes import wait_for
 from worker import handoff
 from worker.links import CommitUnreachable, Fenced
 from worker.protocol import CommitRequest, ProgressReport
@@ -105,3 +106,20 @@ def test_a_cancel_stops_the_tries_and_says_so(tmp_path):
     h.cancel()
     h.join(10)
     assert h.done() and h.not_committed == {10: "the group was stopped first"}
+
+
+def test_what_the_worker_leaves_while_the_agent_commits_is_kept_for_the_next_take(tmp_path):
+    """The agent takes the file as soon as it is there, while the worker may still leave its
+    final progress report (its poller gave up later): that makes a new file, not one the agent
+    deletes when it is done (the progress of a two-node job's end was lost that way)."""
+    path = handoff.leave(tmp_path, "n0", 1, commits=[written(tmp_path, 10)])
+    link = FakeLink(away=10**9)
+    h = handoff.AgentHandoff(path, link).start()
+    wait_for(lambda: len(link.calls) >= 2, 10, "the agent to try the commit")
+    handoff.leave(tmp_path, "n0", 1, progress=ProgressReport(step=10, attempt=1, final=True))
+    link.away = 0
+    h.join(10)
+    assert h.done() and h.committed == [10]
+    commits, progress = handoff.read(path)  # the next take's
+    assert commits == [] and progress.step == 10
+    assert [p.name for p in tmp_path.iterdir() if "taken" in p.name] == []
