@@ -649,7 +649,7 @@ class Torchrun:
         if g is None:
             return
         g.stop_requested = True
-        if g.handoff is not None:  # a new attempt, a cancel: its commits would be refused
+        if g.handoff is not None:  # a new attempt (its commits would be refused), a cancel: not waited for
             g.handoff.cancel()
             g.handoff.join(2.0)
         tree = self.group_tree(g)
