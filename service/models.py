@@ -495,6 +495,9 @@ class NodeView(BaseModel):
     member_state: Literal["assigned", "running", "succeeded"] | None = Field(
         None, description="The node's part in `job`: assigned, running, or succeeded (its workers "
                           "exited 0; the node stays the job's, not free, until the job ends).")
+    held_for: str | None = Field(None, description="A free node that holds the memory copy of a job "
+                                 "waiting for nodes (it lost one): held for that job, given to no other, "
+                                 "until the hold ends (120 s after the job went back to PENDING).")
 
 
 class NodeList(BaseModel):

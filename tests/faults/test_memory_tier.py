@@ -117,6 +117,9 @@ def test_a_min_max_two_job_that_loses_a_node_resumes_from_the_survivors_copy(api
     wait_for(lambda: not workers(a), 30, "the survivor's workers stopped (it is let go)")
     other = submit(api, {"name": "other", "command": ["python", "-c", "import time; time.sleep(1)"],
                          "nodes": {"min": 1, "max": 1}})
+    wait_for(lambda: any(n["name"] == "n0" and n["held_for"] == job_id
+                         for n in api.get("/v1/nodes").json()["items"]),
+             10, "n0 listed as held for the waiting job")
     deadline = time.monotonic() + 2  # several scheduler passes (0.5 s apart, and at each change)
     while time.monotonic() < deadline:
         assert job(api, other)["state"] == "PENDING", "the survivor went to the other job"

@@ -21,6 +21,7 @@ from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader, StoreUnavailable
 from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeState
 from service.nodes import NodeStore
+from service.routes.nodes import list_nodes
 from service.settings import Settings
 from service.store.memory import MemoryStore
 from tests.helpers.tasks import cancel_and_wait, running, until
@@ -310,6 +311,7 @@ def test_a_pass_holds_the_survivor_with_a_memory_copy_for_the_job_that_lost_a_no
             waiting = await ctx.jobs.get(pair.id)
             assert waiting.state is JobState.PENDING and waiting.kept.steps == {"n0": 20}, waiting.reason
             assert (await ctx.jobs.get(other.id)).state is JobState.PENDING
+            assert {n.name: n.held_for for n in (await list_nodes(ctx)).items} == {"n0": pair.id}
             await ctx.nodes.register("n2", 1, None, ttl_s=6)
             await tick()
             again = await ctx.jobs.get(pair.id)
