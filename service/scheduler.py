@@ -145,7 +145,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
 
     The memory reports of a job that may fall below its `min` in this pass are read first
     (`decide.keep`: its survivors that hold a copy are held for it), and a free node held for
-    a waiting job is looked up in the index (`JobIndex.keeper`)."""
+    a waiting job is found in the index's map of them (`JobIndex.claims`)."""
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
@@ -168,15 +168,15 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     if copies and from_index:  # the index may have moved meanwhile: the queue as it is now
         pending, others = await queue(jobs, index)
     if from_index:
-        keeper = index.keeper
+        claims = index.claims()
     else:
         pending = list(pending)
-        keeper = keep.claims(pending).get
+        claims = keep.claims(pending)
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if settled is not None:
         settled.keep_only(active)
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None, keeper, copies)
+                           settled, index.revision_of if from_index else None, claims, copies)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence)
     return more
@@ -187,7 +187,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     graced: frozenset[str], fence: dict[str, int] | None = None,
                     settled: Settled | None = None,
                     revision_of: Callable[[str], int] | None = None,
-                    keeper: Callable[[str], JobRecord | None] | None = None,
+                    claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
@@ -202,7 +202,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, keeper, copies)
+                           settled, MAX_STARTS_PER_PASS, claims, copies)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -219,7 +219,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         new = written.get(job_id)
         if new is None:
             if reserved is None:
-                reserved = keep.reserved(live_nodes, keeper or (lambda _: None), live_nodes, jobs.clock())
+                reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
             def decide(current: JobRecord, reserved: dict[str, str] = reserved) -> Change | None:
                 # Re-decide on what is stored now; the free list excludes nodes others hold

@@ -30,14 +30,15 @@ whose agent registered again since the job let it go holds nothing (an agent rem
 leftovers when it starts) and is not held. Jobs have no priorities yet; when they do, a
 higher-priority job should be allowed to take a held node.
 
-The pass looks a free node up in the job index's map of node -> the PENDING job whose copy
-it last kept (`JobIndex.keeper`, bounded by the number of nodes; `claims` builds the same
-from a list), so its cost grows with the free nodes, not with the queue.
+A pass goes through the job index's map of node -> the PENDING job whose copy it last kept
+(`JobIndex.claims`: one entry per kept node, bounded by the number of nodes; `claims` builds
+the same from a list), so its cost grows with the nodes held, not with the queue or the free
+nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from service.models import JobRecord, JobState, KeptCopies, NodeRecord, NodeState
 from worker.protocol import MemorySnapshot
@@ -86,16 +87,12 @@ def holds(job: JobRecord, node: NodeRecord, now: float) -> bool:
             and node.name in kept.steps and node.registered_at <= kept.since)
 
 
-def reserved(free: Iterable[str], keeper: Callable[[str], JobRecord | None],
+def reserved(free: Collection[str], claims: Mapping[str, JobRecord],
              nodes: Mapping[str, NodeRecord], now: float) -> dict[str, str]:
-    """free node -> the id of the waiting job it is held for (`holds`); `keeper(node)`: the
-    PENDING job whose copy the node last kept, if any (`JobIndex.keeper`, `claims`)."""
-    held = {}
-    for n in free:
-        job = keeper(n)
-        if job is not None and holds(job, nodes[n], now):
-            held[n] = job.id
-    return held
+    """free node -> the id of the waiting job it is held for (`holds`). `claims`: node -> the
+    PENDING job whose copy the node last kept (`claims`, `JobIndex.claims`); looked through,
+    not the free nodes, since it is the smaller (a job's survivors, while it waits)."""
+    return {n: job.id for n, job in claims.items() if n in free and holds(job, nodes[n], now)}
 
 
 def claims(jobs: Iterable[JobRecord]) -> dict[str, JobRecord]:

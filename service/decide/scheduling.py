@@ -29,7 +29,7 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from service.decide import keep, outcome
@@ -287,13 +287,13 @@ def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
     return schedule_queue((j for j in order if j.state is S.PENDING),
                           [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
-                          keeper=keep.claims(order).get, copies=copies)
+                          claims=keep.claims(order), copies=copies)
 
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    nodes: dict[str, NodeRecord], now: float, cfg: SchedulerConfig = SchedulerConfig(),
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
-                   max_starts: int | None = None, keeper: Callable[[str], JobRecord | None] | None = None,
+                   max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
     `others` (the other unfinished jobs, oldest first).
@@ -307,13 +307,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     it for hundreds of ms); when that stops the queue, no running job scales up onto the
     nodes left free (the queue comes first, in the next pass).
 
-    `keeper(node)`: the PENDING job whose memory copy the node last kept (`keep`); a free
+    `claims`: node -> the PENDING job whose memory copy the node last kept (`keep`); a free
     node held for a waiting job is offered to that job only, first, and counts as ready for
     no other (so it does not make the pass read the queue). `copies`: job id -> its members'
     memory reports, for the jobs that may fall below their `min` (`plan`).
     """
     free = free_nodes(others, nodes)
-    held = keep.reserved(free, keeper, nodes, now) if keeper is not None else {}
+    held = keep.reserved(set(free), claims, nodes, now) if claims else {}
     offered = [n for n in free if n not in held]  # to a job that holds none of them
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []

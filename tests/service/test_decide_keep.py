@@ -118,7 +118,7 @@ def started(plans) -> dict[str, list[str]]:
 def test_a_waiting_jobs_kept_node_goes_to_it_first_and_to_no_other_job_while_the_hold_runs(
         pending, free, now, registered, expect):
     ns = nodes(*free, registered=registered)
-    plans = schedule_queue(iter(pending), [], ns, now, CFG, keeper=keep.claims(pending).get)
+    plans = schedule_queue(iter(pending), [], ns, now, CFG, claims=keep.claims(pending))
     assert started(plans) == expect
     assert started(schedule(pending, ns, now, CFG)) == expect  # the same over the whole list
 
@@ -138,7 +138,7 @@ def test_a_pass_does_not_read_the_queue_when_the_only_free_nodes_are_held():
             read.append(j.id)
             yield j
 
-    assert schedule_queue(pending(), [], nodes("s"), NOW, CFG, keeper={"s": WAITING}.get) == []
+    assert schedule_queue(pending(), [], nodes("s"), NOW, CFG, claims={"s": WAITING}) == []
     assert read == []
 
 
@@ -147,7 +147,7 @@ def test_a_node_is_held_for_the_job_whose_copy_it_kept_last():
     newer = job(kept=kept(since=950.0, until=1500.0, a=300), jid="newer", created=2.0)
     assert keep.claims([older, newer]) == {"a": newer}
     assert keep.claims([newer, older]) == {"a": newer}
-    assert keep.reserved(["a", "b"], keep.claims([older, newer]).get, nodes("a", "b"), NOW) == {"a": "newer"}
+    assert keep.reserved({"a", "b"}, keep.claims([older, newer]), nodes("a", "b"), NOW) == {"a": "newer"}
 
 
 def test_a_re_decision_is_offered_its_own_held_nodes_first_and_none_held_for_another():

@@ -282,7 +282,7 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
 def test_a_pass_holds_the_survivor_with_a_memory_copy_for_the_job_that_lost_a_node():
     """min == max == 2 loses a node: the survivor, whose memory tier holds the job's copy (its
     worker's memory report), is not given to a job submitted meanwhile, and the job starts
-    again on it and the next node that comes (`decide.keep`, `JobIndex.keeper`)."""
+    again on it and the next node that comes (`decide.keep`, `JobIndex.claims`)."""
     async def main():
         clock = ManualClock()
         ctx = context(clock)
