@@ -122,6 +122,11 @@ class JobIndex:
         job_id = self._by_node.get(node)
         return self._jobs.get(job_id) if job_id else None
 
+    def claims(self) -> dict[str, JobRecord]:
+        """node -> the PENDING job whose memory copy it last kept (`service.decide.keep.claims`
+        of the jobs here), one entry per kept node."""
+        return {n: self._jobs[j] for n, j in self._kept.items() if j in self._jobs}
+
     def keeper(self, node: str) -> JobRecord | None:
         """The PENDING job whose memory copy `node` last kept (`JobRecord.kept`), if any; whether
         the node is held for it now is `service.decide.keep.holds`."""
