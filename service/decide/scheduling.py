@@ -314,16 +314,24 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     """
     free = free_nodes(others, nodes)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
-    offered = [n for n in free if n not in held]  # to a job that holds none of them
+    offered = [n for n in free if n not in held] if held else free  # to a job that holds none of them
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []
     copies = copies or {}
 
+    free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
+
     def offer(job: JobRecord) -> list[str]:
+        """`offered`, with the free nodes that hold `job`'s copy first (`keep.prefer`, without
+        sorting every free node for each job that kept some)."""
         if job.kept is None:
             return offered
-        own = [n for n, holder in held.items() if holder == job.id]
-        return keep.prefer(job, own + offered)
+        steps = job.kept.steps
+        mine = sorted((n for n in steps if held.get(n) == job.id or (n not in held and n in free_set)),
+                      key=lambda n: (-steps[n], n))
+        if all(held.get(n) == job.id for n in mine):
+            return mine + offered if mine else offered  # (a held node is not in `offered`)
+        return mine + [n for n in offered if n not in steps]
 
     def take(p: Plan, job: JobRecord) -> None:
         nonlocal offered
@@ -334,6 +342,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             for n in taken:
                 held.pop(n, None)
             ready.difference_update(taken)
+            free_set.difference_update(taken)
 
     queue = iter(pending)
     while ready and (max_starts is None or len(plans) < max_starts) \

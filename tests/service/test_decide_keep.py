@@ -110,8 +110,9 @@ def started(plans) -> dict[str, list[str]]:
     # a node comes: the waiting job takes its survivor first (not the first two by name)
     ([WAITING], ("a", "b", "s"), NOW, {}, {"waits": ["a", "s"]}),
     ([OTHER, WAITING], ("a", "b", "s"), NOW, {}, {"other": ["a"], "waits": ["b", "s"]}),
-    # the hold has ended: the node is free like any other
+    # the hold has ended: the node is free like any other (still first for the job, while free)
     ([OTHER, WAITING], ("s",), 1110.0, {}, {"other": ["s"]}),
+    ([WAITING], ("a", "b", "s"), 1110.0, {}, {"waits": ["a", "s"]}),
     # the node's agent registered again since: it holds no copy, and is not held
     ([OTHER, WAITING], ("s",), NOW, {"s": 995.0}, {"other": ["s"]}),
 ])
