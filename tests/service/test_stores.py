@@ -317,6 +317,7 @@ def test_a_pass_holds_the_survivor_with_a_memory_copy_for_the_job_that_lost_a_no
             again = await ctx.jobs.get(pair.id)
             assert (again.state, sorted(again.members), again.kept) == (JobState.STARTING, ["n0", "n2"], None)
             assert (await ctx.jobs.get(other.id)).state is JobState.PENDING
+            assert ctx.index.claims() == {}  # (the index forgot the hold with the job's start)
 
     asyncio.run(main())
 
