@@ -497,7 +497,8 @@ class NodeView(BaseModel):
                           "exited 0; the node stays the job's, not free, until the job ends).")
     held_for: str | None = Field(None, description="A free node that holds the memory copy of a job "
                                  "waiting for nodes (it lost one): held for that job, given to no other, "
-                                 "until the hold ends (120 s after the job went back to PENDING).")
+                                 "until the hold ends (FTRAIN_MEMORY_HOLD_S, 120 s by default, after the "
+                                 "job went back to PENDING).")
 
 
 class NodeList(BaseModel):

@@ -19,7 +19,8 @@ per heartbeat or per pass), and the move to PENDING records the survivors that h
   from memory as soon as enough other nodes come;
 - no other job is offered them (`reserved`): not another pending job, not a scale-up.
 
-The hold is bounded (`SchedulerConfig.memory_hold_s`, 120 s by default), because a job that
+The hold is bounded (`SchedulerConfig.memory_hold_s`: FTRAIN_MEMORY_HOLD_S, 120 s by default,
+at most 300), because a job that
 waits for nodes that never come must not idle other jobs' nodes for ever: it starts when
 the job goes to PENDING and is not renewed while it waits, and covers at most `min - 1`
 nodes (the survivors of a job short of its `min`). 120 s covers a lost node's agent coming
