@@ -9,6 +9,7 @@ import logging
 
 from service import compaction, gc_pauses, retention, scheduler
 from service.context import Context
+from service.decide.scheduling import SchedulerConfig
 from service.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ async def start(ctx: Context) -> None:
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ctx.settings.leader_ttl_s)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
+                      SchedulerConfig(memory_hold_s=ctx.settings.memory_hold_s),
                       passes=ctx.scheduler_passes, contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(

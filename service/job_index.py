@@ -33,6 +33,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
+from service.decide import keep
 from service.errors import HistoryCompacted, StoreUnavailable
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
@@ -57,6 +58,8 @@ class JobIndex:
         self._keys = keys
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
+        # node -> the PENDING job whose memory copy it last kept (`keeper`): at most one a node
+        self._kept: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
         # The unfinished jobs, sorted, apart: PENDING ones, and the others (which hold nodes).
         self._pending: list[SortKey] = []
@@ -118,6 +121,30 @@ class JobIndex:
         """The active job in which `node` is a live member, if any."""
         job_id = self._by_node.get(node)
         return self._jobs.get(job_id) if job_id else None
+
+    def claims(self) -> dict[str, JobRecord]:
+        """node -> the PENDING job whose memory copy it last kept (`service.decide.keep.claims`
+        of the jobs here), one entry per kept node."""
+        return {n: self._jobs[j] for n, j in self._kept.items() if j in self._jobs}
+
+    def keeper(self, node: str) -> JobRecord | None:
+        """The PENDING job whose memory copy `node` last kept (`JobRecord.kept`), if any; whether
+        the node is held for it now is `service.decide.keep.holds`."""
+        job_id = self._kept.get(node)
+        return self._jobs.get(job_id) if job_id else None
+
+    def _note_kept(self, old: JobRecord | None, job: JobRecord | None, job_id: str) -> None:
+        """Keep `_kept` with the change of one job: a node is the latest keeper's (the copy of
+        the job it ran last)."""
+        if old is not None and old.kept is not None:
+            for n in old.kept.steps:
+                if self._kept.get(n) == job_id:
+                    del self._kept[n]
+        if job is not None and job.state is JobState.PENDING and job.kept is not None:
+            for n in job.kept.steps:
+                other = self._jobs.get(self._kept.get(n, ""))
+                if other is None or other.kept is None or other.kept.since <= job.kept.since:
+                    self._kept[n] = job_id
 
     def get(self, job_id: str) -> JobRecord | None:
         """The job as the index last saw it (it may lag etcd by a watch event)."""
@@ -256,6 +283,7 @@ class JobIndex:
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
         self._queue(job_id, old, job)
+        self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
                 if self._by_node.get(n) == job_id:
@@ -328,6 +356,7 @@ class JobIndex:
         self._revs = revs
         self._views.clear()
         self._by_node.clear()
+        self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         self._pending = [p for p in self._order if jobs[p[1]].state is JobState.PENDING]
         self._running = [p for p in self._order

@@ -18,7 +18,8 @@
     <prefix>/rdzv/<rdzv id>/store/<key>  c10d store keys of one job attempt
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
     <prefix>/memory/<id>/<node>          MemorySnapshot: the step a member node's memory tier
-                                         holds, as its first worker last reported it
+                                         holds, as its first worker last reported it (read by
+                                         the scheduler for a job losing a node: decide.keep)
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key

@@ -250,6 +250,16 @@ class MemberStatus(BaseModel):
         return self.is_live() or self.is_finished()
 
 
+class KeptCopies(BaseModel):
+    """The nodes that hold a PENDING job's memory copy (worker/memory.py) after it lost a node:
+    held for it, no other job given them, until `until` (`service.decide.keep`)."""
+
+    steps: dict[str, int] = Field(default_factory=dict, description="node -> the step its memory tier "
+                                  "holds, as its worker last reported")
+    since: float = Field(..., description="When the job let them go (went back to PENDING).")
+    until: float = Field(..., description="The end of the hold: past it, they are free like any node.")
+
+
 class Control(BaseModel):
     id: int
     action: ControlAction
@@ -314,6 +324,9 @@ class JobRecord(BaseModel):
     idempotency_digest: str | None = None
     # Where the current attempt's group resumes (service.decide.restore): decided once per attempt.
     restore: RestorePoint | None = None
+    # While PENDING after losing a node: the survivors that hold its memory copy, kept for it a
+    # while (service.decide.keep); None once it starts again.
+    kept: KeptCopies | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -482,6 +495,10 @@ class NodeView(BaseModel):
     member_state: Literal["assigned", "running", "succeeded"] | None = Field(
         None, description="The node's part in `job`: assigned, running, or succeeded (its workers "
                           "exited 0; the node stays the job's, not free, until the job ends).")
+    held_for: str | None = Field(None, description="A free node that holds the memory copy of a job "
+                                 "waiting for nodes (it lost one): held for that job, given to no other, "
+                                 "until the hold ends (FTRAIN_MEMORY_HOLD_S, 120 s by default, after the "
+                                 "job went back to PENDING).")
 
 
 class NodeList(BaseModel):

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import hangs
+from service.decide import hangs, keep
 from service.decide.change import Change
 from service.decide.scheduling import (
     SchedulerConfig,
@@ -36,6 +36,7 @@ from service.decide.scheduling import (
     free_for,
     holders,
     live_members,
+    offer_to,
     plan,
     schedule_queue,
 )
@@ -46,6 +47,7 @@ from service.models import JobRecord, JobState, NodeRecord
 from service.nodes import NodeStore
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
+from worker.protocol import MemorySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -139,27 +141,42 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
     lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead.
     `settled` (kept across passes): the jobs whose plan is known to be None still
-    (`decide.scheduling.Settled`)."""
+    (`decide.scheduling.Settled`).
+
+    The memory reports of a job that may fall below its `min` in this pass are read first
+    (`decide.keep`: its survivors that hold a copy are held for it), and a free node held for
+    a waiting job is found in the index's map of them (`JobIndex.claims`)."""
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
     from_index = index.ready.is_set()  # (then `queue` reads the index, without an await)
     pending, others = await queue(jobs, index)
-    active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     graced: frozenset[str] = frozenset()
+    missing = {n for j in others for n in live_members(j) if n not in live_nodes}
     if missing_since is not None:
         now = jobs.clock()
-        missing = {n for j in others for n in live_members(j) if n not in live_nodes}
         for name in missing_since.keys() - missing:
             del missing_since[name]
         for name in missing:
             missing_since.setdefault(name, now)
         if contact is not None:
             graced = contact.graced(missing_since, now)
+    copies: dict[str, list[MemorySnapshot]] = {}
+    for job in others if missing else ():  # (a job falls short when it loses a node)
+        if keep.may_fall_short(job, live_nodes, graced):
+            copies[job.id] = await memory_copies(jobs, job.id)
+    if copies and from_index:  # the index may have moved meanwhile: the queue as it is now
+        pending, others = await queue(jobs, index)
+    if from_index:
+        claims = index.claims()
+    else:
+        pending = list(pending)
+        claims = keep.claims(pending)
+    active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if settled is not None:
         settled.keep_only(active)
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None)
+                           settled, index.revision_of if from_index else None, claims, copies)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence)
     return more
@@ -169,7 +186,9 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     active: dict[str, JobRecord], cfg: SchedulerConfig, last_reason: dict[str, str],
                     graced: frozenset[str], fence: dict[str, int] | None = None,
                     settled: Settled | None = None,
-                    revision_of: Callable[[str], int] | None = None) -> bool:
+                    revision_of: Callable[[str], int] | None = None,
+                    claims: dict[str, JobRecord] | None = None,
+                    copies: dict[str, list[MemorySnapshot]] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -183,7 +202,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS)
+                           settled, MAX_STARTS_PER_PASS, claims, copies)
+    reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
     batch = [(p, originals[p.job.id], revision_of(p.job.id)) for p in plans
@@ -198,10 +218,15 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         job_id = p.job.id
         new = written.get(job_id)
         if new is None:
-            def decide(current: JobRecord) -> Change | None:
-                # Re-decide on what is stored now; the free list excludes nodes others hold.
-                again = plan(current, live_nodes, free_for(current, held, live_nodes), jobs.clock(),
-                             cfg, graced)
+            if reserved is None:
+                reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
+
+            def decide(current: JobRecord, reserved: dict[str, str] = reserved) -> Change | None:
+                # Re-decide on what is stored now; the free list excludes nodes others hold
+                # (as members, or held for a waiting job).
+                free = offer_to(current, free_for(current, held, live_nodes), reserved)
+                again = plan(current, live_nodes, free, jobs.clock(), cfg, graced,
+                             (copies or {}).get(current.id, ()))
                 return None if again is None else Change(again.job, again.events)
 
             try:
@@ -227,6 +252,12 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+async def memory_copies(jobs: JobStore, job_id: str) -> list[MemorySnapshot]:
+    """What each node's memory tier holds of the job, as its worker last reported (one range read)."""
+    return [MemorySnapshot.model_validate_json(e.value)
+            async for e in jobs.kv.scan_prefix(jobs.keys.memory_copies(job_id))]
 
 
 def _note(seen: dict[str, JobRecord], job: JobRecord) -> bool:

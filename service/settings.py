@@ -38,6 +38,11 @@ class Settings(BaseSettings):
         "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
         "network blip costs nothing (service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    memory_hold_s: float = Field(
+        120.0, ge=0, le=300,
+        description="A job that lost a node and waits for another holds the survivors that keep its "
+                    "memory copy this long: no other job is given them (service/decide/keep.py). At "
+                    "most 300 s, the time an agent keeps the copy of a job it left; 0: no hold.")
     gc_freeze_s: float = Field(
         1.0, ge=0, description="Objects that live this long are left out of the garbage collector's "
                                "passes (its full passes paused the API for hundreds of ms with "

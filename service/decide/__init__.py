@@ -7,6 +7,7 @@ So each is tested with a table of cases and a fixed `now` (tests/service/test_de
     state.py       the job state machine: which moves are allowed, and the event of each
     outcome.py     when a job ends: succeeded, failed by a member, failed by its restarts
     scheduling.py  which nodes a job gets, and what becomes of it when nodes come and go
+    keep.py        the nodes that hold a waiting job's memory copy: offered to it first, held from others
     rounds.py      what a rendezvous round means: a restart (counted) or a membership change
     members.py     a node's report on its workers, and the registration of a node that held work
     cancel.py      cancel

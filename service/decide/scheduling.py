@@ -11,8 +11,10 @@ to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
 pending job can use them. Only nodes with what the job asks of each (`gpus_per_node`:
 `placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
-released. Not a member in `graced`, though: after an outage in which no control plane could
-hear the nodes, one whose lease lapsed in it is waited for, as if present (`liveness.graced`).
+released; those that hold its memory copy are held for it a while (`keep`: it is offered
+them first, and no other job is). Not a member in `graced`, though: after an outage in
+which no control plane could hear the nodes, one whose lease lapsed in it is waited for, as
+if present (`liveness.graced`).
 Planned changes (a join, a drain, a cancel) first ask rank 0 for a snapshot at a step
 boundary (`job.control`), when the job runs the ftrain runtime, so no step is lost.
 A lost node that stops the group is a fault (RECOVERING until the new group's first step);
@@ -27,10 +29,10 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import outcome
+from service.decide import keep, outcome
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
 from service.decide.state import note, transition
@@ -43,7 +45,7 @@ from service.models import (
     NodeRecord,
     NodeState,
 )
-from worker.protocol import ControlAction
+from worker.protocol import ControlAction, MemorySnapshot
 
 S = JobState
 
@@ -54,6 +56,9 @@ class SchedulerConfig:
     control_ack_timeout_s: float = 15.0
     # A cancel waits this long for rank 0's final snapshot before workers are stopped.
     cancel_ack_timeout_s: float = 4.0
+    # A job that went back to PENDING holds the survivors that keep its memory copy this long
+    # (no other job is given them); shorter than the agent's MEMORY_KEEP_S. `decide.keep` says why.
+    memory_hold_s: float = 120.0
 
 
 @dataclass
@@ -127,11 +132,14 @@ def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
 
 
 def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: float,
-         cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset()) -> Plan | None:
+         cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
+         copies: Sequence[MemorySnapshot] = ()) -> Plan | None:
     """The next state of `job`, given the live `nodes` and the `free` ones (in preference order).
 
     Returns None when nothing changes. The plan only ever takes nodes from `free`. A live
-    member whose node is not in `nodes` but is in `graced` is not lost yet.
+    member whose node is not in `nodes` but is in `graced` is not lost yet. `copies`: its
+    members' memory reports, read where it may fall below its `min` (`keep.may_fall_short`):
+    the survivors that hold a copy are kept for it (`keep.kept_for`).
     """
     if job.state.is_terminal():
         return None
@@ -147,7 +155,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
                    control=None, stopping=False, group=None, group_round=None, regrouping=True,
-                   stopped_group=None)
+                   stopped_group=None, kept=None)
         return d.result(job)
 
     # Active: STARTING, RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
@@ -210,10 +218,12 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                   attempt=d.job.attempt + 1, rounds=0, round_nodes=0, world_size=0, control=None,
                   members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in live})
     if len(live) < d.job.spec.nodes.min:
+        kept = keep.kept_for(live, copies, nodes, now, cfg.memory_hold_s)
+        held = "" if kept is None else f"; {keep.describe(kept)}"
         d.move(S.PENDING, f"only {len(live)} of the {d.job.spec.nodes.min} nodes it needs are left; "
-               "waiting for nodes (snapshots are kept)",
+               f"waiting for nodes (snapshots are kept){held}",
                members={}, world_size=0, round_nodes=0, control=None, group=None, group_round=None,
-               regrouping=False)
+               regrouping=False, kept=kept)
         return d.result(job)
 
     # Scale-up: free ready nodes join a job below its max.
@@ -264,18 +274,27 @@ def free_for(job: JobRecord, held: dict[str, set[str]], nodes: dict[str, NodeRec
     return sorted(n for n in nodes if n not in own and not held.get(n, set()) - {job.id})
 
 
+def offer_to(job: JobRecord, free: Sequence[str], held: Mapping[str, str]) -> list[str]:
+    """`free` as offered to `job`: without the nodes held for another waiting job (`held`:
+    node -> that job's id, `keep.reserved`), the ones that hold its own copy first."""
+    return keep.prefer(job, [n for n in free if held.get(n, job.id) == job.id])
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
-             cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset()) -> list[Plan]:
+             cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
+             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
     """Plans for every job, pending jobs (oldest first) served before scale-ups."""
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
     return schedule_queue((j for j in order if j.state is S.PENDING),
-                          [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced)
+                          [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
+                          claims=keep.claims(order), copies=copies)
 
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    nodes: dict[str, NodeRecord], now: float, cfg: SchedulerConfig = SchedulerConfig(),
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
-                   max_starts: int | None = None) -> list[Plan]:
+                   max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
+                   copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
     `others` (the other unfinished jobs, oldest first).
 
@@ -287,31 +306,56 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     one step of the event loop that answers the requests: a thousand starts at once kept
     it for hundreds of ms); when that stops the queue, no running job scales up onto the
     nodes left free (the queue comes first, in the next pass).
+
+    `claims`: node -> the PENDING job whose memory copy the node last kept (`keep`); a free
+    node held for a waiting job is offered to that job only, first, and counts as ready for
+    no other (so it does not make the pass read the queue). `copies`: job id -> its members'
+    memory reports, for the jobs that may fall below their `min` (`plan`).
     """
     free = free_nodes(others, nodes)
-    ready = {n for n in free if nodes[n].state is NodeState.READY}
+    held = keep.reserved(set(free), claims, nodes, now) if claims else {}
+    offered = [n for n in free if n not in held] if held else free  # to a job that holds none of them
+    ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []
+    copies = copies or {}
+
+    free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
+
+    def offer(job: JobRecord) -> list[str]:
+        """`offered`, with the free nodes that hold `job`'s copy first (`keep.prefer`, without
+        sorting every free node for each job that kept some)."""
+        if job.kept is None:
+            return offered
+        steps = job.kept.steps
+        mine = sorted((n for n in steps if held.get(n) == job.id or (n not in held and n in free_set)),
+                      key=lambda n: (-steps[n], n))
+        if all(held.get(n) == job.id for n in mine):
+            return mine + offered if mine else offered  # (a held node is not in `offered`)
+        return mine + [n for n in offered if n not in steps]
 
     def take(p: Plan, job: JobRecord) -> None:
-        nonlocal free
+        nonlocal offered
         plans.append(p)
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
-            free = [n for n in free if n not in taken]
+            offered = [n for n in offered if n not in taken]
+            for n in taken:
+                held.pop(n, None)
             ready.difference_update(taken)
+            free_set.difference_update(taken)
 
     queue = iter(pending)
     while ready and (max_starts is None or len(plans) < max_starts) \
             and (job := next(queue, None)) is not None:
-        p = plan(job, nodes, free, now, cfg, graced)
+        p = plan(job, nodes, offer(job), now, cfg, graced)
         if p is not None:
             take(p, job)
     if ready and max_starts is not None and len(plans) >= max_starts:
-        free, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
+        offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
         if settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job, nodes, free, now, cfg, graced)
+        p = plan(job, nodes, offered, now, cfg, graced, copies.get(job.id, ()))
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request, Response, status
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
+from service.decide import keep
 from service.decide.liveness import broken_peer_suspects
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
@@ -229,22 +230,24 @@ def _holders(ctx: Context) -> dict[str, tuple[str, str]]:
     return held
 
 
-def _view(record: NodeRecord, holders: dict[str, tuple[str, str]]) -> NodeView:
+def _view(record: NodeRecord, holders: dict[str, tuple[str, str]], ctx: Context) -> NodeView:
     job_id, part = holders.get(record.name, (None, None))
     state = record.state
     if state is NodeState.DRAINING and job_id is None:
         state = NodeState.DRAINED  # idle: safe to take away
+    waiting = ctx.index.keeper(record.name) if job_id is None else None
+    held_for = waiting.id if waiting is not None and keep.holds(waiting, record, ctx.jobs.clock()) else None
     return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
                     gpus=record.gpus, gpu_model=record.gpu_model, address=record.address,
                     registered_at=record.registered_at,
-                    job=job_id, member_state=part)
+                    job=job_id, member_state=part, held_for=held_for)
 
 
 @router.get("/v1/nodes", response_model=NodeList, dependencies=[UserAuth])
 async def list_nodes(ctx: ContextDep) -> NodeList:
     records = await ctx.nodes.list()
     holders = _holders(ctx)
-    return NodeList(items=[_view(records[name], holders) for name in sorted(records)])
+    return NodeList(items=[_view(records[name], holders, ctx) for name in sorted(records)])
 
 
 @router.post("/v1/nodes/{name}/drain", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED,
@@ -252,13 +255,13 @@ async def list_nodes(ctx: ContextDep) -> NodeList:
 async def drain(name: str, ctx: ContextDep) -> NodeView:
     """Take a node out gracefully: its job snapshots and goes on without it; it gets no new work.
     The admin's: draining moves whoever's job runs there."""
-    return _view(await ctx.nodes.drain(name), _holders(ctx))
+    return _view(await ctx.nodes.drain(name), _holders(ctx), ctx)
 
 
 @router.post("/v1/nodes/{name}/undrain", response_model=NodeView, dependencies=[AdminAuth])
 async def undrain(name: str, ctx: ContextDep) -> NodeView:
     """Put a drained node back in service: READY, it may be given work again. The admin's."""
-    return _view(await ctx.nodes.undrain(name), _holders(ctx))
+    return _view(await ctx.nodes.undrain(name), _holders(ctx), ctx)
 
 
 @router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)

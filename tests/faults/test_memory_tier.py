@@ -101,7 +101,11 @@ def test_a_min_max_two_job_that_loses_a_node_resumes_from_the_survivors_copy(api
     survivor go; when the node is back, the group restarts from the survivor's memory copy (sent
     to the other node), losing at most a step. The survivor deleted its copy as soon as it had
     no assignment, so the job went back to the disk tier (here: step 0). Found by the hour soak
-    (bench/soak.py --minutes), where that cost the long job up to `every_steps` steps."""
+    (bench/soak.py --minutes), where that cost the long job up to `every_steps` steps.
+
+    Meanwhile another job waits for a node: the survivor, which holds the first job's copy, is
+    held for that job (service/decide/keep.py), not given to the other one, which would delete
+    the copy (the hour soak's SIGSTOP cases); the other job runs once the pair has ended."""
     (a, b) = agents(2)
     wait_nodes(api, 2)
     job_id = submit(api, train_spec("memmm", 120, mn=2, mx=2, every=1000, env=EVERY_STEP))
@@ -109,15 +113,27 @@ def test_a_min_max_two_job_that_loses_a_node_resumes_from_the_survivors_copy(api
     killed = b.kill_tree()
     wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
     wait_for(lambda: job(api, job_id)["state"] == "PENDING", 30, "the job back to PENDING")
+    assert "its memory copy is on n0" in job(api, job_id)["reason"], job(api, job_id)["reason"]
     wait_for(lambda: not workers(a), 30, "the survivor's workers stopped (it is let go)")
+    other = submit(api, {"name": "other", "command": ["python", "-c", "import time; time.sleep(1)"],
+                         "nodes": {"min": 1, "max": 1}})
+    wait_for(lambda: any(n["name"] == "n0" and n["held_for"] == job_id
+                         for n in api.get("/v1/nodes").json()["items"]),
+             10, "n0 listed as held for the waiting job")
+    deadline = time.monotonic() + 2  # several scheduler passes (0.5 s apart, and at each change)
+    while time.monotonic() < deadline:
+        assert job(api, other)["state"] == "PENDING", "the survivor went to the other job"
+        time.sleep(0.1)
     b.start()
     (_, before), (start, _) = wait_for(lambda: len(r := runs(api, job_id)) == 2 and r[1][1] and r, 90,
                                        "training again on both nodes")
     assert start >= before[-1] - 1, (f"resumed from step {start} after step {before[-1]}",
                                      [e["reason"] for e in events_of(api, job_id)])
+    assert any("in the memory of n0" in e["reason"] for e in events_of(api, job_id)), events_of(api, job_id)
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
     assert done["state"] == "SUCCEEDED", events_of(api, job_id)
     assert steps_lost(api, job_id, 120) <= 1, runs(api, job_id)
+    assert wait_state(api, other, ("SUCCEEDED", "FAILED"), timeout_s=60)["state"] == "SUCCEEDED"
 
 
 def _memory_dir(agent, job_id: str) -> Path:

@@ -21,10 +21,11 @@ from service.decide.scheduling import SchedulerConfig
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StaleLeader, StoreUnavailable
 from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeState
 from service.nodes import NodeStore
+from service.routes.nodes import list_nodes
 from service.settings import Settings
 from service.store.memory import MemoryStore
 from tests.helpers.tasks import cancel_and_wait, running, until
-from worker.protocol import ProgressReport
+from worker.protocol import MemoryReport, ProgressReport
 
 
 class ManualClock:
@@ -274,6 +275,49 @@ def test_a_scheduler_pass_on_the_memory_store_starts_a_job_on_a_free_node():
         clock.now += 7  # the node's lease lapses: the job goes back to waiting
         await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_a_pass_holds_the_survivor_with_a_memory_copy_for_the_job_that_lost_a_node():
+    """min == max == 2 loses a node: the survivor, whose memory tier holds the job's copy (its
+    worker's memory report), is not given to a job submitted meanwhile, and the job starts
+    again on it and the next node that comes (`decide.keep`, `JobIndex.claims`)."""
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+
+        async def tick() -> None:
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+
+        def spec(name: str, n: int) -> JobSpec:
+            return JobSpec(name=name, command=["true"], nodes={"min": n, "max": n})
+
+        async with following(ctx):
+            pair, _ = await ctx.jobs.create(spec("pair", 2))
+            lease = await ctx.nodes.register("n0", 1, None, ttl_s=6)
+            await ctx.nodes.register("n1", 1, None, ttl_s=6)
+            await tick()
+            attempt = (await ctx.jobs.get(pair.id)).attempt
+            for name in ("n0", "n1"):
+                await ctx.snapshots.report_memory(pair.id, name, MemoryReport(step=20, attempt=attempt))
+            for _ in range(2):  # n1's lease lapses, n0's is kept
+                clock.now += 4
+                await ctx.nodes.heartbeat("n0", lease)
+            other, _ = await ctx.jobs.create(spec("other", 1))
+            await tick()
+            await tick()
+            waiting = await ctx.jobs.get(pair.id)
+            assert waiting.state is JobState.PENDING and waiting.kept.steps == {"n0": 20}, waiting.reason
+            assert (await ctx.jobs.get(other.id)).state is JobState.PENDING
+            assert {n.name: n.held_for for n in (await list_nodes(ctx)).items} == {"n0": pair.id}
+            await ctx.nodes.register("n2", 1, None, ttl_s=6)
+            await tick()
+            again = await ctx.jobs.get(pair.id)
+            assert (again.state, sorted(again.members), again.kept) == (JobState.STARTING, ["n0", "n2"], None)
+            assert (await ctx.jobs.get(other.id)).state is JobState.PENDING
+            assert ctx.index.claims() == {}  # (the index forgot the hold with the job's start)
 
     asyncio.run(main())
 

@@ -426,7 +426,9 @@ function nodesView() {
       <tr data-node="${esc(n.name)}">
         <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}</td><td>${n.nproc_per_node}</td>
         <td>${n.gpus ? `${n.gpus} <span class="muted">${esc(n.gpu_model || "")}</span>` : '<span class="muted">0</span>'}</td>
-        <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>` : '<span class="muted">idle</span>'}</td>
+        <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>`
+          : n.held_for ? `<span class="muted">held for</span> <a href="#/jobs/${encodeURIComponent(n.held_for)}">${esc(n.held_for)}</a>`
+          : '<span class="muted">idle</span>'}</td>
         <td class="mono muted">${esc(n.address || "–")}</td><td class="muted">${when(n.registered_at)}</td>
         <td>${n.state === "READY" ? `<button data-drain="${esc(n.name)}">Drain</button>`
             : ["DRAINING", "DRAINED"].includes(n.state) ? `<button data-undrain="${esc(n.name)}">Undrain</button>` : ""}</td>
