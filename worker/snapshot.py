@@ -278,6 +278,7 @@ class AsyncWriter:
         self._commit = commit
         self._hand_over = hand_over
         self.handed_over: list[int] = []  # steps whose commits `finish` handed over
+        self._handing_over = False  # `finish` is waiting, and hands over what is left (its log line)
         self.keep = max(1, keep)
         self.commit_wait_s = commit_wait_s
         self._clock = clock
@@ -314,14 +315,17 @@ class AsyncWriter:
             waiting = [u.written.step for u in self._waiting]
         self._raise_error()
         if waiting:
+            then = ("handed over to the node agent" if self._handing_over else
+                    "the commits are tried in the background")
             log.warning("snapshot(s) of step(s) %s not committed yet: the control plane did not take "
-                        "them within %g s; the files are kept and the commits are tried in the "
-                        "background", ", ".join(map(str, waiting)), limit)
+                        "them within %g s; the files are kept and %s", ", ".join(map(str, waiting)),
+                        limit, then)
         return not waiting
 
     def finish(self) -> bool:
         """The end of training: `wait`; then the commits still waiting go to `hand_over`, if
         there is one, and this writer commits no more. True if every commit landed here."""
+        self._handing_over = self._hand_over is not None
         if self.wait() or self._hand_over is None:
             return not self.uncommitted()
         with self._changed:
