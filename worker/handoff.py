@@ -46,7 +46,8 @@ from worker.protocol import CommitRequest, ProgressReport
 log = logging.getLogger("ftrain.handoff")
 
 RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 5.0
+# A few requests at most: cheap to try often, and the end is reported soon after an outage.
+RETRY_MAX_S = 1.0
 
 
 def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
