@@ -93,10 +93,23 @@ def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
     return sorted(commits, key=lambda r: r.step, reverse=True), progress
 
 
-def _whole(req: CommitRequest, directory: Path) -> str | None:
+def _file_of(req: CommitRequest, directory: Path) -> Path:
+    return Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """The file as it is now (inode, size, modification time), None if it is gone: a file read
+    whole once is read again only if this changed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _whole(req: CommitRequest, path: Path) -> str | None:
     """Why the file of `req` cannot be committed (gone, another size, another checksum: a
     group that torchrun restarted in the same attempt wrote that step again), or None."""
-    path = Path(req.path) if Path(req.path).is_absolute() else directory / req.path
     algo, _, want = req.checksum.partition(":")
     try:
         size = os.path.getsize(path)
@@ -219,13 +232,18 @@ class AgentHandoff:
     def _commit(self, req: CommitRequest) -> str | None:
         """Commit `req`, trying again while no control plane answers; the refusal's reason
         if the control plane refused it (None otherwise)."""
-        if (why := _whole(req, self.path.parent)) is not None:
-            self.not_committed[req.step] = why
-            return None
+        path, checked = _file_of(req, self.path.parent), None
         pause = RETRY_FIRST_S
         while not self._cancel.is_set():
+            # checked before each try, read whole only when the file changed (or at first): one
+            # gone or written again while no control plane answered is not committed
+            if (now := _identity(path)) is None or now != checked:
+                if (why := _whole(req, path)) is not None:
+                    self.not_committed[req.step] = why
+                    return None
+                checked = now
             try:
-                prune = self.link.commit_request(req)
+                prune = self.link.commit_request(req, retry_s=0)  # this loop is the retry
             except CommitUnreachable as exc:
                 log.info("snapshot commit of step %d left by the worker: %s; trying again", req.step, exc)
                 self._cancel.wait(pause)

@@ -168,10 +168,12 @@ class ServiceLink:
     def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
         return self.commit_request(self.request_of(written, stall_s, control_id))
 
-    def commit_request(self, body: CommitRequest) -> list[str]:
-        """Send one commit (its attempt is the writer's); the paths it prunes."""
+    def commit_request(self, body: CommitRequest, retry_s: float | None = None) -> list[str]:
+        """Send one commit (its attempt is the writer's), retried for `retry_s` (default
+        `RETRY_S`) while no control plane answers; the paths it prunes."""
+        retry_s = self.RETRY_S if retry_s is None else retry_s
         try:
-            return self._read(CommitResult, self._retrying("POST", "/snapshots", body)).prune
+            return self._read(CommitResult, self._call("POST", "/snapshots", body, retry_s=retry_s)).prune
         except LinkError as exc:
             if exc.status == 409:
                 raise Fenced(f"snapshot of step {body.step} refused: {exc}") from exc

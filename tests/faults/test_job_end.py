@@ -109,3 +109,26 @@ def test_the_last_commits_go_to_whichever_control_plane_comes_back(etcd, tmp_pat
         agent.stop()
         a.stop()
         b.stop()
+
+
+@pytest.mark.slow  # ~10 s, the first test's run with one file taken away
+def test_a_final_snapshot_that_cannot_be_committed_is_named_in_the_end(control_plane, api, agents):
+    """The file of the last snapshot is gone before the agent can commit it (deleted by hand
+    in the outage): the job still SUCCEEDED (every worker exited 0), its latest is the one
+    before, and its end says which step was not committed and why: never a silent success."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("endgone", 40, every=5, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
+    wait_latest(api, job_id, 5)
+    control_plane.stop(signal.SIGKILL)
+    wait_for(lambda: not workers(a), 60, "the worker to exit while the control plane is away")
+    last = control_plane.snapshot_root / job_id / "step-000000000040.pt"
+    last.unlink()
+    control_plane.start()
+    with control_plane.client() as again:
+        done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+        end = events_of(again, job_id)[-1]
+        assert done["state"] == "SUCCEEDED" and latest_step(again, job_id) == 35, end
+        assert end["reason"].startswith("every worker exited 0; node n0: snapshot(s) written and not "
+                                        "committed"), end
+        assert "step 40: its file cannot be read" in end["reason"] + (end.get("detail") or ""), end

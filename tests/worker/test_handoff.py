@@ -30,7 +30,7 @@ class FakeLink:
         self.calls: list = []
         self.closed = threading.Event()
 
-    def commit_request(self, req: CommitRequest) -> list[str]:
+    def commit_request(self, req: CommitRequest, retry_s: float | None = None) -> list[str]:
         self.calls.append(("commit", req.step))
         if self.away > 0:
             self.away -= 1
