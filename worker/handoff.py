@@ -30,10 +30,12 @@ cancel) is not waited for.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,6 +47,9 @@ from worker.protocol import CommitRequest, ProgressReport
 
 log = logging.getLogger("ftrain.handoff")
 
+# A hand-over holds at most `snapshot.keep` commits (at most 1,000; the writer keeps no more
+# waiting), each a few hundred bytes (a path up to 4 KiB), and a progress report.
+MAX_HANDOFF_BYTES = 8 << 20
 RETRY_FIRST_S = 0.5
 # A few requests at most: cheap to try often, and the end is reported soon after an outage.
 RETRY_MAX_S = 1.0
@@ -82,7 +87,8 @@ def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
     """What a worker left in `path`: its commits, newest first, and its final progress report;
     nothing for an unreadable file."""
     try:
-        got = json.loads(path.read_bytes())
+        with _open_own(path) as f:
+            got = json.loads(f.read(MAX_HANDOFF_BYTES))
         commits = [CommitRequest.model_validate(i) for i in got["commits"]]
         progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
     except FileNotFoundError:  # taken by the agent meanwhile
@@ -93,8 +99,24 @@ def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
     return sorted(commits, key=lambda r: r.step, reverse=True), progress
 
 
-def _file_of(req: CommitRequest, directory: Path) -> Path:
-    return Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+def _open_own(path: Path):
+    """`path` opened for reading, not through a symbolic link: what the job's user left
+    names files that the agent (maybe root, `--run-as`) reads, and only in the job's folder."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO would block)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _file_of(req: CommitRequest, directory: Path) -> Path | None:
+    """The snapshot file of `req`, if it is in the job's snapshot folder (the agent reads
+    nothing else for a worker: a path elsewhere would let the job's user learn of files it
+    may not read through the agent's checks)."""
+    path = Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+    if os.path.normpath(path.parent) != os.path.normpath(directory) or path.name.startswith("."):
+        return None
+    return path
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:
@@ -112,17 +134,17 @@ def _whole(req: CommitRequest, path: Path) -> str | None:
     group that torchrun restarted in the same attempt wrote that step again), or None."""
     algo, _, want = req.checksum.partition(":")
     try:
-        size = os.path.getsize(path)
-        if size != req.size:
-            return f"its file is {size} bytes, {req.size} were written"
         digest = hashlib.new(algo)
-        with open(path, "rb") as f:
+        with _open_own(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != req.size:
+                return f"its file is {size} bytes, {req.size} were written"
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
     except ValueError:
         return f"its checksum {req.checksum[:40]!r} is of no algorithm known here"
     except OSError as exc:
-        return f"its file cannot be read ({exc.strerror or exc})"
+        return f"its file cannot be read ({exc.strerror or type(exc).__name__})"
     if digest.hexdigest() != want:
         return "its file no longer has the checksum written (it was written again since)"
     return None
@@ -233,6 +255,9 @@ class AgentHandoff:
         """Commit `req`, trying again while no control plane answers; the refusal's reason
         if the control plane refused it (None otherwise)."""
         path, checked = _file_of(req, self.path.parent), None
+        if path is None:
+            self.not_committed[req.step] = "its path is not in the job's snapshot folder"
+            return None
         pause = RETRY_FIRST_S
         while not self._cancel.is_set():
             # checked before each try, read whole only when the file changed (or at first): one

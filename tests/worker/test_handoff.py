@@ -123,3 +123,22 @@ def test_what_the_worker_leaves_while_the_agent_commits_is_kept_for_the_next_tak
     commits, progress = handoff.read(path)  # the next take's
     assert commits == [] and progress.step == 10
     assert [p.name for p in tmp_path.iterdir() if "taken" in p.name] == []
+
+
+def test_the_agent_reads_only_files_of_the_jobs_snapshot_folder(tmp_path):
+    """What the worker leaves comes from the job's user; the agent (root under `--run-as`)
+    checks only files in the job's folder, never through a link: a path elsewhere would tell
+    that user the size or checksum of a file it may not read."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 5)  # its size is not told
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "step-000000000020.pt").symlink_to(secret)
+    outside = written(tmp_path, 10).model_copy(update={"path": str(secret)})
+    linked = written(tmp_path, 20).model_copy(update={"path": str(folder / "step-000000000020.pt")})
+    path = handoff.leave(folder, "n0", 1, commits=[outside, linked])
+    link = FakeLink()
+    h = run(path, link)
+    assert link.calls == [] and h.committed == []
+    assert h.not_committed[10] == "its path is not in the job's snapshot folder"
+    assert "cannot be read" in h.not_committed[20] and "bytes" not in h.not_committed[20]
