@@ -194,7 +194,11 @@ class AgentHandoff:
         """What the end report says of the commits that were not made; None if all were."""
         if not self.not_committed:
             return None
-        parts = [f"step {step}: {why}" for step, why in sorted(self.not_committed.items())]
+        steps_by_why: dict[str, list[int]] = {}
+        for step, why in sorted(self.not_committed.items(), reverse=True):  # newest first
+            steps_by_why.setdefault(why, []).append(step)
+        parts = [f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {why}"
+                 for why, steps in steps_by_why.items()]
         return ("snapshot(s) written and not committed, the latest snapshot does not include them: "
                 + "; ".join(parts))
 

@@ -95,7 +95,8 @@ def test_a_refusal_or_a_file_gone_is_said_in_the_note_never_silently(tmp_path):
     assert set(h.not_committed) == {10, 20, 30, 40} and "3 bytes, 4 were written" in h.not_committed[30]
     assert "no longer has the checksum" in h.not_committed[40]
     assert "attempt 1 is over" in h.not_committed[10]
-    assert h.note().startswith("snapshot(s) written and not committed") and "step 30:" in h.note()
+    assert h.note().startswith("snapshot(s) written and not committed") and "step 30: its file" in h.note()
+    assert "steps 20, 10: refused:" in h.note()  # one reason, said once
     assert not path.exists()
 
 
