@@ -100,7 +100,7 @@ class NodeAgent:
             try:
                 if not link.registered:
                     group = self.torchrun.group
-                    link.register(running=None if group is None else group.key)
+                    link.register(running=link.ending() if group is None else group.key)
                 link.send_reports()
                 # The heartbeat long-polls: an idle node learns of its job, a running one of a
                 # new attempt (a lost peer's node), as soon as the control plane decides it; a
@@ -121,6 +121,7 @@ class NodeAgent:
             except _Stopping:
                 break
             self.check_exit()
+            self.torchrun.handing_over()  # what rank 0 left to this agent: made as soon as it is there
             self.torchrun.kill_stopped_workers()
             # Running: check exits often. Idle: the heartbeat itself waited for a change (a
             # long poll), so go again at once after a change, else keep the beat's interval.

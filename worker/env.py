@@ -52,8 +52,11 @@ FTRAIN_WORKER_STANDBY = "FTRAIN_WORKER_STANDBY"
 # The node agent's bound on the lines of one job attempt queued for shipping (default 50,000;
 # worker/log_shipper.py MAX_PENDING_LINES): tests make it small to flood it cheaply.
 FTRAIN_LOG_QUEUE_LINES = "FTRAIN_LOG_QUEUE_LINES"
+# Seconds rank 0's end waits for its snapshots' commits before it leaves those the control
+# plane has not taken to its node agent (default 10; worker/handoff.py).
+FTRAIN_COMMIT_WAIT_S = "FTRAIN_COMMIT_WAIT_S"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
-             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP, FTRAIN_WORKER_STANDBY)
+             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP, FTRAIN_WORKER_STANDBY, FTRAIN_COMMIT_WAIT_S)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

@@ -95,7 +95,7 @@ class Link(Protocol):
     def report_corrupt(self, step: int, reason: str) -> None: ...
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None: ...
+                        total_steps: int | None = None) -> int | None: ...
     def control(self) -> ControlRequest: ...
     def report_memory(self, node: str, step: int) -> None: ...
     def restore_point(self, held: int | None) -> RestorePoint: ...
@@ -120,6 +120,9 @@ class ServiceLink:
     # retried while the control plane does not answer: the 0.2 s doubling to 2 s between
     # six tries that it was before there was one retry policy.
     RETRY_S = 5.0
+    # The control planes' time, all together, to answer the final progress report
+    # (`report_progress`); within the 5 s that the worker's end waits for it.
+    FINAL_REPORT_S = 4.0
 
     def __init__(self, server: str, job_id: str, token: str, attempt: int, timeout_s: float = 10.0,
                  group: str | None = None):
@@ -129,9 +132,10 @@ class ServiceLink:
         # `server`: one URL or several, comma-separated (any replica serves; see worker/http.py).
         self._client = ControlPlaneClient(server, token, suffix=f"/v1/jobs/{job_id}", timeout=timeout_s)
 
-    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, retry_s: float = 0.0,
+              timeout: float | None = None) -> Any:
         try:
-            return self._client.call(method, path, body, retry_s=retry_s)
+            return self._client.call(method, path, body, retry_s=retry_s, timeout=timeout)
         except ApiError as exc:
             raise LinkError(str(exc), exc.status) from exc
         except Unreachable as exc:  # its message names the request
@@ -154,17 +158,27 @@ class ServiceLink:
         got = self._read(SnapshotList, self._retrying("GET", "/snapshots"))
         return _committed_records(got.items), got.latest
 
-    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
-        body = CommitRequest(step=written.step, path=written.path, size=written.size,
+    def request_of(self, written: snap.WrittenSnapshot, stall_s: float,
+                   control_id: int | None) -> CommitRequest:
+        """The commit of `written` as this worker sends it (or leaves it to its agent: worker/handoff.py)."""
+        return CommitRequest(step=written.step, path=written.path, size=written.size,
                              checksum=written.checksum, attempt=self.attempt, control_id=control_id,
                              stall_s=round(stall_s, 6), write_s=round(written.write_s, 6))
+
+    def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
+        return self.commit_request(self.request_of(written, stall_s, control_id))
+
+    def commit_request(self, body: CommitRequest, retry_s: float | None = None) -> list[str]:
+        """Send one commit (its attempt is the writer's), retried for `retry_s` (default
+        `RETRY_S`) while no control plane answers; the paths it prunes."""
+        retry_s = self.RETRY_S if retry_s is None else retry_s
         try:
-            return self._read(CommitResult, self._retrying("POST", "/snapshots", body)).prune
+            return self._read(CommitResult, self._call("POST", "/snapshots", body, retry_s=retry_s)).prune
         except LinkError as exc:
             if exc.status == 409:
-                raise Fenced(f"snapshot of step {written.step} refused: {exc}") from exc
+                raise Fenced(f"snapshot of step {body.step} refused: {exc}") from exc
             if isinstance(exc.__cause__, Unreachable) or (exc.status or 0) >= 500:
-                raise CommitUnreachable(f"commit of step {written.step}: {exc}", exc.status) from exc
+                raise CommitUnreachable(f"commit of step {body.step}: {exc}", exc.status) from exc
             raise
 
     def report_corrupt(self, step: int, reason: str) -> None:
@@ -172,12 +186,30 @@ class ServiceLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None:
+                        total_steps: int | None = None) -> int | None:
+        """The step the control plane holds after it (a report within its rate limit of the
+        stored one is answered, not stored)."""
+        body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps)
+        # The final one is awaited by the worker's end (`Runtime._stop_poller`, 5 s): it must
+        # fail within that when no control plane answers (a stopped one never does), so that
+        # it is left to the node agent (worker/handoff.py) rather than lost with the process.
+        each = self.FINAL_REPORT_S / max(1, len(self._client.servers))  # one try at each
+        return self.send_progress(body, timeout=each if final else None)
+
+    def progress_request(self, step: int, loss: float | None, samples_per_s: float | None,
+                         final: bool = False, metrics: dict[str, float] | None = None,
+                         total_steps: int | None = None) -> ProgressReport:
         # int(): the report's numbers are strict (a script's step may be a numpy integer)
-        self._call("POST", "/progress", ProgressReport(
-            step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
-            group=self.group, final=final, metrics=metrics or {},
-            total_steps=None if total_steps is None else int(total_steps)))
+        return ProgressReport(step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
+                              group=self.group, final=final, metrics=metrics or {},
+                              total_steps=None if total_steps is None else int(total_steps))
+
+    def send_progress(self, body: ProgressReport, retry_s: float = 0.0,
+                      timeout: float | None = None) -> int | None:
+        """One progress report (tried once unless `retry_s`); `LinkError` if it did not land;
+        the step the control plane holds after it."""
+        got = self._call("POST", "/progress", body, retry_s=retry_s, timeout=timeout)
+        return got.get("step") if isinstance(got, dict) else None
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))
@@ -292,8 +324,8 @@ class LocalLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> None:
-        pass
+                        total_steps: int | None = None) -> int | None:
+        return None
 
     def control(self) -> ControlRequest:
         return ControlRequest()

@@ -163,6 +163,17 @@ class NodeLink:
         self.reports.append(ReportRequest(job_id=job_id, attempt=attempt, state=state, exit_code=code,
                                           reason=_fit(reason, REPORT_REASON_MAX_CHARS)))
 
+    def ending(self) -> tuple[str, int] | None:
+        """The (job id, attempt) whose end this node has yet to deliver (its last queued report
+        that ends an attempt), or None. A registration after a lapsed lease names it as still
+        running: the group has exited, but the control plane must keep the node a member until
+        its end report lands, not take it for a restarted agent (which would fail a job whose
+        other nodes finished, or restart one that had ended)."""
+        for r in reversed(self.reports):
+            if r.state != "running":
+                return (r.job_id, r.attempt)
+        return None
+
     def send_reports(self) -> None:
         """Deliver the queued reports, oldest first, until the control plane does not answer."""
         while self.reports:

@@ -77,6 +77,7 @@ over.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -85,7 +86,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -94,11 +95,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker import handoff
 from worker import memory as mem
 from worker import snapshot as snap
 from worker.data import ResumableSampler
 from worker.env import (
     FTRAIN_ATTEMPT,
+    FTRAIN_COMMIT_WAIT_S,
     FTRAIN_CUDA_WARMUP,
     FTRAIN_GLOBAL_BATCH_SIZE,
     FTRAIN_GROUP,
@@ -335,6 +338,7 @@ class Runtime:
     waits_s: list[float] = field(default_factory=list)  # of which: waiting for the previous save
     _state: dict[str, Any] = field(default_factory=dict)
     _writer: snap.AsyncWriter | None = None
+    _leave: Callable[..., Any] | None = None  # what the node agent takes over (worker/handoff.py)
     _staging: snap.HostStaging = field(default_factory=snap.HostStaging)
     _poller: threading.Thread | None = None
     _stop_poll: threading.Event = field(default_factory=threading.Event)
@@ -855,12 +859,17 @@ class Runtime:
         self._poller = threading.Thread(target=self._poll, name="ftrain-control", daemon=True)
         self._poller.start()
 
-    def _stop_poller(self) -> None:
+    def _stop_poller(self) -> bool:
+        """Stop rank 0's poller (after its final progress report); False if it did not end
+        within 5 s (a call to a control plane that does not answer)."""
+        ended = True
         if self._poller is not None:
             self._stop_poll.set()
             self._wake_poll.set()
             self._poller.join(timeout=5)
+            ended = not self._poller.is_alive()
             self._poller = None
+        return ended
 
     def _poll(self) -> None:
         assert self.link is not None
@@ -874,15 +883,19 @@ class Runtime:
             rate = None
             if last_t is not None and at > last_t and samples >= last_samples:
                 rate = (samples - last_samples) / (at - last_t)
-            last_samples, last_t, reported = samples, at, step
+            last_samples, last_t = samples, at
+            metrics = self._scalar_values()
+            logged_loss = metrics.pop("loss", None)
+            loss_value = float(loss) if loss is not None else logged_loss
             try:
-                metrics = self._scalar_values()
-                logged_loss = metrics.pop("loss", None)
-                loss_value = float(loss) if loss is not None else logged_loss
-                self.link.report_progress(step, loss_value, rate, final=final,
-                                          metrics=metrics, total_steps=self.total_steps)
+                held = self.link.report_progress(step, loss_value, rate, final=final,
+                                                 metrics=metrics, total_steps=self.total_steps)
+                if held is None or held == step:  # else not stored (the rate limit): the final one goes
+                    reported = step
             except LinkError as exc:
                 log.debug("progress report failed: %s", exc)
+                if final:
+                    self._leave_final_progress(rate)
 
         while not self._stop_poll.is_set():
             try:
@@ -897,6 +910,22 @@ class Runtime:
             self._wake_poll.clear()
         if self._progress is not None and self._progress[0] != reported:
             report(final=True)  # the step the run ended at, before the job can finish
+
+    def _leave_final_progress(self, rate: float | None = None) -> None:
+        """The final progress report did not land (the control plane is away): the node agent
+        sends it before it reports the end (worker/handoff.py)."""
+        if self._leave is None or self._progress is None or not isinstance(self.link, ServiceLink):
+            return
+        step, loss, _samples, _at = self._progress
+        metrics = self._scalar_values()
+        logged_loss = metrics.pop("loss", None)
+        body = self.link.progress_request(step, float(loss) if loss is not None else logged_loss, rate,
+                                          True, metrics, self.total_steps)
+        try:
+            self._leave(progress=body)
+        except OSError as exc:
+            log.warning("the final progress report (step %d) could not be left to the node agent: %s",
+                        step, exc)
 
     def _scalar_values(self) -> dict[str, float]:
         """The logged scalars as floats; a name or value the control plane would refuse
@@ -936,9 +965,10 @@ class Runtime:
             if self._rng_keeper is not None:
                 self._rng_keeper.flush()
             if self._writer is not None:
-                self._writer.wait()
+                self._writer.finish()  # what the control plane did not take: to the agent
         finally:
-            self._stop_poller()
+            if not self._stop_poller() and clean:  # stuck in a call: its final report never went
+                self._leave_final_progress()
             if self._peer_watch is not None:  # a goodbye: the peers do not report this as a loss
                 self._peer_watch.close()
             if self.distributed and dist.is_initialized():
@@ -991,6 +1021,33 @@ def wait_for_store(addr: str | None, port: str | None, timeout_s: float) -> bool
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+
+
+def _leave_to_agent(env: Mapping[str, str], link: Link | None, node: str | None):
+    """`worker.handoff.leave` for this worker (commits=..., progress=...), or None where no
+    node agent can take anything over (the local twin, a plain torchrun)."""
+    directory = env.get(FTRAIN_SNAPSHOT_DIR)
+    if not isinstance(link, ServiceLink) or not node or not directory:
+        return None
+    return functools.partial(handoff.leave, directory, node, link.attempt)
+
+
+def _commit_end(env: Mapping[str, str], link: Link, node: str | None) -> dict[str, Any]:
+    """How rank 0's end treats commits the control plane has not taken: waited for
+    `FTRAIN_COMMIT_WAIT_S` (default 10 s), then, under a node agent, handed over to it
+    (worker/handoff.py)."""
+    out: dict[str, Any] = {}
+    wait_s = env.get(FTRAIN_COMMIT_WAIT_S)
+    if wait_s:
+        try:
+            out["commit_wait_s"] = max(0.0, float(wait_s))
+        except ValueError:
+            log.warning("%s=%r is not a number of seconds: ignored", FTRAIN_COMMIT_WAIT_S, wait_s)
+    leave = _leave_to_agent(env, link, node)
+    if leave is not None:
+        assert isinstance(link, ServiceLink)
+        out["hand_over"] = lambda items: leave(commits=[link.request_of(*item) for item in items])
+    return out
 
 
 def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: str | Path | None = None,
@@ -1061,7 +1118,8 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
     if directory and link is not None:
-        rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep)
+        rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep, **_commit_end(env, link, rt.node))
+    rt._leave = _leave_to_agent(env, link, rt.node)
     if distributed and isinstance(link, ServiceLink) and rt.node:
         _report_broken_peers(link, rt.node, rt)
     log.info("rank %d/%d on %s; job %s; snapshots %s every %s steps", rank, world_size, device,

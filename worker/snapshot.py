@@ -222,6 +222,9 @@ def delete_files(paths: list[str], directory: str | Path | None = None) -> None:
 
 # commit(written, stall_s, control_id) -> paths to prune
 CommitFn = Callable[[WrittenSnapshot, float, "int | None"], list[str]]
+# hand_over([(written, stall_s, control_id), ...] newest first): someone who outlives this
+# process takes those commits over (the node agent: worker/handoff.py); OSError if it cannot
+HandOverFn = Callable[[list[tuple[WrittenSnapshot, float, "int | None"]]], object]
 
 
 @dataclass
@@ -256,18 +259,26 @@ class AsyncWriter:
     final: nothing more is committed, and it is raised on the training thread at the next
     `submit` or `wait`.
 
-    `wait` (a blocking save, the end of training) waits for the write and then, up to
-    `commit_wait_s`, for the commits; if the control plane is still away then, it returns
-    and the commits go on being tried in the background while the process lives.
+    `wait` (a blocking save) waits for the write and then, up to `commit_wait_s`, for the
+    commits; if the control plane is still away then, it returns and the commits go on being
+    tried in the background while the process lives. `finish` (the end of training) waits
+    the same, and then hands the commits still waiting to `hand_over` (the node agent, which
+    outlives the process, makes them and reports the group's end after them:
+    worker/handoff.py) and stops committing; without one (the local twin, a plain torchrun)
+    they are tried until the process exits, and lost with it.
     """
 
     RETRY_FIRST_S = 0.5
     RETRY_MAX_S = 5.0
 
     def __init__(self, directory: str | Path, commit: CommitFn, keep: int = 3,
-                 commit_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+                 commit_wait_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 hand_over: HandOverFn | None = None):
         self.directory = Path(directory)
         self._commit = commit
+        self._hand_over = hand_over
+        self.handed_over: list[int] = []  # steps whose commits `finish` handed over
+        self._handing_over = False  # `finish` is waiting, and hands over what is left (its log line)
         self.keep = max(1, keep)
         self.commit_wait_s = commit_wait_s
         self._clock = clock
@@ -304,10 +315,36 @@ class AsyncWriter:
             waiting = [u.written.step for u in self._waiting]
         self._raise_error()
         if waiting:
+            then = ("handed over to the node agent" if self._handing_over else
+                    "the commits are tried in the background")
             log.warning("snapshot(s) of step(s) %s not committed yet: the control plane did not take "
-                        "them within %g s; the files are kept and the commits are tried in the "
-                        "background", ", ".join(map(str, waiting)), limit)
+                        "them within %g s; the files are kept and %s", ", ".join(map(str, waiting)),
+                        limit, then)
         return not waiting
+
+    def finish(self) -> bool:
+        """The end of training: `wait`; then the commits still waiting go to `hand_over`, if
+        there is one, and this writer commits no more. True if every commit landed here."""
+        self._handing_over = self._hand_over is not None
+        if self.wait() or self._hand_over is None:
+            return not self.uncommitted()
+        with self._changed:
+            items, self._waiting = self._waiting, []
+        if not items:  # they landed meanwhile
+            return True
+        try:
+            self._hand_over([(u.written, u.stall_s, u.control_id) for u in reversed(items)])
+        except OSError as exc:
+            log.warning("snapshot commits of step(s) %s could not be handed over (%s); they are tried "
+                        "until this process exits", ", ".join(str(u.written.step) for u in items), exc)
+            with self._changed:
+                self._waiting = items + self._waiting
+                self._changed.notify_all()
+            return False
+        self.handed_over = [u.written.step for u in items]
+        log.warning("snapshot commit(s) of step(s) %s handed over to the node agent: it makes them and "
+                    "reports this group's end after them", ", ".join(map(str, self.handed_over)))
+        return False
 
     def submit(self, host_state: Any, step: int, stall_s: float, control_id: int | None = None,
                blocking: bool = False) -> None:

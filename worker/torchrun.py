@@ -57,6 +57,7 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
+from worker.handoff import AgentHandoff, handoff_path
 from worker.links import ServiceLink, report_broken_peer
 from worker.log_shipper import LogShipper
 from worker.procs import (
@@ -148,6 +149,8 @@ class WorkerGroup:
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
     released: bool = False  # its held lines were handed to the shipper (`_release_held`)
     job_token: str | None = None  # for the broken-peer report its workers' output can call for
+    snapshot_dir: Path | None = None  # FTRAIN_SNAPSHOT_DIR: where rank 0 leaves its commits (handoff)
+    handoff: AgentHandoff | None = None  # the commits its rank 0 left to this agent, being made
     # the rounds whose workers' broken peer was reported (once a round: `_report_broken_peer`)
     peer_reported: set = field(default_factory=set)
 
@@ -160,14 +163,16 @@ class WorkerGroup:
         code = self.proc.returncode
         if self.stop_requested:
             return "stopped", code, "stopped by the control plane"
+        note = None if self.handoff is None else self.handoff.note()  # commits not made: said
         if code == 0:
-            return "succeeded", 0, None
+            return "succeeded", 0, note
         worker_ranks = sorted(r for r in self.tails if r is not None)
         lines = []
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+        return "failed", code, (headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+                                + (f"\n{note}" if note else ""))
 
 
 def tails_of_files(paths: list[Path], secrets: tuple[str, ...], nbytes: int = 64 * 1024) -> dict:
@@ -486,7 +491,7 @@ class Torchrun:
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
         g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs,
-                        job_token=a.job_token)
+                        job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
         for stream, path in outputs.items():
             t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
                                  name=f"pump-{stream}")
@@ -582,11 +587,14 @@ class Torchrun:
         are done). Its end is reported once every line is shipped, so that whoever reads the
         job's log when it has ended sees them all: a report sent after an outage of the
         control plane overtook the lines queued meanwhile (`test_control_plane_killed...`
-        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for."""
+        read rank 0's steps as [1, 2]). At most DRAIN_S; a stopped group is not waited for.
+        Before that, and with no bound, whatever rank 0 left to this agent (`handing_over`)."""
         if g.stop_requested:
             return False
         if g.exited_at is None:
             g.exited_at = time.monotonic()
+        if self.handing_over(g):
+            return True
         if time.monotonic() - g.exited_at > DRAIN_S:
             return False
         if any(t.is_alive() for t in g.threads):
@@ -594,6 +602,28 @@ class Torchrun:
         if not g.released:
             self._release_held(g)
         return self.shipper.pending_of(g.job_id, g.attempt) > 0
+
+    def handing_over(self, g: WorkerGroup | None = None) -> bool:
+        """Whether what rank 0 left to this agent (worker/handoff.py) is being made: its
+        snapshot commits, its final progress report. Started as soon as the file is there
+        (the agent's loop looks every check, so a group that torchrun restarts in the same
+        attempt resumes from those snapshots), again for a file left later; the group's end is
+        reported after them, however long the control plane is away (a job must not end
+        before its last snapshot is listed). A stopped group's is not started."""
+        g = g or self.group
+        if g is None:
+            return False
+        if g.handoff is not None and not g.handoff.done():
+            return True
+        if g.snapshot_dir is None or not g.job_token or g.stop_requested:
+            return False
+        path = handoff_path(g.snapshot_dir, self.node, g.attempt)
+        if not path.exists():
+            return False
+        link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
+        earlier = None if g.handoff is None else g.handoff.not_committed
+        g.handoff = AgentHandoff(path, link, earlier).start()
+        return True
 
     def kill_stopped_workers(self) -> None:
         """Kill workers that have been stopped (state T) for longer than the grace period."""
@@ -619,6 +649,9 @@ class Torchrun:
         if g is None:
             return
         g.stop_requested = True
+        if g.handoff is not None:  # a new attempt (its commits would be refused), a cancel: not waited for
+            g.handoff.cancel()
+            g.handoff.join(2.0)
         tree = self.group_tree(g)
         log.info("stopping job %s attempt %d (%s)", g.job_id, g.attempt, why)
         if g.proc.poll() is None and grace_s > 0:

@@ -19,7 +19,8 @@ its agent restarted, or it was told to stop). The rules, torchrun's own for succ
   or failed. Members that took no part in the end do not hold it up: one still 'assigned'
   (given to the job, its workers never joined) and one 'stopped' before any member had
   finished (the group went on without it: torchrun re-formed it, or the scheduler restarted
-  the others).
+  the others). A finished member's note (its agent's report of snapshot commits left to it
+  that it could not make, `worker/handoff.py`) is in the reason.
 - **A failure is a failure**, in whatever order: one failed member fails the job (the first
   by node name is named), even if the others finished.
 - **Vanishing while the job ends is a failure.** A live member that vanishes (its lease
@@ -66,7 +67,10 @@ def by_members(members: Mapping[str, MemberStatus]) -> Outcome | None:
         return Outcome(S.FAILED, f"node {name}: {member.reason or f'exit code {member.exit_code}'}")
     states = {m.state for m in members.values()}
     if "succeeded" in states and "running" not in states:
-        return Outcome(S.SUCCEEDED, "every worker exited 0")
+        # A finished node's note (its snapshot commits that could not be made) is part of the end.
+        notes = [f"node {n}: {m.reason}" for n, m in sorted(members.items())
+                 if m.state == "succeeded" and m.reason]
+        return Outcome(S.SUCCEEDED, "; ".join(["every worker exited 0", *notes]))
     return None
 
 

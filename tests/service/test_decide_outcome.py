@@ -46,6 +46,15 @@ def test_by_members_names_the_reason_a_member_gave():
     assert got.reason == "node a: OOM killed"
 
 
+def test_a_finished_members_note_is_part_of_the_success():
+    """An agent that could not make the snapshot commits its rank 0 left it says so with its
+    success (worker/handoff.py): the job's end names it, never a silent success."""
+    note = "snapshot(s) written and not committed, ...: step 40: its file cannot be read"
+    got = by_members({"a": MemberStatus(state="succeeded", exit_code=0, reason=note),
+                      "b": MemberStatus(state="succeeded", exit_code=0)})
+    assert (got.state, got.reason) == (S.SUCCEEDED, f"every worker exited 0; node a: {note}")
+
+
 @pytest.mark.parametrize("restarts,max_restarts,ends", [
     (0, 3, False), (2, 3, False), (3, 3, True), (7, 3, True), (0, 0, True),
 ])
@@ -80,7 +89,9 @@ def run(events: list[tuple[str, str] | list[tuple[str, str]]], mn: int,
                 change = decide_registered(job, node, job.attempt, NOW)
             else:
                 state, code = {"ok": ("succeeded", 0), "fail": ("failed", 1)}[kind]
-                change = decide_report(job, node, job.attempt, state, code, f"{kind} on {node}", NOW)
+                # as an agent reports: a reason with a failure, none with a success
+                reason = f"{kind} on {node}" if kind == "fail" else None
+                change = decide_report(job, node, job.attempt, state, code, reason, NOW)
             job = change.job if change is not None else job
         p = plan(job, nodes, free_nodes([job], nodes), NOW, SchedulerConfig())
         job = p.job if p is not None else job

@@ -276,6 +276,39 @@ def test_rank0_reports_its_logged_scalars_and_total_steps_with_its_progress():
                              "total_steps": 10}]
 
 
+class RateLimitedLink(RecordingLink):
+    """A control plane that stores only final reports (as if every other one came within its
+    rate limit of the stored one) and answers with the step it holds; the poller's first
+    control poll is its last."""
+
+    def __init__(self, rt):
+        super().__init__()
+        self.rt, self.held = rt, 0
+
+    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None):
+        super().report_progress(step, loss, samples_per_s, final, metrics, total_steps)
+        if final:
+            self.held = step
+        return self.held
+
+    def control(self):
+        self.rt._stop_poll.set()
+        return runtime.ControlRequest()
+
+
+def test_a_report_the_control_plane_did_not_store_does_not_stand_for_the_final_one():
+    """The last periodic report came within the rate limit and was answered, not stored: the
+    final report still goes, so the finished job shows the step it ended at (before, the job
+    ended showing an earlier step)."""
+    rt = runtime.init(env={}, total_steps=10)
+    rt.link = link = RateLimitedLink(rt)
+    rt.control_poll_s = 0.01
+    rt.step_done(samples=8)
+    rt._poll()
+    assert [(r["step"], r["final"]) for r in link.reports] == [(1, False), (1, True)]
+    assert link.held == 1
+
+
 @pytest.mark.parametrize("exc, broken", [
     # what gloo raised in a survivor when its peer was SIGKILLed (torch 2.13, CPU)
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

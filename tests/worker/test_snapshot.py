@@ -416,3 +416,43 @@ def test_a_refused_commit_after_an_outage_still_reaches_the_training_thread(tmp_
     with pytest.raises(Fenced, match="attempt 0 is over"):  # at the next snapshot, as before
         writer.submit({"w": torch.zeros(10)}, step=20, stall_s=0.0)
     assert cp.commits == []
+
+
+def test_finish_hands_the_commits_the_control_plane_did_not_take_to_the_agent_and_commits_no_more(
+        tmp_path, fast_retries):
+    """The end of training with the control plane away: after `commit_wait_s`, what waits goes
+    to `hand_over` (the node agent: worker/handoff.py), newest first, and the writer stops
+    trying (the agent makes them; a worker still trying would only race it)."""
+    cp = FlakyControlPlane()
+    handed: list[list[int]] = []
+    writer = snap.AsyncWriter(tmp_path, cp, commit_wait_s=0.05,
+                              hand_over=lambda items: handed.append([w.step for w, _s, _c in items]))
+    for step in (10, 20):
+        writer.submit({"w": torch.zeros(10)}, step=step, stall_s=0.0)
+        writer.wait_written()
+    assert writer.finish() is False
+    assert handed == [[20, 10]] and writer.handed_over == [10, 20] and writer.uncommitted() == []
+    tries = len(cp.tries)
+    cp.back.set()
+    time.sleep(0.2)  # several retry pauses: nothing more is tried
+    assert cp.commits == [] and len(cp.tries) <= tries + 1  # (one try may have been in flight)
+
+
+def test_finish_with_everything_committed_hands_nothing_over_and_a_failed_hand_over_keeps_trying(
+        tmp_path, fast_retries):
+    cp = FlakyControlPlane()
+    cp.back.set()
+    handed: list = []
+    writer = snap.AsyncWriter(tmp_path, cp, commit_wait_s=5, hand_over=handed.append)
+    writer.submit({"w": torch.zeros(10)}, step=10, stall_s=0.0)
+    assert writer.finish() is True and handed == [] and cp.commits == [10]
+
+    def cannot(items):
+        raise OSError(28, "No space left on device")
+
+    away = FlakyControlPlane()
+    writer = snap.AsyncWriter(tmp_path / "b", away, commit_wait_s=0.05, hand_over=cannot)
+    writer.submit({"w": torch.zeros(10)}, step=30, stall_s=0.0)
+    assert writer.finish() is False and writer.uncommitted() == [30]  # kept: tried while the process lives
+    away.back.set()
+    assert writer.wait(commit_wait_s=10) is True and away.commits == [30]

@@ -1,0 +1,289 @@
+"""Snapshot commits that rank 0's worker leaves to its node agent at its end.
+
+Rank 0's runtime ends (`Runtime.finish`) waiting up to `commit_wait_s` for its snapshots'
+commits. When the control plane is still away then (restarting, cut off, its etcd away),
+the commits not made would die with the process, and the job would end SUCCEEDED with an
+older snapshot listed as latest (seen once under load: latest 10 of 120). Instead the
+worker hands them over (`leave`): it writes the very requests it would have sent (attempt
+included, the fencing), and its final progress report if that did not land either, to a
+file beside its snapshots, named by its node and attempt,
+
+    <snapshot dir>/.handoff-<node>-a<attempt>.json   (temporary file, fsync, rename)
+
+and exits. The node agent, which outlives it and already waits across control planes for
+its reports, finds the file (`Torchrun.handing_over`, every loop) and makes the
+commits in a thread (`AgentHandoff`: newest first, each tried again with a pause growing
+from `RETRY_FIRST_S` to `RETRY_MAX_S` while no control plane answers, for as long as it
+takes), then sends the progress report; it reports the group's end only after them, so the
+job cannot end before its last snapshot is listed and its last step shown. While it waits
+the group is still the agent's, and a registration after a lapsed lease says so, so the
+node stays a member.
+
+A commit the control plane refuses is final: a newer attempt owns the job or the job has
+ended (409), and whatever this attempt wrote can no longer move "latest". A file that is
+gone, or not the size or checksum written (read once to check: a group that torchrun
+restarted in the same attempt may have written that step again), is not committed. Either
+way the end report says which steps were not committed and why (its reason; the job's end
+names it), never a silent success. A group the control plane stopped (a new attempt, a
+cancel) is not waited for.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import stat
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
+from worker.protocol import CommitRequest, ProgressReport
+
+log = logging.getLogger("ftrain.handoff")
+
+# A hand-over holds at most `snapshot.keep` commits (at most 1,000; the writer keeps no more
+# waiting), each a few hundred bytes (a path up to 4 KiB), and a progress report.
+MAX_HANDOFF_BYTES = 8 << 20
+RETRY_FIRST_S = 0.5
+# A few requests at most: cheap to try often, and the end is reported soon after an outage.
+RETRY_MAX_S = 1.0
+
+
+def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
+    return Path(directory) / f".handoff-{node}-a{attempt}.json"
+
+
+def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[CommitRequest] = (),
+          progress: ProgressReport | None = None) -> Path:
+    """The worker's side: add `commits` (and its final `progress`) to what it leaves its agent,
+    in one file written whole (temporary file, fsync, rename); returns the file."""
+    path = handoff_path(directory, node, attempt)
+    old_commits, old_progress = read(path)  # what it left before, if the agent has not taken it yet
+    by_step = {r.step: r for r in [*old_commits, *commits]}
+    final = progress if progress is not None else old_progress
+    body = json.dumps({"commits": [r.model_dump(mode="json") for r in by_step.values()],
+                       "progress": None if final is None else final.model_dump(mode="json")}).encode()
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
+    """What a worker left in `path`: its commits, newest first, and its final progress report;
+    nothing for an unreadable file."""
+    try:
+        with _open_own(path) as f:
+            got = json.loads(f.read(MAX_HANDOFF_BYTES))
+        commits = [CommitRequest.model_validate(i) for i in got["commits"]]
+        progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
+    except FileNotFoundError:  # taken by the agent meanwhile
+        return [], None
+    except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
+        log.warning("what the worker left in %s cannot be read (%s): nothing of it is sent", path, exc)
+        return [], None
+    return sorted(commits, key=lambda r: r.step, reverse=True), progress
+
+
+def _open_own(path: Path):
+    """`path` opened for reading, not through a symbolic link: what the job's user left
+    names files that the agent (maybe root, `--run-as`) reads, and only in the job's folder."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO would block)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _file_of(req: CommitRequest, directory: Path) -> Path | None:
+    """The snapshot file of `req`, if it is in the job's snapshot folder (the agent reads
+    nothing else for a worker: a path elsewhere would let the job's user learn of files it
+    may not read through the agent's checks)."""
+    path = Path(req.path) if Path(req.path).is_absolute() else directory / req.path
+    if os.path.normpath(path.parent) != os.path.normpath(directory) or path.name.startswith("."):
+        return None
+    return path
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """The file as it is now (inode, size, modification time), None if it is gone: a file read
+    whole once is read again only if this changed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _whole(req: CommitRequest, path: Path) -> str | None:
+    """Why the file of `req` cannot be committed (gone, another size, another checksum: a
+    group that torchrun restarted in the same attempt wrote that step again), or None."""
+    algo, _, want = req.checksum.partition(":")
+    try:
+        digest = hashlib.new(algo)
+        with _open_own(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != req.size:
+                return f"its file is {size} bytes, {req.size} were written"
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except ValueError:
+        return f"its checksum {req.checksum[:40]!r} is of no algorithm known here"
+    except OSError as exc:
+        return f"its file cannot be read ({exc.strerror or type(exc).__name__})"
+    if digest.hexdigest() != want:
+        return "its file no longer has the checksum written (it was written again since)"
+    return None
+
+
+def _delete_pruned(paths: list[str], directory: Path) -> None:
+    """Delete the files a commit pruned (only in the job's snapshot directory), as the
+    worker would have."""
+    for p in paths:
+        path = Path(p) if Path(p).is_absolute() else directory / p
+        if path.parent.resolve() != directory.resolve():
+            continue
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete pruned snapshot %s: %s", path, exc)
+
+
+class AgentHandoff:
+    """The agent's side: the commits a worker left in `path`, made in a thread of its own."""
+
+    def __init__(self, path: Path, link: ServiceLink, not_committed: dict[int, str] | None = None):
+        self.path = path
+        self.link = link
+        # step -> why (carried from the same group's earlier hand-over, if any)
+        self.not_committed: dict[int, str] = dict(not_committed or {})
+        self.committed: list[int] = []
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"handoff-{path.name}", daemon=True)
+
+    def start(self) -> AgentHandoff:
+        self._thread.start()
+        return self
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop trying (the group was stopped: a new attempt or a cancel); what is left is
+        not committed."""
+        self._cancel.set()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def note(self) -> str | None:
+        """What the end report says of the commits that were not made; None if all were."""
+        if not self.not_committed:
+            return None
+        steps_by_why: dict[str, list[int]] = {}
+        for step, why in sorted(self.not_committed.items(), reverse=True):  # newest first
+            steps_by_why.setdefault(why, []).append(step)
+        parts = [f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {why}"
+                 for why, steps in steps_by_why.items()]
+        return ("snapshot(s) written and not committed, the latest snapshot does not include them: "
+                + "; ".join(parts))
+
+    def _run(self) -> None:
+        # Taken first (renamed away), so that what the worker leaves meanwhile (its final
+        # progress report, a restarted group's commits) makes a new file, not lost with this one.
+        taken = self.path.with_name(f"{self.path.name}.taken-{os.getpid()}")
+        try:
+            os.replace(self.path, taken)
+        except OSError as exc:
+            log.warning("could not take %s: %s", self.path, exc)
+            self.link.close()
+            return
+        requests, progress = read(taken)
+        if requests:
+            log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
+                        "agent: the control plane did not take them before it ended; committing them",
+                        requests[0].attempt, len(requests), ", ".join(str(r.step) for r in requests))
+        try:
+            for i, req in enumerate(requests):
+                if self._cancel.is_set():
+                    for r in requests[i:]:
+                        self.not_committed[r.step] = "the group was stopped first"
+                    break
+                refused = self._commit(req)
+                if refused is not None:  # a refusal holds for the rest too (the attempt is over)
+                    for r in requests[i:]:
+                        self.not_committed.setdefault(r.step, refused)
+                    progress = None
+                    break
+            if progress is not None:
+                self._report_progress(progress)
+        finally:
+            taken.unlink(missing_ok=True)
+            self.link.close()
+            if self.not_committed:
+                log.warning("%s", self.note())
+
+    def _report_progress(self, body: ProgressReport) -> None:
+        """Rank 0's final progress report, which did not land: sent before the end report, so
+        a finished job shows the step it ended at."""
+        pause = RETRY_FIRST_S
+        while not self._cancel.is_set():
+            try:
+                self.link.send_progress(body)
+            except LinkError as exc:
+                if exc.status is not None and exc.status < 500:
+                    log.warning("the final progress report (step %d) left by the worker was refused: %s",
+                                body.step, exc)
+                    return
+                self._cancel.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            log.info("the final progress report (step %d) sent for the worker", body.step)
+            return
+
+    def _commit(self, req: CommitRequest) -> str | None:
+        """Commit `req`, trying again while no control plane answers; the refusal's reason
+        if the control plane refused it (None otherwise)."""
+        path, checked = _file_of(req, self.path.parent), None
+        if path is None:
+            self.not_committed[req.step] = "its path is not in the job's snapshot folder"
+            return None
+        pause = RETRY_FIRST_S
+        while not self._cancel.is_set():
+            # checked before each try, read whole only when the file changed (or at first): one
+            # gone or written again while no control plane answered is not committed
+            if (now := _identity(path)) is None or now != checked:
+                if (why := _whole(req, path)) is not None:
+                    self.not_committed[req.step] = why
+                    return None
+                checked = now
+            try:
+                prune = self.link.commit_request(req, retry_s=0)  # this loop is the retry
+            except CommitUnreachable as exc:
+                log.info("snapshot commit of step %d left by the worker: %s; trying again", req.step, exc)
+                self._cancel.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            except (Fenced, LinkError) as exc:
+                return f"refused: {exc}"
+            self.committed.append(req.step)
+            self.not_committed.pop(req.step, None)  # (an earlier hand-over's note of it is void)
+            _delete_pruned(prune, self.path.parent)
+            log.info("snapshot of step %d committed for the worker that wrote it", req.step)
+            return None
+        self.not_committed[req.step] = "the group was stopped first"
+        return None
