@@ -1,0 +1,121 @@
+"""A survivor's last-words copy (worker/last_words.py, worker/runtime.py `_last_words`): the
+state of the last step boundary copied into the node's memory tier when the group breaks,
+only while the state is exactly that step's, never labelled with a step it does not hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker import memory as mem
+from worker import runtime
+from worker.last_words import Boundary, last_words_step
+
+MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
+
+
+@pytest.mark.parametrize(("mark", "optimizer_steps", "versions", "held", "step", "why"), [
+    (MARK, 7, (3, 1), 5, 7, "the state is that of step 7"),  # K = 5: copied at 5, failed in step 8
+    (MARK, 7, (3, 1), -1, 7, "holds step -1"),  # nothing copied yet
+    (MARK, 8, (3, 1), 5, None, "the optimizer began a step after step 7"),  # mid- or post-step
+    (MARK, 7, (4, 1), 5, None, "a buffer changed after step 7"),  # a forward pass ran (BatchNorm)
+    (MARK, 7, None, 5, None, "tensors were replaced"),  # the plan no longer holds the state
+    (MARK, 7, (3, 1), 7, None, "holds step 7 already"),  # the copy of step 7 is there
+    (MARK, 7, (3, 1), 9, None, "holds step 9 already"),  # never older over newer
+    (None, 0, (), 5, None, "no step completed"),  # failed before its first step
+])
+def test_last_words_only_for_a_state_that_is_exactly_its_steps(mark, optimizer_steps, versions, held,
+                                                               step, why):
+    got, reason = last_words_step(mark, optimizer_steps, versions, held)
+    assert got == step and why in reason, reason
+
+
+def _loop(rt: runtime.Runtime, model, opt, sched, sampler, x, steps: int, half: bool = False):
+    """Train to `steps`; `half`: then the first half of the next step (its batch drawn, its
+    forward and backward run), as a step is when a peer's death breaks the backward."""
+    for indices in sampler:
+        xb = x[indices]
+        if rt.step >= steps:
+            if half:
+                opt.zero_grad()
+                (model(xb).pow(2).mean() + torch.rand(()) * 0).backward()
+            return
+        opt.zero_grad()
+        noise = torch.randn(xb.shape) * 0.01  # the torch RNG is part of the step
+        model(xb + noise).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        rt.step_done()
+
+
+def _parts(rt: runtime.Runtime, width: int = 8):
+    torch.manual_seed(0)
+    random.seed(0)
+    layers = [torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)]
+    model = rt.wrap(torch.nn.Sequential(*layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    sampler = rt.sampler(64, batch_size=4)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    rt.restore(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    return model, opt, sched, sampler, x
+
+
+def test_a_last_words_copy_resumes_exactly_where_a_fault_free_run_was(tmp_path):
+    """K = 5: copies at 5 only; the group breaks in step 8's backward (its batch drawn, the RNG
+    moved on). The last words hold step 7 as it was at its end, and a run resumed from them
+    ends with the fault-free run's bytes."""
+    straight = runtime.init(env={})
+    parts = _parts(straight)
+    _loop(straight, *parts, 12)
+    expected = parts[0].state_dict()
+
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    _loop(rt, *_parts(rt), 7, half=True)
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 5
+    rt._settle_memory(runtime.SETTLE_S)
+    assert rt._last_words(runtime.LAST_WORDS_S)
+    assert mem.read_held(tmp_path).step == 7
+    rt._memory.close()
+
+    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    parts = _parts(again)
+    assert again.resumed_from == 7 and again.resumed_tier == "memory"
+    _loop(again, *parts, 12)
+    got = parts[0].state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    again.finish()
+
+
+def test_no_last_words_once_the_optimizer_began_the_next_step(tmp_path):
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    model, opt, sched, sampler, x = _parts(rt)
+    _loop(rt, model, opt, sched, sampler, x, 7, half=True)
+    opt.step()  # the failure comes after the optimizer changed the parameters
+    rt._memory.wait()
+    assert not rt._last_words(runtime.LAST_WORDS_S)
+    assert mem.read_held(tmp_path).step == 5
+    rt._memory.close()
+
+
+def test_no_last_words_once_a_forward_changed_a_buffer(tmp_path):
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)]
+    model = rt.wrap(torch.nn.Sequential(*layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    rt.restore(model=model, optimizer=opt)
+    for _ in range(7):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+        rt.step_done()
+    rt._memory.wait()
+    assert rt._boundary is not None and rt._boundary.step == 7
+    model(torch.randn(16, 4))  # step 8's forward: the running statistics moved on
+    assert not rt._last_words(runtime.LAST_WORDS_S)
+    assert mem.read_held(tmp_path).step == 5
+    rt._memory.close()
