@@ -104,6 +104,7 @@ from worker.env import (
     FTRAIN_GROUP,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
+    FTRAIN_LAST_WORDS,
     FTRAIN_MEMORY_DIR,
     FTRAIN_MEMORY_EVERY,
     FTRAIN_NODE,
@@ -323,6 +324,7 @@ class Runtime:
     # On CPU, every rank keeps its RNG states of every step (`_mark_boundary`), and the node's
     # writer notes each step boundary, for a last-words copy (worker/last_words.py).
     _every_step: bool = False
+    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last-words copy (the per-step marks stay)
     _optimizer_steps: int = 0  # optimizer steps begun (a step pre-hook counts them)
     _boundary: Boundary | None = None
     _boundary_plan: Any = None  # the StatePlan whose tensors `_boundary.skeleton` refers to
@@ -864,7 +866,7 @@ class Runtime:
         there, within `timeout_s` (a copy not whole by then is not committed: the older one
         stays). True if the copy was made. The node's writer only (local rank 0, CPU)."""
         w, mark = self._memory, self._boundary
-        if w is None or not self._every_step or w.disabled:
+        if w is None or not self._every_step or w.disabled or not self.last_words:
             return False
         began = time.perf_counter()
         try:
@@ -1175,6 +1177,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
                  node=env.get(FTRAIN_NODE) or None)
     rt.phases_s = phases
+    rt.last_words = env.get(FTRAIN_LAST_WORDS, "1") != "0"
     rt._prefetch = prefetch
     rt._warm = warm
     if memory_on:
