@@ -28,18 +28,21 @@ Pure: no torch, no I/O; tests/worker/test_last_words.py is its table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Boundary:
     """What a worker noted at the end of a step: which step, how many optimizer steps had
     begun by then, the version counters of the state's tensors that an optimizer step does
-    not change, and the rest of the state (with its RNG states) pickled as it was."""
+    not change, the rest of the state pickled as it was, and its RNG states then (objects
+    made for the mark that nothing changes after)."""
 
     step: int
     optimizer_steps: int
     versions: tuple[int, ...]
     skeleton: bytes
+    rng: Any = None
 
 
 def last_words_step(mark: Boundary | None, optimizer_steps: int, versions: tuple[int, ...] | None,

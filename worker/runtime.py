@@ -81,6 +81,7 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -332,6 +333,10 @@ class Runtime:
     _watched: list = field(default_factory=list)  # the plan's tensors an optimizer step leaves alone
     _watched_plan: Any = None  # the plan `_watched` was taken from
     boundary_s: list[float] = field(default_factory=list)  # per step: `_mark_boundary`'s time (bench)
+    _busy: bool = False  # in `step_done` or `_finish`: a SIGTERM's last words wait for its end
+    _saying: bool = False  # saying the last words now
+    _term_pending: bool = False  # a SIGTERM came while busy
+    _sigterm_before: Any = None  # the SIGTERM handler `_on_sigterm` replaced (put back at the end)
     _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
     _warm: threading.Thread | None = None  # `_warm_cuda`, while the process group and DDP start
@@ -621,6 +626,15 @@ class Runtime:
     # -------------------------------------------------------------- the loop
     def step_done(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> None:
         """Call after each optimizer step: counts it, reports, snapshots, obeys control."""
+        self._busy = True
+        try:
+            self._step_done(loss, samples)
+        finally:
+            self._busy = False
+            if self._term_pending:
+                self._end_on_sigterm()
+
+    def _step_done(self, loss: float | torch.Tensor | None, samples: int | None) -> None:
         self.step += 1
         if self._every_step:  # before any collective: a failure in one finds this step's mark
             self._mark_boundary()
@@ -824,6 +838,40 @@ class Runtime:
             return
         for opt in optimizers:
             opt.register_step_pre_hook(self._count_optimizer_step)
+        if self.last_words and threading.current_thread() is threading.main_thread():
+            before = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
+        the group): the last words first (a survivor often hears of the fault this way before
+        its next collective fails), then the signal's own end. In the middle of `step_done`
+        (its state half made) they wait for its end."""
+        if self._busy or self._saying:
+            self._term_pending = True
+            return
+        self._end_on_sigterm()
+
+    def _end_on_sigterm(self) -> None:
+        self._term_pending = False
+        self._saying = True
+        began = time.monotonic()
+        try:
+            self._settle_memory(SETTLE_S)
+            self._last_words(max(0.0, began + LAST_WORDS_S - time.monotonic()))
+        finally:
+            self._saying = False
+        before = self._sigterm_before
+        if callable(before):
+            before(signal.SIGTERM, None)
+        elif before != signal.SIG_IGN:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def _count_optimizer_step(self, *_args, **_kwargs) -> None:
         self._optimizer_steps += 1
@@ -852,10 +900,9 @@ class Runtime:
             if plan is None:
                 self._boundary = None
             else:
-                header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
-                          "rng": rng}
+                header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size}
                 self._boundary = Boundary(self.step, self._optimizer_steps, self._versions(plan),
-                                          mem.freeze({**header, **plan.state()}))
+                                          mem.freeze({**header, **plan.state()}), rng)
         self.boundary_s.append(time.perf_counter() - began)
         if len(self.boundary_s) > 1000:
             del self.boundary_s[:500]
@@ -866,7 +913,7 @@ class Runtime:
         there, within `timeout_s` (a copy not whole by then is not committed: the older one
         stays). True if the copy was made. The node's writer only (local rank 0, CPU)."""
         w, mark = self._memory, self._boundary
-        if w is None or not self._every_step or w.disabled or not self.last_words:
+        if w is None or not self._every_step or w.disabled or not self.last_words or self._finished:
             return False
         began = time.perf_counter()
         try:
@@ -880,7 +927,8 @@ class Runtime:
             if not w.settle(0.0):
                 log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
                 return False
-            w.capture_split(mem.thaw(mark.skeleton), plan.tensors, step, plan.later, check=plan.check)
+            state = {**mem.thaw(mark.skeleton), "rng": mark.rng}
+            w.capture_split(state, plan.tensors, step, plan.later, check=plan.check)
             w.settle(max(0.0, timeout_s - (time.perf_counter() - began)))
         except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the older copy stays
             log.warning("rank %d: the last-words copy failed (%s); the memory tier keeps its older copy",
@@ -1041,7 +1089,10 @@ class Runtime:
     def _finish(self, clean: bool) -> None:
         if self._finished:
             return
+        self._busy = True  # a SIGTERM now: no last words into a writer being closed
         self._finished = True
+        if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_before)
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)
@@ -1065,6 +1116,8 @@ class Runtime:
                 if clean:
                     _settle_collectives()
                 dist.destroy_process_group()
+            if self._term_pending:  # a SIGTERM while finishing: its own end now
+                self._end_on_sigterm()
 
     def __enter__(self) -> Runtime:
         return self

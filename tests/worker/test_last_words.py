@@ -119,3 +119,41 @@ def test_no_last_words_once_a_forward_changed_a_buffer(tmp_path):
     assert not rt._last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 5
     rt._memory.close()
+
+
+_SIGTERMED = """
+import os, signal, sys, torch
+from worker import runtime
+rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+rt.restore(model=model, optimizer=opt)
+for _ in range(7):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    rt.step_done()
+print(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), flush=True)
+model(torch.randn(8, 4)).pow(2).mean().backward()  # step 8's first half, then the node's agent stops it
+os.kill(os.getpid(), signal.SIGTERM)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_a_sigtermed_worker_says_its_last_words_then_dies_of_the_signal(tmp_path):
+    """The node's agent stops a survivor with SIGTERM, often before its next collective fails:
+    the state of its last step goes into the tier first, then the signal ends it as before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _SIGTERMED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == -15, done.stderr[-2000:]
+    assert "not reached" not in done.stdout
+    assert mem.read_held(tmp_path).step == 7
+    copy = mem.load(tmp_path)
+    flat = torch.cat([copy["model"]["weight"].flatten(), copy["model"]["bias"].flatten()])
+    assert flat.tolist() == eval(done.stdout.splitlines()[0])  # noqa: S307 - the list it printed
