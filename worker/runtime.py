@@ -218,8 +218,7 @@ def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> No
             began = time.monotonic()
             report = report_broken_peer(link, node, f"{kind.__name__}: {exc}")
             if rt is not None:  # beside the report: the node's torchrun may stop this worker soon
-                rt._settle_memory(SETTLE_S)
-                rt._last_words(max(0.0, began + LAST_WORDS_S - time.monotonic()))
+                rt._say_last_words()
             report.join(max(0.0, began + 1.0 - time.monotonic()))
         previous(kind, exc, tb)
         if broken:
@@ -852,8 +851,11 @@ class Runtime:
             return
         self._end_on_sigterm()
 
-    def _end_on_sigterm(self) -> None:
-        self._term_pending = False
+    def _say_last_words(self) -> None:
+        """The copy in flight settled, then the last words, in LAST_WORDS_S at most (a worker on
+        its way out: a broken group, a SIGTERM); a SIGTERM meanwhile waits for them."""
+        if self._saying:
+            return
         self._saying = True
         began = time.monotonic()
         try:
@@ -861,6 +863,10 @@ class Runtime:
             self._last_words(max(0.0, began + LAST_WORDS_S - time.monotonic()))
         finally:
             self._saying = False
+
+    def _end_on_sigterm(self) -> None:
+        self._term_pending = False
+        self._say_last_words()
         before = self._sigterm_before
         if callable(before):
             before(signal.SIGTERM, None)
@@ -1124,8 +1130,7 @@ class Runtime:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and is_broken_peer(exc):  # before `_finish` closes the writer
-            self._settle_memory(SETTLE_S)
-            self._last_words(LAST_WORDS_S)
+            self._say_last_words()
         self._finish(clean=exc_type is None)  # no barrier with peers that may be gone
 
 
