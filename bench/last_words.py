@@ -72,24 +72,34 @@ def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
         if on:
             marks.extend(rt.boundary_s)
     rt._every_step = True
-    step()
+    w = rt._memory
+    assert w is not None
+    for _ in range(2):  # both slots mapped, as a job's periodic copies leave them (untimed)
+        step()
+        rt._copy_to_memory()
+        w.wait(stall=False)
     # The last words, a few times: each after a step of its own (the tier then holds an older one).
     words: list[float] = []
+    missed = 0
     for _ in range(3):
         step()
-        assert rt._memory is not None
-        rt._memory.wait(stall=False)
+        w.wait(stall=False)
         began = time.perf_counter()
         made = rt._last_words(runtime.LAST_WORDS_S)
-        words.append(time.perf_counter() - began if made else float("nan"))
+        took = time.perf_counter() - began
         held = mem.read_held(directory)
-        assert made and held is not None and held.step == rt.step, (made, held)
+        assert made == (held is not None and held.step == rt.step), (made, held)  # never a wrong step
+        if made:
+            words.append(took)
+        else:
+            missed += 1
+            w.wait(stall=False)  # the copy the bound cut short (in a worker: ended by its exit)
     rt.finish()
     on_ms, off_ms = statistics.median(on_steps) * 1e3, statistics.median(off_steps) * 1e3
     return {"width": width, "params": params, "step_on_ms": on_ms, "step_off_ms": off_ms,
             "mark_ms": statistics.median(marks) * 1e3,
             "mark_p90_ms": sorted(marks)[int(0.9 * len(marks))] * 1e3,
-            "last_words_ms": statistics.median(words) * 1e3}
+            "last_words_ms": statistics.median(words) * 1e3 if words else None, "missed": missed}
 
 
 def main() -> int:
@@ -113,7 +123,9 @@ def main() -> int:
             shutil.rmtree(directory, ignore_errors=True)
         print(f"{r['params'] / 1e6:>7.1f}M {r['step_off_ms']:>12.2f} {r['step_on_ms']:>11.2f} "
               f"{r['mark_ms']:>8.3f} {r['mark_p90_ms']:>9.3f} {100 * r['mark_ms'] / r['step_off_ms']:>9.2f}% "
-              f"{r['last_words_ms']:>14.1f}", flush=True)
+              + (f"{r['last_words_ms']:>14.1f}" if r["last_words_ms"] is not None else f"{'none':>14}")
+              + (f"  ({r['missed']} of 3 not whole in time: the older copy kept)" if r["missed"] else ""),
+              flush=True)
     print(f"load after {os.getloadavg()[0]:.2f}; a last-words copy must be whole within "
           f"runtime.LAST_WORDS_S = {runtime.LAST_WORDS_S:g} s (less the settling of a copy in flight)")
     return 0
