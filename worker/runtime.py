@@ -125,6 +125,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     ServiceLink,
     report_broken_peer,
 )
+from worker.memory_dirs import hold_last_words
 from worker.peer_watch import PeerWatch
 from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
 
@@ -336,6 +337,7 @@ class Runtime:
     _saying: bool = False  # saying the last words now
     _term_pending: bool = False  # a SIGTERM came while busy
     _sigterm_before: Any = None  # the SIGTERM handler `_on_sigterm` replaced (put back at the end)
+    _last_words_lock: int | None = None  # fd of the tier's last-words lock (worker/memory_dirs.py)
     _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
     _warm: threading.Thread | None = None  # `_warm_cuda`, while the process group and DDP start
@@ -840,6 +842,8 @@ class Runtime:
         if self.last_words and threading.current_thread() is threading.main_thread():
             before = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
+        if self.last_words:  # torchrun's stop of a broken group waits for them (monitor.py)
+            self._last_words_lock = hold_last_words(self.memory_dir)
 
     def _on_sigterm(self, signum, frame) -> None:
         """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
@@ -1099,6 +1103,9 @@ class Runtime:
         self._finished = True
         if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._sigterm_before)
+        if self._last_words_lock is not None:  # nothing more to say: a stop need not wait
+            os.close(self._last_words_lock)
+            self._last_words_lock = None
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)

@@ -52,17 +52,24 @@ def local_step(agents, job_id: str) -> int:
     return max(steps, default=0)
 
 
-def test_a_worker_sigkill_loses_at_most_one_step_with_a_copy_every_10_steps(api, agents):
-    """The tier copies every 10 steps; a worker is SIGKILLed 3-5 steps past a copy. The other
-    node's worker, whose state is still that of its last step, copies it into its node's tier
-    before it exits (its last words, worker/last_words.py), and the job resumes from it."""
-    (a, b) = agents(2)
-    wait_nodes(api, 2)
-    job_id = submit(api, train_spec("lastwords", 30, mn=2, mx=2, every=1000, delay_s=0.05,
-                                    env={"FTRAIN_MEMORY_EVERY": "10"}))
-    wait_for(lambda: (s := local_step((a, b), job_id)) >= 13 and s % 10 in (3, 4, 5), 60,
+def is_memory_writer(pid: int) -> bool:
+    """The node's first worker, which writes its memory tier: it maps the tier's slots."""
+    return "/slot0.bin" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_a_worker_sigkill_loses_at_most_one_step_with_a_copy_every_10_steps(api, agents, nodes):
+    """The tier copies every 10 steps; a worker is SIGKILLed 3-5 steps past a copy. A surviving
+    node's first worker (the other node's; with one node, its sibling), whose state is still
+    that of its last step, copies it into its node's tier before it exits (its last words,
+    worker/last_words.py), and the job resumes from it."""
+    started = agents(2) if nodes == 2 else agents(1, nproc=2)
+    wait_nodes(api, nodes)
+    job_id = submit(api, train_spec("lastwords", 30, mn=nodes, mx=nodes, nproc=3 - nodes, every=1000,
+                                    delay_s=0.05, env={"FTRAIN_MEMORY_EVERY": "10"}))
+    wait_for(lambda: (s := local_step(started, job_id)) >= 13 and s % 10 in (3, 4, 5), 60,
              "rank 0 at step 13-15, 3-5 steps past the tier's copy of step 10")
-    victim = wait_workers(b, 1)[0]
+    victim = next(p for p in wait_workers(started[-1], 3 - nodes) if nodes == 2 or not is_memory_writer(p))
     os.kill(victim, signal.SIGKILL)
 
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)

@@ -5,6 +5,7 @@ only while the state is exactly that step's, never labelled with a step it does 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -157,3 +158,48 @@ def test_a_sigtermed_worker_says_its_last_words_then_dies_of_the_signal(tmp_path
     copy = mem.load(tmp_path)
     flat = torch.cat([copy["model"]["weight"].flatten(), copy["model"]["bias"].flatten()])
     assert flat.tolist() == eval(done.stdout.splitlines()[0])  # noqa: S307 - the list it printed
+
+
+_WRITER = """
+import fcntl, os, signal, sys, time
+fd = os.open(os.path.join(sys.argv[1], "last-words.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.3), os._exit(0)))  # its last words: 0.3 s
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.integration
+def test_a_broken_groups_stop_waits_for_the_writers_last_words_and_only_then(tmp_path, monkeypatch):
+    """torchrun's stop of a broken group (worker/rendezvous/monitor.py) SIGTERMs the workers and
+    waits while the node's writer holds the tier's last-words lock; with nobody holding it, it
+    does not wait."""
+    import subprocess
+    import sys
+    import types
+
+    from worker.rendezvous import monitor
+
+    monkeypatch.setenv("FTRAIN_MEMORY_DIR", str(tmp_path))
+    agent = types.SimpleNamespace(_pcontext=types.SimpleNamespace(pids=dict))
+    began = time.monotonic()
+    monitor.let_them_say_last_words(agent)  # no lock file at all
+    assert time.monotonic() - began < 0.1
+
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        agent = types.SimpleNamespace(_pcontext=types.SimpleNamespace(pids=lambda: {0: writer.pid}))
+        began = time.monotonic()
+        monitor.let_them_say_last_words(agent)
+        waited = time.monotonic() - began
+        assert writer.wait(5) == 0  # it had its SIGTERM and said its last words
+        assert 0.25 < waited < monitor.LAST_WORDS_WAIT_S, waited
+    finally:
+        writer.kill()
+        writer.wait()
+    began = time.monotonic()
+    monitor.let_them_say_last_words(agent)  # the lock file is there, nobody holds it
+    assert time.monotonic() - began < 0.1
