@@ -931,6 +931,8 @@ class Runtime:
             versions = self._versions(plan) if plan is not None and plan.check() else None
             held = w.held.step if w.held is not None else -1
             step, why = last_words_step(mark, self._optimizer_steps, versions, held)
+            if plan is None and self._memory_plans >= MEMORY_PLAN_REMAKES:
+                why = "its state is copied through state_dict() (no plan can follow it step by step)"
             if step is None or plan is None or mark is None:
                 log.info("rank %d: no last-words copy: %s", self.rank, why)
                 return False
