@@ -203,3 +203,26 @@ def test_a_broken_groups_stop_waits_for_the_writers_last_words_and_only_then(tmp
     began = time.monotonic()
     monitor.let_them_say_last_words(agent)  # the lock file is there, nobody holds it
     assert time.monotonic() - began < 0.1
+
+
+def test_a_failure_inside_step_done_after_the_count_moved_on_copies_that_step(tmp_path, monkeypatch):
+    """The group breaks in step_done's own broadcast, after step 8's optimizer step and the
+    count: the state is step 8's, and the last words say so."""
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    model, opt, sched, sampler, x = _parts(rt)
+    _loop(rt, model, opt, sched, sampler, x, 7)
+    rt._memory.wait()
+
+    def broken(*_args):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(rt, "_agree_on_control", broken)
+    opt.zero_grad()
+    model(x[:4]).pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(RuntimeError):
+        rt.step_done()
+    rt._say_last_words()
+    assert rt.step == 8 and mem.read_held(tmp_path).step == 8
+    assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach())
+    rt._memory.close()
