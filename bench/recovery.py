@@ -19,7 +19,10 @@ every 10 steps) runs under:
   the memory tier: a copy of the state in each node's memory as often as fits 5% of the
   step, every step here, so a SIGKILL loses at most a step or so). For it the table also
   gives the memory tier's cost per step as the training thread sees it (bench/snapshot.py
-  measures the whole overhead, contention for cores and memory included).
+  measures the whole overhead, contention for cores and memory included);
+* `ftrain-runtime-nolw`: the same without a survivor's last-words copy (`FTRAIN_LAST_WORDS=0`,
+  worker/last_words.py), to compare steps lost where the tier copies every K > 1 steps
+  (`--memory-every K` sets the jobs' FTRAIN_MEMORY_EVERY).
 
 Each trial runs each fault once per variant, variants alternating (their order rotates
 per trial). A session is a fresh set of agents (and a fresh job): the worker SIGKILL and
