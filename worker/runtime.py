@@ -325,7 +325,7 @@ class Runtime:
     # On CPU, every rank keeps its RNG states of every step (`_mark_boundary`), and the node's
     # writer notes each step boundary, for a last-words copy (worker/last_words.py).
     _every_step: bool = False
-    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last-words copy (the per-step marks stay)
+    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last words, no per-step marks (as on a GPU)
     _optimizer_steps: int = 0  # optimizer steps begun (a step pre-hook counts them)
     _boundary: Boundary | None = None
     _boundary_plan: Any = None  # the StatePlan whose tensors `_boundary.skeleton` refers to
@@ -827,7 +827,8 @@ class Runtime:
         with a pre-hook. On a GPU neither (the CUDA RNG capture costs ~0.2 ms a step on an
         H100 host, and with NCCL the host runs ahead of the GPU: queued optimizer kernels may
         still run after the failure, so a survivor's GPU state is not known to be a step's)."""
-        if self.memory_dir is None or self.device.type != "cpu" or torch.cuda.is_initialized():
+        if self.memory_dir is None or self.device.type != "cpu" or torch.cuda.is_initialized() \
+                or not self.last_words:
             return
         self._every_step = True
         if self._memory is None:
@@ -839,11 +840,11 @@ class Runtime:
             return
         for opt in optimizers:
             opt.register_step_pre_hook(self._count_optimizer_step)
-        if self.last_words and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             before = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
-        if self.last_words:  # torchrun's stop of a broken group waits for them (monitor.py)
-            self._last_words_lock = hold_last_words(self.memory_dir)
+        # torchrun's stop of a broken group waits for them while this is held (monitor.py)
+        self._last_words_lock = hold_last_words(self.memory_dir)
 
     def _on_sigterm(self, signum, frame) -> None:
         """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
@@ -923,7 +924,7 @@ class Runtime:
         there, within `timeout_s` (a copy not whole by then is not committed: the older one
         stays). True if the copy was made. The node's writer only (local rank 0, CPU)."""
         w, mark = self._memory, self._boundary
-        if w is None or not self._every_step or w.disabled or not self.last_words or self._finished:
+        if w is None or not self._every_step or w.disabled or self._finished:
             return False
         began = time.perf_counter()
         try:

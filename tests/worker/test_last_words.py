@@ -226,3 +226,14 @@ def test_a_failure_inside_step_done_after_the_count_moved_on_copies_that_step(tm
     assert rt.step == 8 and mem.read_held(tmp_path).step == 8
     assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach())
     rt._memory.close()
+
+
+def test_last_words_off_keeps_the_old_ways(tmp_path):
+    """FTRAIN_LAST_WORDS=0: no copy at the failure, and the RNG states kept at copy steps only."""
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={"FTRAIN_LAST_WORDS": "0"})
+    _loop(rt, *_parts(rt), 7, half=True)
+    rt._memory.wait()
+    rt._say_last_words()
+    assert mem.read_held(tmp_path).step == 5 and not rt.boundary_s
+    assert [s for s in range(1, 8) if mem.load_rng(tmp_path, 0, s, rt.rng_ring) is not None] == [5]
+    rt._memory.close()
