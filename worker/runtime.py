@@ -986,8 +986,12 @@ class Runtime:
             log.error("rank %d: step %d could not be saved for the planned change; training "
                       "goes on until the group is restarted", self.rank, self.step)
             return
-        # checkpoint_pause: the agent restarts the group from this snapshot; wait for it.
+        # checkpoint_pause: the agent restarts the group from this snapshot; wait for it. The
+        # state is that of a step boundary: a SIGTERM (the restart) ends the worker at once.
         self._stop_poller()
+        self._busy = False
+        if self._term_pending:
+            self._end_on_sigterm()
         deadline = time.monotonic() + self.pause_timeout_s
         while time.monotonic() < deadline:
             time.sleep(0.5)

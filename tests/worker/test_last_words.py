@@ -237,3 +237,41 @@ def test_last_words_off_keeps_the_old_ways(tmp_path):
     assert mem.read_held(tmp_path).step == 5 and not rt.boundary_s
     assert [s for s in range(1, 8) if mem.load_rng(tmp_path, 0, s, rt.rng_ring) is not None] == [5]
     rt._memory.close()
+
+
+_PAUSED = """
+import os, signal, sys, threading, time, torch
+from worker import runtime
+rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, snapshot_dir=sys.argv[2], snapshot_every=1000,
+                  pause_timeout_s=30, env={})
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+rt.restore(model=model, optimizer=opt)
+for _ in range(7):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    rt.step_done()
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the agent's restart
+rt._busy = True  # as in step_done, which obeys a checkpoint_pause
+rt._obey("checkpoint_pause", 1)
+"""
+
+
+@pytest.mark.integration
+def test_a_paused_worker_ends_at_once_on_sigterm_after_its_last_words(tmp_path):
+    """A group paused at a step boundary for a planned change waits to be restarted: the
+    restart's SIGTERM ends it at once (it came inside step_done, whose end never comes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "m").mkdir()
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _PAUSED, str(tmp_path / "m"), str(tmp_path / "d")],
+                          capture_output=True, text=True, timeout=60, cwd=repo,
+                          env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == -15, done.stderr[-2000:]
+    assert time.monotonic() - began < 25  # not the 30 s pause
+    assert mem.read_held(tmp_path / "m").step == 7
