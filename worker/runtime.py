@@ -873,7 +873,9 @@ class Runtime:
         self._term_pending = False
         self._say_last_words()
         before = self._sigterm_before
-        if callable(before):
+        if callable(before):  # the script's own handler, which may go on training
+            if self._memory is not None:
+                self._memory.wait(stall=False)  # the last words whole before the optimizer may step
             before(signal.SIGTERM, None)
         elif before != signal.SIG_IGN:
             for stream in (sys.stdout, sys.stderr):
