@@ -13,7 +13,9 @@ worse than a lost step. What the runtime notes at each step boundary (`Boundary`
 - the optimizer has not begun a step since the boundary (a step pre-hook counts them; a step
   begun and not finished, or finished, has changed the parameters and optimizer state);
 - no tensor of the state that the optimizer does not own (buffers: a forward pass may change
-  them, DDP broadcasts them) has changed since, by torch's version counters;
+  them, DDP broadcasts them) has changed since, by torch's version counters, unless the
+  runtime kept a copy of them at the boundary (small buffers, BatchNorm's statistics: it
+  copies them at each step's end, and the last words take that copy);
 - the objects around the tensors (sampler position, LR scheduler, param groups) are taken
   as they were at the boundary (`Boundary.skeleton`, pickled there), not as the next step's
   first half left them (the sampler has already handed out the next batch);
@@ -46,12 +48,14 @@ class Boundary:
 
 
 def last_words_step(mark: Boundary | None, optimizer_steps: int, versions: tuple[int, ...] | None,
-                    held: int) -> tuple[int | None, str]:
+                    held: int, buffers_kept: bool = False) -> tuple[int | None, str]:
     """The step a last-words copy may be labelled with, or None; and why, in words.
 
     `optimizer_steps`, `versions`: counted and read now, at the failure (`versions` None: the
     state's tensors are no longer those the boundary noted). `held`: the newest step the
-    node's memory tier holds (-1: none)."""
+    node's memory tier holds (-1: none). `buffers_kept`: the buffers as they were at the
+    boundary are kept apart (a copy made there), so a change of the live ones since does not
+    matter."""
     if mark is None:
         return None, "no step completed in this run"
     if optimizer_steps != mark.optimizer_steps:
@@ -59,7 +63,7 @@ def last_words_step(mark: Boundary | None, optimizer_steps: int, versions: tuple
                       f"that of a step")
     if versions is None:
         return None, f"the state's tensors were replaced after step {mark.step}"
-    if versions != mark.versions:
+    if versions != mark.versions and not buffers_kept:
         return None, (f"a buffer changed after step {mark.step} (a forward pass ran): the state "
                       f"is not that of a step")
     if held >= mark.step:

@@ -203,6 +203,11 @@ SETTLE_S = 1.0
 # What it gives, all in all, to that and to its last-words copy (`Runtime._last_words`): a
 # state that cannot be copied within it leaves the tier's older copy.
 LAST_WORDS_S = 2.0
+# Buffers (BatchNorm's statistics: a forward changes them) of at most this many bytes in all
+# are copied aside at each step's end, so that last words said after the next forward still
+# hold the step's own (`Runtime._mark_boundary`); larger ones are not, and a forward since the
+# boundary then means no last words.
+KEEP_BUFFERS_BYTES = 1 << 20
 
 
 def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> None:
@@ -332,6 +337,7 @@ class Runtime:
     _boundary_rng: dict | None = None  # this rank's RNG states at the last step boundary
     _watched: list = field(default_factory=list)  # the plan's tensors an optimizer step leaves alone
     _watched_plan: Any = None  # the plan `_watched` was taken from
+    _kept: list | None = None  # copies of `_watched` as at the last boundary (small buffers only)
     boundary_s: list[float] = field(default_factory=list)  # per step: `_mark_boundary`'s time (bench)
     _busy: bool = False  # in `step_done` or `_finish`: a SIGTERM's last words wait for its end
     _saying: bool = False  # saying the last words now
@@ -896,6 +902,8 @@ class Runtime:
         if self._watched_plan is not plan:
             self._watched_plan = plan
             self._watched = [t for t in plan.tensors if t.untyped_storage().data_ptr() not in plan.later]
+            size = sum(t.numel() * t.element_size() for t in self._watched)
+            self._kept = [t.clone() for t in self._watched] if 0 < size <= KEEP_BUFFERS_BYTES else None
         return tuple(t._version for t in self._watched)
 
     def _mark_boundary(self) -> None:
@@ -914,7 +922,10 @@ class Runtime:
                 self._boundary = None
             else:
                 header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size}
-                self._boundary = Boundary(self.step, self._optimizer_steps, self._versions(plan),
+                versions = self._versions(plan)
+                if self._kept is not None:  # the buffers as they are at this boundary, aside
+                    torch._foreach_copy_(self._kept, self._watched)
+                self._boundary = Boundary(self.step, self._optimizer_steps, versions,
                                           mem.freeze({**header, **plan.state()}), rng)
         self.boundary_s.append(time.perf_counter() - began)
         if len(self.boundary_s) > 1000:
@@ -933,7 +944,9 @@ class Runtime:
             plan = self._boundary_plan
             versions = self._versions(plan) if plan is not None and plan.check() else None
             held = w.held.step if w.held is not None else -1
-            step, why = last_words_step(mark, self._optimizer_steps, versions, held)
+            kept = self._kept if plan is not None and self._watched_plan is plan else None
+            step, why = last_words_step(mark, self._optimizer_steps, versions, held,
+                                        buffers_kept=kept is not None)
             if plan is None and self._memory_plans >= MEMORY_PLAN_REMAKES:
                 why = "its state is copied through state_dict() (no plan can follow it step by step)"
             if step is None or plan is None or mark is None:
@@ -943,7 +956,11 @@ class Runtime:
                 log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
                 return False
             state = {**mem.thaw(mark.skeleton), "rng": mark.rng}
-            w.capture_split(state, plan.tensors, step, plan.later, check=plan.check)
+            tensors = plan.tensors
+            if kept is not None:  # the buffers as they were at the boundary, not as a forward left them
+                swap = {id(t): k for t, k in zip(self._watched, kept)}
+                tensors = [swap.get(id(t), t) for t in plan.tensors]
+            w.capture_split(state, tensors, step, plan.later, check=plan.check)
             w.settle(max(0.0, timeout_s - (time.perf_counter() - began)))
         except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the older copy stays
             log.warning("rank %d: the last-words copy failed (%s); the memory tier keeps its older copy",

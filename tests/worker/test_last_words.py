@@ -17,19 +17,21 @@ from worker.last_words import Boundary, last_words_step
 MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
 
 
-@pytest.mark.parametrize(("mark", "optimizer_steps", "versions", "held", "step", "why"), [
-    (MARK, 7, (3, 1), 5, 7, "the state is that of step 7"),  # K = 5: copied at 5, failed in step 8
-    (MARK, 7, (3, 1), -1, 7, "holds step -1"),  # nothing copied yet
-    (MARK, 8, (3, 1), 5, None, "the optimizer began a step after step 7"),  # mid- or post-step
-    (MARK, 7, (4, 1), 5, None, "a buffer changed after step 7"),  # a forward pass ran (BatchNorm)
-    (MARK, 7, None, 5, None, "tensors were replaced"),  # the plan no longer holds the state
-    (MARK, 7, (3, 1), 7, None, "holds step 7 already"),  # the copy of step 7 is there
-    (MARK, 7, (3, 1), 9, None, "holds step 9 already"),  # never older over newer
-    (None, 0, (), 5, None, "no step completed"),  # failed before its first step
+@pytest.mark.parametrize(("mark", "optimizer_steps", "versions", "held", "kept", "step", "why"), [
+    (MARK, 7, (3, 1), 5, False, 7, "the state is that of step 7"),  # K = 5: copied at 5, failed in step 8
+    (MARK, 7, (3, 1), -1, False, 7, "holds step -1"),  # nothing copied yet
+    (MARK, 8, (3, 1), 5, False, None, "the optimizer began a step after step 7"),  # mid- or post-step
+    (MARK, 8, (3, 1), 5, True, None, "the optimizer began a step after step 7"),  # kept buffers or not
+    (MARK, 7, (4, 1), 5, False, None, "a buffer changed after step 7"),  # a forward ran (BatchNorm)
+    (MARK, 7, (4, 1), 5, True, 7, "the state is that of step 7"),  # ... its buffers kept at the boundary
+    (MARK, 7, None, 5, True, None, "tensors were replaced"),  # the plan no longer holds the state
+    (MARK, 7, (3, 1), 7, False, None, "holds step 7 already"),  # the copy of step 7 is there
+    (MARK, 7, (3, 1), 9, False, None, "holds step 9 already"),  # never older over newer
+    (None, 0, (), 5, True, None, "no step completed"),  # failed before its first step
 ])
-def test_last_words_only_for_a_state_that_is_exactly_its_steps(mark, optimizer_steps, versions, held,
+def test_last_words_only_for_a_state_that_is_exactly_its_steps(mark, optimizer_steps, versions, held, kept,
                                                                step, why):
-    got, reason = last_words_step(mark, optimizer_steps, versions, held)
+    got, reason = last_words_step(mark, optimizer_steps, versions, held, buffers_kept=kept)
     assert got == step and why in reason, reason
 
 
@@ -102,7 +104,13 @@ def test_no_last_words_once_the_optimizer_began_the_next_step(tmp_path):
     rt._memory.close()
 
 
-def test_no_last_words_once_a_forward_changed_a_buffer(tmp_path):
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_forward_after_the_step_keeps_its_buffers_out_of_the_last_words(tmp_path, monkeypatch, kept):
+    """BatchNorm: step 8's forward moves the running statistics on. Where the runtime keeps the
+    buffers aside at each step's end (small ones), the last words hold step 7's; where it does
+    not (larger than KEEP_BUFFERS_BYTES), there are none."""
+    if not kept:
+        monkeypatch.setattr(runtime, "KEEP_BUFFERS_BYTES", 0)
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)]
@@ -115,10 +123,15 @@ def test_no_last_words_once_a_forward_changed_a_buffer(tmp_path):
         opt.step()
         rt.step_done()
     rt._memory.wait()
-    assert rt._boundary is not None and rt._boundary.step == 7
+    at_7 = {k: v.clone() for k, v in model[1].state_dict().items()}
     model(torch.randn(16, 4))  # step 8's forward: the running statistics moved on
-    assert not rt._last_words(runtime.LAST_WORDS_S)
-    assert mem.read_held(tmp_path).step == 5
+    assert not torch.equal(model[1].running_mean, at_7["running_mean"])
+    assert rt._last_words(runtime.LAST_WORDS_S) == kept
+    copy = mem.load(tmp_path)
+    assert copy["step"] == (7 if kept else 5)
+    if kept:
+        assert all(torch.equal(copy["model"][f"1.{k}"], v) for k, v in at_7.items())
+        assert torch.equal(copy["model"]["0.weight"], model[0].weight.detach())
     rt._memory.close()
 
 
