@@ -19,7 +19,10 @@ every 10 steps) runs under:
   the memory tier: a copy of the state in each node's memory as often as fits 5% of the
   step, every step here, so a SIGKILL loses at most a step or so). For it the table also
   gives the memory tier's cost per step as the training thread sees it (bench/snapshot.py
-  measures the whole overhead, contention for cores and memory included).
+  measures the whole overhead, contention for cores and memory included);
+* `ftrain-runtime-nolw`: the same without a survivor's last-words copy (`FTRAIN_LAST_WORDS=0`,
+  worker/last_words.py), to compare steps lost where the tier copies every K > 1 steps
+  (`--memory-every K` sets the jobs' FTRAIN_MEMORY_EVERY).
 
 Each trial runs each fault once per variant, variants alternating (their order rotates
 per trial). A session is a fresh set of agents (and a fresh job): the worker SIGKILL and
@@ -95,6 +98,9 @@ VARIANTS = {
     "torchrun-tuned": {"kind": "torchrun", "tuned": True, "mode": "tutorial"},
     "ftrain": {"kind": "ftrain", "mode": "tutorial"},
     "ftrain-runtime": {"kind": "ftrain", "mode": "runtime"},
+    # The runtime without a survivor's last-words copy (worker/last_words.py): the baseline
+    # for what they save when the tier copies every K > 1 steps (--memory-every).
+    "ftrain-runtime-nolw": {"kind": "ftrain", "mode": "runtime", "env": {"FTRAIN_LAST_WORDS": "0"}},
 }
 SCENARIOS = ("worker_kill", "agent_kill", "join")
 
@@ -203,13 +209,16 @@ class EventFile:
         if len(steps) < 3:
             return None
         periods = [(b["t"] - a["t"]) * 1e3 for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+        marks = [e["mark_ms"] for e in steps if "mark_ms" in e]
         return {"mem_ms_median": statistics.median(e["mem_ms"] for e in steps),
+                "mark_ms_median": statistics.median(marks) if marks else None,
                 "step_period_ms_median": statistics.median(periods) if periods else None,
                 "mem_every_median": statistics.median(e["mem_every"] for e in steps), "steps": len(steps)}
 
 
 # Set by --device/--width: extra workload arguments, and how many GPUs the nodes share.
 WORKLOAD_ARGS: list[str] = []
+JOB_ENV: dict[str, str] = {}  # set by --memory-every: the ftrain job's environment
 GPUS = 0
 
 
@@ -326,10 +335,12 @@ class FtrainStack:
 class FtrainCluster:
     """Node agents of one trial; the job goes in over REST."""
 
-    def __init__(self, stack: FtrainStack, root: Path, mode: str, max_nodes: int, tag: str):
+    def __init__(self, stack: FtrainStack, root: Path, mode: str, max_nodes: int, tag: str,
+                 env: dict[str, str] | None = None):
         self.stack = stack
         self.root = root
         self.mode = mode
+        self.env = {**JOB_ENV, **(env or {})}
         self.max_nodes = max_nodes
         self.tag = tag
         self.agents: list[NodeAgentProc] = []
@@ -359,7 +370,7 @@ class FtrainCluster:
             command += ["--snapshot-every", str(SNAPSHOT_EVERY)]
         spec = {"name": f"bench-{self.tag}", "command": command, "working_dir": str(REPO),
                 "nodes": {"min": 1, "max": self.max_nodes}, "max_restarts": 100,
-                "snapshot": {"every_steps": SNAPSHOT_EVERY, "keep": 3}}
+                "snapshot": {"every_steps": SNAPSHOT_EVERY, "keep": 3}, "env": self.env}
         t0 = time.time()
         resp = self.stack.api.post("/v1/jobs", json=spec)
         resp.raise_for_status()
@@ -494,7 +505,7 @@ def run_session(variant: str, faults: list[str], trial: int, root: Path, stack: 
     where = root / f"t{trial}-{'+'.join(faults)}-{variant}"
     tag = f"t{trial}{faults[0][0]}{secrets.token_hex(2)}"
     cluster = (TorchrunCluster(where, spec["tuned"], spec["mode"], max_nodes) if spec["kind"] == "torchrun"
-               else FtrainCluster(stack, where, spec["mode"], max_nodes, tag))
+               else FtrainCluster(stack, where, spec["mode"], max_nodes, tag, spec.get("env")))
     records: list[dict] = []
     fault_t = None
     try:
@@ -740,17 +751,21 @@ def print_runtime_phases(trials: list[dict]) -> None:
 
 def print_memory_tier(trials: list[dict]) -> None:
     """The memory tier's cost per step, as the training thread of rank 0 saw it before the faults."""
-    costs = [t["memory_tier"] for t in trials if t.get("memory_tier")]
-    if not costs:
-        return
-    mem = statistics.median(c["mem_ms_median"] for c in costs)
-    periods = [c["step_period_ms_median"] for c in costs if c["step_period_ms_median"]]
-    period = statistics.median(periods) if periods else None
-    every = statistics.median(c["mem_every_median"] for c in costs)
-    share = f" = {100 * mem / period:.1f}% of a {period:.1f} ms step period" if period else ""
-    print()
-    print(f"memory tier (ftrain-runtime, {len(costs)} session(s)): the training thread's time in it "
-          f"{mem:.2f} ms per step (median){share}; a copy every {every:g} step(s)")
+    for variant in dict.fromkeys(t["variant"] for t in trials if t.get("memory_tier")):
+        costs = [t["memory_tier"] for t in trials if t.get("memory_tier") and t["variant"] == variant]
+        mem = statistics.median(c["mem_ms_median"] for c in costs)
+        periods = [c["step_period_ms_median"] for c in costs if c["step_period_ms_median"]]
+        period = statistics.median(periods) if periods else None
+        every = statistics.median(c["mem_every_median"] for c in costs)
+        share = f" = {100 * mem / period:.1f}% of a {period:.1f} ms step period" if period else ""
+        print()
+        print(f"memory tier ({variant}, {len(costs)} session(s)): the training thread's time in it "
+              f"{mem:.2f} ms per step (median){share}; a copy every {every:g} step(s)")
+        marks = [c["mark_ms_median"] for c in costs if c.get("mark_ms_median") is not None]
+        if marks:  # the step boundary's mark: RNG states kept every step, the state's skeleton (CPU)
+            mark = statistics.median(marks)
+            share = f" = {100 * mark / period:.2f}% of the step period" if period else ""
+            print(f"  of which every step's mark (RNG states kept, the boundary noted): {mark:.3f} ms{share}")
 
 
 def _uptime() -> str:
@@ -776,6 +791,9 @@ def main() -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: NCCL, each node on its own GPU (join needs 3 GPUs)")
     ap.add_argument("--width", type=int, help="the workload MLP's width (default: the workload's)")
+    ap.add_argument("--memory-every", type=int,
+                    help="ftrain jobs: a memory-tier copy every K steps (FTRAIN_MEMORY_EVERY; default: "
+                         "the runtime picks K to fit its budget)")
     args = ap.parse_args()
     global GPUS
     if args.device == "cuda":
@@ -787,6 +805,8 @@ def main() -> int:
         WORKLOAD_ARGS.extend(["--device", "cuda"])
     if args.width:
         WORKLOAD_ARGS.extend(["--width", str(args.width)])
+    if args.memory_every is not None:
+        JOB_ENV["FTRAIN_MEMORY_EVERY"] = str(args.memory_every)
     if args.from_json:
         old = json.loads(args.from_json.read_text())
         vs = old["config"]["variants"]
@@ -868,7 +888,7 @@ def main() -> int:
                          "deadline_s": args.deadline, "snapshot_every": SNAPSHOT_EVERY,
                          "step_time_s": STEP_TIME_S, "warm_steps": WARM_STEPS,
                          "tuned_conf": TUNED_CONF, "command": " ".join(sys.argv),
-                         "workload_args": WORKLOAD_ARGS},
+                         "workload_args": WORKLOAD_ARGS, "job_env": JOB_ENV},
               "summary": summary, "ratios": rat, "phases": phases, "trials": trials}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

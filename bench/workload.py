@@ -13,7 +13,8 @@ its place, picked by `--mode`:
   plane asks before a planned change (a join), so such a change loses no step; under an
   ftrain agent it also copies the state into the node's memory tier (worker/memory.py),
   so a worker or node SIGKILL loses at most a step or so. Its `step` lines carry the
-  training thread's time in the memory tier (`mem_ms`) and the copy interval (`mem_every`).
+  training thread's time in the memory tier (`mem_ms`) and the copy interval (`mem_every`), and on
+  CPU the step boundary's mark (`mark_ms`: RNG states kept every step, for a last-words copy).
 
 Every process appends JSON lines to `--log-file` (one write each, O_APPEND, so lines from
 several processes do not interleave): `boot` when the interpreter starts (before `import
@@ -146,6 +147,8 @@ def run_runtime(args, events: EventLog) -> int:
             # optimizer's wait for the previous copy), and the copy interval in use.
             extra = {} if memory is None else {"mem_ms": round((sum(memory.stalls_s) - waited) * 1e3, 3),
                                                "mem_every": rt.memory_interval}
+            if memory is not None and rt.boundary_s:  # CPU: this step's mark (RNG states, boundary)
+                extra["mark_ms"] = round(rt.boundary_s[-1] * 1e3, 4)
             if memory is not None and sum(memory.setups_s) > setup:  # a slot mapped, registered...
                 extra["mem_setup_ms"] = round((sum(memory.setups_s) - setup) * 1e3, 3)
             events.write("step", step=rt.step, world=rt.world_size, **extra, **extra_first)

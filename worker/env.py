@@ -42,6 +42,11 @@ FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
 # Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
 # often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
+# "0": a runtime worker on CPU whose process group broke does not copy the state of its last
+# step into its node's memory tier before it exits (its last words, worker/last_words.py; on by
+# default where they apply: CPU/gloo), nor notes each step for them (RNG states kept at copy
+# steps only, as on a GPU).
+FTRAIN_LAST_WORDS = "FTRAIN_LAST_WORDS"
 # "0": a runtime worker on a GPU does not warm CUDA up (a cuBLAS handle, the autograd thread,
 # common kernels) on a thread of its own while its process group starts (worker/runtime.py).
 FTRAIN_CUDA_WARMUP = "FTRAIN_CUDA_WARMUP"
@@ -56,7 +61,8 @@ FTRAIN_LOG_QUEUE_LINES = "FTRAIN_LOG_QUEUE_LINES"
 # plane has not taken to its node agent (default 10; worker/handoff.py).
 FTRAIN_COMMIT_WAIT_S = "FTRAIN_COMMIT_WAIT_S"
 JOB_KNOBS = (FTRAIN_LOG_LEVEL, FTRAIN_FORK_SERVER, FTRAIN_FORK_SERVER_IMPORTS, FTRAIN_EXIT_TIMEOUT_S,
-             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP, FTRAIN_WORKER_STANDBY, FTRAIN_COMMIT_WAIT_S)
+             FTRAIN_MEMORY_EVERY, FTRAIN_CUDA_WARMUP, FTRAIN_WORKER_STANDBY, FTRAIN_COMMIT_WAIT_S,
+             FTRAIN_LAST_WORDS)
 
 # ---------------------------------------------------------------- credentials
 FTRAIN_TOKEN = "FTRAIN_TOKEN"  # a user's token, read by the CLI (`ftrain submit`, ...)

@@ -206,6 +206,19 @@ def _dump(obj: Any, f: Any) -> None:
     _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
 
 
+def freeze(obj: Any) -> bytes:
+    """`obj` pickled the way a copy's metadata is (`_Pickler`): a step boundary's state kept
+    as it was then, for a survivor's last-words copy (worker/last_words.py)."""
+    buf = io.BytesIO()
+    _dump(obj, buf)
+    return buf.getvalue()
+
+
+def thaw(blob: bytes) -> Any:
+    """What `freeze` kept."""
+    return pickle.loads(blob)
+
+
 def _sum64_text(pair: tuple[int, int]) -> str:
     return f"sum64:{pair[0]:016x}{pair[1]:016x}"
 

@@ -9,6 +9,7 @@ some 200 MB of memory per agent.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -112,3 +113,55 @@ def remove_orphans(shm: Path = SHM_ROOT) -> list[Path]:
         log.info("removed %d memory directories of agents that are gone: %s", len(removed),
                  ", ".join(p.name for p in removed))
     return removed
+
+
+# ---------------------------------------------------------------- a survivor's last words
+# The node's writer holds a POSIX lock on this file of its tier while it may say last words
+# (worker/last_words.py): from its first step on CPU until it exits. The kernel lets go of
+# the lock when the process dies (SIGKILL included), and a fork does not inherit it.
+LAST_WORDS_LOCK = "last-words.lock"
+LAST_WORDS_POLL_S = 0.005
+
+
+def hold_last_words(directory: str | Path) -> int | None:
+    """Take the tier's last-words lock for this process; its fd (keep it open: closing it lets
+    go), or None where it cannot be had (another live writer holds it, no such directory)."""
+    try:
+        fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def wait_for_last_words(directory: str | Path, timeout_s: float) -> float | None:
+    """Wait until no process holds the tier's last-words lock (its writer has said them and
+    exited), at most `timeout_s`; the seconds waited, None where nobody held it."""
+    began = time.monotonic()
+    try:
+        fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    held = False
+    try:
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+                return time.monotonic() - began if held else None
+            except OSError:
+                held = True
+                if time.monotonic() - began >= timeout_s:
+                    return time.monotonic() - began
+                time.sleep(LAST_WORDS_POLL_S)
+    finally:
+        os.close(fd)  # this process's locks on the file go with it (it holds none now)
+
+
+def last_words_held(directory: str | Path) -> bool:
+    """Whether a process holds the tier's last-words lock now."""
+    return wait_for_last_words(directory, 0.0) is not None

@@ -82,6 +82,7 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -107,6 +108,7 @@ from worker.env import (
     FTRAIN_GROUP,
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
+    FTRAIN_LAST_WORDS,
     FTRAIN_MEMORY_DIR,
     FTRAIN_MEMORY_EVERY,
     FTRAIN_NODE,
@@ -115,6 +117,7 @@ from worker.env import (
     FTRAIN_SNAPSHOT_EVERY,
     FTRAIN_SNAPSHOT_KEEP,
 )
+from worker.last_words import Boundary, last_words_step
 from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runtime.` users
     CommittedSnapshot,
     ControlRequest,
@@ -125,6 +128,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     ServiceLink,
     report_broken_peer,
 )
+from worker.memory_dirs import hold_last_words
 from worker.peer_watch import PeerWatch
 from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
 
@@ -199,23 +203,34 @@ def is_broken_peer(exc: BaseException) -> bool:
 
 # What a worker whose group broke gives its memory tier's copy in flight before it exits.
 SETTLE_S = 1.0
+# What it gives, all in all, to that and to its last-words copy (`Runtime._last_words`): a
+# state that cannot be copied within it leaves the tier's older copy.
+LAST_WORDS_S = 2.0
+# Buffers (BatchNorm's statistics: a forward changes them) of at most this many bytes in all
+# are copied aside at each step's end, so that last words said after the next forward still
+# hold the step's own (`Runtime._mark_boundary`); larger ones are not, and a forward since the
+# boundary then means no last words.
+KEEP_BUFFERS_BYTES = 1 << 20
 
 
 def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> None:
     """When the worker dies of a broken peer, tell the control plane first (service/presence.py:
     a member whose agent's connection dropped as well is lost at once, not after the longer
-    bound a network blip gets). At most ~1 s; then the previous hook runs as before (the
-    traceback), and the worker exits at once (`_exit_now`)."""
+    bound a network blip gets); meanwhile settle the memory tier's copy in flight and say the
+    last words (`Runtime._last_words`), at most LAST_WORDS_S in all. Then the previous hook
+    runs as before (the traceback), and the worker exits at once (`_exit_now`)."""
     previous = sys.excepthook
 
     def hook(kind, exc, tb) -> None:
         broken = is_broken_peer(exc)
         if broken:
-            report_broken_peer(link, node, f"{kind.__name__}: {exc}").join(1.0)
+            began = time.monotonic()
+            report = report_broken_peer(link, node, f"{kind.__name__}: {exc}")
+            if rt is not None:  # beside the report: the node's torchrun may stop this worker soon
+                rt._say_last_words()
+            report.join(max(0.0, began + 1.0 - time.monotonic()))
         previous(kind, exc, tb)
         if broken:
-            if rt is not None:
-                rt._settle_memory(SETTLE_S)
             _exit_now(1)
 
     sys.excepthook = hook
@@ -314,7 +329,24 @@ class Runtime:
     memory_interval: int = 1  # the interval in use (memory_every, or the one picked)
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
-    _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only)
+    _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only, on a GPU)
+    # On CPU, every rank keeps its RNG states of every step (`_mark_boundary`), and the node's
+    # writer notes each step boundary, for a last-words copy (worker/last_words.py).
+    _every_step: bool = False
+    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last words, no per-step marks (as on a GPU)
+    _optimizer_steps: int = 0  # optimizer steps begun (a step pre-hook counts them)
+    _boundary: Boundary | None = None
+    _boundary_plan: Any = None  # the StatePlan whose tensors `_boundary.skeleton` refers to
+    _boundary_rng: dict | None = None  # this rank's RNG states at the last step boundary
+    _watched: list = field(default_factory=list)  # the plan's tensors an optimizer step leaves alone
+    _watched_plan: Any = None  # the plan `_watched` was taken from
+    _kept: list | None = None  # copies of `_watched` as at the last boundary (small buffers only)
+    boundary_s: list[float] = field(default_factory=list)  # per step: `_mark_boundary`'s time (bench)
+    _busy: bool = False  # in `step_done` or `_finish`: a SIGTERM's last words wait for its end
+    _saying: bool = False  # saying the last words now
+    _term_pending: bool = False  # a SIGTERM came while busy
+    _sigterm_before: Any = None  # the SIGTERM handler `_on_sigterm` replaced (put back at the end)
+    _last_words_lock: int | None = None  # fd of the tier's last-words lock (worker/memory_dirs.py)
     _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
     _warm: threading.Thread | None = None  # `_warm_cuda`, while the process group and DDP start
@@ -429,6 +461,7 @@ class Runtime:
         if self._memory is not None and optimizer is not None:
             # The copy of a step is whole before the optimizer changes what it copies.
             optimizer.register_step_pre_hook(self._memory.guard)
+        self._start_boundaries()
         self._start_poller()
         self._start_memory_reports()
         return self.step
@@ -604,7 +637,18 @@ class Runtime:
     # -------------------------------------------------------------- the loop
     def step_done(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> None:
         """Call after each optimizer step: counts it, reports, snapshots, obeys control."""
+        self._busy = True
+        try:
+            self._step_done(loss, samples)
+        finally:
+            self._busy = False
+            if self._term_pending:
+                self._end_on_sigterm()
+
+    def _step_done(self, loss: float | torch.Tensor | None, samples: int | None) -> None:
         self.step += 1
+        if self._every_step:  # before any collective: a failure in one finds this step's mark
+            self._mark_boundary()
         self._samples += samples if samples is not None else (self.global_batch_size or 0)
         if self.is_chief:
             if isinstance(loss, torch.Tensor):
@@ -690,10 +734,13 @@ class Runtime:
         first rank starts its copy (skipped if its own previous copy is still in flight)."""
         if self.memory_dir is None:
             return
-        start = time.perf_counter()
-        rng = _rng_state()
-        self._save_rng(rng)
-        self._rng_s = time.perf_counter() - start
+        if self._every_step and self._boundary_rng is not None:  # kept with the step's mark
+            rng = self._boundary_rng
+        else:
+            start = time.perf_counter()
+            rng = _rng_state()
+            self._save_rng(rng)
+            self._rng_s = time.perf_counter() - start
         w = self._memory
         if w is None:
             return
@@ -758,6 +805,19 @@ class Runtime:
         assert w is not None
         header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size,
                   "rng": rng if rng is not None else _rng_state()}
+        plan = self._plan()
+        if plan is not None:
+            w.capture_split({**header, **plan.state()}, plan.tensors, self.step, plan.later, check=plan.check)
+            return
+        objects = {name: obj for name, obj in self._state.items() if obj is not None}
+        state: dict[str, Any] = {**header, **{name: obj.state_dict() for name, obj in objects.items()}}
+        w.capture(state, self.step, mem.changed_by_step(objects.values()))
+
+    def _plan(self) -> mem.StatePlan | None:
+        """The writer's `StatePlan`: made at the first copy (or step boundary), again when the
+        copy thread found it stale, at most MEMORY_PLAN_REMAKES times."""
+        w = self._memory
+        assert w is not None
         if w.stale:  # a copy's check found a tensor replaced: that copy was not committed
             w.stale = False
             self._memory_plan = None
@@ -768,13 +828,153 @@ class Runtime:
             self._memory_plan = mem.StatePlan.make(self._state)
             if self._memory_plan is None:
                 self._memory_plans = MEMORY_PLAN_REMAKES  # not a state a plan can follow
-        plan = self._memory_plan
-        if plan is not None:
-            w.capture_split({**header, **plan.state()}, plan.tensors, self.step, plan.later, check=plan.check)
+        return self._memory_plan
+
+    # -------------------------------------------------------------- last words (CPU)
+    def _start_boundaries(self) -> None:
+        """On CPU with a memory tier: every rank keeps its RNG states of every step, and the
+        node's writer notes every step boundary (`_mark_boundary`), counting optimizer steps
+        with a pre-hook. On a GPU neither (the CUDA RNG capture costs ~0.2 ms a step on an
+        H100 host, and with NCCL the host runs ahead of the GPU: queued optimizer kernels may
+        still run after the failure, so a survivor's GPU state is not known to be a step's)."""
+        if self.memory_dir is None or self.device.type != "cpu" or torch.cuda.is_initialized() \
+                or not self.last_words:
             return
-        objects = {name: obj for name, obj in self._state.items() if obj is not None}
-        state: dict[str, Any] = {**header, **{name: obj.state_dict() for name, obj in objects.items()}}
-        w.capture(state, self.step, mem.changed_by_step(objects.values()))
+        self._every_step = True
+        if self._memory is None:
+            return
+        optimizers = [o for o in self._state.values() if isinstance(o, torch.optim.Optimizer)]
+        if not optimizers:
+            log.info("memory tier: no optimizer among the state: no last-words copy (nothing "
+                     "tells when the parameters change)")
+            return
+        for opt in optimizers:
+            opt.register_step_pre_hook(self._count_optimizer_step)
+        if threading.current_thread() is threading.main_thread():
+            before = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
+        # torchrun's stop of a broken group waits for them while this is held (monitor.py)
+        self._last_words_lock = hold_last_words(self.memory_dir)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
+        the group): the last words first (a survivor often hears of the fault this way before
+        its next collective fails), then the signal's own end. In the middle of `step_done`
+        (its state half made) they wait for its end."""
+        if self._busy or self._saying:
+            self._term_pending = True
+            return
+        self._end_on_sigterm()
+
+    def _say_last_words(self) -> None:
+        """The copy in flight settled, then the last words, in LAST_WORDS_S at most (a worker on
+        its way out: a broken group, a SIGTERM); a SIGTERM meanwhile waits for them."""
+        if self._saying:
+            return
+        self._saying = True
+        began = time.monotonic()
+        try:
+            self._settle_memory(SETTLE_S)
+            self._last_words(max(0.0, began + LAST_WORDS_S - time.monotonic()))
+        finally:
+            self._saying = False
+
+    def _end_on_sigterm(self) -> None:
+        self._term_pending = False
+        self._say_last_words()
+        before = self._sigterm_before
+        if callable(before):  # the script's own handler, which may go on training
+            if self._memory is not None:
+                self._memory.wait(stall=False)  # the last words whole before the optimizer may step
+            before(signal.SIGTERM, None)
+        elif before != signal.SIG_IGN:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _count_optimizer_step(self, *_args, **_kwargs) -> None:
+        self._optimizer_steps += 1
+
+    def _versions(self, plan: mem.StatePlan) -> tuple[int, ...]:
+        """The version counters of the plan's tensors that an optimizer step does not change
+        (buffers: a few; read every step). Whether the plan still holds the state's tensors is
+        checked at the failure and again before the copy is committed (`StatePlan.check`)."""
+        if self._watched_plan is not plan:
+            self._watched_plan = plan
+            self._watched = [t for t in plan.tensors if t.untyped_storage().data_ptr() not in plan.later]
+            size = sum(t.numel() * t.element_size() for t in self._watched)
+            self._kept = [t.clone() for t in self._watched] if 0 < size <= KEEP_BUFFERS_BYTES else None
+        return tuple(t._version for t in self._watched)
+
+    def _mark_boundary(self) -> None:
+        """The end of a step (`step_done`, before any collective): this rank's RNG states into
+        its ring in the node's tier (every rank, every step: whichever step a copy ends up
+        holding, each rank has its own states of it); on the node's writer, the `Boundary`."""
+        began = time.perf_counter()
+        rng = _rng_state()
+        self._save_rng(rng)
+        self._boundary_rng = rng
+        w = self._memory
+        if w is not None and not w.disabled and self._optimizer_steps:
+            plan = self._plan()
+            self._boundary_plan = plan
+            if plan is None:
+                self._boundary = None
+            else:
+                header = {"format": SNAPSHOT_FORMAT, "step": self.step, "world_size": self.world_size}
+                versions = self._versions(plan)
+                if self._kept is not None:  # the buffers as they are at this boundary, aside
+                    torch._foreach_copy_(self._kept, self._watched)
+                self._boundary = Boundary(self.step, self._optimizer_steps, versions,
+                                          mem.freeze({**header, **plan.state()}), rng)
+        self.boundary_s.append(time.perf_counter() - began)
+        if len(self.boundary_s) > 1000:
+            del self.boundary_s[:500]
+
+    def _last_words(self, timeout_s: float) -> bool:
+        """A worker whose group broke (its exit hook, after `_settle_memory`): if its state is
+        exactly that of its last step boundary and the node's tier holds an older step, copy it
+        there, within `timeout_s` (a copy not whole by then is not committed: the older one
+        stays). True if the copy was made. The node's writer only (local rank 0, CPU)."""
+        w, mark = self._memory, self._boundary
+        if w is None or not self._every_step or w.disabled or self._finished:
+            return False
+        began = time.perf_counter()
+        try:
+            plan = self._boundary_plan
+            versions = self._versions(plan) if plan is not None and plan.check() else None
+            held = w.held.step if w.held is not None else -1
+            kept = self._kept if plan is not None and self._watched_plan is plan else None
+            step, why = last_words_step(mark, self._optimizer_steps, versions, held,
+                                        buffers_kept=kept is not None)
+            if plan is None and self._memory_plans >= MEMORY_PLAN_REMAKES:
+                why = "its state is copied through state_dict() (no plan can follow it step by step)"
+            if step is None or plan is None or mark is None:
+                log.info("rank %d: no last-words copy: %s", self.rank, why)
+                return False
+            if not w.settle(0.0):
+                log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
+                return False
+            state = {**mem.thaw(mark.skeleton), "rng": mark.rng}
+            tensors = plan.tensors
+            if kept is not None:  # the buffers as they were at the boundary, not as a forward left them
+                swap = {id(t): k for t, k in zip(self._watched, kept)}
+                tensors = [swap.get(id(t), t) for t in plan.tensors]
+            w.capture_split(state, tensors, step, plan.later, check=plan.check)
+            w.settle(max(0.0, timeout_s - (time.perf_counter() - began)))
+        except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the older copy stays
+            log.warning("rank %d: the last-words copy failed (%s); the memory tier keeps its older copy",
+                        self.rank, exc)
+            return False
+        made = w.held is not None and w.held.step == step
+        log.info("rank %d: last words: %s (step %d) in %.1f ms; %s", self.rank,
+                 "copied the state into the node's memory tier" if made else "no copy within the time",
+                 step, (time.perf_counter() - began) * 1e3, why)
+        return made
 
     def _agree_on_control(self) -> tuple[str, int, int]:
         """Rank 0 decides from what its poller last heard, and whether the memory tier copies
@@ -809,8 +1009,12 @@ class Runtime:
             log.error("rank %d: step %d could not be saved for the planned change; training "
                       "goes on until the group is restarted", self.rank, self.step)
             return
-        # checkpoint_pause: the agent restarts the group from this snapshot; wait for it.
+        # checkpoint_pause: the agent restarts the group from this snapshot; wait for it. The
+        # state is that of a step boundary: a SIGTERM (the restart) ends the worker at once.
         self._stop_poller()
+        self._busy = False
+        if self._term_pending:
+            self._end_on_sigterm()
         deadline = time.monotonic() + self.pause_timeout_s
         while time.monotonic() < deadline:
             time.sleep(0.5)
@@ -950,7 +1154,13 @@ class Runtime:
     def _finish(self, clean: bool) -> None:
         if self._finished:
             return
+        self._busy = True  # a SIGTERM now: no last words into a writer being closed
         self._finished = True
+        if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_before)
+        if self._last_words_lock is not None:  # nothing more to say: a stop need not wait
+            os.close(self._last_words_lock)
+            self._last_words_lock = None
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)
@@ -975,11 +1185,15 @@ class Runtime:
                 if clean:
                     _settle_collectives()
                 dist.destroy_process_group()
+            if self._term_pending:  # a SIGTERM while finishing: its own end now
+                self._end_on_sigterm()
 
     def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and is_broken_peer(exc):  # before `_finish` closes the writer
+            self._say_last_words()
         self._finish(clean=exc_type is None)  # no barrier with peers that may be gone
 
 
@@ -1111,6 +1325,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
                  attempt=_env_int(env, FTRAIN_ATTEMPT) or 0,
                  node=env.get(FTRAIN_NODE) or None)
     rt.phases_s = phases
+    rt.last_words = env.get(FTRAIN_LAST_WORDS, "1") != "0"
     rt._prefetch = prefetch
     rt._warm = warm
     if memory_on:

@@ -47,4 +47,5 @@ def test_a_job_may_set_exactly_the_job_knobs():
 
     assert set(USER_FTRAIN_ENV) == {"FTRAIN_LOG_LEVEL", "FTRAIN_FORK_SERVER", "FTRAIN_FORK_SERVER_IMPORTS",
                                     "FTRAIN_EXIT_TIMEOUT_S", "FTRAIN_MEMORY_EVERY",
-                                    "FTRAIN_CUDA_WARMUP", "FTRAIN_WORKER_STANDBY", "FTRAIN_COMMIT_WAIT_S"}
+                                    "FTRAIN_CUDA_WARMUP", "FTRAIN_WORKER_STANDBY", "FTRAIN_COMMIT_WAIT_S",
+                                    "FTRAIN_LAST_WORDS"}

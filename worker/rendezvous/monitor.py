@@ -26,6 +26,9 @@ import threading
 import time
 import types
 
+from worker.env import FTRAIN_MEMORY_DIR
+from worker.memory_dirs import last_words_held, wait_for_last_words
+
 log = logging.getLogger(__name__)
 
 _pipe: tuple[int, int] | None = None  # (read end, write end), non-blocking both
@@ -138,6 +141,31 @@ def note_broken_groups(handler) -> None:
     handler.num_nodes_waiting = num_nodes_waiting
 
 
+# How long a broken group's stop waits for a node writer's last words (worker/runtime.py
+# LAST_WORDS_S, and a margin for its exit).
+LAST_WORDS_WAIT_S = 2.5
+
+
+def let_them_say_last_words(agent) -> None:
+    """Before a broken group's SIGKILL: where the node's memory-tier writer holds its last-words
+    lock (a CPU runtime worker that may copy the state of its last step as it exits,
+    worker/last_words.py), SIGTERM the workers (the writer says them on SIGTERM, or on its
+    collective's error if that comes first; the others end as before) and wait until it has
+    exited, at most LAST_WORDS_WAIT_S. Nobody holds it (a GPU, a plain script, no tier): no
+    wait at all."""
+    directory = os.environ.get(FTRAIN_MEMORY_DIR)
+    if not directory or not last_words_held(directory):
+        return
+    pids = getattr(getattr(agent, "_pcontext", None), "pids", dict)()
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGTERM)  # the launcher passes it on to its worker
+        except ProcessLookupError:
+            pass
+    waited = wait_for_last_words(directory, LAST_WORDS_WAIT_S)
+    log.info("waited %.3f s for the node's writer's last words before stopping the group", waited or 0.0)
+
+
 def stop_broken_groups_at_once() -> bool:
     """Patch torch's agent (this process) to stop a broken group with SIGKILL, not SIGTERM and
     up to 30 s of grace: its own workers failed (torch's FAILED or UNHEALTHY state: the local
@@ -163,6 +191,7 @@ def stop_broken_groups_at_once() -> bool:
         _peer_left.clear()
         if not broken:
             return stock(self, worker_group, *args, **kwargs)
+        let_them_say_last_words(self)
         self._shutdown(death_sig=signal.SIGKILL)
 
     _stop_workers._ftrain_broken_stop = True
