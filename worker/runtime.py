@@ -1024,6 +1024,9 @@ class Runtime:
             log.info("rank %d: no last-words copy: the node's writer is alive (it speaks)", self.rank)
             return None
         self._memory = mem.MemoryWriter(self.memory_dir, attempt=self.attempt, rank=self.rank)
+        for obj in self._state.values():  # a script that goes on after SIGTERM: copies whole first
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._memory.guard)
         log.info("rank %d: the node's writer is gone (waited %.1f ms): this rank writes its memory tier",
                  self.rank, (time.perf_counter() - began) * 1e3)
         return self._memory
