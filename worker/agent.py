@@ -53,7 +53,9 @@ log = logging.getLogger("ftrain.agent")
 # on purpose: whatever the old attempt had to save is saved (a planned change snapshots
 # first), and after a lost NCCL peer its workers are stuck in a collective and never exit
 # on SIGTERM (docs/runtime.md, "Stopping a group"). None at all when its workers have all
-# exited (a gloo survivor's, after a lost peer): torchrun alone took the whole 0.3 s.
+# exited (a gloo survivor's, after a lost peer): torchrun alone took the whole 0.3 s. A CPU
+# worker still saying its last words when it ends is waited for, up to 2.5 s from the SIGTERM
+# (worker/torchrun.py `_let_them_finish_last_words`).
 REPLACE_GRACE_S = 0.3
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5

@@ -116,31 +116,88 @@ def remove_orphans(shm: Path = SHM_ROOT) -> list[Path]:
 
 
 # ---------------------------------------------------------------- a survivor's last words
-# The node's writer holds a POSIX lock on this file of its tier while it may say last words
-# (worker/last_words.py): from its first step on CPU until it exits. The kernel lets go of
-# the lock when the process dies (SIGKILL included), and a fork does not inherit it.
+# Each worker of a node that may say last words (worker/last_words.py) holds a POSIX lock on
+# one byte of this file of its tier, byte `local_rank`, from its start (the writer, local rank
+# 0: from `init`) until it exits; byte 0 is the writer's, the right to write the tier. The
+# kernel lets go of a process's locks when it dies (SIGKILL included), and a fork does not
+# inherit them. A sibling whose writer is gone takes byte 0 too (`take_writer`) before it
+# writes: two live processes never write the tier at once. torchrun's stop of a broken group
+# waits until no byte is held (`wait_for_last_words`).
 LAST_WORDS_LOCK = "last-words.lock"
 LAST_WORDS_POLL_S = 0.005
+WRITER_BYTE = 0
 
 
-def hold_last_words(directory: str | Path) -> int | None:
-    """Take the tier's last-words lock for this process; its fd (keep it open: closing it lets
-    go), or None where it cannot be had (another live writer holds it, no such directory)."""
+def hold_last_words(directory: str | Path, byte: int = WRITER_BYTE) -> int | None:
+    """Take byte `byte` (a worker's local rank) of the tier's last-words lock for this
+    process; its fd (keep it open: closing it lets go of every byte this process holds), or
+    None where it cannot be had (another live process holds it, no such directory)."""
     try:
         fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError:
         return None
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte)
     except OSError:
         os.close(fd)
         return None
     return fd
 
 
-def wait_for_last_words(directory: str | Path, timeout_s: float) -> float | None:
-    """Wait until no process holds the tier's last-words lock (its writer has said them and
-    exited), at most `timeout_s`; the seconds waited, None where nobody held it."""
+def take_writer(fd: int, timeout_s: float) -> bool:
+    """A sibling (it holds its own byte through `fd`): take the writer's byte, waiting up to
+    `timeout_s` for the writer that holds it to exit (it says its own last words first, or
+    its death has not yet let go of it). True: this process is the tier's only writer now."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, WRITER_BYTE)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LAST_WORDS_POLL_S)
+
+
+# While a worker says its last words (`Runtime._say_last_words`) it holds byte SPEAKING +
+# local_rank as well: the node agent's stop of a replaced attempt, whose grace is short, waits
+# past it only for those (`wait_for_speakers`), not for a worker that may speak but is stuck
+# (a collective with a silent peer: its SIGTERM handler never runs).
+SPEAKING = 1 << 20
+SPEAKING_SPAN = 1 << 20
+# How long a stop waits for them at most (worker/runtime.py LAST_WORDS_S, and a margin for the
+# worker's exit): torchrun's stop of a broken group (worker/rendezvous/monitor.py), the node
+# agent's of a replaced attempt (worker/torchrun.py `stop`).
+LAST_WORDS_WAIT_S = 2.5
+
+
+def start_speaking(fd: int, local_rank: int) -> bool:
+    """Take this worker's speaking byte through `fd` (its lock's fd); True if taken."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, SPEAKING + local_rank)
+        return True
+    except OSError:
+        return False
+
+
+def stop_speaking(fd: int, local_rank: int) -> None:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, SPEAKING + local_rank)
+    except OSError:
+        pass
+
+
+def wait_for_speakers(directory: str | Path, timeout_s: float) -> float | None:
+    """Wait until no worker of the tier is saying its last words, at most `timeout_s`; the
+    seconds waited, None where none was."""
+    return wait_for_last_words(directory, timeout_s, SPEAKING, SPEAKING_SPAN)
+
+
+def wait_for_last_words(directory: str | Path, timeout_s: float, start: int = 0,
+                        length: int = 0) -> float | None:
+    """Wait until no process holds any byte of the tier's last-words lock (its workers have
+    said them and exited), at most `timeout_s`; the seconds waited, None where nobody held it.
+    `start`, `length`: only those bytes (0: to the end)."""
     began = time.monotonic()
     try:
         fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CLOEXEC)
@@ -150,8 +207,8 @@ def wait_for_last_words(directory: str | Path, timeout_s: float) -> float | None
     try:
         while True:
             try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.lockf(fd, fcntl.LOCK_UN)
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, length, start)
+                fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
                 return time.monotonic() - began if held else None
             except OSError:
                 held = True

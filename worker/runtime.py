@@ -128,7 +128,7 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runti
     ServiceLink,
     report_broken_peer,
 )
-from worker.memory_dirs import hold_last_words
+from worker.memory_dirs import hold_last_words, start_speaking, stop_speaking, take_writer
 from worker.peer_watch import PeerWatch
 from worker.protocol import MAX_METRICS, METRIC_NAME, PEER_GONE
 
@@ -330,8 +330,9 @@ class Runtime:
     _memory_next: int = 0  # the step of the next copy
     _memory_missed: int = -1  # the last step whose due copy was skipped (a copy in flight)
     _rng_s: float = 0.0  # the last copy step's RNG capture (taken on copy steps only, on a GPU)
-    # On CPU, every rank keeps its RNG states of every step (`_mark_boundary`), and the node's
-    # writer notes each step boundary, for a last-words copy (worker/last_words.py).
+    # On CPU, every rank keeps its RNG states of every step (`_mark_boundary`) and notes each
+    # step boundary, for a last-words copy (worker/last_words.py): the node's writer's, or a
+    # sibling's once the writer is gone.
     _every_step: bool = False
     last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last words, no per-step marks (as on a GPU)
     _optimizer_steps: int = 0  # optimizer steps begun (a step pre-hook counts them)
@@ -817,8 +818,7 @@ class Runtime:
         """The writer's `StatePlan`: made at the first copy (or step boundary), again when the
         copy thread found it stale, at most MEMORY_PLAN_REMAKES times."""
         w = self._memory
-        assert w is not None
-        if w.stale:  # a copy's check found a tensor replaced: that copy was not committed
+        if w is not None and w.stale:  # a copy's check found a tensor replaced: not committed
             w.stale = False
             self._memory_plan = None
             log.info("memory tier: the state's tensors changed (a tensor replaced, optimizer state "
@@ -832,29 +832,47 @@ class Runtime:
 
     # -------------------------------------------------------------- last words (CPU)
     def _start_boundaries(self) -> None:
-        """On CPU with a memory tier: every rank keeps its RNG states of every step, and the
-        node's writer notes every step boundary (`_mark_boundary`), counting optimizer steps
-        with a pre-hook. On a GPU neither (the CUDA RNG capture costs ~0.2 ms a step on an
-        H100 host, and with NCCL the host runs ahead of the GPU: queued optimizer kernels may
-        still run after the failure, so a survivor's GPU state is not known to be a step's)."""
+        """On CPU with a memory tier: every rank keeps its RNG states of every step, and
+        notes every step boundary (`_mark_boundary`), counting optimizer steps with a pre-hook
+        (the writer, and its siblings: any of them may have to speak for the node). On a GPU
+        neither (the CUDA RNG capture costs ~0.2 ms a step on an H100 host, and with NCCL the
+        host runs ahead of the GPU: queued optimizer kernels may still run after the failure,
+        so a survivor's GPU state is not known to be a step's)."""
         if self.memory_dir is None or self.device.type != "cpu" or torch.cuda.is_initialized() \
                 or not self.last_words:
             return
         self._every_step = True
-        if self._memory is None:
-            return
         optimizers = [o for o in self._state.values() if isinstance(o, torch.optim.Optimizer)]
         if not optimizers:
-            log.info("memory tier: no optimizer among the state: no last-words copy (nothing "
-                     "tells when the parameters change)")
+            if self._memory is not None:
+                log.info("memory tier: no optimizer among the state: no last-words copy (nothing "
+                         "tells when the parameters change)")
             return
+        if self._memory is None:
+            # A sibling of the node's writer: it speaks when the writer is gone (`_take_writer`).
+            # Its byte of the lock: torchrun's stop of a broken group waits for it (monitor.py).
+            self._last_words_lock = hold_last_words(self.memory_dir, self.local_rank)
+            if self._last_words_lock is None:
+                return
+        elif self._last_words_lock is None:
+            return  # the writer could not claim the tier (`_claim_writer`): no last words
         for opt in optimizers:
             opt.register_step_pre_hook(self._count_optimizer_step)
         if threading.current_thread() is threading.main_thread():
             before = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
-        # torchrun's stop of a broken group waits for them while this is held (monitor.py)
+
+    def _claim_writer(self) -> None:
+        """The node's writer (`init`, before its first collective, so before any sibling can
+        complete a step): on CPU with last words, byte 0 of the tier's last-words lock, held
+        until its writer is closed (`_finish`) or it dies. A sibling writes the tier only once
+        it has that byte (`_take_writer`): never beside a live writer."""
+        if self.memory_dir is None or self.device.type != "cpu" or not self.last_words:
+            return
         self._last_words_lock = hold_last_words(self.memory_dir)
+        if self._last_words_lock is None:
+            log.warning("memory tier: another process holds the writer's lock of %s; no last words "
+                        "from this node", self.memory_dir)
 
     def _on_sigterm(self, signum, frame) -> None:
         """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
@@ -873,10 +891,14 @@ class Runtime:
             return
         self._saying = True
         began = time.monotonic()
+        fd = self._last_words_lock if self._speaks() else None
+        speaking = fd is not None and start_speaking(fd, self.local_rank)  # a stop waits for it
         try:
             self._settle_memory(SETTLE_S)
             self._last_words(max(0.0, began + LAST_WORDS_S - time.monotonic()))
         finally:
+            if speaking and self._last_words_lock is not None:
+                stop_speaking(self._last_words_lock, self.local_rank)
             self._saying = False
 
     def _end_on_sigterm(self) -> None:
@@ -913,13 +935,13 @@ class Runtime:
     def _mark_boundary(self) -> None:
         """The end of a step (`step_done`, before any collective): this rank's RNG states into
         its ring in the node's tier (every rank, every step: whichever step a copy ends up
-        holding, each rank has its own states of it); on the node's writer, the `Boundary`."""
+        holding, each rank has its own states of it); on a rank that may speak (the node's
+        writer, a sibling holding its lock byte), the `Boundary`."""
         began = time.perf_counter()
         rng = _rng_state()
         self._save_rng(rng)
         self._boundary_rng = rng
-        w = self._memory
-        if w is not None and not w.disabled and self._optimizer_steps:
+        if self._speaks() and self._optimizer_steps:
             plan = self._plan()
             self._boundary_plan = plan
             if plan is None:
@@ -939,11 +961,15 @@ class Runtime:
         """A worker whose group broke (its exit hook, after `_settle_memory`): if its state is
         exactly that of its last step boundary and the node's tier holds an older step, copy it
         there, within `timeout_s` (a copy not whole by then is not committed: the older one
-        stays). True if the copy was made. The node's writer only (local rank 0, CPU)."""
-        w, mark = self._memory, self._boundary
-        if w is None or not self._every_step or w.disabled or self._finished:
+        stays). True if the copy was made. The node's writer (local rank 0, CPU), or a sibling
+        once the writer is gone (`_take_writer`)."""
+        mark = self._boundary
+        if not self._every_step or self._finished or not self._speaks():
             return False
         began = time.perf_counter()
+        w = self._memory if self._memory is not None else self._take_writer(timeout_s)
+        if w is None or w.disabled:
+            return False
         try:
             plan = self._boundary_plan
             versions = self._versions(plan) if plan is not None and plan.check() else None
@@ -959,7 +985,8 @@ class Runtime:
             if not w.settle(0.0):
                 log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
                 return False
-            state = {**mem.thaw(mark.skeleton), "rng": mark.rng}
+            # The RNG states a restore may fall back to are the node's first rank's (`_load_memory`).
+            state = {**mem.thaw(mark.skeleton), "rng": mark.rng if self.local_rank == 0 else None}
             tensors = plan.tensors
             if kept is not None:  # the buffers as they were at the boundary, not as a forward left them
                 swap = {id(t): k for t, k in zip(self._watched, kept)}
@@ -975,6 +1002,34 @@ class Runtime:
                  "copied the state into the node's memory tier" if made else "no copy within the time",
                  step, (time.perf_counter() - began) * 1e3, why)
         return made
+
+    def _speaks(self) -> bool:
+        """Whether this rank may say last words: the node's writer (its tier on), or a sibling
+        holding its byte of the tier's last-words lock (`_start_boundaries`)."""
+        if self._memory is not None:
+            return not self._memory.disabled
+        return self._last_words_lock is not None
+
+    def _take_writer(self, timeout_s: float) -> mem.MemoryWriter | None:
+        """A sibling whose group broke: take the writer's byte of the lock (the writer is gone:
+        SIGKILLed, or it has said its own last words and exited), waiting up to `timeout_s`,
+        then write the tier as its writer (a `MemoryWriter` of its own: the next slot after
+        the one `latest.json` names, committed as every copy). None: the writer is alive, or
+        nothing to say."""
+        fd = self._last_words_lock
+        if fd is None or self.memory_dir is None or self._boundary is None:
+            return None
+        began = time.perf_counter()
+        if not take_writer(fd, timeout_s):
+            log.info("rank %d: no last-words copy: the node's writer is alive (it speaks)", self.rank)
+            return None
+        self._memory = mem.MemoryWriter(self.memory_dir, attempt=self.attempt, rank=self.rank)
+        for obj in self._state.values():  # a script that goes on after SIGTERM: copies whole first
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._memory.guard)
+        log.info("rank %d: the node's writer is gone (waited %.1f ms): this rank writes its memory tier",
+                 self.rank, (time.perf_counter() - began) * 1e3)
+        return self._memory
 
     def _agree_on_control(self) -> tuple[str, int, int]:
         """Rank 0 decides from what its poller last heard, and whether the memory tier copies
@@ -1158,9 +1213,6 @@ class Runtime:
         self._finished = True
         if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._sigterm_before)
-        if self._last_words_lock is not None:  # nothing more to say: a stop need not wait
-            os.close(self._last_words_lock)
-            self._last_words_lock = None
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)
@@ -1172,11 +1224,18 @@ class Runtime:
                 self._save_rng(_rng_state())
             if self._memory is not None:
                 self._flush_memory()
+            if self._last_words_lock is not None:  # nothing more to say: a stop need not wait
+                # (after the writer's last copy: a sibling takes the tier only once it is closed)
+                os.close(self._last_words_lock)
+                self._last_words_lock = None
             if self._rng_keeper is not None:
                 self._rng_keeper.flush()
             if self._writer is not None:
                 self._writer.finish()  # what the control plane did not take: to the agent
         finally:
+            if self._last_words_lock is not None:
+                os.close(self._last_words_lock)
+                self._last_words_lock = None
             if not self._stop_poller() and clean:  # stuck in a call: its final report never went
                 self._leave_final_progress()
             if self._peer_watch is not None:  # a goodbye: the peers do not report this as a loss
@@ -1332,6 +1391,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
         rt.memory_dir, rt.memory_every = Path(memory_dir), memory_every
         if local_rank == 0:
             rt._memory = mem.MemoryWriter(memory_dir, attempt=rt.attempt, rank=rank)
+            rt._claim_writer()
     if directory and link is not None:
         rt._writer = snap.AsyncWriter(directory, link.commit, keep=keep, **_commit_end(env, link, rt.node))
     rt._leave = _leave_to_agent(env, link, rt.node)

@@ -657,15 +657,32 @@ class Torchrun:
         if g.proc.poll() is None and grace_s > 0:
             g.proc.send_signal(signal.SIGTERM)
             kill_all(tree, signal.SIGTERM)
+            sent = time.monotonic()
             try:
                 g.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                pass
+                self._let_them_finish_last_words(g, sent)
         kill_all([g.proc.pid, *tree, *self.group_tree(g)])
         g.proc.wait()
         deadline = time.monotonic() + 5
         while any(is_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+    def _let_them_finish_last_words(self, g: WorkerGroup, sent: float) -> None:
+        """The grace is over: a worker of the group that is saying its last words on the
+        SIGTERM sent at `sent` (a CPU runtime worker copying its last step into the node's
+        memory tier: 0.46 s at 100M parameters, more than a replaced attempt's 0.3 s) is given
+        up to LAST_WORDS_WAIT_S from then, the bound torchrun's stop of a broken group gives it
+        (worker/rendezvous/monitor.py); a copy cut short is safe (never committed) but loses the
+        steps. None speaking (a GPU, a plain script, a worker stuck in a collective): no wait."""
+        if self.memory is None or self.memory[0] != g.job_id:
+            return
+        left = sent + memory_dirs.LAST_WORDS_WAIT_S - time.monotonic()
+        waited = memory_dirs.wait_for_speakers(self.memory[1], max(0.0, left))
+        if waited is not None:
+            log.info("waited %.3f s past the grace for the last words of job %s attempt %d",
+                     waited, g.job_id, g.attempt)
 
 
 def missing_command(command: list[str], env: Mapping[str, str], cwd: str) -> str | None:

@@ -93,6 +93,57 @@ def test_a_last_words_copy_resumes_exactly_where_a_fault_free_run_was(tmp_path):
     again.finish()
 
 
+_LIVE_WRITER = """
+import sys, time
+from worker.memory_dirs import hold_last_words
+assert hold_last_words(sys.argv[1]) is not None  # the writer's byte, as a live writer holds it
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration
+def test_a_sibling_speaks_for_its_node_once_the_writer_is_gone_and_never_beside_it(tmp_path):
+    """One node, two workers, the writer (local rank 0) SIGKILLed: its sibling, whose state is
+    step 7's, copies it into the tier in its place; while the writer lives it does not (two
+    ranks never write the tier at once). The copy is step 7's: a run resumed from it ends with
+    the fault-free run's bytes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    straight = runtime.init(env={})
+    parts = _parts(straight)
+    _loop(straight, *parts, 12)
+    expected = parts[0].state_dict()
+
+    repo = Path(__file__).resolve().parents[2]
+    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=repo, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        sibling = runtime.init(memory_dir=tmp_path, memory_every=5, env={"LOCAL_RANK": "1"})
+        assert sibling._memory is None
+        _loop(sibling, *_parts(sibling), 7, half=True)
+        began = time.monotonic()
+        assert not sibling._last_words(0.2)  # the writer lives (it speaks itself)
+        assert mem.read_held(tmp_path) is None and time.monotonic() - began >= 0.2
+    finally:
+        writer.kill()
+        writer.wait()
+    assert sibling._last_words(runtime.LAST_WORDS_S)
+    assert mem.read_held(tmp_path).step == 7
+    sibling._memory.close()
+
+    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    parts = _parts(again)
+    assert again.resumed_from == 7 and again.resumed_tier == "memory"
+    _loop(again, *parts, 12)
+    got = parts[0].state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    again.finish()
+
+
 def test_no_last_words_once_the_optimizer_began_the_next_step(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     model, opt, sched, sampler, x = _parts(rt)
@@ -288,3 +339,94 @@ def test_a_paused_worker_ends_at_once_on_sigterm_after_its_last_words(tmp_path):
     assert done.returncode == -15, done.stderr[-2000:]
     assert time.monotonic() - began < 25  # not the 30 s pause
     assert mem.read_held(tmp_path / "m").step == 7
+
+
+# torchrun's stand-in: starts its worker and, on SIGTERM, waits for it as torchrun's shutdown does.
+_TORCHRUN = """
+import signal, subprocess, sys, time
+child = subprocess.Popen(sys.argv[1:])
+print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: (child.wait(), sys.exit(0)))
+child.wait()
+time.sleep(60)
+"""
+
+# A worker whose last-words copy takes 0.8 s (a large model's), more than a replaced attempt's grace.
+_SLOW_SPEAKER = """
+import sys, time, torch
+from worker import memory as mem
+from worker import runtime
+finish = mem.MemoryWriter._finish
+def slow(self, *args, **kwargs):
+    if args[1]["step"] == 7:
+        time.sleep(0.8)
+    return finish(self, *args, **kwargs)
+mem.MemoryWriter._finish = slow
+rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+rt.restore(model=model, optimizer=opt)
+for _ in range(7):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    rt.step_done()
+rt._memory.wait()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+# A worker that may speak (its lock byte held) but never does: stuck where no SIGTERM handler runs.
+_STUCK = """
+import signal, sys, time
+from worker.memory_dirs import hold_last_words
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+assert hold_last_words(sys.argv[1]) is not None
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("worker", ["speaking", "stuck"])
+def test_a_replaced_attempts_stop_waits_past_its_grace_for_last_words_being_said_only(tmp_path, worker):
+    """The node agent stops a replaced attempt with a 0.3 s grace (worker/agent.py
+    REPLACE_GRACE_S). A worker saying last words that take 0.8 s gets them whole (up to
+    LAST_WORDS_WAIT_S); one that only may speak (stuck) is killed after the grace as before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from worker.agent import REPLACE_GRACE_S
+    from worker.memory_dirs import LAST_WORDS_WAIT_S
+    from worker.torchrun import Torchrun, WorkerGroup
+
+    class Shipper:
+        def add(self, *args) -> None:
+            pass
+
+    repo = Path(__file__).resolve().parents[2]
+    memory = tmp_path / "m"
+    memory.mkdir()
+    script = _SLOW_SPEAKER if worker == "speaking" else _STUCK
+    proc = subprocess.Popen([sys.executable, "-c", _TORCHRUN, sys.executable, "-c", script, str(memory)],
+                            stdout=subprocess.PIPE, text=True, cwd=repo,
+                            env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    t = Torchrun("n1", "http://cp", tmp_path, None, Shipper())
+    t.group = WorkerGroup("j", 1, proc)
+    t.memory = ("j", memory)
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "ready"
+        began = time.monotonic()
+        t.stop("the job moved to a new attempt", grace_s=REPLACE_GRACE_S)
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["kill", "-9", str(child)], capture_output=True)
+    if worker == "speaking":
+        assert mem.read_held(memory).step == 7  # whole: not cut short at 0.3 s (step 5 kept)
+        assert 0.8 < took < LAST_WORDS_WAIT_S + 1.0, took
+    else:
+        assert took < 1.0, took  # the grace alone, not LAST_WORDS_WAIT_S

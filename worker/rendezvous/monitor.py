@@ -27,7 +27,7 @@ import time
 import types
 
 from worker.env import FTRAIN_MEMORY_DIR
-from worker.memory_dirs import last_words_held, wait_for_last_words
+from worker.memory_dirs import LAST_WORDS_WAIT_S, last_words_held, wait_for_last_words
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +141,8 @@ def note_broken_groups(handler) -> None:
     handler.num_nodes_waiting = num_nodes_waiting
 
 
-# How long a broken group's stop waits for a node writer's last words (worker/runtime.py
-# LAST_WORDS_S, and a margin for its exit).
-LAST_WORDS_WAIT_S = 2.5
+# How long a broken group's stop waits for the node's last words: LAST_WORDS_WAIT_S (2.5 s,
+# worker/memory_dirs.py).
 
 
 def let_them_say_last_words(agent) -> None:
