@@ -31,6 +31,11 @@ An agent SIGKILLed while it holds a hand-over leaves the taken file (`<file>.tak
 rewritten after each commit it made, so only what is still to do); the agent restarted
 under the same name and data directory puts it back (`gather`) and makes it
 (worker/end_record.py says how it knows the job's snapshot folder).
+
+A rank 0 that ends with an error hands over too, and torchrun may then restart the group in
+the same attempt while the agent still makes the commits: the new group's rank 0 waits for
+them (`wait_pending`, before it asks for its restore point), so that it cannot resume from an
+older snapshot than the ones its predecessor wrote.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -58,6 +64,10 @@ MAX_HANDOFF_BYTES = 8 << 20
 RETRY_FIRST_S = 0.5
 # A few requests at most: cheap to try often, and the end is reported soon after an outage.
 RETRY_MAX_S = 1.0
+# How long the rank 0 of a group that torchrun restarted in the same attempt waits, before it
+# asks for its restore point, for the hand-overs an earlier group of that attempt left
+# (`wait_pending`); past it (an agent that is gone left its file) it restores without them.
+PENDING_WAIT_S = 60.0
 
 
 def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
@@ -114,6 +124,30 @@ def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
         for name in names:
             path.with_name(name).unlink(missing_ok=True)
     return path if path.exists() else None
+
+
+def pending(directory: str | Path, attempt: int) -> list[Path]:
+    """The hand-overs of `attempt` in `directory`, any node's: left by a worker and not yet
+    taken, or taken by an agent that is still making them (or was killed making them)."""
+    suffix = f"-a{attempt}.json"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [Path(directory) / n for n in names if n.startswith(".handoff-") and ".tmp-" not in n
+            and (n.endswith(suffix) or f"{suffix}.taken-" in n)]
+
+
+def wait_pending(directory: str | Path, attempt: int, timeout_s: float = PENDING_WAIT_S,
+                 poll_s: float = 0.1) -> bool:
+    """Wait until no hand-over of `attempt` is left in `directory` (its agent made its commits:
+    a restore point asked for after them is no older than they are); False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while pending(directory, attempt):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
