@@ -7,7 +7,9 @@ every change under the job and node prefixes (an etcd watch) and at least every
 to each job through `JobStore.update`, which re-reads the job and re-decides on a lost
 compare-and-set, so a decision is never written over a change it did not see. Then it
 watches the running jobs for hangs (`service.decide.hangs`; the clocks it keeps for that
-live in this loop's memory, `watches`).
+live in this loop's memory, `watches`, kept for one term: a replica that leads again, even
+in a new term of its own, starts them afresh; and a gap in the loop's own passes, a stall in
+which it could hear no progress, is not counted, `STALL_MARGIN_S`).
 
 Every replica's loop also keeps `service.contact`: the leader notes in etcd that it hears
 the nodes, and a replica that starts or comes back from a gap reads that note; after an
@@ -56,6 +58,10 @@ PASS_WINDOW = 1000  # the passes whose quantiles /metrics gives
 # took, if longer), so a burst of submissions, each of which wakes the scheduler, makes one
 # pass, and passes take at most about half of the event loop that answers the requests.
 MIN_PASS_GAP_S = 0.02
+# A gap between two passes longer than the interval plus this is a stall of this control
+# plane's own (stopped, its loop held up, etcd away): the hang clocks do not count it
+# (`hangs.unheard`). Passes come round at least every interval, plus the pass itself.
+STALL_MARGIN_S = 1.0
 # At most this many jobs start in one pass (its planning is one step of the event loop; two
 # transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
 MAX_STARTS_PER_PASS = 128
@@ -131,7 +137,8 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
-               fence: dict[str, int] | None = None, settled: Settled | None = None) -> bool:
+               fence: dict[str, int] | None = None, settled: Settled | None = None,
+               stall_after_s: float | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
     Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
@@ -178,7 +185,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies)
     if watches is not None:
-        await watch_hangs(jobs, active, watches, fence)
+        await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
 
 
@@ -272,8 +279,11 @@ async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int |
 
 
 async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
-                      watches: dict[str, hangs.Watch], fence: dict[str, int] | None = None) -> None:
-    """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang."""
+                      watches: dict[str, hangs.Watch], fence: dict[str, int] | None = None,
+                      stall_after_s: float | None = None) -> None:
+    """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang.
+    `stall_after_s`: a gap between two passes longer than this is this control plane's own
+    stall, which the clocks do not count (`hangs.unheard`)."""
     # (A PENDING job is never watched: its clock starts afresh when it runs, `hangs.observe`.)
     watched = [j for j in active.values() if j.spec.hang_timeout_s is not None
                and not j.state.is_terminal() and j.state is not JobState.PENDING]
@@ -283,7 +293,7 @@ async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
         return
     now = jobs.clock()
     for job, step in zip(watched, await progress_steps(jobs, watched), strict=True):
-        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, step, now)
+        seen = watches[job.id] = hangs.observe(watches.get(job.id), job, step, now, stall_after_s)
         if hangs.decide_hang(job, seen.step, seen.since, now) is None:
             continue
 
@@ -449,6 +459,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                asyncio.create_task(keep_lead(leadership, every_s, wake))]
     last_reason: dict[str, str] = {}
     watches: dict[str, hangs.Watch] = {}
+    watches_term: int | None = None  # the term whose passes keep `watches`
     last_settle = 0.0
     contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=6.0)
     missing_since: dict[str, float] = {}
@@ -491,8 +502,12 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                     started = time.perf_counter()
                     last_pass = time.monotonic()
                     last = None
+                    if fence.term != watches_term:  # led again (its lease lapsed, say, while stopped)
+                        watches.clear()
+                        watches_term = fence.term
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
-                                  missing_since, fence, settled=settled):
+                                  missing_since, fence, settled=settled,
+                                  stall_after_s=interval_s + STALL_MARGIN_S):
                         wake.set()  # jobs left to start: another pass after the gap
                     elif not settled.ready_left:
                         last = seen  # as it was before the pass: a change during it runs the next

@@ -39,6 +39,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from worker import log_retention, memory_dirs
+from worker.end_record import EndRecord, EndRecords, recover
 from worker.env import FTRAIN_LOG_LEVEL
 from worker.http import HttpError, server_urls
 from worker.log_shipper import LogShipper
@@ -87,6 +88,12 @@ class NodeAgent:
         memory_dirs.remove_orphans()  # of any agent on this machine that was killed
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
+        # The end this agent owes for its group, kept for a restart (worker/end_record.py), and
+        # the one a killed predecessor of this name owed, being delivered.
+        self.ends = EndRecords(self.data_dir, name)
+        self.recovering = recover(self.ends, self.server)
+        if self.recovering is not None:
+            self.finished.add(self.recovering.key)  # never started again here
         self.keep_logs = (keep_logs_jobs, keep_logs_s)
         self._shutdown = threading.Event()
         self._in_idle_poll = False  # where the stop signal's handler may cut in (`_beat`)
@@ -102,7 +109,7 @@ class NodeAgent:
             try:
                 if not link.registered:
                     group = self.torchrun.group
-                    link.register(running=link.ending() if group is None else group.key)
+                    link.register(running=self.still_running() if group is None else group.key)
                 link.send_reports()
                 # The heartbeat long-polls: an idle node learns of its job, a running one of a
                 # new attempt (a lost peer's node), as soon as the control plane decides it; a
@@ -124,6 +131,7 @@ class NodeAgent:
                 break
             self.check_exit()
             self.torchrun.handing_over()  # what rank 0 left to this agent: made as soon as it is there
+            self.keep_end()
             self.torchrun.kill_stopped_workers()
             # Running: check exits often. Idle: the heartbeat itself waited for a change (a
             # long poll), so go again at once after a change, else keep the beat's interval.
@@ -221,9 +229,46 @@ class NodeAgent:
         if g is None:
             return
         self.finished.add(g.key)
-        self.link.report(g.job_id, g.attempt, *g.outcome())
+        outcome = g.outcome()
+        self._keep_end_of(g, outcome)
+        self.link.report(g.job_id, g.attempt, *outcome)
         self.shipper.flush()
         self.prune_logs()
+
+    # ------------------------------------------------------------------ an end owed across a restart
+    def still_running(self) -> tuple[str, int] | None:
+        """The attempt a registration names as still this node's when no group runs: one whose
+        end report is queued (`NodeLink.ending`), or whose end a killed predecessor owed."""
+        ending = self.link.ending()
+        if ending is None and self.recovering is not None:
+            return self.recovering.key
+        return ending
+
+    def keep_end(self) -> None:
+        """Keep the record of the end this agent owes (worker/end_record.py) up to date: the
+        group's, with its outcome once torchrun has exited; dropped once its report landed.
+        And report the end a killed predecessor owed once its commits are made."""
+        r = self.recovering
+        if r is not None and r.done():
+            self.link.report(r.key[0], r.key[1], *r.outcome())
+            self.recovering = None
+        g = self.torchrun.group
+        if g is not None:
+            kept = self.ends.kept
+            seen = kept.outcome if kept is not None and kept.key == g.key else None
+            if seen is None and g.proc.poll() is not None and not g.stop_requested:
+                seen = g.outcome()  # exited, its hand-over being made: the end it owes is known
+            self._keep_end_of(g, seen)
+        elif self.recovering is None and (kept := self.ends.kept) is not None:
+            owed = {(x.job_id, x.attempt) for x in self.link.reports if x.state != "running"}
+            if kept.stop_requested or kept.key not in owed:
+                self.ends.drop()
+
+    def _keep_end_of(self, g, outcome: tuple[str, int | None, str | None] | None) -> None:
+        if g.snapshot_dir is None or not g.job_token:
+            return
+        self.ends.keep(EndRecord(g.job_id, g.attempt, str(g.snapshot_dir), g.job_token,
+                                 g.stop_requested, outcome))
 
     def prune_logs(self) -> None:
         """Delete the local output of jobs this node no longer runs, past the count or age kept."""

@@ -26,6 +26,16 @@ restarted in the same attempt may have written that step again), is not committe
 way the end report says which steps were not committed and why (its reason; the job's end
 names it), never a silent success. A group the control plane stopped (a new attempt, a
 cancel) is not waited for.
+
+An agent SIGKILLed while it holds a hand-over leaves the taken file (`<file>.taken-<pid>`,
+rewritten after each commit it made, so only what is still to do); the agent restarted
+under the same name and data directory puts it back (`gather`) and makes it
+(worker/end_record.py says how it knows the job's snapshot folder).
+
+A rank 0 that ends with an error hands over too, and torchrun may then restart the group in
+the same attempt while the agent still makes the commits: the new group's rank 0 waits for
+them (`wait_pending`, before it asks for its restore point), so that it cannot resume from an
+older snapshot than the ones its predecessor wrote.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -53,6 +64,10 @@ MAX_HANDOFF_BYTES = 8 << 20
 RETRY_FIRST_S = 0.5
 # A few requests at most: cheap to try often, and the end is reported soon after an outage.
 RETRY_MAX_S = 1.0
+# How long the rank 0 of a group that torchrun restarted in the same attempt waits, before it
+# asks for its restore point, for the hand-overs an earlier group of that attempt left
+# (`wait_pending`); past it (an agent that is gone left its file) it restores without them.
+PENDING_WAIT_S = 60.0
 
 
 def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
@@ -66,9 +81,14 @@ def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[Comm
     path = handoff_path(directory, node, attempt)
     old_commits, old_progress = read(path)  # what it left before, if the agent has not taken it yet
     by_step = {r.step: r for r in [*old_commits, *commits]}
-    final = progress if progress is not None else old_progress
-    body = json.dumps({"commits": [r.model_dump(mode="json") for r in by_step.values()],
-                       "progress": None if final is None else final.model_dump(mode="json")}).encode()
+    _write(path, list(by_step.values()), progress if progress is not None else old_progress)
+    return path
+
+
+def _write(path: Path, commits: list[CommitRequest], progress: ProgressReport | None) -> None:
+    """`path` replaced whole by these commits and progress report (temporary file, fsync, rename)."""
+    body = json.dumps({"commits": [r.model_dump(mode="json") for r in commits],
+                       "progress": None if progress is None else progress.model_dump(mode="json")}).encode()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -80,7 +100,54 @@ def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[Comm
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
+    """A restarted agent's: what its killed predecessor had taken and not finished
+    (`<file>.taken-<pid>`, rewritten after each commit it made) put back together with what
+    the worker left since, in the one file an `AgentHandoff` takes; that file, or None if
+    nothing is left for (`node`, `attempt`)."""
+    path = handoff_path(directory, node, attempt)
+    try:
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(f"{path.name}.taken-") and ".tmp-" not in n]
+    except OSError:
+        return None
+    if names:
+        commits, progress = read(path)  # left since the take: its progress report is the newer
+        for name in names:
+            taken_commits, taken_progress = read(path.with_name(name))
+            commits += taken_commits
+            progress = progress if progress is not None else taken_progress
+        by_step = {r.step: r for r in commits}
+        _write(path, list(by_step.values()), progress)
+        for name in names:
+            path.with_name(name).unlink(missing_ok=True)
+    return path if path.exists() else None
+
+
+def pending(directory: str | Path, attempt: int) -> list[Path]:
+    """The hand-overs of `attempt` in `directory`, any node's: left by a worker and not yet
+    taken, or taken by an agent that is still making them (or was killed making them)."""
+    suffix = f"-a{attempt}.json"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [Path(directory) / n for n in names if n.startswith(".handoff-") and ".tmp-" not in n
+            and (n.endswith(suffix) or f"{suffix}.taken-" in n)]
+
+
+def wait_pending(directory: str | Path, attempt: int, timeout_s: float = PENDING_WAIT_S,
+                 poll_s: float = 0.1) -> bool:
+    """Wait until no hand-over of `attempt` is left in `directory` (its agent made its commits:
+    a restore point asked for after them is no older than they are); False after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while pending(directory, attempt):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
@@ -213,6 +280,7 @@ class AgentHandoff:
             self.link.close()
             return
         requests, progress = read(taken)
+        self._taken, self._rest, self._progress = taken, list(requests), progress
         if requests:
             log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
                         "agent: the control plane did not take them before it ended; committing them",
@@ -236,6 +304,16 @@ class AgentHandoff:
             self.link.close()
             if self.not_committed:
                 log.warning("%s", self.note())
+
+    def _left(self, done: CommitRequest) -> None:
+        """The taken file without the commit just made: an agent killed now leaves only what is
+        still to do to the agent that restarts in its place (`gather`); a file this commit
+        pruned is not looked for again."""
+        self._rest = [r for r in self._rest if r.step != done.step]
+        try:
+            _write(self._taken, self._rest, self._progress)
+        except OSError as exc:
+            log.warning("could not note the commit of step %d in %s: %s", done.step, self._taken, exc)
 
     def _report_progress(self, body: ProgressReport) -> None:
         """Rank 0's final progress report, which did not land: sent before the end report, so
@@ -283,6 +361,7 @@ class AgentHandoff:
             self.committed.append(req.step)
             self.not_committed.pop(req.step, None)  # (an earlier hand-over's note of it is void)
             _delete_pruned(prune, self.path.parent)
+            self._left(req)
             log.info("snapshot of step %d committed for the worker that wrote it", req.step)
             return None
         self.not_committed[req.step] = "the group was stopped first"

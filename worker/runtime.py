@@ -545,6 +545,7 @@ class Runtime:
     def _choose(self, helds: list[int]) -> tuple | None:
         """Rank 0: ("memory", step, source rank) when the control plane's restore point is a
         memory copy some rank holds, else ("disk", path) or None."""
+        self._await_handed_over()
         newest = max(helds)
         if newest >= 0 and self.link is None:
             return ("memory", newest, helds.index(newest))
@@ -558,6 +559,21 @@ class Runtime:
                             point.step)
         path = self._choose_snapshot()
         return None if path is None else ("disk", path)
+
+    def _await_handed_over(self) -> None:
+        """Rank 0, before it asks for the restore point: the commits that an earlier group of
+        this attempt (torchrun restarted it) left its node agent are made first
+        (worker/handoff.py `wait_pending`), or the restore could pick an older snapshot."""
+        if self.snapshot_dir is None or not isinstance(self.link, ServiceLink):
+            return
+        if not handoff.pending(self.snapshot_dir, self.link.attempt):
+            return
+        log.info("rank %d: waiting for the snapshot commits an earlier group of attempt %d left "
+                 "its node agent before choosing where to resume", self.rank, self.link.attempt)
+        if not handoff.wait_pending(self.snapshot_dir, self.link.attempt):
+            log.warning("rank %d: the snapshot commits an earlier group left its node agent were not "
+                        "made within %.0f s; resuming from the latest the control plane lists",
+                        self.rank, handoff.PENDING_WAIT_S)
 
     def _load_memory(self, step: int, src: int, helds: list[int], copy: tuple | None) -> None:
         """Load the memory copy of `step`: from this node's tier where it holds that step,

@@ -17,13 +17,21 @@ pass with the step it reads from the job's progress key), and the clock restarts
 the step changes, the group re-forms (a new attempt or round) or the job starts being
 watched. So a new group has
 `hang_timeout_s` from its forming to its first step, and a control plane that takes over
-(a restart, a new leader) starts every clock afresh: a hang is then found at most one
-timeout later than it would have been, never sooner.
+(a restart, a new leader, or this one again in a new term) starts every clock afresh: a
+hang is then found at most one timeout later than it would have been, never sooner.
+
+Nor does the clock count time in which this control plane could not have heard progress:
+a leader that was stopped (SIGSTOP), or whose loop stalled, and goes on in the same term
+would otherwise find, at its first pass after, a clock that ran through the stall, and
+declare the job hung before the progress reports it could not take meanwhile land. So each
+watch notes when it was last looked at (`seen_at`), and a gap between two looks longer than
+the scheduler's passes allow (`stall_after_s`: its interval plus a second) is the control
+plane's own stall: the clock is moved on by the part beyond that (`unheard`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from service.decide import outcome
 from service.decide.change import Change
@@ -43,6 +51,7 @@ class Watch:
     watched: bool
     step: int | None
     since: float
+    seen_at: float | None = field(default=None, compare=False)  # when this control plane last looked
 
 
 def is_watched(job: JobRecord) -> bool:
@@ -56,12 +65,24 @@ def is_watched(job: JobRecord) -> bool:
     return formed and job.rounds >= 1 and job.control is None
 
 
-def observe(prev: Watch | None, job: JobRecord, step: int | None, now: float) -> Watch:
-    """`prev` if nothing that restarts the clock changed; else a fresh watch from `now`."""
+def observe(prev: Watch | None, job: JobRecord, step: int | None, now: float,
+            stall_after_s: float | None = None) -> Watch:
+    """`prev` if nothing that restarts the clock changed (its clock moved on by the time this
+    control plane could not hear progress since it last looked, `unheard`); else a fresh watch
+    from `now`."""
     seen = (job.attempt, job.rounds, is_watched(job), step)
     if prev is not None and (prev.attempt, prev.rounds, prev.watched, prev.step) == seen:
-        return prev
-    return Watch(*seen, since=now)
+        return replace(prev, since=prev.since + unheard(prev.seen_at, now, stall_after_s), seen_at=now)
+    return Watch(*seen, since=now, seen_at=now)
+
+
+def unheard(last_look: float | None, now: float, stall_after_s: float | None) -> float:
+    """Of the time since this control plane last looked (`last_look`), what it could not have
+    heard progress in: the part of the gap beyond `stall_after_s`, the most its passes take to
+    come round while it runs (None: not known, nothing discounted)."""
+    if stall_after_s is None or last_look is None:
+        return 0.0
+    return max(0.0, now - last_look - stall_after_s)
 
 
 def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float) -> Change | None:

@@ -21,6 +21,7 @@ from tests.helpers.faults import (
     plain_spec,
     train_spec,
     wait_latest,
+    workers,
 )
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
@@ -239,3 +240,48 @@ def test_a_long_control_plane_outage_costs_no_restart_and_a_join_after_it_is_see
         for agent in started:
             agent.stop()
         cp.stop()
+
+
+@pytest.mark.slow  # ~40 s under load: 14 s of it the stops themselves
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_LEADER_TTL_S": "30", "FTRAIN_NODE_TTL_S": "30"}],
+                         indirect=True)
+def test_a_leader_stopped_longer_than_the_hang_timeout_does_not_take_the_job_for_hung(
+        control_plane, api, agents):
+    """hang_timeout_s=8, the leading control plane SIGSTOPped for 11 s and SIGCONTed: it still
+    leads in the same term (a 30 s lead), and its hang clock does not count the stop, in which
+    no progress could reach it (service/decide/hangs.py `unheard`): the job trains on, no
+    restart. The job's own progress is held from 1.5 s before the stop to 1 s after it (its
+    agent and worker SIGSTOPped too), so that the leader's first passes after the stop see the
+    step it saw before: without the rule they saw 12.5 s without progress and restarted the
+    workers (unless the stop caught an etcd call of the leader's in flight: one that times out
+    meanwhile loses the lead for a moment, which alone starts the clocks afresh; the
+    scheduler-pass test in tests/service/test_stores.py fails every time without the rule)."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("stophang", 10**6, every=1000, delay_s=0.05, hang_timeout_s=8))
+
+    def step() -> int:
+        return (job(api, job_id).get("progress") or {}).get("step") or 0
+
+    wait_for(lambda: step() >= 5, 90, "the job to train (its progress watched)")
+    held = [a.pid, *workers(a)]  # the agent first: it would kill a worker stopped for 3 s
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # (the faults themselves, here and below)
+        control_plane.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(11)
+        finally:
+            control_plane.proc.send_signal(signal.SIGCONT)
+        time.sleep(1)
+    finally:
+        for pid in reversed(held):
+            os.kill(pid, signal.SIGCONT)
+    resumed = step()
+    wait_for(lambda: step() > resumed + 20, 30, "the job's progress to advance after the stop")
+    current = job(api, job_id)
+    evs = [e["reason"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]]
+    assert current["state"] == "RUNNING" and current["restarts"] == 0 and current["attempt"] == 1, evs
+    assert not [r for r in evs if r.startswith("no progress")], evs
+    api.post(f"/v1/jobs/{job_id}/cancel")

@@ -4,6 +4,7 @@ final snapshot committed and listed as latest, never SUCCEEDED on an older one
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -56,6 +57,45 @@ def test_a_job_whose_last_commits_meet_an_outage_ends_with_its_final_snapshot(co
             assert set(range(5, 41, 5)) <= {i["step"] for i in final["items"]}
             assert events_of(again, job_id)[-1]["reason"] == "every worker exited 0"
     assert not list(control_plane.snapshot_root.glob(f"{job_id}/.handoff-*"))  # the agent's, done
+
+
+@pytest.mark.slow  # ~45 s under load: the control plane and the agent restarted, then a second attempt
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2"}], indirect=True)
+def test_an_agent_killed_while_it_holds_the_last_commits_leaves_them_to_its_restart(
+        control_plane, api, agents):
+    """The control plane SIGKILLed over the job's last steps, then rank 0's node agent SIGKILLed
+    while it holds what its worker left (its taken file), and restarted (same name, same data
+    directory) before the control plane is back: the restarted agent finds the end its
+    predecessor owed (worker/end_record.py), registers naming the attempt as still its own,
+    makes the commits and reports the end. Before: the node was taken for stopped ("the node's
+    agent restarted"), and the job ran again (attempt 2) from step 5."""
+    (a,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, train_spec("endkill", 30, every=5, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
+    wait_latest(api, job_id, 5)
+    attempt = job(api, job_id)["attempt"]
+    control_plane.stop(signal.SIGKILL)
+    folder = control_plane.snapshot_root / job_id
+    wait_for(lambda: not workers(a) and list(folder.glob(".handoff-n0-a*.json.taken-*")), 60,
+             "the worker to exit and its agent to take what it left")
+    record = a.workdir / "end.n0.json"
+    assert json.loads(record.read_text())["attempt"] == attempt
+    a.kill_tree()
+    a.start()  # the same name and data directory
+    control_plane.start()
+    with control_plane.client() as again:
+        done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=60)
+        assert done["state"] == "SUCCEEDED", events_of(again, job_id)
+        assert done["progress"]["step"] == 30
+        assert latest_step(again, job_id) == 30, events_of(again, job_id)
+        # torchrun waited in its exit barrier on the control plane and died with the agent, its
+        # workers' exit unseen: the node's end is `stopped`, and the attempt after it resumes
+        # from step 30, the last commit, and runs no step again (before: from step 5).
+        rerun = [s for n in range(attempt + 1, done["attempt"] + 1)
+                 for s in local_steps(agent_stdout(a, job_id, n))]
+        assert rerun == [], (rerun, events_of(again, job_id))
+    assert not list(folder.glob(".handoff-*"))
+    wait_for(lambda: not record.exists(), 10, "the record of the end owed to go")
 
 
 @pytest.mark.slow  # ~25 s: torchrun waits for the stopped control plane to leave its rendezvous

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service.decide.hangs import Watch, decide_hang, is_watched, observe
+from service.decide.hangs import Watch, decide_hang, is_watched, observe, unheard
 from service.models import Control, ControlAction, JobSpec, JobState, MemberStatus
 from tests.service.records import NOW, make_job
 
@@ -123,3 +123,27 @@ def test_hang_timeout_s_out_of_range_is_refused(value):
     with pytest.raises(ValidationError) as err:
         JobSpec(name="j", command=["x"], hang_timeout_s=value)
     assert err.value.errors()[0]["loc"] == ("hang_timeout_s",)
+
+
+@pytest.mark.parametrize("last_look,now,stall_after_s,expected", [
+    (None, NOW, 1.5, 0.0),  # never looked: a fresh clock anyway
+    (NOW - 10, NOW, None, 0.0),  # no pass interval known: nothing discounted
+    (NOW - 1.5, NOW, 1.5, 0.0),  # passes as they come round
+    (NOW - 10, NOW, 1.5, 8.5),  # stopped 10 s: the part beyond a pass's gap was not heard
+])
+def test_unheard_is_the_part_of_a_gap_in_the_passes_beyond_their_interval(last_look, now, stall_after_s,
+                                                                           expected):
+    assert unheard(last_look, now, stall_after_s) == expected
+
+
+def test_a_stall_of_the_control_plane_is_not_counted_by_the_hang_clock():
+    """The leader SIGSTOPped for 10 s (its last look at NOW - 10, step 7 seen since NOW - 11):
+    after it, the clock stands at 1 s + the 1.5 s a pass may take, not 11 s; it runs on from
+    there. Before: a hang at its first pass, before any progress report could land."""
+    seen = Watch(attempt=1, rounds=1, watched=True, step=7, since=NOW - 11, seen_at=NOW - 10)
+    assert decide_hang(JOB, 7, observe(seen, JOB, 7, NOW).since, NOW) is not None  # counted: hung
+    watch = observe(seen, JOB, 7, NOW, stall_after_s=1.5)
+    assert (watch.since, watch.seen_at) == (NOW - 2.5, NOW)
+    assert decide_hang(JOB, 7, watch.since, NOW) is None
+    later = observe(watch, JOB, 7, NOW + 0.5, stall_after_s=1.5)  # passes come round: it counts
+    assert later.since == NOW - 2.5 and decide_hang(JOB, 7, later.since, NOW + 0.5) is not None

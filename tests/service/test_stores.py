@@ -489,6 +489,42 @@ def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_
     asyncio.run(main())
 
 
+def test_a_scheduler_pass_after_a_stall_of_its_own_does_not_count_it_on_the_hang_clock():
+    """Passes every 0.5 s (the scheduler's `stall_after_s`, 1.5 s), then none for 8 s (the
+    control plane SIGSTOPped): the first pass after does not find the job hung (before: 8.5 s
+    without progress against hang_timeout_s=5); the clock runs on from where it stood."""
+    async def main():
+        clock = ManualClock()
+        ctx = context(clock)
+        ctx.jobs.clock = clock
+        spec = JobSpec(name="t", command=["true"], hang_timeout_s=5, max_restarts=1)
+        job, _ = await ctx.jobs.create(spec)
+        await ctx.nodes.register("n0", 1, None, ttl_s=600)
+        watches: dict = {}
+
+        async def tick_at(now: float, step: int | None = None) -> JobRecord:
+            clock.now = now
+            if step is not None:
+                current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+                    "rounds": max(j.rounds, 1), "group": j.group or f"n0/{j.attempt}"})))
+                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt,
+                                                                 group=current.group))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches,
+                                 stall_after_s=1.5)
+            return await ctx.jobs.get(job.id)
+
+        assert (await tick_at(1000)).state is JobState.STARTING
+        assert (await tick_at(1001, step=1)).state is JobState.RUNNING  # watched from here
+        assert (await tick_at(1001.5)).attempt == 1
+        assert (await tick_at(1010)).attempt == 1  # stopped from 1001.5: 7 of its 8.5 s not heard
+        for now in (1011, 1012, 1012.9):  # passes come round again: counted
+            assert (await tick_at(now)).attempt == 1  # at last 2 + 2.9 = 4.9 s
+        hung = await tick_at(1013.1)  # 5.1 s counted
+        assert (hung.state, hung.attempt) == (JobState.RECOVERING, 2)
+
+    asyncio.run(main())
+
+
 def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout_s():
     async def main():
         clock = ManualClock()
