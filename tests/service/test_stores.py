@@ -489,29 +489,37 @@ def test_a_leader_cut_off_from_etcd_drops_its_fence_so_compaction_and_retention_
     asyncio.run(main())
 
 
+async def _hang_watched_job(**tick_kwargs):
+    """A job with hang_timeout_s=5 on one node, and `tick_at(now, step=None)`: the clock set
+    to `now`, rank 0's report of `step` if given (its group formed), one scheduler pass, the
+    job after it."""
+    clock = ManualClock()
+    ctx = context(clock)
+    ctx.jobs.clock = clock
+    spec = JobSpec(name="t", command=["true"], hang_timeout_s=5, max_restarts=1)
+    job, _ = await ctx.jobs.create(spec)
+    await ctx.nodes.register("n0", 1, None, ttl_s=600)
+    watches: dict = {}
+
+    async def tick_at(now: float, step: int | None = None) -> JobRecord:
+        clock.now = now
+        if step is not None:
+            current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+                "rounds": max(j.rounds, 1), "group": j.group or f"n0/{j.attempt}"})))
+            await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt,
+                                                             group=current.group))
+        await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches, **tick_kwargs)
+        return await ctx.jobs.get(job.id)
+
+    return ctx, job, tick_at
+
+
 def test_a_scheduler_pass_after_a_stall_of_its_own_does_not_count_it_on_the_hang_clock():
     """Passes every 0.5 s (the scheduler's `stall_after_s`, 1.5 s), then none for 8 s (the
     control plane SIGSTOPped): the first pass after does not find the job hung (before: 8.5 s
     without progress against hang_timeout_s=5); the clock runs on from where it stood."""
     async def main():
-        clock = ManualClock()
-        ctx = context(clock)
-        ctx.jobs.clock = clock
-        spec = JobSpec(name="t", command=["true"], hang_timeout_s=5, max_restarts=1)
-        job, _ = await ctx.jobs.create(spec)
-        await ctx.nodes.register("n0", 1, None, ttl_s=600)
-        watches: dict = {}
-
-        async def tick_at(now: float, step: int | None = None) -> JobRecord:
-            clock.now = now
-            if step is not None:
-                current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
-                    "rounds": max(j.rounds, 1), "group": j.group or f"n0/{j.attempt}"})))
-                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt,
-                                                                 group=current.group))
-            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches,
-                                 stall_after_s=1.5)
-            return await ctx.jobs.get(job.id)
+        _, _, tick_at = await _hang_watched_job(stall_after_s=1.5)
 
         assert (await tick_at(1000)).state is JobState.STARTING
         assert (await tick_at(1001, step=1)).state is JobState.RUNNING  # watched from here
@@ -527,23 +535,7 @@ def test_a_scheduler_pass_after_a_stall_of_its_own_does_not_count_it_on_the_hang
 
 def test_a_scheduler_pass_restarts_a_job_whose_progress_stopped_for_hang_timeout_s():
     async def main():
-        clock = ManualClock()
-        ctx = context(clock)
-        ctx.jobs.clock = clock
-        spec = JobSpec(name="t", command=["true"], hang_timeout_s=5, max_restarts=1)
-        job, _ = await ctx.jobs.create(spec)
-        await ctx.nodes.register("n0", 1, None, ttl_s=600)
-        watches: dict = {}
-
-        async def tick_at(now: float, step: int | None = None) -> JobRecord:
-            clock.now = now
-            if step is not None:  # its group formed (a round), and rank 0 reports this step
-                current = await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
-                    "rounds": max(j.rounds, 1), "group": j.group or f"n0/{j.attempt}"})))
-                await ctx.progress.report(job.id, ProgressReport(step=step, attempt=current.attempt,
-                                                                 group=current.group))
-            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, watches)
-            return await ctx.jobs.get(job.id)
+        ctx, job, tick_at = await _hang_watched_job()
 
         assert (await tick_at(1000)).state is JobState.STARTING
         assert (await tick_at(1001, step=1)).state is JobState.RUNNING  # its first step

@@ -66,14 +66,30 @@ def _parts(rt: runtime.Runtime, width: int = 8):
     return model, opt, sched, sampler, x
 
 
+def _fault_free(steps: int = 12) -> dict:
+    """The model's state after `steps` steps with no fault, to compare a resumed run with."""
+    straight = runtime.init(env={})
+    parts = _parts(straight)
+    _loop(straight, *parts, steps)
+    return parts[0].state_dict()
+
+
+def _resume_and_match(tmp_path, step: int, expected: dict, steps: int = 12) -> None:
+    """A new run on the tier resumes from the copy of `step` and ends with `expected`'s bytes."""
+    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    parts = _parts(again)
+    assert again.resumed_from == step and again.resumed_tier == "memory"
+    _loop(again, *parts, steps)
+    got = parts[0].state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    again.finish()
+
+
 def test_a_last_words_copy_resumes_exactly_where_a_fault_free_run_was(tmp_path):
     """K = 5: copies at 5 only; the group breaks in step 8's backward (its batch drawn, the RNG
     moved on). The last words hold step 7 as it was at its end, and a run resumed from them
     ends with the fault-free run's bytes."""
-    straight = runtime.init(env={})
-    parts = _parts(straight)
-    _loop(straight, *parts, 12)
-    expected = parts[0].state_dict()
+    expected = _fault_free()
 
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     _loop(rt, *_parts(rt), 7, half=True)
@@ -83,14 +99,7 @@ def test_a_last_words_copy_resumes_exactly_where_a_fault_free_run_was(tmp_path):
     assert rt._last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 7
     rt._memory.close()
-
-    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
-    parts = _parts(again)
-    assert again.resumed_from == 7 and again.resumed_tier == "memory"
-    _loop(again, *parts, 12)
-    got = parts[0].state_dict()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
-    again.finish()
+    _resume_and_match(tmp_path, 7, expected)
 
 
 _LIVE_WRITER = """
@@ -112,10 +121,7 @@ def test_a_sibling_speaks_for_its_node_once_the_writer_is_gone_and_never_beside_
     import sys
     from pathlib import Path
 
-    straight = runtime.init(env={})
-    parts = _parts(straight)
-    _loop(straight, *parts, 12)
-    expected = parts[0].state_dict()
+    expected = _fault_free()
 
     repo = Path(__file__).resolve().parents[2]
     writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
@@ -134,14 +140,7 @@ def test_a_sibling_speaks_for_its_node_once_the_writer_is_gone_and_never_beside_
     assert sibling._last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 7
     sibling._memory.close()
-
-    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
-    parts = _parts(again)
-    assert again.resumed_from == 7 and again.resumed_tier == "memory"
-    _loop(again, *parts, 12)
-    got = parts[0].state_dict()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
-    again.finish()
+    _resume_and_match(tmp_path, 7, expected)
 
 
 def test_no_last_words_once_the_optimizer_began_the_next_step(tmp_path):
@@ -186,10 +185,8 @@ def test_a_forward_after_the_step_keeps_its_buffers_out_of_the_last_words(tmp_pa
     rt._memory.close()
 
 
-_SIGTERMED = """
-import os, signal, sys, torch
-from worker import runtime
-rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
+# The scripts' seven steps of a one-layer model on the runtime `rt` they made.
+_SEVEN_STEPS = """\
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.AdamW(model.parameters(), lr=0.05)
 rt.restore(model=model, optimizer=opt)
@@ -198,6 +195,13 @@ for _ in range(7):
     model(torch.randn(8, 4)).pow(2).mean().backward()
     opt.step()
     rt.step_done()
+"""
+
+_SIGTERMED = """
+import os, signal, sys, torch
+from worker import runtime
+rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
+""" + _SEVEN_STEPS + """\
 print(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), flush=True)
 model(torch.randn(8, 4)).pow(2).mean().backward()  # step 8's first half, then the node's agent stops it
 os.kill(os.getpid(), signal.SIGTERM)
@@ -308,14 +312,7 @@ import os, signal, sys, threading, time, torch
 from worker import runtime
 rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, snapshot_dir=sys.argv[2], snapshot_every=1000,
                   pause_timeout_s=30, env={})
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-rt.restore(model=model, optimizer=opt)
-for _ in range(7):
-    opt.zero_grad()
-    model(torch.randn(8, 4)).pow(2).mean().backward()
-    opt.step()
-    rt.step_done()
+""" + _SEVEN_STEPS + """\
 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the agent's restart
 rt._busy = True  # as in step_done, which obeys a checkpoint_pause
 rt._obey("checkpoint_pause", 1)
@@ -363,14 +360,7 @@ def slow(self, *args, **kwargs):
     return finish(self, *args, **kwargs)
 mem.MemoryWriter._finish = slow
 rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-rt.restore(model=model, optimizer=opt)
-for _ in range(7):
-    opt.zero_grad()
-    model(torch.randn(8, 4)).pow(2).mean().backward()
-    opt.step()
-    rt.step_done()
+""" + _SEVEN_STEPS + """\
 rt._memory.wait()
 print("ready", flush=True)
 time.sleep(60)
