@@ -570,7 +570,8 @@ class HourSoak:
                            if before else None})
             prev = r["start_t"]
         return {"long_job": {"id": self.long_id, "state": state, "runs": len(run_list),
-                             "last_step": (run_list[-1][1] or [None])[-1] if run_list else None,
+                             # the last step logged (a run cancelled as it started logged none)
+                             "last_step": next((st[-1] for _, st in reversed(run_list) if st), None),
                              "restarts": losses,
                              "events": [(e.get("time"), e["state"], e.get("reason")) for e in events][-80:]}}
 
