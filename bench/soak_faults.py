@@ -353,7 +353,16 @@ class HourSoak:
                     j.checked["latest"] = repr(exc)[:100]
         elif j.kind in ("short", "fail", "biglog"):
             j.checked["done_lines"] = sum(1 for ln in lines if ln == "soak-done")
-            j.checked["data_lines"] = len({ln[10:18] for ln in lines if ln.startswith("soak-line ")})
+            seen = {ln[10:18] for ln in lines if ln.startswith("soak-line ")}
+            j.checked["data_lines"] = len(seen)
+            if len(seen) != j.lines:  # which ones, and the log's own account, for a look
+                j.checked["missing"] = [i for i in range(j.lines) if f"{i:08d}" not in seen][:10]
+                try:
+                    j.checked["log_head"] = {k: v for k, v in c.get(f"/v1/jobs/{j.id}/logs",
+                                                                 params={"limit": 1}).json().items()
+                                             if k != "items"}
+                except (httpx.HTTPError, ValueError) as exc:
+                    j.checked["log_head"] = repr(exc)[:100]
 
     def verdict(self, j: Tracked) -> str | None:
         """What is wrong with a job's end, or None."""
