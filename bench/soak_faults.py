@@ -18,7 +18,10 @@ PID): 3 etcd members, 2 control planes (`ftrain serve`) on them, `--agents` real
 Checked and printed: each job's terminal state against what its script and the faults dictate
 (and none left PENDING/RUNNING past `--stuck-s`); that no job ran again after its last step (its
 last line or step appears once in rank 0's log); the long job's steps lost at each restart (the
-last step logged before it minus the step it resumed from) and which fault preceded it; every
+last step logged before it minus the step it resumed from), which fault preceded it, the tier
+it resumed from (memory or disk) and whether the scheduler held its survivor for it first (its
+"memory copy is on" event), and per fault kind; the same of the stream's train.py jobs, each
+of which must list its last step as its latest committed snapshot; every
 minute, etcd's key count and db size (in use and the file) from a member's /metrics, the RSS and
 open file descriptors of each control plane and agent (from /proc), with a least-squares slope
 per hour over the run's second half; 5xx answers (and whether inside a control-plane outage:
