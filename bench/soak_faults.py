@@ -18,7 +18,10 @@ PID): 3 etcd members, 2 control planes (`ftrain serve`) on them, `--agents` real
 Checked and printed: each job's terminal state against what its script and the faults dictate
 (and none left PENDING/RUNNING past `--stuck-s`); that no job ran again after its last step (its
 last line or step appears once in rank 0's log); the long job's steps lost at each restart (the
-last step logged before it minus the step it resumed from) and which fault preceded it; every
+last step logged before it minus the step it resumed from), which fault preceded it, the tier
+it resumed from (memory or disk) and whether the scheduler held its survivor for it first (its
+"memory copy is on" event), and per fault kind; the same of the stream's train.py jobs, each
+of which must list its last step as its latest committed snapshot; every
 minute, etcd's key count and db size (in use and the file) from a member's /metrics, the RSS and
 open file descriptors of each control plane and agent (from /proc), with a least-squares slope
 per hour over the run's second half; 5xx answers (and whether inside a control-plane outage:
@@ -122,6 +125,27 @@ def proc_figures(pid: int) -> tuple[int, int, int] | None:
         return rss, len(os.listdir(f"/proc/{pid}/fd")), pid
     except (OSError, StopIteration):
         return None
+
+
+def resumes(lines: list[dict]) -> list[dict]:
+    """Rank 0's restarts from its lines (`tests.helpers.faults.rank0_lines`): for each run after
+    the first, the step it started from, the last step logged before it, the steps lost, when
+    it started (the agent's read time), and whether it resumed from the memory tier (the
+    runtime's "resumed from memory (step S" line with that step) or from disk."""
+    from tests.helpers.faults import _FROM_MEMORY, _RUN_START, _STEP
+
+    mem = {int(m.group(1)) for i in lines if (m := _FROM_MEMORY.search(i["line"]))}
+    out: list[dict] = []
+    last: int | None = None
+    for i in lines:
+        if m := _RUN_START.match(i["line"]):
+            s = int(m.group(1))
+            out.append({"resumed_from": s, "last_before": last, "start_t": i["time"],
+                        "lost": None if last is None else last - s,
+                        "tier": "memory" if s in mem else ("disk" if s else "none")})
+        elif m := _STEP.match(i["line"]):
+            last = int(m.group(1))
+    return out[1:]
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
@@ -314,7 +338,8 @@ class HourSoak:
 
         c = self.api.clients[self.api.i]
         try:
-            lines = [i["line"] for i in rank0_lines(c, j.id)]
+            items = rank0_lines(c, j.id)
+            lines = [i["line"] for i in items]
             events = c.get(f"/v1/jobs/{j.id}/events").json()["items"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             j.checked = {"error": repr(exc)[:200]}
@@ -323,9 +348,24 @@ class HourSoak:
                      "reason": events[-1].get("reason") if events else None}
         if j.steps:
             j.checked["last_step_lines"] = sum(1 for ln in lines if ln.startswith(f"step={j.steps} "))
+            j.checked["resumes"] = [(r["resumed_from"], r["lost"], r["tier"]) for r in resumes(items)]
+            if j.state == "SUCCEEDED":  # its last step's snapshot committed (worker/handoff.py)
+                try:
+                    j.checked["latest"] = c.get(f"/v1/jobs/{j.id}/snapshots").json().get("latest")
+                except (httpx.HTTPError, ValueError) as exc:
+                    j.checked["latest"] = repr(exc)[:100]
         elif j.kind in ("short", "fail", "biglog"):
             j.checked["done_lines"] = sum(1 for ln in lines if ln == "soak-done")
-            j.checked["data_lines"] = len({ln[10:18] for ln in lines if ln.startswith("soak-line ")})
+            seen = {ln[10:18] for ln in lines if ln.startswith("soak-line ")}
+            j.checked["data_lines"] = len(seen)
+            if len(seen) != j.lines:  # which ones, and the log's own account, for a look
+                j.checked["missing"] = [i for i in range(j.lines) if f"{i:08d}" not in seen][:10]
+                try:
+                    j.checked["log_head"] = {k: v for k, v in c.get(f"/v1/jobs/{j.id}/logs",
+                                                                 params={"limit": 1}).json().items()
+                                             if k != "items"}
+                except (httpx.HTTPError, ValueError) as exc:
+                    j.checked["log_head"] = repr(exc)[:100]
 
     def verdict(self, j: Tracked) -> str | None:
         """What is wrong with a job's end, or None."""
@@ -341,6 +381,8 @@ class HourSoak:
         if j.state == "SUCCEEDED":
             if j.steps and c.get("last_step_lines") != 1:
                 return f"its last step logged {c.get('last_step_lines')} times"
+            if j.steps and c.get("latest") != j.steps:  # a multiple of its snapshot interval
+                return f"its latest committed snapshot is {c.get('latest')}, not its last step {j.steps}"
             if "done_lines" in c and c["done_lines"] != 1:
                 return f"'soak-done' logged {c['done_lines']} times"
             if "data_lines" in c and c["data_lines"] != j.lines:
@@ -525,20 +567,23 @@ class HourSoak:
         c = self.api.clients[self.api.i]
         run_list = runs(c, self.long_id)
         from tests.helpers.faults import rank0_lines
-        starts = [i["time"] for i in rank0_lines(c, self.long_id) if i["line"].startswith("start step=")]
+        events = c.get(f"/v1/jobs/{self.long_id}/events").json()["items"]
+        # the scheduler's hold of the survivors that keep its memory copy (service/decide/keep.py)
+        holds = [e["time"] for e in events if "memory copy is on" in (e.get("reason") or "")]
         losses = []
-        for k, ((_s0, steps0), (s1, _steps1)) in enumerate(zip(run_list, run_list[1:], strict=False)):
-            last = steps0[-1] if steps0 else None
-            at = starts[k + 1] - self.t0 if k + 1 < len(starts) else None
-            before = [f for f in self.faults if at is not None and f["t"] <= at]
-            losses.append({"resumed_from": s1, "last_before": last, "at_s": at,
+        prev = self.t0
+        for r in resumes(rank0_lines(c, self.long_id)):
+            at = r["start_t"] - self.t0
+            before = [f for f in self.faults if f["t"] <= at]
+            losses.append({**r, "at_s": at, "fault_kind": before[-1]["kind"] if before else None,
+                           "held": any(prev < t <= r["start_t"] for t in holds),
                            "after_fault": before[-1]["kind"] + f" #{before[-1]['n']} on "
                                           f"{before[-1].get('target')} at {before[-1]['t']:.0f} s"
-                           if before else None,
-                           "lost": None if last is None else last - s1})
-        events = c.get(f"/v1/jobs/{self.long_id}/events").json()["items"]
+                           if before else None})
+            prev = r["start_t"]
         return {"long_job": {"id": self.long_id, "state": state, "runs": len(run_list),
-                             "last_step": (run_list[-1][1] or [None])[-1] if run_list else None,
+                             # the last step logged (a run cancelled as it started logged none)
+                             "last_step": next((st[-1] for _, st in reversed(run_list) if st), None),
                              "restarts": losses,
                              "events": [(e.get("time"), e["state"], e.get("reason")) for e in events][-80:]}}
 
@@ -603,7 +648,23 @@ def summarize(result: dict, soak: HourSoak) -> list[str]:
     out.append(f"long job {lj['id']}: {lj['state']} after {lj['runs']} runs, last step {lj['last_step']}")
     for r in lj["restarts"]:
         out.append(f"  restart at {r['at_s'] or 0:.0f} s: last step {r['last_before']} -> resumed from "
-                   f"{r['resumed_from']}: {r['lost']} steps lost (after {r['after_fault']})")
+                   f"{r['resumed_from']} ({r.get('tier')}{', held' if r.get('held') else ''}): "
+                   f"{r['lost']} steps lost (after {r['after_fault']})"
+                   + (" (below 0: rank 0's last lines were not shipped, they died with its agent)"
+                      if (r["lost"] or 0) < 0 else ""))
+    per_kind: dict = {}
+    for r in lj["restarts"]:
+        per_kind.setdefault(r.get("fault_kind"), []).append(r)
+    out.append("  steps lost per fault kind (the latest fault before the restart):")
+    for kind, rs in per_kind.items():
+        out.append(f"    {kind}: {len(rs)} restarts, lost {[r['lost'] for r in rs]}, from memory "
+                   f"{sum(r.get('tier') == 'memory' for r in rs)}, after a hold "
+                   f"{sum(bool(r.get('held')) for r in rs)}")
+    stream_resumes = [x for j in soak.jobs for x in j.checked.get("resumes", [])]
+    if stream_resumes:
+        out.append(f"stream train jobs' restarts: {len(stream_resumes)}, lost "
+                   f"{sorted(x[1] for x in stream_resumes if x[1] is not None)}, from memory "
+                   f"{sum(x[2] == 'memory' for x in stream_resumes)}")
     rows = soak.samples
     half = [r for r in rows if r["t"] >= rows[-1]["t"] / 2] if rows else []
 
