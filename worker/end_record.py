@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from worker import handoff
 from worker.links import ServiceLink
+from worker.node_link import write_private
 
 log = logging.getLogger("ftrain.agent")
 
@@ -85,18 +85,11 @@ class EndRecords:
         """Write `record` (only when it changed)."""
         if record == self.kept:
             return
-        body = asdict(record)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
-            tmp.unlink(missing_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(body, f)
-            os.replace(tmp, self.path)
+            write_private(self.path, json.dumps(asdict(record)))
         except OSError as exc:  # the group runs on; only a restart of this agent would miss it
             log.warning("could not keep the record of job %s attempt %d's end in %s (%s)",
                         record.job_id, record.attempt, self.path, exc)
-            tmp.unlink(missing_ok=True)
         self.kept = record
 
     def drop(self) -> None:

@@ -50,6 +50,21 @@ PREVIOUS_CREDENTIAL_MAX_CHARS = next(
     if hasattr(m, "max_length"))
 
 
+def write_private(path: Path, text: str) -> None:
+    """Replace the agent's file `path` whole with `text` (0600; a temporary file beside it, not
+    followed if a link, then renamed); OSError if it cannot (the temporary file removed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a leftover of a killed agent of the same pid
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class NodeForgotten(Exception):
     """The control plane no longer knows this node (its lease lapsed): register again."""
 
@@ -222,17 +237,11 @@ class NodeLink:
         """Keep `credential` in its file (0600, replaced whole), for a restart of this agent."""
         if self.credential_file is None:
             return
-        tmp = self.credential_file.with_name(f".{self.credential_file.name}.{os.getpid()}")
         try:
-            tmp.unlink(missing_ok=True)  # a leftover of a killed agent of the same pid
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(credential)
-            os.replace(tmp, self.credential_file)
+            write_private(self.credential_file, credential)
         except OSError as exc:  # the node works on; only a restart would wait for the lease
             log.warning("could not keep the node credential in %s (%s): a restarted agent will "
                         "wait for this one's lease to lapse", self.credential_file, exc)
-            tmp.unlink(missing_ok=True)
 
     def hold_presence(self) -> None:
         """One presence request: the control plane holds it about a second. While one is
