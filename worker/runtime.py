@@ -1154,14 +1154,12 @@ class Runtime:
         def report(final: bool = False) -> None:
             nonlocal last_samples, last_t, reported
             assert self.link is not None and self._progress is not None
-            step, loss, samples, at = self._progress
+            step, _loss, samples, at = self._progress
             rate = None
             if last_t is not None and at > last_t and samples >= last_samples:
                 rate = (samples - last_samples) / (at - last_t)
             last_samples, last_t = samples, at
-            metrics = self._scalar_values()
-            logged_loss = metrics.pop("loss", None)
-            loss_value = float(loss) if loss is not None else logged_loss
+            loss_value, metrics = self._loss_and_metrics()
             try:
                 held = self.link.report_progress(step, loss_value, rate, final=final,
                                                  metrics=metrics, total_steps=self.total_steps)
@@ -1191,16 +1189,23 @@ class Runtime:
         sends it before it reports the end (worker/handoff.py)."""
         if self._leave is None or self._progress is None or not isinstance(self.link, ServiceLink):
             return
-        step, loss, _samples, _at = self._progress
-        metrics = self._scalar_values()
-        logged_loss = metrics.pop("loss", None)
-        body = self.link.progress_request(step, float(loss) if loss is not None else logged_loss, rate,
-                                          True, metrics, self.total_steps)
+        step = self._progress[0]
+        loss, metrics = self._loss_and_metrics()
+        body = self.link.progress_request(step, loss, rate, True, metrics, self.total_steps)
         try:
             self._leave(progress=body)
         except OSError as exc:
             log.warning("the final progress report (step %d) could not be left to the node agent: %s",
                         step, exc)
+
+    def _loss_and_metrics(self) -> tuple[float | None, dict[str, float]]:
+        """What a progress report of `_progress` carries: the loss (`step_done`'s, else a
+        logged `loss`) and the other logged scalars."""
+        assert self._progress is not None
+        metrics = self._scalar_values()
+        logged_loss = metrics.pop("loss", None)
+        loss = self._progress[1]
+        return (float(loss) if loss is not None else logged_loss), metrics
 
     def _scalar_values(self) -> dict[str, float]:
         """The logged scalars as floats; a name or value the control plane would refuse
