@@ -1,4 +1,6 @@
-"""What a survivor's last words cost (worker/last_words.py, worker/runtime.py), on CPU:
+"""What a survivor's last words cost (worker/last_words.py, worker/runtime.py), on CPU, or on
+the GPU where there is one (there the marks also record CUDA events, and a step is timed to
+the end of its GPU work):
 
 * every step, on every rank: the step boundary's mark (`Runtime._mark_boundary`: this rank's
   RNG states captured and kept in its ring in the node's tier; on the node's writer, the
@@ -45,8 +47,9 @@ def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
     sampler = rt.sampler(1 << 20, batch_size=32)
     rt.restore(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
     params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(32, width)
+    x = torch.randn(32, width, device=rt.device)
     batches = iter(sampler)
+    gpu = rt.device.type == "cuda"
 
     def step() -> float:
         began = time.perf_counter()
@@ -56,6 +59,8 @@ def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
         opt.step()
         sched.step()
         rt.step_done()
+        if gpu:  # a step ends when the GPU's work is done (in a job, step_done's broadcast waits)
+            torch.cuda.synchronize()
         return time.perf_counter() - began
 
     for _ in range(3):
@@ -109,7 +114,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=4, help="blocks of each (marks on, off), alternating")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"last words on CPU ({os.cpu_count()} cores, torch {torch.__version__}, 1 thread); load "
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"last words on {where} ({os.cpu_count()} cores, torch {torch.__version__}, 1 thread); load "
           f"{os.getloadavg()[0]:.2f}; {args.blocks} x {args.steps} steps with the marks on, alternating "
           f"with as many off")
     print(f"{'params':>8} {'step off ms':>12} {'step on ms':>11} {'mark ms':>8} {'mark p90':>9} "

@@ -107,7 +107,8 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
 
 def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backend: str | None,
                     block: int = 3, every: int | None = 1, path: str = "staged",
-                    register: bool = True, graphs: bool = True, commit_inline: bool = True) -> dict:
+                    register: bool = True, graphs: bool = True, commit_inline: bool = True,
+                    last_words: bool = True) -> dict:
     """One model and loop, the memory tier on and off in alternating blocks of `block` steps
     (so that a load that drifts over the run weighs on both alike); step times of each.
     `every`: the copy interval (None: the runtime picks it to fit its 5% budget). `path`,
@@ -115,7 +116,8 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = path, register
     mem.MemoryWriter.graphs = graphs
     mem.MemoryWriter.commit_inline = commit_inline
-    rt = runtime.init(env={}, backend=backend, memory_dir=memory_dir, memory_every=every)
+    rt = runtime.init(env={} if last_words else {"FTRAIN_LAST_WORDS": "0"}, backend=backend,
+                      memory_dir=memory_dir, memory_every=every)
     torch.manual_seed(0)
     model = rt.wrap(build(width, rt.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -151,10 +153,12 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     on: list[float] = []
     off: list[float] = []
     memory_dir = rt.memory_dir
+    marks = rt._every_step  # the step boundaries' marks, for last words: part of the tier's cost
     left = 0  # steps to the picked schedule's next copy when an on block ended
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
         rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
+        rt._every_step = marks and b % 2 == 0
         # The runtime times its steps while the tier is on: an off block in between is not a
         # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
         rt._last_step_t = None
@@ -164,7 +168,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         if b % 2 == 0:
             left = max(0, rt._memory_next - rt.step - 1)
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
-    rt._memory, rt.memory_dir = writer, memory_dir
+    rt._memory, rt.memory_dir, rt._every_step = writer, memory_dir, marks
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
     mem.MemoryWriter.graphs = True
@@ -182,6 +186,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             "median_overhead": statistics.median(on) / statistics.median(off) - 1,
             "commit_inline": commit_inline,
             "plan": rt._memory_plan is not None, "graphed": writer.graphed,
+            "marks": marks, "mark_s": statistics.median(rt.boundary_s) if rt.boundary_s else None,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
 
@@ -255,6 +260,44 @@ def sync_save(model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Pat
     return out
 
 
+def picked_only(args) -> None:
+    """`--picked-only`: the memory tier's whole cost as a job gets it by default (the runtime
+    picks the copy interval for its budget; the step boundaries' marks for last words on, or
+    off with FTRAIN_LAST_WORDS=0), runs alternating, each its own on/off baseline."""
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.cuda.get_device_name() if on_gpu else platform.processor() or "cpu"
+    backend = "gloo" if args.device == "cpu" else None
+    print(f"memory tier, interval picked by the runtime, torch {torch.__version__}, {device}, "
+          f"{os.cpu_count()} cores, batch {args.batch}, AdamW; load {os.getloadavg()[0]:.2f}")
+    print(f"{'model':>6} {'last words':>10} | {'step off ms':>11} {'overhead mean':>13} {'median':>7} | "
+          f"{'interval':>8} {'copies':>6} {'mark ms':>7}")
+    out = []
+    for size in args.sizes:
+        width, steps = SIZES[size], args.steps or (30 if size == "10M" else 12)
+        for run in range(args.picked_only):
+            for last_words in (True, False):
+                shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
+                                            if mem.SHM_ROOT.is_dir() else None))
+                try:
+                    a = memory_overhead(width, 8 * steps, args.batch, shm, backend,
+                                        block=max(10, steps // 2), every=None, last_words=last_words)
+                finally:
+                    import shutil
+
+                    shutil.rmtree(shm, ignore_errors=True)
+                mark = "-" if a["mark_s"] is None or not a["marks"] else f"{a['mark_s'] * 1e3:.3f}"
+                print(f"{size:>6} {'on' if last_words else 'off':>10} | "
+                      f"{statistics.median(a['off_s']) * 1e3:>11.2f} {a['overhead'] * 100:>12.1f}% "
+                      f"{a['median_overhead'] * 100:>6.1f}% | {a['interval']:>8} {a['copies']:>6} {mark:>7}",
+                      flush=True)
+                out.append({"size": size, "run": run, "last_words": last_words,
+                            **{k: a[k] for k in ("overhead", "median_overhead", "interval", "copies",
+                                                 "mark_s", "on_s", "off_s")}})
+    Path(args.json).write_text(json.dumps(out))
+    print("overhead = mean (median) step time with the tier on / off - 1, alternating blocks in one "
+          "loop; a step ends when the GPU's work is done; mark = the step boundary's mark (median)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="snapshot stall and step time")
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -264,8 +307,14 @@ def main() -> None:
     p.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
     p.add_argument("--device", choices=["auto", "cpu"], default="auto",
                    help="cpu: stay on the CPU even where CUDA is available")
+    p.add_argument("--picked-only", type=int, metavar="RUNS", default=0,
+                   help="only the memory tier with the interval the runtime picks, with the step "
+                        "boundaries' marks (last words) and without, alternating, RUNS times each")
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.picked_only:
+        picked_only(args)
+        return
 
     results = []
     on_gpu = torch.cuda.is_available() and args.device != "cpu"

@@ -69,3 +69,54 @@ def last_words_step(mark: Boundary | None, optimizer_steps: int, versions: tuple
     if held >= mark.step:
         return None, f"the node's memory tier holds step {held} already"
     return mark.step, f"the state is that of step {mark.step}; the node's memory tier holds step {held}"
+
+
+# ---------------------------------------------------------------- on a GPU
+#
+# With NCCL the host runs ahead of the GPU: when a peer dies, a survivor's host may have
+# queued the next step's forward, backward and optimizer step, and its counters (optimizer
+# steps begun, buffers' version counters) say what was queued, not what ran. What ran is
+# told by CUDA events, recorded on the training stream in the order of the work: at each
+# step boundary one before the boundary's own GPU work (the copy of small buffers aside,
+# `begun`) and one after it (`done`); at each optimizer step one before its kernels. A
+# survivor's training stream stops at the collective its dead peer never joins (DDP's
+# gradient all-reduce of the next step, or the runtime's broadcast in `step_done`), so its
+# parameters and optimizer state are those of the last boundary whose `done` event has
+# completed, as long as no optimizer step queued after that boundary has begun on the GPU
+# and the next boundary's work has not begun either (it overwrites the buffers kept aside).
+# The runtime reads the events before its copy and again after it: the same answer both
+# times means the stream did not move past the boundary while the copy read the state.
+
+
+@dataclass(frozen=True)
+class GpuMark:
+    """A step boundary as the GPU's events tell it at one moment: the step, the optimizer
+    steps begun (on the host) by the boundary, and whether the boundary's GPU work has begun
+    and is done."""
+
+    step: int
+    optimizer_steps: int
+    begun: bool
+    done: bool
+
+
+def gpu_settled_step(marks: list[GpuMark], optimizer_begun: list[tuple[int, bool]]) -> tuple[int | None, str]:
+    """The step whose state a GPU holds now, if the events prove it; and why, in words.
+
+    `marks`: the last boundaries, oldest first. `optimizer_begun`: (the optimizer step's
+    count, whether its event has completed) for the last optimizer steps queued, oldest
+    first. None: no boundary is done, or the stream is between a boundary and the next
+    one's end with an optimizer step or the next boundary's work begun (the state is moving:
+    a later look may find the next boundary done)."""
+    done = [i for i, m in enumerate(marks) if m.done]
+    if not done:
+        return None, "no step boundary has completed on the GPU"
+    i = done[-1]
+    mark = marks[i]
+    stepped = [n for n, ran in optimizer_begun if n > mark.optimizer_steps and ran]
+    if stepped:
+        return None, (f"the GPU began optimizer step {stepped[0]} after step {mark.step}: the state "
+                      f"is not that of a step")
+    if any(m.begun for m in marks[i + 1:]):
+        return None, f"the GPU began the boundary after step {mark.step}"
+    return mark.step, f"the GPU's state is that of step {mark.step}"

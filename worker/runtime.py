@@ -77,6 +77,7 @@ over.)
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -117,7 +118,7 @@ from worker.env import (
     FTRAIN_SNAPSHOT_EVERY,
     FTRAIN_SNAPSHOT_KEEP,
 )
-from worker.last_words import Boundary, last_words_step
+from worker.last_words import Boundary, GpuMark, gpu_settled_step, last_words_step
 from worker.links import (  # noqa: F401 - CommittedSnapshot, Fenced: for `runtime.` users
     CommittedSnapshot,
     ControlRequest,
@@ -169,14 +170,61 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def _rng_state() -> dict:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
+class _HostRng:
+    """The Python and numpy global RNGs' states, taken every step boundary (`_mark_boundary`)
+    at little cost: the object last taken is given again while the state is the same, so that
+    the RNG ring can reuse its pickle (`mem.RngKeeper`). numpy's `get_state` alone cost 74 us
+    on an H100 host (its MT19937 key copied number by number); its raw state is read instead
+    (2.5 KB), and `get_state` called only when that moved. Exact: the legacy generator's
+    cached Gaussian can only appear through a draw, which moves the raw state, so a state
+    taken with no cached Gaussian stays the state while the raw one does not move."""
 
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    def __init__(self):
+        self.python: tuple | None = None
+        self.numpy: tuple | None = None
+        self._raw = b""
+        self._probe: tuple[Any, int] | None = None  # (bit generator, address of its raw state)
+        try:
+            import numpy as np
+
+            self._np = np
+        except ImportError:
+            self._np = None
+
+    def python_state(self) -> tuple:
+        state = random.getstate()
+        if state != self.python:
+            self.python = state
+        return self.python
+
+    def numpy_state(self) -> tuple | None:
+        np = self._np
+        if np is None:
+            return None
+        try:
+            bg = np.random.mtrand._rand._bit_generator
+            if self._probe is None or self._probe[0] is not bg:
+                self._probe = (bg, bg.ctypes.state_address if type(bg).__name__ == "MT19937" else 0)
+            address = self._probe[1]
+        except AttributeError:  # another numpy: no probe
+            address = 0
+        if not address:
+            return np.random.get_state()
+        raw = ctypes.string_at(address, _MT19937_BYTES)
+        if raw != self._raw or self.numpy is None or self.numpy[3]:  # moved, or a Gaussian cached
+            self.numpy, self._raw = np.random.get_state(), raw
+        return self.numpy
+
+
+_MT19937_BYTES = 624 * 4 + 4  # numpy's mt19937_state: the key, then its position
+_HOST_RNG = _HostRng()
+
+
+def _rng_state() -> dict:
+    state: dict[str, Any] = {"python": _HOST_RNG.python_state(), "torch": torch.get_rng_state()}
+    numpy_state = _HOST_RNG.numpy_state()
+    if numpy_state is not None:
+        state["numpy"] = numpy_state
     if torch.cuda.is_initialized():  # what get_rng_state_all gives, without its per-device checks
         state["cuda"] = [g.get_state() for g in torch.cuda.default_generators]
     return state
@@ -211,6 +259,33 @@ LAST_WORDS_S = 2.0
 # hold the step's own (`Runtime._mark_boundary`); larger ones are not, and a forward since the
 # boundary then means no last words.
 KEEP_BUFFERS_BYTES = 1 << 20
+# On a GPU: the step boundaries and optimizer steps whose CUDA events are kept (the host is at
+# most a step ahead of the GPU: `step_done` reads rank 0's broadcast every step), and how long
+# a survivor's last words wait for a stream caught in an optimizer step to reach the next
+# boundary (or the collective it then waits in for good).
+GPU_RING = 4
+GPU_SETTLE_S = 0.25
+
+
+class _EventPool:
+    """CUDA events used in turn (a new one each time cost ~80 us a step on an H100 host in a
+    busy loop, its creation and an old one's destruction): more than the runtime keeps
+    (GPU_RING boundaries with two each, GPU_RING optimizer steps), so that none is recorded
+    again while it is still looked at."""
+
+    def __init__(self, size: int):
+        self._events: list[torch.cuda.Event] = []
+        self._size = size
+        self._next = 0
+
+    def record(self) -> torch.cuda.Event:
+        """An event recorded on the current stream now."""
+        if len(self._events) < self._size:
+            self._events.append(torch.cuda.Event())
+        event = self._events[self._next % len(self._events)]
+        self._next += 1
+        event.record()
+        return event
 
 
 def _report_broken_peers(link: Link, node: str, rt: Runtime | None = None) -> None:
@@ -342,7 +417,22 @@ class Runtime:
     _watched: list = field(default_factory=list)  # the plan's tensors an optimizer step leaves alone
     _watched_plan: Any = None  # the plan `_watched` was taken from
     _kept: list | None = None  # copies of `_watched` as at the last boundary (small buffers only)
+    # On a GPU: the last boundaries with their CUDA events (Boundary, plan, begun, done) and
+    # the last optimizer steps' (count, event), oldest first (`_gpu_state_step`)
+    _gpu_marks: list = field(default_factory=list)
+    _gpu_steps: list = field(default_factory=list)
+    _gpu_events: _EventPool = field(default_factory=lambda: _EventPool(4 * GPU_RING))
+    # On a GPU: the plan's tensors in host memory (an optimizer's step counts), copied at each
+    # boundary into a ring of copies (`_host_copies`): the host changes them as soon as it runs
+    # the next optimizer step, long before the GPU does.
+    _host_plan: Any = None
+    _host_tensors: list = field(default_factory=list)
+    _host_ring: list | None = None
+    _host_next: int = 0
+    _words_lock: threading.Lock = field(default_factory=threading.Lock)  # one speaker at a time
+    _speaker: int | None = None  # the thread saying the last words now
     boundary_s: list[float] = field(default_factory=list)  # per step: `_mark_boundary`'s time (bench)
+    _mark_s: float | None = None  # `_mark_boundary`'s time (moving average): taken from the copies' budget
     _busy: bool = False  # in `step_done` or `_finish`: a SIGTERM's last words wait for its end
     _saying: bool = False  # saying the last words now
     _term_pending: bool = False  # a SIGTERM came while busy
@@ -473,7 +563,15 @@ class Runtime:
         if self.local_rank != 0 or not isinstance(self.link, ServiceLink) or not self.node:
             return None
         link, node = self.link, self.node
-        self._peer_watch = PeerWatch(lambda detail: link.report_broken(node, detail))
+
+        def lost(detail: str) -> None:
+            try:
+                link.report_broken(node, detail)
+            finally:  # on a GPU the training thread may be stuck in NCCL for good: speak from here
+                if self.device.type == "cuda":
+                    self._say_last_words()
+
+        self._peer_watch = PeerWatch(lost)
         try:
             return self._peer_watch.listen()
         except OSError as exc:
@@ -787,9 +885,12 @@ class Runtime:
 
     def _plan_next_copy(self) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'
-        cost within MEMORY_BUDGET of the step time. The cost is the training thread's time in
-        the copy, plus on a CPU the copy thread's whole time (it takes a core); on a GPU the
-        copy runs on the copy engine, and a copy still in flight skips the next (`_copy_decision`)."""
+        cost within MEMORY_BUDGET of the step time, less what the step boundaries' marks cost
+        every step (`_mark_boundary`, for last words: with them a fault loses at most a step
+        whatever the interval, so the copies get what the marks leave, down to one every
+        MEMORY_EVERY_MAX steps). The cost is the training thread's time in the copy, plus on a
+        CPU the copy thread's whole time (it takes a core); on a GPU the copy runs on the copy
+        engine, and a copy still in flight skips the next (`_copy_decision`)."""
         if self.memory_every:
             self.memory_interval = self.memory_every
             return
@@ -797,8 +898,12 @@ class Runtime:
         assert w is not None
         cost = w.last_cost_s() + self._rng_s  # every rank's RNG capture comes with a copy
         k = 1
-        if self._step_s and cost > MEMORY_BUDGET * self._step_s:
-            k = min(MEMORY_EVERY_MAX, math.ceil(cost / (MEMORY_BUDGET * self._step_s)))
+        if self._step_s:
+            room = MEMORY_BUDGET * self._step_s - ((self._mark_s or 0.0) if self._every_step else 0.0)
+            if room <= 0:
+                k = MEMORY_EVERY_MAX
+            elif cost > room:
+                k = min(MEMORY_EVERY_MAX, math.ceil(cost / room))
         # The job's log hears of the interval when it is first picked, then at most once a
         # minute if it moved; the step-to-step wobble (it was a third of a job's log) goes to
         # debug.
@@ -807,8 +912,9 @@ class Runtime:
         if k != self.memory_interval or told is None:
             loud = told is None or (k != told[0] and now - told[1] >= 60.0)
             log.log(logging.INFO if loud else logging.DEBUG,
-                    "memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, budget %.0f%%)",
-                    k, cost * 1e3, (self._step_s or 0) * 1e3, MEMORY_BUDGET * 100)
+                    "memory tier: a copy every %d step(s) (copy %.1f ms, step %.1f ms, step marks %.2f "
+                    "ms, budget %.0f%%)", k, cost * 1e3, (self._step_s or 0) * 1e3,
+                    (self._mark_s or 0.0) * 1e3 if self._every_step else 0.0, MEMORY_BUDGET * 100)
             if loud:
                 self._told_interval = (k, now)
         self.memory_interval = k
@@ -848,14 +954,13 @@ class Runtime:
 
     # -------------------------------------------------------------- last words (CPU)
     def _start_boundaries(self) -> None:
-        """On CPU with a memory tier: every rank keeps its RNG states of every step, and
-        notes every step boundary (`_mark_boundary`), counting optimizer steps with a pre-hook
-        (the writer, and its siblings: any of them may have to speak for the node). On a GPU
-        neither (the CUDA RNG capture costs ~0.2 ms a step on an H100 host, and with NCCL the
-        host runs ahead of the GPU: queued optimizer kernels may still run after the failure,
-        so a survivor's GPU state is not known to be a step's)."""
-        if self.memory_dir is None or self.device.type != "cpu" or torch.cuda.is_initialized() \
-                or not self.last_words:
+        """With a memory tier: every rank keeps its RNG states of every step, and notes every
+        step boundary (`_mark_boundary`), counting optimizer steps with a pre-hook (the writer,
+        and its siblings: any of them may have to speak for the node). On a GPU the host runs
+        ahead of the GPU, so the boundaries and optimizer steps also record CUDA events, which
+        tell what ran (worker/last_words.py, "on a GPU")."""
+        if self.memory_dir is None or not self.last_words \
+                or (self.device.type == "cpu" and torch.cuda.is_initialized()):
             return
         self._every_step = True
         optimizers = [o for o in self._state.values() if isinstance(o, torch.optim.Optimizer)]
@@ -883,7 +988,7 @@ class Runtime:
         complete a step): on CPU with last words, byte 0 of the tier's last-words lock, held
         until its writer is closed (`_finish`) or it dies. A sibling writes the tier only once
         it has that byte (`_take_writer`): never beside a live writer."""
-        if self.memory_dir is None or self.device.type != "cpu" or not self.last_words:
+        if self.memory_dir is None or not self.last_words:
             return
         self._last_words_lock = hold_last_words(self.memory_dir)
         if self._last_words_lock is None:
@@ -894,17 +999,24 @@ class Runtime:
         """SIGTERM (the node agent replacing the attempt after a lost node, torchrun stopping
         the group): the last words first (a survivor often hears of the fault this way before
         its next collective fails), then the signal's own end. In the middle of `step_done`
-        (its state half made) they wait for its end."""
-        if self._busy or self._saying:
+        (its state half made), or of this thread's own last words, they wait for its end."""
+        if self._busy or self._speaker == threading.get_ident():
             self._term_pending = True
             return
         self._end_on_sigterm()
 
     def _say_last_words(self) -> None:
         """The copy in flight settled, then the last words, in LAST_WORDS_S at most (a worker on
-        its way out: a broken group, a SIGTERM); a SIGTERM meanwhile waits for them."""
-        if self._saying:
+        its way out: a broken group, a SIGTERM); a SIGTERM meanwhile waits for them. From any
+        thread (on a GPU the peer watch's, when the training thread is stuck in NCCL); one at
+        a time: a second caller waits for the first one's words and returns."""
+        if self._speaker == threading.get_ident():
             return
+        if not self._words_lock.acquire(blocking=False):
+            if self._words_lock.acquire(timeout=SETTLE_S + LAST_WORDS_S + 1.0):
+                self._words_lock.release()
+            return
+        self._speaker = threading.get_ident()
         self._saying = True
         began = time.monotonic()
         fd = self._last_words_lock if self._speaks() else None
@@ -916,6 +1028,8 @@ class Runtime:
             if speaking and self._last_words_lock is not None:
                 stop_speaking(self._last_words_lock, self.local_rank)
             self._saying = False
+            self._speaker = None
+            self._words_lock.release()
 
     def _end_on_sigterm(self) -> None:
         self._term_pending = False
@@ -936,6 +1050,9 @@ class Runtime:
 
     def _count_optimizer_step(self, *_args, **_kwargs) -> None:
         self._optimizer_steps += 1
+        if self._every_step and self.device.type == "cuda":  # before the step's kernels, in stream order
+            self._gpu_steps.append((self._optimizer_steps, self._gpu_events.record()))
+            del self._gpu_steps[:-GPU_RING]
 
     def _versions(self, plan: mem.StatePlan) -> tuple[int, ...]:
         """The version counters of the plan's tensors that an optimizer step does not change
@@ -948,12 +1065,34 @@ class Runtime:
             self._kept = [t.clone() for t in self._watched] if 0 < size <= KEEP_BUFFERS_BYTES else None
         return tuple(t._version for t in self._watched)
 
+    def _host_copies(self, plan: mem.StatePlan) -> list | None:
+        """On a GPU, at a boundary: the plan's host tensors copied into the next slot of a ring
+        (one more slot than boundaries kept); None where they are too large to copy every step
+        (then no last words)."""
+        if self._host_plan is not plan:
+            self._host_plan = plan
+            self._host_tensors = [t for t in plan.tensors if t.device.type != "cuda"]
+            size = sum(t.numel() * t.element_size() for t in self._host_tensors)
+            self._host_ring = None if size > KEEP_BUFFERS_BYTES else \
+                [[t.clone() for t in self._host_tensors] for _ in range(GPU_RING + 1)]
+        if self._host_ring is None:
+            return None
+        if not self._host_tensors:
+            return []
+        slot = self._host_ring[self._host_next % len(self._host_ring)]
+        self._host_next += 1
+        torch._foreach_copy_(slot, self._host_tensors)
+        return slot
+
     def _mark_boundary(self) -> None:
         """The end of a step (`step_done`, before any collective): this rank's RNG states into
         its ring in the node's tier (every rank, every step: whichever step a copy ends up
         holding, each rank has its own states of it); on a rank that may speak (the node's
         writer, a sibling holding its lock byte), the `Boundary`."""
         began = time.perf_counter()
+        on_gpu = self.device.type == "cuda"
+        # before the boundary's GPU work (its buffers copied aside), if it has any
+        begun = self._gpu_events.record() if on_gpu and self._kept is not None else None
         rng = _rng_state()
         self._save_rng(rng)
         self._boundary_rng = rng
@@ -969,7 +1108,13 @@ class Runtime:
                     torch._foreach_copy_(self._kept, self._watched)
                 self._boundary = Boundary(self.step, self._optimizer_steps, versions,
                                           mem.freeze({**header, **plan.state()}), rng)
-        self.boundary_s.append(time.perf_counter() - began)
+                if on_gpu:
+                    self._gpu_marks.append((self._boundary, plan, begun, self._gpu_events.record(),
+                                            self._host_copies(plan)))
+                    del self._gpu_marks[:-GPU_RING]
+        took = time.perf_counter() - began
+        self._mark_s = took if self._mark_s is None else 0.8 * self._mark_s + 0.2 * took
+        self.boundary_s.append(took)
         if len(self.boundary_s) > 1000:
             del self.boundary_s[:500]
 
@@ -986,6 +1131,8 @@ class Runtime:
         w = self._memory if self._memory is not None else self._take_writer(timeout_s)
         if w is None or w.disabled:
             return False
+        if self.device.type == "cuda":
+            return self._last_words_gpu(w, max(0.0, timeout_s - (time.perf_counter() - began)))
         try:
             plan = self._boundary_plan
             versions = self._versions(plan) if plan is not None and plan.check() else None
@@ -1017,6 +1164,75 @@ class Runtime:
         log.info("rank %d: last words: %s (step %d) in %.1f ms; %s", self.rank,
                  "copied the state into the node's memory tier" if made else "no copy within the time",
                  step, (time.perf_counter() - began) * 1e3, why)
+        return made
+
+    def _gpu_state_step(self) -> tuple[tuple | None, str]:
+        """On a GPU: the (Boundary, plan, its host tensors' copies) whose state the GPU holds
+        now, as its events prove (`gpu_settled_step`), or None; and why."""
+        marks, steps = list(self._gpu_marks), list(self._gpu_steps)
+        seen = [GpuMark(b.step, b.optimizer_steps, begun is not None and begun.query(), done.query())
+                for b, _, begun, done, _ in marks]
+        step, why = gpu_settled_step(seen, [(n, ev.query()) for n, ev in steps])
+        if step is None:
+            return None, why
+        entry = next(e for e in marks if e[0].step == step)
+        return (entry[0], entry[1], entry[4]), why
+
+    def _last_words_gpu(self, w: mem.MemoryWriter, timeout_s: float) -> bool:
+        """`_last_words` on a GPU. The host may be stuck (in NCCL, in a read of the GPU) or
+        ahead; the events say which boundary the GPU's state is at. A stream caught between
+        a boundary and the next collective (an optimizer step running) is given
+        GPU_SETTLE_S to reach the next boundary. The copy runs on a stream of its own; the
+        events are read again once it is whole, and a state that moved meanwhile is not
+        committed."""
+        began = time.monotonic()
+        deadline = began + timeout_s
+        while True:
+            found, why = self._gpu_state_step()
+            if found is not None or time.monotonic() >= min(deadline, began + GPU_SETTLE_S):
+                break
+            time.sleep(0.002)
+        if found is None:
+            log.info("rank %d: no last-words copy: %s", self.rank, why)
+            return False
+        mark, plan, host = found
+        if host is None:
+            log.info("rank %d: no last-words copy: the state's tensors in host memory are too large "
+                     "to copy at every step boundary", self.rank)
+            return False
+        try:
+            ok = self._watched_plan is plan and self._host_plan is plan and plan.check()
+            versions = tuple(t._version for t in self._watched) if ok else None
+            held = w.held.step if w.held is not None else -1
+            kept = self._kept if ok else None
+            step, why = last_words_step(mark, mark.optimizer_steps, versions, held,
+                                        buffers_kept=kept is not None)
+            if step is None:
+                log.info("rank %d: no last-words copy: %s", self.rank, why)
+                return False
+            if not w.settle(0.0):
+                log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
+                return False
+            state = {**mem.thaw(mark.skeleton), "rng": mark.rng if self.local_rank == 0 else None}
+            # The buffers as they were at the boundary, not as a forward left them; the host
+            # tensors as they were then, not as the host's next optimizer step left them.
+            swap = {id(t): k for t, k in zip(self._watched, kept)} if kept is not None else {}
+            swap.update({id(t): k for t, k in zip(self._host_tensors, host)})
+            tensors = [swap.get(id(t), t) for t in plan.tensors]
+
+            def still() -> bool:  # the same boundary, its state untouched while it was copied
+                again = self._gpu_state_step()[0]
+                return again is not None and again[0] is mark
+
+            made = w.capture_now(state, tensors, step, still, check=plan.check)
+        except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the older copy stays
+            log.warning("rank %d: the last-words copy failed (%s); the memory tier keeps its older copy",
+                        self.rank, exc)
+            return False
+        log.info("rank %d: last words: %s (step %d) in %.1f ms; %s", self.rank,
+                 "copied the GPU's state into the node's memory tier" if made
+                 else "no copy (the GPU's state moved while it was copied)",
+                 step, (time.monotonic() - began) * 1e3, why)
         return made
 
     def _speaks(self) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from worker import memory as mem
 from worker import runtime
-from worker.last_words import Boundary, last_words_step
+from worker.last_words import Boundary, GpuMark, gpu_settled_step, last_words_step
 
 MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
 
@@ -32,6 +32,30 @@ MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
 def test_last_words_only_for_a_state_that_is_exactly_its_steps(mark, optimizer_steps, versions, held, kept,
                                                                step, why):
     got, reason = last_words_step(mark, optimizer_steps, versions, held, buffers_kept=kept)
+    assert got == step and why in reason, reason
+
+
+def _marks(*flags: str) -> list[GpuMark]:
+    """Boundaries of steps 6, 7, ... (optimizer steps as many): "" queued, "b" begun, "d" done."""
+    return [GpuMark(6 + i, 6 + i, "b" in f or "d" in f, "d" in f) for i, f in enumerate(flags)]
+
+
+@pytest.mark.parametrize(("marks", "optimizer", "step", "why"), [
+    # stuck in step 8's all-reduce: its optimizer step queued behind it, not begun
+    (_marks("d", "d"), [(7, True), (8, False)], 7, "that of step 7"),
+    # the host had not reached step 8's optimizer step yet
+    (_marks("d", "d"), [(7, True)], 7, "that of step 7"),
+    # stuck in step_done(8)'s broadcast: boundary 8 done
+    (_marks("d", "d", "d"), [(8, True)], 8, "that of step 8"),
+    # step 8's optimizer step ran (or runs): the state is neither 7's nor 8's yet
+    (_marks("d", "d", ""), [(7, True), (8, True)], None, "began optimizer step 8 after step 7"),
+    # boundary 8's own work (buffers aside) begun, not done
+    (_marks("d", "d", "b"), [(7, True), (8, False)], None, "began the boundary after step 7"),
+    (_marks("", ""), [], None, "no step boundary has completed"),
+    ([], [], None, "no step boundary has completed"),
+])
+def test_a_gpu_state_is_a_steps_only_when_its_events_prove_it(marks, optimizer, step, why):
+    got, reason = gpu_settled_step(marks, optimizer)
     assert got == step and why in reason, reason
 
 

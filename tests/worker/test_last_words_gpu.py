@@ -1,0 +1,116 @@
+"""A GPU survivor's last words (worker/runtime.py `_last_words_gpu`): with the host ahead of
+the GPU, the copy holds the step whose boundary the GPU's events prove done, copied while the
+training stream is stuck (a dead peer's collective, stood in for by a long GPU sleep queued on
+it), and nothing when the GPU is in the middle of an optimizer step. Needs a CUDA device."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from worker import memory as mem
+from worker import runtime
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STUCK_CYCLES = 3_000_000_000  # about 1.5-2 s of GPU time: the stream is stuck meanwhile
+
+
+def _parts(rt: runtime.Runtime):
+    torch.manual_seed(0)
+    random.seed(0)
+    layers = [torch.nn.Linear(4, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 1)]
+    model = rt.wrap(torch.nn.Sequential(*layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    sampler = rt.sampler(64, batch_size=4)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)).to(rt.device)
+    rt.restore(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    return model, opt, sched, sampler, x
+
+
+def _step(rt, model, opt, sched, xb, finish: bool = True) -> None:
+    opt.zero_grad()
+    noise = torch.randn(xb.shape, device=xb.device) * 0.01  # the CUDA RNG is part of the step
+    model(xb + noise).pow(2).mean().backward()
+    opt.step()
+    if finish:
+        sched.step()
+        rt.step_done()
+
+
+def _loop(rt, model, opt, sched, sampler, x, steps: int) -> None:
+    for indices in sampler:
+        if rt.step >= steps:
+            return
+        _step(rt, model, opt, sched, x[indices.to(x.device) if torch.is_tensor(indices) else indices])
+        torch.cuda.synchronize()
+
+
+def _fault_free(steps: int = 12) -> dict:
+    straight = runtime.init(env={})
+    parts = _parts(straight)
+    _loop(straight, *parts, steps)
+    return {k: v.cpu() for k, v in parts[0].state_dict().items()}
+
+
+def _next_batch(rt, sampler, x):
+    it = iter(sampler)
+    return x[next(it)]
+
+
+def test_gpu_last_words_hold_the_step_the_gpu_finished_while_its_stream_is_stuck(tmp_path):
+    """K = 5 (a copy at 5); then the training stream is stuck (a GPU sleep, as a dead peer's
+    all-reduce would hold it) with step 8's forward, backward and optimizer step queued behind.
+    The last words are said while it is stuck, hold step 7 (BatchNorm's statistics as at
+    step 7's end, though step 8's forward is queued), and a run resumed from them ends with the
+    fault-free run's bytes."""
+    expected = _fault_free()
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    model, opt, sched, sampler, x = _parts(rt)
+    _loop(rt, model, opt, sched, sampler, x, 7)
+    rt._memory.wait()
+    assert mem.read_held(tmp_path).step == 5
+    xb = _next_batch(rt, sampler, x)  # (indexing with a host list waits for the stream: first)
+    torch.cuda._sleep(STUCK_CYCLES)  # the stuck collective
+    _step(rt, model, opt, sched, xb, finish=False)  # step 8 queued behind it
+    stuck = torch.cuda.Event()
+    stuck.record()
+    began = time.monotonic()
+    rt._settle_memory(runtime.SETTLE_S)
+    assert rt._last_words(runtime.LAST_WORDS_S)
+    took = time.monotonic() - began
+    assert not stuck.query(), f"the stream moved on before the copy was done ({took:.2f} s): no proof"
+    assert mem.read_held(tmp_path).step == 7
+    torch.cuda.synchronize()
+    rt._memory.close()
+
+    again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    parts = _parts(again)
+    assert again.resumed_from == 7 and again.resumed_tier == "memory"
+    _loop(again, *parts, 12)
+    got = parts[0].state_dict()
+    assert all(torch.equal(got[k].cpu(), expected[k]) for k in expected)
+    again.finish()
+
+
+def test_gpu_no_last_words_while_the_gpu_runs_the_next_optimizer_step(tmp_path):
+    """Step 8's optimizer step queued and begun on the GPU, its boundary not reached (the
+    stream stuck right after the optimizer's kernels): the state is no step's, so no copy
+    (the tier keeps step 5), within GPU_SETTLE_S of looking."""
+    rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
+    model, opt, sched, sampler, x = _parts(rt)
+    _loop(rt, model, opt, sched, sampler, x, 7)
+    rt._memory.wait()
+    _step(rt, model, opt, sched, _next_batch(rt, sampler, x), finish=False)
+    torch.cuda._sleep(STUCK_CYCLES)  # stuck after step 8's optimizer kernels, before its boundary
+    began = time.monotonic()
+    rt._settle_memory(runtime.SETTLE_S)
+    assert not rt._last_words(runtime.LAST_WORDS_S)
+    assert time.monotonic() - began < runtime.GPU_SETTLE_S + 0.5
+    assert mem.read_held(tmp_path).step == 5
+    torch.cuda.synchronize()
+    rt._memory.close()
