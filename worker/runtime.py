@@ -265,6 +265,12 @@ KEEP_BUFFERS_BYTES = 1 << 20
 # boundary (or the collective it then waits in for good).
 GPU_RING = 4
 GPU_SETTLE_S = 0.25
+# With the copy interval picked by the runtime (no FTRAIN_MEMORY_EVERY), a GPU job's step marks
+# stay on while they cost at most this share of MEMORY_BUDGET of the step (measured over the
+# first MARKS_PROBE_STEPS steps at least): on shorter steps, a lost step costs less than the
+# marks would over a few hundred steps, and the copies keep the whole budget.
+MARKS_SHARE = 0.8
+MARKS_PROBE_STEPS = 20
 
 
 class _EventPool:
@@ -277,6 +283,18 @@ class _EventPool:
         self._events: list[torch.cuda.Event] = []
         self._size = size
         self._next = 0
+        self._stream: tuple | None = None  # (the current stream's ids, its Stream)
+
+    def _current(self) -> torch.cuda.Stream | None:
+        """The current stream, as a `Stream` made again only when it changed (`record()`
+        without one looked it up in Python: 40 us a call on a busy H100 host, 3 us with it)."""
+        try:
+            ids = torch._C._cuda_getCurrentStream(torch.cuda.current_device())
+        except (AttributeError, RuntimeError, TypeError):
+            return None
+        if self._stream is None or self._stream[0] != ids:
+            self._stream = (ids, torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2]))
+        return self._stream[1]
 
     def record(self) -> torch.cuda.Event:
         """An event recorded on the current stream now."""
@@ -284,7 +302,7 @@ class _EventPool:
             self._events.append(torch.cuda.Event())
         event = self._events[self._next % len(self._events)]
         self._next += 1
-        event.record()
+        event.record(self._current())
         return event
 
 
@@ -433,6 +451,7 @@ class Runtime:
     _speaker: int | None = None  # the thread saying the last words now
     boundary_s: list[float] = field(default_factory=list)  # per step: `_mark_boundary`'s time (bench)
     _mark_s: float | None = None  # `_mark_boundary`'s time (moving average): taken from the copies' budget
+    _marks_off: bool = False  # on a GPU, rank 0 found the marks too dear for the steps (`_plan_next_copy`)
     _busy: bool = False  # in `step_done` or `_finish`: a SIGTERM's last words wait for its end
     _saying: bool = False  # saying the last words now
     _term_pending: bool = False  # a SIGTERM came while busy
@@ -896,10 +915,19 @@ class Runtime:
             return
         w = self._memory
         assert w is not None
+        marks_room = MARKS_SHARE * MEMORY_BUDGET * (self._step_s or 0.0)
+        if self._every_step and self.device.type == "cuda" and self._step_s and self._mark_s \
+                and self.step >= MARKS_PROBE_STEPS and self._mark_s > marks_room:
+            # Steps too short for the marks: every rank stops them at this step's broadcast.
+            self._marks_off = True
+            log.info("memory tier: no step marks (last words) from step %d: they cost %.2f ms of a "
+                     "%.2f ms step, more than %.1f%%; a fault costs up to the copy interval",
+                     self.step, self._mark_s * 1e3, self._step_s * 1e3, MARKS_SHARE * MEMORY_BUDGET * 100)
         cost = w.last_cost_s() + self._rng_s  # every rank's RNG capture comes with a copy
         k = 1
         if self._step_s:
-            room = MEMORY_BUDGET * self._step_s - ((self._mark_s or 0.0) if self._every_step else 0.0)
+            marks = (self._mark_s or 0.0) if self._every_step and not self._marks_off else 0.0
+            room = MEMORY_BUDGET * self._step_s - marks
             if room <= 0:
                 k = MEMORY_EVERY_MAX
             elif cost > room:
@@ -1273,10 +1301,16 @@ class Runtime:
             if ctl.id > self._handled_control and ctl.action in _ACTIONS:
                 code, control_id = _ACTIONS[ctl.action], ctl.id
             copy = self._copy_decision()
+        marks_off = int(self._marks_off)
         if self.distributed:
-            t = torch.tensor([code, control_id, copy], dtype=torch.int64, device=self.device)
+            t = torch.tensor([code, control_id, copy, marks_off], dtype=torch.int64, device=self.device)
             dist.broadcast(t, src=0)
-            code, control_id, copy = (int(v) for v in t.tolist())
+            code, control_id, copy, marks_off = (int(v) for v in t.tolist())
+        if marks_off and self._every_step:  # rank 0 found the marks too dear (`_plan_next_copy`)
+            self._marks_off = True
+            self._every_step = False
+            self._boundary = None
+            self._gpu_marks.clear()
         return _ACTION_NAMES.get(code, "none"), control_id, copy
 
     def _obey(self, action: str, control_id: int) -> None:

@@ -444,3 +444,26 @@ def test_a_replaced_attempts_stop_waits_past_its_grace_for_last_words_being_said
         assert 0.8 < took < LAST_WORDS_WAIT_S + 1.0, took
     else:
         assert took < 1.0, took  # the grace alone, not LAST_WORDS_WAIT_S
+
+
+@pytest.mark.parametrize(("mark_ms", "step_ms", "off"), [
+    (0.25, 1.5, True),  # an H100's 10M-parameter step of batch 32: the marks cost 17%
+    (0.04, 4.5, False),  # 0.9%: within MARKS_SHARE of the budget
+    (0.25, 50.0, False),
+])
+def test_gpu_marks_stop_when_they_cost_more_than_their_share_of_the_budget(tmp_path, mark_ms, step_ms, off):
+    """With the interval picked by the runtime, rank 0 stops the marks of a GPU job whose steps
+    are too short for them (every rank at the next broadcast); the copies then get the whole
+    budget. Where they stay, the copies get what the marks leave."""
+    rt = runtime.Runtime(rank=0, local_rank=0, world_size=1, distributed=False, device=torch.device("cuda"),
+                         link=None, snapshot_dir=None, snapshot_every=None, memory_dir=tmp_path)
+    rt._memory = mem.MemoryWriter(tmp_path)
+    rt._memory.stalls_s.append(0.5e-3)  # a copy's cost on the training thread
+    rt._every_step, rt.step = True, runtime.MARKS_PROBE_STEPS
+    rt._step_s, rt._mark_s = step_ms / 1e3, mark_ms / 1e3
+    rt._plan_next_copy()
+    assert rt._marks_off is off
+    room = runtime.MEMORY_BUDGET * rt._step_s - (0 if off else rt._mark_s)
+    assert rt.memory_interval == min(runtime.MEMORY_EVERY_MAX, max(1, -(-0.5e-3 // room)))
+    rt._agree_on_control()  # (not distributed: its own decision)
+    assert rt._every_step is not off
