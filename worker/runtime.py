@@ -456,6 +456,7 @@ class Runtime:
     _saying: bool = False  # saying the last words now
     _term_pending: bool = False  # a SIGTERM came while busy
     _sigterm_before: Any = None  # the SIGTERM handler `_on_sigterm` replaced (put back at the end)
+    _sigterm_watch: bool = False  # on a GPU, a thread hears SIGTERM through the wakeup fd (`_watch_sigterm`)
     _last_words_lock: int | None = None  # fd of the tier's last-words lock (worker/memory_dirs.py)
     _prefetch: _Prefetch | None = None  # this node's memory copy, read while the worker starts
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
@@ -1010,6 +1011,50 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             before = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_before = signal.SIG_DFL if before is None else before  # None: set in C
+            if self.device.type == "cuda" and not callable(self._sigterm_before):
+                self._watch_sigterm()
+
+    def _watch_sigterm(self) -> None:
+        """On a GPU: hear SIGTERM on a thread of its own. Python runs a signal's handler on the
+        main thread between bytecodes, and a GPU survivor's main thread may be stuck in NCCL
+        (or in a read of the GPU behind it) for good: its agent's SIGTERM then went unheard
+        and the worker lingered until the agent's grace ran out and it was SIGKILLed (2.5 s
+        of every recovery on two H100s). The signal's C handler writes its number to the
+        wakeup fd at once; this thread says the last words and ends the process as the signal
+        would have. Not where the script set its own handler (it may mean to go on) or where
+        another wakeup fd is set (an event loop's)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:
+            previous = None
+        if previous != -1:  # another owner (or none could be set): leave it
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read)
+            os.close(write)
+            return
+
+        def watch() -> None:
+            while True:
+                try:
+                    got = os.read(read, 64)
+                except OSError:
+                    return
+                if not got:
+                    return
+                if signal.SIGTERM in got and not self._finished:
+                    self._say_last_words()
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except (OSError, ValueError):
+                            pass
+                    os._exit(128 + signal.SIGTERM)
+
+        self._sigterm_watch = True
+        threading.Thread(target=watch, name="ftrain-sigterm", daemon=True).start()
 
     def _claim_writer(self) -> None:
         """The node's writer (`init`, before its first collective, so before any sibling can
@@ -1484,6 +1529,8 @@ class Runtime:
         self._finished = True
         if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._sigterm_before)
+            if self._sigterm_watch:
+                signal.set_wakeup_fd(-1)
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)
