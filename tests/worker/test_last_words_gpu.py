@@ -114,3 +114,50 @@ def test_gpu_no_last_words_while_the_gpu_runs_the_next_optimizer_step(tmp_path):
     assert mem.read_held(tmp_path).step == 5
     torch.cuda.synchronize()
     rt._memory.close()
+
+
+_STUCK_WORKER = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from tests.worker.test_last_words_gpu import _parts, _loop, _next_batch, _step
+from worker import runtime
+rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
+model, opt, sched, sampler, x = _parts(rt)
+_loop(rt, model, opt, sched, sampler, x, 7)
+rt._memory.wait()
+xb = _next_batch(rt, sampler, x)
+torch.cuda._sleep(40_000_000_000)  # ~20 s: the collective its dead peer never joins
+_step(rt, model, opt, sched, xb, finish=False)
+print("stuck", flush=True)
+torch.cuda.synchronize()  # the main thread waits here, as it would in NCCL
+print("woke", flush=True)
+"""
+
+
+def test_a_gpu_worker_stuck_behind_its_stream_hears_sigterm_says_its_last_words_and_exits(tmp_path):
+    """SIGTERM while the main thread waits on a stuck stream (Python cannot run its handler
+    there): a thread of the runtime hears it, the tier gets step 7, and the worker exits at
+    once, not when the stream would come free (its agent would SIGKILL it after its grace)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK_WORKER, str(tmp_path), str(repo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert proc.stdout.readline().strip() == "stuck", proc.stderr.read()[-2000:]
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=15)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    assert took < runtime.SETTLE_S + runtime.LAST_WORDS_S, f"exited {took:.1f} s after SIGTERM"
+    assert mem.read_held(tmp_path).step == 7
