@@ -134,6 +134,7 @@ print("woke", flush=True)
 """
 
 
+@pytest.mark.integration
 def test_a_gpu_worker_stuck_behind_its_stream_hears_sigterm_says_its_last_words_and_exits(tmp_path):
     """SIGTERM while the main thread waits on a stuck stream (Python cannot run its handler
     there): a thread of the runtime hears it, the tier gets step 7, and the worker exits at
@@ -147,7 +148,8 @@ def test_a_gpu_worker_stuck_behind_its_stream_hears_sigterm_says_its_last_words_
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-c", _STUCK_WORKER, str(tmp_path), str(repo)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
-                            env={**os.environ, "PYTHONPATH": str(repo)})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
     try:
         assert proc.stdout.readline().strip() == "stuck", proc.stderr.read()[-2000:]
         began = time.monotonic()
