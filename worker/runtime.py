@@ -427,7 +427,7 @@ class Runtime:
     # step boundary, for a last-words copy (worker/last_words.py): the node's writer's, or a
     # sibling's once the writer is gone.
     _every_step: bool = False
-    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last words, no per-step marks (as on a GPU)
+    last_words: bool = True  # FTRAIN_LAST_WORDS=0: no last words, no per-step marks
     _optimizer_steps: int = 0  # optimizer steps begun (a step pre-hook counts them)
     _boundary: Boundary | None = None
     _boundary_plan: Any = None  # the StatePlan whose tensors `_boundary.skeleton` refers to
@@ -462,6 +462,10 @@ class Runtime:
     phases_s: dict[str, float] = field(default_factory=dict)  # start-up and restore, timed (logged)
     _warm: threading.Thread | None = None  # `_warm_cuda`, while the process group and DDP start
     _step_s: float | None = None  # the step period (moving average), for the picked interval
+    _quiet_s: float | None = None  # the same over the steps with no copy at work (`_time_step`)
+    _copy_work: float | None = None  # the copy at work's cost so far (None: no copy at work)
+    _copy_ending: bool = False  # the copy at work was committed: its last step is being timed
+    _copy_cost_s: float | None = None  # what a copy cost the steps beside it (moving average)
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
     attempt: int = 0
@@ -792,9 +796,9 @@ class Runtime:
             self._progress = (self.step, loss, self._samples, time.monotonic())
             if first:
                 self._wake_poll.set()
-        # One broadcast a step (rank 0's): the control decision, and whether the memory tier
-        # copies this step. Every node copies at the steps rank 0 picks, so each rank takes its
-        # RNG states only then, not every step (they cost ~0.2 ms a step on a GPU host).
+        # One broadcast a step (rank 0's): the control decision, whether the memory tier
+        # copies this step, and whether the step marks stop. Every node copies at the steps
+        # rank 0 picks; without the marks each rank takes its RNG states only then.
         if self._memory is not None:
             self._memory.poll()  # the copy in flight committed once whole (GPU path)
         action, control_id, copy = self._agree_on_control()
@@ -840,11 +844,31 @@ class Runtime:
             self._rng_keeper = mem.RngKeeper(self.memory_dir, self.rank, self.rng_ring)
         self._rng_keeper.keep(self.step, rng)
 
-    def _time_step(self) -> None:
-        now = time.perf_counter()
+    def _time_step(self, now: float | None = None) -> None:
+        """The step period (moving average), and what a copy costs the steps it runs beside:
+        the steps from its start to the one after its commit, each less the period of the
+        steps with no copy at work. (The training thread's own time in a copy, which the
+        interval was picked from alone, was about half of what the copies cost the step time
+        on an H100 host: the commit's Python, the GPU's staging copy beside the step's
+        kernels, the host's other threads.)"""
+        now = time.perf_counter() if now is None else now
         if self._last_step_t is not None:
             took = now - self._last_step_t
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+            if self._copy_work is None:
+                self._quiet_s = took if self._quiet_s is None else 0.8 * self._quiet_s + 0.2 * took
+            else:
+                if self._quiet_s is not None:
+                    self._copy_work += took - self._quiet_s
+                w = self._memory
+                if self._copy_ending:  # the step after the copy's commit: its cost is all in
+                    if self._quiet_s is not None:
+                        work = max(0.0, self._copy_work)
+                        self._copy_cost_s = work if self._copy_cost_s is None else \
+                            0.7 * self._copy_cost_s + 0.3 * work
+                    self._copy_work, self._copy_ending = None, False
+                elif w is None or not w.busy():
+                    self._copy_ending = True
         self._last_step_t = now
 
     def _copy_decision(self) -> int:
@@ -885,6 +909,8 @@ class Runtime:
             return
         self._copy_to_memory(rng)
         if self.is_chief:  # the interval is rank 0's to pick (`_copy_decision`)
+            if self._copy_work is None:
+                self._copy_work, self._copy_ending = 0.0, False
             self._plan_next_copy()
 
     def _flush_memory(self) -> None:
@@ -925,6 +951,8 @@ class Runtime:
                      "%.2f ms step, more than %.1f%%; a fault costs up to the copy interval",
                      self.step, self._mark_s * 1e3, self._step_s * 1e3, MARKS_SHARE * MEMORY_BUDGET * 100)
         cost = w.last_cost_s() + self._rng_s  # every rank's RNG capture comes with a copy
+        if self._copy_cost_s is not None:  # what the copies cost the steps beside them
+            cost = max(cost, self._copy_cost_s)
         k = 1
         if self._step_s:
             marks = (self._mark_s or 0.0) if self._every_step and not self._marks_off else 0.0

@@ -3,6 +3,7 @@ even when the copier died mid-copy, and the runtime choosing between it and the 
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import time
@@ -187,6 +188,34 @@ def test_the_runtime_falls_back_to_the_disk_without_a_newer_memory_copy(tmp_path
     rt = runtime.init(snapshot_dir=disk, snapshot_every=5, memory_dir=memory, env={})
     _train(rt, 9)
     assert rt.resumed_from == 5 and rt.resumed_tier == "disk"
+
+
+def test_the_picked_interval_counts_what_a_copy_costs_the_steps_beside_it(tmp_path, monkeypatch):
+    """The training thread's own time in a copy (0.2 ms here) is not all it costs: the steps
+    from its start to the one after its commit ran 3, 3 and 2 ms over the 10 ms of the steps
+    with no copy at work. The interval is picked from those 8 ms (16 steps of 10 ms for 5%),
+    not from the 0.2 ms (a copy every step)."""
+    rt = runtime.init(memory_dir=tmp_path, env={})
+    _train(rt, 3)
+    rt._every_step = False
+    w = rt._memory
+    w.wait()
+    w._on_device, w.stalls_s[:], w.commits_s[:], rt._rng_s = True, [0.0001], [0.0001], 0.0
+    rt._copy_work, rt._quiet_s, rt._copy_cost_s, rt._last_step_t, rt._step_s = None, None, None, None, None
+    busy = iter([True, True, False])
+    monkeypatch.setattr(w, "busy", lambda: next(busy))
+    t = 100.0
+    for took in [0.0, 0.010, 0.010, 0.010, 0.010]:  # no copy at work
+        t += took
+        rt._time_step(t)
+    rt._copy_work, rt._copy_ending = 0.0, False  # a copy starts (`_keep_rng_and_copy`)
+    for took in [0.013, 0.013, 0.012, 0.010]:  # beside it; committed in the third; the step after
+        t += took
+        rt._time_step(t)
+    assert rt._copy_work is None and rt._copy_cost_s == pytest.approx(0.008)
+    rt._plan_next_copy()
+    assert rt.memory_interval == math.ceil(0.008 / (runtime.MEMORY_BUDGET * rt._step_s))
+    assert rt.memory_interval >= 14
 
 
 def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
