@@ -248,3 +248,25 @@ def test_an_ending_job_keeps_its_nodes_and_its_attempt_until_the_last_one_finish
     nodes = {n: NodeRecord(name=n, registered_at=1.0, lease_id=1) for n in ("a", "b", "c")}
     assert free_nodes([job], nodes) == ["c"]  # the finished node a is not free
     assert plan(job, nodes, ["c"], NOW, SchedulerConfig()) is None  # and c does not join
+
+
+def test_the_word_that_a_node_finished_the_run_is_noted_only_on_a_live_member_of_the_attempt():
+    job = make_job(S.RUNNING, {"a": "running", "b": "succeeded", "c": "stopped"}, mn=2, mx=3)
+    noted = decide_run_finished(job, "a", 1, NOW).job
+    assert noted.members["a"].run_finished and noted.members["a"].state == "running"
+    assert decide_run_finished(noted, "a", 1, NOW) is None  # once
+    assert decide_run_finished(job, "a", 2, NOW) is None  # another attempt's
+    assert decide_run_finished(job, "b", 1, NOW) is None  # its end is known already
+    assert decide_run_finished(job, "c", 1, NOW) is None  # gone: too late to count
+    assert decide_run_finished(job, "x", 1, NOW) is None  # not a member
+    assert decide_run_finished(make_job(S.SUCCEEDED, {"a": "running"}), "a", 1, NOW) is None
+
+
+def test_a_member_that_said_it_finished_and_vanishes_during_a_cancel_is_stopped():
+    """A cancel ends CANCELLED whatever the members did: the word changes nothing there."""
+    job = make_job(S.CANCELLING, {"a": "running", "b": "running"}, mn=2, mx=2)
+    job = decide_run_finished(job, "b", 1, NOW).job
+    assert decide_report(job, "b", 1, "stopped", None, "gone", NOW).job.members["b"].state == "stopped"
+    nodes = {"a": NodeRecord(name="a", registered_at=1.0, lease_id=1)}
+    p = plan(job, nodes, free_nodes([job], nodes), NOW, SchedulerConfig())
+    assert p.job.members["b"].state == "stopped"
