@@ -235,6 +235,10 @@ class MemberStatus(BaseModel):
     exit_code: int | None = None
     reason: str | None = None
     nproc: int | None = None
+    # Its workers said, at their clean finish after every rank's last collective, that they
+    # finished the run (`POST /v1/jobs/{id}/finished`): if its agent then vanishes before it
+    # reports their exit, the node is finished, not lost (`service.decide.outcome.vanished`).
+    run_finished: bool = False
 
     def is_live(self) -> bool:
         """The node holds (or is about to hold) workers of the job."""

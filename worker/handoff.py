@@ -32,6 +32,11 @@ rewritten after each commit it made, so only what is still to do); the agent res
 under the same name and data directory puts it back (`gather`) and makes it
 (worker/end_record.py says how it knows the job's snapshot folder).
 
+Each node's first worker leaves one more thing when no control plane answers it at a clean
+end: its word that the node's workers finished the run (`leave(finished=True)`,
+`Runtime._say_finished`), which the agent says after the commits and the progress report,
+so that the node counts as finished even if the agent dies before its end report lands.
+
 A rank 0 that ends with an error hands over too, and torchrun may then restart the group in
 the same attempt while the agent still makes the commits: the new group's rank 0 waits for
 them (`wait_pending`, before it asks for its restore point), so that it cannot resume from an
@@ -49,6 +54,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -74,21 +80,31 @@ def handoff_path(directory: str | Path, node: str, attempt: int) -> Path:
     return Path(directory) / f".handoff-{node}-a{attempt}.json"
 
 
+def node_of(path: Path) -> str:
+    """The node a hand-over file is for (`handoff_path`'s name: the attempt is its last part)."""
+    return path.name.removeprefix(".handoff-").rsplit("-a", 1)[0]
+
+
 def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[CommitRequest] = (),
-          progress: ProgressReport | None = None) -> Path:
-    """The worker's side: add `commits` (and its final `progress`) to what it leaves its agent,
-    in one file written whole (temporary file, fsync, rename); returns the file."""
+          progress: ProgressReport | None = None, finished: bool = False) -> Path:
+    """The worker's side: add `commits` (and its final `progress`, and its node's word that
+    its workers `finished` the run) to what it leaves its agent, in one file written whole
+    (temporary file, fsync, rename); returns the file."""
     path = handoff_path(directory, node, attempt)
-    old_commits, old_progress = read(path)  # what it left before, if the agent has not taken it yet
-    by_step = {r.step: r for r in [*old_commits, *commits]}
-    _write(path, list(by_step.values()), progress if progress is not None else old_progress)
+    old = _read(path)  # what it left before, if the agent has not taken it yet
+    by_step = {r.step: r for r in [*old.commits, *commits]}
+    _write(path, list(by_step.values()), progress if progress is not None else old.progress,
+           finished or old.finished)
     return path
 
 
-def _write(path: Path, commits: list[CommitRequest], progress: ProgressReport | None) -> None:
-    """`path` replaced whole by these commits and progress report (temporary file, fsync, rename)."""
+def _write(path: Path, commits: list[CommitRequest], progress: ProgressReport | None,
+           finished: bool = False) -> None:
+    """`path` replaced whole by these commits, progress report and word of the run's end
+    (temporary file, fsync, rename)."""
     body = json.dumps({"commits": [r.model_dump(mode="json") for r in commits],
-                       "progress": None if progress is None else progress.model_dump(mode="json")}).encode()
+                       "progress": None if progress is None else progress.model_dump(mode="json"),
+                       "finished": finished}).encode()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -114,13 +130,15 @@ def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
     except OSError:
         return None
     if names:
-        commits, progress = read(path)  # left since the take: its progress report is the newer
+        left = _read(path)  # left since the take: its progress report is the newer
+        commits, progress, finished = list(left.commits), left.progress, left.finished
         for name in names:
-            taken_commits, taken_progress = read(path.with_name(name))
-            commits += taken_commits
-            progress = progress if progress is not None else taken_progress
+            taken = _read(path.with_name(name))
+            commits += taken.commits
+            progress = progress if progress is not None else taken.progress
+            finished = finished or taken.finished
         by_step = {r.step: r for r in commits}
-        _write(path, list(by_step.values()), progress)
+        _write(path, list(by_step.values()), progress, finished)
         for name in names:
             path.with_name(name).unlink(missing_ok=True)
     return path if path.exists() else None
@@ -150,20 +168,40 @@ def wait_pending(directory: str | Path, attempt: int, timeout_s: float = PENDING
     return True
 
 
+@dataclass(frozen=True)
+class Left:
+    """What a worker left its agent in one file."""
+
+    commits: list[CommitRequest] = field(default_factory=list)  # newest first
+    progress: ProgressReport | None = None  # its final progress report
+    finished: bool = False  # its node's workers finished the run (`Runtime._say_finished`)
+
+
 def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:
     """What a worker left in `path`: its commits, newest first, and its final progress report;
     nothing for an unreadable file."""
+    left = _read(path)
+    return left.commits, left.progress
+
+
+def read_finished(path: Path) -> bool:
+    """Whether the worker left in `path` its node's word that its workers finished the run."""
+    return _read(path).finished
+
+
+def _read(path: Path) -> Left:
     try:
         with _open_own(path) as f:
             got = json.loads(f.read(MAX_HANDOFF_BYTES))
         commits = [CommitRequest.model_validate(i) for i in got["commits"]]
         progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
+        finished = got.get("finished") is True
     except FileNotFoundError:  # taken by the agent meanwhile
-        return [], None
+        return Left()
     except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
         log.warning("what the worker left in %s cannot be read (%s): nothing of it is sent", path, exc)
-        return [], None
-    return sorted(commits, key=lambda r: r.step, reverse=True), progress
+        return Left()
+    return Left(sorted(commits, key=lambda r: r.step, reverse=True), progress, finished)
 
 
 def _open_own(path: Path):
@@ -279,8 +317,9 @@ class AgentHandoff:
             log.warning("could not take %s: %s", self.path, exc)
             self.link.close()
             return
-        requests, progress = read(taken)
-        self._taken, self._rest, self._progress = taken, list(requests), progress
+        left = _read(taken)
+        requests, progress, finished = left.commits, left.progress, left.finished
+        self._taken, self._rest, self._progress, self._finished = taken, list(requests), progress, finished
         if requests:
             log.warning("the worker of job attempt %d left %d snapshot commit(s) (steps %s) to this "
                         "agent: the control plane did not take them before it ended; committing them",
@@ -295,10 +334,12 @@ class AgentHandoff:
                 if refused is not None:  # a refusal holds for the rest too (the attempt is over)
                     for r in requests[i:]:
                         self.not_committed.setdefault(r.step, refused)
-                    progress = None
+                    progress, finished = None, False
                     break
             if progress is not None:
                 self._report_progress(progress)
+            if finished:
+                self._report_finished()
         finally:
             taken.unlink(missing_ok=True)
             self.link.close()
@@ -311,7 +352,7 @@ class AgentHandoff:
         pruned is not looked for again."""
         self._rest = [r for r in self._rest if r.step != done.step]
         try:
-            _write(self._taken, self._rest, self._progress)
+            _write(self._taken, self._rest, self._progress, self._finished)
         except OSError as exc:
             log.warning("could not note the commit of step %d in %s: %s", done.step, self._taken, exc)
 
@@ -331,6 +372,25 @@ class AgentHandoff:
                 pause = min(pause * 2, RETRY_MAX_S)
                 continue
             log.info("the final progress report (step %d) sent for the worker", body.step)
+            return
+
+    def _report_finished(self) -> None:
+        """The node's word that its workers finished the run, which did not land: sent before
+        the end report, so that the node counts as finished even if this agent is killed
+        before that report lands (service/decide/outcome.py `vanished`)."""
+        node = node_of(self.path)
+        pause = RETRY_FIRST_S
+        while not self._cancel.is_set():
+            try:
+                self.link.report_finished(node, final=False)
+            except LinkError as exc:
+                if exc.status is not None and exc.status < 500:
+                    log.warning("the word that node %s's workers finished the run was refused: %s", node, exc)
+                    return
+                self._cancel.wait(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            log.info("said for the worker that node %s's workers finished the run", node)
             return
 
     def _commit(self, req: CommitRequest) -> str | None:

@@ -37,8 +37,10 @@ from worker.protocol import (
     MemoryCorrupt,
     MemoryReport,
     ProgressReport,
+    ReportReply,
     RestorePoint,
     RestoreRequest,
+    RunFinished,
     SnapshotList,
     SnapshotRecord,
     steps_to_prune,
@@ -210,6 +212,15 @@ class ServiceLink:
         the step the control plane holds after it."""
         got = self._call("POST", "/progress", body, retry_s=retry_s, timeout=timeout)
         return got.get("step") if isinstance(got, dict) else None
+
+    def report_finished(self, node: str, final: bool = True) -> bool:
+        """`node`'s workers finished the run (`Runtime._say_finished`); whether the control
+        plane took it (False: not a live member of this attempt). `final`: one try at each
+        control plane within FINAL_REPORT_S, as the final progress report (a worker on its way
+        out leaves it to its agent instead, worker/handoff.py); else one plain try."""
+        each = self.FINAL_REPORT_S / max(1, len(self._client.servers)) if final else None
+        got = self._call("POST", "/finished", RunFinished(attempt=self.attempt, node=node), timeout=each)
+        return self._read(ReportReply, got).accepted
 
     def control(self) -> ControlRequest:
         got = self._read(ControlView, self._call("GET", "/control"))

@@ -541,6 +541,14 @@ class BrokenPeer(JsonBody):
     detail: str = Field("", max_length=500)
 
 
+class RunFinished(JsonBody):
+    """A node's workers finished the run: the ftrain runtime's clean `finish()`, sent by the
+    node's first worker once every rank has passed the run's last barrier."""
+
+    attempt: JsonInt = Field(..., ge=0)
+    node: str = Field(..., max_length=253, description="The node whose workers finished (FTRAIN_NODE).")
+
+
 class Suspects(BaseModel):
     """The member nodes a broken-peer report made suspect (lost if their agent's connection
     dropped too)."""

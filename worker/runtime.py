@@ -1521,6 +1521,34 @@ class Runtime:
             log.warning("the final progress report (step %d) could not be left to the node agent: %s",
                         step, exc)
 
+    def _say_finished(self) -> None:
+        """This node's workers finished the run: said by its first worker to the control plane
+        (or left to its node agent when none answers, worker/handoff.py), so that the node
+        counts as finished even if its agent dies before it sees their exit (torchrun's exit
+        barrier, the agent's report: seconds in which a SIGKILL made a finished job FAILED or
+        run again; service/decide/outcome.py `vanished`). Only after every rank's last
+        barrier, rank 0's final snapshot committed or handed over and its final progress sent:
+        nothing of the run is left to do but the exit."""
+        if self.local_rank != 0 or not isinstance(self.link, ServiceLink) or not self.node:
+            return
+        try:
+            if not self.link.report_finished(self.node):
+                log.info("the control plane did not take node %s's word that the run finished "
+                         "(not a live member of attempt %d)", self.node, self.attempt)
+            return
+        except LinkError as exc:
+            if exc.status is not None and exc.status < 500:
+                log.warning("node %s's word that the run finished was refused: %s", self.node, exc)
+                return
+            log.info("node %s's word that the run finished did not land (%s): left to the node agent",
+                     self.node, exc)
+        if self._leave is not None:
+            try:
+                self._leave(finished=True)
+            except OSError as exc:
+                log.warning("node %s's word that the run finished could not be left to the node "
+                            "agent: %s", self.node, exc)
+
     def _loss_and_metrics(self) -> tuple[float | None, dict[str, float]]:
         """What a progress report of `_progress` carries: the loss (`step_done`'s, else a
         logged `loss`) and the other logged scalars."""
@@ -1562,6 +1590,7 @@ class Runtime:
         self._prefetch = None  # a copy read ahead and never restored from: its memory freed
         if self._warm is not None:  # done long ago, unless the run was only a few steps
             self._warm.join(5.0)
+        saved = False  # the last snapshot committed or handed over, the memory tier flushed
         try:
             self._stop_report.set()
             if self.memory_dir is not None and self._memory_missed == self.step and self._state:
@@ -1578,6 +1607,7 @@ class Runtime:
                 self._rng_keeper.flush()
             if self._writer is not None:
                 self._writer.finish()  # what the control plane did not take: to the agent
+            saved = True
         finally:
             if self._last_words_lock is not None:
                 os.close(self._last_words_lock)
@@ -1590,6 +1620,8 @@ class Runtime:
                 if clean:
                     _settle_collectives()
                 dist.destroy_process_group()
+            if clean and saved:  # (and every rank passed the barrier above)
+                self._say_finished()
             if self._term_pending:  # a SIGTERM while finishing: its own end now
                 self._end_on_sigterm()
 

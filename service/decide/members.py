@@ -4,9 +4,10 @@ A member moves from 'assigned' to 'running', then to one final state of the atte
 'succeeded', 'failed' or 'stopped'. A report for another attempt, for a node that is not
 a member, or for a member already final, changes nothing: reports cross restarts on the
 wire, and a late one must not revive or re-end a member. A live member that stops while
-another member has finished is recorded as failed (`outcome.failed_after_finish`), except
-during a cancel or after the scheduler told the members to stop. Whether the new states
-end the job is `outcome.by_members`, which the scheduler applies.
+another member has finished is recorded as failed (`outcome.failed_after_finish`), and one
+whose workers had said they finished the run (`decide_run_finished`) as succeeded
+(`outcome.vanished`), except during a cancel or after the scheduler told the members to
+stop. Whether the new states end the job is `outcome.by_members`, which the scheduler applies.
 
 A node that leaves the members (drained, lost, not in a new attempt) is kept among the
 job's former members (`note_former_members`): its agent still ships the last lines its
@@ -35,10 +36,31 @@ def decide_report(job: JobRecord, node: str, attempt: int, state: str, exit_code
         return None
     updated = member.model_copy(update={"state": state, "exit_code": exit_code, "reason": reason})
     if state == "stopped" and not job.stopping and job.state is not JobState.CANCELLING:
-        updated = outcome.failed_after_finish(
+        updated = outcome.vanished(
             job.members, node, f"its workers stopped ({reason or 'no reason given'})") or updated
     members = {**job.members, node: updated}
     return Change(job.model_copy(update={"members": members, "updated_at": now}))
+
+
+def decide_run_finished(job: JobRecord, node: str, attempt: int, now: float) -> Change | None:
+    """`node`'s workers of `attempt` finished the run (the runtime's word, at its clean end):
+    noted on the live member, so that its agent vanishing before it reports their exit ends
+    the node as finished (`outcome.vanished`); None when it changes nothing (another attempt,
+    not a member, already noted, or the member's end already recorded)."""
+    member = job.members.get(node)
+    if job.attempt != attempt or member is None or not job.state.is_active():
+        return None
+    if member.run_finished or not member.is_live():
+        return None
+    updated = member.model_copy(update={"run_finished": True})
+    return Change(job.model_copy(update={"members": {**job.members, node: updated}, "updated_at": now}))
+
+
+def has_run_finished(job: JobRecord, node: str, attempt: int) -> bool:
+    """The stored job holds `node`'s word that its workers of `attempt` finished the run (or
+    the node's end, which makes that word moot)."""
+    member = job.members.get(node)
+    return job.attempt == attempt and member is not None and (member.run_finished or not member.is_live())
 
 
 def decide_registered(job: JobRecord, node: str, attempt: int, now: float,

@@ -23,10 +23,21 @@ its agent restarted, or it was told to stop). The rules, torchrun's own for succ
   that it could not make, `worker/handoff.py`) is in the reason.
 - **A failure is a failure**, in whatever order: one failed member fails the job (the first
   by node name is named), even if the others finished.
-- **Vanishing while the job ends is a failure.** A live member that vanishes (its lease
-  lapses, its agent restarts, it stops on its own) after another member finished cannot
-  have finished its part (rank 0's last save may be what it was doing), and the finished
-  ones cannot be restarted without it: the member is recorded as failed
+- **Vanishing after its workers finished the run is finishing.** A live member whose
+  workers said they finished the run (`MemberStatus.run_finished`: the ftrain runtime's
+  clean `finish()`, sent by the node's first worker once every rank of the group has passed
+  the last barrier, its final snapshot committed or left to its agent) and whose agent then
+  vanishes (SIGKILLed before it saw torchrun's exit or before its report landed: its lease
+  lapses, or it restarts) is recorded as succeeded (`vanished`), in whatever order the other
+  members end: its exit codes are not known, the runtime's word that the run ended stands
+  for them. A member whose agent is alive reports their exit itself, and a non-zero one
+  is a failure as before; but once a member vanished that way, a running member that said
+  the same counts as finished too (`_past_its_end`): its torchrun may wait in torch's exit
+  barrier for the vanished node's, which died with its agent (300 s by default).
+- **Vanishing while the job ends is a failure** otherwise. A live member that vanishes (its
+  lease lapses, its agent restarts, it stops on its own) after another member finished
+  cannot have finished its part (rank 0's last save may be what it was doing), and the
+  finished ones cannot be restarted without it: the member is recorded as failed
   (`failed_after_finish`), which fails the job with a reason that says so. Its snapshots
   are kept. Before any member finished, a vanished member is a scheduling question
   (`scheduling.plan`: go on without it, restart the others, or back to PENDING), not an
@@ -66,17 +77,45 @@ def by_members(members: Mapping[str, MemberStatus]) -> Outcome | None:
         name, member = failed[0]
         return Outcome(S.FAILED, f"node {name}: {member.reason or f'exit code {member.exit_code}'}")
     states = {m.state for m in members.values()}
-    if "succeeded" in states and "running" not in states:
+    if "succeeded" in states and not any(m.state == "running" and not _past_its_end(m, members)
+                                         for m in members.values()):
         # A finished node's note (its snapshot commits that could not be made) is part of the end.
         notes = [f"node {n}: {m.reason}" for n, m in sorted(members.items())
                  if m.state == "succeeded" and m.reason]
-        return Outcome(S.SUCCEEDED, "; ".join(["every worker exited 0", *notes]))
+        # (a node whose agent vanished after its workers finished the run: exit codes unseen)
+        seen = all(m.exit_code == 0 for m in members.values() if m.state == "succeeded")
+        head = "every worker exited 0" if seen else "every node's workers finished the run"
+        return Outcome(S.SUCCEEDED, "; ".join([head, *notes]))
     return None
+
+
+def _vanished_after_finishing(member: MemberStatus) -> bool:
+    """Recorded as finished by `vanished`: no exit code, since none was seen."""
+    return member.state == "succeeded" and member.exit_code is None and member.run_finished
+
+
+def _past_its_end(member: MemberStatus, members: Mapping[str, MemberStatus]) -> bool:
+    """A running member whose workers said they finished the run, in a job one of whose nodes
+    vanished after its workers finished: its torchrun may be waiting in torch's exit barrier
+    for the vanished node's, which died with its agent and never comes (300 s, then it exits
+    anyway). Nothing of the run is left to wait for: the job ends, and its rendezvous, closed
+    then, ends the wait at once."""
+    return member.run_finished and any(_vanished_after_finishing(m) for m in members.values())
 
 
 def finished_members(members: Mapping[str, MemberStatus]) -> list[str]:
     """The members whose workers all exited 0, by name; any at all means the job is ending."""
     return sorted(n for n, m in members.items() if m.is_finished())
+
+
+def vanished(members: Mapping[str, MemberStatus], name: str, why: str) -> MemberStatus | None:
+    """Member `name`, which vanished (`why`): succeeded if its workers had said they finished
+    the run, else `failed_after_finish`; None when neither (a scheduling question)."""
+    member = members[name]
+    if member.run_finished:
+        return member.model_copy(update={"state": "succeeded", "exit_code": None, "reason": (
+            f"{why} after its workers finished the run (the runtime's word; their exit was not seen)")})
+    return failed_after_finish(members, name, why)
 
 
 def failed_after_finish(members: Mapping[str, MemberStatus], name: str, why: str) -> MemberStatus | None:

@@ -166,8 +166,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         if members[name].is_live() and name not in nodes and name not in graced:
             stopped = members[name].model_copy(update={"state": "stopped", "reason": "node lost"})
             if d.job.state is not S.CANCELLING:
-                stopped = outcome.failed_after_finish(members, name, "node lost (its lease lapsed)") \
-                    or stopped
+                stopped = outcome.vanished(members, name, "node lost (its lease lapsed)") or stopped
             members[name] = stopped
             d.update(members=dict(members))
             # while re-forming, the loss is what the job now waits on: its reason says so

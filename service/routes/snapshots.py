@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Path, status
 
 from service.api_contract import AuthFirstRoute
 from service.decide.liveness import broken_peer_suspects
+from service.decide.members import decide_run_finished, has_run_finished
 from service.decide.snapshots import control_for
 from service.deps import (
     ContextDep,
@@ -34,8 +35,10 @@ from worker.protocol import (
     MemorySnapshot,
     Progress,
     ProgressReport,
+    ReportReply,
     RestorePoint,
     RestoreRequest,
+    RunFinished,
     SnapshotList,
     Suspects,
 )
@@ -125,6 +128,21 @@ async def report_broken_peer(job_id: str, report: BrokenPeer, job: JobTokenDep, 
                                  job.state.is_terminal())
     ctx.presence.suspect(nodes)
     return Suspects(nodes=nodes)
+
+
+@router.post("/{job_id}/finished", response_model=ReportReply)
+async def report_run_finished(job_id: str, report: RunFinished, job: JobTokenDep,
+                              ctx: ContextDep) -> ReportReply:
+    """A member node's workers finished the run (the runtime's clean end, after every rank's
+    last barrier): if its agent then vanishes before it reports their exit, the node counts
+    as finished, not lost (service/decide/outcome.py). Not accepted from a stale attempt or
+    a node that is not a live member."""
+    now = ctx.jobs.clock()
+    updated = await ctx.jobs.update(job_id, lambda current: decide_run_finished(
+        current, report.node, report.attempt, now))
+    accepted = has_run_finished(updated, report.node, report.attempt)
+    return ReportReply(accepted=accepted, detail="recorded" if accepted else
+                       "not a live member of the job's current attempt: ignored")
 
 
 @router.post("/{job_id}/progress", response_model=Progress)

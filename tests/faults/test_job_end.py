@@ -17,11 +17,13 @@ from tests.helpers.faults import (
     events_of,
     latest_step,
     local_steps,
+    state_letter,
     train_spec,
     wait_latest,
     workers,
 )
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
+from worker.procs import cmdline, descendants, is_fork_server, parent_of
 
 pytestmark = pytest.mark.integration
 
@@ -67,8 +69,10 @@ def test_an_agent_killed_while_it_holds_the_last_commits_leaves_them_to_its_rest
     while it holds what its worker left (its taken file), and restarted (same name, same data
     directory) before the control plane is back: the restarted agent finds the end its
     predecessor owed (worker/end_record.py), registers naming the attempt as still its own,
-    makes the commits and reports the end. Before: the node was taken for stopped ("the node's
-    agent restarted"), and the job ran again (attempt 2) from step 5."""
+    makes the commits, says that the node's workers finished the run (the worker's word, left
+    with them) and reports the end. Before: the node was taken for stopped ("the node's agent
+    restarted"), and the job ran again (attempt 2) from step 5; then, the commits made, it ran
+    attempt 2 from step 30 (no step again)."""
     (a,) = agents(1)
     wait_nodes(api, 1)
     job_id = submit(api, train_spec("endkill", 30, every=5, env={"FTRAIN_COMMIT_WAIT_S": "0.5"}))
@@ -89,11 +93,12 @@ def test_an_agent_killed_while_it_holds_the_last_commits_leaves_them_to_its_rest
         assert done["progress"]["step"] == 30
         assert latest_step(again, job_id) == 30, events_of(again, job_id)
         # torchrun waited in its exit barrier on the control plane and died with the agent, its
-        # workers' exit unseen: the node's end is `stopped`, and the attempt after it resumes
-        # from step 30, the last commit, and runs no step again (before: from step 5).
-        rerun = [s for n in range(attempt + 1, done["attempt"] + 1)
-                 for s in local_steps(agent_stdout(a, job_id, n))]
-        assert rerun == [], (rerun, events_of(again, job_id))
+        # workers' exit unseen; but the worker had left its word that the run finished with
+        # the commits, which the restarted agent delivered first: the node finished, and no
+        # attempt follows (before: one more, resuming from step 30 and running no step again;
+        # before that: from step 5).
+        assert (done["attempt"], done["restarts"]) == (attempt, 0), events_of(again, job_id)
+        assert "after its workers finished the run" in done["reason"], done["reason"]
     assert not list(folder.glob(".handoff-*"))
     wait_for(lambda: not record.exists(), 10, "the record of the end owed to go")
 
@@ -172,3 +177,124 @@ def test_a_final_snapshot_that_cannot_be_committed_is_named_in_the_end(control_p
         assert end["reason"].startswith("every worker exited 0; node n0: snapshot(s) written and not "
                                         "committed"), end
         assert "step 40: its file cannot be read" in end["reason"] + (end.get("detail") or ""), end
+
+
+# ---------------------------------------------------------------------------- an agent lost in
+# its group's last moments: its workers finished the run, its agent never reported the end
+
+STEPS = 30
+
+
+def _rank0_node(nodes, job_id: str, attempt: int):
+    """The agent whose torchrun prints rank 0's steps (and the other), once one has."""
+    def found():
+        return next((a for a in nodes if local_steps(agent_stdout(a, job_id, attempt))), None)
+    first = wait_for(found, 90, "rank 0's first step")
+    return first, next(a for a in nodes if a is not first)
+
+
+def _stop_near_the_end(api, nodes, job_id: str, stop) -> tuple:
+    """SIGSTOP the agents `stop` picks (given rank 0's and the other) a few steps before the
+    end: their workers and torchrun finish on their own, the agents see nothing of it."""
+    attempt = wait_state(api, job_id, ("RUNNING",), timeout_s=90)["attempt"]
+    rank0, other = _rank0_node(nodes, job_id, attempt)
+    out = agent_stdout(rank0, job_id, attempt)
+    wait_for(lambda: max(local_steps(out), default=0) >= STEPS - 4, 60, "rank 0 near its last step")
+    stopped = stop(rank0, other)
+    for a in stopped:
+        a.proc.send_signal(signal.SIGSTOP)
+    return attempt, rank0, other, stopped
+
+
+def _torchrun_exited(agent: NodeAgentProc) -> bool:
+    """The stopped agent's torchrun (its child that is not the job's fork server) has exited:
+    a zombie its agent has not reaped."""
+    kids = [p for p in descendants(agent.pid) if parent_of(p) == agent.pid and not is_fork_server(cmdline(p))]
+    return all(state_letter(p) in (None, "Z") for p in kids)
+
+
+def _lose_at_once(control_plane, job_id: str, attempt: int, lost: NodeAgentProc, reporter: NodeAgentProc,
+                  api) -> None:
+    """A survivor's broken-peer report, as its peer watch makes one, naming `lost`'s silent
+    (killed) agent: lost at once (service/presence.py), not a lease later."""
+    with control_plane.client(control_plane.job_token_of(job_id)) as as_job:
+        resp = as_job.post(f"/v1/jobs/{job_id}/broken",
+                           json={"attempt": attempt, "node": reporter.name, "detail": "test: peer gone"})
+        assert resp.status_code == 200 and lost.name in resp.json()["nodes"], resp.text
+    wait_for(lambda: lost.name not in {n["name"] for n in api.get("/v1/nodes").json()["items"]}
+             and (job(api, job_id)["state"] != "RUNNING"
+                  or any(f"node {lost.name} lost" in e["reason"] for e in events_of(api, job_id))),
+             20, f"node {lost.name} to be lost, and the job to hear of it")
+
+
+def _ended_at_its_first_attempt(api, job_id: str, attempt: int, nodes, timeout_s: float = 60) -> None:
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED", "PENDING", "CANCELLED"), timeout_s=timeout_s)
+    told = [(e["state"], e["reason"]) for e in events_of(api, job_id)]
+    assert done["state"] == "SUCCEEDED", told
+    assert done["attempt"] == attempt and done["restarts"] == 0, told
+    assert "after its workers finished the run" in done["reason"], told
+    assert done["progress"]["step"] == STEPS
+    assert latest_step(api, job_id) == STEPS
+    rerun = [s for a in nodes for n in range(attempt + 1, done["attempt"] + 1)
+             for s in local_steps(agent_stdout(a, job_id, n))]
+    assert rerun == []
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_a_node_whose_agent_is_killed_with_its_torchrun_after_its_workers_finished_does_not_fail_the_job(
+        control_plane, api, agents):
+    """`min == max == 2`: rank 0's node's agent SIGSTOPped a few steps before the end (it sees
+    nothing of its group's end), its workers finish all their steps and exit, then the agent
+    and its torchrun are SIGKILLed (torchrun before or in torch's exit barrier, which the
+    other node's torchrun then waits in) and the node is lost. The other agent is alive
+    throughout. The workers said, at their clean finish, that they had finished the run
+    (`POST /v1/jobs/{id}/finished`): the lost node counts as finished, so does the other,
+    whose torchrun waits for the lost one's in the exit barrier, and the job SUCCEEDED at its
+    first attempt. Before: FAILED ("node lost ... after node(s) ... finished"), or PENDING
+    when the loss came first, or 300 s in the exit barrier."""
+    nodes = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("lastgasp", STEPS, every=5, mn=2, mx=2, delay_s=0.1))
+    attempt, rank0, other, _ = _stop_near_the_end(api, nodes, job_id, lambda r0, o: [r0])
+    wait_for(lambda: not workers(rank0), 90, "the stopped agent's workers to finish and exit")
+    rank0.kill_tree()
+    _lose_at_once(control_plane, job_id, attempt, rank0, other, api)
+    _ended_at_its_first_attempt(api, job_id, attempt, nodes)
+
+
+@pytest.mark.slow  # ~2 min: the lease (60 s here) is what finds the stopped, then killed, agent
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_a_node_whose_agent_is_killed_after_its_torchrun_exited_does_not_fail_the_job(
+        control_plane, api, agents):
+    """The same with the node that is not rank 0's, its agent SIGKILLed alone once its
+    torchrun has exited 0 (torch's exit barrier passed: the window between torchrun's exit and
+    the agent's report), and no help: its lease lapses. The other node has reported its end
+    first. Before: FAILED ("node lost (its lease lapsed) after node(s) ... finished")."""
+    nodes = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("lastgasp1", STEPS, every=5, mn=2, mx=2, delay_s=0.1))
+    attempt, rank0, other, _ = _stop_near_the_end(api, nodes, job_id, lambda r0, o: [o])
+    wait_for(lambda: _torchrun_exited(other), 90, "the stopped agent's torchrun to exit")
+    other.proc.kill()
+    other.proc.wait()
+    _ended_at_its_first_attempt(api, job_id, attempt, nodes, timeout_s=120)
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "60"}], indirect=True)
+def test_a_node_lost_after_its_workers_finished_and_before_the_others_ended_does_not_restart_the_job(
+        control_plane, api, agents):
+    """The other order: both agents SIGSTOPped before the end, both groups finish and both
+    torchruns exit, rank 0's node's agent is SIGKILLed and lost, and only then does the other
+    agent go on and report its end. Before: the job went back to PENDING with one of its two
+    nodes left (and would have run again, resuming at its last step)."""
+    nodes = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, train_spec("lastgasp2", STEPS, every=5, mn=2, mx=2, delay_s=0.1))
+    attempt, rank0, other, _ = _stop_near_the_end(api, nodes, job_id, lambda r0, o: [r0, o])
+    try:
+        wait_for(lambda: all(_torchrun_exited(a) for a in nodes), 90, "both nodes' torchrun to exit")
+        rank0.kill_tree()
+        _lose_at_once(control_plane, job_id, attempt, rank0, other, api)
+    finally:
+        other.proc.send_signal(signal.SIGCONT)
+    _ended_at_its_first_attempt(api, job_id, attempt, nodes)

@@ -110,6 +110,7 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
         ("POST", f"/v1/jobs/{j}/restore", {"attempt": attempt}, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots", commit, {"job_j"}),
         ("POST", f"/v1/jobs/{j}/snapshots/5/corrupt", {"reason": "test"}, {"job_j"}),
+        ("POST", f"/v1/jobs/{j}/finished", {"attempt": attempt, "node": "a"}, {"job_j"}),
         # for good
         ("POST", "/v1/nodes/c/drain", None, {"user"}),  # the admin only
         ("POST", "/v1/nodes/c/undrain", None, {"user"}),  # the admin only

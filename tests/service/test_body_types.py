@@ -44,6 +44,7 @@ VALID = {
     "MemoryCorrupt": {"attempt": 1, "step": 3},
     "RestoreRequest": {"attempt": 1},
     "BrokenPeer": {"attempt": 1, "node": "n0"},
+    "RunFinished": {"attempt": 1, "node": "n0"},
     "ProgressReport": {"step": 3, "loss": 0.5, "samples_per_s": 2.0, "total_steps": 9,
                        "metrics": {"lr": 0.1}, "attempt": 1, "final": False},
     "LogShipment": {"node": "n0", "attempt": 1, "lines": [{"rank": 0, "line": "x", "time": 1.5, "round": 2}]},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.decide.members import decide_registered, decide_report
+from service.decide.members import decide_registered, decide_report, decide_run_finished
 from service.decide.outcome import by_members, by_restarts
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan
 from service.models import JobRecord, JobState, MemberStatus, NodeRecord, NodeState
@@ -15,7 +15,8 @@ S = JobState
 
 
 def members(**states: str) -> dict[str, MemberStatus]:
-    return {n: MemberStatus(state=s, exit_code=1 if s == "failed" else None) for n, s in states.items()}
+    codes = {"failed": 1, "succeeded": 0}
+    return {n: MemberStatus(state=s, exit_code=codes.get(s)) for n, s in states.items()}
 
 
 @pytest.mark.parametrize("states,ending", [
@@ -87,6 +88,8 @@ def run(events: list[tuple[str, str] | list[tuple[str, str]]], mn: int,
                 nodes[node] = nodes[node].model_copy(update={"state": NodeState.DRAINING})
             elif kind == "restart":
                 change = decide_registered(job, node, job.attempt, NOW)
+            elif kind == "done":  # its workers said they finished the run (the runtime's word)
+                change = decide_run_finished(job, node, job.attempt, NOW)
             else:
                 state, code = {"ok": ("succeeded", 0), "fail": ("failed", 1)}[kind]
                 # as an agent reports: a reason with a failure, none with a success
@@ -113,6 +116,18 @@ def lost_after(node: str, done: str = "a") -> tuple[JobState, str, int]:
 def restarted_after(node: str, done: str = "a") -> tuple[JobState, str, int]:
     return (S.FAILED, f"node {node}: its workers stopped (the node's agent restarted) "
                       + AFTER.format(done), 1)
+
+
+def vanished_done(*why: tuple[str, str]) -> tuple[JobState, str, int]:
+    """SUCCEEDED, each (node, why) of `why` a node whose agent vanished after its workers said
+    they finished the run."""
+    notes = [f"node {n}: {w} after its workers finished the run (the runtime's word; their exit "
+             "was not seen)" for n, w in why]
+    return (S.SUCCEEDED, "; ".join(["every node's workers finished the run", *notes]), 1)
+
+
+LOST = "node lost (its lease lapsed)"
+RESTARTED = "its workers stopped (the node's agent restarted)"
 
 
 def failed(node: str, attempt: int = 1) -> tuple[JobState, str, int]:
@@ -150,6 +165,22 @@ ORDERS = [
     ([("restart", "a"), ("fail", "b")], 2, RESTARTED_2),
     ([("restart", "a"), ("gone", "b")], 2, (S.PENDING, PENDING_2, 1)),
     ([("drain", "b"), ("ok", "a")], 2, (S.PENDING, PENDING_2, 2)),
+    # b's workers said they finished the run, then its agent vanished before it reported
+    # their exit (SIGKILLed): b finished, in either order. Was: FAILED, or PENDING
+    ([("done", "b"), ("ok", "a"), ("gone", "b")], 2, vanished_done(("b", LOST))),
+    ([("done", "b"), ("gone", "b"), ("ok", "a")], 2, vanished_done(("b", LOST))),
+    ([("done", "b"), [("ok", "a"), ("gone", "b")]], 2, vanished_done(("b", LOST))),
+    ([("done", "b"), ("ok", "a"), ("restart", "b")], 2, vanished_done(("b", RESTARTED))),
+    ([("done", "b"), ("restart", "b"), ("ok", "a")], 2, vanished_done(("b", RESTARTED))),
+    ([[("done", "a"), ("done", "b")], ("gone", "a"), ("gone", "b")], 2, vanished_done(("a", LOST))),
+    # both said so, b vanished: a's torchrun may wait in torch's exit barrier for b's, which
+    # died with b's agent; the job ends (its rendezvous closes, ending that wait)
+    ([[("done", "a"), ("done", "b")], ("gone", "b")], 2, vanished_done(("b", LOST))),
+    ([[("done", "a"), ("done", "b")], ("restart", "b")], 2, vanished_done(("b", RESTARTED))),
+    ([("done", "b"), ("gone", "b")], 2, (S.RUNNING, "submitted", 1)),  # a has not said so: waited for
+    # ... and an agent that lives reports what it saw: an exit that is not 0 is a failure
+    ([("done", "b"), ("fail", "b"), ("ok", "a")], 2, failed("b")),
+    ([("done", "b"), ("ok", "b"), ("ok", "a")], 2, OK),
     # ---- min 1, max 2: an elastic job goes on without a node that left before the end
     ([("ok", "a"), ("ok", "b")], 1, OK),
     ([("ok", "a"), ("fail", "b")], 1, failed("b")),
@@ -217,3 +248,25 @@ def test_an_ending_job_keeps_its_nodes_and_its_attempt_until_the_last_one_finish
     nodes = {n: NodeRecord(name=n, registered_at=1.0, lease_id=1) for n in ("a", "b", "c")}
     assert free_nodes([job], nodes) == ["c"]  # the finished node a is not free
     assert plan(job, nodes, ["c"], NOW, SchedulerConfig()) is None  # and c does not join
+
+
+def test_the_word_that_a_node_finished_the_run_is_noted_only_on_a_live_member_of_the_attempt():
+    job = make_job(S.RUNNING, {"a": "running", "b": "succeeded", "c": "stopped"}, mn=2, mx=3)
+    noted = decide_run_finished(job, "a", 1, NOW).job
+    assert noted.members["a"].run_finished and noted.members["a"].state == "running"
+    assert decide_run_finished(noted, "a", 1, NOW) is None  # once
+    assert decide_run_finished(job, "a", 2, NOW) is None  # another attempt's
+    assert decide_run_finished(job, "b", 1, NOW) is None  # its end is known already
+    assert decide_run_finished(job, "c", 1, NOW) is None  # gone: too late to count
+    assert decide_run_finished(job, "x", 1, NOW) is None  # not a member
+    assert decide_run_finished(make_job(S.SUCCEEDED, {"a": "running"}), "a", 1, NOW) is None
+
+
+def test_a_member_that_said_it_finished_and_vanishes_during_a_cancel_is_stopped():
+    """A cancel ends CANCELLED whatever the members did: the word changes nothing there."""
+    job = make_job(S.CANCELLING, {"a": "running", "b": "running"}, mn=2, mx=2)
+    job = decide_run_finished(job, "b", 1, NOW).job
+    assert decide_report(job, "b", 1, "stopped", None, "gone", NOW).job.members["b"].state == "stopped"
+    nodes = {"a": NodeRecord(name="a", registered_at=1.0, lease_id=1)}
+    p = plan(job, nodes, free_nodes([job], nodes), NOW, SchedulerConfig())
+    assert p.job.members["b"].state == "stopped"

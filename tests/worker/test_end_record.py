@@ -59,10 +59,11 @@ def test_a_taken_file_keeps_only_what_is_left_and_a_restart_gathers_it_with_what
     link.release.set()
     h.cancel()
     h.join(10)
-    handoff.leave(tmp_path, "n0", 1, progress=ProgressReport(step=21, attempt=1, final=True))
+    handoff.leave(tmp_path, "n0", 1, progress=ProgressReport(step=21, attempt=1, final=True), finished=True)
     assert handoff.gather(tmp_path, "n0", 1) == path
     commits, progress = handoff.read(path)
     assert [c.step for c in commits] == [10] and progress.step == 21 and progress.final
+    assert handoff.read_finished(path)  # the node's word that the run finished, kept
     assert not left.exists()
     assert handoff.gather(tmp_path, "n0", 2) is None  # nothing for another attempt
 

@@ -43,6 +43,13 @@ class FakeLink:
         self.calls.append(("progress", body.step))
         return body.step
 
+    def report_finished(self, node: str, final: bool = True) -> bool:
+        self.calls.append(("finished", node))
+        if self.away > 0:
+            self.away -= 1
+            raise handoff.LinkError("control plane unreachable")
+        return True
+
     def close(self) -> None:
         self.closed.set()
 
@@ -143,3 +150,28 @@ def test_the_agent_reads_only_files_of_the_jobs_snapshot_folder(tmp_path):
     assert link.calls == [] and h.committed == []
     assert h.not_committed[10] == "its path is not in the job's snapshot folder"
     assert "cannot be read" in h.not_committed[20] and "bytes" not in h.not_committed[20]
+
+
+def test_the_word_that_the_run_finished_is_left_kept_and_said_after_the_commits(tmp_path):
+    """A node's first worker whose word that the run finished did not land leaves it too
+    (`leave(finished=True)`); later leaves keep it, and the agent says it after the commits and
+    the progress report, trying again while no control plane answers."""
+    handoff.leave(tmp_path, "gpu-a1", 3, finished=True)
+    path = handoff.leave(tmp_path, "gpu-a1", 3, commits=[written(tmp_path, 10)],
+                         progress=ProgressReport(step=10, attempt=1, final=True))
+    assert handoff.read_finished(path) and handoff.node_of(path) == "gpu-a1"
+    link = FakeLink()
+    link.away = 0
+    h = handoff.AgentHandoff(path, link).start()
+    h.join(10)
+    assert link.calls == [("commit", 10), ("progress", 10), ("finished", "gpu-a1")]
+    # no answer at first: tried again; a refused commit (the attempt is over) drops it
+    path = handoff.leave(tmp_path, "gpu-a1", 3, finished=True)
+    link = FakeLink()
+    link.away = 2
+    run(path, link)
+    assert link.calls == [("finished", "gpu-a1")] * 3
+    path = handoff.leave(tmp_path, "gpu-a1", 3, commits=[written(tmp_path, 20)], finished=True)
+    link = FakeLink(refuse_from=20)
+    run(path, link)
+    assert link.calls == [("commit", 20)]
