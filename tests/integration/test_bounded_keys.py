@@ -1,0 +1,116 @@
+"""etcd's keys stay bounded, with a real etcd and a real control plane: a job's memory report
+of a node goes with the node's membership and all of them with the job's end, not with the
+job's retention; and after many finished jobs and their retention, only the keys of live
+things remain, listed here by prefix."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tests.helpers.processes import ControlPlane, wait_for
+from tests.integration.test_retention import etcd_keys
+
+RETENTION_S = 2.0
+FINISHED_JOBS = 600  # more than one retention pass deletes (service.retention.MAX_DELETIONS_PER_PASS)
+
+
+def by_prefix(keys: list[str]) -> dict[str, list[str]]:
+    """'/ftrain/<kind>/<rest>' -> {kind: [rest, ...]} ('' for a key of one component)."""
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        kind, _, rest = key.removeprefix("/ftrain/").partition("/")
+        out.setdefault(kind, []).append(rest)
+    return out
+
+
+class Heartbeats:
+    """Keep the given nodes' leases alive from a thread until each is stopped."""
+
+    def __init__(self, cp: ControlPlane, credentials: dict[str, str]):
+        self.cp = cp
+        self.alive = dict(credentials)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        clients = {name: self.cp.client(cred) for name, cred in self.alive.items()}
+        try:
+            while not self.done.wait(0.3):
+                with self.lock:
+                    names = list(self.alive)
+                for name in names:
+                    clients[name].post(f"/v1/nodes/{name}/heartbeat", json={})
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def stop(self, name: str | None = None) -> None:
+        if name is None:
+            self.done.set()
+            self.thread.join(10)
+        else:
+            with self.lock:
+                self.alive.pop(name)
+
+
+def test_memory_reports_go_with_their_member_and_job_and_finished_jobs_leave_no_key(etcd, tmp_path):
+    cp = ControlPlane(etcd.endpoint, tmp_path / "cp", env={
+        "FTRAIN_RETENTION_S": f"{RETENTION_S:g}", "FTRAIN_NODE_TTL_S": "2"}).start()
+    beats = None
+    try:
+        with cp.client("user") as api:
+            job = api.post("/v1/jobs", json={"name": "elastic", "command": ["python", "train.py"],
+                                             "nodes": {"min": 1, "max": 2}}).json()["id"]
+            credentials = cp.members_of(job, ["a", "b"])
+            beats = Heartbeats(cp, credentials)
+            attempt = api.get(f"/v1/jobs/{job}").json()["attempt"]
+            with cp.client(cp.job_token_of(job)) as worker:
+                for node in ("a", "b"):
+                    assert worker.put(f"/v1/jobs/{job}/memory/{node}",
+                                      json={"step": 5, "attempt": attempt}).status_code == 200
+            assert sorted(by_prefix(etcd_keys(etcd.endpoint))["memory"]) == [f"{job}/a", f"{job}/b"]
+
+            # b is drained: the job goes on on a, in a new attempt, and b's report goes in that write.
+            assert api.post("/v1/nodes/b/drain").status_code == 202
+            moved = wait_for(lambda: (j := api.get(f"/v1/jobs/{job}").json())["attempt"] > attempt and j,
+                             20, "the job to go on without b")
+            assert sorted(moved["nodes"]) == ["a"]
+            assert by_prefix(etcd_keys(etcd.endpoint))["memory"] == [f"{job}/a"]
+            beats.stop("b")
+
+            # The job ends: every report goes with the write that ends it (not after its retention).
+            assert api.post(f"/v1/jobs/{job}/cancel").status_code == 202
+            with cp.client(credentials["a"]) as node:
+                assert node.post("/v1/nodes/a/report", json={
+                    "job_id": job, "attempt": moved["attempt"], "state": "stopped"}).status_code == 200
+            wait_for(lambda: api.get(f"/v1/jobs/{job}").json()["state"] == "CANCELLED", 20,
+                     "the job to be cancelled")
+            assert "memory" not in by_prefix(etcd_keys(etcd.endpoint))
+
+            # Many finished jobs (min 2: never started on the one node left), idempotency keys too.
+            t0 = time.time()
+            for i in range(FINISHED_JOBS):
+                spec = {"name": f"many-{i}", "command": ["true"], "nodes": {"min": 2, "max": 2}}
+                made = api.post("/v1/jobs", json=spec, headers={"Idempotency-Key": f"many-{i}"})
+                assert made.status_code == 201, made.text
+                assert api.post(f"/v1/jobs/{made.json()['id']}/cancel").status_code == 202
+            # (retention is deleting the first ones already: they are older than RETENTION_S)
+            beats.stop()
+
+            # After the retention and the node leases: only what lives on, by prefix.
+            def settled() -> dict[str, list[str]] | None:
+                kinds = by_prefix(etcd_keys(etcd.endpoint))
+                return kinds if kinds.keys() <= {"leader", "contact", "compacted", "drains"} else None
+
+            left = wait_for(settled, 60 + time.time() - t0, "every finished job's keys and every node's to go")
+            assert left.pop("drains") == ["b"]  # a drain outlives its node (FTRAIN_DRAIN_KEEP_S)
+            assert left == {"leader": [""], "contact": [""]} or \
+                left == {"leader": [""], "contact": [""], "compacted": [""]}, left
+            assert api.get("/v1/jobs").json()["items"] == []
+    finally:
+        if beats is not None:
+            beats.stop()
+        cp.stop()
