@@ -5,6 +5,7 @@ things remain, listed here by prefix."""
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 
@@ -113,4 +114,34 @@ def test_memory_reports_go_with_their_member_and_job_and_finished_jobs_leave_no_
     finally:
         if beats is not None:
             beats.stop()
+        cp.stop()
+
+
+def test_the_store_keys_of_an_attempts_earlier_rounds_go_when_a_later_round_forms(etcd, tmp_path):
+    # A job whose workers torchrun restarted twice in one attempt: rounds 0, 1 and 2 of its
+    # rendezvous each left their store keys (torch's handler prefixes them with the round).
+    cp = ControlPlane(etcd.endpoint, tmp_path / "cp").start()
+    try:
+        with cp.client("user") as api:
+            job = api.post("/v1/jobs", json={"name": "restarts", "command": ["python", "train.py"]}).json()["id"]
+            cp.member_of(job, "a")
+            attempt = api.get(f"/v1/jobs/{job}").json()["attempt"]
+            rdzv = f"{job}-a{attempt}"
+            value = base64.b64encode(b"x").decode()
+            with cp.client(cp.job_token_of(job)) as worker:
+                for r in range(3):
+                    items = [{"key": f"torch.rendezvous.{rdzv}.{r}/{k}", "value": value}
+                             for k in ("MASTER_ADDR", "MASTER_PORT")]
+                    assert worker.post(f"/v1/rdzv/{rdzv}/store/set", json={"items": items}).status_code == 204
+                assert worker.get(f"/v1/rdzv/{rdzv}/store/num_keys").json() == {"count": 6}
+                report = {"attempt": attempt, "node": "a", "phase": "joined", "call": 2, "group_rank": 0,
+                          "group_world_size": 1, "round": 2}
+                assert worker.post(f"/v1/jobs/{job}/rounds", json=report).status_code == 200
+                # Rank 0 reported round 2: rounds 0 and 1 are dead, round 2's keys stay.
+                wait_for(lambda: worker.get(f"/v1/rdzv/{rdzv}/store/num_keys").json() == {"count": 2}, 10,
+                         "the store keys of rounds 0 and 1 to go")
+                got = worker.post(f"/v1/rdzv/{rdzv}/store/get", json={
+                    "keys": [f"torch.rendezvous.{rdzv}.2/MASTER_ADDR"], "wait_s": 0})
+                assert got.status_code == 200 and got.json()["values"] == [value], got.text
+    finally:
         cp.stop()
