@@ -22,9 +22,11 @@ last step logged before it minus the step it resumed from), which fault preceded
 it resumed from (memory or disk) and whether the scheduler held its survivor for it first (its
 "memory copy is on" event), and per fault kind; the same of the stream's train.py jobs, each
 of which must list its last step as its latest committed snapshot; every
-minute, etcd's key count and db size (in use and the file) from a member's /metrics, the RSS and
-open file descriptors of each control plane and agent (from /proc), with a least-squares slope
-per hour over the run's second half; 5xx answers (and whether inside a control-plane outage:
+minute, etcd's key count and db size (in use and the file) from a member's /metrics, a census of
+the keys by kind and by whose they are (the long job's, an open job's, a finished job's within
+or past its retention, ...: bench/key_census.py), the RSS and open file descriptors of each
+control plane and agent (from /proc), with a least-squares slope per hour over the run's second
+half (of each census label too); 5xx answers (and whether inside a control-plane outage:
 clients fail over to the other replica, so an outage shows as refused connections, not 5xx);
 after the agents stop, processes of theirs still alive, /dev/shm entries and temp files left
 (agents and workers run with TMPDIR in the soak's folder). Writes bench/results/soak-hour.json.
