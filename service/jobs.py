@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from service.batching import TxnRoom, pack
 from service.decide.change import Change
-from service.decide.members import dropped_copies, note_former_members
+from service.decide.members import drops_copies, note_former_members
 from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
@@ -408,13 +408,13 @@ class JobStore:
 
     def retire(self, before: JobRecord, change: Change) -> Change:
         """`change` of the job `before`, with what the nodes that leave its members leave
-        behind: their names among its former members, and the deletion of their memory reports
-        (all of them when the job ends: `decide.members.dropped_copies`)."""
+        behind: their names among its former members; and the deletion of the members' memory
+        reports where the change makes them useless (`decide.members.drops_copies`)."""
         record = note_former_members(before, change.job)
-        dropped = dropped_copies(before, record)
-        ops = [Delete(self.keys.memory_copies(record.id), prefix=True)] if dropped is None else \
-            [Delete(self.keys.memory_copy(record.id, n)) for n in dropped]
-        return Change(record, change.events, [*change.ops, *ops])
+        if drops_copies(before, record):
+            return Change(record, change.events, [*change.ops, Delete(self.keys.memory_copies(record.id),
+                                                                      prefix=True)])
+        return Change(record, change.events, change.ops)
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

@@ -15,13 +15,16 @@ which reach the control plane after the change that removed it. Only the latest 
 are listed (`former_cap`): a job that runs for months on nodes that come and go under new
 names would otherwise carry every name it ever had in its record.
 
-Its memory report (`memory/<job>/<node>`) is of no use once it left (`dropped_copies`): a
-report is accepted from a member only, a restore reads only the members' reports of the
-current attempt (`restore.choose_restore`), and a job about to fall short reads its
-survivors' reports in the pass that moves it, before they leave (`keep.kept_for`). So the
-write that removes a member deletes its report, and the write that ends the job deletes
-them all (`JobStore` does both in the same transaction): on a months-long job, nodes long
-gone left one key each, kept until the job ended and its retention passed.
+The members' memory reports (`memory/<job>/<node>`) are of no use once a member left, the
+attempt changed or the job ended (`drops_copies`): a report is accepted from a member of the
+current attempt only, a restore reads only the members' reports of the current attempt
+(`restore.choose_restore`), and a job about to fall short reads its survivors' reports in the
+pass that moves it, before they leave (`keep.kept_for`). A member leaves only with a new
+attempt or with the move to PENDING (no members), so the write that does either, or ends the
+job, deletes the job's reports (one range deletion, in the same transaction, however many
+nodes left; `JobStore.retire`), and the members of the new attempt report again. Before, a
+node long gone kept its key until the job ended and its retention passed: on a months-long
+job with nodes that come and go under new names, a key each.
 """
 
 from __future__ import annotations
@@ -95,9 +98,13 @@ def note_former_members(before: JobRecord, after: JobRecord) -> JobRecord:
     return after.model_copy(update={"former_members": former[-former_cap(after):]})
 
 
-def dropped_copies(before: JobRecord, after: JobRecord) -> list[str] | None:
-    """The nodes whose memory report the change from `before` to `after` makes useless (the
-    module's docstring): those that left the members; None: all of the job's (it ended)."""
+def drops_copies(before: JobRecord, after: JobRecord) -> bool:
+    """Whether the change from `before` to `after` makes the job's memory reports useless
+    (the module's docstring): it ends the job, starts another attempt or removes a member. A
+    job without members has none (the write that took them away deleted them; a PENDING job
+    starting costs no deletion)."""
+    if not before.members:
+        return False
     if after.state.is_terminal():
-        return [] if before.state.is_terminal() else None
-    return sorted(before.members.keys() - after.members.keys())
+        return not before.state.is_terminal()
+    return after.attempt != before.attempt or not before.members.keys() <= after.members.keys()

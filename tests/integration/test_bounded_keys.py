@@ -1,7 +1,8 @@
-"""etcd's keys stay bounded, with a real etcd and a real control plane: a job's memory report
-of a node goes with the node's membership and all of them with the job's end, not with the
-job's retention; and after many finished jobs and their retention, only the keys of live
-things remain, listed here by prefix."""
+"""etcd's keys stay bounded, with a real etcd and a real control plane: a job's memory reports
+go with the write that removes a member (a new attempt) and with the job's end, not with the
+job's retention; the store keys of an attempt's earlier rendezvous rounds go when a later
+round forms; and after many finished jobs and their retention, only the keys of live things
+remain, listed here by prefix."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class Heartbeats:
                 self.alive.pop(name)
 
 
-def test_memory_reports_go_with_their_member_and_job_and_finished_jobs_leave_no_key(etcd, tmp_path):
+def test_memory_reports_go_with_a_member_and_with_the_job_and_finished_jobs_leave_no_key(etcd, tmp_path):
     cp = ControlPlane(etcd.endpoint, tmp_path / "cp", env={
         "FTRAIN_RETENTION_S": f"{RETENTION_S:g}", "FTRAIN_NODE_TTL_S": "2"}).start()
     beats = None
@@ -73,13 +74,20 @@ def test_memory_reports_go_with_their_member_and_job_and_finished_jobs_leave_no_
                                       json={"step": 5, "attempt": attempt}).status_code == 200
             assert sorted(by_prefix(etcd_keys(etcd.endpoint))["memory"]) == [f"{job}/a", f"{job}/b"]
 
-            # b is drained: the job goes on on a, in a new attempt, and b's report goes in that write.
+            # b is drained: the job goes on on a, in a new attempt, and the reports of the
+            # attempt before go in that write (a restore reads the current attempt's only).
             assert api.post("/v1/nodes/b/drain").status_code == 202
             moved = wait_for(lambda: (j := api.get(f"/v1/jobs/{job}").json())["attempt"] > attempt and j,
                              20, "the job to go on without b")
             assert sorted(moved["nodes"]) == ["a"]
-            assert by_prefix(etcd_keys(etcd.endpoint))["memory"] == [f"{job}/a"]
+            assert "memory" not in by_prefix(etcd_keys(etcd.endpoint))
             beats.stop("b")
+            with cp.client(cp.job_token_of(job)) as worker:  # a's worker of the new attempt reports
+                assert worker.put(f"/v1/jobs/{job}/memory/a",
+                                  json={"step": 6, "attempt": moved["attempt"]}).status_code == 200
+                assert worker.put(f"/v1/jobs/{job}/memory/b",  # b is no member: refused
+                                  json={"step": 6, "attempt": moved["attempt"]}).status_code == 409
+            assert by_prefix(etcd_keys(etcd.endpoint))["memory"] == [f"{job}/a"]
 
             # The job ends: every report goes with the write that ends it (not after its retention).
             assert api.post(f"/v1/jobs/{job}/cancel").status_code == 202

@@ -9,7 +9,7 @@ from service.decide.members import (
     MIN_FORMER_MEMBERS,
     decide_registered,
     decide_report,
-    dropped_copies,
+    drops_copies,
     is_recorded,
     note_former_members,
 )
@@ -147,15 +147,19 @@ def test_a_big_job_that_loses_every_node_at_once_lists_them_all():
     assert after.former_members == ["old", *sorted(members)]
 
 
-@pytest.mark.parametrize("before_state,before,after_state,after,expected", [
-    (S.RUNNING, {"a": "running", "b": "running"}, S.RECOVERING, {"a": "assigned"}, ["b"]),  # drained
-    (S.RUNNING, {"a": "running", "b": "running"}, S.PENDING, {}, ["a", "b"]),  # fell short
-    (S.RUNNING, {"a": "running"}, S.RUNNING, {"a": "stopped"}, []),  # still a member
-    (S.PENDING, {}, S.STARTING, {"a": "assigned"}, []),
-    (S.CANCELLING, {"a": "running"}, S.CANCELLED, {"a": "stopped"}, None),  # ended: all of them
-    (S.RUNNING, {"a": "running"}, S.SUCCEEDED, {"a": "succeeded"}, None),
-    (S.FAILED, {"a": "failed"}, S.FAILED, {"a": "failed"}, []),  # ended before
+@pytest.mark.parametrize("before_state,before,after_state,after,attempt,expected", [
+    (S.RUNNING, {"a": "running", "b": "running"}, S.RECOVERING, {"a": "assigned"}, 2, True),  # drained
+    (S.RUNNING, {"a": "running", "b": "running"}, S.PENDING, {}, 1, True),  # fell short
+    (S.RUNNING, {"a": "running"}, S.RECOVERING, {"a": "assigned"}, 2, True),  # a new attempt
+    (S.RUNNING, {"a": "running"}, S.RUNNING, {"a": "stopped"}, 1, False),  # still a member
+    (S.RUNNING, {"a": "running"}, S.RUNNING, {"a": "running", "b": "assigned"}, 1, False),  # one more
+    (S.CANCELLING, {"a": "running"}, S.CANCELLED, {"a": "stopped"}, 1, True),  # ended
+    (S.RUNNING, {"a": "running"}, S.SUCCEEDED, {"a": "succeeded"}, 1, True),
+    (S.FAILED, {"a": "failed"}, S.FAILED, {"a": "failed"}, 1, False),  # ended before
+    (S.PENDING, {}, S.STARTING, {"a": "assigned"}, 2, False),  # no member had a report
+    (S.PENDING, {}, S.CANCELLED, {}, 1, False),
 ])
-def test_the_memory_reports_of_nodes_that_left_and_of_an_ended_job_are_dropped(
-        before_state, before, after_state, after, expected):
-    assert dropped_copies(make_job(before_state, before), make_job(after_state, after)) == expected
+def test_the_memory_reports_go_when_a_member_leaves_the_attempt_changes_or_the_job_ends(
+        before_state, before, after_state, after, attempt, expected):
+    after_job = make_job(after_state, after, attempt=attempt)
+    assert drops_copies(make_job(before_state, before), after_job) is expected
