@@ -22,9 +22,11 @@ last step logged before it minus the step it resumed from), which fault preceded
 it resumed from (memory or disk) and whether the scheduler held its survivor for it first (its
 "memory copy is on" event), and per fault kind; the same of the stream's train.py jobs, each
 of which must list its last step as its latest committed snapshot; every
-minute, etcd's key count and db size (in use and the file) from a member's /metrics, the RSS and
-open file descriptors of each control plane and agent (from /proc), with a least-squares slope
-per hour over the run's second half; 5xx answers (and whether inside a control-plane outage:
+minute, etcd's key count and db size (in use and the file) from a member's /metrics, a census of
+the keys by kind and by whose they are (the long job's, an open job's, a finished job's within
+or past its retention, ...: bench/key_census.py), the RSS and open file descriptors of each
+control plane and agent (from /proc), with a least-squares slope per hour over the run's second
+half (of each census label too); 5xx answers (and whether inside a control-plane outage:
 clients fail over to the other replica, so an outage shows as refused connections, not 5xx);
 after the agents stop, processes of theirs still alive, /dev/shm entries and temp files left
 (agents and workers run with TMPDIR in the soak's folder). Writes bench/results/soak-hour.json.
@@ -475,8 +477,9 @@ class HourSoak:
             try:
                 row.update(etcd_metrics(m.endpoint))
                 row["etcd_from"] = m.name
+                row["census"] = self.key_census(m.endpoint)
                 break
-            except (httpx.HTTPError, OSError):
+            except (httpx.HTTPError, OSError, ValueError):
                 continue
         for cp in self.cps:
             f = proc_figures(cp.proc.pid) if cp.proc and cp.proc.poll() is None else None
@@ -503,7 +506,22 @@ class HourSoak:
                  f"db_file={row.get('db_total', 0) / 1e6:.2f}MB jobs={row['jobs']} open={row['open']} "
                  f"listed={row['listed']} long={row.get('long_step')} {row.get('long_state')} "
                  f"5xx={row['5xx']} {procs}")
+        if "census" in row:
+            self.log("  keys by kind: " + " ".join(f"{k}={n}" for k, n in row["census"].items()))
         return row
+
+    def key_census(self, endpoint: str) -> dict[str, int]:
+        """The keys under the control planes' prefix by kind and owner (bench/key_census.py);
+        a job is 'expired' once the soak saw it finished more than the retention and one
+        retention pass (plus 30 s) ago."""
+        from bench.key_census import census, etcd_keys
+        from service.decide.retention import RetentionPolicy, pass_interval_s
+
+        keys = etcd_keys(endpoint)
+        stale_s = self.args.retention + pass_interval_s(RetentionPolicy(self.args.retention)) + 30
+        with self.lock:
+            ended_at = {j.id: j.ended for j in self.jobs}
+        return census(keys, "/ftrain", self.long_id, ended_at, time.time(), stale_s)
 
     # ---------------------------------------------------------------- the run
 
@@ -693,6 +711,7 @@ def summarize(result: dict, soak: HourSoak) -> list[str]:
 
     out.append(f"samples: {len(rows)} (one a minute)")
     out.append(line("etcd keys", series("keys"), 1, "keys"))
+    out += census_lines(rows, half[0]["t"] if half else 0)
     out.append(line("etcd db in use", series("db_in_use"), 1e6, "MB"))
     out.append(line("etcd db file", series("db_total"), 1e6, "MB"))
     for cp in soak.cps:
@@ -717,6 +736,29 @@ def summarize(result: dict, soak: HourSoak) -> list[str]:
     if soak.notes:
         out.append("notes:")
         out += [f"  {n}" for n in soak.notes[:20]]
+    return out
+
+
+def census_lines(rows: list[dict], half_t: float) -> list[str]:
+    """The key census (bench/key_census.py): each label's first, last and max count and its
+    slope per hour over the run's second half (samples from `half_t` on); the labels whose
+    count is not 0 at the end or whose slope is not 0 first."""
+    rows = [r for r in rows if "census" in r]
+    if not rows:
+        return ["  keys by kind: no census"]
+    labels = sorted({k for r in rows for k in r["census"]})
+    listed = []
+    for k in labels:
+        pts = [(r["t"], r["census"].get(k, 0)) for r in rows]
+        s = slope_per_hour([p for p in pts if p[0] >= half_t]) or 0.0
+        vals = [p[1] for p in pts]
+        listed.append((-abs(s), k, vals[0], vals[-1], max(vals), s))
+    listed.sort()
+    total = [sum(r["census"].values()) for r in rows]
+    out = [f"  keys by kind (a census, {len(rows)} samples): all first {total[0]} last {total[-1]} "
+           f"max {max(total)}"]
+    out += [f"    {k}: first {a} last {b} max {m}; slope over the second half {s:+.1f} keys/h"
+            for _, k, a, b, m, s in listed]
     return out
 
 

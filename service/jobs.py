@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from service.batching import TxnRoom, pack
 from service.decide.change import Change
-from service.decide.members import note_former_members
+from service.decide.members import drops_copies, note_former_members
 from service.decide.metrics import merged
 from service.decide.state import transition
 from service.errors import Conflict, JobNotFound, StaleLeader
@@ -339,7 +339,7 @@ class JobStore:
             change = decide(job)
             if change is None:
                 return cas.Done(job)
-            change.job = note_former_members(job, change.job)  # whichever decision dropped them
+            change = self.retire(job, change)  # whichever decision dropped them
             if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
                 stamp = {"leader": fence.holder, "term": fence.term}
                 change = replace(change, events=[e.model_copy(update=stamp) for e in change.events])
@@ -374,12 +374,12 @@ class JobStore:
             for place, (job, revision, change) in enumerate(changes):
                 if isinstance(fence, Fence) and fence.lapsed():
                     raise StaleLeader("this control plane's lead lapsed; its scheduler stops")
-                record = note_former_members(job, change.job)
-                events = change.events
+                retired = self.retire(job, change)
+                record, events = retired.job, retired.events
                 if isinstance(fence, Fence):  # a leader-only loop's: its events name the lead
                     stamp = {"leader": fence.holder, "term": fence.term}
                     events = [e.model_copy(update=stamp) for e in events]
-                ops = self.write(revision, Change(record, events, change.ops), None).ops
+                ops = self.write(revision, Change(record, events, retired.ops), None).ops
                 yield _JobWrite(place, record, {self.keys.job(record.id): revision}, ops)
 
         # Sent one after the other as the pass's plans are made (`pack` is lazy): a lead that
@@ -405,6 +405,16 @@ class JobStore:
                 # the value and that revision; the creation revision is not known here.)
                 put = part.ops[0]
                 self.written(Entry(put.key, put.value, entry.mod_revision, 0, 0), part.record)
+
+    def retire(self, before: JobRecord, change: Change) -> Change:
+        """`change` of the job `before`, with what the nodes that leave its members leave
+        behind: their names among its former members; and the deletion of the members' memory
+        reports where the change makes them useless (`decide.members.drops_copies`)."""
+        record = note_former_members(before, change.job)
+        if drops_copies(before, record):
+            return Change(record, change.events, [*change.ops, Delete(self.keys.memory_copies(record.id),
+                                                                      prefix=True)])
+        return Change(record, change.events, change.ops)
 
     def write(self, revision: int, change: Change, result: T) -> cas.Write[T]:
         """The write of `change` (record, events, extra ops), fenced on the job's `revision`."""

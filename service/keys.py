@@ -19,7 +19,9 @@
     <prefix>/snapshots/<id>/<step>       committed SnapshotMeta
     <prefix>/memory/<id>/<node>          MemorySnapshot: the step a member node's memory tier
                                          holds, as its first worker last reported it (read by
-                                         the scheduler for a job losing a node: decide.keep)
+                                         the scheduler for a job losing a node: decide.keep);
+                                         all of the job's deleted by the write that removes a
+                                         member, starts an attempt or ends it (decide.members)
     <prefix>/logs/                       (no longer used: worker logs are files, service/logs.py;
                                          deleted at start-up where an older version left some)
     <prefix>/leader                      the scheduler leader's lease-bound key

@@ -111,6 +111,15 @@ attempt newer than the caller's, which the index never shows early. The keys of 
 attempts are dead once a request of a newer one passes that check: the first such request a
 control plane sees deletes them in the background (`StateHub.attempt_seen`); the job's end
 deletes the rest.
+
+Rounds of one attempt. Within an attempt torch re-forms the group after a worker failure
+(torchrun's `--max-restarts`) in a new rendezvous round, and its handler keeps each round's
+store keys under their own prefix (`torch.rendezvous.<run id>.<round>/`: the master's address
+and port, ...); those of earlier rounds are never read again, yet they stayed until the attempt
+ended: a job that runs for months in one attempt kept two or more keys a restart. So when group
+rank 0 reports the round it formed (`POST /v1/jobs/{id}/rounds`, 'joined'), the store keys of
+the attempt's earlier rounds are deleted in the background (`StateHub.round_seen`). A key not
+named like a round's is left to the attempt's end.
 """
 
 from __future__ import annotations
@@ -182,6 +191,37 @@ def parse_rdzv_id(rdzv_id: str) -> tuple[str, int]:
 
 def _encode_key(key: str) -> str:
     return base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def _decode_key(encoded: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+_ROUND_KEY = re.compile(r"^torch\.rendezvous\.(?P<run>.+)\.(?P<round>[0-9]{1,9})/")
+
+
+def round_of_store_key(rdzv_id: str, key: str) -> int | None:
+    """The rendezvous round of a c10d store key of `rdzv_id` as torch's handler names it
+    (`torch.rendezvous.<run id>.<round>/<key>`: its PrefixStore), or None."""
+    match = _ROUND_KEY.match(key)
+    return int(match["round"]) if match is not None and match["run"] == rdzv_id else None
+
+
+async def delete_rounds_before(kv: KeyValue, keys: Keys, rdzv_id: str, round_: int) -> int:
+    """Delete the store keys of `rdzv_id`'s rounds before `round_` (the module's docstring,
+    "Rounds of one attempt"); returns how many went."""
+    prefix = keys.rdzv_store(rdzv_id)
+    doomed = []
+    async for entry in kv.scan_prefix(prefix, page_size=PAGE_SIZE, keys_only=True):
+        key = _decode_key(entry.key[len(prefix):])
+        if key is not None and (r := round_of_store_key(rdzv_id, key)) is not None and r < round_:
+            doomed.append(entry.key)
+    for start in range(0, len(doomed), MAX_TXN_OPS):
+        await kv.commit({}, [Delete(k) for k in doomed[start:start + MAX_TXN_OPS]])
+    return len(doomed)
 
 
 @dataclass
@@ -307,6 +347,23 @@ class StateHub:
             await delete_rendezvous(kv, keys, job_id, below=attempt)
         except FtrainError as exc:  # etcd away: the job's end deletes them, as before
             log.info("earlier attempts' rendezvous keys of %s left: %s", job_id, exc)
+
+    def round_seen(self, kv: KeyValue, keys: Keys, rdzv_id: str, round_: int) -> None:
+        """Group rank 0 of `rdzv_id` formed round `round_`: delete the store keys of its
+        earlier rounds in the background (module docstring, "Rounds of one attempt")."""
+        if round_ <= 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._sweep_rounds(kv, keys, rdzv_id, round_))
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
+
+    @staticmethod
+    async def _sweep_rounds(kv: KeyValue, keys: Keys, rdzv_id: str, round_: int) -> None:
+        try:
+            if n := await delete_rounds_before(kv, keys, rdzv_id, round_):
+                log.debug("deleted %d store key(s) of %s's rounds before %d", n, rdzv_id, round_)
+        except FtrainError as exc:  # etcd away: the attempt's end deletes them
+            log.info("store keys of %s's rounds before %d left: %s", rdzv_id, round_, exc)
 
     def live_members(self, job) -> int:
         """How many of `job`'s members are live (`Rendezvous.expected_nodes`), counted once per

@@ -12,7 +12,20 @@ stop. Whether the new states end the job is `outcome.by_members`, which the sche
 A node that leaves the members (drained, lost, not in a new attempt) is kept among the
 job's former members (`note_former_members`): its agent still ships the last lines its
 workers wrote (rank 0's note of the step where it stopped for a drain is among them),
-which reach the control plane after the change that removed it.
+which reach the control plane after the change that removed it. Only the latest leavers
+are listed (`former_cap`): a job that runs for months on nodes that come and go under new
+names would otherwise carry every name it ever had in its record.
+
+The members' memory reports (`memory/<job>/<node>`) are of no use once a member left, the
+attempt changed or the job ended (`drops_copies`): a report is accepted from a member of the
+current attempt only, a restore reads only the members' reports of the current attempt
+(`restore.choose_restore`), and a job about to fall short reads its survivors' reports in the
+pass that moves it, before they leave (`keep.kept_for`). A member leaves only with a new
+attempt or with the move to PENDING (no members), so the write that does either, or ends the
+job, deletes the job's reports (one range deletion, in the same transaction, however many
+nodes left; `JobStore.retire`), and the members of the new attempt report again. Before, a
+node long gone kept its key until the job ended and its retention passed: on a months-long
+job with nodes that come and go under new names, a key each.
 """
 
 from __future__ import annotations
@@ -86,10 +99,34 @@ def is_recorded(job: JobRecord, node: str, attempt: int, state: str) -> bool:
     return member.state == state or (state == "stopped" and member.state == "failed")
 
 
+# The fewest former members a job lists (`former_cap`): the latest to leave.
+MIN_FORMER_MEMBERS = 64
+
+
+def former_cap(job: JobRecord) -> int:
+    """How many former members `job` lists at most: twice its `max` nodes (every member of
+    a job that lost them all at once, and as many before), and at least MIN_FORMER_MEMBERS."""
+    return max(MIN_FORMER_MEMBERS, 2 * job.spec.nodes.max)
+
+
 def note_former_members(before: JobRecord, after: JobRecord) -> JobRecord:
     """`after` with the nodes that `before` had as members and `after` has not added to its
-    former members (a node that is a member again stays listed: it was one)."""
+    former members (a node that is a member again stays listed: it was one), in the order
+    they left, the latest `former_cap` of them."""
     left = before.members.keys() - after.members.keys()
     if not left or left <= set(after.former_members):
         return after
-    return after.model_copy(update={"former_members": sorted({*after.former_members, *left})})
+    former = [n for n in after.former_members if n not in left] + sorted(left)
+    return after.model_copy(update={"former_members": former[-former_cap(after):]})
+
+
+def drops_copies(before: JobRecord, after: JobRecord) -> bool:
+    """Whether the change from `before` to `after` makes the job's memory reports useless
+    (the module's docstring): it ends the job, starts another attempt or removes a member. A
+    job without members has none (the write that took them away deleted them; a PENDING job
+    starting costs no deletion)."""
+    if not before.members:
+        return False
+    if after.state.is_terminal():
+        return not before.state.is_terminal()
+    return after.attempt != before.attempt or not before.members.keys() <= after.members.keys()

@@ -215,6 +215,8 @@ async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDe
     updated = await ctx.jobs.update(job_id, lambda job: decide_round(job, req, tail, now))
     if updated.state.is_terminal():  # restarts spent: the job's rendezvous is of no more use
         await delete_rendezvous(ctx.kv, ctx.keys, job_id)
+    elif req.phase == "joined" and req.round is not None and updated.attempt == req.attempt:
+        ctx.rdzv_states.round_seen(ctx.kv, ctx.keys, updated.rdzv_id, req.round)
     return ReportReply(accepted=updated.attempt == req.attempt, detail=updated.state.value)
 
 

@@ -6,8 +6,10 @@ import pytest
 
 from service.decide.members import (
     AGENT_RESTARTED,
+    MIN_FORMER_MEMBERS,
     decide_registered,
     decide_report,
+    drops_copies,
     is_recorded,
     note_former_members,
 )
@@ -117,7 +119,7 @@ def test_registering_again_keeps_the_member_only_if_the_agent_still_runs_its_att
 
 @pytest.mark.parametrize("before,after,former,expected", [
     ({"a": "running", "b": "running"}, {"a": "assigned"}, [], ["b"]),  # b drained or lost
-    ({"a": "running", "b": "running"}, {}, ["c"], ["a", "b", "c"]),  # back to PENDING
+    ({"a": "running", "b": "running"}, {}, ["c"], ["c", "a", "b"]),  # back to PENDING: in the order they left
     ({"a": "running"}, {"a": "stopped"}, [], []),  # still a member
     ({"a": "running"}, {"a": "assigned", "b": "assigned"}, ["b"], ["b"]),  # b back: still listed
     ({}, {"a": "assigned"}, [], []),
@@ -126,3 +128,38 @@ def test_a_node_that_leaves_the_members_is_a_former_member(before, after, former
     old = make_job(S.RUNNING, before, former_members=former)
     new = make_job(S.RUNNING, after, former_members=former)
     assert note_former_members(old, new).former_members == expected
+
+
+def test_former_members_are_the_latest_to_leave_and_no_more_than_the_cap():
+    # A job that runs for months on nodes that come and go under new names.
+    job = make_job(S.RUNNING, {"n0": "running"})
+    for i in range(1, 3 * MIN_FORMER_MEMBERS):
+        job = note_former_members(job, job.model_copy(update={"members": make_job(
+            S.RUNNING, {f"n{i}": "running"}).members}))
+    last = 3 * MIN_FORMER_MEMBERS - 1
+    assert job.former_members == [f"n{i}" for i in range(last - MIN_FORMER_MEMBERS, last)]
+
+
+def test_a_big_job_that_loses_every_node_at_once_lists_them_all():
+    members = {f"n{i:03d}": "running" for i in range(100)}
+    job = make_job(S.RUNNING, members, mn=100, mx=100, former_members=["old"])
+    after = note_former_members(job, make_job(S.PENDING, {}, mn=100, mx=100, former_members=["old"]))
+    assert after.former_members == ["old", *sorted(members)]
+
+
+@pytest.mark.parametrize("before_state,before,after_state,after,attempt,expected", [
+    (S.RUNNING, {"a": "running", "b": "running"}, S.RECOVERING, {"a": "assigned"}, 2, True),  # drained
+    (S.RUNNING, {"a": "running", "b": "running"}, S.PENDING, {}, 1, True),  # fell short
+    (S.RUNNING, {"a": "running"}, S.RECOVERING, {"a": "assigned"}, 2, True),  # a new attempt
+    (S.RUNNING, {"a": "running"}, S.RUNNING, {"a": "stopped"}, 1, False),  # still a member
+    (S.RUNNING, {"a": "running"}, S.RUNNING, {"a": "running", "b": "assigned"}, 1, False),  # one more
+    (S.CANCELLING, {"a": "running"}, S.CANCELLED, {"a": "stopped"}, 1, True),  # ended
+    (S.RUNNING, {"a": "running"}, S.SUCCEEDED, {"a": "succeeded"}, 1, True),
+    (S.FAILED, {"a": "failed"}, S.FAILED, {"a": "failed"}, 1, False),  # ended before
+    (S.PENDING, {}, S.STARTING, {"a": "assigned"}, 2, False),  # no member had a report
+    (S.PENDING, {}, S.CANCELLED, {}, 1, False),
+])
+def test_the_memory_reports_go_when_a_member_leaves_the_attempt_changes_or_the_job_ends(
+        before_state, before, after_state, after, attempt, expected):
+    after_job = make_job(after_state, after, attempt=attempt)
+    assert drops_copies(make_job(before_state, before), after_job) is expected

@@ -290,9 +290,15 @@ def test_memory_tier_reports_are_listed_per_member_node_and_fenced_by_attempt():
         with pytest.raises(Conflict, match="not a member"):
             await ctx.snapshots.report_memory(job.id, "n9", MemoryReport(step=9, attempt=1))
         assert await ctx.kv.revision() == before
-        # A node that is no longer a member is not listed (it deleted its copy when it left).
+        # n0 leaves (as the scheduler does it: a new attempt of the others): the reports go in
+        # that write, and the members of the new attempt report again; n0 is refused.
         await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(
-            update={"members": {"n1": MemberStatus(state="running")}})))
+            update={"members": {"n1": MemberStatus(state="running")}, "attempt": 2})))
+        assert (await ctx.snapshots.list(job.id)).memory == []
+        assert [e.key async for e in ctx.kv.scan_prefix(ctx.keys.memory_copies(job.id))] == []
+        await ctx.snapshots.report_memory(job.id, "n1", MemoryReport(step=8, attempt=2))
+        with pytest.raises(Conflict, match="not a member"):
+            await ctx.snapshots.report_memory(job.id, "n0", MemoryReport(step=8, attempt=2))
         assert [m.node for m in (await ctx.snapshots.list(job.id)).memory] == ["n1"]
         # And the records go with the job.
         assert any(op.key == ctx.keys.memory_copies(job.id) and op.prefix
