@@ -1243,18 +1243,9 @@ class Runtime:
                                         buffers_kept=kept is not None)
             if plan is None and self._memory_plans >= MEMORY_PLAN_REMAKES:
                 why = "its state is copied through state_dict() (no plan can follow it step by step)"
-            if step is None or plan is None or mark is None:
-                log.info("rank %d: no last-words copy: %s", self.rank, why)
+            if step is None or plan is None or mark is None or not self._may_copy(w, why, step):
                 return False
-            if not w.settle(0.0):
-                log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
-                return False
-            # The RNG states a restore may fall back to are the node's first rank's (`_load_memory`).
-            state = {**mem.thaw(mark.skeleton), "rng": mark.rng if self.local_rank == 0 else None}
-            tensors = plan.tensors
-            if kept is not None:  # the buffers as they were at the boundary, not as a forward left them
-                swap = {id(t): k for t, k in zip(self._watched, kept)}
-                tensors = [swap.get(id(t), t) for t in plan.tensors]
+            state, tensors = self._words_parts(mark, plan, kept)
             w.capture_split(state, tensors, step, plan.later, check=plan.check)
             w.settle(max(0.0, timeout_s - (time.perf_counter() - began)))
         except Exception as exc:  # noqa: BLE001 - the worker is on its way out; the older copy stays
@@ -1266,6 +1257,29 @@ class Runtime:
                  "copied the state into the node's memory tier" if made else "no copy within the time",
                  step, (time.perf_counter() - began) * 1e3, why)
         return made
+
+    def _may_copy(self, w: mem.MemoryWriter, why: str, step: int | None) -> bool:
+        """Whether the last words go on: a step to copy (else `why` is logged) and no copy in
+        flight left unwhole."""
+        if step is None:
+            log.info("rank %d: no last-words copy: %s", self.rank, why)
+            return False
+        if not w.settle(0.0):
+            log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
+            return False
+        return True
+
+    def _words_parts(self, mark: Boundary, plan: mem.StatePlan, kept: list | None,
+                     host: list = ()) -> tuple[dict, list]:
+        """The last words' skeleton and tensors: the boundary's skeleton (the RNG states a
+        restore may fall back to are the node's first rank's, `_load_memory`), the plan's
+        tensors with the buffers as they were at the boundary (not as a forward left them) and,
+        on a GPU, its host tensors as they were then (not as the host's next optimizer step
+        left them)."""
+        state = {**mem.thaw(mark.skeleton), "rng": mark.rng if self.local_rank == 0 else None}
+        swap = {id(t): k for t, k in zip(self._watched, kept)} if kept is not None else {}
+        swap.update({id(t): k for t, k in zip(self._host_tensors, host)})
+        return state, [swap.get(id(t), t) for t in plan.tensors] if swap else plan.tensors
 
     def _gpu_state_step(self) -> tuple[tuple | None, str]:
         """On a GPU: the (Boundary, plan, its host tensors' copies) whose state the GPU holds
@@ -1308,18 +1322,9 @@ class Runtime:
             kept = self._kept if ok else None
             step, why = last_words_step(mark, mark.optimizer_steps, versions, held,
                                         buffers_kept=kept is not None)
-            if step is None:
-                log.info("rank %d: no last-words copy: %s", self.rank, why)
+            if not self._may_copy(w, why, step):
                 return False
-            if not w.settle(0.0):
-                log.info("rank %d: no last-words copy: the copy in flight is not whole", self.rank)
-                return False
-            state = {**mem.thaw(mark.skeleton), "rng": mark.rng if self.local_rank == 0 else None}
-            # The buffers as they were at the boundary, not as a forward left them; the host
-            # tensors as they were then, not as the host's next optimizer step left them.
-            swap = {id(t): k for t, k in zip(self._watched, kept)} if kept is not None else {}
-            swap.update({id(t): k for t, k in zip(self._host_tensors, host)})
-            tensors = [swap.get(id(t), t) for t in plan.tensors]
+            state, tensors = self._words_parts(mark, plan, kept, host)
 
             def still() -> bool:  # the same boundary, its state untouched while it was copied
                 again = self._gpu_state_step()[0]
