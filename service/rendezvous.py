@@ -337,7 +337,11 @@ class StateHub:
         self._attempts[job_id] = attempt
         if attempt == 0:  # (a job's first attempt is 0)
             return
-        task = asyncio.get_running_loop().create_task(self._sweep(kv, keys, job_id, attempt))
+        self._background(self._sweep(kv, keys, job_id, attempt))
+
+    def _background(self, work) -> None:
+        """Run a sweep beside the request, keeping it referenced until it is done."""
+        task = asyncio.get_running_loop().create_task(work)
         self._sweeps.add(task)
         task.add_done_callback(self._sweeps.discard)
 
@@ -353,9 +357,7 @@ class StateHub:
         earlier rounds in the background (module docstring, "Rounds of one attempt")."""
         if round_ <= 0:
             return
-        task = asyncio.get_running_loop().create_task(self._sweep_rounds(kv, keys, rdzv_id, round_))
-        self._sweeps.add(task)
-        task.add_done_callback(self._sweeps.discard)
+        self._background(self._sweep_rounds(kv, keys, rdzv_id, round_))
 
     @staticmethod
     async def _sweep_rounds(kv: KeyValue, keys: Keys, rdzv_id: str, round_: int) -> None:
