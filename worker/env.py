@@ -42,10 +42,9 @@ FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
 # Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
 # often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
-# "0": a runtime worker on CPU whose process group broke does not copy the state of its last
-# step into its node's memory tier before it exits (its last words, worker/last_words.py; on by
-# default where they apply: CPU/gloo), nor notes each step for them (RNG states kept at copy
-# steps only, as on a GPU).
+# "0": a runtime worker whose process group broke does not copy the state of its last step
+# into its node's memory tier before it exits (its last words, worker/last_words.py; on by
+# default, on CPU and GPU), nor notes each step for them (RNG states kept at copy steps only).
 FTRAIN_LAST_WORDS = "FTRAIN_LAST_WORDS"
 # "0": a runtime worker on a GPU does not warm CUDA up (a cuBLAS handle, the autograd thread,
 # common kernels) on a thread of its own while its process group starts (worker/runtime.py).
