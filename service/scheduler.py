@@ -207,6 +207,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     through `JobStore.update`, which re-reads the job and decides again. (`revision_of` is
     asked before any await: the records and their revisions are the index's of one moment.)"""
     originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
+    for j in (claims or {}).values():  # a job held for is planned on this record (`keep.holding`)
+        originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
                            settled, MAX_STARTS_PER_PASS, claims, copies)

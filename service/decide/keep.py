@@ -17,7 +17,10 @@ per heartbeat or per pass), and the move to PENDING records the survivors that h
 
 - the job is offered its kept nodes first, newest step first (`prefer`), so it resumes
   from memory as soon as enough other nodes come;
-- no other job is offered them (`reserved`): not another pending job, not a scale-up.
+- no other job is offered them (`reserved`): not another pending job, not a scale-up;
+- while a node is held for it, the job is planned before the rest of the queue (`holding`),
+  so the next free node completes it rather than going to an older waiting job while its
+  survivors sit idle and the hold runs out.
 
 The hold is bounded (`SchedulerConfig.memory_hold_s`: FTRAIN_MEMORY_HOLD_S, 120 s by default,
 at most 300), because a job that
@@ -94,6 +97,15 @@ def reserved(free: Collection[str], claims: Mapping[str, JobRecord],
     PENDING job whose copy the node last kept (`claims`, `JobIndex.claims`); looked through,
     not the free nodes, since it is the smaller (a job's survivors, while it waits)."""
     return {n: job.id for n, job in claims.items() if n in free and holds(job, nodes[n], now)}
+
+
+def holding(held: Mapping[str, str], claims: Mapping[str, JobRecord]) -> list[JobRecord]:
+    """The waiting jobs that free nodes are held for now (`held`: node -> job id, `reserved`),
+    the oldest hold first: the scheduler plans them before the rest of its queue, so that
+    the next free node goes to a job whose survivors wait idle for it, not to an older job
+    of the queue while the hold runs out."""
+    jobs = {claims[n].id: claims[n] for n in held if n in claims and claims[n].id == held[n]}
+    return sorted(jobs.values(), key=lambda j: (j.kept.since if j.kept is not None else 0.0, j.id))
 
 
 def claims(jobs: Iterable[JobRecord]) -> dict[str, JobRecord]:

@@ -308,7 +308,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
 
     `claims`: node -> the PENDING job whose memory copy the node last kept (`keep`); a free
     node held for a waiting job is offered to that job only, first, and counts as ready for
-    no other (so it does not make the pass read the queue). `copies`: job id -> its members'
+    no other (so it does not make the pass read the queue), and a job that holds free nodes
+    is planned before the rest of the queue (`keep.holding`). `copies`: job id -> its members'
     memory reports, for the jobs that may fall below their `min` (`plan`).
     """
     free = free_nodes(others, nodes)
@@ -343,7 +344,11 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             ready.difference_update(taken)
             free_set.difference_update(taken)
 
-    queue = iter(pending)
+    # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
+    # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
+    first = keep.holding(held, claims) if held else []
+    queue = itertools.chain(first, (j for j in pending if j.id not in held.values())) if first \
+        else iter(pending)
     while ready and (max_starts is None or len(plans) < max_starts) \
             and (job := next(queue, None)) is not None:
         p = plan(job, nodes, offer(job), now, cfg, graced)

@@ -109,7 +109,9 @@ def started(plans) -> dict[str, list[str]]:
     ([OTHER, WAITING], ("s",), NOW, {}, {}),
     # a node comes: the waiting job takes its survivor first (not the first two by name)
     ([WAITING], ("a", "b", "s"), NOW, {}, {"waits": ["a", "s"]}),
-    ([OTHER, WAITING], ("a", "b", "s"), NOW, {}, {"other": ["a"], "waits": ["b", "s"]}),
+    ([OTHER, WAITING], ("a", "b", "s"), NOW, {}, {"waits": ["a", "s"], "other": ["b"]}),
+    # one node comes: it completes the waiting job first, not the older job ahead of it
+    ([OTHER, WAITING], ("a", "s"), NOW, {}, {"waits": ["a", "s"]}),
     # the hold has ended: the node is free like any other (still first for the job, while free)
     ([OTHER, WAITING], ("s",), 1110.0, {}, {"other": ["s"]}),
     ([WAITING], ("a", "b", "s"), 1110.0, {}, {"waits": ["a", "s"]}),
@@ -141,6 +143,15 @@ def test_a_pass_does_not_read_the_queue_when_the_only_free_nodes_are_held():
 
     assert schedule_queue(pending(), [], nodes("s"), NOW, CFG, claims={"s": WAITING}) == []
     assert read == []
+
+
+def test_the_jobs_that_free_nodes_are_held_for_come_first_oldest_hold_first():
+    a = job(kept=kept(since=950.0, a=10), jid="a-job")
+    b = job(kept=kept(since=900.0, b=20), jid="b-job")
+    claims = {"a": a, "b": b}
+    assert [j.id for j in keep.holding({"a": "a-job", "b": "b-job"}, claims)] == ["b-job", "a-job"]
+    assert [j.id for j in keep.holding({"a": "a-job"}, claims)] == ["a-job"]  # b's node not free
+    assert keep.holding({}, claims) == []
 
 
 def test_a_node_is_held_for_the_job_whose_copy_it_kept_last():
