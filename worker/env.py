@@ -97,3 +97,8 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # torch's agent then computes the ranks instead of exchanging them through the rendezvous
 # store after each round (four requests to the control plane, and a wait for the slowest node).
 TORCH_ELASTIC_WORKER_IDENTICAL = "TORCH_ELASTIC_WORKER_IDENTICAL"
+
+# ---------------------------------------------------------------- torch's, read by ftrain
+# What torchrun sets for each worker: its restart count, which names the folder of its output
+# files under --log-dir (worker/output.py).
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

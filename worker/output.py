@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from worker.env import TORCHELASTIC_RESTART_COUNT
 from worker.launch import WORKER_NOTE
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def keep_replaced_outputs() -> bool:
 
     def reify(self, envs):
         run_dir = getattr(self, "_run_log_dir", None)
-        restart = envs[0].get("TORCHELASTIC_RESTART_COUNT") if envs and 0 in envs else None
+        restart = envs[0].get(TORCHELASTIC_RESTART_COUNT) if envs and 0 in envs else None
         if run_dir and restart is not None:
             folder = os.path.join(run_dir, f"attempt_{restart}")
             n = 1

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 from tests.worker.group_output import Exited, follow, write_worker
 from worker.env import FTRAIN_ROUND
-from worker.launch import ROUND_ENV
 from worker.rendezvous.rounds import ReportingHandler
 from worker.torchrun import WorkerGroup
 
@@ -35,10 +34,6 @@ def test_a_worker_without_a_note_is_its_local_rank_of_no_known_round(tmp_path):
     write_worker(tmp_path / "logs", 0, 1, ["hello"])
     assert [(x.rank, x.line, x.round) for x in follow(tmp_path, WorkerGroup("j", 2, Exited()))] == [
         (1, "hello", None)]
-
-
-def test_the_launcher_and_the_agent_name_the_round_alike():
-    assert ROUND_ENV == FTRAIN_ROUND
 
 
 class Reporter:
