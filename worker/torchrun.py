@@ -321,10 +321,11 @@ class Torchrun:
     def torchrun_log_dir(self, a: Assignment) -> Path:
         """Where torchrun keeps its per-worker files (`--redirects` writes each worker's output
         to files of its own, which the agent follows): in the job's log folder, which
-        `log_retention` bounds. Left to torchrun, a `torchelastic_*` folder in $TMPDIR with
-        every attempt's output stays there for good (bench/soak.py --minutes found one per
-        attempt after an hour)."""
-        return self.data_dir / "logs" / a.job_id / "torchrun"
+        `log_retention` bounds, one folder per node (the agents of `ftrain up` share a data
+        directory, and each must find its own torchrun's files). Left to torchrun, a
+        `torchelastic_*` folder in $TMPDIR with every attempt's output stays there for good
+        (bench/soak.py --minutes found one per attempt after an hour)."""
+        return self.data_dir / "logs" / a.job_id / "torchrun" / self.node
 
     @staticmethod
     def job_command(a: Assignment) -> list[str]:
@@ -479,7 +480,7 @@ class Torchrun:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         # torchrun's own files (it runs as the job's user, if there is one)
         job_dir(self.torchrun_log_dir(a), self.run_as,
-                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir))
+                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir, log_dir / "torchrun"))
         env = self.job_env(a)
         if (why := missing_command(self.job_command(a), env, cwd)) is not None:
             # Said before anything starts: the reason must not depend on whether the
@@ -636,8 +637,9 @@ class Torchrun:
         g = self.group
         if g is None or g.proc.poll() is None or self.draining(g):
             return None
+        deadline = time.monotonic() + 2
         for t in g.threads:
-            t.join(2)
+            t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in g.threads):
             # A reader is behind (it waits for the shipper: a flood of output): the last lines,
             # which a failure's reason quotes, from the ends of the files instead.

@@ -92,7 +92,7 @@ class RankOutput:
     rank: int = 0
 
     def files(self) -> list[Path]:
-        runs = self.agent.workdir / "logs" / self.job_id / "torchrun"
+        runs = self.agent.workdir / "logs" / self.job_id / "torchrun" / self.agent.name
         pattern = f"{self.job_id}-a{'*' if self.attempt is None else self.attempt}_*/attempt_*/*/stdout.log"
         found = []
         for path in runs.glob(pattern):
