@@ -129,8 +129,8 @@ def test_a_burst_larger_than_the_agents_queue_all_reaches_the_api_before_the_job
 
 # Two ranks on one node, each printing as fast as it can (`print(..., flush=True)`: a line's
 # text, then its newline, two writes): lines a worker's file gets while the agent reads it.
-# Through torchrun's --tee copy, lines came out split (README, "An hour with faults"): 3 runs
-# of 3 on this machine had one or two split or lost. ftrain's own notes on a rank's stderr
+# Through torchrun's --tee copy, lines came out split (README, "An hour with faults"): 4 runs
+# of 4 on this machine had one or two split or lost. ftrain's own notes on a rank's stderr
 # ("ftrain: ...") are not the script's lines.
 FAST_LINES = int(os.environ.get("FTRAIN_TEST_FAST_LINES", "20000"))
 FAST_CHARS = 200
