@@ -105,7 +105,7 @@ def test_a_burst_larger_than_the_agents_queue_all_reaches_the_api_before_the_job
     the agent reads them as they can be shipped, none dropped while the control plane
     answers, and reports the group's end only once they are all shipped (a reader that stops
     at the end sees them all; before: 60% of a flood of 200,000 lost, the end reported first).
-    torchrun's own copy of the flood (`--tee`) is kept in the agent's bounded log folder, not
+    the worker's own files of the flood (`--redirects`) are kept in the agent's bounded log folder, not
     left in $TMPDIR for good (before: a `torchelastic_*` folder there per attempt)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
