@@ -30,6 +30,10 @@ FTRAIN_MEMORY_DIR = "FTRAIN_MEMORY_DIR"  # the node's memory tier for the job (w
 # of group rank 0 (worker/rendezvous/rounds.py); rank 0 sends it with its progress, so the
 # control plane tells the new group's first step from a late one of the group it replaced.
 FTRAIN_GROUP = "FTRAIN_GROUP"
+# Set by the same handler for the workers of every round it forms: the round (torch's), which
+# each worker's launcher notes beside its output files; the agent tags the worker's lines with
+# it (`LogLineIn.round`; worker/launch.py and worker/output.py).
+FTRAIN_ROUND = "FTRAIN_ROUND"
 
 # ---------------------------------------------------------------- a job's own knobs
 # The only FTRAIN_* names a job spec's `env` may set (service/models.py refuses the others).
@@ -88,9 +92,12 @@ FTRAIN_PHASE_LOG = "FTRAIN_PHASE_LOG"
 # ---------------------------------------------------------------- torch's, set by ftrain
 # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# "[rank3]:" before each worker line, which the agent parses to tell ranks apart.
-TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 # Every node runs the same number of workers (a job's nproc_per_node that is not "auto"):
 # torch's agent then computes the ranks instead of exchanging them through the rendezvous
 # store after each round (four requests to the control plane, and a wait for the slowest node).
 TORCH_ELASTIC_WORKER_IDENTICAL = "TORCH_ELASTIC_WORKER_IDENTICAL"
+
+# ---------------------------------------------------------------- torch's, read by ftrain
+# What torchrun sets for each worker: its restart count, which names the folder of its output
+# files under --log-dir (worker/output.py).
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

@@ -5,7 +5,11 @@ milliseconds) as the worker's entry point. It
 
 1. asks the kernel for SIG when its parent, torchrun, dies (PR_SET_PDEATHSIG survives
    execve), and exits at once if torchrun is already gone;
-2. asks the job's fork server (`worker/fork_server.py`, its socket named by
+2. leaves a note of who the worker is (its global rank, and the rendezvous round that formed
+   its group: FTRAIN_ROUND, which torchrun's rendezvous handler sets) in the folder of its
+   output files, which torchrun names by local rank only; the node agent, which follows those
+   files, reads it to tag each line (`WORKER_NOTE`, worker/output.py);
+3. asks the job's fork server (`worker/fork_server.py`, its socket named by
    FTRAIN_FORK_SERVER_SOCKET) for a worker that has torch imported already: it sends the
    command, its environment, its working directory and its standard streams, and then
    stands in for that worker. It
@@ -18,7 +22,7 @@ milliseconds) as the worker's entry point. It
    grace for the interpreter's finalization): then it kills the worker and exits with the
    script's status, saying so on stderr. It never waits without a bound for a worker whose
    script is done;
-3. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
+4. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
    torchrun would have.
 
 A worker started by the fork server watches this process and kills itself when it is
@@ -52,6 +56,31 @@ def _signal_name(sig):
 # ftrain: it starts in every worker); tests/worker/test_failure_headline.py checks they agree.
 COMMAND_NOT_FOUND = "ftrain: command not found: "
 COMMAND_NOT_EXECUTABLE = "ftrain: command not executable: "
+# worker.env.FTRAIN_ROUND (see there).
+ROUND_ENV = "FTRAIN_ROUND"
+# The note a worker leaves next to its stdout.log and stderr.log (`leave_note`).
+WORKER_NOTE = "ftrain-worker.json"
+
+
+def leave_note(env):
+    """Write {"rank": R, "round": N or null} to WORKER_NOTE in the folder of the worker's
+    output files (that of TORCHELASTIC_ERROR_FILE, which torchrun sets per worker), before the
+    worker prints anything, and atomically (the agent never reads half of it). Nothing
+    without those variables (torchrun itself, started through this file by the fork server)."""
+    error_file, rank = env.get("TORCHELASTIC_ERROR_FILE"), env.get("RANK", "")
+    if not error_file or not rank.isdigit():
+        return
+    round_ = env.get(ROUND_ENV, "")
+    note = json.dumps({"rank": int(rank), "round": int(round_) if round_.isdigit() else None})
+    folder = os.path.dirname(error_file)
+    tmp = os.path.join(folder, f".{WORKER_NOTE}.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(note)
+        os.rename(tmp, os.path.join(folder, WORKER_NOTE))
+    except OSError:
+        pass  # the agent then takes the local rank for the rank, and no round
 
 
 def _exec(command):
@@ -171,6 +200,7 @@ def main(argv):
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent or parent == 1:
         os._exit(70)  # torchrun died before the guard was in place
+    leave_note(os.environ)
     name = os.environ.get(FORK_SERVER_SOCKET_ENV)
     if name:
         _forked_worker(name, command)

@@ -67,14 +67,14 @@ def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
 
 
 def _last_write(folder: Path) -> float:
-    """The newest modification time of `folder` and the files directly in it."""
+    """The newest modification time of `folder` and of everything in it: the workers write
+    their output deep in its `torchrun/` (`<run>/attempt_<n>/<local rank>/stdout.log`), and a
+    long run may write nothing else for hours."""
     newest = folder.lstat().st_mtime
-    try:
-        for e in os.scandir(folder):
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
             try:
-                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
             except FileNotFoundError:
                 pass
-    except OSError:
-        pass
     return newest

@@ -198,25 +198,6 @@ class LogLineIn(BaseModel):
                                   "group's late lines are told apart; null: not known.")
 
 
-# The line a job's torchrun prints (on stdout and on stderr) once a rendezvous round has formed
-# its group, before it starts that group's workers: the agent reads it in order with the
-# workers' lines (torchrun copies every line of the old workers before it re-rendezvouses), so
-# each worker line is tagged with its group's round (`LogLineIn.round`); the mark is not shipped.
-ROUND_MARK = "ftrain-round-formed: "
-
-
-def round_mark(round_: int) -> str:
-    return f"{ROUND_MARK}{round_}"
-
-
-def round_of_mark(line: str) -> int | None:
-    """The round a `round_mark` line names; None for any other line."""
-    if not line.startswith(ROUND_MARK):
-        return None
-    value = line[len(ROUND_MARK):].strip()
-    return int(value) if value.isdigit() else None
-
-
 class LogShipment(JsonBody):
     node: str = Field(..., max_length=64)
     attempt: JsonInt = 0

@@ -7,8 +7,10 @@ signal (SIGTERM: torchrun then stops its workers), each worker through `worker/l
 with one too (SIGKILL when torchrun dies), and a stop or an exit kills what is left of the
 tree, the workers the fork server forked included.
 
-torchrun writes its output to files, which `Torchrun` follows line by line: each line
-goes to the `LogShipper`, and the last lines of each rank are kept for the failure reason.
+Each worker writes its output to files of its own under torchrun's --log-dir, and torchrun its
+own lines to two files; `Torchrun` follows all of them (worker/output.py: a line is shipped
+once it is whole, tagged with the rank and rendezvous round of the worker that wrote it): each
+line goes to the `LogShipper`, and the last lines of each rank are kept for the failure reason.
 torchrun's own shutdown is not the job's output: once the agent stops a group (a new
 attempt replaces it, a cancel) or torchrun starts a traceback of its own, torchrun's lines
 (those without a rank) are held until it exits; then they go out as they were if torchrun
@@ -24,7 +26,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -55,11 +56,11 @@ from worker.env import (
     FTRAIN_USER_TOKEN,
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     TORCH_ELASTIC_WORKER_IDENTICAL,
-    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE,
 )
 from worker.handoff import AgentHandoff, handoff_path
 from worker.links import ServiceLink, report_broken_peer
 from worker.log_shipper import LogShipper
+from worker.output import POLL_S, QUIET_S, STREAMS, LineReader, WorkerDir, WorkerDirs
 from worker.procs import (
     FORK_SERVER,
     cmdline,
@@ -77,7 +78,6 @@ from worker.protocol import (
     Assignment,
     LogLineIn,
     cut_line,
-    round_of_mark,
     says_peer_gone,
     telling_line,
 )
@@ -103,7 +103,8 @@ STOPPED_WORKER_GRACE_S = 3.0
 DRAIN_S = 60.0
 # How long a node without an assignment keeps the memory tier of the job it left (`park_memory`).
 MEMORY_KEEP_S = 300.0
-_RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:(.*)$")
+# Lines read from one worker's file before the next file's turn (one reader follows them all).
+LINES_PER_TURN = 200
 
 
 class CouldNotStart(Exception):
@@ -142,9 +143,9 @@ class WorkerGroup:
     # torchrun's own lines held back since its shutdown began (see the module's docstring)
     held: list = field(default_factory=list)
     holding: bool = False
-    # the rendezvous round of the group whose workers print now, per stream (its ROUND_MARK)
-    rounds: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)  # stream -> torchrun's output file
+    # (local rank, stream) -> (the newest file of that worker, its rank), for `tails_of_files`
+    worker_files: dict = field(default_factory=dict)
     exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
     released: bool = False  # its held lines were handed to the shipper (`_release_held`)
@@ -175,11 +176,12 @@ class WorkerGroup:
                                 + (f"\n{note}" if note else ""))
 
 
-def tails_of_files(paths: list[Path], secrets: tuple[str, ...], nbytes: int = 64 * 1024) -> dict:
-    """The last lines of each rank (and of torchrun's own, rank None) in torchrun's output
-    files, read from their ends, as `WorkerGroup.tails` holds them."""
+def tails_of_files(files: list[tuple[Path, int | None]], secrets: tuple[str, ...],
+                   nbytes: int = 64 * 1024) -> dict:
+    """The last lines of each rank in its files (torchrun's own: rank None), read from their
+    ends, as `WorkerGroup.tails` holds them."""
     tails: dict = collections.defaultdict(lambda: collections.deque(maxlen=20))
-    for path in paths:
+    for path, rank in files:
         try:
             with open(path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -189,13 +191,8 @@ def tails_of_files(paths: list[Path], secrets: tuple[str, ...], nbytes: int = 64
             continue
         lines = raw.decode("utf-8", errors="replace").split("\n")
         for text in lines[1 if size > nbytes else 0:]:
-            if not text:
-                continue
-            m = _RANK_PREFIX.match(text)
-            rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
-            if rank is None and round_of_mark(line) is not None:
-                continue
-            tails[rank].append(mask_secrets(line, secrets))
+            if text:
+                tails[rank].append(mask_secrets(text, secrets))
     return tails
 
 
@@ -235,6 +232,19 @@ def shutdown_summary(held: list[str], stop_requested: bool, attempt: int, node: 
     if not stop_requested and not any(w in x for x in held for w in _CLOSED_BY_FTRAIN):
         return None
     return f"ftrain: attempt {attempt}'s torchrun on {node} shut down ({len(held)} lines of its own hidden)"
+
+
+@dataclass
+class _Followed:
+    """A worker's file that `Torchrun._follow_workers` reads."""
+
+    dir: WorkerDir
+    stream: str
+    reader: LineReader
+    rank: int
+    round: int | None
+    last_data: float  # monotonic: when bytes were last read from it
+    finished: bool = False
 
 
 @dataclass
@@ -293,7 +303,9 @@ class Torchrun:
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
             f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
-            f"--monitor-interval={MONITOR_INTERVAL_S}", "--tee=3", f"--log-dir={self.torchrun_log_dir(a)}",
+            f"--monitor-interval={MONITOR_INTERVAL_S}",
+            # each worker's output to files of its own, which the agent follows (worker/output.py)
+            "--redirects=3", f"--log-dir={self.torchrun_log_dir(a)}",
         ]
         if self.address:
             argv.append(f"--local-addr={self.address}")
@@ -307,11 +319,13 @@ class Torchrun:
         return pdeathsig_argv(argv, signal.SIGTERM)
 
     def torchrun_log_dir(self, a: Assignment) -> Path:
-        """Where torchrun keeps its per-worker files (`--tee` writes each worker's output to a
-        file and tails it): in the job's log folder, which `log_retention` bounds. Left to
-        torchrun, a `torchelastic_*` folder in $TMPDIR with a copy of every attempt's output
-        stays there for good (bench/soak.py --minutes found one per attempt after an hour)."""
-        return self.data_dir / "logs" / a.job_id / "torchrun"
+        """Where torchrun keeps its per-worker files (`--redirects` writes each worker's output
+        to files of its own, which the agent follows): in the job's log folder, which
+        `log_retention` bounds, one folder per node (the agents of `ftrain up` share a data
+        directory, and each must find its own torchrun's files). Left to torchrun, a
+        `torchelastic_*` folder in $TMPDIR with every attempt's output stays there for good
+        (bench/soak.py --minutes found one per attempt after an hour)."""
+        return self.data_dir / "logs" / a.job_id / "torchrun" / self.node
 
     @staticmethod
     def job_command(a: Assignment) -> list[str]:
@@ -340,7 +354,6 @@ class Torchrun:
             FTRAIN_SNAPSHOT_KEEP: str(a.snapshot_keep),
             # Restarts with torch's shared rendezvous TCPStore can hang (pytorch #135712).
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
-            TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: "[rank${rank}]:",
             "PYTHONUNBUFFERED": "1",
         })
         if a.global_batch_size:
@@ -467,7 +480,7 @@ class Torchrun:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         # torchrun's own files (it runs as the job's user, if there is one)
         job_dir(self.torchrun_log_dir(a), self.run_as,
-                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir))
+                agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir, log_dir / "torchrun"))
         env = self.job_env(a)
         if (why := missing_command(self.job_command(a), env, cwd)) is not None:
             # Said before anything starts: the reason must not depend on whether the
@@ -480,8 +493,9 @@ class Torchrun:
         if (fork_server := self.start_fork_server(a, env, cwd, log_dir)) is not None:
             env[FTRAIN_FORK_SERVER_SOCKET] = fork_server
         # torchrun writes to files, not pipes: an agent that dies must not leave torchrun
-        # writing into a broken pipe (its log-tail threads then keep it from exiting).
-        outputs = {s: log_dir / f"{self.node}-attempt{a.attempt}.{s}" for s in ("stdout", "stderr")}
+        # writing into a broken pipe.
+        outputs = {s: log_dir / f"{self.node}-attempt{a.attempt}.{s}" for s in STREAMS}
+        dirs = WorkerDirs.before_start(self.torchrun_log_dir(a), a.rdzv_id)
         try:
             with _private_file(outputs["stdout"], "wb") as out, _private_file(outputs["stderr"], "wb") as err:
                 proc = subprocess.Popen(
@@ -492,53 +506,107 @@ class Torchrun:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
         g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs,
                         job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
-        for stream, path in outputs.items():
-            t = threading.Thread(target=self._pump, args=(g, stream, path), daemon=True,
-                                 name=f"pump-{stream}")
-            t.start()
-            g.threads.append(t)
+        self.follow(g, dirs)
         self.group = g
         log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
         return g
 
-    def _pump(self, g: WorkerGroup, stream: str, path: Path) -> None:
-        """Follow torchrun's output file, line by line, until torchrun has exited."""
+    def follow(self, g: WorkerGroup, dirs: WorkerDirs) -> None:
+        """Start the threads that follow `g`'s output until its torchrun has exited: one per
+        file of torchrun's own, one that finds the workers' files (`dirs`), one that reads them."""
+        targets = [(self._follow_torchrun, (g, stream, path), f"out-{stream}")
+                   for stream, path in g.outputs.items()]
+        targets += [(self._watch_workers, (g, dirs), "out-dirs"),
+                    (self._follow_workers, (g, dirs), "out-workers")]
+        for target, args, name in targets:
+            t = threading.Thread(target=target, args=args, daemon=True, name=name)
+            t.start()
+            g.threads.append(t)
+
+    def _follow_torchrun(self, g: WorkerGroup, stream: str, path: Path) -> None:
+        """Follow one of torchrun's own output files, line by line, until torchrun has exited."""
         with open(path, "rb") as f:
-            partial = b""
+            reader = LineReader(f)
             while True:
-                raw = f.readline()
-                if not raw:
-                    if g.proc.poll() is None:
-                        time.sleep(0.05)
-                        continue
-                    # exited: what it wrote just before, a line at a time (not all of it as one)
-                    raw = f.readline()
-                    if not raw:
-                        raw, partial = partial, b""
-                        if not raw:
-                            return
-                if not raw.endswith(b"\n") and g.proc.poll() is None:
-                    partial += raw
+                final = g.proc.poll() is not None  # then what it wrote is all there: read to the end
+                raw = reader.next_line(final)
+                if raw is None:
+                    if final:
+                        return
+                    time.sleep(POLL_S)
                     continue
-                raw, partial = partial + raw, b""
-                text = raw.decode("utf-8", errors="replace").rstrip("\n")
-                m = _RANK_PREFIX.match(text)
-                rank, line = (int(m.group(1)), m.group(2)) if m else (None, text)
-                if rank is None and (formed := round_of_mark(line)) is not None:
-                    g.rounds[stream] = formed  # the lines after it are the new group's
-                    continue
-                line = mask_secrets(line, g.secrets)
-                if rank is not None and g.rounds.get(stream) not in g.peer_reported and says_peer_gone(line):
-                    self._report_broken_peer(g, g.rounds.get(stream), line)
-                if not g.tails_final:
-                    g.tails[rank].append(line)
-                out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
-                                round=g.rounds.get(stream) if rank is not None else None)
-                if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
-                    g.holding = True
-                    g.held.append(out)
-                    continue
-                self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the file keeps them)
+                self._take(g, None, None, stream, raw)
+
+    @staticmethod
+    def _watch_workers(g: WorkerGroup, dirs: WorkerDirs) -> None:
+        """Find the workers' folders and files as torchrun makes them (never waiting for the
+        shipper: worker/output.py says why), until torchrun has exited."""
+        try:
+            while True:
+                final = g.proc.poll() is not None
+                dirs.scan(final)
+                if final:
+                    return
+                time.sleep(POLL_S)
+        finally:
+            dirs.close()
+
+    def _follow_workers(self, g: WorkerGroup, dirs: WorkerDirs) -> None:
+        """Read every worker's files that `_watch_workers` found, in turns, until each is final
+        (torchrun has exited, or its group was replaced and it has been quiet for QUIET_S)."""
+        followed: list[_Followed] = []
+        try:
+            while True:
+                done = dirs.done.is_set()  # first: then every file was handed out, and is final
+                while not dirs.ready.empty():
+                    followed += self._followers(g, dirs.ready.get())
+                now, read = time.monotonic(), False
+                for fo in followed:
+                    final = done or (fo.dir.replaced and now - fo.last_data >= QUIET_S)
+                    before = fo.reader.bytes_read
+                    for _ in range(LINES_PER_TURN):
+                        raw = fo.reader.next_line(final)
+                        if raw is None:
+                            fo.finished = final
+                            break
+                        self._take(g, fo.rank, fo.round, fo.stream, raw)
+                    if fo.reader.bytes_read != before:
+                        fo.last_data, read = now, True
+                for fo in [fo for fo in followed if fo.finished]:
+                    fo.reader.f.close()
+                    followed.remove(fo)
+                if done and not followed and dirs.ready.empty():
+                    return
+                if not read:
+                    time.sleep(POLL_S)
+        finally:
+            for fo in followed:
+                fo.reader.f.close()
+
+    @staticmethod
+    def _followers(g: WorkerGroup, d: WorkerDir) -> list[_Followed]:
+        who = d.who()
+        for stream in d.files:
+            g.worker_files[(d.local_rank, stream)] = (d.path / f"{stream}.log", who.rank)
+        return [_Followed(d, stream, LineReader(f), who.rank, who.round, time.monotonic())
+                for stream, f in d.files.items()]
+
+    def _take(self, g: WorkerGroup, rank: int | None, round_: int | None, stream: str, raw: bytes) -> None:
+        """One whole line of a worker (`rank`, of the group that rendezvous round `round_`
+        formed) or of torchrun (rank None): masked, kept for the failure reason, shipped
+        (torchrun's own held once its shutdown has begun)."""
+        line = mask_secrets(raw.decode("utf-8", errors="replace"), g.secrets)
+        if rank is not None and round_ not in g.peer_reported and says_peer_gone(line):
+            self._report_broken_peer(g, round_, line)
+        if not g.tails_final:
+            g.tails[rank].append(line)
+        out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
+                        round=round_ if rank is not None else None)
+        if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
+            g.holding = True
+            g.held.append(out)
+            return
+        self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the files keep them)
 
     def _report_broken_peer(self, g: WorkerGroup, round_: int | None, line: str) -> None:
         """A worker printed that its process group lost a peer: tell the control plane now,
@@ -569,12 +637,14 @@ class Torchrun:
         g = self.group
         if g is None or g.proc.poll() is None or self.draining(g):
             return None
+        deadline = time.monotonic() + 2
         for t in g.threads:
-            t.join(2)
+            t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in g.threads):
             # A reader is behind (it waits for the shipper: a flood of output): the last lines,
             # which a failure's reason quotes, from the ends of the files instead.
-            g.tails_final, g.tails = True, tails_of_files(list(g.outputs.values()), g.secrets)
+            files = [(p, None) for p in g.outputs.values()] + list(g.worker_files.values())
+            g.tails_final, g.tails = True, tails_of_files(files, g.secrets)
         if not g.released:
             self._release_held(g)
         self.group = None

@@ -18,8 +18,9 @@ step (several seconds on GPUs). So the recovery ends, and "training again" is re
 - a plain script (it never reported progress): the first line its workers print in the job's
   current attempt once the new group has formed (ftrain's own "ftrain: ..." notices aside),
   from a worker of that group: each line carries the rendezvous round of the group whose
-  worker printed it (the agent reads torchrun's mark of each round formed, in order with the
-  workers' lines: `worker.protocol.ROUND_MARK`), and the job the round of its group (the
+  worker printed it (torchrun's rendezvous handler gives each group's workers their round,
+  `FTRAIN_ROUND`, which each worker's launcher notes beside its output files, and the agent
+  tags the lines of those files with it: worker/output.py), and the job the round of its group (the
   'joined' report's), so a late line of the replaced group, shipped after the new one formed,
   does not count.
 Faults, planned changes and their ends are decided here as pure functions.

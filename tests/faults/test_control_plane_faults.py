@@ -165,14 +165,11 @@ def _stopped_for(cp: ControlPlane, agent: NodeAgentProc, job_id: str, attempt: i
 
 
 def _rank0_steps_on_the_nodes(agents: list[NodeAgentProc], job_id: str) -> tuple[list[int], list[int]]:
-    """Every step rank 0 printed, and the step each group started at, from the nodes' own
-    torchrun output (every attempt): what was trained, whatever reached the control plane."""
-    steps: list[int] = []
-    starts: list[int] = []
-    for path in sorted(agents[0].workdir.glob(f"logs/{job_id}/*-attempt*.stdout")):
-        text = path.read_text(errors="replace")
-        steps += [int(n) for n in re.findall(r"^\[rank0\]:step=(\d+)\b", text, re.M)]
-        starts += [int(n) for n in re.findall(r"^\[rank0\]:start step=(\d+)", text, re.M)]
+    """Every step rank 0 printed, and the step each group started at, from its files on the
+    node (every attempt, every group): what was trained, whatever reached the control plane."""
+    text = agent_stdout(agents[0], job_id, None).read_text()
+    steps = [int(n) for n in re.findall(r"^step=(\d+)\b", text, re.M)]
+    starts = [int(n) for n in re.findall(r"^start step=(\d+)", text, re.M)]
     return steps, sorted(starts)
 
 

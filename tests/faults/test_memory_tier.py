@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -17,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.elastic import job, log_items, submit, wait_nodes, wait_state
-from tests.helpers.faults import events_of, runs, state_letter, train_spec, wait_workers, workers
+from tests.helpers.faults import (
+    agent_stdout,
+    events_of,
+    local_steps,
+    runs,
+    state_letter,
+    train_spec,
+    wait_workers,
+    workers,
+)
 from tests.helpers.processes import pid_alive, wait_for
 from worker import memory as mem
 
@@ -45,11 +53,8 @@ def wait_logged_step(api, job_id: str, step: int) -> None:
 
 
 def local_step(agents, job_id: str) -> int:
-    """Rank 0's latest step as its torchrun wrote it on its node (no shipping delay)."""
-    steps = [int(m.group(1)) for agent in agents
-             for path in (agent.workdir / "logs" / job_id).glob("*.stdout")
-             for m in re.finditer(r"\[rank0\]:step=(\d+)", path.read_text(errors="replace"))]
-    return max(steps, default=0)
+    """Rank 0's latest step as it wrote it on its node (no shipping delay)."""
+    return max((s for agent in agents for s in local_steps(agent_stdout(agent, job_id, None))), default=0)
 
 
 def is_memory_writer(pid: int) -> bool:

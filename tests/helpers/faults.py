@@ -17,6 +17,7 @@ Jobs keep every snapshot (`keep` 1000) so the final list is the whole history.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,7 @@ from tests.helpers.processes import (
     wait_for,
 )
 from worker import snapshot as snap
+from worker.launch import WORKER_NOTE
 
 TRAIN = REPO / "examples" / "train.py"
 KEEP_ALL = 1000
@@ -78,19 +80,54 @@ def state_letter(pid: int) -> str | None:
         return None
 
 
-def agent_stdout(agent: NodeAgentProc, job_id: str, attempt: int) -> Path:
-    """torchrun's stdout for one attempt, as the agent writes it (readable while the
-    control plane or etcd is away)."""
-    return agent.workdir / "logs" / job_id / f"{agent.name}-attempt{attempt}.stdout"
+@dataclass(frozen=True)
+class RankOutput:
+    """What one rank's workers wrote to stdout on a node, in the files torchrun's --log-dir
+    keeps per worker (readable while the control plane or etcd is away): every group of the
+    job's `attempt` (of every attempt when None), oldest first."""
+
+    agent: NodeAgentProc
+    job_id: str
+    attempt: int | None
+    rank: int = 0
+
+    def files(self) -> list[Path]:
+        runs = self.agent.workdir / "logs" / self.job_id / "torchrun" / self.agent.name
+        pattern = f"{self.job_id}-a{'*' if self.attempt is None else self.attempt}_*/attempt_*/*/stdout.log"
+        found = []
+        for path in runs.glob(pattern):
+            try:
+                note = json.loads((path.parent / WORKER_NOTE).read_text())
+            except (OSError, ValueError):
+                continue
+            if note.get("rank") == self.rank:
+                found.append((_group_order(path), path))
+        return [p for _, p in sorted(found)]
+
+    def exists(self) -> bool:
+        return bool(self.files())
+
+    def read_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.files())
 
 
-def local_steps(path: Path) -> list[int]:
-    """Steps rank 0 printed, read from the agent's local torchrun output."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    return [int(m.group(1)) for m in re.finditer(r"^\[rank0\]:step=(\d+)\b", text, re.M)]
+def _group_order(path: Path) -> tuple:
+    """Where a worker's file comes among its node's: by job attempt, by torch's restart, and a
+    group that a membership change replaced (`attempt_<restart>.<n>`) before the next."""
+    run, restart = path.parent.parent.parent.name, path.parent.parent.name
+    attempt = int(re.search(r"-a(\d+)_[^/]*$", run).group(1))
+    number, _, replaced = restart.removeprefix("attempt_").partition(".")
+    return attempt, int(number), int(replaced) if replaced else float("inf"), str(path)
+
+
+def agent_stdout(agent: NodeAgentProc, job_id: str, attempt: int | None, rank: int = 0) -> RankOutput:
+    """A rank's stdout on a node for one attempt (every attempt: None)."""
+    return RankOutput(agent, job_id, attempt, rank)
+
+
+def local_steps(out: RankOutput) -> list[int]:
+    """Steps the rank printed, read from its files on the node."""
+    return [int(m.group(1)) for m in re.finditer(r"^step=(\d+)\b", out.read_text(), re.M)]
 
 
 @contextlib.contextmanager

@@ -84,11 +84,13 @@ def test_workers_run_as_nobody_read_no_token_and_snapshot_as_themselves(etcd, op
         for p, mode in ((folder, 0o700), (snapshot, 0o600)):
             st = p.stat()
             assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (nobody.pw_uid, mode), (p, st)
-        # The agent's copy is the agent's; torchrun's own per-worker files (`--tee`) are U's.
+        # The agent's copy is the agent's; torchrun's per-worker files (`--redirects`) are U's.
         output = [p for p in (node_dir / "logs" / job_id).iterdir() if p.name != "torchrun"]
         assert output and all(stat.S_IMODE(p.stat().st_mode) == 0o600 and p.stat().st_uid == 0
                               for p in output), output
         st = (node_dir / "logs" / job_id / "torchrun").stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o711), st  # U passes through
+        st = (node_dir / "logs" / job_id / "torchrun" / agent.name).stat()
         assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (nobody.pw_uid, 0o700), st
     finally:
         agent.stop()

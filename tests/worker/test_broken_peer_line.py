@@ -1,5 +1,5 @@
 """A plain script's worker that dies of a lost peer prints the error, then spends seconds in
-the interpreter's teardown: the agent reads the error line as torchrun passes it on and
+the interpreter's teardown: the agent reads the error line from the worker's file and
 reports the broken peer at once (worker/torchrun.py `_report_broken_peer`, through
 worker/links.py `report_broken_peer`, the runtime's one way too), as the runtime's
 workers do themselves, so a member whose agent's connection dropped is lost at once
@@ -8,16 +8,17 @@ workers do themselves, so a member whose agent's connection dropped is lost at o
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.helpers.processes import wait_for
-from tests.worker.test_shutdown_noise import Exited, Shipper
+from tests.worker.group_output import Exited, follow, write_worker
 from worker.links import ServiceLink
-from worker.protocol import round_mark, says_peer_gone
-from worker.torchrun import Torchrun, WorkerGroup
+from worker.protocol import says_peer_gone
+from worker.torchrun import WorkerGroup
 
 GLOO = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
         "[10.0.0.2]:3541")
@@ -66,11 +67,14 @@ def control_plane():
     server.server_close()
 
 
-def _pump(url: str, tmp_path, lines: list[str], stopping: bool = False) -> None:
-    out = tmp_path / "out"
-    out.write_text("\n".join([*lines, ""]))
+def _follow(url: str, tmp_path, workers: list[tuple[int, int, int, list[str]]],
+            stopping: bool = False) -> None:
+    """The agent reads the stderr of `workers`, each (restart, rank, round, lines), then forgets them."""
+    for restart, rank, round_, lines in workers:
+        write_worker(tmp_path / "logs", restart, rank, lines, rank=rank, round_=round_, stream="stderr")
     g = WorkerGroup("j", 2, Exited(), job_token="job-token", stop_requested=stopping)
-    Torchrun("n1", url, tmp_path, None, Shipper())._pump(g, "stderr", out)
+    follow(tmp_path, g, server=url)
+    shutil.rmtree(tmp_path / "logs")
 
 
 def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token(control_plane, tmp_path,
@@ -78,8 +82,8 @@ def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token
     closed: list[ServiceLink] = []  # the agent's link for a report is closed after it (no leak)
     close = ServiceLink.close
     monkeypatch.setattr(ServiceLink, "close", lambda link: (closed.append(link), close(link)))
-    _pump(control_plane, tmp_path, [round_mark(0), "[rank0]:Traceback (most recent call last):",
-                                    f"[rank0]:{GLOO}", f"[rank1]:{GLOO}"])
+    _follow(control_plane, tmp_path, [(0, 0, 0, ["Traceback (most recent call last):", GLOO]),
+                                      (0, 1, 0, [GLOO])])
     wait_for(lambda: Recorder.got, 10, "the report")
     path, auth, body = Recorder.got[0]
     assert path == "/v1/jobs/j/broken" and auth == "Bearer job-token"
@@ -89,17 +93,16 @@ def test_a_workers_broken_peer_error_is_reported_once_a_round_with_the_job_token
 
     # torchrun re-formed the group (a worker failed), and the new round's group broke too.
     Recorder.got = []
-    _pump(control_plane, tmp_path, [round_mark(0), f"[rank0]:{GLOO}", round_mark(1), f"[rank0]:{GLOO}",
-                                    f"[rank0]:{GLOO}"])
+    _follow(control_plane, tmp_path, [(0, 0, 0, [GLOO]), (1, 0, 1, [GLOO, GLOO])])
     wait_for(lambda: len(Recorder.got) == 2, 10, "a report for each round")
 
 
 def test_no_report_from_a_group_being_stopped_or_of_other_errors(control_plane, tmp_path):
-    _pump(control_plane, tmp_path, [f"[rank0]:{GLOO}"], stopping=True)
-    _pump(control_plane, tmp_path, ["[rank0]:ValueError: bad value", "[rank0]:broken pipe"])
-    _pump(control_plane, tmp_path, ["[rank0]:epoch 1"])
+    _follow(control_plane, tmp_path, [(0, 0, 0, [GLOO])], stopping=True)
+    _follow(control_plane, tmp_path, [(0, 0, 0, ["ValueError: bad value", "broken pipe"])])
+    _follow(control_plane, tmp_path, [(0, 0, 0, ["epoch 1"])])
     # Then one that is reported: by the time it is in, any of the above would be too.
-    _pump(control_plane, tmp_path, ["[rank0]:RuntimeError: Connection reset by peer (the last)"])
+    _follow(control_plane, tmp_path, [(0, 0, 0, ["RuntimeError: Connection reset by peer (the last)"])])
     wait_for(lambda: Recorder.got, 10, "the last group's report")
     assert [b["detail"] for _, _, b in Recorder.got] == [
         "worker output: RuntimeError: Connection reset by peer (the last)"]

@@ -25,6 +25,7 @@ def test_every_constant_is_named_after_its_variable_and_names_differ():
 
 def test_the_stdlib_only_entry_points_repeat_the_names_of_worker_env():
     assert launch.FORK_SERVER_SOCKET_ENV == env.FTRAIN_FORK_SERVER_SOCKET
+    assert launch.ROUND_ENV == env.FTRAIN_ROUND
     assert fork_server.IMPORTS_ENV == env.FTRAIN_FORK_SERVER_IMPORTS
     assert fork_server.EXIT_TIMEOUT_ENV == env.FTRAIN_EXIT_TIMEOUT_S
     assert fork_server.STANDBY_ENV == env.FTRAIN_WORKER_STANDBY

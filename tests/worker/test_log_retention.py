@@ -39,6 +39,13 @@ def test_prune_deletes_the_folders_and_keeps_the_rest(tmp_path):
         os.utime(d, (NOW - age_h * H,) * 2)
     # j3 is the oldest folder, but a file in it was written a minute ago: its last write counts
     os.utime(logs / "j3" / "n0-attempt0.stdout", (NOW - 60,) * 2)
-    assert sorted(prune(logs, running=("j2",), keep_jobs=2, max_age_s=7 * D, now=NOW)) == ["j1"]
-    assert sorted(p.name for p in logs.iterdir()) == ["j0", "j2", "j3"]
+    # and so does a worker's output file deep in torchrun's folder of j1 (with old folders above it)
+    worker = logs / "j1" / "torchrun" / "j1-a1_x" / "attempt_0" / "0"
+    worker.mkdir(parents=True)
+    (worker / "stdout.log").write_text("x")
+    os.utime(worker / "stdout.log", (NOW - 60,) * 2)
+    for d in (worker, *worker.parents[:4]):
+        os.utime(d, (NOW - 3 * H,) * 2)
+    assert sorted(prune(logs, running=("j2",), keep_jobs=1, max_age_s=7 * D, now=NOW)) == ["j0"]
+    assert sorted(p.name for p in logs.iterdir()) == ["j1", "j2", "j3"]
     assert prune(tmp_path / "none", running=(), now=NOW) == []

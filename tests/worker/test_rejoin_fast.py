@@ -1,6 +1,6 @@
 """The re-rendezvous after a worker's death, made shorter (worker/rendezvous/): a node leaving
 a complete round waits for the next in the same write; torchrun's monitor woken by news; a
-broken group stopped without SIGTERM's grace; output tails that stop at once; the 'joining'
+broken group stopped without SIGTERM's grace; the 'joining'
 report off the round's path; the master address published in one store call. Pure: fakes for
 the control plane, torch's agent and its store; no process is started."""
 
@@ -166,26 +166,6 @@ def test_a_broken_group_is_stopped_with_sigkill_a_planned_restart_as_torch_does(
     stop(agent, healthy)
     stop(agent, SimpleNamespace(state=WorkerState.FAILED))  # its own workers failed
     assert agent.signals == [signal.SIGTERM, signal.SIGTERM, signal.SIGKILL, signal.SIGKILL]
-
-
-def test_an_output_tail_stops_at_once_and_copies_every_line(tmp_path):
-    from torch.distributed.elastic.multiprocessing import tail_log
-
-    assert monitor.tail_until_finished()
-    path, finished, out = tmp_path / "out.log", threading.Event(), []
-    path.write_text("one\n")
-    dst = SimpleNamespace(write=out.append)
-    tail = threading.Thread(target=tail_log.tail_logfile, kwargs=dict(
-        header="[0]:", file=str(path), dst=dst, finished=finished, interval_sec=30.0))
-    tail.start()
-    deadline = time.monotonic() + 5
-    while not out and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with open(path, "a") as f:
-        f.write("two\n")
-    finished.set()
-    tail.join(5.0)
-    assert not tail.is_alive() and out == ["[0]:one\n", "[0]:two\n"]
 
 
 def test_the_joining_report_does_not_hold_up_the_round_and_the_joined_one_follows_it():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.protocol import LogLineIn
-from worker.torchrun import Torchrun, WorkerGroup, shutdown_summary, starts_shutdown
+from tests.worker.group_output import Exited, follow, write_worker
+from worker.torchrun import WorkerGroup, shutdown_summary, starts_shutdown
 
 GONE = ["Traceback (most recent call last):", '  File "run.py", line 1', "    main()",
         "torch.distributed.elastic.rendezvous.api.RendezvousGoneError: rendezvous j-a1 is gone"]
@@ -34,40 +34,33 @@ def test_a_shutdown_starts_with_torchruns_own_traceback():
                            "to an error of type RendezvousGoneError.")
 
 
-class Shipper:
-    def __init__(self):
-        self.lines: list[LogLineIn] = []
-
-    def add(self, job_id: str, attempt: int, line: LogLineIn, *, wait_for_room: bool = False) -> None:
-        self.lines.append(line)
-
-
-class Exited:
-    returncode = 1
-
-    def poll(self) -> int:
-        return 1
-
-
-def pumped(tmp_path: Path, text: str, stop_requested: bool) -> list[tuple[int | None, str]]:
-    """What the agent ships of torchrun output `text` for a group that has exited."""
-    out = tmp_path / "out"
-    out.write_text(text)
-    shipper = Shipper()
-    t = Torchrun("n1", "http://cp", tmp_path, None, shipper)
+def followed(tmp_path: Path, torchrun_text: str, worker_lines: list[str], stop_requested: bool
+             ) -> list[tuple[int | None, str]]:
+    """What the agent ships of torchrun's output `torchrun_text` and rank 0's `worker_lines`,
+    for a group that has exited."""
+    write_worker(tmp_path / "logs", 0, 0, worker_lines, rank=0, round_=0)
     g = WorkerGroup("j", 2, Exited(), stop_requested=stop_requested)
-    t._pump(g, "stderr", out)
-    t._release_held(g)
-    return [(x.rank, x.line) for x in shipper.lines]
+    lines = follow(tmp_path, g, {"stderr": torchrun_text})
+    return [(x.rank, x.line) for x in lines]
 
 
 def test_a_replaced_attempts_torchrun_traceback_is_one_line_and_the_workers_lines_all_go(tmp_path):
-    text = "\n".join(["W torchrun starting", "[rank0]:step=1", *GONE, "[rank0]:bye", ""])
-    assert pumped(tmp_path, text, stop_requested=False) == [
-        (None, "W torchrun starting"), (0, "step=1"), (0, "bye"),
+    text = "\n".join(["W torchrun starting", *GONE, ""])
+    got = followed(tmp_path, text, ["step=1", "bye"], stop_requested=False)
+    assert [x for x in got if x[0] == 0] == [(0, "step=1"), (0, "bye")]
+    assert [x for x in got if x[0] is None] == [
+        (None, "W torchrun starting"),
         (None, "ftrain: attempt 2's torchrun on n1 shut down (4 lines of its own hidden)")]
 
 
+def test_a_stopped_attempts_own_lines_are_one_line(tmp_path):
+    got = followed(tmp_path, "\n".join(["W1127 Received 15 death signal", *OWN, ""]), ["step=1"],
+                   stop_requested=True)
+    assert sorted(got, key=str) == [
+        (0, "step=1"), (None, "ftrain: attempt 2's torchrun on n1 shut down (4 lines of its own hidden)")]
+
+
 def test_a_real_failure_keeps_torchruns_traceback(tmp_path):
-    text = "\n".join(["[rank0]:step=1", *OWN, ""])
-    assert pumped(tmp_path, text, stop_requested=False) == [(0, "step=1"), *[(None, x) for x in OWN]]
+    got = followed(tmp_path, "\n".join([*OWN, ""]), ["step=1"], stop_requested=False)
+    assert [x for x in got if x[0] == 0] == [(0, "step=1")]
+    assert [x for x in got if x[0] is None] == [(None, x) for x in OWN]

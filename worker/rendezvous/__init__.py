@@ -105,11 +105,11 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
     """
     from worker.deathsig import act_on_first_death_signal
+    from worker.output import keep_replaced_outputs
     from worker.rendezvous.marks import watch_agent
     from worker.rendezvous.monitor import (
         note_broken_groups,
         stop_broken_groups_at_once,
-        tail_until_finished,
         wake_monitor_on_news,
     )
     from worker.rendezvous.rounds import with_round_reports
@@ -117,7 +117,7 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     act_on_first_death_signal()  # before torch's agent registers its handler
     if wake_monitor_on_news():  # in torchrun: a worker's exit or a waiting node acted on at once
         stop_broken_groups_at_once()  # and a broken group stopped without SIGTERM's grace
-        tail_until_finished()  # and a stop not held up by its output tails' pauses
+        keep_replaced_outputs()  # and the output of a group a membership change replaced kept
     watch_agent()  # phase marks for bench/recovery.py, only with FTRAIN_PHASE_LOG set
     handler = dynamic_handler(params, follow=True)
     note_broken_groups(handler)

@@ -12,14 +12,15 @@ report's answer, before the workers start).
 Each round also names the group it formed, '<node>/<round>' of group rank 0, in this
 process's environment (`FTRAIN_GROUP`), which torch passes to the workers it starts next:
 rank 0 sends it with its progress, and the control plane ends a recovery only on a step of
-the group that its 'joined' report named (`service.decide.recovery`).
+the group that its 'joined' report named (`service.decide.recovery`). The round itself goes
+to every worker the same way (`FTRAIN_ROUND`): each worker's launcher notes it beside the
+worker's output files, and the agent tags the worker's lines with it (worker/output.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -30,10 +31,11 @@ from worker.env import (
     FTRAIN_JOB_ID,
     FTRAIN_JOB_TOKEN,
     FTRAIN_NODE,
+    FTRAIN_ROUND,
     FTRAIN_SERVER,
 )
 from worker.http import ControlPlaneClient, HttpError
-from worker.protocol import RoundReport, round_mark
+from worker.protocol import RoundReport
 from worker.rendezvous import marks
 
 log = logging.getLogger(__name__)
@@ -116,11 +118,10 @@ class ReportingHandler(RendezvousHandler):
         info = self._inner.next_rendezvous()
         round_ = rendezvous_round(self._inner)
         marks.mark("rdzv_done", call=call, round=round_, rank=info.rank, world=info.world_size)
-        if round_ is not None:
-            # Before the group's workers start: every line after this one on this node is
-            # theirs (worker/protocol.py's ROUND_MARK; the agent reads it and ships no mark).
-            for stream in (sys.stdout, sys.stderr):
-                print(round_mark(round_), file=stream, flush=True)
+        if round_ is not None:  # for the group's workers, which torch starts next
+            os.environ[FTRAIN_ROUND] = str(round_)
+        else:
+            os.environ.pop(FTRAIN_ROUND, None)
         self._reporter.report("joined", call, info, round_)
         if info.rank == 0:
             # The group's name as rank 0's node reports it; other nodes' workers do not
