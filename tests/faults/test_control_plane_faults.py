@@ -166,8 +166,9 @@ def _stopped_for(cp: ControlPlane, agent: NodeAgentProc, job_id: str, attempt: i
 
 def _rank0_steps_on_the_nodes(agents: list[NodeAgentProc], job_id: str) -> tuple[list[int], list[int]]:
     """Every step rank 0 printed, and the step each group started at, from its files on the
-    node (every attempt, every group): what was trained, whatever reached the control plane."""
-    text = agent_stdout(agents[0], job_id, None).read_text()
+    nodes (every attempt, every group, on whichever node rank 0 ran): what was trained,
+    whatever reached the control plane."""
+    text = "".join(agent_stdout(a, job_id, None).read_text() for a in agents)
     steps = [int(n) for n in re.findall(r"^step=(\d+)\b", text, re.M)]
     starts = [int(n) for n in re.findall(r"^start step=(\d+)", text, re.M)]
     return steps, sorted(starts)
