@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,14 +49,23 @@ def main() -> None:
             acc[_label].append(time.perf_counter() - began)
             return out
         setattr(owner, name, timed)
-    rt = runtime.init(env={}, memory_dir=tempfile.mkdtemp(dir="/dev/shm"), memory_every=1000)
+    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    directory = tempfile.mkdtemp(prefix="ftrain-bench-marks-", dir=shm)
+    try:
+        run(args.width, directory, acc)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run(width: int, directory: str, acc: dict[str, list[float]]) -> None:
+    rt = runtime.init(env={}, memory_dir=directory, memory_every=1000)
     layers: list[torch.nn.Module] = []
     for _ in range(4):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = rt.wrap(torch.nn.Sequential(*layers[:-1]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rt.restore(model=model, optimizer=opt)
-    x = torch.randn(32, args.width, device=rt.device)
+    x = torch.randn(32, width, device=rt.device)
 
     def step() -> None:
         loss = model(x).pow(2).mean()
@@ -69,7 +79,7 @@ def main() -> None:
     for _ in range(30):
         step()
     where = torch.cuda.get_device_name() if rt.device.type == "cuda" else "CPU"
-    print(f"step mark parts on {where}, width {args.width}")
+    print(f"step mark parts on {where}, width {width}")
     for on in (True, False, True, False):
         rt._every_step = on
         acc.clear()
