@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.snapshot import build  # noqa: E402
 from worker import memory as mem  # noqa: E402
 from worker import runtime  # noqa: E402
 
@@ -41,10 +42,7 @@ def captures(width: int, repeats: int, graphs: bool, directory: Path, profile: b
     mem.MemoryWriter.graphs = graphs
     rt = runtime.init(env={}, memory_dir=directory, memory_every=1)
     torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = rt.wrap(torch.nn.Sequential(*layers[:-1]))
+    model = rt.wrap(build(width, rt.device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rt.restore(model=model, optimizer=opt)
     x = torch.randn(32, width, device=rt.device)
