@@ -26,6 +26,7 @@ training path either way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -127,10 +128,13 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     assert writer is not None
 
     copied: list[bool] = []  # per on step: a copy started at its end
+    committed: list[bool] = []  # per on step: a copy committed in it
+    collected: list[int] = []  # per step, on and off in order: the oldest generation collected, or -1
 
     def step() -> float:
+        gcs = [g["collections"] for g in gc.get_stats()]
         start = time.perf_counter()
-        before = len(writer.stalls_s)
+        before, commits = len(writer.stalls_s), len(writer.commits_s)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -140,11 +144,17 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         took = time.perf_counter() - start
         if rt._memory is not None:
             copied.append(len(writer.stalls_s) > before)
+            committed.append(len(writer.commits_s) > commits)
+        after = [g["collections"] for g in gc.get_stats()]
+        collected.append(max((g for g in range(len(after)) if after[g] > gcs[g]), default=-1))
         return took
 
     for _ in range(4):  # warm-up, a whole copy each: both slots mapped (and registered), staging made
         step()
         writer.wait(stall=False)
+    copied.clear()  # (the warm-up's flags were once kept: every on step's flag was 4 steps off)
+    committed.clear()
+    collected.clear()
     writer.stalls_s.clear()
     writer.copies_s.clear()
     writer.commits_s.clear()
@@ -169,6 +179,9 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             left = max(0, rt._memory_next - rt.step - 1)
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
     rt._memory, rt.memory_dir, rt._every_step = writer, memory_dir, marks
+    # What the runtime believed a copy cost when it picked the interval (`_plan_next_copy`).
+    believed = {"copy_cost_s": rt._copy_cost_s, "last_cost_s": writer.last_cost_s(),
+                "quiet_s": rt._quiet_s, "step_s": rt._step_s}
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
     mem.MemoryWriter.graphs = True
@@ -181,14 +194,15 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
             "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
-            "memory_commits_cpu_s": writer.commits_cpu_s, "copied": copied,
+            "memory_commits_cpu_s": writer.commits_cpu_s, "copied": copied, "committed": committed,
+            "collected": collected,
             "quiet_overhead": statistics.median(quiet) / statistics.median(off) - 1 if quiet else None,
             "median_overhead": statistics.median(on) / statistics.median(off) - 1,
             "commit_inline": commit_inline,
             "plan": rt._memory_plan is not None, "graphed": writer.graphed,
             "marks": marks, "mark_s": statistics.median(rt.boundary_s) if rt.boundary_s else None,
             "path": path if rt.device.type == "cuda" else "cpu",
-            "steps_per_copy": len(on) / max(1, len(writer.copies_s))}
+            "steps_per_copy": len(on) / max(1, len(writer.copies_s)), "believed": believed}
 
 
 def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
@@ -273,14 +287,17 @@ def picked_only(args) -> None:
           f"{'interval':>8} {'copies':>6} {'mark ms':>7}")
     out = []
     for size in args.sizes:
-        width, steps = SIZES[size], args.steps or (30 if size == "10M" else 12)
+        # Steps of 1.5-5 ms on an H100 wobble by more than the 5% measured: thousands of them
+        # (240 for 10M gave 3.5-14.1% by means in one session's three runs).
+        width, steps = SIZES[size], args.steps or (400 if size == "10M" else 100)
         for run in range(args.picked_only):
             for last_words in (True, False):
                 shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
                                             if mem.SHM_ROOT.is_dir() else None))
                 try:
                     a = memory_overhead(width, 8 * steps, args.batch, shm, backend,
-                                        block=max(10, steps // 2), every=None, last_words=last_words)
+                                        block=max(10, min(40, steps // 2)), every=None,
+                                        last_words=last_words)
                 finally:
                     import shutil
 

@@ -463,7 +463,7 @@ def test_gpu_marks_stop_when_they_cost_more_than_their_share_of_the_budget(tmp_p
     rt._step_s, rt._mark_s = step_ms / 1e3, mark_ms / 1e3
     rt._plan_next_copy()
     assert rt._marks_off is off
-    room = runtime.MEMORY_BUDGET * rt._step_s - (0 if off else rt._mark_s)
+    room = runtime.MEMORY_AIM * runtime.MEMORY_BUDGET * rt._step_s - (0 if off else rt._mark_s)
     assert rt.memory_interval == min(runtime.MEMORY_EVERY_MAX, max(1, -(-0.5e-3 // room)))
     rt._agree_on_control()  # (not distributed: its own decision)
     assert rt._every_step is not off
