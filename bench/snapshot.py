@@ -168,7 +168,9 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     for b in range(max(2, 2 * (steps // (2 * block)))):
         rt._memory = writer if b % 2 == 0 else None
         rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
-        rt._every_step = marks and b % 2 == 0
+        # (once rank 0 stopped the marks they stay off: turned on again, each on block's first
+        # step paid a mark before the step's broadcast turned them off again)
+        rt._every_step = marks and b % 2 == 0 and not rt._marks_off
         # The runtime times its steps while the tier is on: an off block in between is not a
         # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
         rt._last_step_t = None
@@ -313,6 +315,21 @@ def picked_only(args) -> None:
     Path(args.json).write_text(json.dumps(out))
     print("overhead = mean (median) step time with the tier on / off - 1, alternating blocks in one "
           "loop; a step ends when the GPU's work is done; mark = the step boundary's mark (median)")
+    print("pooled over the runs (every on step against every off step of them):")
+    for size in args.sizes:
+        for last_words in (True, False, None):
+            rs = [r for r in out if r["size"] == size and last_words in (None, r["last_words"])]
+            on = [t for r in rs for t in r["on_s"]]
+            off = [t for r in rs for t in r["off_s"]]
+            runs = [r["overhead"] * 100 for r in rs]
+            name = "all" if last_words is None else "on" if last_words else "off"
+            print(f"{size:>6} {name:>10} | {len(rs)} runs, {len(on)} steps on, {len(off)} off: "
+                  f"mean {_pct(on, off, statistics.mean)}, median {_pct(on, off, statistics.median)}; "
+                  f"runs' means {min(runs):.1f}% to {max(runs):.1f}%")
+
+
+def _pct(on: list[float], off: list[float], how) -> str:
+    return f"{(how(on) / how(off) - 1) * 100:.1f}%"
 
 
 def main() -> None:

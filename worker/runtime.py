@@ -145,6 +145,7 @@ MEMORY_EVERY_MAX = 50
 # picked from the moving average of the last few, so an interval aimed at the whole budget went
 # over it about half the time (5.7%, 5.7%, 6.4% by means in three runs).
 MEMORY_AIM = 0.8
+COPY_COSTS_KEPT = 16  # the copies whose cost to the steps beside them the interval is picked from
 # How often the memory tier makes its StatePlan (worker/memory.py) before it keeps to the full
 # state_dict() path: a plan found stale each time (a state_dict hook that makes new tensors)
 # would otherwise never commit a copy.
@@ -470,7 +471,8 @@ class Runtime:
     _quiet_s: float | None = None  # the same over the steps with no copy at work (`_time_step`)
     _copy_work: float | None = None  # the copy at work's cost so far (None: no copy at work)
     _copy_ending: bool = False  # the copy at work was committed: its last step is being timed
-    _copy_cost_s: float | None = None  # what a copy cost the steps beside it (moving average)
+    _copy_cost_s: float | None = None  # what a copy cost the steps beside it (mean of the last ones)
+    _copy_costs: list[float] = field(default_factory=list)  # those, the last COPY_COSTS_KEPT
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
     attempt: int = 0
@@ -868,9 +870,11 @@ class Runtime:
                 w = self._memory
                 if self._copy_ending:  # the step after the copy's commit: its cost is all in
                     if self._quiet_s is not None:
-                        work = max(0.0, self._copy_work)
-                        self._copy_cost_s = work if self._copy_cost_s is None else \
-                            0.7 * self._copy_cost_s + 0.3 * work
+                        # Each copy's own figure is its steps' noise as much as its cost (one
+                        # 10M copy on an H100 read -2 to +4.6 ms): the mean of the last few.
+                        self._copy_costs.append(max(0.0, self._copy_work))
+                        del self._copy_costs[:-COPY_COSTS_KEPT]
+                        self._copy_cost_s = sum(self._copy_costs) / len(self._copy_costs)
                     self._copy_work, self._copy_ending = None, False
                 elif w is None or not w.busy():
                     self._copy_ending = True

@@ -220,6 +220,40 @@ def test_the_picked_interval_counts_what_a_copy_costs_the_steps_beside_it(tmp_pa
     assert rt.memory_interval >= 14
 
 
+def test_the_picked_interval_follows_the_mean_cost_of_the_last_copies(tmp_path, monkeypatch):
+    """Each copy's cost read from the steps beside it is noisy: the interval follows the mean of
+    the last COPY_COSTS_KEPT copies, so one copy read at 20 ms among copies of 2 ms moves it by
+    a sixteenth of the difference (a moving average of weight 0.3 moved it by 30%)."""
+    rt = runtime.init(memory_dir=tmp_path, env={})
+    _train(rt, 2)
+    w = rt._memory
+    monkeypatch.setattr(w, "busy", lambda: False)  # each copy whole at the step after it starts
+    rt._copy_work, rt._quiet_s, rt._copy_cost_s, rt._last_step_t, rt._step_s = None, None, None, None, None
+    t = 100.0
+    for took in [0.0, 0.010, 0.010]:
+        t += took
+        rt._time_step(t)
+
+    def copy(extra: float) -> None:
+        nonlocal t
+        rt._copy_work, rt._copy_ending = 0.0, False
+        for took in [0.010 + extra, 0.010]:  # its cost in the step it runs beside; the step after
+            t += took
+            rt._time_step(t)
+        for _ in range(3):  # quiet steps between copies
+            t += 0.010
+            rt._time_step(t)
+
+    for _ in range(runtime.COPY_COSTS_KEPT + 4):
+        copy(0.002)
+    assert rt._copy_cost_s == pytest.approx(0.002)
+    copy(0.020)
+    assert rt._copy_cost_s == pytest.approx(0.002 + 0.018 / runtime.COPY_COSTS_KEPT)
+    for _ in range(runtime.COPY_COSTS_KEPT):  # the outlier leaves the window
+        copy(0.002)
+    assert rt._copy_cost_s == pytest.approx(0.002)
+
+
 def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 3)
@@ -547,7 +581,7 @@ def test_a_copy_holds_its_step_s_rng_states_as_the_ring_pickled_them(tmp_path):
     for _ in range(3):
         random.random()
         torch.rand(3)  # every generator moves each step
-        model(torch.randn(8, 4)).pow(2).mean().backward()
+        model(torch.randn(8, 4).to(rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
         rt._memory.wait()
