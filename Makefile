@@ -10,6 +10,10 @@ STAMP := $(VENV)/.ftrain-setup
 TORCH_VERSION := 2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
+# Test processes side by side (pytest-xdist). The integration tests are mostly torch imports
+# (~2.8 s of CPU each here) and waits: two on a 2-core machine took the suite from 1,792 s
+# to 1,149 s. TEST_WORKERS=0 runs them all in pytest's own process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup up test clean-venv
 
@@ -37,7 +41,7 @@ up: $(STAMP)
 	$(VENV)/bin/ftrain up $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

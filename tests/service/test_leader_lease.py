@@ -42,6 +42,7 @@ def test_the_leaders_keep_alive_is_answered_before_the_node_keep_alives_queued_a
             sent = time.perf_counter()
             assert await lead.hold()
             took, answered_then = time.perf_counter() - sent, answered
+            fence = lead.fence()  # read now: the flood may outlast the 2 s TTL on a loaded machine
             await asyncio.gather(*flood)
             flood_s = time.perf_counter() - sent
             print(f"leader renewed in {took * 1e3:.0f} ms with {answered_then} of {len(flood)} node "
@@ -49,7 +50,7 @@ def test_the_leaders_keep_alive_is_answered_before_the_node_keep_alives_queued_a
             # It did not wait for the node keep-alives ahead of it (sharing their stream, it
             # was answered after every one of them), and kept its lead well inside its TTL.
             assert answered_then < len(flood) // 2, (answered_then, len(flood))
-            assert lead.fence() is not None
+            assert fence is not None
         finally:
             await lead.release()
             await kv.close()
