@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.snapshot import SIZES, memory_overhead  # noqa: E402
+from bench.snapshot import SIZES, memory_overhead, shm_dir  # noqa: E402
 from worker import memory as mem  # noqa: E402
 from worker import runtime  # noqa: E402
 
@@ -62,14 +60,10 @@ def main() -> None:
                       (runtime.Runtime, "_save_rng")):
         setattr(cls, name, timed(name, getattr(cls, name)))
     runtime._rng_state = timed("_rng_state", runtime._rng_state)
-    shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-commit-",
-                                dir=mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None))
-    try:
+    with shm_dir("ftrain-bench-commit-") as shm:
         backend = None if torch.cuda.is_available() else "gloo"
         a = memory_overhead(SIZES[args.size], args.steps, 32, shm, backend, block=40, every=args.every,
                             last_words=False)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.size}, {device}, torch {torch.__version__}: {a['copies']} copies, a copy every "
           f"{args.every} steps; the parts on the training thread (microseconds)")

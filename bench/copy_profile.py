@@ -17,14 +17,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.snapshot import SIZES, memory_overhead  # noqa: E402
-from worker import memory as mem  # noqa: E402
+from bench.snapshot import SIZES, memory_overhead, shm_dir  # noqa: E402
 
 
 def profile(on: list[float], copied: list[bool], base: float, depth: int) -> list[float]:
@@ -63,16 +61,10 @@ def main() -> None:
           f"{'believed':>8} {'last':>6} | excess ms by offset 0..{args.depth}")
     runs = []
     for every in args.every:
-        shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-",
-                                    dir=mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None))
-        try:
+        with shm_dir() as shm:
             a = memory_overhead(SIZES[args.size], 2 * args.steps, args.batch, shm, backend,
                                 block=args.block, every=None if every == "picked" else int(every),
                                 last_words=args.last_words == "on")
-        finally:
-            import shutil
-
-            shutil.rmtree(shm, ignore_errors=True)
         off_mean, off_median = statistics.mean(a["off_s"]), statistics.median(a["off_s"])
         seen = (statistics.mean(a["on_s"]) - off_mean) * a["steps_per_copy"]
         b = a["believed"]

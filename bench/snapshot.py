@@ -26,14 +26,17 @@ training path either way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -207,6 +210,17 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             "steps_per_copy": len(on) / max(1, len(writer.copies_s)), "believed": believed}
 
 
+@contextlib.contextmanager
+def shm_dir(prefix: str = "ftrain-bench-memory-") -> Iterator[Path]:
+    """A fresh directory where the memory tier lives (/dev/shm where there is one), removed
+    at the end."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def restore_times(width: int, memory_dir: Path, disk_file: Path, repeats: int) -> dict:
     """Load the memory tier's copy, and the disk snapshot, into a fresh model and optimizer."""
     model = build(width, torch.device("cpu"))
@@ -294,16 +308,10 @@ def picked_only(args) -> None:
         width, steps = SIZES[size], args.steps or (400 if size == "10M" else 100)
         for run in range(args.picked_only):
             for last_words in (True, False):
-                shm = Path(tempfile.mkdtemp(prefix="ftrain-bench-memory-", dir=mem.SHM_ROOT
-                                            if mem.SHM_ROOT.is_dir() else None))
-                try:
+                with shm_dir() as shm:
                     a = memory_overhead(width, 8 * steps, args.batch, shm, backend,
                                         block=max(10, min(40, steps // 2)), every=None,
                                         last_words=last_words)
-                finally:
-                    import shutil
-
-                    shutil.rmtree(shm, ignore_errors=True)
                 mark = "-" if a["mark_s"] is None or not a["marks"] else f"{a['mark_s'] * 1e3:.3f}"
                 print(f"{size:>6} {'on' if last_words else 'off':>10} | "
                       f"{statistics.median(a['off_s']) * 1e3:>11.2f} {a['overhead'] * 100:>12.1f}% "
@@ -395,8 +403,6 @@ def main() -> None:
                 row["restore"] = restore_times(width, shm / "every_1", disk_file, 3)
                 row["replicate_s"] = replication_times(shm / "every_1", root, 3)
             finally:
-                import shutil
-
                 shutil.rmtree(shm, ignore_errors=True)
             m = row["memory_every_1"]
             row["memory_overhead"] = m["overhead"]
