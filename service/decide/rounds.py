@@ -10,7 +10,8 @@ A 'joining' is a fault noticed (the job is RECOVERING, `decide.recovery`) unless
 re-forming already (a recovery, or a planned change: a node joining). A 'joined' names the
 group it formed ('<node>/<round>' of group rank 0); the job is RUNNING again only at that
 group's first step (`recovery.first_step`), not when it forms; meanwhile its reason says the
-group formed and its workers started, with no step or output yet (`formed_reason`).
+group formed and its workers started, with no step or output yet (`formed_reason`). A group
+formed again takes back the members' word that their workers finished the run (`unfinished`).
 """
 
 from __future__ import annotations
@@ -85,5 +86,15 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
     else:
         changed, event = note(changed, f"rendezvous complete: {what}", now)
     events.append(event)
-    return Change(changed.model_copy(update={"group": f"{report.node}/{report.call}",
-                                             "group_round": report.round}), events)
+    return Change(unfinished(changed).model_copy(update={"group": f"{report.node}/{report.call}",
+                                                         "group_round": report.round}), events)
+
+
+def unfinished(job: JobRecord) -> JobRecord:
+    """A group formed again in the attempt: the members' workers run again, so a word that
+    they had finished the run (`members.decide_run_finished`, said after `rt.finish()`) is
+    taken back; they say it again at the new group's end. (Kept, a node whose agent then
+    vanished counted as finished although its restarted workers were not.)"""
+    finished = {name: member.model_copy(update={"run_finished": False})
+                for name, member in job.members.items() if member.run_finished}
+    return job.model_copy(update={"members": {**job.members, **finished}}) if finished else job

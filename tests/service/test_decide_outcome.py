@@ -7,9 +7,11 @@ import pytest
 
 from service.decide.members import decide_registered, decide_report, decide_run_finished
 from service.decide.outcome import by_members, by_restarts
+from service.decide.rounds import decide_round
 from service.decide.scheduling import SchedulerConfig, free_nodes, plan
 from service.models import JobRecord, JobState, MemberStatus, NodeRecord, NodeState
 from tests.service.records import NOW, make_job
+from worker.protocol import RoundReport
 
 S = JobState
 
@@ -260,6 +262,24 @@ def test_the_word_that_a_node_finished_the_run_is_noted_only_on_a_live_member_of
     assert decide_run_finished(job, "c", 1, NOW) is None  # gone: too late to count
     assert decide_run_finished(job, "x", 1, NOW) is None  # not a member
     assert decide_run_finished(make_job(S.SUCCEEDED, {"a": "running"}), "a", 1, NOW) is None
+
+
+@pytest.mark.parametrize("nodes", [2, 1])  # the same group again (a restart), or a smaller one
+def test_a_group_formed_again_in_the_attempt_takes_back_the_word_that_its_workers_finished(nodes):
+    """torchrun restarted the group after `rt.finish()` (a worker that failed in its teardown):
+    the restarted workers have not finished, so a node whose agent vanishes now is lost, not
+    finished; the members say it again at the new group's end."""
+    job = make_job(S.RUNNING, {"a": "running", "b": "running"}, mn=1, mx=2, rounds=1, round_nodes=2,
+                   world_size=2)
+    job = decide_run_finished(decide_run_finished(job, "a", 1, NOW).job, "b", 1, NOW).job
+    assert job.members["a"].run_finished and job.members["b"].run_finished
+    again = decide_round(job, RoundReport(attempt=1, node="a", phase="joined", call=1, group_rank=0,
+                                          group_world_size=nodes), [], NOW).job
+    assert not again.members["a"].run_finished and not again.members["b"].run_finished
+    assert decide_run_finished(again, "a", 1, NOW).job.members["a"].run_finished  # said again at its end
+    other = decide_round(job, RoundReport(attempt=2, node="a", phase="joined", call=1, group_rank=0,
+                                          group_world_size=nodes), [], NOW)
+    assert other is None  # another attempt's round changes nothing
 
 
 def test_a_member_that_said_it_finished_and_vanishes_during_a_cancel_is_stopped():
