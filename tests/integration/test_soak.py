@@ -23,7 +23,10 @@ def test_soak_loses_no_line_answers_no_5xx_and_retention_deletes_finished_jobs(t
     # The real path ran too: a real agent ran short jobs, the long job trained with progress.
     assert totals["real_jobs"] >= 1, totals
     assert result["long_job"]["state"] == "RUNNING" and result["long_job"]["progress"]["step"] > 0
-    # Retention deleted finished jobs during the run: the first job answers 404 and the job
-    # list holds far fewer than were submitted.
-    assert any(row["first_job_deleted"] for row in result["rows"]), result["rows"]
+    # Retention deleted finished jobs during the run: at some point the job list held fewer
+    # jobs than had finished (the first job's 404 says it too, unless that job is one of the real
+    # node's and ended last: seen once, the run over 3 s after its end), and far fewer at the end
+    # than were submitted.
+    assert any(row["first_job_deleted"] or row["jobs_listed"] < row["jobs_done"] for row in result["rows"]), \
+        [(row["jobs_done"], row["jobs_listed"], row["first_job_deleted"]) for row in result["rows"]]
     assert last["jobs_listed"] < args.jobs
