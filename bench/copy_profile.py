@@ -31,12 +31,11 @@ def profile(on: list[float], copied: list[bool], base: float, depth: int) -> lis
     by: dict[int, list[float]] = {}
     since = None
     for t, c in zip(on, copied):
-        if since is not None and since <= depth:
-            by.setdefault(since, []).append(t - base)
-        if c:
+        if c:  # (a copy's own step counts at offset 0 only, not also at the previous copy's offset)
             since = 0
-            by.setdefault(0, []).append(t - base)
         if since is not None:
+            if since <= depth:
+                by.setdefault(since, []).append(t - base)
             since += 1
     return [statistics.mean(by[k]) if k in by else float("nan") for k in range(depth + 1)]
 
@@ -74,12 +73,12 @@ def main() -> None:
               f"{a['median_overhead'] * 100:5.1f}% | {seen * 1e3:12.2f} {believed:>8} "
               f"{b['last_cost_s'] * 1e3:6.2f} | {prof}", flush=True)
         runs.append({"every": every, **{k: a[k] for k in (
-            "on_s", "off_s", "copied", "committed", "collected", "interval", "block", "memory_stalls_s",
+            "on_s", "off_s", "copied", "interval", "block", "memory_stalls_s",
             "memory_commits_s", "memory_commits_cpu_s", "memory_copies_s", "believed", "mark_s", "marks")}})
     if args.json:
         Path(args.json).write_text(json.dumps(runs))
     print("copy ms seen = (mean on step - mean off step) x steps per copy; believed = the runtime's "
-          "moving average of what a copy cost the steps beside it; last = the training thread's time "
+          "mean of what its last copies cost the steps beside them; last = the training thread's time "
           "in the last copy and its commit")
 
 

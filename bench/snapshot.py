@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -131,13 +130,10 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     assert writer is not None
 
     copied: list[bool] = []  # per on step: a copy started at its end
-    committed: list[bool] = []  # per on step: a copy committed in it
-    collected: list[int] = []  # per step, on and off in order: the oldest generation collected, or -1
 
     def step() -> float:
-        gcs = [g["collections"] for g in gc.get_stats()]
         start = time.perf_counter()
-        before, commits = len(writer.stalls_s), len(writer.commits_s)
+        before = len(writer.stalls_s)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -147,17 +143,12 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         took = time.perf_counter() - start
         if rt._memory is not None:
             copied.append(len(writer.stalls_s) > before)
-            committed.append(len(writer.commits_s) > commits)
-        after = [g["collections"] for g in gc.get_stats()]
-        collected.append(max((g for g in range(len(after)) if after[g] > gcs[g]), default=-1))
         return took
 
     for _ in range(4):  # warm-up, a whole copy each: both slots mapped (and registered), staging made
         step()
         writer.wait(stall=False)
     copied.clear()  # (the warm-up's flags were once kept: every on step's flag was 4 steps off)
-    committed.clear()
-    collected.clear()
     writer.stalls_s.clear()
     writer.copies_s.clear()
     writer.commits_s.clear()
@@ -199,8 +190,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             "interval": rt.memory_interval, "block": block, "overhead": mean(on) / mean(off) - 1,
             "copies": len(writer.copies_s), "skipped": writer.skipped, "host_copy": writer.host_copy,
             "memory_commits_s": writer.commits_s, "memory_checksums_s": writer.checksums_s,
-            "memory_commits_cpu_s": writer.commits_cpu_s, "copied": copied, "committed": committed,
-            "collected": collected,
+            "memory_commits_cpu_s": writer.commits_cpu_s, "copied": copied,
             "quiet_overhead": statistics.median(quiet) / statistics.median(off) - 1 if quiet else None,
             "median_overhead": statistics.median(on) / statistics.median(off) - 1,
             "commit_inline": commit_inline,

@@ -142,8 +142,8 @@ MEMORY_BUDGET = 0.05
 MEMORY_EVERY_MAX = 50
 # The share of MEMORY_BUDGET the picked interval aims at: a copy's cost varies from copy to
 # copy (its commit 0.6-1.1 ms for the same 10M model on an H100 host) and the interval is
-# picked from the moving average of the last few, so an interval aimed at the whole budget went
-# over it about half the time (5.7%, 5.7%, 6.4% by means in three runs).
+# picked from an average of the last few, so an interval aimed at the whole budget went over it
+# about half the time (5.7%, 5.7%, 6.4% by means in three runs).
 MEMORY_AIM = 0.8
 COPY_COSTS_KEPT = 16  # the copies whose cost to the steps beside them the interval is picked from
 # How often the memory tier makes its StatePlan (worker/memory.py) before it keeps to the full
@@ -471,8 +471,8 @@ class Runtime:
     _quiet_s: float | None = None  # the same over the steps with no copy at work (`_time_step`)
     _copy_work: float | None = None  # the copy at work's cost so far (None: no copy at work)
     _copy_ending: bool = False  # the copy at work was committed: its last step is being timed
-    _copy_cost_s: float | None = None  # what a copy cost the steps beside it (mean of the last ones)
-    _copy_costs: list[float] = field(default_factory=list)  # those, the last COPY_COSTS_KEPT
+    # what the last COPY_COSTS_KEPT copies cost the steps beside them (`_copy_cost_s`: their mean)
+    _copy_costs: list[float] = field(default_factory=list)
     _told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
     _last_step_t: float | None = None
     attempt: int = 0
@@ -874,11 +874,15 @@ class Runtime:
                         # 10M copy on an H100 read -2 to +4.6 ms): the mean of the last few.
                         self._copy_costs.append(max(0.0, self._copy_work))
                         del self._copy_costs[:-COPY_COSTS_KEPT]
-                        self._copy_cost_s = sum(self._copy_costs) / len(self._copy_costs)
                     self._copy_work, self._copy_ending = None, False
                 elif w is None or not w.busy():
                     self._copy_ending = True
         self._last_step_t = now
+
+    @property
+    def _copy_cost_s(self) -> float | None:
+        """What a copy costs the steps beside it: the mean over the last copies (None: none yet)."""
+        return sum(self._copy_costs) / len(self._copy_costs) if self._copy_costs else None
 
     def _copy_decision(self) -> int:
         """Rank 0: does the memory tier copy this step (_COPY), was the copy due but skipped

@@ -202,7 +202,7 @@ def test_the_picked_interval_counts_what_a_copy_costs_the_steps_beside_it(tmp_pa
     w = rt._memory
     w.wait()
     w._on_device, w.stalls_s[:], w.commits_s[:], rt._rng_s = True, [0.0001], [0.0001], 0.0
-    rt._copy_work, rt._quiet_s, rt._copy_cost_s, rt._last_step_t, rt._step_s = None, None, None, None, None
+    rt._copy_work, rt._quiet_s, rt._copy_costs, rt._last_step_t, rt._step_s = None, None, [], None, None
     busy = iter([True, True, False])
     monkeypatch.setattr(w, "busy", lambda: next(busy))
     t = 100.0
@@ -228,7 +228,7 @@ def test_the_picked_interval_follows_the_mean_cost_of_the_last_copies(tmp_path, 
     _train(rt, 2)
     w = rt._memory
     monkeypatch.setattr(w, "busy", lambda: False)  # each copy whole at the step after it starts
-    rt._copy_work, rt._quiet_s, rt._copy_cost_s, rt._last_step_t, rt._step_s = None, None, None, None, None
+    rt._copy_work, rt._quiet_s, rt._copy_costs, rt._last_step_t, rt._step_s = None, None, [], None, None
     t = 100.0
     for took in [0.0, 0.010, 0.010]:
         t += took
