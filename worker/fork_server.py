@@ -6,10 +6,12 @@ waits for the slowest of them. The node agent therefore
 starts, next to torchrun, one process per job that imports those modules once
 (`FTRAIN_FORK_SERVER_IMPORTS`, default `PRELOAD`) and then forks a worker for every
 `worker/launch.py` that asks: the new worker starts with everything imported, in a few
-milliseconds.
+milliseconds. The job's torchrun starts from it too: the first one is forked as soon as
+torchrun's own modules are in (`TORCHRUN_MODULE`), while the server goes on importing what
+only workers need; a torchrun of its own would import torch once more.
 
-    python fork_server.py NAME [FD]    # listens on the abstract unix socket "\\0NAME";
-                                       # writes "ready" to FD once it has imported
+    python fork_server.py NAME    # listens on the abstract unix socket "\\0NAME" at once;
+                                  # requests wait in its backlog while it imports
 
 Protocol, one connection per worker: the launcher sends a 4-byte length with its fds 0,
 1 and 2 attached, then that many bytes of JSON {argv, env, cwd, pid}. The server answers
@@ -90,7 +92,10 @@ import time
 
 # worker.env.FTRAIN_FORK_SERVER_IMPORTS: this file imports only the standard library (see there).
 IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
-PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch._dynamo,worker.runtime"
+# In this order: torchrun's own modules first, so that a job's first torchrun, which waits in
+# the backlog while the server imports, is forked once they are in (`main`).
+TORCHRUN_MODULE = "torch.distributed.run"
+PRELOAD = "torch,torch.distributed,torch.distributed.run,torch.nn.parallel,torch._dynamo,worker.runtime"
 # worker.env.FTRAIN_EXIT_TIMEOUT_S (see there): how long a worker whose script returned may
 # take to join its non-daemon threads and run its atexit handlers.
 EXIT_TIMEOUT_ENV = "FTRAIN_EXIT_TIMEOUT_S"
@@ -154,6 +159,11 @@ def preload(modules: list[str]) -> str | None:
             log(f"could not import {name}: {type(exc).__name__}: {exc}")
             continue
         log(f"imported {name} in {time.monotonic() - started:.2f} s")
+    return cuda_in_use()
+
+
+def cuda_in_use() -> str | None:
+    """Why a process forked from here now could not use CUDA, or None."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised while importing; a forked worker could not use it"
@@ -219,11 +229,15 @@ class Server:
         self.children: dict[int, Child] = {}
         self.standbys: dict[str, Standby] = {}  # by local rank
 
-    def serve(self) -> Request:
-        """Serve forever; returns only in a forked worker, with what it must run."""
+    def serve(self, block: bool = True) -> Request | None:
+        """Serve forever; returns only in a forked worker, with what it must run. Not `block`:
+        serve what is pending, then return None (in the server)."""
         server = os.getpid()
         while True:
-            for key, _ in self.selector.select():
+            events = self.selector.select(None if block else 0)
+            if not events and not block:
+                return None
+            for key, _ in events:
                 try:
                     if key.data == "accept":
                         request = self._accept()
@@ -716,13 +730,24 @@ def main(argv: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)
     listener.listen(64)  # launchers that come while we import wait in the backlog
-    decline = preload([m for m in os.environ.get(IMPORTS_ENV, PRELOAD).split(",") if m])
-    if decline:
-        log(f"declining every request: {decline}")
-    if len(argv) > 2:  # tell the agent we are ready: it then starts torchrun through us too
-        os.write(int(argv[2]), b"ready\n" if not decline else b"declining\n")
-        os.close(int(argv[2]))
-    request = Server(listener, decline).serve()
+    server = Server(listener, None)
+    request, decline = None, None
+    modules = [m for m in os.environ.get(IMPORTS_ENV, PRELOAD).split(",") if m]
+    for i, module in enumerate(modules):
+        decline = preload([module])
+        if decline:
+            break
+        # The job's first torchrun waits in the backlog (worker/torchrun.py): forked once its
+        # modules are in, it need not import torch itself, and the server goes on importing for
+        # the workers (which come after it, and wait for all of the modules).
+        if module == TORCHRUN_MODULE and i < len(modules) - 1 \
+                and (request := server.serve(block=False)) is not None:
+            break  # in the forked process
+    if request is None:
+        if decline:
+            log(f"declining every request: {decline}")
+        server.decline = decline
+        request = server.serve()
     how, args = request.how
     become_worker(request)
     run(how, args, request.finished_fd)

@@ -93,6 +93,9 @@ RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,
 # cached state that worker/rendezvous/follow.py expires on a change): a dead worker is seen
 # 0.05 s later on average, instead of 0.1 s at 0.2.
 MONITOR_INTERVAL_S = 0.1
+# How long a new fork server may take to listen on its socket (`unix_listening`) before
+# torchrun is started anyway (its launcher then runs torchrun itself).
+FORK_SERVER_LISTEN_S = 5.0
 # torch must never give up by itself: ftrain counts failures (not membership changes)
 # against the job's max_restarts and stops the job when they are spent.
 TORCHRUN_MAX_RESTARTS = 1_000_000
@@ -247,6 +250,21 @@ class _Followed:
     finished: bool = False
 
 
+def unix_listening(name: str) -> bool:
+    """Whether a unix socket of this network namespace listens on the abstract name `name`
+    (/proc/net/unix: the flag __SO_ACCEPTCON, 0x10000, marks a listening socket)."""
+    want = "@" + name
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7] == want and int(fields[3], 16) & 0x10000:
+                    return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 @dataclass
 class ForkServer:
     """The job's `worker/fork_server.py` on this node; it outlives attempts, not the job."""
@@ -254,25 +272,6 @@ class ForkServer:
     job_id: str
     name: str  # its abstract unix socket
     proc: subprocess.Popen
-    ready_fd: int  # it writes "ready" here once it has imported what it preloads
-    ready: bool = False
-
-    def is_ready(self) -> bool:
-        """True once the server has imported torch & co. and serves (never blocks)."""
-        if not self.ready and self.ready_fd >= 0:
-            try:
-                said = os.read(self.ready_fd, 64)
-            except BlockingIOError:
-                return False
-            self.ready = said.startswith(b"ready")
-            os.close(self.ready_fd)
-            self.ready_fd = -1
-        return self.ready
-
-    def close(self) -> None:
-        if self.ready_fd >= 0:
-            os.close(self.ready_fd)
-            self.ready_fd = -1
 
 
 class Torchrun:
@@ -311,10 +310,12 @@ class Torchrun:
             argv.append(f"--local-addr={self.address}")
         argv += ["--no-python", *worker_launch_prefix(), *command]
         z = self.fork_server
-        if z is not None and z.job_id == a.job_id and z.is_ready():
-            # torchrun itself comes from the fork server too (torch imported: a new attempt
-            # starts sooner, docs/runtime.md); the launcher stands in for it and gets
-            # SIGTERM when this agent dies, which it forwards to torchrun.
+        if z is not None and z.job_id == a.job_id and z.proc.poll() is None:
+            # torchrun itself comes from the fork server too (torch imported: no import of its
+            # own, and a new attempt starts sooner, docs/runtime.md); a job's first torchrun
+            # waits while the new server imports torch (the server forks it before the modules
+            # only workers need). The launcher stands in for it and gets SIGTERM when this
+            # agent dies, which it forwards to torchrun.
             return worker_launch_prefix(signal.SIGTERM) + argv
         return pdeathsig_argv(argv, signal.SIGTERM)
 
@@ -383,23 +384,23 @@ class Torchrun:
         if "OMP_NUM_THREADS" not in env and (nproc == "auto" or int(nproc) > 1):
             env["OMP_NUM_THREADS"] = "1"  # what torchrun sets for its workers: libgomp reads it once
         name = f"ftrain-{self.node}-{a.job_id}-{secrets.token_hex(8)}"
-        ready_r, ready_w = os.pipe()
-        os.set_blocking(ready_r, False)
         try:
             with _private_file(log_dir / f"{self.node}-fork-server.log", "ab") as out:
                 proc = subprocess.Popen(
-                    pdeathsig_argv([sys.executable, str(FORK_SERVER), name, str(ready_w)], signal.SIGKILL),
+                    pdeathsig_argv([sys.executable, str(FORK_SERVER), name], signal.SIGKILL),
                     cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                    pass_fds=(ready_w,), start_new_session=True, **self._as_job_user())
+                    start_new_session=True, **self._as_job_user())
         except OSError as exc:
-            os.close(ready_r)
             log.warning("could not start the fork server for job %s (%s); workers start cold",
                         a.job_id, exc)
             return None
-        finally:
-            os.close(ready_w)
-        self.fork_server = ForkServer(a.job_id, name, proc, ready_r)
+        self.fork_server = ForkServer(a.job_id, name, proc)
         log.info("started the fork server (pid %d) for job %s", proc.pid, a.job_id)
+        # torchrun's launcher, started next, connects at once and starts torchrun itself if
+        # nobody listens yet: wait for the server's socket (its interpreter starts in ~50 ms).
+        deadline = time.monotonic() + FORK_SERVER_LISTEN_S
+        while not unix_listening(name) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
         return name
 
     def stop_fork_server(self) -> None:
@@ -409,7 +410,6 @@ class Torchrun:
             return
         kill_all([z.proc.pid, *descendants(z.proc.pid)])
         z.proc.wait()
-        z.close()
 
     # ------------------------------------------------------------------ the memory tier
     def memory_dir(self, a: Assignment) -> Path | None:

@@ -51,11 +51,11 @@ def log_items(api: httpx.Client, job_id: str, rank: int | None = None) -> list[d
         since = page["next_seq"]
 
 
-def steps(api: httpx.Client, job_id: str) -> list[tuple[int, int]]:
-    """(step, world size) of every step rank 0 logged, in order."""
+def steps(api: httpx.Client, job_id: str, attempt: int = 0) -> list[tuple[int, int]]:
+    """(step, world size) of every step rank 0 logged (in `attempt` or a later one), in order."""
     out = []
     for item in log_items(api, job_id, rank=0):
-        m = _STEP.match(item["line"])
+        m = _STEP.match(item["line"]) if item.get("attempt", 0) >= attempt else None
         if m:
             out.append((int(m.group(1)), int(m.group(2))))
     return out
@@ -68,10 +68,11 @@ def wait_state(api: httpx.Client, job_id: str, states: str | tuple[str, ...], ti
 
 
 def wait_step(api: httpx.Client, job_id: str, step: int, world: int | None = None,
-              timeout_s: float = 120, after: int = 0) -> list[tuple[int, int]]:
-    """Wait until rank 0 logged a step >= `step` (with that world size), past index `after`."""
+              timeout_s: float = 120, after: int = 0, attempt: int = 0) -> list[tuple[int, int]]:
+    """Wait until rank 0 logged a step >= `step` (with that world size, in `attempt` or a later
+    one), past index `after`."""
     def reached():
-        s = steps(api, job_id)
+        s = steps(api, job_id, attempt)
         return any(n >= step and (world is None or w == world) for n, w in s[after:]) and s
     return wait_for(reached, timeout_s, f"job {job_id} to reach step {step}"
                     + (f" at world size {world}" if world else ""))
@@ -94,7 +95,8 @@ def forked(pid: int) -> bool:
 
 def torchrun_launchers(agent: NodeAgentProc) -> list[int]:
     """Launchers (worker/launch.py) under `agent` standing in for a torchrun that the job's
-    fork server started: the agent starts torchrun that way once the server is ready."""
+    fork server started: the agent starts every torchrun of a job that way (one that opts
+    out of the fork server aside)."""
     return [pid for pid in descendants(agent.pid)
             if is_launcher(argv := cmdline(pid)) and b"torch.distributed.run" in argv]
 

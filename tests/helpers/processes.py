@@ -75,7 +75,7 @@ def workers_under(pid: int, script: Path) -> list[int]:
         if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
-        elif is_fork_server(argv) and pid_alive(child):
+        elif is_fork_server(argv) and pid_alive(child) and not _runs_launchers(child):
             out.extend(c for c in descendants(child) if parent_of(c) == child and pid_alive(c)
                        and not _runs_launchers(c) and not is_standby(c))
     return out

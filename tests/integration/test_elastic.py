@@ -17,6 +17,7 @@ from tests.helpers.elastic import (
     rdzv_keys,
     steps,
     submit,
+    torchrun_launchers,
     wait_nodes,
     wait_state,
     wait_step,
@@ -74,7 +75,7 @@ def test_job_can_opt_out_of_the_fork_server(api, agents):
                                   env={"FTRAIN_FORK_SERVER": "0"}))
     wait_step(api, job_id, 3)
     pids = worker_pids(a)
-    assert len(pids) == 1 and not forked(pids[0])
+    assert len(pids) == 1 and not forked(pids[0]) and torchrun_launchers(a) == []  # torchrun too
     assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
     wait_state(api, job_id, "CANCELLED")
 
@@ -98,15 +99,17 @@ def test_agent_sigkill_takes_its_workers_and_its_restart_takes_the_name_back_at_
     a.proc.wait()
     wait_for(lambda: not any(pid_alive(p) for p in tree), 10, "no orphan of the SIGKILLed agent")
 
-    before = len(steps(api, job_id))
     a.start()  # the same name and data directory; the old lease has ~60 s to live
     again = wait_for(lambda: (n := node_record(api, "n0")) and n["registered_at"] > first["registered_at"]
                      and n, 20, "the restarted agent to take its live name back")
     assert again["registered_at"] - first["registered_at"] < 60
-    # The control plane heard at once that the old workers are gone: a new attempt on n0.
-    wait_step(api, job_id, 1, after=before, timeout_s=60)
-    j = job(api, job_id)
-    assert j["state"] == "RUNNING" and j["nodes"] == ["n0"] and j["attempt"] > attempt
+    # The control plane heard at once that the old workers are gone: a new attempt on n0. (The
+    # restarted agent also ships the old attempt's last lines from its data directory: only a
+    # step of the new attempt counts, and the job is RUNNING once rank 0 reports it.)
+    wait_step(api, job_id, 1, timeout_s=60, attempt=attempt + 1)
+    j = wait_for(lambda: (j := job(api, job_id))["state"] == "RUNNING" and j, 30,
+                 "the new attempt's first step to make the job RUNNING")
+    assert j["nodes"] == ["n0"] and j["attempt"] > attempt
     reasons = [e["reason"] for e in events(api, job_id)]
     assert reasons.count("started on 1 node(s): n0") == 2, reasons
     assert len(worker_pids(a)) == 2 and not set(worker_pids(a)) & set(workers)
