@@ -67,7 +67,7 @@ class ProcessExited(AssertionError):
 def workers_under(pid: int, script: Path) -> list[int]:
     """The live training processes under `pid`: those running `script` (not torchrun, not
     the exec shim, not worker/launch.py) and those a fork server started (its children,
-    which keep the server's argv; a forked torchrun is told apart by its launchers; a standby
+    which keep the server's argv; a forked torchrun is told apart by its name; a standby
     is no worker yet)."""
     out = []
     for child in descendants(pid):
@@ -75,15 +75,32 @@ def workers_under(pid: int, script: Path) -> list[int]:
         if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
-        elif is_fork_server(argv) and pid_alive(child) and not _runs_launchers(child):
+        elif is_fork_server(argv) and pid_alive(child) and not _forked_torchrun(child):
             out.extend(c for c in descendants(child) if parent_of(c) == child and pid_alive(c)
-                       and not _runs_launchers(c) and not is_standby(c))
+                       and not _forked_torchrun(c) and not is_standby(c))
     return out
 
 
-def _runs_launchers(pid: int) -> bool:
-    """True for a forked torchrun: its children are worker/launch.py stand-ins."""
-    return any(is_launcher(cmdline(c)) for c in descendants(pid) if parent_of(c) == pid)
+def _forked_torchrun(pid: int) -> bool:
+    """True for a torchrun a fork server forked: the launcher it watches (through a pidfd,
+    worker/fork_server.py) stands in for torchrun, whether or not it has workers now."""
+    return any(b"torch.distributed.run" in cmdline(watched) for watched in _pidfds(pid))
+
+
+def _pidfds(pid: int) -> list[int]:
+    """The processes `pid` holds pidfds of (/proc/PID/fdinfo says "Pid:" for those)."""
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fdinfo")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        out += [int(line.split()[1]) for line in info.splitlines() if line.startswith("Pid:")]
+    return out
 
 
 class ControlPlane:
