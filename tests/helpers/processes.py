@@ -26,9 +26,19 @@ from worker.procs import is_alive as pid_alive
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):
-    """Poll `predicate` until it returns something truthy; fail with `what` at the deadline."""
-    deadline = time.monotonic() + timeout_s
+# After this long, a wait polls every SLOW_POLL_S: most probes ask the control plane (a
+# whole job log, say), and a suite of such waits at 20 a second cost CI minutes of CPU.
+FAST_POLL_FOR_S = 1.0
+SLOW_POLL_S = 0.2
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
+             interval_s: float | None = None):
+    """Poll `predicate` until it returns something truthy; fail with `what` at the deadline.
+    Every `interval_s` if given; else every 0.05 s for the first second, then every
+    `SLOW_POLL_S`."""
+    started = time.monotonic()
+    deadline = started + timeout_s
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
         try:
@@ -39,7 +49,10 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, inter
             raise
         except Exception as exc:  # noqa: BLE001 - a probe may fail until the thing is up
             last_exc = exc
-        time.sleep(interval_s)
+        if interval_s is not None:
+            time.sleep(interval_s)
+        else:
+            time.sleep(SLOW_POLL_S if time.monotonic() - started > FAST_POLL_FOR_S else 0.05)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}"
                          + (f" (last error: {last_exc!r})" if last_exc else ""))
 
