@@ -12,7 +12,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 ARGS ?=
 # Test processes side by side (pytest-xdist). The integration tests are mostly torch imports
 # (~2.8 s of CPU each here) and waits: two on a 2-core machine took the suite from 1,792 s
-# to 1,089-1,142 s. TEST_WORKERS=0 runs them all in pytest's own process.
+# to 1,089-1,142 s (1,103 s in stop 19, after torchrun came from the fork server: the CPU is
+# the limit, and more processes were slower). TEST_WORKERS=0 runs them all in pytest's own process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup up test clean-venv
