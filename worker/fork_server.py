@@ -159,11 +159,6 @@ def preload(modules: list[str]) -> str | None:
             log(f"could not import {name}: {type(exc).__name__}: {exc}")
             continue
         log(f"imported {name} in {time.monotonic() - started:.2f} s")
-    return cuda_in_use()
-
-
-def cuda_in_use() -> str | None:
-    """Why a process forked from here now could not use CUDA, or None."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised while importing; a forked worker could not use it"
