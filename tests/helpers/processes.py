@@ -26,8 +26,10 @@ from worker.procs import is_alive as pid_alive
 REPO = Path(__file__).resolve().parents[2]
 
 
-# After this long, a wait polls every SLOW_POLL_S: most probes ask the control plane (a
-# whole job log, say), and a suite of such waits at 20 a second cost CI minutes of CPU.
+# A wait polls every FAST_POLL_S for FAST_POLL_FOR_S, then every SLOW_POLL_S: most probes ask
+# the control plane (a whole job log, say), and a suite of such waits at 20 a second cost CI
+# minutes of CPU.
+FAST_POLL_S = 0.05
 FAST_POLL_FOR_S = 1.0
 SLOW_POLL_S = 0.2
 
@@ -35,8 +37,8 @@ SLOW_POLL_S = 0.2
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
              interval_s: float | None = None):
     """Poll `predicate` until it returns something truthy; fail with `what` at the deadline.
-    Every `interval_s` if given; else every 0.05 s for the first second, then every
-    `SLOW_POLL_S`."""
+    Every `interval_s` if given; else every `FAST_POLL_S` for the first `FAST_POLL_FOR_S`,
+    then every `SLOW_POLL_S`."""
     started = time.monotonic()
     deadline = started + timeout_s
     last_exc: Exception | None = None
@@ -52,7 +54,7 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
         if interval_s is not None:
             time.sleep(interval_s)
         else:
-            time.sleep(SLOW_POLL_S if time.monotonic() - started > FAST_POLL_FOR_S else 0.05)
+            time.sleep(SLOW_POLL_S if time.monotonic() - started > FAST_POLL_FOR_S else FAST_POLL_S)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}"
                          + (f" (last error: {last_exc!r})" if last_exc else ""))
 
