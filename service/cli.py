@@ -298,7 +298,7 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         return
     now = time.time()
     _table([[j["id"], j["name"], j.get("owner", "-"), j["state"], _nodes_in_use(j),
-             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(j.get("reason", ""))]
+             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(_why(j))]
             for j in jobs],
            ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION", "REASON"])
 
@@ -352,6 +352,7 @@ def status(client: FtrainClient, as_json: bool, job_id: str, watch: bool, interv
     rows = [
         ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner", "-")),
         ("state", job["state"]), ("reason", _one_line(job["reason"], 300)),
+        *([("waiting", _one_line(job["waiting"], 300))] if job.get("waiting") else []),
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
@@ -458,7 +459,7 @@ def _see_through(client: FtrainClient, job_id: str, follow: bool, as_json: bool,
         if follow:
             job = client.get_job(job_id)
             if job["state"] == "PENDING":
-                click.echo(f"ftrain: {job_id} is PENDING: {_one_line(job['reason'])}", err=True)
+                click.echo(f"ftrain: {job_id} is PENDING: {_one_line(_why(job))}", err=True)
             for item in client.follow_logs(job_id, rank, since):
                 if oldest is None or (item.get("time") or 0) >= oldest:
                     _echo_line(item, as_json)
@@ -508,9 +509,14 @@ def _progress_details(job: dict, now: float) -> str:
     if p.get("samples_per_s"):
         parts.append(f"{p['samples_per_s']:.1f} samples/s")
     parts.append(f"nodes {len(job.get('nodes') or [])}")
-    if (job["state"] in ("PENDING", "RECOVERING") or job.get("regrouping")) and job.get("reason"):
-        parts.append(_one_line(job["reason"], 80))
+    if (job["state"] in ("PENDING", "RECOVERING") or job.get("regrouping")) and _why(job):
+        parts.append(_one_line(_why(job), 120))
     return "  ".join(parts)
+
+
+def _why(job: dict) -> str:
+    """What a waiting job waits for (the server's `waiting`), else its last reason."""
+    return job.get("waiting") or job.get("reason", "")
 
 
 def _watch(client: FtrainClient, job_id: str, interval_s: float, as_json: bool) -> int:

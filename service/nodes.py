@@ -180,6 +180,11 @@ class NodeStore:
         self.version = None
         return await self.list()
 
+    async def current(self) -> dict[str, NodeRecord]:
+        """`live`, for a reader (not a scheduler pass): the watch-fed view when there is one,
+        else etcd; `version` is left as the last pass set it."""
+        return dict(self._live) if self._live is not None else await self.list()
+
     @property
     def view_changes(self) -> int:
         """How many times the watch-fed view has changed so far (`follow`), whether or not a
