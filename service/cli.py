@@ -160,8 +160,10 @@ def _client_options(fn):
     """--server, --token, --data-dir and --json, shared by every command that calls the API."""
 
     @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts) instead of a table.")
-    @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(),
-                  help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise).")
+    @click.option("--data-dir", default=None, type=click.Path(),
+                  help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise) "
+                       "[default: ./.ftrain if `ftrain up` ran here, else the data directory it last "
+                       "ran with, recorded in ~/.config/ftrain/local-cluster].")
     @click.option("--token", help="User token [env FTRAIN_TOKEN; else <data-dir>/token].")
     @click.option("--server", help="Control plane URL, or several comma-separated (replicas; the "
                                    "next is tried when one does not answer) [env FTRAIN_SERVER; "

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import httpx
 
+from service.client import remember_local_cluster
 from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, free_port, start_cluster
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
@@ -381,6 +382,7 @@ class LocalCluster:
                 raise UpError(f"port {port} on {self.options.host} is in use (another "
                               "`ftrain up` or another server?); pass another --port")
         p.server.write_text(self.server + "\n")
+        remember_local_cluster(p.root)  # the user's CLI finds this cluster from any directory
 
     def _start_etcd(self) -> None:
         _stop_leftover_etcd(self.paths)
