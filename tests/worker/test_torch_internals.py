@@ -106,3 +106,16 @@ def test_a_patch_is_applied_once_per_maker_and_gives_back_what_it_replaced():
         assert ti.patch(use, first) is stock and owner.f() == "second+first+torch"
     finally:
         del globals()["OWNER"]
+
+
+def test_pyproject_asks_for_the_torch_versions_that_are_tested():
+    import tomllib
+    from pathlib import Path
+
+    import torch
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    (first, last) = ti.TESTED
+    assert spec == ti.TESTED_SPEC == f"torch>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
+    assert first <= ti.torch_version(torch.__version__) <= last  # the Makefile's pinned build is in it
