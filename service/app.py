@@ -13,14 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import api_contract, background
 from service.context import Context
-from service.decide.retention import describe
-from service.errors import (
-    FtrainError,
-    InvalidTransition,
-    JobNotFound,
-    LogStorageUnavailable,
-    StoreUnavailable,
-)
+from service.errors import FtrainError, error_response
 from service.fastpath import FastPaths
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
 from service.settings import Settings
@@ -63,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FtrainError)
     async def _domain_error(request: Request, exc: FtrainError):
-        return domain_error(request.app.state.ctx, exc)
+        return error_response(exc, request.app.state.ctx.settings.retention)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -80,21 +73,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _message(pydantic_msg: str) -> str:
     """A validator's own words, without pydantic's "Value error, " in front of them."""
     return pydantic_msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-
-
-def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
-    """The answer to a domain error (also `service.fastpath`'s)."""
-    body: dict = {"detail": exc.message}
-    headers = {}
-    if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
-        body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
-    if isinstance(exc, InvalidTransition):
-        body["state"] = exc.state
-    if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
-        headers["Retry-After"] = "1"
-    if exc.status_code == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 # The largest rendezvous state write (PUT /v1/rdzv/{id}/state) taken, whatever the body limit

@@ -23,7 +23,7 @@ Anything else, and anything unusual about one of those (another principal's toke
 token the cache has not, a body that does not parse or is not JSON, a job the index does
 not have), goes to the app unchanged, which answers it as always. A domain error (a lapsed
 lease: 404, a reused Idempotency-Key: 409, etcd away: 503) is answered as the app answers
-it, by the same function (`service.app.domain_error`).
+it, by the same function (`service.errors.error_response`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.api_contract import TOO_LARGE
 from service.context import Context
 from service.deps import Caller, _node_of_credential, credential_digest, token_matches
-from service.errors import FtrainError
+from service.errors import FtrainError, error_response
 from service.models import ADMIN, JobSpec
 from service.users import token_digest
 from worker.protocol import REVISION_HEADER, HeartbeatRequest
@@ -100,9 +100,7 @@ class FastPaths:
         try:
             answer = await submit_answer(self.ctx, spec, caller, idempotency_key)
         except FtrainError as exc:  # a reused Idempotency-Key (409), etcd away (503)
-            from service.app import domain_error
-
-            return await domain_error(self.ctx, exc)(scope, replay, send)
+            return await error_response(exc, self.ctx.settings.retention)(scope, replay, send)
         await answer(scope, replay, send)
 
     async def _heartbeat(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -123,9 +121,7 @@ class FastPaths:
         try:
             answer = await heartbeat_answer(self.ctx, name, credential_digest(token), req, receive)
         except FtrainError as exc:  # 404 (register again), 401, 503: as the app answers them
-            from service.app import domain_error
-
-            return await domain_error(self.ctx, exc)(scope, replay, send)
+            return await error_response(exc, self.ctx.settings.retention)(scope, replay, send)
         await _answer(send, answer)
 
     async def _status(self, job_id: str, scope: Scope, receive: Receive, send: Send) -> None:
