@@ -411,7 +411,7 @@ def main() -> int:
     if args.quick:
         args.duration = 5.0
 
-    from tests.helpers.processes import ControlPlane, EtcdProcess, wait_for
+    from bench.harness import ControlPlane, EtcdProcess, wait_for
 
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-api-"))
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()

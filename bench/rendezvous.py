@@ -492,7 +492,7 @@ def main() -> int:
     files = open_files(max(sizes))
     backends = args.backends.split(",")
 
-    from tests.helpers.processes import ControlPlane, EtcdProcess
+    from bench.harness import ControlPlane, EtcdProcess
 
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-rdzv-"))
     etcd = cp = tcp = None

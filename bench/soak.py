@@ -634,7 +634,7 @@ async def drive(args, cp, etcd, long_job: str | None) -> tuple[list[dict], Soak]
 
 def run_soak(args, root: Path) -> dict:
     """Start the cluster under `root`, drive it, and return the results (targets included)."""
-    from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc, wait_for
+    from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for
 
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()
     cp = ControlPlane(etcd.endpoint, root / "cp", env={
