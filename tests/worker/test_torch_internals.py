@@ -119,3 +119,27 @@ def test_pyproject_asks_for_the_torch_versions_that_are_tested():
     (first, last) = ti.TESTED
     assert spec == ti.TESTED_SPEC == f"torch>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}"
     assert first <= ti.torch_version(torch.__version__) <= last  # the Makefile's pinned build is in it
+
+
+def test_the_phase_marks_wrap_torchs_agent_once_however_often_they_are_asked(tmp_path, monkeypatch):
+    import json
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    from worker.env import FTRAIN_PHASE_LOG
+    from worker.rendezvous import marks
+
+    calls = []
+    for name in ("_monitor_workers", "_stop_workers", "_start_workers"):  # undone after the test
+        monkeypatch.setattr(LocalElasticAgent, name, lambda self, group, _n=name: calls.append(_n))
+    monkeypatch.setattr(SubprocessContext, "_close", SubprocessContext._close)  # restored after
+    log_path = tmp_path / "phases.jsonl"
+    monkeypatch.setenv(FTRAIN_PHASE_LOG, str(log_path))
+    marks.watch_agent()
+    marks.watch_agent()
+    LocalElasticAgent._start_workers(None, None)
+    LocalElasticAgent._stop_workers(None, None)
+    assert calls == ["_start_workers", "_stop_workers"]
+    phases = [json.loads(line)["phase"] for line in log_path.read_text().splitlines()]
+    assert phases == ["workers_started", "stop_workers", "workers_stopped"]
