@@ -26,6 +26,10 @@ The parts:
 - `outage.py`: a group that trains through a control-plane outage of any length, and still
   sees nodes join once it is back.
 
+Every private part of torch these use (the pickled state's classes, `_delay`, the handler's
+`_state_holder`, the agent's `_stop_workers`, ...) is reached through `worker/torch_internals.py`,
+which checks them all when the handler is made.
+
 The rendezvous keep-alive (`keep_alive_interval` x `keep_alive_max_attempt`, torch's 5 s x 3)
 and `last_call_timeout` (torch's 30 s) keep torch's defaults; pass them in --rdzv-conf
 (docs/runtime.md says what the node agent passes, and why). With `retry_timeout` longer
