@@ -23,7 +23,7 @@ import httpx
 from service.embedded import EtcdProcess, free_port
 from service.keyring import Keyring
 from service.models import JobRecord
-from worker import memory
+from worker import memory_dirs
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, is_standby, parent_of
 from worker.procs import is_alive as pid_alive
 
@@ -330,8 +330,21 @@ class NodeAgentProc:
                 except ProcessLookupError:
                     pass
             self.proc.wait()
-        # The memory tier an agent killed by the test left in /dev/shm (worker/memory.py).
-        memory.remove_leftovers(self.workdir, self.name)
+        # The memory tier an agent killed by the test left in /dev/shm (worker/memory_dirs.py).
+        memory_dirs.remove_leftovers(self.workdir, self.name)
+
+
+def etcd_metrics(endpoint: str) -> dict:
+    """etcd's database size (in use, total) and key count, from its /metrics."""
+    text = httpx.get(f"{endpoint}/metrics", timeout=10).text
+    want = {"etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use", "etcd_mvcc_db_total_size_in_bytes":
+            "db_total", "etcd_debugging_mvcc_keys_total": "keys"}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in want:
+            out[want[name]] = int(float(value))
+    return out
 
 
 # Lines of the runtime's own (worker/runtime.py) in rank 0's output.

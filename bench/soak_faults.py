@@ -470,7 +470,7 @@ class HourSoak:
     # ---------------------------------------------------------------- samples
 
     def sample(self) -> dict:
-        from bench.soak import etcd_metrics
+        from bench.harness import etcd_metrics
 
         row: dict = {"t": round(time.time() - self.t0)}
         for m in self.members:
