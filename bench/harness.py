@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from service.embedded import EtcdProcess, free_port
+from service.embedded import EtcdProcess as EtcdProcess  # the benchmarks' and tests' etcd
+from service.embedded import free_port
 from service.keyring import Keyring
 from service.models import JobRecord
 from worker import memory_dirs

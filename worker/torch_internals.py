@@ -293,6 +293,7 @@ KEEP_ALIVE_OP = Private(DYNAMIC, "_RendezvousKeepAliveOp", "bench/rendezvous.py 
 HANDLER_OP_EXECUTOR = Private(DYNAMIC, "DynamicRendezvousHandler._op_executor", "bench/rendezvous.py "
                               "times the executor's runs of keep-alive ops", on_instances=True)
 
+# Every `Private` above, in the order written: what `require` checks.
 USES: tuple[Private, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Private))
 
 
