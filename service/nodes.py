@@ -232,6 +232,12 @@ class NodeStore:
         await self.kv.put(self.keys.drain(name), b'{"drained_at": %.3f}' % self.clock())
         return await self._set_state(name, NodeState.DRAINING)
 
+    async def leave(self, name: str) -> NodeRecord:
+        """Mark the node DRAINING on its record alone: an agent that stops (SIGTERM, `ftrain
+        up`'s Ctrl-C) lets its jobs stop at a step boundary before it deregisters. Unlike an
+        admin's drain nothing is kept under its name: the node comes back READY."""
+        return await self._set_state(name, NodeState.DRAINING)
+
     async def undrain(self, name: str) -> NodeRecord:
         """Put a drained node back in service (READY: it may be given work again). The drain
         is deleted even when the node is not registered now (then NodeNotFound)."""
