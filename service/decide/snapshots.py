@@ -9,11 +9,11 @@ Only a committed snapshot can become "latest", and only a commit from the job's 
 attempt is accepted: a rank 0 left over from an earlier attempt (a split group, a slow
 process that missed a restart) gets 409 and can never move "latest". "latest" only moves
 forward, except when the snapshot it names is found corrupt: then it falls back to the
-newest good one. A commit names a file in the job's own snapshot directory, or none at all:
-every rank of the job loads the committed file, so a commit naming another (forged with a
-leaked job token: `/tmp/evil.pt`) is refused before anything is written. A commit that carries a control id acknowledges that planned change
-(`control_for` stops showing it). Beyond `snapshot.keep`, the oldest are pruned, never
-the latest.
+newest good one. A commit names a file in the job's own snapshot directory: every rank of
+the job loads the committed file, so a commit naming another (forged with a leaked job
+token: `/tmp/evil.pt`) is refused (422) before anything is written. A commit that carries a
+control id acknowledges that planned change (`control_for` stops showing it). Beyond
+`snapshot.keep`, the oldest are pruned, never the latest.
 
 (job, records, request, now) -> Decision: a Change of the job record and the snapshot
 records (written in one transaction by `service.snapshots.SnapshotStore`), and the files

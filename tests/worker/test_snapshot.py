@@ -177,7 +177,8 @@ def commit(client, job_dir: Path, step: int, attempt: int = 0, **extra):
     return client.post(f"/v1/jobs/{job_dir.name}/snapshots", json=body)
 
 
-def test_commit_is_fenced_to_the_current_attempt_and_latest_only_moves_forward(worker, api, job, job_dir, etcd):
+def test_commit_is_fenced_to_the_current_attempt_and_latest_only_moves_forward(
+        worker, api, job, job_dir, etcd):
     job_id = job["id"]
     assert commit(worker, job_dir, 20).json()["latest"] == 20
     resp = commit(worker, job_dir, 10)

@@ -49,7 +49,8 @@ def test_the_runtimes_own_snapshot_loads_weights_only_rng_states_and_optimizer_i
              "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
     written = snap.write_atomic(state, tmp_path, 7)
     loaded = snap.load(written.path)
-    assert loaded["step"] == 7 and loaded["optimizer"]["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert loaded["step"] == 7
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     rng, taken = loaded["rng"][0], state["rng"][0]
     assert rng["python"] == taken["python"] and torch.equal(rng["torch"], taken["torch"])
     assert rng["numpy"][0] == taken["numpy"][0] and np.array_equal(rng["numpy"][1], taken["numpy"][1])
