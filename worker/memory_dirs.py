@@ -23,11 +23,18 @@ SHM_ROOT = Path("/dev/shm")
 _PREFIX = "ftrain-mem."
 
 
+def cluster_root(data_dir: str | Path) -> str:
+    """The name prefix of the memory directories of every agent of the data directory
+    `data_dir` (a cluster's, on this machine): /dev/shm is shared by every cluster on the
+    host, and an agent sweeps only names under its own prefix."""
+    tag = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    return f"{_PREFIX}{tag}."
+
+
 def node_root(data_dir: str | Path, node: str, shm: Path = SHM_ROOT) -> str:
     """The name prefix of this agent's memory directories: its data directory and name
     (agents of one name in different data directories share the machine in tests)."""
-    tag = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
-    return f"{_PREFIX}{tag}.{node}."
+    return f"{cluster_root(data_dir)}{node}."
 
 
 def make_job_dir(data_dir: str | Path, node: str, job_id: str, shm: Path = SHM_ROOT) -> Path:
@@ -57,8 +64,8 @@ def remove_leftovers(data_dir: str | Path, node: str, shm: Path = SHM_ROOT) -> l
 
 
 # A memory directory's owner: the agent that made it, as "pid start-time pid-namespace"
-# (`/proc`), so that any agent can tell a directory whose agent is gone (SIGKILLed: it
-# removed nothing) from a live one's, a reused PID included (`remove_orphans`).
+# (`/proc`), so that any agent of its data directory can tell a directory whose agent is gone
+# (SIGKILLed: it removed nothing) from a live one's, a reused PID included (`remove_orphans`).
 OWNER_FILE = ".owner"
 # A directory without an owner file (made before owners were noted) is removed only when
 # it is empty and untouched for this long: it then holds nothing a live job could need.
@@ -94,15 +101,16 @@ def _orphaned(path: Path, now: float) -> bool:
     return _owner_of(int(owner[0])) != " ".join(owner)
 
 
-def remove_orphans(shm: Path = SHM_ROOT) -> list[Path]:
-    """Remove the memory directories under `shm` of every agent that is gone (killed, so it
-    removed nothing; its data directory may be gone too, so no agent of its name and data
-    directory would ever take them back: `remove_leftovers`); never a live agent's. Called
-    by the agent when it starts."""
+def remove_orphans(data_dir: str | Path, shm: Path = SHM_ROOT) -> list[Path]:
+    """Remove the memory directories under `shm` of every agent of this data directory that
+    is gone (killed, so it removed nothing; an agent of another name would never take them
+    back: `remove_leftovers`); never a live agent's, nor another data directory's (another
+    cluster on the host: its own agents sweep those). Called by the agent when it starts."""
     removed = []
     now = time.time()
+    prefix = cluster_root(data_dir)
     try:
-        found = [p for p in shm.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()]
+        found = [p for p in shm.iterdir() if p.name.startswith(prefix) and p.is_dir()]
     except OSError:
         return removed
     for p in found:

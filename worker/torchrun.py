@@ -118,10 +118,13 @@ MASK = "***"
 MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every line: left as is
 
 
-def secrets_to_mask(secret_env: dict[str, str]) -> tuple[str, ...]:
-    """The secret values to mask in a job's output, longest first (one may contain another)."""
-    return tuple(sorted({v for v in secret_env.values() if len(v) >= MIN_MASKED_CHARS},
-                        key=lambda v: (-len(v), v)))
+def secrets_to_mask(secret_env: dict[str, str], job_token: str | None = None) -> tuple[str, ...]:
+    """The values to mask in a job's output, longest first (one may contain another): its
+    secret env values and its token (whoever holds it commits the job's snapshots). Output is
+    shipped line by line, so a multi-line value (a PEM key) is masked line by line, each line
+    without the blanks around it."""
+    values = {line.strip() for v in (*secret_env.values(), job_token or "") for line in v.splitlines()}
+    return tuple(sorted({v for v in values if len(v) >= MIN_MASKED_CHARS}, key=lambda v: (-len(v), v)))
 
 
 def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
@@ -504,8 +507,8 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs,
-                        job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env, a.job_token),
+                        outputs=outputs, job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
         self.follow(g, dirs)
         self.group = g
         log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
