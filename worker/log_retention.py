@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker import safe_files
 
 log = logging.getLogger("ftrain.agent")
 
@@ -59,7 +60,10 @@ def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
     folders = [JobLogs(e.name, _last_write(Path(e.path))) for e in entries]
     gone = to_delete(folders, running, now, keep_jobs, max_age_s)
     for job_id in gone:
-        shutil.rmtree(logs_dir / job_id, ignore_errors=True)
+        try:  # torchrun's folders in it are the job's user's: nothing below followed (safe_files)
+            safe_files.remove_tree(logs_dir / job_id)
+        except OSError as exc:
+            log.warning("could not remove all of the local logs of job %s: %s", job_id, exc)
     if gone:
         log.info("deleted the local logs of %d job(s) no longer run here (keeping %d jobs, %.0f days): %s",
                  len(gone), keep_jobs, max_age_s / 86400, ", ".join(gone[:10]))
