@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -73,12 +74,22 @@ def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
 def _last_write(folder: Path) -> float:
     """The newest modification time of `folder` and of everything in it: the workers write
     their output deep in its `torchrun/` (`<run>/attempt_<n>/<local rank>/stdout.log`), and a
-    long run may write nothing else for hours."""
+    long run may write nothing else for hours. Walked without recursion and through no link:
+    below `torchrun/` the folders are the job's user's, who may make them deep or swap them."""
     newest = folder.lstat().st_mtime
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-            except FileNotFoundError:
-                pass
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        try:
+            with safe_files.folder(here) as fd:
+                for name in os.listdir(fd):
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    newest = max(newest, st.st_mtime)
+                    if stat.S_ISDIR(st.st_mode):
+                        todo.append(here / name)
+        except OSError:
+            continue
     return newest

@@ -783,7 +783,7 @@ def missing_command(command: list[str], env: Mapping[str, str], cwd: str,
 
 def _private_file(path: Path, mode: str):
     """`open(path, mode)` for writing, the file created 0600 (the job's output is not for all)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     return os.fdopen(os.open(path, flags, 0o600), mode)
 
 
