@@ -13,13 +13,14 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
+from worker import safe_files
+
 log = logging.getLogger("ftrain.memory")
 
-SHM_ROOT = Path("/dev/shm")
+SHM_ROOT = Path(os.path.realpath("/dev/shm"))  # resolved: safe_files walks no link (a /run/shm link)
 _PREFIX = "ftrain-mem."
 
 
@@ -57,8 +58,7 @@ def remove_leftovers(data_dir: str | Path, node: str, shm: Path = SHM_ROOT) -> l
         if not base.is_dir():
             continue
         for p in base.iterdir():
-            if p.name.startswith(prefix):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith(prefix) and _remove(p):
                 removed.append(p)
     return removed
 
@@ -83,13 +83,24 @@ def _owner_of(pid: int) -> str | None:
     return f"{pid} {start} {namespace}"
 
 
+def _remove(path: Path) -> bool:
+    """Remove memory directory `path` (its job's user's under `--run-as`: safe_files walks it)."""
+    try:
+        safe_files.remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove the memory directory %s: %s", path, exc)
+        return False
+    return True
+
+
 def _orphaned(path: Path, now: float) -> bool:
     """Whether memory directory `path` belongs to no live agent (see OWNER_FILE)."""
-    try:
-        owner = (path / OWNER_FILE).read_text().split()
+    try:  # written by the agent, in a folder its job's user may change: read through no link
+        owner = safe_files.read_bytes(path / OWNER_FILE, 256, owner=None).decode(errors="replace").split()
     except FileNotFoundError:
         try:
-            return next(path.iterdir(), None) is None and now - path.stat().st_mtime > UNOWNED_AGE_S
+            empty = not safe_files.listdir(path)
+            return empty and now - safe_files.lstat(path).st_mtime > UNOWNED_AGE_S
         except OSError:
             return False
     except OSError:
@@ -110,12 +121,11 @@ def remove_orphans(data_dir: str | Path, shm: Path = SHM_ROOT) -> list[Path]:
     now = time.time()
     prefix = cluster_root(data_dir)
     try:
-        found = [p for p in shm.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+        found = [p for p in shm.iterdir() if p.name.startswith(prefix) and safe_files.is_dir(p)]
     except OSError:
         return removed
     for p in found:
-        if _orphaned(p, now):
-            shutil.rmtree(p, ignore_errors=True)
+        if _orphaned(p, now) and _remove(p):
             removed.append(p)
     if removed:
         log.info("removed %d memory directories of agents that are gone: %s", len(removed),
@@ -207,8 +217,8 @@ def wait_for_last_words(directory: str | Path, timeout_s: float, start: int = 0,
     said them and exited), at most `timeout_s`; the seconds waited, None where nobody held it.
     `start`, `length`: only those bytes (0: to the end)."""
     began = time.monotonic()
-    try:
-        fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    try:  # the agent's wait (root under `--run-as`) in the job's user's folder: through no link
+        fd = safe_files.open_file(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR)
     except OSError:
         return None
     held = False
