@@ -758,11 +758,12 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 
 
 @main.command()
-@click.option("--server", envvar=FTRAIN_SERVER, required=True,
+@click.option("--server", envvar=FTRAIN_SERVER, default=None,
               help="Control plane URL, or several comma-separated (replicas: the node fails over "
-                   "between them).")
+                   "between them). Default: <data-dir>/server, written by `ftrain up`.")
 @click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
-              help="File that holds the node token (read at start).")
+              help="File that holds the node token (read at start). Default: FTRAIN_NODE_TOKEN, "
+                   "else <data-dir>/node-token, written by `ftrain up`.")
 @click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
@@ -781,7 +782,7 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
                    "latest; older folders of jobs this node no longer runs are deleted.")
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
-def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
+def node(server: str | None, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
          keep_logs_days: float) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
@@ -797,6 +798,9 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
             raise
         raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
     token = agent.take_from_environ(FTRAIN_NODE_TOKEN)
+    server, up_token_file = _node_defaults(Path(data_dir), server)
+    if token_file is None and token is None:
+        token_file = up_token_file
     if token_file is not None:
         token = Path(token_file).read_text().strip()
         if not token:
@@ -815,6 +819,22 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
                         keep_logs_jobs, keep_logs_days * 86400)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _node_defaults(data_dir: Path, server: str | None) -> tuple[str, str | None]:
+    """The control plane (unless given) and the node token file of the `ftrain up` on
+    `data_dir`, if it has one: one more local node needs no other flag than --name.
+    The agent then runs on up's data directory, and up's Ctrl-C stops it with up's own."""
+    if server is None:
+        try:
+            server = (data_dir / "server").read_text().strip()
+        except OSError:
+            server = ""
+        if not server:
+            raise click.UsageError(f"no --server given (nor {FTRAIN_SERVER}), and no {data_dir}/server "
+                                   "(written by `ftrain up`); pass the control plane's URL")
+    token_file = data_dir / "node-token"
+    return server, str(token_file) if token_file.is_file() else None
 
 
 def _use_gpus(value: str) -> None:

@@ -131,6 +131,19 @@ class StaleAttempt(Conflict):
     """A write from an attempt that is no longer the job's current one."""
 
 
+class InvalidField(FtrainError):
+    """A request field that its own rules accept but the state of the job refuses (a snapshot
+    path outside the job's snapshot directory): 422, naming the field, as a body that fails
+    validation is answered."""
+
+    status_code = 422
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"invalid request: {field}: {message}")
+        self.field = field
+        self.reason = message
+
+
 class SnapshotNotFound(FtrainError):
     status_code = 404
 
@@ -155,6 +168,8 @@ def error_response(exc: FtrainError, retention: RetentionPolicy) -> JSONResponse
         body["detail"] = f"{exc.message} ({describe(retention)})"
     if isinstance(exc, InvalidTransition):
         body["state"] = exc.state
+    if isinstance(exc, InvalidField):  # the shape of a body that fails validation (`_invalid`)
+        body["errors"] = [{"field": exc.field, "message": exc.reason, "type": "value_error"}]
     if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
         headers["Retry-After"] = "1"
     if exc.status_code == 401:
