@@ -69,8 +69,8 @@ class FastPaths:
         token, expected = _bearer(scope), self.ctx.settings.user_token
         if (token is not None and token_matches(token, expected)) or (token is None and expected is None):
             return Caller(ADMIN, is_admin=True)
-        if token is not None and (name := self.ctx.users.cached(token_digest(token))) is not None:
-            return Caller(name)
+        if token is not None and (user := self.ctx.users.cached(token_digest(token))) is not None:
+            return Caller(user.name, user_id=user.id)
         return None
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
