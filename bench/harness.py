@@ -125,11 +125,12 @@ def _pidfds(pid: int) -> list[int]:
 
 class ControlPlane:
     """A real `ftrain serve` (uvicorn) process on a free port (loopback unless `host` is given;
-    in the network namespace `netns` if given)."""
+    in the network namespace `netns` if given); `open_`: without tokens (loopback only)."""
 
     def __init__(self, etcd_endpoint: str, workdir: Path, user_token: str | None = None,
                  node_token: str | None = None, port: int | None = None, env: dict | None = None,
-                 host: str = "127.0.0.1", netns: str | None = None):
+                 host: str = "127.0.0.1", netns: str | None = None, open_: bool = False):
+        self.open = open_
         self.host = host
         self.netns = netns  # a network namespace to run in (`ip netns exec`)
         self.etcd_endpoint = etcd_endpoint
@@ -149,8 +150,9 @@ class ControlPlane:
 
     def start(self, timeout_s: float = 30.0) -> ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "FTRAIN_USER_TOKEN": self.user_token,
-               "FTRAIN_NODE_TOKEN": self.node_token, **self.env}
+        tokens = {"FTRAIN_USER_TOKEN": self.user_token, "FTRAIN_NODE_TOKEN": self.node_token}
+        env = {**{k: v for k, v in os.environ.items() if k not in tokens},
+               **({} if self.open else tokens), **self.env}
         log = open(self.workdir / f"control-plane-{self.port}.log", "ab")  # noqa: SIM115
         argv = [sys.executable, "-m", "service.cli", "serve", "--etcd", self.etcd_endpoint,
                 "--host", self.host, "--port", str(self.port), "--snapshot-root", str(self.snapshot_root),

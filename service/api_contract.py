@@ -7,7 +7,8 @@ request with no `Authorization: Bearer` header gets 401 before its body is read 
 so no token and a bad (or too large) body is a 401, not a 400, 413 or 422. Every `/v1/`
 route takes some token there (`service/deps.py`). A wrong token (or another principal's) is
 judged by the route's own dependencies before its body too (`AuthFirstRoute`, the class of
-every `/v1/` route): 401/403, then 413 or 422.
+every `/v1/` route): 401/403, then 413, 415 (a body not sent as JSON: `service.cross_site`)
+or 422.
 
 `describe(app)` adds to each operation of the generated OpenAPI the error answers of
 `service/app.py` as they are sent: 401 (with `WWW-Authenticate: Bearer`), 403, 404 (routes of
@@ -29,11 +30,12 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.cross_site import NOT_JSON, has_body, is_json
 from service.models import LogLine
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body (401, 403, 404, 409, 410, 413, 503)."""
+    """Every error answer's body (401, 403, 404, 409, 410, 413, 415, 503)."""
 
     detail: str = Field(..., examples=["job mnist-1a2b3c not found"])
     state: str | None = Field(None, description="409 on a job: the state it is in.",
@@ -64,6 +66,7 @@ _WHY = {
     410: "The rendezvous is closed: its attempt is not the job's current one, or the job has ended "
          "(do not retry).",
     413: "The request body is larger than the server's limit.",
+    415: "The request body is not sent as JSON (`Content-Type: application/json`).",
     422: "The request breaks the API's rules: `errors` names each field.",
     503: "The store (etcd) or the log storage cannot be reached now; try again (`Retry-After`).",
 }
@@ -117,6 +120,7 @@ class AuthFirstRoute(APIRoute):
         handler = super().get_route_handler()
         dependant = _route_context(self).dependant
         embed = getattr(_route_context(self), "_embed_body_fields", False)
+        takes_body = bool(dependant.body_params)
 
         async def authenticate(request: Request) -> None:
             # Raises the dependencies' HTTPException (401/403/404); the missing body's errors
@@ -130,6 +134,10 @@ class AuthFirstRoute(APIRoute):
             if limit is not None:
                 await authenticate(request)
                 return JSONResponse({"detail": f"request body larger than {limit} bytes"}, 413)
+            if takes_body and not is_json(request.headers.get("content-type")) \
+                    and has_body(dict(request.scope["headers"])):
+                await authenticate(request)  # (no body read: a form cannot be sent as JSON)
+                return JSONResponse({"detail": NOT_JSON}, 415)
             try:
                 return await handler(request)
             except RequestValidationError as exc:
@@ -197,7 +205,7 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
         if method in ("post", "put", "delete"):
             codes.append(409)
         if "requestBody" in op:
-            codes += [400, 413]
+            codes += [400, 413, 415]
         if path.startswith("/v1/rdzv/"):
             codes.append(410)
         for code in codes:

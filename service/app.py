@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import api_contract, background
 from service.context import Context
+from service.cross_site import LoopbackOnly
 from service.errors import FtrainError, error_response
 from service.fastpath import FastPaths
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
@@ -43,8 +44,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outside the size limit: no token and a bad or large body is a 401 (service/api_contract.py).
     app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
-    app.add_middleware(api_contract.RequireBearer,
-                       closed=settings.user_token is not None and settings.node_token is not None)
+    closed = settings.user_token is not None and settings.node_token is not None
+    app.add_middleware(api_contract.RequireBearer, closed=closed)
+    # Outermost: without tokens, only loopback and the server's own origin (service/cross_site.py).
+    app.add_middleware(LoopbackOnly, open_=not closed)
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)

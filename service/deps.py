@@ -76,6 +76,7 @@ class Caller:
 
     name: str
     is_admin: bool = False
+    user_id: str | None = None  # a named user's id (service.users.UserRef); None for the admin
 
 
 async def require_user(ctx: ContextDep, creds: UserCredentials) -> Caller:
@@ -89,8 +90,8 @@ async def user_caller(ctx: Context, creds: HTTPAuthorizationCredentials | None) 
     expected = ctx.settings.user_token
     if creds is not None and token_matches(creds.credentials, expected):
         return Caller(ADMIN, is_admin=True)
-    if creds is not None and (name := await ctx.users.who(creds.credentials)) is not None:
-        return Caller(name)
+    if creds is not None and (user := await ctx.users.who(creds.credentials)) is not None:
+        return Caller(user.name, user_id=user.id)
     if expected is None:
         return Caller(ADMIN, is_admin=True)
     if creds is None:

@@ -32,6 +32,17 @@ class Settings(BaseSettings):
                     "control-plane replicas share one, as they share the log root.")
 
     max_body_bytes: int = Field(64 * 1024, gt=0, description="Largest accepted request body.")
+    # What a client may make the server hold before the app sees a request (service.http_limits).
+    max_head_bytes: int = Field(
+        32 * 1024, ge=1024, description="Largest request head (request line and headers); 431 past it.")
+    max_headers: int = Field(100, ge=8, description="Most header lines in a request; 431 past it.")
+    request_timeout_s: float = Field(
+        15.0, gt=0, description="A request (head and body) not received whole this long after its "
+                                "first byte (or after its connection opened) is ended: 408.")
+    max_connections: int = Field(
+        10_000, ge=16, description="Open connections served at once; a new one past it is answered "
+                                   "503 (every node agent holds one or two; the process's open-file "
+                                   "limit must be above this).")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     presence_blip_s: float = Field(
         5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
