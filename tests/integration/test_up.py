@@ -34,15 +34,27 @@ class Up:
         self.out_path = data_dir.parent / f"up-{port}-{os.urandom(3).hex()}.out"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60) -> Up:
+    def launch(self) -> Up:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTRAIN_")}
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "service.cli", "up", "--port", str(self.port),
                  "--data-dir", str(self.data_dir), "--nodes", str(self.nodes), *self.extra],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
+
+    def start(self, timeout_s: float = 60) -> Up:
+        self.launch()
         wait_for(self._banner_printed, timeout_s, "`ftrain up` to print its banner")
         return self
+
+    def refused(self, timeout_s: float = 90) -> int:
+        """Launch `up` expecting it to give up before it serves; its exit code."""
+        assert self.launch().proc is not None
+        wait_for(lambda: self.proc.poll() is not None or BANNER_END in self.output(), timeout_s,
+                 "`ftrain up` to exit")
+        assert BANNER_END not in self.output(), f"`ftrain up` started:\n{self.output()}"
+        return self.proc.returncode
 
     def output(self) -> str:
         return self.out_path.read_text()
@@ -70,10 +82,10 @@ def start_up(tmp_path):
     started: list[Up] = []
 
     def start(data_dir: Path | None = None, port: int | None = None, nodes: int = 0,
-              extra: tuple[str, ...] = ()) -> Up:
+              extra: tuple[str, ...] = (), launch: bool = True) -> Up:
         up = Up(data_dir or tmp_path / "data", port or free_port(), nodes, extra)
         started.append(up)
-        return up.start()
+        return up.start() if launch else up
 
     yield start
     for up in started:
@@ -313,14 +325,6 @@ def test_another_local_user_reads_no_file_of_up_and_nothing_from_its_etcd(start_
     assert up.interrupt() == 0
 
 
-def up_until_it_exits(data_dir: Path, timeout_s: float = 90) -> subprocess.CompletedProcess:
-    """Run `ftrain up` on `data_dir` expecting it to give up; its output and exit code."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRAIN_")}
-    return subprocess.run([sys.executable, "-m", "service.cli", "up", "--port", str(free_port()),
-                           "--data-dir", str(data_dir), "--nodes", "0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-
-
 def gateway(endpoint: str, path: str, body: dict, token: str | None = None) -> dict:
     """POST to etcd's v3 HTTP gateway (as a token's user, or as nobody in particular)."""
     request = urllib.request.Request(f"{endpoint}/v3/{path}", data=json.dumps(body).encode(), method="POST",
@@ -446,10 +450,10 @@ def test_up_refuses_an_etcd_holding_users_or_roles_it_did_not_create(start_up, t
         data.mkdir(mode=0o700)
     seed(data)
 
-    refused = up_until_it_exits(data)
-    assert refused.returncode == 1, refused.stdout
-    assert f"holds what ftrain did not create ({found})" in refused.stdout, refused.stdout
-    assert "another --data-dir" in refused.stdout and "user delete NAME" in refused.stdout
-    assert "ftrain is up" not in refused.stdout
+    up = start_up(data_dir=data, launch=False)
+    assert up.refused() == 1, up.output()
+    output = up.output()
+    assert f"holds what ftrain did not create ({found})" in output, output
+    assert "another --data-dir" in output and "user delete NAME" in output
     client = json.loads((data / "etcd-ports").read_text())["client"]
     assert is_port_free(client)  # etcd never listened on TCP, and nothing was left running
