@@ -60,6 +60,33 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
 
 
 
+def _tcp_listening_inodes() -> dict[int, str]:
+    """inode -> "address:port" of every listening TCP socket (IPv4 and IPv6) on this host."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                out[int(fields[9])] = fields[1]
+    return out
+
+
+def tcp_ports_listened_on(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on."""
+    listening = _tcp_listening_inodes()
+    ports = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inode = int(target[len("socket:["):-1])
+            if inode in listening:
+                ports.append(int(listening[inode].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
 def stop_tree(proc: subprocess.Popen, sig: int, wait_s: float) -> None:
     """Test clean-up of a process this test started and of everything it left: `sig` to
     it (SIGKILL after `wait_s`), then SIGKILL to its descendants still alive."""

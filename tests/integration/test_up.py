@@ -21,6 +21,7 @@ from service.embedded import ROOT_USER, EtcdProcess
 from service.up import agent_available, choose_etcd_port, curl_lines, ensure_token, is_port_free
 from tests.helpers.other_user import everything_under, needs_root, probe_as_other_user, start_etcd_intruder
 from tests.helpers.processes import REPO, descendants, free_port, pid_alive, stop_tree, wait_for
+from tests.helpers.processes import tcp_ports_listened_on
 
 BANNER_END = "Ctrl-C stops everything."
 FALLBACK_SPEC = {"name": "example", "command": ["python", "examples/train.py"]}
@@ -373,30 +374,6 @@ def test_no_other_local_user_can_add_an_etcd_user_or_write_a_key_during_the_firs
     assert seen["peer_connects"] == 0, seen
     assert etcd_principals(data) == ([ROOT_USER], [])
     assert up.interrupt() == 0
-
-
-def _tcp_listening_inodes() -> dict[int, str]:
-    """inode -> "address:port" of every listening TCP socket (IPv4 and IPv6) on this host."""
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":  # LISTEN
-                out[int(fields[9])] = fields[1]
-    return out
-
-
-def tcp_ports_listened_on(pid: int) -> list[int]:
-    """The TCP ports process `pid` listens on."""
-    listening = _tcp_listening_inodes()
-    ports = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
-        if target.startswith("socket:["):
-            inode = int(target[len("socket:["):-1])
-            if inode in listening:
-                ports.append(int(listening[inode].rsplit(":", 1)[1], 16))
-    return sorted(ports)
 
 
 def test_up_s_etcd_listens_on_tcp_for_its_clients_alone_and_keeps_it_across_restarts(start_up, tmp_path):
