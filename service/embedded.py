@@ -5,12 +5,13 @@ can connect. `start()` first runs it with its client URL a unix socket alone, in
 directory only this user may enter (`socket_dir`, 0700); through that socket it creates
 etcd's `root` user with the password and turns etcd's authentication on (over etcd's HTTP
 gateway, so this needs no gRPC), or, on a restart, finds it on and checks the password.
-Then it checks that etcd holds no user but `root` and no role: anything else was put
-there by someone else (an etcd that was once open) and the start is refused. Only then is
-etcd stopped and started again on its TCP client port, where every request without
-credentials but /health is refused ("user name is empty"). Doing this on every start costs
-one more start of etcd (about a second) and makes the check hold for a data directory
-that anyone may have handled.
+Then it checks that etcd holds no user but `root` and no role, and, where authentication
+was still off, no key at all: anything else was put there by someone else (an etcd that
+was once open) and the start is refused (`EtcdTampered`). Only then is etcd stopped and
+started again on its TCP client port, where every request without credentials but /health
+is refused ("user name is empty"). Doing this on every start costs one more start of etcd
+(a lone member elects itself in a quarter of a second) and makes the checks hold before
+anyone else can connect, whatever happened to the data directory in between.
 
 Peers: with `peer_socket`, a member's peer URL is a unix socket in `socket_dir` too (the
 members of `ftrain up`'s cluster share it). etcd's peer port has no authentication of its
@@ -43,8 +44,9 @@ class EtcdRefused(RuntimeError):
     """etcd's gateway answered a request with an error (its message)."""
 
 
-class ForeignPrincipals(RuntimeError):
-    """A closed etcd holds users or roles that ftrain did not create."""
+class EtcdTampered(RuntimeError):
+    """A closed etcd holds what ftrain did not put there (users, roles, or keys written
+    before its authentication was on)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -171,6 +173,11 @@ class EtcdProcess:
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
             "--quota-backend-bytes", str(self.quota_backend_bytes),
         ]
+        if self.initial_cluster is None:
+            # A lone member elects itself, but a restarted one only after a whole election
+            # timeout (etcd's 1 s, randomized up to 2 s): paid twice by a closed start. With
+            # no other member to hear from, a short one costs nothing.
+            cmd += ["--heartbeat-interval", "50", "--election-timeout", "250"]
         if self.auth_token_ttl_s is not None:
             cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child's life)
@@ -231,20 +238,24 @@ class EtcdProcess:
         """Turn the cluster's authentication on through this member, unless it is on (then
         check the password); refuse an etcd that holds users or roles ftrain did not create."""
         assert self.root_password is not None
-        self._enable_auth(self.root_password)
-        self._refuse_foreign_principals(self.root_password)
+        self._refuse_foreign_principals(self._enable_auth(self.root_password))
 
-    def _enable_auth(self, password: str) -> None:
-        """Create the root user with `password` and turn authentication on, unless it is on."""
+    def _authenticate(self, password: str) -> str:
+        """A token of root's (etcd hashes the password: each call costs a bcrypt round)."""
+        return self._gateway("auth/authenticate", {"name": ROOT_USER, "password": password})["token"]
+
+    def _enable_auth(self, password: str) -> str:
+        """Create the root user with `password` and turn authentication on, unless it is on;
+        a token of root's."""
         try:
-            self._gateway("auth/authenticate", {"name": ROOT_USER, "password": password})
-            return  # on already (a restart), and the password is right
+            return self._authenticate(password)  # on already (a restart), and the password is right
         except EtcdRefused as exc:
             if "authentication is not enabled" not in str(exc):
                 raise RuntimeError(
                     f"etcd in {self.data_dir} has authentication on but refuses the root password "
                     f"given ({exc}): was its password file replaced? Put the old one back, or "
                     f"start anew without {self.data_dir} (its jobs are lost)") from None
+        self._refuse_keys_written_while_open()
         try:
             self._gateway("auth/user/add", {"name": ROOT_USER, "password": password})
         except EtcdRefused as exc:
@@ -253,18 +264,31 @@ class EtcdProcess:
             self._gateway("auth/user/changepw", {"name": ROOT_USER, "password": password})
         self._gateway("auth/user/grant", {"user": ROOT_USER, "role": "root"})
         self._gateway("auth/enable", {})
+        return self._authenticate(password)
 
-    def _refuse_foreign_principals(self, password: str) -> None:
-        """Raise ForeignPrincipals if etcd holds a user but root, or any role.
+    def _refuse_keys_written_while_open(self) -> None:
+        """Raise EtcdTampered if an etcd whose authentication is still off holds a key.
+
+        Nothing of ftrain's writes to it before authentication is on (the control plane
+        starts after), so a key there was written by whoever reached it open."""
+        everything = {"key": "AA==", "range_end": "AA==", "count_only": True}  # base64 of b"\0"
+        keys = int(self._gateway("kv/range", everything).get("count", 0))
+        if keys:
+            raise EtcdTampered(tampered_message(self.data_dir, f"{keys} key(s) written while its "
+                                                               "authentication was off"))
+
+    def _refuse_foreign_principals(self, token: str) -> None:
+        """Raise EtcdTampered if etcd holds a user but root, or any role.
 
         ftrain creates the root user alone (its `root` role is built into etcd, never
         listed). Anything more was added by someone who reached etcd while it was open, and
         can read and write every job through it."""
-        token = self._gateway("auth/authenticate", {"name": ROOT_USER, "password": password})["token"]
         users = sorted(set(self._gateway("auth/user/list", {}, token).get("users", [])) - {ROOT_USER})
         roles = sorted(self._gateway("auth/role/list", {}, token).get("roles", []))
         if users or roles:
-            raise ForeignPrincipals(foreign_principals_message(self.data_dir, users, roles))
+            found = "; ".join(f"{what} {', '.join(names)}" for what, names in
+                              (("users", users), ("roles", roles)) if names)
+            raise EtcdTampered(tampered_message(self.data_dir, found))
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -289,17 +313,16 @@ def _private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def foreign_principals_message(data_dir: Path, users: list[str], roles: list[str]) -> str:
-    found = "; ".join(f"{what} {', '.join(names)}" for what, names in
-                      (("users", users), ("roles", roles)) if names)
-    return (f"etcd in {data_dir} holds what ftrain did not create ({found}); ftrain makes only the "
-            f"user {ROOT_USER!r}. Whoever holds them can read and write every job and token record "
-            "there: another local user may have added them while an older ftrain left this etcd "
-            "open at its first start. etcd was stopped and nothing was started. If you added them "
-            "yourself, run etcd on that data directory on your own and delete them (`etcdctl "
-            f"--user {ROOT_USER} user delete NAME`, `role delete NAME`, the password in the data "
-            "directory's etcd-password); otherwise keep the directory for inspection and start "
-            "anew with another --data-dir (its jobs are lost).")
+def tampered_message(data_dir: Path, found: str) -> str:
+    return (f"etcd in {data_dir} holds what ftrain did not put there ({found}): ftrain creates only "
+            f"the user {ROOT_USER!r}, and writes nothing before etcd's authentication is on. Someone "
+            "who reached this etcd while it was open (an older ftrain left it open at its first "
+            "start) may have given themselves a way in or planted records (a user, a token, a job). "
+            "etcd was stopped and nothing else was started. Keep the directory for inspection and "
+            "start anew with another --data-dir (its jobs are not carried over); if you added them "
+            "yourself, run etcd on that data directory yourself and delete them (`etcdctl --user "
+            f"{ROOT_USER} user delete NAME`, `role delete NAME`, `del KEY`; the password is in the "
+            "data directory's etcd-password).")
 
 
 def _close_members(members: list[EtcdProcess], timeout_s: float) -> None:

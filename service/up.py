@@ -25,7 +25,7 @@ closed too: `up` turns on etcd's own authentication with a `root` user whose ran
 password is kept in `<data-dir>/etcd-password` (0600), and the control plane connects with
 it. etcd listens on its TCP client port only once that is done: each start first runs it
 on a unix socket in `<data-dir>/etcd-sockets` (0700), turns authentication on there (or
-checks it), refuses an etcd holding users or roles that `up` did not create, and only then
+checks it), refuses an etcd holding users, roles or keys that `up` did not put there, and only then
 restarts it on TCP (service/embedded.py). Its members' peer traffic stays on unix sockets
 there. Another local user who finds etcd's port is refused every read and write. Everything
 here runs as the user who ran `up`, the workers too: they can read the tokens and the

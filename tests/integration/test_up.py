@@ -407,6 +407,15 @@ def _user_added_while_open(data: Path) -> None:
         etcd.stop()
 
 
+def _key_written_while_open(data: Path) -> None:
+    """What an intruder did to an etcd that was open at its first start: a planted record."""
+    etcd = EtcdProcess(data / "etcd", log_path=data / "seed.log").start()  # open: no password
+    try:
+        gateway(etcd.endpoint, "kv/put", {"key": "L2Z0cmFpbi91c2Vycy9pbnRydWRlcg==", "value": "e30="})
+    finally:
+        etcd.stop()
+
+
 def _role_added_later(data: Path) -> None:
     """A role added by whoever had etcd's root password, after a normal first start."""
     password = (data / "etcd-password").read_text().strip()
@@ -417,8 +426,10 @@ def _role_added_later(data: Path) -> None:
         etcd.stop()
 
 
-@pytest.mark.parametrize("seed, found", [(_user_added_while_open, "users intruder"),
-                                         (_role_added_later, "roles reader")])
+@pytest.mark.parametrize("seed, found", [
+    (_user_added_while_open, "users intruder"),
+    (_key_written_while_open, "1 key(s) written while its authentication was off"),
+    (_role_added_later, "roles reader")])
 def test_up_refuses_an_etcd_holding_users_or_roles_it_did_not_create(start_up, tmp_path, seed, found):
     data = tmp_path / "data"
     if seed is _role_added_later:
@@ -430,7 +441,7 @@ def test_up_refuses_an_etcd_holding_users_or_roles_it_did_not_create(start_up, t
     up = start_up(data_dir=data, launch=False)
     assert up.refused() == 1, up.output()
     output = up.output()
-    assert f"holds what ftrain did not create ({found})" in output, output
+    assert f"holds what ftrain did not put there ({found})" in output, output
     assert "another --data-dir" in output and "user delete NAME" in output
     client = json.loads((data / "etcd-ports").read_text())["client"]
     assert is_port_free(client)  # etcd never listened on TCP, and nothing was left running
