@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from service.embedded import ROOT_USER, EtcdProcess
-from service.up import agent_available, choose_etcd_port, curl_lines, ensure_token, is_port_free
+from service.up import UpError, agent_available, choose_cluster_ports, choose_etcd_port, curl_lines, ensure_token
+from service.up import is_port_free
 from tests.helpers.other_user import everything_under, needs_root, probe_as_other_user, start_etcd_intruder
 from tests.helpers.processes import REPO, descendants, free_port, pid_alive, stop_tree, wait_for
 from tests.helpers.processes import tcp_ports_listened_on
@@ -257,6 +258,19 @@ def test_etcd_port_is_reused_while_free(tmp_path):
         new = choose_etcd_port(path)
     assert new != port
     assert json.loads(path.read_text()) == {"client": new}
+
+
+def test_a_cluster_whose_members_talk_over_tcp_peer_ports_is_refused(tmp_path):
+    """A cluster made with TCP peer ports (open to every local user) is not started again."""
+    path = tmp_path / "etcd-ports"
+    path.write_text(json.dumps({"members": [{"client": 1, "peer": 2}, {"client": 3, "peer": 4},
+                                            {"client": 5, "peer": 6}]}))
+    with pytest.raises(UpError, match="talk over TCP peer ports.*another --data-dir"):
+        choose_cluster_ports(path, 3)
+    fresh = tmp_path / "fresh-ports"
+    ports = choose_cluster_ports(fresh, 3)
+    assert json.loads(fresh.read_text()) == {"members": [{"client": p} for p in ports]}
+    assert choose_cluster_ports(fresh, 3) == ports
 
 
 def test_curl_lines_quote_the_token_and_name_the_example_job():
