@@ -129,7 +129,7 @@ class EtcdProcess:
         self.peer_port = None if peer_socket else (peer_port or free_port(host))
         self.log_path = Path(log_path) if log_path else self.data_dir.parent / "etcd.log"
         self.proc: subprocess.Popen | None = None
-        self.closed_socket_only = False  # listening for clients on the unix socket alone
+        self.socket_only = False  # listening for clients on the unix socket alone
 
     @property
     def endpoint(self) -> str:
@@ -181,7 +181,7 @@ class EtcdProcess:
         if self.auth_token_ttl_s is not None:
             cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child's life)
-        self.closed_socket_only = socket_only
+        self.socket_only = socket_only
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.socket_dir,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
@@ -200,7 +200,7 @@ class EtcdProcess:
         raise RuntimeError(f"etcd did not become healthy within {timeout_s:g} s; see {self.log_path}")
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self.closed_socket_only:
+        if self.socket_only:
             return _UnixHTTPConnection(self.socket_dir, self.client_socket.name, timeout_s)
         return http.client.HTTPConnection(self.host, self.client_port, timeout=timeout_s)
 

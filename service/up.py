@@ -25,9 +25,9 @@ closed too: `up` turns on etcd's own authentication with a `root` user whose ran
 password is kept in `<data-dir>/etcd-password` (0600), and the control plane connects with
 it. etcd listens on its TCP client port only once that is done: each start first runs it
 on a unix socket in `<data-dir>/etcd-sockets` (0700), turns authentication on there (or
-checks it), refuses an etcd holding users, roles or keys that `up` did not put there, and only then
-restarts it on TCP (service/embedded.py). Its members' peer traffic stays on unix sockets
-there. Another local user who finds etcd's port is refused every read and write. Everything
+checks it), refuses an etcd holding users, roles or keys that `up` did not put there, and
+only then restarts it on TCP (service/embedded.py). Its members' peer traffic stays on unix
+sockets there. Another local user who finds etcd's port is refused every read and write. Everything
 here runs as the user who ran `up`, the workers too: they can read the tokens and the
 password (same user, same trust). `ftrain node --run-as USER` is the way to run workers as
 someone else.
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import httpx
 
-from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, free_port, start_cluster
+from service.embedded import ROOT_USER, EtcdProcess, EtcdTampered, cluster_endpoints, free_port, start_cluster
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -415,6 +415,8 @@ class LocalCluster:
             start_cluster(self.etcds)
         except FileNotFoundError as exc:
             raise UpError(f"cannot start etcd: {exc}") from exc
+        except EtcdTampered as exc:
+            raise UpError(str(exc)) from exc  # says all: etcd's log has nothing to add
         except RuntimeError as exc:
             raise UpError(f"{exc}\n{_tail(self.etcds[0].log_path)}") from exc
         finally:
