@@ -10,7 +10,7 @@ every 10 steps) runs under:
 * `torchrun-default`: two `torchrun --nnodes=1:N --rdzv-backend=c10d` agents on this
   machine acting as two nodes, torch's defaults (30 s last call, keep-alive 5 s x 3,
   shared rendezvous store);
-* `torchrun-tuned`: the same with DESIGN.md's last column: `last_call_timeout=1`,
+* `torchrun-tuned`: the same at its best: `last_call_timeout=1`,
   keep-alive 1 s x 3, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`;
 * `ftrain`: a real etcd, a real control plane and two real node agents, the job
   submitted over REST;

@@ -16,6 +16,7 @@ from service.context import Context
 from service.decide.retention import describe
 from service.errors import (
     FtrainError,
+    InvalidField,
     InvalidTransition,
     JobNotFound,
     LogStorageUnavailable,
@@ -70,11 +71,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = []
         for err in exc.errors():
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-            errors.append({"field": ".".join(loc) or "body", "message": err.get("msg", ""),
+            errors.append({"field": ".".join(loc) or "body", "message": _message(err.get("msg", "")),
                            "type": err.get("type", "")})
         summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return JSONResponse({"detail": f"invalid request: {summary}", "errors": errors},
                             status_code=422)
+
+
+def _message(pydantic_msg: str) -> str:
+    """A validator's own words, without pydantic's "Value error, " in front of them."""
+    return pydantic_msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
 
 
 def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
@@ -85,6 +91,8 @@ def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
         body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
     if isinstance(exc, InvalidTransition):
         body["state"] = exc.state
+    if isinstance(exc, InvalidField):  # the shape of a body that fails validation (`_invalid`)
+        body["errors"] = [{"field": exc.field, "message": exc.reason, "type": "value_error"}]
     if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
         headers["Retry-After"] = "1"
     if exc.status_code == 401:

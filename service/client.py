@@ -97,15 +97,53 @@ class Target:
 def resolve_target(server: str | None = None, token: str | None = None,
                    data_dir: str | os.PathLike | None = None, environ: dict | None = None) -> Target:
     """Flags first, then FTRAIN_SERVER / FTRAIN_TOKEN, then `<data-dir>/server` and
-    `<data-dir>/token` (written by `ftrain up`), then the default local server."""
+    `<data-dir>/token` (written by `ftrain up`), then the default local server. Without a
+    --data-dir: `./.ftrain` if `ftrain up` ran here, else the one it last ran with
+    (`local_cluster_dir`), so the CLI finds the local cluster from any directory."""
     env = os.environ if environ is None else environ
-    base = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR)
+    base = Path(data_dir) if data_dir is not None else default_data_dir(env)
     server, server_source = _first_of(server, "--server", env, FTRAIN_SERVER, base / "server",
                                       (DEFAULT_SERVER, "default"))
     token, token_source = _first_of(token, "--token", env, FTRAIN_TOKEN, base / "token",
                                     (None, "none"))
     assert server is not None
     return Target(",".join(Servers(server).urls), token, server_source, token_source)
+
+
+def local_cluster_record(environ: dict | None = None) -> Path:
+    """The user's record of the data directory `ftrain up` last ran with:
+    `$XDG_CONFIG_HOME/ftrain/local-cluster` (`~/.config/...` by default)."""
+    env = os.environ if environ is None else environ
+    config = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or Path.home()) / ".config")
+    return config / "ftrain" / "local-cluster"
+
+
+def remember_local_cluster(data_dir: Path, environ: dict | None = None) -> None:
+    """Record `data_dir` (absolute) as the local cluster's for the user's CLI, readable by the
+    user only. The record holds a path, never a token: the token stays in the 0700 data dir."""
+    record = local_cluster_record(environ)
+    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temp = record.with_name(f".{record.name}.{os.getpid()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{data_dir.absolute()}\n")
+    os.replace(temp, record)
+
+
+def local_cluster_dir(environ: dict | None = None) -> Path | None:
+    """The data directory `ftrain up` last ran with (`remember_local_cluster`), if recorded."""
+    text = _read_file(local_cluster_record(environ))
+    return Path(text) if text else None
+
+
+def default_data_dir(environ: dict | None = None) -> Path:
+    """`./.ftrain` where `ftrain up` ran in this directory, else the local cluster's recorded
+    data directory, else `./.ftrain`."""
+    here = Path(DEFAULT_DATA_DIR)
+    if (here / "server").exists():
+        return here
+    recorded = local_cluster_dir(environ)
+    return recorded if recorded is not None and (recorded / "server").exists() else here
 
 
 def _first_of(flag: str | None, flag_name: str, env, env_name: str, path: Path,

@@ -385,6 +385,9 @@ class JobView(BaseModel):
                              "the new one has been seen yet: at the start (state STARTING), after a fault "
                              "(state RECOVERING) or for a planned change (a node joining, a drain: state "
                              "RUNNING); `reason` says which.")
+    waiting: str | None = Field(None, description="PENDING only: what it waits for, as of this read (the "
+                                "nodes it needs against those registered, fitting and free, and the jobs "
+                                "holding the rest).")
 
 
 class MetricHistory(BaseModel):

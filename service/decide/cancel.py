@@ -32,10 +32,13 @@ def cancel(job: JobRecord, now: float, by: str = ADMIN) -> tuple[JobRecord, Even
 
 def decide_cancel(job: JobRecord, now: float, by: str = ADMIN, is_admin: bool = True) -> Change | None:
     """A cancel request of user `by`: refused to anyone but the job's owner and the admin
-    (403), and for a finished job (409 naming its state)."""
+    (403), and for a job that ended otherwise (409 naming its state). Cancelling a cancelled
+    job again changes nothing (None): a retried or repeated cancel is fine."""
     if not is_admin and by != job.owner:
         raise Forbidden(f"job {job.id} belongs to {job.owner!r}; only its owner or the admin "
                         f"can cancel it (you are {by!r})")
+    if job.state is S.CANCELLED:
+        return None
     if job.state.is_terminal():
         raise InvalidTransition(job.id, job.state.value, S.CANCELLED.value)
     changed, event = cancel(job, now, by)
