@@ -469,7 +469,7 @@ def _role_added_later(data: Path) -> None:
     (_user_added_while_open, "users intruder"),
     (_key_written_while_open, "1 key(s) written while its authentication was off"),
     (_role_added_later, "roles reader")])
-def test_up_refuses_an_etcd_holding_users_or_roles_it_did_not_create(start_up, tmp_path, seed, found):
+def test_up_refuses_an_etcd_holding_users_roles_or_keys_it_did_not_put_there(start_up, tmp_path, seed, found):
     data = tmp_path / "data"
     if seed is _role_added_later:
         assert start_up(data_dir=data).interrupt() == 0
