@@ -91,7 +91,10 @@ def start_etcd_intruder(client_port: int, peer_port: int, answers: int, deadline
          json.dumps([client_port, peer_port, answers, deadline_s])],
         user=pw.pw_uid, group=pw.pw_gid, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "polling", proc.stderr
+    assert proc.stdout is not None and proc.stderr is not None
+    if proc.stdout.readline().strip() != "polling":
+        proc.wait(10)
+        raise AssertionError(f"the intruder did not start: {proc.stderr.read()}")
     return proc
 
 
