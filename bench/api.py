@@ -94,7 +94,7 @@ async def heartbeat_role(args) -> None:
                     raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
                 await asyncio.sleep(0.5)
             body = r.json()
-            interval_of[name] = float(body["heartbeat_interval_s"])
+            interval_of[name] = float(body["timeouts"]["heartbeat_interval_s"])
             credential[name], lease[name] = body["credential"], body.get("lease_id")
 
     async def train(name: str, a: dict) -> None:

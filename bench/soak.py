@@ -260,7 +260,7 @@ class Soak:
                 body = r.json()
                 if body.get("credential"):
                     http.headers["Authorization"] = f"Bearer {body['credential']}"
-                return body["lease_id"], body["heartbeat_interval_s"]
+                return body["lease_id"], body["timeouts"]["heartbeat_interval_s"]
             await asyncio.sleep(0.5)
 
     async def _heartbeats(self, http: httpx.AsyncClient, name: str, out: asyncio.Queue) -> None:

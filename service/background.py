@@ -29,7 +29,8 @@ async def start(ctx: Context) -> None:
     leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ctx.settings.leader_ttl_s)
     ctx.tasks.append(asyncio.create_task(
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
-                      SchedulerConfig(memory_hold_s=ctx.settings.memory_hold_s),
+                      SchedulerConfig(control_ack_timeout_s=ctx.settings.control_ack_timeout_s,
+                                      memory_hold_s=ctx.settings.memory_hold_s),
                       passes=ctx.scheduler_passes, contact=ctx.contact),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(

@@ -1,26 +1,26 @@
 """Fast loss detection: a node agent's dropped connection.
 
 The node lease (`node_ttl_s`, 6 s) is what tells a control plane that a node has gone
-silent, and it has to be long enough to ride out a slow heartbeat. Yet an agent that dies
-is visible at once: the kernel closes its connections. So every agent keeps one presence
+silent, and it has to be long enough to ride out a slow heartbeat. Yet an agent that dies is
+visible at once: the kernel closes its connections. So every agent keeps one presence
 request open (`GET /v1/nodes/{name}/presence`), which the control plane holds for
-`HOLD_S` and then answers, and the agent asks again at once. A connection that closes
-while it is held is a dropped connection. A dropped connection alone may be a network blip
-(an agent that reconnects), so it takes a second signal before the control plane revokes
-the node's lease: a survivor's report of a broken peer (a worker of a job the node is a
-member of saw its process group break, or the node leaders' ring of connections saw the
-node's end close: worker/peer_watch.py; `suspect`), and then the node is lost at once, the
-two signals agreeing (`GRACE_S`, 0); or, without a report, the drop outlasting `BLIP_S`
-(5 s). A drop and a report agree only when they are about the same node within
-`SUSPECT_WINDOW_S`; a blip that also broke the job's process group (a partition of the node)
-costs the node its membership, which it takes back by registering again, where waiting a
-second for it to reconnect would have saved one round: the group had to form again anyway.
-A revoke is exactly what a lapsed lease does (the node record goes, the scheduler treats
-the node as lost and its jobs move on), only seconds sooner. A report alone revokes
-nothing: a peer whose connection is held is alive (its worker died, not its agent); one
-whose agent is between two presence requests (it asks again within milliseconds) gets
-`REASK_S` to do so. The lease stays the backstop for a node that goes silent without
-closing anything (power, a partition, a stopped agent).
+`presence_hold_s` (a second, `worker.protocol.Timeouts`) and then answers, and the agent
+asks again at once. A connection that closes while it is held is a dropped connection. A
+dropped connection alone may be a network blip (an agent that reconnects), so it takes a
+second signal before the control plane revokes the node's lease: a survivor's report of a
+broken peer (a worker of a job the node is a member of saw its process group break, or the
+node leaders' ring of connections saw the node's end close: worker/peer_watch.py;
+`suspect`), and then the node is lost at once, the two signals agreeing (`GRACE_S`, 0); or,
+without a report, the drop outlasting `BLIP_S` (5 s). A drop and a report agree only when
+they are about the same node within `SUSPECT_WINDOW_S`; a blip that also broke the job's
+process group (a partition of the node) costs the node its membership, which it takes back
+by registering again, where waiting a second for it to reconnect would have saved one round:
+the group had to form again anyway. A revoke is exactly what a lapsed lease does (the node
+record goes, the scheduler treats the node as lost and its jobs move on), only seconds
+sooner. A report alone revokes nothing: a peer whose connection is held is alive (its worker
+died, not its agent); one whose agent is between two presence requests (it asks again within
+milliseconds) gets `REASK_S` to do so. The lease stays the backstop for a node that goes
+silent without closing anything (power, a partition, a stopped agent).
 
 Suspicions are shared: the replica that gets a broken-peer report need not be the one that
 holds the suspect's presence request (an agent talks to one replica, a survivor's worker may
@@ -55,7 +55,6 @@ from service.store.api import KeyValue
 
 log = logging.getLogger(__name__)
 
-HOLD_S = 1.0  # how long the control plane holds one presence request
 GRACE_S = 0.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
 REASK_S = 0.3  # a suspect whose agent held no presence request here: lost unless it asks within this
 BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
@@ -84,7 +83,7 @@ class Presence:
         self.revoked: list[str] = []  # nodes this replica found lost (for tests and logs)
 
     async def hold(self, name: str, lease: int, receive: Callable[[], Awaitable[dict]],
-                   hold_s: float = HOLD_S) -> bool:
+                   hold_s: float) -> bool:
         """Hold node `name`'s presence request for `hold_s`; False if its connection
         dropped meanwhile (then the check for a second signal is started)."""
         opened = self.clock()

@@ -22,8 +22,9 @@ restarted mid-request); such requests carry an `op_id`, and the result is record
 result instead of adding twice (a barrier that counts one agent twice would release early).
 
 Blocking reads (`get`, `multi_get`, `wait`) are long polls: a request waits at most
-`MAX_WAIT_S` on the server and answers "not yet"; the client asks again until its own store
-timeout. A short wait per request keeps a control-plane restart or a lost connection cheap
+`long_poll_s` on the server (`worker.protocol.Timeouts`, which every node is given when it
+registers and hands to its torchrun) and answers "not yet"; the client asks again until its
+own store timeout. A short wait per request keeps a control-plane restart or a lost connection cheap
 (the client just asks again) and no request outlives uvicorn's graceful shutdown for long.
 While keys are missing the server waits on an etcd watch of the store's prefix, one per
 store and control plane shared by all its waiting reads (`StateHub.key_waits`), started
@@ -143,7 +144,6 @@ from worker.rdzv_state import MergeSpec, Node, NotAState, Op, RdzvDoc, apply_ops
 
 log = logging.getLogger(__name__)
 
-MAX_WAIT_S = 5.0  # longest a blocking store request waits on the server before "not yet"
 WATCH_LINGER_S = 2.0  # a state's watch outlives its last long poll by this much
 KEEP_ALIVE_TICK_S = 1.0  # how often the held polls' nodes are looked at (keep-alives of waiters)
 ALIVE_GRACE_S = 2.0  # a node between two polls (it re-polls at once) counts as holding one
@@ -662,9 +662,10 @@ class Rendezvous:
     """The rendezvous state and c10d store of one job attempt, over etcd compare-and-set."""
 
     def __init__(self, kv: KeyValue, keys: Keys, rdzv_id: str, states: StateHub | None = None,
-                 expected_nodes: int = 0):
+                 expected_nodes: int = 0, *, long_poll_s: float):
         self.kv = kv
         self.rdzv_id = rdzv_id
+        self.long_poll_s = long_poll_s  # the longest a long poll is held (`Timeouts.long_poll_s`)
         # The nodes the job's attempt counts on (its live members): once all of them joined an
         # open round, its last call ends (`worker.rdzv_state.end_last_call`); 0: never.
         self.expected_nodes = expected_nodes
@@ -749,11 +750,11 @@ class Rendezvous:
                                     progress: str | None = None, alive: tuple[Node, float] | None = None,
                                     ) -> tuple[Entry | None, bool]:
         """The state once its token is no longer `after` ("0": no state), waiting up to
-        `wait_s` (at most MAX_WAIT_S); and whether it changed. At the timeout: the state as is.
+        `wait_s` (at most `long_poll_s`); and whether it changed. At the timeout: the state as is.
         `alive`: (node, its keep-alive interval s) to keep alive while it waits (`StateHub`).
         """
         keep = None if alive is None else (*alive, self._apply_batch)
-        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, MAX_WAIT_S), shape,
+        return await self._states.wait(self.kv, self._state_key, after, min(wait_s, self.long_poll_s), shape,
                                       progress, keep)
 
     def kept_alive(self, node: Node) -> bool:
@@ -769,7 +770,7 @@ class Rendezvous:
         """The values of `keys` once all exist, waiting up to `wait_s`; None if they do not."""
         etcd_keys = [self.store_key(k) for k in keys]
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(wait_s, MAX_WAIT_S)
+        deadline = loop.time() + min(wait_s, self.long_poll_s)
         while True:
             values = await self._read(etcd_keys)
             if all(v is not None for v in values):

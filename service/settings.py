@@ -8,9 +8,14 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.decide.retention import DAY_S, RetentionPolicy, parse_duration
+from worker.protocol import Timeouts
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, Timeouts):
+    """Every setting of a control plane; the fields of `Timeouts` (node_ttl_s, long_poll_s,
+    presence_hold_s, control_ack_timeout_s) are among them, read as FTRAIN_<FIELD> like the
+    rest, and sent to each node when it registers (`timeouts`)."""
+
     model_config = SettingsConfigDict(env_prefix="FTRAIN_", extra="ignore")
 
     etcd_endpoints: str = Field(
@@ -43,7 +48,6 @@ class Settings(BaseSettings):
         10_000, ge=16, description="Open connections served at once; a new one past it is answered "
                                    "503 (every node agent holds one or two; the process's open-file "
                                    "limit must be above this).")
-    node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     presence_blip_s: float = Field(
         5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
         "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
@@ -121,6 +125,11 @@ class Settings(BaseSettings):
     @classmethod
     def _duration(cls, v):
         return parse_duration(v) if isinstance(v, str) else v
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The timing contract this control plane states to its nodes (`RegisterReply`)."""
+        return Timeouts.model_validate(self.model_dump(include=set(Timeouts.model_fields)))
 
     @property
     def retention(self) -> RetentionPolicy:

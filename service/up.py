@@ -65,8 +65,9 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_JOB = REPO / "examples" / "job.json"
 READY_TIMEOUT_S = 30.0
 NODES_TIMEOUT_S = 20.0
-# An agent told to stop drains first (its jobs stop at a step boundary and save, up to
-# worker/agent.py LEAVE_GRACE_S), then stops what is left of its workers (5 s more at most).
+# An agent told to stop drains first (its jobs stop at a step boundary and save, up to the
+# control plane's `control_ack_timeout_s` and worker/agent.py LEAVE_MARGIN_S: 16 s by
+# default), then stops what is left of its workers (5 s more at most).
 AGENT_STOP_GRACE_S = 25.0
 CONTROL_PLANE_STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.2

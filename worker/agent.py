@@ -60,11 +60,11 @@ log = logging.getLogger("ftrain.agent")
 REPLACE_GRACE_S = 0.3
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
-# How long an agent told to stop (SIGTERM) waits, while its node leaves, for the control
-# plane to let its group go at a step boundary (a runtime script saves there first; the
-# scheduler waits 15 s for that, `SchedulerConfig.control_ack_timeout_s`); then it stops
-# the group itself. `ftrain up` gives its agents this and the stop's grace.
-LEAVE_GRACE_S = 16.0
+# An agent told to stop (SIGTERM) waits, while its node leaves, for the control plane to let
+# its group go at a step boundary: a runtime script saves there first, for as long as the
+# control plane gives rank 0 (`Timeouts.control_ack_timeout_s`, from the registration), and
+# the control plane's answer takes a beat more; this much more, and it stops the group itself.
+LEAVE_MARGIN_S = 1.0
 
 
 class _Stopping(BaseException):
@@ -165,12 +165,13 @@ class NodeAgent:
         """After a stop signal: whether the loop goes on because the node is leaving. A node
         that runs a group leaves as a drained one does (`NodeLink.leave`): its job stops at a
         step boundary with its state saved, and the next assignment lets the group go. Until
-        then, or LEAVE_GRACE_S, the loop goes on; a control plane that does not answer the
-        leave gets no wait."""
+        then, or the control plane's ack timeout and LEAVE_MARGIN_S, the loop goes on; a
+        control plane that does not answer the leave gets no wait."""
         if self.torchrun.group is None:
             return False
         if self._leave_by is None:
-            self._leave_by = time.monotonic() + LEAVE_GRACE_S
+            grace_s = self.link.timeouts.control_ack_timeout_s + LEAVE_MARGIN_S
+            self._leave_by = time.monotonic() + grace_s
             g = self.torchrun.group
             try:
                 self.link.leave()
@@ -179,7 +180,7 @@ class NodeAgent:
                             "the workers of job %s now", self.name, exc, g.job_id)
                 return False
             log.info("stopping: node %s leaves; job %s stops here at a step boundary (up to %g s)",
-                     self.name, g.job_id, LEAVE_GRACE_S)
+                     self.name, g.job_id, grace_s)
         return time.monotonic() < self._leave_by
 
     def hold_presence(self) -> None:
@@ -248,7 +249,7 @@ class NodeAgent:
     def start_group(self, a: Assignment) -> None:
         """Start torchrun for `a` and report it running (or failed, if it could not start)."""
         try:
-            g = self.torchrun.start(a)
+            g = self.torchrun.start(a, self.link.timeouts)
         except CouldNotStart as exc:
             self.finished.add((a.job_id, a.attempt))
             self.link.report(a.job_id, a.attempt, "failed", None, str(exc))

@@ -8,6 +8,10 @@ only), so that an agent restarted under the same name presents it when it regist
 control plane then gives it its live name back at once (the old agent's workers are
 gone, and the job hears so now) instead of refusing the name until the old lease lapses.
 
+The control plane's timing contract comes back with each registration (`Timeouts`): the
+agent heartbeats every `heartbeat_interval_s` of it, waits out its presence hold and its
+planned changes by it, and hands its long poll to torchrun; never by defaults of its own.
+
 It keeps what the control plane needs from this node between calls: the lease id it was
 given, the assignment last heard of (so an idle node's heartbeat is a long poll that the
 control plane answers as soon as that changes), and the reports not yet delivered, oldest
@@ -36,12 +40,16 @@ from worker.protocol import (
     RegisterRequest,
     ReportRequest,
     RunningGroup,
+    Timeouts,
 )
 
 log = logging.getLogger("ftrain.agent")
 
-# Each request's timeout; a heartbeat's is its long-poll wait plus this.
+# Each request's timeout; a heartbeat's is its long-poll wait plus this, a presence request's
+# the control plane's hold of it plus this.
 REQUEST_TIMEOUT_S = 5.0
+# How often an agent that is not registered tries again (it has no control plane's interval yet).
+REGISTER_RETRY_S = 1.0
 # A reason longer than the control plane takes would have the whole report refused.
 REPORT_REASON_MAX_CHARS = next(m.max_length for m in ReportRequest.model_fields["reason"].metadata
                                if hasattr(m, "max_length"))
@@ -114,7 +122,9 @@ class NodeLink:
         self._presence = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         # So has the lease's keep-alive while the agent's loop is busy stopping a group (keep_alive).
         self._keep_alive = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
-        self.heartbeat_interval_s = 1.0
+        # The control plane's timing contract, from its last registration's reply; until one
+        # comes, the defaults every control plane starts from.
+        self.timeouts = Timeouts()
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
         self.registered = False
@@ -142,10 +152,16 @@ class NodeLink:
             self._presence.set_token(reply.credential)
             self._keep_alive.set_token(reply.credential)
             self._write_credential(reply.credential)
-        self.heartbeat_interval_s = reply.heartbeat_interval_s
+        self.timeouts = reply.timeouts
         self.lease_id = reply.lease_id
         self.registered = True
-        log.info("registered node %s with %s (lease %ss)", self.name, self._enrol.base_url, reply.lease_ttl_s)
+        log.info("registered node %s with %s (lease %g s, a heartbeat every %g s)", self.name,
+                 self._enrol.base_url, reply.timeouts.node_ttl_s, self.heartbeat_interval_s)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often this node heartbeats: the control plane's interval once registered."""
+        return self.timeouts.heartbeat_interval_s if self.registered else REGISTER_RETRY_S
 
     def heartbeat(self, wait_s: float = 0.0) -> Assignment | None:
         """What this node should be doing now, waiting up to `wait_s` (at most an interval)
@@ -253,11 +269,12 @@ class NodeLink:
                         "wait for this one's lease to lapse", self.credential_file, exc)
 
     def hold_presence(self) -> None:
-        """One presence request: the control plane holds it about a second. While one is
-        held, this process's death closes the connection, and the control plane treats the
-        node as lost a second later instead of when its lease lapses (service/presence.py).
-        Called in a loop by a thread of its own (the agent's)."""
-        self._presence.call("GET", f"/v1/nodes/{self.name}/presence", timeout=REQUEST_TIMEOUT_S)
+        """One presence request: the control plane holds it `presence_hold_s` (a second).
+        While one is held, this process's death closes the connection, and the control plane
+        treats the node as lost a second later instead of when its lease lapses
+        (service/presence.py). Called in a loop by a thread of its own (the agent's)."""
+        self._presence.call("GET", f"/v1/nodes/{self.name}/presence",
+                            timeout=self.timeouts.presence_hold_s + REQUEST_TIMEOUT_S)
 
     def close(self) -> None:
         self._enrol.close()

@@ -7,7 +7,8 @@ a field renamed on one side is renamed on the other. User-facing resources (job 
 views, the CLI's shapes) are the control plane's own, in `service.models`.
 
 Groups, in the order a job meets them:
-- node agent: register, heartbeat (the `Assignment`), report, log shipments;
+- node agent: register (with the control plane's `Timeouts`), heartbeat (the `Assignment`),
+  report, log shipments;
 - torchrun's rendezvous (`/v1/rdzv/{rdzv_id}`): state compare-and-set and the c10d store;
   bytes travel base64 (standard alphabet) in JSON;
 - torchrun's round reports (`/v1/jobs/{id}/rounds`);
@@ -32,6 +33,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     WithJsonSchema,
+    computed_field,
     field_validator,
     model_validator,
 )
@@ -98,10 +100,41 @@ class RegisterRequest(JsonBody):
         return v
 
 
+class Timeouts(BaseModel):
+    """The timing contract between the control plane and its nodes, in one place.
+
+    The control plane owns it: its settings (`service.settings.Settings`, FTRAIN_<FIELD>)
+    hold these fields, and every registration's reply carries them, so an agent (and the
+    torchrun it starts, through --rdzv-conf) times its calls by the control plane it talks
+    to. The defaults here are the only ones; a process that has not heard from a control
+    plane (an agent before it registers, a torchrun started by hand) uses them.
+    """
+
+    node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long "
+                                                 "is gone (the TTL of its etcd lease).")
+    long_poll_s: float = Field(
+        5.0, gt=0, le=60, description="The longest the control plane holds a rendezvous long poll "
+                                      "(a blocking store read, a wait for the state to change) "
+                                      "before it answers \"not yet\"; clients ask again.")
+    presence_hold_s: float = Field(
+        1.0, gt=0, le=30, description="How long the control plane holds an agent's presence "
+                                      "request before answering it (service/presence.py).")
+    control_ack_timeout_s: float = Field(
+        15.0, gt=0, le=3600, description="How long rank 0 gets to snapshot at a step boundary "
+                                         "before a planned change (a drain, a node leaving) goes "
+                                         "ahead without it; a leaving agent waits this and a second.")
+
+    @computed_field(description="How often an agent heartbeats: a quarter of the lease, so that "
+                                "three beats may go missing before it lapses.")
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return max(self.node_ttl_s / 4, 0.5)
+
+
 class RegisterReply(BaseModel):
     name: str
-    lease_ttl_s: int
-    heartbeat_interval_s: float
+    timeouts: Timeouts = Field(..., description="The control plane's timing contract: the agent "
+                                                "heartbeats, long-polls and waits by it.")
     lease_id: int = Field(..., description="Send it back with each heartbeat.")
     credential: str | None = Field(
         None, description="This node's own credential, bound to its name and lease: the bearer "
@@ -333,7 +366,8 @@ class SetStateResult(RdzvState):
 class GetRequest(JsonBody):
     keys: list[StoreKey] = Field(..., min_length=1, max_length=4096)
     wait_s: JsonFloat = Field(0.0, ge=0, le=600,
-                                description="Wait this long (at most 5 s on the server) for missing keys.")
+                                description="Wait this long (at most the control plane's "
+                                            "`long_poll_s`) for missing keys.")
     values: JsonBool = Field(True, description="false: only say whether all keys exist (wait, check).")
 
 

@@ -76,6 +76,7 @@ from worker.protocol import (
     ERROR_LINE,
     Assignment,
     LogLineIn,
+    Timeouts,
     cut_line,
     says_peer_gone,
     telling_line,
@@ -86,7 +87,8 @@ log = logging.getLogger("ftrain.agent")
 
 # Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
 # keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
-# waits 1 s for latecomers instead of torch's 30 s.
+# waits 1 s for latecomers instead of torch's 30 s. (The control plane's own long poll,
+# `Timeouts.long_poll_s`, goes with them: `rdzv_conf`.)
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
 # How often torchrun looks at its workers (and asks num_nodes_waiting(), answered from a
 # cached state that worker/rendezvous/follow.py expires on a change): a dead worker is seen
@@ -107,6 +109,12 @@ DRAIN_S = 60.0
 MEMORY_KEEP_S = 300.0
 # Lines read from one worker's file before the next file's turn (one reader follows them all).
 LINES_PER_TURN = 200
+
+
+def rdzv_conf(timeouts: Timeouts) -> str:
+    """torchrun's --rdzv-conf: this node's tuning of torch's rendezvous, and the control
+    plane's long poll, which the "ftrain" backend reads (worker/rendezvous `create_backend`)."""
+    return f"{RDZV_CONF},long_poll_s={timeouts.long_poll_s:g}"
 
 
 class CouldNotStart(Exception):
@@ -293,8 +301,9 @@ class Torchrun:
         self.memory_parked_at: float | None = None  # when the node was left without an assignment
 
     # ------------------------------------------------------------------ command and environment
-    def argv(self, a: Assignment) -> list[str]:
-        """torchrun's command line for assignment `a`, guarded by a parent-death signal."""
+    def argv(self, a: Assignment, timeouts: Timeouts) -> list[str]:
+        """torchrun's command line for assignment `a`, guarded by a parent-death signal;
+        `timeouts`: the control plane's, from this node's registration."""
         nproc = a.nproc_per_node
         if nproc == "auto":
             nproc = gpu_count() or 1
@@ -303,7 +312,7 @@ class Torchrun:
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={a.nodes_min}:{a.nodes_max}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=ftrain", f"--rdzv-endpoint={self.server}", f"--rdzv-id={a.rdzv_id}",
-            f"--rdzv-conf={RDZV_CONF}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
+            f"--rdzv-conf={rdzv_conf(timeouts)}", f"--max-restarts={TORCHRUN_MAX_RESTARTS}",
             f"--monitor-interval={MONITOR_INTERVAL_S}",
             # each worker's output to files of its own, which the agent follows (worker/output.py)
             "--redirects=3", f"--log-dir={self.torchrun_log_dir(a)}",
@@ -472,8 +481,9 @@ class Torchrun:
         g = self.group
         return g is None or all(is_fork_server(cmdline(p)) for p in self.group_tree(g))
 
-    def start(self, a: Assignment) -> WorkerGroup:
-        """Start torchrun for assignment `a` (and the job's fork server, if it has none).
+    def start(self, a: Assignment, timeouts: Timeouts) -> WorkerGroup:
+        """Start torchrun for assignment `a` (and the job's fork server, if it has none), with
+        the control plane's `timeouts`.
 
         Raises:
             CouldNotStart: with the reason the node reports.
@@ -504,7 +514,7 @@ class Torchrun:
         try:
             with _private_file(outputs["stdout"], "wb") as out, _private_file(outputs["stderr"], "wb") as err:
                 proc = subprocess.Popen(
-                    self.argv(a), cwd=cwd,
+                    self.argv(a, timeouts), cwd=cwd,
                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:

@@ -45,15 +45,16 @@ from service.models import (
     NodeRecord,
     NodeState,
 )
-from worker.protocol import ControlAction, MemorySnapshot
+from worker.protocol import ControlAction, MemorySnapshot, Timeouts
 
 S = JobState
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # How long rank 0 gets to snapshot before a planned change goes ahead without it.
-    control_ack_timeout_s: float = 15.0
+    # How long rank 0 gets to snapshot before a planned change goes ahead without it: the
+    # control plane's `Timeouts.control_ack_timeout_s`, which a leaving agent waits out too.
+    control_ack_timeout_s: float = Timeouts.model_fields["control_ack_timeout_s"].default
     # A cancel waits this long for rank 0's final snapshot before workers are stopped.
     cancel_ack_timeout_s: float = 4.0
     # A job that went back to PENDING holds the survivors that keep its memory copy this long

@@ -58,11 +58,11 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     409 while a node of this name is alive (its lease has not lapsed) and not drained, unless
     the request presents that node's current credential (its agent restarted).
     """
-    ttl = ctx.settings.node_ttl_s
+    timeouts = ctx.settings.timeouts
     credential, digest = new_node_credential(req.name)
     reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
-    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, ttl, digest, reclaim,
-                                     gpus=req.gpus, gpu_model=req.gpu_model)
+    lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, timeouts.node_ttl_s,
+                                     digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -72,8 +72,7 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
         running = None if req.running is None else (req.running.job_id, req.running.attempt)
         await ctx.jobs.update(job.id, lambda current: decide_registered(current, req.name,
                                                                         job.attempt, now, running))
-    return RegisterReply(name=req.name, lease_ttl_s=ttl, lease_id=lease,
-                         heartbeat_interval_s=max(ttl / 4, 0.5), credential=credential)
+    return RegisterReply(name=req.name, timeouts=timeouts, lease_id=lease, credential=credential)
 
 
 # A heartbeat's most common answer, made once (answers are serialised, not revalidated).
@@ -173,11 +172,11 @@ def _known_of(job: JobRecord | None) -> Known | None:
 
 @router.get("/v1/nodes/{name}/presence", status_code=status.HTTP_204_NO_CONTENT)
 async def presence(name: str, request: Request, ctx: ContextDep, digest: NodeSelf) -> Response:
-    """Held open for a second, then 204; the agent asks again at once. A connection that
-    drops while held and is not back within a second is a lost node (service/presence.py).
+    """Held open for `presence_hold_s` (a second), then 204; the agent asks again at once. A
+    connection that drops while held and is not back soon is a lost node (service/presence.py).
     404: no node of this name is alive (register again)."""
     lease = await ctx.nodes.lease_of(name, digest)
-    await ctx.presence.hold(name, lease, request.receive)
+    await ctx.presence.hold(name, lease, request.receive, ctx.settings.presence_hold_s)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

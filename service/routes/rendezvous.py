@@ -74,7 +74,8 @@ async def current_rendezvous(
                              "is stale and should stop.")
     ctx.rdzv_states.attempt_seen(ctx.kv, ctx.keys, job_id, attempt)
     return Rendezvous(ctx.kv, ctx.keys, rdzv_id, ctx.rdzv_states,
-                      expected_nodes=ctx.rdzv_states.live_members(job))
+                      expected_nodes=ctx.rdzv_states.live_members(job),
+                      long_poll_s=ctx.settings.long_poll_s)
 
 
 def _cached_job(ctx, given: str | None, job_id: str, attempt: int):
@@ -135,7 +136,8 @@ async def get_state(
                                        description="Long poll: answer once the token is not this "
                                                    "one (\"0\": no state yet).")] = None,
     wait_s: Annotated[float, Query(ge=0, le=600,
-                                   description="How long to wait for that (at most 5 s).")] = 0.0,
+                                   description="How long to wait for that (at most the control "
+                                               "plane's `long_poll_s`).")] = 0.0,
     shape: Annotated[str | None, Query(pattern=r"^[0-9a-f]{16}$",
                                        description="Long poll: the `shape` of the state at `after`; "
                                                    "a change of heartbeats only does not answer.")] = None,
@@ -177,7 +179,8 @@ async def set_state(body: SetStateRequest, rdzv: RendezvousDep, ctx: ContextDep)
 
 @router.post("/store/get", response_model=GetResult, response_model_exclude_none=True)
 async def store_get(body: GetRequest, rdzv: RendezvousDep) -> GetResult:
-    """Values of `keys` once all exist (long poll of up to `wait_s`, at most 5 s); else found=false."""
+    """Values of `keys` once all exist (long poll of up to `wait_s`, at most the control
+    plane's `long_poll_s`); else found=false."""
     values = await rdzv.get(body.keys, body.wait_s)
     if values is None:
         return GetResult(found=False)

@@ -13,6 +13,7 @@ from service.errors import HistoryCompacted, StoreFull, StoreUnavailable
 from service.store.etcd import EtcdStore
 from tests.helpers.processes import wait_for
 from worker.procs import state_of
+from worker.protocol import Timeouts
 
 
 def test_requests_in_flight_when_the_client_is_dropped_get_store_unavailable(etcd):
@@ -271,7 +272,7 @@ def test_a_multi_set_that_names_a_key_twice_takes_its_last_value(etcd):
     async def main():
         client = EtcdStore(etcd.endpoint, timeout_s=2)
         try:
-            rdzv = Rendezvous(client, Keys(), "j-a1")
+            rdzv = Rendezvous(client, Keys(), "j-a1", long_poll_s=Timeouts().long_poll_s)
             await rdzv.set([("k", b"1"), ("other", b"x"), ("k", b"2")])
             assert await rdzv.get(["k", "other"], 0) == [b"2", b"x"]
         finally:

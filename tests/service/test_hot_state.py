@@ -25,9 +25,10 @@ from service.settings import Settings
 from service.store.api import Put
 from service.store.memory import MemoryStore
 from tests.helpers.tasks import cancel_and_wait
-from worker.protocol import MemoryReport, Progress, ProgressReport
+from worker.protocol import MemoryReport, Progress, ProgressReport, Timeouts
 
 SPEC = JobSpec(name="t", command=["true"])
+LONG_POLL_S = Timeouts().long_poll_s  # the control plane's default hold of a long poll
 
 
 class ManualClock:
@@ -173,7 +174,7 @@ def test_a_record_written_with_progress_on_it_counts_as_reporting():
 def test_the_compactor_compacts_to_the_revision_it_saw_one_step_earlier_while_leading():
     async def main():
         kv = MemoryStore()
-        lead = Leadership(kv, "/leader")
+        lead = Leadership(kv, "/leader", ttl_s=5)
         assert await lead.hold()
         compactor = Compactor(kv, "/compacted")
         await kv.put("/k", b"0")
@@ -199,7 +200,7 @@ def test_the_compactor_compacts_to_the_revision_it_saw_one_step_earlier_while_le
 def test_a_replica_that_lost_the_lead_compacts_nothing():
     async def main():
         kv = MemoryStore()
-        lead = Leadership(kv, "/leader")
+        lead = Leadership(kv, "/leader", ttl_s=5)
         assert await lead.hold()
         compactor = Compactor(kv, "/compacted")
         await kv.put("/k", b"0")
@@ -207,7 +208,7 @@ def test_a_replica_that_lost_the_lead_compacts_nothing():
         first = await kv.revision()
         stale = lead.fence()
         await kv.revoke_lease(lead.lease_id)  # its lease lapsed; another replica leads
-        assert await Leadership(kv, "/leader").hold()
+        assert await Leadership(kv, "/leader", ttl_s=5).hold()
         await kv.put("/k", b"1")
         with pytest.raises(StaleLeader):
             await compactor.step(stale)  # it has not noticed yet: its fence is refused
@@ -256,7 +257,7 @@ def test_a_rendezvous_wait_re_reads_when_its_watch_starts_before_a_compaction():
     async def main():
         kv = CompactsBeforeTheNextWatch()
         keys = Keys()
-        rdzv = Rendezvous(kv, keys, "t-abc123-a1")
+        rdzv = Rendezvous(kv, keys, "t-abc123-a1", long_poll_s=LONG_POLL_S)
         first, _ = await rdzv.set_state(b"s1", None)
         # The next state is written (by another node) just before the waiter's watch starts,
         # and that history is compacted away.

@@ -14,6 +14,7 @@ from service.store.memory import MemoryStore
 
 KEYS = Keys("/t")
 BLIP_S = 0.6
+HOLD_S = 1.0  # a presence request's hold, as the control plane's default
 AT_ONCE_S = 0.1  # well under the blip bound and the re-ask window: no waiting of any kind
 
 
@@ -28,7 +29,7 @@ async def receive_dropped():
 
 async def setup(replicas: int = 1, grace_s: float | None = None):
     kv = MemoryStore()
-    nodes = NodeStore(kv, KEYS)
+    nodes = NodeStore(kv, KEYS, ttl_s=60)
     lease = await nodes.register("n1", 1, None, ttl_s=60)
     extra = {} if grace_s is None else {"grace_s": grace_s}
     return kv, nodes, lease, [Presence(kv, KEYS, blip_s=BLIP_S, **extra) for _ in range(replicas)]
@@ -48,7 +49,7 @@ def test_a_dropped_connection_and_a_broken_peer_report_revoke_the_lease_at_once_
             await dropped.wait()
             return {"type": "http.disconnect"}
 
-        held = asyncio.create_task(p.hold("n1", lease, receive_until_dropped))
+        held = asyncio.create_task(p.hold("n1", lease, receive_until_dropped, HOLD_S))
         await asyncio.sleep(0.01)  # the next request is held
         t0 = p.clock()
         if report_first:  # the peer watch's closed connection can come before the drop is seen
@@ -70,7 +71,7 @@ def test_a_dropped_connection_and_a_broken_peer_report_revoke_the_lease_at_once_
 def test_a_grace_after_the_two_signals_keeps_a_node_that_asks_again_within_it():
     async def main():
         kv, nodes, lease, (p,) = await setup(grace_s=0.3)
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         p.suspect(["n1"])
         await asyncio.sleep(0.05)
         assert await kv.get(KEYS.node("n1")) is not None  # not before the grace
@@ -84,7 +85,7 @@ def test_a_grace_after_the_two_signals_keeps_a_node_that_asks_again_within_it():
 def test_a_drop_alone_is_a_blip_until_it_outlasts_the_bound_then_the_node_is_lost():
     async def main():
         kv, nodes, lease, (p,) = await setup()
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         await asyncio.sleep(BLIP_S / 3)  # no second signal: still a member
         assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
         await settle(p)  # the blip outlasted BLIP_S
@@ -92,7 +93,7 @@ def test_a_drop_alone_is_a_blip_until_it_outlasts_the_bound_then_the_node_is_los
 
         # A blip that is back within the bound costs nothing.
         kv, nodes, lease, (p,) = await setup()
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         await asyncio.sleep(BLIP_S / 3)
         await p.hold("n1", lease, receive_held, hold_s=0.01)  # the agent reconnected
         await settle(p)
@@ -136,7 +137,7 @@ def test_a_suspect_that_died_between_two_presence_requests_is_lost_unless_it_ask
 def test_a_node_that_asks_again_before_a_second_signal_is_kept():
     async def main():
         kv, nodes, lease, (p,) = await setup()
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         await p.hold("n1", lease, receive_held, hold_s=0.01)  # the agent reconnected
         await settle(p)
         assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
@@ -147,13 +148,13 @@ def test_a_node_that_asks_again_before_a_second_signal_is_kept():
 def test_a_node_registered_again_or_held_by_another_replica_is_kept():
     async def main():
         kv, nodes, lease, (p, q) = await setup(replicas=2)
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         await q.hold("n1", lease, receive_held, hold_s=0.01)  # it reconnected to the other replica
         await settle(p)
         assert await kv.get(KEYS.node("n1")) is not None
 
         kv, nodes, lease, (p,) = await setup()
-        assert not await p.hold("n1", lease, receive_dropped)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S)
         await kv.revoke_lease(lease)  # the agent deregistered and registered again
         new = await nodes.register("n1", 1, None, ttl_s=60)
         await settle(p)
@@ -173,7 +174,7 @@ def test_a_report_to_one_replica_confirms_a_drop_on_another_in_either_order():
         if report_first:
             b.suspect(["n1"])
             await settle(b)  # written to etcd
-        assert not await a.hold("n1", lease, receive_dropped)
+        assert not await a.hold("n1", lease, receive_dropped, HOLD_S)
         if not report_first:
             await asyncio.sleep(0.05)  # the drop waits for a second signal
             b.suspect(["n1"])
@@ -193,7 +194,7 @@ def test_a_shared_report_older_than_the_window_confirms_nothing():
         b.suspect(["n1"])
         await settle(b)
         assert await kv.get(KEYS.suspect("n1")) is not None
-        assert not await a.hold("n1", lease, receive_dropped)
+        assert not await a.hold("n1", lease, receive_dropped, HOLD_S)
         await asyncio.sleep(BLIP_S / 3)
         assert await kv.get(KEYS.node("n1")) is not None and a.revoked == []  # a blip still
         await settle(a)  # lost at the blip bound

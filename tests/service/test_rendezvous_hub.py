@@ -8,10 +8,11 @@ import asyncio
 from service.keys import Keys
 from service.rendezvous import Rendezvous, StateHub
 from service.store.memory import MemoryStore
-from worker.protocol import open_state, seal_state
+from worker.protocol import Timeouts, open_state, seal_state
 from worker.rdzv_state import ENDED_LAST_CALL_US, MergeSpec, Op, RdzvDoc
 
 RDZV = "job-abc123-a0"
+LONG_POLL_S = Timeouts().long_poll_s  # the control plane's default hold of a long poll
 
 
 class CountingStore(MemoryStore):
@@ -41,7 +42,7 @@ def join(i: int, n: int) -> tuple[bytes, MergeSpec]:
 def test_many_waiters_share_one_watch_and_all_see_the_write():
     async def scenario():
         kv, hub = CountingStore(), StateHub()
-        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub, long_poll_s=LONG_POLL_S)
         waits = [asyncio.create_task(rdzv.wait_for_state_change("0", 5)) for _ in range(20)]
         await asyncio.sleep(0.05)  # let them start waiting
         entry, written = await rdzv.set_state(seal_state(b"x"), None)
@@ -58,7 +59,7 @@ def test_concurrent_joins_go_to_etcd_in_fewer_writes_than_joins_and_all_land():
 
     async def scenario():
         kv = CountingStore()
-        rdzv = Rendezvous(kv, Keys(), RDZV, StateHub())
+        rdzv = Rendezvous(kv, Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S)
         writes = [join(i, n) for i in range(n)]
         answers = await asyncio.gather(*(rdzv.set_state(state, None, spec) for state, spec in writes))
         return kv.commits, answers, await rdzv.get_state()
@@ -76,7 +77,7 @@ def test_a_waiter_that_gives_its_shape_sleeps_through_keep_alives_but_not_a_join
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S)
         first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
         after = str(first.mod_revision)
         spec = MergeSpec(ops=[Op(kind="keep_alive", node=a, at_us=5)], min_nodes=2, max_nodes=2)
@@ -110,7 +111,7 @@ def test_a_joined_waiter_that_gives_its_progress_sleeps_through_joins_but_not_th
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S)
         first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
         after = str(first.mod_revision)
         waiting = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, progress=base.progress()))
@@ -146,7 +147,7 @@ def test_a_node_is_kept_alive_while_it_polls_and_not_after(monkeypatch):
         return RdzvDoc.from_json(open_state(entry.value)).last_heartbeats
 
     async def scenario():
-        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub())
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S)
         first, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
         after = str(first.mod_revision)
         other = asyncio.create_task(rdzv.wait_for_state_change(after, 0.5, progress=base.progress()))
@@ -169,7 +170,8 @@ def test_a_node_is_kept_alive_while_it_polls_and_not_after(monkeypatch):
 def test_the_join_of_the_last_expected_member_ends_the_last_call_and_no_other_does():
     def joined_deadline(expected: int) -> int | None:
         async def scenario():
-            rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), expected_nodes=expected)
+            rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, StateHub(), expected_nodes=expected,
+                              long_poll_s=LONG_POLL_S)
             node = ("127.0.0.1", 100, 0)
             doc = RdzvDoc(participants={node: 0}, last_heartbeats={node: 1}, deadline_us=9)
             spec = MergeSpec(ops=[Op(kind="join", node=node, at_us=1, deadline_us=9)], min_nodes=1,
@@ -194,7 +196,7 @@ def test_joined_waiters_are_not_woken_by_joins_that_leave_the_round_open():
 
     async def scenario():
         hub = StateHub()
-        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub)
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub, long_poll_s=LONG_POLL_S)
         start, _ = await rdzv.set_state(seal_state(base.to_json(), version=2), None)
         polls = [asyncio.create_task(rdzv.wait_for_state_change(str(start.mod_revision), 5,
                                                                 progress=base.progress()))
@@ -223,7 +225,7 @@ def test_blocking_store_reads_share_one_watch_and_all_get_the_value():
 
     async def scenario():
         kv, hub = CountingStore(), StateHub()
-        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub, long_poll_s=LONG_POLL_S)
         reads = [asyncio.create_task(rdzv.get(["MASTER_ADDR", "MASTER_PORT"], 5)) for _ in range(20)]
         await asyncio.sleep(0.1)  # they all wait
         pending = sum(not r.done() for r in reads)
@@ -266,7 +268,7 @@ def test_keep_alives_of_a_formed_round_share_writes_and_each_is_answered_with_it
 
     async def scenario():
         kv, hub = CountingStore(), StateHub()
-        rdzv = Rendezvous(kv, Keys(), RDZV, hub)
+        rdzv = Rendezvous(kv, Keys(), RDZV, hub, long_poll_s=LONG_POLL_S)
         nodes, state = formed(n)
         start, _ = await rdzv.set_state(state, None)
         commits = kv.commits
@@ -295,7 +297,7 @@ def test_keep_alives_through_two_replicas_all_land():
 
     async def scenario():
         kv = MemoryStore()
-        replicas = [Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2)]
+        replicas = [Rendezvous(kv, Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S) for _ in range(2)]
         nodes, state = formed(n)
         start, _ = await replicas[0].set_state(state, None)
         token = str(start.mod_revision)
@@ -334,7 +336,7 @@ def test_plain_reads_of_a_followed_state_come_from_the_watch_and_show_another_re
 
     async def scenario():
         kv = ReadCounting()
-        here, there = (Rendezvous(kv, Keys(), RDZV, StateHub()) for _ in range(2))
+        here, there = (Rendezvous(kv, Keys(), RDZV, StateHub(), long_poll_s=LONG_POLL_S) for _ in range(2))
         nodes, state = formed(n)
         start, _ = await here.set_state(state, None)
         await here.set_state(None, str(start.mod_revision), beat(nodes[0], 1000, n))  # followed now
@@ -378,7 +380,7 @@ def test_the_watch_kept_for_keep_alives_ends_once_they_stop(monkeypatch):
 
     async def scenario():
         hub = StateHub()
-        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub)
+        rdzv = Rendezvous(MemoryStore(), Keys(), RDZV, hub, long_poll_s=LONG_POLL_S)
         nodes, state = formed(n)
         start, _ = await rdzv.set_state(state, None)
         for i in range(n):

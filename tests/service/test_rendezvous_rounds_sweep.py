@@ -10,8 +10,10 @@ import pytest
 from service.keys import Keys
 from service.rendezvous import Rendezvous, _decode_key, delete_rounds_before, round_of_store_key
 from service.store.memory import MemoryStore
+from worker.protocol import Timeouts
 
 RDZV = "long-abc123-a3"
+LONG_POLL_S = Timeouts().long_poll_s  # the control plane's default hold of a long poll
 
 
 @pytest.mark.parametrize("key,expected", [
@@ -28,7 +30,8 @@ def test_a_store_key_names_its_round_as_torchs_handler_prefixes_it(key, expected
 def test_the_store_keys_of_earlier_rounds_go_and_the_rest_stay():
     async def run():
         kv, keys = MemoryStore(), Keys()
-        rdzv, other = Rendezvous(kv, keys, RDZV), Rendezvous(kv, keys, "other-abc123-a0")
+        rdzv = Rendezvous(kv, keys, RDZV, long_poll_s=LONG_POLL_S)
+        other = Rendezvous(kv, keys, "other-abc123-a0", long_poll_s=LONG_POLL_S)
         for r in range(4):  # a worker restart in each: rounds 0..3 of one attempt
             await rdzv.set([(f"torch.rendezvous.{RDZV}.{r}/MASTER_ADDR", b"h"),
                             (f"torch.rendezvous.{RDZV}.{r}/MASTER_PORT", b"1")])

@@ -48,12 +48,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler, Rendezvo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from worker import torch_internals
+from worker.protocol import Timeouts
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
 from worker.rendezvous.follow import follow_changes
 from worker.rendezvous.outage import ride_out_outages
 from worker.rendezvous.store import (
     DEFAULT_READ_TIMEOUT_S,
-    LONG_POLL_S,
     HttpStore,
     publish_master_in_one_call,
 )
@@ -69,7 +69,7 @@ from worker.rendezvous.transport import (
 from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, SYNC_DELAY_S, wake_on_change
 
 __all__ = [
-    "DEFAULT_PORT", "DEFAULT_READ_TIMEOUT_S", "DEFAULT_RETRY_TIMEOUT_S", "LONG_POLL_S",
+    "DEFAULT_PORT", "DEFAULT_READ_TIMEOUT_S", "DEFAULT_RETRY_TIMEOUT_S",
     "MIN_WAKE_INTERVAL_S", "NO_STATE_TOKEN", "SYNC_DELAY_S", "TOKEN_ENV",
     "ControlPlaneUnreachable", "FtrainRendezvousBackend", "HttpStore", "LongPollUnsupported",
     "RendezvousGoneError", "Transport", "create_backend", "create_ftrain_handler", "dynamic_handler",
@@ -86,6 +86,8 @@ def create_backend(params: RendezvousParameters) -> tuple[FtrainRendezvousBacken
     --rdzv-conf keys read here (others go to torch's `create_handler`):
       read_timeout   the store's default timeout for blocking reads, s (60)
       retry_timeout  how long a request is retried while the control plane is away, s (60)
+      long_poll_s    the longest the control plane holds a long poll, s: its
+                     `Timeouts.long_poll_s`, which the node agent passes (else their default)
     """
     read_timeout = params.get_as_int("read_timeout", DEFAULT_READ_TIMEOUT_S)
     retry_timeout = params.get_as_int("retry_timeout", DEFAULT_RETRY_TIMEOUT_S)
@@ -93,13 +95,27 @@ def create_backend(params: RendezvousParameters) -> tuple[FtrainRendezvousBacken
         raise ValueError(f"read_timeout must be a positive number of seconds, not {read_timeout}")
     if not retry_timeout or retry_timeout <= 0:
         raise ValueError(f"retry_timeout must be a positive number of seconds, not {retry_timeout}")
+    long_poll_s = _seconds(params, "long_poll_s", Timeouts().long_poll_s)
     token = os.environ.get(TOKEN_ENV)
     if not token:
         log.warning("%s is not set: rendezvous requests go without a token and a control "
                     "plane with tokens will refuse them", TOKEN_ENV)
-    transport = Transport(params.endpoint, params.run_id, token, retry_timeout_s=retry_timeout)
+    transport = Transport(params.endpoint, params.run_id, token, retry_timeout_s=retry_timeout,
+                          long_poll_s=long_poll_s)
     store = HttpStore(transport, timeout=timedelta(seconds=read_timeout))
     return FtrainRendezvousBackend(transport), store
+
+
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    """--rdzv-conf's `key` as a positive number of seconds, or `default` without it."""
+    value = params.get(key)
+    try:
+        seconds = default if value is None else float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -45,11 +45,11 @@ log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)
 
 NO_STATE_TOKEN = "0"  # the long poll's token for "no state yet"
-# The longest a joined node's wait for its round's progress lasts (`_quiet_s`): what torch's
-# join timeout may be overrun by, and as long as the control plane holds a long poll.
-MAX_QUIET_S = 5.0
-# The same while the control plane keeps the node alive (it writes the node's keep-alives while
-# the node polls; `service.rendezvous`): torch then has nothing to do until the round moves.
+# A joined node's wait for its round's progress (`_quiet_s`) lasts at most as long as the
+# control plane holds a long poll (`Transport.long_poll_s`): what torch's join timeout may be
+# overrun by. This much while the control plane keeps the node alive (it writes the node's
+# keep-alives while the node polls; `service.rendezvous`): torch then has nothing to do
+# until the round moves.
 MAX_KEPT_QUIET_S = 30.0
 # The most refreshed heartbeats a merged write carries one by one (`refresh` ops, ~100 bytes
 # each, under the control plane's 64 KiB body limit); past it, each node's own keep-alive
@@ -258,7 +258,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         """How long a node that joined an open round (in the state at `after`) has nothing to
         do but wait for the round's progress: until its own keep-alive is due (torch: its
         heartbeat `keep_alive_interval` old) or the last-call deadline, at most
-        `MAX_QUIET_S`; while the control plane keeps it alive (`kept`), until the deadline,
+        the control plane's long poll; while the control plane keeps it alive (`kept`), until the deadline,
         at most `MAX_KEPT_QUIET_S`. 0 for any other node, which keeps torch's one-second look."""
         read = None if after is None else self._read_docs.get(after)
         if read is None or not self._joined_open_round(read[0]):
@@ -268,7 +268,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         if beat is None:
             return 0.0
         now_us = time.time() * 1e6
-        longest = MAX_KEPT_QUIET_S if kept else MAX_QUIET_S
+        longest = MAX_KEPT_QUIET_S if kept else self._transport.long_poll_s
         due_us = now_us + longest * 1e6 if kept else beat + interval / timedelta(microseconds=1)
         if doc.deadline_us is not None:
             due_us = min(due_us, doc.deadline_us)

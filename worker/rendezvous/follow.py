@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FOLLOW_WAIT_S = 5.0  # one long poll (the control plane holds it at most 5 s)
 RETRY_PAUSE_S = 1.0  # after a failed poll: torch's own once-a-second look still goes on
 
 
@@ -53,13 +52,14 @@ def follow_changes(handler: RendezvousHandler, backend: FtrainRendezvousBackend)
 def _follow(backend: FtrainRendezvousBackend) -> None:
     after, shape = backend._seen_token or "0", None
     while True:
-        params = {"after": after, "wait_s": f"{FOLLOW_WAIT_S:.3f}"}
+        wait_s = backend._transport.long_poll_s  # one long poll, as long as the control plane holds it
+        params = {"after": after, "wait_s": f"{wait_s:.3f}"}
         if shape is not None:
             params["shape"] = shape
         try:
             change = StateChange.model_validate(backend._transport.call(
                 "GET", "/state", params=params,
-                deadline=backend._transport.deadline(), wait_s=FOLLOW_WAIT_S))
+                deadline=backend._transport.deadline(), wait_s=wait_s))
         except RendezvousGoneError:
             return  # the attempt is over: so is this torchrun
         except Exception as exc:  # noqa: BLE001 - never worse than torch's own look once a second

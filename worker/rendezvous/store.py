@@ -2,7 +2,8 @@
 rank assignment, barriers. Workers never use it: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 rank 0's agent publishes a free port and the workers build their own TCPStore on it.
 
-A blocking read long-polls the server at most `LONG_POLL_S` per request, so a lost
+A blocking read long-polls the server at most its `long_poll_s` per request (the control
+plane's, `Transport.long_poll_s`), so a lost
 connection is noticed within seconds, not at the store timeout; `read_timeout` (the store
 timeout, like the c10d backend's) defaults to 60 s, and torch's barriers set their own
 through `store.set_timeout`.
@@ -40,7 +41,6 @@ from worker.rendezvous.transport import ControlPlaneUnreachable, Transport
 
 Reply = TypeVar("Reply", bound=BaseModel)
 
-LONG_POLL_S = 5.0  # the server caps one blocking request at this too
 DEFAULT_READ_TIMEOUT_S = 60
 
 
@@ -60,7 +60,7 @@ def _bytes(value: Any) -> bytes:
 class HttpStore(dist.Store):
     """A c10d `Store` kept by the control plane, for torch's agents (not for workers).
 
-    Blocking reads long-poll the server `LONG_POLL_S` at a time until the store timeout,
+    Blocking reads long-poll the server `long_poll_s` at a time until the store timeout,
     then raise `DistStoreError` as TCPStore does. Keep a reference to this object for as long
     as a `PrefixStore` wraps it: the C++ side does not keep the Python object alive.
     """
@@ -131,7 +131,7 @@ class HttpStore(dist.Store):
         clock = time.monotonic
         deadline = clock() + timeout_s
         while True:
-            wait_s = max(0.0, min(LONG_POLL_S, deadline - clock()))
+            wait_s = max(0.0, min(self._transport.long_poll_s, deadline - clock()))
             # A connection problem is retried until the read's own deadline: it is the
             # caller's timeout that decides how long to wait, not retry_timeout.
             body = GetRequest(keys=keys, wait_s=wait_s, values=values)

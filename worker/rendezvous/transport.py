@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from worker.env import FTRAIN_JOB_TOKEN
 from worker.http import ApiError, ControlPlaneClient, Timeout, Unreachable
+from worker.protocol import Timeouts
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +67,24 @@ class Outage:
 
 
 class Transport:
-    """HTTP calls to one rendezvous on the control plane, with retries up to a deadline."""
+    """HTTP calls to one rendezvous on the control plane, with retries up to a deadline.
+
+    `long_poll_s`: the longest the control plane holds one long poll (its
+    `Timeouts.long_poll_s`, which the node agent passes in --rdzv-conf); a blocking call asks
+    for at most this much at a time."""
 
     def __init__(self, endpoint: str, rdzv_id: str, token: str | None,
                  retry_timeout_s: float = DEFAULT_RETRY_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
+                 wall_clock: Callable[[], float] = time.time,
+                 long_poll_s: float = Timeouts().long_poll_s):
         if not rdzv_id:
             raise ValueError("the rendezvous id must be '<job id>-a<attempt>', not empty")
         # One control plane or several, comma-separated: any of them serves (worker/http.py).
         self.endpoints = [endpoint_url(e) for e in endpoint.split(",") if e.strip()] or [endpoint_url("")]
         self.rdzv_id = rdzv_id
         self.retry_timeout_s = retry_timeout_s
+        self.long_poll_s = long_poll_s
         self._clock = clock
         self._wall = wall_clock
         self._client = ControlPlaneClient(self.endpoints, token, suffix=f"/v1/rdzv/{quote(rdzv_id, safe='')}",
