@@ -28,13 +28,12 @@ import httpx
 
 from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
 from worker.http import RETRYABLE_STATUS, Servers
-from worker.protocol import REVISION_HEADER
+from worker.protocol import LOG_FOLLOW_MAX_WAIT_S, REVISION_HEADER
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
 RETRY_ATTEMPTS = 3
 MAX_RETRY_DELAY_S = 2.0
-FOLLOW_WAIT_S = 30  # a follow stream with no new line for this long ends; it is followed again
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -266,7 +265,7 @@ class FtrainClient:
         url = f"/v1/jobs/{_segment(job_id)}/logs"
         cursor, failures, over = since, 0, False
         while True:
-            params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": FOLLOW_WAIT_S}
+            params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": LOG_FOLLOW_MAX_WAIT_S}
             if rank is not None:
                 params["rank"] = rank
             try:

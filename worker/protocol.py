@@ -50,6 +50,9 @@ MAX_SHIPMENT_BYTES = 48 * 1024
 # The etcd revision a job write made (answered with it, and with reads); a client sends back
 # the highest it has seen, and no control plane answers it anything older.
 REVISION_HEADER = "X-Ftrain-Revision"
+# The longest a log follow (`GET /v1/jobs/{id}/logs?follow=true`) may be held with no new line
+# (its `wait_s`); the CLI follows for this long at a time.
+LOG_FOLLOW_MAX_WAIT_S = 30.0
 MAX_SHIPMENT_LINES = 2000
 
 

@@ -16,13 +16,12 @@ from service.deps import ContextDep, MemberNode, UserAuth
 from service.errors import JobNotFound, LogStorageUnavailable, StoreUnavailable
 from service.logs import PAGE_LIMIT, PAGE_MAX_LINES
 from service.models import LogPage
-from worker.protocol import LogShipment
+from worker.protocol import LOG_FOLLOW_MAX_WAIT_S, LogShipment
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["logs"], route_class=AuthFirstRoute)
 FOLLOW_POLL_S = 0.5  # how often a follower that has read everything looks for new lines
 FOLLOW_IDLE_S = 5.0  # a follow stream with no new line for this long ends (`wait_s`)
-FOLLOW_MAX_WAIT_S = 30.0  # the longest `wait_s`: no request is held longer without news
 
 
 @router.post("/v1/jobs/{job_id}/logs", status_code=204)
@@ -54,7 +53,7 @@ async def get_logs(
     tail: Annotated[int | None, Query(ge=0, le=PAGE_MAX_LINES, description=(
         "Only the last N lines (of `rank`, if given), read from the end of the log, whatever its "
         "size (`since` and `limit` are not used); with follow=true, then the new ones."))] = None,
-    wait_s: Annotated[float, Query(ge=0.5, le=FOLLOW_MAX_WAIT_S, description=(
+    wait_s: Annotated[float, Query(ge=0.5, le=LOG_FOLLOW_MAX_WAIT_S, description=(
         "With follow=true: end the stream once no new line came for this long (the job goes on; "
         "follow again from the last line's seq + 1)."))] = FOLLOW_IDLE_S,
 ):
