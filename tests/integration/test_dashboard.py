@@ -1,7 +1,9 @@
 """The web dashboard in a real headless Chromium (Debian's `chromium`, driven by Playwright):
-a job submitted through the API shows up, its loss curve grows while it trains, a worker
-SIGKILL shows as RECOVERING and then RUNNING, the page's cancel button cancels it, a job
-with a long log shows its end, and the nodes page drains a node and undrains it.
+a first visit is asked for a token (a refused one is told so), a job submitted through the API
+shows up, its loss curve grows while it trains, a worker SIGKILL shows as RECOVERING and then
+RUNNING and is marked on the curves where it happened, the page's cancel button cancels it,
+a cancelled and a failed job look different, a job with a long log shows its end, and the
+nodes page shows GPUs as the CLI does, drains a node and undrains it.
 
 RECOVERING is asserted on the job's events timeline, where the page lists it: on a worker
 SIGKILL the job is RECOVERING from the fault until the new group's first step (a second or
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.elastic import job, job_spec, log_items, submit, wait_state
+from service.cli import _gpus_cell
+from tests.helpers.elastic import events, job, job_spec, log_items, submit, wait_state
 from tests.helpers.faults import train_spec, wait_workers
 from tests.helpers.processes import REPO, pid_alive, wait_for
 
@@ -45,6 +48,27 @@ def wait_points(page, more_than: int) -> None:
     """Wait until the page's loss curve has more than `more_than` points."""
     loss = "document.querySelector('[data-chart=\"loss\"]')"
     page.wait_for_function(f"() => +{loss}.dataset.points > {more_than}")
+
+
+def step_at(history: dict, time: float) -> int | None:
+    """The step of the history's newest point at or before `time` (where a mark belongs)."""
+    before = [step for step, t in zip(history["steps"], history["times"]) if t <= time]
+    return before[-1] if before else None
+
+
+def marks(page, chart: str) -> list[dict]:
+    """The regroup marks on the page's chart `chart`: their kind, step and title."""
+    return page.eval_on_selector_all(
+        f'[data-chart="{chart}"] .mark',
+        "els => els.map(e => ({kind: e.dataset.kind, step: +e.dataset.step, title: e.title}))")
+
+
+def badge_look(page, selector: str) -> dict:
+    """How a state badge looks: its classes, its text (sign and name) and its colours."""
+    page.wait_for_selector(selector)
+    return page.eval_on_selector(selector, """el => { const s = getComputedStyle(el);
+        return {cls: el.className, text: el.textContent, bg: s.backgroundColor, fg: s.color,
+                border: s.borderTopColor}; }""")
 
 
 def timeline(page) -> list[str]:
@@ -83,6 +107,14 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             # under a policy that runs its own files only, and that no other site may frame
             assert "script-src 'self'" in answer.headers["content-security-policy"]
             assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+            # a first visit is asked for a token, and told where one comes from: nothing refused yet
+            prompt = page.inner_text("#signin")
+            assert page.inner_text("#signin-error") == "" and "not accepted" not in prompt, prompt
+            assert "ftrain users add NAME" in prompt, prompt
+            # a token kept in the tab that the server refuses is said to be refused
+            page.evaluate("sessionStorage.setItem('ftrain.token', 'a-revoked-token')")
+            page.reload()
+            page.wait_for_selector("#signin-error:has-text('Your token was not accepted')")
             page.fill("#token", "not-the-token")
             page.click("#signin button")
             page.wait_for_selector("#signin-error:has-text('not accepted')")
@@ -149,6 +181,19 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             after = points(page, "loss")
             wait_points(page, after)
             assert job(api, job_id)["restarts"] == 1
+
+            # the restart is marked on both curves, at the step where the group stopped (the
+            # history's newest point when the job went RECOVERING), its title naming the cause
+            fault = next(e for e in events(api, job_id) if e["state"] == "RECOVERING")
+            for chart in ("loss", "samples_per_s"):
+                page.wait_for_selector(f'[data-chart="{chart}"] .mark.restart')
+                wait_for(lambda: [m["step"] for m in marks(page, chart)] == [
+                    step_at(api.get(f"/v1/jobs/{job_id}/metrics").json(), fault["time"])], 30,
+                    f"the {chart} chart's one mark at the step where the job went RECOVERING")
+                (mark,) = marks(page, chart)
+                assert mark["kind"] == "restart" and fault["reason"] in mark["title"], mark
+                assert mark["title"].startswith(f"restart at step {mark['step']}"), mark
+                assert "restart" in page.inner_text(f'[data-chart="{chart}"] .mark-key')
             if shots:
                 wait_points(page, after + 12)  # a longer curve for the README's picture
                 page.screenshot(path=str(Path(shots) / "dashboard-job.png"), full_page=True)
@@ -171,10 +216,28 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             assert "earlier output not shown" in shown and "burst 0 " not in shown
             assert page.is_hidden("#cancel")
 
+            # a failed job and a cancelled one differ in sign, colour and fill, not colour alone,
+            # and each looks the same in the jobs list as on its own page
+            failed = submit(api, job_spec("fails", "3", mn=1, mx=1, max_restarts=0,
+                                          script=REPO / "tests" / "scripts" / "exit_with.py"))
+            wait_state(api, failed, "FAILED", 60)
+            looks = {}
+            for state, jid in (("FAILED", failed), ("CANCELLED", job_id)):
+                page.click("a[data-nav='jobs']")
+                looks[state] = badge_look(page, f'tr[data-job="{jid}"] [data-state="{state}"]')
+                page.click(f'tr[data-job="{jid}"] a')
+                assert badge_look(page, f"#job-state [data-state='{state}']") == looks[state]
+            fail, cancel = looks["FAILED"], looks["CANCELLED"]
+            assert fail["cls"] != cancel["cls"] and fail["bg"] != cancel["bg"], looks
+            assert fail["text"][0] != cancel["text"][0] and fail["text"][0] not in "FC", looks  # the sign
+
             # the nodes page: n0, free again, and drained from the page (the admin's token)
             page.click("a[data-nav='nodes']")
             page.wait_for_selector('tr[data-node="n0"] [data-state="READY"]')
             assert page.inner_text('tr[data-node="n0"]').count("idle") == 1
+            # its GPUs as `ftrain nodes` writes them (a node without any: "-")
+            (n0,) = api.get("/v1/nodes").json()["items"]
+            assert page.inner_text('tr[data-node="n0"] [data-gpus]') == _gpus_cell(n0) == "-"
             page.click('tr[data-node="n0"] button[data-drain="n0"]')
             page.wait_for_selector('tr[data-node="n0"] [data-state="DRAINED"]')
             assert api.get("/v1/nodes").json()["items"][0]["state"] == "DRAINED"  # idle
@@ -199,6 +262,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
     got = {name: float(value) for name, _, value in
            (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
     assert got['ftrain_jobs{state="CANCELLED"}'] == 1 + (1 if shots else 0)
+    assert got['ftrain_jobs{state="FAILED"}'] == 1
     assert got["ftrain_job_restarts_total"] == 1 and got["ftrain_job_recovery_seconds_count"] == 1
     assert 0 < got["ftrain_job_recovery_seconds_sum"] < 30
     assert got["ftrain_snapshot_stall_seconds_count"] >= 1

@@ -21,8 +21,8 @@ async function api(path, options = {}) {
   const headers = Object.assign({}, options.headers || {});
   if (token()) headers["Authorization"] = "Bearer " + token();
   const resp = await fetch("../" + path.replace(/^\//, ""), Object.assign({}, options, { headers }));
-  if (resp.status === 401) {
-    showSignIn("Your token was not accepted; sign in again.");
+  if (resp.status === 401) {  // a first visit (no token yet) is asked for one, neutrally
+    showSignIn(headers["Authorization"] ? "Your token was not accepted; sign in again." : "");
     throw new ApiError(401, "unauthorized");
   }
   if (!resp.ok) {
@@ -62,7 +62,16 @@ function num(v, digits = 4) { return v == null ? "–" : Number(v).toPrecision(d
 function regroupingNote(job) {
   return job.regrouping ? `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>` : "";
 }
-function badge(state) { return `<span class="state ${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`; }
+// Each state has its own colour, fill and sign besides its name, so no two (FAILED and
+// CANCELLED above all) are told apart by colour alone; the same badge everywhere.
+const STATE_SIGN = {
+  PENDING: "○", STARTING: "▷", RUNNING: "▶", RECOVERING: "↻", CANCELLING: "⊘",
+  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○",
+};
+function badge(state, text = state) {
+  const sign = STATE_SIGN[state] ? `<span class="sign" aria-hidden="true">${STATE_SIGN[state]}</span>` : "";
+  return `<span class="state ${esc(state)}" data-state="${esc(state)}">${sign}${esc(text)}</span>`;
+}
 
 function jobDuration(job) {
   const end = job.finished_at || Date.now() / 1000;
@@ -122,7 +131,7 @@ function showSignIn(message) {
       <h1>Sign in</h1>
       <p class="muted">Paste your ftrain token: the one <span class="mono">ftrain up</span> printed
         (also in its data directory's <span class="mono">token</span> file), or a user token from
-        <span class="mono">ftrain user add</span>. It is kept in this tab only.</p>
+        <span class="mono">ftrain users add NAME</span>. It is kept in this tab only.</p>
       <label for="token">Token</label>
       <input id="token" name="token" type="password" autocomplete="off" required autofocus>
       <button type="submit">Sign in</button>
@@ -218,7 +227,99 @@ function ticks(u, splits) {
   return splits.map(v => Math.abs(v) >= 1e5 || (v !== 0 && Math.abs(v) < 1e-4) ? v.toExponential(1) : v.toFixed(digits));
 }
 
-function makeChart(el, title, names) {
+// ------------------------------------------------------------------ regroup marks
+// Where the job's group stopped and re-formed, read from its events: the first event of each
+// cause that matches (a node joining, a drain, a lost node, a fault: the move to RECOVERING, a
+// new attempt). Events carry a time, the curves a step: an event is marked at the newest point
+// the history had by then (its `times` beside its `steps`), where the curve stopped.
+const MARK_KINDS = [
+  { kind: "scale-up", sign: "+", label: "scale-up", is: e => /^node\(s\) .* joined; scaling up/.test(e.reason) },
+  { kind: "drain", sign: "−", label: "drain", is: e => /^node\(s\) .* drained; /.test(e.reason) },
+  { kind: "lost", sign: "✕", label: "node lost", is: e => /^node(\(s\))? [^:;(]* lost\b/.test(e.reason) },
+  { kind: "restart", sign: "↻", label: "restart", is: (e, before) => e.state === "RECOVERING" && before !== "RECOVERING" },
+  { kind: "attempt", sign: "#", label: "new attempt", is: e => /^attempt ([2-9]|\d{2,}) /.test(e.reason) },
+];
+
+// The step of the newest point at or before `time`, or null before the first point.
+function stepAt(history, time) {
+  let i = history.times.length - 1;
+  while (i >= 0 && history.times[i] > time) i--;
+  return i < 0 ? null : history.steps[i];
+}
+
+// One mark per step: {step, kind, causes: [{kind, event}]}; its kind is its first cause's.
+function regroupMarks(events, history) {
+  const marks = new Map();
+  let before = null;
+  for (const e of events) {
+    const found = MARK_KINDS.find(k => k.is(e, before));
+    before = e.state;
+    const step = found ? stepAt(history, e.time) : null;
+    if (step == null) continue;
+    if (!marks.has(step)) marks.set(step, { step, kind: found.kind, causes: [] });
+    marks.get(step).causes.push({ kind: found.kind, event: e });
+  }
+  return [...marks.values()];
+}
+
+function markTitle(m) {
+  const lines = m.causes.map(c => `${clock(c.event.time)} ${c.event.reason}`);
+  return `${MARK_KINDS.find(k => k.kind === m.kind).label} at step ${m.step}\n${lines.join("\n")}`;
+}
+
+// A uPlot plugin that draws `marks()` as vertical lines over the plot, each with its cause's
+// sign on a flag (its title names the events), and a key of the causes under the chart. They
+// are elements, not canvas strokes, so a pointer or a screen reader finds them; their places
+// are set through the DOM, as the page's policy asks.
+function marksPlugin(marks) {
+  return { hooks: { draw: u => placeMarks(u, marks()) } };
+}
+
+function placeMarks(u, marks) {
+  const layer = child(u.over, "marks");
+  const { min, max } = u.scales.x;
+  layer.replaceChildren(...marks.filter(m => m.step >= min && m.step <= max).map(m => {
+    const el = document.createElement("div");
+    const kind = MARK_KINDS.find(k => k.kind === m.kind);
+    el.className = `mark ${m.kind}`;
+    el.dataset.kind = m.kind;
+    el.dataset.step = m.step;
+    el.title = markTitle(m);
+    el.setAttribute("role", "img");
+    el.setAttribute("aria-label", el.title);
+    el.style.left = `${u.valToPos(m.step, "x")}px`;
+    const flag = document.createElement("span");
+    flag.className = "flag";
+    flag.textContent = kind.sign;
+    el.append(flag);
+    return el;
+  }));
+  const key = child(u.root, "mark-key");
+  const counts = new Map();
+  for (const m of marks) counts.set(m.kind, (counts.get(m.kind) || 0) + 1);
+  key.replaceChildren(...MARK_KINDS.filter(k => counts.has(k.kind)).map(k => {
+    const item = document.createElement("span");
+    item.className = `mark-key-item ${k.kind}`;
+    const flag = document.createElement("span");
+    flag.className = "flag";
+    flag.textContent = k.sign;
+    const n = counts.get(k.kind);
+    item.append(flag, `${k.label}${n > 1 ? " ×" + n : ""}`);
+    return item;
+  }));
+}
+
+function child(parent, className) {
+  let el = parent.querySelector(`:scope > .${className}`);
+  if (!el) {
+    el = document.createElement("div");
+    el.className = className;
+    parent.append(el);
+  }
+  return el;
+}
+
+function makeChart(el, title, names, marks = () => []) {
   const opts = {
     title, width: Math.max(300, el.clientWidth - 4), height: 240,
     scales: { x: { time: false } },
@@ -228,6 +329,7 @@ function makeChart(el, title, names) {
       points: { show: false }, value: (u, v) => v == null ? "–" : Number(v).toPrecision(5),
     }))],
     legend: { live: true },
+    plugins: [marksPlugin(marks)],
   };
   return new uPlot(opts, [[], ...names.map(() => [])], el);
 }
@@ -253,6 +355,8 @@ function jobView(jobId) {
   const charts = {};
   let othersKey = "";
   let job = null;
+  let marks = [];  // where the group stopped and re-formed: on every chart (their x is the step)
+  const chart = (el, title, names) => makeChart(el, title, names, () => marks);
 
   $("cancel").addEventListener("click", async () => {
     if (!confirm(`Cancel job ${job ? job.name : jobId}? It snapshots and stops.`)) return;
@@ -291,8 +395,8 @@ function jobView(jobId) {
   function showMetrics(h) {
     const steps = h.steps;
     const col = name => h.series[name] || steps.map(() => null);
-    if (!charts.loss) charts.loss = makeChart($("chart-loss"), "Loss", ["loss"]);
-    if (!charts.speed) charts.speed = makeChart($("chart-speed"), "Throughput (samples/s)", ["samples_per_s"]);
+    if (!charts.loss) charts.loss = chart($("chart-loss"), "Loss", ["loss"]);
+    if (!charts.speed) charts.speed = chart($("chart-speed"), "Throughput (samples/s)", ["samples_per_s"]);
     charts.loss.setData([steps, col("loss")]);
     charts.speed.setData([steps, col("samples_per_s")]);
     $("chart-loss").dataset.points = steps.length;
@@ -304,7 +408,7 @@ function jobView(jobId) {
       othersKey = others.join();
       if (charts.others) charts.others.destroy();
       $("chart-others").innerHTML = "";
-      charts.others = makeChart($("chart-others"), "Logged scalars", others);
+      charts.others = chart($("chart-others"), "Logged scalars", others);
     }
     charts.others.setData([steps, ...others.map(col)]);
   }
@@ -323,7 +427,7 @@ function jobView(jobId) {
         <td>${s.stall_s == null ? "–" : (s.stall_s * 1000).toFixed(1) + " ms"}</td>
         <td>${s.write_s == null ? "–" : (s.write_s * 1000).toFixed(0) + " ms"}</td>
         <td class="muted">${s.time ? clock(s.time) : ""}</td>
-        <td>${s.bad ? badge("FAILED").replace(">FAILED<", ">corrupt<") : s.step === list.latest ? '<span class="muted">latest</span>' : ""}</td></tr>`).join("")
+        <td>${s.bad ? badge("FAILED", "corrupt") : s.step === list.latest ? '<span class="muted">latest</span>' : ""}</td></tr>`).join("")
       : `<tr><td colspan="6" class="empty">No snapshot committed yet.</td></tr>`;
   }
 
@@ -393,6 +497,7 @@ function jobView(jobId) {
     const [j, events, metrics, snaps] = await Promise.all([
       api(`v1/jobs/${id}`), api(`v1/jobs/${id}/events`), api(`v1/jobs/${id}/metrics`),
       api(`v1/jobs/${id}/snapshots`)]);
+    marks = regroupMarks(events.items, metrics);
     showJob(j); showEvents(events.items); showMetrics(metrics); showSnapshots(snaps);
   }, 1000);
   followLogs();
@@ -413,6 +518,11 @@ function jobView(jobId) {
 }
 
 // ------------------------------------------------------------------ nodes
+// A node's GPUs as `ftrain nodes` writes them: "2 x NVIDIA H100 80GB HBM3", or "-" for none.
+function gpusCell(n) {
+  return n.gpus ? `${n.gpus} x ${esc(n.gpu_model || "GPU")}` : '<span class="muted">-</span>';
+}
+
 function nodesView() {
   view.innerHTML = `
     <h1>Nodes</h1>
@@ -435,7 +545,7 @@ function nodesView() {
     body.innerHTML = nodes.length ? nodes.map(n => `
       <tr data-node="${esc(n.name)}">
         <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}</td><td>${n.nproc_per_node}</td>
-        <td>${n.gpus ? `${n.gpus} <span class="muted">${esc(n.gpu_model || "")}</span>` : '<span class="muted">0</span>'}</td>
+        <td data-gpus>${gpusCell(n)}</td>
         <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>`
           : n.held_for ? `<span class="muted">held for</span> <a href="#/jobs/${encodeURIComponent(n.held_for)}">${esc(n.held_for)}</a>`
           : '<span class="muted">idle</span>'}</td>
