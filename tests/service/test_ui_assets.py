@@ -7,9 +7,12 @@ import tomllib
 from pathlib import Path
 
 import anyio
+import click
 import httpx
 
+from service import cli
 from service.app import create_app
+from service.models import JobState, NodeState
 from service.routes.ui import UI_DIR
 from service.settings import Settings
 
@@ -84,3 +87,32 @@ def test_the_dashboard_runs_under_a_policy_of_its_own_files_that_no_site_may_fra
     assert "frame-ancestors 'none'" in c.get("/docs").headers["content-security-policy"]
     for source in ("index.html", "static/app.js"):
         assert not INLINE.search((UI_DIR / source).read_text()), source
+
+
+# A command the dashboard tells a user to run: `<span class="mono">ftrain users add NAME</span>`.
+NAMED_COMMAND = re.compile(r'class="mono">ftrain ([^<]+)<')
+
+
+def test_every_command_the_dashboard_names_is_one_the_cli_has():
+    named = [m for source in ("index.html", "static/app.js")
+             for m in NAMED_COMMAND.findall((UI_DIR / source).read_text())]
+    assert "users add NAME" in named
+    for words in named:
+        command = cli.main
+        for word in words.split():
+            if not isinstance(command, click.Group):
+                break  # the rest are its arguments and options
+            assert word in command.commands, f"the dashboard names `ftrain {words}`: no `{word}` command"
+            command = command.commands[word]
+        assert not isinstance(command, click.Group), f"`ftrain {words}` names a group, not a command"
+
+
+def test_every_state_has_a_sign_and_a_look_of_its_own():
+    script, css = (UI_DIR / "static/app.js").read_text(), (UI_DIR / "static/app.css").read_text()
+    signs = dict(re.findall(r'\b([A-Z]+): "(.)"', script[script.index("const STATE_SIGN"):]))
+    states = {s.value for s in (*JobState, *NodeState)}
+    assert states <= signs.keys(), f"no sign for {states - signs.keys()}"
+    assert signs["FAILED"] != signs["CANCELLED"]
+    looks = {state: " ".join(re.findall(rf"\.state\.{state}\b[^{{]*\{{([^}}]*)\}}", css)) for state in states}
+    assert all(looks.values()), [s for s, look in looks.items() if not look]
+    assert looks["FAILED"] != looks["CANCELLED"]

@@ -56,11 +56,13 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
 }
 function num(v, digits = 4) { return v == null ? "–" : Number(v).toPrecision(digits); }
-// A job whose group is forming (its start: STARTING; a fault: RECOVERING; a planned change:
-// RUNNING) until the group's first step: its reason under the badge, so a RUNNING job that is
-// resizing says so.
-function regroupingNote(job) {
-  return job.regrouping ? `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>` : "";
+// The reason under a job's badge: while its group forms (its start: STARTING; a fault:
+// RECOVERING; a planned change: RUNNING) until the group's first step, so a RUNNING job that is
+// resizing says so; and why a FAILED job failed.
+function stateNote(job) {
+  if (job.state === "FAILED") return `<br><span class="muted" data-why>${esc(job.reason || "")}</span>`;
+  if (!job.regrouping || TERMINAL.has(job.state)) return "";
+  return `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>`;
 }
 // Each state has its own colour, fill and sign besides its name, so no two (FAILED and
 // CANCELLED above all) are told apart by colour alone; the same badge everywhere.
@@ -204,7 +206,7 @@ function jobsView() {
     body.innerHTML = items.length ? items.map(job => `
       <tr data-job="${esc(job.id)}">
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
-        <td>${badge(job.state)}${regroupingNote(job)}</td>
+        <td>${badge(job.state)}${stateNote(job)}</td>
         <td>${progressCell(job)}</td>
         <td>${nodesInUse(job)}</td>
         <td>${job.restarts}</td>
@@ -228,10 +230,12 @@ function ticks(u, splits) {
 }
 
 // ------------------------------------------------------------------ regroup marks
-// Where the job's group stopped and re-formed, read from its events: the first event of each
-// cause that matches (a node joining, a drain, a lost node, a fault: the move to RECOVERING, a
-// new attempt). Events carry a time, the curves a step: an event is marked at the newest point
-// the history had by then (its `times` beside its `steps`), where the curve stopped.
+// Where the job's group stopped and re-formed, read from its events. A regroup opens at the
+// first event of a cause (a node joining, a drain, a lost node, a fault: the move to
+// RECOVERING, a new attempt) and closes when training goes on ("training again"); causes
+// within it (a lost node's restart, the new attempt that follows a drain) are one mark. Events
+// carry a time, the curves a step: a mark stands at the newest point the metric history had
+// when its regroup opened (its `times` beside its `steps`), where the curve stopped.
 const MARK_KINDS = [
   { kind: "scale-up", sign: "+", label: "scale-up", is: e => /^node\(s\) .* joined; scaling up/.test(e.reason) },
   { kind: "drain", sign: "−", label: "drain", is: e => /^node\(s\) .* drained; /.test(e.reason) },
@@ -239,6 +243,7 @@ const MARK_KINDS = [
   { kind: "restart", sign: "↻", label: "restart", is: (e, before) => e.state === "RECOVERING" && before !== "RECOVERING" },
   { kind: "attempt", sign: "#", label: "new attempt", is: e => /^attempt ([2-9]|\d{2,}) /.test(e.reason) },
 ];
+const TRAINING = /^training\b/;  // "training: ..." (the first step), "training again: ..."
 
 // The step of the newest point at or before `time`, or null before the first point.
 function stepAt(history, time) {
@@ -247,19 +252,25 @@ function stepAt(history, time) {
   return i < 0 ? null : history.steps[i];
 }
 
-// One mark per step: {step, kind, causes: [{kind, event}]}; its kind is its first cause's.
+// The marks: {step, kind, causes: [{kind, event}]}, a mark's kind its first cause's.
 function regroupMarks(events, history) {
-  const marks = new Map();
-  let before = null;
+  const marks = [];
+  let open = null, before = null;
   for (const e of events) {
     const found = MARK_KINDS.find(k => k.is(e, before));
     before = e.state;
-    const step = found ? stepAt(history, e.time) : null;
-    if (step == null) continue;
-    if (!marks.has(step)) marks.set(step, { step, kind: found.kind, causes: [] });
-    marks.get(step).causes.push({ kind: found.kind, event: e });
+    if (TRAINING.test(e.reason)) open = null;
+    if (!found) continue;
+    if (!open) {
+      const step = stepAt(history, e.time);
+      if (step == null) continue;  // before the first point: nothing on the curve to mark
+      const last = marks[marks.length - 1];
+      open = last && last.step === step ? last : { step, kind: found.kind, causes: [] };
+      if (open !== last) marks.push(open);
+    }
+    open.causes.push({ kind: found.kind, event: e });
   }
-  return [...marks.values()];
+  return marks;
 }
 
 function markTitle(m) {
