@@ -1,9 +1,9 @@
 """The web dashboard (`/ui`) and the API docs (`/docs`), served from files in the package.
 
 Every asset is shipped (`service/ui/`, listed as package data in pyproject.toml): the
-dashboard is one page (`index.html`, `app.js`, `app.css`) that calls the same REST API as the
-CLI, with the token the user signs in with (kept in the browser's sessionStorage, sent as
-`Authorization: Bearer`); its charts are uPlot's and `/docs` is Swagger UI's, both vendored
+dashboard is one page (`index.html`, `app.js`, `marks.js`, `app.css`) that calls the same REST
+API as the CLI, with the token the user signs in with (kept in the browser's sessionStorage,
+sent as `Authorization: Bearer`); its charts are uPlot's and `/docs` is Swagger UI's, both vendored
 unmodified under `static/vendor/` (versions and licences in its README). Nothing is fetched
 from another host, so both work on a cluster with no Internet access. The pages themselves
 need no token: the data does.
@@ -41,7 +41,7 @@ def index_html() -> str:
     """The page, its own assets named with a digest of their content (`app.js?v=...`), so a
     browser that cached an older version's script does not run it against a newer server."""
     page = (UI_DIR / "index.html").read_text()
-    for asset in ("static/app.js", "static/app.css"):
+    for asset in ("static/app.js", "static/marks.js", "static/app.css"):
         digest = hashlib.sha256((UI_DIR / asset).read_bytes()).hexdigest()[:12]
         page = page.replace(f'"{asset}"', f'"{asset}?v={digest}"')
     return page

@@ -328,6 +328,9 @@ def test_dashboard_marks_a_scale_up_and_a_drain_on_the_curves(control_plane, api
                                  f"the history {history['steps']} {history['times']}") from None
         shown = marks(page, "loss")
         assert joined["reason"] in shown[0]["title"] and drained["reason"] in shown[1]["title"], shown
-        key = page.eval_on_selector_all('[data-chart="loss"] .mark-key-item', "els => els.map(e => e.textContent)")
+        key = page.eval_on_selector_all('[data-chart="loss"] .mark-key-item',
+                                        "els => els.map(e => e.textContent)")
         assert key == ["+scale-up", "−drain"], key
+        if os.environ.get("FTRAIN_SCREENSHOTS"):
+            page.screenshot(path=str(Path(os.environ["FTRAIN_SCREENSHOTS"]) / "dashboard-resized-job.png"))
         api.post(f"/v1/jobs/{job_id}/cancel").raise_for_status()

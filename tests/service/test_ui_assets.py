@@ -47,7 +47,7 @@ def test_root_and_ui_lead_to_the_dashboard_page(tmp_path):
     page = c.get("/ui/")
     assert page.status_code == 200 and not ABSOLUTE.search(page.text)
     assert re.search(r'"static/app\.js\?v=[0-9a-f]{12}"', page.text)  # a new version is fetched anew
-    for asset in ("app.js", "app.css", "favicon.svg", "vendor/uplot/uPlot.iife.min.js"):
+    for asset in ("app.js", "marks.js", "app.css", "favicon.svg", "vendor/uplot/uPlot.iife.min.js"):
         assert c.get(f"/ui/static/{asset}").status_code == 200, asset
 
 
@@ -85,7 +85,7 @@ def test_the_dashboard_runs_under_a_policy_of_its_own_files_that_no_site_may_fra
     assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
     assert page.headers["x-frame-options"] == "DENY"
     assert "frame-ancestors 'none'" in c.get("/docs").headers["content-security-policy"]
-    for source in ("index.html", "static/app.js"):
+    for source in ("index.html", "static/app.js", "static/marks.js"):
         assert not INLINE.search((UI_DIR / source).read_text()), source
 
 
