@@ -122,7 +122,7 @@ def run_runtime(args, events: EventLog) -> int:
         events.write("resume", step=start, world=rt.world_size,
                      phases={k: round(v, 4) for k, v in rt.phases_s.items()})
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
-    memory = rt._memory  # the node's memory tier (worker/memory.py), on its first rank
+    memory = rt.memory.writer if rt.memory is not None else None  # the node's memory tier (worker/memory.py), on its first rank
     while rt.step < args.steps:
         waited = sum(memory.stalls_s) if memory else 0.0
         setup = sum(memory.setups_s) if memory else 0.0

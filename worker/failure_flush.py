@@ -65,7 +65,7 @@ class FailureFlush:
         self.finished = False  # the run ended: nothing more to say
         self._words_lock = threading.Lock()  # one speaker at a time
         self._speaker: int | None = None  # the thread saying the last words now
-        self._term_pending = False  # a SIGTERM came while busy
+        self.term_pending = False  # a SIGTERM came while busy
         self.sigterm_before: Any = None  # the SIGTERM handler `_on_sigterm` replaced (put back at the end)
         self._sigterm_watch = False  # on a GPU, a thread hears SIGTERM through the wakeup fd
 
@@ -161,18 +161,18 @@ class FailureFlush:
         its next collective fails), then the signal's own end. In the middle of `step_done`
         (its state half made), or of this thread's own last words, they wait for its end."""
         if self.busy or self._speaker == threading.get_ident():
-            self._term_pending = True
+            self.term_pending = True
             return
         self.end_on_sigterm()
 
     def not_busy(self) -> None:
         """`step_done` (or the end) is over: a SIGTERM that came meanwhile has its end now."""
         self.busy = False
-        if self._term_pending:
+        if self.term_pending:
             self.end_on_sigterm()
 
     def end_on_sigterm(self) -> None:
-        self._term_pending = False
+        self.term_pending = False
         self.say()
         before = self.sigterm_before
         if callable(before):  # the script's own handler, which may go on training

@@ -144,6 +144,7 @@ from worker.tiers.api import SNAPSHOT_FORMAT, Found, Worker, load_into  # noqa: 
 from worker.tiers.disk import DiskTier
 from worker.tiers.memory import MEMORY_EVERY_MAX, MEMORY_PLAN_REMAKES, MemoryTier, Prefetch  # noqa: F401
 from worker.tiers.peer import PeerTier
+from worker.tiers.restore import choose
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -356,7 +357,7 @@ class Runtime:
             if self._peer_watch is not None:
                 self._peer_watch.join(addresses, self.rank)
         with self._phase("choose_s"):
-            chosen = self._choose() if self.is_chief else None
+            chosen = choose(self.link, self.disk, self.peer) if self.is_chief else None
             if self.distributed:
                 box = [chosen]
                 dist.broadcast_object_list(box, src=0)
@@ -402,26 +403,6 @@ class Runtime:
             log.info("rank %d: no peer watch (%s); a lost node is found by its lease", self.rank, exc)
             self._peer_watch = None
             return None
-
-    def _choose(self) -> tuple | None:
-        """Rank 0: ("memory", step, source rank) when the control plane's restore point is a
-        memory copy some rank holds, else ("disk", step, path) or None."""
-        if self.disk is not None:
-            self.disk.await_handed_over()
-        newest = self.peer.newest()
-        if newest is not None and self.link is None:
-            return ("memory", newest.step, newest.where)
-        if newest is not None and self.link is not None:
-            point = self.link.restore_point(newest.step)
-            log.info("restore point: %s", point.reason)
-            held = self.peer.holds(point.step) if point.tier == "memory" else None
-            if held is not None:
-                return ("memory", held.step, held.where)
-            if point.tier == "memory":
-                log.warning("restore point: step %s is held by no rank of this group; trying disk",
-                            point.step)
-        found = self.disk.newest() if self.disk is not None else None
-        return None if found is None else ("disk", found.step, found.where)
 
     def _load(self, chosen: tuple | None, mine: Found | None) -> None:
         """Every rank loads what rank 0 chose: a memory copy (this node's, or sent by the rank

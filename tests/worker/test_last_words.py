@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker import memory as mem
-from worker import runtime
+from worker import runtime, step_marks
 from worker.last_words import Boundary, GpuMark, gpu_settled_step, last_words_step
 
 MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
@@ -153,17 +153,17 @@ def test_a_sibling_speaks_for_its_node_once_the_writer_is_gone_and_never_beside_
     try:
         assert writer.stdout.readline().strip() == "ready"
         sibling = runtime.init(memory_dir=tmp_path, memory_every=5, env={"LOCAL_RANK": "1"})
-        assert sibling._memory is None
+        assert sibling.memory.writer is None
         _loop(sibling, *_parts(sibling), 7, half=True)
         began = time.monotonic()
-        assert not sibling._last_words(0.2)  # the writer lives (it speaks itself)
+        assert not sibling.at_failure.last_words(0.2)  # the writer lives (it speaks itself)
         assert mem.read_held(tmp_path) is None and time.monotonic() - began >= 0.2
     finally:
         writer.kill()
         writer.wait()
-    assert sibling._last_words(runtime.LAST_WORDS_S)
+    assert sibling.at_failure.last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 7
-    sibling._memory.close()
+    sibling.memory.writer.close()
     _resume_and_match(tmp_path, 7, expected)
 
 
@@ -184,7 +184,7 @@ def test_a_forward_after_the_step_keeps_its_buffers_out_of_the_last_words(tmp_pa
     buffers aside at each step's end (small ones), the last words hold step 7's; where it does
     not (larger than KEEP_BUFFERS_BYTES), there are none."""
     if not kept:
-        monkeypatch.setattr(runtime, "KEEP_BUFFERS_BYTES", 0)
+        monkeypatch.setattr(step_marks, "KEEP_BUFFERS_BYTES", 0)
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)]

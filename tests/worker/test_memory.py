@@ -318,7 +318,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, memory_every=0, env={})
     _train(rt, 3)
-    assert rt.memory.writer is None and mem.read_held(tmp_path) is None
+    assert rt.memory is None and mem.read_held(tmp_path) is None
 
 
 def test_leftover_memory_dirs_of_this_agent_are_removed_and_others_kept(tmp_path):
