@@ -16,6 +16,7 @@ from service.context import Context
 from service.decide.retention import describe
 from service.errors import (
     FtrainError,
+    InvalidField,
     InvalidTransition,
     JobNotFound,
     LogStorageUnavailable,
@@ -90,6 +91,8 @@ def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
         body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
     if isinstance(exc, InvalidTransition):
         body["state"] = exc.state
+    if isinstance(exc, InvalidField):  # the shape of a body that fails validation (`_invalid`)
+        body["errors"] = [{"field": exc.field, "message": exc.reason, "type": "value_error"}]
     if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
         headers["Retry-After"] = "1"
     if exc.status_code == 401:

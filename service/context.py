@@ -76,7 +76,7 @@ class Context:
         jobs.written = index.note_written  # a replica reads its own writes at once
         ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs,
                   nodes=NodeStore(kv, keys, ttl_s=settings.node_ttl_s),
-                  snapshots=SnapshotStore(jobs),
+                  snapshots=SnapshotStore(jobs, settings.snapshot_root),
                   progress=ProgressStore(jobs, settings.progress_min_interval_s, settings.metric_points),
                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=index,
                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),

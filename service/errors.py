@@ -125,6 +125,19 @@ class StaleAttempt(Conflict):
     """A write from an attempt that is no longer the job's current one."""
 
 
+class InvalidField(FtrainError):
+    """A request field that its own rules accept but the state of the job refuses (a snapshot
+    path outside the job's snapshot directory): 422, naming the field, as a body that fails
+    validation is answered."""
+
+    status_code = 422
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"invalid request: {field}: {message}")
+        self.field = field
+        self.reason = message
+
+
 class SnapshotNotFound(FtrainError):
     status_code = 404
 

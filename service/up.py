@@ -43,6 +43,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import shutil
 import sys
 import threading
 import time
@@ -245,10 +246,12 @@ def example_job_path(cwd: Path | None = None) -> str:
         return str(EXAMPLE_JOB)
 
 
-def curl_lines(url: str, token: str, job_file: str) -> list[str]:
-    """The commands to try against a running control plane, ready to paste."""
-    auth = shlex.quote(f"Authorization: Bearer {token}")
+def curl_lines(url: str, token_file: str, job_file: str) -> list[str]:
+    """The commands to try against a running control plane, ready to paste: the token is read
+    from its file into $TOKEN once, never printed (a terminal's scrollback is not for secrets)."""
+    auth = '"Authorization: Bearer $TOKEN"'
     return [
+        f"TOKEN=$(cat {shlex.quote(token_file)})",
         "# submit the example job",
         f"curl -sS -X POST {url}/v1/jobs -H {auth} -H 'Content-Type: application/json' "
         f"--data @{shlex.quote(job_file)}",
@@ -258,6 +261,21 @@ def curl_lines(url: str, token: str, job_file: str) -> list[str]:
         f"curl -sSN \"{url}/v1/jobs/$JOB/logs?follow=true&wait_s=30\" -H {auth}",
         f"curl -sS -X POST {url}/v1/jobs/$JOB/cancel -H {auth}",
     ]
+
+
+def cli_command(argv0: str | None = None, cwd: Path | None = None) -> str:
+    """How to type the `ftrain` command here: `ftrain` when that on PATH is this one, else the
+    path of this environment's script (`.venv/bin/ftrain` under `make up`)."""
+    argv0 = argv0 if argv0 is not None else sys.argv[0]
+    mine = Path(argv0) if Path(argv0).name == "ftrain" else Path(sys.executable).parent / "ftrain"
+    on_path = shutil.which("ftrain")
+    if on_path is not None and Path(on_path).resolve() == mine.resolve():
+        return "ftrain"
+    cwd = (cwd or Path.cwd()).resolve()
+    try:
+        return shlex.quote(str(mine.absolute().relative_to(cwd)))
+    except ValueError:
+        return shlex.quote(str(mine.absolute()))
 
 
 def agent_available() -> bool:
@@ -700,13 +718,13 @@ class LocalCluster:
             self.say("no local nodes (--nodes 0): jobs stay PENDING until a node joins")
         self.say()
         self.say("Try it:")
-        for line in curl_lines(self.url, self.user_token, example_job_path()):
+        for line in curl_lines(self.url, str(rel / "token"), example_job_path()):
             self.say(f"  {line}")
         self.say()
-        self.say("Or with the CLI (it reads the token and URL from the data directory):")
-        data_flag = "" if str(rel) == ".ftrain" else f" --data-dir {shlex.quote(str(rel))}"
-        self.say(f"  ftrain submit {shlex.quote(example_job_path())}{data_flag}")
-        self.say(f"  ftrain list{data_flag}")
+        self.say("Or with the CLI (from any directory: it finds this cluster's URL and token):")
+        ftrain = cli_command()
+        self.say(f"  {ftrain} submit {shlex.quote(example_job_path())}")
+        self.say(f"  {ftrain} list")
         self.say()
         self.say("Ctrl-C stops everything.")
 

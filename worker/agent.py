@@ -90,7 +90,7 @@ class NodeAgent:
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
         memory_dirs.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
-        memory_dirs.remove_orphans()  # of any agent on this machine that was killed
+        memory_dirs.remove_orphans(self.data_dir)  # of any killed agent of this data directory
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         # The end this agent owes for its group, kept for a restart (worker/end_record.py), and

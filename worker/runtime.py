@@ -413,7 +413,7 @@ class Runtime:
         tier, step, where = chosen
         start = time.perf_counter()
         if tier == "disk":
-            assert self.disk is not None
+            assert self.disk is not None  # rank 0's choice, in this rank's snapshot directory
             state = self.disk.load(Found(step, where))
             rngs = state.get("rng") or []
             rng = rngs[self.rank % len(rngs)] if rngs else None
@@ -434,7 +434,7 @@ class Runtime:
         self.step = int(state["step"])
         self.resumed_from, self.resumed_tier = self.step, tier
         if tier == "disk":
-            log.info("rank %d: resumed from %s (step %d)", self.rank, where, self.step)
+            log.info("rank %d: resumed from %s (step %d)", self.rank, self.disk.resolve(where), self.step)
         else:
             sent = self.peer.sent(step) and (mine is None or mine.step != step)
             log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,

@@ -85,10 +85,14 @@ def submit_line(output: str) -> str:
     return lines[0]
 
 
-def run_curl_with_httpx(line: str, cwd: Path, job_id: str | None = None) -> httpx.Response:
-    """Do what a printed curl line does (method, URL, headers, --data @file) with httpx."""
+def run_curl_with_httpx(line: str, cwd: Path, job_id: str | None = None,
+                        token: str | None = None) -> httpx.Response:
+    """Do what a printed curl line does (method, URL, headers, --data @file) with httpx, with
+    $JOB and $TOKEN as the shell would have them."""
     if job_id is not None:
         line = line.replace("$JOB", job_id)
+    if token is not None:
+        line = line.replace("$TOKEN", token)
     argv = shlex.split(line)
     assert argv[0] == "curl"
     method, url, headers, body = "GET", None, {}, None
@@ -127,19 +131,25 @@ def test_up_writes_private_tokens_and_its_printed_curl_lines_work(start_up, tmp_
     assert (data / "server").read_text().strip() == url
 
     output = up.output()
+    assert token not in output and node_token not in output  # no secret in the terminal's scrollback
+    read = [ln.strip() for ln in output.splitlines() if ln.strip().startswith("TOKEN=$(cat ")]
+    assert len(read) == 1, output
+    token_file = shlex.split(read[0].removeprefix("TOKEN=$(cat ").removesuffix(")"))[0]
+    assert (Path(token_file) if Path(token_file).is_absolute() else Path.cwd() / token_file).resolve() \
+        == (data / "token").resolve()
     line = submit_line(output)
-    assert url in line and f"Authorization: Bearer {token}" in line
-    resp = run_curl_with_httpx(line, REPO)
+    assert url in line and "Authorization: Bearer $TOKEN" in line
+    resp = run_curl_with_httpx(line, REPO, token=token)
     assert resp.status_code == 201, resp.text
     job_id = resp.json()["id"]
 
     rest = [ln.strip() for ln in output.splitlines() if ln.strip().startswith("curl") and "$JOB" in ln]
     assert len(rest) == 4, output
-    status = run_curl_with_httpx(next(ln for ln in rest if "/v1/jobs/$JOB -H" in ln), REPO, job_id)
+    status = run_curl_with_httpx(next(ln for ln in rest if "/v1/jobs/$JOB -H" in ln), REPO, job_id, token)
     assert status.status_code == 200 and status.json()["id"] == job_id
-    events = run_curl_with_httpx(next(ln for ln in rest if "/events" in ln), REPO, job_id)
+    events = run_curl_with_httpx(next(ln for ln in rest if "/events" in ln), REPO, job_id, token)
     assert [e["state"] for e in events.json()["items"]] == ["PENDING"]
-    cancel = run_curl_with_httpx(next(ln for ln in rest if "/cancel" in ln), REPO, job_id)
+    cancel = run_curl_with_httpx(next(ln for ln in rest if "/cancel" in ln), REPO, job_id, token)
     assert cancel.status_code == 202 and cancel.json()["state"] == "CANCELLED"
 
     assert up.interrupt() == 0
@@ -244,17 +254,32 @@ def test_etcd_ports_are_reused_while_free(tmp_path):
     assert json.loads(path.read_text()) == {"client": new[0], "peer": new[1]}
 
 
-def test_curl_lines_quote_the_token_and_name_the_example_job():
-    lines = curl_lines("http://127.0.0.1:8000", "abc", "examples/job.json")
-    assert lines[1] == ("curl -sS -X POST http://127.0.0.1:8000/v1/jobs -H 'Authorization: Bearer abc' "
+def test_curl_lines_read_the_token_from_its_file_and_name_the_example_job():
+    lines = curl_lines("http://127.0.0.1:8000", "my data/token", "examples/job.json")
+    assert lines[0] == "TOKEN=$(cat 'my data/token')"
+    assert lines[2] == ("curl -sS -X POST http://127.0.0.1:8000/v1/jobs -H \"Authorization: Bearer $TOKEN\" "
                         "-H 'Content-Type: application/json' --data @examples/job.json")
     assert sum("$JOB" in ln for ln in lines) == 4
 
 
 def test_readme_shows_the_curl_lines_up_prints():
     readme = (REPO / "README.md").read_text()
-    for line in curl_lines("http://127.0.0.1:8000", "<token>", "examples/job.json"):
+    for line in curl_lines("http://127.0.0.1:8000", ".ftrain/token", "examples/job.json"):
         assert line in readme.splitlines(), line
+
+
+def test_the_banners_cli_lines_name_an_ftrain_that_runs(tmp_path, monkeypatch):
+    from service.up import cli_command
+
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    script = venv_bin / "ftrain"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # not on PATH, as under `make up`
+    assert cli_command(str(script), cwd=tmp_path) == ".venv/bin/ftrain"
+    monkeypatch.setenv("PATH", f"{venv_bin}:/usr/bin:/bin")
+    assert cli_command(str(script), cwd=tmp_path) == "ftrain"
 
 
 @pytest.fixture

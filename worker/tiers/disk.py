@@ -79,7 +79,7 @@ class DiskTier(SnapshotTier):
         for item in sorted(items, key=lambda i: i.step, reverse=True):
             if item.bad or item.step > latest:
                 continue
-            path = self._resolve(item.path)
+            path = self.resolve(item.path)
             try:
                 snap.verify(path, item.checksum, item.size)
                 return Found(item.step, str(path))
@@ -89,20 +89,24 @@ class DiskTier(SnapshotTier):
         return None
 
     def load(self, found: Found) -> dict:
-        """The snapshot's state; its "rng" is every rank's, by rank."""
-        return snap.load(found.where)
+        """The snapshot's state (the file in this rank's view of the snapshot directory,
+        loaded weights-only: worker/snapshot.py `load`); its "rng" is every rank's, by rank."""
+        return snap.load(self.resolve(found.where))
 
     def close(self) -> None:
         """What the control plane did not take goes to the node agent (worker/handoff.py)."""
         if self.writer is not None:
             self.writer.finish()
 
-    def _resolve(self, path: str) -> Path:
-        """A committed path, or the same file name in this node's view of the snapshot dir."""
+    def resolve(self, path: str) -> Path:
+        """A committed file in this node's view of the job's snapshot directory: the committed
+        path where it is in that directory, else the same file name there (the directory of
+        another node, or a forged commit's `/tmp/evil.pt`: every rank loads the file, so a file
+        elsewhere is never opened). Without a directory (the local twin): its own commits."""
         p = Path(path)
-        if not p.exists() and self.directory is not None:
-            return self.directory / p.name
-        return p
+        if self.directory is None or snap.in_directory(p, self.directory):
+            return p
+        return self.directory / p.name
 
     def await_handed_over(self) -> None:
         """Rank 0, before it chooses: the commits that an earlier group of this attempt
