@@ -116,11 +116,12 @@ from worker.env import (
     FTRAIN_SNAPSHOT_KEEP,
 )
 from worker.failure_flush import GPU_SETTLE_S, LAST_WORDS_S, SETTLE_S, FailureFlush, flush_output  # noqa: F401
-from worker.links import (  # noqa: F401 - CommittedSnapshot, ControlRequest, Fenced: for `runtime.` users
+from worker.links import (  # noqa: F401 - CommittedSnapshot, ControlRequest, Fenced, LinkError: for `runtime.` users
     CommittedSnapshot,
     ControlRequest,
     Fenced,
     Link,
+    LinkError,
     LocalLink,
     ServiceLink,
     report_broken_peer,
