@@ -13,7 +13,7 @@ setup` and .ci/run install it). Every request the page makes to another host is 
 so the dashboard and /docs are shown to work with no Internet access.
 
 With FTRAIN_SCREENSHOTS=<dir> the test saves the jobs page and the job page there (the
-README's screenshots in docs/ come from it).
+the screenshots in docs/ come from it).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             wait_points(page, after)
             assert job(api, job_id)["restarts"] == 1
             if shots:
-                wait_points(page, after + 12)  # a longer curve for the README's picture
+                wait_points(page, after + 12)  # a longer curve for the picture in docs/
                 page.screenshot(path=str(Path(shots) / "dashboard-job.png"), full_page=True)
 
             # cancel from the page
