@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import api_contract, background
+from service.admission import Admission
 from service.context import Context
 from service.decide.retention import describe
 from service.errors import (
@@ -52,6 +53,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
     app.add_middleware(api_contract.RequireBearer,
                        closed=settings.user_token is not None and settings.node_token is not None)
+    # Outermost: a user request over the limit costs a 429, nothing more; node traffic first.
+    app.add_middleware(Admission, limit=ctx.admission, openapi=lambda: app.openapi())
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)
