@@ -237,7 +237,7 @@ class FtrainClient:
         server has sent every line. A stream the server ended while the job goes on (no line
         for `wait_s`), or one that dropped, is followed again after the last line seen."""
         url = f"/v1/jobs/{_segment(job_id)}/logs"
-        cursor, failures, over = since, 0, False
+        cursor, failures, over, busy_s = since, 0, False, 0.0
         while True:
             params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": FOLLOW_WAIT_S}
             if rank is not None:
@@ -248,7 +248,11 @@ class FtrainClient:
                                        timeout=httpx.Timeout(10.0, read=None)) as resp:
                     if resp.status_code >= 400:
                         resp.read()
+                        if resp.status_code == TOO_MANY_REQUESTS:
+                            busy_s = self._wait_if_busy(resp, busy_s)
+                            continue
                         raise self._error(resp)
+                    busy_s = 0.0
                     for raw in resp.iter_lines():
                         if raw.strip():
                             item = json.loads(raw)
@@ -338,12 +342,8 @@ class FtrainClient:
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
             if resp.status_code == TOO_MANY_REQUESTS:
-                wait_s = retry_after_s(resp) * random.uniform(1.0, 1.2)  # (not all back at once)
-                if busy_s + wait_s > BUSY_WAIT_S:
-                    raise self._error(resp, busy_s)
-                busy_s += wait_s
+                busy_s = self._wait_if_busy(resp, busy_s)
                 attempt -= 1
-                time.sleep(wait_s)
                 continue
             if safe_to_retry and resp.status_code in RETRYABLE_STATUS:
                 self._servers.failed(server)
@@ -356,6 +356,16 @@ class FtrainClient:
                 continue
             raise error
         raise AssertionError("unreachable")
+
+    def _wait_if_busy(self, resp: httpx.Response, busy_s: float) -> float:
+        """After a 429: sleep its Retry-After (and a little more, so that clients told the same
+        do not all come back at once); the time waited on 429s so far, `busy_s` included.
+        TooManyRequests when that would pass `BUSY_WAIT_S`."""
+        wait_s = retry_after_s(resp) * random.uniform(1.0, 1.2)
+        if busy_s + wait_s > BUSY_WAIT_S:
+            raise self._error(resp, busy_s)
+        time.sleep(wait_s)
+        return busy_s + wait_s
 
     def _saw(self, resp: httpx.Response) -> None:
         value = resp.headers.get(REVISION_HEADER, "")

@@ -88,6 +88,7 @@ class Context:
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
+        ctx.telemetry.count_admission(ctx.admission)
         return ctx
 
     def job_token(self, job: JobRecord) -> str:

@@ -66,6 +66,9 @@ def test_a_flood_of_submissions_gets_429s_while_every_heartbeat_is_answered_with
     assert all(r is not None and int(r) >= 1 for r in refused), "every 429 says when to come back"
     assert any(status == 201 for status, _ in answers), "the flood was still served, at the limit"
     assert {status for status, _ in answers} <= {201, 429}
+    with control_plane.client("user") as api:
+        metrics = api.get("/metrics").text
+    assert f"ftrain_user_requests_refused_total {float(len(refused))}" in metrics
     assert [s for _, s, _ in beats] == [200] * len(beats), "every heartbeat answered 200"
     assert max(took for _, _, took in beats) < ttl_s
     gaps = [b[0] + b[2] - (a[0] + a[2]) for a, b in zip(beats, beats[1:])]

@@ -174,6 +174,17 @@ def test_ftrain_client_retries_a_429_after_its_retry_after_even_for_a_cancel(ser
     assert len(script.seen) == 3 and len(slept) == 2 and all(s >= 2 for s in slept)
 
 
+def test_ftrain_client_follows_logs_again_after_a_429s_retry_after(server, monkeypatch):
+    url, script = server
+    script.answers = [(429, {"detail": "busy"}), (200, {"seq": 0, "line": "a"}),
+                      (200, {"state": "SUCCEEDED"}), (200, {"seq": 1, "line": "b"})]
+    script.headers = {"Retry-After": "3"}
+    slept = _recorded_sleeps(monkeypatch, client_module)
+    with FtrainClient(url, "tok") as c:
+        assert [item["line"] for item in c.follow_logs("j")] == ["a", "b"]
+    assert len(slept) == 1 and slept[0] >= 3
+
+
 def test_ftrain_client_gives_up_on_429s_after_its_busy_budget(server, monkeypatch):
     url, script = server
     script.answers = [(429, {"detail": "busy"})]
