@@ -513,16 +513,17 @@ def main() -> int:
         print(f"registered {args.nodes} nodes in {max(i['register_s'] for i in info):.1f} s; heartbeat every "
               f"{info[0]['interval_s']:g} s each, from {args.hb_procs} process(es)")
 
-        with cp.client("user") as api:
-            train = api.post("/v1/jobs", json={"name": "train", "command": ["python", "-c", "pass"],
-                                               "nodes": {"min": 1, "max": 1}}).json()["id"]
-            wait_for(lambda: api.get(f"/v1/jobs/{train}").json()["state"] == "RUNNING", 60,
+        # The CLI's client: a 503 (etcd slow on a loaded machine) or a 429 is tried again.
+        from service.client import FtrainClient
+
+        with FtrainClient(cp.url, cp.user_token) as api:
+            spec = {"command": ["python", "-c", "pass"], "nodes": {"min": 1, "max": 1}}
+            train = api.submit({**spec, "name": "train"})["id"]
+            wait_for(lambda: api.get_job(train)["state"] == "RUNNING", 60,
                      "the training job to run on a fake node")
-            wait_for(lambda: (api.get(f"/v1/jobs/{train}").json().get("progress") or {}).get("step"),
+            wait_for(lambda: (api.get_job(train).get("progress") or {}).get("step"),
                      60, "the training job's first progress report")
-            job_ids = [train] + [api.post("/v1/jobs", json={
-                "name": f"read-{i}", "command": ["python", "-c", "pass"],
-                "nodes": {"min": 1, "max": 1}}).json()["id"] for i in range(7)]
+            job_ids = [train] + [api.submit({**spec, "name": f"read-{i}"})["id"] for i in range(7)]
         print(f"one job training ({train}: RUNNING on a fake node, progress every second)")
         time.sleep(min(3.0, args.duration))  # let the beats settle into their phases
 

@@ -10,22 +10,25 @@ request (`Admission`, the outermost ASGI layer):
 * node traffic is never refused nor counted: every route that takes a node's token, a
   node's credential or a job's token (registration, heartbeats, reports, rendezvous,
   snapshot commits, progress, log shipments; the security schemes of the app's OpenAPI
-  say which, `node_traffic`), and the health probes (a load balancer must not take a busy replica
-  out of rotation);
+  say which, `node_traffic`), and the health probes (a load balancer must not take a
+  busy replica out of rotation);
 * a user request (submissions, reads, cancels, the dashboard, anything else) is served
   while fewer than `UserLimit.limit` user requests are waiting for their answer, and is
   answered 429 with `Retry-After` at once otherwise: a refusal costs the loop less than a
   request parked in it. A request leaves the count when its answer starts, so a log follow
   that streams for minutes holds no place.
 
-The limit adapts to how late the event loop runs (`watch_lag`: a timer that should fire
-every `PROBE_S` and measures how much later it does). A late loop is the one signal that
-covers every cause of a slow answer to a node: the requests' own work, what they set off
-in the background (the scheduler's passes over the jobs they queued), and a machine whose
-cores other processes took. The limit is halved when the loop runs later than
-`target_lag_s` (at most once per `CUT_EVERY_S`, so that one long pause cuts it once), and
-raised by one for each probe on time, up to `max_in_flight`: a burst is shed within a
-probe or two, and a control plane that keeps up serves as many at once as it may.
+The limit adapts to how late the control plane does the nodes' work, from two signals:
+how late the event loop runs (`watch_lag`: a timer that should fire every `PROBE_S`
+measures how much later it does), which covers every cause of a slow answer inside this
+process (the requests' own work, what they set off in the background such as the
+scheduler's passes over the jobs they queued, a machine whose cores other processes
+took); and how long etcd takes to answer a flush of the nodes' lease keep-alives
+(`service.heartbeats`), which a flood of user writes slows down. The limit is halved when
+either is later than `target_lag_s` (at most once per `CUT_EVERY_S`, so that one long
+pause cuts it once), and raised by one for each observation on time, up to
+`max_in_flight`: a burst is shed within a probe or two, and a control plane that keeps up
+serves as many at once as it may.
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ class UserLimit:
         """A user request's answer has started: its place is free."""
         self.in_flight -= 1
 
-    def observe_lag(self, lag_s: float) -> None:
-        """The loop ran `lag_s` late: halve the limit if that is too late, else raise it by one."""
-        if lag_s > self.target_lag_s:
+    def observe_lateness(self, late_s: float) -> None:
+        """Node work ran `late_s` late (the loop's lag, a keep-alive flush's wait on etcd):
+        halve the limit if that is too late, else raise it by one."""
+        if late_s > self.target_lag_s:
             now = self._clock()
             if now - self._cut_at >= CUT_EVERY_S:
                 self._cut_at = now
@@ -90,7 +94,7 @@ async def watch_lag(limit: UserLimit, probe_s: float = PROBE_S) -> None:
     while True:
         due = loop.time() + probe_s
         await asyncio.sleep(probe_s)
-        limit.observe_lag(max(0.0, loop.time() - due))
+        limit.observe_lateness(max(0.0, loop.time() - due))
 
 
 def node_traffic(paths: dict) -> re.Pattern[str]:

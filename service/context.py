@@ -89,6 +89,7 @@ class Context:
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
         ctx.telemetry.count_admission(ctx.admission)
+        ctx.nodes.leases.on_flush = ctx.admission.observe_lateness
         return ctx
 
     def job_token(self, job: JobRecord) -> str:

@@ -33,18 +33,18 @@ def test_user_requests_beyond_the_limit_are_refused_until_one_is_answered():
 def test_a_late_loop_halves_the_limit_once_per_cut_interval_and_on_time_probes_raise_it_by_one():
     clock = Clock()
     limit = UserLimit(max_in_flight=64, target_lag_s=0.25, clock=clock)
-    limit.observe_lag(0.3)
+    limit.observe_lateness(0.3)
     assert limit.limit == 32
-    limit.observe_lag(2.0)  # the same pause, seen again before CUT_EVERY_S: cut once
+    limit.observe_lateness(2.0)  # the same pause, seen again before CUT_EVERY_S: cut once
     assert limit.limit == 32
     clock.now += CUT_EVERY_S
-    limit.observe_lag(0.3)
+    limit.observe_lateness(0.3)
     assert limit.limit == 16
-    limit.observe_lag(0.01)
-    limit.observe_lag(0.25)  # on time (not later than the target)
+    limit.observe_lateness(0.01)
+    limit.observe_lateness(0.25)  # on time (not later than the target)
     assert limit.limit == 18
     for _ in range(100):
-        limit.observe_lag(0.0)
+        limit.observe_lateness(0.0)
     assert limit.limit == 64
 
 
@@ -52,7 +52,7 @@ def test_the_limit_never_falls_below_one():
     clock = Clock()
     limit = UserLimit(max_in_flight=4, target_lag_s=0.1, clock=clock)
     for _ in range(10):
-        limit.observe_lag(5.0)
+        limit.observe_lateness(5.0)
         clock.now += CUT_EVERY_S
     assert limit.limit == 1
     assert limit.admit()
