@@ -26,9 +26,10 @@ scheduler's passes over the jobs they queued, a machine whose cores other proces
 took); and how long etcd takes to answer a flush of the nodes' lease keep-alives
 (`service.heartbeats`), which a flood of user writes slows down. The limit is halved when
 either is later than `target_lag_s` (at most once per `CUT_EVERY_S`, so that one long
-pause cuts it once), and raised by one for each observation on time, up to
-`max_in_flight`: a burst is shed within a probe or two, and a control plane that keeps up
-serves as many at once as it may.
+pause cuts it once), and raised by one for each observation on time once nothing was late
+for `CALM_S` (a late flush every half second is not outvoted by the loop's probes on
+time between), up to `max_in_flight`: a burst is shed within a second or two, and a
+control plane that keeps up serves as many at once as it may.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 PROBE_S = 0.05  # how often the loop's lateness is measured
 CUT_EVERY_S = 1.0  # the limit is halved at most this often (its effect takes a moment to show)
+CALM_S = 1.0  # the limit grows again only after this long with nothing late
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait (whole seconds, as HTTP says)
 # The security schemes (service.deps) of a node's and a job's tokens: a route that takes
 # only these is node traffic. A route that takes a user's token too (GET snapshots) is not.
@@ -63,6 +65,7 @@ class UserLimit:
         self.refused = 0  # user requests answered 429 (GET /metrics)
         self._clock = clock
         self._cut_at = float("-inf")
+        self._late_at = float("-inf")
 
     def admit(self) -> bool:
         """Take a place for a user request; False: none is free (answer 429)."""
@@ -78,13 +81,14 @@ class UserLimit:
 
     def observe_lateness(self, late_s: float) -> None:
         """Node work ran `late_s` late (the loop's lag, a keep-alive flush's wait on etcd):
-        halve the limit if that is too late, else raise it by one."""
+        halve the limit if that is too late; raise it by one if nothing was for `CALM_S`."""
+        now = self._clock()
         if late_s > self.target_lag_s:
-            now = self._clock()
+            self._late_at = now
             if now - self._cut_at >= CUT_EVERY_S:
                 self._cut_at = now
                 self.limit = max(1, self.limit // 2)
-        elif self.limit < self.max_in_flight:
+        elif now - self._late_at >= CALM_S and self.limit < self.max_in_flight:
             self.limit += 1
 
 

@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     admission_lag_s: float = Field(
         0.25, gt=0, description="When the event loop runs later than this, or etcd takes longer "
         "than this to answer the nodes' lease keep-alives, the number of user requests served at "
-        "once is halved (it grows back by one a check on time, every 50 ms), so that node traffic "
-        "is answered first (service/admission.py).")
+        "once is halved (it grows back by one every 50 ms once nothing was late for a second), so "
+        "that node traffic is answered first (service/admission.py).")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     presence_blip_s: float = Field(
         5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from service.admission import CUT_EVERY_S, RETRY_AFTER_S, Admission, UserLimit, node_traffic
+from service.admission import CALM_S, CUT_EVERY_S, RETRY_AFTER_S, Admission, UserLimit, node_traffic
 from service.app import create_app
 from service.settings import Settings
 
@@ -30,7 +30,7 @@ def test_user_requests_beyond_the_limit_are_refused_until_one_is_answered():
     assert limit.in_flight == 2
 
 
-def test_a_late_loop_halves_the_limit_once_per_cut_interval_and_on_time_probes_raise_it_by_one():
+def test_lateness_halves_the_limit_once_per_cut_interval_and_calm_raises_it_by_one():
     clock = Clock()
     limit = UserLimit(max_in_flight=64, target_lag_s=0.25, clock=clock)
     limit.observe_lateness(0.3)
@@ -40,6 +40,10 @@ def test_a_late_loop_halves_the_limit_once_per_cut_interval_and_on_time_probes_r
     clock.now += CUT_EVERY_S
     limit.observe_lateness(0.3)
     assert limit.limit == 16
+    clock.now += CALM_S / 2
+    limit.observe_lateness(0.01)  # on time, but something was late less than CALM_S ago
+    assert limit.limit == 16
+    clock.now += CALM_S / 2
     limit.observe_lateness(0.01)
     limit.observe_lateness(0.25)  # on time (not later than the target)
     assert limit.limit == 18
