@@ -13,10 +13,14 @@ request (`Admission`, the outermost ASGI layer):
   say which, `node_traffic`), and the health probes (a load balancer must not take a
   busy replica out of rotation);
 * a user request (submissions, reads, cancels, the dashboard, anything else) is served
-  while fewer than `UserLimit.limit` user requests are waiting for their answer, and is
-  answered 429 with `Retry-After` at once otherwise: a refusal costs the loop less than a
-  request parked in it. A request leaves the count when its answer starts, so a log follow
-  that streams for minutes holds no place.
+  while fewer than `UserLimit.limit` user requests are waiting for their answer; otherwise
+  it waits for a place, in order of arrival, for up to `wait_s`, and is answered 429 with
+  `Retry-After` if none came. The wait costs nothing but a parked task, and it is what
+  slows a client that ignores `Retry-After`: answered 429 at once, such a client (a
+  script's loop, wrk) comes back at once, and the cheap refusals then took the cores from
+  the heartbeats (bench/api.py: more requests a second with 429s than without). A
+  request leaves the count when its answer starts, so a log follow that streams for
+  minutes holds no place.
 
 The limit adapts to how late the control plane does the nodes' work, from two signals:
 how late the event loop runs (`watch_lag`: a timer that should fire every `PROBE_S`
@@ -35,6 +39,7 @@ control plane that keeps up serves as many at once as it may.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import re
 import time
@@ -46,6 +51,7 @@ PROBE_S = 0.05  # how often the loop's lateness is measured
 CUT_EVERY_S = 1.0  # the limit is halved at most this often (its effect takes a moment to show)
 CALM_S = 1.0  # the limit grows again only after this long with nothing late
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait (whole seconds, as HTTP says)
+MAX_WAITING = 4  # requests waiting for a place, at most, per place of `max_in_flight`
 # The security schemes (service.deps) of a node's and a job's tokens: a route that takes
 # only these is node traffic. A route that takes a user's token too (GET snapshots) is not.
 NODE_SCHEMES = frozenset({"nodeToken", "nodeCredential", "jobToken"})
@@ -53,31 +59,58 @@ PROBE_TAG = "health"  # the routes of service.routes.health
 
 
 class UserLimit:
-    """How many user requests may wait for their answer at once, from how late the loop
-    runs (pure: the lateness is told, the clock injected)."""
+    """How many user requests may wait for their answer at once, from how late node work
+    runs (the lateness is told, the clock injected), and the requests waiting for a place."""
 
-    def __init__(self, max_in_flight: int, target_lag_s: float,
+    def __init__(self, max_in_flight: int, target_lag_s: float, wait_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         self.max_in_flight = max_in_flight
         self.target_lag_s = target_lag_s
+        self.wait_s = wait_s  # how long a request waits for a place before its 429
         self.limit = max_in_flight
         self.in_flight = 0
         self.refused = 0  # user requests answered 429 (GET /metrics)
         self._clock = clock
         self._cut_at = float("-inf")
         self._late_at = float("-inf")
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
 
-    def admit(self) -> bool:
-        """Take a place for a user request; False: none is free (answer 429)."""
-        if self.in_flight >= self.limit:
+    async def admit(self) -> bool:
+        """Take a place for a user request, waiting up to `wait_s` for one (in order of
+        arrival); False: none came (answer 429, counted in `refused`)."""
+        if self.in_flight < self.limit and not self._waiting:
+            self.in_flight += 1
+            return True
+        if self.wait_s <= 0 or len(self._waiting) >= MAX_WAITING * self.max_in_flight:
             self.refused += 1
             return False
-        self.in_flight += 1
-        return True
+        place = asyncio.get_running_loop().create_future()
+        self._waiting.append(place)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await place
+            return True
+        except TimeoutError:
+            if place.done() and not place.cancelled():  # handed over as the wait ran out
+                return True
+            self.refused += 1
+            return False
+        finally:
+            if not place.done():
+                place.cancel()  # (skipped when places are handed on)
 
     def release(self) -> None:
         """A user request's answer has started: its place is free."""
         self.in_flight -= 1
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Give the free places to the requests waiting longest."""
+        while self._waiting and self.in_flight < self.limit:
+            place = self._waiting.popleft()
+            if not place.done():
+                self.in_flight += 1
+                place.set_result(None)
 
     def observe_lateness(self, late_s: float) -> None:
         """Node work ran `late_s` late (the loop's lag, a keep-alive flush's wait on etcd):
@@ -90,6 +123,7 @@ class UserLimit:
                 self.limit = max(1, self.limit // 2)
         elif now - self._late_at >= CALM_S and self.limit < self.max_in_flight:
             self.limit += 1
+            self._hand_on()
 
 
 async def watch_lag(limit: UserLimit, probe_s: float = PROBE_S) -> None:
@@ -141,7 +175,7 @@ class Admission:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.is_node_traffic(scope["method"], scope["path"]):
             return await self.app(scope, receive, send)
-        if not self.limit.admit():
+        if not await self.limit.admit():
             return await _too_many(send, self.limit.limit)
         held = True
 

@@ -84,7 +84,8 @@ class Context:
                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
                   presence=Presence(kv, keys, blip_s=settings.presence_blip_s),
-                  admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s))
+                  admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s,
+                                      settings.admission_wait_s))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)

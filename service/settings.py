@@ -41,6 +41,9 @@ class Settings(BaseSettings):
         "than this to answer the nodes' lease keep-alives, the number of user requests served at "
         "once is halved (it grows back by one every 50 ms once nothing was late for a second), so "
         "that node traffic is answered first (service/admission.py).")
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="A user request over that number waits up to this long for a place "
+        "(in order of arrival) before its 429; 0: 429 at once.")
     node_ttl_s: int = Field(6, ge=2, description="A node that does not heartbeat for this long is gone.")
     presence_blip_s: float = Field(
         5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "

@@ -21,13 +21,45 @@ class Clock:
 
 
 def test_user_requests_beyond_the_limit_are_refused_until_one_is_answered():
-    limit = UserLimit(max_in_flight=2, target_lag_s=0.25, clock=Clock())
-    assert limit.admit() and limit.admit()
-    assert not limit.admit()
-    assert limit.refused == 1
-    limit.release()
-    assert limit.admit()
-    assert limit.in_flight == 2
+    async def main():
+        limit = UserLimit(max_in_flight=2, target_lag_s=0.25, clock=Clock())
+        assert await limit.admit() and await limit.admit()
+        assert not await limit.admit()
+        assert limit.refused == 1
+        limit.release()
+        assert await limit.admit()
+        assert limit.in_flight == 2
+
+    asyncio.run(main())
+
+
+def test_a_request_over_the_limit_waits_for_a_place_in_order_of_arrival():
+    async def main():
+        limit = UserLimit(max_in_flight=1, target_lag_s=0.25, wait_s=30)
+        assert await limit.admit()
+        first, second = asyncio.create_task(limit.admit()), asyncio.create_task(limit.admit())
+        await asyncio.sleep(0)
+        limit.release()
+        assert await first and not second.done()
+        limit.release()
+        assert await second
+        return limit
+
+    limit = asyncio.run(main())
+    assert (limit.in_flight, limit.refused) == (1, 0)
+
+
+def test_a_request_that_gets_no_place_within_its_wait_is_refused():
+    async def main():
+        limit = UserLimit(max_in_flight=1, target_lag_s=0.25, wait_s=0.01)
+        assert await limit.admit()
+        assert not await limit.admit()
+        limit.release()
+        assert await limit.admit()  # the place of the one that gave up is not lost
+        return limit
+
+    limit = asyncio.run(main())
+    assert (limit.in_flight, limit.refused) == (1, 1)
 
 
 def test_lateness_halves_the_limit_once_per_cut_interval_and_calm_raises_it_by_one():
@@ -59,7 +91,7 @@ def test_the_limit_never_falls_below_one():
         limit.observe_lateness(5.0)
         clock.now += CUT_EVERY_S
     assert limit.limit == 1
-    assert limit.admit()
+    assert asyncio.run(limit.admit())
 
 
 @pytest.fixture(scope="module")
