@@ -73,18 +73,12 @@ sys.path.insert(0, str(REPO))
 
 import httpx
 
-from tests.helpers.processes import (
-    ControlPlane,
-    EtcdProcess,
-    NodeAgentProc,
-    descendants,
-    free_port,
-    pid_alive,
-    wait_for,
-    workers_under,
-)
+from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for, workers_under
+from service.embedded import free_port
 from worker import memory
 from worker.env import FTRAIN_PHASE_LOG
+from worker.procs import descendants
+from worker.procs import is_alive as pid_alive
 
 WORKLOAD = REPO / "bench" / "workload.py"
 SNAPSHOT_EVERY = 10

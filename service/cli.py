@@ -149,9 +149,11 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from service.one_write import OneWriteHttp  # each answer in one socket write
+    # Each answer in one socket write, and limits on request heads, their time and connections.
+    from service.http_limits import RequestLimits, limited_http
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", http=OneWriteHttp)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning",
+                http=limited_http(RequestLimits.of(settings)))
 
 
 # Talking to a control plane
@@ -449,7 +451,7 @@ def _echo_line(item: dict, as_json: bool) -> None:
 
 # Waiting for a job: submit --wait/--follow, run, logs -f, status --watch
 
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the README's "Exit codes"
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the exit codes docs/api.md gives
 WAIT_POLL_S = 1.0
 
 

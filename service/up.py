@@ -23,7 +23,11 @@ Nothing there is for other local users. The directory is made mode 0700 on every
 and `up` and its children create files 0600 and directories 0700 (umask 077). etcd is
 closed too: `up` turns on etcd's own authentication with a `root` user whose random
 password is kept in `<data-dir>/etcd-password` (0600), and the control plane connects with
-it; another local user who finds etcd's port is refused every read and write. Everything
+it. etcd listens on its TCP client port only once that is done: each start first runs it
+on a unix socket in `<data-dir>/etcd-sockets` (0700), turns authentication on there (or
+checks it), refuses an etcd holding users, roles or keys that `up` did not put there, and
+only then restarts it on TCP (service/embedded.py). Its members' peer traffic stays on unix
+sockets there. Another local user who finds etcd's port is refused every read and write. Everything
 here runs as the user who ran `up`, the workers too: they can read the tokens and the
 password (same user, same trust). `ftrain node --run-as USER` is the way to run workers as
 someone else.
@@ -54,7 +58,7 @@ from pathlib import Path
 import httpx
 
 from service.client import remember_local_cluster
-from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, free_port, start_cluster
+from service.embedded import ROOT_USER, EtcdProcess, EtcdTampered, cluster_endpoints, free_port, start_cluster
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +121,7 @@ class Paths:
     etcd_ports: Path = field(init=False)
     etcd_pid: Path = field(init=False)
     etcd_data: Path = field(init=False)
+    etcd_sockets: Path = field(init=False)
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
     job_logs: Path = field(init=False)
@@ -128,6 +133,7 @@ class Paths:
         self.token, self.node_token, self.server = r / "token", r / "node-token", r / "server"
         self.etcd_password = r / "etcd-password"
         self.etcd_ports, self.etcd_pid, self.etcd_data = r / "etcd-ports", r / "etcd.pid", r / "etcd"
+        self.etcd_sockets = r / "etcd-sockets"  # etcd's peers, and its clients while it is closed
         self.snapshots, self.logs, self.lock = r / "snapshots", r / "logs", r / "up.lock"
         # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
         # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
@@ -168,47 +174,48 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def choose_etcd_ports(path: Path, host: str = "127.0.0.1") -> tuple[int, int]:
-    """The ports of the last run if both are free, else new free ones; remembered in `path`."""
+def choose_etcd_port(path: Path, host: str = "127.0.0.1") -> int:
+    """The client port of the last run if it is free, else a new free one; remembered in `path`.
+
+    etcd's peers talk over unix sockets (service/embedded.py): a member has no peer port."""
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
-        saved = json.loads(path.read_text())
-        client, peer = int(saved["client"]), int(saved["peer"])
-        if client != peer and is_port_free(client, host) and is_port_free(peer, host):
-            return client, peer
+        client = int(json.loads(path.read_text())["client"])
+        if is_port_free(client, host):
+            return client
     client = free_port(host)
-    peer = free_port(host)
-    while peer == client:
-        peer = free_port(host)
-    path.write_text(json.dumps({"client": client, "peer": peer}) + "\n")
-    return client, peer
+    path.write_text(json.dumps({"client": client}) + "\n")
+    return client
 
 
-def choose_cluster_ports(path: Path, members: int, host: str = "127.0.0.1") -> list[tuple[int, int]]:
-    """(client, peer) ports of each member of a cluster of `members` (more than one).
+def choose_cluster_ports(path: Path, members: int, host: str = "127.0.0.1") -> list[int]:
+    """The client port of each member of a cluster of `members` (more than one).
 
-    A cluster's members know each other by their peer URLs, kept in their data directories,
-    so the ports of the first start are kept for good (a restart whose port is taken says so).
+    The ports of the first start are kept for good (a restart whose port is taken says so).
     """
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
         saved = json.loads(path.read_text())
         if "members" not in saved:
             raise UpError(f"this data directory holds a one-member etcd ({path}); run `ftrain up` "
                           "on it with --etcd-members 1, or pass another --data-dir for a cluster")
-        ports = [(int(m["client"]), int(m["peer"])) for m in saved["members"]]
+        if any("peer" in m for m in saved["members"]):
+            raise UpError(f"this data directory's etcd members talk over TCP peer ports ({path}), which "
+                          "any local user can reach and write through; `ftrain up` keeps peer traffic "
+                          "on unix sockets only for a cluster it makes: pass another --data-dir "
+                          "(this one's jobs are not carried over)")
+        ports = [int(m["client"]) for m in saved["members"]]
         if len(ports) != members:
             raise UpError(f"this data directory holds an etcd of {len(ports)} members ({path}); run "
                           f"`ftrain up` on it with --etcd-members {len(ports)}, or pass another --data-dir")
-        taken = [p for pair in ports for p in pair if not is_port_free(p, host)]
+        taken = [p for p in ports if not is_port_free(p, host)]
         if taken:
             raise UpError(f"the etcd members' ports {', '.join(map(str, taken))} on {host} are in "
                           "use (a leftover etcd?); stop what holds them and start again")
         return ports
     chosen: set[int] = set()
-    while len(chosen) < 2 * members:
+    while len(chosen) < members:
         chosen.add(free_port(host))
-    flat = sorted(chosen)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(members)]
-    path.write_text(json.dumps({"members": [{"client": c, "peer": p} for c, p in ports]}) + "\n")
+    ports = sorted(chosen)
+    path.write_text(json.dumps({"members": [{"client": c} for c in ports]}) + "\n")
     return ports
 
 
@@ -505,24 +512,29 @@ class LocalCluster:
         m = self.options.etcd_members
         password = ensure_token(self.paths.etcd_password)
         if m == 1:
-            ports = [choose_etcd_ports(self.paths.etcd_ports)]
+            ports = [choose_etcd_port(self.paths.etcd_ports)]
         else:
             if self.paths.etcd_data.exists():
                 raise UpError(f"this data directory holds a one-member etcd ({self.paths.etcd_data}); "
                               "run `ftrain up` on it with --etcd-members 1, or pass another --data-dir")
             ports = choose_cluster_ports(self.paths.etcd_ports, m)
         names = ["ftrain"] if m == 1 else [f"ftrain-{i}" for i in range(m)]
-        peers = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports, strict=True))
         self.etcds = [
-            EtcdProcess(self.paths.etcd_member_data(i, m), client_port=client, peer_port=peer,
+            EtcdProcess(self.paths.etcd_member_data(i, m), client_port=client, peer_socket=True,
+                        socket_dir=self.paths.etcd_sockets,
                         log_path=self.paths.logs / ("etcd.log" if m == 1 else f"etcd-{i}.log"),
-                        root_password=password, name=names[i],
-                        initial_cluster=None if m == 1 else peers)
-            for i, (client, peer) in enumerate(ports)]
+                        root_password=password, name=names[i])
+            for i, client in enumerate(ports)]
+        if m > 1:
+            peers = ",".join(f"{e.name}={e.peer_url}" for e in self.etcds)
+            for member in self.etcds:
+                member.initial_cluster = peers
         try:
             start_cluster(self.etcds)
         except FileNotFoundError as exc:
             raise UpError(f"cannot start etcd: {exc}") from exc
+        except EtcdTampered as exc:
+            raise UpError(str(exc)) from exc  # says all: etcd's log has nothing to add
         except RuntimeError as exc:
             raise UpError(f"{exc}\n{_tail(self.etcds[0].log_path)}") from exc
         finally:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from worker import safe_files
+from worker import safe_files, torch_internals
 from worker.env import TORCHELASTIC_RESTART_COUNT
 from worker.launch import WORKER_NOTE
 
@@ -245,23 +245,19 @@ class WorkerDirs:
         self.done.set()
 
 
-def keep_replaced_outputs() -> bool:
+def keep_replaced_outputs() -> None:
     """In torchrun: before torch's `DefaultLogsSpecs.reify` deletes the folder of the restart
     it is about to make (`attempt_<restart>`: a group that a membership change replaced, at the
     same restart count), move it aside to `attempt_<restart>.<n>`, so the node keeps that
-    group's output. False: this torch's logs spec is not the one expected, and deletes it."""
-    try:
-        from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-    except ImportError:
-        return False
-    stock = DefaultLogsSpecs.reify
-    if getattr(stock, "_ftrain_keeps_replaced", False):
-        return True
-    if list(getattr(getattr(stock, "__code__", None), "co_varnames", ()))[:2] != ["self", "envs"]:
-        return False
+    group's output."""
+    torch_internals.patch(torch_internals.LOGS_REIFY, _keeping_replaced)
+
+
+def _keeping_replaced(stock):
+    """torch's `DefaultLogsSpecs.reify` (`stock`) that first moves a replaced group's folder aside."""
 
     def reify(self, envs):
-        run_dir = getattr(self, "_run_log_dir", None)
+        run_dir = torch_internals.run_log_dir(self)
         restart = envs[0].get(TORCHELASTIC_RESTART_COUNT) if envs and 0 in envs else None
         if run_dir and restart is not None:
             folder = os.path.join(run_dir, f"attempt_{restart}")
@@ -276,6 +272,4 @@ def keep_replaced_outputs() -> bool:
                 log.warning("could not keep the output of the group replaced (%s): torch deletes it", exc)
         return stock(self, envs)
 
-    reify._ftrain_keeps_replaced = True
-    DefaultLogsSpecs.reify = reify
-    return True
+    return reify

@@ -84,7 +84,7 @@ from worker.run_as import MISSING, NO_CWD, RunAs, command_search, command_search
 
 log = logging.getLogger("ftrain.agent")
 
-# Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
+# Rendezvous tuning (docs/architecture.md, "Traps"): a lost node is noticed after
 # keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
 # waits 1 s for latecomers instead of torch's 30 s.
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"

@@ -69,8 +69,9 @@ async def submit_answer(ctx: Context, spec: JobSpec, caller: Caller,
         ctx.keyring.put_env(nonce, spec.secret_env)
         fingerprint = ctx.keyring.fingerprint(spec.secret_env)
     try:
-        job, created, revision = await ctx.jobs.create_at(spec, idempotency_key, owner=caller.name,
-                                                          nonce=nonce, fingerprint=fingerprint)
+        job, created, revision = await ctx.jobs.create_at(
+            spec, idempotency_key, owner=caller.name, owner_id=caller.user_id, nonce=nonce,
+            fingerprint=fingerprint)
     except Conflict:  # nothing was written (after an error etcd may have written: kept)
         ctx.keyring.delete_env(nonce)
         raise
@@ -206,7 +207,7 @@ async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Resp
     fine; a finished job answers 409 with its state."""
     now = ctx.jobs.clock()
     job, revision = await ctx.jobs.update_at(
-        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin, caller.user_id))
     response.headers[REVISION_HEADER] = str(revision)
     return CancelResult(id=job.id, state=job.state)
 

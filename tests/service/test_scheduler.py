@@ -168,7 +168,7 @@ def test_free_nodes_excludes_live_members_of_active_jobs():
 
 
 # A member whose workers exited 0 is finished: not lost, not free, counted for `min`
-# (issue 10, finding 1; the orders of endings are tabled in test_decide_outcome.py).
+# (the orders of endings are tabled in test_decide_outcome.py).
 
 def test_a_finished_member_counts_towards_min_so_the_job_does_not_go_back_to_pending():
     j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2)
