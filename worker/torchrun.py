@@ -175,7 +175,7 @@ class WorkerGroup:
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, (headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+        return "failed", code, (headline(self.tails, code, self.proc.pid) + "\nlast lines:\n" + "\n".join(lines)
                                 + (f"\n{note}" if note else ""))
 
 
@@ -199,19 +199,35 @@ def tails_of_files(files: list[tuple[Path, int | None]], secrets: tuple[str, ...
     return tails
 
 
-def headline(tails: Mapping, code: int | None) -> str:
-    """One line that says why a group failed: the missing command named as such, else the
-    first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
-    in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
+def headline(tails: Mapping, code: int | None, pid: int | None = None) -> str:
+    """One line that says why a group failed: the missing command named as such; torchrun
+    killed by a signal (from outside: no worker's line is the cause, least of all the last
+    one a worker logged); else the first rank's error line (`ValueError: ...`), else
+    torchrun's own (`ftrain: the worker's fork server went away`), else the first rank's last
+    line; the log lines follow it in the report (they stay in the logs and in the event's
+    detail, not in the job's reason)."""
     ranks = sorted(r for r in tails if r is not None)
     said = [(r, why) for r in ranks if (why := telling_line(list(tails[r]))) is not None]
     for _, why in said:
         if why.startswith("command not"):
             return why
-    # the first rank with an error line, else the first with any line
-    r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
-    return f"torchrun exited with code {code}" if why is None else \
-        f"rank {r}: {why} (torchrun exited with code {code})"
+    if code is not None and code < 0:
+        return f"torchrun{'' if pid is None else f' (pid {pid})'} was killed by {_signal_name(-code)}"
+    exited = f"torchrun exited with code {code}"
+    errors = [(r, w) for r, w in said if ERROR_LINE.match(w)]
+    if errors:
+        return f"rank {errors[0][0]}: {errors[0][1]} ({exited})"
+    own = [x for x in tails.get(None, ()) if x.startswith("ftrain: ") or ERROR_LINE.match(x)]
+    if own:
+        return f"{exited}: {own[-1]}"
+    return exited if not said else f"rank {said[0][0]}: {said[0][1]} ({exited})"
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # a real-time signal the enum does not list
+        return f"signal {sig}"
 
 
 TRACEBACK = "Traceback (most recent call last):"

@@ -184,6 +184,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                 d.update(stopping=True)
         return d.result(job)
 
+    if _restart_after_a_crash(d, nodes):
+        return d.result(job)
     ended = outcome.by_members(d.job.members)
     if ended is not None:
         stop = {"stopping": True} if ended.stops_workers else {}
@@ -247,6 +249,30 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                   members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                            if m.is_live()})
     return d.result(job)
+
+
+def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
+    """A member's torchrun died by itself (`outcome.crashed`): a fault of that node's process
+    tree, not of the job. One restart of the job's workers, under a new attempt on the live
+    members and the crashed ones whose node is still here (their agents start torchrun
+    again); once `max_restarts` are spent, the job fails with the crash as its reason (True:
+    it ended)."""
+    crashes = outcome.crashed(d.job.members)
+    if not crashes:
+        return False
+    why = f"node {crashes[0][0]}: {crashes[0][1]}"  # the first by name, as `outcome.by_members`
+    spent = outcome.by_restarts(d.job.restarts, d.job.spec.max_restarts)
+    if spent is not None:
+        d.move(spent.state, f"{why}; {spent.reason}", control=None, stopping=spent.stops_workers)
+        return True
+    restarts = d.job.restarts + 1
+    again = [n for n, m in d.job.members.items()
+             if m.is_live() or (n in dict(crashes) and n in nodes)]
+    d.regroup(f"{why}; restarting the workers ({restarts} of {d.job.spec.max_restarts})",
+              planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
+              world_size=0, control=None,
+              members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in sorted(again)})
+    return False
 
 
 def free_nodes(jobs: Iterable[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:

@@ -26,6 +26,19 @@ def test_headline(tails, code, line):
     assert headline(tails, code) == line
 
 
+INFO = "2026-01-01 10:00:00,000 ftrain.runtime: rank 1: started and restored in phases (s): group 1.1"
+
+
+def test_a_torchrun_killed_by_a_signal_is_the_reason_not_a_workers_last_line():
+    assert headline({1: [INFO], None: ["ftrain: the worker (pid 7) died of SIGKILL"]}, -9, 4321) \
+        == "torchrun (pid 4321) was killed by SIGKILL"
+
+
+def test_torchrun_saying_why_it_failed_comes_before_a_workers_log_line():
+    tails = {1: [INFO], None: ["ftrain: the worker's fork server went away"]}
+    assert headline(tails, 1) == "torchrun exited with code 1: ftrain: the worker's fork server went away"
+
+
 @pytest.mark.integration
 def test_the_launcher_names_a_missing_command_in_one_line_and_exits_127():
     # argv[1] is the death signal; the launcher's guard needs a live parent: this test.
