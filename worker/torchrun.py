@@ -58,6 +58,7 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
 )
 from worker.handoff import AgentHandoff, handoff_path
+from worker.launch import signal_name
 from worker.links import ServiceLink, report_broken_peer
 from worker.log_shipper import LogShipper
 from worker.output import POLL_S, QUIET_S, STREAMS, LineReader, WorkerDir, WorkerDirs
@@ -212,7 +213,7 @@ def headline(tails: Mapping, code: int | None, pid: int | None = None) -> str:
         if why.startswith("command not"):
             return why
     if code is not None and code < 0:
-        return f"torchrun{'' if pid is None else f' (pid {pid})'} was killed by {_signal_name(-code)}"
+        return f"torchrun{'' if pid is None else f' (pid {pid})'} was killed by {signal_name(-code)}"
     exited = f"torchrun exited with code {code}"
     errors = [(r, w) for r, w in said if ERROR_LINE.match(w)]
     if errors:
@@ -221,13 +222,6 @@ def headline(tails: Mapping, code: int | None, pid: int | None = None) -> str:
     if own:
         return f"{exited}: {own[-1]}"
     return exited if not said else f"rank {said[0][0]}: {said[0][1]} ({exited})"
-
-
-def _signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:  # a real-time signal the enum does not list
-        return f"signal {sig}"
 
 
 TRACEBACK = "Traceback (most recent call last):"

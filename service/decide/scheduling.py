@@ -260,15 +260,22 @@ def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
     crashes = outcome.crashed(d.job.members)
     if not crashes:
         return False
-    why = f"node {crashes[0][0]}: {crashes[0][1]}"  # the first by name, as `outcome.by_members`
+    # The first by name, as `outcome.by_members`; its report's first line (the headline),
+    # what is done about it, then the lines it quoted (the event's detail).
+    name, report = crashes[0]
+    headline, _, quoted = report.partition("\n")
+
+    def why(what: str) -> str:
+        return f"node {name}: {headline}; {what}" + (f"\n{quoted}" if quoted else "")
+
     spent = outcome.by_restarts(d.job.restarts, d.job.spec.max_restarts)
     if spent is not None:
-        d.move(spent.state, f"{why}; {spent.reason}", control=None, stopping=spent.stops_workers)
+        d.move(spent.state, why(spent.reason), control=None, stopping=spent.stops_workers)
         return True
     restarts = d.job.restarts + 1
     again = [n for n, m in d.job.members.items()
              if m.is_live() or (n in dict(crashes) and n in nodes)]
-    d.regroup(f"{why}; restarting the workers ({restarts} of {d.job.spec.max_restarts})",
+    d.regroup(why(f"restarting the workers ({restarts} of {d.job.spec.max_restarts})"),
               planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
               world_size=0, control=None,
               members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in sorted(again)})

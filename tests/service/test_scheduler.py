@@ -121,10 +121,12 @@ def test_member_failure_with_no_restart_left_fails_the_job_with_its_reason():
 
 def test_member_failure_restarts_the_workers_under_a_new_attempt():
     j = job(S.RUNNING, {"a": "running", "b": "running"}, attempt=1, round_nodes=2, rounds=1)
-    j.members["b"] = MemberStatus(state="failed", exit_code=-9, reason="torchrun (pid 7) was killed by SIGKILL")
+    j.members["b"] = MemberStatus(state="failed", exit_code=-9,
+                                  reason="torchrun (pid 7) was killed by SIGKILL\nlast lines:\n[rank1] step 3")
     p = plan(j, nodes("a", "b"), [], NOW, CFG)
     assert (p.job.state, p.job.attempt, p.job.restarts) == (S.RECOVERING, 2, 1)
     assert p.job.reason == "node b: torchrun (pid 7) was killed by SIGKILL; restarting the workers (1 of 3)"
+    assert p.events[-1].detail == "last lines:\n[rank1] step 3"
     assert {n: m.state for n, m in p.job.members.items()} == {"a": "assigned", "b": "assigned"}
     assert not p.job.stopping
 
