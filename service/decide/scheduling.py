@@ -20,6 +20,8 @@ boundary (`job.control`), when the job runs the ftrain runtime, so no step is lo
 A lost node that stops the group is a fault (RECOVERING until the new group's first step);
 a join, a drain or a change called off is not: the job stays RUNNING with the change as its
 reason until then (`recovery.regroup`).
+A member whose torchrun died by itself (SIGKILLed, crashed) is a fault too: one restart of
+the job's workers under a new attempt, the job FAILED only once `max_restarts` are spent.
 When the members' reports end the job is `outcome.by_members`. A member that finished
 (its workers exited 0) keeps its node until the job ends and counts towards `min`; once
 one has, the job is ending and none of the above changes its membership any more
@@ -273,8 +275,8 @@ def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
         d.move(spent.state, why(spent.reason), control=None, stopping=spent.stops_workers)
         return True
     restarts = d.job.restarts + 1
-    again = [n for n, m in d.job.members.items()
-             if m.is_live() or (n in dict(crashes) and n in nodes)]
+    crashed_here = {n for n, _ in crashes if n in nodes}
+    again = [n for n, m in d.job.members.items() if m.is_live() or n in crashed_here]
     d.regroup(why(f"restarting the workers ({restarts} of {d.job.spec.max_restarts})"),
               planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
               world_size=0, control=None,
