@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -781,7 +782,36 @@ def missing_command(command: list[str], env: Mapping[str, str], cwd: str,
         found = command_search(cwd, candidates)
     elif (found := command_search_as(run_as, cwd, candidates)) == NO_CWD:
         return f"working directory {cwd} is not a folder that user {run_as.name} may enter"
-    return f"command not found: {name}" if found == MISSING else None
+    if found == MISSING:
+        return f"command not found: {name}"
+    if (script := python_script(command)) is not None:
+        # A mistyped script name fails every attempt the same way: say so once, before torchrun
+        # restarts it (the node's failure ends the job: no restart can cure it).
+        path = [os.path.join(cwd, script)]
+        there = command_search(cwd, path) if run_as is None else command_search_as(run_as, cwd, path)
+        if there == MISSING:
+            return f"no such file: {script} (in {cwd})"
+    return None
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_OPTION_WITH_VALUE = ("-W", "-X")
+
+
+def python_script(command: list[str]) -> str | None:
+    """The script a Python interpreter `command` runs (`python -u train.py ...`: train.py);
+    None when it is not a Python interpreter or runs no file (`-m`, `-c`, stdin)."""
+    if not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-m", "-c", "-"):
+            return None
+        if arg in _OPTION_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _private_file(path: Path, mode: str):
