@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from service.store.etcd import EtcdStore  # noqa: E402
-from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc, wait_for  # noqa: E402
+from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for  # noqa: E402
 
 PREFIX = "/ftrain/"
 

@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "logs.json")
     args = ap.parse_args()
 
-    from tests.helpers.processes import ControlPlane, EtcdProcess
+    from bench.harness import ControlPlane, EtcdProcess
 
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-logs-"))
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()

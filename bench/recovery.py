@@ -10,7 +10,7 @@ every 10 steps) runs under:
 * `torchrun-default`: two `torchrun --nnodes=1:N --rdzv-backend=c10d` agents on this
   machine acting as two nodes, torch's defaults (30 s last call, keep-alive 5 s x 3,
   shared rendezvous store);
-* `torchrun-tuned`: the same with DESIGN.md's last column: `last_call_timeout=1`,
+* `torchrun-tuned`: the same at its best: `last_call_timeout=1`,
   keep-alive 1 s x 3, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`;
 * `ftrain`: a real etcd, a real control plane and two real node agents, the job
   submitted over REST;
@@ -73,18 +73,12 @@ sys.path.insert(0, str(REPO))
 
 import httpx
 
-from tests.helpers.processes import (
-    ControlPlane,
-    EtcdProcess,
-    NodeAgentProc,
-    descendants,
-    free_port,
-    pid_alive,
-    wait_for,
-    workers_under,
-)
+from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for, workers_under
+from service.embedded import free_port
 from worker import memory
 from worker.env import FTRAIN_PHASE_LOG
+from worker.procs import descendants
+from worker.procs import is_alive as pid_alive
 
 WORKLOAD = REPO / "bench" / "workload.py"
 SNAPSHOT_EVERY = 10

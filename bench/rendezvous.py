@@ -76,6 +76,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
 
 import worker.rendezvous as ftrain_rdzv  # noqa: E402
+from worker import torch_internals  # noqa: E402
 
 SIZES = [8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -107,13 +108,12 @@ class KeepAlives:
 
     def time(self, handler) -> None:
         """Time `handler`'s keep-alive operations (its executor's runs of a keep-alive op)."""
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousKeepAliveOp
-
-        executor = handler._op_executor
+        keep_alive_op = torch_internals.get(torch_internals.KEEP_ALIVE_OP)
+        executor = torch_internals.op_executor(handler)
         run = executor.run
 
         def timed(op, deadline, *args, **kwargs):
-            if not isinstance(op, _RendezvousKeepAliveOp):
+            if not isinstance(op, keep_alive_op):
                 return run(op, deadline, *args, **kwargs)
             began, ok = time.monotonic(), False
             self.local.keeping = True
@@ -127,7 +127,7 @@ class KeepAlives:
                     self.failed += not ok
 
         executor.run = timed
-        transport = getattr(getattr(handler._state_holder, "_backend", None), "_transport", None)
+        transport = getattr(torch_internals.backend_of(handler), "_transport", None)  # ftrain's only
         if transport is None:
             return
         call = transport.call
@@ -492,7 +492,7 @@ def main() -> int:
     files = open_files(max(sizes))
     backends = args.backends.split(",")
 
-    from tests.helpers.processes import ControlPlane, EtcdProcess
+    from bench.harness import ControlPlane, EtcdProcess
 
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-rdzv-"))
     etcd = cp = tcp = None

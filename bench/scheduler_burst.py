@@ -9,7 +9,7 @@ the event loop that answers the requests: the passes' wall time (etcd round trip
 gaps between passes included), their CPU time, and the longest the loop went without a turn
 meanwhile (a task that asks for a
 turn every millisecond notes how late each came) are printed, with the etcd transactions
-it made (watched from another client). The etcd store is a real one (tests/helpers).
+it made (watched from another client). The etcd store is a real one (service/embedded.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from service.context import Context  # noqa: E402
 from service.decide.scheduling import SchedulerConfig, Settled  # noqa: E402
 from service.models import JobSpec, JobState  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from tests.helpers.processes import EtcdProcess  # noqa: E402
+from service.embedded import EtcdProcess  # noqa: E402
 
 SPEC = JobSpec(name="load", command=["python", "-c", "pass"], nodes={"min": 1, "max": 1}, max_restarts=0)
 

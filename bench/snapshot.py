@@ -294,7 +294,7 @@ def picked_only(args) -> None:
     out = []
     for size in args.sizes:
         # Steps of 1.5-5 ms on an H100 wobble by more than the 5% measured: thousands of them
-        # (240 for 10M gave 3.5-14.1% by means in one session's three runs).
+        # (240 for 10M gave 3.5-14.1% by means in three runs on one host).
         width, steps = SIZES[size], args.steps or (400 if size == "10M" else 100)
         for run in range(args.picked_only):
             for last_words in (True, False):

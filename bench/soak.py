@@ -80,6 +80,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.harness import etcd_metrics  # noqa: E402
 from worker.log_shipper import json_size  # noqa: E402
 from worker.protocol import MAX_SHIPMENT_BYTES, MAX_SHIPMENT_LINES, LogLineIn, cut_line  # noqa: E402
 
@@ -468,18 +469,6 @@ class Soak:
 
 # ---------------------------------------------------------------------------- etcd's figures
 
-def etcd_metrics(endpoint: str) -> dict:
-    text = httpx.get(f"{endpoint}/metrics", timeout=10).text
-    want = {"etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use", "etcd_mvcc_db_total_size_in_bytes":
-            "db_total", "etcd_debugging_mvcc_keys_total": "keys"}
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in want:
-            out[want[name]] = int(float(value))
-    return out
-
-
 def pass_metrics(text: str) -> dict[str, float]:
     """The scheduler's pass summary from the control plane's GET /metrics."""
     out = {}
@@ -634,7 +623,7 @@ async def drive(args, cp, etcd, long_job: str | None) -> tuple[list[dict], Soak]
 
 def run_soak(args, root: Path) -> dict:
     """Start the cluster under `root`, drive it, and return the results (targets included)."""
-    from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc, wait_for
+    from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for
 
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log").start()
     cp = ControlPlane(etcd.endpoint, root / "cp", env={

@@ -130,22 +130,22 @@ def proc_figures(pid: int) -> tuple[int, int, int] | None:
 
 
 def resumes(lines: list[dict]) -> list[dict]:
-    """Rank 0's restarts from its lines (`tests.helpers.faults.rank0_lines`): for each run after
+    """Rank 0's restarts from its lines (`bench.harness.rank0_lines`): for each run after
     the first, the step it started from, the last step logged before it, the steps lost, when
     it started (the agent's read time), and whether it resumed from the memory tier (the
     runtime's "resumed from memory (step S" line with that step) or from disk."""
-    from tests.helpers.faults import _FROM_MEMORY, _RUN_START, _STEP
+    from bench.harness import FROM_MEMORY, RUN_START, STEP_LINE
 
-    mem = {int(m.group(1)) for i in lines if (m := _FROM_MEMORY.search(i["line"]))}
+    mem = {int(m.group(1)) for i in lines if (m := FROM_MEMORY.search(i["line"]))}
     out: list[dict] = []
     last: int | None = None
     for i in lines:
-        if m := _RUN_START.match(i["line"]):
+        if m := RUN_START.match(i["line"]):
             s = int(m.group(1))
             out.append({"resumed_from": s, "last_before": last, "start_t": i["time"],
                         "lost": None if last is None else last - s,
                         "tier": "memory" if s in mem else ("disk" if s else "none")})
-        elif m := _STEP.match(i["line"]):
+        elif m := STEP_LINE.match(i["line"]):
             last = int(m.group(1))
     return out[1:]
 
@@ -184,7 +184,7 @@ class HourSoak:
 
     def start_cluster(self) -> None:
         from service.embedded import EtcdProcess, cluster_endpoints, start_cluster
-        from tests.helpers.processes import ControlPlane, NodeAgentProc
+        from bench.harness import ControlPlane, NodeAgentProc
 
         r = self.root
         self.tmpdir = r / "tmp"
@@ -336,7 +336,7 @@ class HourSoak:
 
     def check_job(self, j: Tracked) -> None:
         """Its events and rank 0's log: ran once past its last step or line."""
-        from tests.helpers.faults import rank0_lines
+        from bench.harness import rank0_lines
 
         c = self.api.clients[self.api.i]
         try:
@@ -416,7 +416,7 @@ class HourSoak:
         return [a for a in self.agents if a.name in names] or self.agents[:2]
 
     def fault(self, n: int) -> None:
-        from tests.helpers.processes import workers_under
+        from bench.harness import workers_under
 
         kind = self.args.fault_kinds[n % len(self.args.fault_kinds)]
         rec = {"n": n, "kind": kind, "t": time.time() - self.t0}
@@ -470,7 +470,7 @@ class HourSoak:
     # ---------------------------------------------------------------- samples
 
     def sample(self) -> dict:
-        from bench.soak import etcd_metrics
+        from bench.harness import etcd_metrics
 
         row: dict = {"t": round(time.time() - self.t0)}
         for m in self.members:
@@ -571,7 +571,7 @@ class HourSoak:
         return {**result, "leftovers": left}
 
     def finish_long(self) -> dict:
-        from tests.helpers.faults import runs
+        from bench.harness import runs
 
         self.api.call("POST", f"/v1/jobs/{self.long_id}/cancel")
         deadline = time.time() + 60
@@ -584,7 +584,7 @@ class HourSoak:
             time.sleep(1)
         c = self.api.clients[self.api.i]
         run_list = runs(c, self.long_id)
-        from tests.helpers.faults import rank0_lines
+        from bench.harness import rank0_lines
         events = c.get(f"/v1/jobs/{self.long_id}/events").json()["items"]
         # the scheduler's hold of the survivors that keep its memory copy (service/decide/keep.py)
         holds = [e["time"] for e in events if "memory copy is on" in (e.get("reason") or "")]

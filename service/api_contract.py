@@ -7,13 +7,14 @@ request with no `Authorization: Bearer` header gets 401 before its body is read 
 so no token and a bad (or too large) body is a 401, not a 400, 413 or 422. Every `/v1/`
 route takes some token there (`service/deps.py`). A wrong token (or another principal's) is
 judged by the route's own dependencies before its body too (`AuthFirstRoute`, the class of
-every `/v1/` route): 401/403, then 413 or 422.
+every `/v1/` route): 401/403, then 413, 415 (a body not sent as JSON: `service.cross_site`)
+or 422.
 
 `describe(app)` adds to each operation of the generated OpenAPI the error answers of
 `service/app.py` as they are sent: 401 (with `WWW-Authenticate: Bearer`), 403, 404 (routes of
 one job or node), 409, 413 (routes with a body), 422 (`detail` a string, `errors` a list of
-`{field, message, type}`), 503 (`Retry-After`), each a JSON `ErrorBody`; the NDJSON stream of
-`GET /v1/jobs/{job_id}/logs?follow=true`.
+`{field, message, type}`), 429 (user routes, `service/admission.py`) and 503 (both with
+`Retry-After`), each a JSON `ErrorBody`; the NDJSON stream of `GET /v1/jobs/{job_id}/logs?follow=true`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.admission import NODE_SCHEMES
+from service.cross_site import NOT_JSON, has_body, is_json
 from service.models import LogLine
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body (401, 403, 404, 409, 410, 413, 503)."""
+    """Every error answer's body (401, 403, 404, 409, 410, 413, 415, 429, 503)."""
 
     detail: str = Field(..., examples=["job mnist-1a2b3c not found"])
     state: str | None = Field(None, description="409 on a job: the state it is in.",
@@ -64,7 +67,10 @@ _WHY = {
     410: "The rendezvous is closed: its attempt is not the job's current one, or the job has ended "
          "(do not retry).",
     413: "The request body is larger than the server's limit.",
+    415: "The request body is not sent as JSON (`Content-Type: application/json`).",
     422: "The request breaks the API's rules: `errors` names each field.",
+    429: "More user requests than the control plane serves at once now (node traffic goes "
+         "first); try again after `Retry-After` seconds.",
     503: "The store (etcd) or the log storage cannot be reached now; try again (`Retry-After`).",
 }
 
@@ -117,6 +123,7 @@ class AuthFirstRoute(APIRoute):
         handler = super().get_route_handler()
         dependant = _route_context(self).dependant
         embed = getattr(_route_context(self), "_embed_body_fields", False)
+        takes_body = bool(dependant.body_params)
 
         async def authenticate(request: Request) -> None:
             # Raises the dependencies' HTTPException (401/403/404); the missing body's errors
@@ -130,6 +137,10 @@ class AuthFirstRoute(APIRoute):
             if limit is not None:
                 await authenticate(request)
                 return JSONResponse({"detail": f"request body larger than {limit} bytes"}, 413)
+            if takes_body and not is_json(request.headers.get("content-type")) \
+                    and has_body(dict(request.scope["headers"])):
+                await authenticate(request)  # (no body read: a form cannot be sent as JSON)
+                return JSONResponse({"detail": NOT_JSON}, 415)
             try:
                 return await handler(request)
             except RequestValidationError as exc:
@@ -149,7 +160,7 @@ def _error(code: int, schema: str) -> dict:
                            "content": {"application/json": {"schema": _ref(schema)}}}
     if code == 401:
         out["headers"] = {"WWW-Authenticate": {"schema": {"type": "string", "example": "Bearer"}}}
-    if code == 503:
+    if code in (429, 503):
         out["headers"] = {"Retry-After": {"schema": {"type": "string", "example": "1"}}}
     return out
 
@@ -178,6 +189,11 @@ def describe(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _is_user_operation(op: dict) -> bool:
+    """Whether an operation takes a token other than a node's or a job's."""
+    return any(name not in NODE_SCHEMES for req in op.get("security", ()) for name in req)
+
+
 def _describe_operation(path: str, method: str, op: dict) -> None:
     for param in op.get("parameters", ()):
         # A query, header or path parameter is a string on the wire: it is left out, never
@@ -197,9 +213,11 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
         if method in ("post", "put", "delete"):
             codes.append(409)
         if "requestBody" in op:
-            codes += [400, 413]
+            codes += [400, 413, 415]
         if path.startswith("/v1/rdzv/"):
             codes.append(410)
+        if _is_user_operation(op):  # (service.admission: node traffic is never refused)
+            codes.append(429)
         for code in codes:
             responses.setdefault(str(code), _error(code, "ErrorBody"))
     if "422" in responses or "requestBody" in op or op.get("parameters"):

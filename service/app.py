@@ -12,15 +12,10 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import api_contract, background
+from service.admission import Admission
 from service.context import Context
-from service.decide.retention import describe
-from service.errors import (
-    FtrainError,
-    InvalidTransition,
-    JobNotFound,
-    LogStorageUnavailable,
-    StoreUnavailable,
-)
+from service.cross_site import LoopbackOnly
+from service.errors import FtrainError, error_response
 from service.fastpath import FastPaths
 from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
 from service.settings import Settings
@@ -50,8 +45,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Outside the size limit: no token and a bad or large body is a 401 (service/api_contract.py).
     app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
-    app.add_middleware(api_contract.RequireBearer,
-                       closed=settings.user_token is not None and settings.node_token is not None)
+    closed = settings.user_token is not None and settings.node_token is not None
+    app.add_middleware(api_contract.RequireBearer, closed=closed)
+    # Without tokens, only loopback and the server's own origin (service/cross_site.py).
+    app.add_middleware(LoopbackOnly, open_=not closed)
+    # Outermost: a user request over the limit costs a 429, nothing more; node traffic first.
+    app.add_middleware(Admission, limit=ctx.admission, openapi=lambda: app.openapi())
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)
@@ -63,33 +62,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FtrainError)
     async def _domain_error(request: Request, exc: FtrainError):
-        return domain_error(request.app.state.ctx, exc)
+        return error_response(exc, request.app.state.ctx.settings.retention)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errors = []
         for err in exc.errors():
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-            errors.append({"field": ".".join(loc) or "body", "message": err.get("msg", ""),
+            errors.append({"field": ".".join(loc) or "body", "message": _message(err.get("msg", "")),
                            "type": err.get("type", "")})
         summary = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return JSONResponse({"detail": f"invalid request: {summary}", "errors": errors},
                             status_code=422)
 
 
-def domain_error(ctx: Context, exc: FtrainError) -> JSONResponse:
-    """The answer to a domain error (also `service.fastpath`'s)."""
-    body: dict = {"detail": exc.message}
-    headers = {}
-    if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
-        body["detail"] = f"{exc.message} ({describe(ctx.settings.retention)})"
-    if isinstance(exc, InvalidTransition):
-        body["state"] = exc.state
-    if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
-        headers["Retry-After"] = "1"
-    if exc.status_code == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+def _message(pydantic_msg: str) -> str:
+    """A validator's own words, without pydantic's "Value error, " in front of them."""
+    return pydantic_msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
 
 
 # The largest rendezvous state write (PUT /v1/rdzv/{id}/state) taken, whatever the body limit

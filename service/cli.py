@@ -149,9 +149,11 @@ def serve(etcd_endpoints: str, host: str, port: int, token: str | None, node_tok
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=os.environ.get(FTRAIN_LOG_LEVEL, "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from service.one_write import OneWriteHttp  # each answer in one socket write
+    # Each answer in one socket write, and limits on request heads, their time and connections.
+    from service.http_limits import RequestLimits, limited_http
 
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", http=OneWriteHttp)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning",
+                http=limited_http(RequestLimits.of(settings)))
 
 
 # Talking to a control plane
@@ -160,8 +162,10 @@ def _client_options(fn):
     """--server, --token, --data-dir and --json, shared by every command that calls the API."""
 
     @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts) instead of a table.")
-    @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(),
-                  help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise).")
+    @click.option("--data-dir", default=None, type=click.Path(),
+                  help="Where `ftrain up` keeps `server` and `token` (used when not given otherwise) "
+                       "[default: ./.ftrain if `ftrain up` ran here, else the data directory it last "
+                       "ran with, recorded in ~/.config/ftrain/local-cluster].")
     @click.option("--token", help="User token [env FTRAIN_TOKEN; else <data-dir>/token].")
     @click.option("--server", help="Control plane URL, or several comma-separated (replicas; the "
                                    "next is tried when one does not answer) [env FTRAIN_SERVER; "
@@ -298,7 +302,7 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         return
     now = time.time()
     _table([[j["id"], j["name"], j.get("owner", "-"), j["state"], _nodes_in_use(j),
-             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(j.get("reason", ""))]
+             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(_why(j))]
             for j in jobs],
            ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION", "REASON"])
 
@@ -352,6 +356,7 @@ def status(client: FtrainClient, as_json: bool, job_id: str, watch: bool, interv
     rows = [
         ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner", "-")),
         ("state", job["state"]), ("reason", _one_line(job["reason"], 300)),
+        *([("waiting", _one_line(job["waiting"], 300))] if job.get("waiting") else []),
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
@@ -446,7 +451,7 @@ def _echo_line(item: dict, as_json: bool) -> None:
 
 # Waiting for a job: submit --wait/--follow, run, logs -f, status --watch
 
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the README's "Exit codes"
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the exit codes docs/api.md gives
 WAIT_POLL_S = 1.0
 
 
@@ -458,7 +463,7 @@ def _see_through(client: FtrainClient, job_id: str, follow: bool, as_json: bool,
         if follow:
             job = client.get_job(job_id)
             if job["state"] == "PENDING":
-                click.echo(f"ftrain: {job_id} is PENDING: {_one_line(job['reason'])}", err=True)
+                click.echo(f"ftrain: {job_id} is PENDING: {_one_line(_why(job))}", err=True)
             for item in client.follow_logs(job_id, rank, since):
                 if oldest is None or (item.get("time") or 0) >= oldest:
                     _echo_line(item, as_json)
@@ -508,9 +513,14 @@ def _progress_details(job: dict, now: float) -> str:
     if p.get("samples_per_s"):
         parts.append(f"{p['samples_per_s']:.1f} samples/s")
     parts.append(f"nodes {len(job.get('nodes') or [])}")
-    if (job["state"] in ("PENDING", "RECOVERING") or job.get("regrouping")) and job.get("reason"):
-        parts.append(_one_line(job["reason"], 80))
+    if (job["state"] in ("PENDING", "RECOVERING") or job.get("regrouping")) and _why(job):
+        parts.append(_one_line(_why(job), 120))
     return "  ".join(parts)
+
+
+def _why(job: dict) -> str:
+    """What a waiting job waits for (the server's `waiting`), else its last reason."""
+    return job.get("waiting") or job.get("reason", "")
 
 
 def _watch(client: FtrainClient, job_id: str, interval_s: float, as_json: bool) -> int:
@@ -750,11 +760,12 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 
 
 @main.command()
-@click.option("--server", envvar=FTRAIN_SERVER, required=True,
+@click.option("--server", envvar=FTRAIN_SERVER, default=None,
               help="Control plane URL, or several comma-separated (replicas: the node fails over "
-                   "between them).")
+                   "between them). Default: <data-dir>/server, written by `ftrain up`.")
 @click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
-              help="File that holds the node token (read at start).")
+              help="File that holds the node token (read at start). Default: FTRAIN_NODE_TOKEN, "
+                   "else <data-dir>/node-token, written by `ftrain up`.")
 @click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
@@ -773,7 +784,7 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
                    "latest; older folders of jobs this node no longer runs are deleted.")
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
-def node(server: str, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
+def node(server: str | None, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
          keep_logs_days: float) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
@@ -789,6 +800,9 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
             raise
         raise click.ClickException("the node agent (worker/agent.py) is not part of this build") from None
     token = agent.take_from_environ(FTRAIN_NODE_TOKEN)
+    server, up_token_file = _node_defaults(Path(data_dir), server)
+    if token_file is None and token is None:
+        token_file = up_token_file
     if token_file is not None:
         token = Path(token_file).read_text().strip()
         if not token:
@@ -807,6 +821,22 @@ def node(server: str, token_file: str | None, name: str, nproc_per_node: int, da
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
                         keep_logs_jobs, keep_logs_days * 86400)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _node_defaults(data_dir: Path, server: str | None) -> tuple[str, str | None]:
+    """The control plane (unless given) and the node token file of the `ftrain up` on
+    `data_dir`, if it has one: one more local node needs no other flag than --name.
+    The agent then runs on up's data directory, and up's Ctrl-C stops it with up's own."""
+    if server is None:
+        try:
+            server = (data_dir / "server").read_text().strip()
+        except OSError:
+            server = ""
+        if not server:
+            raise click.UsageError(f"no --server given (nor {FTRAIN_SERVER}), and no {data_dir}/server "
+                                   "(written by `ftrain up`); pass the control plane's URL")
+    token_file = data_dir / "node-token"
+    return server, str(token_file) if token_file.is_file() else None
 
 
 def _use_gpus(value: str) -> None:

@@ -4,7 +4,9 @@ Errors come back as `ApiError` subclasses whose message says what happened and w
 do, so a caller can print `str(exc)` as it is. Retries are limited to requests that are
 safe to repeat: reads, and a submit that carries an `Idempotency-Key` (the server answers
 a repeated key with the first job). A refused connection is never retried: there is no
-server, and saying so at once is more useful than waiting.
+server, and saying so at once is more useful than waiting. A 429 (the control plane is
+shedding user load; it did nothing with the request) is retried for any request, after the
+`Retry-After` it asks for, for at most `BUSY_WAIT_S` in all.
 
 `server` may name several control planes (`http://a:8000,http://b:8000`): any of them
 serves, so a request that cannot connect to one (never sent: safe for any request) goes to
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +30,14 @@ from typing import Any
 import httpx
 
 from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
-from worker.http import RETRYABLE_STATUS, Servers
+from worker.http import RETRYABLE_STATUS, TOO_MANY_REQUESTS, Servers, retry_after_s
 from worker.protocol import REVISION_HEADER
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
 RETRY_ATTEMPTS = 3
 MAX_RETRY_DELAY_S = 2.0
+BUSY_WAIT_S = 30.0  # the most a request waits in all on 429s (each wait its Retry-After)
 FOLLOW_WAIT_S = 30  # a follow stream with no new line for this long ends; it is followed again
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -74,6 +78,13 @@ class InvalidRequest(ApiError):
         self.errors = errors
 
 
+class TooManyRequests(ApiError):
+    """429: the control plane serves as many user requests as it can now (node traffic first)
+    and kept refusing for `BUSY_WAIT_S`, each time asking to wait its `Retry-After`."""
+
+    retryable = True
+
+
 class ServiceUnavailable(ApiError):
     """503: the control plane is up but cannot serve now (etcd unreachable, contention)."""
 
@@ -97,15 +108,53 @@ class Target:
 def resolve_target(server: str | None = None, token: str | None = None,
                    data_dir: str | os.PathLike | None = None, environ: dict | None = None) -> Target:
     """Flags first, then FTRAIN_SERVER / FTRAIN_TOKEN, then `<data-dir>/server` and
-    `<data-dir>/token` (written by `ftrain up`), then the default local server."""
+    `<data-dir>/token` (written by `ftrain up`), then the default local server. Without a
+    --data-dir: `./.ftrain` if `ftrain up` ran here, else the one it last ran with
+    (`local_cluster_dir`), so the CLI finds the local cluster from any directory."""
     env = os.environ if environ is None else environ
-    base = Path(data_dir if data_dir is not None else DEFAULT_DATA_DIR)
+    base = Path(data_dir) if data_dir is not None else default_data_dir(env)
     server, server_source = _first_of(server, "--server", env, FTRAIN_SERVER, base / "server",
                                       (DEFAULT_SERVER, "default"))
     token, token_source = _first_of(token, "--token", env, FTRAIN_TOKEN, base / "token",
                                     (None, "none"))
     assert server is not None
     return Target(",".join(Servers(server).urls), token, server_source, token_source)
+
+
+def local_cluster_record(environ: dict | None = None) -> Path:
+    """The user's record of the data directory `ftrain up` last ran with:
+    `$XDG_CONFIG_HOME/ftrain/local-cluster` (`~/.config/...` by default)."""
+    env = os.environ if environ is None else environ
+    config = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or Path.home()) / ".config")
+    return config / "ftrain" / "local-cluster"
+
+
+def remember_local_cluster(data_dir: Path, environ: dict | None = None) -> None:
+    """Record `data_dir` (absolute) as the local cluster's for the user's CLI, readable by the
+    user only. The record holds a path, never a token: the token stays in the 0700 data dir."""
+    record = local_cluster_record(environ)
+    record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temp = record.with_name(f".{record.name}.{os.getpid()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{data_dir.absolute()}\n")
+    os.replace(temp, record)
+
+
+def local_cluster_dir(environ: dict | None = None) -> Path | None:
+    """The data directory `ftrain up` last ran with (`remember_local_cluster`), if recorded."""
+    text = _read_file(local_cluster_record(environ))
+    return Path(text) if text else None
+
+
+def default_data_dir(environ: dict | None = None) -> Path:
+    """`./.ftrain` where `ftrain up` ran in this directory, else the local cluster's recorded
+    data directory, else `./.ftrain`."""
+    here = Path(DEFAULT_DATA_DIR)
+    if (here / "server").exists():
+        return here
+    recorded = local_cluster_dir(environ)
+    return recorded if recorded is not None and (recorded / "server").exists() else here
 
 
 def _first_of(flag: str | None, flag_name: str, env, env_name: str, path: Path,
@@ -226,7 +275,7 @@ class FtrainClient:
         server has sent every line. A stream the server ended while the job goes on (no line
         for `wait_s`), or one that dropped, is followed again after the last line seen."""
         url = f"/v1/jobs/{_segment(job_id)}/logs"
-        cursor, failures, over = since, 0, False
+        cursor, failures, over, busy_s = since, 0, False, 0.0
         while True:
             params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": FOLLOW_WAIT_S}
             if rank is not None:
@@ -237,7 +286,11 @@ class FtrainClient:
                                        timeout=httpx.Timeout(10.0, read=None)) as resp:
                     if resp.status_code >= 400:
                         resp.read()
+                        if resp.status_code == TOO_MANY_REQUESTS:
+                            busy_s = self._wait_if_busy(resp, busy_s)
+                            continue
                         raise self._error(resp)
+                    busy_s = 0.0
                     for raw in resp.iter_lines():
                         if raw.strip():
                             item = json.loads(raw)
@@ -291,6 +344,7 @@ class FtrainClient:
             safe_to_retry = method == "GET"
         attempts = RETRY_ATTEMPTS if safe_to_retry else 1
         others = len(self._servers) - 1  # replicas still to ask at once, before any sleep
+        busy_s = 0.0  # waited so far on 429s (they spend no attempt)
         attempt = 0
         answered = False  # a replica answered (a 503, say) while another refuses connections
         while attempt < attempts:
@@ -325,6 +379,10 @@ class FtrainClient:
             answered = True
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
+            if resp.status_code == TOO_MANY_REQUESTS:
+                busy_s = self._wait_if_busy(resp, busy_s)
+                attempt -= 1
+                continue
             if safe_to_retry and resp.status_code in RETRYABLE_STATUS:
                 self._servers.failed(server)
                 if others > 0:
@@ -336,6 +394,16 @@ class FtrainClient:
                 continue
             raise error
         raise AssertionError("unreachable")
+
+    def _wait_if_busy(self, resp: httpx.Response, busy_s: float) -> float:
+        """After a 429: sleep its Retry-After (and a little more, so that clients told the same
+        do not all come back at once); the time waited on 429s so far, `busy_s` included.
+        TooManyRequests when that would pass `BUSY_WAIT_S`."""
+        wait_s = retry_after_s(resp) * random.uniform(1.0, 1.2)
+        if busy_s + wait_s > BUSY_WAIT_S:
+            raise self._error(resp, busy_s)
+        time.sleep(wait_s)
+        return busy_s + wait_s
 
     def _saw(self, resp: httpx.Response) -> None:
         value = resp.headers.get(REVISION_HEADER, "")
@@ -352,7 +420,7 @@ class FtrainClient:
                                      f"({type(exc).__name__}); is it overloaded or stuck?")
         return ServerUnreachable(f"lost the connection to {self.server}: {exc!r}")
 
-    def _error(self, resp: httpx.Response) -> ApiError:
+    def _error(self, resp: httpx.Response, busy_s: float = 0.0) -> ApiError:
         try:
             body = resp.json()
         except ValueError:
@@ -381,14 +449,14 @@ class FtrainClient:
             lines = [f"  {e.get('field', '?')}: {e.get('message', '')}" for e in errors]
             message = "the server rejected the request:\n" + "\n".join(lines) if lines else detail
             return InvalidRequest(message, errors, body)
+        if code == 429:
+            return TooManyRequests(f"the control plane at {self.server} is too busy to serve this "
+                                   f"now ({detail}); it kept refusing for {busy_s:.0f} s of waits. "
+                                   "Try again later, or send fewer requests at once.", code, body)
         if code == 503:
             reason = body.get("reason", detail) if isinstance(body, dict) else detail
-            try:
-                retry_after = float(resp.headers.get("Retry-After", "1"))
-            except ValueError:
-                retry_after = 1.0
             return ServiceUnavailable(f"the control plane at {self.server} cannot serve now: {reason}",
-                                      body, retry_after)
+                                      body, retry_after_s(resp))
         return ApiError(f"{code} from {self.server}: {detail}", code, body)
 
 

@@ -1,9 +1,15 @@
 """Domain errors of the control plane.
 
 They are raised by the store and the state machine and mapped to HTTP responses in
-one place (`service.app._install_error_handlers`). A handler never catches
-`Exception` itself.
+one place, `error_response` (the app's exception handler and `service.fastpath` call it).
+A handler never catches `Exception` itself.
 """
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from service.decide.retention import RetentionPolicy, describe
 
 
 class FtrainError(Exception):
@@ -125,6 +131,19 @@ class StaleAttempt(Conflict):
     """A write from an attempt that is no longer the job's current one."""
 
 
+class InvalidField(FtrainError):
+    """A request field that its own rules accept but the state of the job refuses (a snapshot
+    path outside the job's snapshot directory): 422, naming the field, as a body that fails
+    validation is answered."""
+
+    status_code = 422
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"invalid request: {field}: {message}")
+        self.field = field
+        self.reason = message
+
+
 class SnapshotNotFound(FtrainError):
     status_code = 404
 
@@ -138,3 +157,21 @@ class ContentionError(FtrainError):
     """A compare-and-set lost its race too many times in a row; the client may retry."""
 
     status_code = 503
+
+
+def error_response(exc: FtrainError, retention: RetentionPolicy) -> JSONResponse:
+    """The answer to a domain error; `retention` is the control plane's (a 404 says how long
+    finished jobs are kept)."""
+    body: dict = {"detail": exc.message}
+    headers = {}
+    if isinstance(exc, JobNotFound):  # it may have existed: say how long jobs are kept
+        body["detail"] = f"{exc.message} ({describe(retention)})"
+    if isinstance(exc, InvalidTransition):
+        body["state"] = exc.state
+    if isinstance(exc, InvalidField):  # the shape of a body that fails validation (`_invalid`)
+        body["errors"] = [{"field": exc.field, "message": exc.reason, "type": "value_error"}]
+    if isinstance(exc, StoreUnavailable | LogStorageUnavailable):
+        headers["Retry-After"] = "1"
+    if exc.status_code == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)

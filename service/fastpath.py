@@ -13,8 +13,8 @@ the same checks of the caller (`service.deps`):
   (`routes.nodes.heartbeat_answer`);
 * `GET /v1/jobs/{id}` with a user token, when the index can answer
   (`routes.jobs.status_from_index`);
-* `POST /v1/jobs` with a user token, a JSON body that is a valid `JobSpec` within its size
-  limits (`routes.jobs.submit_answer`): submissions come in bursts, and FastAPI's
+* `POST /v1/jobs` with a user token, a JSON body (so said by its Content-Type) that is a
+  valid `JobSpec` within its size limits (`routes.jobs.submit_answer`): submissions come in bursts, and FastAPI's
   dependencies and parsing were half of one's time.
 
 A user token is the admin's (or none, in an open cluster), or a named user's that this
@@ -23,7 +23,7 @@ Anything else, and anything unusual about one of those (another principal's toke
 token the cache has not, a body that does not parse or is not JSON, a job the index does
 not have), goes to the app unchanged, which answers it as always. A domain error (a lapsed
 lease: 404, a reused Idempotency-Key: 409, etcd away: 503) is answered as the app answers
-it, by the same function (`service.app.domain_error`).
+it, by the same function (`service.errors.error_response`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api_contract import TOO_LARGE
 from service.context import Context
+from service.cross_site import is_json
 from service.deps import Caller, _node_of_credential, credential_digest, token_matches
-from service.errors import FtrainError
+from service.errors import FtrainError, error_response
 from service.models import ADMIN, JobSpec
 from service.users import token_digest
 from worker.protocol import REVISION_HEADER, HeartbeatRequest
@@ -69,8 +70,8 @@ class FastPaths:
         token, expected = _bearer(scope), self.ctx.settings.user_token
         if (token is not None and token_matches(token, expected)) or (token is None and expected is None):
             return Caller(ADMIN, is_admin=True)
-        if token is not None and (name := self.ctx.users.cached(token_digest(token))) is not None:
-            return Caller(name)
+        if token is not None and (user := self.ctx.users.cached(token_digest(token))) is not None:
+            return Caller(user.name, user_id=user.id)
         return None
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,13 +79,16 @@ class FastPaths:
         if caller is None:
             return await self.app(scope, receive, send)
         idempotency_key: str | None = None
+        json_body = False
         for key, value in scope["headers"]:
-            if key == b"content-type" and value.split(b";")[0].strip().lower() != b"application/json":
-                return await self.app(scope, receive, send)
+            if key == b"content-type":
+                json_body = is_json(value)
             if key == b"idempotency-key":
                 if idempotency_key is not None or len(value) > MAX_IDEMPOTENCY_KEY:
                     return await self.app(scope, receive, send)  # the app answers 422
                 idempotency_key = value.decode("latin-1")
+        if not json_body:  # the app answers 415 (service.cross_site)
+            return await self.app(scope, receive, send)
         first = await receive()
         replay = _replaying(first, receive)
         if first["type"] != "http.request" or first.get("more_body", False):
@@ -100,9 +104,7 @@ class FastPaths:
         try:
             answer = await submit_answer(self.ctx, spec, caller, idempotency_key)
         except FtrainError as exc:  # a reused Idempotency-Key (409), etcd away (503)
-            from service.app import domain_error
-
-            return await domain_error(self.ctx, exc)(scope, replay, send)
+            return await error_response(exc, self.ctx.settings.retention)(scope, replay, send)
         await answer(scope, replay, send)
 
     async def _heartbeat(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,7 +114,8 @@ class FastPaths:
         token = _bearer(scope)
         if (first["type"] != "http.request" or first.get("more_body", False)
                 or self.ctx.settings.node_token is None or token is None
-                or _node_of_credential(token) != name):
+                or _node_of_credential(token) != name
+                or (body and not is_json(dict(scope["headers"]).get(b"content-type")))):
             return await self.app(scope, replay, send)
         try:
             req = HeartbeatRequest.model_validate_json(body) if body.strip() else None
@@ -123,9 +126,7 @@ class FastPaths:
         try:
             answer = await heartbeat_answer(self.ctx, name, credential_digest(token), req, receive)
         except FtrainError as exc:  # 404 (register again), 401, 503: as the app answers them
-            from service.app import domain_error
-
-            return await domain_error(self.ctx, exc)(scope, replay, send)
+            return await error_response(exc, self.ctx.settings.retention)(scope, replay, send)
         await _answer(send, answer)
 
     async def _status(self, job_id: str, scope: Scope, receive: Receive, send: Send) -> None:

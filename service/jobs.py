@@ -90,15 +90,16 @@ class JobStore:
         self.creates = GroupCommit(kv)  # submissions, several to a transaction under a burst
 
     async def create(self, spec: JobSpec, idempotency_key: str | None = None, *, owner: str = ADMIN,
-                     nonce: str | None = None, fingerprint: str = "") -> tuple[JobRecord, bool]:
-        """Store a new PENDING job of `owner`; returns (job, created). A repeated key returns
-        the first job. (`create_at` also returns the record's revision.)"""
-        job, created, _ = await self.create_at(spec, idempotency_key, owner=owner, nonce=nonce,
-                                               fingerprint=fingerprint)
+                     owner_id: str | None = None, nonce: str | None = None,
+                     fingerprint: str = "") -> tuple[JobRecord, bool]:
+        """Store a new PENDING job of `owner` (user id `owner_id`); returns (job, created). A
+        repeated key returns the first job. (`create_at` also returns the record's revision.)"""
+        job, created, _ = await self.create_at(spec, idempotency_key, owner=owner, owner_id=owner_id,
+                                               nonce=nonce, fingerprint=fingerprint)
         return job, created
 
     async def create_at(self, spec: JobSpec, idempotency_key: str | None = None, *,
-                        owner: str = ADMIN, nonce: str | None = None,
+                        owner: str = ADMIN, owner_id: str | None = None, nonce: str | None = None,
                         fingerprint: str = "") -> tuple[JobRecord, bool, int]:
         """Like `create`, with the etcd revision of the job record returned (the revision
         the write made, or the first job's for a repeated key): a read that waits for it
@@ -111,7 +112,7 @@ class JobStore:
         """
         now = self.clock()
         job = JobRecord(id=new_job_id(spec.name), spec=spec.without_secrets(), owner=owner,
-                        created_at=now, updated_at=now, token_nonce=nonce or new_nonce(),
+                        owner_id=owner_id, created_at=now, updated_at=now, token_nonce=nonce or new_nonce(),
                         secret_env_names=sorted(spec.secret_env))
         job, event = _first_event(job, now)
         ops: list[Put | Delete] = [Put(self.keys.job(job.id), _dump(job)),
@@ -119,9 +120,10 @@ class JobStore:
         expect = {self.keys.job(job.id): 0}
         idem_key = None
         if idempotency_key is not None:
-            # Keys are the submitter's own: another user's key is another key. (The admin's
-            # are unscoped, as every key was before there were users.)
-            scoped = idempotency_key if owner == ADMIN else f"{owner}\0{idempotency_key}"
+            # Keys are the submitter's own: another user's key is another key, a user added
+            # again under a removed one's name included (its id differs). (The admin's are
+            # unscoped, as every key was before there were users.)
+            scoped = idempotency_key if owner == ADMIN else f"{owner_id or owner}\0{idempotency_key}"
             digest = hashlib.sha256(scoped.encode()).hexdigest()
             idem_key = self.keys.idempotency(digest)
             # The record names its key, so that the key is deleted with the job (retention).
@@ -135,7 +137,8 @@ class JobStore:
             if self.written is not None:
                 self.written(entry, job)
             return job, True, entry.mod_revision
-        again = {"owner": owner, "nonce": job.token_nonce, "fingerprint": fingerprint}
+        again = {"owner": owner, "owner_id": owner_id, "nonce": job.token_nonce,
+                 "fingerprint": fingerprint}
         if idem_key is None:  # a 6-character id collided: vanishingly rare, try once more
             return await self.create_at(spec, None, **again)
         entry = await self.kv.get(idem_key)

@@ -30,6 +30,10 @@
     <prefix>/suspects/<name>             the latest broken-peer report naming the node (its
                                          wall-clock time, the replica), bound to the node's
                                          lease: shared by the replicas (service.presence)
+    <prefix>/departures/<name>           why a node's record went, when it was not its lease that
+                                         lapsed ("its agent stopped", "its agent's connection
+                                         closed"), for the job's event; on a lease of its own
+                                         that lapses after DEPARTURE_KEEP_S (service.nodes)
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
@@ -112,6 +116,9 @@ class Keys:
 
     def suspect(self, name: str) -> str:
         return f"{self.prefix}/suspects/{name}"
+
+    def departure(self, name: str) -> str:
+        return f"{self.prefix}/departures/{name}"
 
     def memory_copies(self, job_id: str) -> str:
         return f"{self.prefix}/memory/{job_id}/"

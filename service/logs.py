@@ -131,10 +131,14 @@ class LogStore:
         try:
             return await asyncio.to_thread(fn, *args)
         except OSError as exc:
+            # The server's own paths go to its log, not to the client: the answer names the
+            # failure and who can fix it.
+            log.warning("could not %s job %s under the log root %s: %s", what, job_id, self.root, exc)
+            reason = exc.strerror or str(exc)  # strerror: without the file's name
             raise LogStorageUnavailable(
-                f"could not {what} job {job_id} under the log root {self.root}: {exc}; check that "
-                "the directory exists, is writable and has space (FTRAIN_LOG_ROOT, "
-                "`ftrain serve --log-root`)") from exc
+                f"could not {what} job {job_id}: the control plane's log storage failed ({reason}); "
+                "try again, and if it lasts ask its operator to check the log root (FTRAIN_LOG_ROOT, "
+                "`ftrain serve --log-root`: exists, writable, has space)") from exc
 
     # ------------------------------------------------------------------ files
     def _dir(self, job_id: str) -> Path:
@@ -218,6 +222,9 @@ class LogStore:
                        rank: int | None) -> LogPage:
         first = segments[0] if segments else Segment(0, 0, Path(), 0)
         end = segments[-1].end if segments else 0
+        if since >= end:  # nothing there yet: no file is opened (nor sought past its end)
+            return LogPage(items=[], next_seq=since, end_seq=end, first_seq=first.start,
+                           cut_bytes=first.start, cut_lines=first.line, cap_bytes=self.cap_bytes)
         cursor = max(since, first.start)
         items: list[LogLine] = []
         scanned = 0

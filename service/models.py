@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from service.keyring import new_nonce
 from worker.env import JOB_KNOBS
+from worker.jsontypes import JsonBody, JsonFloat, JsonInt
 from worker.protocol import ControlAction, Progress, RestorePoint, SnapshotMeta
 
 ADMIN = "admin"  # the user of the single user token (`ftrain serve --token`)
@@ -36,8 +37,11 @@ MAX_SPEC_BYTES = 64 * 1024  # the whole spec as stored (JSON)
 # The service sets these itself; a spec may not override them.
 # The job's own knobs among the FTRAIN_* names: log level, the fork server (worker/fork_server.py).
 USER_FTRAIN_ENV = JOB_KNOBS
+# CUDA_VISIBLE_DEVICES is the node's GPU assignment (`ftrain node --gpus`): a job that set its
+# own would put two nodes' ranks on one GPU, or use GPUs another agent was given.
 RESERVED_ENV = ("FTRAIN_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_",
+                "CUDA_VISIBLE_DEVICES")
 
 
 class JobState(str, enum.Enum):
@@ -58,16 +62,22 @@ class JobState(str, enum.Enum):
         return self in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.CANCELLING)
 
 
-class _Strict(BaseModel):
+class _Strict(JsonBody):
+    """A user's body: no unknown fields, and numbers as JSON Schema types them (JsonInt,
+    JsonFloat: `"3"` and `true` are not 3, `3.0` is), so a 422 names a field sent as a string."""
+
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_numbers(cls, v, info):
-        # pydantic takes true/false for a number (as 1/0); JSON Schema's integer does not.
-        if isinstance(v, bool) and "bool" not in str(cls.model_fields[info.field_name].annotation):
-            raise ValueError("must be a number, not true or false")
-        return v
+
+def _utf8(text: str, what: str) -> str:
+    """`text` if it can be written as UTF-8: a lone surrogate ("\\ud800" in JSON) cannot be
+    stored, logged or passed to a process, so it is a 422 naming `what`, not a 500 later."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate such as \\ud800); "
+                         "send UTF-8 text") from None
+    return text
 
 
 def _env_name_pattern() -> str:
@@ -84,8 +94,8 @@ _ENV_SCHEMA = {"propertyNames": {"pattern": _env_name_pattern()}, "maxProperties
 
 
 class NodesSpec(_Strict):
-    min: int = Field(1, ge=1, le=1024, description="Nodes needed to start (gang size).")
-    max: int = Field(1, ge=1, le=1024, description="Most nodes the job will use.")
+    min: JsonInt = Field(1, ge=1, le=1024, description="Nodes needed to start (gang size).")
+    max: JsonInt = Field(1, ge=1, le=1024, description="Most nodes the job will use.")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> NodesSpec:
@@ -95,8 +105,8 @@ class NodesSpec(_Strict):
 
 
 class SnapshotSpec(_Strict):
-    every_steps: int = Field(100, ge=1, le=10_000_000, description="Snapshot every N steps.")
-    keep: int = Field(3, ge=1, le=1000, description="Committed snapshots kept; older ones are pruned.")
+    every_steps: JsonInt = Field(100, ge=1, le=10_000_000, description="Snapshot every N steps.")
+    keep: JsonInt = Field(3, ge=1, le=1000, description="Committed snapshots kept; older ones are pruned.")
 
 
 class JobSpec(_Strict):
@@ -127,20 +137,20 @@ class JobSpec(_Strict):
         description="Environment for workers whose values are secret: never stored in etcd, never "
                     "returned by the API (a job shows their names only), masked in the job's logs.")
     nodes: NodesSpec = Field(default_factory=NodesSpec)
-    nproc_per_node: int | str = Field(
+    nproc_per_node: JsonInt | str = Field(
         1, union_mode="left_to_right",
         json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1024},
                                      {"type": "string", "const": "auto"}]},
         description="Worker processes per node, or 'auto' (one per GPU the node has, else one).")
-    gpus_per_node: int | None = Field(
+    gpus_per_node: JsonInt | None = Field(
         None, ge=1, le=1024,
         description="Place the job only on nodes with at least this many GPUs (their workers' "
                     "CUDA_VISIBLE_DEVICES); null: any node.")
-    max_restarts: int = Field(3, ge=0, le=1000, description="Worker failures tolerated.")
+    max_restarts: JsonInt = Field(3, ge=0, le=1000, description="Worker failures tolerated.")
     snapshot: SnapshotSpec = Field(default_factory=SnapshotSpec)
-    global_batch_size: int | None = Field(
+    global_batch_size: JsonInt | None = Field(
         None, ge=1, description="Kept constant across resizes by the runtime (optional).")
-    hang_timeout_s: float | None = Field(
+    hang_timeout_s: JsonFloat | None = Field(
         None, ge=2, le=MAX_HANG_TIMEOUT_S,
         description="Restart the workers (as a worker failure) when rank 0, having reported "
                     "progress through the runtime, does not advance its step for this long.")
@@ -150,10 +160,12 @@ class JobSpec(_Strict):
     def _dns_label(cls, v: str) -> str:
         return dns_label(v)
 
-    @field_validator("nproc_per_node")
+    @field_validator("nproc_per_node", mode="before")
     @classmethod
-    def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, str) and v != "auto":
+    def _positive(cls, v):
+        # One error naming the field, not one per member of the union (a string other than
+        # 'auto', true, 2.5).
+        if v != "auto" and (type(v) is not int):
             raise ValueError("must be a positive integer or 'auto'")
         if isinstance(v, int) and not 1 <= v <= 1024:
             raise ValueError("must be between 1 and 1024, or 'auto'")
@@ -166,13 +178,15 @@ class JobSpec(_Strict):
             raise ValueError("must be an absolute path")
         if v is not None and "\0" in v:
             raise ValueError("must not contain NUL")
-        return v
+        return v if v is None else _utf8(v, "the path")
 
     @field_validator("command")
     @classmethod
     def _no_nul(cls, v: list[str]) -> list[str]:
         if any("\0" in part for part in v):
             raise ValueError("must not contain NUL characters")
+        for i, part in enumerate(v):
+            _utf8(part, f"argument {i}")
         return v
 
     @field_validator("env", "secret_env")
@@ -181,6 +195,7 @@ class JobSpec(_Strict):
         if len(v) > MAX_ENV_ENTRIES:
             raise ValueError(f"at most {MAX_ENV_ENTRIES} entries")
         for key, value in v.items():
+            _utf8(value, f"the value of {key!r}")
             if not ENV_NAME.match(key):
                 raise ValueError(f"{key!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
             if key.startswith(RESERVED_ENV) and key not in USER_FTRAIN_ENV:
@@ -277,6 +292,9 @@ class JobRecord(BaseModel):
     id: str
     spec: JobSpec = Field(..., description="As submitted, without the secret env values.")
     owner: str = Field(ADMIN, description="The user who submitted the job.")
+    # That user's id (service.users): a user added again under the owner's name is not the
+    # owner. None: the admin's job, or one stored before user ids.
+    owner_id: str | None = None
     state: JobState = JobState.PENDING
     reason: str = "submitted"
     created_at: float
@@ -385,6 +403,9 @@ class JobView(BaseModel):
                              "the new one has been seen yet: at the start (state STARTING), after a fault "
                              "(state RECOVERING) or for a planned change (a node joining, a drain: state "
                              "RUNNING); `reason` says which.")
+    waiting: str | None = Field(None, description="PENDING only: what it waits for, as of this read (the "
+                                "nodes it needs against those registered, fitting and free, and the jobs "
+                                "holding the rest).")
 
 
 class MetricHistory(BaseModel):
@@ -446,6 +467,8 @@ class UserRecord(BaseModel):
     """What etcd holds for a named user: never the token, only its SHA-256."""
 
     name: str
+    id: str | None = Field(None, description="Minted at creation, never given again (None: a user "
+                                             "stored before ids); its jobs store it.")
     token_sha256: str
     created_at: float
 

@@ -43,6 +43,27 @@ from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
+# How long the reason a node went is kept for the scheduler's event (`note_departure`): far
+# longer than a scheduler pass, and gone by itself after.
+DEPARTURE_KEEP_S = 60
+STOPPED = "its agent stopped"
+CONNECTION_CLOSED = "its agent's connection closed"
+
+
+async def note_departure(kv: KeyValue, keys: Keys, name: str, lease: int, why: str) -> None:
+    """Keep why node `name` (registered under `lease`) is about to go, for the job's event;
+    best effort: without it the event says that its lease lapsed."""
+    try:
+        own = await kv.grant_lease(DEPARTURE_KEEP_S)
+        await kv.put(keys.departure(name), json.dumps({"lease": lease, "why": why}).encode(), own)
+    except StoreUnavailable as exc:
+        log.info("could not note why node %s goes (%s)", name, exc)
+
+
+async def departures(kv: KeyValue, keys: Keys, names: list[str]) -> dict[str, str]:
+    """Why each of these nodes went, where a departure was noted (`note_departure`)."""
+    entries = await kv.get_many([keys.departure(n) for n in names])
+    return {n: json.loads(e.value)["why"] for n, e in zip(names, entries, strict=True) if e is not None}
 MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts again (reads refill it)
 
 
@@ -180,6 +201,11 @@ class NodeStore:
         self.version = None
         return await self.list()
 
+    async def current(self) -> dict[str, NodeRecord]:
+        """`live`, for a reader (not a scheduler pass): the watch-fed view when there is one,
+        else etcd; `version` is left as the last pass set it."""
+        return dict(self._live) if self._live is not None else await self.list()
+
     @property
     def view_changes(self) -> int:
         """How many times the watch-fed view has changed so far (`follow`), whether or not a
@@ -230,6 +256,12 @@ class NodeStore:
         the drain under its name, so a registration of the node later is DRAINING too."""
         await self._entry(name)  # NodeNotFound: only a registered node is drained
         await self.kv.put(self.keys.drain(name), b'{"drained_at": %.3f}' % self.clock())
+        return await self._set_state(name, NodeState.DRAINING)
+
+    async def leave(self, name: str) -> NodeRecord:
+        """Mark the node DRAINING on its record alone: an agent that stops (SIGTERM, `ftrain
+        up`'s Ctrl-C) lets its jobs stop at a step boundary before it deregisters. Unlike an
+        admin's drain nothing is kept under its name: the node comes back READY."""
         return await self._set_state(name, NodeState.DRAINING)
 
     async def undrain(self, name: str) -> NodeRecord:
@@ -292,6 +324,7 @@ class NodeStore:
             entry, _ = await self._entry(name)
         except NodeNotFound:
             return
+        await note_departure(self.kv, self.keys, name, entry.lease, STOPPED)
         await self.kv.revoke_lease(entry.lease)
         self.leases.ended(entry.lease)
 

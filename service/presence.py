@@ -50,6 +50,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from service.keys import Keys
+from service.nodes import CONNECTION_CLOSED, note_departure
 from service.store.api import KeyValue
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,7 @@ class Presence:
                         "its lease is revoked", name, signal)
             self._owned.pop(name, None)
             self.revoked.append(name)
+            await note_departure(self.kv, self.keys, name, lease, CONNECTION_CLOSED)
             await self.kv.revoke_lease(lease)
         except Exception as exc:  # noqa: BLE001 - the lease is the backstop
             log.warning("could not act on node %s's dropped connection (%s); its lease will", name, exc)

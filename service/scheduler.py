@@ -46,7 +46,7 @@ from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.models import JobRecord, JobState, NodeRecord
-from service.nodes import NodeStore
+from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
 from worker.protocol import MemorySnapshot
@@ -172,6 +172,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     for job in others if missing else ():  # (a job falls short when it loses a node)
         if keep.may_fall_short(job, live_nodes, graced):
             copies[job.id] = await memory_copies(jobs, job.id)
+    # Why each missing member went, where a control plane noted it (service.nodes.departures).
+    gone = await departures(nodes.kv, nodes.keys, sorted(missing - graced)) if missing - graced else {}
     if copies and from_index:  # the index may have moved meanwhile: the queue as it is now
         pending, others = await queue(jobs, index)
     if from_index:
@@ -183,7 +185,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     if settled is not None:
         settled.keep_only(active)
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None, claims, copies)
+                           settled, index.revision_of if from_index else None, claims, copies, gone)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -195,7 +197,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     settled: Settled | None = None,
                     revision_of: Callable[[str], int] | None = None,
                     claims: dict[str, JobRecord] | None = None,
-                    copies: dict[str, list[MemorySnapshot]] | None = None) -> bool:
+                    copies: dict[str, list[MemorySnapshot]] | None = None,
+                    gone: dict[str, str] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -211,7 +214,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -235,7 +238,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                 # (as members, or held for a waiting job).
                 free = offer_to(current, free_for(current, held, live_nodes), reserved)
                 again = plan(current, live_nodes, free, jobs.clock(), cfg, graced,
-                             (copies or {}).get(current.id, ()))
+                             (copies or {}).get(current.id, ()), gone)
                 return None if again is None else Change(again.job, again.events)
 
             try:

@@ -40,8 +40,9 @@ from worker.protocol import (
 class SnapshotStore:
     """Snapshot records of jobs in etcd, changed together with the job record by CAS."""
 
-    def __init__(self, jobs: JobStore):
+    def __init__(self, jobs: JobStore, snapshot_root: str | None = None):
         self.jobs = jobs
+        self.snapshot_root = snapshot_root  # where every node snapshots, if they share one
 
     def _key(self, job_id: str) -> Callable[[int], str]:
         return lambda step: self.jobs.keys.snapshot(job_id, step)
@@ -101,7 +102,8 @@ class SnapshotStore:
         """Commit rank 0's snapshot; the answer lists the files to delete."""
         now = self.jobs.clock()
         decision = await self._update(
-            job_id, lambda job, recs: decide_commit(job, recs, req, now, self._key(job_id)))
+            job_id, lambda job, recs: decide_commit(job, recs, req, now, self._key(job_id),
+                                                    self.snapshot_root))
         assert decision.change is not None and decision.committed is not None
         latest = decision.change.job.latest_snapshot
         return CommitResult(committed=decision.committed, latest=latest.step if latest else None,

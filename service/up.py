@@ -23,7 +23,11 @@ Nothing there is for other local users. The directory is made mode 0700 on every
 and `up` and its children create files 0600 and directories 0700 (umask 077). etcd is
 closed too: `up` turns on etcd's own authentication with a `root` user whose random
 password is kept in `<data-dir>/etcd-password` (0600), and the control plane connects with
-it; another local user who finds etcd's port is refused every read and write. Everything
+it. etcd listens on its TCP client port only once that is done: each start first runs it
+on a unix socket in `<data-dir>/etcd-sockets` (0700), turns authentication on there (or
+checks it), refuses an etcd holding users, roles or keys that `up` did not put there, and
+only then restarts it on TCP (service/embedded.py). Its members' peer traffic stays on unix
+sockets there. Another local user who finds etcd's port is refused every read and write. Everything
 here runs as the user who ran `up`, the workers too: they can read the tokens and the
 password (same user, same trust). `ftrain node --run-as USER` is the way to run workers as
 someone else.
@@ -43,24 +47,35 @@ import shlex
 import signal
 import socket
 import subprocess
+import shutil
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from service.embedded import ROOT_USER, EtcdProcess, cluster_endpoints, free_port, start_cluster
+from service.client import remember_local_cluster
+from service.embedded import ROOT_USER, EtcdProcess, EtcdTampered, cluster_endpoints, free_port, start_cluster
 from worker.env import FTRAIN_NODE_TOKEN, FTRAIN_TOKEN, FTRAIN_USER_TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_JOB = REPO / "examples" / "job.json"
 READY_TIMEOUT_S = 30.0
 NODES_TIMEOUT_S = 20.0
-AGENT_STOP_GRACE_S = 15.0
+# An agent told to stop drains first (its jobs stop at a step boundary and save, up to
+# worker/agent.py LEAVE_GRACE_S), then stops what is left of its workers (5 s more at most).
+AGENT_STOP_GRACE_S = 25.0
 CONTROL_PLANE_STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.2
+# A part that dies is started again after a delay that doubles from the first to the last
+# value, and starts afresh once the part has run STEADY_S: a part that cannot start (a port
+# taken, a broken data directory) is retried twice a minute, not in a tight loop.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+STEADY_S = 60.0
 PR_SET_PDEATHSIG = 1
 
 
@@ -82,10 +97,16 @@ class UpOptions:
 
 @dataclass
 class Child:
+    """A part `up` supervises: its process now, and how to start it again when it dies."""
+
     name: str
     proc: subprocess.Popen
     log_path: Path
-    reported_exit: bool = False
+    relaunch: Callable[[], subprocess.Popen] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    delay_s: float | None = None  # the last restart's delay (None: never restarted)
+    restart_at: float | None = None  # when it starts again (None: it runs)
+    restarts: int = 0
 
 
 @dataclass
@@ -100,6 +121,7 @@ class Paths:
     etcd_ports: Path = field(init=False)
     etcd_pid: Path = field(init=False)
     etcd_data: Path = field(init=False)
+    etcd_sockets: Path = field(init=False)
     snapshots: Path = field(init=False)
     logs: Path = field(init=False)
     job_logs: Path = field(init=False)
@@ -111,6 +133,7 @@ class Paths:
         self.token, self.node_token, self.server = r / "token", r / "node-token", r / "server"
         self.etcd_password = r / "etcd-password"
         self.etcd_ports, self.etcd_pid, self.etcd_data = r / "etcd-ports", r / "etcd.pid", r / "etcd"
+        self.etcd_sockets = r / "etcd-sockets"  # etcd's peers, and its clients while it is closed
         self.snapshots, self.logs, self.lock = r / "snapshots", r / "logs", r / "up.lock"
         # The workers' output as the control plane keeps it (GET /logs); `logs` holds the
         # processes' own logs, and each agent's copy of torchrun's output under logs/<job>.
@@ -151,48 +174,65 @@ def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def choose_etcd_ports(path: Path, host: str = "127.0.0.1") -> tuple[int, int]:
-    """The ports of the last run if both are free, else new free ones; remembered in `path`."""
+def choose_etcd_port(path: Path, host: str = "127.0.0.1") -> int:
+    """The client port of the last run if it is free, else a new free one; remembered in `path`.
+
+    etcd's peers talk over unix sockets (service/embedded.py): a member has no peer port."""
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
-        saved = json.loads(path.read_text())
-        client, peer = int(saved["client"]), int(saved["peer"])
-        if client != peer and is_port_free(client, host) and is_port_free(peer, host):
-            return client, peer
+        client = int(json.loads(path.read_text())["client"])
+        if is_port_free(client, host):
+            return client
     client = free_port(host)
-    peer = free_port(host)
-    while peer == client:
-        peer = free_port(host)
-    path.write_text(json.dumps({"client": client, "peer": peer}) + "\n")
-    return client, peer
+    path.write_text(json.dumps({"client": client}) + "\n")
+    return client
 
 
-def choose_cluster_ports(path: Path, members: int, host: str = "127.0.0.1") -> list[tuple[int, int]]:
-    """(client, peer) ports of each member of a cluster of `members` (more than one).
+def choose_cluster_ports(path: Path, members: int, host: str = "127.0.0.1") -> list[int]:
+    """The client port of each member of a cluster of `members` (more than one).
 
-    A cluster's members know each other by their peer URLs, kept in their data directories,
-    so the ports of the first start are kept for good (a restart whose port is taken says so).
+    The ports of the first start are kept for good (a restart whose port is taken says so).
     """
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
         saved = json.loads(path.read_text())
         if "members" not in saved:
             raise UpError(f"this data directory holds a one-member etcd ({path}); run `ftrain up` "
                           "on it with --etcd-members 1, or pass another --data-dir for a cluster")
-        ports = [(int(m["client"]), int(m["peer"])) for m in saved["members"]]
+        if any("peer" in m for m in saved["members"]):
+            raise UpError(f"this data directory's etcd members talk over TCP peer ports ({path}), which "
+                          "any local user can reach and write through; `ftrain up` keeps peer traffic "
+                          "on unix sockets only for a cluster it makes: pass another --data-dir "
+                          "(this one's jobs are not carried over)")
+        ports = [int(m["client"]) for m in saved["members"]]
         if len(ports) != members:
             raise UpError(f"this data directory holds an etcd of {len(ports)} members ({path}); run "
                           f"`ftrain up` on it with --etcd-members {len(ports)}, or pass another --data-dir")
-        taken = [p for pair in ports for p in pair if not is_port_free(p, host)]
+        taken = [p for p in ports if not is_port_free(p, host)]
         if taken:
             raise UpError(f"the etcd members' ports {', '.join(map(str, taken))} on {host} are in "
                           "use (a leftover etcd?); stop what holds them and start again")
         return ports
     chosen: set[int] = set()
-    while len(chosen) < 2 * members:
+    while len(chosen) < members:
         chosen.add(free_port(host))
-    flat = sorted(chosen)
-    ports = [(flat[2 * i], flat[2 * i + 1]) for i in range(members)]
-    path.write_text(json.dumps({"members": [{"client": c, "peer": p} for c, p in ports]}) + "\n")
+    ports = sorted(chosen)
+    path.write_text(json.dumps({"members": [{"client": c} for c in ports]}) + "\n")
     return ports
+
+
+def restart_delay(previous_s: float | None, ran_s: float) -> float:
+    """How long to wait before starting again a part that died after running `ran_s`, whose
+    last restart waited `previous_s` (None: its first death)."""
+    if previous_s is None or ran_s >= STEADY_S:
+        return BACKOFF_FIRST_S
+    return min(previous_s * 2, BACKOFF_MAX_S)
+
+
+def exit_text(code: int) -> str:
+    """A process's exit as people say it: `code 1`, or the signal's name (`SIGKILL`)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return f"code {code}"
 
 
 def local_url(host: str, port: int) -> str:
@@ -213,10 +253,12 @@ def example_job_path(cwd: Path | None = None) -> str:
         return str(EXAMPLE_JOB)
 
 
-def curl_lines(url: str, token: str, job_file: str) -> list[str]:
-    """The commands to try against a running control plane, ready to paste."""
-    auth = shlex.quote(f"Authorization: Bearer {token}")
+def curl_lines(url: str, token_file: str, job_file: str) -> list[str]:
+    """The commands to try against a running control plane, ready to paste: the token is read
+    from its file into $TOKEN once, never printed (a terminal's scrollback is not for secrets)."""
+    auth = '"Authorization: Bearer $TOKEN"'
     return [
+        f"TOKEN=$(cat {shlex.quote(token_file)})",
         "# submit the example job",
         f"curl -sS -X POST {url}/v1/jobs -H {auth} -H 'Content-Type: application/json' "
         f"--data @{shlex.quote(job_file)}",
@@ -226,6 +268,21 @@ def curl_lines(url: str, token: str, job_file: str) -> list[str]:
         f"curl -sSN \"{url}/v1/jobs/$JOB/logs?follow=true&wait_s=30\" -H {auth}",
         f"curl -sS -X POST {url}/v1/jobs/$JOB/cancel -H {auth}",
     ]
+
+
+def cli_command(argv0: str | None = None, cwd: Path | None = None) -> str:
+    """How to type the `ftrain` command here: `ftrain` when that on PATH is this one, else the
+    path of this environment's script (`.venv/bin/ftrain` under `make up`)."""
+    argv0 = argv0 if argv0 is not None else sys.argv[0]
+    mine = Path(argv0) if Path(argv0).name == "ftrain" else Path(sys.executable).parent / "ftrain"
+    on_path = shutil.which("ftrain")
+    if on_path is not None and Path(on_path).resolve() == mine.resolve():
+        return "ftrain"
+    cwd = (cwd or Path.cwd()).resolve()
+    try:
+        return shlex.quote(str(mine.absolute().relative_to(cwd)))
+    except ValueError:
+        return shlex.quote(str(mine.absolute()))
 
 
 def agent_available() -> bool:
@@ -244,12 +301,27 @@ def _die_with_parent() -> None:
 
 
 def _spawn(name: str, argv: list[str], env: dict, log_path: Path) -> Child:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=os.getcwd(),
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    return Child(name, proc, log_path)
+    cwd = os.getcwd()
+
+    def launch() -> subprocess.Popen:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=cwd,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+
+    return Child(name, launch(), log_path, launch)
+
+
+def _etcd_child(member: EtcdProcess, name: str) -> Child:
+    """An etcd member as a supervised part: started again on its own data directory and ports."""
+    def launch() -> subprocess.Popen:
+        member.launch()
+        assert member.proc is not None
+        return member.proc
+
+    assert member.proc is not None
+    return Child(name, member.proc, member.log_path, launch)
 
 
 def _has_exited(proc: subprocess.Popen) -> bool:
@@ -279,6 +351,57 @@ def _stop_children(children: list[Child], grace_s: float) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, signal.SIGKILL)
         child.proc.wait()
+
+
+def hand_started_agents(root: Path, ours: set[int]) -> list[int]:
+    """PIDs of the node agents that run on data directory `root` and that `up` did not start
+    (`ftrain node` started by hand against the local cluster): each holds its name's lock
+    there (`worker.node_link.lock_name`), with its PID written in it."""
+    pids = []
+    for path in sorted(root.glob("node-credential.*.lock")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                continue  # nobody holds it: no agent of that name runs
+            except BlockingIOError:
+                pid = int(os.read(fd, 32).split()[0])
+        except (ValueError, IndexError, OSError):
+            continue
+        finally:
+            os.close(fd)
+        if pid not in ours and pid != os.getpid() and _is_agent(pid):
+            pids.append(pid)
+    return pids
+
+
+def _is_agent(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"node" in argv or any(a.endswith(b"worker.agent") for a in argv)
+
+
+def _wait_gone(pids: list[int], deadline: float) -> None:
+    """Wait until each process (not our child: its parent reaps it) is gone or a zombie, up to
+    `deadline`; then SIGKILL what is left."""
+    def alive(pid: int) -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
@@ -335,6 +458,7 @@ class LocalCluster:
         self.stop_requested = threading.Event()
         self.etcds: list[EtcdProcess] = []
         self.control_planes: list[Child] = []
+        self.etcd_parts: list[Child] = []  # the members, as supervised parts
         self.agents: list[Child] = []
         self.user_token = ""
         self.node_token = ""
@@ -381,35 +505,41 @@ class LocalCluster:
                 raise UpError(f"port {port} on {self.options.host} is in use (another "
                               "`ftrain up` or another server?); pass another --port")
         p.server.write_text(self.server + "\n")
+        remember_local_cluster(p.root)  # the user's CLI finds this cluster from any directory
 
     def _start_etcd(self) -> None:
         _stop_leftover_etcd(self.paths)
         m = self.options.etcd_members
         password = ensure_token(self.paths.etcd_password)
         if m == 1:
-            ports = [choose_etcd_ports(self.paths.etcd_ports)]
+            ports = [choose_etcd_port(self.paths.etcd_ports)]
         else:
             if self.paths.etcd_data.exists():
                 raise UpError(f"this data directory holds a one-member etcd ({self.paths.etcd_data}); "
                               "run `ftrain up` on it with --etcd-members 1, or pass another --data-dir")
             ports = choose_cluster_ports(self.paths.etcd_ports, m)
         names = ["ftrain"] if m == 1 else [f"ftrain-{i}" for i in range(m)]
-        peers = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports, strict=True))
         self.etcds = [
-            EtcdProcess(self.paths.etcd_member_data(i, m), client_port=client, peer_port=peer,
+            EtcdProcess(self.paths.etcd_member_data(i, m), client_port=client, peer_socket=True,
+                        socket_dir=self.paths.etcd_sockets,
                         log_path=self.paths.logs / ("etcd.log" if m == 1 else f"etcd-{i}.log"),
-                        root_password=password, name=names[i],
-                        initial_cluster=None if m == 1 else peers)
-            for i, (client, peer) in enumerate(ports)]
+                        root_password=password, name=names[i])
+            for i, client in enumerate(ports)]
+        if m > 1:
+            peers = ",".join(f"{e.name}={e.peer_url}" for e in self.etcds)
+            for member in self.etcds:
+                member.initial_cluster = peers
         try:
             start_cluster(self.etcds)
         except FileNotFoundError as exc:
             raise UpError(f"cannot start etcd: {exc}") from exc
+        except EtcdTampered as exc:
+            raise UpError(str(exc)) from exc  # says all: etcd's log has nothing to add
         except RuntimeError as exc:
             raise UpError(f"{exc}\n{_tail(self.etcds[0].log_path)}") from exc
         finally:
-            pids = [e.proc.pid for e in self.etcds if e.proc is not None]
-            self.paths.etcd_pid.write_text("".join(f"{pid}\n" for pid in pids))
+            self._record_etcd_pids()
+        self.etcd_parts = [_etcd_child(e, "etcd" if m == 1 else f"etcd member {e.name}") for e in self.etcds]
 
     @property
     def etcd_endpoints(self) -> str:
@@ -521,48 +651,52 @@ class LocalCluster:
     # run
 
     def watch(self) -> int:
-        """Wait for a stop signal; report children that die. Returns the exit code.
-
-        The cluster serves while one control plane and a quorum of etcd members are alive: a
-        part that dies is reported, and `up` stops only when the cluster can no longer serve."""
-        reported: set[int] = set()
+        """Supervise until a stop signal: a part that dies (an etcd member, a control plane, a
+        node agent) is started again after a backoff (`restart_delay`), with one line that
+        says so. Only a signal stops the cluster. Returns the exit code."""
         while not self.stop_requested.wait(POLL_INTERVAL_S):
-            dead_cps = [c for c in self.control_planes if c.proc.poll() is not None]
-            dead_etcds = [e for e in self.etcds if e.proc is not None and e.proc.poll() is not None]
-            for part in dead_cps:
-                if id(part) not in reported and len(dead_cps) < len(self.control_planes):
-                    reported.add(id(part))
-                    self.say(f"warning: the {part.name} exited with code {part.proc.returncode}; "
-                             f"the other replicas serve. See {part.log_path}")
-            for member in dead_etcds:
-                if id(member) not in reported and len(dead_etcds) <= (len(self.etcds) - 1) // 2:
-                    reported.add(id(member))
-                    self.say(f"warning: etcd member {member.name} exited with code "
-                             f"{member.proc.returncode}; the others keep a quorum. See {member.log_path}")
-            if self.control_planes and len(dead_cps) == len(self.control_planes):
-                part = dead_cps[-1]
-                self.say(f"error: the {part.name} exited with code {part.proc.returncode}; "
-                         f"stopping. Its log ({part.log_path}) ends with:\n{_tail(part.log_path)}")
-                return 1
-            if len(dead_etcds) > (len(self.etcds) - 1) // 2:
-                member = dead_etcds[-1]
-                what = "etcd" if len(self.etcds) == 1 else f"etcd member {member.name} (no quorum left)"
-                self.say(f"error: {what} exited with code {member.proc.returncode}; stopping. "
-                         f"See {member.log_path}")
-                return 1
-            for agent in self.agents:
-                if not agent.reported_exit and agent.proc.poll() is not None:
-                    agent.reported_exit = True
-                    self.say(f"warning: {agent.name} exited with code {agent.proc.returncode}; "
-                             f"see {agent.log_path}")
+            now = time.monotonic()
+            for part in [*self.etcd_parts, *self.control_planes, *self.agents]:
+                self._supervise(part, now)
         return 0
+
+    def _supervise(self, part: Child, now: float) -> None:
+        if part.restart_at is None:
+            if part.relaunch is None or part.proc.poll() is None:
+                return
+            part.delay_s = restart_delay(part.delay_s, now - part.started_at)
+            part.restart_at = now + part.delay_s
+            part.restarts += 1
+            self.say(f"{part.name} exited ({exit_text(part.proc.returncode)}); restarting it in "
+                     f"{part.delay_s:g} s (restart {part.restarts}; its log: {part.log_path})")
+        elif now >= part.restart_at:
+            part.restart_at = None
+            part.started_at = now
+            try:
+                part.proc = part.relaunch()
+            except OSError as exc:  # the next pass sees it dead and backs off further
+                self.say(f"warning: could not start the {part.name} again: {exc}")
+            if part in self.etcd_parts:
+                self._record_etcd_pids()
+
+    def _record_etcd_pids(self) -> None:
+        """The members' PIDs, for the next `up` to stop any a SIGKILLed `up` left behind."""
+        pids = [e.proc.pid for e in self.etcds if e.proc is not None]
+        self.paths.etcd_pid.write_text("".join(f"{pid}\n" for pid in pids))
 
     # stop
 
     def stop(self) -> None:
-        """Agents, then the control plane, then etcd; each by PID, each waited for."""
+        """Agents (those started by hand on this data directory too), then the control plane,
+        then etcd; each by PID, each waited for."""
+        others = hand_started_agents(self.paths.root, {a.proc.pid for a in self.agents})
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + AGENT_STOP_GRACE_S
         if self.agents:
             _stop_children(self.agents, AGENT_STOP_GRACE_S)
+        _wait_gone(others, deadline)
         if self.control_planes:
             _stop_children(self.control_planes, CONTROL_PLANE_STOP_GRACE_S)
         if self.etcds:
@@ -596,13 +730,13 @@ class LocalCluster:
             self.say("no local nodes (--nodes 0): jobs stay PENDING until a node joins")
         self.say()
         self.say("Try it:")
-        for line in curl_lines(self.url, self.user_token, example_job_path()):
+        for line in curl_lines(self.url, str(rel / "token"), example_job_path()):
             self.say(f"  {line}")
         self.say()
-        self.say("Or with the CLI (it reads the token and URL from the data directory):")
-        data_flag = "" if str(rel) == ".ftrain" else f" --data-dir {shlex.quote(str(rel))}"
-        self.say(f"  ftrain submit {shlex.quote(example_job_path())}{data_flag}")
-        self.say(f"  ftrain list{data_flag}")
+        self.say("Or with the CLI (from any directory: it finds this cluster's URL and token):")
+        ftrain = cli_command()
+        self.say(f"  {ftrain} submit {shlex.quote(example_job_path())}")
+        self.say(f"  {ftrain} list")
         self.say()
         self.say("Ctrl-C stops everything.")
 

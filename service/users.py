@@ -2,8 +2,12 @@
 
 A token is 32 random bytes (`secrets.token_urlsafe(32)`), so an unsalted SHA-256 of it is
 as good as any password hash: there is nothing to guess. Two keys per user, written and
-deleted together: `users/<name>` (the record) and `user-tokens/<sha256>` (the name), so
-that telling who holds a token is one read, not a scan.
+deleted together: `users/<name>` (the record) and `user-tokens/<sha256>` (the user's name and
+id, JSON), so that telling who holds a token is one read, not a scan.
+
+A user's id is minted when it is created and never given again: jobs store it
+(`JobRecord.owner_id`), so a user removed and added again under the same name is a new
+user, who cannot cancel the old one's jobs nor replay its idempotency keys.
 
 A control plane keeps the `user-tokens/` keys in memory, fed by a watch (`follow`), so a
 named user's request is not an etcd read each: a token the cache has is answered from it;
@@ -17,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 from service.errors import Conflict, HistoryCompacted, StoreUnavailable, UserNotFound
 from service.keys import Keys
@@ -31,8 +37,31 @@ log = logging.getLogger(__name__)
 _GONE = 2**63  # the revision noted for a token this replica deleted: no older event brings it back
 
 
+def new_user_id() -> str:
+    """A user's id: 96 random bits, never given twice."""
+    return "u-" + secrets.token_hex(12)
+
+
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class UserRef:
+    """Who holds a token: the user's name, and its id (None: a user stored before ids)."""
+
+    name: str
+    id: str | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"name": self.name, "id": self.id}).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> UserRef:
+        if not value.startswith(b"{"):  # written before ids: the name alone
+            return cls(value.decode())
+        data = json.loads(value)
+        return cls(data["name"], data.get("id"))
 
 
 class UserStore:
@@ -40,18 +69,19 @@ class UserStore:
         self.kv = kv
         self.keys = keys
         self.clock = clock
-        self._names: dict[str, str] = {}  # token digest -> user name, as the watch has them
+        self._names: dict[str, UserRef] = {}  # token digest -> its user, as the watch has them
         self._revs: dict[str, int] = {}  # token digest -> the revision its entry came at
         self._ready = False  # loaded and followed: `_names` may answer
 
     async def add(self, name: str) -> tuple[UserRecord, str]:
         """A new user and its token (returned this once); Conflict if the name is taken."""
         token = secrets.token_urlsafe(32)
-        user = UserRecord(name=name, token_sha256=token_digest(token), created_at=self.clock())
+        user = UserRecord(name=name, id=new_user_id(), token_sha256=token_digest(token),
+                          created_at=self.clock())
         user_key, token_key = self.keys.user(name), self.keys.user_token(user.token_sha256)
         if not await self.kv.commit({user_key: 0, token_key: 0},
                                     [Put(user_key, user.model_dump_json().encode()),
-                                     Put(token_key, name.encode())]):
+                                     Put(token_key, UserRef(name, user.id).encode())]):
             raise Conflict(f"a user named {name!r} exists; remove it first to give it a new token")
         return user, token
 
@@ -60,7 +90,8 @@ class UserStore:
                 async for e in self.kv.scan_prefix(self.keys.users)]
 
     async def remove(self, name: str) -> None:
-        """Delete the user and its token (its jobs stay, still owned by the name)."""
+        """Delete the user and its token (its jobs stay, owned by its id: a user added
+        again under the name is another user)."""
         while True:
             entry = await self.kv.get(self.keys.user(name))
             if entry is None:
@@ -75,16 +106,16 @@ class UserStore:
                 self._revs[user.token_sha256] = _GONE
                 return
 
-    async def who(self, token: str) -> str | None:
-        """The name of the user holding `token`, or None: from the cache when it has the
-        token, else from etcd."""
+    async def who(self, token: str) -> UserRef | None:
+        """The user holding `token`, or None: from the cache when it has the token, else
+        from etcd."""
         digest = token_digest(token)
-        if (name := self.cached(digest)) is not None:
-            return name
+        if (user := self.cached(digest)) is not None:
+            return user
         entry = await self.kv.get(self.keys.user_token(digest))
-        return None if entry is None else entry.value.decode()
+        return None if entry is None else UserRef.decode(entry.value)
 
-    def cached(self, digest: str) -> str | None:
+    def cached(self, digest: str) -> UserRef | None:
         """The user whose token has this digest, if the cache has it (no I/O)."""
         return self._names.get(digest) if self._ready else None
 
@@ -99,7 +130,7 @@ class UserStore:
                     revision = await self.kv.revision()
                     entries = [e async for e in self.kv.scan_prefix(prefix)]
                     gone = {d for d, r in self._revs.items() if r == _GONE}
-                    self._names = {e.key[len(prefix):]: e.value.decode() for e in entries
+                    self._names = {e.key[len(prefix):]: UserRef.decode(e.value) for e in entries
                                    if e.key[len(prefix):] not in gone}
                     self._revs = {**{e.key[len(prefix):]: e.mod_revision for e in entries},
                                   **dict.fromkeys(gone, _GONE)}
@@ -123,4 +154,4 @@ class UserStore:
         if value is None:
             self._names.pop(digest, None)
         else:
-            self._names[digest] = value.decode()
+            self._names[digest] = UserRef.decode(value)

@@ -41,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _own_config_dir(tmp_path, monkeypatch):
+    """Each test its own user config directory: `ftrain up` records its cluster there
+    (`client.remember_local_cluster`), and the CLI of a later test must not find it."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "user-config"))
+
+
+@pytest.fixture(autouse=True)
 def _processes_only_in_integration_tests(request, monkeypatch):
     """Fail a test that starts a process without being marked `integration`."""
     if request.node.get_closest_marker("integration") is not None:

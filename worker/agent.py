@@ -60,6 +60,11 @@ log = logging.getLogger("ftrain.agent")
 REPLACE_GRACE_S = 0.3
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
+# How long an agent told to stop (SIGTERM) waits, while its node leaves, for the control
+# plane to let its group go at a step boundary (a runtime script saves there first; the
+# scheduler waits 15 s for that, `SchedulerConfig.control_ack_timeout_s`); then it stops
+# the group itself. `ftrain up` gives its agents this and the stop's grace.
+LEAVE_GRACE_S = 16.0
 
 
 class _Stopping(BaseException):
@@ -85,7 +90,7 @@ class NodeAgent:
                              credential_file=self.data_dir / f"node-credential.{name}")
         self.shipper = LogShipper(self.link.client, name)
         memory_dirs.remove_leftovers(self.data_dir, name)  # of an agent of this name that was killed
-        memory_dirs.remove_orphans()  # of any agent on this machine that was killed
+        memory_dirs.remove_orphans(self.data_dir)  # of any killed agent of this data directory
         self.torchrun = Torchrun(name, self.server, self.data_dir, address, self.shipper, run_as)
         self.finished: set[tuple[str, int]] = set()
         # The end this agent owes for its group, kept for a restart (worker/end_record.py), and
@@ -96,6 +101,8 @@ class NodeAgent:
             self.finished.add(self.recovering.key)  # never started again here
         self.keep_logs = (keep_logs_jobs, keep_logs_s)
         self._shutdown = threading.Event()
+        self._leave_by: float | None = None  # after a stop signal with a group: the leave's deadline
+        self._gone = threading.Event()  # the loop has ended: the presence thread ends too
         self._in_idle_poll = False  # where the stop signal's handler may cut in (`_beat`)
 
     # ------------------------------------------------------------------ the loop
@@ -104,7 +111,7 @@ class NodeAgent:
         link = self.link
         self.prune_logs()
         threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
-        while not self._shutdown.is_set():
+        while not self._shutdown.is_set() or self._leaving():
             beat_started, known_before = time.monotonic(), link.known
             try:
                 if not link.registered:
@@ -141,7 +148,11 @@ class NodeAgent:
                 pause = 0.05
             else:
                 pause = max(0.05, link.heartbeat_interval_s - (time.monotonic() - beat_started))
-            self._shutdown.wait(pause)
+            if self._leave_by is None:
+                self._shutdown.wait(pause)
+            else:  # (the stop signal has set the event already)
+                time.sleep(pause)
+        self._gone.set()
         self.stop_group("node agent shutting down")
         self.torchrun.stop_fork_server()
         self.torchrun.drop_memory()
@@ -150,16 +161,37 @@ class NodeAgent:
         self.shipper.close()
         link.close()
 
+    def _leaving(self) -> bool:
+        """After a stop signal: whether the loop goes on because the node is leaving. A node
+        that runs a group leaves as a drained one does (`NodeLink.leave`): its job stops at a
+        step boundary with its state saved, and the next assignment lets the group go. Until
+        then, or LEAVE_GRACE_S, the loop goes on; a control plane that does not answer the
+        leave gets no wait."""
+        if self.torchrun.group is None:
+            return False
+        if self._leave_by is None:
+            self._leave_by = time.monotonic() + LEAVE_GRACE_S
+            g = self.torchrun.group
+            try:
+                self.link.leave()
+            except HttpError as exc:
+                log.warning("stopping: could not take node %s out at a step boundary (%s); stopping "
+                            "the workers of job %s now", self.name, exc, g.job_id)
+                return False
+            log.info("stopping: node %s leaves; job %s stops here at a step boundary (up to %g s)",
+                     self.name, g.job_id, LEAVE_GRACE_S)
+        return time.monotonic() < self._leave_by
+
     def hold_presence(self) -> None:
         """A thread's loop: keep a presence request open while registered (service/presence.py)."""
-        while not self._shutdown.is_set():
+        while not self._gone.is_set():  # held while the node leaves, too
             if not self.link.registered:
-                self._shutdown.wait(0.1)
+                self._gone.wait(0.1)
                 continue
             try:
                 self.link.hold_presence()
             except HttpError:  # no answer, or 404 (the loop registers again): soon again
-                self._shutdown.wait(0.2)
+                self._gone.wait(0.2)
 
     def _beat(self, wait_s: float, idle: bool) -> Assignment | None:
         """The heartbeat, waiting up to `wait_s` for news; an idle one (a long poll of a whole

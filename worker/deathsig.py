@@ -16,30 +16,18 @@ signals from then on and raises as torch's does: torchrun stops once and cleanly
 
 from __future__ import annotations
 
-import logging
 import signal
 from types import FrameType
 
-from torch.distributed.elastic.multiprocessing import api as mp_api
-
-log = logging.getLogger(__name__)
+from worker import torch_internals
 
 _stock_handler = None  # torch's _terminate_process_handler, once replaced
 
 
-def act_on_first_death_signal() -> bool:
-    """Install the handler (idempotent); False if this torch has no handler to replace."""
+def act_on_first_death_signal() -> None:
+    """Install the handler (idempotent)."""
     global _stock_handler
-    if _stock_handler is not None:
-        return True
-    stock = getattr(mp_api, "_terminate_process_handler", None)
-    if not callable(stock):
-        log.warning("torch has no _terminate_process_handler: repeated death signals may "
-                    "leave torchrun hanging at exit")
-        return False
-    _stock_handler = stock
-    mp_api._terminate_process_handler = _first_death_signal
-    return True
+    _stock_handler = torch_internals.patch(torch_internals.TERMINATE_HANDLER, lambda stock: _first_death_signal)
 
 
 def _first_death_signal(signum: int, frame: FrameType | None) -> None:

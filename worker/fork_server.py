@@ -89,6 +89,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 
 # worker.env.FTRAIN_FORK_SERVER_IMPORTS: this file imports only the standard library (see there).
 IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
@@ -618,7 +619,11 @@ def run(how: str, argv: list[str], finished_fd: int) -> None:
     try:
         if how == "module":
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():
+                # runpy's warning that the module was imported before it ran: the server
+                # imported it on purpose (a forked torchrun), and every attempt's output began with it
+                warnings.filterwarnings("ignore", message=PRELOADED_WARNING, category=RuntimeWarning)
+                runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         else:
             sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
@@ -626,11 +631,32 @@ def run(how: str, argv: list[str], finished_fd: int) -> None:
         if exc.code not in (None, 0):
             ending.returned(_exit_status(exc.code))
             raise  # Python's own exit: the message, threads, atexit, under the watchdog
-    except BaseException:
+    except Exception as exc:
+        ending.returned(1)
+        # The traceback a `python script.py` would print: from the script's frames on, not
+        # the server's and runpy's that ran it.
+        tb = script_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        raise SystemExit(1) from None
+    except BaseException:  # KeyboardInterrupt and the like: as Python ends on them
         ending.returned(1)
         raise
     ending.returned(0)
     ending.finish()
+
+
+# runpy's RuntimeWarning for a module run with -m that was imported before (a forked torchrun)
+PRELOADED_WARNING = r".*found in sys\.modules after import of package"
+
+
+def script_frames(tb):
+    """`tb` without its outermost frames of this server and of runpy: what is left starts at
+    the script (all of it, if the exception was raised in those frames themselves)."""
+    first = tb
+    while first is not None and (first.tb_frame.f_globals is globals()
+                                 or first.tb_frame.f_globals.get("__name__") == "runpy"):
+        first = first.tb_next
+    return first if first is not None else tb
 
 
 def _exit_status(code: object) -> int:

@@ -45,12 +45,10 @@ older snapshot than the ones its predecessor wrote.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -59,6 +57,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from worker import safe_files
 from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
 from worker.protocol import CommitRequest, ProgressReport
 
@@ -90,7 +89,8 @@ def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[Comm
     """The worker's side: add `commits` (and its final `progress`, and its node's word that
     its workers `finished` the run) to what it leaves its agent, in one file written whole
     (temporary file, fsync, rename); returns the file."""
-    path = handoff_path(directory, node, attempt)
+    # The worker's own folder, its links resolved (the agent's side walks none: safe_files)
+    path = handoff_path(safe_files.real_path(directory), node, attempt)
     old = _read(path)  # what it left before, if the agent has not taken it yet
     by_step = {r.step: r for r in [*old.commits, *commits]}
     _write(path, list(by_step.values()), progress if progress is not None else old.progress,
@@ -101,21 +101,11 @@ def leave(directory: str | Path, node: str, attempt: int, commits: Iterable[Comm
 def _write(path: Path, commits: list[CommitRequest], progress: ProgressReport | None,
            finished: bool = False) -> None:
     """`path` replaced whole by these commits, progress report and word of the run's end
-    (temporary file, fsync, rename)."""
+    (temporary file, fsync, rename; the agent's write reaches through no link, worker/safe_files.py)."""
     body = json.dumps({"commits": [r.model_dump(mode="json") for r in commits],
                        "progress": None if progress is None else progress.model_dump(mode="json"),
                        "finished": finished}).encode()
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    safe_files.replace_file(path, body)
 
 
 def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
@@ -125,7 +115,7 @@ def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
     nothing is left for (`node`, `attempt`)."""
     path = handoff_path(directory, node, attempt)
     try:
-        names = [n for n in os.listdir(directory)
+        names = [n for n in safe_files.listdir(directory)
                  if n.startswith(f"{path.name}.taken-") and ".tmp-" not in n]
     except OSError:
         return None
@@ -140,8 +130,8 @@ def gather(directory: str | Path, node: str, attempt: int) -> Path | None:
         by_step = {r.step: r for r in commits}
         _write(path, list(by_step.values()), progress, finished)
         for name in names:
-            path.with_name(name).unlink(missing_ok=True)
-    return path if path.exists() else None
+            safe_files.unlink(path.with_name(name))
+    return path if safe_files.lexists(path) else None
 
 
 def pending(directory: str | Path, attempt: int) -> list[Path]:
@@ -191,7 +181,7 @@ def read_finished(path: Path) -> bool:
 
 def _read(path: Path) -> Left:
     try:
-        with _open_own(path) as f:
+        with safe_files.open_reader(path) as f:
             got = json.loads(f.read(MAX_HANDOFF_BYTES))
         commits = [CommitRequest.model_validate(i) for i in got["commits"]]
         progress = None if got.get("progress") is None else ProgressReport.model_validate(got["progress"])
@@ -202,16 +192,6 @@ def _read(path: Path) -> Left:
         log.warning("what the worker left in %s cannot be read (%s): nothing of it is sent", path, exc)
         return Left()
     return Left(sorted(commits, key=lambda r: r.step, reverse=True), progress, finished)
-
-
-def _open_own(path: Path):
-    """`path` opened for reading, not through a symbolic link: what the job's user left
-    names files that the agent (maybe root, `--run-as`) reads, and only in the job's folder."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (a FIFO would block)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file")
-    return os.fdopen(fd, "rb")
 
 
 def _file_of(req: CommitRequest, directory: Path) -> Path | None:
@@ -228,7 +208,7 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     """The file as it is now (inode, size, modification time), None if it is gone: a file read
     whole once is read again only if this changed."""
     try:
-        st = os.stat(path)
+        st = safe_files.lstat(path)
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -240,7 +220,7 @@ def _whole(req: CommitRequest, path: Path) -> str | None:
     algo, _, want = req.checksum.partition(":")
     try:
         digest = hashlib.new(algo)
-        with _open_own(path) as f:
+        with safe_files.open_reader(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size != req.size:
                 return f"its file is {size} bytes, {req.size} were written"
@@ -260,10 +240,10 @@ def _delete_pruned(paths: list[str], directory: Path) -> None:
     worker would have."""
     for p in paths:
         path = Path(p) if Path(p).is_absolute() else directory / p
-        if path.parent.resolve() != directory.resolve():
+        if os.path.normpath(path.parent) != os.path.normpath(directory) or path.name.startswith("."):
             continue
         try:
-            path.unlink(missing_ok=True)
+            safe_files.unlink(path)
         except OSError as exc:
             log.warning("could not delete pruned snapshot %s: %s", path, exc)
 
@@ -312,7 +292,7 @@ class AgentHandoff:
         # progress report, a restarted group's commits) makes a new file, not lost with this one.
         taken = self.path.with_name(f"{self.path.name}.taken-{os.getpid()}")
         try:
-            os.replace(self.path, taken)
+            safe_files.rename(self.path, taken.name)
         except OSError as exc:
             log.warning("could not take %s: %s", self.path, exc)
             self.link.close()
@@ -341,7 +321,10 @@ class AgentHandoff:
             if finished:
                 self._report_finished()
         finally:
-            taken.unlink(missing_ok=True)
+            try:
+                safe_files.unlink(taken)
+            except OSError as exc:
+                log.warning("could not remove %s: %s", taken, exc)
             self.link.close()
             if self.not_committed:
                 log.warning("%s", self.note())

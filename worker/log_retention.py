@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+from worker import safe_files
 
 log = logging.getLogger("ftrain.agent")
 
@@ -59,7 +61,10 @@ def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
     folders = [JobLogs(e.name, _last_write(Path(e.path))) for e in entries]
     gone = to_delete(folders, running, now, keep_jobs, max_age_s)
     for job_id in gone:
-        shutil.rmtree(logs_dir / job_id, ignore_errors=True)
+        try:  # torchrun's folders in it are the job's user's: nothing below followed (safe_files)
+            safe_files.remove_tree(logs_dir / job_id)
+        except OSError as exc:
+            log.warning("could not remove all of the local logs of job %s: %s", job_id, exc)
     if gone:
         log.info("deleted the local logs of %d job(s) no longer run here (keeping %d jobs, %.0f days): %s",
                  len(gone), keep_jobs, max_age_s / 86400, ", ".join(gone[:10]))
@@ -69,12 +74,22 @@ def prune(logs_dir: Path, running: Collection[str], keep_jobs: int = KEEP_JOBS,
 def _last_write(folder: Path) -> float:
     """The newest modification time of `folder` and of everything in it: the workers write
     their output deep in its `torchrun/` (`<run>/attempt_<n>/<local rank>/stdout.log`), and a
-    long run may write nothing else for hours."""
+    long run may write nothing else for hours. Walked without recursion and through no link:
+    below `torchrun/` the folders are the job's user's, who may make them deep or swap them."""
     newest = folder.lstat().st_mtime
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-            except FileNotFoundError:
-                pass
+    todo = [folder]
+    while todo:
+        here = todo.pop()
+        try:
+            with safe_files.folder(here) as fd:
+                for name in os.listdir(fd):
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    newest = max(newest, st.st_mtime)
+                    if stat.S_ISDIR(st.st_mode):
+                        todo.append(here / name)
+        except OSError:
+            continue
     return newest

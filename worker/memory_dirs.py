@@ -13,21 +13,29 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
+from worker import safe_files
+
 log = logging.getLogger("ftrain.memory")
 
-SHM_ROOT = Path("/dev/shm")
+SHM_ROOT = Path(os.path.realpath("/dev/shm"))  # resolved: safe_files walks no link (a /run/shm link)
 _PREFIX = "ftrain-mem."
+
+
+def cluster_root(data_dir: str | Path) -> str:
+    """The name prefix of the memory directories of every agent of the data directory
+    `data_dir` (a cluster's, on this machine): /dev/shm is shared by every cluster on the
+    host, and an agent sweeps only names under its own prefix."""
+    tag = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    return f"{_PREFIX}{tag}."
 
 
 def node_root(data_dir: str | Path, node: str, shm: Path = SHM_ROOT) -> str:
     """The name prefix of this agent's memory directories: its data directory and name
     (agents of one name in different data directories share the machine in tests)."""
-    tag = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
-    return f"{_PREFIX}{tag}.{node}."
+    return f"{cluster_root(data_dir)}{node}."
 
 
 def make_job_dir(data_dir: str | Path, node: str, job_id: str, shm: Path = SHM_ROOT) -> Path:
@@ -50,15 +58,14 @@ def remove_leftovers(data_dir: str | Path, node: str, shm: Path = SHM_ROOT) -> l
         if not base.is_dir():
             continue
         for p in base.iterdir():
-            if p.name.startswith(prefix):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith(prefix) and _remove(p):
                 removed.append(p)
     return removed
 
 
 # A memory directory's owner: the agent that made it, as "pid start-time pid-namespace"
-# (`/proc`), so that any agent can tell a directory whose agent is gone (SIGKILLed: it
-# removed nothing) from a live one's, a reused PID included (`remove_orphans`).
+# (`/proc`), so that any agent of its data directory can tell a directory whose agent is gone
+# (SIGKILLed: it removed nothing) from a live one's, a reused PID included (`remove_orphans`).
 OWNER_FILE = ".owner"
 # A directory without an owner file (made before owners were noted) is removed only when
 # it is empty and untouched for this long: it then holds nothing a live job could need.
@@ -76,13 +83,24 @@ def _owner_of(pid: int) -> str | None:
     return f"{pid} {start} {namespace}"
 
 
+def _remove(path: Path) -> bool:
+    """Remove memory directory `path` (its job's user's under `--run-as`: safe_files walks it)."""
+    try:
+        safe_files.remove_tree(path)
+    except OSError as exc:
+        log.warning("could not remove the memory directory %s: %s", path, exc)
+        return False
+    return True
+
+
 def _orphaned(path: Path, now: float) -> bool:
     """Whether memory directory `path` belongs to no live agent (see OWNER_FILE)."""
-    try:
-        owner = (path / OWNER_FILE).read_text().split()
+    try:  # written by the agent, in a folder its job's user may change: read through no link
+        owner = safe_files.read_bytes(path / OWNER_FILE, 256, owner=None).decode(errors="replace").split()
     except FileNotFoundError:
         try:
-            return next(path.iterdir(), None) is None and now - path.stat().st_mtime > UNOWNED_AGE_S
+            empty = not safe_files.listdir(path)
+            return empty and now - safe_files.lstat(path).st_mtime > UNOWNED_AGE_S
         except OSError:
             return False
     except OSError:
@@ -94,20 +112,20 @@ def _orphaned(path: Path, now: float) -> bool:
     return _owner_of(int(owner[0])) != " ".join(owner)
 
 
-def remove_orphans(shm: Path = SHM_ROOT) -> list[Path]:
-    """Remove the memory directories under `shm` of every agent that is gone (killed, so it
-    removed nothing; its data directory may be gone too, so no agent of its name and data
-    directory would ever take them back: `remove_leftovers`); never a live agent's. Called
-    by the agent when it starts."""
+def remove_orphans(data_dir: str | Path, shm: Path = SHM_ROOT) -> list[Path]:
+    """Remove the memory directories under `shm` of every agent of this data directory that
+    is gone (killed, so it removed nothing; an agent of another name would never take them
+    back: `remove_leftovers`); never a live agent's, nor another data directory's (another
+    cluster on the host: its own agents sweep those). Called by the agent when it starts."""
     removed = []
     now = time.time()
+    prefix = cluster_root(data_dir)
     try:
-        found = [p for p in shm.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()]
+        found = [p for p in shm.iterdir() if p.name.startswith(prefix) and safe_files.is_dir(p)]
     except OSError:
         return removed
     for p in found:
-        if _orphaned(p, now):
-            shutil.rmtree(p, ignore_errors=True)
+        if _orphaned(p, now) and _remove(p):
             removed.append(p)
     if removed:
         log.info("removed %d memory directories of agents that are gone: %s", len(removed),
@@ -199,8 +217,8 @@ def wait_for_last_words(directory: str | Path, timeout_s: float, start: int = 0,
     said them and exited), at most `timeout_s`; the seconds waited, None where nobody held it.
     `start`, `length`: only those bytes (0: to the end)."""
     began = time.monotonic()
-    try:
-        fd = os.open(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    try:  # the agent's wait (root under `--run-as`) in the job's user's folder: through no link
+        fd = safe_files.open_file(Path(directory) / LAST_WORDS_LOCK, os.O_RDWR)
     except OSError:
         return None
     held = False

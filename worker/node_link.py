@@ -79,6 +79,8 @@ def lock_name(data_dir: Path, name: str) -> int:
     Two live agents of one name on one data directory would take the name from each other
     with the credential file, turn by turn; the second one is refused instead. The kernel
     drops the lock when the process dies, SIGKILL included, so a restart finds it free.
+    The file holds the holder's PID: `ftrain up` stops the agents started by hand on its
+    data directory with its own (`service.up.hand_started_agents`).
     """
     import fcntl
 
@@ -90,6 +92,8 @@ def lock_name(data_dir: Path, name: str) -> int:
         os.close(fd)
         raise NameInUse(f"another agent named {name!r} is running on {data_dir} (it holds {path}); "
                         f"stop it, or give this one another --name or --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
@@ -210,6 +214,11 @@ class NodeLink:
             self.send_reports()
         except (HttpError, NodeForgotten):
             pass
+
+    def leave(self) -> None:
+        """Ask the control plane to take this node out at its jobs' next step boundary
+        (`POST /v1/nodes/{name}/leave`); the heartbeat's assignment then stops the group."""
+        self.client.call("POST", f"/v1/nodes/{self.name}/leave")
 
     def deregister(self) -> None:
         """Leave the cluster (best effort: the node's lease lapses anyway)."""

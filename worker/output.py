@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from worker import safe_files, torch_internals
 from worker.env import TORCHELASTIC_RESTART_COUNT
 from worker.launch import WORKER_NOTE
 
@@ -92,12 +93,7 @@ def read_note(dir_fd: int) -> WorkerNote | None:
     """The note in the folder open as `dir_fd` (worker/launch.py `leave_note`); None if it is
     not there (yet) or not readable."""
     try:
-        fd = os.open(WORKER_NOTE, os.O_RDONLY, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = json.loads(f.read(4096))
+        data = json.loads(safe_files.read_bytes(WORKER_NOTE, 4096, dir_fd=dir_fd))
         rank, round_ = data["rank"], data.get("round")
         if not isinstance(rank, int) or not (round_ is None or isinstance(round_, int)):
             return None
@@ -127,11 +123,10 @@ class WorkerDir:
     def open_files(self) -> None:
         for stream in STREAMS:
             if stream not in self.files:
-                try:
-                    fd = os.open(f"{stream}.log", os.O_RDONLY, dir_fd=self.fd)
+                try:  # the job's user's folder: never through a link, only its own file
+                    self.files[stream] = safe_files.open_reader(f"{stream}.log", dir_fd=self.fd)
                 except OSError:
                     continue
-                self.files[stream] = os.fdopen(fd, "rb")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -166,7 +161,7 @@ class WorkerDirs:
     @staticmethod
     def _run_dirs(log_dir: Path, prefix: str) -> list[str]:
         try:
-            return [n for n in os.listdir(log_dir) if n.startswith(prefix)]
+            return [n for n in safe_files.listdir(log_dir) if n.startswith(prefix)]
         except OSError:
             return []
 
@@ -194,41 +189,49 @@ class WorkerDirs:
             self._held.remove(d)
 
     def _find_new(self) -> None:
+        # Each folder is opened through no link, from the run folder down (the job's user's
+        # folders: worker/safe_files.py), and told apart from the one known by its inode.
         try:
-            restarts = sorted(int(m.group(1)) for n in os.listdir(self.run_dir)
-                              if (m := _RESTART.match(n)) and int(m.group(1)) >= self.latest)
+            run_fd = safe_files.open_dir(self.run_dir)
         except OSError:
             return
-        for restart in restarts:
-            if restart > self.latest:  # torch restarted the group: the older workers are gone
-                for d in self.current.values():
-                    d.replaced = True
-                self.current = {}
-                self.latest = restart
-            folder = self.run_dir / f"attempt_{restart}"
+        try:
+            restarts = sorted(int(m.group(1)) for n in os.listdir(run_fd)
+                              if (m := _RESTART.match(n)) and int(m.group(1)) >= self.latest)
+            for restart in restarts:
+                self._find_in(run_fd, restart)
+        finally:
+            os.close(run_fd)
+
+    def _find_in(self, run_fd: int, restart: int) -> None:
+        """Open the worker folders of `attempt_<restart>` that are new."""
+        if restart > self.latest:  # torch restarted the group: the older workers are gone
+            for d in self.current.values():
+                d.replaced = True
+            self.current = {}
+            self.latest = restart
+        attempt = f"attempt_{restart}"
+        try:
+            names = [n for n in safe_files.listdir(attempt, dir_fd=run_fd) if n.isdigit()]
+        except OSError:
+            return
+        for name in sorted(names, key=int):
+            path = self.run_dir / attempt / name
             try:
-                names = [n for n in os.listdir(folder) if n.isdigit()]
+                fd = safe_files.open_dir(f"{attempt}/{name}", dir_fd=run_fd)
             except OSError:
                 continue
-            for name in sorted(names, key=int):
-                path = folder / name
-                try:
-                    st = os.stat(path)
-                    known = self.current.get(path)
-                    if known is not None and known.ino == st.st_ino:
-                        continue
-                    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-                except OSError:
-                    continue
-                if os.fstat(fd).st_ino != st.st_ino:  # made again meanwhile: next time
-                    os.close(fd)
-                    continue
-                if known is not None:
-                    known.replaced = True  # a membership change: the same path, a new group
-                d = WorkerDir(path, restart, int(name), fd, st.st_ino)
-                self.current[path] = d
-                self.waiting.append(d)
-                self._held.append(d)
+            ino = os.fstat(fd).st_ino
+            known = self.current.get(path)
+            if known is not None and known.ino == ino:
+                os.close(fd)
+                continue
+            if known is not None:
+                known.replaced = True  # a membership change: the same path, a new group
+            d = WorkerDir(path, restart, int(name), fd, ino)
+            self.current[path] = d
+            self.waiting.append(d)
+            self._held.append(d)
 
     def close(self) -> None:
         """Close the folders (the reader owns the files handed out); no more on `ready`."""
@@ -242,23 +245,19 @@ class WorkerDirs:
         self.done.set()
 
 
-def keep_replaced_outputs() -> bool:
+def keep_replaced_outputs() -> None:
     """In torchrun: before torch's `DefaultLogsSpecs.reify` deletes the folder of the restart
     it is about to make (`attempt_<restart>`: a group that a membership change replaced, at the
     same restart count), move it aside to `attempt_<restart>.<n>`, so the node keeps that
-    group's output. False: this torch's logs spec is not the one expected, and deletes it."""
-    try:
-        from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-    except ImportError:
-        return False
-    stock = DefaultLogsSpecs.reify
-    if getattr(stock, "_ftrain_keeps_replaced", False):
-        return True
-    if list(getattr(getattr(stock, "__code__", None), "co_varnames", ()))[:2] != ["self", "envs"]:
-        return False
+    group's output."""
+    torch_internals.patch(torch_internals.LOGS_REIFY, _keeping_replaced)
+
+
+def _keeping_replaced(stock):
+    """torch's `DefaultLogsSpecs.reify` (`stock`) that first moves a replaced group's folder aside."""
 
     def reify(self, envs):
-        run_dir = getattr(self, "_run_log_dir", None)
+        run_dir = torch_internals.run_log_dir(self)
         restart = envs[0].get(TORCHELASTIC_RESTART_COUNT) if envs and 0 in envs else None
         if run_dir and restart is not None:
             folder = os.path.join(run_dir, f"attempt_{restart}")
@@ -273,6 +272,4 @@ def keep_replaced_outputs() -> bool:
                 log.warning("could not keep the output of the group replaced (%s): torch deletes it", exc)
         return stock(self, envs)
 
-    reify._ftrain_keeps_replaced = True
-    DefaultLogsSpecs.reify = reify
-    return True
+    return reify

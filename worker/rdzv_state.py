@@ -18,7 +18,8 @@ not refused: one etcd write per batch. An op applies only where torch, re-readin
 would have decided the same action (`apply_ops`'s rules); otherwise that request loses as
 before and the client re-decides.
 
-The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.4 to 2.13):
+The ops are torch's own actions of `_DistributedRendezvousOpExecutor` (torch 2.11 to 2.13, the
+versions `worker.torch_internals` is tested with):
 
 - `refresh_stale`: the heartbeats that a control-plane outage made stale, moved to "due" by
   the client as it read the state (`worker.rendezvous.outage.refresh_stale_heartbeats`):

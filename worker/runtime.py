@@ -762,13 +762,17 @@ class Runtime:
         return None
 
     def _resolve(self, path: str) -> Path:
-        """A committed path, or the same file name in this node's view of the snapshot dir."""
+        """A committed file in this node's view of the job's snapshot directory: the committed
+        path where it is in that directory, else the same file name there (the directory of
+        another node, or a forged commit's `/tmp/evil.pt`: every rank loads the file, so a file
+        elsewhere is never opened). Without a directory (the local twin): its own commits."""
         p = Path(path)
-        if not p.exists() and self.snapshot_dir is not None:
-            return self.snapshot_dir / p.name
-        return p
+        if self.snapshot_dir is None or snap.in_directory(p, self.snapshot_dir):
+            return p
+        return self.snapshot_dir / p.name
 
     def _load(self, path: str) -> None:
+        path = str(self._resolve(path))  # rank 0's choice, in this rank's snapshot directory
         state = snap.load(path)
         for name, obj in self._state.items():
             if obj is not None and state.get(name) is not None:

@@ -21,8 +21,10 @@ copy in a thread, one save in flight at a time.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
+import pickle
 import secrets
 import threading
 import time
@@ -186,11 +188,45 @@ def verify(path: str | Path, checksum: str, size: int | None = None) -> None:
         raise SnapshotCorrupt(f"{path} has checksum {actual}, the commit said {checksum}")
 
 
+class SnapshotUnsafe(Exception):
+    """A snapshot holds objects that torch's weights-only loading refuses (they could run code)."""
+
+
+def _numpy_rng_globals() -> list:
+    """What numpy's RNG state (`np.random.get_state()`: a tuple holding an array) needs of numpy
+    to be loaded weights-only; nothing without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    try:
+        multiarray = importlib.import_module("numpy._core.multiarray")
+    except ImportError:  # numpy before 2
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load(path: str | Path) -> dict:
-    """Load a snapshot written by `write_atomic` onto the CPU."""
-    # weights_only=False: the state holds numpy and python RNG states, which are trusted here
-    # (the job's own files, verified against the committed checksum first).
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Load a snapshot written by `write_atomic` onto the CPU with torch's weights-only
+    unpickler: tensors, containers, numbers, strings and numpy's RNG state load; anything
+    else, which a pickle could turn into code, is refused (`SnapshotUnsafe`)."""
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[-1][:300]
+            raise SnapshotUnsafe(
+                f"snapshot {path} holds objects that weights-only loading refuses ({first}); keep "
+                "the state_dict()s given to restore() to tensors, numbers, strings, lists and dicts, "
+                "or allow their classes with torch.serialization.add_safe_globals([...]) before "
+                "restore()") from exc
+
+
+def in_directory(path: str | Path, directory: str | Path) -> bool:
+    """Whether `path` is a file directly in `directory`, links followed (a committed path that
+    is not in the job's own snapshot directory is never loaded: every rank would run it)."""
+    p = Path(path)
+    return p.name not in ("", ".", "..") and p.parent.resolve() == Path(directory).resolve()
 
 
 def cleanup_temporaries(directory: str | Path) -> list[Path]:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker import gpus, memory_dirs
+from worker import gpus, memory_dirs, safe_files
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -82,11 +82,11 @@ from worker.protocol import (
     says_peer_gone,
     telling_line,
 )
-from worker.run_as import RunAs, job_dir
+from worker.run_as import MISSING, NO_CWD, RunAs, command_search, command_search_as, job_dir
 
 log = logging.getLogger("ftrain.agent")
 
-# Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
+# Rendezvous tuning (docs/architecture.md, "Traps"): a lost node is noticed after
 # keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
 # waits 1 s for latecomers instead of torch's 30 s.
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
@@ -119,10 +119,13 @@ MASK = "***"
 MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every line: left as is
 
 
-def secrets_to_mask(secret_env: dict[str, str]) -> tuple[str, ...]:
-    """The secret values to mask in a job's output, longest first (one may contain another)."""
-    return tuple(sorted({v for v in secret_env.values() if len(v) >= MIN_MASKED_CHARS},
-                        key=lambda v: (-len(v), v)))
+def secrets_to_mask(secret_env: dict[str, str], job_token: str | None = None) -> tuple[str, ...]:
+    """The values to mask in a job's output, longest first (one may contain another): its
+    secret env values and its token (whoever holds it commits the job's snapshots). Output is
+    shipped line by line, so a multi-line value (a PEM key) is masked line by line, each line
+    without the blanks around it."""
+    values = {line.strip() for v in (*secret_env.values(), job_token or "") for line in v.splitlines()}
+    return tuple(sorted({v for v in values if len(v) >= MIN_MASKED_CHARS}, key=lambda v: (-len(v), v)))
 
 
 def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
@@ -186,8 +189,8 @@ def tails_of_files(files: list[tuple[Path, int | None]], secrets: tuple[str, ...
     ends, as `WorkerGroup.tails` holds them."""
     tails: dict = collections.defaultdict(lambda: collections.deque(maxlen=20))
     for path, rank in files:
-        try:
-            with open(path, "rb") as f:
+        try:  # a worker's file is in its user's folder: never through a link (safe_files)
+            with safe_files.open_reader(path) as f:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - nbytes))
                 raw = f.read()
@@ -426,14 +429,14 @@ class Torchrun:
         """The job's memory tier on this node (worker/memory.py): made for its first
         attempt here, kept across attempts while the node works on the job, so that a
         restarted group finds the copies of the one before."""
-        if self.memory is not None and self.memory[0] == a.job_id and self.memory[1].is_dir():
+        if self.memory is not None and self.memory[0] == a.job_id and safe_files.is_dir(self.memory[1]):
             self.memory_parked_at = None
             return self.memory[1]
         self.drop_memory()
         try:
             path = memory_dirs.make_job_dir(self.data_dir, self.node, a.job_id)
             if self.run_as is not None:
-                os.chown(path, self.run_as.uid, self.run_as.gid)
+                safe_files.give_dir(path, self.run_as.uid, self.run_as.gid, 0o700)
         except OSError as exc:
             log.warning("no memory tier for job %s (%s): restarts resume from the disk", a.job_id, exc)
             return None
@@ -445,7 +448,10 @@ class Torchrun:
         held, self.memory = self.memory, None
         self.memory_parked_at = None
         if held is not None:
-            shutil.rmtree(held[1], ignore_errors=True)
+            try:  # the job's user's folder: nothing in it followed or opened but folders
+                safe_files.remove_tree(held[1])
+            except OSError as exc:
+                log.warning("could not remove the memory tier %s of job %s: %s", held[1], held[0], exc)
 
     def park_memory(self, now: float) -> None:
         """The node has no assignment: keep the memory tier of the job it left for
@@ -492,7 +498,7 @@ class Torchrun:
         job_dir(self.torchrun_log_dir(a), self.run_as,
                 agent_dirs=(self.data_dir, self.data_dir / "logs", log_dir, log_dir / "torchrun"))
         env = self.job_env(a)
-        if (why := missing_command(self.job_command(a), env, cwd)) is not None:
+        if (why := missing_command(self.job_command(a), env, cwd, self.run_as)) is not None:
             # Said before anything starts: the reason must not depend on whether the
             # launcher's line is shipped before torchrun's restart round is reported.
             self.shipper.add(a.job_id, a.attempt, LogLineIn(
@@ -514,8 +520,8 @@ class Torchrun:
                     start_new_session=True, **self._as_job_user())
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
-        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env), outputs=outputs,
-                        job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
+        g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env, a.job_token),
+                        outputs=outputs, job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
         self.follow(g, dirs)
         self.group = g
         log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
@@ -698,7 +704,7 @@ class Torchrun:
         if g.snapshot_dir is None or not g.job_token or g.stop_requested:
             return False
         path = handoff_path(g.snapshot_dir, self.node, g.attempt)
-        if not path.exists():
+        if not safe_files.lexists(path):
             return False
         link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
         earlier = None if g.handoff is None else g.handoff.not_committed
@@ -765,34 +771,62 @@ class Torchrun:
                      waited, g.job_id, g.attempt)
 
 
-def missing_command(command: list[str], env: Mapping[str, str], cwd: str) -> str | None:
+def missing_command(command: list[str], env: Mapping[str, str], cwd: str,
+                    run_as: RunAs | None = None) -> str | None:
     """`command not found: X` when the job's command X is nowhere the workers' exec would
     look (X itself, relative to `cwd`, if it has a slash; else each directory of the job's
     PATH), so the node fails the attempt with that reason before starting torchrun; None
     when it is there or when this agent cannot tell (a directory it may not read, a missing
-    `cwd`): then the launcher says what exec said (`worker/launch.py`)."""
+    `cwd`): then the launcher says what exec said (`worker/launch.py`). With `run_as`, the
+    search is the job's user's (`command_search_as`), and a `cwd` that user cannot enter,
+    absent or not, is the reason (the agent would enter it as root)."""
     name = command[0]
-    if not name or not os.path.isdir(cwd):
+    if not name:
         return None
     if "/" in name:
         candidates = [os.path.join(cwd, name)]
     else:  # an empty PATH entry is the working directory, as for execvp
         candidates = [os.path.join(cwd, d or ".", name)
                       for d in env.get("PATH", os.defpath).split(os.pathsep)]
-    for path in candidates:
-        try:
-            os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except OSError:
+    if run_as is None:
+        found = command_search(cwd, candidates)
+    elif (found := command_search_as(run_as, cwd, candidates)) == NO_CWD:
+        return f"working directory {cwd} is not a folder that user {run_as.name} may enter"
+    if found == MISSING:
+        return f"command not found: {name}"
+    if (script := python_script(command)) is not None:
+        # A mistyped script name fails every attempt the same way: say so once, before torchrun
+        # restarts it (the node's failure ends the job: no restart can cure it).
+        path = [os.path.join(cwd, script)]
+        there = command_search(cwd, path) if run_as is None else command_search_as(run_as, cwd, path)
+        if there == MISSING:
+            return f"no such file: {script} (in {cwd})"
+    return None
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_OPTION_WITH_VALUE = ("-W", "-X")
+
+
+def python_script(command: list[str]) -> str | None:
+    """The script a Python interpreter `command` runs (`python -u train.py ...`: train.py);
+    None when it is not a Python interpreter or runs no file (`-m`, `-c`, stdin)."""
+    if not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-m", "-c", "-"):
             return None
-        return None  # there (runnable or not: the launcher says which)
-    return f"command not found: {name}"
+        if arg in _OPTION_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _private_file(path: Path, mode: str):
     """`open(path, mode)` for writing, the file created 0600 (the job's output is not for all)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     return os.fdopen(os.open(path, flags, 0o600), mode)
 
 

@@ -30,12 +30,20 @@ def cancel(job: JobRecord, now: float, by: str = ADMIN) -> tuple[JobRecord, Even
     return changed, event.model_copy(update={"by": by})
 
 
-def decide_cancel(job: JobRecord, now: float, by: str = ADMIN, is_admin: bool = True) -> Change | None:
-    """A cancel request of user `by`: refused to anyone but the job's owner and the admin
-    (403), and for a finished job (409 naming its state)."""
+def decide_cancel(job: JobRecord, now: float, by: str = ADMIN, is_admin: bool = True,
+                  by_id: str | None = None) -> Change | None:
+    """A cancel request of user `by` (id `by_id`): refused to anyone but the job's owner and
+    the admin (403), and for a job that ended otherwise (409 naming its state). Cancelling a
+    cancelled job again changes nothing (None): a retried or repeated cancel is fine."""
     if not is_admin and by != job.owner:
         raise Forbidden(f"job {job.id} belongs to {job.owner!r}; only its owner or the admin "
                         f"can cancel it (you are {by!r})")
+    # A job of a user stored before ids (owner_id None) is owned by the name alone.
+    if not is_admin and job.owner_id is not None and by_id != job.owner_id:
+        raise Forbidden(f"job {job.id} belongs to an earlier user named {job.owner!r}, removed "
+                        "since; only the admin can cancel it")
+    if job.state is S.CANCELLED:
+        return None
     if job.state.is_terminal():
         raise InvalidTransition(job.id, job.state.value, S.CANCELLED.value)
     changed, event = cancel(job, now, by)

@@ -12,7 +12,7 @@ its agent restarted, or it was told to stop). The rules, torchrun's own for succ
   node is not lost (its lease may lapse: nothing of the job runs there), not free (no job,
   this one included, is given it), and it counts towards `nodes.min`. Nodes of one group
   finish at different moments; treating the first one as lost sent a `min == max` job back
-  to PENDING and ran it again for ever (issue 10). A finished member is never restarted or
+  to PENDING and ran it again for ever. A finished member is never restarted or
   given new work by this job: once one member has finished the job is *ending*, and its
   membership no longer changes (no scale-up, no drain, no restart of the others).
 - **SUCCEEDED when every member finished**, i.e. some member finished and none is running

@@ -133,15 +133,19 @@ def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
     d.update(control=Control(id=next_id, action=action, reason=reason, requested_at=d.now))
 
 
+LAPSED = "its lease lapsed"  # why a node went, when no other reason was noted (`plan`'s `gone`)
+
+
 def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: float,
          cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
-         copies: Sequence[MemorySnapshot] = ()) -> Plan | None:
+         copies: Sequence[MemorySnapshot] = (), gone: Mapping[str, str] | None = None) -> Plan | None:
     """The next state of `job`, given the live `nodes` and the `free` ones (in preference order).
 
     Returns None when nothing changes. The plan only ever takes nodes from `free`. A live
     member whose node is not in `nodes` but is in `graced` is not lost yet. `copies`: its
     members' memory reports, read where it may fall below its `min` (`keep.may_fall_short`):
-    the survivors that hold a copy are kept for it (`keep.kept_for`).
+    the survivors that hold a copy are kept for it (`keep.kept_for`). `gone`: why a node
+    went, where that is known (its agent stopped, its connection closed); else its lease lapsed.
     """
     if job.state.is_terminal():
         return None
@@ -166,13 +170,14 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     members = dict(job.members)
     for name in sorted(members):
         if members[name].is_live() and name not in nodes and name not in graced:
+            why = (gone or {}).get(name, LAPSED)
             stopped = members[name].model_copy(update={"state": "stopped", "reason": "node lost"})
             if d.job.state is not S.CANCELLING:
-                stopped = outcome.vanished(members, name, "node lost (its lease lapsed)") or stopped
+                stopped = outcome.vanished(members, name, f"node lost ({why})") or stopped
             members[name] = stopped
             d.update(members=dict(members))
             # while re-forming, the loss is what the job now waits on: its reason says so
-            d.note(f"node {name} lost (its lease lapsed)", as_reason=is_regrouping(d.job))
+            d.note(f"node {name} lost ({why})", as_reason=is_regrouping(d.job))
 
     states = {m.state for m in d.job.members.values()}
 
@@ -328,7 +333,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    nodes: dict[str, NodeRecord], now: float, cfg: SchedulerConfig = SchedulerConfig(),
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
-                   copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
+                   copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
+                   gone: Mapping[str, str] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
     `others` (the other unfinished jobs, oldest first).
 
@@ -394,7 +400,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     for job in others:
         if settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job, nodes, offered, now, cfg, graced, copies.get(job.id, ()))
+        p = plan(job, nodes, offered, now, cfg, graced, copies.get(job.id, ()), gone)
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:

@@ -9,9 +9,11 @@ Only a committed snapshot can become "latest", and only a commit from the job's 
 attempt is accepted: a rank 0 left over from an earlier attempt (a split group, a slow
 process that missed a restart) gets 409 and can never move "latest". "latest" only moves
 forward, except when the snapshot it names is found corrupt: then it falls back to the
-newest good one. A commit that carries a control id acknowledges that planned change
-(`control_for` stops showing it). Beyond `snapshot.keep`, the oldest are pruned, never
-the latest.
+newest good one. A commit names a file in the job's own snapshot directory: every rank of
+the job loads the committed file, so a commit naming another (forged with a leaked job
+token: `/tmp/evil.pt`) is refused (422) before anything is written. A commit that carries a
+control id acknowledges that planned change (`control_for` stops showing it). Beyond
+`snapshot.keep`, the oldest are pruned, never the latest.
 
 (job, records, request, now) -> Decision: a Change of the job record and the snapshot
 records (written in one transaction by `service.snapshots.SnapshotStore`), and the files
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 from service.decide.change import Change
 from service.decide.metrics import add_point, merged, split
 from service.decide.recovery import first_step
 from service.decide.state import note
-from service.errors import Conflict, SnapshotNotFound, StaleAttempt
+from service.errors import Conflict, InvalidField, SnapshotNotFound, StaleAttempt
 from service.models import EventView, JobRecord, MetricHistory, Progress
 from service.store.api import Delete, Put
 from worker.protocol import (
@@ -74,10 +77,33 @@ def plan_prune(records: Records, latest_step: int | None, keep: int) -> list[int
     return steps_to_prune({step: rec.bad for step, rec in records.items()}, latest_step, keep)
 
 
+def snapshot_path_error(job_id: str, path: str, snapshot_root: str | None) -> str | None:
+    """Why a commit's `path` is refused, None where it names a file directly in the job's
+    snapshot directory: `<snapshot_root>/<job id>` (as a node's `pathlib` writes it), or,
+    without a root every node shares, a node's own `<data dir>/snapshots/<job id>`, which the
+    control plane does not know: then any absolute directory named after the job, reached
+    without `..` (the worker checks its own directory before it loads a committed file)."""
+    p = PurePosixPath(path)
+    if snapshot_root is not None:
+        directory = PurePosixPath(snapshot_root) / job_id
+        where = str(directory)
+    else:
+        named = p.is_absolute() and ".." not in p.parts and p.parent.name == job_id
+        directory = p.parent if named else None
+        where = f"an absolute directory named {job_id} (a node's <data dir>/snapshots/{job_id})"
+    if p.parent != directory or p.name in ("", ".."):
+        return (f"{path!r} is outside job {job_id}'s snapshot directory, {where}; commit only the "
+                "files rank 0 wrote there (FTRAIN_SNAPSHOT_DIR)")
+    return None
+
+
 def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: float,
-                  snapshot_key: Callable[[int], str]) -> Decision:
-    """Record a snapshot; move latest only forward; ack a control id; prune beyond keep."""
+                  snapshot_key: Callable[[int], str], snapshot_root: str | None = None) -> Decision:
+    """Record a snapshot; move latest only forward; ack a control id; prune beyond keep.
+    `snapshot_root`: where every node snapshots, if they share one (`snapshot_path_error`)."""
     _check_writable(job, req.attempt, "snapshots")
+    if (why := snapshot_path_error(job.id, req.path, snapshot_root)) is not None:
+        raise InvalidField("path", why)
     rec = SnapshotRecord(step=req.step, path=req.path, size=req.size, checksum=req.checksum,
                          time=now, attempt=req.attempt, control_id=req.control_id,
                          stall_s=req.stall_s, write_s=req.write_s)

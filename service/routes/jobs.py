@@ -8,6 +8,7 @@ go in `secret_env`, which nobody sees. Only the owner of a job, or the admin, ma
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
@@ -15,11 +16,23 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
+from service.decide import keep
 from service.decide.cancel import decide_cancel
+from service.decide.waiting import why_waiting
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound, StoreUnavailable
 from service.keyring import new_nonce
-from service.models import CancelResult, EventList, JobList, JobSpec, JobState, JobView, MetricHistory
+from service.models import (
+    CancelResult,
+    EventList,
+    JobList,
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobView,
+    MetricHistory,
+    NodeRecord,
+)
 from worker.protocol import REVISION_HEADER  # read-your-writes (service.job_index)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[UserAuth], route_class=AuthFirstRoute)
@@ -56,8 +69,9 @@ async def submit_answer(ctx: Context, spec: JobSpec, caller: Caller,
         ctx.keyring.put_env(nonce, spec.secret_env)
         fingerprint = ctx.keyring.fingerprint(spec.secret_env)
     try:
-        job, created, revision = await ctx.jobs.create_at(spec, idempotency_key, owner=caller.name,
-                                                          nonce=nonce, fingerprint=fingerprint)
+        job, created, revision = await ctx.jobs.create_at(
+            spec, idempotency_key, owner=caller.name, owner_id=caller.user_id, nonce=nonce,
+            fingerprint=fingerprint)
     except Conflict:  # nothing was written (after an error etcd may have written: kept)
         ctx.keyring.delete_env(nonce)
         raise
@@ -99,7 +113,12 @@ async def list_jobs(
                                     "previous page; to list from the start, leave it out)") from None
             place = (job.created_at, job.id)
     page, more = await ctx.jobs.page(ctx.index.ids_after(place, state), state, limit)
-    return JobList(items=await ctx.jobs.views(page), next=page[-1].id if more and page else None)
+    views = await ctx.jobs.views(page)
+    if any(v.state is JobState.PENDING for v in views):
+        nodes = await ctx.nodes.current()
+        for job, view in zip(page, views, strict=True):
+            view.waiting = waiting_of(ctx, job, nodes)
+    return JobList(items=views, next=page[-1].id if more and page else None)
 
 
 @router.get("/{job_id}", response_model=JobView)
@@ -113,7 +132,8 @@ async def get_job(job_id: str, ctx: ContextDep, seen: RevisionSeen = None) -> Re
     if cached is not None:
         body, revision = cached
     else:  # read through
-        body, revision = (await read_through(ctx, job_id)).model_dump_json().encode(), ctx.index.revision
+        view = await with_waiting(ctx, await read_through(ctx, job_id))
+        body, revision = view.model_dump_json().encode(), ctx.index.revision
     return Response(body, media_type="application/json",
                     headers={REVISION_HEADER: str(max(revision, seen or 0))})
 
@@ -133,6 +153,30 @@ async def read_through(ctx: Context, job_id: str) -> JobView:
     return await ctx.jobs.view(job_id)
 
 
+async def with_waiting(ctx: Context, view: JobView) -> JobView:
+    """`view`, with what it waits for if it is PENDING (`decide.waiting`)."""
+    if view.state is JobState.PENDING and (job := ctx.index.get(view.id)) is not None:
+        view.waiting = waiting_of(ctx, job, await ctx.nodes.current())
+    return view
+
+
+def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord]) -> str | None:
+    """What `job` waits for (`decide.waiting.why_waiting`), the holders of the nodes taken
+    from the index: the job a node works for, or the waiting job it is held for."""
+    if job.state is not JobState.PENDING:
+        return None
+    now = ctx.jobs.clock()
+    holders = {}
+    for name, node in nodes.items():
+        holder = ctx.index.job_of_node(name)
+        if holder is None and (kept := ctx.index.keeper(name)) is not None and kept.id != job.id \
+                and keep.holds(kept, node, now):
+            holder = kept
+        if holder is not None:
+            holders[name] = holder
+    return why_waiting(job, nodes, holders)
+
+
 async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:
     """The job's view as JSON and the index's revision, if the index can answer: it is
     loaded, has reached `seen` (waited for, at most READ_WAIT_S) and has the job, and this
@@ -147,7 +191,14 @@ async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tupl
     if seen is not None and not await index.wait_for_revision(seen, READ_WAIT_S):
         return None
     body = index.view_json(job_id)
-    return None if body is None else (body, max(index.revision, seen or 0))
+    if body is None:
+        return None
+    job = index.get(job_id)
+    if job is not None and job.state is JobState.PENDING:  # (what it waits for is of this moment)
+        view = json.loads(body)
+        view["waiting"] = waiting_of(ctx, job, await ctx.nodes.current())
+        body = json.dumps(view, separators=(",", ":")).encode()
+    return body, max(index.revision, seen or 0)
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=CancelResult)
@@ -156,7 +207,7 @@ async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Resp
     fine; a finished job answers 409 with its state."""
     now = ctx.jobs.clock()
     job, revision = await ctx.jobs.update_at(
-        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin))
+        job_id, lambda job: decide_cancel(job, now, caller.name, caller.is_admin, caller.user_id))
     response.headers[REVISION_HEADER] = str(revision)
     return CancelResult(id=job.id, state=job.state)
 

@@ -266,6 +266,16 @@ async def undrain(name: str, ctx: ContextDep) -> NodeView:
     return _view(await ctx.nodes.undrain(name), _holders(ctx), ctx)
 
 
+@router.post("/v1/nodes/{name}/leave", response_model=NodeView, status_code=status.HTTP_202_ACCEPTED)
+async def leave(name: str, ctx: ContextDep, digest: NodeSelf) -> NodeView:
+    """An agent that is stopping takes its own node out as a drain would: its jobs stop at a
+    step boundary with their state saved and go on without it (or wait for nodes). The drain
+    ends with the node (DELETE, or its lease): it registers again READY."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
+    return _view(await ctx.nodes.leave(name), _holders(ctx), ctx)
+
+
 @router.delete("/v1/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def deregister(name: str, ctx: ContextDep, digest: NodeSelf) -> None:
     """An agent shutting down gives its lease back, so it is gone at once, not after the TTL."""

@@ -66,7 +66,8 @@ async def require_reader(ctx: ContextDep, user_creds: UserCredentials, job_creds
 @router.post("/{job_id}/snapshots", response_model=CommitResult)
 async def commit_snapshot(job_id: str, req: CommitRequest, job: JobTokenDep,
                           snapshots: SnapshotsDep, ctx: ContextDep) -> CommitResult:
-    """Commit a snapshot rank 0 has written; 409 from a stale attempt or a finished job.
+    """Commit a snapshot rank 0 has written; 409 from a stale attempt or a finished job, 422
+    for a file outside the job's snapshot directory (every rank loads the committed file).
 
     Returns the files the writer should delete (pruned beyond `snapshot.keep`).
     """

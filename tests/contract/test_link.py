@@ -6,7 +6,7 @@ apart, below the shared cases."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -57,7 +57,8 @@ def service_job(request) -> dict:
     job = resp.json()
     token = control_plane.job_token(stored_job(etcd.endpoint, job["id"]))
     return {"id": job["id"], "attempt": job["attempt"], "token": token,
-            "url": control_plane.url, "etcd": etcd.endpoint, "api": api}
+            "url": control_plane.url, "etcd": etcd.endpoint, "api": api,
+            "snapshots": control_plane.snapshot_root / job["id"]}
 
 
 @pytest.fixture(params=[pytest.param("service", marks=pytest.mark.integration), "local"])
@@ -69,9 +70,19 @@ def link(request, tmp_path) -> Iterator[Link]:
         yield LocalLink(tmp_path / "snapshots", keep=KEEP)
 
 
-def written(step: int) -> WrittenSnapshot:
-    return WrittenSnapshot(step=step, path=f"/snapshots/step-{step:012d}.pt", size=10 + step,
-                           checksum=f"sha256:{step:064x}", write_s=0.01)
+@pytest.fixture
+def written(request) -> Callable[[int], WrittenSnapshot]:
+    """The snapshot of a step as rank 0 writes it, in the job's snapshot directory (the
+    service's `<snapshot root>/<job id>`: a commit naming a file elsewhere is refused)."""
+    service = "service_job" in request.fixturenames or (
+        "link" in request.fixturenames and isinstance(request.getfixturevalue("link"), ServiceLink))
+    directory = request.getfixturevalue("service_job")["snapshots"] if service else Path("/snapshots")
+
+    def make(step: int) -> WrittenSnapshot:
+        return WrittenSnapshot(step=step, path=str(directory / f"step-{step:012d}.pt"), size=10 + step,
+                               checksum=f"sha256:{step:064x}", write_s=0.01)
+
+    return make
 
 
 def steps_and_latest(link: Link) -> tuple[list[int], int | None]:
@@ -85,7 +96,7 @@ def test_no_snapshot_is_listed_at_first(link):
     assert link.snapshots() == ([], None)
 
 
-def test_a_commit_is_listed_as_committed(link):
+def test_a_commit_is_listed_as_committed(link, written):
     assert link.commit(written(10), stall_s=0.002, control_id=None) == []
     items, latest = link.snapshots()
     assert latest == 10
@@ -93,7 +104,7 @@ def test_a_commit_is_listed_as_committed(link):
         (10, written(10).path, 20, written(10).checksum, False)]
 
 
-def test_latest_moves_forward_and_never_back(link):
+def test_latest_moves_forward_and_never_back(link, written):
     link.commit(written(20), 0.0, None)
     assert steps_and_latest(link) == ([20], 20)
     link.commit(written(10), 0.0, None)  # an older step is recorded, latest stays
@@ -102,7 +113,7 @@ def test_latest_moves_forward_and_never_back(link):
     assert steps_and_latest(link) == ([10, 20, 30], 30)
 
 
-def test_commits_prune_beyond_keep_and_never_the_latest(link):
+def test_commits_prune_beyond_keep_and_never_the_latest(link, written):
     pruned = []
     for step in range(10, 70, 10):
         prune = link.commit(written(step), 0.0, None)
@@ -112,14 +123,14 @@ def test_commits_prune_beyond_keep_and_never_the_latest(link):
     assert sorted(pruned) == [written(s).path for s in (10, 20, 30)]
 
 
-def test_an_older_step_committed_beyond_keep_is_the_one_pruned(link):
+def test_an_older_step_committed_beyond_keep_is_the_one_pruned(link, written):
     for step in (40, 50, 60):
         link.commit(written(step), 0.0, None)
     assert link.commit(written(5), 0.0, None) == [written(5).path]
     assert steps_and_latest(link) == ([40, 50, 60], 60)
 
 
-def test_a_corrupt_report_moves_latest_back_to_the_newest_good_one(link):
+def test_a_corrupt_report_moves_latest_back_to_the_newest_good_one(link, written):
     for step in (10, 20, 30):
         link.commit(written(step), 0.0, None)
     link.report_corrupt(30, "checksum mismatch")
@@ -129,7 +140,7 @@ def test_a_corrupt_report_moves_latest_back_to_the_newest_good_one(link):
     assert link.snapshots()[1] == 10
 
 
-def test_a_bad_snapshot_is_not_kept_in_place_of_a_good_one(link):
+def test_a_bad_snapshot_is_not_kept_in_place_of_a_good_one(link, written):
     for step in (10, 20, 30):
         link.commit(written(step), 0.0, None)
     link.report_corrupt(30, "checksum mismatch")
@@ -179,7 +190,7 @@ def test_the_local_twin_takes_progress_and_keeps_nothing(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_service_fences_a_commit_of_an_attempt_that_is_over(service_job):
+def test_the_service_fences_a_commit_of_an_attempt_that_is_over(service_job, written):
     job_id, url, token = service_job["id"], service_job["url"], service_job["token"]
     ServiceLink(url, job_id, token, attempt=0).commit(written(10), 0.0, None)
     move_to_attempt(service_job["etcd"], job_id, 1)
@@ -190,19 +201,19 @@ def test_the_service_fences_a_commit_of_an_attempt_that_is_over(service_job):
     assert ServiceLink(url, job_id, token, attempt=1).snapshots()[1] == 20
 
 
-def test_the_local_twin_has_no_attempts_to_fence(tmp_path):
+def test_the_local_twin_has_no_attempts_to_fence(tmp_path, written):
     first, second = LocalLink(tmp_path, keep=KEEP), LocalLink(tmp_path, keep=KEEP)
     first.commit(written(10), 0.0, None)
     second.commit(written(20), 0.0, None)  # a second writer of the same directory is not refused
     assert first.snapshots()[1] == 20
 
 
-def test_the_local_index_survives_a_new_link(tmp_path: Path):
+def test_the_local_index_survives_a_new_link(tmp_path: Path, written):
     LocalLink(tmp_path, keep=KEEP).commit(written(10), 0.0, None)
     assert steps_and_latest(LocalLink(tmp_path, keep=KEEP)) == ([10], 10)
 
 
-def test_the_restore_point_is_the_disk_without_a_newer_copy_in_memory(link):
+def test_the_restore_point_is_the_disk_without_a_newer_copy_in_memory(link, written):
     assert link.restore_point(None).tier == "none"
     link.commit(written(5), 0.0, None)
     point = link.restore_point(None)
@@ -210,7 +221,7 @@ def test_the_restore_point_is_the_disk_without_a_newer_copy_in_memory(link):
 
 
 @pytest.mark.integration
-def test_the_service_restores_from_a_members_memory_of_this_attempt_only(service_job):
+def test_the_service_restores_from_a_members_memory_of_this_attempt_only(service_job, written):
     from service.models import MemberStatus
 
     _job_store(service_job["etcd"], lambda store: store.update(service_job["id"], lambda job: Change(
@@ -233,7 +244,7 @@ def test_the_service_restores_from_a_members_memory_of_this_attempt_only(service
     assert (point.tier, point.step) == ("disk", 5)
 
 
-def test_the_local_twin_restores_from_its_memory_copy_when_at_least_the_latest():
+def test_the_local_twin_restores_from_its_memory_copy_when_at_least_the_latest(written):
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:

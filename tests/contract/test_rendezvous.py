@@ -48,6 +48,7 @@ from worker.rendezvous import (
     wake,
     wake_on_change,
 )
+from worker.torch_internals import TorchChanged
 
 # One etcd and control plane for the module (each test has a job, and so a rendezvous, of
 # its own): the tests that stop it, restart it, register a node or read every rendezvous key
@@ -734,11 +735,10 @@ def test_a_failed_wait_falls_back_to_the_one_second_poll():
     transport.close()
 
 
-def test_a_torch_without_the_expected_internals_keeps_polling(transports, caplog):
+def test_a_handler_without_torchs_state_holder_is_refused_with_the_name_it_lacks(transports):
     backend = FtrainRendezvousBackend(transports())
-    with caplog.at_level("WARNING", logger="worker.rendezvous"):
-        assert wake_on_change(types.SimpleNamespace(), backend) is False
-    assert "once a second, as stock torch does" in caplog.text
+    with pytest.raises(TorchChanged, match=r"private dynamic_rendezvous\.DynamicRendezvousHandler\._state_holder"):
+        wake_on_change(types.SimpleNamespace(), backend)
     assert backend._wakes_on_change is False
 
 

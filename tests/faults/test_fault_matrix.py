@@ -18,7 +18,6 @@ test of its reason) and the fork server's.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import pytest
 
 from tests.helpers.elastic import SCRIPT, job, submit, torchrun_launchers, wait_nodes, wait_state
 from tests.helpers.faults import (
+    STEP_LINE,
     TRAIN,
     SnapshotWatch,
     check_steps,
@@ -48,7 +48,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.shared_control_plane]
 
 STEPS = 100
 STEP_S = 0.05
-_STEP = re.compile(r"^step=(\d+)\b")
 
 
 def _one(found: list[int]) -> int | None:
@@ -81,7 +80,7 @@ def spec_for(kind: str, script: str, name: str, max_restarts: int = 3) -> dict:
 
 def rank0_steps(api, job_id: str) -> list[tuple[float, int]]:
     """(read time, step) of each step rank 0 logged, in the order written."""
-    return [(i["time"], int(m.group(1))) for i in rank0_lines(api, job_id) if (m := _STEP.match(i["line"]))]
+    return [(i["time"], int(m.group(1))) for i in rank0_lines(api, job_id) if (m := STEP_LINE.match(i["line"]))]
 
 
 def start_training_on_two_nodes(api, agents, spec: dict) -> tuple[NodeAgentProc, str]:

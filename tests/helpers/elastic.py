@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.processes import NodeAgentProc, wait_for, workers_under
+from bench.harness import NodeAgentProc, log_items, wait_for, workers_under
 from worker.procs import cmdline, descendants, is_fork_server, is_launcher, parent_of
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_steps.py"
@@ -34,21 +34,6 @@ def job(api: httpx.Client, job_id: str) -> dict:
 
 def events(api: httpx.Client, job_id: str) -> list[dict]:
     return api.get(f"/v1/jobs/{job_id}/events").json()["items"]
-
-
-def log_items(api: httpx.Client, job_id: str, rank: int | None = None) -> list[dict]:
-    """Every line of the job's log as it is now (of one rank, if given), page by page."""
-    items: list[dict] = []
-    since = 0
-    while True:
-        params = {"since": since, **({"rank": rank} if rank is not None else {})}
-        resp = api.get(f"/v1/jobs/{job_id}/logs", params=params)
-        resp.raise_for_status()
-        page = resp.json()
-        items += page["items"]
-        if page["next_seq"] >= page["end_seq"]:
-            return items
-        since = page["next_seq"]
 
 
 def steps(api: httpx.Client, job_id: str, attempt: int = 0) -> list[tuple[int, int]]:

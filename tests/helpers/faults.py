@@ -28,23 +28,25 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.elastic import job, job_spec, log_items, worker_pids
-from tests.helpers.processes import (
+from bench.harness import (
+    FROM_MEMORY,
     REPO,
+    STEP_LINE,
     ControlPlane,
     NodeAgentProc,
     forked_torchrun,
+    rank0_lines,
     wait_for,
 )
+from bench.harness import runs as runs  # the tests' name for it
+from tests.helpers.elastic import job, job_spec, worker_pids
 from worker import snapshot as snap
-from worker.procs import cmdline, descendants, is_fork_server, is_launcher, is_standby, parent_of
 from worker.launch import WORKER_NOTE
+from worker.procs import cmdline, descendants, is_fork_server, is_launcher, is_standby, parent_of
 
 TRAIN = REPO / "examples" / "train.py"
 KEEP_ALL = 1000
-_STEP = re.compile(r"^step=(\d+)\b")
 _START = re.compile(r"^(?:start|resumed) step=(\d+)")
-_FROM_MEMORY = re.compile(r"resumed from memory \(step (\d+)")
 
 
 def train_spec(name: str, steps: int, *, every: int = 5, nproc: int = 1, mn: int = 1, mx: int = 1,
@@ -296,30 +298,6 @@ class Trace:
     resumes: list[tuple[float, int, int]]  # (time of the first step after, resumed from, last step before)
 
 
-def rank0_lines(api: httpx.Client, job_id: str) -> list[dict]:
-    """Rank 0's lines in the order they were written (the agents' read times; the log's
-    own order is the order they were shipped, which after an outage mixes nodes), once each."""
-    items = log_items(api, job_id, rank=0)
-    # Shipping is at-least-once: a batch whose write reached the log just before it died is
-    # sent again (same node, attempt, read time and text). Count such a line once.
-    unique = {(i["node"], i["attempt"], i["time"], i["line"]): i for i in items}
-    return sorted(unique.values(), key=lambda i: (i["time"], i["seq"]))
-
-
-_RUN_START = re.compile(r"^start step=(\d+)")  # the runtime's own, not a script's "resumed"
-
-
-def runs(api, job_id: str) -> list[tuple[int, list[int]]]:
-    """Rank 0's runs in order: (the step it started from, the steps it logged)."""
-    out: list[tuple[int, list[int]]] = []
-    for item in rank0_lines(api, job_id):
-        if m := _RUN_START.match(item["line"]):
-            out.append((int(m.group(1)), []))
-        elif (m := _STEP.match(item["line"])) and out:
-            out[-1][1].append(int(m.group(1)))
-    return out
-
-
 def check_steps(api: httpx.Client, job_id: str, *, watch: SnapshotWatch | None = None,
                 every: int | None = None, margin_s: float = 0.2) -> Trace:
     """Rank 0's steps never go backwards except to a committed snapshot.
@@ -338,14 +316,14 @@ def check_steps(api: httpx.Client, job_id: str, *, watch: SnapshotWatch | None =
     # Steps rank 0 loaded from the memory tier (worker/memory.py). Gathered first: the line
     # that says so is the runtime's log on stderr, read apart from the steps on stdout, so
     # its read time may come after the first step it resumed to.
-    from_memory = {int(m.group(1)) for i in lines if (m := _FROM_MEMORY.search(i["line"]))}
+    from_memory = {int(m.group(1)) for i in lines if (m := FROM_MEMORY.search(i["line"]))}
     for item in lines:
-        if _FROM_MEMORY.search(item["line"]):
+        if FROM_MEMORY.search(item["line"]):
             continue
         if m := _START.match(item["line"]):
             marker = int(m.group(1))
             continue
-        if not (m := _STEP.match(item["line"])):
+        if not (m := STEP_LINE.match(item["line"])):
             continue
         n = int(m.group(1))
         if marker is None and steps and n == steps[-1] + 1:

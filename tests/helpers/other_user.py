@@ -2,7 +2,8 @@
 
 The probe runs as a child process started with that user's uid and gid (the test runs as
 root), and reports, for each path, whether it could read it (a file) or list it (a
-directory), and for each URL what etcd's HTTP gateway answered.
+directory), and for each URL what etcd's HTTP gateway answered. The intruder is such a
+child that keeps trying etcd's ports from before etcd listens.
 """
 
 from __future__ import annotations
@@ -44,6 +45,57 @@ for url, body in posts:
         out["posts"][url] = [0, repr(exc)]
 print(json.dumps(out))
 """
+
+
+_INTRUDER = r"""
+import json, socket, sys, time, urllib.error, urllib.request
+client, peer, want, deadline_s = json.loads(sys.argv[1])
+attempts = [("auth/user/add", {"name": "intruder", "password": "intruder-pw"}),
+            ("auth/user/grant", {"user": "intruder", "role": "root"}),
+            ("auth/role/add", {"name": "intruder"}),
+            ("kv/put", {"key": "L2Z0cmFpbi9wbGFudGVk", "value": "eA=="})]
+out = {"accepted": [], "answers": 0, "peer_connects": 0, "first_answer": None}
+print("polling", flush=True)
+end = time.monotonic() + deadline_s
+while time.monotonic() < end and out["answers"] < want:
+    for path, body in attempts:
+        request = urllib.request.Request(f"http://127.0.0.1:{client}/v3/{path}",
+                                         data=json.dumps(body).encode(), method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                out["accepted"].append([path, resp.read().decode(errors="replace")[:200]])
+        except urllib.error.HTTPError as exc:
+            out["answers"] += 1
+            out["first_answer"] = out["first_answer"] or exc.read().decode(errors="replace")[:200]
+        except OSError:
+            time.sleep(0.001)  # not listening (yet)
+    try:
+        socket.create_connection(("127.0.0.1", peer), timeout=0.2).close()
+        out["peer_connects"] += 1
+    except OSError:
+        pass
+print(json.dumps(out), flush=True)
+"""
+
+
+def start_etcd_intruder(client_port: int, peer_port: int, answers: int, deadline_s: float
+                        ) -> subprocess.Popen:
+    """`nobody`, polling etcd's client port from before it listens: at every attempt it tries
+    to add a user, grant it root, add a role and write a key, without credentials; and it
+    tries to connect to the peer port. It stops after `answers` refusals (or `deadline_s`)
+    and prints {"accepted": [[path, body]...], "answers", "peer_connects", "first_answer"}.
+    Its first line, "polling", says that it has begun."""
+    pw = other_user()
+    proc = subprocess.Popen(
+        [python_for_other_user(), "-S", "-c", _INTRUDER,
+         json.dumps([client_port, peer_port, answers, deadline_s])],
+        user=pw.pw_uid, group=pw.pw_gid, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    if proc.stdout.readline().strip() != "polling":
+        proc.wait(10)
+        raise AssertionError(f"the intruder did not start: {proc.stderr.read()}")
+    return proc
 
 
 def needs_root():

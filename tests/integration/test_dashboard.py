@@ -13,7 +13,7 @@ setup` and .ci/run install it). Every request the page makes to another host is 
 so the dashboard and /docs are shown to work with no Internet access.
 
 With FTRAIN_SCREENSHOTS=<dir> the test saves the jobs page and the job page there (the
-README's screenshots in docs/ come from it).
+the screenshots in docs/ come from it).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
     (agent,) = agents(1)
     shots = os.environ.get("FTRAIN_SCREENSHOTS")
     outside: list[str] = []  # requests the page tried to make to another host
+    refused: list[str] = []  # what the page's Content-Security-Policy refused (the console says)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
@@ -73,10 +74,15 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             page = context.new_page()
             page.set_default_timeout(TIMEOUT_MS)
             page.on("dialog", lambda dialog: dialog.accept())  # the cancel button's "are you sure?"
+            page.on("console", lambda msg: "Content Security Policy" in msg.text
+                    and refused.append(msg.text))
 
             # / leads to the dashboard, which asks for a token before it shows anything
-            page.goto(control_plane.url + "/")
+            answer = page.goto(control_plane.url + "/")
             assert page.url == control_plane.url + "/ui/"
+            # under a policy that runs its own files only, and that no other site may frame
+            assert "script-src 'self'" in answer.headers["content-security-policy"]
+            assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
             page.fill("#token", "not-the-token")
             page.click("#signin button")
             page.wait_for_selector("#signin-error:has-text('not accepted')")
@@ -144,7 +150,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             wait_points(page, after)
             assert job(api, job_id)["restarts"] == 1
             if shots:
-                wait_points(page, after + 12)  # a longer curve for the README's picture
+                wait_points(page, after + 12)  # a longer curve for the picture in docs/
                 page.screenshot(path=str(Path(shots) / "dashboard-job.png"), full_page=True)
 
             # cancel from the page
@@ -186,6 +192,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         finally:
             browser.close()
     assert outside == [], f"the pages asked other hosts for {outside}"
+    assert refused == [], f"the dashboard's policy refused its own {refused}"
 
     # what the control plane's Prometheus metrics saw of it
     text = api.get("/metrics").text

@@ -43,7 +43,7 @@ def give_it_state(cp: ControlPlane, job_id: str) -> None:
                          json={"node": node_name, "lines": [line]}).status_code == 204
     with cp.client(cp.job_token_of(job_id)) as worker, cp.client("user") as api:
         attempt = api.get(f"/v1/jobs/{job_id}").json()["attempt"]
-        commit = {"step": 5, "path": f"/snap/{job_id}/5", "size": 1, "checksum": "x",
+        commit = {"step": 5, "path": f"{cp.snapshot_root}/{job_id}/5", "size": 1, "checksum": "x",
                   "attempt": attempt}
         assert worker.post(f"/v1/jobs/{job_id}/snapshots", json=commit).status_code == 200
         assert worker.post(f"/v1/jobs/{job_id}/progress",

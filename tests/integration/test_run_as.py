@@ -95,3 +95,42 @@ def test_workers_run_as_nobody_read_no_token_and_snapshot_as_themselves(etcd, op
     finally:
         agent.stop()
         cp.stop()
+
+
+PLANT = Path(__file__).resolve().parents[1] / "scripts" / "plant_links.py"
+
+
+def test_links_a_job_plants_in_its_log_folder_never_show_root_files_in_its_logs(etcd, open_base):
+    """The agent (root) follows the job's output files in torchrun's log folder, which the
+    job's user owns: a link there to a root-only file, or a worker folder that is a link to a
+    root-only folder, must never have the agent read that file and serve it as the job's log."""
+    prefix = interpreter_reachable_prefix()
+    if prefix is None:
+        pytest.skip("nobody cannot run this interpreter, and no mount namespace to fix that")
+    token = secrets.token_hex(16)
+    secret_file = open_base / "root-only.txt"
+    secret_file.write_text(f"root-only file {token}\n")
+    secret_file.chmod(0o600)
+    secret_dir = open_base / "root-only-dir"
+    secret_dir.mkdir(mode=0o700)
+    (secret_dir / "stdout.log").write_text(f"root-only folder {token}\n")
+    cp = ControlPlane(etcd.endpoint, open_base / "cp").start()
+    agent = NodeAgentProc(cp, "ra1", open_base / "node", args=["--run-as", "nobody"], prefix=prefix)
+    try:
+        agent.start()
+        with cp.client() as api:
+            wait_nodes(api, 1)
+            spec = {"name": "plant-links", "nodes": {"min": 1, "max": 1}, "max_restarts": 0,
+                    "command": ["python", str(PLANT), str(secret_file), str(secret_dir)]}
+            job_id = submit(api, spec)
+            done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
+            lines = [i["line"] for i in log_items(api, job_id)]
+        assert done["state"] == "SUCCEEDED", (done, lines[-20:])
+        assert "planted" in lines, lines[-20:]
+        run_dir = next((open_base / "node" / "logs" / job_id / "torchrun" / agent.name).iterdir())
+        assert (run_dir / "attempt_0" / "7" / "stdout.log").is_symlink()  # planted, and not read
+        assert not [x for x in lines if token in x], [x for x in lines if token in x]
+        assert token not in (done.get("reason") or "")
+    finally:
+        agent.stop()
+        cp.stop()

@@ -1,4 +1,4 @@
-"""The README's security table, row by row, against a real etcd and a real uvicorn.
+"""docs/api.md's "Who can do what", row by row, against a real etcd and a real uvicorn.
 
 Every user, node, rendezvous and job-runtime endpoint is called with each credential: no
 token, a wrong one, the user token (the admin's), a named user's token, the node
@@ -10,13 +10,17 @@ other principal's valid token is 403.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
 
+from service.keys import Keys
+from service.store.etcd import EtcdStore
 from tests.helpers.processes import ControlPlane, NodeAgentProc, wait_for
 
 ONE_NODE = {"name": "sec", "command": ["python", "train.py"], "nodes": {"min": 1, "max": 1}}
@@ -68,14 +72,15 @@ def _close_clients():
     _clients.clear()
 
 
-def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, set[str]]]:
-    """(method, path, body, the principals that may call it): the README's security table.
+def rows(j: str, attempt: int, lone: str,
+         snapshot_root: Path) -> list[tuple[str, str, dict | None, set[str]]]:
+    """(method, path, body, the principals that may call it): docs/api.md's "Who can do what".
 
     Rows that change something for good (drain, cancel, leaving) come last.
     """
     rdzv = f"/v1/rdzv/{j}-a{attempt}"
     line = {"rank": 0, "stream": "stdout", "line": "hello", "time": 1.0}
-    commit = {"step": 5, "path": f"/snap/{j}/5.pt", "size": 1, "checksum": "x", "attempt": attempt}
+    commit = {"step": 5, "path": f"{snapshot_root}/{j}/5.pt", "size": 1, "checksum": "x", "attempt": attempt}
     return [
         # users
         ("POST", "/v1/jobs", {**ONE_NODE, "name": "more"}, {"user", "named"}),
@@ -122,7 +127,7 @@ def rows(j: str, attempt: int, lone: str) -> list[tuple[str, str, dict | None, s
 def test_every_endpoint_takes_exactly_the_credentials_of_its_row(cluster):
     cp, tokens, ids = cluster
     wrong: list[str] = []
-    for method, path, body, allowed in rows(ids["j"], ids["attempt"], ids["lone"]):
+    for method, path, body, allowed in rows(ids["j"], ids["attempt"], ids["lone"], cp.snapshot_root):
         # the refused first: a refusal must change nothing the allowed call then relies on
         for who in sorted(PRINCIPALS, key=lambda p: p in allowed):
             got = call(cp, tokens[who], method, path, body).status_code
@@ -170,6 +175,40 @@ def test_a_forged_snapshot_commit_is_refused_with_the_node_token_or_a_members_cr
     with cp.client("user") as api:
         assert api.get(f"/v1/jobs/{j}/snapshots").json() == {"items": [], "latest": None, "memory": []}
         assert api.get(f"/v1/jobs/{j}").json()["latest_snapshot"] is None
+
+
+def _snapshot_keys(etcd_endpoint: str, job_id: str) -> list[str]:
+    async def read() -> list[str]:
+        kv = EtcdStore(etcd_endpoint)
+        try:
+            return [e.key async for e in kv.scan_prefix(Keys().snapshots(job_id))]
+        finally:
+            await kv.close()
+
+    return asyncio.run(read())
+
+
+def test_a_commit_with_the_jobs_own_token_naming_a_file_outside_its_snapshot_directory_is_422(cluster):
+    """Every rank of the job loads the committed file: a commit (a leaked job token is enough)
+    may name only a file in `<snapshot root>/<job id>`; nothing is written to etcd otherwise."""
+    cp, tokens, ids = cluster
+    j, attempt = ids["j"], ids["attempt"]
+    good = {"step": 5, "path": f"{cp.snapshot_root}/{j}/step-000000000005.pt", "size": 1, "checksum": "x",
+            "attempt": attempt}
+    assert call(cp, tokens["job_j"], "POST", f"/v1/jobs/{j}/snapshots", good).status_code == 200
+    kept = _snapshot_keys(cp.etcd_endpoint, j)
+    for path in ("/tmp/x", "/tmp/evil.pt", f"/tmp/{j}/evil.pt", f"{cp.snapshot_root}/{j}/../../evil.pt",
+                 f"{cp.snapshot_root}/{ids['k']}/step-000000000009.pt", f"{j}/step-000000000009.pt"):
+        resp = call(cp, tokens["job_j"], "POST", f"/v1/jobs/{j}/snapshots", {**good, "step": 9, "path": path})
+        assert resp.status_code == 422, f"{path}: {resp.status_code} {resp.text}"
+        body = resp.json()
+        assert [e["field"] for e in body["errors"]] == ["path"], body
+        assert "outside job" in body["detail"] and f"{cp.snapshot_root}/{j}" in body["detail"], body
+    with cp.client("user") as api:
+        listed = api.get(f"/v1/jobs/{j}/snapshots").json()
+        assert listed["latest"] == 5 and [i["path"] for i in listed["items"]] == [good["path"]]
+        assert api.get(f"/v1/jobs/{j}").json()["latest_snapshot"]["step"] == 5
+    assert _snapshot_keys(cp.etcd_endpoint, j) == kept
 
 
 def test_a_job_token_on_a_user_or_node_endpoint_is_403(cluster):

@@ -1,4 +1,4 @@
-"""`ftrain up --replicas N --etcd-members M`: a local HA cluster of real processes (issue 12)."""
+"""`ftrain up --replicas N --etcd-members M`: a local HA cluster of real processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from service.up import is_port_free
-from tests.helpers.processes import descendants, free_port, pid_alive, wait_for
+from tests.helpers.processes import descendants, free_port, pid_alive, tcp_ports_listened_on, wait_for
 from tests.integration.test_up import FALLBACK_SPEC, Up
 
 pytestmark = pytest.mark.integration
@@ -66,8 +66,10 @@ def test_up_with_two_replicas_and_three_etcd_members_serves_from_both(ha_up):
     agents = [p for p in children if b"node" in _argv(p)]
     assert len(agents) == 1 and both.encode() in _argv(agents[0])  # the agent has every replica
 
-    # Closed: each member refuses a read without credentials (etcd's auth is cluster-wide).
+    # Closed: each member refuses a read without credentials (etcd's auth is cluster-wide),
+    # and listens on TCP for its clients alone: the members' peer traffic is on unix sockets.
     ports = [m["client"] for m in json.loads((up.data_dir / "etcd-ports").read_text())["members"]]
+    assert sorted(p for pid in etcds for p in tcp_ports_listened_on(pid)) == sorted(ports)
     for client in ports:
         req = urllib.request.Request(f"http://127.0.0.1:{client}/v3/kv/range",
                                      data=json.dumps({"key": "Lw=="}).encode(), method="POST")

@@ -21,6 +21,7 @@ from tests.helpers.elastic import job_spec, log_items, submit, wait_nodes, wait_
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "secret_env.py"
+PRINTS = Path(__file__).resolve().parents[1] / "scripts" / "prints_secrets.py"
 
 
 def etcd_dump(endpoint: str) -> bytes:
@@ -86,6 +87,27 @@ def test_a_secret_env_value_reaches_the_worker_and_no_store_response_or_log(
     assert stat.S_IMODE(kept[0].stat().st_mode) == 0o600
     assert stat.S_IMODE(control_plane.secret_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((control_plane.secret_dir / "key").stat().st_mode) == 0o600
+
+
+def test_the_job_token_and_each_line_of_a_multi_line_secret_are_masked_in_the_log(
+        api, agents, control_plane):
+    """Whoever reads a job's log must not get its token (it commits the job's snapshots) nor a
+    PEM key given as secret_env: lines are shipped one by one, so each line is masked."""
+    body = [secrets.token_urlsafe(48) for _ in range(3)]
+    pem = "\n".join(["-----BEGIN PRIVATE KEY-----", *body, "-----END PRIVATE KEY-----"]) + "\n"
+    agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, job_spec("prints", script=PRINTS, mn=1, mx=1, max_restarts=0,
+                                  env={"FTRAIN_FORK_SERVER": "0"}, secret_env={"KEY": pem}))
+    token = control_plane.job_token_of(job_id)
+    view = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), 90)
+    lines = [i["line"] for i in log_items(api, job_id)]
+    assert view["state"] == "SUCCEEDED", (view, lines)
+    assert "my token is *** (rank 0)" in lines, lines
+    assert lines.count("***") >= 5, lines  # the key's five lines, each masked
+    text = api.get(f"/v1/jobs/{job_id}/logs").text
+    for shown in (token, *body):
+        assert shown not in text
 
 
 def test_users_own_their_jobs_only_owners_and_the_admin_cancel(api, control_plane, etcd):

@@ -146,7 +146,7 @@ def test_wrong_token_says_which_token_to_use(ftrain, control_plane):
     assert result.exit_code == 1 and "not the node token" in result.output
 
 
-def test_unknown_job_and_finished_job_are_clear_errors(ftrain, tmp_path):
+def test_unknown_job_is_a_clear_error_and_cancelling_twice_is_fine(ftrain, tmp_path):
     result = ftrain("status", "nope-123456", expect_ok=False)
     assert result.exit_code == 1 and "job nope-123456 not found" in result.output
     assert "finished jobs are deleted 7 days after they end" in result.output
@@ -154,8 +154,8 @@ def test_unknown_job_and_finished_job_are_clear_errors(ftrain, tmp_path):
     spec.write_text(SPEC_YAML)
     job_id = ftrain("submit", str(spec), "-q").output.strip()
     ftrain("cancel", job_id)
-    result = ftrain("cancel", job_id, expect_ok=False)
-    assert result.exit_code == 1 and "CANCELLED" in result.output
+    result = ftrain("cancel", job_id)
+    assert result.exit_code == 0 and "CANCELLED" in result.output
 
 
 def test_target_comes_from_the_data_dir_written_by_up(ftrain, control_plane, tmp_path):
@@ -440,3 +440,35 @@ def test_submit_and_run_stay_with_the_job_as_their_flags_say(monkeypatch, tmp_pa
     result = CliRunner().invoke(main, [str(spec) if a == "SPEC" else a for a in args], catch_exceptions=False)
     assert waited == ([stay] if stay else [])
     assert result.exit_code == (3 if stay else 0), result.output
+
+
+def test_the_cli_finds_the_cluster_up_last_ran_from_any_directory(tmp_path, monkeypatch):
+    from service.client import local_cluster_record, remember_local_cluster, resolve_target
+
+    data = tmp_path / "project" / ".ftrain"
+    data.mkdir(parents=True)
+    (data / "server").write_text("http://127.0.0.1:8123\n")
+    (data / "token").write_text("t0k\n")
+    remember_local_cluster(data)
+    assert local_cluster_record().stat().st_mode & 0o777 == 0o600
+    assert "t0k" not in local_cluster_record().read_text()  # a path, never the token
+
+    elsewhere = tmp_path / "my-own-project"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    target = resolve_target(environ={"XDG_CONFIG_HOME": str(tmp_path / "user-config")})
+    assert (target.server, target.token) == ("http://127.0.0.1:8123", "t0k")
+    assert target.token_source == str(data / "token")
+
+
+def test_a_data_dir_here_comes_before_the_recorded_one(tmp_path, monkeypatch):
+    from service.client import remember_local_cluster, resolve_target
+
+    recorded, here = tmp_path / "a" / ".ftrain", tmp_path / "b" / ".ftrain"
+    for d, port in ((recorded, 1), (here, 2)):
+        d.mkdir(parents=True)
+        (d / "server").write_text(f"http://127.0.0.1:900{port}\n")
+    remember_local_cluster(recorded)
+    monkeypatch.chdir(here.parent)
+    assert resolve_target(environ={"XDG_CONFIG_HOME": str(tmp_path / "user-config")}).server == \
+        "http://127.0.0.1:9002"

@@ -32,6 +32,9 @@ class Ready:
     def view_json(self, job_id: str) -> bytes:
         return b'{"stale": true}'
 
+    def get(self, job_id: str) -> None:
+        return None  # (a record it has not: the view above is answered as it is)
+
 
 def test_a_cut_off_replica_does_not_answer_from_its_index_and_answers_503_soon(monkeypatch):
     monkeypatch.setattr(routes, "CUT_OFF_READ_S", 0.1)

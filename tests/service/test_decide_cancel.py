@@ -26,11 +26,12 @@ def test_cancel_moves_a_job_that_is_not_finished(state, after, reason):
     assert change.ops == []
 
 
-def test_cancelling_a_cancelling_job_changes_nothing():
-    assert decide_cancel(make_job(S.CANCELLING), NOW) is None
+@pytest.mark.parametrize("state", [S.CANCELLING, S.CANCELLED])
+def test_cancelling_a_cancelled_job_again_changes_nothing(state):
+    assert decide_cancel(make_job(state), NOW) is None
 
 
-@pytest.mark.parametrize("state", [S.SUCCEEDED, S.FAILED, S.CANCELLED])
+@pytest.mark.parametrize("state", [S.SUCCEEDED, S.FAILED])
 def test_cancelling_a_finished_job_is_refused_naming_its_state(state):
     with pytest.raises(InvalidTransition) as err:
         decide_cancel(make_job(state), NOW)

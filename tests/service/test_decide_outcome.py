@@ -148,7 +148,7 @@ def spent(node: str, attempt: int = 1) -> tuple[JobState, str, int]:
 # Two nodes, a then b (b then a is the same with the names swapped), one tick apart unless
 # bracketed together. Rows marked "was" asserted the old behaviour: a finished node was
 # taken for a lost one (and for a free one), so the job went back to PENDING or took its
-# own finished node back, and ran again: issue 10, finding 1.
+# own finished node back, and ran again for ever.
 ORDERS = [
     # ---- min == max == 2
     ([("ok", "a"), ("ok", "b")], 2, OK),  # was: PENDING, then RUNNING attempt 2, for ever

@@ -10,8 +10,9 @@ from service.decide.snapshots import (
     decide_corrupt,
     decide_progress,
     newest_good,
+    snapshot_path_error,
 )
-from service.errors import Conflict, SnapshotNotFound, StaleAttempt
+from service.errors import Conflict, InvalidField, SnapshotNotFound, StaleAttempt
 from service.models import Control, JobState
 from service.store.api import Delete, Put
 from tests.service.records import NOW, make_job
@@ -26,6 +27,7 @@ from worker.protocol import (
 )
 
 S = JobState
+DIR = f"/snapshots/{make_job().id}"  # the job's snapshot directory (a node's, without a shared root)
 
 
 def key(step: int) -> str:
@@ -33,7 +35,7 @@ def key(step: int) -> str:
 
 
 def rec(step: int, bad: bool = False) -> SnapshotRecord:
-    return SnapshotRecord(step=step, path=f"/s/{step}", size=1, checksum="c", attempt=1, bad=bad)
+    return SnapshotRecord(step=step, path=f"{DIR}/{step}", size=1, checksum="c", attempt=1, bad=bad)
 
 
 def records(*steps: int, bad: tuple[int, ...] = ()) -> dict[int, SnapshotRecord]:
@@ -45,7 +47,7 @@ def meta(step: int) -> SnapshotMeta:
 
 
 def commit(step: int, attempt: int = 1, control_id: int | None = None) -> CommitRequest:
-    return CommitRequest(step=step, path=f"/s/{step}", size=1, checksum="c", attempt=attempt,
+    return CommitRequest(step=step, path=f"{DIR}/{step}", size=1, checksum="c", attempt=attempt,
                          control_id=control_id)
 
 
@@ -67,7 +69,7 @@ def test_commit_moves_latest_only_forward_and_prunes_beyond_keep(stored, latest,
     written = SnapshotRecord.model_validate_json(change.ops[0].value)
     assert change.ops[0].key == key(step) and (written.step, written.time) == (step, NOW)
     assert change.ops[1:] == [Delete(key(s)) for s in pruned_steps]
-    assert decision.prune == [f"/s/{s}" for s in pruned_steps if s != new_latest]
+    assert decision.prune == [f"{DIR}/{s}" for s in pruned_steps if s != new_latest]
     assert change.events == []
 
 
@@ -79,7 +81,7 @@ def test_an_older_step_committed_beyond_keep_is_pruned_not_stored(stored, step):
     assert not any(isinstance(op, Put) for op in ops)
     assert len({op.key for op in ops}) == len(ops)  # etcd refuses a key twice in one txn
     assert key(step) in [op.key for op in ops]
-    assert f"/s/{step}" in decision.prune
+    assert f"{DIR}/{step}" in decision.prune
     assert decision.committed.step == step
     assert decision.change.job.latest_snapshot.step == max(stored)
 
@@ -87,10 +89,10 @@ def test_an_older_step_committed_beyond_keep_is_pruned_not_stored(stored, step):
 def test_commit_never_lists_the_latest_path_to_delete():
     job = make_job(keep=1, latest_snapshot=meta(30))
     stored = records(30)
-    stored[20] = SnapshotRecord(step=20, path="/s/40", size=1, checksum="c", attempt=1)
+    stored[20] = SnapshotRecord(step=20, path=f"{DIR}/40", size=1, checksum="c", attempt=1)
     decision = decide_commit(job, stored, commit(40), NOW, key)
     assert [op.key for op in decision.change.ops if isinstance(op, Delete)] == [key(20), key(30)]
-    assert decision.prune == ["/s/30"]  # step 20's file is now step 40's: kept
+    assert decision.prune == [f"{DIR}/30"]  # step 20's file is now step 40's: kept
 
 
 @pytest.mark.parametrize("acked,control_id,new_acked,acked_step", [
@@ -118,6 +120,38 @@ def test_rank0s_final_report_is_stored_within_the_interval(since):
 def test_commit_is_refused_from_a_stale_attempt_or_to_a_finished_job(job, attempt, error):
     with pytest.raises(error):
         decide_commit(job, {}, commit(10, attempt=attempt), NOW, key)
+
+
+@pytest.mark.parametrize("path,root,refused", [
+    (f"{DIR}/step-000000000010.pt", None, False),  # a node's <data dir>/snapshots/<job id>
+    ("/shared/snap/j-abc123/step-000000000010.pt", "/shared/snap", False),
+    ("/shared/snap/j-abc123/step-000000000010.pt", "/shared/snap/", False),  # as pathlib joins it
+    ("/shared//snap/./j-abc123/step-000000000010.pt", "/shared/snap", False),
+    ("/tmp/evil.pt", None, True),
+    ("/tmp/evil.pt", "/shared/snap", True),
+    ("/tmp/j-abc123/evil.pt", "/shared/snap", True),  # named after the job, not under the root
+    ("/shared/snap/j-abc123/../../../tmp/evil.pt", "/shared/snap", True),
+    ("/shared/snap/j-abc123/sub/step-000000000010.pt", "/shared/snap", True),
+    ("/shared/snap/j-abc123/..", "/shared/snap", True),
+    ("/shared/snap/j-other/step-000000000010.pt", "/shared/snap", True),  # another job's
+    (f"{DIR}/../j-abc123/evil.pt", None, True),
+    ("j-abc123/step-000000000010.pt", None, True),  # relative: to whose working directory?
+    ("/j-abc123", None, True),
+])
+def test_a_commit_names_a_file_directly_in_the_jobs_snapshot_directory(path, root, refused):
+    why = snapshot_path_error("j-abc123", path, root)
+    assert (why is not None) == refused, why
+    if refused:
+        assert repr(path) in why and "outside job j-abc123's snapshot directory" in why
+
+
+def test_a_commit_of_a_file_outside_the_jobs_snapshot_directory_changes_nothing():
+    job = make_job(latest_snapshot=meta(10))
+    forged = commit(20).model_copy(update={"path": "/tmp/evil.pt"})
+    with pytest.raises(InvalidField) as refused:
+        decide_commit(job, records(10), forged, NOW, key, "/shared/snap")
+    assert refused.value.status_code == 422 and refused.value.field == "path"
+    assert "/shared/snap/j-abc123" in refused.value.message
 
 
 # ------------------------------------------------------------------ corrupt

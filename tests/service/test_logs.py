@@ -195,7 +195,8 @@ def test_a_job_id_is_never_a_path(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_a_log_root_that_cannot_be_written_is_a_503_that_says_where(tmp_path):
+def test_a_log_root_that_cannot_be_written_is_a_503_that_names_no_server_path(tmp_path, caplog):
+    """The client hears what failed and who can fix it; the path is in the server's own log."""
     from service.errors import LogStorageUnavailable
 
     blocker = tmp_path / "file"
@@ -203,7 +204,8 @@ def test_a_log_root_that_cannot_be_written_is_a_503_that_says_where(tmp_path):
     store = LogStore(blocker / "logs", CAP)
     with pytest.raises(LogStorageUnavailable) as err:
         run(store.ship("j", shipment("a", (0, "x"))))
-    assert err.value.status_code == 503 and str(blocker) in err.value.message
+    assert err.value.status_code == 503 and "Not a directory" in err.value.message
+    assert str(tmp_path) not in err.value.message and str(blocker) in caplog.text
     # The failure reason's quote is best effort: it says why it is missing instead of failing.
     assert ["could not be read" in x for x in run(store.last_lines("j", 5))] == [True]
 

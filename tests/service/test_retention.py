@@ -59,7 +59,8 @@ class Cluster:
         await ctx.logs.ship(job.id, LogShipment(node="n0", attempt=0,
                                                 lines=[LogLineIn(rank=0, stream="stdout", line="hi",
                                                                  time=self.clock.now)]))
-        await ctx.snapshots.commit(job.id, CommitRequest(step=10, path="/s/10", size=1, checksum="c",
+        await ctx.snapshots.commit(job.id, CommitRequest(step=10, path=f"/s/{job.id}/10", size=1,
+                                                         checksum="c",
                                                          attempt=0))
         await ctx.progress.report(job.id, ProgressReport(step=10, attempt=0))
         await self.kv.put(ctx.keys.rdzv_state(f"{job.id}-a0"), b"state")

@@ -181,7 +181,7 @@ def test_free_nodes_excludes_live_members_of_active_jobs():
 
 
 # A member whose workers exited 0 is finished: not lost, not free, counted for `min`
-# (issue 10, finding 1; the orders of endings are tabled in test_decide_outcome.py).
+# (the orders of endings are tabled in test_decide_outcome.py).
 
 def test_a_finished_member_counts_towards_min_so_the_job_does_not_go_back_to_pending():
     j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2)
@@ -309,3 +309,14 @@ def test_free_for_a_re_read_record_is_free_nodes_of_it_and_the_others():
     now_a = a.model_copy(update={"members": {}})  # re-read: it let its node go meanwhile
     assert free_for(now_a, held, ns) == free_nodes([now_a, b], ns) == ["a", "d"]
     assert free_for(a, held, ns) == free_nodes([a, b], ns) == ["d"]
+
+
+def test_a_lost_member_is_said_lost_the_way_it_went():
+    """Its lease lapsed only when no control plane noted another way (`gone`): a SIGKILLed
+    agent's closed connection, or an agent that stopped, is said so."""
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1, mx=2)
+    for gone, said in [({}, "node b lost (its lease lapsed)"),
+                       ({"b": "its agent's connection closed"}, "node b lost (its agent's connection closed)"),
+                       ({"b": "its agent stopped"}, "node b lost (its agent stopped)")]:
+        p = plan(j, nodes("a"), [], NOW, CFG, gone=gone)
+        assert said in [e.reason for e in p.events], p.events

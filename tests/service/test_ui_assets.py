@@ -67,3 +67,20 @@ def test_every_file_of_the_dashboard_is_package_data():
     shipped = {p for g in globs for p in package.glob(g) if p.is_file()}
     on_disk = {p for p in UI_DIR.rglob("*") if p.is_file()}
     assert on_disk - shipped == set(), "add these to [tool.setuptools.package-data] in pyproject.toml"
+
+
+# Markup the dashboard's policy would refuse: an inline script or style, a style attribute, an
+# event-handler attribute (in the page, or in the HTML its script writes).
+INLINE = re.compile(r"""<script(?![^>]*\bsrc=)[^>]*>|<style\b|\sstyle\s*=|\son[a-z]+\s*=\s*["']""", re.I)
+
+
+def test_the_dashboard_runs_under_a_policy_of_its_own_files_that_no_site_may_frame(tmp_path):
+    c = client(tmp_path)
+    page = c.get("/ui/")
+    policy = dict(p.strip().split(" ", 1) for p in page.headers["content-security-policy"].split(";"))
+    assert policy["script-src"] == policy["style-src"] == policy["connect-src"] == "'self'"
+    assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
+    assert page.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in c.get("/docs").headers["content-security-policy"]
+    for source in ("index.html", "static/app.js"):
+        assert not INLINE.search((UI_DIR / source).read_text()), source

@@ -119,7 +119,7 @@ def test_a_user_is_found_by_its_token_which_is_stored_only_hashed():
 
     async def main():
         user, token = await ctx.users.add("alice")
-        assert await ctx.users.who(token) == "alice" and await ctx.users.who(token + "x") is None
+        assert (await ctx.users.who(token)).name == "alice" and await ctx.users.who(token + "x") is None
         blob = await stored(ctx)
         assert token.encode() not in blob and token_digest(token).encode() in blob
         with pytest.raises(Conflict):
@@ -144,7 +144,7 @@ def test_tokens_are_answered_from_the_watch_fed_cache_and_a_removal_takes_effect
         _, alice = await ctx.users.add("alice")
         follow = asyncio.create_task(ctx.users.follow())
         try:
-            await until(lambda: ctx.users.cached(token_digest(alice)) == "alice", "alice in the cache")
+            await until(lambda: getattr(ctx.users.cached(token_digest(alice)), "name", None) == "alice", "alice in the cache")
             reads: list[str] = []
             get = kv.get
 
@@ -153,10 +153,10 @@ def test_tokens_are_answered_from_the_watch_fed_cache_and_a_removal_takes_effect
                 return await get(key)
 
             kv.get = counting_get
-            assert await ctx.users.who(alice) == "alice" and reads == []  # from the cache
+            assert (await ctx.users.who(alice)).name == "alice" and reads == []  # from the cache
             _, bob = await other.users.add("bob")  # through another replica
-            assert await ctx.users.who(bob) == "bob"  # cached or read: never refused
-            await until(lambda: ctx.users.cached(token_digest(bob)) == "bob", "bob in the cache")
+            assert (await ctx.users.who(bob)).name == "bob"  # cached or read: never refused
+            await until(lambda: getattr(ctx.users.cached(token_digest(bob)), "name", None) == "bob", "bob in the cache")
             await ctx.users.remove("alice")  # here: at once, no watch event waited for
             assert ctx.users.cached(token_digest(alice)) is None and await ctx.users.who(alice) is None
             await other.users.remove("bob")  # there: once the watch brings it

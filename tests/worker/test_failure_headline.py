@@ -2,6 +2,7 @@
 missing command before it starts torchrun (`missing_command`), and the launcher naming a
 missing command: tables, no processes but one exec of a name that does not exist."""
 
+import os
 import subprocess
 import sys
 
@@ -84,3 +85,31 @@ def test_a_missing_command_is_named_before_torchrun_starts(tmp_path):
     assert missing_command([str(bin_dir / "train-x")], {}, "/") is None
     assert missing_command(["run.sh"], {"PATH": ""}, cwd) is None  # an empty entry: the folder
     assert missing_command(["trian-x"], env, str(tmp_path / "gone")) is None  # start says why
+
+
+def test_a_missing_python_script_is_named_before_torchrun_starts(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    env = {"PATH": os.environ["PATH"]}
+    cwd = str(tmp_path)
+    python = os.path.basename(sys.executable)
+    assert missing_command([python, "train.py"], env, cwd) is None
+    assert missing_command([python, "-u", "trian.py", "--lr", "1"], env, cwd) == \
+        f"no such file: trian.py (in {cwd})"
+    assert missing_command([sys.executable, "-X", "dev", "trian.py"], env, cwd) == \
+        f"no such file: trian.py (in {cwd})"
+    assert missing_command([python, "-m", "trian"], env, cwd) is None  # a module: not a file to find
+    assert missing_command(["bash", "trian.sh"], env, cwd) is None  # not Python: the launcher says
+
+
+@pytest.mark.parametrize("command, script", [
+    (["python", "train.py"], "train.py"),
+    (["python3.11", "-u", "-W", "ignore", "a/train.py", "-x"], "a/train.py"),
+    (["/usr/bin/python3", "-c", "print(1)"], None),
+    (["python", "-m", "pkg.train"], None),
+    (["torchrun", "train.py"], None),
+    (["python"], None),
+])
+def test_python_script_is_the_file_an_interpreter_runs(command, script):
+    from worker.torchrun import python_script
+
+    assert python_script(command) == script

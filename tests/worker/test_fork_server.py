@@ -195,6 +195,29 @@ def test_exit_code_and_uncaught_exception_reach_torchrun_unchanged(tmp_path, for
     assert "RuntimeError: boom from the script" in (tmp_path / "err").read_text()
 
 
+def test_a_module_the_server_imported_runs_without_runpys_warning(tmp_path, fork_server):
+    """A module the server imported beforehand (as it does torchrun's, `-m torch.distributed.run`;
+    here one that `import torch` brings) runs with nothing said of having been imported first."""
+    name, _ = fork_server
+    env = {**os.environ, "FTRAIN_FORK_SERVER_SOCKET": name}
+    done = subprocess.run([sys.executable, "-S", str(LAUNCH), str(int(signal.SIGKILL)), sys.executable,
+                           "-m", "torch.__config__"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr and "found in sys.modules" not in done.stderr, done.stderr
+
+
+def test_a_scripts_traceback_begins_at_the_script_as_under_a_fresh_interpreter(tmp_path, fork_server):
+    name, _ = fork_server
+    assert launch(tmp_path, name, "raise").returncode == 1
+    err = (tmp_path / "err").read_text()
+    assert report(tmp_path)["preloaded"] is True
+    frames = re.findall(r'File "([^"]+)"', err)
+    assert frames and frames[0] == str(tmp_path / "probe.py"), err  # not fork_server.py, not runpy
+    assert "fork_server.py" not in err and "runpy" not in err, err
+    assert err.rstrip().endswith("RuntimeError: boom from the script"), err
+
+
 def test_a_crash_in_the_interpreters_teardown_after_the_script_finished_is_exit_0(tmp_path, fork_server):
     name, _ = fork_server
     # Run as a plain interpreter would (no fork server), the script does die at teardown.

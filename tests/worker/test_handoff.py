@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 
 import pytest
@@ -175,3 +176,28 @@ def test_the_word_that_the_run_finished_is_left_kept_and_said_after_the_commits(
     link = FakeLink(refuse_from=20)
     run(path, link)
     assert link.calls == [("commit", 20)]
+
+
+def test_the_agents_rewrites_of_a_hand_over_never_write_through_a_link_the_job_planted(tmp_path):
+    """The agent rewrites a hand-over in the job's folder (after each commit, `_left`; on a
+    restart, `gather`) as root under `--run-as`: a link the job's user put at the name of a
+    temporary file must not have it overwrite the link's target."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"root's own\n")
+    folder = tmp_path / "job"
+    folder.mkdir()
+    name = handoff.handoff_path(folder, "n0", 1).name
+    pid = os.getpid()  # the agent's (this process's): its temporary files' names end with it
+    path = handoff.leave(folder, "n0", 1, commits=[written(folder, 10), written(folder, 20)])
+    (folder / f"{name}.taken-{pid}.tmp-{pid}").symlink_to(precious)
+    h = run(path, FakeLink())  # two commits: the taken file is rewritten after the first
+    assert h.committed == [20, 10]
+    assert precious.read_bytes() == b"root's own\n"
+    # A restarted agent puts together what its killed predecessor had taken (`gather`).
+    handoff.leave(folder, "n0", 1, commits=[written(folder, 30)])
+    os.rename(path, folder / f"{name}.taken-1")
+    handoff.leave(folder, "n0", 1, commits=[written(folder, 40)])
+    (folder / f"{name}.tmp-{pid}").symlink_to(precious)
+    assert handoff.gather(folder, "n0", 1) == path
+    assert [r.step for r in handoff.read(path)[0]] == [40, 30]
+    assert precious.read_bytes() == b"root's own\n"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
+from worker import log_retention
 from worker.log_retention import JobLogs, prune, to_delete
 
 NOW = 1_000_000_000.0
@@ -49,3 +51,51 @@ def test_prune_deletes_the_folders_and_keeps_the_rest(tmp_path):
     assert sorted(prune(logs, running=("j2",), keep_jobs=1, max_age_s=7 * D, now=NOW)) == ["j0"]
     assert sorted(p.name for p in logs.iterdir()) == ["j1", "j2", "j3"]
     assert prune(tmp_path / "none", running=(), now=NOW) == []
+
+
+def test_a_job_folder_deeper_than_the_interpreters_recursion_does_not_crash_the_pruning(tmp_path):
+    """Below `torchrun/` the folders are the job's user's (`--run-as`): one a thousand levels
+    deep must not crash the agent's pruning (a RecursionError ended the agent), and a link in
+    it is not followed."""
+    logs = tmp_path / "logs"
+    deep = logs / "j-deep" / "torchrun"
+    deep.mkdir(parents=True)
+    (tmp_path / "keep").write_text("not the job's\n")
+    old = time.time() - 30 * 86400
+    try:
+        _make_chain(deep, 1200, tmp_path / "keep")  # past Python's recursion limit
+        os.utime(logs / "j-deep", (old, old))
+        assert log_retention._last_write(logs / "j-deep") > old  # what is deep inside counts
+        log_retention.prune(logs, running=(), now=time.time() + 60 * 86400)  # (too deep: left, said)
+        assert (tmp_path / "keep").read_text() == "not the job's\n"
+    finally:
+        if deep.exists():
+            _remove_chain(deep)
+
+
+def _make_chain(top, depth, target):
+    """Folders `top/d/d/...` `depth` deep, a link to `target` at the bottom (each level made
+    through a fd: the path would pass PATH_MAX)."""
+    fd = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        os.symlink(str(target), "link", dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_chain(top):
+    """Remove a chain of folders `d/d/...` a level at a time (pytest's own removal of tmp_path
+    recurses, and would not get through it)."""
+    while (top / "d").exists():
+        os.rename(top / "d", top / "x")
+        for name in os.listdir(top / "x"):
+            if name == "d":
+                os.rename(top / "x" / "d", top / "d")
+            else:
+                os.unlink(top / "x" / name)
+        os.rmdir(top / "x")

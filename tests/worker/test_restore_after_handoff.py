@@ -9,7 +9,7 @@ import shutil
 import threading
 import time
 
-from tests.worker.test_runtime import _job_env, _train
+from tests.worker.test_runtime import _job_env, _snapshot_dir, _train
 from worker import handoff, runtime
 from worker import snapshot as snap
 from worker.links import ServiceLink
@@ -33,13 +33,13 @@ class LateLink:
         self.link.close()
 
 
-def test_a_restarted_groups_restore_waits_for_the_commits_its_predecessor_left(control_plane, api, tmp_path):
+def test_a_restarted_groups_restore_waits_for_the_commits_its_predecessor_left(control_plane, api):
     job_id = api.post("/v1/jobs", json={"name": "handrestore", "command": ["x"]}).json()["id"]
     scratch = api.post("/v1/jobs", json={"name": "scratch", "command": ["x"]}).json()["id"]
-    folder, other = tmp_path / "job", tmp_path / "other"
-    env = {**_job_env(control_plane, job_id, folder), "FTRAIN_NODE": "n0"}
+    folder, other = _snapshot_dir(control_plane, job_id), _snapshot_dir(control_plane, scratch)
+    env = {**_job_env(control_plane, job_id), "FTRAIN_NODE": "n0"}
     _train(runtime.init(env=env), 5)  # the first group: step 5 committed
-    _train(runtime.init(env=_job_env(control_plane, scratch, other)), 10)
+    _train(runtime.init(env=_job_env(control_plane, scratch)), 10)
     # ... and step 10 written, its commit left to the agent when rank 0 ended (with an error)
     last = folder / "step-000000000010.pt"
     shutil.copy(other / last.name, last)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from tests.helpers.other_user import interpreter_reachable_prefix, needs_root
 from worker.run_as import RunAs, RunAsError, job_dir
 
 
@@ -44,3 +51,52 @@ def test_job_dir_with_run_as_is_the_users_and_reachable_but_not_listable_above(t
     made = job_dir(data / "snapshots" / "j1", nobody, agent_dirs=(data,))
     assert [mode(p) for p in (data, data / "snapshots", made)] == [0o711, 0o711, 0o700]
     assert (made.stat().st_uid, made.stat().st_gid) == (nobody.uid, nobody.gid)
+
+
+_CHECKS = r"""
+import json, sys
+from worker.run_as import RunAs
+from worker.torchrun import missing_command
+hidden, gone, work = sys.argv[1:4]
+nobody = RunAs.lookup("nobody")
+print(json.dumps({
+    "command there": missing_command([hidden + "/train.py"], {}, work, nobody),
+    "command absent": missing_command([hidden + "/absent.py"], {}, work, nobody),
+    "on PATH there": missing_command(["train.py"], {"PATH": hidden}, work, nobody),
+    "on PATH absent": missing_command(["absent.py"], {"PATH": hidden}, work, nobody),
+    "cwd there": missing_command(["/bin/true"], {}, hidden, nobody),
+    "cwd absent": missing_command(["/bin/true"], {}, gone, nobody),
+    "open command absent": missing_command([work + "/absent.py"], {}, work, nobody),
+}))
+"""
+
+
+@pytest.mark.integration
+@needs_root()
+def test_the_command_check_tells_the_jobs_user_nothing_of_a_root_only_folder():
+    """The agent (root) looks for a `--run-as` job's command before it starts torchrun: what
+    it says must be the same whether a file in a folder that user may not read is there or
+    not, for the command and for the working directory."""
+    prefix = interpreter_reachable_prefix()
+    if prefix is None:
+        pytest.skip("nobody cannot run this interpreter, and no mount namespace to fix that")
+    base = Path(tempfile.mkdtemp(prefix="ftrain-command-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        hidden, work = base / "hidden", base / "work"
+        hidden.mkdir(mode=0o700)
+        work.mkdir(mode=0o755)
+        (hidden / "train.py").write_text("print('hi')\n")
+        done = subprocess.run([*prefix, sys.executable, "-c", _CHECKS, str(hidden), str(base / "gone"), str(work)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        assert done.returncode == 0, done.stderr
+        got = json.loads(done.stdout)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert got["command there"] == got["command absent"], got
+    assert got["on PATH there"] == got["on PATH absent"], got
+    cwd_there, cwd_absent = got["cwd there"], got["cwd absent"]
+    assert cwd_there and cwd_absent and "may enter" in cwd_there, got  # said, never entered as root
+    assert cwd_there.replace(str(hidden), "D") == cwd_absent.replace(str(base / "gone"), "D"), got
+    assert got["open command absent"] == f"command not found: {work}/absent.py", got  # still said where it may

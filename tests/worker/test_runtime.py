@@ -63,11 +63,17 @@ def test_global_batch_is_the_same_samples_whatever_the_world_size():
 
 # ------------------------------------------------------------------ resume and control in-process
 
-def _job_env(control_plane, job_id: str, snapshot_dir: Path, every: int = 5) -> dict[str, str]:
+def _job_env(control_plane, job_id: str, every: int = 5) -> dict[str, str]:
+    """The environment an agent gives job `job_id`'s workers; its snapshot directory is the
+    one its commits must name, `<snapshot root>/<job id>` (`_snapshot_dir`)."""
     return {"FTRAIN_JOB_ID": job_id, "FTRAIN_SERVER": control_plane.url,
             "FTRAIN_JOB_TOKEN": control_plane.job_token_of(job_id), "FTRAIN_ATTEMPT": "0",
-            "FTRAIN_SNAPSHOT_DIR": str(snapshot_dir), "FTRAIN_SNAPSHOT_EVERY": str(every),
-            "FTRAIN_SNAPSHOT_KEEP": "3"}
+            "FTRAIN_SNAPSHOT_DIR": str(_snapshot_dir(control_plane, job_id)),
+            "FTRAIN_SNAPSHOT_EVERY": str(every), "FTRAIN_SNAPSHOT_KEEP": "3"}
+
+
+def _snapshot_dir(control_plane, job_id: str) -> Path:
+    return control_plane.snapshot_root / job_id
 
 
 def _train(rt: runtime.Runtime, steps: int, delay_s: float = 0.0) -> int:
@@ -92,13 +98,13 @@ def _train(rt: runtime.Runtime, steps: int, delay_s: float = 0.0) -> int:
 
 
 def test_a_corrupt_latest_snapshot_is_skipped_for_the_previous_one_and_reported(
-        control_plane, api, tmp_path):
+        control_plane, api):
     job_id = api.post("/v1/jobs", json={"name": "corrupt", "command": ["x"]}).json()["id"]
-    env = _job_env(control_plane, job_id, tmp_path)
+    env = _job_env(control_plane, job_id)
     _train(runtime.init(env=env), 10)
     assert api.get(f"/v1/jobs/{job_id}/snapshots").json()["latest"] == 10
 
-    latest = tmp_path / "step-000000000010.pt"
+    latest = _snapshot_dir(control_plane, job_id) / "step-000000000010.pt"
     data = bytearray(latest.read_bytes())
     data[-100] ^= 0xFF
     latest.write_bytes(bytes(data))
@@ -112,9 +118,9 @@ def test_a_corrupt_latest_snapshot_is_skipped_for_the_previous_one_and_reported(
 
 
 def test_checkpoint_stop_snapshots_at_the_step_it_stops_and_resumes_there(
-        control_plane, api, etcd, tmp_path):
+        control_plane, api, etcd):
     job_id = api.post("/v1/jobs", json={"name": "stop", "command": ["x"]}).json()["id"]
-    env = _job_env(control_plane, job_id, tmp_path, every=1000)
+    env = _job_env(control_plane, job_id, every=1000)
     edit_job(etcd.endpoint, job_id, control=Control(id=1, action=ControlAction.CHECKPOINT_STOP,
                                                       reason="cancel", requested_at=time.time()))
     rt = runtime.init(env=env, control_poll_s=0.05)
@@ -200,7 +206,7 @@ def test_training_with_two_worker_sigkills_ends_bit_for_bit_like_without(control
         for run in ("clean", "faults"):
             job_id = api.post("/v1/jobs", json={"name": run, "command": ["x"],
                                                 "snapshot": {"every_steps": 10, "keep": 3}}).json()["id"]
-            env = _job_env(control_plane, job_id, tmp_path / run, every=10)
+            env = _job_env(control_plane, job_id, every=10)
             log, out = tmp_path / f"{run}.log", tmp_path / f"{run}.pt"
             runs[run] = (job_id, log, out, _start_torchrun([*EXAMPLE, "--out", str(out)], env, log))
         _, log, _, proc = runs["faults"]

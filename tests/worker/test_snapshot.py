@@ -164,35 +164,43 @@ def worker(control_plane, job, etcd):
         yield client
 
 
-def commit(client, job_id: str, step: int, attempt: int = 0, **extra):
-    body = {"step": step, "path": f"/snap/{job_id}/{step}.pt", "size": 10, "checksum": f"sha256:{step}",
+@pytest.fixture
+def job_dir(control_plane, job) -> Path:
+    """The job's snapshot directory (`<snapshot root>/<job id>`): what its commits name."""
+    return control_plane.snapshot_root / job["id"]
+
+
+def commit(client, job_dir: Path, step: int, attempt: int = 0, **extra):
+    """Commit step `step` of the job whose snapshot directory is `job_dir`."""
+    body = {"step": step, "path": str(job_dir / f"{step}.pt"), "size": 10, "checksum": f"sha256:{step}",
             "attempt": attempt, **extra}
-    return client.post(f"/v1/jobs/{job_id}/snapshots", json=body)
+    return client.post(f"/v1/jobs/{job_dir.name}/snapshots", json=body)
 
 
-def test_commit_is_fenced_to_the_current_attempt_and_latest_only_moves_forward(worker, api, job, etcd):
+def test_commit_is_fenced_to_the_current_attempt_and_latest_only_moves_forward(
+        worker, api, job, job_dir, etcd):
     job_id = job["id"]
-    assert commit(worker, job_id, 20).json()["latest"] == 20
-    resp = commit(worker, job_id, 10)
+    assert commit(worker, job_dir, 20).json()["latest"] == 20
+    resp = commit(worker, job_dir, 10)
     assert resp.status_code == 200 and resp.json()["latest"] == 20  # recorded, latest stays
     listed = api.get(f"/v1/jobs/{job_id}/snapshots").json()
     assert [i["step"] for i in listed["items"]] == [10, 20] and listed["latest"] == 20
 
     edit_job(etcd.endpoint, job_id, attempt=1)
-    stale = commit(worker, job_id, 30, attempt=0)
+    stale = commit(worker, job_dir, 30, attempt=0)
     assert stale.status_code == 409 and "attempt 0" in stale.json()["detail"]
     assert api.get(f"/v1/jobs/{job_id}").json()["latest_snapshot"]["step"] == 20
-    assert commit(worker, job_id, 30, attempt=1).json()["latest"] == 30
+    assert commit(worker, job_dir, 30, attempt=1).json()["latest"] == 30
     assert api.get(f"/v1/jobs/{job_id}").json()["latest_snapshot"]["step"] == 30
 
     assert api.post(f"/v1/jobs/{job_id}/cancel").status_code == 202  # PENDING -> CANCELLED
-    assert commit(worker, job_id, 40, attempt=1).status_code == 409
+    assert commit(worker, job_dir, 40, attempt=1).status_code == 409
     assert api.get(f"/v1/jobs/{job_id}/snapshots").json()["latest"] == 30
 
 
-def test_commits_prune_beyond_keep_and_the_writer_deletes_the_files(worker, api, job, tmp_path):
+def test_commits_prune_beyond_keep_and_the_writer_deletes_the_files(worker, api, job, job_dir):
     job_id = job["id"]
-    files = tmp_path / "files"
+    files = job_dir
     for step in range(10, 70, 10):
         written = snap.write_atomic({"step": step}, files, step)
         body = {"step": step, "path": written.path, "size": written.size, "checksum": written.checksum,
@@ -206,10 +214,10 @@ def test_commits_prune_beyond_keep_and_the_writer_deletes_the_files(worker, api,
     assert sorted(p.name for p in files.iterdir()) == [snap.snapshot_name(s) for s in (40, 50, 60)]
 
 
-def test_a_corrupt_report_marks_it_bad_moves_latest_back_and_is_an_event(worker, api, job):
+def test_a_corrupt_report_marks_it_bad_moves_latest_back_and_is_an_event(worker, api, job, job_dir):
     job_id = job["id"]
     for step in (10, 20):
-        commit(worker, job_id, step)
+        commit(worker, job_dir, step)
     resp = worker.post(f"/v1/jobs/{job_id}/snapshots/20/corrupt", json={"reason": "checksum mismatch"})
     assert resp.status_code == 200, resp.text
     assert resp.json()["latest"] == 10
@@ -223,14 +231,14 @@ def test_a_corrupt_report_marks_it_bad_moves_latest_back_and_is_an_event(worker,
     assert worker.post(f"/v1/jobs/{job_id}/snapshots/99/corrupt").status_code == 404
 
 
-def test_control_is_shown_until_a_commit_acknowledges_it(worker, job, etcd):
+def test_control_is_shown_until_a_commit_acknowledges_it(worker, job, job_dir, etcd):
     job_id = job["id"]
     assert worker.get(f"/v1/jobs/{job_id}/control").json() == {"id": 0, "action": "none", "reason": ""}
     edit_job(etcd.endpoint, job_id, control=Control(id=3, action=ControlAction.CHECKPOINT_STOP,
                                                       reason="cancel", requested_at=time.time()))
     assert worker.get(f"/v1/jobs/{job_id}/control").json() == {
         "id": 3, "action": "checkpoint_stop", "reason": "cancel"}
-    commit(worker, job_id, 17, control_id=3)
+    commit(worker, job_dir, 17, control_id=3)
     stored = read_job(etcd.endpoint, job_id)
     assert (stored.control_acked, stored.control_acked_step) == (3, 17)
     assert worker.get(f"/v1/jobs/{job_id}/control").json()["action"] == "none"
@@ -295,16 +303,17 @@ def test_twenty_progress_reports_write_the_job_record_once(worker, api, job, etc
 
 
 def test_runtime_endpoints_refuse_users_and_other_jobs_but_listing_is_open_to_users(
-        control_plane, api, job, worker):
+        control_plane, api, job, job_dir, worker):
     other = api.post("/v1/jobs", json={**SPEC, "name": "other"}).json()
     with control_plane.client(None) as anon:
         assert anon.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 401
-    assert commit(api, job["id"], 1).status_code == 403  # a user token cannot commit
+    assert commit(api, job_dir, 1).status_code == 403  # a user token cannot commit
     assert api.get(f"/v1/jobs/{job['id']}/snapshots").status_code == 200
     with control_plane.client("node") as node:  # the node token is no key to a job
-        assert commit(node, job["id"], 1).status_code == 403
-    assert commit(worker, job["id"], 1).status_code == 200
-    assert commit(worker, other["id"], 1).status_code == 403  # one job's token, another job
+        assert commit(node, job_dir, 1).status_code == 403
+    assert commit(worker, job_dir, 1).status_code == 200
+    other_dir = control_plane.snapshot_root / other["id"]
+    assert commit(worker, other_dir, 1).status_code == 403  # one job's token, another job
     assert worker.get(f"/v1/jobs/{other['id']}/control").status_code == 403
 
 

@@ -123,7 +123,7 @@ def test_a_replaced_groups_last_line_goes_once_its_file_is_quiet_while_torchrun_
 def test_torchrun_keeps_the_output_of_a_group_a_membership_change_replaced(tmp_path):
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
 
-    assert keep_replaced_outputs()
+    keep_replaced_outputs()
     spec = DefaultLogsSpecs(log_dir=str(tmp_path), redirects=Std.ALL)  # what torchrun makes of --redirects=3
     envs = {r: {"TORCHELASTIC_RUN_ID": RUN, "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
     first = spec.reify({r: dict(e) for r, e in envs.items()})
@@ -134,3 +134,28 @@ def test_torchrun_keeps_the_output_of_a_group_a_membership_change_replaced(tmp_p
     assert (run / "attempt_0.1" / "0" / "stdout.log").read_text() == "the first group's line\n"
     third = spec.reify({r: dict(e) for r, e in envs.items()})
     assert (run / "attempt_0.2").is_dir() and Path(third.stdouts[1]).parent.is_dir()
+
+
+def test_links_and_fifos_in_the_workers_folders_are_never_read(tmp_path):
+    """torchrun's log folder is the job's user's (`--run-as`): a worker folder or output file
+    there that is a link (to a root-only file), or a FIFO, is not read by the agent, and does
+    not block it."""
+    logs = tmp_path / "logs"
+    (tmp_path / "secret").write_text("root's secret\n")
+    (tmp_path / "secret-dir").mkdir()
+    (tmp_path / "secret-dir" / "stdout.log").write_text("root's secret\n")
+    write_worker(logs, 0, 0, ["the job's line"], rank=0, round_=1)
+    linked = worker_dir(logs, 0, 1)
+    (linked / "stdout.log").symlink_to(tmp_path / "secret")
+    (linked.parent / "2").symlink_to(tmp_path / "secret-dir")
+    os.mkfifo(worker_dir(logs, 0, 3) / "stdout.log")
+    dirs = WorkerDirs(logs, RUN)
+    dirs.scan(final=True)
+    found = {}
+    while not dirs.ready.empty():
+        d = dirs.ready.get_nowait()
+        found[d.local_rank] = sorted(d.files)
+        for f in d.files.values():
+            f.close()
+    dirs.close()
+    assert found == {0: ["stderr", "stdout"], 1: [], 3: []}, found

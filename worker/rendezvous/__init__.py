@@ -26,6 +26,10 @@ The parts:
 - `outage.py`: a group that trains through a control-plane outage of any length, and still
   sees nodes join once it is back.
 
+Every private part of torch these use (the pickled state's classes, `_delay`, the handler's
+`_state_holder`, the agent's `_stop_workers`, ...) is reached through `worker/torch_internals.py`,
+which checks them all when the handler is made.
+
 The rendezvous keep-alive (`keep_alive_interval` x `keep_alive_max_attempt`, torch's 5 s x 3)
 and `last_call_timeout` (torch's 30 s) keep torch's defaults; pass them in --rdzv-conf
 (docs/runtime.md says what the node agent passes, and why). With `retry_timeout` longer
@@ -43,6 +47,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from worker import torch_internals
 from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
 from worker.rendezvous.follow import follow_changes
 from worker.rendezvous.outage import ride_out_outages
@@ -114,6 +119,7 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     )
     from worker.rendezvous.rounds import with_round_reports
 
+    torch_internals.require()  # a torch that changed what ftrain uses fails here, saying what
     act_on_first_death_signal()  # before torch's agent registers its handler
     if wake_monitor_on_news():  # in torchrun: a worker's exit or a waiting node acted on at once
         stop_broken_groups_at_once()  # and a broken group stopped without SIGTERM's grace
@@ -132,17 +138,16 @@ def dynamic_handler(params: RendezvousParameters, follow: bool = False) -> Rende
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     publish_master_in_one_call()
-    if wake_on_change(handler, backend) and follow:
+    wake_on_change(handler, backend)
+    if follow:
         follow_changes(handler, backend)
-    settings = handler._settings
+    settings = torch_internals.settings(handler)
     backend.merge_settings = (settings.min_nodes, settings.max_nodes, settings.timeout.last_call)
-    node = getattr(handler, "_this_node", None)
-    if node is not None:
-        backend.this_node = ((node.addr, node.pid, node.local_id), settings.keep_alive_interval)
+    backend.this_node = (torch_internals.this_node(handler), settings.keep_alive_interval)
     _leave_and_wait_in_one_write(handler, backend)
-    if ride_out_outages(handler, backend._transport):
-        backend.keep_alive = (settings.keep_alive_interval,
-                              settings.keep_alive_interval * settings.keep_alive_max_attempt)
+    ride_out_outages(handler, backend._transport)
+    backend.keep_alive = (settings.keep_alive_interval,
+                          settings.keep_alive_interval * settings.keep_alive_max_attempt)
     return handler
 
 

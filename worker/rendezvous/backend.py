@@ -68,7 +68,7 @@ class FtrainRendezvousBackend(RendezvousBackend):
         self._transport = transport
         self._seen_token: str | None = None  # of the last state read or written, any thread
         self._wakes_on_change = False  # set by `wake_on_change`
-        self._expire_cache: Callable[[], None] = lambda: None  # ditto
+        self._expire_cache: Callable[[], None] = lambda: None  # the handler's cache, ditto
         self._long_poll = True  # False once the control plane turned out not to have it
         self._last_wake = -MIN_WAKE_INTERVAL_S
         # torch's keep-alive interval and window (interval x max attempts), set by
@@ -171,6 +171,12 @@ class FtrainRendezvousBackend(RendezvousBackend):
                 or node in doc.redundancy_list or len(merge.ops) >= MAX_OPS:
             return
         merge.ops.append(Op(kind="wait_if_room", node=node, at_us=int(time.time() * 1e6)))
+
+    def wake_on_change(self, expire_cache: Callable[[], None]) -> None:
+        """From now on each read or write is followed by a wait for a change, not torch's
+        one-second poll, and a wait that ends calls `expire_cache` (`wake.wake_on_change`)."""
+        self._expire_cache = expire_cache
+        self._wakes_on_change = True
 
     def wait_for_change(self, timeout_s: float, after: str | None = None) -> bool:
         """Wait until the state's token is no longer `after` (default: the last one this

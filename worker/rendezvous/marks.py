@@ -16,6 +16,7 @@ import logging
 import os
 import time
 
+from worker import torch_internals
 from worker.env import FTRAIN_NODE, FTRAIN_PHASE_LOG
 
 log = logging.getLogger(__name__)
@@ -43,19 +44,20 @@ def mark(phase: str, **fields) -> None:
 
 
 def watch_agent() -> None:
-    """Mark torch's agent's own steps (monitor saw a failure, stop, start) in this process;
-    only with FTRAIN_PHASE_LOG set: the patch is for measuring, never needed to run."""
+    """Mark torch's agent's own steps (monitor saw a failure, stop, start, workers exited) in
+    this process; only with FTRAIN_PHASE_LOG set: the patches are for measuring, never needed
+    to run."""
     if not enabled():
         return
-    try:
-        from torch.distributed.elastic.agent.server.api import WorkerState
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    except ImportError:
-        return
-    if getattr(LocalElasticAgent, "_ftrain_marked", False):
-        return
-    monitor, stop, start = (LocalElasticAgent._monitor_workers, LocalElasticAgent._stop_workers,
-                            LocalElasticAgent._start_workers)
+    for use, make in ((torch_internals.MONITOR_WORKERS, _marked_monitor),
+                      (torch_internals.STOP_WORKERS, _marked_stop),
+                      (torch_internals.START_WORKERS, _marked_start),
+                      (torch_internals.SUBPROCESS_CLOSE, _marked_close)):
+        torch_internals.patch(use, make)
+
+
+def _marked_monitor(monitor):
+    from torch.distributed.elastic.agent.server.api import WorkerState
 
     def _monitor_workers(self, worker_group):
         result = monitor(self, worker_group)
@@ -63,6 +65,10 @@ def watch_agent() -> None:
             mark("workers_failed", state=result.state.name)
         return result
 
+    return _monitor_workers
+
+
+def _marked_stop(stop):
     def _stop_workers(self, worker_group, *args, **kwargs):
         mark("stop_workers")
         try:
@@ -70,27 +76,24 @@ def watch_agent() -> None:
         finally:
             mark("workers_stopped")
 
+    return _stop_workers
+
+
+def _marked_start(start):
     def _start_workers(self, worker_group):
         try:
             return start(self, worker_group)
         finally:
             mark("workers_started")
 
-    try:
-        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    return _start_workers
 
-        close = SubprocessContext._close
 
-        def _close(self, death_sig, timeout=30):
-            try:
-                return close(self, death_sig, timeout)
-            finally:
-                mark("workers_exited", signal=getattr(death_sig, "name", str(death_sig)))
+def _marked_close(close):
+    def _close(self, death_sig, timeout=30):
+        try:
+            return close(self, death_sig, timeout)
+        finally:
+            mark("workers_exited", signal=getattr(death_sig, "name", str(death_sig)))
 
-        SubprocessContext._close = _close
-    except (ImportError, AttributeError):
-        pass
-    LocalElasticAgent._monitor_workers = _monitor_workers
-    LocalElasticAgent._stop_workers = _stop_workers
-    LocalElasticAgent._start_workers = _start_workers
-    LocalElasticAgent._ftrain_marked = True
+    return _close

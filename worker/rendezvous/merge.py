@@ -2,7 +2,7 @@
 control plane reads to merge joins (that module says why and how).
 
 Only a state that converts both ways without loss travels as a `RdzvDoc`: the pickle must be
-exactly a `_RendezvousState` with the attributes of torch 2.4 to 2.13, its nodes `_NodeDesc`s
+exactly a `_RendezvousState` with the attributes `worker.torch_internals` checks, its nodes `_NodeDesc`s
 (of a string address and integer pid and local id), its round and ranks integers, its flags
 booleans and its times aware datetimes; each of those converts back to an equal value, so the
 whole state does. Anything else (a torch that added a field, the contract suite's arbitrary
@@ -20,12 +20,9 @@ import pickle
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
-
+from worker import torch_internals
 from worker.rdzv_state import Node, RdzvDoc
 
-_FIELDS = {"round", "complete", "deadline", "closed", "participants", "wait_list",
-           "redundancy_list", "last_heartbeats"}
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -35,16 +32,21 @@ def to_doc(state: bytes) -> RdzvDoc | None:
         obj = pickle.loads(state)  # torch's own pickle, made a moment ago in this process
     except Exception:
         return None
-    if type(obj) is not _RendezvousState or set(vars(obj)) != _FIELDS:
+    state_type, desc_type = torch_internals.rendezvous_state_types()
+    if type(obj) is not state_type or set(vars(obj)) != torch_internals.STATE_FIELDS:
         return None
+
+    def node(n: Any) -> Node:
+        return _node(n, desc_type)
+
     try:
         doc = RdzvDoc(round=_int(obj.round), complete=_bool(obj.complete),
                       deadline_us=None if obj.deadline is None else _us(obj.deadline),
                       closed=_bool(obj.closed),
-                      participants={_node(n): _int(r) for n, r in obj.participants.items()},
-                      wait_list={_node(n) for n in obj.wait_list},
-                      redundancy_list={_node(n) for n in obj.redundancy_list},
-                      last_heartbeats={_node(n): _us(t) for n, t in obj.last_heartbeats.items()})
+                      participants={node(n): _int(r) for n, r in obj.participants.items()},
+                      wait_list={node(n) for n in obj.wait_list},
+                      redundancy_list={node(n) for n in obj.redundancy_list},
+                      last_heartbeats={node(n): _us(t) for n, t in obj.last_heartbeats.items()})
     except (TypeError, ValueError, AttributeError):
         return None
     return doc
@@ -55,8 +57,8 @@ def from_doc(doc: RdzvDoc) -> bytes:
     return pickle.dumps(_state_of(doc))
 
 
-def _state_of(doc: RdzvDoc) -> _RendezvousState:
-    state = _RendezvousState()
+def _state_of(doc: RdzvDoc) -> Any:
+    state = torch_internals.rendezvous_state_types()[0]()
     state.round = doc.round
     state.complete = doc.complete
     state.deadline = None if doc.deadline_us is None else _time(doc.deadline_us)
@@ -68,17 +70,17 @@ def _state_of(doc: RdzvDoc) -> _RendezvousState:
     return state
 
 
-_descs: dict[Node, _NodeDesc] = {}
+_descs: dict[Node, Any] = {}
 MAX_DESCS = 1 << 16  # nodes remembered (a few MiB at most); forgotten all at once past it
 
 
-def _desc(node: Node) -> _NodeDesc:
+def _desc(node: Node) -> Any:
     """The one `_NodeDesc` of `node` in this process (a frozen dataclass: safe to share)."""
     desc = _descs.get(node)
     if desc is None:
         if len(_descs) >= MAX_DESCS:
             _descs.clear()
-        desc = _descs[node] = _NodeDesc(*node)
+        desc = _descs[node] = torch_internals.rendezvous_state_types()[1](*node)
     return desc
 
 
@@ -92,8 +94,8 @@ def _time(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
 
 
-def _node(node: Any) -> Node:
-    if type(node) is not _NodeDesc or not isinstance(node.addr, str):
+def _node(node: Any, desc_type: type) -> Node:
+    if type(node) is not desc_type or not isinstance(node.addr, str):
         raise ValueError(f"{node!r} is not a node")
     return node.addr, _int(node.pid), _int(node.local_id)
 

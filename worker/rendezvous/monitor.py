@@ -12,7 +12,8 @@ still runs at least once per interval, as before; a wake-up with nothing new cos
 
 torch's agent module imports `time` and calls `time.sleep(monitor_interval)` in its loop, and
 nowhere else; the patch gives that module a `time` whose `sleep` waits on the pipe in the
-main thread (anything else is the real `time`). A torch built otherwise keeps its sleep.
+main thread (anything else is the real `time`). `worker.torch_internals` checks that torch's
+agent is still built so.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 
+from worker import torch_internals
 from worker.env import FTRAIN_MEMORY_DIR
 from worker.memory_dirs import LAST_WORDS_WAIT_S, last_words_held, wait_for_last_words
 
@@ -77,13 +80,6 @@ def wake_monitor_on_news() -> bool:
         return True
     if threading.current_thread() is not threading.main_thread() or not in_torchrun():
         return False
-    try:
-        from torch.distributed.elastic.agent.server import api as agent_api
-    except ImportError:
-        return False
-    if getattr(agent_api, "time", None) is not time:
-        log.info("torch's agent has no module-level time: its monitor keeps sleeping its interval")
-        return False
     r, w = os.pipe()
     os.set_blocking(r, False)
     os.set_blocking(w, False)
@@ -97,11 +93,16 @@ def wake_monitor_on_news() -> bool:
         log.info("torchrun's monitor is not woken by its workers' exits (%s)", exc)
         return False
     _pipe = (r, w)
-    shim = types.ModuleType("time")
-    shim.__dict__.update({k: getattr(time, k) for k in dir(time) if not k.startswith("__")})
-    shim.sleep = _sleep
-    agent_api.time = shim
+    torch_internals.patch(torch_internals.AGENT_TIME, _time_that_wakes)
     return True
+
+
+def _time_that_wakes(stock: types.ModuleType) -> types.ModuleType:
+    """The `time` module with `sleep` that `wake_monitor` ends early (for torch's agent module)."""
+    shim = types.ModuleType("time")
+    shim.__dict__.update({k: getattr(stock, k) for k in dir(stock) if not k.startswith("__")})
+    shim.sleep = _sleep
+    return shim
 
 
 # Set when this node's torchrun sees a node of its own current group waiting for the next
@@ -114,9 +115,6 @@ def note_broken_groups(handler) -> None:
     nodes of each round it completes, and its `num_nodes_waiting()` notes when only such nodes
     are on the wait list (they left the group to re-form it: their workers failed). A new node
     waiting (a scale-up) is not that: its restart keeps torch's SIGTERM and grace."""
-    holder = getattr(handler, "_state_holder", None)
-    if getattr(getattr(holder, "state", None), "wait_list", None) is None:
-        return
     members: set = set()
     inner_next, inner_waiting = handler.next_rendezvous, handler.num_nodes_waiting
 
@@ -124,7 +122,7 @@ def note_broken_groups(handler) -> None:
         members.clear()
         _peer_left.clear()
         info = inner_next()
-        members.update(holder.state.participants)
+        members.update(torch_internals.cached_state(handler).participants)
         return info
 
     def num_nodes_waiting() -> int:
@@ -132,7 +130,7 @@ def note_broken_groups(handler) -> None:
         # Only members waiting: a member's workers failed. A new node among them is a planned
         # scale-up, whose members leave the round one after the other (the first to leave
         # waits beside the new node): not broken.
-        wait_list = holder.state.wait_list
+        wait_list = torch_internals.cached_state(handler).wait_list
         if waiting and members and wait_list and wait_list <= members:
             _peer_left.set()
         return waiting
@@ -155,8 +153,7 @@ def let_them_say_last_words(agent) -> None:
     directory = os.environ.get(FTRAIN_MEMORY_DIR)
     if not directory or not last_words_held(directory):
         return
-    pids = getattr(getattr(agent, "_pcontext", None), "pids", dict)()
-    for pid in pids.values():
+    for pid in torch_internals.worker_pids(agent).values():
         try:
             os.kill(pid, signal.SIGTERM)  # the launcher passes it on to its worker
         except ProcessLookupError:
@@ -165,7 +162,7 @@ def let_them_say_last_words(agent) -> None:
     log.info("waited %.3f s for the node's writer's last words before stopping the group", waited or 0.0)
 
 
-def stop_broken_groups_at_once() -> bool:
+def stop_broken_groups_at_once() -> None:
     """Patch torch's agent (this process) to stop a broken group with SIGKILL, not SIGTERM and
     up to 30 s of grace: its own workers failed (torch's FAILED or UNHEALTHY state: the local
     workers left have lost a rank), or a node of its group is waiting to re-form it
@@ -173,17 +170,12 @@ def stop_broken_groups_at_once() -> bool:
     workers' chain of a SIGTERM (torchrun, the launcher, the worker, the fork server's reaping,
     the launcher's exit, torchrun's poll of it) took 0.2 s on 2 busy cores, on the path to the
     next round. A planned restart (a new node waiting) keeps torch's stop."""
-    try:
-        from torch.distributed.elastic.agent.server.api import WorkerState
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    except ImportError:
-        return False
-    stock = LocalElasticAgent._stop_workers
-    if getattr(stock, "_ftrain_broken_stop", False):
-        return True
-    shutdown = getattr(LocalElasticAgent, "_shutdown", None)
-    if not callable(shutdown):
-        return False
+    torch_internals.patch(torch_internals.STOP_WORKERS, _stop_broken_at_once)
+
+
+def _stop_broken_at_once(stock: Callable[..., None]) -> Callable[..., None]:
+    """torch's agent's `_stop_workers` (`stock`), with a broken group stopped by SIGKILL."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
 
     def _stop_workers(self, worker_group, *args, **kwargs):
         broken = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) or _peer_left.is_set()
@@ -191,8 +183,6 @@ def stop_broken_groups_at_once() -> bool:
         if not broken:
             return stock(self, worker_group, *args, **kwargs)
         let_them_say_last_words(self)
-        self._shutdown(death_sig=signal.SIGKILL)
+        torch_internals.shutdown_workers(self, signal.SIGKILL)
 
-    _stop_workers._ftrain_broken_stop = True
-    LocalElasticAgent._stop_workers = _stop_workers
-    return True
+    return _stop_workers

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from worker import torch_internals
 from worker.rendezvous.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -104,17 +105,9 @@ def refresh_stale_heartbeats(state: bytes, outage: AnOutage | None, interval: ti
 
 
 def ride_out_outages(handler: Any, transport: Transport,
-                     clock: Callable[[], float] = time.monotonic) -> bool:
-    """Make torch's `handler` keep its group through a control-plane outage (module
-    docstring); False if this torch's handler lacks the internals it wraps."""
-    settings = getattr(handler, "_settings", None)
-    keep_alive = getattr(handler, "_keep_alive", None)
-    waiting = getattr(handler, "num_nodes_waiting", None)
-    if settings is None or not callable(keep_alive) or not callable(waiting) \
-            or not isinstance(getattr(settings, "keep_alive_interval", None), timedelta):
-        log.warning("rendezvous %s: torch's handler is not built as ftrain expects; a control-plane "
-                    "outage longer than retry_timeout restarts the group", transport.rdzv_id)
-        return False
+                     clock: Callable[[], float] = time.monotonic) -> None:
+    """Make torch's `handler` keep its group through a control-plane outage (module docstring)."""
+    waiting = handler.num_nodes_waiting
     last = {"waiting": 0, "keep_alive": -KEEP_ALIVE_PROBE_S, "told": False}
     lock = threading.Lock()
 
@@ -134,15 +127,17 @@ def ride_out_outages(handler: Any, transport: Transport,
             last["waiting"], last["told"] = n, False
         return n
 
-    def keep_alive_briefly() -> None:
-        away_since = transport.failing_since
-        if away_since is not None and time.time() - away_since > KEEP_ALIVE_PROBE_S \
-                and clock() - last["keep_alive"] < KEEP_ALIVE_PROBE_S:
-            return  # a long outage: it would fail too, and torch would log each one
-        last["keep_alive"] = clock()
-        with transport.briefly(KEEP_ALIVE_RETRY_S, KEEP_ALIVE_READ_TIMEOUT_S):
-            keep_alive()
+    def briefly(keep_alive: Callable[[], None]) -> Callable[[], None]:
+        def keep_alive_briefly() -> None:
+            away_since = transport.failing_since
+            if away_since is not None and time.time() - away_since > KEEP_ALIVE_PROBE_S \
+                    and clock() - last["keep_alive"] < KEEP_ALIVE_PROBE_S:
+                return  # a long outage: it would fail too, and torch would log each one
+            last["keep_alive"] = clock()
+            with transport.briefly(KEEP_ALIVE_RETRY_S, KEEP_ALIVE_READ_TIMEOUT_S):
+                keep_alive()
+
+        return keep_alive_briefly
 
     handler.num_nodes_waiting = num_nodes_waiting
-    handler._keep_alive = keep_alive_briefly
-    return True
+    torch_internals.replace_keep_alive(handler, briefly)

@@ -25,6 +25,7 @@ import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from worker import torch_internals
 from worker.env import (
     FTRAIN_ATTEMPT,
     FTRAIN_GROUP,
@@ -118,10 +119,7 @@ class ReportingHandler(RendezvousHandler):
         info = self._inner.next_rendezvous()
         round_ = rendezvous_round(self._inner)
         marks.mark("rdzv_done", call=call, round=round_, rank=info.rank, world=info.world_size)
-        if round_ is not None:  # for the group's workers, which torch starts next
-            os.environ[FTRAIN_ROUND] = str(round_)
-        else:
-            os.environ.pop(FTRAIN_ROUND, None)
+        os.environ[FTRAIN_ROUND] = str(round_)  # for the group's workers, which torch starts next
         self._reporter.report("joined", call, info, round_)
         if info.rank == 0:
             # The group's name as rank 0's node reports it; other nodes' workers do not
@@ -154,18 +152,14 @@ class ReportingHandler(RendezvousHandler):
         re-rendezvous. Under ftrain the control plane decides when a job's rendezvous ends
         (and deletes it then); an agent leaving only stops its keep-alive.
         """
-        stop = getattr(self._inner, "_stop_heartbeats", None)
-        if stop is not None:
-            stop()
+        torch_internals.stop_heartbeats(self._inner)
         return True
 
 
-def rendezvous_round(handler: RendezvousHandler) -> int | None:
+def rendezvous_round(handler: RendezvousHandler) -> int:
     """The round of torch's dynamic rendezvous that `handler` last completed (the same on every
-    member node: torch names the group's store by it); None where a handler has no such state."""
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    value = getattr(state, "round", None)
-    return value if type(value) is int else None
+    member node: torch names the group's store by it)."""
+    return torch_internals.cached_state(handler).round
 
 
 def with_round_reports(handler: RendezvousHandler) -> RendezvousHandler:

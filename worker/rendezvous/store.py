@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 
+from worker import torch_internals
 from worker.protocol import (
     AddRequest,
     AddResult,
@@ -159,29 +160,27 @@ class HttpStore(dist.Store):
             raise dist.DistStoreError(f"the control plane sent a malformed {model.__name__}: {exc}") from exc
 
 
-def publish_master_in_one_call() -> bool:
+def publish_master_in_one_call() -> None:
     """After each round torch's handler publishes the workers' master address and port through
     the agents' store (`RendezvousStoreInfo.build`): rank 0 sets the two keys one by one and
     reads both back, every other node reads them one by one; four and two round trips to the
     control plane, between the round's completion and the workers' start. Here rank 0 sets both
     in one `multi_set` (and keeps what it set), the others read both in one `multi_get`: the same
     keys and values, one round trip each. Process-wide (dynamic_rendezvous's module-level name),
-    for stores with the extended API only; others keep torch's `build`. False: torch has no such
-    name, nothing changed."""
-    from torch.distributed.elastic.rendezvous import api as rdzv_api
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    for stores with the extended API only; others keep torch's `build`."""
+    torch_internals.patch(torch_internals.STORE_INFO, _one_call_store_info)
+
+
+def _one_call_store_info(stock: type) -> type:
+    """torch's `RendezvousStoreInfo` (`stock`) with a `build` of one store call per node."""
     from torch.distributed.elastic.utils.distributed import get_free_port
 
-    stock = rdzv_api.RendezvousStoreInfo
-    current = getattr(dynamic_rendezvous, "RendezvousStoreInfo", None)
-    if current is not stock:
-        return current is not None and issubclass(current, stock)
     keys = [stock.MASTER_ADDR_KEY, stock.MASTER_PORT_KEY]
 
     class OneCallStoreInfo(stock):
         @staticmethod
         def build(rank: int, store: dist.Store, local_addr: str | None,
-                  server_port: int | None = None) -> rdzv_api.RendezvousStoreInfo:
+                  server_port: int | None = None) -> Any:
             if not store.has_extended_api():
                 return stock.build(rank, store, local_addr, server_port)
             if rank == 0:
@@ -192,5 +191,4 @@ def publish_master_in_one_call() -> bool:
             addr_b, port_b = store.multi_get(keys)
             return stock(master_addr=_bytes(addr_b).decode(), master_port=int(_bytes(port_b).decode()))
 
-    dynamic_rendezvous.RendezvousStoreInfo = OneCallStoreInfo
-    return True
+    return OneCallStoreInfo

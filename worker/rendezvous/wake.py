@@ -19,24 +19,19 @@ thread with no such read pending (and every other delay) gets torch's own `_dela
 random skew (0 to 0.3 s) before a first join is skipped: it spreads joins for torch's c10d
 store, and the control plane merges concurrent joins instead. Waits are at least
 `MIN_WAKE_INTERVAL_S` apart (N nodes' heartbeats change the state N times a second), and a
-failed wait sleeps the rest of the second. A torch whose handler lacks these internals keeps
-the stock polling (a warning says so).
+failed wait sleeps the rest of the second. The internals it uses (`_delay`, the holder's cache)
+are checked by `worker.torch_internals`, which raises for a torch that changed them.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import torch
-from torch.distributed.elastic.rendezvous import RendezvousHandler, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-if TYPE_CHECKING:
-    from worker.rendezvous.backend import FtrainRendezvousBackend
-
-log = logging.getLogger(__name__)
+from worker import torch_internals
 
 SYNC_DELAY_S = 1  # the delay torch's op executor takes after each _Action.SYNC
 MIN_WAKE_INTERVAL_S = 0.05
@@ -46,42 +41,27 @@ MIN_WAKE_INTERVAL_S = 0.05
 # thread (`prefetched`, (backend, decoded state)). See the module docstring.
 this_thread = threading.local()
 _stock_delay: Callable[..., None] | None = None  # dynamic_rendezvous's own `_delay`
-_patch_lock = threading.Lock()
 
 
-def wake_on_change(handler: RendezvousHandler, backend: FtrainRendezvousBackend) -> bool:
+class WakingBackend(Protocol):
+    """What a backend does for a handler that waits for a change (`FtrainRendezvousBackend`)."""
+
+    def wait_instead_of_poll(self, seconds: float, after: str | None) -> None: ...
+
+    def wake_on_change(self, expire_cache: Callable[[], None]) -> None: ...
+
+
+def wake_on_change(handler: RendezvousHandler, backend: WakingBackend) -> None:
     """Make `handler` (torch's, over `backend`) re-read the state as soon as another node
-    changes it rather than once a second (module docstring); False: this torch's handler is
-    not built as expected, and it keeps polling as stock torch does."""
-    holder = getattr(handler, "_state_holder", None)
-    executor = getattr(dynamic_rendezvous, "_DistributedRendezvousOpExecutor", None)
-    run_code = getattr(getattr(executor, "run", None), "__code__", None)
-    if not callable(getattr(dynamic_rendezvous, "_delay", None)) \
-            or "_delay" not in getattr(run_code, "co_names", ()):
-        problem = "its op executor does not call dynamic_rendezvous._delay"
-    elif getattr(holder, "_backend", None) is not backend \
-            or not isinstance(getattr(holder, "_last_sync_time", None), (int, float)):
-        problem = "its state holder has no _backend and _last_sync_time"
-    else:
-        _patch_delay()
-        # torch's state cache stays (the agent's monitor asks num_nodes_waiting() every
-        # 0.1 s: that must not become ten reads a second per node); a wait that ends
-        # expires it, so the read after the wait is a fresh one.
-        backend._expire_cache = lambda: setattr(holder, "_last_sync_time", -1)
-        backend._wakes_on_change = True
-        return True
-    log.warning("rendezvous %s: torch %s's DynamicRendezvousHandler is not built as ftrain expects "
-                "(%s); it re-reads the state once a second, as stock torch does",
-                backend._transport.rdzv_id, torch.__version__, problem)
-    return False
-
-
-def _patch_delay() -> None:
+    changes it rather than once a second (module docstring)."""
     global _stock_delay
-    with _patch_lock:
-        if dynamic_rendezvous._delay is not _delay_or_wait_for_change:
-            _stock_delay = dynamic_rendezvous._delay
-            dynamic_rendezvous._delay = _delay_or_wait_for_change
+    if torch_internals.backend_of(handler) is not backend:
+        raise ValueError("the handler does not read its state through this backend")
+    _stock_delay = torch_internals.patch(torch_internals.DELAY, lambda stock: _delay_or_wait_for_change)
+    # torch's state cache stays (the agent's monitor asks num_nodes_waiting() every 0.1 s:
+    # that must not become ten reads a second per node); a wait that ends expires it, so
+    # the read after the wait is a fresh one.
+    backend.wake_on_change(lambda: torch_internals.expire_cached_state(handler))
 
 
 def _delay_or_wait_for_change(seconds: float | tuple[float, float]) -> None:

@@ -92,9 +92,19 @@ function progressCell(job) {
   const left = eta(p, job);
   if (left != null) parts.push(`ETA ${duration(left)}`);
   const bar = pct != null
-    ? `<div class="bar${done ? " done" : ""}" role="progressbar" aria-valuenow="${pct}"><span style="width:${pct}%"></span></div>` : "";
+    ? `<div class="bar${done ? " done" : ""}" role="progressbar" aria-valuenow="${pct}"><span data-width="${pct}"></span></div>` : "";
   return `<div class="progress">${bar}<span class="label" data-progress>${esc(parts.join(" · "))}</span></div>`;
 }
+
+// The page's Content-Security-Policy takes no inline style (a `style=` attribute in HTML is
+// one): a bar's width is set through the DOM, on every bar a view adds.
+function sizeBars() {
+  for (const el of document.querySelectorAll("[data-width]")) {
+    el.style.width = el.dataset.width + "%";
+    el.removeAttribute("data-width");
+  }
+}
+new MutationObserver(sizeBars).observe(document.documentElement, { childList: true, subtree: true });
 
 function banner(message) {
   const el = document.getElementById("banner");

@@ -1,0 +1,61 @@
+"""Why a PENDING job waits, in words: the nodes it asks for against those registered, those
+that fit it, those free, and the jobs that hold the rest.
+
+Asked when a job is read (`GET /v1/jobs/{id}`, the job list, `ftrain status`), not written to
+the job's record: what a waiting job waits on changes with every node and every other job,
+and a thousand waiting jobs rewritten on each change would cost etcd a write storm for words
+nobody reads. Pure: the caller gives the live nodes and, for each node, the unfinished job
+that holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from service.decide.placement import fits
+from service.models import JobRecord, JobState, NodeRecord, NodeState
+
+MAX_HOLDERS_NAMED = 3
+
+
+def why_waiting(job: JobRecord, nodes: Mapping[str, NodeRecord],
+                holders: Mapping[str, JobRecord]) -> str | None:
+    """What `job` waits for (None unless it is PENDING): `nodes` are the live nodes by name,
+    `holders` node -> the unfinished job that holds it."""
+    if job.state is not JobState.PENDING:
+        return None
+    need = job.spec.nodes.min
+    gpus = job.spec.gpus_per_node
+    asked = f"{need} node(s)" + (f" with {gpus} GPU(s) each" if gpus else "")
+    fitting = [n for n in sorted(nodes) if fits(job.spec, nodes[n])]
+    if len(nodes) < need:
+        return (f"needs {asked}; the cluster has {len(nodes)} registered: it starts when "
+                f"{need - len(nodes)} more join")
+    if len(fitting) < need:
+        return (f"needs {asked}; {len(fitting)} of the {len(nodes)} registered have that many GPUs: "
+                f"it starts when {need - len(fitting)} more such node(s) join")
+    ready = [n for n in fitting if nodes[n].state is NodeState.READY]
+    if len(ready) < need:
+        return (f"needs {asked}; {len(fitting) - len(ready)} of the {len(fitting)} that fit are "
+                f"draining: it starts when enough are undrained or join")
+    free = [n for n in ready if n not in holders]
+    if len(free) >= need:
+        return f"needs {asked}; {len(free)} are free: it starts at the scheduler's next pass"
+    return (f"needs {asked}; {len(free)} of the {len(ready)} that fit are free, "
+            f"{_held_by(ready, holders)}")
+
+
+def _held_by(ready: list[str], holders: Mapping[str, JobRecord]) -> str:
+    """'the others are held by job X (RUNNING: n0, n1) and ...', the first few jobs named."""
+    by_job: dict[str, list[str]] = {}
+    states: dict[str, JobState] = {}
+    for n in ready:
+        holder = holders.get(n)
+        if holder is not None:
+            by_job.setdefault(holder.id, []).append(n)
+            states[holder.id] = holder.state
+    named = [f"job {j} ({states[j].value}: {', '.join(ns)})"
+             for j, ns in list(by_job.items())[:MAX_HOLDERS_NAMED]]
+    more = len(by_job) - len(named)
+    tail = f" and {more} more job(s)" if more > 0 else ""
+    return "the others are held by " + ", ".join(named) + tail
