@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -57,6 +58,7 @@ from worker.env import (
     TORCH_ELASTIC_WORKER_IDENTICAL,
 )
 from worker.handoff import AgentHandoff, handoff_path
+from worker.launch import signal_name
 from worker.links import ServiceLink, report_broken_peer
 from worker.log_shipper import LogShipper
 from worker.output import POLL_S, QUIET_S, STREAMS, LineReader, WorkerDir, WorkerDirs
@@ -177,7 +179,7 @@ class WorkerGroup:
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, (headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+        return "failed", code, (headline(self.tails, code, self.proc.pid) + "\nlast lines:\n" + "\n".join(lines)
                                 + (f"\n{note}" if note else ""))
 
 
@@ -201,19 +203,28 @@ def tails_of_files(files: list[tuple[Path, int | None]], secrets: tuple[str, ...
     return tails
 
 
-def headline(tails: Mapping, code: int | None) -> str:
-    """One line that says why a group failed: the missing command named as such, else the
-    first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
-    in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
+def headline(tails: Mapping, code: int | None, pid: int | None = None) -> str:
+    """One line that says why a group failed: the missing command named as such; torchrun
+    killed by a signal (from outside: no worker's line is the cause, least of all the last
+    one a worker logged); else the first rank's error line (`ValueError: ...`), else
+    torchrun's own (`ftrain: the worker's fork server went away`), else the first rank's last
+    line; the log lines follow it in the report (they stay in the logs and in the event's
+    detail, not in the job's reason)."""
     ranks = sorted(r for r in tails if r is not None)
     said = [(r, why) for r in ranks if (why := telling_line(list(tails[r]))) is not None]
     for _, why in said:
         if why.startswith("command not"):
             return why
-    # the first rank with an error line, else the first with any line
-    r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
-    return f"torchrun exited with code {code}" if why is None else \
-        f"rank {r}: {why} (torchrun exited with code {code})"
+    if code is not None and code < 0:
+        return f"torchrun{'' if pid is None else f' (pid {pid})'} was killed by {signal_name(-code)}"
+    exited = f"torchrun exited with code {code}"
+    errors = [(r, w) for r, w in said if ERROR_LINE.match(w)]
+    if errors:
+        return f"rank {errors[0][0]}: {errors[0][1]} ({exited})"
+    own = [x for x in tails.get(None, ()) if x.startswith("ftrain: ") or ERROR_LINE.match(x)]
+    if own:
+        return f"{exited}: {own[-1]}"
+    return exited if not said else f"rank {said[0][0]}: {said[0][1]} ({exited})"
 
 
 TRACEBACK = "Traceback (most recent call last):"
@@ -781,7 +792,36 @@ def missing_command(command: list[str], env: Mapping[str, str], cwd: str,
         found = command_search(cwd, candidates)
     elif (found := command_search_as(run_as, cwd, candidates)) == NO_CWD:
         return f"working directory {cwd} is not a folder that user {run_as.name} may enter"
-    return f"command not found: {name}" if found == MISSING else None
+    if found == MISSING:
+        return f"command not found: {name}"
+    if (script := python_script(command)) is not None:
+        # A mistyped script name fails every attempt the same way: say so once, before torchrun
+        # restarts it (the node's failure ends the job: no restart can cure it).
+        path = [os.path.join(cwd, script)]
+        there = command_search(cwd, path) if run_as is None else command_search_as(run_as, cwd, path)
+        if there == MISSING:
+            return f"no such file: {script} (in {cwd})"
+    return None
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_OPTION_WITH_VALUE = ("-W", "-X")
+
+
+def python_script(command: list[str]) -> str | None:
+    """The script a Python interpreter `command` runs (`python -u train.py ...`: train.py);
+    None when it is not a Python interpreter or runs no file (`-m`, `-c`, stdin)."""
+    if not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-m", "-c", "-"):
+            return None
+        if arg in _OPTION_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _private_file(path: Path, mode: str):
