@@ -1,7 +1,7 @@
 """One contract for every snapshot tier (worker/tiers/api.py `SnapshotTier`): the disk tier
 (files committed through the local twin's index), the memory tier (this node's copy in
 /dev/shm or a temporary folder) and the peer tier (a copy another rank's node holds, sent
-to a rank whose node lacks it; two ranks in threads, over a wire that hands objects across).
+to a rank whose node lacks it; two ranks in threads, over real gloo collectives).
 
 Each case runs against each tier: what is saved is given back exactly, the newest copy is
 the one given back, a damaged copy is never given back (an older whole one or none is), and
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from worker import memory as mem
 from worker import rng as rngs
@@ -64,30 +67,40 @@ def _states(objects: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy({name: obj.state_dict() for name, obj in objects.items()})
 
 
-class ThreadWire:
-    """Two ranks in threads: the collectives the peer tier sends over, handing objects across."""
+class GlooWire:
+    """Real gloo collectives between two ranks in threads of this process (a process group
+    made directly on a shared store): what the peer tier sends over, as `GroupWire` sends it
+    over the default group in a job."""
 
-    def __init__(self, hub: dict, rank: int):
-        self.hub, self.rank = hub, rank
+    def __init__(self, store: dist.Store, rank: int):
+        self.rank = rank
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("tiers", store), rank, 2, timedelta(seconds=30))
 
-    def _exchange(self, mine: Any) -> list:
-        hub = self.hub
-        hub["slots"][self.rank] = mine
-        hub["barrier"].wait()
-        got = list(hub["slots"])
-        hub["barrier"].wait()
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([tensor], opts).wait()
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        got = [torch.empty_like(tensor) for _ in range(2)]
+        self.pg.allgather([got], [tensor]).wait()
         return got
 
     def all_gather_object(self, obj: Any) -> list:
-        return copy.deepcopy(self._exchange(obj))
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(t) for t in self._gather(torch.tensor([data.numel()]))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(self._gather(padded), sizes)]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        return copy.deepcopy(self._exchange(obj)[src])
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        sent = self._exchange(tensor.clone() if self.rank == src else None)[src]
-        if self.rank != src:
-            tensor.copy_(sent)
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)])
+        self.broadcast(size, src)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src else \
+            torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast(buf, src)
+        return pickle.loads(buf.numpy().tobytes())
 
 
 def _both(calls: list[Callable[[], Any]]) -> list:
@@ -188,7 +201,8 @@ class PeerHarness(Harness):
     """Rank 0's node holds the copies; rank 1's node holds none and is sent rank 0's."""
 
     def __init__(self, tmp_path: Path):
-        hub = {"slots": [None, None], "barrier": threading.Barrier(2, timeout=30)}
+        store = dist.HashStore()
+        wires = _both([lambda r=r: GlooWire(store, r) for r in (0, 1)])  # the group forms with both
         self.memories, self.peers = [], []
         for rank in (0, 1):
             directory = tmp_path / f"node{rank}"
@@ -198,7 +212,7 @@ class PeerHarness(Harness):
             if rank == 0:
                 memory.open_writer()
             self.memories.append(memory)
-            self.peers.append(PeerTier(worker, memory, ThreadWire(hub, rank)))
+            self.peers.append(PeerTier(worker, memory, wires[rank]))
         self.tier = self.peers[0]
         self.bound = 2  # rank 0's node's two slots; rank 1's node holds none
 
