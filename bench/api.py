@@ -200,6 +200,8 @@ async def load_role(args) -> None:
             latencies.append(time.perf_counter() - t)
             started.append(t)
             codes[code] = codes.get(code, 0) + 1
+            if code == 429 and r.retry_after_s:  # as the CLI and the runtime do (service/client.py)
+                await asyncio.sleep(min(r.retry_after_s, max(0.0, end - time.monotonic())))
 
     t0 = time.monotonic()
     p0 = time.perf_counter()

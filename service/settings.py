@@ -44,7 +44,7 @@ class Settings(BaseSettings):
                                    "503 (every node agent holds one or two; the process's open-file "
                                    "limit must be above this).")
     user_max_in_flight: int = Field(
-        64, ge=1, description="User requests (submissions, reads, the dashboard) waiting for their "
+        16, ge=1, description="User requests (submissions, reads, the dashboard) waiting for their "
         "answer at once, at most; more get 429 with Retry-After. Node traffic (heartbeats, "
         "rendezvous, reports) is never counted nor refused (service/admission.py).")
     admission_lag_s: float = Field(
