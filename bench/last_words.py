@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from ftrain import runtime  # noqa: E402
 
 
 def run(width: int, steps: int, blocks: int, directory: Path) -> dict:

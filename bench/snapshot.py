@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from ftrain import runtime  # noqa: E402
 from worker import snapshot as snap  # noqa: E402
 
 SIZES = {"10M": 1536, "100M": 5000}  # width of a 4-layer square MLP: params ~ 4 * width^2

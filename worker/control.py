@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from worker.links import ControlRequest, LinkError, ServiceLink
-from worker.progress import Progress
-from worker.tiers.api import Worker
+from .links import ControlRequest, LinkError, ServiceLink
+from .progress import Progress
+from .tiers.api import Worker
 
 log = logging.getLogger("ftrain.runtime")
 

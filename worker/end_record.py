@@ -39,9 +39,9 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from worker import handoff
-from worker.links import ServiceLink
-from worker.node_link import write_private
+from . import handoff
+from .links import ServiceLink
+from .node_link import write_private
 
 log = logging.getLogger("ftrain.agent")
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from worker import memory as mem
-from worker.last_words import last_words_step
-from worker.memory_dirs import hold_last_words, start_speaking, stop_speaking, take_writer
-from worker.step_marks import StepMarks
-from worker.tiers.api import Worker
-from worker.tiers.memory import MEMORY_PLAN_REMAKES, MemoryTier
+from . import memory as mem
+from .last_words import last_words_step
+from .memory_dirs import hold_last_words, start_speaking, stop_speaking, take_writer
+from .step_marks import StepMarks
+from .tiers.api import Worker
+from .tiers.memory import MEMORY_PLAN_REMAKES, MemoryTier
 
 log = logging.getLogger("ftrain.runtime")
 

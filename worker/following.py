@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.links import ServiceLink, report_broken_peer
-from worker.log_shipper import LogShipper
-from worker.output import POLL_S, QUIET_S, LineReader, WorkerDir, WorkerDirs
-from worker.protocol import LogLineIn, cut_line, says_peer_gone
+from .links import ServiceLink, report_broken_peer
+from .log_shipper import LogShipper
+from .output import POLL_S, QUIET_S, LineReader, WorkerDir, WorkerDirs
+from .protocol import LogLineIn, cut_line, says_peer_gone
 
 if TYPE_CHECKING:
-    from worker.torchrun import WorkerGroup
+    from .torchrun import WorkerGroup
 
 # Lines read from one worker's file before the next file's turn (one reader follows them all).
 LINES_PER_TURN = 200

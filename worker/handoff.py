@@ -57,9 +57,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import safe_files
-from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
-from worker.protocol import CommitRequest, ProgressReport
+from . import safe_files
+from .links import CommitUnreachable, Fenced, LinkError, ServiceLink
+from .protocol import CommitRequest, ProgressReport
 
 log = logging.getLogger("ftrain.handoff")
 

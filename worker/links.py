@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from worker.http import ApiError, CommitUnavailable, ControlPlaneClient, HttpError, Unreachable
-from worker.protocol import (
+from .http import ApiError, CommitUnavailable, ControlPlaneClient, HttpError, Unreachable
+from .protocol import (
     BrokenPeer,
     CommitRequest,
     CommitResult,
@@ -47,7 +47,7 @@ from worker.protocol import (
 )
 
 if TYPE_CHECKING:  # (worker/snapshot.py imports torch: the node agent reports through here)
-    from worker import snapshot as snap
+    from . import snapshot as snap
 
 log = logging.getLogger("ftrain.runtime")
 Model = TypeVar("Model", bound=BaseModel)

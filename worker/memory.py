@@ -82,8 +82,8 @@ from typing import Any
 
 import torch
 
-from worker.memory_gpu import GpuStaging
-from worker.memory_dirs import (  # noqa: F401 - the agent's side, named here too
+from .memory_gpu import GpuStaging
+from .memory_dirs import (  # noqa: F401 - the agent's side, named here too
     OWNER_FILE,
     SHM_ROOT,
     UNOWNED_AGE_S,

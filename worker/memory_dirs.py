@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from worker import safe_files
+from . import safe_files
 
 log = logging.getLogger("ftrain.memory")
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker import memory as mem
+from . import memory as mem
 
 if TYPE_CHECKING:
-    from worker.memory import MemoryWriter
+    from .memory import MemoryWriter
 
 log = logging.getLogger("ftrain.memory")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from worker.links import LinkError, ServiceLink
-from worker.protocol import MAX_METRICS, METRIC_NAME
-from worker.tiers.api import Worker
+from .links import LinkError, ServiceLink
+from .protocol import MAX_METRICS, METRIC_NAME
+from .tiers.api import Worker
 
 log = logging.getLogger("ftrain.runtime")
 

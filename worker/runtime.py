@@ -1,6 +1,6 @@
 """The training-side runtime: the boilerplate of a fault-tolerant DDP script, done once.
 
-    from worker import runtime
+    from . import runtime
 
     rt = runtime.init(total_steps=max_steps)              # process group, device, snapshots
     model = rt.wrap(Net())                                # to the device, DDP when distributed
@@ -93,12 +93,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker import handoff
-from worker import rng as rng_module
-from worker import snapshot as snap
-from worker.control import ControlChannel
-from worker.data import ResumableSampler
-from worker.env import (
+from . import handoff
+from . import rng as rng_module
+from . import snapshot as snap
+from .control import ControlChannel
+from .data import ResumableSampler
+from .env import (
     FTRAIN_ATTEMPT,
     FTRAIN_COMMIT_WAIT_S,
     FTRAIN_CUDA_WARMUP,
@@ -115,8 +115,8 @@ from worker.env import (
     FTRAIN_SNAPSHOT_EVERY,
     FTRAIN_SNAPSHOT_KEEP,
 )
-from worker.failure_flush import GPU_SETTLE_S, LAST_WORDS_S, SETTLE_S, FailureFlush, flush_output  # noqa: F401
-from worker.links import (  # noqa: F401 - CommittedSnapshot, ControlRequest, Fenced, LinkError: for `runtime.` users
+from .failure_flush import GPU_SETTLE_S, LAST_WORDS_S, SETTLE_S, FailureFlush, flush_output  # noqa: F401
+from .links import (  # noqa: F401 - CommittedSnapshot, ControlRequest, Fenced, LinkError: for `runtime.` users
     CommittedSnapshot,
     ControlRequest,
     Fenced,
@@ -126,11 +126,11 @@ from worker.links import (  # noqa: F401 - CommittedSnapshot, ControlRequest, Fe
     ServiceLink,
     report_broken_peer,
 )
-from worker.peer_watch import PeerWatch
-from worker.progress import Progress
-from worker.protocol import PEER_GONE
-from worker.step_marks import GPU_RING, KEEP_BUFFERS_BYTES, StepMarks  # noqa: F401
-from worker.step_timing import (  # noqa: F401 - the budget's figures, for `runtime.` users
+from .peer_watch import PeerWatch
+from .progress import Progress
+from .protocol import PEER_GONE
+from .step_marks import GPU_RING, KEEP_BUFFERS_BYTES, StepMarks  # noqa: F401
+from .step_timing import (  # noqa: F401 - the budget's figures, for `runtime.` users
     COPY,
     COPY_COSTS_KEPT,
     COPY_NONE,
@@ -141,11 +141,11 @@ from worker.step_timing import (  # noqa: F401 - the budget's figures, for `runt
     MEMORY_BUDGET,
     CopySchedule,
 )
-from worker.tiers.api import SNAPSHOT_FORMAT, Found, Worker, load_into  # noqa: F401
-from worker.tiers.disk import DiskTier
-from worker.tiers.memory import MEMORY_EVERY_MAX, MEMORY_PLAN_REMAKES, MemoryTier, Prefetch  # noqa: F401
-from worker.tiers.peer import PeerTier
-from worker.tiers.restore import choose
+from .tiers.api import SNAPSHOT_FORMAT, Found, Worker, load_into  # noqa: F401
+from .tiers.disk import DiskTier
+from .tiers.memory import MEMORY_EVERY_MAX, MEMORY_PLAN_REMAKES, MemoryTier, Prefetch  # noqa: F401
+from .tiers.peer import PeerTier
+from .tiers.restore import choose
 
 log = logging.getLogger("ftrain.runtime")
 

@@ -46,7 +46,7 @@ def warm(local_rank: int) -> str:
             torch.cuda.synchronize(device)
             dist.destroy_process_group()
         nccl_s = time.perf_counter() - began - context_s
-        from worker import runtime
+        from . import runtime
 
         runtime._warm_cuda(device)
         torch.cuda.synchronize(device)

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from worker import memory as mem
-from worker import rng as rngs
-from worker.last_words import Boundary, GpuMark, gpu_settled_step
-from worker.tiers.api import SNAPSHOT_FORMAT
-from worker.tiers.memory import MemoryTier
+from . import memory as mem
+from . import rng as rngs
+from .last_words import Boundary, GpuMark, gpu_settled_step
+from .tiers.api import SNAPSHOT_FORMAT
+from .tiers.memory import MemoryTier
 
 # Buffers (BatchNorm's statistics: a forward changes them) of at most this many bytes in all
 # are copied aside at each step's end, so that last words said after the next forward still

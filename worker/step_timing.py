@@ -14,10 +14,10 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from worker.tiers.memory import MEMORY_EVERY_MAX, MemoryTier
+from .tiers.memory import MEMORY_EVERY_MAX, MemoryTier
 
 if TYPE_CHECKING:
-    from worker.step_marks import StepMarks
+    from .step_marks import StepMarks
 
 log = logging.getLogger("ftrain.runtime")
 

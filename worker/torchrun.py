@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker import gpus, memory_dirs, safe_files
-from worker.env import (
+from . import gpus, memory_dirs, safe_files
+from .env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
     FTRAIN_FORK_SERVER_SOCKET,
@@ -56,9 +56,9 @@ from worker.env import (
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     TORCH_ELASTIC_WORKER_IDENTICAL,
 )
-from worker.handoff import AgentHandoff, handoff_path
-from worker.launch import signal_name
-from worker.following import (  # noqa: F401 - shutdown_summary, starts_shutdown, MASK: for `torchrun.` users
+from .handoff import AgentHandoff, handoff_path
+from .launch import signal_name
+from .following import (  # noqa: F401 - shutdown_summary, starts_shutdown, MASK: for `torchrun.` users
     MASK,
     GroupOutput,
     mask_secrets,
@@ -66,10 +66,10 @@ from worker.following import (  # noqa: F401 - shutdown_summary, starts_shutdown
     shutdown_summary,
     starts_shutdown,
 )
-from worker.links import ServiceLink
-from worker.log_shipper import LogShipper
-from worker.output import STREAMS, WorkerDirs
-from worker.procs import (
+from .links import ServiceLink
+from .log_shipper import LogShipper
+from .output import STREAMS, WorkerDirs
+from .procs import (
     FORK_SERVER,
     cmdline,
     descendants,
@@ -81,13 +81,13 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import (
+from .protocol import (
     ERROR_LINE,
     Assignment,
     LogLineIn,
     telling_line,
 )
-from worker.run_as import MISSING, NO_CWD, RunAs, command_search, command_search_as, job_dir
+from .run_as import MISSING, NO_CWD, RunAs, command_search, command_search_as, job_dir
 
 log = logging.getLogger("ftrain.agent")
 

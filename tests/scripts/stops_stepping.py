@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from worker import runtime
+from ftrain import runtime
 from worker.env import FTRAIN_ATTEMPT
 
 

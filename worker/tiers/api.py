@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker.links import Link
+from ..links import Link
 
 # The version of a snapshot's layout (disk file or memory copy), kept in each.
 SNAPSHOT_FORMAT = 1

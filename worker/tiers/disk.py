@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from worker import handoff
-from worker import snapshot as snap
-from worker.links import ServiceLink
-from worker.tiers.api import SNAPSHOT_FORMAT, Found, SnapshotTier, Worker
+from .. import handoff
+from .. import snapshot as snap
+from ..links import ServiceLink
+from .api import SNAPSHOT_FORMAT, Found, SnapshotTier, Worker
 
 log = logging.getLogger("ftrain.runtime")
 

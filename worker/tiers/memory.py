@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker import memory as mem
-from worker import rng as rngs
-from worker.links import LinkError, ServiceLink
-from worker.tiers.api import SNAPSHOT_FORMAT, Found, SnapshotTier, Worker
+from .. import memory as mem
+from .. import rng as rngs
+from ..links import LinkError, ServiceLink
+from .api import SNAPSHOT_FORMAT, Found, SnapshotTier, Worker
 
 log = logging.getLogger("ftrain.runtime")
 

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from worker import memory as mem
-from worker.tiers.api import Found, SnapshotTier, Worker
-from worker.tiers.memory import MemoryTier
+from .. import memory as mem
+from .api import Found, SnapshotTier, Worker
+from .memory import MemoryTier
 
 log = logging.getLogger("ftrain.runtime")
 

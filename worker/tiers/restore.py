@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from worker.links import Link
-from worker.tiers.disk import DiskTier
-from worker.tiers.peer import PeerTier
+from ..links import Link
+from .disk import DiskTier
+from .peer import PeerTier
 
 log = logging.getLogger("ftrain.runtime")
 
