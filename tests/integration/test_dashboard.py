@@ -14,8 +14,10 @@ The browser is the system's: nothing downloads one (`apt-get install chromium`; 
 setup` and .ci/run install it). Every request the page makes to another host is refused,
 so the dashboard and /docs are shown to work with no Internet access.
 
-With FTRAIN_SCREENSHOTS=<dir> the test saves the jobs page and the job page there (the
-README's screenshots in docs/ come from it).
+With FTRAIN_SCREENSHOTS=<dir> the tests save the jobs page and the job page there (the
+screenshots in docs/ come from them), and the ended jobs and a resized job's page.
+
+tests/integration/test_dashboard_marks.py checks the marks' placement for every cause, in Node.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
             assert mark["title"].startswith(f"restart at step {mark['step']}"), mark
             assert "restart" in page.inner_text(f'[data-chart="{chart}"] .mark-key')
         if shots:
-            wait_points(page, after + 12)  # a longer curve for the README's picture
+            wait_points(page, after + 12)  # a longer curve for the picture in docs/
             page.screenshot(path=str(Path(shots) / "dashboard-job.png"), full_page=True)
 
         # cancel from the page

@@ -34,8 +34,8 @@ from urllib.parse import quote, urlsplit
 
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-from worker.env import FTRAIN_JOB_TOKEN
-from worker.http import ApiError, ControlPlaneClient, Timeout, Unreachable
+from ..env import FTRAIN_JOB_TOKEN
+from ..http import ApiError, ControlPlaneClient, Timeout, Unreachable
 
 log = logging.getLogger(__name__)
 
