@@ -131,8 +131,9 @@ function showSignIn(message) {
   view.innerHTML = `
     <form class="panel signin" id="signin">
       <h1>Sign in</h1>
-      <p class="muted">Paste your ftrain token: the one <span class="mono">ftrain up</span> printed
-        (also in its data directory's <span class="mono">token</span> file), or a user token from
+      <p class="muted">Paste your ftrain token: under <span class="mono">ftrain up</span>, the admin's
+        is the <span class="mono">token</span> file in its data directory
+        (<span class="mono">cat .ftrain/token</span>); a user's comes from
         <span class="mono">ftrain users add NAME</span>. It is kept in this tab only.</p>
       <label for="token">Token</label>
       <input id="token" name="token" type="password" autocomplete="off" required autofocus>
