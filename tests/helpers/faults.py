@@ -273,10 +273,10 @@ class SnapshotWatch:
         final = self.poll(api)
         assert final, "could not list the job's snapshots at the end"
         listed = {(i["step"], i["checksum"]) for i in final["items"]}
-        listed_steps = {i["step"] for i in final["items"]}
         for key, s in self.seen.items():
-            # A step re-committed after its file was found bad is listed under its new checksum.
-            assert key in listed or (key in self.bad and s.step in listed_steps), \
+            # A snapshot found bad may be listed under a new checksum (its step committed again)
+            # or not at all (nothing good of it to keep); a good one is never dropped.
+            assert key in listed or key in self.bad, \
                 f"committed snapshot of step {s.step} ({s.checksum}) is no longer listed: {final}"
         previous = None
         for when, step, _ in self.latest:

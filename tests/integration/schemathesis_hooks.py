@@ -70,8 +70,8 @@ def map_case(context, case):
         _mend_ops(body.get("merge"))
     if op is not None and op.method.upper() == "POST" and op.path == "/v1/jobs/{job_id}/snapshots" \
             and isinstance(body, dict) and isinstance(body.get("path"), str):
-        name = os.path.basename(body["path"]) or "snapshot"
-        body["path"] = os.path.join(os.environ["FTRAIN_ST_SNAPSHOT_DIR"], name.lstrip(".") or "snapshot")
+        name = os.path.basename(body["path"]).lstrip(".")[:200] or "snapshot"  # (a file name's limit)
+        body["path"] = os.path.join(os.environ["FTRAIN_ST_SNAPSHOT_DIR"], name)
     if op is None or op.method.upper() != "POST" or op.path != "/v1/jobs" or not isinstance(body, dict):
         return case
     nodes = body.get("nodes")
