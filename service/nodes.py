@@ -70,8 +70,10 @@ MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts aga
 class NodeStore:
     """Register, keep alive, list, drain and deregister nodes."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, clock: Clock = time.time, ttl_s: float = 6.0):
-        """`ttl_s`: the node lease TTL this control plane grants (every replica the same)."""
+    def __init__(self, kv: KeyValue, keys: Keys, clock: Clock = time.time, *, ttl_s: float):
+        """`ttl_s`: the node lease TTL this control plane grants (every replica the same:
+        `Settings.node_ttl_s`, its one default; agents learn it when they register)."""
+        self.ttl_s = ttl_s
         self.kv = kv
         self.keys = keys
         self.clock = clock

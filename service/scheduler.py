@@ -354,7 +354,7 @@ class Leadership:
     that stream).
     """
 
-    def __init__(self, kv: KeyValue, key: str, ttl_s: int = 5,
+    def __init__(self, kv: KeyValue, key: str, ttl_s: int,
                  clock: Callable[[], float] = time.monotonic, own_connection: bool = True):
         self._shared_kv = kv
         self.kv = kv.own_connection() if own_connection else kv
@@ -466,7 +466,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     watches: dict[str, hangs.Watch] = {}
     watches_term: int | None = None  # the term whose passes keep `watches`
     last_settle = 0.0
-    contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=6.0)
+    contact = contact or Contact(jobs.kv, jobs.keys.contact, node_ttl_s=nodes.ttl_s)
     missing_since: dict[str, float] = {}
     settled = Settled()
     caught_up: int | None = None  # the term in which the index was found to have every write

@@ -122,7 +122,7 @@ def test_a_replica_learns_of_an_outage_from_the_leaders_note_not_from_its_own_st
 def test_a_replica_that_lost_the_lead_does_not_renew_the_note():
     async def scenario() -> None:
         kv = MemoryStore()
-        lead = Leadership(kv, "/ftrain/leader")
+        lead = Leadership(kv, "/ftrain/leader", ttl_s=5)
         assert await lead.hold()
         stale = lead.fence()
         mono = [100.0]
@@ -131,7 +131,7 @@ def test_a_replica_that_lost_the_lead_does_not_renew_the_note():
         await contact.settle(stale)
         noted = await kv.get("/ftrain/contact")
         await kv.revoke_lease(lead.lease_id)  # its lease lapsed; another replica leads
-        assert await Leadership(kv, "/ftrain/leader").hold()
+        assert await Leadership(kv, "/ftrain/leader", ttl_s=5).hold()
         mono[0] += HEARD_EVERY_S  # due to note again
         with pytest.raises(StaleLeader):
             await contact.settle(stale)

@@ -40,7 +40,7 @@ def test_the_leading_scheduler_records_its_passes_and_metrics_publishes_them():
         log_root = tempfile.mkdtemp(prefix="ftrain-test-logs-")
         ctx = Context.wire(Settings(log_root=log_root), MemoryStore())
         assert parse(await metrics(ctx))["ftrain_scheduler_pass_seconds_count"] == 0
-        leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+        leadership = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=5)
         tasks = [asyncio.create_task(ctx.index.run()),
                  asyncio.create_task(scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, 0.05,
                                                    passes=ctx.scheduler_passes))]

@@ -50,7 +50,7 @@ class Cluster:
         self.log_root = Path(tempfile.mkdtemp(prefix="ftrain-test-logs-"))
         self.ctx = Context.wire(Settings(log_root=str(self.log_root)), self.kv)
         self.ctx.jobs.clock = self.clock
-        self.leadership = Leadership(self.kv, self.ctx.keys.leader)
+        self.leadership = Leadership(self.kv, self.ctx.keys.leader, ttl_s=5)
 
     async def job(self, name: str, *, finish: bool, key: str | None = None) -> str:
         """A job with events, progress, a log chunk, a snapshot record and rendezvous keys."""
@@ -223,11 +223,11 @@ def test_a_scheduler_that_lost_the_lead_leaves_a_finished_jobs_rendezvous_keys()
         assert await c.leadership.hold()
         stale = c.leadership.fence()
         await c.kv.revoke_lease(c.leadership.lease_id)
-        assert await Leadership(c.kv, c.ctx.keys.leader).hold()  # another replica leads now
+        assert await Leadership(c.kv, c.ctx.keys.leader, ttl_s=5).hold()  # another replica leads now
         with pytest.raises(StaleLeader):
             await scheduler._cleanup(c.ctx.jobs, job_id, stale)
         assert await c.keys_of(job_id) == before
-        fresh = Leadership(c.kv, c.ctx.keys.leader)
+        fresh = Leadership(c.kv, c.ctx.keys.leader, ttl_s=5)
         await c.kv.delete(c.ctx.keys.leader)  # the other one gave up; a third one leads
         assert await fresh.hold()
         await scheduler._cleanup(c.ctx.jobs, job_id, fresh.fence())  # the leader's goes through
@@ -377,7 +377,7 @@ def test_a_job_created_here_is_listed_before_its_watch_event_comes():
 def test_leadership_fence_is_the_leader_key_at_the_revision_this_replica_wrote():
     async def main():
         kv = MemoryStore(ManualClock())
-        one, two = Leadership(kv, "/l"), Leadership(kv, "/l")
+        one, two = Leadership(kv, "/l", ttl_s=5), Leadership(kv, "/l", ttl_s=5)
         assert await one.hold() and not await two.hold()
         assert one.fence() == {"/l": (await kv.get("/l")).mod_revision} and two.fence() is None
         assert await kv.commit(one.fence(), [Put("/x", b"1")])

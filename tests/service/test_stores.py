@@ -147,7 +147,7 @@ def test_a_replica_that_never_saw_the_registration_takes_the_heartbeats():
     async def main():
         clock = ManualClock()
         ctx = context(clock)
-        other = NodeStore(ctx.kv, ctx.keys, clock)  # another control plane on the same etcd
+        other = NodeStore(ctx.kv, ctx.keys, clock, ttl_s=ctx.settings.node_ttl_s)  # another control plane on the same etcd
         first = await ctx.nodes.register("n0", 1, None, ttl_s=6, credential_sha256="a" * 64)
         await ctx.nodes.heartbeat_with("n0", "a" * 64)
         for _ in range(3):  # kept alive by the other replica alone, past the lease
@@ -329,11 +329,11 @@ def test_a_scheduler_that_lost_the_lead_writes_nothing():
         ctx.jobs.clock = clock
         job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"], nodes={"min": 1, "max": 1}))
         await ctx.nodes.register("n0", 1, None, ttl_s=600)
-        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=5)
         assert await lead.hold()
         stale = lead.fence()
         clock.now += 6  # its lease lapsed (cut off from etcd) and another replica leads
-        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader).hold()
+        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=5).hold()
         with pytest.raises(StaleLeader):
             await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {}, fence=stale)
         assert (await ctx.jobs.get(job.id)).state is JobState.PENDING  # nothing written
@@ -447,13 +447,13 @@ def test_a_pass_that_starts_many_jobs_writes_them_in_few_transactions_each_fence
 def test_write_many_of_a_replica_that_lost_the_lead_writes_nothing():
     async def main():
         ctx = context()
-        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader)
+        lead = scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=5)
         assert await lead.hold()
         stale = lead.fence()
         job, _ = await ctx.jobs.create(JobSpec(name="t", command=["true"]))
         _, revision = await ctx.jobs.get_with_revision(job.id)
         await ctx.kv.revoke_lease(lead.lease_id)  # its lease went; another replica leads
-        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader).hold()
+        assert await scheduler.Leadership(ctx.kv, ctx.keys.leader, ttl_s=5).hold()
         moved = Change(job.model_copy(update={"updated_at": job.updated_at + 1}))
         with pytest.raises(StaleLeader):
             await ctx.jobs.write_many([(job, revision, moved)], stale)
