@@ -24,6 +24,9 @@ Starts a real etcd and a real control plane (`ftrain serve`, uvicorn) on loopbac
   installed (a C client) and with a lean Python client (bench/wire.py), in processes of
   their own.
 
+Each request phase is also given as a share of the ceiling the same client measured in the
+same run ("x ceil": quiet; under the heartbeats in the lines below the table), and with the
+user requests the control plane shed with 429 (service/admission.py: node traffic first).
 Every phase reports the CPU each process used (cores): the load generators run on the same
 machine as the server, and their share is printed. Writes bench/results/api.json (or --out).
 """
@@ -84,13 +87,15 @@ async def heartbeat_role(args) -> None:
 
     async def register(name: str) -> None:
         async with sem:
-            # As an agent does: a 503 (etcd slow to answer on a loaded machine) is tried again.
+            # As an agent does: a 503 (etcd slow to answer on a loaded machine) is tried again;
+            # a 409 after one (the first try registered the name, its answer was lost) once the
+            # lease that try took has lapsed.
             deadline = time.monotonic() + 120
             while True:
                 r = await client.request("POST", "/v1/nodes/register", {"name": name, "nproc_per_node": 1})
                 if r.status == 200:
                     break
-                if r.status not in (502, 503, 504) or time.monotonic() > deadline:
+                if r.status not in (409, 502, 503, 504) or time.monotonic() > deadline:
                     raise RuntimeError(f"register {name}: {r.status} {r.body[:200]!r}")
                 await asyncio.sleep(0.5)
             body = r.json()
@@ -195,6 +200,8 @@ async def load_role(args) -> None:
             latencies.append(time.perf_counter() - t)
             started.append(t)
             codes[code] = codes.get(code, 0) + 1
+            if code == 429 and r.retry_after_s:  # as the CLI and the runtime do (service/client.py)
+                await asyncio.sleep(min(r.retry_after_s, max(0.0, end - time.monotonic())))
 
     t0 = time.monotonic()
     p0 = time.perf_counter()
@@ -323,6 +330,20 @@ def beat_stats(beats: list, t0: float, t1: float, nodes: int, interval: float) -
             "late_p99_ms": round(pct(lag, 99) * 1e3, 1) if lag else None,
             "lapsed_404": sum(1 for b in window if b[2] == 404),
             "errors": sum(1 for b in window if b[2] not in (200, 404))}
+
+
+CEILINGS = ("quiet", "under the heartbeats")
+
+
+def ceiling_ratios(phases: dict) -> None:
+    """Each request phase's rate as a share of the ceiling the same client measured in the
+    same run, quiet and under the heartbeats: `vs_ceiling`, in place."""
+    for name, got in phases.items():
+        if name.startswith("ceiling") or "per_s" not in got or "(" not in name:
+            continue
+        client = name[name.rindex("("):]
+        got["vs_ceiling"] = {label: round(got["per_s"] / c["per_s"], 2) for label in CEILINGS
+                             if (c := phases.get(f"ceiling, {label} {client}")) and c.get("per_s")}
 
 
 def profiled_control_plane(base, profile: Path | None):
@@ -494,16 +515,17 @@ def main() -> int:
         print(f"registered {args.nodes} nodes in {max(i['register_s'] for i in info):.1f} s; heartbeat every "
               f"{info[0]['interval_s']:g} s each, from {args.hb_procs} process(es)")
 
-        with cp.client("user") as api:
-            train = api.post("/v1/jobs", json={"name": "train", "command": ["python", "-c", "pass"],
-                                               "nodes": {"min": 1, "max": 1}}).json()["id"]
-            wait_for(lambda: api.get(f"/v1/jobs/{train}").json()["state"] == "RUNNING", 60,
+        # The CLI's client: a 503 (etcd slow on a loaded machine) or a 429 is tried again.
+        from service.client import FtrainClient
+
+        with FtrainClient(cp.url, cp.user_token) as api:
+            spec = {"command": ["python", "-c", "pass"], "nodes": {"min": 1, "max": 1}}
+            train = api.submit({**spec, "name": "train"})["id"]
+            wait_for(lambda: api.get_job(train)["state"] == "RUNNING", 60,
                      "the training job to run on a fake node")
-            wait_for(lambda: (api.get(f"/v1/jobs/{train}").json().get("progress") or {}).get("step"),
+            wait_for(lambda: (api.get_job(train).get("progress") or {}).get("step"),
                      60, "the training job's first progress report")
-            job_ids = [train] + [api.post("/v1/jobs", json={
-                "name": f"read-{i}", "command": ["python", "-c", "pass"],
-                "nodes": {"min": 1, "max": 1}}).json()["id"] for i in range(7)]
+            job_ids = [train] + [api.submit({**spec, "name": f"read-{i}"})["id"] for i in range(7)]
         print(f"one job training ({train}: RUNNING on a fake node, progress every second)")
         time.sleep(min(3.0, args.duration))  # let the beats settle into their phases
 
@@ -560,21 +582,25 @@ def main() -> int:
     result["heartbeats_whole_run"] = {"beats": len(whole),
                                       "lapsed_404": sum(1 for b in whole if b[2] == 404),
                                       "errors": sum(1 for b in whole if b[2] not in (200, 404))}
+    ceiling_ratios(result["phases"])
     load_after = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
     print()
     print(f"load before: {load_before}")
     print(f"load after:  {load_after}")
     print()
-    head = (f"{'phase':<34}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>9}   "
+    head = (f"{'phase':<34}{'req/s':>8}{'x ceil':>8}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>9}{'429':>7}   "
             f"{'beats/s (due)':>15}{'beat p99 ms':>12}{'lapsed':>8}   cpu: cp / etcd / hb / load")
     print(head)
     print("-" * len(head))
     for name, g in result["phases"].items():
         h = g["heartbeats"]
         non2xx = g.get("non_2xx", g.get("requests", 0) - g.get("ok", 0)) if "per_s" in g else 0
-        req = f"{g['per_s']:>8.0f}{g['p50_ms']:>9.1f}{g['p99_ms']:>9.1f}{non2xx:>9}" if "per_s" in g \
-            else f"{'-':>8}{'-':>9}{'-':>9}{'-':>9}"
+        ratio = g.get("vs_ceiling", {}).get("quiet")
+        ratio = "-" if ratio is None else f"{ratio:.2f}x"
+        refused = g.get("codes", {}).get("429", "-" if "codes" not in g else 0)
+        req = f"{g['per_s']:>8.0f}{ratio:>8}{g['p50_ms']:>9.1f}{g['p99_ms']:>9.1f}{non2xx:>9}{refused:>7}" \
+            if "per_s" in g else f"{'-':>8}{'-':>8}{'-':>9}{'-':>9}{'-':>9}{'-':>7}"
         cpu = g["cpu_cores"]
         beats = f"{h['beats_per_s']:.0f} ({h['due_per_s']:.0f})"
         beat_p99 = "-" if h["p99_ms"] is None else f"{h['p99_ms']:.0f}"
@@ -582,9 +608,15 @@ def main() -> int:
         print(f"{name:<34}{req}   {beats:>15}{beat_p99:>12}{h['lapsed_404']:>8}   "
               f"{server:.2f} / {cpu['etcd']:.2f} / "
               f"{cpu['heartbeat load']:.2f} / {cpu['load']:.2f}")
+    for name, g in result["phases"].items():
+        if g.get("vs_ceiling"):
+            print(f"{name}: " + ", ".join(f"{r:.2f}x the ceiling {label}"
+                                          for label, r in g["vs_ceiling"].items()))
     whole = result["heartbeats_whole_run"]
     print(f"heartbeats over the whole run: {whole['beats']}, leases lapsed (404): {whole['lapsed_404']}, "
           f"errors: {whole['errors']}; training job: {result.get('training_job')}")
+    print("(x ceil: req/s as a share of the quiet ceiling of the same client in this run; 429: "
+          "user requests the control plane shed, node traffic first)")
     print("(cpu: cores used; 'cp' is the ceiling server in the ceiling phases. The load "
           "generators share the machine's 2 cores with the server: their share is 'hb' + 'load'.)")
     result.update({"machine": {"host": platform.node(), "cores": os.cpu_count(), "load_before": load_before,

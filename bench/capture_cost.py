@@ -1,5 +1,5 @@
 """What one memory-tier capture costs the training thread, apart from training: the
-runtime's `_copy_to_memory` (a `StatePlan`'s state, the writer's `capture_split`) timed
+memory tier's `save` (worker/tiers/memory.py) (a `StatePlan`'s state, the writer's `capture_split`) timed
 alone, the copy waited for (untimed) between captures, with the side stream's work
 replayed from CUDA graphs and enqueued call by call; and the single calls a capture is
 made of, for scale (a host's Python speed decides these figures, not its GPU).
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.snapshot import build  # noqa: E402
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from worker import rng, runtime  # noqa: E402
 
 
 def median_us(fn, repeats: int, between=None) -> float:
@@ -50,9 +50,9 @@ def captures(width: int, repeats: int, graphs: bool, directory: Path, profile: b
         model(x).pow(2).mean().backward()
         opt.step()
         rt.step_done()
-        rt._memory.wait(stall=False)
-    w = rt._memory
-    rng = runtime._rng_state()
+        rt.memory.writer.wait(stall=False)
+    w = rt.memory.writer
+    rng_now = rng.rng_state()
     prof = cProfile.Profile() if profile else None
 
     def commit() -> None:  # the copy made whole and committed (on this thread, the GPU path's way)
@@ -62,11 +62,11 @@ def captures(width: int, repeats: int, graphs: bool, directory: Path, profile: b
         if prof is not None:
             prof.disable()
 
-    out = {"rng_state_us": median_us(runtime._rng_state, repeats),
-           "copy_to_memory_us": median_us(lambda: rt._copy_to_memory(rng), repeats, between=commit),
+    out = {"rng_state_us": median_us(rng.rng_state, repeats),
+           "copy_to_memory_us": median_us(lambda: rt.memory.save(rt._state, rt.step, rng_now), repeats, between=commit),
            "commit_ms": statistics.median(w.commits_s[-repeats:] or [0.0]) * 1e3,
            "commit_cpu_ms": statistics.median(w.commits_cpu_s[-repeats:] or [0.0]) * 1e3,
-           "graphed": w.graphed, "tensors": len(rt._memory_plan.tensors) if rt._memory_plan else None}
+           "graphed": w.graphed, "tensors": len(rt.memory.plan.tensors) if rt.memory.plan else None}
     rt.finish()
     mem.MemoryWriter.graphs = True
     if prof is not None:

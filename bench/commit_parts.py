@@ -21,7 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.snapshot import SIZES, memory_overhead, shm_dir  # noqa: E402
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from worker import rng  # noqa: E402
+from worker.memory_gpu import GpuStaging  # noqa: E402
+from worker.tiers.memory import MemoryTier  # noqa: E402
 
 took: dict[str, list[float]] = {}
 
@@ -56,10 +58,10 @@ def main() -> None:
     mem.os = _TimedOs()
     mem.open = timed("open", open)  # the slot's metadata file (a module global shadows the builtin)
     for cls, name in ((mem.StatePlan, "check"), (mem.MemoryWriter, "_finish"),
-                      (mem.MemoryWriter, "capture_split"), (mem.MemoryWriter, "_capture_device"),
-                      (runtime.Runtime, "_save_rng")):
+                      (mem.MemoryWriter, "capture_split"), (GpuStaging, "capture"),
+                      (MemoryTier, "keep_rng")):
         setattr(cls, name, timed(name, getattr(cls, name)))
-    runtime._rng_state = timed("_rng_state", runtime._rng_state)
+    rng.rng_state = timed("rng_state", rng.rng_state)
     with shm_dir("ftrain-bench-commit-") as shm:
         backend = None if torch.cuda.is_available() else "gloo"
         a = memory_overhead(SIZES[args.size], args.steps, 32, shm, backend, block=40, every=args.every,

@@ -95,13 +95,13 @@ def workers_under(pid: int, script: Path) -> list[int]:
         if any(str(script).encode() in a for a in argv) and b"torch.distributed.run" not in argv \
                 and b"-c" not in argv[:3] and not is_launcher(argv) and pid_alive(child):
             out.append(child)
-        elif is_fork_server(argv) and pid_alive(child) and not _forked_torchrun(child):
+        elif is_fork_server(argv) and pid_alive(child) and not forked_torchrun(child):
             out.extend(c for c in descendants(child) if parent_of(c) == child and pid_alive(c)
-                       and not _forked_torchrun(c) and not is_standby(c))
+                       and not forked_torchrun(c) and not is_standby(c))
     return out
 
 
-def _forked_torchrun(pid: int) -> bool:
+def forked_torchrun(pid: int) -> bool:
     """True for a torchrun a fork server forked: the launcher it watches (through a pidfd,
     worker/fork_server.py) stands in for torchrun, whether or not it has workers now."""
     return any(b"torch.distributed.run" in cmdline(watched) for watched in _pidfds(pid))

@@ -2,7 +2,7 @@
 the GPU where there is one (there the marks also record CUDA events, and a step is timed to
 the end of its GPU work):
 
-* every step, on every rank: the step boundary's mark (`Runtime._mark_boundary`: this rank's
+* every step, on every rank: the step boundary's mark (`StepMarks.mark`, worker/step_marks.py: this rank's
   RNG states captured and kept in its ring in the node's tier; on the node's writer, the
   boundary noted with the state's skeleton pickled), measured per step, and the step time
   with the marks on against off, alternating blocks of steps in one process (a baseline in
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from ftrain import runtime  # noqa: E402
 
 
 def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
@@ -70,18 +70,18 @@ def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
     marks: list[float] = []
     for block in range(2 * blocks):
         on = block % 2 == 0
-        rt._every_step = on
+        rt.marks.on = on
         rt.boundary_s.clear()
         took = [step() for _ in range(steps)]
         (on_steps if on else off_steps).extend(took)
         if on:
             marks.extend(rt.boundary_s)
-    rt._every_step = True
-    w = rt._memory
+    rt.marks.on = True
+    w = rt.memory.writer
     assert w is not None
     for _ in range(2):  # both slots mapped, as a job's periodic copies leave them (untimed)
         step()
-        rt._copy_to_memory()
+        rt.memory.save(rt._state, rt.step)
         w.wait(stall=False)
     # The last words, a few times: each after a step of its own (the tier then holds an older one).
     words: list[float] = []
@@ -90,7 +90,7 @@ def run(width: int, steps: int, blocks: int, directory: Path) -> dict:
         step()
         w.wait(stall=False)
         began = time.perf_counter()
-        made = rt._last_words(runtime.LAST_WORDS_S)
+        made = rt.at_failure.last_words(runtime.LAST_WORDS_S)
         took = time.perf_counter() - began
         held = mem.read_held(directory)
         assert made == (held is not None and held.step == rt.step), (made, held)  # never a wrong step

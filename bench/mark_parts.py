@@ -1,4 +1,4 @@
-"""Where a GPU step mark's time goes (worker/runtime.py `_mark_boundary`, for a survivor's last
+"""Where a GPU step mark's time goes (worker/step_marks.py `StepMarks.mark`, for a survivor's last
 words): the runtime's parts timed inside a real training loop (a 4-layer MLP of width W,
 AdamW, batch 32, the local twin with a memory tier copying every 1000 steps), marks on and off
 in alternating blocks of 300 steps; medians and means per part.
@@ -25,14 +25,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.snapshot import build  # noqa: E402
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from worker import rng, runtime  # noqa: E402
+from worker.step_marks import EventPool, StepMarks  # noqa: E402
+from worker.tiers.memory import MemoryTier  # noqa: E402
 
-PARTS = [(runtime, "_rng_state", "rng_state"), (runtime.Runtime, "_save_rng", "save_rng"),
+PARTS = [(rng, "rng_state", "rng_state"), (MemoryTier, "keep_rng", "save_rng"),
          (mem, "freeze", "freeze"), (mem.StatePlan, "state", "plan.state"),
-         (runtime._EventPool, "record", "event"), (runtime.Runtime, "_host_copies", "host_copies"),
-         (runtime.Runtime, "_versions", "versions"), (runtime.Runtime, "_mark_boundary", "MARK"),
+         (EventPool, "record", "event"), (StepMarks, "_host_copies", "host_copies"),
+         (StepMarks, "versions", "versions"), (StepMarks, "mark", "MARK"),
          (runtime.Runtime, "_agree_on_control", "agree"),
-         (runtime.Runtime, "_count_optimizer_step", "opt_prehook"),
+         (StepMarks, "count_optimizer_step", "opt_prehook"),
          (runtime.Runtime, "step_done", "STEP_DONE")]
 
 
@@ -79,7 +81,7 @@ def run(width: int, directory: str, acc: dict[str, list[float]]) -> None:
     where = torch.cuda.get_device_name() if rt.device.type == "cuda" else "CPU"
     print(f"step mark parts on {where}, width {width}")
     for on in (True, False, True, False):
-        rt._every_step = on
+        rt.marks.on = on
         acc.clear()
         took = []
         for _ in range(300):

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from worker import memory as mem  # noqa: E402
-from worker import runtime  # noqa: E402
+from ftrain import runtime  # noqa: E402
 from worker import snapshot as snap  # noqa: E402
 
 SIZES = {"10M": 1536, "100M": 5000}  # width of a 4-layer square MLP: params ~ 4 * width^2
@@ -87,9 +87,10 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
         step()
     rt.stalls_s.clear()
     rt.waits_s.clear()
-    if rt._memory is not None:
-        rt._memory.stalls_s.clear()
-        rt._memory.copies_s.clear()
+    writer = rt.memory.writer if rt.memory is not None else None
+    if writer is not None:
+        writer.stalls_s.clear()
+        writer.copies_s.clear()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -103,8 +104,8 @@ def run_mode(width: int, every: int | None, steps: int, batch: int, directory: P
             "stalls_s": rt.stalls_s, "waits_s": rt.waits_s,
             "copy_s": [s - w for s, w in zip(rt.stalls_s, rt.waits_s)],
             "params": sum(p.numel() for p in model.parameters()),
-            "memory_stalls_s": rt._memory.stalls_s if rt._memory else [],
-            "memory_copies_s": rt._memory.copies_s if rt._memory else [],
+            "memory_stalls_s": writer.stalls_s if writer else [],
+            "memory_copies_s": writer.copies_s if writer else [],
             "state": (model, opt)}
 
 
@@ -126,7 +127,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, width, device=rt.device)
     rt.restore(model=model, optimizer=opt)
-    writer = rt._memory
+    writer = rt.memory.writer
     assert writer is not None
 
     copied: list[bool] = []  # per on step: a copy started at its end
@@ -141,7 +142,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
         rt.step_done(loss=loss, samples=batch)
         sync(rt.device)
         took = time.perf_counter() - start
-        if rt._memory is not None:
+        if rt.memory is not None:
             copied.append(len(writer.stalls_s) > before)
         return took
 
@@ -156,28 +157,27 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
     writer.skipped = 0
     on: list[float] = []
     off: list[float] = []
-    memory_dir = rt.memory_dir
-    marks = rt._every_step  # the step boundaries' marks, for last words: part of the tier's cost
+    tier = rt.memory
+    marks = rt.marks.on  # the step boundaries' marks, for last words: part of the tier's cost
     left = 0  # steps to the picked schedule's next copy when an on block ended
     for b in range(max(2, 2 * (steps // (2 * block)))):
-        rt._memory = writer if b % 2 == 0 else None
-        rt.memory_dir = memory_dir if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
+        rt.memory = tier if b % 2 == 0 else None  # off: no RNG ring either (its cost counts)
         # (once rank 0 stopped the marks they stay off: turned on again, each on block's first
         # step paid a mark before the step's broadcast turned them off again)
-        rt._every_step = marks and b % 2 == 0 and not rt._marks_off
+        rt.marks.on = marks and b % 2 == 0 and not rt.marks.off
         # The runtime times its steps while the tier is on: an off block in between is not a
         # step (counted as one, it made the picked interval 4 where it is 14 on an H100).
-        rt._last_step_t = None
+        rt.schedule.last_step_t = None
         if b % 2 == 0 and b:  # the picked schedule resumes where it paused: the steps of the
-            rt._memory_next = rt.step + 1 + left  # off block must not make a copy due at once
+            rt.schedule.next = rt.step + 1 + left  # off block must not make a copy due at once
         (on if b % 2 == 0 else off).extend(step() for _ in range(block))
         if b % 2 == 0:
-            left = max(0, rt._memory_next - rt.step - 1)
+            left = max(0, rt.schedule.next - rt.step - 1)
         writer.wait(stall=False)  # untimed: a copy in flight must not slow the next block's steps
-    rt._memory, rt.memory_dir, rt._every_step = writer, memory_dir, marks
-    # What the runtime believed a copy cost when it picked the interval (`_plan_next_copy`).
-    believed = {"copy_cost_s": rt._copy_cost_s, "last_cost_s": writer.last_cost_s(),
-                "quiet_s": rt._quiet_s, "step_s": rt._step_s}
+    rt.memory, rt.marks.on = tier, marks
+    # What the runtime believed a copy cost when it picked the interval (`CopySchedule.plan_next`).
+    believed = {"copy_cost_s": rt.schedule.copy_cost_s, "last_cost_s": writer.last_cost_s(),
+                "quiet_s": rt.schedule.quiet_s, "step_s": rt.schedule.step_s}
     rt.finish()
     mem.MemoryWriter.device_path, mem.MemoryWriter.register_host = "staged", True
     mem.MemoryWriter.graphs = True
@@ -194,7 +194,7 @@ def memory_overhead(width: int, steps: int, batch: int, memory_dir: Path, backen
             "quiet_overhead": statistics.median(quiet) / statistics.median(off) - 1 if quiet else None,
             "median_overhead": statistics.median(on) / statistics.median(off) - 1,
             "commit_inline": commit_inline,
-            "plan": rt._memory_plan is not None, "graphed": writer.graphed,
+            "plan": rt.memory.plan is not None, "graphed": writer.graphed,
             "marks": marks, "mark_s": statistics.median(rt.boundary_s) if rt.boundary_s else None,
             "path": path if rt.device.type == "cuda" else "cpu",
             "steps_per_copy": len(on) / max(1, len(writer.copies_s)), "believed": believed}

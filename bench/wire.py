@@ -14,11 +14,12 @@ from urllib.parse import urlsplit
 
 
 class Reply:
-    __slots__ = ("status", "body")
+    __slots__ = ("status", "body", "retry_after_s")
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, retry_after_s: float | None = None):
         self.status = status
         self.body = body
+        self.retry_after_s = retry_after_s  # the answer's Retry-After, in seconds (None: none)
 
     def json(self):
         return json.loads(self.body)
@@ -35,6 +36,7 @@ class Connection:
         status = int(line[9:12])
         length = 0
         close = False
+        retry_after = None
         for h in line.split(b"\r\n")[1:]:
             name, _, value = h.partition(b":")
             name = name.strip().lower()
@@ -42,10 +44,12 @@ class Connection:
                 length = int(value)
             elif name == b"connection" and value.strip().lower() == b"close":
                 close = True
+            elif name == b"retry-after" and value.strip().isdigit():
+                retry_after = float(value)
         data = await self.reader.readexactly(length) if length else b""
         if close:
             self.close()
-        return Reply(status, data)
+        return Reply(status, data, retry_after)
 
     def close(self) -> None:
         self.writer.close()

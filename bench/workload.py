@@ -8,7 +8,7 @@ its place, picked by `--mode`:
   `snapshot.pt` (model, optimizer, step) every `--snapshot-every` steps into the snapshot
   directory (`--snapshot-dir`, else FTRAIN_SNAPSHOT_DIR); every rank loads it on start.
   It runs the same under torchrun and under ftrain, so the two are compared on one script.
-* `runtime`: the same loop through ftrain's runtime (`worker.runtime`), which snapshots
+* `runtime`: the same loop through ftrain's runtime (`ftrain.runtime`), which snapshots
   every FTRAIN_SNAPSHOT_EVERY steps and snapshots at a step boundary when the control
   plane asks before a planned change (a join), so such a change loses no step; under an
   ftrain agent it also copies the state into the node's memory tier (worker/memory.py),
@@ -109,7 +109,7 @@ def run_tutorial(args, events: EventLog) -> int:
 def run_runtime(args, events: EventLog) -> int:
     import torch
 
-    from worker import runtime
+    from ftrain import runtime
 
     rt = runtime.init(timeout_s=args.pg_timeout, snapshot_dir=args.snapshot_dir,
                       snapshot_every=args.snapshot_every if args.snapshot_dir else None)
@@ -122,7 +122,7 @@ def run_runtime(args, events: EventLog) -> int:
         events.write("resume", step=start, world=rt.world_size,
                      phases={k: round(v, 4) for k, v in rt.phases_s.items()})
     g = torch.Generator().manual_seed(rt.rank * 100_003 + start)
-    memory = rt._memory  # the node's memory tier (worker/memory.py), on its first rank
+    memory = rt.memory.writer if rt.memory is not None else None  # the node's memory tier (worker/memory.py), on its first rank
     while rt.step < args.steps:
         waited = sum(memory.stalls_s) if memory else 0.0
         setup = sum(memory.setups_s) if memory else 0.0

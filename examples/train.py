@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from worker import runtime
+from ftrain import runtime
 
 
 def synthetic_dataset(samples: int, features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

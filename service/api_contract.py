@@ -13,8 +13,8 @@ or 422.
 `describe(app)` adds to each operation of the generated OpenAPI the error answers of
 `service/app.py` as they are sent: 401 (with `WWW-Authenticate: Bearer`), 403, 404 (routes of
 one job or node), 409, 413 (routes with a body), 422 (`detail` a string, `errors` a list of
-`{field, message, type}`), 503 (`Retry-After`), each a JSON `ErrorBody`; the NDJSON stream of
-`GET /v1/jobs/{job_id}/logs?follow=true`.
+`{field, message, type}`), 429 (user routes, `service/admission.py`) and 503 (both with
+`Retry-After`), each a JSON `ErrorBody`; the NDJSON stream of `GET /v1/jobs/{job_id}/logs?follow=true`.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.admission import NODE_SCHEMES
 from service.cross_site import NOT_JSON, has_body, is_json
 from service.models import LogLine
 
 
 class ErrorBody(BaseModel):
-    """Every error answer's body (401, 403, 404, 409, 410, 413, 415, 503)."""
+    """Every error answer's body (401, 403, 404, 409, 410, 413, 415, 429, 503)."""
 
     detail: str = Field(..., examples=["job mnist-1a2b3c not found"])
     state: str | None = Field(None, description="409 on a job: the state it is in.",
@@ -68,6 +69,8 @@ _WHY = {
     413: "The request body is larger than the server's limit.",
     415: "The request body is not sent as JSON (`Content-Type: application/json`).",
     422: "The request breaks the API's rules: `errors` names each field.",
+    429: "More user requests than the control plane serves at once now (node traffic goes "
+         "first); try again after `Retry-After` seconds.",
     503: "The store (etcd) or the log storage cannot be reached now; try again (`Retry-After`).",
 }
 
@@ -157,7 +160,7 @@ def _error(code: int, schema: str) -> dict:
                            "content": {"application/json": {"schema": _ref(schema)}}}
     if code == 401:
         out["headers"] = {"WWW-Authenticate": {"schema": {"type": "string", "example": "Bearer"}}}
-    if code == 503:
+    if code in (429, 503):
         out["headers"] = {"Retry-After": {"schema": {"type": "string", "example": "1"}}}
     return out
 
@@ -186,6 +189,11 @@ def describe(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _is_user_operation(op: dict) -> bool:
+    """Whether an operation takes a token other than a node's or a job's."""
+    return any(name not in NODE_SCHEMES for req in op.get("security", ()) for name in req)
+
+
 def _describe_operation(path: str, method: str, op: dict) -> None:
     for param in op.get("parameters", ()):
         # A query, header or path parameter is a string on the wire: it is left out, never
@@ -208,6 +216,8 @@ def _describe_operation(path: str, method: str, op: dict) -> None:
             codes += [400, 413, 415]
         if path.startswith("/v1/rdzv/"):
             codes.append(410)
+        if _is_user_operation(op):  # (service.admission: node traffic is never refused)
+            codes.append(429)
         for code in codes:
             responses.setdefault(str(code), _error(code, "ErrorBody"))
     if "422" in responses or "requestBody" in op or op.get("parameters"):

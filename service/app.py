@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service import api_contract, background
+from service.admission import Admission
 from service.context import Context
 from service.cross_site import LoopbackOnly
 from service.errors import FtrainError, error_response
@@ -46,8 +47,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(api_contract.AllowAll, routes_of=lambda: app.routes)
     closed = settings.user_token is not None and settings.node_token is not None
     app.add_middleware(api_contract.RequireBearer, closed=closed)
-    # Outermost: without tokens, only loopback and the server's own origin (service/cross_site.py).
+    # Without tokens, only loopback and the server's own origin (service/cross_site.py).
     app.add_middleware(LoopbackOnly, open_=not closed)
+    # Outermost: a user request over the limit costs a 429, nothing more; node traffic first.
+    app.add_middleware(Admission, limit=ctx.admission, openapi=lambda: app.openapi())
     _install_error_handlers(app)
     for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
         app.include_router(module.router)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from service import compaction, gc_pauses, retention, scheduler
+from service import admission, compaction, gc_pauses, retention, scheduler
 from service.context import Context
 from service.decide.scheduling import SchedulerConfig
 from service.errors import StoreUnavailable
@@ -20,6 +20,7 @@ async def start(ctx: Context) -> None:
     if ctx.settings.gc_freeze_s > 0:
         ctx.tasks.append(asyncio.create_task(
             gc_pauses.run(ctx.settings.gc_freeze_s, ctx.settings.gc_reclaim_s), name="gc-pauses"))
+    ctx.tasks.append(asyncio.create_task(admission.watch_lag(ctx.admission), name="admission"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run_progress(), name="progress-index"))
     ctx.tasks.append(asyncio.create_task(ctx.users.follow(), name="user-tokens"))

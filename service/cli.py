@@ -451,7 +451,7 @@ def _echo_line(item: dict, as_json: bool) -> None:
 
 # Waiting for a job: submit --wait/--follow, run, logs -f, status --watch
 
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the README's "Exit codes"
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}  # the exit codes docs/api.md gives
 WAIT_POLL_S = 1.0
 
 

@@ -4,7 +4,9 @@ Errors come back as `ApiError` subclasses whose message says what happened and w
 do, so a caller can print `str(exc)` as it is. Retries are limited to requests that are
 safe to repeat: reads, and a submit that carries an `Idempotency-Key` (the server answers
 a repeated key with the first job). A refused connection is never retried: there is no
-server, and saying so at once is more useful than waiting.
+server, and saying so at once is more useful than waiting. A 429 (the control plane is
+shedding user load; it did nothing with the request) is retried for any request, after the
+`Retry-After` it asks for, for at most `BUSY_WAIT_S` in all.
 
 `server` may name several control planes (`http://a:8000,http://b:8000`): any of them
 serves, so a request that cannot connect to one (never sent: safe for any request) goes to
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +30,14 @@ from typing import Any
 import httpx
 
 from worker.env import FTRAIN_SERVER, FTRAIN_TOKEN
-from worker.http import RETRYABLE_STATUS, Servers
+from worker.http import RETRYABLE_STATUS, TOO_MANY_REQUESTS, Servers, retry_after_s
 from worker.protocol import LOG_FOLLOW_MAX_WAIT_S, REVISION_HEADER
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 DEFAULT_DATA_DIR = ".ftrain"
 RETRY_ATTEMPTS = 3
 MAX_RETRY_DELAY_S = 2.0
+BUSY_WAIT_S = 30.0  # the most a request waits in all on 429s (each wait its Retry-After)
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -71,6 +75,13 @@ class InvalidRequest(ApiError):
     def __init__(self, message: str, errors: list[dict], body: Any = None):
         super().__init__(message, 422, body)
         self.errors = errors
+
+
+class TooManyRequests(ApiError):
+    """429: the control plane serves as many user requests as it can now (node traffic first)
+    and kept refusing for `BUSY_WAIT_S`, each time asking to wait its `Retry-After`."""
+
+    retryable = True
 
 
 class ServiceUnavailable(ApiError):
@@ -263,7 +274,7 @@ class FtrainClient:
         server has sent every line. A stream the server ended while the job goes on (no line
         for `wait_s`), or one that dropped, is followed again after the last line seen."""
         url = f"/v1/jobs/{_segment(job_id)}/logs"
-        cursor, failures, over = since, 0, False
+        cursor, failures, over, busy_s = since, 0, False, 0.0
         while True:
             params: dict[str, Any] = {"follow": "true", "since": cursor, "wait_s": LOG_FOLLOW_MAX_WAIT_S}
             if rank is not None:
@@ -274,7 +285,11 @@ class FtrainClient:
                                        timeout=httpx.Timeout(10.0, read=None)) as resp:
                     if resp.status_code >= 400:
                         resp.read()
+                        if resp.status_code == TOO_MANY_REQUESTS:
+                            busy_s = self._wait_if_busy(resp, busy_s)
+                            continue
                         raise self._error(resp)
+                    busy_s = 0.0
                     for raw in resp.iter_lines():
                         if raw.strip():
                             item = json.loads(raw)
@@ -328,6 +343,7 @@ class FtrainClient:
             safe_to_retry = method == "GET"
         attempts = RETRY_ATTEMPTS if safe_to_retry else 1
         others = len(self._servers) - 1  # replicas still to ask at once, before any sleep
+        busy_s = 0.0  # waited so far on 429s (they spend no attempt)
         attempt = 0
         answered = False  # a replica answered (a 503, say) while another refuses connections
         while attempt < attempts:
@@ -362,6 +378,10 @@ class FtrainClient:
             answered = True
             if resp.status_code < 400:
                 return resp.json() if resp.content else None
+            if resp.status_code == TOO_MANY_REQUESTS:
+                busy_s = self._wait_if_busy(resp, busy_s)
+                attempt -= 1
+                continue
             if safe_to_retry and resp.status_code in RETRYABLE_STATUS:
                 self._servers.failed(server)
                 if others > 0:
@@ -373,6 +393,16 @@ class FtrainClient:
                 continue
             raise error
         raise AssertionError("unreachable")
+
+    def _wait_if_busy(self, resp: httpx.Response, busy_s: float) -> float:
+        """After a 429: sleep its Retry-After (and a little more, so that clients told the same
+        do not all come back at once); the time waited on 429s so far, `busy_s` included.
+        TooManyRequests when that would pass `BUSY_WAIT_S`."""
+        wait_s = retry_after_s(resp) * random.uniform(1.0, 1.2)
+        if busy_s + wait_s > BUSY_WAIT_S:
+            raise self._error(resp, busy_s)
+        time.sleep(wait_s)
+        return busy_s + wait_s
 
     def _saw(self, resp: httpx.Response) -> None:
         value = resp.headers.get(REVISION_HEADER, "")
@@ -389,7 +419,7 @@ class FtrainClient:
                                      f"({type(exc).__name__}); is it overloaded or stuck?")
         return ServerUnreachable(f"lost the connection to {self.server}: {exc!r}")
 
-    def _error(self, resp: httpx.Response) -> ApiError:
+    def _error(self, resp: httpx.Response, busy_s: float = 0.0) -> ApiError:
         try:
             body = resp.json()
         except ValueError:
@@ -418,14 +448,14 @@ class FtrainClient:
             lines = [f"  {e.get('field', '?')}: {e.get('message', '')}" for e in errors]
             message = "the server rejected the request:\n" + "\n".join(lines) if lines else detail
             return InvalidRequest(message, errors, body)
+        if code == 429:
+            return TooManyRequests(f"the control plane at {self.server} is too busy to serve this "
+                                   f"now ({detail}); it kept refusing for {busy_s:.0f} s of waits. "
+                                   "Try again later, or send fewer requests at once.", code, body)
         if code == 503:
             reason = body.get("reason", detail) if isinstance(body, dict) else detail
-            try:
-                retry_after = float(resp.headers.get("Retry-After", "1"))
-            except ValueError:
-                retry_after = 1.0
             return ServiceUnavailable(f"the control plane at {self.server} cannot serve now: {reason}",
-                                      body, retry_after)
+                                      body, retry_after_s(resp))
         return ApiError(f"{code} from {self.server}: {detail}", code, body)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.admission import UserLimit
 from service.contact import Contact
 from service.job_index import JobIndex
 from service.jobs import JobStore
@@ -42,6 +43,7 @@ class Context:
     keyring: Keyring
     contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     presence: Presence  # the agents' held connections: a dropped one is a lost node, fast
+    admission: UserLimit  # how many user requests are served at once (service.admission)
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
@@ -81,10 +83,14 @@ class Context:
                   logs=LogStore(settings.log_root, settings.log_cap_bytes), index=index,
                   users=UserStore(kv, keys), keyring=keyring or Keyring.ephemeral(),
                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
-                  presence=Presence(kv, keys, blip_s=settings.presence_blip_s))
+                  presence=Presence(kv, keys, blip_s=settings.presence_blip_s),
+                  admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s,
+                                      settings.admission_wait_s))
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
+        ctx.telemetry.count_admission(ctx.admission)
+        ctx.nodes.leases.on_flush = ctx.admission.observe_lateness
         return ctx
 
     def job_token(self, job: JobRecord) -> str:

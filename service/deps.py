@@ -1,6 +1,6 @@
 """FastAPI dependencies: the request's context and who is calling.
 
-Principals and their tokens (the README's security table says which endpoint takes which):
+Principals and their tokens (docs/api.md's "Who can do what" says which endpoint takes which):
 - a user: the user token;
 - a node: the node token is only a bootstrap secret, good for registering; registration
   returns the node's own credential (`ftrain-node.<name>.<secret>`, only its sha256 kept in
@@ -25,7 +25,7 @@ from service.errors import JobNotFound
 from service.models import ADMIN, JobRecord, NodeRecord
 
 # One security scheme per kind of token, so the OpenAPI says which one each endpoint takes
-# (all are `Authorization: Bearer <token>`; the README's security table says the same).
+# (all are `Authorization: Bearer <token>`; docs/api.md's "Who can do what" says the same).
 _SCHEMES = {
     "userToken": "A user token: the admin's (the server's user token; `ftrain up` writes it to "
                  "<data-dir>/token) or a named user's (`ftrain users add`).",

@@ -50,7 +50,7 @@ class EtcdTampered(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (etcd must not be given port 0; DESIGN.md)."""
+    """A port free right now (etcd must not be given port 0: it would not say which it took)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

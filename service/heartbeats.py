@@ -67,6 +67,9 @@ class LeaseKeeper:
         self._noted: set[int] = set()  # leases heard since their last keep-alive was sent
         self._lapsed: OrderedDict[int, None] = OrderedDict()
         self.keepalives = 0  # sent, by flushes and beats (for tests and the bench)
+        # Told how long each flush waited for etcd's answers (service.admission sheds user
+        # load when node work runs late).
+        self.on_flush: Callable[[float], None] | None = None
 
     def granted(self, lease_id: int, at: float) -> None:
         """A lease this replica granted at `at` (asked then): alive for a TTL from then."""
@@ -140,6 +143,8 @@ class LeaseKeeper:
                     self._confirmed[lease] = now
                 else:
                     self.ended(lease)
+        if due and self.on_flush is not None:
+            self.on_flush(self._clock() - now)
         return len(due)
 
     async def run(self, flush_s: float = FLUSH_S) -> None:

@@ -1,6 +1,6 @@
 """The control plane's own secret, kept outside etcd, and what is derived from or kept with it.
 
-etcd holds no secret in the clear (issue 11). Two kinds of secret pass through the
+etcd holds no secret in the clear. Two kinds of secret pass through the
 control plane:
 
 - **Job tokens.** A job's token is derived, never stored: an HMAC-SHA256, under the

@@ -71,12 +71,12 @@ class NodeStore:
     """Register, keep alive, list, drain and deregister nodes."""
 
     def __init__(self, kv: KeyValue, keys: Keys, clock: Clock = time.time, *, ttl_s: float):
-        """`ttl_s`: the node lease TTL this control plane grants (`Settings.node_ttl_s`; every
-        replica the same)."""
+        """`ttl_s`: the node lease TTL this control plane grants (every replica the same:
+        `Settings.node_ttl_s`, its one default; agents learn it when they register)."""
+        self.ttl_s = ttl_s
         self.kv = kv
         self.keys = keys
         self.clock = clock
-        self.ttl_s = ttl_s
         self.leases = LeaseKeeper(kv, ttl_s, clock)
         self._live: dict[str, NodeRecord] | None = None  # the watch-fed view (`follow`), once loaded
         # Which state of that view `live` gave last: a new number for every change (None

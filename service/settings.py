@@ -48,6 +48,18 @@ class Settings(BaseSettings, Timeouts):
         10_000, ge=16, description="Open connections served at once; a new one past it is answered "
                                    "503 (every node agent holds one or two; the process's open-file "
                                    "limit must be above this).")
+    user_max_in_flight: int = Field(
+        16, ge=1, description="User requests (submissions, reads, the dashboard) waiting for their "
+        "answer at once, at most; more get 429 with Retry-After. Node traffic (heartbeats, "
+        "rendezvous, reports) is never counted nor refused (service/admission.py).")
+    admission_lag_s: float = Field(
+        0.25, gt=0, description="When the event loop runs later than this, or etcd takes longer "
+        "than this to answer the nodes' lease keep-alives, the number of user requests served at "
+        "once is halved (it grows back by one every 50 ms once nothing was late for a second), so "
+        "that node traffic is answered first (service/admission.py).")
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="A user request over that number waits up to this long for a place "
+        "(in order of arrival) before its 429; 0: 429 at once.")
     presence_blip_s: float = Field(
         5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
         "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "

@@ -82,6 +82,11 @@ class Telemetry:
         """Publish the counts of `hub` (the replica's `StateHub`)."""
         self.registry.register(_Rendezvous(hub))
 
+    def count_admission(self, limit) -> None:
+        """Publish the user requests refused by `limit` (`service.admission.UserLimit`) and
+        how many it serves at once now."""
+        self.registry.register(_Admission(limit))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -102,6 +107,23 @@ class _Rendezvous(Collector):
             family = CounterMetricFamily(name, what)
             family.add_metric([], value)
             yield family
+
+
+class _Admission(Collector):
+    """Admission control (`service.admission`): user load shed, node traffic first."""
+
+    def __init__(self, limit) -> None:
+        self._limit = limit
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily("ftrain_user_requests_refused", "User requests answered 429 "
+                                      "(more than the control plane serves at once now).")
+        refused.add_metric([], self._limit.refused)
+        yield refused
+        now = GaugeMetricFamily("ftrain_user_requests_limit", "User requests served at once now, "
+                                "at most (lowered while the event loop runs late).")
+        now.add_metric([], self._limit.limit)
+        yield now
 
 
 class _Jobs(Collector):

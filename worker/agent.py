@@ -38,15 +38,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import log_retention, memory_dirs
-from worker.end_record import EndRecord, EndRecords, recover
-from worker.env import FTRAIN_LOG_LEVEL
-from worker.http import HttpError, server_urls
-from worker.log_shipper import LogShipper
-from worker.node_link import NameInUse, NodeForgotten, NodeLink, lock_name
-from worker.protocol import Assignment
-from worker.run_as import RunAs
-from worker.torchrun import CouldNotStart, Torchrun
+from . import log_retention, memory_dirs
+from .end_record import EndRecord, EndRecords, recover
+from .env import FTRAIN_LOG_LEVEL
+from .http import HttpError, server_urls
+from .log_shipper import LogShipper
+from .node_link import NameInUse, NodeForgotten, NodeLink, lock_name
+from .protocol import Assignment
+from .run_as import RunAs
+from .torchrun import CouldNotStart, Torchrun
 
 log = logging.getLogger("ftrain.agent")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-from worker import torch_internals
+from . import torch_internals
 
 _stock_handler = None  # torch's _terminate_process_handler, once replaced
 

@@ -25,7 +25,7 @@ node a member, as it does for an agent whose lease lapsed in an outage, and only
 attempt the job is on: a newer one fences the commits, 409), makes the commits, and reports
 the outcome recorded (`succeeded` after a clean exit), or `stopped` if torchrun's exit was
 never seen (the group died with the agent). The hand-over also carries the node's word that
-its workers finished the run, when the worker could not say it itself (`Runtime._say_finished`),
+its workers finished the run, when the worker could not say it itself (`Progress.say_finished`),
 and it is said before the report: the control plane then takes that `stopped` for a finished
 node (service/decide/outcome.py `vanished`), so the job ends without another attempt. A record
 with neither (the agent was killed mid-training) is dropped: the workers died with it, and
@@ -39,9 +39,9 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from worker import handoff
-from worker.links import ServiceLink
-from worker.node_link import write_private
+from . import handoff
+from .links import ServiceLink
+from .node_link import write_private
 
 log = logging.getLogger("ftrain.agent")
 

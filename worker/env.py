@@ -44,7 +44,7 @@ FTRAIN_FORK_SERVER_IMPORTS = "FTRAIN_FORK_SERVER_IMPORTS"  # comma-separated mod
 # running atexit handlers before it is ended anyway (worker/fork_server.py).
 FTRAIN_EXIT_TIMEOUT_S = "FTRAIN_EXIT_TIMEOUT_S"
 # Steps between two copies into the memory tier (1: every step; 0: no memory tier; unset: as
-# often as fits 5% of the step time, worker/runtime.py MEMORY_BUDGET).
+# often as fits 5% of the step time, worker/step_timing.py MEMORY_BUDGET).
 FTRAIN_MEMORY_EVERY = "FTRAIN_MEMORY_EVERY"
 # "0": a runtime worker whose process group broke does not copy the state of its last step
 # into its node's memory tier before it exits (its last words, worker/last_words.py; on by

@@ -96,7 +96,7 @@ IMPORTS_ENV = "FTRAIN_FORK_SERVER_IMPORTS"
 # In this order: torchrun's own modules first, so that a job's first torchrun, which waits in
 # the backlog while the server imports, is forked once they are in (`main`).
 TORCHRUN_MODULE = "torch.distributed.run"
-PRELOAD = "torch,torch.distributed,torch.distributed.run,torch.nn.parallel,torch._dynamo,worker.runtime"
+PRELOAD = "torch,torch.distributed,torch.distributed.run,torch.nn.parallel,torch._dynamo,ftrain.worker.runtime"
 # worker.env.FTRAIN_EXIT_TIMEOUT_S (see there): how long a worker whose script returned may
 # take to join its non-daemon threads and run its atexit handlers.
 EXIT_TIMEOUT_ENV = "FTRAIN_EXIT_TIMEOUT_S"
@@ -547,7 +547,7 @@ def wait_as_standby(sock: socket.socket, made_for: Request, finished_fd: int) ->
     os.environ.clear()
     os.environ.update(made_for.env)
     try:
-        from worker import standby
+        from ftrain.worker import standby
 
         said = standby.warm(int(made_for.env["LOCAL_RANK"]))
     except Exception as exc:  # noqa: BLE001 - a standby that cannot warm up is not used

@@ -34,7 +34,7 @@ under the same name and data directory puts it back (`gather`) and makes it
 
 Each node's first worker leaves one more thing when no control plane answers it at a clean
 end: its word that the node's workers finished the run (`leave(finished=True)`,
-`Runtime._say_finished`), which the agent says after the commits and the progress report,
+`Progress.say_finished`), which the agent says after the commits and the progress report,
 so that the node counts as finished even if the agent dies before its end report lands.
 
 A rank 0 that ends with an error hands over too, and torchrun may then restart the group in
@@ -57,9 +57,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from worker import safe_files
-from worker.links import CommitUnreachable, Fenced, LinkError, ServiceLink
-from worker.protocol import CommitRequest, ProgressReport
+from . import safe_files
+from .links import CommitUnreachable, Fenced, LinkError, ServiceLink
+from .protocol import CommitRequest, ProgressReport
 
 log = logging.getLogger("ftrain.handoff")
 
@@ -164,7 +164,7 @@ class Left:
 
     commits: list[CommitRequest] = field(default_factory=list)  # newest first
     progress: ProgressReport | None = None  # its final progress report
-    finished: bool = False  # its node's workers finished the run (`Runtime._say_finished`)
+    finished: bool = False  # its node's workers finished the run (`Progress.say_finished`)
 
 
 def read(path: Path) -> tuple[list[CommitRequest], ProgressReport | None]:

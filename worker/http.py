@@ -5,10 +5,11 @@ shipments, torchrun's rendezvous and round reports, a training worker's snapshot
 progress and control polls) goes through `ControlPlaneClient.call`; nothing else in
 `worker/` opens a connection (tests/worker/test_http_seam.py checks it).
 
-The policy. A refused connection, a reset, a timeout, and a 502/503/504 (etcd briefly away,
-the control plane restarting behind a proxy) are not answers: they are retried with capped
-exponential backoff and jitter until the caller's retry budget (`retry_s`) is spent, and
-then raised as `Unreachable`. A budget of 0 is a single try. Every other status of 400 or
+The policy. A refused connection, a reset, a timeout, a 502/503/504 (etcd briefly away,
+the control plane restarting behind a proxy) and a 429 (too busy now: it asks to wait
+`Retry-After` seconds, and is never waited on for less) are not answers: they are retried
+with capped exponential backoff and jitter until the caller's retry budget (`retry_s`) is
+spent, and then raised as `Unreachable`. A budget of 0 is a single try. Every other status of 400 or
 more is the control plane's answer, raised at once as `ApiError` with the status and the
 server's `detail`, so a caller tells "refused" (4xx: a bug, a bad token, a fenced attempt,
 410 for an attempt that is over) from "no answer" (`Unreachable`) and from a server error
@@ -30,6 +31,7 @@ classic source of spurious "connection reset" errors. Environment proxies are ig
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import random
 import time
@@ -46,6 +48,7 @@ log = logging.getLogger("ftrain.http")
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 2.0
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+TOO_MANY_REQUESTS = 429  # the server refused before doing anything: any request may be repeated
 KEEPALIVE_EXPIRY_S = 2.0
 MAX_CONNECTIONS = 16
 MAX_KEEPALIVE_CONNECTIONS = 4
@@ -78,12 +81,12 @@ class ApiError(HttpError):
 
 
 class Unreachable(HttpError):
-    """No answer before the retry budget was spent (connection errors, 502/503/504)."""
+    """No answer before the retry budget was spent (connection errors, 502/503/504, 429)."""
 
     def __init__(self, method: str, url: str, attempts: int, problem: str, status: int | None):
         super().__init__(f"{method} {url}: no answer after {attempts} tries ({problem})")
         self.method, self.url, self.attempts, self.problem = method, url, attempts, problem
-        self.status = status  # the last 502/503/504, or None after a connection error
+        self.status = status  # the last 502/503/504/429, or None after a connection error
 
 
 def server_urls(servers: str | Sequence[str]) -> list[str]:
@@ -115,6 +118,21 @@ class Servers:
         i = self._current
         if self.urls[i] == url:
             self._current = (i + 1) % len(self.urls)
+
+
+def retry_after_s(response: httpx.Response, default_s: float = 1.0) -> float:
+    """The wait a 429 or 503 asks for: its `Retry-After` in seconds or as an HTTP date
+    (`default_s` without one, or with one that cannot be read)."""
+    value = response.headers.get("Retry-After", "").strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return default_s
+    return max(0.0, when.timestamp() - time.time())
 
 
 def detail_of(response: httpx.Response) -> str:
@@ -172,8 +190,9 @@ class ControlPlaneClient:
         `body` is a dict or a pydantic model of `worker.protocol` (sent as its JSON dump).
 
         Raises:
-            ApiError: the control plane answered 4xx, or a 5xx other than 502/503/504.
-            Unreachable: no answer (connection error or 502/503/504) within `retry_s`.
+            ApiError: the control plane answered 4xx other than 429, or a 5xx other than
+                502/503/504.
+            Unreachable: no answer (connection error, 502/503/504, 429) within `retry_s`.
             HttpError: another failure of the request (a redirect loop, a bad encoding).
         """
         if hasattr(body, "model_dump"):
@@ -187,6 +206,7 @@ class ControlPlaneClient:
             attempt += 1
             untried -= 1
             status = None
+            wait_s = 0.0  # the least wait the server asked for (a 429's Retry-After)
             url = self.servers.current
             try:
                 response = self._client.request(method, url + path, json=body, params=params, **extra)
@@ -195,23 +215,25 @@ class ControlPlaneClient:
             except httpx.HTTPError as exc:
                 raise HttpError(f"{method} {url}{path}: {type(exc).__name__}: {exc}") from exc
             else:
-                if response.status_code not in RETRYABLE_STATUS:
-                    return self._answer(method, url + path, response)
                 status = response.status_code
+                if status not in RETRYABLE_STATUS and status != TOO_MANY_REQUESTS:
+                    return self._answer(method, url + path, response)
                 problem = f"HTTP {status}: {detail_of(response)}"
+                if status == TOO_MANY_REQUESTS:
+                    wait_s = retry_after_s(response)
             self.servers.failed(url)
             if untried > 0:  # another replica to ask before any sleep
                 log.info("%s %s%s failed (%s); trying %s", method, url, path, problem,
                          self.servers.current)
                 continue
             remaining = deadline - self._clock()
-            if remaining <= 0:
+            if remaining <= 0 or wait_s > remaining:  # (a 429 asking for more than is left)
                 raise Unreachable(method, f"{url}{path}", attempt, problem, status)
             if self._on_retry is not None:
                 self._on_retry(method, path, problem)
             else:
                 log.debug("%s %s%s failed (%s); retrying", method, url, path, problem)
-            time.sleep(min(remaining, delay * random.uniform(0.5, 1.0)))
+            time.sleep(min(remaining, max(wait_s, delay * random.uniform(0.5, 1.0))))
             delay = min(delay * 2, BACKOFF_MAX_S)
             untried = len(self.servers)
 

@@ -1,7 +1,7 @@
 """A survivor's last words: the rule that says whether a worker whose process group broke may
 copy its state into its node's memory tier, and under which step.
 
-The memory tier copies the state every K steps (worker/runtime.py picks K to keep the copies
+The memory tier copies the state every K steps (worker/step_timing.py picks K to keep the copies
 within their budget), so a fault costs up to K steps. When a peer dies, the survivors are
 still alive for a moment (gloo raises at their next collective); a survivor whose state is
 exactly that of its last completed step can copy it then, and the restart resumes from it

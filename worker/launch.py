@@ -45,7 +45,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2, signal.SIGCONT)
 
 
-def _signal_name(sig):
+def signal_name(sig):
+    """SIGKILL for 9; the node agent names a signal the same way (worker/torchrun.py)."""
     try:
         return signal.Signals(sig).name
     except ValueError:  # a real-time signal the enum does not list
@@ -147,7 +148,7 @@ def _forked_worker(name, command):
         if sig not in forwarded:
             # A death torchrun did not ask for leaves no trace in the job's log otherwise:
             # torch logs a restarted worker's exit below its default log level.
-            sys.stderr.write(f"ftrain: the worker (pid {child}) died of {_signal_name(sig)}\n")
+            sys.stderr.write(f"ftrain: the worker (pid {child}) died of {signal_name(sig)}\n")
             sys.stderr.flush()
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(sig, signal.SIG_DFL)

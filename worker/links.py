@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from worker.http import ApiError, CommitUnavailable, ControlPlaneClient, HttpError, Unreachable
-from worker.protocol import (
+from .http import ApiError, CommitUnavailable, ControlPlaneClient, HttpError, Unreachable
+from .protocol import (
     BrokenPeer,
     CommitRequest,
     CommitResult,
@@ -47,7 +47,7 @@ from worker.protocol import (
 )
 
 if TYPE_CHECKING:  # (worker/snapshot.py imports torch: the node agent reports through here)
-    from worker import snapshot as snap
+    from . import snapshot as snap
 
 log = logging.getLogger("ftrain.runtime")
 Model = TypeVar("Model", bound=BaseModel)
@@ -192,7 +192,7 @@ class ServiceLink:
         """The step the control plane holds after it (a report within its rate limit of the
         stored one is answered, not stored)."""
         body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps)
-        # The final one is awaited by the worker's end (`Runtime._stop_poller`, 5 s): it must
+        # The final one is awaited by the worker's end (`ControlChannel.stop`, worker/control.py, 5 s): it must
         # fail within that when no control plane answers (a stopped one never does), so that
         # it is left to the node agent (worker/handoff.py) rather than lost with the process.
         each = self.FINAL_REPORT_S / max(1, len(self._client.servers))  # one try at each
@@ -214,7 +214,7 @@ class ServiceLink:
         return got.get("step") if isinstance(got, dict) else None
 
     def report_finished(self, node: str, final: bool = True) -> bool:
-        """`node`'s workers finished the run (`Runtime._say_finished`); whether the control
+        """`node`'s workers finished the run (`Progress.say_finished`, worker/progress.py); whether the control
         plane took it (False: not a live member of this attempt). `final`: one try at each
         control plane within FINAL_REPORT_S, as the final progress report (a worker on its way
         out leaves it to its agent instead, worker/handoff.py); else one plain try."""

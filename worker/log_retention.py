@@ -20,7 +20,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker import safe_files
+from . import safe_files
 
 log = logging.getLogger("ftrain.agent")
 

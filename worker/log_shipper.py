@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker.env import FTRAIN_LOG_QUEUE_LINES
-from worker.http import ControlPlaneClient, HttpError
-from worker.node_link import node_forgotten
-from worker.protocol import MAX_SHIPMENT_BYTES, MAX_SHIPMENT_LINES, LogLineIn, LogShipment
+from .env import FTRAIN_LOG_QUEUE_LINES
+from .http import ControlPlaneClient, HttpError
+from .node_link import node_forgotten
+from .protocol import MAX_SHIPMENT_BYTES, MAX_SHIPMENT_LINES, LogLineIn, LogShipment
 
 log = logging.getLogger("ftrain.agent")
 

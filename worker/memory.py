@@ -58,7 +58,7 @@ What a capture costs the training thread is Python (10-30 us a torch call on a G
 the runtime hands over a `StatePlan` (the state split once, the same tensor list every step)
 and the writer keeps everything derived from that list (`_Layout`: packing, views, the lists
 of the batched copies) and, once the list comes again, replays the side stream's work from
-two CUDA graphs (`_graph`).
+two CUDA graphs (worker/memory_gpu.py).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ from typing import Any
 
 import torch
 
-from worker.memory_dirs import (  # noqa: F401 - the agent's side, named here too
+from .memory_gpu import GpuStaging
+from .memory_dirs import (  # noqa: F401 - the agent's side, named here too
     OWNER_FILE,
     SHM_ROOT,
     UNOWNED_AGE_S,
@@ -491,6 +492,14 @@ def load(directory: str | Path, step: int | None = None) -> dict | None:
     return None if got is None else unpack(*got)
 
 
+def _slot_of_latest(directory: Path) -> int | None:
+    """The slot `latest.json` names (the whole one), if any."""
+    try:
+        return int(json.loads((directory / LATEST).read_text())["slot"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class MemoryWriter:
     """The writer of one node's memory tier: `capture` each step, `guard` before the
     optimizer's step. See the module docstring."""
@@ -517,7 +526,7 @@ class MemoryWriter:
         self.attempt = attempt
         self.rank = rank
         held = read_held(self.directory)
-        self._latest_slot = self._slot_of_latest()
+        self._latest_slot = _slot_of_latest(self.directory)
         self.held: Held | None = held
         self._maps: dict[int, tuple[list, torch.Tensor]] = {}  # slot -> (packing, mapped bytes)
         self._thread: threading.Thread | None = None  # the copy thread, started at the first copy
@@ -530,9 +539,6 @@ class MemoryWriter:
         self._stream = None
         self._on_device = False  # the copy in flight is the GPU path's (the guard need not join it)
         self._staged = None  # GPU path: (event, device) the optimizer's step waits for: staging done
-        self._staging: tuple[list, torch.Tensor] | None = None  # (packing, GPU bytes)
-        self._pinned: dict[int, bool] = {}  # slot -> its mapping is registered with CUDA
-        self._bounce: torch.Tensor | None = None  # pinned host buffer where registration is refused
         self.host_copy: str | None = None  # "registered" or "pinned": how the GPU path reaches the slot
         self.disabled: str | None = None  # why the tier is off (no room for a copy)
         self.stalls_s: list[float] = []  # per capture: the training thread's time in capture + guard
@@ -544,18 +550,10 @@ class MemoryWriter:
         self.commit_thread_cpu = 0.0
         self.skipped = 0  # captures skipped because the previous copy was still in flight
         self._layout_cache: _Layout | None = None  # the last capture's tensors, their packing and copy lists
-        self._events: tuple = ()  # GPU path: (boundary, staged, done), made with the staging buffer
-        self._graphs: dict = {}  # GPU path, for one layout: "layout", "stage" -> graph, slot -> graph
-        self.graphed = 0  # copies whose side-stream work was replayed from graphs
+        self._gpu = GpuStaging(self)  # the GPU path's buffers, events and graphs (worker/memory_gpu.py)
         self.checksums_s: list[float] = []  # per copy: the checksum's time on the copy thread
         self.stale = False  # a copy's `check` failed: the runtime's plan no longer holds the state
         self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
-
-    def _slot_of_latest(self) -> int | None:
-        try:
-            return int(json.loads((self.directory / LATEST).read_text())["slot"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
 
     def _mapped(self, slot: int, packing: list, size: int) -> torch.Tensor:
         known = self._maps.get(slot)
@@ -584,42 +582,18 @@ class MemoryWriter:
         self._setup_s += time.perf_counter() - began
         return buf
 
+    @property
+    def graphed(self) -> int:
+        """Copies whose side-stream work was replayed from CUDA graphs."""
+        return self._gpu.graphed
+
     def _unmap(self, slot: int) -> None:
-        self._graphs.pop(slot, None)  # its copy to the slot's old address
+        self._gpu.forget(slot)
         known = self._maps.pop(slot, None)
-        if known is not None and self._pinned.pop(slot, False):
+        if known is not None and self._gpu.pinned.pop(slot, False):
             if self._stream is not None:
                 self._stream.synchronize()
             torch.cuda.cudart().cudaHostUnregister(known[1].data_ptr())
-
-    def _register(self, slot: int, buf: torch.Tensor) -> bool:
-        """Page-lock the slot's mapping for CUDA (once per mapping), so that a non-blocking
-        copy from the GPU lands in it directly; False where CUDA refuses."""
-        if slot not in self._pinned:
-            began = time.perf_counter()
-            ok = False
-            if self.register_host:
-                got: list = []
-
-                def register() -> None:
-                    try:  # 1: cudaHostRegisterPortable, as torch.distributed.checkpoint's stager does
-                        got.append(int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 1)))
-                    except (RuntimeError, AttributeError) as exc:
-                        log.info("memory tier: cannot register the slot with CUDA (%s)", exc)
-
-                # In a thread of its own: CUDA keeps a refused call's error per thread, and the
-                # training thread's next kernel launch would raise it.
-                t = threading.Thread(target=register, name="memory-register")
-                t.start()
-                t.join()
-                ok = got == [0]
-                if not ok:
-                    log.info("memory tier: CUDA refused to register the slot; copying through a "
-                             "pinned buffer")
-            self._pinned[slot] = ok
-            self.host_copy = "registered" if ok else "pinned"
-            self._setup_s += time.perf_counter() - began
-        return self._pinned[slot]
 
     def _layout(self, tensors: list[torch.Tensor], later: set[int]) -> _Layout:
         """The `_Layout` of `tensors`. The same list as last time (a runtime's `StatePlan`
@@ -725,11 +699,11 @@ class MemoryWriter:
         views = self._views_of(("slot", slot), buf, lay.packing)
         if lay.device is not None and self.device_path == "staged":
             try:
-                deferred, event = self._capture_device(lay, buf, slot, views)
+                deferred, event = self._gpu.capture(lay, buf, slot, views)
             except torch.cuda.OutOfMemoryError:  # no room for the staging buffer (before any copy)
                 log.warning("memory tier: no GPU memory for a staging copy of %.0f MiB; copying "
                             "through pageable memory (slower)", lay.size / 2**20)
-                self.device_path, self._staging = "pageable", None
+                self.device_path, self._gpu.staging = "pageable", None
                 deferred, event = self._capture_host(lay, views)
         else:
             deferred, event = self._capture_host(lay, views)
@@ -762,7 +736,7 @@ class MemoryWriter:
         views = self._views_of(("slot", slot), buf, lay.packing)
         device = lay.device
         if device is not None:
-            self._register(slot, buf)
+            self._gpu.register(slot, buf)
             stream = torch.cuda.Stream(device)
             with torch.cuda.stream(stream):
                 for src, dst in zip(lay.tensors, views):
@@ -801,102 +775,6 @@ class MemoryWriter:
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
         return deferred, None if event is None else ("pageable", event, self._stream)
-
-    def _capture_device(self, lay: _Layout, buf: torch.Tensor, slot: int, views: list) -> tuple[list, Any]:
-        """The GPU path (module docstring): enqueue the copies, return the thread's work. With
-        the layout kept, this is a fixed handful of calls whatever the number of tensors: one
-        batched copy of the CPU tensors into the slot, one of the buffers into the staging
-        buffer on the training stream, one of the parameters and optimizer state on the side
-        stream, one copy to the host; three events, made once."""
-        device = lay.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        if self._staging is None or self._staging[0] is not lay.packing:
-            began = time.perf_counter()
-            self._staging = None
-            n = lay.end - lay.start
-            block = 8 * SUM_BLOCK
-            padded = torch.zeros((n + block - 1) // block * block, dtype=torch.uint8, device=device)
-            blocks = padded.view(torch.int64).view(-1, SUM_BLOCK)  # zeros past n add nothing to sum64
-            sums = (torch.empty(2, dtype=torch.int64, pin_memory=True),
-                    torch.arange(blocks.shape[0], dtype=torch.int64, device=device),
-                    torch.arange(1, SUM_BLOCK + 1, dtype=torch.int64, device=device))
-            self._staging = (lay.packing, padded[:n], blocks, sums)
-            self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
-            self._graphs = {}
-            self._setup_s += time.perf_counter() - began
-        _, staging, blocks, sums = self._staging
-        now_dst, late_dst = lay.staged_views(staging)
-        if lay.cpu:
-            torch._foreach_copy_(lay.cpu_views(slot, views), lay.cpu_src)
-        boundary, staged, done = self._events
-        training = torch.cuda.current_stream(device)
-        if lay.now_src:
-            torch._foreach_copy_(now_dst, lay.now_src)  # on the training stream: a forward may change them
-        boundary.record(training)
-        side = self._stream
-        side.wait_event(boundary)
-        deferred: list = []
-        host = lay.host_range(slot, buf)
-        registered = self._register(slot, buf)
-
-        def stage() -> None:
-            if lay.late_src:
-                torch._foreach_copy_(late_dst, lay.late_src)
-
-        def send() -> None:
-            sums[0].copy_(_sum64_pair(blocks, sums[1], sums[2]), non_blocking=True)  # the checksum's GPU part
-            host.copy_(staging, non_blocking=True)
-
-        graphs = None
-        if self._graphs.get("layout") is not lay:  # graphs copy fixed addresses: this layout's
-            self._graphs = {"layout": lay}
-        if self.graphs and registered and lay.repeated:
-            graphs = self._graph("stage", stage, device), self._graph(slot, send, device)
-            if None in graphs:
-                graphs = None
-        with torch.cuda.stream(side):
-            if graphs is not None:
-                graphs[0].replay()
-                staged.record(side)
-                graphs[1].replay()
-                self.graphed += 1
-            elif registered:
-                stage()
-                staged.record(side)
-                send()
-            else:
-                stage()
-                staged.record(side)
-                sums[0].copy_(_sum64_pair(blocks, sums[1], sums[2]), non_blocking=True)
-                if self._bounce is None or self._bounce.numel() != staging.numel():
-                    began = time.perf_counter()
-                    self._bounce = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
-                    self._setup_s += time.perf_counter() - began
-                self._bounce.copy_(staging, non_blocking=True)
-                deferred = [(self._bounce, host)]
-            done.record(side)
-        self._staged = (staged, device)
-        return deferred, ("staged", done, sums, lay.start)
-
-    def _graph(self, key: Any, work: Callable[[], None], device: torch.device) -> Any:
-        """The CUDA graph of `work` (captured once per staging buffer and key), or None where
-        capturing fails (then this writer enqueues its work call by call from now on)."""
-        if key in self._graphs:
-            return self._graphs[key]
-        began = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"):
-                work()
-        except Exception as exc:  # noqa: BLE001 - the eager path does the same work
-            log.info("memory tier: cannot capture the copy as a CUDA graph (%s); enqueuing it call by call",
-                     exc)
-            self.graphs = False
-            graph = None
-        self._graphs[key] = graph
-        self._setup_s += time.perf_counter() - began
-        return graph
 
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float,
                 check: Callable[[], bool] | None = None) -> None:
@@ -1009,9 +887,7 @@ class MemoryWriter:
             self._unmap(slot)
         self._view_cache.clear()
         self._layout_cache = None
-        self._staging = None
-        self._graphs = {}
-        self._bounce = None
+        self._gpu.close()
 
     def guard(self, *_args, **_kwargs) -> None:
         """An optimizer step pre-hook: the copy must be whole before the optimizer changes it.

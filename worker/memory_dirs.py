@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from worker import safe_files
+from . import safe_files
 
 log = logging.getLogger("ftrain.memory")
 
@@ -177,13 +177,13 @@ def take_writer(fd: int, timeout_s: float) -> bool:
             time.sleep(LAST_WORDS_POLL_S)
 
 
-# While a worker says its last words (`Runtime._say_last_words`) it holds byte SPEAKING +
+# While a worker says its last words (`FailureFlush.say`, worker/failure_flush.py) it holds byte SPEAKING +
 # local_rank as well: the node agent's stop of a replaced attempt, whose grace is short, waits
 # past it only for those (`wait_for_speakers`), not for a worker that may speak but is stuck
 # (a collective with a silent peer: its SIGTERM handler never runs).
 SPEAKING = 1 << 20
 SPEAKING_SPAN = 1 << 20
-# How long a stop waits for them at most (worker/runtime.py LAST_WORDS_S, and a margin for the
+# How long a stop waits for them at most (worker/failure_flush.py LAST_WORDS_S, and a margin for the
 # worker's exit): torchrun's stop of a broken group (worker/rendezvous/monitor.py), the node
 # agent's of a replaced attempt (worker/torchrun.py `stop`).
 LAST_WORDS_WAIT_S = 2.5

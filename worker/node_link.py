@@ -29,9 +29,9 @@ import logging
 import os
 from pathlib import Path
 
-from worker import gpus
-from worker.http import ApiError, ControlPlaneClient, HttpError, server_urls
-from worker.protocol import (
+from . import gpus
+from .http import ApiError, ControlPlaneClient, HttpError, server_urls
+from .protocol import (
     Assignment,
     HeartbeatReply,
     HeartbeatRequest,

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from worker import safe_files, torch_internals
-from worker.env import TORCHELASTIC_RESTART_COUNT
-from worker.launch import WORKER_NOTE
+from . import safe_files, torch_internals
+from .env import TORCHELASTIC_RESTART_COUNT
+from .launch import WORKER_NOTE
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from pydantic import (
     model_validator,
 )
 
-from worker.jsontypes import JsonBody, JsonBool, JsonFloat, JsonInt, integral
-from worker.rdzv_state import MergeSpec
+from .jsontypes import JsonBody, JsonBool, JsonFloat, JsonInt, integral
+from .rdzv_state import MergeSpec
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,62}[A-Za-z0-9])?$")
 MAX_LINE_CHARS = 4000  # a log line longer than this is cut by the agent (`cut_line`)

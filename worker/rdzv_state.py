@@ -57,7 +57,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from worker.jsontypes import JsonBody, JsonInt, integral
+from .jsontypes import JsonBody, JsonInt, integral
 
 MAX_OPS = 2048  # ops in one merged write
 Node = tuple[str, int, int]  # torch's _NodeDesc: (addr, pid, local_id); sorted as torch sorts them

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker import safe_files
+from . import safe_files
 
 PRIVATE_DIR_MODE = 0o700
 TRAVERSE_ONLY_MODE = 0o711  # others may enter (to reach their own folder below), not list

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from worker.http import CommitUnavailable  # noqa: F401 (a commit's error, raised by worker.links)
+from .http import CommitUnavailable  # noqa: F401 (a commit's error, raised by worker.links)
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ A restarted GPU worker waits, after its group formed, for CUDA's context on its 
 for NCCL to load its kernels into the process when the first communicator is made: on two
 H100s 0.2-0.3 s and 0.3-0.4 s (NCCL 2.28's "Init timings": kernels 0.32 of a 0.49 s
 communicator at world 2; 0.06 s in all once a communicator of one rank was made first in the
-process, `docs/measurements/nccl-init-2xH100-stop15.txt`). Neither depends on the group: a
+process, bench/nccl_init.py). Neither depends on the group: a
 process forked ahead of time makes both (and a communicator of itself alone, then ends it),
 warms cuBLAS and the autograd engine up as the runtime's own warm-up does, and waits. The
 next worker of its local rank is that process (the fork server hands it the request); the
@@ -46,7 +46,7 @@ def warm(local_rank: int) -> str:
             torch.cuda.synchronize(device)
             dist.destroy_process_group()
         nccl_s = time.perf_counter() - began - context_s
-        from worker import runtime
+        from . import runtime
 
         runtime._warm_cuda(device)
         torch.cuda.synchronize(device)

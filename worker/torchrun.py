@@ -26,18 +26,18 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker import gpus, memory_dirs, safe_files
-from worker.env import (
+from . import gpus, memory_dirs, safe_files
+from .env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
     FTRAIN_FORK_SERVER_SOCKET,
@@ -56,11 +56,20 @@ from worker.env import (
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
     TORCH_ELASTIC_WORKER_IDENTICAL,
 )
-from worker.handoff import AgentHandoff, handoff_path
-from worker.links import ServiceLink, report_broken_peer
-from worker.log_shipper import LogShipper
-from worker.output import POLL_S, QUIET_S, STREAMS, LineReader, WorkerDir, WorkerDirs
-from worker.procs import (
+from .handoff import AgentHandoff, handoff_path
+from .launch import signal_name
+from .following import (  # noqa: F401 - shutdown_summary, starts_shutdown, MASK: for `torchrun.` users
+    MASK,
+    GroupOutput,
+    mask_secrets,
+    secrets_to_mask,
+    shutdown_summary,
+    starts_shutdown,
+)
+from .links import ServiceLink
+from .log_shipper import LogShipper
+from .output import STREAMS, WorkerDirs
+from .procs import (
     FORK_SERVER,
     cmdline,
     descendants,
@@ -72,20 +81,18 @@ from worker.procs import (
     state_of,
     worker_launch_prefix,
 )
-from worker.protocol import (
+from .protocol import (
     ERROR_LINE,
     Assignment,
     LogLineIn,
     Timeouts,
-    cut_line,
-    says_peer_gone,
     telling_line,
 )
-from worker.run_as import MISSING, NO_CWD, RunAs, command_search, command_search_as, job_dir
+from .run_as import MISSING, NO_CWD, RunAs, command_search, command_search_as, job_dir
 
 log = logging.getLogger("ftrain.agent")
 
-# Rendezvous tuning (DESIGN.md, "Known traps"): a lost node is noticed after
+# Rendezvous tuning (docs/architecture.md, "Traps"): a lost node is noticed after
 # keep_alive_interval x keep_alive_max_attempt = 3 s, and a round that has its minimum
 # waits 1 s for latecomers instead of torch's 30 s. (The control plane's own long poll,
 # `Timeouts.long_poll_s`, goes with them: `rdzv_conf`.)
@@ -107,8 +114,6 @@ STOPPED_WORKER_GRACE_S = 3.0
 DRAIN_S = 60.0
 # How long a node without an assignment keeps the memory tier of the job it left (`park_memory`).
 MEMORY_KEEP_S = 300.0
-# Lines read from one worker's file before the next file's turn (one reader follows them all).
-LINES_PER_TURN = 200
 
 
 def rdzv_conf(timeouts: Timeouts) -> str:
@@ -119,26 +124,6 @@ def rdzv_conf(timeouts: Timeouts) -> str:
 
 class CouldNotStart(Exception):
     """torchrun could not be started (a missing working directory, a bad interpreter)."""
-
-
-MASK = "***"
-MIN_MASKED_CHARS = 4  # a shorter value ("1", "on") would mask half of every line: left as is
-
-
-def secrets_to_mask(secret_env: dict[str, str], job_token: str | None = None) -> tuple[str, ...]:
-    """The values to mask in a job's output, longest first (one may contain another): its
-    secret env values and its token (whoever holds it commits the job's snapshots). Output is
-    shipped line by line, so a multi-line value (a PEM key) is masked line by line, each line
-    without the blanks around it."""
-    values = {line.strip() for v in (*secret_env.values(), job_token or "") for line in v.splitlines()}
-    return tuple(sorted({v for v in values if len(v) >= MIN_MASKED_CHARS}, key=lambda v: (-len(v), v)))
-
-
-def mask_secrets(line: str, secrets: tuple[str, ...]) -> str:
-    """`line` with every secret value replaced by MASK, before it is shipped or reported."""
-    for value in secrets:
-        line = line.replace(value, MASK)
-    return line
 
 
 @dataclass
@@ -161,7 +146,7 @@ class WorkerGroup:
     worker_files: dict = field(default_factory=dict)
     exited_at: float | None = None  # monotonic: when its exit was first seen (`Torchrun.draining`)
     tails_final: bool = False  # `tails` read from the files' ends (a reader was behind)
-    released: bool = False  # its held lines were handed to the shipper (`_release_held`)
+    released: bool = False  # its held lines were handed to the shipper (`GroupOutput.release_held`)
     job_token: str | None = None  # for the broken-peer report its workers' output can call for
     snapshot_dir: Path | None = None  # FTRAIN_SNAPSHOT_DIR: where rank 0 leaves its commits (handoff)
     handoff: AgentHandoff | None = None  # the commits its rank 0 left to this agent, being made
@@ -185,7 +170,7 @@ class WorkerGroup:
         for r in worker_ranks:
             lines += [f"[rank{r}] {x}" for x in list(self.tails[r])[-8:]]
         lines += list(self.tails[None])[-6:]
-        return "failed", code, (headline(self.tails, code) + "\nlast lines:\n" + "\n".join(lines)
+        return "failed", code, (headline(self.tails, code, self.proc.pid) + "\nlast lines:\n" + "\n".join(lines)
                                 + (f"\n{note}" if note else ""))
 
 
@@ -209,55 +194,28 @@ def tails_of_files(files: list[tuple[Path, int | None]], secrets: tuple[str, ...
     return tails
 
 
-def headline(tails: Mapping, code: int | None) -> str:
-    """One line that says why a group failed: the missing command named as such, else the
-    first rank's error line (`ValueError: ...`), else its last line; the log lines follow it
-    in the report (they stay in the logs and in the event's detail, not in the job's reason)."""
+def headline(tails: Mapping, code: int | None, pid: int | None = None) -> str:
+    """One line that says why a group failed: the missing command named as such; torchrun
+    killed by a signal (from outside: no worker's line is the cause, least of all the last
+    one a worker logged); else the first rank's error line (`ValueError: ...`), else
+    torchrun's own (`ftrain: the worker's fork server went away`), else the first rank's last
+    line; the log lines follow it in the report (they stay in the logs and in the event's
+    detail, not in the job's reason)."""
     ranks = sorted(r for r in tails if r is not None)
     said = [(r, why) for r in ranks if (why := telling_line(list(tails[r]))) is not None]
     for _, why in said:
         if why.startswith("command not"):
             return why
-    # the first rank with an error line, else the first with any line
-    r, why = next(((r, w) for r, w in said if ERROR_LINE.match(w)), said[0] if said else (None, None))
-    return f"torchrun exited with code {code}" if why is None else \
-        f"rank {r}: {why} (torchrun exited with code {code})"
-
-
-TRACEBACK = "Traceback (most recent call last):"
-# What torchrun raises when ftrain's control plane closed the attempt's rendezvous (a new
-# attempt, the job ended): its own exit, never the job's failure.
-_CLOSED_BY_FTRAIN = ("RendezvousGoneError", "RendezvousClosedError")
-
-
-def starts_shutdown(line: str) -> bool:
-    """A line of torchrun's own that begins its exit: a traceback of its own, or word that the
-    control plane closed its rendezvous (its keep-alive's warning comes before the agent's stop)."""
-    return line.startswith(TRACEBACK) or any(w in line for w in _CLOSED_BY_FTRAIN)
-
-
-def shutdown_summary(held: list[str], stop_requested: bool, attempt: int, node: str) -> str | None:
-    """The one line that stands for torchrun's `held` shutdown lines, or None when they are
-    the job's to read: torchrun failed by itself (not stopped by the agent, its rendezvous
-    not closed by the control plane)."""
-    if not held:
-        return None
-    if not stop_requested and not any(w in x for x in held for w in _CLOSED_BY_FTRAIN):
-        return None
-    return f"ftrain: attempt {attempt}'s torchrun on {node} shut down ({len(held)} lines of its own hidden)"
-
-
-@dataclass
-class _Followed:
-    """A worker's file that `Torchrun._follow_workers` reads."""
-
-    dir: WorkerDir
-    stream: str
-    reader: LineReader
-    rank: int
-    round: int | None
-    last_data: float  # monotonic: when bytes were last read from it
-    finished: bool = False
+    if code is not None and code < 0:
+        return f"torchrun{'' if pid is None else f' (pid {pid})'} was killed by {signal_name(-code)}"
+    exited = f"torchrun exited with code {code}"
+    errors = [(r, w) for r, w in said if ERROR_LINE.match(w)]
+    if errors:
+        return f"rank {errors[0][0]}: {errors[0][1]} ({exited})"
+    own = [x for x in tails.get(None, ()) if x.startswith("ftrain: ") or ERROR_LINE.match(x)]
+    if own:
+        return f"{exited}: {own[-1]}"
+    return exited if not said else f"rank {said[0][0]}: {said[0][1]} ({exited})"
 
 
 def unix_listening(name: str) -> bool:
@@ -295,6 +253,7 @@ class Torchrun:
         self.data_dir = data_dir
         self.address = address
         self.shipper = shipper
+        self.output = GroupOutput(node, server, shipper)  # how its output is read and shipped
         self.group: WorkerGroup | None = None
         self.fork_server: ForkServer | None = None
         self.memory: tuple[str, Path] | None = None  # (job, its memory tier on this node)
@@ -527,125 +486,11 @@ class Torchrun:
         return g
 
     def follow(self, g: WorkerGroup, dirs: WorkerDirs) -> None:
-        """Start the threads that follow `g`'s output until its torchrun has exited: one per
-        file of torchrun's own, one that finds the workers' files (`dirs`), one that reads them."""
-        targets = [(self._follow_torchrun, (g, stream, path), f"out-{stream}")
-                   for stream, path in g.outputs.items()]
-        targets += [(self._watch_workers, (g, dirs), "out-dirs"),
-                    (self._follow_workers, (g, dirs), "out-workers")]
-        for target, args, name in targets:
-            t = threading.Thread(target=target, args=args, daemon=True, name=name)
-            t.start()
-            g.threads.append(t)
-
-    def _follow_torchrun(self, g: WorkerGroup, stream: str, path: Path) -> None:
-        """Follow one of torchrun's own output files, line by line, until torchrun has exited."""
-        with open(path, "rb") as f:
-            reader = LineReader(f)
-            while True:
-                final = g.proc.poll() is not None  # then what it wrote is all there: read to the end
-                raw = reader.next_line(final)
-                if raw is None:
-                    if final:
-                        return
-                    time.sleep(POLL_S)
-                    continue
-                self._take(g, None, None, stream, raw)
-
-    @staticmethod
-    def _watch_workers(g: WorkerGroup, dirs: WorkerDirs) -> None:
-        """Find the workers' folders and files as torchrun makes them (never waiting for the
-        shipper: worker/output.py says why), until torchrun has exited."""
-        try:
-            while True:
-                final = g.proc.poll() is not None
-                dirs.scan(final)
-                if final:
-                    return
-                time.sleep(POLL_S)
-        finally:
-            dirs.close()
-
-    def _follow_workers(self, g: WorkerGroup, dirs: WorkerDirs) -> None:
-        """Read every worker's files that `_watch_workers` found, in turns, until each is final
-        (torchrun has exited, or its group was replaced and it has been quiet for QUIET_S)."""
-        followed: list[_Followed] = []
-        try:
-            while True:
-                done = dirs.done.is_set()  # first: then every file was handed out, and is final
-                while not dirs.ready.empty():
-                    followed += self._followers(g, dirs.ready.get())
-                now, read = time.monotonic(), False
-                for fo in followed:
-                    final = done or (fo.dir.replaced and now - fo.last_data >= QUIET_S)
-                    before = fo.reader.bytes_read
-                    for _ in range(LINES_PER_TURN):
-                        raw = fo.reader.next_line(final)
-                        if raw is None:
-                            fo.finished = final
-                            break
-                        self._take(g, fo.rank, fo.round, fo.stream, raw)
-                    if fo.reader.bytes_read != before:
-                        fo.last_data, read = now, True
-                for fo in [fo for fo in followed if fo.finished]:
-                    fo.reader.f.close()
-                    followed.remove(fo)
-                if done and not followed and dirs.ready.empty():
-                    return
-                if not read:
-                    time.sleep(POLL_S)
-        finally:
-            for fo in followed:
-                fo.reader.f.close()
-
-    @staticmethod
-    def _followers(g: WorkerGroup, d: WorkerDir) -> list[_Followed]:
-        who = d.who()
-        for stream in d.files:
-            g.worker_files[(d.local_rank, stream)] = (d.path / f"{stream}.log", who.rank)
-        return [_Followed(d, stream, LineReader(f), who.rank, who.round, time.monotonic())
-                for stream, f in d.files.items()]
-
-    def _take(self, g: WorkerGroup, rank: int | None, round_: int | None, stream: str, raw: bytes) -> None:
-        """One whole line of a worker (`rank`, of the group that rendezvous round `round_`
-        formed) or of torchrun (rank None): masked, kept for the failure reason, shipped
-        (torchrun's own held once its shutdown has begun)."""
-        line = mask_secrets(raw.decode("utf-8", errors="replace"), g.secrets)
-        if rank is not None and round_ not in g.peer_reported and says_peer_gone(line):
-            self._report_broken_peer(g, round_, line)
-        if not g.tails_final:
-            g.tails[rank].append(line)
-        out = LogLineIn(rank=rank, stream=stream, line=cut_line(line), time=time.time(),
-                        round=round_ if rank is not None else None)
-        if rank is None and (g.holding or g.stop_requested or starts_shutdown(line)):
-            g.holding = True
-            g.held.append(out)
-            return
-        self.shipper.add(g.job_id, g.attempt, out, wait_for_room=True)  # (the files keep them)
-
-    def _report_broken_peer(self, g: WorkerGroup, round_: int | None, line: str) -> None:
-        """A worker printed that its process group lost a peer: tell the control plane now,
-        from a thread (a node whose agent's connection dropped is then lost at once,
-        service/presence.py). The runtime's workers report it themselves; a plain script's
-        worker does not, and spends seconds in the interpreter's teardown after the traceback
-        before torchrun re-forms the group and the control plane hears of it. Once per
-        rendezvous round (`round_`): a group that torchrun re-formed may break again."""
-        g.peer_reported.add(round_)
-        if g.stop_requested or not g.job_token:
-            return
-        link = ServiceLink(self.server, g.job_id, g.job_token, g.attempt, timeout_s=5.0)
-        report_broken_peer(link, self.node, f"worker output: {line}", close=True)
+        """Follow `g`'s output until its torchrun has exited (worker/following.py)."""
+        self.output.follow(g, dirs)
 
     def _release_held(self, g: WorkerGroup) -> None:
-        """torchrun has exited: ship its held lines, or the one line that stands for them."""
-        held, g.held, g.released = g.held, [], True
-        summary = shutdown_summary([x.line for x in held], g.stop_requested, g.attempt, self.node)
-        if summary is None:
-            for x in held:
-                self.shipper.add(g.job_id, g.attempt, x)
-        else:
-            self.shipper.add(g.job_id, g.attempt, LogLineIn(
-                rank=None, stream="stderr", line=summary, time=held[-1].time))
+        self.output.release_held(g)
 
     def exited(self) -> WorkerGroup | None:
         """The group, once its torchrun has exited (what is left of its tree is killed)."""
@@ -791,7 +636,36 @@ def missing_command(command: list[str], env: Mapping[str, str], cwd: str,
         found = command_search(cwd, candidates)
     elif (found := command_search_as(run_as, cwd, candidates)) == NO_CWD:
         return f"working directory {cwd} is not a folder that user {run_as.name} may enter"
-    return f"command not found: {name}" if found == MISSING else None
+    if found == MISSING:
+        return f"command not found: {name}"
+    if (script := python_script(command)) is not None:
+        # A mistyped script name fails every attempt the same way: say so once, before torchrun
+        # restarts it (the node's failure ends the job: no restart can cure it).
+        path = [os.path.join(cwd, script)]
+        there = command_search(cwd, path) if run_as is None else command_search_as(run_as, cwd, path)
+        if there == MISSING:
+            return f"no such file: {script} (in {cwd})"
+    return None
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_OPTION_WITH_VALUE = ("-W", "-X")
+
+
+def python_script(command: list[str]) -> str | None:
+    """The script a Python interpreter `command` runs (`python -u train.py ...`: train.py);
+    None when it is not a Python interpreter or runs no file (`-m`, `-c`, stdin)."""
+    if not _PYTHON.fullmatch(os.path.basename(command[0])):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-m", "-c", "-"):
+            return None
+        if arg in _OPTION_WITH_VALUE:
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _private_file(path: Path, mode: str):

@@ -12,7 +12,7 @@ its agent restarted, or it was told to stop). The rules, torchrun's own for succ
   node is not lost (its lease may lapse: nothing of the job runs there), not free (no job,
   this one included, is given it), and it counts towards `nodes.min`. Nodes of one group
   finish at different moments; treating the first one as lost sent a `min == max` job back
-  to PENDING and ran it again for ever (issue 10). A finished member is never restarted or
+  to PENDING and ran it again for ever. A finished member is never restarted or
   given new work by this job: once one member has finished the job is *ending*, and its
   membership no longer changes (no scale-up, no drain, no restart of the others).
 - **SUCCEEDED when every member finished**, i.e. some member finished and none is running
@@ -22,7 +22,11 @@ its agent restarted, or it was told to stop). The rules, torchrun's own for succ
   the others). A finished member's note (its agent's report of snapshot commits left to it
   that it could not make, `worker/handoff.py`) is in the reason.
 - **A failure is a failure**, in whatever order: one failed member fails the job (the first
-  by node name is named), even if the others finished.
+  by node name is named), even if the others finished; but a member whose torchrun ran and
+  exited by itself (killed from outside, crashed: `crashed`) while none has finished is a
+  fault like a worker's, and costs one restart of the job's workers while `max_restarts`
+  allows (`scheduling.plan`). Only one whose torchrun could not start (a missing command,
+  no exit code) fails the job at once: starting it again would fail the same way.
 - **Vanishing after its workers finished the run is finishing.** A live member whose
   workers said they finished the run (`MemberStatus.run_finished`: the ftrain runtime's
   clean `finish()`, sent by the node's first worker once every rank of the group has passed
@@ -87,6 +91,16 @@ def by_members(members: Mapping[str, MemberStatus]) -> Outcome | None:
         head = "every worker exited 0" if seen else "every node's workers finished the run"
         return Outcome(S.SUCCEEDED, "; ".join([head, *notes]))
     return None
+
+
+def crashed(members: Mapping[str, MemberStatus]) -> list[tuple[str, str]]:
+    """(node, reason) of each failed member whose torchrun ran and exited by itself (an exit
+    code: it was not a start that failed), by name, while no member has finished (then the
+    job is ending and nothing of it is restarted); [] when there is none."""
+    if finished_members(members):
+        return []
+    return [(n, m.reason or f"exit code {m.exit_code}") for n, m in sorted(members.items())
+            if m.state == "failed" and m.exit_code is not None]
 
 
 def _vanished_after_finishing(member: MemberStatus) -> bool:

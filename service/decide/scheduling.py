@@ -20,6 +20,8 @@ boundary (`job.control`), when the job runs the ftrain runtime, so no step is lo
 A lost node that stops the group is a fault (RECOVERING until the new group's first step);
 a join, a drain or a change called off is not: the job stays RUNNING with the change as its
 reason until then (`recovery.regroup`).
+A member whose torchrun died by itself (SIGKILLed, crashed) is a fault too: one restart of
+the job's workers under a new attempt, the job FAILED only once `max_restarts` are spent.
 When the members' reports end the job is `outcome.by_members`. A member that finished
 (its workers exited 0) keeps its node until the job ends and counts towards `min`; once
 one has, the job is ending and none of the above changes its membership any more
@@ -190,6 +192,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                 d.update(stopping=True)
         return d.result(job)
 
+    if _restart_after_a_crash(d, nodes):
+        return d.result(job)
     ended = outcome.by_members(d.job.members)
     if ended is not None:
         stop = {"stopping": True} if ended.stops_workers else {}
@@ -253,6 +257,37 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                   members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                            if m.is_live()})
     return d.result(job)
+
+
+def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
+    """A member's torchrun died by itself (`outcome.crashed`): a fault of that node's process
+    tree, not of the job. One restart of the job's workers, under a new attempt on the live
+    members and the crashed ones whose node is still here (their agents start torchrun
+    again); once `max_restarts` are spent, the job fails with the crash as its reason (True:
+    it ended)."""
+    crashes = outcome.crashed(d.job.members)
+    if not crashes:
+        return False
+    # The first by name, as `outcome.by_members`; its report's first line (the headline),
+    # what is done about it, then the lines it quoted (the event's detail).
+    name, report = crashes[0]
+    headline, _, quoted = report.partition("\n")
+
+    def why(what: str) -> str:
+        return f"node {name}: {headline}; {what}" + (f"\n{quoted}" if quoted else "")
+
+    spent = outcome.by_restarts(d.job.restarts, d.job.spec.max_restarts)
+    if spent is not None:
+        d.move(spent.state, why(spent.reason), control=None, stopping=spent.stops_workers)
+        return True
+    restarts = d.job.restarts + 1
+    crashed_here = {n for n, _ in crashes if n in nodes}
+    again = [n for n, m in d.job.members.items() if m.is_live() or n in crashed_here]
+    d.regroup(why(f"restarting the workers ({restarts} of {d.job.spec.max_restarts})"),
+              planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
+              world_size=0, control=None,
+              members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in sorted(again)})
+    return False
 
 
 def free_nodes(jobs: Iterable[JobRecord], nodes: dict[str, NodeRecord]) -> list[str]:

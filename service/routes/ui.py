@@ -1,9 +1,9 @@
 """The web dashboard (`/ui`) and the API docs (`/docs`), served from files in the package.
 
 Every asset is shipped (`service/ui/`, listed as package data in pyproject.toml): the
-dashboard is one page (`index.html`, `app.js`, `app.css`) that calls the same REST API as the
-CLI, with the token the user signs in with (kept in the browser's sessionStorage, sent as
-`Authorization: Bearer`); its charts are uPlot's and `/docs` is Swagger UI's, both vendored
+dashboard is one page (`index.html`, `app.js`, `marks.js`, `app.css`) that calls the same REST
+API as the CLI, with the token the user signs in with (kept in the browser's sessionStorage,
+sent as `Authorization: Bearer`); its charts are uPlot's and `/docs` is Swagger UI's, both vendored
 unmodified under `static/vendor/` (versions and licences in its README). Nothing is fetched
 from another host, so both work on a cluster with no Internet access. The pages themselves
 need no token: the data does.
@@ -41,7 +41,7 @@ def index_html() -> str:
     """The page, its own assets named with a digest of their content (`app.js?v=...`), so a
     browser that cached an older version's script does not run it against a newer server."""
     page = (UI_DIR / "index.html").read_text()
-    for asset in ("static/app.js", "static/app.css"):
+    for asset in ("static/app.js", "static/marks.js", "static/app.css"):
         digest = hashlib.sha256((UI_DIR / asset).read_bytes()).hexdigest()[:12]
         page = page.replace(f'"{asset}"', f'"{asset}?v={digest}"')
     return page
@@ -49,8 +49,9 @@ def index_html() -> str:
 
 # The dashboard runs its own files only: no inline script or style (an injected `<script>` or
 # `onerror=` does not run), data from this origin only (a token cannot be sent elsewhere), and
-# no other site may frame it (clickjacking its cancel and drain buttons). uPlot sets its
-# styles through the DOM, which a policy does not restrict.
+# no other site may frame it (clickjacking its cancel and drain buttons). uPlot and the page's
+# script (progress bars, the marks on a job's curves) set styles through the DOM's style
+# properties, which the policy allows; a `style=` attribute in HTML it would refuse.
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
                  "connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'none'; "
                  "frame-ancestors 'none'")

@@ -1,4 +1,4 @@
-"""docker/ for real (issue 13): build the images, bring the compose cluster up (etcd, a control
+"""docker/ for real: build the images, bring the compose cluster up (etcd, a control
 plane, two nodes), run the example job through it, SIGKILL one node's container mid-run and
 see the job train on and finish, `final.pt` saved in the job's working directory.
 

@@ -1,4 +1,4 @@
-"""Several control planes, any of them serving (issue 12): two real `ftrain serve` replicas
+"""Several control planes, any of them serving: two real `ftrain serve` replicas
 on one etcd, a real agent and torchrun job given both URLs. SIGKILL the replica the agent
 talks to mid-job: heartbeats, rendezvous keep-alives and snapshot commits move to the other
 one, the job trains on with 0 restarts, and the CLI given both URLs still answers."""

@@ -1,4 +1,4 @@
-"""Faults on the local HA cluster (issue 12): `ftrain up --replicas 2 --etcd-members 3` as
+"""Faults on the local HA cluster: `ftrain up --replicas 2 --etcd-members 3` as
 real processes, a real two-node job on its agents.
 
 - The leading control plane is SIGKILLed mid-job: the job trains on (0 restarts, 0 steps

@@ -1,4 +1,4 @@
-"""The leading control plane cut from etcd by a network namespace (issue 12): no two
+"""The leading control plane cut from etcd by a network namespace: no two
 schedulers ever act, proven from the job events, and the job trains on.
 
 Layout (`tests.helpers.netns.Fabric`): etcd (closed: authentication on, as the control

@@ -65,7 +65,7 @@ def is_memory_writer(pid: int) -> bool:
 # One node of two workers: 8-10 s more, and the stop that waits for the writer and a sibling
 # that speaks for a dead writer are tested alone in tests/worker/test_last_words.py; an agent
 # SIGKILLed with its tree: as long as the worker's case (26 s each on 2 cores at load 9), which
-# covers the same last words; all three left out of the default run (README).
+# covers the same last words; all three left out of the default run (make test-slow).
 @pytest.mark.parametrize("nodes,kill", [(2, "worker"), pytest.param(2, "agent", marks=pytest.mark.slow),
                                         pytest.param(1, "sibling", marks=pytest.mark.slow),
                                         pytest.param(1, "writer", marks=pytest.mark.slow)])
@@ -154,7 +154,7 @@ def test_agent_sigkill_is_noticed_at_once_loses_at_most_one_step_and_the_node_re
     assert any("resumed from memory" in line and "sent by rank" in line for line in lines), lines[-20:]
 
 
-@pytest.mark.slow  # 20-40 s on 2 cores, most of it two torchrun starts: left out of the default run (README)
+@pytest.mark.slow  # 20-40 s on 2 cores, most of it two torchrun starts: left out of the default run (make test-slow)
 def test_a_min_max_two_job_that_loses_a_node_resumes_from_the_survivors_copy(api, agents):
     """min == max == 2: a node's agent is SIGKILLed, the job goes back to PENDING and lets the
     survivor go; when the node is back, the group restarts from the survivor's memory copy (sent

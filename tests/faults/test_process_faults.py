@@ -119,7 +119,7 @@ def test_cancel_during_recovery_ends_cancelled_with_no_worker_left(control_plane
         assert rank0_lines(api, job_id)
 
 
-@pytest.mark.slow  # 10-20 s, most of it torchrun's start: left out of the default run (README)
+@pytest.mark.slow  # 10-20 s, most of it torchrun's start: left out of the default run (make test-slow)
 @pytest.mark.parametrize("control_plane", [{"FTRAIN_NODE_TTL_S": "2", "FTRAIN_CANCEL_GRACE_S": "5"}],
                          indirect=True)
 def test_a_group_stop_longer_than_the_node_lease_keeps_the_node_alive(api, agents):

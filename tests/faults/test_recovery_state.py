@@ -123,7 +123,8 @@ def test_a_lost_node_is_recovering_at_once_and_named_until_the_survivors_step(ap
     recovering = next(e for e in events_of(api, job_id) if e["state"] == "RECOVERING")
     assert recovering["time"] - killed_at < 5, recovering  # noticed from the dropped connection
     lost = wait_for(lambda: next((e for e in events_of(api, job_id)
-                                  if e["reason"] == "node n1 lost (its lease lapsed)"), None), 15, "n1 lost")
+                                  if e["reason"] == "node n1 lost (its agent's connection closed)"), None), 15,
+                      "n1 lost, from its dropped connection")
     evs = events_of(api, job_id)
     if lost["time"] < again["time"]:
         # the control plane knew of the loss while the job recovered: the reason came to name it

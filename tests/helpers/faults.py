@@ -34,6 +34,7 @@ from bench.harness import (
     STEP_LINE,
     ControlPlane,
     NodeAgentProc,
+    forked_torchrun,
     rank0_lines,
     wait_for,
 )
@@ -41,6 +42,7 @@ from bench.harness import runs as runs  # the tests' name for it
 from tests.helpers.elastic import job, job_spec, worker_pids
 from worker import snapshot as snap
 from worker.launch import WORKER_NOTE
+from worker.procs import cmdline, descendants, is_fork_server, is_launcher, is_standby, parent_of
 
 TRAIN = REPO / "examples" / "train.py"
 KEEP_ALL = 1000
@@ -73,6 +75,35 @@ def workers(agent: NodeAgentProc, script: Path = TRAIN) -> list[int]:
 def wait_workers(agent: NodeAgentProc, n: int, script: Path = TRAIN, timeout_s: float = 30) -> list[int]:
     return wait_for(lambda: len(w := workers(agent, script)) == n and w, timeout_s,
                     f"{n} worker(s) of {script.name} under agent {agent.name}")
+
+
+def found_by_grep(agent: NodeAgentProc, script: Path) -> int | None:
+    """The process that `ps ax | grep <script>` lists first under `agent` (the lowest pid
+    whose command line names the script): torchrun's, whose argv carries the worker's
+    command, started before any worker."""
+    named = [p for p in descendants(agent.pid) if any(str(script).encode() in a for a in cmdline(p))]
+    return min(named, default=None)
+
+
+def worker_launchers(agent: NodeAgentProc) -> list[int]:
+    """The `worker/launch.py` of each worker under `agent` (not the one standing in for torchrun)."""
+    return [p for p in descendants(agent.pid)
+            if is_launcher(argv := cmdline(p)) and b"torch.distributed.run" not in argv]
+
+
+def fork_servers(agent: NodeAgentProc) -> list[int]:
+    """The job's fork server under `agent` (its children keep its argv: the agent's child only)."""
+    return [p for p in descendants(agent.pid) if parent_of(p) == agent.pid and is_fork_server(cmdline(p))]
+
+
+def forked_torchruns(agent: NodeAgentProc) -> list[int]:
+    """torch's elastic agent itself, forked by the fork server (the launcher stands in for it)."""
+    return [p for z in fork_servers(agent) for p in descendants(z) if parent_of(p) == z and forked_torchrun(p)]
+
+
+def standbys(agent: NodeAgentProc) -> list[int]:
+    """The fork server's standbys under `agent` (worker/standby.py)."""
+    return [p for p in descendants(agent.pid) if is_standby(p)]
 
 
 def state_letter(pid: int) -> str | None:
@@ -242,10 +273,10 @@ class SnapshotWatch:
         final = self.poll(api)
         assert final, "could not list the job's snapshots at the end"
         listed = {(i["step"], i["checksum"]) for i in final["items"]}
-        listed_steps = {i["step"] for i in final["items"]}
         for key, s in self.seen.items():
-            # A step re-committed after its file was found bad is listed under its new checksum.
-            assert key in listed or (key in self.bad and s.step in listed_steps), \
+            # A snapshot found bad may be listed under a new checksum (its step committed again)
+            # or not at all (nothing good of it to keep); a good one is never dropped.
+            assert key in listed or key in self.bad, \
                 f"committed snapshot of step {s.step} ({s.checksum}) is no longer listed: {final}"
         previous = None
         for when, step, _ in self.latest:

@@ -9,13 +9,16 @@ to keep them (max raised to min, the shared names dropped from secret_env, the l
 or entries dropped), so a spec the schema calls valid is one the server takes; every other
 value and every check stays as generated. Likewise a merged rendezvous write's ops: a node
 only for the kinds that change one (not `expire`, `refresh_stale`), and a `refresh_stale`'s
-`was_us <= before_us <= at_us` (put in order).
+`was_us <= before_us <= at_us` (put in order). And a snapshot commit's `path`: a file in the
+job's own snapshot directory (`FTRAIN_ST_SNAPSHOT_DIR`), which the server requires (422
+otherwise) and JSON Schema cannot state; a path that is not a string stays as generated.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import os
 
 import schemathesis
 
@@ -65,6 +68,10 @@ def map_case(context, case):
         if isinstance(body.get("state"), str):
             _seal(body)
         _mend_ops(body.get("merge"))
+    if op is not None and op.method.upper() == "POST" and op.path == "/v1/jobs/{job_id}/snapshots" \
+            and isinstance(body, dict) and isinstance(body.get("path"), str):
+        name = os.path.basename(body["path"]).lstrip(".")[:200] or "snapshot"  # (a file name's limit)
+        body["path"] = os.path.join(os.environ["FTRAIN_ST_SNAPSHOT_DIR"], name)
     if op is None or op.method.upper() != "POST" or op.path != "/v1/jobs" or not isinstance(body, dict):
         return case
     nodes = body.get("nodes")

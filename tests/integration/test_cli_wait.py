@@ -76,3 +76,15 @@ def test_a_missing_command_fails_the_job_with_a_one_line_reason_that_names_it(co
     assert job["state"] == "FAILED"
     assert "command not found: trian-no-such-x" in job["reason"] and "\n" not in job["reason"], job["reason"]
     assert "Traceback" not in done.stderr
+
+
+def test_a_mistyped_script_fails_the_job_at_once_saying_no_such_file(control_plane, api, agent, tmp_path):
+    done = ftrain(control_plane, "run", "--name", "typo-script", "--max-restarts", "3", "--",
+                  "python", "trian-no-such.py")
+    assert done.returncode == 1, done.stderr
+    job_id = done.stderr.split("submitted ", 1)[1].split()[0]
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "FAILED" and job["restarts"] == 0, job  # no restart can cure it
+    assert "no such file: trian-no-such.py" in job["reason"], job["reason"]
+    lines = [i["line"] for i in api.get(f"/v1/jobs/{job_id}/logs").json()["items"]]
+    assert sum("no such file" in ln for ln in lines) == 1 and not any("Traceback" in ln for ln in lines), lines

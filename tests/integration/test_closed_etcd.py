@@ -121,7 +121,7 @@ def test_the_store_authenticates_again_once_etcd_forgot_its_token(closed_etcd):
 
 
 def add_prefix_user(e: EtcdProcess, name: str, password: str, prefix: str) -> None:
-    """What README's "Many machines" tells an operator to do: a user whose one role may
+    """What docs/operations.md tells an operator to do: a user whose one role may
     read and write ftrain's key prefix, nothing else."""
     def b64(s: str) -> str:
         return base64.b64encode(s.encode()).decode()

@@ -1,5 +1,5 @@
 """Issue 10: every job ends. Nodes of one job finish at different moments, and that is not
-a node lost (finding 1); a job whose training stops advancing is restarted after
+a node lost; a job whose training stops advancing is restarted after
 `hang_timeout_s`, then fails once its restarts are spent."""
 
 from __future__ import annotations

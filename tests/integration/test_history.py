@@ -1,4 +1,4 @@
-"""A long history in etcd: more job records than one gRPC reply holds (issue 10, finding 4).
+"""A long history in etcd: more job records than one gRPC reply holds.
 
 Before reads were bounded, about 4 MiB of job records made `GET /v1/jobs` answer 503 and
 the scheduler pause for good (its index could not load): a new job stayed PENDING with a

@@ -1,4 +1,4 @@
-"""Worker logs through the real thing: files under the log root, not etcd (issue 10).
+"""Worker logs through the real thing: files under the log root, not etcd.
 
 Lines are shipped straight to the HTTP API with a member node's credential (fast, in big
 shipments), except in the burst test, where a real worker on a real agent prints them.

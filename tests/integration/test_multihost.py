@@ -2,8 +2,8 @@
 
 Layout. etcd stays on 127.0.0.1 in the root namespace and the control plane listens on
 the uplink's address in the root namespace (the switch's gateway), so only the control
-plane is reachable from the nodes, as on a real cluster (etcd is never exposed to nodes;
-DESIGN.md), the test itself talks to both without entering a namespace, and no long-lived
+plane is reachable from the nodes, as on a real cluster (etcd is never exposed to nodes:
+docs/architecture.md), the test itself talks to both without entering a namespace, and no long-lived
 process has to be started inside a namespace that the test then has to reach into. The
 switch is a bridge in a namespace of its own (`tests/helpers/netns.py` says why). Each node agent runs
 in its own namespace (`ip netns exec`) behind a veth pair whose other end is a port of the

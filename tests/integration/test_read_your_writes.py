@@ -1,4 +1,4 @@
-"""Read-your-writes across control-plane replicas (issue 12), with real processes: two
+"""Read-your-writes across control-plane replicas, with real processes: two
 `ftrain serve` on one etcd. A write through one replica answers `X-Ftrain-Revision`; a read
 through the other that sends it back is never older than the write, though that replica's
 job index (fed by its etcd watch) may not have the write yet when the read arrives.

@@ -81,6 +81,8 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
            "FTRAIN_ST_SPARE_CREDENTIAL": credentials[SPARE],
            "FTRAIN_ST_NODE": NODE, "FTRAIN_ST_SPARE": SPARE, "FTRAIN_ST_JOB": job["id"],
            "FTRAIN_ST_RDZV": a["rdzv_id"],
+           # a snapshot commit names a file in the job's own snapshot directory (schemathesis_hooks)
+           "FTRAIN_ST_SNAPSHOT_DIR": str(cp.snapshot_root / job["id"]),
            "PYTHONPATH": os.pathsep.join([str(CONFIG.parent), str(CONFIG.parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
     report = tmp_path / "schemathesis.txt"  # written as it runs: kept if the run is cut short

@@ -1,4 +1,4 @@
-"""The README's security table, row by row, against a real etcd and a real uvicorn.
+"""docs/api.md's "Who can do what", row by row, against a real etcd and a real uvicorn.
 
 Every user, node, rendezvous and job-runtime endpoint is called with each credential: no
 token, a wrong one, the user token (the admin's), a named user's token, the node
@@ -74,7 +74,7 @@ def _close_clients():
 
 def rows(j: str, attempt: int, lone: str,
          snapshot_root: Path) -> list[tuple[str, str, dict | None, set[str]]]:
-    """(method, path, body, the principals that may call it): the README's security table.
+    """(method, path, body, the principals that may call it): docs/api.md's "Who can do what".
 
     Rows that change something for good (drain, cancel, leaving) come last.
     """

@@ -1,4 +1,4 @@
-"""`ftrain up --replicas N --etcd-members M`: a local HA cluster of real processes (issue 12)."""
+"""`ftrain up --replicas N --etcd-members M`: a local HA cluster of real processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A job's shortest script whose nodes finish apart (issue 10): rank 0 returns LATE seconds
+"""A job's shortest script whose nodes finish apart: rank 0 returns LATE seconds
 after the others, as a rank 0 that writes the final model does. Standard library only, so a
 run costs the test little more than torchrun's own start and exit.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from worker import runtime  # noqa: E402
+from ftrain import runtime  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--memory", required=True)

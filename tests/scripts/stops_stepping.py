@@ -1,6 +1,6 @@
 """A runtime job that trains for --steps steps, reporting progress, then stops stepping:
-it sleeps for ever, as a worker stuck in a collective or a data loader would (issue 10,
-`hang_timeout_s`). Rank 0 prints `hanging at step=N attempt=A` when it stops."""
+it sleeps for ever, as a worker stuck in a collective or a data loader would (the job's
+`hang_timeout_s` is what notices). Rank 0 prints `hanging at step=N attempt=A` when it stops."""
 
 import argparse
 import os
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from worker import runtime
+from ftrain import runtime
 from worker.env import FTRAIN_ATTEMPT
 
 

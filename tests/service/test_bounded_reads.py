@@ -1,7 +1,7 @@
 """No code of the service reads a range of etcd without a bound (a look at the source).
 
 gRPC caps a reply at 4 MiB and history has none: a read of a whole prefix works in a test
-and fails in production (issue 10, finding 4). The KeyValue seam offers only bounded reads
+and fails in production. The KeyValue seam offers only bounded reads
 (get_range with a limit, scan_prefix in pages, count_prefix); this keeps anyone from going
 around it, to aetcd's own unbounded calls or a RangeRequest without a limit.
 """

@@ -73,13 +73,15 @@ def test_by_restarts(restarts, max_restarts, ends):
 # ------------------------------------------------------------------ orders of events
 
 def run(events: list[tuple[str, str] | list[tuple[str, str]]], mn: int,
-        start: dict[str, str] | None = None, round_nodes: int | None = None) -> JobRecord:
+        start: dict[str, str] | None = None, round_nodes: int | None = None,
+        max_restarts: int = 0) -> JobRecord:
     """Apply `events` to a RUNNING job (members `start`, by default a and b running), as
     reports, lost leases and drains arrive, planning after each (a list of events: all
-    arrive before the scheduler's next tick). Each report is for the job's current attempt."""
+    arrive before the scheduler's next tick). Each report is for the job's current attempt.
+    By default no restart is left: a failure ends the job whenever it comes."""
     start = start or {"a": "running", "b": "running"}
     nodes = {n: NodeRecord(name=n, registered_at=1.0, lease_id=1) for n in start}
-    job = make_job(S.RUNNING, start, mn=mn, mx=len(start),
+    job = make_job(S.RUNNING, start, mn=mn, mx=len(start), max_restarts=max_restarts,
                    round_nodes=round_nodes or len(start), rounds=1)
     for step in events:
         for kind, node in step if isinstance(step, list) else [step]:
@@ -93,9 +95,10 @@ def run(events: list[tuple[str, str] | list[tuple[str, str]]], mn: int,
             elif kind == "done":  # its workers said they finished the run (the runtime's word)
                 change = decide_run_finished(job, node, job.attempt, NOW)
             else:
-                state, code = {"ok": ("succeeded", 0), "fail": ("failed", 1)}[kind]
+                # "nostart": torchrun could not be started (no exit code)
+                state, code = {"ok": ("succeeded", 0), "fail": ("failed", 1), "nostart": ("failed", None)}[kind]
                 # as an agent reports: a reason with a failure, none with a success
-                reason = f"{kind} on {node}" if kind == "fail" else None
+                reason = f"{kind} on {node}" if state == "failed" else None
                 change = decide_report(job, node, job.attempt, state, code, reason, NOW)
             job = change.job if change is not None else job
         p = plan(job, nodes, free_nodes([job], nodes), NOW, SchedulerConfig())
@@ -133,13 +136,19 @@ RESTARTED = "its workers stopped (the node's agent restarted)"
 
 
 def failed(node: str, attempt: int = 1) -> tuple[JobState, str, int]:
+    """Failed by `node`'s failure after another node finished (nothing is restarted then)."""
     return (S.FAILED, f"node {node}: fail on {node}", attempt)
+
+
+def spent(node: str, attempt: int = 1) -> tuple[JobState, str, int]:
+    """Failed by `node`'s failure before any node finished, no restart left (max_restarts=0)."""
+    return (S.FAILED, f"node {node}: fail on {node}; workers failed 1 times (max_restarts=0)", attempt)
 
 
 # Two nodes, a then b (b then a is the same with the names swapped), one tick apart unless
 # bracketed together. Rows marked "was" asserted the old behaviour: a finished node was
 # taken for a lost one (and for a free one), so the job went back to PENDING or took its
-# own finished node back, and ran again: issue 10, finding 1.
+# own finished node back, and ran again for ever.
 ORDERS = [
     # ---- min == max == 2
     ([("ok", "a"), ("ok", "b")], 2, OK),  # was: PENDING, then RUNNING attempt 2, for ever
@@ -151,12 +160,12 @@ ORDERS = [
     ([[("ok", "a"), ("gone", "b")]], 2, lost_after("b")),  # which came first is unknown: failed
     ([("ok", "a"), ("restart", "b")], 2, restarted_after("b")),  # was: RUNNING attempt 2
     ([("ok", "a"), ("drain", "b"), ("ok", "b")], 2, OK),  # an ending job is not drained
-    ([("fail", "a"), ("ok", "b")], 2, failed("a")),
-    ([("fail", "a"), ("fail", "b")], 2, failed("a")),
-    ([("fail", "b"), ("fail", "a")], 2, failed("b")),
-    ([[("fail", "b"), ("fail", "a")]], 2, failed("a")),  # the same tick: the first by name
-    ([("fail", "a"), ("gone", "b")], 2, failed("a")),
-    ([("fail", "a"), ("restart", "b")], 2, failed("a")),
+    ([("fail", "a"), ("ok", "b")], 2, spent("a")),
+    ([("fail", "a"), ("fail", "b")], 2, spent("a")),
+    ([("fail", "b"), ("fail", "a")], 2, spent("b")),
+    ([[("fail", "b"), ("fail", "a")]], 2, spent("a")),  # the same tick: the first by name
+    ([("fail", "a"), ("gone", "b")], 2, spent("a")),
+    ([("fail", "a"), ("restart", "b")], 2, spent("a")),
     # below min before anything ended: back to PENDING; later reports are not a member's,
     # and the job starts again once it has its nodes
     ([("gone", "a"), ("ok", "b")], 2, (S.PENDING, PENDING_2, 1)),
@@ -181,7 +190,7 @@ ORDERS = [
     ([[("done", "a"), ("done", "b")], ("restart", "b")], 2, vanished_done(("b", RESTARTED))),
     ([("done", "b"), ("gone", "b")], 2, (S.RUNNING, "submitted", 1)),  # a has not said so: waited for
     # ... and an agent that lives reports what it saw: an exit that is not 0 is a failure
-    ([("done", "b"), ("fail", "b"), ("ok", "a")], 2, failed("b")),
+    ([("done", "b"), ("fail", "b"), ("ok", "a")], 2, spent("b")),
     ([("done", "b"), ("ok", "b"), ("ok", "a")], 2, OK),
     # ---- min 1, max 2: an elastic job goes on without a node that left before the end
     ([("ok", "a"), ("ok", "b")], 1, OK),
@@ -189,16 +198,16 @@ ORDERS = [
     ([("ok", "a"), ("gone", "b")], 1, lost_after("b")),  # was: RUNNING attempt 2 on node a
     ([("ok", "a"), ("restart", "b")], 1, restarted_after("b")),  # was: a rejoined, RUNNING
     ([("ok", "a"), ("drain", "b"), ("ok", "b")], 1, OK),
-    ([("fail", "a"), ("ok", "b")], 1, failed("a")),
-    ([("fail", "a"), ("gone", "b")], 1, failed("a")),
+    ([("fail", "a"), ("ok", "b")], 1, spent("a")),
+    ([("fail", "a"), ("gone", "b")], 1, spent("a")),
     ([("gone", "a"), ("ok", "b")], 1, (S.SUCCEEDED, "every worker exited 0", 2)),
-    ([("gone", "a"), ("fail", "b")], 1, failed("b", 2)),
+    ([("gone", "a"), ("fail", "b")], 1, spent("b", 2)),
     ([("gone", "a"), ("gone", "b")], 1, (S.PENDING, PENDING_1, 2)),
     ([("gone", "a"), ("restart", "b")], 1, (S.PENDING, PENDING_1, 2)),
     # a node whose agent restarted is free again, and rejoins the same attempt ('assigned',
     # which does not hold up the end)
     ([("restart", "a"), ("ok", "b")], 1, OK),
-    ([("restart", "a"), ("fail", "b")], 1, failed("b")),
+    ([("restart", "a"), ("fail", "b")], 1, spent("b")),
     # b lost: the group stops, a fault (RECOVERING until the new group's first step)
     ([("restart", "a"), ("gone", "b")], 1,
      (S.RECOVERING, "node(s) b lost: restarting the 1 remaining node(s) under a new rendezvous", 2)),
@@ -216,6 +225,32 @@ def _ids(rows) -> list[str]:
 def test_every_order_of_endings(events, mn, ending):
     job = run(events, mn)
     assert (job.state, job.reason, job.attempt) == ending
+    assert job.stopping is (job.state is S.FAILED)
+
+
+RESTART_B = "node b: fail on b; restarting the workers ({} of 3)"
+# A node's torchrun that ran and failed by itself (killed from outside: its exit code is known)
+# before any node finished costs one restart of the job's workers while max_restarts allows,
+# under a new attempt on every node still here; a start that failed (no exit code), or a
+# failure once a node has finished, ends the job.
+RESTARTS = [
+    ([("fail", "b")], 1, (S.RECOVERING, RESTART_B.format(1), 2, 1, ["a", "b"])),
+    ([("fail", "b"), ("fail", "b")], 1, (S.RECOVERING, RESTART_B.format(2), 3, 2, ["a", "b"])),
+    ([("fail", "b"), ("fail", "b"), ("fail", "b"), ("fail", "b")], 2,
+     (S.FAILED, "node b: fail on b; workers failed 4 times (max_restarts=3)", 4, 3, ["a", "b"])),
+    ([("fail", "b"), ("ok", "a"), ("ok", "b")], 2, (S.SUCCEEDED, "every worker exited 0", 2, 1, ["a", "b"])),
+    # its node lost with it: the others restart without it
+    ([[("fail", "b"), ("gone", "b")]], 1,
+     (S.RECOVERING, RESTART_B.format(1), 2, 1, ["a"])),
+    ([("ok", "a"), ("fail", "b")], 1, (*failed("b"), 0, ["a", "b"])),
+    ([("nostart", "b")], 1, (S.FAILED, "node b: nostart on b", 1, 0, ["a", "b"])),
+]
+
+
+@pytest.mark.parametrize("events,mn,ending", RESTARTS, ids=_ids(RESTARTS))
+def test_a_torchrun_that_failed_by_itself_costs_one_restart(events, mn, ending):
+    job = run(events, mn, max_restarts=3)
+    assert (job.state, job.reason, job.attempt, job.restarts, sorted(job.members)) == ending
     assert job.stopping is (job.state is S.FAILED)
 
 

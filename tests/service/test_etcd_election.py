@@ -30,7 +30,7 @@ def store_answering(*answers: str | None, endpoints: str = "http://a:1,http://b:
         exc = kind(said)
         raise StoreUnavailable(f"etcd did not answer {what}") from exc
 
-    store._call_next_member = next_member
+    store.calls._call_next_member = next_member
     return store, sent
 
 
@@ -42,17 +42,17 @@ def run(coro):
                                     "failed to connect to all addresses; Connection refused"])
 def test_a_read_is_sent_again_until_the_new_leader_answers(answer):
     store, sent = store_answering(answer, answer, None)
-    assert run(store._call("GET /k", None, repeatable=True)) == "done"
+    assert run(store.calls.call("GET /k", None, repeatable=True)) == "done"
     assert sent == ["GET /k"] * 3
 
 
 def test_a_write_is_sent_again_only_when_etcd_had_no_leader():
     store, sent = store_answering("etcdserver: no leader", None)
-    assert run(store._call("a transaction", None)) == "done" and len(sent) == 2
+    assert run(store.calls.call("a transaction", None)) == "done" and len(sent) == 2
     # "leader changed" may follow a write that was applied: not sent again.
     store, sent = store_answering("etcdserver: leader changed", None)
     with pytest.raises(StoreUnavailable):
-        run(store._call("a transaction", None))
+        run(store.calls.call("a transaction", None))
     assert len(sent) == 1
 
 
@@ -60,11 +60,11 @@ def test_one_member_unreachable_fails_at_once_and_others_than_elections_are_not_
     store, sent = store_answering("failed to connect to all addresses; Connection refused", None,
                                   endpoints="http://a:1")
     with pytest.raises(StoreUnavailable):
-        run(store._call("GET /k", None, repeatable=True))
+        run(store.calls.call("GET /k", None, repeatable=True))
     assert len(sent) == 1
     store, sent = store_answering("permission denied", None)
     with pytest.raises(StoreUnavailable):
-        run(store._call("GET /k", None, repeatable=True))
+        run(store.calls.call("GET /k", None, repeatable=True))
     assert len(sent) == 1
 
 
@@ -73,14 +73,14 @@ def test_the_election_is_waited_for_twice_the_timeout_by_a_read_and_the_timeout_
     deadline (seconds on a loaded machine: the soak's 503s as a member was killed); a write,
     which may not be sent again after most failures, keeps the deadline."""
     store, sent = store_answering(*["etcdserver: no leader"] * 100)
-    store._timeout_s = 0.35
+    store.calls.timeout_s = 0.35
     with pytest.raises(StoreUnavailable):
-        run(store._call("GET /k", None, repeatable=True))
+        run(store.calls.call("GET /k", None, repeatable=True))
     assert 5 <= len(sent) <= 8  # one every ELECTION_RETRY_S (0.1 s) within 0.7 s
     store, sent = store_answering(*["etcdserver: no leader"] * 100)
-    store._timeout_s = 0.35
+    store.calls.timeout_s = 0.35
     with pytest.raises(StoreUnavailable):
-        run(store._call("a transaction", None))
+        run(store.calls.call("a transaction", None))
     assert 2 <= len(sent) <= 4  # within 0.35 s
 
 
@@ -99,12 +99,12 @@ def test_a_read_whose_client_was_dropped_under_it_is_sent_again_and_a_write_is_n
                 raise StoreUnavailable(f"etcd did not answer {what}") from asyncio.CancelledError()
             return "done"
 
-        store._call_next_member = next_member
+        store.calls._call_next_member = next_member
         return store, sent
 
     store, sent = dropped_once()
-    assert run(store._call("GET /k", None, repeatable=True)) == "done" and len(sent) == 2
+    assert run(store.calls.call("GET /k", None, repeatable=True)) == "done" and len(sent) == 2
     store, sent = dropped_once()
     with pytest.raises(StoreUnavailable):
-        run(store._call("a transaction", None))
+        run(store.calls.call("a transaction", None))
     assert len(sent) == 1

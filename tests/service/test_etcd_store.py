@@ -135,11 +135,11 @@ def test_a_lease_id_outside_int64_is_no_lease_and_leaves_no_waiter(etcd):
             assert await client.refresh_lease(lease)
             assert not await client.refresh_lease(2**63)
             assert not await client.refresh_lease(-1)
-            assert client._keepalive is not None and client._keepalive._waiters == {}
+            assert client.calls.keepalive is not None and client.calls.keepalive._waiters == {}
             # A write protobuf refuses (the guard above bypassed) leaves no future behind either.
             with pytest.raises(ValueError):
-                await client._keepalive.refresh(2**64)
-            assert client._keepalive._waiters == {}
+                await client.calls.keepalive.refresh(2**64)
+            assert client.calls.keepalive._waiters == {}
             assert await client.refresh_lease(lease)  # the stream still works
         finally:
             await client.close()
@@ -156,7 +156,7 @@ def test_a_keep_alive_written_to_a_closed_stream_is_store_unavailable_not_a_500(
         try:
             lease = await client.grant_lease(10)
             assert await client.refresh_lease(lease)
-            stream = client._keepalive
+            stream = client.calls.keepalive
             stream._call.cancel()  # what closing the dropped client's channel does to it
             with pytest.raises(ConnectionError):
                 await stream.refresh(lease)
@@ -244,14 +244,14 @@ def test_a_cancellation_that_comes_as_a_call_ends_is_not_lost():
         async def connected():
             return object()
 
-        store._connected = connected
+        store.calls.connected = connected
         me = asyncio.current_task()
 
         async def call(client):
             me.cancel()
             return "answer"
 
-        got = await store._call_once("a call", call)
+        got = await store.calls.call_once("a call", call)
         await asyncio.sleep(0)  # the cancellation, if it was kept, comes here
         return got
 

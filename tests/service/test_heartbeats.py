@@ -188,19 +188,43 @@ def test_etcd_store_is_cut_off_only_while_no_answer_came_past_the_bound():
 
     store = EtcdStore("http://127.0.0.1:1")
     store.check_contact()  # nothing asked
-    store._unanswered_since = time.monotonic() - CUT_OFF_AFTER_S / 2
+    store.calls.unanswered_since = time.monotonic() - CUT_OFF_AFTER_S / 2
     store.check_contact()  # waiting (or failing), not yet for long
-    store._unanswered_since = time.monotonic() - CUT_OFF_AFTER_S - 0.5
+    store.calls.unanswered_since = time.monotonic() - CUT_OFF_AFTER_S - 0.5
     with pytest.raises(StoreUnavailable, match="no answer from etcd"):
         store.check_contact()
-    store._answered()  # an answer came
+    store.calls.answered()  # an answer came
     store.check_contact()
 
     async def refused():  # a member that refuses connections: no answer either
         async def call(client):
             raise OSError("connection refused")
-        store._connected = lambda: asyncio.sleep(0)
+        store.calls.connected = lambda: asyncio.sleep(0)
         with pytest.raises(StoreUnavailable):
-            await store._call_once("GET /k", call)
+            await store.calls.call_once("GET /k", call)
     asyncio.run(refused())
-    assert store._unanswered_since is not None
+    assert store.calls.unanswered_since is not None
+
+
+def test_a_flush_tells_how_long_etcd_took_to_answer_its_keep_alives():
+    """(service.admission sheds user load when node work runs late.)"""
+    async def main():
+        clock, kv, nodes = _store()
+        await nodes.register("n0", 1, None, ttl_s=TTL, credential_sha256="a" * 64)
+        waits: list[float] = []
+        nodes.leases.on_flush = waits.append
+        real = kv.refresh_lease
+
+        async def slow(lease_id: int) -> bool:
+            clock.now += 0.75  # etcd answers late
+            return await real(lease_id)
+
+        kv.refresh_lease = slow
+        await nodes.heartbeat_with("n0", "a" * 64)
+        assert await nodes.leases.flush() == 0 and waits == []  # nothing due: nothing to tell
+        clock.now += TTL / 2 - 0.1  # due for a keep-alive, still answered from memory
+        await nodes.heartbeat_with("n0", "a" * 64)
+        assert await nodes.leases.flush() == 1
+        return waits
+
+    assert asyncio.run(main()) == [0.75]

@@ -29,6 +29,7 @@ from worker.protocol import MemoryReport, Progress, ProgressReport, Timeouts
 
 SPEC = JobSpec(name="t", command=["true"])
 LONG_POLL_S = Timeouts().long_poll_s  # the control plane's default hold of a long poll
+LEADER_TTL_S = 5
 
 
 class ManualClock:
@@ -174,7 +175,7 @@ def test_a_record_written_with_progress_on_it_counts_as_reporting():
 def test_the_compactor_compacts_to_the_revision_it_saw_one_step_earlier_while_leading():
     async def main():
         kv = MemoryStore()
-        lead = Leadership(kv, "/leader", ttl_s=5)
+        lead = Leadership(kv, "/leader", LEADER_TTL_S)
         assert await lead.hold()
         compactor = Compactor(kv, "/compacted")
         await kv.put("/k", b"0")
@@ -200,7 +201,7 @@ def test_the_compactor_compacts_to_the_revision_it_saw_one_step_earlier_while_le
 def test_a_replica_that_lost_the_lead_compacts_nothing():
     async def main():
         kv = MemoryStore()
-        lead = Leadership(kv, "/leader", ttl_s=5)
+        lead = Leadership(kv, "/leader", LEADER_TTL_S)
         assert await lead.hold()
         compactor = Compactor(kv, "/compacted")
         await kv.put("/k", b"0")
@@ -208,7 +209,7 @@ def test_a_replica_that_lost_the_lead_compacts_nothing():
         first = await kv.revision()
         stale = lead.fence()
         await kv.revoke_lease(lead.lease_id)  # its lease lapsed; another replica leads
-        assert await Leadership(kv, "/leader", ttl_s=5).hold()
+        assert await Leadership(kv, "/leader", LEADER_TTL_S).hold()
         await kv.put("/k", b"1")
         with pytest.raises(StaleLeader):
             await compactor.step(stale)  # it has not noticed yet: its fence is refused

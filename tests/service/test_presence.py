@@ -9,6 +9,7 @@ import asyncio
 
 from service.keys import Keys
 from service.nodes import NodeStore
+from service.settings import Settings
 from service.presence import REASK_S, Presence
 from service.store.memory import MemoryStore
 
@@ -29,7 +30,7 @@ async def receive_dropped():
 
 async def setup(replicas: int = 1, grace_s: float | None = None):
     kv = MemoryStore()
-    nodes = NodeStore(kv, KEYS, ttl_s=60)
+    nodes = NodeStore(kv, KEYS, ttl_s=Settings().node_ttl_s)
     lease = await nodes.register("n1", 1, None, ttl_s=60)
     extra = {} if grace_s is None else {"grace_s": grace_s}
     return kv, nodes, lease, [Presence(kv, KEYS, blip_s=BLIP_S, **extra) for _ in range(replicas)]

@@ -111,11 +111,24 @@ def test_job_at_max_is_not_scaled():
     assert plan(j, nodes("a", "b", "c"), ["c"], NOW, CFG) is None
 
 
-def test_member_failure_fails_the_job_with_its_reason():
+def test_member_failure_with_no_restart_left_fails_the_job_with_its_reason():
     j = job(S.RUNNING, {"a": "running"})
+    j = j.model_copy(update={"spec": j.spec.model_copy(update={"max_restarts": 0})})
     j.members["a"] = MemberStatus(state="failed", exit_code=1, reason="boom")
     p = plan(j, nodes("a"), [], NOW, CFG)
     assert p.job.state is S.FAILED and "boom" in p.job.reason and p.job.stopping
+
+
+def test_member_failure_restarts_the_workers_under_a_new_attempt():
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, attempt=1, round_nodes=2, rounds=1)
+    j.members["b"] = MemberStatus(state="failed", exit_code=-9,
+                                  reason="torchrun (pid 7) was killed by SIGKILL\nlast lines:\n[rank1] step 3")
+    p = plan(j, nodes("a", "b"), [], NOW, CFG)
+    assert (p.job.state, p.job.attempt, p.job.restarts) == (S.RECOVERING, 2, 1)
+    assert p.job.reason == "node b: torchrun (pid 7) was killed by SIGKILL; restarting the workers (1 of 3)"
+    assert p.events[-1].detail == "last lines:\n[rank1] step 3"
+    assert {n: m.state for n, m in p.job.members.items()} == {"a": "assigned", "b": "assigned"}
+    assert not p.job.stopping
 
 
 def test_all_members_succeeded_means_succeeded():
@@ -168,7 +181,7 @@ def test_free_nodes_excludes_live_members_of_active_jobs():
 
 
 # A member whose workers exited 0 is finished: not lost, not free, counted for `min`
-# (issue 10, finding 1; the orders of endings are tabled in test_decide_outcome.py).
+# (the orders of endings are tabled in test_decide_outcome.py).
 
 def test_a_finished_member_counts_towards_min_so_the_job_does_not_go_back_to_pending():
     j = job(S.RUNNING, {"a": "succeeded", "b": "running"}, mn=2, mx=2)

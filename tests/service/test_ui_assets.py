@@ -7,9 +7,12 @@ import tomllib
 from pathlib import Path
 
 import anyio
+import click
 import httpx
 
+from service import cli
 from service.app import create_app
+from service.models import JobState, NodeState
 from service.routes.ui import UI_DIR
 from service.settings import Settings
 
@@ -44,7 +47,7 @@ def test_root_and_ui_lead_to_the_dashboard_page(tmp_path):
     page = c.get("/ui/")
     assert page.status_code == 200 and not ABSOLUTE.search(page.text)
     assert re.search(r'"static/app\.js\?v=[0-9a-f]{12}"', page.text)  # a new version is fetched anew
-    for asset in ("app.js", "app.css", "favicon.svg", "vendor/uplot/uPlot.iife.min.js"):
+    for asset in ("app.js", "marks.js", "app.css", "favicon.svg", "vendor/uplot/uPlot.iife.min.js"):
         assert c.get(f"/ui/static/{asset}").status_code == 200, asset
 
 
@@ -82,5 +85,34 @@ def test_the_dashboard_runs_under_a_policy_of_its_own_files_that_no_site_may_fra
     assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
     assert page.headers["x-frame-options"] == "DENY"
     assert "frame-ancestors 'none'" in c.get("/docs").headers["content-security-policy"]
-    for source in ("index.html", "static/app.js"):
+    for source in ("index.html", "static/app.js", "static/marks.js"):
         assert not INLINE.search((UI_DIR / source).read_text()), source
+
+
+# A command the dashboard tells a user to run: `<span class="mono">ftrain users add NAME</span>`.
+NAMED_COMMAND = re.compile(r'class="mono">ftrain ([^<]+)<')
+
+
+def test_every_command_the_dashboard_names_is_one_the_cli_has():
+    named = [m for source in ("index.html", "static/app.js")
+             for m in NAMED_COMMAND.findall((UI_DIR / source).read_text())]
+    assert "users add NAME" in named
+    for words in named:
+        command = cli.main
+        for word in words.split():
+            if not isinstance(command, click.Group):
+                break  # the rest are its arguments and options
+            assert word in command.commands, f"the dashboard names `ftrain {words}`: no `{word}` command"
+            command = command.commands[word]
+        assert not isinstance(command, click.Group), f"`ftrain {words}` names a group, not a command"
+
+
+def test_every_state_has_a_sign_and_a_look_of_its_own():
+    script, css = (UI_DIR / "static/app.js").read_text(), (UI_DIR / "static/app.css").read_text()
+    signs = dict(re.findall(r'\b([A-Z]+): "(.)"', script[script.index("const STATE_SIGN"):]))
+    states = {s.value for s in (*JobState, *NodeState)}
+    assert states <= signs.keys(), f"no sign for {states - signs.keys()}"
+    assert signs["FAILED"] != signs["CANCELLED"]
+    looks = {state: " ".join(re.findall(rf"\.state\.{state}\b[^{{]*\{{([^}}]*)\}}", css)) for state in states}
+    assert all(looks.values()), [s for s, look in looks.items() if not look]
+    assert looks["FAILED"] != looks["CANCELLED"]

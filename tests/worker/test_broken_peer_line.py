@@ -1,6 +1,6 @@
 """A plain script's worker that dies of a lost peer prints the error, then spends seconds in
 the interpreter's teardown: the agent reads the error line from the worker's file and
-reports the broken peer at once (worker/torchrun.py `_report_broken_peer`, through
+reports the broken peer at once (worker/following.py `_report_broken_peer`, through
 worker/links.py `report_broken_peer`, the runtime's one way too), as the runtime's
 workers do themselves, so a member whose agent's connection dropped is lost at once
 (service/presence.py)."""

@@ -2,6 +2,7 @@
 missing command before it starts torchrun (`missing_command`), and the launcher naming a
 missing command: tables, no processes but one exec of a name that does not exist."""
 
+import os
 import subprocess
 import sys
 
@@ -24,6 +25,19 @@ TRACEBACK = ["Traceback (most recent call last):", '  File "train.py", line 3, i
 ])
 def test_headline(tails, code, line):
     assert headline(tails, code) == line
+
+
+INFO = "2026-01-01 10:00:00,000 ftrain.runtime: rank 1: started and restored in phases (s): group 1.1"
+
+
+def test_a_torchrun_killed_by_a_signal_is_the_reason_not_a_workers_last_line():
+    assert headline({1: [INFO], None: ["ftrain: the worker (pid 7) died of SIGKILL"]}, -9, 4321) \
+        == "torchrun (pid 4321) was killed by SIGKILL"
+
+
+def test_torchrun_saying_why_it_failed_comes_before_a_workers_log_line():
+    tails = {1: [INFO], None: ["ftrain: the worker's fork server went away"]}
+    assert headline(tails, 1) == "torchrun exited with code 1: ftrain: the worker's fork server went away"
 
 
 @pytest.mark.integration
@@ -71,3 +85,31 @@ def test_a_missing_command_is_named_before_torchrun_starts(tmp_path):
     assert missing_command([str(bin_dir / "train-x")], {}, "/") is None
     assert missing_command(["run.sh"], {"PATH": ""}, cwd) is None  # an empty entry: the folder
     assert missing_command(["trian-x"], env, str(tmp_path / "gone")) is None  # start says why
+
+
+def test_a_missing_python_script_is_named_before_torchrun_starts(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    env = {"PATH": os.environ["PATH"]}
+    cwd = str(tmp_path)
+    python = os.path.basename(sys.executable)
+    assert missing_command([python, "train.py"], env, cwd) is None
+    assert missing_command([python, "-u", "trian.py", "--lr", "1"], env, cwd) == \
+        f"no such file: trian.py (in {cwd})"
+    assert missing_command([sys.executable, "-X", "dev", "trian.py"], env, cwd) == \
+        f"no such file: trian.py (in {cwd})"
+    assert missing_command([python, "-m", "trian"], env, cwd) is None  # a module: not a file to find
+    assert missing_command(["bash", "trian.sh"], env, cwd) is None  # not Python: the launcher says
+
+
+@pytest.mark.parametrize("command, script", [
+    (["python", "train.py"], "train.py"),
+    (["python3.11", "-u", "-W", "ignore", "a/train.py", "-x"], "a/train.py"),
+    (["/usr/bin/python3", "-c", "print(1)"], None),
+    (["python", "-m", "pkg.train"], None),
+    (["torchrun", "train.py"], None),
+    (["python"], None),
+])
+def test_python_script_is_the_file_an_interpreter_runs(command, script):
+    from worker.torchrun import python_script
+
+    assert python_script(command) == script

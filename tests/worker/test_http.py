@@ -13,9 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+import service.client as client_module
+import worker.http as http_module
 import worker.rendezvous as ftrain_rdzv
 import worker.rendezvous.transport as transport_module
-from service.client import FtrainClient
+from service.client import FtrainClient, TooManyRequests
 from tests.helpers.processes import free_port
 from worker.http import ApiError, ControlPlaneClient, HttpError, Unreachable, server_urls
 from worker.rendezvous import FtrainRendezvousBackend, RendezvousGoneError, Transport
@@ -27,6 +29,7 @@ class Script:
     """What the server answers: (status, JSON body or None) per request, the last one for ever."""
 
     answers: list[tuple[int, object]] = field(default_factory=lambda: [(200, {})])
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every answer
     delay_s: float = 0.0
     seen: list[tuple[str, str, object, dict]] = field(default_factory=list)
 
@@ -63,6 +66,8 @@ def _scripted() -> Iterator[tuple[str, Script]]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in script.headers.items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
 
@@ -130,6 +135,66 @@ def test_other_errors_are_answers_raised_at_once(server, client, status):
     with pytest.raises(ApiError) as caught:
         client.call("POST", "/x", retry_s=5)
     assert (caught.value.status, caught.value.detail, len(script.seen)) == (status, f"said {status}", 1)
+
+
+def _recorded_sleeps(monkeypatch, module) -> list[float]:
+    slept: list[float] = []
+    real = time.sleep
+    monkeypatch.setattr(module.time, "sleep", lambda s: (slept.append(s), real(min(s, 0.01))))
+    return slept
+
+
+def test_a_429_is_retried_after_the_wait_its_retry_after_asks_for(server, client, monkeypatch):
+    url, script = server
+    script.answers = [(429, {"detail": "busy"}), (200, {"ok": 1})]
+    script.headers = {"Retry-After": "0.7"}
+    slept = _recorded_sleeps(monkeypatch, http_module)
+    assert client.call("POST", "/x", {"a": 1}, retry_s=5) == {"ok": 1}
+    assert len(script.seen) == 2 and len(slept) == 1 and slept[0] >= 0.7
+
+
+def test_a_429_asking_for_more_than_the_budget_left_is_unreachable_at_once(server, client, monkeypatch):
+    url, script = server
+    script.answers = [(429, {"detail": "busy"})]
+    script.headers = {"Retry-After": "30"}
+    slept = _recorded_sleeps(monkeypatch, http_module)
+    with pytest.raises(Unreachable) as caught:
+        client.call("GET", "/x", retry_s=5)
+    assert (caught.value.status, len(script.seen), slept) == (429, 1, [])
+
+
+def test_ftrain_client_retries_a_429_after_its_retry_after_even_for_a_cancel(server, monkeypatch):
+    """A 429 was refused before anything was done: any request may be sent again."""
+    url, script = server
+    script.answers = [(429, {"detail": "busy"}), (429, {"detail": "busy"}), (202, {"id": "j"})]
+    script.headers = {"Retry-After": "2"}
+    slept = _recorded_sleeps(monkeypatch, client_module)
+    with FtrainClient(url, "tok") as c:
+        assert c.cancel_job("j") == {"id": "j"}
+    assert len(script.seen) == 3 and len(slept) == 2 and all(s >= 2 for s in slept)
+
+
+def test_ftrain_client_follows_logs_again_after_a_429s_retry_after(server, monkeypatch):
+    url, script = server
+    script.answers = [(429, {"detail": "busy"}), (200, {"seq": 0, "line": "a"}),
+                      (200, {"state": "SUCCEEDED"}), (200, {"seq": 1, "line": "b"})]
+    script.headers = {"Retry-After": "3"}
+    slept = _recorded_sleeps(monkeypatch, client_module)
+    with FtrainClient(url, "tok") as c:
+        assert [item["line"] for item in c.follow_logs("j")] == ["a", "b"]
+    assert len(slept) == 1 and slept[0] >= 3
+
+
+def test_ftrain_client_gives_up_on_429s_after_its_busy_budget(server, monkeypatch):
+    url, script = server
+    script.answers = [(429, {"detail": "busy"})]
+    script.headers = {"Retry-After": "7"}
+    slept = _recorded_sleeps(monkeypatch, client_module)
+    with FtrainClient(url, "tok") as c, pytest.raises(TooManyRequests) as caught:
+        c.get_job("j")
+    assert sum(slept) <= client_module.BUSY_WAIT_S and len(slept) >= 3
+    assert len(script.seen) == len(slept) + 1
+    assert "too busy" in str(caught.value) and "Try again later" in str(caught.value)
 
 
 def test_a_refused_connection_is_retried_until_the_deadline():

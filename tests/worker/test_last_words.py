@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker import memory as mem
-from worker import runtime
+from worker import runtime, step_marks
 from worker.last_words import Boundary, GpuMark, gpu_settled_step, last_words_step
 
 MARK = Boundary(step=7, optimizer_steps=7, versions=(3, 1), skeleton=b"")
@@ -117,12 +117,12 @@ def test_a_last_words_copy_resumes_exactly_where_a_fault_free_run_was(tmp_path):
 
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     _loop(rt, *_parts(rt), 7, half=True)
-    rt._memory.wait()
+    rt.memory.writer.wait()
     assert mem.read_held(tmp_path).step == 5
-    rt._settle_memory(runtime.SETTLE_S)
-    assert rt._last_words(runtime.LAST_WORDS_S)
+    rt.memory.settle(runtime.SETTLE_S)
+    assert rt.at_failure.last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 7
-    rt._memory.close()
+    rt.memory.writer.close()
     _resume_and_match(tmp_path, 7, expected)
 
 
@@ -153,17 +153,17 @@ def test_a_sibling_speaks_for_its_node_once_the_writer_is_gone_and_never_beside_
     try:
         assert writer.stdout.readline().strip() == "ready"
         sibling = runtime.init(memory_dir=tmp_path, memory_every=5, env={"LOCAL_RANK": "1"})
-        assert sibling._memory is None
+        assert sibling.memory.writer is None
         _loop(sibling, *_parts(sibling), 7, half=True)
         began = time.monotonic()
-        assert not sibling._last_words(0.2)  # the writer lives (it speaks itself)
+        assert not sibling.at_failure.last_words(0.2)  # the writer lives (it speaks itself)
         assert mem.read_held(tmp_path) is None and time.monotonic() - began >= 0.2
     finally:
         writer.kill()
         writer.wait()
-    assert sibling._last_words(runtime.LAST_WORDS_S)
+    assert sibling.at_failure.last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 7
-    sibling._memory.close()
+    sibling.memory.writer.close()
     _resume_and_match(tmp_path, 7, expected)
 
 
@@ -172,10 +172,10 @@ def test_no_last_words_once_the_optimizer_began_the_next_step(tmp_path):
     model, opt, sched, sampler, x = _parts(rt)
     _loop(rt, model, opt, sched, sampler, x, 7, half=True)
     opt.step()  # the failure comes after the optimizer changed the parameters
-    rt._memory.wait()
-    assert not rt._last_words(runtime.LAST_WORDS_S)
+    rt.memory.writer.wait()
+    assert not rt.at_failure.last_words(runtime.LAST_WORDS_S)
     assert mem.read_held(tmp_path).step == 5
-    rt._memory.close()
+    rt.memory.writer.close()
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -184,7 +184,7 @@ def test_a_forward_after_the_step_keeps_its_buffers_out_of_the_last_words(tmp_pa
     buffers aside at each step's end (small ones), the last words hold step 7's; where it does
     not (larger than KEEP_BUFFERS_BYTES), there are none."""
     if not kept:
-        monkeypatch.setattr(runtime, "KEEP_BUFFERS_BYTES", 0)
+        monkeypatch.setattr(step_marks, "KEEP_BUFFERS_BYTES", 0)
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)]
@@ -196,17 +196,17 @@ def test_a_forward_after_the_step_keeps_its_buffers_out_of_the_last_words(tmp_pa
         model(torch.randn(16, 4)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
-    rt._memory.wait()
+    rt.memory.writer.wait()
     at_7 = {k: v.clone() for k, v in model[1].state_dict().items()}
     model(torch.randn(16, 4))  # step 8's forward: the running statistics moved on
     assert not torch.equal(model[1].running_mean, at_7["running_mean"])
-    assert rt._last_words(runtime.LAST_WORDS_S) == kept
+    assert rt.at_failure.last_words(runtime.LAST_WORDS_S) == kept
     copy = mem.load(tmp_path)
     assert copy["step"] == (7 if kept else 5)
     if kept:
         assert all(torch.equal(copy["model"][f"1.{k}"], v) for k, v in at_7.items())
         assert torch.equal(copy["model"]["0.weight"], model[0].weight.detach())
-    rt._memory.close()
+    rt.memory.writer.close()
 
 
 # The scripts' seven steps of a one-layer model on the runtime `rt` they made.
@@ -303,7 +303,7 @@ def test_a_failure_inside_step_done_after_the_count_moved_on_copies_that_step(tm
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     model, opt, sched, sampler, x = _parts(rt)
     _loop(rt, model, opt, sched, sampler, x, 7)
-    rt._memory.wait()
+    rt.memory.writer.wait()
 
     def broken(*_args):
         raise RuntimeError("Connection closed by peer")
@@ -317,18 +317,18 @@ def test_a_failure_inside_step_done_after_the_count_moved_on_copies_that_step(tm
     rt._say_last_words()
     assert rt.step == 8 and mem.read_held(tmp_path).step == 8
     assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach())
-    rt._memory.close()
+    rt.memory.writer.close()
 
 
 def test_last_words_off_keeps_the_old_ways(tmp_path):
     """FTRAIN_LAST_WORDS=0: no copy at the failure, and the RNG states kept at copy steps only."""
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={"FTRAIN_LAST_WORDS": "0"})
     _loop(rt, *_parts(rt), 7, half=True)
-    rt._memory.wait()
+    rt.memory.writer.wait()
     rt._say_last_words()
     assert mem.read_held(tmp_path).step == 5 and not rt.boundary_s
     assert [s for s in range(1, 8) if mem.load_rng(tmp_path, 0, s, rt.rng_ring) is not None] == [5]
-    rt._memory.close()
+    rt.memory.writer.close()
 
 
 _PAUSED = """
@@ -338,7 +338,7 @@ rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, snapshot_dir=sys.argv[
                   pause_timeout_s=30, env={})
 """ + _SEVEN_STEPS + """\
 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the agent's restart
-rt._busy = True  # as in step_done, which obeys a checkpoint_pause
+rt.at_failure.busy = True  # as in step_done, which obeys a checkpoint_pause
 rt._obey("checkpoint_pause", 1)
 """
 
@@ -385,7 +385,7 @@ def slow(self, *args, **kwargs):
 mem.MemoryWriter._finish = slow
 rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
 """ + _SEVEN_STEPS + """\
-rt._memory.wait()
+rt.memory.writer.wait()
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -455,15 +455,15 @@ def test_gpu_marks_stop_when_they_cost_more_than_their_share_of_the_budget(tmp_p
     """With the interval picked by the runtime, rank 0 stops the marks of a GPU job whose steps
     are too short for them (every rank at the next broadcast); the copies then get the whole
     budget. Where they stay, the copies get what the marks leave."""
-    rt = runtime.Runtime(rank=0, local_rank=0, world_size=1, distributed=False, device=torch.device("cuda"),
-                         link=None, snapshot_dir=None, snapshot_every=None, memory_dir=tmp_path)
-    rt._memory = mem.MemoryWriter(tmp_path)
-    rt._memory.stalls_s.append(0.5e-3)  # a copy's cost on the training thread
-    rt._every_step, rt.step = True, runtime.MARKS_PROBE_STEPS
-    rt._step_s, rt._mark_s = step_ms / 1e3, mark_ms / 1e3
+    worker = runtime.Worker(rank=0, local_rank=0, world_size=1, distributed=False, device=torch.device("cuda"))
+    rt = runtime.Runtime(worker, memory=runtime.MemoryTier(worker, tmp_path, None))
+    rt.memory.open_writer()
+    rt.memory.writer.stalls_s.append(0.5e-3)  # a copy's cost on the training thread
+    rt.marks.on, rt.step = True, runtime.MARKS_PROBE_STEPS
+    rt.schedule.step_s, rt.marks.mark_s = step_ms / 1e3, mark_ms / 1e3
     rt._plan_next_copy()
-    assert rt._marks_off is off
-    room = runtime.MEMORY_AIM * runtime.MEMORY_BUDGET * rt._step_s - (0 if off else rt._mark_s)
+    assert rt.marks.off is off
+    room = runtime.MEMORY_AIM * runtime.MEMORY_BUDGET * rt.schedule.step_s - (0 if off else rt.marks.mark_s)
     assert rt.memory_interval == min(runtime.MEMORY_EVERY_MAX, max(1, -(-0.5e-3 // room)))
     rt._agree_on_control()  # (not distributed: its own decision)
-    assert rt._every_step is not off
+    assert rt.marks.on is not off

@@ -72,7 +72,7 @@ def test_gpu_last_words_hold_the_step_the_gpu_finished_while_its_stream_is_stuck
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     model, opt, sched, sampler, x = _parts(rt)
     _loop(rt, model, opt, sched, sampler, x, 7)
-    rt._memory.wait()
+    rt.memory.writer.wait()
     assert mem.read_held(tmp_path).step == 5
     xb = _next_batch(rt, sampler, x)  # (indexing with a host list waits for the stream: first)
     torch.cuda._sleep(STUCK_CYCLES)  # the stuck collective
@@ -80,13 +80,13 @@ def test_gpu_last_words_hold_the_step_the_gpu_finished_while_its_stream_is_stuck
     stuck = torch.cuda.Event()
     stuck.record()
     began = time.monotonic()
-    rt._settle_memory(runtime.SETTLE_S)
-    assert rt._last_words(runtime.LAST_WORDS_S)
+    rt.memory.settle(runtime.SETTLE_S)
+    assert rt.at_failure.last_words(runtime.LAST_WORDS_S)
     took = time.monotonic() - began
     assert not stuck.query(), f"the stream moved on before the copy was done ({took:.2f} s): no proof"
     assert mem.read_held(tmp_path).step == 7
     torch.cuda.synchronize()
-    rt._memory.close()
+    rt.memory.writer.close()
 
     again = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     parts = _parts(again)
@@ -104,16 +104,16 @@ def test_gpu_no_last_words_while_the_gpu_runs_the_next_optimizer_step(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, memory_every=5, env={})
     model, opt, sched, sampler, x = _parts(rt)
     _loop(rt, model, opt, sched, sampler, x, 7)
-    rt._memory.wait()
+    rt.memory.writer.wait()
     _step(rt, model, opt, sched, _next_batch(rt, sampler, x), finish=False)
     torch.cuda._sleep(STUCK_CYCLES)  # stuck after step 8's optimizer kernels, before its boundary
     began = time.monotonic()
-    rt._settle_memory(runtime.SETTLE_S)
-    assert not rt._last_words(runtime.LAST_WORDS_S)
+    rt.memory.settle(runtime.SETTLE_S)
+    assert not rt.at_failure.last_words(runtime.LAST_WORDS_S)
     assert time.monotonic() - began < runtime.GPU_SETTLE_S + 0.5
     assert mem.read_held(tmp_path).step == 5
     torch.cuda.synchronize()
-    rt._memory.close()
+    rt.memory.writer.close()
 
 
 _STUCK_WORKER = """
@@ -124,7 +124,7 @@ from worker import runtime
 rt = runtime.init(memory_dir=sys.argv[1], memory_every=5, env={})
 model, opt, sched, sampler, x = _parts(rt)
 _loop(rt, model, opt, sched, sampler, x, 7)
-rt._memory.wait()
+rt.memory.writer.wait()
 xb = _next_batch(rt, sampler, x)
 torch.cuda._sleep(40_000_000_000)  # ~20 s: the collective its dead peer never joins
 _step(rt, model, opt, sched, xb, finish=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from worker import memory as mem
-from worker import runtime
+from worker import rng, runtime
 
 
 def _model_and_opt(seed: int = 0):
@@ -198,22 +198,22 @@ def test_the_picked_interval_counts_what_a_copy_costs_the_steps_beside_it(tmp_pa
     not from the 0.2 ms (a copy every step)."""
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 3)
-    rt._every_step = False
-    w = rt._memory
+    rt.marks.on = False
+    w = rt.memory.writer
     w.wait()
-    w._on_device, w.stalls_s[:], w.commits_s[:], rt._rng_s = True, [0.0001], [0.0001], 0.0
-    rt._copy_work, rt._quiet_s, rt._copy_costs, rt._last_step_t, rt._step_s = None, None, [], None, None
+    w._on_device, w.stalls_s[:], w.commits_s[:], rt.memory.rng_s = True, [0.0001], [0.0001], 0.0
+    rt.schedule.copy_work, rt.schedule.quiet_s, rt.schedule.copy_costs, rt.schedule.last_step_t, rt.schedule.step_s = None, None, [], None, None
     busy = iter([True, True, False])
     monkeypatch.setattr(w, "busy", lambda: next(busy))
     t = 100.0
     for took in [0.0, 0.010, 0.010, 0.010, 0.010]:  # no copy at work
         t += took
-        rt._time_step(t)
-    rt._copy_work, rt._copy_ending = 0.0, False  # a copy starts (`_keep_rng_and_copy`)
+        rt.schedule.time_step(rt.memory, t)
+    rt.schedule.copy_work, rt.schedule.copy_ending = 0.0, False  # a copy starts (`_keep_rng_and_copy`)
     for took in [0.013, 0.013, 0.012, 0.010]:  # beside it; committed in the third; the step after
         t += took
-        rt._time_step(t)
-    assert rt._copy_work is None and rt._copy_cost_s == pytest.approx(0.008)
+        rt.schedule.time_step(rt.memory, t)
+    assert rt.schedule.copy_work is None and rt.schedule.copy_cost_s == pytest.approx(0.008)
     rt._plan_next_copy()
     # aimed at MEMORY_AIM of the budget, of the steps with no copy at work (10 ms)
     assert rt.memory_interval == math.ceil(0.008 / (runtime.MEMORY_AIM * runtime.MEMORY_BUDGET * 0.010))
@@ -226,53 +226,53 @@ def test_the_picked_interval_follows_the_mean_cost_of_the_last_copies(tmp_path, 
     a sixteenth of the difference (a moving average of weight 0.3 moved it by 30%)."""
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 2)
-    w = rt._memory
+    w = rt.memory.writer
     monkeypatch.setattr(w, "busy", lambda: False)  # each copy whole at the step after it starts
-    rt._copy_work, rt._quiet_s, rt._copy_costs, rt._last_step_t, rt._step_s = None, None, [], None, None
+    rt.schedule.copy_work, rt.schedule.quiet_s, rt.schedule.copy_costs, rt.schedule.last_step_t, rt.schedule.step_s = None, None, [], None, None
     t = 100.0
     for took in [0.0, 0.010, 0.010]:
         t += took
-        rt._time_step(t)
+        rt.schedule.time_step(rt.memory, t)
 
     def copy(extra: float) -> None:
         nonlocal t
-        rt._copy_work, rt._copy_ending = 0.0, False
+        rt.schedule.copy_work, rt.schedule.copy_ending = 0.0, False
         for took in [0.010 + extra, 0.010]:  # its cost in the step it runs beside; the step after
             t += took
-            rt._time_step(t)
+            rt.schedule.time_step(rt.memory, t)
         for _ in range(3):  # quiet steps between copies
             t += 0.010
-            rt._time_step(t)
+            rt.schedule.time_step(rt.memory, t)
 
     for _ in range(runtime.COPY_COSTS_KEPT + 4):
         copy(0.002)
-    assert rt._copy_cost_s == pytest.approx(0.002)
+    assert rt.schedule.copy_cost_s == pytest.approx(0.002)
     copy(0.020)
-    assert rt._copy_cost_s == pytest.approx(0.002 + 0.018 / runtime.COPY_COSTS_KEPT)
+    assert rt.schedule.copy_cost_s == pytest.approx(0.002 + 0.018 / runtime.COPY_COSTS_KEPT)
     for _ in range(runtime.COPY_COSTS_KEPT):  # the outlier leaves the window
         copy(0.002)
-    assert rt._copy_cost_s == pytest.approx(0.002)
+    assert rt.schedule.copy_cost_s == pytest.approx(0.002)
 
 
 def test_without_a_fixed_interval_copies_are_spaced_to_fit_the_budget(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, env={})
     _train(rt, 3)
-    rt._every_step = False  # the copies' cost alone (the step marks' share: test_last_words.py)
-    writer = rt._memory
+    rt.marks.on = False  # the copies' cost alone (the step marks' share: test_last_words.py)
+    writer = rt.memory.writer
     writer._on_device = False  # the host path's cost first (on a GPU machine _train took the GPU path)
-    rt._step_s, rt._quiet_s = 0.1, None
-    writer.copies_s[:], writer.stalls_s[:], rt._rng_s = [0.001], [0.0], 0.0
+    rt.schedule.step_s, rt.schedule.quiet_s = 0.1, None
+    writer.copies_s[:], writer.stalls_s[:], rt.memory.rng_s = [0.001], [0.0], 0.0
     rt._plan_next_copy()
-    assert rt.memory_interval == 1 and rt._memory_next == rt.step + 1  # 1 ms of a 100 ms step
+    assert rt.memory_interval == 1 and rt.schedule.next == rt.step + 1  # 1 ms of a 100 ms step
     # Aimed at MEMORY_AIM (80%) of the 5% budget: 4 ms of a 100 ms step.
     writer.copies_s[:] = [0.0195]
     writer.stalls_s[:] = [0.0005]
     rt._plan_next_copy()
-    assert rt.memory_interval == 5 and rt._memory_next == rt.step + 5  # 20 ms: 4% of 5 steps
-    rt._rng_s = 0.005  # the ranks' RNG capture comes with each copy: it counts too
+    assert rt.memory_interval == 5 and rt.schedule.next == rt.step + 5  # 20 ms: 4% of 5 steps
+    rt.memory.rng_s = 0.005  # the ranks' RNG capture comes with each copy: it counts too
     rt._plan_next_copy()
     assert rt.memory_interval == 7
-    rt._rng_s = 0.0
+    rt.memory.rng_s = 0.0
     writer.copies_s[:] = [10.0]
     rt._plan_next_copy()
     assert rt.memory_interval == runtime.MEMORY_EVERY_MAX
@@ -307,8 +307,8 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
         model(torch.randn(8, 4, device=rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
-    rt._memory.wait()
-    assert mem.read_held(tmp_path).step == 2 and rt._memory.skipped == 2
+    rt.memory.writer.wait()
+    assert mem.read_held(tmp_path).step == 2 and rt.memory.writer.skipped == 2
     in_flight[0] = False
     rt.finish()
     assert mem.read_held(tmp_path).step == 4
@@ -318,7 +318,7 @@ def test_a_due_copy_skipped_while_one_was_in_flight_is_taken_at_finish(tmp_path,
 def test_memory_every_zero_turns_the_tier_off(tmp_path):
     rt = runtime.init(memory_dir=tmp_path, memory_every=0, env={})
     _train(rt, 3)
-    assert rt._memory is None and mem.read_held(tmp_path) is None
+    assert rt.memory is None and mem.read_held(tmp_path) is None
 
 
 def test_leftover_memory_dirs_of_this_agent_are_removed_and_others_kept(tmp_path):
@@ -473,15 +473,15 @@ def test_a_plan_copies_the_state_of_its_step_as_the_full_state_dicts_would(tmp_p
         _step(model, opt, n)
         sched.step()
         rt.step_done()
-        rt._memory.wait()
+        rt.memory.writer.wait()
         got = mem.load(tmp_path)
-        assert got["step"] == n and rt._memory_plan is not None
+        assert got["step"] == n and rt.memory.plan is not None
         assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
         assert got["scheduler"] == sched.state_dict()
         assert got["optimizer"]["param_groups"][0]["lr"] == 0.01 / 2**n
-    assert rt._memory_plans == 1
+    assert rt.memory.plans == 1
     if device == "cuda":  # from the second copy on, the side stream's work replayed from CUDA graphs
-        assert rt._memory._on_device and rt._memory.host_copy == "registered" and rt._memory.graphed == 3
+        assert rt.memory.writer._on_device and rt.memory.writer.host_copy == "registered" and rt.memory.writer.graphed == 3
     rt.finish()
 
 
@@ -497,20 +497,20 @@ def test_a_tensor_replaced_under_the_plan_is_not_copied_stale(tmp_path, device):
     rt.restore(model=model, optimizer=opt)
     _step(model, opt, 1)
     rt.step_done()
-    rt._memory.wait()
+    rt.memory.writer.wait()
     assert mem.read_held(tmp_path).step == 1
     with torch.no_grad():
         model[0].weight.data = model[0].weight.data + 1.0  # a new storage; the plan's is the old one
     rt.step_done()
-    rt._memory.wait()
-    assert mem.read_held(tmp_path).step == 1 and rt._memory.stale
+    rt.memory.writer.wait()
+    assert mem.read_held(tmp_path).step == 1 and rt.memory.writer.stale
     rt.step_done()
-    rt._memory.wait()
-    assert mem.read_held(tmp_path).step == 3 and rt._memory_plans == 2
+    rt.memory.writer.wait()
+    assert mem.read_held(tmp_path).step == 3 and rt.memory.plans == 2
     assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
     _step(model, opt, 4)  # the new plan's layout comes again (on a GPU: its own graphs, not the old ones)
     rt.step_done()
-    rt._memory.wait()
+    rt.memory.writer.wait()
     assert mem.read_held(tmp_path).step == 4
     assert torch.equal(mem.load(tmp_path)["model"]["0.weight"], model[0].weight.detach().cpu())
     rt.finish()
@@ -542,7 +542,7 @@ def test_a_state_a_plan_cannot_follow_takes_the_full_path(tmp_path):
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
-        rt._memory.wait()
+        rt.memory.writer.wait()
         assert mem.load(tmp_path)["model"]["_extra_state"] == {"calls": n}
     rt.finish()
 
@@ -584,12 +584,12 @@ def test_a_copy_holds_its_step_s_rng_states_as_the_ring_pickled_them(tmp_path):
         model(torch.randn(8, 4).to(rt.device)).pow(2).mean().backward()
         opt.step()
         rt.step_done()
-        rt._memory.wait()
-    now = runtime._rng_state()  # nothing drew since the copy of step 3
+        rt.memory.writer.wait()
+    now = rng.rng_state()  # nothing drew since the copy of step 3
     got = mem.load(tmp_path)
     assert got["step"] == 3
     assert got["rng"]["python"] == now["python"] and torch.equal(got["rng"]["torch"], now["torch"])
-    blob = rt._rng_keeper._pickled["python"][1].blob  # the ring's own pickle, whole in the copy's
+    blob = rt.memory.rng_keeper._pickled["python"][1].blob  # the ring's own pickle, whole in the copy's
     slot = json.loads((tmp_path / mem.LATEST).read_text())["slot"]
     assert blob in (tmp_path / f"slot{slot}.pkl").read_bytes()
     rt.finish()
@@ -614,10 +614,10 @@ def test_on_a_gpu_the_training_thread_commits_a_whole_copy_at_its_next_step(shm_
     step()
     weight = model.weight.detach().cpu().clone()
     torch.cuda.synchronize()  # the copy of step 1 is whole on the GPU side, not yet committed
-    assert mem.read_held(shm_dir) is None and rt._memory._pending is not None
+    assert mem.read_held(shm_dir) is None and rt.memory.writer._pending is not None
     step()
     assert mem.read_held(shm_dir).step == 1
     assert torch.equal(mem.load(shm_dir, 1)["model"]["weight"], weight)
-    assert rt._memory._thread is None and rt._memory.commits_cpu_s
+    assert rt.memory.writer._thread is None and rt.memory.writer.commits_cpu_s
     rt.finish()
     assert mem.read_held(shm_dir).step == 2

@@ -51,13 +51,14 @@ def test_a_restarted_groups_restore_waits_for_the_commits_its_predecessor_left(c
     agent = handoff.AgentHandoff(left, link).start()
     resumed: list[float] = []
     rt = runtime.init(env=env)  # torchrun's new group, while the agent commits
-    original = rt._load
+    assert rt.disk is not None
+    original = rt.disk.load
 
-    def load(path: str) -> None:
+    def load(found):
         resumed.append(time.monotonic())
-        original(path)
+        return original(found)
 
-    rt._load = load
+    rt.disk.load = load
     assert _train(rt, 12) == 10  # not 5
     assert link.committed_at is not None and resumed[0] >= link.committed_at
     agent.join(10)

@@ -253,7 +253,7 @@ def test_logged_scalars_are_reported_as_floats_and_refused_ones_left_out(caplog)
     rt.log(lr=0.125, diverged=float("nan"), **{"no spaces": 1.0})
     rt.log(7, loss=torch.tensor(0.5))  # a step given, as other loggers take it
     assert rt.total_steps == 50
-    assert rt._scalar_values() == {"lr": 0.125, "grad_norm": 3.0, "loss": 0.5}
+    assert rt.progress.scalar_values() == {"lr": 0.125, "grad_norm": 3.0, "loss": 0.5}
     assert "'diverged'" in caplog.text and "'no spaces'" in caplog.text
 
 
@@ -276,8 +276,8 @@ def test_rank0_reports_its_logged_scalars_and_total_steps_with_its_progress():
     rt.link = link = RecordingLink()
     rt.log(lr=torch.tensor(0.1), loss=0.25)  # no loss given to step_done: the logged one
     rt.step_done(samples=8)
-    rt._stop_poll.set()  # the poller's last act only: the final report of the step reached
-    rt._poll()
+    rt.control.stop_poll.set()  # the poller's last act only: the final report of the step reached
+    rt.control.run()
     assert link.reports == [{"step": 1, "loss": 0.25, "final": True, "metrics": {"lr": pytest.approx(0.1)},
                              "total_steps": 10}]
 
@@ -298,7 +298,7 @@ class RateLimitedLink(RecordingLink):
         return self.held
 
     def control(self):
-        self.rt._stop_poll.set()
+        self.rt.control.stop_poll.set()
         return runtime.ControlRequest()
 
 
@@ -308,9 +308,9 @@ def test_a_report_the_control_plane_did_not_store_does_not_stand_for_the_final_o
     ended showing an earlier step)."""
     rt = runtime.init(env={}, total_steps=10)
     rt.link = link = RateLimitedLink(rt)
-    rt.control_poll_s = 0.01
+    rt.control.poll_s = 0.01
     rt.step_done(samples=8)
-    rt._poll()
+    rt.control.run()
     assert [(r["step"], r["final"]) for r in link.reports] == [(1, False), (1, True)]
     assert link.held == 1
 

@@ -1,5 +1,5 @@
 """Every rank loads the committed snapshot, so what a rank loads is checked first: only a file in
-the job's own snapshot directory (`Runtime._resolve`), and only with torch's weights-only
+the job's own snapshot directory (`DiskTier.resolve`, worker/tiers/disk.py), and only with torch's weights-only
 unpickler (`worker.snapshot.load`): a snapshot that would run code when loaded is refused."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker import rng as rngs
 from worker import runtime
 from worker import snapshot as snap
 from worker.links import LocalLink
@@ -45,7 +46,7 @@ def test_the_runtimes_own_snapshot_loads_weights_only_rng_states_and_optimizer_i
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
-    state = {"format": 1, "step": 7, "world_size": 1, "rng": [runtime._rng_state()],
+    state = {"format": 1, "step": 7, "world_size": 1, "rng": [rngs.rng_state()],
              "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
     written = snap.write_atomic(state, tmp_path, 7)
     loaded = snap.load(written.path)

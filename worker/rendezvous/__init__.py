@@ -47,17 +47,17 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from worker import torch_internals
-from worker.protocol import Timeouts
-from worker.rendezvous.backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
-from worker.rendezvous.follow import follow_changes
-from worker.rendezvous.outage import ride_out_outages
-from worker.rendezvous.store import (
+from .. import torch_internals
+from ..protocol import Timeouts
+from .backend import NO_STATE_TOKEN, FtrainRendezvousBackend, LongPollUnsupported
+from .follow import follow_changes
+from .outage import ride_out_outages
+from .store import (
     DEFAULT_READ_TIMEOUT_S,
     HttpStore,
     publish_master_in_one_call,
 )
-from worker.rendezvous.transport import (
+from .transport import (
     DEFAULT_PORT,
     DEFAULT_RETRY_TIMEOUT_S,
     TOKEN_ENV,
@@ -66,7 +66,7 @@ from worker.rendezvous.transport import (
     Transport,
     endpoint_url,
 )
-from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, SYNC_DELAY_S, wake_on_change
+from .wake import MIN_WAKE_INTERVAL_S, SYNC_DELAY_S, wake_on_change
 
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_READ_TIMEOUT_S", "DEFAULT_RETRY_TIMEOUT_S",
@@ -125,15 +125,15 @@ def create_ftrain_handler(params: RendezvousParameters) -> RendezvousHandler:
     close_timeout (30), heartbeat_timeout (5), keep_alive_interval (5),
     keep_alive_max_attempt (3); plus read_timeout and retry_timeout (see create_backend).
     """
-    from worker.deathsig import act_on_first_death_signal
-    from worker.output import keep_replaced_outputs
-    from worker.rendezvous.marks import watch_agent
-    from worker.rendezvous.monitor import (
+    from ..deathsig import act_on_first_death_signal
+    from ..output import keep_replaced_outputs
+    from .marks import watch_agent
+    from .monitor import (
         note_broken_groups,
         stop_broken_groups_at_once,
         wake_monitor_on_news,
     )
-    from worker.rendezvous.rounds import with_round_reports
+    from .rounds import with_round_reports
 
     torch_internals.require()  # a torch that changed what ftrain uses fails here, saying what
     act_on_first_death_signal()  # before torch's agent registers its handler

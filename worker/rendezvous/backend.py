@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from worker.protocol import (
+from ..protocol import (
     RdzvState,
     SetStateRequest,
     SetStateResult,
@@ -34,12 +34,12 @@ from worker.protocol import (
     seal_state,
     state_version,
 )
-from worker.rdzv_state import MAX_OPS, MergeSpec, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
-from worker.rendezvous import marks
-from worker.rendezvous.merge import from_doc, to_doc
-from worker.rendezvous.outage import refresh_stale_heartbeats
-from worker.rendezvous.transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
-from worker.rendezvous.wake import MIN_WAKE_INTERVAL_S, this_thread
+from ..rdzv_state import MAX_OPS, MergeSpec, NotAState, Op, RdzvDoc, infer_ops, refresh_ops
+from . import marks
+from .merge import from_doc, to_doc
+from .outage import refresh_stale_heartbeats
+from .transport import ControlPlaneUnreachable, RendezvousGoneError, Transport
+from .wake import MIN_WAKE_INTERVAL_S, this_thread
 
 log = logging.getLogger(__name__)
 Reply = TypeVar("Reply", bound=BaseModel)

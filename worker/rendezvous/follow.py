@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from worker.protocol import StateChange, StateNotSealed, open_state, state_version
-from worker.rdzv_state import NotAState, RdzvDoc
-from worker.rendezvous import marks
-from worker.rendezvous.monitor import wake_monitor
-from worker.rendezvous.transport import RendezvousGoneError
+from ..protocol import StateChange, StateNotSealed, open_state, state_version
+from ..rdzv_state import NotAState, RdzvDoc
+from . import marks
+from .monitor import wake_monitor
+from .transport import RendezvousGoneError
 
 if TYPE_CHECKING:
-    from worker.rendezvous.backend import FtrainRendezvousBackend
+    from .backend import FtrainRendezvousBackend
 
 log = logging.getLogger(__name__)
 

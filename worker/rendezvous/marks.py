@@ -16,8 +16,8 @@ import logging
 import os
 import time
 
-from worker import torch_internals
-from worker.env import FTRAIN_NODE, FTRAIN_PHASE_LOG
+from .. import torch_internals
+from ..env import FTRAIN_NODE, FTRAIN_PHASE_LOG
 
 log = logging.getLogger(__name__)
 

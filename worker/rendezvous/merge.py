@@ -20,8 +20,8 @@ import pickle
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from worker import torch_internals
-from worker.rdzv_state import Node, RdzvDoc
+from .. import torch_internals
+from ..rdzv_state import Node, RdzvDoc
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 

@@ -28,9 +28,9 @@ import time
 import types
 from collections.abc import Callable
 
-from worker import torch_internals
-from worker.env import FTRAIN_MEMORY_DIR
-from worker.memory_dirs import LAST_WORDS_WAIT_S, last_words_held, wait_for_last_words
+from .. import torch_internals
+from ..env import FTRAIN_MEMORY_DIR
+from ..memory_dirs import LAST_WORDS_WAIT_S, last_words_held, wait_for_last_words
 
 log = logging.getLogger(__name__)
 

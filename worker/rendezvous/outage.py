@@ -52,8 +52,8 @@ from typing import Any, Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from worker import torch_internals
-from worker.rendezvous.transport import Transport
+from .. import torch_internals
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 

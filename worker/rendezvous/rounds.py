@@ -25,8 +25,8 @@ import threading
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from worker import torch_internals
-from worker.env import (
+from .. import torch_internals
+from ..env import (
     FTRAIN_ATTEMPT,
     FTRAIN_GROUP,
     FTRAIN_JOB_ID,
@@ -35,9 +35,9 @@ from worker.env import (
     FTRAIN_ROUND,
     FTRAIN_SERVER,
 )
-from worker.http import ControlPlaneClient, HttpError
-from worker.protocol import RoundReport
-from worker.rendezvous import marks
+from ..http import ControlPlaneClient, HttpError
+from ..protocol import RoundReport
+from . import marks
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 
-from worker import torch_internals
-from worker.protocol import (
+from .. import torch_internals
+from ..protocol import (
     AddRequest,
     AddResult,
     AppendRequest,
@@ -36,8 +36,8 @@ from worker.protocol import (
     StoreItem,
     ValueResult,
 )
-from worker.rendezvous import marks
-from worker.rendezvous.transport import ControlPlaneUnreachable, Transport
+from . import marks
+from .transport import ControlPlaneUnreachable, Transport
 
 Reply = TypeVar("Reply", bound=BaseModel)
 

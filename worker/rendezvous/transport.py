@@ -34,9 +34,9 @@ from urllib.parse import quote, urlsplit
 
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-from worker.env import FTRAIN_JOB_TOKEN
-from worker.http import ApiError, ControlPlaneClient, Timeout, Unreachable
-from worker.protocol import Timeouts
+from ..env import FTRAIN_JOB_TOKEN
+from ..http import ApiError, ControlPlaneClient, Timeout, Unreachable
+from ..protocol import Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from worker import torch_internals
+from .. import torch_internals
 
 SYNC_DELAY_S = 1  # the delay torch's op executor takes after each _Action.SYNC
 MIN_WAKE_INTERVAL_S = 0.05

@@ -21,8 +21,8 @@ async function api(path, options = {}) {
   const headers = Object.assign({}, options.headers || {});
   if (token()) headers["Authorization"] = "Bearer " + token();
   const resp = await fetch("../" + path.replace(/^\//, ""), Object.assign({}, options, { headers }));
-  if (resp.status === 401) {
-    showSignIn("Your token was not accepted; sign in again.");
+  if (resp.status === 401) {  // a first visit (no token yet) is asked for one, neutrally
+    showSignIn(headers["Authorization"] ? "Your token was not accepted; sign in again." : "");
     throw new ApiError(401, "unauthorized");
   }
   if (!resp.ok) {
@@ -56,13 +56,24 @@ function bytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${u[i]}`;
 }
 function num(v, digits = 4) { return v == null ? "–" : Number(v).toPrecision(digits); }
-// A job whose group is forming (its start: STARTING; a fault: RECOVERING; a planned change:
-// RUNNING) until the group's first step: its reason under the badge, so a RUNNING job that is
-// resizing says so.
-function regroupingNote(job) {
-  return job.regrouping ? `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>` : "";
+// The reason under a job's badge: while its group forms (its start: STARTING; a fault:
+// RECOVERING; a planned change: RUNNING) until the group's first step, so a RUNNING job that is
+// resizing says so; and why a FAILED job failed.
+function stateNote(job) {
+  if (job.state === "FAILED") return `<br><span class="muted" data-why>${esc(job.reason || "")}</span>`;
+  if (!job.regrouping || TERMINAL.has(job.state)) return "";
+  return `<br><span class="muted" data-regrouping>${esc(job.reason || "")}</span>`;
 }
-function badge(state) { return `<span class="state ${esc(state)}" data-state="${esc(state)}">${esc(state)}</span>`; }
+// Each state has its own colour, fill and sign besides its name, so no two (FAILED and
+// CANCELLED above all) are told apart by colour alone; the same badge everywhere.
+const STATE_SIGN = {
+  PENDING: "○", STARTING: "▷", RUNNING: "▶", RECOVERING: "↻", CANCELLING: "⊘",
+  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○",
+};
+function badge(state, text = state) {
+  const sign = STATE_SIGN[state] ? `<span class="sign" aria-hidden="true">${STATE_SIGN[state]}</span>` : "";
+  return `<span class="state ${esc(state)}" data-state="${esc(state)}">${sign}${esc(text)}</span>`;
+}
 
 function jobDuration(job) {
   const end = job.finished_at || Date.now() / 1000;
@@ -120,9 +131,10 @@ function showSignIn(message) {
   view.innerHTML = `
     <form class="panel signin" id="signin">
       <h1>Sign in</h1>
-      <p class="muted">Paste your ftrain token: the one <span class="mono">ftrain up</span> printed
-        (also in its data directory's <span class="mono">token</span> file), or a user token from
-        <span class="mono">ftrain user add</span>. It is kept in this tab only.</p>
+      <p class="muted">Paste your ftrain token: under <span class="mono">ftrain up</span>, the admin's
+        is the <span class="mono">token</span> file in its data directory
+        (<span class="mono">cat .ftrain/token</span>); a user's comes from
+        <span class="mono">ftrain users add NAME</span>. It is kept in this tab only.</p>
       <label for="token">Token</label>
       <input id="token" name="token" type="password" autocomplete="off" required autofocus>
       <button type="submit">Sign in</button>
@@ -195,7 +207,7 @@ function jobsView() {
     body.innerHTML = items.length ? items.map(job => `
       <tr data-job="${esc(job.id)}">
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
-        <td>${badge(job.state)}${regroupingNote(job)}</td>
+        <td>${badge(job.state)}${stateNote(job)}</td>
         <td>${progressCell(job)}</td>
         <td>${nodesInUse(job)}</td>
         <td>${job.restarts}</td>
@@ -218,7 +230,7 @@ function ticks(u, splits) {
   return splits.map(v => Math.abs(v) >= 1e5 || (v !== 0 && Math.abs(v) < 1e-4) ? v.toExponential(1) : v.toFixed(digits));
 }
 
-function makeChart(el, title, names) {
+function makeChart(el, title, names, marks = () => []) {
   const opts = {
     title, width: Math.max(300, el.clientWidth - 4), height: 240,
     scales: { x: { time: false } },
@@ -228,6 +240,7 @@ function makeChart(el, title, names) {
       points: { show: false }, value: (u, v) => v == null ? "–" : Number(v).toPrecision(5),
     }))],
     legend: { live: true },
+    plugins: [marksPlugin(marks)],
   };
   return new uPlot(opts, [[], ...names.map(() => [])], el);
 }
@@ -253,6 +266,8 @@ function jobView(jobId) {
   const charts = {};
   let othersKey = "";
   let job = null;
+  let marks = [];  // where the group stopped and re-formed: on every chart (their x is the step)
+  const chart = (el, title, names) => makeChart(el, title, names, () => marks);
 
   $("cancel").addEventListener("click", async () => {
     if (!confirm(`Cancel job ${job ? job.name : jobId}? It snapshots and stops.`)) return;
@@ -291,8 +306,8 @@ function jobView(jobId) {
   function showMetrics(h) {
     const steps = h.steps;
     const col = name => h.series[name] || steps.map(() => null);
-    if (!charts.loss) charts.loss = makeChart($("chart-loss"), "Loss", ["loss"]);
-    if (!charts.speed) charts.speed = makeChart($("chart-speed"), "Throughput (samples/s)", ["samples_per_s"]);
+    if (!charts.loss) charts.loss = chart($("chart-loss"), "Loss", ["loss"]);
+    if (!charts.speed) charts.speed = chart($("chart-speed"), "Throughput (samples/s)", ["samples_per_s"]);
     charts.loss.setData([steps, col("loss")]);
     charts.speed.setData([steps, col("samples_per_s")]);
     $("chart-loss").dataset.points = steps.length;
@@ -304,7 +319,7 @@ function jobView(jobId) {
       othersKey = others.join();
       if (charts.others) charts.others.destroy();
       $("chart-others").innerHTML = "";
-      charts.others = makeChart($("chart-others"), "Logged scalars", others);
+      charts.others = chart($("chart-others"), "Logged scalars", others);
     }
     charts.others.setData([steps, ...others.map(col)]);
   }
@@ -323,7 +338,7 @@ function jobView(jobId) {
         <td>${s.stall_s == null ? "–" : (s.stall_s * 1000).toFixed(1) + " ms"}</td>
         <td>${s.write_s == null ? "–" : (s.write_s * 1000).toFixed(0) + " ms"}</td>
         <td class="muted">${s.time ? clock(s.time) : ""}</td>
-        <td>${s.bad ? badge("FAILED").replace(">FAILED<", ">corrupt<") : s.step === list.latest ? '<span class="muted">latest</span>' : ""}</td></tr>`).join("")
+        <td>${s.bad ? badge("FAILED", "corrupt") : s.step === list.latest ? '<span class="muted">latest</span>' : ""}</td></tr>`).join("")
       : `<tr><td colspan="6" class="empty">No snapshot committed yet.</td></tr>`;
   }
 
@@ -393,6 +408,7 @@ function jobView(jobId) {
     const [j, events, metrics, snaps] = await Promise.all([
       api(`v1/jobs/${id}`), api(`v1/jobs/${id}/events`), api(`v1/jobs/${id}/metrics`),
       api(`v1/jobs/${id}/snapshots`)]);
+    marks = regroupMarks(events.items, metrics);
     showJob(j); showEvents(events.items); showMetrics(metrics); showSnapshots(snaps);
   }, 1000);
   followLogs();
@@ -413,6 +429,11 @@ function jobView(jobId) {
 }
 
 // ------------------------------------------------------------------ nodes
+// A node's GPUs as `ftrain nodes` writes them: "2 x NVIDIA H100 80GB HBM3", or "-" for none.
+function gpusCell(n) {
+  return n.gpus ? `${n.gpus} x ${esc(n.gpu_model || "GPU")}` : '<span class="muted">-</span>';
+}
+
 function nodesView() {
   view.innerHTML = `
     <h1>Nodes</h1>
@@ -435,7 +456,7 @@ function nodesView() {
     body.innerHTML = nodes.length ? nodes.map(n => `
       <tr data-node="${esc(n.name)}">
         <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}</td><td>${n.nproc_per_node}</td>
-        <td>${n.gpus ? `${n.gpus} <span class="muted">${esc(n.gpu_model || "")}</span>` : '<span class="muted">0</span>'}</td>
+        <td data-gpus>${gpusCell(n)}</td>
         <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>`
           : n.held_for ? `<span class="muted">held for</span> <a href="#/jobs/${encodeURIComponent(n.held_for)}">${esc(n.held_for)}</a>`
           : '<span class="muted">idle</span>'}</td>
