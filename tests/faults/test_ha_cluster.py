@@ -2,7 +2,7 @@
 real processes, a real two-node job on its agents.
 
 - The leading control plane is SIGKILLed mid-job: the job trains on (0 restarts, 0 steps
-  lost), the other replica takes the lead and schedules a job submitted at the kill (the
+  lost), a replica takes the lead (the survivor, or the killed one that `up` starts again) and schedules a job submitted at the kill (the
   time from the kill to that job's start is printed), and a node started during the outage
   joins and is given work. Then etcd's leading member is SIGKILLed: nothing is noticed (every
   read answered meanwhile, a job submitted at the kill runs, the first job loses nothing).
@@ -185,7 +185,10 @@ def test_the_leader_is_killed_mid_job_and_one_etcd_member_too(cluster, tmp_path)
                   "after the kill")
             # Issue 12's target (the leader's lease is 2 s): a new leader schedules within 3 s.
             assert started - killed_at < 3.0, events_of(api, quick)
-            assert c.leader() == survivor
+            # `up` starts the killed replica again after its backoff, and it may win the
+            # election as well as the survivor: either way one replica leads, not two.
+            assert c.leader() in c.urls
+            assert "restarting it in" in c.out_path.read_text()
             # The node that joined in the outage is alive and given work: the job holds two
             # nodes and `quick` one of the others (local-2 or the late one), so a job submitted
             # now runs on the one left, and between them both free nodes are used.
@@ -219,7 +222,7 @@ def test_the_leader_is_killed_mid_job_and_one_etcd_member_too(cluster, tmp_path)
 
 def test_rolling_restart_of_both_control_planes_and_every_etcd_member(tmp_path):
     """The same layout built from its parts (3 etcd members, 2 `ftrain serve`, 2 agents given
-    both URLs), since `up` stops when it has seen each of its control planes exit: each part
+    both URLs), since `up` starts a part that exits again by itself: each part
     in turn is stopped (SIGTERM) and started again on its own data while the job trains."""
     members = [EtcdProcess(tmp_path / f"etcd-{i}", name=f"m{i}", log_path=tmp_path / f"etcd-{i}.log")
                for i in range(3)]
