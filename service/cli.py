@@ -766,7 +766,8 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 @click.option("--token-file", type=click.Path(dir_okay=False, exists=True),
               help="File that holds the node token (read at start). Default: FTRAIN_NODE_TOKEN, "
                    "else <data-dir>/node-token, written by `ftrain up`.")
-@click.option("--name", default=socket.gethostname, show_default="hostname", help="Unique node name.")
+@click.option("--name", default=lambda: default_node_name(), show_default="SLURMD_NODENAME, else hostname",
+              help="Unique node name.")
 @click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
               help="Where the agent keeps its local state.")
@@ -823,6 +824,12 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
     sys.exit(result if isinstance(result, int) else 0)
 
 
+def default_node_name() -> str:
+    """A node agent's name: in a SLURM allocation (srun) the node's SLURM name, which
+    `squeue`, `scontrol` and `scancel -w` use, else the hostname."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def _node_defaults(data_dir: Path, server: str | None) -> tuple[str, str | None]:
     """The control plane (unless given) and the node token file of the `ftrain up` on
     `data_dir`, if it has one: one more local node needs no other flag than --name.
@@ -853,6 +860,86 @@ def _use_gpus(value: str) -> None:
         raise click.BadParameter(f"no GPU {', '.join(missing)} on this host (nvidia-smi -L lists them)",
                                  param_hint="--gpus")
     os.environ[gpus.CUDA_VISIBLE_DEVICES] = ",".join(ids)
+
+
+# SLURM supplies nodes (service/slurm.py)
+
+@main.group()
+def slurm() -> None:
+    """Nodes from SLURM allocations: agents that join a control plane, or a whole run in one."""
+
+
+@slurm.command("nodes", context_settings={"ignore_unknown_options": True})
+@click.option("--nodes", "node_count", required=True, type=click.IntRange(1, 100_000),
+              help="Nodes of the allocation; each runs one node agent.")
+@click.option("--server", envvar=FTRAIN_SERVER, default=None,
+              help="The control plane the agents join (a URL every node reaches; several "
+                   "comma-separated) [env FTRAIN_SERVER; else <data-dir>/server].")
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="File (mode 0600, on a filesystem the nodes share) holding the node token "
+                   f"[default: <data-dir>/node-token; else {FTRAIN_NODE_TOKEN}, written to "
+                   "<data-dir>/slurm/node-token].")
+@click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True, type=click.Path(file_okay=False),
+              help="Where the agents keep their state (each its own, by node name).")
+@click.option("--print-script", is_flag=True, help="Print the batch script instead of submitting it.")
+@click.argument("sbatch_options", nargs=-1, type=click.UNPROCESSED)
+def slurm_nodes(node_count: int, server: str | None, token_file: str | None, nproc_per_node: int,
+                data_dir: str, print_script: bool, sbatch_options: tuple[str, ...]) -> None:
+    """Submit an allocation whose every node runs a node agent: `ftrain slurm nodes --nodes 4
+    --server http://cp:8000 -p gpu --time 12:00:00`. Other options go to sbatch.
+
+    Prints the SLURM job id. `scancel` (or the allocation's end or preemption) drains its
+    nodes: their jobs stop at a step boundary and go on elsewhere or when nodes come back."""
+    from service import slurm as slurm_mod
+
+    server, _ = _node_defaults(Path(data_dir), server)
+    try:
+        token_path = slurm_mod.node_token_file(token_file, dict(os.environ), Path(data_dir))
+        argv = slurm_mod.agent_argv(server, token_path, Path(data_dir).resolve(), nproc_per_node)
+        script = slurm_mod.nodes_script(node_count, argv)
+        if print_script:
+            click.echo(script, nl=False)
+            return
+        click.echo(slurm_mod.submit_nodes(script, list(sbatch_options)))
+    except slurm_mod.SlurmError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@slurm.command("run", context_settings={"ignore_unknown_options": True})
+@click.option("--nodes", "node_range", default="1", show_default=True, metavar="N|MIN:MAX",
+              help="Nodes of the job: exactly N, or MIN to start and up to MAX (the allocation asks "
+                   "SLURM for MIN-MAX).")
+@click.option("--nproc-per-node", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--data-dir", default=None, type=click.Path(file_okay=False),
+              help="etcd's data, tokens, snapshots, logs: a directory the nodes share "
+                   "[default: ./.ftrain/slurm-<SLURM job id>].")
+@click.option("--sbatch", "sbatch_options", multiple=True, metavar="OPTION",
+              help="An sbatch option for the allocation, outside one (repeatable): --sbatch=-pgpu.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def slurm_run(node_range: str, nproc_per_node: int, data_dir: str | None, sbatch_options: tuple[str, ...],
+              command: tuple[str, ...]) -> None:
+    """Run COMMAND as an elastic job on one allocation: `ftrain slurm run --nodes 2:4 -- python train.py`.
+
+    Inside an allocation: etcd and the control plane on its first node, an agent on each,
+    then the job; exits with its code (SUCCEEDED 0, FAILED 1, CANCELLED 3). Outside one: submits
+    one that does so (sbatch --wait) and exits with its code."""
+    from service import slurm as slurm_mod
+
+    nodes = _node_range(node_range)
+    try:
+        if "SLURM_JOB_ID" not in os.environ:
+            inner = [sys.executable, "-m", "service.cli", "slurm", "run", "--nodes", node_range,
+                     "--nproc-per-node", str(nproc_per_node),
+                     *(["--data-dir", str(Path(data_dir).resolve())] if data_dir else []), "--", *command]
+            done = slurm_mod.sbatch(slurm_mod.run_script(nodes, inner), list(sbatch_options), wait=True)
+            sys.exit(done.returncode)
+        directory = Path(data_dir or Path(DEFAULT_DATA_DIR) / f"slurm-{os.environ['SLURM_JOB_ID']}").resolve()
+        nodes_here = slurm_mod.allocation_nodes(dict(os.environ))
+        run_ = slurm_mod.AllocationRun(list(command), node_range, nproc_per_node, directory, nodes_here)
+        sys.exit(run_.run())
+    except slurm_mod.SlurmError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ milliseconds) as the worker's entry point. It
 
 1. asks the kernel for SIG when its parent, torchrun, dies (PR_SET_PDEATHSIG survives
    execve), and exits at once if torchrun is already gone;
-2. leaves a note of who the worker is (its global rank, and the rendezvous round that formed
+2. inside a SLURM allocation, gives the worker SLURM's names for its place (SLURM_PROCID is
+   its RANK, ...): the ones it inherits are those of the node agent's own srun task
+   (`slurm_names`), and a script written for SLURM reads them;
+3. leaves a note of who the worker is (its global rank, and the rendezvous round that formed
    its group: FTRAIN_ROUND, which torchrun's rendezvous handler sets) in the folder of its
    output files, which torchrun names by local rank only; the node agent, which follows those
    files, reads it to tag each line (`WORKER_NOTE`, worker/output.py);
-3. asks the job's fork server (`worker/fork_server.py`, its socket named by
+4. asks the job's fork server (`worker/fork_server.py`, its socket named by
    FTRAIN_FORK_SERVER_SOCKET) for a worker that has torch imported already: it sends the
    command, its environment, its working directory and its standard streams, and then
    stands in for that worker. It
@@ -22,7 +25,7 @@ milliseconds) as the worker's entry point. It
    grace for the interpreter's finalization): then it kills the worker and exits with the
    script's status, saying so on stderr. It never waits without a bound for a worker whose
    script is done;
-4. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
+5. otherwise (no fork server, a command it does not run, any error) execs COMMAND, as
    torchrun would have.
 
 A worker started by the fork server watches this process and kills itself when it is
@@ -82,6 +85,26 @@ def leave_note(env):
         os.rename(tmp, os.path.join(folder, WORKER_NOTE))
     except OSError:
         pass  # the agent then takes the local rank for the rank, and no round
+
+
+# SLURM's names for a task's place, each from the torchrun variable of the same meaning. Only
+# inside an allocation (SLURM_JOB_ID set): elsewhere a SLURM_NTASKS would make libraries that
+# look for it (Lightning's SLURMEnvironment) take the worker for a SLURM task.
+SLURM_NAMES = (("SLURM_PROCID", "RANK"), ("SLURM_LOCALID", "LOCAL_RANK"), ("SLURM_NTASKS", "WORLD_SIZE"),
+               ("SLURM_NPROCS", "WORLD_SIZE"), ("SLURM_NODEID", "GROUP_RANK"),
+               ("SLURM_NNODES", "GROUP_WORLD_SIZE"), ("SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE"))
+
+
+def slurm_names(env):
+    """Set SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, ... in `env` to the worker's rank, local
+    rank, world size, ... (those torchrun set), when the worker runs inside a SLURM allocation:
+    it inherited the agent's own (its srun task's: rank = node index, tasks = nodes), which
+    are wrong for every worker but one."""
+    if "SLURM_JOB_ID" not in env or not env.get("RANK", "").isdigit():
+        return
+    for slurm, torch_name in SLURM_NAMES:
+        if torch_name in env:
+            env[slurm] = env[torch_name]
 
 
 def _exec(command):
@@ -201,6 +224,7 @@ def main(argv):
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent or parent == 1:
         os._exit(70)  # torchrun died before the guard was in place
+    slurm_names(os.environ)
     leave_note(os.environ)
     name = os.environ.get(FORK_SERVER_SOCKET_ENV)
     if name:
