@@ -123,7 +123,8 @@ def test_scancel_of_an_allocation_loses_no_step_of_a_runtime_job(slurm, control_
         trace = check_steps(api, job_id, watch=watch)
     assert trace.steps[-1] == 240
     report_recovery("runtime job, scancel of one allocation", trace, cancelled_at)
-    assert all(last - resumed == 0 for _t, resumed, last in trace.resumes), trace.resumes
+    # Resumed from the last step it logged or a later one (a step done but not yet logged).
+    assert all(resumed >= last for _t, resumed, last in trace.resumes), trace.resumes
     assert keep in slurm.jobs()
 
 
@@ -132,7 +133,8 @@ def report_recovery(what: str, trace, cancelled_at: float) -> None:
     after = [(t, resumed, last) for t, resumed, last in trace.resumes if t >= cancelled_at]
     assert after, f"no restart after the cancel: {trace.resumes}"
     t, resumed, last = after[0]
-    print(f"\nSLURM {what}: steps lost {last - resumed}, training again {t - cancelled_at:.1f} s "
+    print(f"\nSLURM {what}: steps lost {max(0, last - resumed)} (last step logged {last}, resumed "
+          f"from {resumed}), training again {t - cancelled_at:.1f} s "
           "after scancel", flush=True)
 
 
