@@ -20,7 +20,8 @@ TEST_WORKERS ?= 2
 .PHONY: setup setup-test up test test-slow clean-venv
 
 # `make up` needs etcd, torch and the package; the tests also want iproute2 (network
-# namespaces), chromium (the dashboard's browser test) and the test extras. Each its stamp.
+# namespaces), chromium (the dashboard's browser test), slurm-wlm and munge (the tests marked
+# `slurm` start a SLURM cluster of their own) and the test extras. Each its stamp.
 TEST_STAMP := $(VENV)/.ftrain-test-setup
 
 setup: $(STAMP)
@@ -45,6 +46,8 @@ $(TEST_STAMP): $(STAMP)
 	@set -e; pkgs=""; \
 	command -v ip >/dev/null 2>&1 || pkgs="$$pkgs iproute2"; \
 	command -v chromium >/dev/null 2>&1 || pkgs="$$pkgs chromium"; \
+	command -v slurmctld >/dev/null 2>&1 || pkgs="$$pkgs slurm-wlm"; \
+	command -v munged >/dev/null 2>&1 || pkgs="$$pkgs munge"; \
 	if [ -n "$$pkgs" ]; then \
 		echo "installing system packages:$$pkgs"; \
 		$(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $$pkgs; \
@@ -59,8 +62,9 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests $(ARGS)
 
 # The tests marked `slow`, one at a time: HA cluster faults, a leader cut from etcd (root),
-# Schemathesis, long fault cases. About 25-30 minutes on 2 cores; one at a time because
-# several of them hold leases of 2 s that a starved machine lets lapse. FTRAIN_TEST_SLOW=1
+# Schemathesis, long fault cases, SLURM allocations cancelled mid-run (root). About 25-30
+# minutes on 2 cores; one at a time because several of them hold leases of 2 s that a
+# starved machine lets lapse. FTRAIN_TEST_SLOW=1
 # lets those that also check it run. The tests that need root or a GPU skip themselves.
 test-slow: $(TEST_STAMP)
 	FTRAIN_TEST_SLOW=1 $(PY) -m pytest -q -n 0 -m slow tests $(ARGS)
