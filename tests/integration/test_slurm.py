@@ -161,3 +161,13 @@ def test_slurm_run_of_a_plain_script_survives_a_node_scancel(slurm, tmp_path):
     assert run.wait(120) == 0, (tmp_path / "run.out").read_text()[-3000:]  # the job's code: SUCCEEDED
     assert trace.steps[-1] == 300
     report_recovery("plain script (ftrain slurm run), scancel of one node's step", trace, cancelled_at)
+
+
+@slow
+def test_a_requeued_allocation_rejoins_under_the_same_names(slurm, control_plane, api, tmp_path):
+    slurm_id = slurm_nodes(slurm, control_plane, tmp_path, 2, "pair")
+    wait_for(lambda: registered(api) >= {"n1", "n2"}, 60, "the allocation's agents n1 and n2 to register")
+    slurm.run("scontrol", "requeue", slurm_id)
+    wait_for(lambda: not (registered(api) & {"n1", "n2"}), 60, "n1 and n2 to leave")
+    # SLURM holds a requeued job back a while (about 2 to 3 minutes here) before it runs again.
+    wait_for(lambda: registered(api) >= {"n1", "n2"}, 240, "n1 and n2 to register again")
