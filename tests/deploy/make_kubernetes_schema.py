@@ -7,7 +7,7 @@ fields). Only the kinds used and the definitions they reach are kept, without th
 descriptions, so the file stays small. Run it again when a manifest uses a new kind:
 
     pip download kubernetes-validate==1.37.0 --no-deps -d /tmp/kv
-    python tests/deploy/make_kubernetes_schema.py /tmp/kv/kubernetes_validate-1.37.0-py3-none-any.whl
+    PYTHONPATH=. python tests/deploy/make_kubernetes_schema.py /tmp/kv/kubernetes_validate-1.37.0-py3-none-any.whl
 """
 
 from __future__ import annotations
