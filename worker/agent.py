@@ -58,6 +58,9 @@ log = logging.getLogger("ftrain.agent")
 # worker still saying its last words when it ends is waited for, up to 2.5 s from the SIGTERM
 # (worker/torchrun.py `_let_them_finish_last_words`).
 REPLACE_GRACE_S = 0.3
+# SIGTERM-to-SIGKILL grace of a group stopped for good (a cancel's own comes with it): a plain
+# script saves on SIGTERM within it.
+STOP_GRACE_S = 5.0
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
 # An agent told to stop (SIGTERM) waits, while its node leaves, for the control plane to let
@@ -308,7 +311,7 @@ class NodeAgent:
         g = self.torchrun.group
         log_retention.prune(self.data_dir / "logs", () if g is None else (g.job_id,), *self.keep_logs)
 
-    def stop_group(self, why: str, grace_s: float = 5.0) -> None:
+    def stop_group(self, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
         with self._beating_meanwhile():
             self.torchrun.stop(why, grace_s)
