@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from service.contact import Contact
 from service.decide import hangs, keep
 from service.decide.change import Change
+from service.decide.order import queue_key
 from service.decide.scheduling import (
     SchedulerConfig,
     Settled,
@@ -109,9 +110,9 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], list[JobRecord]]:
-    """The unfinished jobs, oldest first, as the watch-fed index has them, apart: the
-    PENDING ones (lazily: to be read before the next await, and only as far as needed) and
-    the others (those that hold nodes).
+    """The unfinished jobs as the watch-fed index has them, apart: the PENDING ones in queue
+    order (`decide.order`; lazily: to be read before the next await, and only as far as
+    needed) and the others (those that hold nodes), oldest first.
 
     The index has this control plane's own writes at once (`JobIndex.note_written`), so a
     tick sees its last writes; another replica's (a report, a cancel) a watch event later,
@@ -125,7 +126,7 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
     if not index.ready.is_set():
         found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
                        key=lambda j: (j.created_at, j.id))
-        return ([j for j in found if j.state is JobState.PENDING],
+        return (sorted((j for j in found if j.state is JobState.PENDING), key=queue_key),
                 [j for j in found if j.state is not JobState.PENDING])
     pending = (j for j in map(index.get, index.pending_ids())
                if j is not None and j.state is JobState.PENDING)
@@ -169,7 +170,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if contact is not None:
             graced = contact.graced(missing_since, now)
     copies: dict[str, list[MemorySnapshot]] = {}
-    for job in others if missing else ():  # (a job falls short when it loses a node)
+    # (a job falls short when it loses a node, or is suspended by a preemption)
+    for job in others if missing or any(j.preempt is not None for j in others) else ():
         if keep.may_fall_short(job, live_nodes, graced):
             copies[job.id] = await memory_copies(jobs, job.id)
     # Why each missing member went, where a control plane noted it (service.nodes.departures).
