@@ -429,7 +429,7 @@ class JobRecord(BaseModel):
             created_at=self.created_at, updated_at=self.updated_at,
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
-            world_size=self.world_size, restarts=self.restarts_by_cause.total(),
+            world_size=self.world_size, restarts=self.restarts,
             restarts_by_cause=self.restarts_by_cause,
             latest_snapshot=self.latest_snapshot, progress=progress,
             regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
@@ -453,10 +453,12 @@ class JobView(BaseModel):
     attempt: int
     nodes: list[str]
     world_size: int
-    restarts: int = Field(..., description="Restarts of every cause (`restarts_by_cause` adds up to it).")
+    restarts: int = Field(..., description="Restarts after a failure of its workers: the ones that "
+                          "count against `spec.max_restarts` (`restarts_by_cause.failure`).")
     restarts_by_cause: RestartCounts = Field(
         default_factory=RestartCounts,
-        description="Restarts by cause; only `failure` counts against `spec.max_restarts`.")
+        description="Restarts by cause: failure (as `restarts`), lost_node, preemption, resize. Only "
+                    "failures count against `spec.max_restarts`.")
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
     regrouping: bool = Field(False, description="Its group stopped (or has yet to start) and no step of "
