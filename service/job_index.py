@@ -30,7 +30,7 @@ import asyncio
 import bisect
 import heapq
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
 from service.decide import keep
@@ -71,6 +71,10 @@ class JobIndex:
         # the others (which hold nodes), oldest first.
         self._pending: list[QueueKey] = []
         self._running: list[SortKey] = []
+        # Of those others: how many run at each priority, and the ones giving nodes up to a
+        # preemption (`decide.preempt`), so a scheduler pass need not look through them all.
+        self._priorities: Counter[int] = Counter()
+        self._yielding: set[str] = set()
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
         self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
@@ -120,6 +124,14 @@ class JobIndex:
     def running_ids(self) -> list[str]:
         """The unfinished jobs that are not PENDING (they hold nodes), oldest first."""
         return [job_id for _, job_id in self._running]
+
+    def lowest_running_priority(self) -> int | None:
+        """The lowest priority among the unfinished jobs that are not PENDING (None: none)."""
+        return min(self._priorities) if self._priorities else None
+
+    def yielding(self) -> list[JobRecord]:
+        """The unfinished jobs giving nodes up to a job of higher priority (`JobRecord.preempt`)."""
+        return [self._jobs[j] for j in sorted(self._yielding) if j in self._jobs]
 
     def finished(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every finished job, as the index has them (for retention)."""
@@ -319,6 +331,8 @@ class JobIndex:
     def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
         """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
         was, now = self._queue_of(old), self._queue_of(new)
+        self._count_running(old, -1 if was is self._running else 0)
+        self._count_running(new, 1 if now is self._running else 0)
         old_place = None if was is None else _place(was is self._pending, old)
         new_place = None if now is None else _place(now is self._pending, new)
         if was is not None and (was is not now or new_place != old_place):
@@ -327,6 +341,19 @@ class JobIndex:
                 del was[i]
         if now is not None and (was is not now or new_place != old_place):
             bisect.insort(now, new_place)
+
+    def _count_running(self, job: JobRecord | None, by: int) -> None:
+        """Add (1) or take (-1) `job` to the aggregates of the others (`_priorities`, `_yielding`)."""
+        if job is None or not by:
+            return
+        prio = job.spec.priority
+        self._priorities[prio] += by
+        if self._priorities[prio] <= 0:
+            del self._priorities[prio]
+        if by > 0 and job.preempt is not None:
+            self._yielding.add(job.id)
+        elif by < 0:
+            self._yielding.discard(job.id)
 
     def _queue_of(self, job: JobRecord | None) -> list | None:
         if job is None or job.state.is_terminal():
@@ -370,6 +397,9 @@ class JobIndex:
         self._pending = sorted(queue_key(j) for j in jobs.values() if j.state is JobState.PENDING)
         self._running = [p for p in self._order
                          if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
+        self._priorities, self._yielding = Counter(), set()
+        for _, job_id in self._running:
+            self._count_running(jobs[job_id], 1)
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
             if job.state.is_active():

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import operator
 import os
 import socket
 import time
@@ -66,6 +67,7 @@ STALL_MARGIN_S = 1.0
 # At most this many jobs start in one pass (its planning is one step of the event loop; two
 # transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
 MAX_STARTS_PER_PASS = 128
+PREEMPTED = operator.attrgetter("preempt")  # a job giving nodes to one of higher priority (or None)
 
 
 class PassTimes:
@@ -171,7 +173,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
             graced = contact.graced(missing_since, now)
     copies: dict[str, list[MemorySnapshot]] = {}
     # (a job falls short when it loses a node, or is suspended by a preemption)
-    for job in others if missing or any(j.preempt is not None for j in others) else ():
+    for job in others if missing else (index.yielding() if from_index else filter(PREEMPTED, others)):
         if keep.may_fall_short(job, live_nodes, graced):
             copies[job.id] = await memory_copies(jobs, job.id)
     # Why each missing member went, where a control plane noted it (service.nodes.departures).
@@ -186,8 +188,11 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if settled is not None:
         settled.keep_only(active)
+    # (kept by the index as jobs change: a pass need not look through every running job for them)
+    running = (index.lowest_running_priority(), index.yielding()) if from_index else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None, claims, copies, gone)
+                           settled, index.revision_of if from_index else None, claims, copies, gone,
+                           running)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -200,7 +205,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     revision_of: Callable[[str], int] | None = None,
                     claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None,
-                    gone: dict[str, str] | None = None) -> bool:
+                    gone: dict[str, str] | None = None,
+                    running: tuple[int | None, list[JobRecord]] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -216,7 +222,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies, gone)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, running)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}

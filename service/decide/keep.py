@@ -50,11 +50,13 @@ from worker.protocol import MemorySnapshot
 
 
 def may_fall_short(job: JobRecord, nodes: Mapping[str, NodeRecord], graced: frozenset[str]) -> bool:
-    """`job` may fall below its `min` in this pass (a live member's node is gone or draining):
-    the one case in which its members' memory reports are read (`kept_for`)."""
+    """`job` may fall below its `min` in this pass (a live member's node is gone or draining, or
+    it is suspended by a preemption and rank 0 has snapshotted for it: `decide.preempt`): the
+    one case in which its members' memory reports are read (`kept_for`)."""
     if not job.state.is_active() or job.state is JobState.CANCELLING:
         return False
-    if job.preempt is not None and job.preempt.suspend:  # (`decide.preempt`: it goes back to PENDING)
+    c = job.control
+    if job.preempt is not None and job.preempt.suspend and c is not None and job.control_acked >= c.id:
         return True
     live = [n for n, m in job.members.items() if m.is_live()]
     staying = [n for n in live if (n in nodes and nodes[n].state is not NodeState.DRAINING)

@@ -29,6 +29,7 @@ so that what one victim frees is not handed back to it, or to another job, as a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,8 +56,8 @@ def live(job: JobRecord) -> list[str]:
 def is_candidate(job: JobRecord) -> bool:
     """`job` may be preempted: it holds nodes and runs (or starts, or recovers), and is not
     already giving nodes up, stopping, cancelled or ending (a finished member: it is let end)."""
-    return (job.state in (S.STARTING, S.RUNNING, S.RECOVERING) and job.preempt is None
-            and not job.stopping and bool(live(job))
+    return (job.preempt is None and not job.stopping and job.state in (S.STARTING, S.RUNNING, S.RECOVERING)
+            and any(m.is_live() for m in job.members.values())
             and not any(m.is_finished() for m in job.members.values()))
 
 
@@ -91,16 +92,24 @@ def _spare(job: JobRecord, fit: set[str]) -> list[str]:
     return ordered[:max(0, len(members) - job.spec.nodes.min)]
 
 
+def in_victim_order(jobs: Iterable[JobRecord], now: float) -> list[JobRecord]:
+    """The jobs that may be preempted (`is_candidate`), in the order victims are taken."""
+    return sorted((j for j in jobs if is_candidate(j)), key=lambda j: victim_key(j, now))
+
+
 def choose(waiter: JobRecord, need: int, candidates: Sequence[JobRecord],
-           nodes: Mapping[str, NodeRecord], now: float) -> list[Take]:
+           nodes: Mapping[str, NodeRecord]) -> list[Take]:
     """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
-    start; [] when none is needed or not enough can be taken."""
+    start; [] when none is needed or not enough can be taken. `candidates`: `in_victim_order`
+    (sorted once for a pass, not for each waiting job)."""
     if need <= 0:
         return []
     prio = waiter.spec.priority
-    ordered = sorted((j for j in candidates if j.spec.priority < prio and is_candidate(j)),
-                     key=lambda j: victim_key(j, now))
+    # (in victim order, lowest priority first: the ones below the waiter's are a prefix)
+    ordered = list(itertools.takewhile(lambda j: j.spec.priority < prio, candidates))
     fit = {n for j in ordered for n in live(j) if n in nodes and fits(waiter.spec, nodes[n])}
+    if len(fit) < need:
+        return []
     takes: dict[str, Take] = {}
     got = 0
     for j in ordered:  # first shrink those above their min

@@ -33,6 +33,7 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -140,6 +141,9 @@ def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
 # At most this many waiting jobs look for victims in one pass (`schedule_queue`): the queue is
 # in priority order, so these are the ones of highest priority that cannot start.
 MAX_PREEMPTORS = 8
+
+_PRIORITY = operator.attrgetter("spec.priority")
+_PREEMPTED = operator.attrgetter("preempt")  # (a Preemption is truthy, None is not)
 
 LAPSED = "its lease lapsed"  # why a node went, when no other reason was noted (`plan`'s `gone`)
 
@@ -389,7 +393,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
-                   gone: Mapping[str, str] | None = None) -> list[Plan]:
+                   gone: Mapping[str, str] | None = None,
+                   running: tuple[int | None, Iterable[JobRecord]] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first).
 
@@ -408,7 +413,9 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     node held for a waiting job is offered to that job only, first, and counts as ready for
     no other (so it does not make the pass read the queue), and a job that holds free nodes
     is planned before the rest of the queue (`keep.holding`). `copies`: job id -> its members'
-    memory reports, for the jobs that may fall below their `min` (`plan`).
+    memory reports, for the jobs that may fall below their `min` (`plan`). `running`: the lowest
+    priority among `others` and those of them giving nodes up (`JobRecord.preempt`), as the job
+    index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
     """
     free = free_nodes(others, nodes)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
@@ -442,28 +449,30 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             ready.difference_update(taken)
             free_set.difference_update(taken)
 
-    # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
-    # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
-    # Preemption (`decide.preempt`): the running jobs that may give nodes, the lowest priority
-    # among them, and the nodes already leaving for each waiting job.
-    victims = [j for j in others if preempt.is_candidate(j)]
-    floor = min((j.spec.priority for j in victims), default=None)
-    leaving = preempt.coming(others)
+    # Preemption (`decide.preempt`): the lowest priority that runs (of all: a bound that needs no
+    # look at their members), the nodes leaving for each waiting job, and the jobs that may give
+    # nodes (found only when a waiting job looks for victims).
+    floor, yielding = running if running is not None else \
+        (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
+    leaving = preempt.coming(yielding)
+    by_order: list[JobRecord] | None = None  # the candidates in victim order, sorted at the first claim
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
     claims_left = MAX_PREEMPTORS
 
     def claim(job: JobRecord) -> None:
         """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
         the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
-        nonlocal offered
+        nonlocal offered, by_order
         usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
         need = job.spec.nodes.min - len(usable) - len(leaving.get(job.id, ()))
-        takes = preempt.choose(job, need, victims, nodes, now)
+        if need > 0 and by_order is None:
+            by_order = preempt.in_victim_order(others, now)
+        takes = preempt.choose(job, need, by_order or [], nodes)
         if need > 0 and not takes:
             return
         for t in takes:
             marked[t.victim.id] = preempt.mark(t, job, now)
-            victims.remove(t.victim)
+            by_order = [j for j in by_order or [] if j.id != t.victim.id]
             leaving.setdefault(job.id, []).extend(t.leave)
         if takes:
             waiter, event = preempt.noted_on_waiter(job, takes, now)
@@ -472,6 +481,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         offered = [n for n in offered if n not in kept_back]
         ready.difference_update(kept_back)
 
+    # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
+    # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
     first = keep.holding(held, claims) if held else []
     first_ids = {j.id for j in first}
     queue = itertools.chain(first, (j for j in pending if j.id not in held.values())) if first \

@@ -82,7 +82,7 @@ def test_schedule_starts_the_higher_priority_job_on_the_one_free_node():
 ])
 def test_choose_victims(need, running, taken):
     waiter = job("w", 10, mn=need, mx=need)
-    got = preempt.choose(waiter, need, running, nodes("a", "b", "c", "d"), NOW)
+    got = preempt.choose(waiter, need, preempt.in_victim_order(running, NOW), nodes("a", "b", "c", "d"))
     assert [(t.victim.id, t.leave, t.suspend) for t in got] == taken
 
 
@@ -91,7 +91,7 @@ def test_a_job_already_giving_nodes_up_stopping_or_ending_is_no_victim():
     stopping = job("s", 0, ["c", "d"], stopping=True)
     ending = job("e", 0, ["e", "f"]).model_copy(update={"members": {
         "e": MemberStatus(state="succeeded"), "f": MemberStatus(state="running")}})
-    assert preempt.choose(job("w", 10), 1, [marked, stopping, ending], nodes(*"abcdef"), NOW) == []
+    assert preempt.in_victim_order([marked, stopping, ending], NOW) == []
 
 
 def test_a_suspended_job_does_not_preempt_back_the_job_that_took_its_nodes():
@@ -100,7 +100,7 @@ def test_a_suspended_job_does_not_preempt_back_the_job_that_took_its_nodes():
     taker = job("high", 10, ["a"])
     plans = schedule([suspended, taker], nodes("a"), NOW, CFG)
     assert plans == []
-    assert preempt.choose(suspended, 1, [taker], nodes("a"), NOW) == []
+    assert preempt.choose(suspended, 1, preempt.in_victim_order([taker], NOW), nodes("a")) == []
 
 
 # ------------------------------------------------------------------ a pass that preempts
@@ -219,3 +219,25 @@ def test_a_record_stored_before_causes_reads_its_restarts_as_failures():
 def test_ftrain_list_shows_restarts_by_cause_compactly(by, shown):
     from service.cli import _restarts
     assert _restarts({"restarts": by["failure"], "restarts_by_cause": by}) == shown
+
+
+# ------------------------------------------------------------------ the job index keeps the queue's order
+
+def test_the_job_index_keeps_the_queue_in_priority_order_and_the_running_priorities():
+    from service.job_index import JobIndex
+    index = JobIndex(None, None)  # type: ignore[arg-type]  (applying records touches no store)
+    waiting = [job("old-low", 0, created=1.0), job("new-high", 10, created=5.0), job("old-high", 10, created=2.0)]
+    for j in waiting:
+        index._apply(j, j.id)
+    assert list(index.pending_ids()) == ["old-high", "new-high", "old-low"]
+    assert index.active_ids() == ["old-low", "old-high", "new-high"]  # (oldest first, as before)
+    assert index.lowest_running_priority() is None
+    started = waiting[1].model_copy(update={"state": S.RUNNING, "members": {"a": MemberStatus(state="running")}})
+    index._apply(started, started.id)
+    assert list(index.pending_ids()) == ["old-high", "old-low"] and index.lowest_running_priority() == 10
+    giving = started.model_copy(update={"preempt": Preemption(by="x", by_priority=20, leave=["a"],
+                                                              requested_at=NOW)})
+    index._apply(giving, giving.id)
+    assert [j.id for j in index.yielding()] == ["new-high"]
+    index._apply(giving.model_copy(update={"state": S.SUCCEEDED, "preempt": None}), giving.id)
+    assert index.lowest_running_priority() is None and index.yielding() == []
