@@ -29,6 +29,7 @@ so that what one victim frees is not handed back to it, or to another job, as a 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ from service.decide.state import note
 from service.models import EventView, JobRecord, JobState, NodeRecord, Preemption
 
 S = JobState
+
+
+_MAY_GIVE = frozenset((S.STARTING, S.RUNNING, S.RECOVERING))
+_LIVE = frozenset(("assigned", "running"))  # `MemberStatus.is_live`
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,10 @@ def live(job: JobRecord) -> list[str]:
 def is_candidate(job: JobRecord) -> bool:
     """`job` may be preempted: it holds nodes and runs (or starts, or recovers), and is not
     already giving nodes up, stopping, cancelled or ending (a finished member: it is let end)."""
-    return (job.preempt is None and not job.stopping and job.state in (S.STARTING, S.RUNNING, S.RECOVERING)
-            and any(m.is_live() for m in job.members.values())
-            and not any(m.is_finished() for m in job.members.values()))
+    if job.preempt is not None or job.stopping or job.state not in _MAY_GIVE:
+        return False
+    states = {m.state for m in job.members.values()}
+    return "succeeded" not in states and not states.isdisjoint(_LIVE)
 
 
 def work_since_snapshot(job: JobRecord, now: float) -> float:
@@ -83,51 +89,80 @@ def coming(jobs: Iterable[JobRecord]) -> dict[str, list[str]]:
     return found
 
 
-def _spare(job: JobRecord, fit: set[str]) -> list[str]:
+def _spare(job: JobRecord, members: list[str], fit) -> list[str]:
     """The nodes `job` can give while staying at its `min`, that fit: group rank 0's node last
     (the node that holds the group's rank 0 stays, where it can)."""
-    members = live(job)
     leader = (job.group or "").split("/")[0]
-    ordered = sorted((n for n in members if n in fit), key=lambda n: (n == leader, n))
+    ordered = sorted((n for n in members if fit(n)), key=lambda n: (n == leader, n))
     return ordered[:max(0, len(members) - job.spec.nodes.min)]
 
 
-def in_victim_order(jobs: Iterable[JobRecord], now: float) -> list[JobRecord]:
-    """The jobs that may be preempted (`is_candidate`), in the order victims are taken."""
-    return sorted((j for j in jobs if is_candidate(j)), key=lambda j: victim_key(j, now))
+class Victims:
+    """The running jobs that may be preempted (`is_candidate`), in the order victims are taken
+    (`victim_key`): sorted once for a scheduler pass (built only when a waiting job looks for
+    victims), then asked for each waiting job that does (`choose`), at a cost that grows with
+    the victims it takes, not with every running job, save when too few nodes run below it."""
+
+    def __init__(self, jobs: Iterable[JobRecord], now: float, below: int | None = None,
+                 taken: set[str] | None = None):
+        """`below`: only jobs of a lower priority than this are looked at (the priority of the
+        waiting job that asks: in queue order, the highest that will); `taken`: the ids of jobs
+        taken already in this pass."""
+        self.below = below
+        if below is not None:
+            jobs = [j for j in jobs if j.spec.priority < below]
+        self.order = sorted((j for j in jobs if is_candidate(j)), key=lambda j: victim_key(j, now))
+        self.live = {j.id: live(j) for j in self.order}
+        self.shrinkable = [j for j in self.order if len(self.live[j.id]) > j.spec.nodes.min]
+        self.priorities = [j.spec.priority for j in self.order]  # ascending: lowest priority first
+        # nodes held by order[:i], for each i: what all the jobs below a priority hold
+        self.held = list(itertools.accumulate((len(self.live[j.id]) for j in self.order), initial=0))
+        self.taken: set[str] = taken if taken is not None else set()  # by an earlier `choose` of this pass
+
+    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord]) -> list[Take]:
+        """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
+        start; [] when none is needed or not enough can be taken (then none is taken)."""
+        if need <= 0:
+            return []
+        prio = waiter.spec.priority
+        below = bisect.bisect_left(self.priorities, prio)  # the candidates of lower priority: a prefix
+        if self.held[below] < need:  # (an upper bound: taken jobs and nodes that do not fit included)
+            return []
+        cache: dict[str, bool] = {}
+
+        def fit(n: str) -> bool:
+            if n not in cache:
+                cache[n] = n in nodes and fits(waiter.spec, nodes[n])
+            return cache[n]
+
+        takes: dict[str, Take] = {}
+        got = 0
+        for j in self.shrinkable:  # first shrink those above their min
+            if got >= need or j.spec.priority >= prio:
+                break
+            if j.id not in self.taken and (give := _spare(j, self.live[j.id], fit)[:need - got]):
+                takes[j.id] = Take(j, tuple(sorted(give)), suspend=False)
+                got += len(give)
+        for j in itertools.islice(self.order, below):  # then suspend whole jobs
+            if got >= need:
+                break
+            if j.id in self.taken:
+                continue
+            members = self.live[j.id]
+            extra = sum(1 for n in members if fit(n)) - (len(takes[j.id].leave) if j.id in takes else 0)
+            if extra > 0:
+                takes[j.id] = Take(j, tuple(members), suspend=True)
+                got += extra
+        if got < need:
+            return []
+        self.taken.update(takes)
+        return list(takes.values())
 
 
-def choose(waiter: JobRecord, need: int, candidates: Sequence[JobRecord],
-           nodes: Mapping[str, NodeRecord]) -> list[Take]:
-    """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
-    start; [] when none is needed or not enough can be taken. `candidates`: `in_victim_order`
-    (sorted once for a pass, not for each waiting job)."""
-    if need <= 0:
-        return []
-    prio = waiter.spec.priority
-    # (in victim order, lowest priority first: the ones below the waiter's are a prefix)
-    ordered = list(itertools.takewhile(lambda j: j.spec.priority < prio, candidates))
-    fit = {n for j in ordered for n in live(j) if n in nodes and fits(waiter.spec, nodes[n])}
-    if len(fit) < need:
-        return []
-    takes: dict[str, Take] = {}
-    got = 0
-    for j in ordered:  # first shrink those above their min
-        if got >= need:
-            break
-        give = _spare(j, fit)[:need - got]
-        if give:
-            takes[j.id] = Take(j, tuple(sorted(give)), suspend=False)
-            got += len(give)
-    for j in ordered:  # then suspend whole jobs
-        if got >= need:
-            break
-        useful = [n for n in live(j) if n in fit]
-        extra = len(useful) - (len(takes[j.id].leave) if j.id in takes else 0)
-        if extra > 0:
-            takes[j.id] = Take(j, tuple(live(j)), suspend=True)
-            got += extra
-    return list(takes.values()) if got >= need else []
+def choose(waiter: JobRecord, need: int, candidates: Iterable[JobRecord], nodes: Mapping[str, NodeRecord],
+           now: float) -> list[Take]:
+    """`Victims(candidates, now).choose(waiter, need, nodes)`: for one waiting job."""
+    return Victims(candidates, now).choose(waiter, need, nodes)
 
 
 def mark(take: Take, waiter: JobRecord, now: float) -> tuple[JobRecord, EventView]:

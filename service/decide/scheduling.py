@@ -455,24 +455,25 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     floor, yielding = running if running is not None else \
         (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
     leaving = preempt.coming(yielding)
-    by_order: list[JobRecord] | None = None  # the candidates in victim order, sorted at the first claim
+    victims: preempt.Victims | None = None  # made at the first waiting job that looks for victims
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
     claims_left = MAX_PREEMPTORS
 
     def claim(job: JobRecord) -> None:
         """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
         the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
-        nonlocal offered, by_order
+        nonlocal offered, victims
         usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
         need = job.spec.nodes.min - len(usable) - len(leaving.get(job.id, ()))
-        if need > 0 and by_order is None:
-            by_order = preempt.in_victim_order(others, now)
-        takes = preempt.choose(job, need, by_order or [], nodes)
+        if need > 0 and (victims is None or job.spec.priority > (victims.below or 0)):
+            # (in queue order the first to ask has the highest priority, but for a job held for)
+            victims = preempt.Victims(others, now, below=job.spec.priority,
+                                      taken=None if victims is None else victims.taken)
+        takes = victims.choose(job, need, nodes) if need > 0 and victims is not None else []
         if need > 0 and not takes:
             return
         for t in takes:
             marked[t.victim.id] = preempt.mark(t, job, now)
-            by_order = [j for j in by_order or [] if j.id != t.victim.id]
             leaving.setdefault(job.id, []).extend(t.leave)
         if takes:
             waiter, event = preempt.noted_on_waiter(job, takes, now)

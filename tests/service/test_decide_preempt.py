@@ -82,7 +82,7 @@ def test_schedule_starts_the_higher_priority_job_on_the_one_free_node():
 ])
 def test_choose_victims(need, running, taken):
     waiter = job("w", 10, mn=need, mx=need)
-    got = preempt.choose(waiter, need, preempt.in_victim_order(running, NOW), nodes("a", "b", "c", "d"))
+    got = preempt.choose(waiter, need, running, nodes("a", "b", "c", "d"), NOW)
     assert [(t.victim.id, t.leave, t.suspend) for t in got] == taken
 
 
@@ -91,7 +91,7 @@ def test_a_job_already_giving_nodes_up_stopping_or_ending_is_no_victim():
     stopping = job("s", 0, ["c", "d"], stopping=True)
     ending = job("e", 0, ["e", "f"]).model_copy(update={"members": {
         "e": MemberStatus(state="succeeded"), "f": MemberStatus(state="running")}})
-    assert preempt.in_victim_order([marked, stopping, ending], NOW) == []
+    assert preempt.Victims([marked, stopping, ending], NOW).order == []
 
 
 def test_a_suspended_job_does_not_preempt_back_the_job_that_took_its_nodes():
@@ -100,7 +100,7 @@ def test_a_suspended_job_does_not_preempt_back_the_job_that_took_its_nodes():
     taker = job("high", 10, ["a"])
     plans = schedule([suspended, taker], nodes("a"), NOW, CFG)
     assert plans == []
-    assert preempt.choose(suspended, 1, preempt.in_victim_order([taker], NOW), nodes("a")) == []
+    assert preempt.choose(suspended, 1, [taker], nodes("a"), NOW) == []
 
 
 # ------------------------------------------------------------------ a pass that preempts
