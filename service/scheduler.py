@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import hangs, keep
+from service.decide import hangs, keep, preempt
 from service.decide.change import Change
 from service.decide.order import queue_key
 from service.decide.scheduling import (
+    Plan,
     SchedulerConfig,
     Settled,
     free_for,
@@ -43,11 +44,12 @@ from service.decide.scheduling import (
     offer_to,
     plan,
     schedule_queue,
+    with_mark,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord, JobState, NodeRecord
+from service.models import JobRecord, JobState, NodeRecord, Preemption
 from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
@@ -241,12 +243,19 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             if reserved is None:
                 reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
-            def decide(current: JobRecord, reserved: dict[str, str] = reserved) -> Change | None:
+            def decide(current: JobRecord, reserved: dict[str, str] = reserved,
+                       mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
                 # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job).
+                # (as members, or held for a waiting job). A victim marked in this pass is
+                # marked again on it, if the mark still holds there (`decide.preempt`).
+                now = jobs.clock()
+                marked = preempt.remark(current, mark, now) \
+                    if mark is not None and preempt.still_applies(current, mark) else None
                 free = offer_to(current, free_for(current, held, live_nodes), reserved)
-                again = plan(current, live_nodes, free, jobs.clock(), cfg, graced,
+                again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
+                if marked is not None:
+                    again = with_mark(marked, again)
                 return None if again is None else Change(again.job, again.events)
 
             try:
@@ -272,6 +281,11 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+def _new_mark(p: Plan, original: JobRecord) -> Preemption | None:
+    """The preemption `p` marks its job with in this pass (None: none new)."""
+    return p.job.preempt if p.job.preempt is not None and original.preempt is None else None
 
 
 async def memory_copies(jobs: JobStore, job_id: str) -> list[MemorySnapshot]:

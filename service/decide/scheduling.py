@@ -510,7 +510,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         p = plan(job if mark is None else mark[0], nodes, offered, now, cfg, graced,
                  copies.get(job.id, ()), gone)
         if mark is not None:
-            p = _marked(mark, p)
+            p = with_mark(mark, p)
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:
@@ -520,7 +520,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     return plans
 
 
-def _marked(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
+def with_mark(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
     """The plan of a job marked as a preemption's victim in this pass (`mark`: its record so
     marked, and the event), made on that record (`p`, None if it changes nothing more)."""
     record, event = mark
