@@ -28,7 +28,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
-MAX_PREEMPT_GRACE_S = 3600
+# torchrun stops its workers on SIGTERM with SIGKILL 30 s later (torch's `PContext.close`): a
+# longer grace would not be given.
+MAX_PREEMPT_GRACE_S = 30
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.

@@ -241,3 +241,12 @@ def test_the_job_index_keeps_the_queue_in_priority_order_and_the_running_priorit
     assert [j.id for j in index.yielding()] == ["new-high"]
     index._apply(giving.model_copy(update={"state": S.SUCCEEDED, "preempt": None}), giving.id)
     assert index.lowest_running_priority() is None and index.yielding() == []
+
+
+@pytest.mark.parametrize("field, value", [("priority", 1001), ("priority", -1001), ("priority", "high"),
+                                          ("preempt_grace_s", 31), ("preempt_grace_s", -1)])
+def test_out_of_range_priority_or_grace_is_refused_naming_the_field(field, value):
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError) as err:
+        JobSpec(name="j", command=["true"], **{field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
