@@ -9,9 +9,9 @@ ones first; the loop that applies the plans is `service.scheduler`.
 Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and takes up
 to `nodes.max`; waiting jobs are offered nodes in priority order, then oldest first
 (`decide.order`), and one of higher priority that cannot start takes nodes from running jobs
-of lower priority (`decide.preempt`: they shrink or are suspended, `_yield_nodes`). A running job below `max` is given free nodes (scale-up) once no
-pending job can use them. Only nodes with what the job asks of each (`gpus_per_node`:
-`placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
+of lower priority (`decide.preempt`: they shrink or are suspended, `_yield_nodes`). A running
+job below `max` is given free nodes (scale-up) once no pending job can use them. Only nodes
+with what the job asks of each (`gpus_per_node`: `placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
 released; those that hold its memory copy are held for it a while (`keep`: it is offered
 them first, and no other job is). Not a member in `graced`, though: after an outage in

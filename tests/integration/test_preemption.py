@@ -28,7 +28,8 @@ def test_a_higher_priority_job_shrinks_then_suspends_a_runtime_job_losing_no_ste
     # Snapshots only at the preemptions' step boundaries: a resume from anywhere else would lose steps.
     low = submit(api, train_spec("low", 200, every=100_000, mn=1, mx=2, delay_s=0.03))
     with SnapshotWatch(control_plane, low) as watch:
-        wait_for(lambda: (j := job(api, low))["world_size"] == 2 and (j["progress"] or {}).get("step", 0) >= 5,
+        wait_for(lambda: (j := job(api, low))["world_size"] == 2
+                 and (j["progress"] or {}).get("step", 0) >= 5,
                  120, "the low-priority job to train on both nodes")
         high_a = submit(api, train_spec("high-a", 60, mn=1, mx=1, priority=10, delay_s=0.03))
         wait_for(lambda: job(api, high_a)["state"] == "RUNNING" and len(job(api, low)["nodes"]) == 1, 120,
@@ -46,9 +47,11 @@ def test_a_higher_priority_job_shrinks_then_suspends_a_runtime_job_losing_no_ste
     assert all(resumed >= last for _, resumed, last in trace.resumes), trace.resumes
     assert trace.steps[-1] == 200
     said = reasons(api, low)
-    assert any(r.startswith(f"preempted by job {high_a} (priority 10): giving up node(s)") for r in said), said
+    assert any(r.startswith(f"preempted by job {high_a} (priority 10): giving up node(s)")
+               for r in said), said
     assert any(r.startswith(f"preempted by job {high_b} (priority 10): suspended") for r in said), said
-    assert any(r.startswith(f"preempting job {low} (priority 0): taking node(s)") for r in reasons(api, high_a))
+    assert any(r.startswith(f"preempting job {low} (priority 0): taking node(s)")
+               for r in reasons(api, high_a))
     assert f"preempting job {low} (priority 0): suspending it" in reasons(api, high_b)
     by_cause = done["restarts_by_cause"]
     assert by_cause["preemption"] == 2 and by_cause["failure"] == 0 and done["restarts"] == 0, by_cause
@@ -61,8 +64,8 @@ def test_a_preempted_plain_script_gets_sigterm_and_its_grace_then_runs_again(api
     low = submit(api, {"name": "plain", "command": ["python", str(SAVES), "--steps", "60"],
                        "preempt_grace_s": grace_s, "max_restarts": 0})
     wait_for(lambda: any(i["line"] == "step 3" for i in log_items(api, low)), 60, "the plain script to step")
-    high = submit(api, {"name": "urgent", "command": ["python", str(REPO / "tests" / "scripts" / "exit_with.py"),
-                                                      "0"], "priority": 5})
+    quick = ["python", str(REPO / "tests" / "scripts" / "exit_with.py"), "0"]
+    high = submit(api, {"name": "urgent", "command": quick, "priority": 5})
     assert wait_state(api, high, ("SUCCEEDED", "FAILED"), timeout_s=90)["state"] == "SUCCEEDED"
     lines = [i["line"] for i in log_items(api, low) if i["attempt"] == 1]
     assert any(x.startswith("SIGTERM at step") for x in lines), lines[-5:]
