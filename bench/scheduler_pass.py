@@ -2,6 +2,11 @@
 
     python bench/scheduler_pass.py                     # 1,000 nodes, 999 jobs running, 0..20,000 pending
     python bench/scheduler_pass.py --pending 0,5000,20000 --passes 20
+    python bench/scheduler_pass.py --nodes 5000 --pending 2000 --priorities 10 --passes 100
+
+With `--priorities K`, the waiting jobs' priorities go round 0..K-1 above the running jobs' 0, so
+the jobs at the head of the queue preempt (bench agents never stop their workers: the victims
+stay marked, and later passes find the nodes already leaving for them).
 
 What bench/api.py's submissions phase makes of the control plane: every node holds a job
 (the first submissions took them all) and every later submission waits PENDING, while each
@@ -47,6 +52,10 @@ async def main(args) -> None:
     for _ in range(args.nodes):
         await ctx.jobs.create(SPEC)
     await asyncio.sleep(0.1)  # the node view and the index take in the watch's events
+
+    def waiting(i: int) -> JobSpec:
+        """The i-th waiting job's spec: its priority goes round 0..K-1 (`--priorities`)."""
+        return SPEC if args.priorities <= 1 else SPEC.model_copy(update={"priority": i % args.priorities})
     reasons: dict[str, str] = {}
     watches: dict = {}
     missing: dict[str, float] = {}
@@ -58,25 +67,27 @@ async def main(args) -> None:
                              missing_since=missing, **kept)
         return time.perf_counter() - t
 
-    await one_pass()
+    for _ in range(args.nodes // scheduler.MAX_STARTS_PER_PASS + 2):  # a pass starts at most that many
+        await one_pass()
     running = sum(1 for j in ctx.index.jobs() if j.state in (JobState.STARTING, JobState.RUNNING))
     print(f"{args.nodes} nodes, {running} jobs running; {args.passes} passes per row")
-    print(f"{'pending':>8}{'pass p50 ms':>13}{'pass max ms':>13}{'submit+pass ms':>16}")
+    print(f"{'pending':>8}{'pass p50 ms':>13}{'pass p99 ms':>13}{'pass max ms':>13}{'submit+pass ms':>16}")
     pending = 0
     for target in args.pending:
         while pending < target:
-            await ctx.jobs.create(SPEC)
+            await ctx.jobs.create(waiting(pending))
             pending += 1
         await asyncio.sleep(0)
         times = [await one_pass() for _ in range(args.passes)]
         # One submission followed by the pass it wakes, as under a stream of submissions.
         t = time.process_time()
         for _ in range(args.passes):
-            await ctx.jobs.create(SPEC)
+            await ctx.jobs.create(waiting(pending))
             await one_pass()
         per_submit = (time.process_time() - t) / args.passes
         pending += args.passes
-        print(f"{target:>8}{statistics.median(times) * 1e3:>13.2f}{max(times) * 1e3:>13.2f}"
+        p99 = sorted(times)[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+        print(f"{target:>8}{statistics.median(times) * 1e3:>13.2f}{p99 * 1e3:>13.2f}{max(times) * 1e3:>13.2f}"
               f"{per_submit * 1e3:>16.2f}", flush=True)
     for task in tasks:
         task.cancel()
@@ -88,4 +99,6 @@ if __name__ == "__main__":
     ap.add_argument("--pending", type=lambda s: [int(x) for x in s.split(",")],
                     default=[0, 1000, 5000, 10000, 20000])
     ap.add_argument("--passes", type=int, default=20)
+    ap.add_argument("--priorities", type=int, default=1,
+                    help="waiting jobs' priorities go round 0..K-1 (running ones: 0); 1: all 0")
     asyncio.run(main(ap.parse_args()))

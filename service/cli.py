@@ -302,9 +302,20 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         return
     now = time.time()
     _table([[j["id"], j["name"], j.get("owner", "-"), j["state"], _nodes_in_use(j),
-             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(_why(j))]
+             _progress(j), _restarts(j), _duration(j, now), _one_line(_why(j))]
             for j in jobs],
            ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION", "REASON"])
+
+
+# How `ftrain list` names each cause of restarts (service.models.RestartCounts), in this order.
+RESTART_CAUSES = {"failure": "fail", "lost_node": "lost", "preemption": "preempt", "resize": "resize"}
+
+
+def _restarts(job: dict) -> str:
+    """Restarts in all, and by cause where any: `3 (1 fail, 2 preempt)`."""
+    by = job.get("restarts_by_cause") or {"failure": job.get("restarts", 0)}
+    parts = [f"{by[c]} {word}" for c, word in RESTART_CAUSES.items() if by.get(c)]
+    return f"{sum(by.get(c, 0) for c in RESTART_CAUSES)} ({', '.join(parts)})" if parts else "0"
 
 
 def _nodes_in_use(job: dict) -> str:
@@ -360,7 +371,7 @@ def status(client: FtrainClient, as_json: bool, job_id: str, watch: bool, interv
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
-        ("restarts", f"{job['restarts']} of {spec['max_restarts']}"),
+        ("restarts", f"{_restarts(job)}; failures {job['restarts']} of {spec['max_restarts']}"),
         ("step", _progress(job)
          + (f", loss {progress['loss']:.4g}" if progress.get("loss") is not None else "")
          + (f", {progress['samples_per_s']:.1f} samples/s" if progress.get("samples_per_s") else "")),

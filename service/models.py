@@ -28,6 +28,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
+# torchrun stops its workers on SIGTERM with SIGKILL 30 s later (torch's `PContext.close`): a
+# longer grace would not be given.
+MAX_PREEMPT_GRACE_S = 30
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
@@ -154,6 +157,13 @@ class JobSpec(_Strict):
         None, ge=2, le=MAX_HANG_TIMEOUT_S,
         description="Restart the workers (as a worker failure) when rank 0, having reported "
                     "progress through the runtime, does not advance its step for this long.")
+    priority: JsonInt = Field(0, ge=-1000, le=1000,
+                              description="Higher starts first and may preempt lower (default 0).")
+    preempt_grace_s: JsonFloat = Field(
+        30, ge=0, le=MAX_PREEMPT_GRACE_S,
+        description="When preempted, a script that does not use the ftrain runtime gets SIGTERM and "
+                    "this long to save before its workers are stopped (a runtime script snapshots at "
+                    "a step boundary instead).")
 
     @field_validator("name")
     @classmethod
@@ -279,6 +289,42 @@ class KeptCopies(BaseModel):
     until: float = Field(..., description="The end of the hold: past it, they are free like any node.")
 
 
+RestartCause = Literal["failure", "lost_node", "preemption", "resize"]
+
+
+class RestartCounts(BaseModel):
+    """How often a job's group was stopped and started again, by cause. Only failures spend
+    `max_restarts`: a lost node, a preemption or a resize (a node joining, a drain) is no
+    fault of the job's (`docs/scheduling.md`)."""
+
+    failure: int = Field(0, description="Its workers failed, crashed or hung.")
+    lost_node: int = Field(0, description="A node it ran on was lost.")
+    preemption: int = Field(0, description="A job of higher priority took some or all of its nodes.")
+    resize: int = Field(0, description="A planned membership change: a node joined or was drained.")
+
+    def plus(self, cause: RestartCause) -> RestartCounts:
+        """These counts with one more restart of `cause`."""
+        return self.model_copy(update={cause: getattr(self, cause) + 1})
+
+    def total(self) -> int:
+        return self.failure + self.lost_node + self.preemption + self.resize
+
+
+class Preemption(BaseModel):
+    """On a running job: a job of higher priority takes `leave` (some of its nodes: it shrinks at
+    a step boundary) or every node (`suspend`: it goes back to PENDING, its state kept)
+    (`service.decide.preempt`)."""
+
+    by: str = Field(..., description="The id of the waiting job that takes the nodes.")
+    by_priority: int
+    leave: list[str] = Field(..., description="The nodes it gives up.")
+    suspend: bool = False
+    requested_at: float
+
+    def describe(self) -> str:
+        return f"job {self.by} (priority {self.by_priority})"
+
+
 class Control(BaseModel):
     id: int
     action: ControlAction
@@ -311,7 +357,7 @@ class JobRecord(BaseModel):
     # may still ship the lines their workers wrote (`decide.members.note_former_members`).
     former_members: list[str] = Field(default_factory=list)
     world_size: int = 0
-    restarts: int = 0
+    restarts_by_cause: RestartCounts = Field(default_factory=RestartCounts)
     rounds: int = 0
     event_seq: int = 0
     latest_snapshot: SnapshotMeta | None = None
@@ -349,10 +395,17 @@ class JobRecord(BaseModel):
     # While PENDING after losing a node: the survivors that hold its memory copy, kept for it a
     # while (service.decide.keep); None once it starts again.
     kept: KeptCopies | None = None
+    # While a job of higher priority takes some or all of its nodes (`decide.preempt`).
+    preempt: Preemption | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _progress_moved_out(cls, data):
+        # Records written before restarts were counted by cause counted failures only.
+        if isinstance(data, dict) and "restarts" in data:
+            restarts = data["restarts"]
+            data = {k: v for k, v in data.items() if k != "restarts"}
+            data.setdefault("restarts_by_cause", {"failure": restarts})
         # Records written before progress had a key of its own carried it here.
         if isinstance(data, dict) and data.get("progress") is not None:
             data = {**data, "reports_progress": True}
@@ -360,6 +413,11 @@ class JobRecord(BaseModel):
         if isinstance(data, dict) and "token" in data:
             data = {k: v for k, v in data.items() if k != "token"} | {"legacy_token": data["token"]}
         return data
+
+    @property
+    def restarts(self) -> int:
+        """The restarts that spend `max_restarts`: failures (`restarts_by_cause` has the rest)."""
+        return self.restarts_by_cause.failure
 
     @property
     def rdzv_id(self) -> str:
@@ -374,6 +432,7 @@ class JobRecord(BaseModel):
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
+            restarts_by_cause=self.restarts_by_cause,
             latest_snapshot=self.latest_snapshot, progress=progress,
             regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
         )
@@ -396,7 +455,12 @@ class JobView(BaseModel):
     attempt: int
     nodes: list[str]
     world_size: int
-    restarts: int
+    restarts: int = Field(..., description="Restarts after a failure of its workers: the ones that "
+                          "count against `spec.max_restarts` (`restarts_by_cause.failure`).")
+    restarts_by_cause: RestartCounts = Field(
+        default_factory=RestartCounts,
+        description="Restarts by cause: failure (as `restarts`), lost_node, preemption, resize. Only "
+                    "failures count against `spec.max_restarts`.")
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
     regrouping: bool = Field(False, description="Its group stopped (or has yet to start) and no step of "

@@ -24,15 +24,18 @@ import asyncio
 import collections
 import contextlib
 import logging
+import operator
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import hangs, keep
+from service.decide import hangs, keep, preempt
 from service.decide.change import Change
+from service.decide.order import queue_key
 from service.decide.scheduling import (
+    Plan,
     SchedulerConfig,
     Settled,
     free_for,
@@ -41,11 +44,12 @@ from service.decide.scheduling import (
     offer_to,
     plan,
     schedule_queue,
+    with_mark,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord, JobState, NodeRecord
+from service.models import JobRecord, JobState, NodeRecord, Preemption
 from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
@@ -65,6 +69,7 @@ STALL_MARGIN_S = 1.0
 # At most this many jobs start in one pass (its planning is one step of the event loop; two
 # transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
 MAX_STARTS_PER_PASS = 128
+PREEMPTED = operator.attrgetter("preempt")  # a job giving nodes to one of higher priority (or None)
 
 
 class PassTimes:
@@ -109,9 +114,9 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], list[JobRecord]]:
-    """The unfinished jobs, oldest first, as the watch-fed index has them, apart: the
-    PENDING ones (lazily: to be read before the next await, and only as far as needed) and
-    the others (those that hold nodes).
+    """The unfinished jobs as the watch-fed index has them, apart: the PENDING ones in queue
+    order (`decide.order`; lazily: to be read before the next await, and only as far as
+    needed) and the others (those that hold nodes), oldest first.
 
     The index has this control plane's own writes at once (`JobIndex.note_written`), so a
     tick sees its last writes; another replica's (a report, a cancel) a watch event later,
@@ -125,7 +130,7 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
     if not index.ready.is_set():
         found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
                        key=lambda j: (j.created_at, j.id))
-        return ([j for j in found if j.state is JobState.PENDING],
+        return (sorted((j for j in found if j.state is JobState.PENDING), key=queue_key),
                 [j for j in found if j.state is not JobState.PENDING])
     pending = (j for j in map(index.get, index.pending_ids())
                if j is not None and j.state is JobState.PENDING)
@@ -169,7 +174,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if contact is not None:
             graced = contact.graced(missing_since, now)
     copies: dict[str, list[MemorySnapshot]] = {}
-    for job in others if missing else ():  # (a job falls short when it loses a node)
+    # (a job falls short when it loses a node, or is suspended by a preemption)
+    for job in others if missing else (index.yielding() if from_index else filter(PREEMPTED, others)):
         if keep.may_fall_short(job, live_nodes, graced):
             copies[job.id] = await memory_copies(jobs, job.id)
     # Why each missing member went, where a control plane noted it (service.nodes.departures).
@@ -184,8 +190,11 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if settled is not None:
         settled.keep_only(active)
+    # (kept by the index as jobs change: a pass need not look through every running job for them)
+    running = (index.lowest_running_priority(), index.yielding()) if from_index else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None, claims, copies, gone)
+                           settled, index.revision_of if from_index else None, claims, copies, gone,
+                           running)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -198,7 +207,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     revision_of: Callable[[str], int] | None = None,
                     claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None,
-                    gone: dict[str, str] | None = None) -> bool:
+                    gone: dict[str, str] | None = None,
+                    running: tuple[int | None, list[JobRecord]] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -214,7 +224,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies, gone)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, running)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -233,12 +243,19 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             if reserved is None:
                 reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
-            def decide(current: JobRecord, reserved: dict[str, str] = reserved) -> Change | None:
+            def decide(current: JobRecord, reserved: dict[str, str] = reserved,
+                       mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
                 # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job).
+                # (as members, or held for a waiting job). A victim marked in this pass is
+                # marked again on it, if the mark still holds there (`decide.preempt`).
+                now = jobs.clock()
+                marked = preempt.remark(current, mark, now) \
+                    if mark is not None and preempt.still_applies(current, mark) else None
                 free = offer_to(current, free_for(current, held, live_nodes), reserved)
-                again = plan(current, live_nodes, free, jobs.clock(), cfg, graced,
+                again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
+                if marked is not None:
+                    again = with_mark(marked, again)
                 return None if again is None else Change(again.job, again.events)
 
             try:
@@ -264,6 +281,11 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+def _new_mark(p: Plan, original: JobRecord) -> Preemption | None:
+    """The preemption `p` marks its job with in this pass (None: none new)."""
+    return p.job.preempt if p.job.preempt is not None and original.preempt is None else None
 
 
 async def memory_copies(jobs: JobStore, job_id: str) -> list[MemorySnapshot]:

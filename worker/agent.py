@@ -232,7 +232,7 @@ class NodeAgent:
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):
-            if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
+            if g.key == key:  # a cancel or a preemption: give a plain script time to save on SIGTERM
                 self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
                 # blocked in an NCCL collective with a dead peer and never see SIGTERM), and

@@ -160,7 +160,9 @@ def _assignment(ctx: Context, job: JobRecord) -> tuple[bytes, bool]:
         nproc_per_node=spec.nproc_per_node, nodes_min=spec.nodes.min, nodes_max=spec.nodes.max,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
-        global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
+        global_batch_size=spec.global_batch_size,
+        # (a plain script preempted gets its spec's grace to save: `decide.preempt`)
+        cancel_grace_s=ctx.settings.cancel_grace_s if job.preempt is None else spec.preempt_grace_s,
     )).model_dump_json().encode(), not missing
 
 
