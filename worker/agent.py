@@ -43,7 +43,7 @@ from .end_record import EndRecord, EndRecords, recover
 from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
 from .log_shipper import LogShipper
-from .node_link import NameInUse, NodeForgotten, NodeLink, lock_name
+from .node_link import PRESENCE_CONNECTIONS, NameInUse, NodeForgotten, NodeLink, lock_name
 from .protocol import Assignment
 from .run_as import RunAs
 from .torchrun import CouldNotStart, Torchrun
@@ -110,7 +110,9 @@ class NodeAgent:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
-        threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
+        for connection in range(PRESENCE_CONNECTIONS):
+            threading.Thread(target=self.hold_presence, args=(connection,), name=f"presence-{connection}",
+                             daemon=True).start()
         while not self._shutdown.is_set() or self._leaving():
             beat_started, known_before = time.monotonic(), link.known
             try:
@@ -183,14 +185,17 @@ class NodeAgent:
                      self.name, g.job_id, grace_s)
         return time.monotonic() < self._leave_by
 
-    def hold_presence(self) -> None:
-        """A thread's loop: keep a presence request open while registered (service/presence.py)."""
+    def hold_presence(self, connection: int) -> None:
+        """A thread's loop: keep a presence request open on `connection` while registered
+        (service/presence.py). The second starts half a hold after the first, so that one is
+        held while the other is between two requests."""
+        self._gone.wait(connection * self.link.timeouts.presence_hold_s / PRESENCE_CONNECTIONS)
         while not self._gone.is_set():  # held while the node leaves, too
             if not self.link.registered:
                 self._gone.wait(0.1)
                 continue
             try:
-                self.link.hold_presence()
+                self.link.hold_presence(connection)
             except HttpError:  # no answer, or 404 (the loop registers again): soon again
                 self._gone.wait(0.2)
 

@@ -176,7 +176,8 @@ async def presence(name: str, request: Request, ctx: ContextDep, digest: NodeSel
     connection that drops while held and is not back soon is a lost node (service/presence.py).
     404: no node of this name is alive (register again)."""
     lease = await ctx.nodes.lease_of(name, digest)
-    await ctx.presence.hold(name, lease, request.receive, ctx.settings.presence_hold_s)
+    conn = f"{request.client.host}:{request.client.port}" if request.client else None
+    await ctx.presence.hold(name, lease, request.receive, ctx.settings.presence_hold_s, conn)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
