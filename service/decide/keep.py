@@ -54,7 +54,7 @@ def may_fall_short(job: JobRecord, nodes: Mapping[str, NodeRecord], graced: froz
     if not job.state.is_active() or job.state is JobState.CANCELLING:
         return False
     live = [n for n, m in job.members.items() if m.is_live()]
-    staying = [n for n in live if (n in nodes and nodes[n].state is not NodeState.DRAINING)
+    staying = [n for n in live if (n in nodes and not nodes[n].state.takes_no_work())
                or (n not in nodes and n in graced)]
     return len(staying) < len(live) and len(staying) < job.spec.nodes.min
 

@@ -204,7 +204,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
-    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state is NodeState.DRAINING]
+    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state.takes_no_work()]
     if draining:
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")

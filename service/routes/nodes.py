@@ -37,6 +37,7 @@ from service.models import (
 from service.rendezvous import delete_rendezvous
 from worker.protocol import (
     Assignment,
+    HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
     Known,
@@ -61,8 +62,10 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     timeouts = ctx.settings.timeouts
     credential, digest = new_node_credential(req.name)
     reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
+    sick = req.health.reason() if req.health is not None and not req.health.ok else None
     lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, timeouts.node_ttl_s,
-                                     digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model)
+                                     digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model,
+                                     quarantine=sick)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -181,6 +184,18 @@ async def presence(name: str, request: Request, ctx: ContextDep, digest: NodeSel
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/v1/nodes/{name}/health", response_model=NodeView)
+async def health(name: str, req: HealthReport, ctx: ContextDep, digest: NodeSelf) -> NodeView:
+    """The node's health checks, run between jobs: a failing one QUARANTINES the node (no job
+    is placed on it) until an admin's undrain; a passing one changes nothing (service/nodes.py)."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
+    if req.ok:
+        return _view(await ctx.nodes.get(name), _holders(ctx), ctx)
+    log.warning("node %s quarantined: %s", name, req.reason())
+    return _view(await ctx.nodes.quarantine(name, req.reason()), _holders(ctx), ctx)
+
+
 @router.post("/v1/nodes/{name}/report", response_model=ReportReply)
 async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSelf) -> ReportReply:
     """The node's workers for (job, attempt) started, or ended with this outcome."""
@@ -241,7 +256,7 @@ def _view(record: NodeRecord, holders: dict[str, tuple[str, str]], ctx: Context)
     held_for = waiting.id if waiting is not None and keep.holds(waiting, record, ctx.jobs.clock()) else None
     return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
                     gpus=record.gpus, gpu_model=record.gpu_model, address=record.address,
-                    registered_at=record.registered_at,
+                    registered_at=record.registered_at, reason=record.reason,
                     job=job_id, member_state=part, held_for=held_for)
 
 
