@@ -43,6 +43,7 @@ from .end_record import EndRecord, EndRecords, recover
 from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
 from .log_shipper import LogShipper
+from .health import HealthChecks
 from .node_link import PRESENCE_CONNECTIONS, NameInUse, NodeForgotten, NodeLink, lock_name
 from .protocol import Assignment
 from .run_as import RunAs
@@ -79,8 +80,9 @@ class NodeAgent:
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-                 keep_logs_s: float = log_retention.MAX_AGE_S):
+                 keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None):
         self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
+        self.health = health or HealthChecks()
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -110,6 +112,7 @@ class NodeAgent:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
+        link.health = self.health.run()  # before it registers: a sick node never gets a job
         for connection in range(PRESENCE_CONNECTIONS):
             threading.Thread(target=self.hold_presence, args=(connection,), name=f"presence-{connection}",
                              daemon=True).start()
@@ -272,6 +275,17 @@ class NodeAgent:
         self.link.report(g.job_id, g.attempt, *outcome)
         self.shipper.flush()
         self.prune_logs()
+        threading.Thread(target=self.check_health, name="health", daemon=True).start()
+
+    def check_health(self) -> None:
+        """Between jobs: run the checks again and send what they found (worker/health.py)."""
+        report = self.health.run()
+        if report is None:
+            return
+        try:
+            self.link.send_health(report)
+        except HttpError as exc:  # sent again with its next registration
+            log.warning("could not send the health checks' result: %s", exc)
 
     # ------------------------------------------------------------------ an end owed across a restart
     def still_running(self) -> tuple[str, int] | None:
@@ -370,7 +384,7 @@ def take_from_environ(name: str) -> str | None:
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None,
          run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-         keep_logs_s: float = log_retention.MAX_AGE_S) -> int | None:
+         keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None) -> int | None:
     # What the agent and the job's processes create (logs, the job's output, snapshots)
     # is their user's alone unless they say otherwise.
     os.umask(0o077)
@@ -379,7 +393,7 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     try:
         agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
-                          run_as, keep_logs_jobs, keep_logs_s)
+                          run_as, keep_logs_jobs, keep_logs_s, health)
     except NameInUse as exc:
         log.error("%s", exc)
         return 2

@@ -33,6 +33,7 @@ from . import gpus
 from .http import ApiError, ControlPlaneClient, HttpError, server_urls
 from .protocol import (
     Assignment,
+    HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
     Known,
@@ -130,6 +131,7 @@ class NodeLink:
         self.timeouts = Timeouts()
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
+        self.health: HealthReport | None = None  # the latest health checks, sent when it registers
         self.registered = False
         self.reports: list[ReportRequest] = []
 
@@ -148,7 +150,7 @@ class NodeLink:
                                   gpus=found.count, gpu_model=found.model,
                                   running=None if running is None else RunningGroup(job_id=running[0],
                                                                                     attempt=running[1]),
-                                  previous_credential=self._read_credential())
+                                  previous_credential=self._read_credential(), health=self.health)
         reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
@@ -271,6 +273,12 @@ class NodeLink:
         except OSError as exc:  # the node works on; only a restart would wait for the lease
             log.warning("could not keep the node credential in %s (%s): a restarted agent will "
                         "wait for this one's lease to lapse", self.credential_file, exc)
+
+    def send_health(self, report: HealthReport) -> None:
+        """Tell the control plane what this node's checks found between jobs (failing: the
+        node is QUARANTINED)."""
+        self.health = report
+        self.client.call("POST", f"/v1/nodes/{self.name}/health", report)
 
     def hold_presence(self, connection: int = 0) -> None:
         """One presence request on connection `connection` (of PRESENCE_CONNECTIONS): the
