@@ -38,6 +38,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
+from service.decide import attribution
 from service.decide import drains as decide_drains
 from service.decide.drains import StoredDrain
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StoreUnavailable
@@ -289,6 +290,21 @@ class NodeStore:
     async def _keep_quarantine(self, name: str, reason: str) -> None:
         note = {"drained_at": round(self.clock(), 3), "quarantine": reason}
         await self.kv.put(self.keys.drain(name), json.dumps(note).encode())
+
+    async def note_failure(self, name: str, job_id: str, alone: bool) -> str | None:
+        """Note that node `name`'s workers of `job_id` failed (`alone`: the job ran on
+        elsewhere) and quarantine the node if its failures follow it across jobs; why, if so."""
+        own = await self.kv.grant_lease(int(attribution.WINDOW_S))
+        note = {"at": round(self.clock(), 3), "alone": alone}
+        await self.kv.put(self.keys.failure(name, job_id), json.dumps(note).encode(), own)
+        prefix = self.keys.failures(name)
+        failures = [attribution.Failure(name, e.key[len(prefix):], **json.loads(e.value))
+                    async for e in self.kv.scan_prefix(prefix)]
+        why = attribution.blame(failures, name, self.clock())
+        if why is not None:
+            log.warning("node %s quarantined: %s", name, why)
+            await self.quarantine(name, why)
+        return why
 
     async def undrain(self, name: str) -> NodeRecord:
         """Put a drained or quarantined node back in service (READY: it may be given work

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response, status
 from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide import keep
+from service.decide.attribution import failed_alone
 from service.decide.liveness import broken_peer_suspects
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
@@ -205,6 +206,12 @@ async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSel
     job = await ctx.jobs.update(req.job_id, lambda job: decide_report(
         job, name, req.attempt, req.state, req.exit_code, req.reason, now))
     accepted = is_recorded(job, name, req.attempt, req.state)
+    if accepted and req.state == "failed":  # bad-node attribution (service.decide.attribution)
+        alone = failed_alone({n: m.state for n, m in job.members.items()}, name)
+        try:
+            await ctx.nodes.note_failure(name, req.job_id, alone)
+        except NodeNotFound:
+            pass  # gone meanwhile: nothing to quarantine
     return ReportReply(accepted=accepted,
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
 
