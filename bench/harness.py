@@ -264,7 +264,9 @@ class NodeAgentProc:
         self.cp = cp
         # More `ftrain node` options. The built-in health checks cost a process that imports
         # torch at every start: off unless a test asks for them (tests/integration/test_health.py).
-        self.args = args if args is not None and "--builtin-checks" in args else [*(args or []), "--no-builtin-checks"]
+        self.args = [*(args or [])]
+        if "--builtin-checks" not in self.args:
+            self.args.append("--no-builtin-checks")
         self.prefix = prefix or []  # a command the agent runs under (it execs the rest)
         self.env = env
         self.name = name

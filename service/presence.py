@@ -26,7 +26,9 @@ this replica held two connections of the node's a moment before (`PAIR_S`), ever
 of the agent closed: a dead process, lost at once, without a survivor's report. This is what
 confirms the loss of a plain script's node, whose workers report nothing (an NCCL worker
 blocked in a collective with a dead peer prints nothing). An agent whose two connections go to
-two replicas shows each of them one connection: there the blip bound stays. A revoke is exactly what a lapsed lease does (the node
+two replicas shows each of them one connection: there the blip bound stays.
+
+A revoke is exactly what a lapsed lease does (the node
 record goes, the scheduler treats the node as lost and its jobs move on), only seconds
 sooner. A report alone revokes nothing: a peer whose connection is held is alive (its worker
 died, not its agent); one whose agent is between two presence requests (it asks again within

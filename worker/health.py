@@ -51,7 +51,8 @@ def builtin_checks(timeout_s: float) -> list[HealthCheck]:
         done = subprocess.run([sys.executable, "-m", "worker.health_probe"], capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, cwd=HOME)
     except subprocess.TimeoutExpired:
-        return [HealthCheck(name="builtin", ok=False, detail=f"the built-in checks did not end within {timeout_s:g} s")]
+        return [HealthCheck(name="builtin", ok=False,
+                            detail=f"the built-in checks did not end within {timeout_s:g} s")]
     checks = []
     for line in done.stdout.splitlines():
         try:
@@ -59,8 +60,8 @@ def builtin_checks(timeout_s: float) -> list[HealthCheck]:
         except ValueError:
             continue  # a line of torch's own
     if done.returncode != 0 and all(c.ok for c in checks):
-        checks.append(HealthCheck(name="builtin", ok=False,
-                                  detail=f"the checks' process exited {done.returncode}: {_tail(done.stderr)}"))
+        why = f"the checks' process exited {done.returncode}: {_tail(done.stderr)}"
+        checks.append(HealthCheck(name="builtin", ok=False, detail=why))
     return checks
 
 
@@ -78,7 +79,8 @@ def own_check(command: str, timeout_s: float) -> HealthCheck:
                        detail=f"`{command}` exited {done.returncode}" + (f": {output}" if output else ""))
 
 
-def run_checks(builtin: bool, command: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> HealthReport | None:
+def run_checks(builtin: bool, command: str | None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> HealthReport | None:
     """Every check this node runs; None when it runs none."""
     checks = builtin_checks(timeout_s) if builtin else []
     if command:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from service.models import JobRecord, JobState, KeptCopies, NodeRecord, NodeState
+from service.models import JobRecord, JobState, KeptCopies, NodeRecord
 from worker.protocol import MemorySnapshot
 
 
