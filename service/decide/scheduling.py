@@ -213,7 +213,9 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
             members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                        if m.is_live() and n not in draining}
-            d.regroup(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot",
+            gone = ("quarantined" if all(nodes[n].state is NodeState.QUARANTINED for n in draining)
+                    else "drained")
+            d.regroup(f"node(s) {', '.join(draining)} {gone}; the others go on from the last snapshot",
                       planned=True, members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
                       round_nodes=0, world_size=0)
 

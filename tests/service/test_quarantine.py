@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from service.decide.scheduling import plan
 from service.keys import Keys
 from service.models import NodeState
 from service.nodes import NodeStore
 from service.settings import Settings
 from service.store.memory import MemoryStore
+from tests.service.test_scheduler import CFG, NOW, S, job, node
 
 KEYS = Keys("/t")
 
@@ -52,3 +54,15 @@ def test_a_failing_check_at_registration_quarantines_and_an_agents_leave_keeps_i
         assert (await nodes.get("n2")).reason == "health check failed: own: `false` exited 1"
 
     asyncio.run(main())
+
+
+
+def test_a_quarantined_node_gets_no_job_and_its_running_job_goes_on_without_it():
+    """The scheduler's decisions (pure): a pending job never takes it; a running job's member
+    on it leaves as from a drain, the event saying it was quarantined."""
+    sick = {"a": node("a"), "b": node("b", NodeState.QUARANTINED)}
+    assert plan(job(mn=2), sick, ["a", "b"], NOW, CFG) is None  # b does not count
+    running = job(S.RUNNING, {"a": "running", "b": "running"}, mn=1)
+    p = plan(running, sick, [], NOW, CFG)
+    assert "b" not in p.job.members and p.job.attempt == running.attempt + 1
+    assert p.job.reason == "node(s) b quarantined; the others go on from the last snapshot"
