@@ -655,6 +655,9 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
              (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
            ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"])
+    for n in items:  # why a node takes no work: its own line, the reason may be long
+        if n.get("reason"):
+            click.echo(f"{n['name']} {n['state']}: {n['reason']}")
 
 
 def _gpus_cell(node: dict) -> str:
@@ -796,9 +799,18 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
                    "latest; older folders of jobs this node no longer runs are deleted.")
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
+@click.option("--health-check", "health_check", metavar="CMD", default=None,
+              help="The operator's own health check, a shell command run when the node registers and "
+                   "between jobs: exit 0 is healthy; otherwise the node is QUARANTINED, its output "
+                   "the reason (docs/health.md).")
+@click.option("--health-check-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds each health check may take; one that takes longer has failed.")
+@click.option("--builtin-checks/--no-builtin-checks", default=True, show_default=True,
+              help="Run the built-in checks too (devices, matmul, memory, a collective self-test).")
 def node(server: str | None, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
-         keep_logs_days: float) -> None:
+         keep_logs_days: float, health_check: str | None, health_check_timeout: float,
+         builtin_checks: bool) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -819,6 +831,7 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
         token = Path(token_file).read_text().strip()
         if not token:
             raise click.ClickException(f"{token_file} is empty; it should hold the node token")
+    from worker.health import HealthChecks
     from worker.run_as import RunAs, RunAsError
 
     try:
@@ -830,8 +843,9 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
     if gpus is not None:
         _use_gpus(gpus)
     # The agent sets up its own logging (with the node's name in every line).
+    checks = HealthChecks(builtin_checks, health_check, health_check_timeout)
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
-                        keep_logs_jobs, keep_logs_days * 86400)
+                        keep_logs_jobs, keep_logs_days * 86400, checks)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -34,6 +34,9 @@
                                          lapsed ("its agent stopped", "its agent's connection
                                          closed"), for the job's event; on a lease of its own
                                          that lapses after DEPARTURE_KEEP_S (service.nodes)
+    <prefix>/failures/<node>/<job>       the latest failure of the node's workers in the job (wall
+                                         clock, and whether the job ran on elsewhere), on a lease
+                                         of an hour: bad-node attribution (service.decide.attribution)
     <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
@@ -116,6 +119,12 @@ class Keys:
 
     def suspect(self, name: str) -> str:
         return f"{self.prefix}/suspects/{name}"
+
+    def failures(self, node: str) -> str:
+        return f"{self.prefix}/failures/{node}/"
+
+    def failure(self, node: str, job_id: str) -> str:
+        return f"{self.failures(node)}{job_id}"
 
     def departure(self, name: str) -> str:
         return f"{self.prefix}/departures/{name}"

@@ -555,6 +555,11 @@ class NodeState(str, enum.Enum):
     READY = "READY"
     DRAINING = "DRAINING"  # drained, still holding a job's work
     DRAINED = "DRAINED"  # drained and idle (views only: the record says DRAINING)
+    QUARANTINED = "QUARANTINED"  # sick (a failed health check, or failures that follow it): no work
+
+    def takes_no_work(self) -> bool:
+        """Out of service: given no new work, and its job goes on without it."""
+        return self in (NodeState.DRAINING, NodeState.QUARANTINED)
 
 
 class NodeRecord(BaseModel):
@@ -566,6 +571,7 @@ class NodeRecord(BaseModel):
     gpu_model: str | None = None
     address: str | None = None
     state: NodeState = NodeState.READY
+    reason: str | None = None  # why it is QUARANTINED
     registered_at: float
     lease_id: int
     # sha256 (hex) of the node's credential (service.deps.new_node_credential); never the
@@ -576,6 +582,9 @@ class NodeRecord(BaseModel):
 class NodeView(BaseModel):
     name: str
     state: NodeState
+    reason: str | None = Field(None, description="Why the node is QUARANTINED (a failed health check "
+                               "and its output, or failures that followed it across jobs); "
+                               "`ftrain undrain` puts it back in service.")
     nproc_per_node: int
     gpus: int = Field(0, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, description="Their model (null without GPUs).")

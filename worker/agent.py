@@ -43,7 +43,8 @@ from .end_record import EndRecord, EndRecords, recover
 from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
 from .log_shipper import LogShipper
-from .node_link import NameInUse, NodeForgotten, NodeLink, lock_name
+from .health import HealthChecks
+from .node_link import PRESENCE_CONNECTIONS, NameInUse, NodeForgotten, NodeLink, lock_name
 from .protocol import Assignment
 from .run_as import RunAs
 from .torchrun import CouldNotStart, Torchrun
@@ -82,8 +83,9 @@ class NodeAgent:
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-                 keep_logs_s: float = log_retention.MAX_AGE_S):
+                 keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None):
         self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
+        self.health = health or HealthChecks()
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -113,7 +115,10 @@ class NodeAgent:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
-        threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
+        link.health = self.health.run()  # before it registers: a sick node never gets a job
+        for connection in range(PRESENCE_CONNECTIONS):
+            threading.Thread(target=self.hold_presence, args=(connection,), name=f"presence-{connection}",
+                             daemon=True).start()
         while not self._shutdown.is_set() or self._leaving():
             beat_started, known_before = time.monotonic(), link.known
             try:
@@ -186,14 +191,17 @@ class NodeAgent:
                      self.name, g.job_id, grace_s)
         return time.monotonic() < self._leave_by
 
-    def hold_presence(self) -> None:
-        """A thread's loop: keep a presence request open while registered (service/presence.py)."""
+    def hold_presence(self, connection: int) -> None:
+        """A thread's loop: keep a presence request open on `connection` while registered
+        (service/presence.py). The second starts half a hold after the first, so that one is
+        held while the other is between two requests."""
+        self._gone.wait(connection * self.link.timeouts.presence_hold_s / PRESENCE_CONNECTIONS)
         while not self._gone.is_set():  # held while the node leaves, too
             if not self.link.registered:
                 self._gone.wait(0.1)
                 continue
             try:
-                self.link.hold_presence()
+                self.link.hold_presence(connection)
             except HttpError:  # no answer, or 404 (the loop registers again): soon again
                 self._gone.wait(0.2)
 
@@ -270,6 +278,17 @@ class NodeAgent:
         self.link.report(g.job_id, g.attempt, *outcome)
         self.shipper.flush()
         self.prune_logs()
+        threading.Thread(target=self.check_health, name="health", daemon=True).start()
+
+    def check_health(self) -> None:
+        """Between jobs: run the checks again and send what they found (worker/health.py)."""
+        report = self.health.run()
+        if report is None:
+            return
+        try:
+            self.link.send_health(report)
+        except HttpError as exc:  # sent again with its next registration
+            log.warning("could not send the health checks' result: %s", exc)
 
     # ------------------------------------------------------------------ an end owed across a restart
     def still_running(self) -> tuple[str, int] | None:
@@ -368,7 +387,7 @@ def take_from_environ(name: str) -> str | None:
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None,
          run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-         keep_logs_s: float = log_retention.MAX_AGE_S) -> int | None:
+         keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None) -> int | None:
     # What the agent and the job's processes create (logs, the job's output, snapshots)
     # is their user's alone unless they say otherwise.
     os.umask(0o077)
@@ -377,7 +396,7 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     try:
         agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
-                          run_as, keep_logs_jobs, keep_logs_s)
+                          run_as, keep_logs_jobs, keep_logs_s, health)
     except NameInUse as exc:
         log.error("%s", exc)
         return 2

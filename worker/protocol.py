@@ -77,6 +77,25 @@ class RunningGroup(JsonBody):
     attempt: JsonInt = Field(..., ge=0)
 
 
+class HealthCheck(JsonBody):
+    name: str = Field(..., max_length=64, description="devices, matmul, memory, collective, or own "
+                                                      "(the operator's --health-check).")
+    ok: JsonBool
+    detail: str = Field("", max_length=4096, description="What it found; the own check's output.")
+
+
+class HealthReport(JsonBody):
+    """A node's health checks (worker/health.py): run when it registers and between jobs."""
+
+    ok: JsonBool = Field(..., description="Every check passed; false: the node is QUARANTINED.")
+    checks: list[HealthCheck] = Field(default_factory=list, max_length=16)
+
+    def reason(self) -> str:
+        """What failed, for the node's quarantine."""
+        failed = [c for c in self.checks if not c.ok]
+        return "health check failed: " + "; ".join(f"{c.name}: {c.detail}".rstrip(": ") for c in failed)
+
+
 class RegisterRequest(JsonBody):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
     nproc_per_node: JsonInt = Field(1, ge=1, le=1024)
@@ -87,6 +106,9 @@ class RegisterRequest(JsonBody):
         None, description="What this agent still runs when it registers again because its lease "
                           "lapsed (say, while no control plane could hear it); null: nothing (a new "
                           "agent). A member that matches keeps its place instead of being stopped.")
+    health: HealthReport | None = Field(
+        None, description="The node's health checks, run before it registers; failing: it "
+                          "registers QUARANTINED. Null: none were run.")
     previous_credential: str | None = Field(
         None, max_length=256,
         description="The credential this node's last registration returned (its agent keeps it "

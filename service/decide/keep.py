@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from service.models import JobRecord, JobState, KeptCopies, NodeRecord, NodeState
+from service.models import JobRecord, JobState, KeptCopies, NodeRecord
 from worker.protocol import MemorySnapshot
 
 
@@ -59,7 +59,7 @@ def may_fall_short(job: JobRecord, nodes: Mapping[str, NodeRecord], graced: froz
     if job.preempt is not None and job.preempt.suspend and c is not None and job.control_acked >= c.id:
         return True
     live = [n for n, m in job.members.items() if m.is_live()]
-    staying = [n for n in live if (n in nodes and nodes[n].state is not NodeState.DRAINING)
+    staying = [n for n in live if (n in nodes and not nodes[n].state.takes_no_work())
                or (n not in nodes and n in graced)]
     return len(staying) < len(live) and len(staying) < job.spec.nodes.min
 

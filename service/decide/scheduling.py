@@ -222,7 +222,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
-    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state is NodeState.DRAINING]
+    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state.takes_no_work()]
     if draining:
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
@@ -231,7 +231,9 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
             members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                        if m.is_live() and n not in draining}
-            d.regroup(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot",
+            gone = ("quarantined" if all(nodes[n].state is NodeState.QUARANTINED for n in draining)
+                    else "drained")
+            d.regroup(f"node(s) {', '.join(draining)} {gone}; the others go on from the last snapshot",
                       planned=True, members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
                       round_nodes=0, world_size=0, restarts_by_cause=d.job.restarts_by_cause.plus("resize"))
 

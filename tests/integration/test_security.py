@@ -95,6 +95,7 @@ def rows(j: str, attempt: int, lone: str,
         ("POST", "/v1/nodes/register", {"name": "newcomer"}, {"bootstrap"}),
         ("POST", "/v1/nodes/a/heartbeat", {}, {"cred_a"}),
         ("GET", "/v1/nodes/a/presence", None, {"cred_a"}),
+        ("POST", "/v1/nodes/a/health", {"ok": True}, {"cred_a"}),
         ("POST", "/v1/nodes/a/report", {"job_id": j, "attempt": attempt, "state": "running"},
          {"cred_a"}),
         ("POST", f"/v1/jobs/{j}/logs", {"node": "a", "attempt": attempt, "lines": [line]}, {"cred_a"}),
@@ -142,6 +143,7 @@ def test_a_node_credential_cannot_act_for_another_node_or_another_job(cluster):
     b = tokens["cred_b"]
     for method, path, body in [
         ("POST", "/v1/nodes/a/heartbeat", {}),
+        ("POST", "/v1/nodes/a/health", {"ok": False, "checks": [{"name": "own", "ok": False}]}),
         ("POST", "/v1/nodes/a/report", {"job_id": ids["j"], "attempt": ids["attempt"], "state": "failed"}),
         ("DELETE", "/v1/nodes/a", None),
         ("GET", f"/v1/rdzv/{ids['j']}-a{ids['attempt']}/state", None),
