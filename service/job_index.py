@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
 from service.decide import keep
-from service.errors import HistoryCompacted, StoreUnavailable
+from service.follow import follow_prefix
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
@@ -370,14 +370,14 @@ class JobIndex:
     async def run(self) -> None:
         """Load every job, then follow the watch; load again after a broken watch. Runs
         until cancelled."""
-        await self._follow(self._keys.jobs, self._load_jobs, self._job_event, self.ready,
-                           "job index", self._notify)
+        await follow_prefix(self._kv, self._keys.jobs, self._load_jobs, self._job_event, self.ready,
+                            "job index", self._notify)
 
     async def run_progress(self) -> None:
         """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
         again after a broken watch. Runs until cancelled."""
-        await self._follow(self._progress_prefix, self._load_progress, self._progress_event,
-                           self.progress_ready, "progress index")
+        await follow_prefix(self._kv, self._progress_prefix, self._load_progress,
+                            self._progress_event, self.progress_ready, "progress index")
 
     async def _load_jobs(self) -> int:
         revision = await self._load()
@@ -404,44 +404,3 @@ class JobIndex:
     def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
         if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
             self._set_progress(job_id, ev.value, ev.mod_revision)
-
-    async def _follow(self, prefix: str, load: Callable[[], Awaitable[int]],
-                      apply: Callable[[WatchEvent, str], None], ready: asyncio.Event, what: str,
-                      notify: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The one watch loop of the index, for the keys under `prefix`: `load` them (it
-        returns the revision read before the load), set `ready`, then `apply` each watch
-        event (with the key past `prefix`), `notify` after the load and after each event.
-
-        A watch is started from the revision of the last event applied, not after it: a
-        session that ended between two events of one transaction must not lose the second
-        (applying one twice is harmless). A session that ends quietly watches on from there;
-        a compacted history loads again at once; a broken watch (etcd away) clears `ready`
-        and loads again half a second later.
-        """
-        revision: int | None = None  # every change up to it is applied
-        while True:
-            try:
-                if revision is None:
-                    revision = await load()
-                    ready.set()
-                    if notify is not None:
-                        await notify()
-                async for ev in self._kv.watch_prefix(prefix, revision):
-                    apply(ev, ev.key[len(prefix):])
-                    revision = ev.mod_revision
-                    if notify is not None:
-                        await notify()
-                continue  # the session ended quietly: watch on from where it was
-            except HistoryCompacted as exc:  # not an outage: load again at once
-                log.debug("%s: %s", what, exc.message)
-                revision = None
-                continue
-            except StoreUnavailable as exc:
-                log.debug("%s: %s", what, exc.message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: watch failed; re-reading", what)
-            revision = None
-            ready.clear()
-            await asyncio.sleep(0.5)

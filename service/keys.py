@@ -34,7 +34,9 @@
                                          lapsed ("its agent stopped", "its agent's connection
                                          closed"), for the job's event; on a lease of its own
                                          that lapses after DEPARTURE_KEEP_S (service.nodes)
-    <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
+    <prefix>/users/<name>                UserRecord: a named user, the SHA-256 of its token,
+                                         its team and its quota
+    <prefix>/teams/<name>                TeamRecord: a team's quota (service.tenancy)
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
                                          service.contact), rewritten every 2 s
@@ -136,6 +138,13 @@ class Keys:
     @property
     def users(self) -> str:
         return f"{self.prefix}/users/"
+
+    def team(self, name: str) -> str:
+        return f"{self.prefix}/teams/{name}"
+
+    @property
+    def teams(self) -> str:
+        return f"{self.prefix}/teams/"
 
     def user_token(self, digest: str) -> str:
         return f"{self.prefix}/user-tokens/{digest}"

@@ -31,12 +31,13 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import keep, outcome
+from service.decide import keep, outcome, quotas
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
+from service.decide.shares import fair_queue
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -320,14 +321,25 @@ def offer_to(job: JobRecord, free: Sequence[str], held: Mapping[str, str]) -> li
     return keep.prefer(job, [n for n in free if held.get(n, job.id) == job.id])
 
 
+def within_quotas(job: JobRecord, free: Sequence[str], active: Iterable[JobRecord],
+                  nodes: Mapping[str, NodeRecord], tenants: quotas.Tenants | None) -> Sequence[str]:
+    """`free` as far as `job`'s owner's quotas let it take them, the `active` jobs holding
+    what they hold: a decision on a re-read record (`offer_to`)."""
+    if tenants is None or not (tenants.users or tenants.teams):
+        return free
+    holding = itertools.chain((j for j in active if j.id != job.id), [job])
+    return quotas.trim(job, free, nodes, quotas.limits(job.owner, quotas.usage(holding, nodes, tenants)))
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
-             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
-    """Plans for every job, pending jobs (oldest first) served before scale-ups."""
+             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
+             tenants: quotas.Tenants | None = None) -> list[Plan]:
+    """Plans for every job, pending jobs (by priority, fair share and age) served before scale-ups."""
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
     return schedule_queue((j for j in order if j.state is S.PENDING),
                           [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
-                          claims=keep.claims(order), copies=copies)
+                          claims=keep.claims(order), copies=copies, tenants=tenants)
 
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
@@ -335,9 +347,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
-                   gone: Mapping[str, str] | None = None) -> list[Plan]:
-    """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
-    `others` (the other unfinished jobs, oldest first).
+                   gone: Mapping[str, str] | None = None,
+                   tenants: quotas.Tenants | None = None) -> list[Plan]:
+    """`schedule`, with the queue given apart: `pending` (PENDING jobs) and `others` (the
+    other unfinished jobs, oldest first). The queue is served in `shares.fair_queue`'s order
+    (priority, the owner's share of the cluster now, age), and each job is offered only the
+    nodes its owner's and team's quotas leave it (`quotas.trim`; `tenants`: who is in which
+    team and the quotas; None: no quotas, fair share by user).
 
     `pending` is read only while some free node is READY: past that no pending job can start
     (`plan` would return None for each), so a pass costs the jobs that hold nodes and the
@@ -360,6 +376,19 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []
     copies = copies or {}
+    tenants = tenants or quotas.Tenants()
+    limited = bool(tenants.users or tenants.teams)
+    used: quotas.Usage | None = None  # (counted once a job may start or grow: `usage`)
+
+    def usage() -> quotas.Usage:
+        nonlocal used
+        if used is None:
+            used = quotas.usage(others, nodes, tenants)
+        return used
+
+    def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
+        """`free` as far as `job`'s owner's quotas let it take them."""
+        return quotas.trim(job, free, nodes, quotas.limits(job.owner, usage())) if limited else free
 
     free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
 
@@ -378,6 +407,11 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     def take(p: Plan, job: JobRecord) -> None:
         nonlocal offered
         plans.append(p)
+        before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
+        if before != after:  # (the shares and quotas of the jobs planned after it see the change)
+            usage().add(job.owner, len(after) - len(before),
+                        sum(nodes[n].gpus for n in after - before if n in nodes)
+                        - sum(nodes[n].gpus for n in before - after if n in nodes))
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
             offered = [n for n in offered if n not in taken]
@@ -389,11 +423,15 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
     first = keep.holding(held, claims) if held else []
-    queue = itertools.chain(first, (j for j in pending if j.id not in held.values())) if first \
-        else iter(pending)
+
+    def waiting() -> Iterator[JobRecord]:  # (read only once a node is ready: a generator)
+        yield from fair_queue((j for j in pending if j.id not in held.values()) if first else pending,
+                              usage())
+
+    queue = itertools.chain(first, waiting())
     while ready and (max_starts is None or len(plans) < max_starts) \
             and (job := next(queue, None)) is not None:
-        p = plan(job, nodes, offer(job), now, cfg, graced)
+        p = plan(job, nodes, within(job, offer(job)), now, cfg, graced)
         if p is not None:
             take(p, job)
     if ready and max_starts is not None and len(plans) >= max_starts:
@@ -401,7 +439,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     for job in others:
         if settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job, nodes, offered, now, cfg, graced, copies.get(job.id, ()), gone)
+        p = plan(job, nodes, within(job, offered) if ready else offered, now, cfg, graced,
+                 copies.get(job.id, ()), gone)
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:
