@@ -245,6 +245,10 @@ class JobSpec(_Strict):
         return errors
 
 
+# A member in one of these holds its node (`MemberStatus.holds_node`): live or finished.
+HOLDING_STATES = frozenset(("assigned", "running", "succeeded"))
+
+
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
 
@@ -268,7 +272,7 @@ class MemberStatus(BaseModel):
     def holds_node(self) -> bool:
         """The node belongs to the job until the job ends: live, or finished (a finished node
         is neither lost nor free; `service.decide.outcome` says why)."""
-        return self.is_live() or self.is_finished()
+        return self.state in HOLDING_STATES
 
 
 class KeptCopies(BaseModel):

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from service.decide.placement import fits
-from service.models import JobRecord, NodeRecord, NodeState
+from service.models import HOLDING_STATES, JobRecord, NodeRecord, NodeState
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,29 @@ def held_nodes(job: JobRecord) -> list[str]:
     return [n for n, m in job.members.items() if m.holds_node()]
 
 
-def usage(jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], tenants: Tenants) -> Usage:
-    """What `jobs` hold, by user and team (a node no longer registered: no GPUs known)."""
+def usage(jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], tenants: Tenants,
+          gpus: bool = True) -> Usage:
+    """What `jobs` hold, by user and team (a node no longer registered: no GPUs known).
+    Without `gpus`, GPUs are not counted (no GPU quota is set: a pass saves the lookups)."""
     used = Usage(tenants)
-    for job in jobs:
-        held = held_nodes(job)
+    user_nodes, user_gpus = used.user_nodes, used.user_gpus
+    for job in jobs:  # (a pass makes this over every running job: kept to plain loops)
+        if not job.state.is_active():
+            continue
+        held = [n for n, m in job.members.items() if m.state in HOLDING_STATES]
         if held:
-            used.add(job.owner, len(held), sum(nodes[n].gpus for n in held if n in nodes))
+            user_nodes[job.owner] += len(held)
+            if gpus:
+                user_gpus[job.owner] += sum(nodes[n].gpus for n in held if n in nodes)
+    for owner, team in tenants.team_of.items():
+        used.team_nodes[team] += user_nodes.get(owner, 0)
+        used.team_gpus[team] += user_gpus.get(owner, 0)
     return used
+
+
+def counts_gpus(tenants: Tenants) -> bool:
+    """Some GPU quota is set (so a pass must count the GPUs held)."""
+    return any(q.max_gpus is not None for q in (*tenants.users.values(), *tenants.teams.values()))
 
 
 @dataclass(frozen=True)

@@ -383,7 +383,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     def usage() -> quotas.Usage:
         nonlocal used
         if used is None:
-            used = quotas.usage(others, nodes, tenants)
+            used = quotas.usage(others, nodes, tenants, gpus=quotas.counts_gpus(tenants))
         return used
 
     def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
