@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import heapq
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
-from service.decide import keep
+from service.decide import keep, quotas
 from service.follow import follow_prefix
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
@@ -63,6 +64,7 @@ class JobIndex:
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
         # The unfinished jobs, sorted, apart: PENDING ones, and the others (which hold nodes).
         self._pending: list[SortKey] = []
+        self._held: collections.Counter[str] = collections.Counter()  # user -> nodes held (`held`)
         self._running: list[SortKey] = []
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
@@ -283,6 +285,7 @@ class JobIndex:
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
         self._queue(job_id, old, job)
+        self._count_held(old, job)
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
@@ -306,6 +309,19 @@ class JobIndex:
         if not echo:
             for observe in self._observers:
                 observe(old, job)
+
+    def _count_held(self, old: JobRecord | None, new: JobRecord | None) -> None:
+        if (was := len(quotas.held_nodes(old))):
+            self._held[old.owner] -= was
+            if not self._held[old.owner]:
+                del self._held[old.owner]
+        if (now := len(quotas.held_nodes(new))):
+            self._held[new.owner] += now
+
+    def held(self) -> dict[str, int]:
+        """user -> the nodes its unfinished jobs hold (kept as jobs change: a scheduler pass
+        reads the shares of the cluster without going over every running job)."""
+        return dict(self._held)
 
     def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
         """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
@@ -356,6 +372,7 @@ class JobIndex:
         self._revs = revs
         self._views.clear()
         self._by_node.clear()
+        self._held.clear()
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         self._pending = [p for p in self._order if jobs[p[1]].state is JobState.PENDING]
@@ -363,6 +380,7 @@ class JobIndex:
                          if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
+            self._count_held(None, job)
             if job.state.is_active():
                 self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
         return revision

@@ -188,9 +188,12 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if settled is not None:
         settled.keep_only(active)
+    # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
+    used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
+        if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           tenants)
+                           tenants, used)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -203,7 +206,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     revision_of: Callable[[str], int] | None = None,
                     claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None,
-                    gone: dict[str, str] | None = None, tenants: quotas.Tenants | None = None) -> bool:
+                    gone: dict[str, str] | None = None, tenants: quotas.Tenants | None = None,
+                    used: quotas.Usage | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -219,7 +223,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, tenants)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, tenants, used)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}

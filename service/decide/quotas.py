@@ -59,30 +59,37 @@ class Usage:
             self.team_gpus[team] += gpus
 
 
-def held_nodes(job: JobRecord) -> list[str]:
+def held_nodes(job: JobRecord | None) -> list[str]:
     """The nodes `job` holds (none unless it is active)."""
-    if not job.state.is_active():
+    if job is None or not job.state.is_active():
         return []
-    return [n for n, m in job.members.items() if m.holds_node()]
+    return [n for n, m in job.members.items() if m.state in HOLDING_STATES]
 
 
 def usage(jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], tenants: Tenants,
           gpus: bool = True) -> Usage:
     """What `jobs` hold, by user and team (a node no longer registered: no GPUs known).
     Without `gpus`, GPUs are not counted (no GPU quota is set: a pass saves the lookups)."""
-    used = Usage(tenants)
-    user_nodes, user_gpus = used.user_nodes, used.user_gpus
-    for job in jobs:  # (a pass makes this over every running job: kept to plain loops)
+    user_nodes: Counter = Counter()
+    user_gpus: Counter = Counter()
+    for job in jobs:  # (kept to plain loops: it goes over every running job)
         if not job.state.is_active():
             continue
-        held = [n for n, m in job.members.items() if m.state in HOLDING_STATES]
+        held = held_nodes(job)
         if held:
             user_nodes[job.owner] += len(held)
             if gpus:
                 user_gpus[job.owner] += sum(nodes[n].gpus for n in held if n in nodes)
+    return usage_of(user_nodes, tenants, user_gpus)
+
+
+def usage_of(user_nodes: Mapping[str, int], tenants: Tenants,
+             user_gpus: Mapping[str, int] | None = None) -> Usage:
+    """The `Usage` of these counts by user (the job index keeps the nodes': `JobIndex.held`)."""
+    used = Usage(tenants, Counter(user_nodes), Counter(user_gpus or {}))
     for owner, team in tenants.team_of.items():
-        used.team_nodes[team] += user_nodes.get(owner, 0)
-        used.team_gpus[team] += user_gpus.get(owner, 0)
+        used.team_nodes[team] += used.user_nodes[owner]
+        used.team_gpus[team] += used.user_gpus[owner]
     return used
 
 

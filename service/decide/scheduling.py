@@ -348,12 +348,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
                    gone: Mapping[str, str] | None = None,
-                   tenants: quotas.Tenants | None = None) -> list[Plan]:
+                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs) and `others` (the
     other unfinished jobs, oldest first). The queue is served in `shares.fair_queue`'s order
     (priority, the owner's share of the cluster now, age), and each job is offered only the
     nodes its owner's and team's quotas leave it (`quotas.trim`; `tenants`: who is in which
-    team and the quotas; None: no quotas, fair share by user).
+    team and the quotas; None: no quotas, fair share by user). `shares`: what `others` hold
+    (the caller's own count, taken over by the pass; None: counted here when needed).
 
     `pending` is read only while some free node is READY: past that no pending job can start
     (`plan` would return None for each), so a pass costs the jobs that hold nodes and the
@@ -378,7 +379,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     copies = copies or {}
     tenants = tenants or quotas.Tenants()
     limited = bool(tenants.users or tenants.teams)
-    used: quotas.Usage | None = None  # (counted once a job may start or grow: `usage`)
+    used = shares  # (else counted once a job may start or grow: `usage`)
 
     def usage() -> quotas.Usage:
         nonlocal used
@@ -431,6 +432,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     queue = itertools.chain(first, waiting())
     while ready and (max_starts is None or len(plans) < max_starts) \
             and (job := next(queue, None)) is not None:
+        if job.kept is None and job.spec.nodes.min > len(ready):
+            continue  # (fewer READY nodes are free than it needs: its plan would be None)
         p = plan(job, nodes, within(job, offer(job)), now, cfg, graced)
         if p is not None:
             take(p, job)
@@ -471,7 +474,7 @@ class Settled:
         seen = self._seen.get(job.id)
         if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
             return False
-        room = job.spec.nodes.max - len(live_members(job))
+        room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
         return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:

@@ -34,17 +34,22 @@ def fair_key(job: JobRecord, used: Usage) -> tuple:
 
 
 def fair_queue(pending: Iterable[JobRecord], used: Usage) -> Iterator[JobRecord]:
-    """`pending` in `fair_key` order, each job's key taken as `used` is when its turn comes.
+    """`pending` (oldest first) in `fair_key` order, each job's key taken as `used` is when
+    its turn comes.
 
     Each owner's jobs keep their order (priority, then age) in a line of their own; a heap
     holds each line's first job under the key it had when it was pushed. Shares only grow
     while the queue is handed out, so a popped key that is out of date is pushed again with
     the key of now, and the first up-to-date key popped is the smallest."""
     lines: dict[str, list[JobRecord]] = {}
+    priorities = set()
     for job in pending:
         lines.setdefault(job.owner, []).append(job)
+        priorities.add(job.spec.priority)
     for line in lines.values():
-        line.sort(key=lambda j: (-j.spec.priority, j.created_at, j.id), reverse=True)  # pop() = first
+        if len(priorities) > 1:  # (stable: age order within a priority; skipped when all are alike)
+            line.sort(key=lambda j: -j.spec.priority)
+        line.reverse()  # pop() = first
     heap = [(fair_key(line[-1], used), owner) for owner, line in lines.items()]
     heapq.heapify(heap)
     while heap:
