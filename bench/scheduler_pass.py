@@ -5,8 +5,11 @@
     python bench/scheduler_pass.py --nodes 5000 --pending 2000 --users 10 --free 8 --passes 200
 
 `--users N` spreads the jobs over N owners (fair share orders the queue by their shares);
-`--free K` leaves K nodes free and makes each waiting job ask for K+1, so that every pass
-reads and orders the whole queue and starts nothing: the worst case of fair share.
+`--free K` leaves K nodes free and makes each waiting job ask for K+1: no waiting job can
+start, and each pass sees so without ordering the queue. With `--quota`, each waiting job
+asks for one node but every user's quota is what it holds already: each pass reads, orders
+and plans the whole queue (every job's quota checked) and starts nothing, the worst case of
+fair share and quotas.
 
 What bench/api.py's submissions phase makes of the control plane: every node holds a job
 (the first submissions took them all) and every later submission waits PENDING, while each
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from service import scheduler  # noqa: E402
 from service.context import Context  # noqa: E402
 from service.decide.scheduling import SchedulerConfig  # noqa: E402
-from service.models import JobSpec, JobState, NodesSpec  # noqa: E402
+from service.models import JobSpec, JobState, NodesSpec, QuotaPatch  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store.memory import MemoryStore  # noqa: E402
 
@@ -50,7 +53,8 @@ async def main(args) -> None:
     for i in range(args.nodes):
         await ctx.nodes.register(f"n{i:05d}", 1, None, ttl_s=600)
     owners = [f"user{u}" for u in range(args.users)]
-    waiting = SPEC.model_copy(update={"nodes": NodesSpec(min=args.free + 1, max=args.free + 1)})
+    size = 1 if args.quota else args.free + 1
+    waiting = SPEC.model_copy(update={"nodes": NodesSpec(min=size, max=size)})
     submitted = 0
 
     async def create(spec: JobSpec) -> None:
@@ -76,8 +80,15 @@ async def main(args) -> None:
                                missing_since=missing, **kept):
         pass  # (a pass starts at most MAX_STARTS_PER_PASS jobs: until every one has started)
     running = sum(1 for j in ctx.index.jobs() if j.state in (JobState.STARTING, JobState.RUNNING))
-    print(f"{args.nodes} nodes ({args.free} free), {running} jobs running, {args.users} users; "
-          f"{args.passes} passes per row")
+    if args.quota:  # every user at its quota: each holds what it may
+        tenants_task = asyncio.create_task(ctx.tenancy.run())
+        tasks.append(tenants_task)
+        for owner, held in ctx.index.held().items():
+            await ctx.users.add(owner)
+            await ctx.tenancy.set_user_quota(owner, QuotaPatch(max_nodes=held))
+        kept["tenancy"] = ctx.tenancy
+    print(f"{args.nodes} nodes ({args.free} free), {running} jobs running, {args.users} users"
+          f"{' at their quotas' if args.quota else ''}; {args.passes} passes per row")
     print(f"{'pending':>8}{'pass p50 ms':>13}{'pass p99 ms':>13}{'pass max ms':>13}{'submit+pass ms':>16}")
     pending = 0
     for target in args.pending:
@@ -108,4 +119,5 @@ if __name__ == "__main__":
     ap.add_argument("--passes", type=int, default=20)
     ap.add_argument("--users", type=int, default=1, help="Owners the jobs are spread over.")
     ap.add_argument("--free", type=int, default=0, help="Nodes left free (waiting jobs ask for one more).")
+    ap.add_argument("--quota", action="store_true", help="Every user at its quota (waiting jobs ask for one node).")
     asyncio.run(main(ap.parse_args()))

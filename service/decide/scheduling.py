@@ -387,9 +387,15 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             used = quotas.usage(others, nodes, tenants, gpus=quotas.counts_gpus(tenants))
         return used
 
+    limits: dict[str, list[quotas.Limit]] = {}  # owner -> its quotas, until the usage changes
+
     def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
         """`free` as far as `job`'s owner's quotas let it take them."""
-        return quotas.trim(job, free, nodes, quotas.limits(job.owner, usage())) if limited else free
+        if not limited:
+            return free
+        if (applying := limits.get(job.owner)) is None:
+            applying = limits[job.owner] = quotas.limits(job.owner, usage())
+        return quotas.trim(job, free, nodes, applying)
 
     free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
 
@@ -410,6 +416,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         plans.append(p)
         before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
         if before != after:  # (the shares and quotas of the jobs planned after it see the change)
+            limits.clear()
             usage().add(job.owner, len(after) - len(before),
                         sum(nodes[n].gpus for n in after - before if n in nodes)
                         - sum(nodes[n].gpus for n in before - after if n in nodes))
@@ -425,16 +432,24 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
     first = keep.holding(held, claims) if held else []
 
+    def may_start(job: JobRecord) -> bool:
+        """Enough READY nodes are free for its `min` (else its plan is None: not planned, nor
+        ordered), or it holds some of its own (`keep`)."""
+        return job.kept is not None or job.spec.nodes.min <= len(ready)
+
     def waiting() -> Iterator[JobRecord]:  # (read only once a node is ready: a generator)
-        yield from fair_queue((j for j in pending if j.id not in held.values()) if first else pending,
-                              usage())
+        held_for = set(held.values())
+        yield from fair_queue((j for j in pending if may_start(j) and j.id not in held_for), usage())
 
     queue = itertools.chain(first, waiting())
     while ready and (max_starts is None or len(plans) < max_starts) \
             and (job := next(queue, None)) is not None:
-        if job.kept is None and job.spec.nodes.min > len(ready):
-            continue  # (fewer READY nodes are free than it needs: its plan would be None)
-        p = plan(job, nodes, within(job, offer(job)), now, cfg, graced)
+        if not may_start(job):
+            continue  # (`ready` shrank as the jobs before it started)
+        free = within(job, offer(job))
+        if job.state is S.PENDING and len(free) < job.spec.nodes.min:
+            continue  # too few offered (its quota leaves it too few): its plan would be None
+        p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
     if ready and max_starts is not None and len(plans) >= max_starts:
