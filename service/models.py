@@ -540,18 +540,23 @@ class UserRecord(_Quotas):
     team: str | None = None
 
 
-class UserView(_Quotas):
+class UserView(BaseModel):
     name: str
     created_at: float | None = None
     admin: bool = False
+
+
+class UserAccount(UserView, _Quotas):
+    """A user as the admin sees it: its team, its quota and what its jobs hold."""
+
     team: str | None = None
     nodes_in_use: int | None = Field(None, description="Nodes its unfinished jobs hold now "
-                                                       "(in the admin's list of users).")
+                                                       "(in the list of users).")
     gpus_in_use: int | None = Field(None, description="The GPUs of those nodes.")
 
 
 class UserList(BaseModel):
-    items: list[UserView]
+    items: list[UserAccount]
 
 
 class QueuedJob(BaseModel):
@@ -573,6 +578,7 @@ class QueueView(BaseModel):
 
 
 class UserCreated(UserView):
+    team: str | None = None
     token: str = Field(..., description="The user's token: shown this once, stored only hashed.")
 
 

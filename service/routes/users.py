@@ -14,14 +14,23 @@ from fastapi import APIRouter, status
 from service.api_contract import AuthFirstRoute
 from service.decide import quotas
 from service.deps import AdminAuth, CallerDep, ContextDep
-from service.models import ADMIN, NewUser, QuotaPatch, UserCreated, UserList, UserRecord, UserView
+from service.models import (
+    ADMIN,
+    NewUser,
+    QuotaPatch,
+    UserAccount,
+    UserCreated,
+    UserList,
+    UserRecord,
+    UserView,
+)
 
 router = APIRouter(prefix="/v1/users", tags=["users"], route_class=AuthFirstRoute)
 
 
-def user_view(user: UserRecord, used: quotas.Usage | None = None) -> UserView:
+def user_view(user: UserRecord, used: quotas.Usage | None = None) -> UserAccount:
     """What the admin sees of a user: its team and quota, and (with `used`) what it holds."""
-    view = UserView(name=user.name, created_at=user.created_at, team=user.team,
+    view = UserAccount(name=user.name, created_at=user.created_at, team=user.team,
                     max_nodes=user.max_nodes, max_gpus=user.max_gpus)
     if used is not None:
         view.nodes_in_use, view.gpus_in_use = used.user_nodes[user.name], used.user_gpus[user.name]
@@ -42,7 +51,7 @@ async def list_users(ctx: ContextDep) -> UserList:
     their unfinished jobs hold."""
     users = sorted(await ctx.users.list(), key=lambda u: u.name)
     used = quotas.usage(ctx.index.jobs(), await ctx.nodes.current(), await ctx.tenancy.current())
-    return UserList(items=[UserView(name=ADMIN, admin=True, nodes_in_use=used.user_nodes[ADMIN],
+    return UserList(items=[UserAccount(name=ADMIN, admin=True, nodes_in_use=used.user_nodes[ADMIN],
                                     gpus_in_use=used.user_gpus[ADMIN]),
                            *(user_view(u, used) for u in users)])
 
@@ -53,8 +62,8 @@ async def whoami(caller: CallerDep) -> UserView:
     return UserView(name=caller.name, admin=caller.is_admin)
 
 
-@router.patch("/{name}", response_model=UserView, dependencies=[AdminAuth])
-async def set_user_quota(name: str, body: QuotaPatch, ctx: ContextDep) -> UserView:
+@router.patch("/{name}", response_model=UserAccount, dependencies=[AdminAuth])
+async def set_user_quota(name: str, body: QuotaPatch, ctx: ContextDep) -> UserAccount:
     """Set or clear (null) the user's quota: the most nodes and GPUs its running jobs may
     hold at once. A job that would exceed it waits; one running over a lowered quota runs on."""
     return user_view(await ctx.tenancy.set_user_quota(name, body))
