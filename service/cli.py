@@ -702,10 +702,12 @@ def users() -> None:
 
 @users.command("add")
 @click.argument("name")
+@click.option("--team", default=None, help="The team NAME belongs to (its quota and its share of "
+                                             "the cluster count NAME's jobs).")
 @_client_options
-def users_add(client: FtrainClient, as_json: bool, name: str) -> None:
+def users_add(client: FtrainClient, as_json: bool, name: str, team: str | None) -> None:
     """Create user NAME and print its token, once (only its hash is kept)."""
-    user = client.add_user(name)
+    user = client.add_user(name, team)
     if as_json:
         _print_json(user)
         return
@@ -722,8 +724,8 @@ def users_list(client: FtrainClient, as_json: bool) -> None:
     if as_json:
         _print_json(items)
         return
-    _table([[u["name"], "admin" if u.get("admin") else "user", _when(u.get("created_at"))]
-            for u in items], ["NAME", "ROLE", "CREATED"])
+    _table([[u["name"], "admin" if u.get("admin") else "user", u.get("team") or "-",
+             _when(u.get("created_at"))] for u in items], ["NAME", "ROLE", "TEAM", "CREATED"])
 
 
 @users.command("remove")
@@ -736,6 +738,88 @@ def users_remove(client: FtrainClient, as_json: bool, name: str) -> None:
         _print_json({"name": name, "removed": True})
     else:
         click.echo(f"removed user {name}")
+
+
+# Quotas and the queue
+
+def _quota_value(text: str, hint: str) -> int | None:
+    """A quota option: a count, or 'none' to clear it."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number or 'none'", param_hint=hint) from None
+
+
+@main.group()
+def quota() -> None:
+    """Quotas: the most nodes (and GPUs) the running jobs of a user or a team may hold at once."""
+
+
+@quota.command("set")
+@click.option("--user", default=None, help="The user whose quota to set.")
+@click.option("--team", default=None, help="The team whose quota to set (all its users' jobs together).")
+@click.option("--max-nodes", default=None, metavar="N|none", help="Most nodes at once; 'none' clears it.")
+@click.option("--max-gpus", default=None, metavar="M|none", help="Most GPUs at once; 'none' clears it.")
+@_client_options
+def quota_set(client: FtrainClient, as_json: bool, user: str | None, team: str | None,
+              max_nodes: str | None, max_gpus: str | None) -> None:
+    """Set a user's or a team's quota (the admin's). A job that would exceed it waits."""
+    if (user is None) == (team is None):
+        raise click.UsageError("give one of --user U or --team T")
+    change = {k: _quota_value(v, f"--{k.replace('_', '-')}")
+              for k, v in (("max_nodes", max_nodes), ("max_gpus", max_gpus)) if v is not None}
+    if not change:
+        raise click.UsageError("give --max-nodes N and/or --max-gpus M (a number, or 'none' to clear it)")
+    result = client.set_quota(user=user, team=team, **change)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"{'user' if user else 'team'} {result['name']}: {_quota_cell(result)}")
+
+
+def _quota_cell(item: dict) -> str:
+    """'2 nodes, 16 GPUs', 'no limit'."""
+    parts = [f"{item[k]} {what}" for k, what in (("max_nodes", "nodes"), ("max_gpus", "GPUs"))
+             if item.get(k) is not None]
+    return ", ".join(parts) or "no limit"
+
+
+def _in_use_cell(item: dict) -> str:
+    return f"{item.get('nodes_in_use') or 0} nodes, {item.get('gpus_in_use') or 0} GPUs"
+
+
+@quota.command("show")
+@_client_options
+def quota_show(client: FtrainClient, as_json: bool) -> None:
+    """Every user's and team's quota, and what their unfinished jobs hold now."""
+    users, teams = client.users(), client.teams()
+    if as_json:
+        _print_json({"users": users, "teams": teams})
+        return
+    _table([["user", u["name"], u.get("team") or "-", _quota_cell(u), _in_use_cell(u)] for u in users]
+           + [["team", t["name"], ", ".join(t.get("members") or []) or "-", _quota_cell(t),
+               _in_use_cell(t)] for t in teams],
+           ["KIND", "NAME", "TEAM/MEMBERS", "QUOTA", "IN USE"])
+
+
+@main.command("queue")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 1000),
+              help="Show the first this many waiting jobs.")
+@_client_options
+def queue_cmd(client: FtrainClient, as_json: bool, limit: int) -> None:
+    """Waiting jobs in the order they will start (priority, fair share, age), and why each waits."""
+    items = client.queue(limit)
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo("no job is waiting")
+        return
+    _table([[str(q["position"]), q["id"], q["name"], q["owner"], q.get("team") or "-", str(q["priority"]),
+             f"{q['nodes_min']}-{q['nodes_max']}", _one_line(q.get("waiting") or "")] for q in items],
+           ["#", "ID", "NAME", "OWNER", "TEAM", "PRIO", "NODES", "WAITING"])
 
 
 @main.command()

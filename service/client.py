@@ -324,8 +324,8 @@ class FtrainClient:
 
     # Users
 
-    def add_user(self, name: str) -> dict:
-        return self._request("POST", "/v1/users", json={"name": name})
+    def add_user(self, name: str, team: str | None = None) -> dict:
+        return self._request("POST", "/v1/users", json={"name": name, **({"team": team} if team else {})})
 
     def users(self) -> list[dict]:
         return self._request("GET", "/v1/users")["items"]
@@ -335,6 +335,19 @@ class FtrainClient:
 
     def whoami(self) -> dict:
         return self._request("GET", "/v1/users/me")
+
+    # Teams and quotas, the queue
+
+    def set_quota(self, *, user: str | None = None, team: str | None = None, **quota: int | None) -> dict:
+        """PATCH a user's (or a team's) quota: the fields given (None clears one)."""
+        path = f"/v1/users/{_segment(user)}" if user is not None else f"/v1/teams/{_segment(team)}"
+        return self._request("PATCH", path, safe_to_retry=True, json=quota)
+
+    def teams(self) -> list[dict]:
+        return self._request("GET", "/v1/teams")["items"]
+
+    def queue(self, limit: int = 100) -> list[dict]:
+        return self._request("GET", "/v1/queue", params={"limit": limit})["items"]
 
     # Plumbing
 

@@ -25,6 +25,7 @@ from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store.api import KeyValue
 from service.telemetry import Telemetry
+from service.tenancy import Tenancy
 from service.users import UserStore
 
 
@@ -44,6 +45,7 @@ class Context:
     contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     presence: Presence  # the agents' held connections: a dropped one is a lost node, fast
     admission: UserLimit  # how many user requests are served at once (service.admission)
+    tenancy: Tenancy  # users' teams, users' and teams' quotas, from a watch (service.tenancy)
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
@@ -85,8 +87,9 @@ class Context:
                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
                   presence=Presence(kv, keys, blip_s=settings.presence_blip_s),
                   admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s,
-                                      settings.admission_wait_s))
-        ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
+                                      settings.admission_wait_s),
+                  tenancy=Tenancy(kv, keys))
+        ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes, ctx.tenancy.tenants)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
         ctx.telemetry.count_admission(ctx.admission)

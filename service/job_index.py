@@ -33,9 +33,10 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
-from service.decide import keep
+from service.decide import keep, quotas
 from service.decide.order import QueueKey, queue_key
-from service.errors import HistoryCompacted, StoreUnavailable
+from service.errors import StoreUnavailable
+from service.follow import follow_prefix
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
@@ -70,6 +71,7 @@ class JobIndex:
         # The unfinished jobs, apart: PENDING ones in queue order (`decide.order.queue_key`), and
         # the others (which hold nodes), oldest first.
         self._pending: list[QueueKey] = []
+        self._held: Counter[str] = Counter()  # user -> nodes held (`held`)
         self._running: list[SortKey] = []
         # Of those others: how many run at each priority, and the ones giving nodes up to a
         # preemption (`decide.preempt`), so a scheduler pass need not look through them all.
@@ -304,6 +306,7 @@ class JobIndex:
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
         self._queue(job_id, old, job)
+        self._count_held(old, job)
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
@@ -327,6 +330,19 @@ class JobIndex:
         if not echo:
             for observe in self._observers:
                 observe(old, job)
+
+    def _count_held(self, old: JobRecord | None, new: JobRecord | None) -> None:
+        if (was := len(quotas.held_nodes(old))):
+            self._held[old.owner] -= was
+            if not self._held[old.owner]:
+                del self._held[old.owner]
+        if (now := len(quotas.held_nodes(new))):
+            self._held[new.owner] += now
+
+    def held(self) -> dict[str, int]:
+        """user -> the nodes its unfinished jobs hold (kept as jobs change: a scheduler pass
+        reads the shares of the cluster without going over every running job)."""
+        return dict(self._held)
 
     def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
         """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
@@ -392,6 +408,7 @@ class JobIndex:
         self._revs = revs
         self._views.clear()
         self._by_node.clear()
+        self._held.clear()
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         self._pending = sorted(queue_key(j) for j in jobs.values() if j.state is JobState.PENDING)
@@ -402,6 +419,7 @@ class JobIndex:
             self._count_running(jobs[job_id], 1)
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
+            self._count_held(None, job)
             if job.state.is_active():
                 self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
         return revision
@@ -409,14 +427,14 @@ class JobIndex:
     async def run(self) -> None:
         """Load every job, then follow the watch; load again after a broken watch. Runs
         until cancelled."""
-        await self._follow(self._keys.jobs, self._load_jobs, self._job_event, self.ready,
-                           "job index", self._notify)
+        await follow_prefix(self._kv, self._keys.jobs, self._load_jobs, self._job_event, self.ready,
+                            "job index", self._notify)
 
     async def run_progress(self) -> None:
         """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
         again after a broken watch. Runs until cancelled."""
-        await self._follow(self._progress_prefix, self._load_progress, self._progress_event,
-                           self.progress_ready, "progress index")
+        await follow_prefix(self._kv, self._progress_prefix, self._load_progress,
+                            self._progress_event, self.progress_ready, "progress index")
 
     async def _load_jobs(self) -> int:
         revision = await self._load()
@@ -443,44 +461,3 @@ class JobIndex:
     def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
         if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
             self._set_progress(job_id, ev.value, ev.mod_revision)
-
-    async def _follow(self, prefix: str, load: Callable[[], Awaitable[int]],
-                      apply: Callable[[WatchEvent, str], None], ready: asyncio.Event, what: str,
-                      notify: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The one watch loop of the index, for the keys under `prefix`: `load` them (it
-        returns the revision read before the load), set `ready`, then `apply` each watch
-        event (with the key past `prefix`), `notify` after the load and after each event.
-
-        A watch is started from the revision of the last event applied, not after it: a
-        session that ended between two events of one transaction must not lose the second
-        (applying one twice is harmless). A session that ends quietly watches on from there;
-        a compacted history loads again at once; a broken watch (etcd away) clears `ready`
-        and loads again half a second later.
-        """
-        revision: int | None = None  # every change up to it is applied
-        while True:
-            try:
-                if revision is None:
-                    revision = await load()
-                    ready.set()
-                    if notify is not None:
-                        await notify()
-                async for ev in self._kv.watch_prefix(prefix, revision):
-                    apply(ev, ev.key[len(prefix):])
-                    revision = ev.mod_revision
-                    if notify is not None:
-                        await notify()
-                continue  # the session ended quietly: watch on from where it was
-            except HistoryCompacted as exc:  # not an outage: load again at once
-                log.debug("%s: %s", what, exc.message)
-                revision = None
-                continue
-            except StoreUnavailable as exc:
-                log.debug("%s: %s", what, exc.message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: watch failed; re-reading", what)
-            revision = None
-            ready.clear()
-            await asyncio.sleep(0.5)

@@ -37,7 +37,9 @@
     <prefix>/failures/<node>/<job>       the latest failure of the node's workers in the job (wall
                                          clock, and whether the job ran on elsewhere), on a lease
                                          of an hour: bad-node attribution (service.decide.attribution)
-    <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
+    <prefix>/users/<name>                UserRecord: a named user, the SHA-256 of its token,
+                                         its team and its quota
+    <prefix>/teams/<name>                TeamRecord: a team's quota (service.tenancy)
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
                                          service.contact), rewritten every 2 s
@@ -145,6 +147,13 @@ class Keys:
     @property
     def users(self) -> str:
         return f"{self.prefix}/users/"
+
+    def team(self, name: str) -> str:
+        return f"{self.prefix}/teams/{name}"
+
+    @property
+    def teams(self) -> str:
+        return f"{self.prefix}/teams/"
 
     def user_token(self, digest: str) -> str:
         return f"{self.prefix}/user-tokens/{digest}"

@@ -253,6 +253,10 @@ class JobSpec(_Strict):
         return errors
 
 
+# A member in one of these holds its node (`MemberStatus.holds_node`): live or finished.
+HOLDING_STATES = frozenset(("assigned", "running", "succeeded"))
+
+
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
 
@@ -276,7 +280,7 @@ class MemberStatus(BaseModel):
     def holds_node(self) -> bool:
         """The node belongs to the job until the job ends: live, or finished (a finished node
         is neither lost nor free; `service.decide.outcome` says why)."""
-        return self.is_live() or self.is_finished()
+        return self.state in HOLDING_STATES
 
 
 class KeptCopies(BaseModel):
@@ -517,6 +521,10 @@ class NewUser(_Strict):
     name: str = Field(..., min_length=1, max_length=40,
                       description="DNS label: lower-case letters, digits and '-'; not 'admin'.",
                       json_schema_extra={"pattern": DNS_LABEL.pattern, "not": {"const": ADMIN}})
+    team: str | None = Field(None, min_length=1, max_length=40,
+                             description="The team the user belongs to (a DNS label): its quota "
+                                         "and its share of the cluster count the user's jobs.",
+                             json_schema_extra={"pattern": DNS_LABEL.pattern})
 
     @field_validator("name")
     @classmethod
@@ -526,15 +534,72 @@ class NewUser(_Strict):
             raise ValueError(f"{ADMIN!r} is the admin (the server's own user token); choose another name")
         return v
 
+    @field_validator("team")
+    @classmethod
+    def _team_label(cls, v: str | None) -> str | None:
+        return None if v is None else dns_label(v)
 
-class UserRecord(BaseModel):
-    """What etcd holds for a named user: never the token, only its SHA-256."""
+
+MAX_QUOTA = 1_000_000
+
+
+class QuotaPatch(_Strict):
+    """A change of a user's or a team's quota: the fields sent are set, null clears one."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"max_nodes": 2, "max_gpus": 16}], "minProperties": 1})
+
+    max_nodes: JsonInt | None = Field(None, ge=0, le=MAX_QUOTA, description=(
+        "The most nodes its running jobs may hold at once; null: no limit."))
+    max_gpus: JsonInt | None = Field(None, ge=0, le=MAX_QUOTA, description=(
+        "The most GPUs its running jobs may hold at once (a node's GPUs are held with it); "
+        "null: no limit."))
+
+    @model_validator(mode="after")
+    def _some_field(self) -> QuotaPatch:
+        if not self.model_fields_set:
+            raise ValueError("send max_nodes, max_gpus or both (a number, or null to clear it)")
+        return self
+
+    def applied_to(self, record: _Quotas) -> dict[str, int | None]:
+        """The quota fields of `record` with this change made."""
+        return {"max_nodes": record.max_nodes, "max_gpus": record.max_gpus,
+                **self.model_dump(include=self.model_fields_set)}
+
+
+class _Quotas(BaseModel):
+    max_nodes: int | None = Field(None, description="The most nodes its running jobs may hold at "
+                                                    "once (null: no limit).")
+    max_gpus: int | None = Field(None, description="The most GPUs its running jobs may hold at "
+                                                   "once (null: no limit).")
+
+
+class TeamRecord(_Quotas):
+    """What etcd holds for a team: its quota (a team exists as its users name it)."""
+
+    name: str
+
+
+class TeamView(_Quotas):
+    name: str
+    members: list[str] = Field(default_factory=list, description="Its users, by name.")
+    nodes_in_use: int = Field(0, description="Nodes its members' unfinished jobs hold now.")
+    gpus_in_use: int = Field(0, description="The GPUs of those nodes.")
+
+
+class TeamList(BaseModel):
+    items: list[TeamView]
+
+
+class UserRecord(_Quotas):
+    """What etcd holds for a named user (its team and quota): never the token, only its SHA-256."""
 
     name: str
     id: str | None = Field(None, description="Minted at creation, never given again (None: a user "
                                              "stored before ids); its jobs store it.")
     token_sha256: str
     created_at: float
+    team: str | None = None
 
 
 class UserView(BaseModel):
@@ -543,11 +608,39 @@ class UserView(BaseModel):
     admin: bool = False
 
 
+class UserAccount(UserView, _Quotas):
+    """A user as the admin sees it: its team, its quota and what its jobs hold."""
+
+    team: str | None = None
+    nodes_in_use: int | None = Field(None, description="Nodes its unfinished jobs hold now "
+                                                       "(in the list of users).")
+    gpus_in_use: int | None = Field(None, description="The GPUs of those nodes.")
+
+
 class UserList(BaseModel):
-    items: list[UserView]
+    items: list[UserAccount]
+
+
+class QueuedJob(BaseModel):
+    position: int = Field(..., description="1: the next to start, as the scheduler orders the "
+                                           "queue now (priority, then fair share, then age).")
+    id: str
+    name: str
+    owner: str
+    team: str | None = None
+    priority: int
+    nodes_min: int
+    nodes_max: int
+    created_at: float
+    waiting: str | None = Field(None, description="What it waits for, as of this read.")
+
+
+class QueueView(BaseModel):
+    items: list[QueuedJob]
 
 
 class UserCreated(UserView):
+    team: str | None = None
     token: str = Field(..., description="The user's token: shown this once, stored only hashed.")
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import hangs, keep, preempt
+from service.decide import hangs, keep, preempt, quotas
 from service.decide.change import Change
 from service.decide.order import queue_key
 from service.decide.scheduling import (
@@ -45,6 +45,7 @@ from service.decide.scheduling import (
     plan,
     schedule_queue,
     with_mark,
+    within_quotas,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
@@ -53,6 +54,7 @@ from service.models import JobRecord, JobState, NodeRecord, Preemption
 from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
+from service.tenancy import Tenancy
 from worker.protocol import MemorySnapshot
 
 log = logging.getLogger(__name__)
@@ -143,7 +145,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
                fence: dict[str, int] | None = None, settled: Settled | None = None,
-               stall_after_s: float | None = None) -> bool:
+               stall_after_s: float | None = None, tenancy: Tenancy | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
     Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
@@ -153,11 +155,13 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
     lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead.
     `settled` (kept across passes): the jobs whose plan is known to be None still
-    (`decide.scheduling.Settled`).
+    (`decide.scheduling.Settled`). `tenancy`: the teams and quotas (`decide.quotas`; None:
+    none are set).
 
     The memory reports of a job that may fall below its `min` in this pass are read first
     (`decide.keep`: its survivors that hold a copy are held for it), and a free node held for
     a waiting job is found in the index's map of them (`JobIndex.claims`)."""
+    tenants = None if tenancy is None else await tenancy.current()
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
@@ -192,9 +196,12 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         settled.keep_only(active)
     # (kept by the index as jobs change: a pass need not look through every running job for them)
     running = (index.lowest_running_priority(), index.yielding()) if from_index else None
+    # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
+    used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
+        if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           running)
+                           running, tenants, used)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -208,7 +215,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None,
                     gone: dict[str, str] | None = None,
-                    running: tuple[int | None, list[JobRecord]] | None = None) -> bool:
+                    running: tuple[int | None, list[JobRecord]] | None = None,
+                    tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -224,7 +232,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, running)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
+                           tenants=tenants, shares=used)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -246,12 +255,14 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             def decide(current: JobRecord, reserved: dict[str, str] = reserved,
                        mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
                 # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job). A victim marked in this pass is
-                # marked again on it, if the mark still holds there (`decide.preempt`).
+                # (as members, or held for a waiting job), and what its quotas do not leave it.
+                # A victim marked in this pass is marked again on it, if the mark still holds
+                # there (`decide.preempt`).
                 now = jobs.clock()
                 marked = preempt.remark(current, mark, now) \
                     if mark is not None and preempt.still_applies(current, mark) else None
-                free = offer_to(current, free_for(current, held, live_nodes), reserved)
+                free = within_quotas(current, offer_to(current, free_for(current, held, live_nodes),
+                                                       reserved), active.values(), live_nodes, tenants)
                 again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
                 if marked is not None:
@@ -474,13 +485,17 @@ async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
               interval_s: float, cfg: SchedulerConfig | None = None,
-              passes: PassTimes | None = None, contact: Contact | None = None) -> None:
-    """Schedule while this replica leads (`keep_lead`): on every change and at least every
-    `interval_s`; in a new term, once the job index has the writes of the term before."""
+              passes: PassTimes | None = None, contact: Contact | None = None,
+              tenancy: Tenancy | None = None) -> None:
+    """Schedule while this replica leads (`keep_lead`): on every change (of a job, a node, a
+    quota) and at least every `interval_s`; in a new term, once the job index has the writes
+    of the term before."""
     cfg = cfg or SchedulerConfig()
     passes = passes if passes is not None else PassTimes()
     wake = asyncio.Event()
     index.wake_on_change(wake)
+    if tenancy is not None:
+        tenancy.wake_on_change(wake)
     every_s = min(1.0, leadership.ttl_s / 4)
     # Node changes wake the scheduler once the node view has them (NodeStore.follow).
     helpers = [asyncio.create_task(nodes.follow(wake)),
@@ -504,7 +519,8 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
             # (`view_changes`, not `version`: the version is the count of the view the last
             # pass copied, which a skipped pass never updates, so a node registering after
             # skipped passes looked like no change at all and waited for the interval.)
-            seen = (fence and fence.term, index.changes, nodes.view_changes)
+            seen = (fence and fence.term, index.changes, nodes.view_changes,
+                    tenancy and tenancy.changes)
             # Until the interval's pass is due (it runs for the clocks of planned changes and
             # hangs, however many wake-ups come meanwhile): nothing to plan when woken by new
             # PENDING jobs only while no node was free (each submission woke a pass over
@@ -535,7 +551,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                         watches_term = fence.term
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
                                   missing_since, fence, settled=settled,
-                                  stall_after_s=interval_s + STALL_MARGIN_S):
+                                  stall_after_s=interval_s + STALL_MARGIN_S, tenancy=tenancy):
                         wake.set()  # jobs left to start: another pass after the gap
                     elif not settled.ready_left:
                         last = seen  # as it was before the pass: a change during it runs the next

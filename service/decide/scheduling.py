@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import keep, outcome, preempt
+from service.decide import keep, outcome, preempt, quotas
 from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
+from service.decide.shares import fair_queue
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -380,14 +381,25 @@ def offer_to(job: JobRecord, free: Sequence[str], held: Mapping[str, str]) -> li
     return keep.prefer(job, [n for n in free if held.get(n, job.id) == job.id])
 
 
+def within_quotas(job: JobRecord, free: Sequence[str], active: Iterable[JobRecord],
+                  nodes: Mapping[str, NodeRecord], tenants: quotas.Tenants | None) -> Sequence[str]:
+    """`free` as far as `job`'s owner's quotas let it take them, the `active` jobs holding
+    what they hold: a decision on a re-read record (`offer_to`)."""
+    if tenants is None or not (tenants.users or tenants.teams):
+        return free
+    holding = itertools.chain((j for j in active if j.id != job.id), [job])
+    return quotas.trim(job, free, nodes, quotas.limits(job.owner, quotas.usage(holding, nodes, tenants)))
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
-             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
-    """Plans for every job, pending jobs (in queue order, `decide.order`) served before scale-ups."""
+             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
+             tenants: quotas.Tenants | None = None) -> list[Plan]:
+    """Plans for every job, pending jobs (by priority, fair share and age) served before scale-ups."""
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
     return schedule_queue(sorted((j for j in order if j.state is S.PENDING), key=queue_key),
                           [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
-                          claims=keep.claims(order), copies=copies)
+                          claims=keep.claims(order), copies=copies, tenants=tenants)
 
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
@@ -396,9 +408,15 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
                    gone: Mapping[str, str] | None = None,
-                   running: tuple[int | None, Iterable[JobRecord]] | None = None) -> list[Plan]:
+                   running: tuple[int | None, Iterable[JobRecord]] | None = None,
+                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
-    `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first).
+    `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
+    node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
+    share of the cluster now, age), and each job is offered only the nodes its owner's and
+    team's quotas leave it (`quotas.trim`; `tenants`: who is in which team and the quotas;
+    None: no quotas, fair share by user). `shares`: what `others` hold (the caller's own
+    count, taken over by the pass; None: counted here when needed).
 
     `pending` is read only while some free node is READY, or while the waiting jobs read may
     preempt (their priority is above the lowest of the running jobs that may give nodes, at
@@ -425,6 +443,25 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []
     copies = copies or {}
+    tenants = tenants or quotas.Tenants()
+    limited = bool(tenants.users or tenants.teams)
+    used = shares  # (else counted once a job may start or grow: `usage`)
+
+    def usage() -> quotas.Usage:
+        nonlocal used
+        if used is None:
+            used = quotas.usage(others, nodes, tenants, gpus=quotas.counts_gpus(tenants))
+        return used
+
+    limits: dict[str, list[quotas.Limit]] = {}  # owner -> its quotas, until the usage changes
+
+    def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
+        """`free` as far as `job`'s owner's quotas let it take them."""
+        if not limited:
+            return free
+        if (applying := limits.get(job.owner)) is None:
+            applying = limits[job.owner] = quotas.limits(job.owner, usage())
+        return quotas.trim(job, free, nodes, applying)
 
     free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
 
@@ -443,6 +480,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     def take(p: Plan, job: JobRecord) -> None:
         nonlocal offered
         plans.append(p)
+        before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
+        if before != after:  # (the shares and quotas of the jobs planned after it see the change)
+            limits.clear()
+            usage().add(job.owner, len(after) - len(before),
+                        sum(nodes[n].gpus for n in after - before if n in nodes)
+                        - sum(nodes[n].gpus for n in before - after if n in nodes))
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
             offered = [n for n in offered if n not in taken]
@@ -488,20 +531,50 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
     first = keep.holding(held, claims) if held else []
     first_ids = {j.id for j in first}
-    queue = itertools.chain(first, (j for j in pending if j.id not in held.values())) if first \
-        else iter(pending)
+
+    def may_start(job: JobRecord) -> bool:
+        """Enough READY nodes are free for its `min`, or it holds some of its own (`keep`)."""
+        return job.kept is not None or job.spec.nodes.min <= len(ready)
+
+    def may_preempt(job: JobRecord) -> bool:
+        """It outranks a running job, or nodes are already leaving for it."""
+        return (floor is not None and job.spec.priority > floor) or job.id in leaving
+
+    def quota_allows(job: JobRecord) -> bool:
+        """Its owner's node quotas leave room for its `min` (preempting for a job its quota
+        would then hold back frees nodes for nobody)."""
+        if not limited:
+            return True
+        if (applying := limits.get(job.owner)) is None:
+            applying = limits[job.owner] = quotas.limits(job.owner, usage())
+        left = min((lim.left for lim in applying if lim.what == "nodes"), default=None)
+        return left is None or left >= job.spec.nodes.min
+
+    def waiting() -> Iterator[JobRecord]:  # (read only once the loop asks: a generator)
+        held_for = set(held.values())
+        rest = (j for j in pending if j.id not in held_for)
+        if not ready:  # only preemption can start one: in queue order, read only as far as needed
+            yield from rest
+            return
+        yield from fair_queue((j for j in rest if may_start(j) or may_preempt(j)), usage())
+
+    queue = itertools.chain(first, waiting())
     while max_starts is None or len(plans) < max_starts:
         if not ready and not (claims_left and (floor is not None or leaving)):
             break
         if (job := next(queue, None)) is None:
             break
-        p = plan(job, nodes, offer(job), now, cfg, graced) if ready else None
+        p = None
+        if ready and may_start(job):
+            free = within(job, offer(job))
+            if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
+                p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
-        elif claims_left and ((floor is not None and job.spec.priority > floor) or job.id in leaving):
+        elif claims_left and may_preempt(job) and quota_allows(job):
             claims_left -= 1
             claim(job)
-        elif not ready and job.id not in first_ids:
+        elif not ready and job.id not in first_ids and not may_preempt(job):
             break  # (in priority order: no later job may preempt)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
@@ -509,8 +582,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         mark = marked.get(job.id)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job if mark is None else mark[0], nodes, offered, now, cfg, graced,
-                 copies.get(job.id, ()), gone)
+        p = plan(job if mark is None else mark[0], nodes, within(job, offered) if ready else offered,
+                 now, cfg, graced, copies.get(job.id, ()), gone)
         if mark is not None:
             p = with_mark(mark, p)
         if settled is not None:
@@ -552,7 +625,7 @@ class Settled:
         seen = self._seen.get(job.id)
         if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
             return False
-        room = job.spec.nodes.max - len(live_members(job))
+        room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
         return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:

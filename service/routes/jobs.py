@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
@@ -16,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
-from service.decide import keep
+from service.decide import keep, quotas
 from service.decide.cancel import decide_cancel
 from service.decide.waiting import why_waiting
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
@@ -165,16 +166,31 @@ def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord]) -> st
     from the index: the job a node works for, or the waiting job it is held for."""
     if job.state is not JobState.PENDING:
         return None
+    return why_waiting(job, nodes, holders_of(ctx, nodes, job.id), quota_limits(ctx, job.owner, nodes))
+
+
+def holders_of(ctx: Context, nodes: dict[str, NodeRecord], waiting: str | None = None) -> dict[str, JobRecord]:
+    """node -> the job it works for, or the waiting job it is held for (other than `waiting`),
+    as the index has them."""
     now = ctx.jobs.clock()
     holders = {}
     for name, node in nodes.items():
         holder = ctx.index.job_of_node(name)
-        if holder is None and (kept := ctx.index.keeper(name)) is not None and kept.id != job.id \
+        if holder is None and (kept := ctx.index.keeper(name)) is not None and kept.id != waiting \
                 and keep.holds(kept, node, now):
             holder = kept
         if holder is not None:
             holders[name] = holder
-    return why_waiting(job, nodes, holders)
+    return holders
+
+
+def quota_limits(ctx: Context, owner: str, nodes: Mapping[str, NodeRecord]) -> list[quotas.Limit]:
+    """The quotas that apply to `owner`'s jobs, with what the unfinished jobs hold now
+    (`decide.quotas.limits`; none while the teams and quotas are not loaded)."""
+    tenants = ctx.tenancy.tenants()
+    if tenants is None or not (owner in tenants.users or tenants.team(owner) in tenants.teams):
+        return []
+    return quotas.limits(owner, quotas.usage(ctx.index.jobs(), nodes, tenants))
 
 
 async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:

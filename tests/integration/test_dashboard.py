@@ -336,3 +336,23 @@ def test_dashboard_marks_a_scale_up_and_a_drain_on_the_curves(control_plane, api
         if os.environ.get("FTRAIN_SCREENSHOTS"):
             page.screenshot(path=str(Path(os.environ["FTRAIN_SCREENSHOTS"]) / "dashboard-resized-job.png"))
         api.post(f"/v1/jobs/{job_id}/cancel").raise_for_status()
+
+
+def test_jobs_page_shows_the_queue_in_the_order_jobs_will_start_with_why_each_waits(control_plane, api):
+    users = {}
+    for name in ("ann", "bob"):
+        resp = api.post("/v1/users", json={"name": name})
+        assert resp.status_code == 201, resp.text
+        users[name] = resp.json()["token"]
+    submitted = []
+    for owner in ("ann", "ann", "bob"):  # no node yet: all three wait
+        with control_plane.client(users[owner]) as client:
+            submitted.append(submit(client, {"name": f"of-{owner}", "command": ["true"]}))
+    with dashboard(control_plane) as page:
+        sign_in(page, control_plane)
+        page.wait_for_selector(f'[data-queued="{submitted[2]}"]')
+        order = page.eval_on_selector_all("#queue tbody tr", "els => els.map(e => e.dataset.queued)")
+        # bob's job comes before ann's second: once ann's first starts, ann holds more
+        assert order == [submitted[0], submitted[2], submitted[1]]
+        why = page.text_content(f'[data-queued="{submitted[1]}"] [data-waiting]')
+        assert "the cluster has 0 registered" in why

@@ -20,8 +20,11 @@ from service.settings import Settings
 VALID = {
     "JobSpec": {"name": "a", "command": ["python"], "nodes": {"min": 1, "max": 2}, "nproc_per_node": 1,
                 "gpus_per_node": 1, "max_restarts": 0, "snapshot": {"every_steps": 5, "keep": 2},
-                "global_batch_size": 8, "hang_timeout_s": 60.0},
-    "NewUser": {"name": "ann"},
+                "global_batch_size": 8, "hang_timeout_s": 60.0, "priority": 5,
+                "preempt_grace_s": 10.0},
+    "NewUser": {"name": "ann", "team": "ml"},
+    "QuotaPatch": {"max_nodes": 2, "max_gpus": 8},
+    "HealthReport": {"ok": False, "checks": [{"name": "own", "ok": False, "detail": "disk full"}]},
     "RegisterRequest": {"name": "n0", "nproc_per_node": 1, "gpus": 0,
                         "running": {"job_id": "j", "attempt": 1}},
     "HeartbeatRequest": {"lease_id": 7, "known": {"job_id": "j", "attempt": 1, "action": "run"},

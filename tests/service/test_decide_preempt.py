@@ -255,3 +255,33 @@ def test_out_of_range_priority_or_grace_is_refused_naming_the_field(field, value
     with pytest.raises(ValidationError) as err:
         JobSpec(name="j", command=["true"], **{field: value})
     assert err.value.errors()[0]["loc"] == (field,)
+
+
+# ------------------------------------------------------------------ preemption with quotas
+
+def test_a_job_its_quota_would_hold_back_preempts_nobody():
+    from service.decide.quotas import Quota, Tenants
+
+    low = job("low", 0, ["a", "b"], mn=1, mx=2, owner="bob")
+    mine = job("mine", 0, ["c"], mn=1, mx=1, owner="ann")
+    high = job("high", 10, mn=1, mx=1, created=5.0, owner="ann")
+    capped = Tenants(users={"ann": Quota(max_nodes=1)})  # ann holds one node already
+    plans = schedule_queue([high], [low, mine], nodes("a", "b", "c"), NOW, CFG, tenants=capped)
+    assert plans == []  # no victim marked: the nodes it would free could not go to "high"
+    roomy = Tenants(users={"ann": Quota(max_nodes=2)})
+    plans = {p.job.id: p for p in schedule_queue([high], [low, mine], nodes("a", "b", "c"), NOW, CFG,
+                                                tenants=roomy)}
+    assert plans["low"].job.preempt is not None and plans["low"].job.preempt.by == "high"
+
+
+def test_a_free_node_goes_by_fair_share_and_a_higher_priority_job_still_preempts_for_the_rest():
+    bob_running = job("bob-1", 0, ["a"], mn=1, mx=1, owner="bob")
+    ann_old = job("ann-old", 0, mn=1, mx=1, created=2.0, owner="ann")  # ann holds nothing
+    bob_new = job("bob-new", 0, mn=1, mx=1, created=3.0, owner="bob")
+    urgent = job("urgent", 10, mn=2, mx=2, created=4.0, owner="cy")
+    queue = sorted([ann_old, bob_new, urgent], key=queue_key)
+    plans = {p.job.id: p for p in schedule_queue(queue, [bob_running], nodes("a", "b"), NOW, CFG)}
+    # "urgent" comes first: it cannot start on the one free node, so it keeps it and takes
+    # bob's node by preemption; no job of priority 0 gets the free node meanwhile.
+    assert "ann-old" not in plans and "bob-new" not in plans
+    assert plans["bob-1"].job.preempt is not None and plans["bob-1"].job.preempt.by == "urgent"

@@ -191,12 +191,19 @@ function stopCurrent() {
 function jobsView() {
   view.innerHTML = `
     <h1>Jobs</h1>
+    <section id="queue-panel" hidden>
+      <h2>Queue <span class="muted">(the order waiting jobs will start in)</span></h2>
+      <div class="panel"><table id="queue">
+        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Waiting for</th></tr></thead>
+        <tbody></tbody></table></div>
+    </section>
     <div class="panel"><table id="jobs">
       <thead><tr><th>Job</th><th>State</th><th>Progress</th><th>Nodes in use</th><th>Restarts</th>
         <th>Duration</th><th>Owner</th><th>Submitted</th></tr></thead>
       <tbody></tbody></table></div>`;
   const body = view.querySelector("#jobs tbody");
   const stop = poll(async () => {
+    await showQueue();
     const items = [];
     let after = null;
     do {  // every page: a shared queue is short; finished jobs expire
@@ -219,6 +226,22 @@ function jobsView() {
       : `<tr><td colspan="8" class="empty">No jobs yet. Submit one with <span class="mono">ftrain submit job.json</span> or <span class="mono">POST /v1/jobs</span>.</td></tr>`;
   }, 2000);
   return { stop };
+}
+
+// The waiting jobs in the scheduler's order (priority, fair share, age), each with why it
+// waits: shown above the jobs while any job waits.
+async function showQueue() {
+  const queue = (await api("v1/queue?limit=50")).items;
+  view.querySelector("#queue-panel").hidden = !queue.length;
+  view.querySelector("#queue tbody").innerHTML = queue.map(q => `
+    <tr data-queued="${esc(q.id)}">
+      <td>${q.position}</td>
+      <td><a href="#/jobs/${encodeURIComponent(q.id)}">${esc(q.name)}</a><br><span class="mono muted">${esc(q.id)}</span></td>
+      <td>${esc(q.owner)}${q.team ? `<br><span class="muted">team ${esc(q.team)}</span>` : ""}</td>
+      <td>${q.priority}</td>
+      <td>${q.nodes_min}–${q.nodes_max}</td>
+      <td class="muted" data-waiting>${esc(q.waiting || "")}</td>
+    </tr>`).join("");
 }
 
 // ------------------------------------------------------------------ one job
