@@ -462,6 +462,16 @@ class EventView(BaseModel):
                                   "(ftrain runtime only): the steps it trains again.")
 
 
+class GoodputView(BaseModel):
+    """Where a job's wall time went (service/decide/goodput.py)."""
+
+    wall_s: float = Field(..., description="From its submission to its end, or to now while it runs.")
+    seconds: dict[str, float] = Field(..., description="The wall time by cause; the parts add up to "
+                                      "`wall_s`: waiting, starting, training, replayed, snapshot, "
+                                      "recovering, hung, resizing, preempted, suspended, stopping, "
+                                      "unrecorded.")
+
+
 class EventList(BaseModel):
     items: list[EventView]
 

@@ -2,8 +2,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from service.context import Context
 from service.deps import ContextDep
 from service.errors import StoreUnavailable
+from service.goodput import node_cause
 
 router = APIRouter(tags=["health"])
 
@@ -27,7 +29,22 @@ async def readyz(ctx: ContextDep):
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(ctx: ContextDep) -> PlainTextResponse:
-    """Prometheus metrics of this replica (no etcd read): jobs by state, restarts, recovery
-    time, snapshot stall/write/commit, heartbeat and etcd latency, scheduler passes
-    (`service.telemetry`)."""
+    """Prometheus metrics of this replica: jobs by state, restarts, recovery time, snapshot
+    stall/write/commit, heartbeat and etcd latency, scheduler passes (`service.telemetry`), and
+    the jobs' seconds by cause and the nodes' by state (`service.goodput`: etcd is read for the
+    events of jobs that changed since the last scrape)."""
+    await refresh_goodput(ctx)
     return PlainTextResponse(ctx.telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def refresh_goodput(ctx: Context) -> None:
+    """Bring the goodput book up to date: jobs' events, nodes' states now. Without etcd the
+    figures stay as they were (the rest of /metrics still answers)."""
+    now = ctx.jobs.clock()
+    try:
+        await ctx.goodput.refresh(ctx.index.jobs())
+        nodes = await ctx.nodes.current()
+    except StoreUnavailable:
+        return
+    ctx.goodput.sample_nodes({name: node_cause(n, ctx.index.job_of_node(name))
+                              for name, n in nodes.items()}, now)
