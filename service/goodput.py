@@ -133,6 +133,10 @@ class GoodputBook:
                 seconds[cause] = seconds.get(cause, 0.0) + s
         return seconds
 
+    def jobs(self) -> int:
+        """The jobs the totals count: those that exist and those retention deleted."""
+        return len(self._done) + len(self._events) + self.retired.jobs
+
     def sample_nodes(self, causes: dict[str, str], now: float) -> None:
         """Note each node's cause now (`node_cause`); the time since the last sample goes to
         the cause each node had then."""

@@ -472,6 +472,12 @@ class GoodputView(BaseModel):
                                       "unrecorded.")
 
 
+class ClusterGoodput(GoodputView):
+    """Every job's goodput added up: `wall_s` is the sum of their wall times."""
+
+    jobs: int = Field(..., description="The jobs counted: those that exist and those retention deleted.")
+
+
 class EventList(BaseModel):
     items: list[EventView]
 

@@ -2,10 +2,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.context import Context
 from service.deps import ContextDep
 from service.errors import StoreUnavailable
-from service.goodput import node_cause
+from service.routes.goodput import refresh_goodput
 
 router = APIRouter(tags=["health"])
 
@@ -36,15 +35,3 @@ async def metrics(ctx: ContextDep) -> PlainTextResponse:
     await refresh_goodput(ctx)
     return PlainTextResponse(ctx.telemetry.render(), media_type=CONTENT_TYPE_LATEST)
 
-
-async def refresh_goodput(ctx: Context) -> None:
-    """Bring the goodput book up to date: jobs' events, nodes' states now. Without etcd the
-    figures stay as they were (the rest of /metrics still answers)."""
-    now = ctx.jobs.clock()
-    try:
-        await ctx.goodput.refresh(ctx.index.jobs())
-        nodes = await ctx.nodes.current()
-    except StoreUnavailable:
-        return
-    ctx.goodput.sample_nodes({name: node_cause(n, ctx.index.job_of_node(name))
-                              for name, n in nodes.items()}, now)
