@@ -205,7 +205,8 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         assert job(api, job_id)["restarts"] == 1
         # where its time went, as a bar on its page: training, and the recovery among its parts
         page.wait_for_selector("#goodput .goodput-bar [data-cause='recovering']")
-        shown = page.eval_on_selector_all("#goodput .goodput-bar [data-cause]", "els => els.map(e => e.dataset.cause)")
+        shown = page.eval_on_selector_all("#goodput .goodput-bar [data-cause]",
+                                          "els => els.map(e => e.dataset.cause)")
         assert {"waiting", "starting", "training", "recovering"} <= set(shown), shown
         assert "recovering" in page.inner_text("#goodput .goodput-key")
 

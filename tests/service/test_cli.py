@@ -89,7 +89,8 @@ def test_goodput_shows_where_a_job_s_time_went_and_metrics_count_it(ftrain, cont
     assert result.exit_code == 1 and "job nope-123456 not found" in result.output
     with control_plane.client("user") as api:
         text = api.get("/metrics").text
-    waiting = [line for line in text.splitlines() if line.startswith('ftrain_job_seconds_total{cause="waiting"}')]
+    waiting = [line for line in text.splitlines()
+               if line.startswith('ftrain_job_seconds_total{cause="waiting"}')]
     assert len(waiting) == 1 and float(waiting[0].split()[-1]) > 0
 
 
