@@ -118,10 +118,13 @@ class GoodputBook:
             if job.id in self._done:
                 continue
             seen = self._events.get(job.id)
-            if seen is None or seen[0] != job.event_seq:
-                self._events[job.id] = (job.event_seq, await events_of(self._jobs, job.id))
-            if job.state.is_terminal():
-                self._done[job.id] = ledger(job, self._events.pop(job.id)[1], now)
+            events = seen[1] if seen is not None and seen[0] == job.event_seq \
+                else await events_of(self._jobs, job.id)
+            if job.state.is_terminal():  # final: its events are not needed again
+                self._done[job.id] = ledger(job, events, now)
+                self._events.pop(job.id, None)
+            else:
+                self._events[job.id] = (job.event_seq, events)
 
     def totals(self, now: float) -> dict[str, float]:
         """Every cause's seconds: the deleted jobs' and the ledgers of those that exist."""

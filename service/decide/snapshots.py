@@ -185,7 +185,7 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     # The first step of a group that replaced a stopped one: "training again" (`recovery`).
     resumed = first_step(job, report.attempt, report.group, report.step, now)
     if resumed is not None and stored is not None:
-        resumed = with_replay(resumed, job, stored, report.step)
+        resumed = with_replay(resumed, job, stored, report.step, now)
     if (stored is not None and stored.time is not None and not first and resumed is None and not report.final
             and 0 <= now - stored.time < min_interval_s):
         return ProgressDecision(stored, write=False)
@@ -213,7 +213,7 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
                             events=[] if resumed is None else resumed.events)
 
 
-def with_replay(resumed: Change, job: JobRecord, stored: Progress, step: int) -> Change:
+def with_replay(resumed: Change, job: JobRecord, stored: Progress, step: int, now: float) -> Change:
     """`resumed` (the first step of a group that replaced a stopped one, `step`) with the steps
     it trains again on its event: those the stopped group had reported (`stored`, its last
     report) past the point the new group resumed from (the attempt's restore point; else the
@@ -223,7 +223,8 @@ def with_replay(resumed: Change, job: JobRecord, stored: Progress, step: int) ->
         from_step = point.step or 0
     else:
         from_step = max(0, step - 1)
-    replay = Replay(from_step=from_step, reached_step=stored.step, reached_at=stored.time or 0.0,
+    reached_at = stored.time if stored.time is not None else now  # (a report stored before times)
+    replay = Replay(from_step=from_step, reached_step=stored.step, reached_at=reached_at,
                     step_s=round(1.0 / stored.steps_per_s, 6) if stored.steps_per_s else None)
     events = [e.model_copy(update={"replay": replay}) for e in resumed.events]
     return Change(resumed.job, events, resumed.ops)
