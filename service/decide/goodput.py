@@ -29,6 +29,7 @@ events are gone, is `unrecorded`.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,9 +108,9 @@ def ledger(job: JobRecord, events: Sequence[EventView], now: float) -> Goodput:
     events = sorted(events, key=lambda e: e.seq)
     after = causes(events)
     segments = _segments(events, after, start, end)
-    for i, event in enumerate(events):
+    for event, lost_to in zip(events, _stops(events, after), strict=True):
         if event.replay is not None:
-            _replayed(segments, event, _stop(events[:i], after[:i]))
+            _replayed(segments, event, lost_to)
     seconds = dict.fromkeys(CAUSES, 0.0)
     for seg in segments:
         seconds[seg.cause] = seconds.get(seg.cause, 0.0) + (seg.end - seg.start)
@@ -139,17 +140,24 @@ def _segments(events: Sequence[EventView], after: Sequence[str | None], start: f
     return [s for s in segments if s.end > s.start]
 
 
-def _stop(events: Sequence[EventView], after: Sequence[str | None]) -> str | None:
-    """What the time from the stopped group's last report to its stop was, given the events
-    (and their causes) before the new group's first step: the first of the run of causes other
-    than training that ends them is the stop; None if it lost nothing (a planned change)."""
-    stop = None
-    for event, cause in zip(reversed(events), reversed(after), strict=True):
+def _stops(events: Sequence[EventView], after: Sequence[str | None]) -> list[str | None]:
+    """For each event, what the time from the stopped group's last report to its stop was, had
+    a new group made its first step there: the stop is the first of the run of causes other than
+    training since the job last trained; None where that lost nothing (a planned change, a
+    preemption) or the job never trained."""
+    out: list[str | None] = []
+    stop: tuple[EventView, str | None] | None = None  # the run's first event, and its cause
+    trained = False
+    for event, cause in zip(events, after, strict=True):
+        out.append(_lost_to(stop) if trained else None)
         if cause == "training":
-            break
-        stop = (event, cause)
-    else:
-        return None  # never trained before: no group stopped
+            stop, trained = None, True
+        elif stop is None:
+            stop = (event, cause)
+    return out
+
+
+def _lost_to(stop: tuple[EventView, str | None] | None) -> str | None:
     if stop is None or stop[1] not in FAULTS:
         return None
     reason = stop[0].reason.lower()
@@ -170,27 +178,31 @@ def _replayed(segments: list[_Segment], event: EventView, lost_to: str | None) -
 
 def _move_window(segments: list[_Segment], start: float, end: float, to: str) -> None:
     """Training time within [start, end] becomes `to`."""
-    out: list[_Segment] = []
-    for seg in segments:
-        lo, hi = max(seg.start, start), min(seg.end, end)
-        if seg.cause != "training" or lo >= hi:
-            out.append(seg)
-            continue
-        out += [p for p in (_Segment(seg.start, lo, seg.cause), _Segment(lo, hi, to),
-                            _Segment(hi, seg.end, seg.cause)) if p.end > p.start]
-    segments[:] = out
+    i = max(0, bisect_right(segments, start, key=lambda seg: seg.start) - 1)
+    j = i
+    while j < len(segments) and segments[j].start < end:
+        j += 1
+    segments[i:j] = [p for seg in segments[i:j] for p in
+                     _split(seg, max(seg.start, start), min(seg.end, end), to)]
 
 
 def _move_amount(segments: list[_Segment], start: float, amount: float, to: str) -> None:
     """The first `amount` seconds of training from `start` on become `to`."""
-    out: list[_Segment] = []
-    for seg in segments:
-        if amount <= 0 or seg.cause != "training" or seg.end <= start:
-            out.append(seg)
-            continue
+    i = max(0, bisect_right(segments, start, key=lambda seg: seg.start) - 1)
+    j, moved = i, []
+    while j < len(segments) and amount > 0:
+        seg = segments[j]
         lo = max(seg.start, start)
-        hi = min(seg.end, lo + amount)
-        amount -= hi - lo
-        out += [p for p in (_Segment(seg.start, lo, seg.cause), _Segment(lo, hi, to),
-                            _Segment(hi, seg.end, seg.cause)) if p.end > p.start]
-    segments[:] = out
+        hi = min(seg.end, lo + amount) if seg.cause == "training" else lo
+        amount -= max(0.0, hi - lo)
+        moved += _split(seg, lo, hi, to)
+        j += 1
+    segments[i:j] = moved
+
+
+def _split(seg: _Segment, lo: float, hi: float, to: str) -> list[_Segment]:
+    """`seg` with its part [lo, hi] made `to`, if it is training time."""
+    if seg.cause != "training" or lo >= hi:
+        return [seg]
+    return [p for p in (_Segment(seg.start, lo, seg.cause), _Segment(lo, hi, to),
+                        _Segment(hi, seg.end, seg.cause)) if p.end > p.start]
