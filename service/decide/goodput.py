@@ -65,6 +65,8 @@ STOP_CAUSES = (("hang_timeout_s", "hung"), ("hung", "hung"))
 
 @dataclass(frozen=True)
 class Goodput:
+    """A job's wall time (seconds) and its parts by cause, which add up to it."""
+
     wall_s: float
     seconds: dict[str, float]
 
