@@ -412,6 +412,29 @@ def events(client: FtrainClient, as_json: bool, job_id: str) -> None:
            ["TIME", "STATE", "BY", "REASON"])
 
 
+@main.command()
+@click.argument("job_id")
+@click.option("--all", "show_all", is_flag=True, help="Every cause, those at 0 s too.")
+@_client_options
+def goodput(client: FtrainClient, as_json: bool, job_id: str, show_all: bool) -> None:
+    """Where a job's wall time went: waiting for nodes, starting, training, steps replayed after a
+    fault, snapshot stalls, recovering, hung... (docs/goodput.md)."""
+    result = client.goodput(job_id)
+    if as_json:
+        _print_json(result)
+        return
+    wall = result["wall_s"]
+    rows = [[cause, _span_precise(s), f"{100 * s / wall:.1f}%" if wall > 0 else "-"]
+            for cause, s in result["seconds"].items() if show_all or s > 0]
+    rows.append(["wall", _span_precise(wall), "100.0%" if wall > 0 else "-"])
+    _table(rows, ["CAUSE", "TIME", "SHARE"])
+
+
+def _span_precise(seconds: float) -> str:
+    """A duration to a tenth of a second under a minute (a recovery, a stall), else `_span`'s."""
+    return f"{seconds:.1f}s" if seconds < 60 else _span(seconds)
+
+
 def _log_line(item: dict) -> str:
     return f"[{item.get('node', '?')} rank {item.get('rank', '?')}] {item.get('line', '')}"
 

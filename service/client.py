@@ -245,6 +245,10 @@ class FtrainClient:
     def events(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
 
+    def goodput(self, job_id: str) -> dict:
+        """Where the job's wall time went: {"wall_s", "seconds": {cause: s}}."""
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/goodput")
+
     def logs(self, job_id: str, rank: int | None = None, since: int = 0, limit: int | None = None,
              tail: int | None = None) -> dict:
         """One page of the job's log: {"items": [{seq, time, node, rank, stream, line}],

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from service.admission import UserLimit
 from service.contact import Contact
+from service.goodput import GoodputBook
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keyring import Keyring
@@ -50,6 +51,8 @@ class Context:
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
     telemetry: Telemetry = field(init=False)
+    # Every job's ledger and every node's seconds by state, for GET /metrics (service.goodput).
+    goodput: GoodputBook = field(init=False)
     # Rendezvous state writes waiting for their batch, long polls for a change (service.rendezvous).
     rdzv_states: StateHub = field(default_factory=StateHub)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
@@ -89,7 +92,9 @@ class Context:
                   admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s,
                                       settings.admission_wait_s),
                   tenancy=Tenancy(kv, keys))
+        ctx.goodput = GoodputBook(jobs)
         ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes, ctx.tenancy.tenants)
+        ctx.telemetry.count_goodput(ctx.goodput, jobs.clock)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
         ctx.telemetry.count_admission(ctx.admission)

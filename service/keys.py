@@ -45,6 +45,8 @@
                                          service.contact), rewritten every 2 s
     <prefix>/compacted                   the revision the leader last compacted etcd to
                                          (service.compaction; written fenced, just before)
+    <prefix>/goodput                     the goodput ledgers of the jobs retention deleted, added
+                                         up (service.goodput), in the transaction deleting each
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, memory/, rdzv/ and logs/
@@ -169,3 +171,7 @@ class Keys:
     @property
     def compacted(self) -> str:
         return f"{self.prefix}/compacted"
+
+    @property
+    def goodput_retired(self) -> str:
+        return f"{self.prefix}/goodput"

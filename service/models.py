@@ -401,6 +401,9 @@ class JobRecord(BaseModel):
     kept: KeptCopies | None = None
     # While a job of higher priority takes some or all of its nodes (`decide.preempt`).
     preempt: Preemption | None = None
+    # The training loop's stalls for the snapshots it committed, added up (each commit reports its
+    # own; the snapshot records themselves are pruned to `keep`): the goodput ledger's `snapshot`.
+    snapshot_stall_s: float = 0.0
 
     @model_validator(mode="before")
     @classmethod
@@ -493,6 +496,23 @@ class JobList(BaseModel):
     next: str | None = Field(None, description="Pass as ?after= to get the next page.")
 
 
+class Replay(BaseModel):
+    """On the event of the first step of a group that replaced a stopped one (a fault, a lost
+    node, a planned change): the steps it trains again, for the goodput ledger
+    (service/decide/goodput.py)."""
+
+    from_step: int = Field(..., description="The step the new group resumed from (its restore point).")
+    reached_step: int = Field(..., description="The last step the stopped group reported.")
+    reached_at: float = Field(..., description="When that report was stored.")
+    step_s: float | None = Field(None, description="The stopped group's step time then (seconds), "
+                                 "null if not known.")
+
+    @property
+    def steps(self) -> int:
+        """The steps redone: those the stopped group had made past the restore point."""
+        return max(0, self.reached_step - self.from_step)
+
+
 class EventView(BaseModel):
     seq: int
     time: float
@@ -506,6 +526,24 @@ class EventView(BaseModel):
                                "(its identity in the leader key: host, PID, ...).")
     term: int | None = Field(None, description="With `leader`: its term, the etcd revision at which it "
                              "took the lead; a later lead has a larger one.")
+    replay: Replay | None = Field(None, description="On a job's first step after its group was replaced "
+                                  "(ftrain runtime only): the steps it trains again.")
+
+
+class GoodputView(BaseModel):
+    """Where a job's wall time went (service/decide/goodput.py)."""
+
+    wall_s: float = Field(..., description="From its submission to its end, or to now while it runs.")
+    seconds: dict[str, float] = Field(..., description="The wall time by cause; the parts add up to "
+                                      "`wall_s`: waiting, starting, training, replayed, snapshot, "
+                                      "recovering, hung, resizing, preempted, suspended, stopping, "
+                                      "unrecorded.")
+
+
+class ClusterGoodput(GoodputView):
+    """Every job's goodput added up: `wall_s` is the sum of their wall times."""
+
+    jobs: int = Field(..., description="The jobs counted: those that exist and those retention deleted.")
 
 
 class EventList(BaseModel):

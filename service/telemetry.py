@@ -91,6 +91,11 @@ class Telemetry:
         how many it serves at once now."""
         self.registry.register(_Admission(limit))
 
+    def count_goodput(self, book, clock) -> None:
+        """Publish the jobs' seconds by cause and the nodes' by state (`service.goodput`'s
+        book, refreshed before each render: `routes.health.metrics`)."""
+        self.registry.register(_Goodput(book, clock))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -128,6 +133,27 @@ class _Admission(Collector):
                                 "at most (lowered while the event loop runs late).")
         now.add_metric([], self._limit.limit)
         yield now
+
+
+class _Goodput(Collector):
+    """Where the jobs' wall time went, and the nodes' (`service.goodput.GoodputBook`)."""
+
+    def __init__(self, book, clock) -> None:
+        self._book = book
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = CounterMetricFamily("ftrain_job_seconds", "Jobs' wall time by cause (the goodput "
+                                   "ledger), deleted jobs' included.", labels=["cause"])
+        for cause, s in self._book.totals(self._clock()).items():
+            jobs.add_metric([cause], s)
+        yield jobs
+        nodes = CounterMetricFamily("ftrain_node_seconds", "Nodes' time by state (busy, idle, "
+                                    "draining, drained, quarantined), as this replica sampled it.",
+                                    labels=["node", "state"])
+        for (node, state), s in sorted(self._book.node_seconds.items()):
+            nodes.add_metric([node, state], s)
+        yield nodes
 
 
 class _Jobs(Collector):

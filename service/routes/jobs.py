@@ -22,10 +22,12 @@ from service.decide.cancel import decide_cancel
 from service.decide.waiting import why_waiting
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound, StoreUnavailable
+from service.goodput import job_goodput
 from service.keyring import new_nonce
 from service.models import (
     CancelResult,
     EventList,
+    GoodputView,
     JobList,
     JobRecord,
     JobSpec,
@@ -232,6 +234,15 @@ async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Resp
 async def events(job_id: str, ctx: ContextDep) -> EventList:
     """Every state change of the job (and notable moments of its life), oldest first."""
     return EventList(items=await ctx.jobs.events(job_id))
+
+
+@router.get("/{job_id}/goodput", response_model=GoodputView)
+async def goodput(job_id: str, ctx: ContextDep) -> GoodputView:
+    """Where the job's wall time went, by cause (waiting for nodes, starting, training, steps
+    replayed after a fault, snapshot stalls, recovering, hung, ...): the parts add up to
+    `wall_s`, up to now while it runs (docs/goodput.md)."""
+    g = await job_goodput(ctx.jobs, job_id)
+    return GoodputView(wall_s=round(g.wall_s, 3), seconds={c: round(s, 3) for c, s in g.seconds.items()})
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)

@@ -203,6 +203,12 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         after = points(page, "loss")
         wait_points(page, after)
         assert job(api, job_id)["restarts"] == 1
+        # where its time went, as a bar on its page: training, and the recovery among its parts
+        page.wait_for_selector("#goodput .goodput-bar [data-cause='recovering']")
+        shown = page.eval_on_selector_all("#goodput .goodput-bar [data-cause]",
+                                          "els => els.map(e => e.dataset.cause)")
+        assert {"waiting", "starting", "training", "recovering"} <= set(shown), shown
+        assert "recovering" in page.inner_text("#goodput .goodput-key")
 
         # the restart is marked on both curves, at the step where the group stopped (the
         # history's newest point when the job went RECOVERING), its title naming the cause
@@ -254,6 +260,9 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         assert fail["text"][0] != cancel["text"][0] and fail["text"][0] not in "FC", looks  # the sign
         # and the list says why the failed one failed
         page.click("a[data-nav='jobs']")
+        # above it, where every job's time went, added up
+        page.wait_for_selector("#goodput-totals .goodput-bar [data-cause='recovering']")
+        assert "all jobs: " in page.inner_text("#goodput-jobs")
         assert "max_restarts=0" in page.inner_text(f'tr[data-job="{failed}"] [data-why]')
         if shots:
             page.screenshot(path=str(Path(shots) / "dashboard-ended-jobs.png"))
@@ -291,6 +300,10 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
     assert got["ftrain_snapshot_stall_seconds_count"] >= 1
     assert got["ftrain_snapshot_commit_seconds_count"] >= 1
     assert got["ftrain_node_heartbeat_seconds_count"] >= 1 and got["ftrain_etcd_request_seconds_count"] >= 1
+    # where the jobs' time went, and the node's
+    assert got['ftrain_job_seconds_total{cause="training"}'] > 0
+    assert got['ftrain_job_seconds_total{cause="recovering"}'] > 0
+    assert got['ftrain_node_seconds_total{node="n0",state="busy"}'] > 0
 
 
 def test_dashboard_marks_a_scale_up_and_a_drain_on_the_curves(control_plane, api, agents):

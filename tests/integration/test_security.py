@@ -87,6 +87,8 @@ def rows(j: str, attempt: int, lone: str,
         ("GET", "/v1/jobs", None, {"user", "named"}),
         ("GET", f"/v1/jobs/{j}", None, {"user", "named"}),
         ("GET", f"/v1/jobs/{j}/events", None, {"user", "named"}),
+        ("GET", f"/v1/jobs/{j}/goodput", None, {"user", "named"}),
+        ("GET", "/v1/goodput", None, {"user", "named"}),
         ("GET", f"/v1/jobs/{j}/logs", None, {"user", "named"}),
         ("GET", "/v1/nodes", None, {"user", "named"}),
         ("GET", "/v1/users", None, {"user"}),  # the admin only

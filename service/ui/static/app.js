@@ -108,6 +108,23 @@ function progressCell(job) {
   return `<div class="progress">${bar}<span class="label" data-progress>${esc(parts.join(" · "))}</span></div>`;
 }
 
+// Where a job's (or every job's) wall time went: one bar, a part per cause (GET .../goodput),
+// each part's width its share, and a key with the seconds and the share of each. The parts add
+// up to the wall time; causes at 0 s are left out.
+function goodputBar(g) {
+  const wall = g.wall_s || 0;
+  const parts = Object.entries(g.seconds).filter(([, s]) => s > 0);
+  if (!wall || !parts.length) return '<span class="muted">no time yet</span>';
+  const pct = s => 100 * s / wall;
+  const share = s => `${pct(s).toFixed(pct(s) < 10 ? 1 : 0)}%`;
+  const bar = parts.map(([c, s]) => `<span class="gp-${esc(c)}" data-cause="${esc(c)}" data-seconds="${s}"
+      data-width="${pct(s)}" title="${esc(c)}: ${duration(s)} (${share(s)})"></span>`).join("");
+  const key = parts.map(([c, s]) => `<li data-cause="${esc(c)}"><span class="swatch gp-${esc(c)}"></span>${esc(c)}
+      <span class="muted">${s < 60 ? s.toFixed(1) + "s" : duration(s)} · ${share(s)}</span></li>`).join("");
+  return `<div class="goodput-bar" role="img" aria-label="wall time by cause">${bar}</div>
+    <ul class="goodput-key">${key}</ul>`;
+}
+
 // The page's Content-Security-Policy takes no inline style (a `style=` attribute in HTML is
 // one): a bar's width is set through the DOM, on every bar a view adds.
 function sizeBars() {
@@ -197,6 +214,8 @@ function jobsView() {
         <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Waiting for</th></tr></thead>
         <tbody></tbody></table></div>
     </section>
+    <div class="panel"><h2>Where the time went <span class="muted" id="goodput-jobs"></span></h2>
+      <div id="goodput-totals" data-goodput></div></div>
     <div class="panel"><table id="jobs">
       <thead><tr><th>Job</th><th>State</th><th>Progress</th><th>Nodes in use</th><th>Restarts</th>
         <th>Duration</th><th>Owner</th><th>Submitted</th></tr></thead>
@@ -212,6 +231,10 @@ function jobsView() {
       after = page.next;
     } while (after && items.length < 5000);
     items.reverse();  // newest first
+    const totals = await api("v1/goodput");
+    view.querySelector("#goodput-totals").innerHTML = goodputBar(totals);
+    view.querySelector("#goodput-jobs").textContent =
+      `(all jobs: ${totals.jobs}, ${duration(totals.wall_s)} in all)`;
     body.innerHTML = items.length ? items.map(job => `
       <tr data-job="${esc(job.id)}">
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
@@ -275,6 +298,7 @@ function jobView(jobId) {
       <span class="spacer"></span><button class="danger" id="cancel" hidden>Cancel job</button></h1>
     <p class="reason" id="job-reason"></p>
     <div class="panel"><div class="facts" id="facts"></div></div>
+    <div class="panel"><h2>Where the time went</h2><div id="goodput" data-goodput></div></div>
     <div class="grid">
       <div class="panel"><div class="chart" id="chart-loss" data-chart="loss"></div></div>
       <div class="panel"><div class="chart" id="chart-speed" data-chart="samples_per_s"></div></div>
@@ -429,11 +453,12 @@ function jobView(jobId) {
 
   const id = encodeURIComponent(jobId);
   const stopPoll = poll(async () => {
-    const [j, events, metrics, snaps] = await Promise.all([
+    const [j, events, metrics, snaps, goodput] = await Promise.all([
       api(`v1/jobs/${id}`), api(`v1/jobs/${id}/events`), api(`v1/jobs/${id}/metrics`),
-      api(`v1/jobs/${id}/snapshots`)]);
+      api(`v1/jobs/${id}/snapshots`), api(`v1/jobs/${id}/goodput`)]);
     marks = regroupMarks(events.items, metrics);
     showJob(j); showEvents(events.items); showMetrics(metrics); showSnapshots(snaps);
+    $("goodput").innerHTML = goodputBar(goodput);
   }, 1000);
   followLogs();
   const onResize = () => {
