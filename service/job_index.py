@@ -51,18 +51,19 @@ SortKey = tuple[float, str]  # (created_at, id): the listing order, oldest first
 REMEMBERED_DELETIONS = 10_000
 
 
-def _place(queue_is_pending: bool, job: JobRecord) -> QueueKey | SortKey:
+def _place(queue_is_pending: bool, job: JobRecord, fifo: bool) -> QueueKey | SortKey:
     """`job`'s entry in the pending queue (`queue_key`) or among the others (its age)."""
-    return queue_key(job) if queue_is_pending else (job.created_at, job.id)
+    return queue_key(job, fifo) if queue_is_pending else (job.created_at, job.id)
 
 
 class JobIndex:
     """Which jobs exist and in what order, which are unfinished, and which job each node
     works for; kept current by a watch."""
 
-    def __init__(self, kv: KeyValue, keys: Keys):
+    def __init__(self, kv: KeyValue, keys: Keys, fifo: bool = False):
         self._kv = kv
         self._keys = keys
+        self.fifo = fifo  # the queue in submission order (`Settings.queue_policy`)
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
         # node -> the PENDING job whose memory copy it last kept (`keeper`): at most one a node
@@ -349,8 +350,8 @@ class JobIndex:
         was, now = self._queue_of(old), self._queue_of(new)
         self._count_running(old, -1 if was is self._running else 0)
         self._count_running(new, 1 if now is self._running else 0)
-        old_place = None if was is None else _place(was is self._pending, old)
-        new_place = None if now is None else _place(now is self._pending, new)
+        old_place = None if was is None else _place(was is self._pending, old, self.fifo)
+        new_place = None if now is None else _place(now is self._pending, new, self.fifo)
         if was is not None and (was is not now or new_place != old_place):
             i = bisect.bisect_left(was, old_place)
             if i < len(was) and was[i] == old_place:
@@ -411,7 +412,7 @@ class JobIndex:
         self._held.clear()
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
-        self._pending = sorted(queue_key(j) for j in jobs.values() if j.state is JobState.PENDING)
+        self._pending = sorted(queue_key(j, self.fifo) for j in jobs.values() if j.state is JobState.PENDING)
         self._running = [p for p in self._order
                          if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
         self._priorities, self._yielding = Counter(), set()

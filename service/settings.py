@@ -4,6 +4,8 @@ Built by whoever starts the app (`ftrain serve`, `ftrain up`, a test) and passed
 `create_app(settings)`; nothing reads them at import time.
 """
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -65,6 +67,10 @@ class Settings(BaseSettings, Timeouts):
         "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
         "network blip costs nothing (service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    queue_policy: Literal["priority", "fifo"] = Field(
+        "priority", description="How waiting jobs are served: \"priority\" (higher priority first, "
+        "then fair share, then age; a higher-priority job may preempt: docs/scheduling.md) or "
+        "\"fifo\" (submission order, nothing preempted). Quotas hold under both.")
     memory_hold_s: float = Field(
         120.0, ge=0, le=300,
         description="A job that lost a node and waits for another holds the survivors that keep its "

@@ -41,7 +41,7 @@ from service.decide import keep, outcome, preempt, quotas
 from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
-from service.decide.shares import fair_queue
+from service.decide.shares import served
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -67,6 +67,9 @@ class SchedulerConfig:
     # A job that went back to PENDING holds the survivors that keep its memory copy this long
     # (no other job is given them); shorter than the agent's MEMORY_KEEP_S. `decide.keep` says why.
     memory_hold_s: float = 120.0
+    # The queue policy (`Settings.queue_policy`): "fifo" serves the queue in submission order
+    # (no priority, fair share or preemption), "priority" as `decide.order` says.
+    fifo: bool = False
 
 
 @dataclass
@@ -397,7 +400,7 @@ def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              tenants: quotas.Tenants | None = None) -> list[Plan]:
     """Plans for every job, pending jobs (by priority, fair share and age) served before scale-ups."""
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
-    return schedule_queue(sorted((j for j in order if j.state is S.PENDING), key=queue_key),
+    return schedule_queue(sorted((j for j in order if j.state is S.PENDING), key=lambda j: queue_key(j, cfg.fifo)),
                           [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
                           claims=keep.claims(order), copies=copies, tenants=tenants)
 
@@ -499,6 +502,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     # nodes (found only when a waiting job looks for victims).
     floor, yielding = running if running is not None else \
         (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
+    if cfg.fifo:  # nothing preempts
+        floor, yielding = None, ()
     leaving = preempt.coming(yielding)
     victims: preempt.Victims | None = None  # made at the first waiting job that looks for victims
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
@@ -556,7 +561,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         if not ready:  # only preemption can start one: in queue order, read only as far as needed
             yield from rest
             return
-        yield from fair_queue((j for j in rest if may_start(j) or may_preempt(j)), usage())
+        yield from served((j for j in rest if may_start(j) or may_preempt(j)), usage(), cfg.fifo)
 
     queue = itertools.chain(first, waiting())
     while max_starts is None or len(plans) < max_starts:

@@ -62,3 +62,9 @@ def fair_queue(pending: Iterable[JobRecord], used: Usage) -> Iterator[JobRecord]
         yield line.pop()
         if line:
             heapq.heappush(heap, (fair_key(line[-1], used), owner))
+
+
+def served(pending: Iterable[JobRecord], used: Usage, fifo: bool = False) -> Iterator[JobRecord]:
+    """`pending` in the order it is served: `fair_queue`'s, or under the `fifo` queue policy
+    as given (submission order: `decide.order.queue_key`)."""
+    return iter(pending) if fifo else fair_queue(pending, used)

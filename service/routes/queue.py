@@ -14,7 +14,8 @@ from fastapi import APIRouter, Query
 
 from service.api_contract import AuthFirstRoute
 from service.decide import quotas
-from service.decide.shares import fair_queue
+from service.decide.order import queue_key
+from service.decide.shares import served
 from service.decide.waiting import why_waiting
 from service.deps import ContextDep, UserAuth
 from service.models import JobState, QueuedJob, QueueView
@@ -34,7 +35,9 @@ async def queue(ctx: ContextDep, limit: int = Query(100, ge=1, le=1000,
     ahead = copy.deepcopy(used)  # the shares as the jobs ahead would make them
     holders = holders_of(ctx, nodes)
     items = []
-    for position, job in enumerate(fair_queue((j for j in jobs if j.state is JobState.PENDING), ahead), 1):
+    fifo = ctx.settings.queue_policy == "fifo"
+    waiting = sorted((j for j in jobs if j.state is JobState.PENDING), key=lambda j: queue_key(j, fifo))
+    for position, job in enumerate(served(waiting, ahead, fifo), 1):
         if position > limit:
             break
         mine = holders if job.kept is None else {n: h for n, h in holders.items() if h.id != job.id}

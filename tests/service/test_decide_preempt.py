@@ -285,3 +285,15 @@ def test_a_free_node_goes_by_fair_share_and_a_higher_priority_job_still_preempts
     # bob's node by preemption; no job of priority 0 gets the free node meanwhile.
     assert "ann-old" not in plans and "bob-new" not in plans
     assert plans["bob-1"].job.preempt is not None and plans["bob-1"].job.preempt.by == "urgent"
+
+
+# ------------------------------------------------------------------ the fifo queue policy
+
+def test_the_fifo_policy_serves_submission_order_and_preempts_nobody():
+    fifo = SchedulerConfig(control_ack_timeout_s=10, cancel_ack_timeout_s=3, fifo=True)
+    older_low, newer_high = job("low", 0, created=1.0), job("high", 5, created=2.0)
+    plans = schedule([older_low, newer_high], nodes("a"), NOW, fifo)
+    assert [(p.job.id, p.job.state) for p in plans] == [("low", S.STARTING)]
+    running_low = job("r", 0, ["a", "b"], mn=1, mx=2)
+    assert schedule_queue([job("urgent", 10, created=5.0)], [running_low], nodes("a", "b"), NOW, fifo) == []
+    assert queue_key(newer_high, fifo=True) > queue_key(older_low, fifo=True)
