@@ -56,6 +56,28 @@ class ShardedDiskTier(DiskTier):
             dist.broadcast_object_list(box, src=0)
             token = box[0]
         self.token = token
+        if worker.distributed and self.directory is not None:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        """Every rank sees rank 0's snapshot folder (each writes its shards into the same
+        directory), or the job stops at once with what to do, not at its first snapshot."""
+        assert self.directory is not None
+        probe = self.directory / f".ftrain-shared-{self.token}"
+        if self.worker.is_chief:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            probe.touch()
+        dist.barrier(group=self.group)
+        seen: list = [None] * self.worker.world_size
+        dist.all_gather_object(seen, probe.exists(), group=self.group)
+        if self.worker.is_chief:
+            probe.unlink(missing_ok=True)
+        blind = [rank for rank, saw in enumerate(seen) if not saw]
+        if blind:
+            raise RuntimeError(
+                f"rank(s) {blind} do not see rank 0's snapshot folder {self.directory}: an FSDP2 model's "
+                "snapshots are every rank's shards in one directory, so FTRAIN_SNAPSHOT_DIR must be on "
+                "storage every node mounts (start the control plane with --snapshot-root on it)")
 
     # -------------------------------------------------------------- saving
     def save(self, objects: Mapping[str, Any], step: int, rng: Any, *, control_id: int | None = None,
