@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,16 +20,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers.processes import free_port
 from worker import sharded
 from worker import snapshot as snap
 
 SAMPLES, GLOBAL_BATCH = 48, 6  # 8 steps an epoch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_states(model, optimizer) -> dict:
@@ -87,7 +81,7 @@ def _group(rank: int, world: int, port: int, directory: str, out: str, name: str
 
 
 def _run_group(world: int, directory: Path, out: Path, name: str, until: int) -> dict:
-    mp.spawn(_group, args=(world, _free_port(), str(directory), str(out), name, until), nprocs=world)
+    mp.spawn(_group, args=(world, free_port(), str(directory), str(out), name, until), nprocs=world)
     return torch.load(out / f"{name}.pt", weights_only=False)
 
 
