@@ -34,6 +34,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,18 +151,17 @@ def _wait_for_sums(tmp: Path, world_size: int, timeout_s: float) -> dict[str, li
     return files
 
 
+@dataclass
 class ShardedSave(snap.PendingSnapshot):
     """Rank 0's part of one sharded snapshot, completed by `AsyncWriter`'s thread: its own
     DCP write awaited, every rank's sums gathered, the small state written, the manifest
     written last, the directory renamed into place."""
 
-    def __init__(self, future: Future, tmp: Path, world_size: int, small_state: dict,
-                 sums_wait_s: float = SUMS_WAIT_S):
-        self.future = future
-        self.tmp = tmp
-        self.world_size = world_size
-        self.small_state = small_state
-        self.sums_wait_s = sums_wait_s
+    future: Future
+    tmp: Path
+    world_size: int
+    small_state: dict
+    sums_wait_s: float = SUMS_WAIT_S
 
     def complete(self, directory: Path, step: int) -> snap.WrittenSnapshot:
         began = time.perf_counter()
