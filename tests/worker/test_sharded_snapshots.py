@@ -37,9 +37,10 @@ def _full_states(model, optimizer) -> dict:
     return copy.deepcopy({"model": model_sd, "optimizer": optim_sd})
 
 
-def _group(rank: int, world: int, port: int, directory: str, out: str, name: str, until: int) -> None:
-    """One rank of a group: restore, train to step `until`, snapshot there, note its states
-    (restored and final) and the samples of each step it made."""
+def _group(rank: int, world: int, port: int, directory: str, out: str, name: str, until: int,
+           also: int | None) -> None:
+    """One rank of a group: restore, train to step `until`, snapshot there (and at step `also`),
+    note its states (restored, at `also`, final) and the samples of each step it made."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from torch.distributed.fsdp import fully_shard
@@ -60,7 +61,7 @@ def _group(rank: int, world: int, port: int, directory: str, out: str, name: str
     restored = _full_states(model, optimizer) if start else None
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 1, generator=g)
-    seen = []
+    seen, at_also = [], None
     for indices in sampler:
         loss = torch.nn.functional.mse_loss(model(x[indices]), y[indices]) * sampler.loss_weight
         optimizer.zero_grad()
@@ -69,6 +70,9 @@ def _group(rank: int, world: int, port: int, directory: str, out: str, name: str
         scheduler.step()
         seen.append([rt.step + 1, indices])
         rt.step_done(loss=loss)
+        if rt.step == also:
+            assert rt.snapshot(blocking=True)
+            at_also = _full_states(model, optimizer)
         if rt.step >= until:  # here, as a planned change snapshots: before the next batch is taken
             break
     assert rt.snapshot(blocking=True)
@@ -76,12 +80,12 @@ def _group(rank: int, world: int, port: int, directory: str, out: str, name: str
     rt.finish()
     Path(out, f"{name}-seen-{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
-        torch.save({"start": start, "restored": restored, "final": final, "tier": rt.resumed_tier},
+        torch.save({"start": start, "restored": restored, "also": at_also, "final": final},
                    Path(out, f"{name}.pt"))
 
 
-def _run_group(world: int, directory: Path, out: Path, name: str, until: int) -> dict:
-    mp.spawn(_group, args=(world, free_port(), str(directory), str(out), name, until), nprocs=world)
+def _run_group(world: int, directory: Path, out: Path, name: str, until: int, also: int | None = None) -> dict:
+    mp.spawn(_group, args=(world, free_port(), str(directory), str(out), name, until, also), nprocs=world)
     return torch.load(out / f"{name}.pt", weights_only=False)
 
 
@@ -133,16 +137,15 @@ def test_resizes_2_1_2_restore_every_parameter_and_optimizer_state_and_each_samp
 def test_a_damaged_shard_is_reported_and_the_snapshot_before_is_loaded(tmp_path: Path) -> None:
     directory, out = tmp_path / "snapshots", tmp_path / "out"
     out.mkdir()
-    first = _run_group(1, directory, out, "first", until=2)
-    _run_group(1, directory, out, "second", until=4)
+    first = _run_group(1, directory, out, "first", until=4, also=2)
     shard = next((directory / sharded.snapshot_name(4)).glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
 
-    third = _run_group(1, directory, out, "third", until=5)
-    assert third["start"] == 2
-    _assert_same(third["restored"], first["final"], "fallback")
+    again = _run_group(1, directory, out, "again", until=5)
+    assert again["start"] == 2
+    _assert_same(again["restored"], first["also"], "fallback")
     # Marked bad, then pruned by the next commit, its directory deleted with it.
     index = json.loads((directory / "snapshots.json").read_text())
     assert [i["step"] for i in index["items"]] == [2, 5]
