@@ -165,8 +165,13 @@ class ShardedSave(snap.PendingSnapshot):
 
     def complete(self, directory: Path, step: int) -> snap.WrittenSnapshot:
         began = time.perf_counter()
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
-            self.future.result()
+            try:
+                self.future.result()
+            except CheckpointException as exc:  # a rank's storage refused: this snapshot is lost, not the run
+                raise OSError(f"the shards of step {step} were not all written: {exc}") from exc
             write_own_sums(self.tmp, 0)
             files = _wait_for_sums(self.tmp, self.world_size, self.sums_wait_s)
             state_file = snap.write_atomic(self.small_state, self.tmp, step)
