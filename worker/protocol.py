@@ -482,6 +482,10 @@ class ControlAction(str, enum.Enum):
     CHECKPOINT_STOP = "checkpoint_stop"  # snapshot, commit, then exit 0 (cancel)
 
 
+SHARDS_DOC = ("A sharded snapshot (an FSDP2 model): `path` is a directory holding this many ranks' "
+              "shards (torch.distributed.checkpoint), loadable at any world size; none: one file.")
+
+
 class SnapshotRecord(SnapshotMeta):
     """A committed snapshot as stored under `keys.snapshot(job, step)`."""
 
@@ -491,6 +495,7 @@ class SnapshotRecord(SnapshotMeta):
     control_id: int | None = Field(None, description="The planned change this snapshot answered.")
     stall_s: float | None = Field(None, description="How long the training loop stalled for it.")
     write_s: float | None = Field(None, description="Background write and fsync time.")
+    shards: int | None = Field(None, description=SHARDS_DOC)
 
     def meta(self) -> SnapshotMeta:
         return SnapshotMeta(**self.model_dump(include=set(SnapshotMeta.model_fields)))
@@ -505,6 +510,7 @@ class CommitRequest(JsonBody):
     control_id: JsonInt | None = Field(None, ge=1, description="Acknowledges this control request.")
     stall_s: JsonFloat | None = Field(None, ge=0)
     write_s: JsonFloat | None = Field(None, ge=0)
+    shards: JsonInt | None = Field(None, ge=1, le=1_000_000, description=SHARDS_DOC)
 
 
 class CommitResult(BaseModel):

@@ -106,7 +106,7 @@ def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: flo
         raise InvalidField("path", why)
     rec = SnapshotRecord(step=req.step, path=req.path, size=req.size, checksum=req.checksum,
                          time=now, attempt=req.attempt, control_id=req.control_id,
-                         stall_s=req.stall_s, write_s=req.write_s)
+                         stall_s=req.stall_s, write_s=req.write_s, shards=req.shards)
     records = {**records, req.step: rec}
     update: dict = {}
     if req.stall_s:  # the goodput ledger's `snapshot` (decide.goodput): the job's total
