@@ -71,7 +71,7 @@ class Arrival:
 def trace(jobs: int, minutes: float, seed: int) -> list[Arrival]:
     """The jobs, their users and arrival times: every user gets the same number of
     priority-0 jobs (so that an equal share is the fair one), arrivals spread over the first
-    60% of the window, each job 1 to 3 minutes of work."""
+    60% of the window, each job 20 to 90 s of work in a 10-minute trace (scaled with it)."""
     rng = random.Random(seed)
     users = list(USERS)
     out = []
@@ -81,7 +81,7 @@ def trace(jobs: int, minutes: float, seed: int) -> list[Arrival]:
         turns[priority] = turns.get(priority, 0) + 1
         user = users[turns[priority] % len(users)]
         lo, hi = rng.choice(SHAPES)
-        seconds = rng.uniform(60, 180) * minutes / 10
+        seconds = rng.uniform(20, 90) * minutes / 10  # ~ the capacity of 4 nodes over the window
         plain = rng.random() < 0.3
         name = f"{'plain' if plain else 'rt'}-{i:02d}-p{priority}"
         if plain:
