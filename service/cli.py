@@ -644,6 +644,9 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
              (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
            ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"])
+    for n in items:  # why a node takes no work, in full (a check's output has several lines)
+        if n.get("reason"):
+            click.echo(f"\n{n['name']} is {n['state']}: {n['reason']}")
 
 
 def _gpus_cell(node: dict) -> str:
@@ -671,7 +674,10 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
 @click.argument("name")
 @_client_options
 def undrain(client: FtrainClient, as_json: bool, name: str) -> None:
-    """Put a drained node back in service (READY: it may be given work again)."""
+    """Put a drained or quarantined node back in service (READY: it may be given work again).
+
+    A node quarantined by its own health check is checked again after its next job (or
+    after --health-interval while idle): one that still fails is quarantined again."""
     result = client.undrain(name)
     if as_json:
         _print_json(result)
@@ -785,9 +791,21 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
                    "latest; older folders of jobs this node no longer runs are deleted.")
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
+@click.option("--health-check", "health_check", metavar="CMD", default=None,
+              help="The operator's own health check, a shell command run when the node registers "
+                   "and between jobs: exit 0 is healthy; otherwise the node is QUARANTINED (no job is "
+                   "placed on it) with the command's output as the reason (docs/health.md).")
+@click.option("--health-check-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds the --health-check command may take; longer is a failure.")
+@click.option("--health-interval", default=300.0, show_default=True, type=click.FloatRange(1, 86400),
+              help="An idle node runs its health checks again this often (and after each job).")
+@click.option("--builtin-checks/--no-builtin-checks", default=True, show_default=True,
+              help="Run the built-in checks (GPUs visible, a matmul, memory, an NCCL or gloo "
+                   "self-test) in a child process with the --health-check.")
 def node(server: str | None, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
-         keep_logs_days: float) -> None:
+         keep_logs_days: float, health_check: str | None, health_check_timeout: float,
+         health_interval: float, builtin_checks: bool) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -819,8 +837,11 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
     if gpus is not None:
         _use_gpus(gpus)
     # The agent sets up its own logging (with the node's name in every line).
+    from worker.health import HealthChecks
+
+    checks = HealthChecks(builtin_checks, health_check, health_check_timeout, health_interval)
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
-                        keep_logs_jobs, keep_logs_days * 86400)
+                        keep_logs_jobs, keep_logs_days * 86400, checks)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -491,6 +491,7 @@ class NodeState(str, enum.Enum):
     READY = "READY"
     DRAINING = "DRAINING"  # drained, still holding a job's work
     DRAINED = "DRAINED"  # drained and idle (views only: the record says DRAINING)
+    QUARANTINED = "QUARANTINED"  # a health check failed, or failures followed it (no new work)
 
 
 class NodeRecord(BaseModel):
@@ -502,6 +503,7 @@ class NodeRecord(BaseModel):
     gpu_model: str | None = None
     address: str | None = None
     state: NodeState = NodeState.READY
+    reason: str | None = None  # why it is QUARANTINED
     registered_at: float
     lease_id: int
     # sha256 (hex) of the node's credential (service.deps.new_node_credential); never the
@@ -516,6 +518,8 @@ class NodeView(BaseModel):
     gpus: int = Field(0, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, description="Their model (null without GPUs).")
     address: str | None
+    reason: str | None = Field(None, description="Why the node is QUARANTINED: its failed health "
+                               "check's output, or the jobs whose workers failed on it (docs/health.md).")
     registered_at: float
     job: str | None = Field(None, description="The unfinished job this node belongs to, if any: it "
                                               "works on it, or has finished its part of it.")

@@ -14,6 +14,13 @@ its agent restarted, or after an etcd pause in which its lease lapsed) comes bac
 until an undrain deletes the name's drain, or the leader's retention loop sweeps the drain
 of a node absent for `FTRAIN_DRAIN_KEEP_S` (`sweep_drains`, `service.decide.drains`).
 
+A quarantine is a drain with a reason (`quarantine`): kept under the name the same way, with
+`quarantined: {"reason", "by"}` in the note, and the record QUARANTINED with that reason. It
+comes from the node's own health checks (`by: "check"`: a later passing check clears it, as
+the admin's undrain does) or from failures that followed the node across jobs (`by:
+"failures"`, `service.decide.attribution`: only the admin's undrain clears it; a node that
+passes its own checks may still break jobs).
+
 Each registration comes with a new node credential; the record keeps only its sha256, and
 the credential is good while the lease it was registered under lives. A heartbeat checks
 it against a small per-process map (name -> digest, lease) instead of reading the record:
@@ -40,6 +47,7 @@ from service.keys import Keys
 from service.models import NodeRecord, NodeState
 from service.store import cas
 from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
+from worker.protocol import HealthReport
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 # longer than a scheduler pass, and gone by itself after.
 DEPARTURE_KEEP_S = 60
 STOPPED = "its agent stopped"
+BY_CHECK = "check"  # who quarantined a node: its own health check,
+BY_FAILURES = "failures"  # or failures of its workers across jobs
 CONNECTION_CLOSED = "its agent's connection closed"
 
 
@@ -88,7 +98,7 @@ class NodeStore:
     async def register(self, name: str, nproc_per_node: int, address: str | None,
                        ttl_s: int, credential_sha256: str | None = None,
                        reclaim_sha256: str | None = None, gpus: int = 0,
-                       gpu_model: str | None = None) -> int:
+                       gpu_model: str | None = None, health: HealthReport | None = None) -> int:
         """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
 
         `reclaim_sha256`: the digest of the credential the registering agent presents as its
@@ -98,20 +108,20 @@ class NodeStore:
             NodeNameTaken: a node of this name is alive, not drained, and not reclaimed.
         """
         granted_at = self.clock()
-        drained = await self.kv.get(self.keys.drain(name)) is not None
+        state, reason = await self._state_on_register(name, health)
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
         record = NodeRecord(name=name, nproc_per_node=nproc_per_node, gpus=gpus, gpu_model=gpu_model,
                             address=address,
                             registered_at=self.clock(), lease_id=lease,
                             credential_sha256=credential_sha256,
-                            state=NodeState.DRAINING if drained else NodeState.READY)
+                            state=state, reason=reason)
         value = record.model_dump_json().encode()
 
         def decide(old: Entry | None) -> cas.Write[Entry | None]:
             if old is not None:  # its key lives with its lease: this node is alive
                 current = NodeRecord.model_validate_json(old.value)
-                if current.state is not NodeState.DRAINING and not _same_node(current, reclaim_sha256):
+                if current.state not in (NodeState.DRAINING, NodeState.QUARANTINED) and not _same_node(current, reclaim_sha256):
                     raise NodeNameTaken(name, current.registered_at, ttl_s)
             return cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old)
 
@@ -126,6 +136,53 @@ class NodeStore:
             self.leases.ended(old.lease)
         self._remember(name, credential_sha256, lease)
         return lease
+
+    async def _state_on_register(self, name: str, health: HealthReport | None) -> tuple[NodeState, str | None]:
+        """The state a registering node starts in: what its stored drain or quarantine says,
+        after its health report (a failed one quarantines it, a passing one ends a quarantine
+        its own check made)."""
+        if health is not None and not health.ok:
+            await self._keep_quarantine(name, health.detail, BY_CHECK)
+            return NodeState.QUARANTINED, health.detail
+        entry = await self.kv.get(self.keys.drain(name))
+        if entry is None:
+            return NodeState.READY, None
+        held = _quarantine_of(entry)
+        if held is None:
+            return NodeState.DRAINING, None
+        if health is not None and held.get("by") == BY_CHECK:
+            await self.kv.commit({entry.key: entry.mod_revision}, [Delete(entry.key)])
+            return NodeState.READY, None
+        return NodeState.QUARANTINED, held.get("reason")
+
+    async def quarantine(self, name: str, reason: str, by: str) -> NodeRecord | None:
+        """Take node `name` out of service with `reason` (QUARANTINED: no job is placed on it; a
+        job it works on goes on without it) until an undrain, or (`by` BY_CHECK) a passing
+        check; kept under its name like a drain. None when the node is not registered now."""
+        await self._keep_quarantine(name, reason, by)
+        try:
+            return await self._set_state(name, NodeState.QUARANTINED, reason)
+        except NodeNotFound:
+            return None
+
+    async def report_health(self, name: str, health: HealthReport) -> NodeRecord:
+        """A registered node's health checks between jobs: a failed one quarantines it, a
+        passing one ends a quarantine its own check made (not one failures made, nor a drain)."""
+        _, record = await self._entry(name)  # NodeNotFound: register again
+        if not health.ok:
+            if record.state is NodeState.QUARANTINED and record.reason == health.detail:
+                return record
+            return await self.quarantine(name, health.detail, BY_CHECK) or record
+        entry = await self.kv.get(self.keys.drain(name))
+        held = None if entry is None else _quarantine_of(entry)
+        if entry is None or held is None or held.get("by") != BY_CHECK:
+            return record
+        await self.kv.commit({entry.key: entry.mod_revision}, [Delete(entry.key)])
+        return await self._set_state(name, NodeState.READY)
+
+    async def _keep_quarantine(self, name: str, reason: str, by: str) -> None:
+        note = {"drained_at": round(self.clock(), 3), "quarantined": {"reason": reason, "by": by}}
+        await self.kv.put(self.keys.drain(name), json.dumps(note).encode())
 
     async def heartbeat(self, name: str, lease_id: int | None) -> None:
         """Refresh the node's lease (read from its record when not given); NodeNotFound if gone."""
@@ -309,12 +366,12 @@ class NodeStore:
                 deleted.append(action.name)
         return deleted
 
-    async def _set_state(self, name: str, state: NodeState) -> NodeRecord:
+    async def _set_state(self, name: str, state: NodeState, reason: str | None = None) -> NodeRecord:
         def decide(read: tuple[Entry, NodeRecord]) -> cas.Done[NodeRecord] | cas.Write[NodeRecord]:
             entry, record = read
-            if record.state is state:
+            if record.state is state and record.reason == reason:
                 return cas.Done(record)
-            record = record.model_copy(update={"state": state})
+            record = record.model_copy(update={"state": state, "reason": reason})
             return cas.Write({entry.key: entry.mod_revision},
                              [Put(entry.key, record.model_dump_json().encode(), entry.lease)], record)
 
@@ -335,6 +392,15 @@ class NodeStore:
         if entry is None:
             raise NodeNotFound(name)
         return entry, NodeRecord.model_validate_json(entry.value)
+
+
+def _quarantine_of(entry: Entry) -> dict | None:
+    """The quarantine a stored drain note holds (`{"reason", "by"}`), or None (a plain drain)."""
+    try:
+        held = json.loads(entry.value).get("quarantined")
+    except (ValueError, AttributeError):
+        return None
+    return held if isinstance(held, dict) else None
 
 
 def _same_node(record: NodeRecord, reclaim_sha256: str | None) -> bool:

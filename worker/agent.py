@@ -44,7 +44,8 @@ from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
 from .log_shipper import LogShipper
 from .node_link import NameInUse, NodeForgotten, NodeLink, lock_name
-from .protocol import Assignment
+from .health import HealthChecks
+from .protocol import Assignment, HealthReport
 from .run_as import RunAs
 from .torchrun import CouldNotStart, Torchrun
 
@@ -79,7 +80,7 @@ class NodeAgent:
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-                 keep_logs_s: float = log_retention.MAX_AGE_S):
+                 keep_logs_s: float = log_retention.MAX_AGE_S, checks: HealthChecks | None = None):
         self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
         self.name = name
         self.data_dir = Path(data_dir).resolve()
@@ -104,6 +105,10 @@ class NodeAgent:
         self._leave_by: float | None = None  # after a stop signal with a group: the leave's deadline
         self._gone = threading.Event()  # the loop has ended: the presence thread ends too
         self._in_idle_poll = False  # where the stop signal's handler may cut in (`_beat`)
+        self.checks = checks
+        self._unsent_health: HealthReport | None = None  # checked, for the next registration
+        self._checked_at = time.monotonic()
+        self._check_after_job = False
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -116,7 +121,9 @@ class NodeAgent:
             try:
                 if not link.registered:
                     group = self.torchrun.group
-                    link.register(running=self.still_running() if group is None else group.key)
+                    running = self.still_running() if group is None else group.key
+                    link.register(running=running, health=self._health_to_register(running))
+                    self._unsent_health = None
                 link.send_reports()
                 # The heartbeat long-polls: an idle node learns of its job, a running one of a
                 # new attempt (a lost peer's node), as soon as the control plane decides it; a
@@ -137,6 +144,7 @@ class NodeAgent:
             except _Stopping:
                 break
             self.check_exit()
+            self.check_health_between_jobs()
             self.torchrun.handing_over()  # what rank 0 left to this agent: made as soon as it is there
             self.keep_end()
             self.torchrun.kill_stopped_workers()
@@ -160,6 +168,36 @@ class NodeAgent:
         link.deregister()
         self.shipper.close()
         link.close()
+
+    def _health_to_register(self, running: tuple[str, int] | None) -> HealthReport | None:
+        """The health checks' report for a registration: run once per registration (not again
+        for each retry), and not while this node still runs a job's workers (None)."""
+        if self.checks is None or running is not None:
+            return None
+        if self._unsent_health is None:
+            self._unsent_health = self.checks.run()
+            self._checked_at = time.monotonic()
+        return self._unsent_health
+
+    def check_health_between_jobs(self) -> None:
+        """Run the health checks on an idle node (no group, no assignment) after a job has
+        ended here, and every `interval_s` while idle, and tell the control plane: a failed
+        check quarantines the node, a passing one ends a quarantine its checks made. The lease
+        is kept alive meanwhile (the checks take seconds)."""
+        c = self.checks
+        if c is None or self.torchrun.group is not None or self.link.known is not None \
+                or not self.link.registered or self._shutdown.is_set():
+            return
+        if not self._check_after_job and time.monotonic() - self._checked_at < c.interval_s:
+            return
+        self._check_after_job = False
+        with self._beating_meanwhile():
+            report = c.run()
+        self._checked_at = time.monotonic()
+        try:
+            self.link.report_health(report)
+        except (HttpError, NodeForgotten) as exc:  # (forgotten: its registration checks again)
+            log.warning("could not report node %s's health checks: %s", self.name, exc)
 
     def _leaving(self) -> bool:
         """After a stop signal: whether the loop goes on because the node is leaving. A node
@@ -262,6 +300,7 @@ class NodeAgent:
         if g is None:
             return
         self.finished.add(g.key)
+        self._check_after_job = True
         outcome = g.outcome()
         self._keep_end_of(g, outcome)
         self.link.report(g.job_id, g.attempt, *outcome)
@@ -365,7 +404,7 @@ def take_from_environ(name: str) -> str | None:
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None,
          run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-         keep_logs_s: float = log_retention.MAX_AGE_S) -> int | None:
+         keep_logs_s: float = log_retention.MAX_AGE_S, checks: HealthChecks | None = None) -> int | None:
     # What the agent and the job's processes create (logs, the job's output, snapshots)
     # is their user's alone unless they say otherwise.
     os.umask(0o077)
@@ -374,7 +413,7 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     try:
         agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
-                          run_as, keep_logs_jobs, keep_logs_s)
+                          run_as, keep_logs_jobs, keep_logs_s, checks)
     except NameInUse as exc:
         log.error("%s", exc)
         return 2

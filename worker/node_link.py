@@ -33,6 +33,7 @@ from . import gpus
 from .http import ApiError, ControlPlaneClient, HttpError, server_urls
 from .protocol import (
     Assignment,
+    HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
     Known,
@@ -130,7 +131,7 @@ class NodeLink:
         self.registered = False
         self.reports: list[ReportRequest] = []
 
-    def register(self, running: tuple[str, int] | None = None) -> None:
+    def register(self, running: tuple[str, int] | None = None, health: HealthReport | None = None) -> None:
         """Register this node (again); its credential, heartbeat interval and lease come back.
 
         `running`: the (job id, attempt) whose workers this agent still runs, when it
@@ -145,7 +146,7 @@ class NodeLink:
                                   gpus=found.count, gpu_model=found.model,
                                   running=None if running is None else RunningGroup(job_id=running[0],
                                                                                     attempt=running[1]),
-                                  previous_credential=self._read_credential())
+                                  previous_credential=self._read_credential(), health=health)
         reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
@@ -184,6 +185,17 @@ class NodeLink:
         a = HeartbeatReply.model_validate(got).assignment
         self.known = None if a is None else Known(job_id=a.job_id, attempt=a.attempt, action=a.action)
         return a
+
+    def report_health(self, health: HealthReport) -> None:
+        """Tell the control plane what this node's health checks found between jobs (a failed
+        one quarantines it); raises `HttpError` (NodeForgotten: register again)."""
+        try:
+            self.client.call("POST", f"/v1/nodes/{self.name}/health", health)
+        except ApiError as exc:
+            if node_forgotten(exc):
+                self.registered = False
+                raise NodeForgotten(exc.detail) from exc
+            raise
 
     def keep_alive(self) -> None:
         """A heartbeat that only keeps the node's lease alive: no wait, and its answer (the

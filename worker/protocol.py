@@ -77,6 +77,18 @@ class RunningGroup(JsonBody):
     attempt: JsonInt = Field(..., ge=0)
 
 
+HEALTH_DETAIL_MAX_CHARS = 2000
+
+
+class HealthReport(JsonBody):
+    """What a node's health checks found (`worker/health.py`): at registration and between jobs."""
+
+    ok: JsonBool = Field(..., description="Every check passed: the node may be given work.")
+    detail: str = Field("", max_length=HEALTH_DETAIL_MAX_CHARS,
+                        description="Why not, when a check failed: the check's name and its output "
+                                    "(the tail of the operator's --health-check command's).")
+
+
 class RegisterRequest(JsonBody):
     name: str = Field(..., max_length=64, json_schema_extra={"pattern": NODE_NAME.pattern})
     nproc_per_node: JsonInt = Field(1, ge=1, le=1024)
@@ -87,6 +99,9 @@ class RegisterRequest(JsonBody):
         None, description="What this agent still runs when it registers again because its lease "
                           "lapsed (say, while no control plane could hear it); null: nothing (a new "
                           "agent). A member that matches keeps its place instead of being stopped.")
+    health: HealthReport | None = Field(
+        None, description="The node's health checks, run just before it registers; null: not run "
+                          "(the agent still runs a job's workers). A failed one registers it QUARANTINED.")
     previous_credential: str | None = Field(
         None, max_length=256,
         description="The credential this node's last registration returned (its agent keeps it "

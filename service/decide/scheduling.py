@@ -50,6 +50,7 @@ from service.models import (
 from worker.protocol import ControlAction, MemorySnapshot, Timeouts
 
 S = JobState
+_LEAVING = (NodeState.DRAINING, NodeState.QUARANTINED)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
         return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
-    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state is NodeState.DRAINING]
+    # (a quarantined one too: its workers failed in other jobs, or its checks fail)
+    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state in _LEAVING]
     if draining:
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")

@@ -37,6 +37,7 @@ from service.models import (
 from service.rendezvous import delete_rendezvous
 from worker.protocol import (
     Assignment,
+    HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
     Known,
@@ -62,7 +63,11 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     credential, digest = new_node_credential(req.name)
     reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
     lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, timeouts.node_ttl_s,
-                                     digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model)
+                                     digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model,
+                                     health=req.health)
+    if req.health is not None and not req.health.ok:
+        log.warning("node %s registered QUARANTINED: its health check failed: %s", req.name,
+                    req.health.detail.splitlines()[0] if req.health.detail else "(no output)")
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -193,6 +198,19 @@ async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSel
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
 
 
+@router.post("/v1/nodes/{name}/health", response_model=NodeView)
+async def health(name: str, req: HealthReport, ctx: ContextDep, digest: NodeSelf) -> NodeView:
+    """The node's health checks between jobs: a failed one QUARANTINES it (no job is placed on
+    it), a passing one ends a quarantine its own checks made (docs/health.md). 404: register again."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
+    before = (await ctx.nodes.current()).get(name)
+    record = await ctx.nodes.report_health(name, req)
+    if record.state is NodeState.QUARANTINED and (before is None or before.reason != record.reason):
+        log.warning("node %s QUARANTINED: its health check failed: %s", name, record.reason)
+    return _view(record, _holders(ctx), ctx)
+
+
 @router.post("/v1/jobs/{job_id}/rounds", response_model=ReportReply)
 async def rounds(job_id: str, req: RoundReport, job: JobTokenDep, ctx: ContextDep) -> ReportReply:
     """A node's torchrun is re-forming the group ('joining') or has formed it ('joined').
@@ -240,7 +258,7 @@ def _view(record: NodeRecord, holders: dict[str, tuple[str, str]], ctx: Context)
     held_for = waiting.id if waiting is not None and keep.holds(waiting, record, ctx.jobs.clock()) else None
     return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
                     gpus=record.gpus, gpu_model=record.gpu_model, address=record.address,
-                    registered_at=record.registered_at,
+                    reason=record.reason, registered_at=record.registered_at,
                     job=job_id, member_state=part, held_for=held_for)
 
 
@@ -261,7 +279,8 @@ async def drain(name: str, ctx: ContextDep) -> NodeView:
 
 @router.post("/v1/nodes/{name}/undrain", response_model=NodeView, dependencies=[AdminAuth])
 async def undrain(name: str, ctx: ContextDep) -> NodeView:
-    """Put a drained node back in service: READY, it may be given work again. The admin's."""
+    """Put a drained or quarantined node back in service: READY, it may be given work again
+    (a node whose own check still fails is quarantined again by its next check). The admin's."""
     return _view(await ctx.nodes.undrain(name), _holders(ctx), ctx)
 
 

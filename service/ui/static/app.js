@@ -68,7 +68,7 @@ function stateNote(job) {
 // CANCELLED above all) are told apart by colour alone; the same badge everywhere.
 const STATE_SIGN = {
   PENDING: "○", STARTING: "▷", RUNNING: "▶", RECOVERING: "↻", CANCELLING: "⊘",
-  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○",
+  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○", QUARANTINED: "⚠",
 };
 function badge(state, text = state) {
   const sign = STATE_SIGN[state] ? `<span class="sign" aria-hidden="true">${STATE_SIGN[state]}</span>` : "";
@@ -455,14 +455,15 @@ function nodesView() {
     const nodes = (await api("v1/nodes")).items;
     body.innerHTML = nodes.length ? nodes.map(n => `
       <tr data-node="${esc(n.name)}">
-        <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}</td><td>${n.nproc_per_node}</td>
+        <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}${n.reason
+          ? `<div class="muted" data-reason title="${esc(n.reason)}">${esc(n.reason.split("\n")[0])}</div>` : ""}</td><td>${n.nproc_per_node}</td>
         <td data-gpus>${gpusCell(n)}</td>
         <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>`
           : n.held_for ? `<span class="muted">held for</span> <a href="#/jobs/${encodeURIComponent(n.held_for)}">${esc(n.held_for)}</a>`
           : '<span class="muted">idle</span>'}</td>
         <td class="mono muted">${esc(n.address || "–")}</td><td class="muted">${when(n.registered_at)}</td>
         <td>${n.state === "READY" ? `<button data-drain="${esc(n.name)}">Drain</button>`
-            : ["DRAINING", "DRAINED"].includes(n.state) ? `<button data-undrain="${esc(n.name)}">Undrain</button>` : ""}</td>
+            : ["DRAINING", "DRAINED", "QUARANTINED"].includes(n.state) ? `<button data-undrain="${esc(n.name)}">Undrain</button>` : ""}</td>
       </tr>`).join("")
       : `<tr><td colspan="8" class="empty">No nodes. Start one with <span class="mono">ftrain node --server URL</span>.</td></tr>`;
   }, 2000);
