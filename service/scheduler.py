@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import hangs, keep
+from service.decide import attribution, hangs, keep
 from service.decide.change import Change
 from service.decide.scheduling import (
     SchedulerConfig,
@@ -42,11 +42,12 @@ from service.decide.scheduling import (
     plan,
     schedule_queue,
 )
+from service.decide.state import note
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord, JobState, NodeRecord
-from service.nodes import NodeStore, departures
+from service.models import EventView, JobRecord, JobState, NodeRecord, NodeState
+from service.nodes import BY_FAILURES, NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
 from worker.protocol import MemorySnapshot
@@ -138,7 +139,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
                fence: dict[str, int] | None = None, settled: Settled | None = None,
-               stall_after_s: float | None = None) -> bool:
+               stall_after_s: float | None = None, ledger: attribution.Ledger | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
     Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
@@ -152,7 +153,10 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
 
     The memory reports of a job that may fall below its `min` in this pass are read first
     (`decide.keep`: its survivors that hold a copy are held for it), and a free node held for
-    a waiting job is found in the index's map of them (`JobIndex.claims`)."""
+    a waiting job is found in the index's map of them (`JobIndex.claims`).
+
+    `ledger` (kept across passes): the lone worker failures of each node, for bad-node
+    attribution (`decide.attribution`); a node they blame is quarantined before planning."""
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
@@ -182,6 +186,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         pending = list(pending)
         claims = keep.claims(pending)
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
+    if ledger is not None and await attribute(jobs, nodes, ledger, active.values(), live_nodes, fence):
+        live_nodes = await nodes.live()  # with the quarantine: the plans move its jobs off it
     if settled is not None:
         settled.keep_only(active)
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
@@ -189,6 +195,28 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
+
+
+async def attribute(jobs: JobStore, nodes: NodeStore, ledger: attribution.Ledger,
+                    active: Iterable[JobRecord], live_nodes: dict[str, NodeRecord],
+                    fence: dict[str, int] | None) -> bool:
+    """Quarantine each node that the jobs' lone failures blame (`decide.attribution`), with an
+    event on the job whose failure decided it; returns whether any was."""
+    for name in [n for n in ledger.blamed if n in live_nodes
+                 and live_nodes[n].state is not NodeState.QUARANTINED]:
+        ledger.forget(name)  # undrained by the admin: a fresh start
+    blamed = ledger.note(active, jobs.clock())
+    for b in blamed:
+        log.warning("node %s quarantined: %s", b.node, b.reason)
+        await nodes.quarantine(b.node, b.reason, BY_FAILURES)
+        now = jobs.clock()
+        await jobs.update(b.job_id, lambda job, b=b, now=now: Change(
+            *_one_event(note(job, f"node {b.node} quarantined: {b.reason}", now))), fence)
+    return bool(blamed)
+
+
+def _one_event(noted: tuple[JobRecord, EventView]) -> tuple[JobRecord, list[EventView]]:
+    return noted[0], [noted[1]]
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: Iterable[JobRecord],
@@ -464,6 +492,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
     helpers = [asyncio.create_task(nodes.follow(wake)),
                asyncio.create_task(keep_lead(leadership, every_s, wake))]
     last_reason: dict[str, str] = {}
+    ledger = attribution.Ledger(cfg.attribution_window_s)
     watches: dict[str, hangs.Watch] = {}
     watches_term: int | None = None  # the term whose passes keep `watches`
     last_settle = 0.0
@@ -513,7 +542,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                         watches_term = fence.term
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
                                   missing_since, fence, settled=settled,
-                                  stall_after_s=interval_s + STALL_MARGIN_S):
+                                  stall_after_s=interval_s + STALL_MARGIN_S, ledger=ledger):
                         wake.set()  # jobs left to start: another pass after the gap
                     elif not settled.ready_left:
                         last = seen  # as it was before the pass: a change during it runs the next

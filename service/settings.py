@@ -70,6 +70,10 @@ class Settings(BaseSettings, Timeouts):
         description="A job that lost a node and waits for another holds the survivors that keep its "
                     "memory copy this long: no other job is given them (service/decide/keep.py). At "
                     "most 300 s, the time an agent keeps the copy of a job it left; 0: no hold.")
+    attribution_window_s: float = Field(
+        3600.0, ge=0, description="A node whose workers fail in two different jobs within this "
+        "many seconds, while those jobs' other nodes do not, is QUARANTINED until an undrain "
+        "(docs/health.md); 0: off.")
     gc_freeze_s: float = Field(
         1.0, ge=0, description="Objects that live this long are left out of the garbage collector's "
                                "passes (its full passes paused the API for hundreds of ms with "

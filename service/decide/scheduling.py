@@ -63,6 +63,9 @@ class SchedulerConfig:
     # A job that went back to PENDING holds the survivors that keep its memory copy this long
     # (no other job is given them); shorter than the agent's MEMORY_KEEP_S. `decide.keep` says why.
     memory_hold_s: float = 120.0
+    # Bad-node attribution's window (`decide.attribution`): lone failures in two different
+    # jobs within it quarantine the node; 0: off.
+    attribution_window_s: float = 3600.0
 
 
 @dataclass
@@ -283,7 +286,8 @@ def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
         d.move(spent.state, why(spent.reason), control=None, stopping=spent.stops_workers)
         return True
     restarts = d.job.restarts + 1
-    crashed_here = {n for n, _ in crashes if n in nodes}
+    # (not on a node quarantined meanwhile: failures followed it here from other jobs)
+    crashed_here = {n for n, _ in crashes if n in nodes and nodes[n].state is not NodeState.QUARANTINED}
     again = [n for n, m in d.job.members.items() if m.is_live() or n in crashed_here]
     d.regroup(why(f"restarting the workers ({restarts} of {d.job.spec.max_restarts})"),
               planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
