@@ -187,7 +187,9 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         claims = keep.claims(pending)
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
     if ledger is not None and await attribute(jobs, nodes, ledger, active.values(), live_nodes, fence):
-        live_nodes = await nodes.live()  # with the quarantine: the plans move its jobs off it
+        # A job record this pass read is older than the event just written: plan in the next
+        # pass, from records (and the node view) that have it and the quarantine.
+        return True
     if settled is not None:
         settled.keep_only(active)
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,

@@ -26,6 +26,7 @@ VALID = {
                         "running": {"job_id": "j", "attempt": 1}},
     "HeartbeatRequest": {"lease_id": 7, "known": {"job_id": "j", "attempt": 1, "action": "run"},
                          "wait_s": 1.5},
+    "HealthReport": {"ok": False, "detail": "GPU 3: ECC errors"},
     "ReportRequest": {"job_id": "j", "attempt": 1, "state": "failed", "exit_code": 1},
     "RoundReport": {"attempt": 1, "node": "n0", "phase": "joined", "call": 0, "group_rank": 0,
                     "group_world_size": 2, "round": 3},
