@@ -11,7 +11,8 @@ second signal before the control plane revokes the node's lease: a survivor's re
 broken peer (a worker of a job the node is a member of saw its process group break, or the
 node leaders' ring of connections saw the node's end close: worker/peer_watch.py;
 `suspect`), and then the node is lost at once, the two signals agreeing (`GRACE_S`, 0); or,
-without a report, the drop outlasting `BLIP_S` (5 s). A drop and a report agree only when
+without a report, the drop outlasting `BLIP_S` (1 s: a live agent asks again within
+milliseconds). A drop and a report agree only when
 they are about the same node within `SUSPECT_WINDOW_S`; a blip that also broke the job's
 process group (a partition of the node) costs the node its membership, which it takes back
 by registering again, where waiting a second for it to reconnect would have saved one round:
@@ -57,7 +58,12 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 0.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
 REASK_S = 0.3  # a suspect whose agent held no presence request here: lost unless it asks within this
-BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
+# A dropped connection not back within this is lost without a second signal. A live agent
+# asks again within milliseconds (0.2 s after an error), and a network that loses packets
+# closes nothing (the lease covers it): a close that stays closed is a process that died.
+# Without a second signal (a plain script whose survivors wait in an NCCL collective report
+# no broken peer), this is what a dead agent costs: 5 s made such a job wait 5.9 s.
+BLIP_S = 1.0
 SUSPECT_WINDOW_S = 3.0  # a broken-peer report confirms a drop from this long before it on
 SHARED_POLL_S = 0.2  # how often a drop waiting for a second signal reads the shared suspicions
 

@@ -61,9 +61,10 @@ class Settings(BaseSettings, Timeouts):
         1.0, ge=0, description="A user request over that number waits up to this long for a place "
         "(in order of arrival) before its 429; 0: 429 at once.")
     presence_blip_s: float = Field(
-        5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
-        "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
-        "network blip costs nothing (service/presence.py).")
+        1.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
+        "node even without a second signal (a survivor's broken-peer report makes it at once); a live "
+        "agent asks again within milliseconds, so a close that lasts is a dead process "
+        "(service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
     memory_hold_s: float = Field(
         120.0, ge=0, le=300,
