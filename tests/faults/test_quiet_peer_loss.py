@@ -6,7 +6,10 @@ step at world size 1."""
 
 from __future__ import annotations
 
+import os
 import time
+
+import pytest
 
 from bench.harness import rank0_lines
 from tests.helpers.elastic import job, submit, wait_nodes
@@ -16,6 +19,12 @@ SCRIPT = REPO / "tests" / "scripts" / "quiet_peers.py"
 # Survivors that report no broken peer waited this long for the dropped connection to be
 # believed (the blip bound it had): recovery now comes well before it.
 OLD_BLIP_S = 5.0
+
+pytestmark = [
+    pytest.mark.integration, pytest.mark.slow,
+    pytest.mark.skipif(not os.environ.get("FTRAIN_TEST_SLOW"),
+                       reason="slow (about 30 s): set FTRAIN_TEST_SLOW=1 to run it"),
+]
 
 
 def test_a_dead_agent_under_a_quiet_plain_script_is_lost_before_its_lease_lapses(api, agents):
