@@ -262,7 +262,11 @@ class NodeAgentProc:
                  address: str | None = None, netns: str | None = None, env: dict | None = None,
                  args: list[str] | None = None, prefix: list[str] | None = None):
         self.cp = cp
-        self.args = args or []  # more `ftrain node` options
+        # More `ftrain node` options. The built-in health checks cost a process that imports
+        # torch at every start: off unless a test asks for them (tests/integration/test_health.py).
+        self.args = [*(args or [])]
+        if "--builtin-checks" not in self.args:
+            self.args.append("--no-builtin-checks")
         self.prefix = prefix or []  # a command the agent runs under (it execs the rest)
         self.env = env
         self.name = name

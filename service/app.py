@@ -17,7 +17,7 @@ from service.context import Context
 from service.cross_site import LoopbackOnly
 from service.errors import FtrainError, error_response
 from service.fastpath import FastPaths
-from service.routes import health, jobs, logs, nodes, rendezvous, snapshots, ui, users
+from service.routes import goodput, health, jobs, logs, nodes, queue, rendezvous, snapshots, teams, ui, users
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Outermost: a user request over the limit costs a 429, nothing more; node traffic first.
     app.add_middleware(Admission, limit=ctx.admission, openapi=lambda: app.openapi())
     _install_error_handlers(app)
-    for module in (health, jobs, nodes, rendezvous, snapshots, logs, users):
+    for module in (health, jobs, goodput, queue, nodes, rendezvous, snapshots, logs, users, teams):
         app.include_router(module.router)
     ui.install(app)
     api_contract.describe(app)

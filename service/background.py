@@ -24,6 +24,7 @@ async def start(ctx: Context) -> None:
     ctx.tasks.append(asyncio.create_task(ctx.index.run(), name="job-index"))
     ctx.tasks.append(asyncio.create_task(ctx.index.run_progress(), name="progress-index"))
     ctx.tasks.append(asyncio.create_task(ctx.users.follow(), name="user-tokens"))
+    ctx.tasks.append(asyncio.create_task(ctx.tenancy.run(), name="tenancy"))
     # Every replica keeps the leases of the nodes that beat to it (service.heartbeats).
     ctx.tasks.append(asyncio.create_task(ctx.nodes.leases.run(), name="node-leases"))
     # One election: the scheduler's loop keeps it; compaction and retention act on it.
@@ -32,8 +33,8 @@ async def start(ctx: Context) -> None:
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
                       SchedulerConfig(control_ack_timeout_s=ctx.settings.control_ack_timeout_s,
                                       memory_hold_s=ctx.settings.memory_hold_s,
-                                      attribution_window_s=ctx.settings.attribution_window_s),
-                      passes=ctx.scheduler_passes, contact=ctx.contact),
+                                      fifo=ctx.settings.queue_policy == "fifo"),
+                      passes=ctx.scheduler_passes, contact=ctx.contact, tenancy=ctx.tenancy),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(
         compaction.run(ctx.kv, leadership, ctx.settings.compaction_interval_s,

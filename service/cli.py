@@ -302,9 +302,20 @@ def list_jobs(client: FtrainClient, as_json: bool, states: tuple[str, ...]) -> N
         return
     now = time.time()
     _table([[j["id"], j["name"], j.get("owner", "-"), j["state"], _nodes_in_use(j),
-             _progress(j), str(j.get("restarts", 0)), _duration(j, now), _one_line(_why(j))]
+             _progress(j), _restarts(j), _duration(j, now), _one_line(_why(j))]
             for j in jobs],
            ["ID", "NAME", "OWNER", "STATE", "NODES", "STEP", "RESTARTS", "DURATION", "REASON"])
+
+
+# How `ftrain list` names each cause of restarts (service.models.RestartCounts), in this order.
+RESTART_CAUSES = {"failure": "fail", "lost_node": "lost", "preemption": "preempt", "resize": "resize"}
+
+
+def _restarts(job: dict) -> str:
+    """Restarts in all, and by cause where any: `3 (1 fail, 2 preempt)`."""
+    by = job.get("restarts_by_cause") or {"failure": job.get("restarts", 0)}
+    parts = [f"{by[c]} {word}" for c, word in RESTART_CAUSES.items() if by.get(c)]
+    return f"{sum(by.get(c, 0) for c in RESTART_CAUSES)} ({', '.join(parts)})" if parts else "0"
 
 
 def _nodes_in_use(job: dict) -> str:
@@ -360,7 +371,7 @@ def status(client: FtrainClient, as_json: bool, job_id: str, watch: bool, interv
         ("command", " ".join(spec["command"])),
         ("nodes", f"{', '.join(job['nodes']) or '-'} (wants {spec['nodes']['min']}-{spec['nodes']['max']})"),
         ("world size", str(job["world_size"])), ("attempt", str(job["attempt"])),
-        ("restarts", f"{job['restarts']} of {spec['max_restarts']}"),
+        ("restarts", f"{_restarts(job)}; failures {job['restarts']} of {spec['max_restarts']}"),
         ("step", _progress(job)
          + (f", loss {progress['loss']:.4g}" if progress.get("loss") is not None else "")
          + (f", {progress['samples_per_s']:.1f} samples/s" if progress.get("samples_per_s") else "")),
@@ -399,6 +410,29 @@ def events(client: FtrainClient, as_json: bool, job_id: str) -> None:
         return
     _table([[_when(e["time"]), e["state"], e.get("by") or "-", e["reason"]] for e in items],
            ["TIME", "STATE", "BY", "REASON"])
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--all", "show_all", is_flag=True, help="Every cause, those at 0 s too.")
+@_client_options
+def goodput(client: FtrainClient, as_json: bool, job_id: str, show_all: bool) -> None:
+    """Where a job's wall time went: waiting for nodes, starting, training, steps replayed after a
+    fault, snapshot stalls, recovering, hung... (docs/goodput.md)."""
+    result = client.goodput(job_id)
+    if as_json:
+        _print_json(result)
+        return
+    wall = result["wall_s"]
+    rows = [[cause, _span_precise(s), f"{100 * s / wall:.1f}%" if wall > 0 else "-"]
+            for cause, s in result["seconds"].items() if show_all or s > 0]
+    rows.append(["wall", _span_precise(wall), "100.0%" if wall > 0 else "-"])
+    _table(rows, ["CAUSE", "TIME", "SHARE"])
+
+
+def _span_precise(seconds: float) -> str:
+    """A duration to a tenth of a second under a minute (a recovery, a stall), else `_span`'s."""
+    return f"{seconds:.1f}s" if seconds < 60 else _span(seconds)
 
 
 def _log_line(item: dict) -> str:
@@ -644,9 +678,9 @@ def nodes(client: FtrainClient, as_json: bool) -> None:
              (n.get("job") or "-") + (" (its part done)" if n.get("member_state") == "succeeded" else ""),
              _ago(n.get("registered_at"), now)] for n in items],
            ["NAME", "STATE", "NPROC", "GPUS", "ADDRESS", "JOB", "UP"])
-    for n in items:  # why a node takes no work, in full (a check's output has several lines)
+    for n in items:  # why a node takes no work: its own line, the reason may be long
         if n.get("reason"):
-            click.echo(f"\n{n['name']} is {n['state']}: {n['reason']}")
+            click.echo(f"{n['name']} {n['state']}: {n['reason']}")
 
 
 def _gpus_cell(node: dict) -> str:
@@ -674,10 +708,7 @@ def drain(client: FtrainClient, as_json: bool, name: str) -> None:
 @click.argument("name")
 @_client_options
 def undrain(client: FtrainClient, as_json: bool, name: str) -> None:
-    """Put a drained or quarantined node back in service (READY: it may be given work again).
-
-    A node quarantined by its own health check is checked again after its next job (or
-    after --health-interval while idle): one that still fails is quarantined again."""
+    """Put a drained node back in service (READY: it may be given work again)."""
     result = client.undrain(name)
     if as_json:
         _print_json(result)
@@ -694,10 +725,12 @@ def users() -> None:
 
 @users.command("add")
 @click.argument("name")
+@click.option("--team", default=None, help="The team NAME belongs to (its quota and its share of "
+                                             "the cluster count NAME's jobs).")
 @_client_options
-def users_add(client: FtrainClient, as_json: bool, name: str) -> None:
+def users_add(client: FtrainClient, as_json: bool, name: str, team: str | None) -> None:
     """Create user NAME and print its token, once (only its hash is kept)."""
-    user = client.add_user(name)
+    user = client.add_user(name, team)
     if as_json:
         _print_json(user)
         return
@@ -714,8 +747,8 @@ def users_list(client: FtrainClient, as_json: bool) -> None:
     if as_json:
         _print_json(items)
         return
-    _table([[u["name"], "admin" if u.get("admin") else "user", _when(u.get("created_at"))]
-            for u in items], ["NAME", "ROLE", "CREATED"])
+    _table([[u["name"], "admin" if u.get("admin") else "user", u.get("team") or "-",
+             _when(u.get("created_at"))] for u in items], ["NAME", "ROLE", "TEAM", "CREATED"])
 
 
 @users.command("remove")
@@ -728,6 +761,88 @@ def users_remove(client: FtrainClient, as_json: bool, name: str) -> None:
         _print_json({"name": name, "removed": True})
     else:
         click.echo(f"removed user {name}")
+
+
+# Quotas and the queue
+
+def _quota_value(text: str, hint: str) -> int | None:
+    """A quota option: a count, or 'none' to clear it."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number or 'none'", param_hint=hint) from None
+
+
+@main.group()
+def quota() -> None:
+    """Quotas: the most nodes (and GPUs) the running jobs of a user or a team may hold at once."""
+
+
+@quota.command("set")
+@click.option("--user", default=None, help="The user whose quota to set.")
+@click.option("--team", default=None, help="The team whose quota to set (all its users' jobs together).")
+@click.option("--max-nodes", default=None, metavar="N|none", help="Most nodes at once; 'none' clears it.")
+@click.option("--max-gpus", default=None, metavar="M|none", help="Most GPUs at once; 'none' clears it.")
+@_client_options
+def quota_set(client: FtrainClient, as_json: bool, user: str | None, team: str | None,
+              max_nodes: str | None, max_gpus: str | None) -> None:
+    """Set a user's or a team's quota (the admin's). A job that would exceed it waits."""
+    if (user is None) == (team is None):
+        raise click.UsageError("give one of --user U or --team T")
+    change = {k: _quota_value(v, f"--{k.replace('_', '-')}")
+              for k, v in (("max_nodes", max_nodes), ("max_gpus", max_gpus)) if v is not None}
+    if not change:
+        raise click.UsageError("give --max-nodes N and/or --max-gpus M (a number, or 'none' to clear it)")
+    result = client.set_quota(user=user, team=team, **change)
+    if as_json:
+        _print_json(result)
+    else:
+        click.echo(f"{'user' if user else 'team'} {result['name']}: {_quota_cell(result)}")
+
+
+def _quota_cell(item: dict) -> str:
+    """'2 nodes, 16 GPUs', 'no limit'."""
+    parts = [f"{item[k]} {what}" for k, what in (("max_nodes", "nodes"), ("max_gpus", "GPUs"))
+             if item.get(k) is not None]
+    return ", ".join(parts) or "no limit"
+
+
+def _in_use_cell(item: dict) -> str:
+    return f"{item.get('nodes_in_use') or 0} nodes, {item.get('gpus_in_use') or 0} GPUs"
+
+
+@quota.command("show")
+@_client_options
+def quota_show(client: FtrainClient, as_json: bool) -> None:
+    """Every user's and team's quota, and what their unfinished jobs hold now."""
+    users, teams = client.users(), client.teams()
+    if as_json:
+        _print_json({"users": users, "teams": teams})
+        return
+    _table([["user", u["name"], u.get("team") or "-", _quota_cell(u), _in_use_cell(u)] for u in users]
+           + [["team", t["name"], ", ".join(t.get("members") or []) or "-", _quota_cell(t),
+               _in_use_cell(t)] for t in teams],
+           ["KIND", "NAME", "TEAM/MEMBERS", "QUOTA", "IN USE"])
+
+
+@main.command("queue")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 1000),
+              help="Show the first this many waiting jobs.")
+@_client_options
+def queue_cmd(client: FtrainClient, as_json: bool, limit: int) -> None:
+    """Waiting jobs in the order they will start (priority, fair share, age), and why each waits."""
+    items = client.queue(limit)
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        click.echo("no job is waiting")
+        return
+    _table([[str(q["position"]), q["id"], q["name"], q["owner"], q.get("team") or "-", str(q["priority"]),
+             f"{q['nodes_min']}-{q['nodes_max']}", _one_line(q.get("waiting") or "")] for q in items],
+           ["#", "ID", "NAME", "OWNER", "TEAM", "PRIO", "NODES", "WAITING"])
 
 
 @main.command()
@@ -792,20 +907,17 @@ def up(host: str, port: int, data_dir: str, node_count: int, replicas: int, etcd
 @click.option("--keep-logs-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500),
               help="Delete the local torchrun output of a job no longer run here once it is this old.")
 @click.option("--health-check", "health_check", metavar="CMD", default=None,
-              help="The operator's own health check, a shell command run when the node registers "
-                   "and between jobs: exit 0 is healthy; otherwise the node is QUARANTINED (no job is "
-                   "placed on it) with the command's output as the reason (docs/health.md).")
+              help="The operator's own health check, a shell command run when the node registers and "
+                   "between jobs: exit 0 is healthy; otherwise the node is QUARANTINED, its output "
+                   "the reason (docs/health.md).")
 @click.option("--health-check-timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600),
-              help="Seconds the --health-check command may take; longer is a failure.")
-@click.option("--health-interval", default=300.0, show_default=True, type=click.FloatRange(1, 86400),
-              help="An idle node runs its health checks again this often (and after each job).")
+              help="Seconds each health check may take; one that takes longer has failed.")
 @click.option("--builtin-checks/--no-builtin-checks", default=True, show_default=True,
-              help="Run the built-in checks (GPUs visible, a matmul, memory, an NCCL or gloo "
-                   "self-test) in a child process with the --health-check.")
+              help="Run the built-in checks too (devices, matmul, memory, a collective self-test).")
 def node(server: str | None, token_file: str | None, name: str, nproc_per_node: int, data_dir: str,
          gpus: str | None, address: str | None, run_as: str | None, keep_logs_jobs: int,
          keep_logs_days: float, health_check: str | None, health_check_timeout: float,
-         health_interval: float, builtin_checks: bool) -> None:
+         builtin_checks: bool) -> None:
     """Run a node agent: register with the control plane and run the work it is given.
 
     The node token comes from --token-file or FTRAIN_NODE_TOKEN, never the command line
@@ -826,6 +938,7 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
         token = Path(token_file).read_text().strip()
         if not token:
             raise click.ClickException(f"{token_file} is empty; it should hold the node token")
+    from worker.health import HealthChecks
     from worker.run_as import RunAs, RunAsError
 
     try:
@@ -837,9 +950,7 @@ def node(server: str | None, token_file: str | None, name: str, nproc_per_node: 
     if gpus is not None:
         _use_gpus(gpus)
     # The agent sets up its own logging (with the node's name in every line).
-    from worker.health import HealthChecks
-
-    checks = HealthChecks(builtin_checks, health_check, health_check_timeout, health_interval)
+    checks = HealthChecks(builtin_checks, health_check, health_check_timeout)
     result = agent.main(server, token, name, nproc_per_node, data_dir, address, job_user,
                         keep_logs_jobs, keep_logs_days * 86400, checks)
     sys.exit(result if isinstance(result, int) else 0)

@@ -245,6 +245,10 @@ class FtrainClient:
     def events(self, job_id: str) -> list[dict]:
         return self._request("GET", f"/v1/jobs/{_segment(job_id)}/events")["items"]
 
+    def goodput(self, job_id: str) -> dict:
+        """Where the job's wall time went: {"wall_s", "seconds": {cause: s}}."""
+        return self._request("GET", f"/v1/jobs/{_segment(job_id)}/goodput")
+
     def logs(self, job_id: str, rank: int | None = None, since: int = 0, limit: int | None = None,
              tail: int | None = None) -> dict:
         """One page of the job's log: {"items": [{seq, time, node, rank, stream, line}],
@@ -324,8 +328,8 @@ class FtrainClient:
 
     # Users
 
-    def add_user(self, name: str) -> dict:
-        return self._request("POST", "/v1/users", json={"name": name})
+    def add_user(self, name: str, team: str | None = None) -> dict:
+        return self._request("POST", "/v1/users", json={"name": name, **({"team": team} if team else {})})
 
     def users(self) -> list[dict]:
         return self._request("GET", "/v1/users")["items"]
@@ -335,6 +339,19 @@ class FtrainClient:
 
     def whoami(self) -> dict:
         return self._request("GET", "/v1/users/me")
+
+    # Teams and quotas, the queue
+
+    def set_quota(self, *, user: str | None = None, team: str | None = None, **quota: int | None) -> dict:
+        """PATCH a user's (or a team's) quota: the fields given (None clears one)."""
+        path = f"/v1/users/{_segment(user)}" if user is not None else f"/v1/teams/{_segment(team)}"
+        return self._request("PATCH", path, safe_to_retry=True, json=quota)
+
+    def teams(self) -> list[dict]:
+        return self._request("GET", "/v1/teams")["items"]
+
+    def queue(self, limit: int = 100) -> list[dict]:
+        return self._request("GET", "/v1/queue", params={"limit": limit})["items"]
 
     # Plumbing
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from service.admission import UserLimit
 from service.contact import Contact
+from service.goodput import GoodputBook
 from service.job_index import JobIndex
 from service.jobs import JobStore
 from service.keyring import Keyring
@@ -25,6 +26,7 @@ from service.settings import Settings
 from service.snapshots import SnapshotStore
 from service.store.api import KeyValue
 from service.telemetry import Telemetry
+from service.tenancy import Tenancy
 from service.users import UserStore
 
 
@@ -44,10 +46,13 @@ class Context:
     contact: Contact  # the cluster's outages, as this replica knows them (service.contact)
     presence: Presence  # the agents' held connections: a dropped one is a lost node, fast
     admission: UserLimit  # how many user requests are served at once (service.admission)
+    tenancy: Tenancy  # users' teams, users' and teams' quotas, from a watch (service.tenancy)
     # This replica's scheduler passes (while it leads), for GET /metrics.
     scheduler_passes: PassTimes = field(default_factory=PassTimes)
     # GET /metrics (Prometheus): made by `wire`, fed by the index and the routes.
     telemetry: Telemetry = field(init=False)
+    # Every job's ledger and every node's seconds by state, for GET /metrics (service.goodput).
+    goodput: GoodputBook = field(init=False)
     # Rendezvous state writes waiting for their batch, long polls for a change (service.rendezvous).
     rdzv_states: StateHub = field(default_factory=StateHub)
     # Filled by the lifespan: background tasks (scheduler, node reaper) to stop on shutdown.
@@ -74,7 +79,7 @@ class Context:
         unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
-        index = JobIndex(kv, keys)
+        index = JobIndex(kv, keys, fifo=settings.queue_policy == "fifo")
         jobs.written = index.note_written  # a replica reads its own writes at once
         ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs,
                   nodes=NodeStore(kv, keys, ttl_s=settings.node_ttl_s),
@@ -85,8 +90,11 @@ class Context:
                   contact=Contact(kv, keys.contact, settings.node_ttl_s),
                   presence=Presence(kv, keys, blip_s=settings.presence_blip_s),
                   admission=UserLimit(settings.user_max_in_flight, settings.admission_lag_s,
-                                      settings.admission_wait_s))
-        ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes)
+                                      settings.admission_wait_s),
+                  tenancy=Tenancy(kv, keys))
+        ctx.goodput = GoodputBook(jobs)
+        ctx.telemetry = Telemetry(ctx.index.jobs, ctx.scheduler_passes, ctx.tenancy.tenants)
+        ctx.telemetry.count_goodput(ctx.goodput, jobs.clock)
         ctx.index.observe(ctx.telemetry.observe_job)
         ctx.telemetry.count_rendezvous(ctx.rdzv_states)
         ctx.telemetry.count_admission(ctx.admission)

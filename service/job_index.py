@@ -30,11 +30,13 @@ import asyncio
 import bisect
 import heapq
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
-from service.decide import keep
-from service.errors import HistoryCompacted, StoreUnavailable
+from service.decide import keep, quotas
+from service.decide.order import QueueKey, queue_key
+from service.errors import StoreUnavailable
+from service.follow import follow_prefix
 from service.jobs import JOB_PAGE_SIZE
 from service.keys import Keys
 from service.models import JobRecord, JobState
@@ -49,21 +51,33 @@ SortKey = tuple[float, str]  # (created_at, id): the listing order, oldest first
 REMEMBERED_DELETIONS = 10_000
 
 
+def _place(queue_is_pending: bool, job: JobRecord, fifo: bool) -> QueueKey | SortKey:
+    """`job`'s entry in the pending queue (`queue_key`) or among the others (its age)."""
+    return queue_key(job, fifo) if queue_is_pending else (job.created_at, job.id)
+
+
 class JobIndex:
     """Which jobs exist and in what order, which are unfinished, and which job each node
     works for; kept current by a watch."""
 
-    def __init__(self, kv: KeyValue, keys: Keys):
+    def __init__(self, kv: KeyValue, keys: Keys, fifo: bool = False):
         self._kv = kv
         self._keys = keys
+        self.fifo = fifo  # the queue in submission order (`Settings.queue_policy`)
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
         # node -> the PENDING job whose memory copy it last kept (`keeper`): at most one a node
         self._kept: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
-        # The unfinished jobs, sorted, apart: PENDING ones, and the others (which hold nodes).
-        self._pending: list[SortKey] = []
+        # The unfinished jobs, apart: PENDING ones in queue order (`decide.order.queue_key`), and
+        # the others (which hold nodes), oldest first.
+        self._pending: list[QueueKey] = []
+        self._held: Counter[str] = Counter()  # user -> nodes held (`held`)
         self._running: list[SortKey] = []
+        # Of those others: how many run at each priority, and the ones giving nodes up to a
+        # preemption (`decide.preempt`), so a scheduler pass need not look through them all.
+        self._priorities: Counter[int] = Counter()
+        self._yielding: set[str] = set()
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
         self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
@@ -100,17 +114,27 @@ class JobIndex:
 
     def active_ids(self) -> list[str]:
         """The jobs not yet finished, oldest first (submission order)."""
-        return [job_id for _, job_id in heapq.merge(self._pending, self._running)]
+        by_age = sorted((created_at, job_id) for _, created_at, job_id in self._pending)
+        return [job_id for _, job_id in heapq.merge(by_age, self._running)]
 
     def pending_ids(self) -> Iterator[str]:
-        """The PENDING jobs, oldest first: kept in order as they change, so a scheduler pass
-        reads the queue only as far as it can start jobs (`decide.scheduling.schedule_queue`).
-        To be consumed before the next await (the index may change at any await)."""
-        return (job_id for _, job_id in self._pending)
+        """The PENDING jobs in the order they are offered nodes (`decide.order.queue_key`: higher
+        priority first, then the oldest): kept in order as they change, so a scheduler pass reads
+        the queue only as far as it can start jobs (`decide.scheduling.schedule_queue`). To be
+        consumed before the next await (the index may change at any await)."""
+        return (key[-1] for key in self._pending)
 
     def running_ids(self) -> list[str]:
         """The unfinished jobs that are not PENDING (they hold nodes), oldest first."""
         return [job_id for _, job_id in self._running]
+
+    def lowest_running_priority(self) -> int | None:
+        """The lowest priority among the unfinished jobs that are not PENDING (None: none)."""
+        return min(self._priorities) if self._priorities else None
+
+    def yielding(self) -> list[JobRecord]:
+        """The unfinished jobs giving nodes up to a job of higher priority (`JobRecord.preempt`)."""
+        return [self._jobs[j] for j in sorted(self._yielding) if j in self._jobs]
 
     def finished(self) -> list[tuple[str, float]]:
         """(id, finished_at) of every finished job, as the index has them (for retention)."""
@@ -283,6 +307,7 @@ class JobIndex:
         self._views.pop(job_id, None)
         old = self._jobs.pop(job_id, None)
         self._queue(job_id, old, job)
+        self._count_held(old, job)
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
@@ -307,19 +332,47 @@ class JobIndex:
             for observe in self._observers:
                 observe(old, job)
 
+    def _count_held(self, old: JobRecord | None, new: JobRecord | None) -> None:
+        if (was := len(quotas.held_nodes(old))):
+            self._held[old.owner] -= was
+            if not self._held[old.owner]:
+                del self._held[old.owner]
+        if (now := len(quotas.held_nodes(new))):
+            self._held[new.owner] += now
+
+    def held(self) -> dict[str, int]:
+        """user -> the nodes its unfinished jobs hold (kept as jobs change: a scheduler pass
+        reads the shares of the cluster without going over every running job)."""
+        return dict(self._held)
+
     def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
         """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
         was, now = self._queue_of(old), self._queue_of(new)
-        if old is not None and was is not None and (was is not now or new.created_at != old.created_at):
-            place = (old.created_at, job_id)
-            i = bisect.bisect_left(was, place)
-            if i < len(was) and was[i] == place:
+        self._count_running(old, -1 if was is self._running else 0)
+        self._count_running(new, 1 if now is self._running else 0)
+        old_place = None if was is None else _place(was is self._pending, old, self.fifo)
+        new_place = None if now is None else _place(now is self._pending, new, self.fifo)
+        if was is not None and (was is not now or new_place != old_place):
+            i = bisect.bisect_left(was, old_place)
+            if i < len(was) and was[i] == old_place:
                 del was[i]
-        if new is not None and now is not None and (
-                was is not now or old is None or new.created_at != old.created_at):
-            bisect.insort(now, (new.created_at, job_id))
+        if now is not None and (was is not now or new_place != old_place):
+            bisect.insort(now, new_place)
 
-    def _queue_of(self, job: JobRecord | None) -> list[SortKey] | None:
+    def _count_running(self, job: JobRecord | None, by: int) -> None:
+        """Add (1) or take (-1) `job` to the aggregates of the others (`_priorities`, `_yielding`)."""
+        if job is None or not by:
+            return
+        prio = job.spec.priority
+        self._priorities[prio] += by
+        if self._priorities[prio] <= 0:
+            del self._priorities[prio]
+        if by > 0 and job.preempt is not None:
+            self._yielding.add(job.id)
+        elif by < 0:
+            self._yielding.discard(job.id)
+
+    def _queue_of(self, job: JobRecord | None) -> list | None:
         if job is None or job.state.is_terminal():
             return None
         return self._pending if job.state is JobState.PENDING else self._running
@@ -356,13 +409,18 @@ class JobIndex:
         self._revs = revs
         self._views.clear()
         self._by_node.clear()
+        self._held.clear()
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
-        self._pending = [p for p in self._order if jobs[p[1]].state is JobState.PENDING]
+        self._pending = sorted(queue_key(j, self.fifo) for j in jobs.values() if j.state is JobState.PENDING)
         self._running = [p for p in self._order
                          if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
+        self._priorities, self._yielding = Counter(), set()
+        for _, job_id in self._running:
+            self._count_running(jobs[job_id], 1)
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
+            self._count_held(None, job)
             if job.state.is_active():
                 self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
         return revision
@@ -370,14 +428,14 @@ class JobIndex:
     async def run(self) -> None:
         """Load every job, then follow the watch; load again after a broken watch. Runs
         until cancelled."""
-        await self._follow(self._keys.jobs, self._load_jobs, self._job_event, self.ready,
-                           "job index", self._notify)
+        await follow_prefix(self._kv, self._keys.jobs, self._load_jobs, self._job_event, self.ready,
+                            "job index", self._notify)
 
     async def run_progress(self) -> None:
         """Keep the jobs' progress (for `view_json`): load it, then follow its watch; load
         again after a broken watch. Runs until cancelled."""
-        await self._follow(self._progress_prefix, self._load_progress, self._progress_event,
-                           self.progress_ready, "progress index")
+        await follow_prefix(self._kv, self._progress_prefix, self._load_progress,
+                            self._progress_event, self.progress_ready, "progress index")
 
     async def _load_jobs(self) -> int:
         revision = await self._load()
@@ -404,44 +462,3 @@ class JobIndex:
     def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
         if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
             self._set_progress(job_id, ev.value, ev.mod_revision)
-
-    async def _follow(self, prefix: str, load: Callable[[], Awaitable[int]],
-                      apply: Callable[[WatchEvent, str], None], ready: asyncio.Event, what: str,
-                      notify: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The one watch loop of the index, for the keys under `prefix`: `load` them (it
-        returns the revision read before the load), set `ready`, then `apply` each watch
-        event (with the key past `prefix`), `notify` after the load and after each event.
-
-        A watch is started from the revision of the last event applied, not after it: a
-        session that ended between two events of one transaction must not lose the second
-        (applying one twice is harmless). A session that ends quietly watches on from there;
-        a compacted history loads again at once; a broken watch (etcd away) clears `ready`
-        and loads again half a second later.
-        """
-        revision: int | None = None  # every change up to it is applied
-        while True:
-            try:
-                if revision is None:
-                    revision = await load()
-                    ready.set()
-                    if notify is not None:
-                        await notify()
-                async for ev in self._kv.watch_prefix(prefix, revision):
-                    apply(ev, ev.key[len(prefix):])
-                    revision = ev.mod_revision
-                    if notify is not None:
-                        await notify()
-                continue  # the session ended quietly: watch on from where it was
-            except HistoryCompacted as exc:  # not an outage: load again at once
-                log.debug("%s: %s", what, exc.message)
-                revision = None
-                continue
-            except StoreUnavailable as exc:
-                log.debug("%s: %s", what, exc.message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: watch failed; re-reading", what)
-            revision = None
-            ready.clear()
-            await asyncio.sleep(0.5)

@@ -22,7 +22,7 @@ import re
 import secrets
 import string
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -55,6 +55,8 @@ T = TypeVar("T")
 
 # decide(job) -> Change, or None for "nothing to write"
 Decide = Callable[[JobRecord], Change | None]
+# What a deletion of finished jobs writes with them (`delete_finished`): (key, revision, value).
+Retire = Callable[[Sequence[JobRecord]], Awaitable[tuple[str, int, bytes]]]
 
 
 def new_job_id(name: str) -> str:
@@ -242,11 +244,13 @@ class JobStore:
         return ops
 
     async def delete_finished(self, jobs: Sequence[tuple[JobRecord, int]],
-                              fence: dict[str, int]) -> list[str]:
+                              fence: dict[str, int], retire: Retire | None = None) -> list[str]:
         """Delete finished jobs, each as read at its mod_revision, in transactions of at most
         MAX_TXN_OPS operations that also compare `fence` (the leader's key: only the leader
         deletes). Returns the ids deleted; a job changed since it was read is left for the
-        next pass, and a lost fence stops the deletion (StaleLeader)."""
+        next pass, and a lost fence stops the deletion (StaleLeader). `retire(batch)`: a key
+        to write in each transaction, with the revision it must still have, and its value
+        (the deleted jobs' goodput totals: service.goodput)."""
 
         def parts() -> Iterator[_JobDeletion]:
             for job, revision in jobs:
@@ -255,8 +259,9 @@ class JobStore:
                 yield _JobDeletion(job, revision, {self.keys.job(job.id): revision}, self.deletion(job))
 
         deleted: list[str] = []
-        for batch in pack(parts(), lambda: TxnRoom(shared=len(fence), reads=0)):
-            deleted.extend(await self._delete_batch([(d.job, d.revision) for d in batch], fence))
+        extra = 0 if retire is None else 1
+        for batch in pack(parts(), lambda: TxnRoom(shared=len(fence) + extra, reads=extra)):
+            deleted.extend(await self._delete_batch([(d.job, d.revision) for d in batch], fence, retire))
         return deleted
 
     async def delete_orphaned_keys(self, fence: dict[str, int]) -> int:
@@ -296,9 +301,13 @@ class JobStore:
         return deleted
 
     async def _delete_batch(self, batch: list[tuple[JobRecord, int]],
-                            fence: dict[str, int]) -> list[str]:
+                            fence: dict[str, int], retire: Retire | None = None) -> list[str]:
         expect = {**fence, **{self.keys.job(job.id): revision for job, revision in batch}}
-        ops = [op for job, _ in batch for op in self.deletion(job)]
+        ops: list[Put | Delete] = [op for job, _ in batch for op in self.deletion(job)]
+        if retire is not None:
+            key, revision, value = await retire([job for job, _ in batch])
+            expect[key] = revision
+            ops.append(Put(key, value))
         if await self.kv.commit(expect, ops):
             return [job.id for job, _ in batch]
         # Lost: the fence moved (another leader), or a job changed or went since it was read.
@@ -311,7 +320,7 @@ class JobStore:
         still = [(job, revision) for job, revision in batch if current.get(job.id) == revision]
         if len(still) == len(batch):  # nothing changed: cannot lose again for the same reason
             return []
-        return await self._delete_batch(still, fence) if still else []
+        return await self._delete_batch(still, fence, retire) if still else []
 
     async def update(self, job_id: str, decide: Decide, fence: dict[str, int] | None = None) -> JobRecord:
         """Apply `decide` to the stored job by compare-and-set, re-deciding on a lost race.

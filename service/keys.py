@@ -34,12 +34,19 @@
                                          lapsed ("its agent stopped", "its agent's connection
                                          closed"), for the job's event; on a lease of its own
                                          that lapses after DEPARTURE_KEEP_S (service.nodes)
-    <prefix>/users/<name>                UserRecord: a named user and the SHA-256 of its token
+    <prefix>/failures/<node>/<job>       the latest failure of the node's workers in the job (wall
+                                         clock, and whether the job ran on elsewhere), on a lease
+                                         of an hour: bad-node attribution (service.decide.attribution)
+    <prefix>/users/<name>                UserRecord: a named user, the SHA-256 of its token,
+                                         its team and its quota
+    <prefix>/teams/<name>                TeamRecord: a team's quota (service.tenancy)
     <prefix>/user-tokens/<sha256>        the name of the user whose token has this SHA-256
     <prefix>/contact                     when the leader last heard the nodes (wall clock, s;
                                          service.contact), rewritten every 2 s
     <prefix>/compacted                   the revision the leader last compacted etcd to
                                          (service.compaction; written fenced, just before)
+    <prefix>/goodput                     the goodput ledgers of the jobs retention deleted, added
+                                         up (service.goodput), in the transaction deleting each
 
 Every prefix is read in pages (service.store.api); retention deletes a finished job's
 keys under jobs/, events/, progress/, metrics/, idempotency/, snapshots/, memory/, rdzv/ and logs/
@@ -117,6 +124,12 @@ class Keys:
     def suspect(self, name: str) -> str:
         return f"{self.prefix}/suspects/{name}"
 
+    def failures(self, node: str) -> str:
+        return f"{self.prefix}/failures/{node}/"
+
+    def failure(self, node: str, job_id: str) -> str:
+        return f"{self.failures(node)}{job_id}"
+
     def departure(self, name: str) -> str:
         return f"{self.prefix}/departures/{name}"
 
@@ -137,6 +150,13 @@ class Keys:
     def users(self) -> str:
         return f"{self.prefix}/users/"
 
+    def team(self, name: str) -> str:
+        return f"{self.prefix}/teams/{name}"
+
+    @property
+    def teams(self) -> str:
+        return f"{self.prefix}/teams/"
+
     def user_token(self, digest: str) -> str:
         return f"{self.prefix}/user-tokens/{digest}"
 
@@ -151,3 +171,7 @@ class Keys:
     @property
     def compacted(self) -> str:
         return f"{self.prefix}/compacted"
+
+    @property
+    def goodput_retired(self) -> str:
+        return f"{self.prefix}/goodput"

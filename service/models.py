@@ -28,6 +28,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_ENTRIES = 128
 MAX_ENV_VALUE_CHARS = 4096
 MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
+# torchrun stops its workers on SIGTERM with SIGKILL 30 s later (torch's `PContext.close`): a
+# longer grace would not be given.
+MAX_PREEMPT_GRACE_S = 30
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
@@ -154,6 +157,13 @@ class JobSpec(_Strict):
         None, ge=2, le=MAX_HANG_TIMEOUT_S,
         description="Restart the workers (as a worker failure) when rank 0, having reported "
                     "progress through the runtime, does not advance its step for this long.")
+    priority: JsonInt = Field(0, ge=-1000, le=1000,
+                              description="Higher starts first and may preempt lower (default 0).")
+    preempt_grace_s: JsonFloat = Field(
+        30, ge=0, le=MAX_PREEMPT_GRACE_S,
+        description="When preempted, a script that does not use the ftrain runtime gets SIGTERM and "
+                    "this long to save before its workers are stopped (a runtime script snapshots at "
+                    "a step boundary instead).")
 
     @field_validator("name")
     @classmethod
@@ -243,6 +253,10 @@ class JobSpec(_Strict):
         return errors
 
 
+# A member in one of these holds its node (`MemberStatus.holds_node`): live or finished.
+HOLDING_STATES = frozenset(("assigned", "running", "succeeded"))
+
+
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
 
@@ -266,7 +280,7 @@ class MemberStatus(BaseModel):
     def holds_node(self) -> bool:
         """The node belongs to the job until the job ends: live, or finished (a finished node
         is neither lost nor free; `service.decide.outcome` says why)."""
-        return self.is_live() or self.is_finished()
+        return self.state in HOLDING_STATES
 
 
 class KeptCopies(BaseModel):
@@ -277,6 +291,42 @@ class KeptCopies(BaseModel):
                                   "holds, as its worker last reported")
     since: float = Field(..., description="When the job let them go (went back to PENDING).")
     until: float = Field(..., description="The end of the hold: past it, they are free like any node.")
+
+
+RestartCause = Literal["failure", "lost_node", "preemption", "resize"]
+
+
+class RestartCounts(BaseModel):
+    """How often a job's group was stopped and started again, by cause. Only failures spend
+    `max_restarts`: a lost node, a preemption or a resize (a node joining, a drain) is no
+    fault of the job's (`docs/scheduling.md`)."""
+
+    failure: int = Field(0, description="Its workers failed, crashed or hung.")
+    lost_node: int = Field(0, description="A node it ran on was lost.")
+    preemption: int = Field(0, description="A job of higher priority took some or all of its nodes.")
+    resize: int = Field(0, description="A planned membership change: a node joined or was drained.")
+
+    def plus(self, cause: RestartCause) -> RestartCounts:
+        """These counts with one more restart of `cause`."""
+        return self.model_copy(update={cause: getattr(self, cause) + 1})
+
+    def total(self) -> int:
+        return self.failure + self.lost_node + self.preemption + self.resize
+
+
+class Preemption(BaseModel):
+    """On a running job: a job of higher priority takes `leave` (some of its nodes: it shrinks at
+    a step boundary) or every node (`suspend`: it goes back to PENDING, its state kept)
+    (`service.decide.preempt`)."""
+
+    by: str = Field(..., description="The id of the waiting job that takes the nodes.")
+    by_priority: int
+    leave: list[str] = Field(..., description="The nodes it gives up.")
+    suspend: bool = False
+    requested_at: float
+
+    def describe(self) -> str:
+        return f"job {self.by} (priority {self.by_priority})"
 
 
 class Control(BaseModel):
@@ -311,7 +361,7 @@ class JobRecord(BaseModel):
     # may still ship the lines their workers wrote (`decide.members.note_former_members`).
     former_members: list[str] = Field(default_factory=list)
     world_size: int = 0
-    restarts: int = 0
+    restarts_by_cause: RestartCounts = Field(default_factory=RestartCounts)
     rounds: int = 0
     event_seq: int = 0
     latest_snapshot: SnapshotMeta | None = None
@@ -349,10 +399,20 @@ class JobRecord(BaseModel):
     # While PENDING after losing a node: the survivors that hold its memory copy, kept for it a
     # while (service.decide.keep); None once it starts again.
     kept: KeptCopies | None = None
+    # While a job of higher priority takes some or all of its nodes (`decide.preempt`).
+    preempt: Preemption | None = None
+    # The training loop's stalls for the snapshots it committed, added up (each commit reports its
+    # own; the snapshot records themselves are pruned to `keep`): the goodput ledger's `snapshot`.
+    snapshot_stall_s: float = 0.0
 
     @model_validator(mode="before")
     @classmethod
     def _progress_moved_out(cls, data):
+        # Records written before restarts were counted by cause counted failures only.
+        if isinstance(data, dict) and "restarts" in data:
+            restarts = data["restarts"]
+            data = {k: v for k, v in data.items() if k != "restarts"}
+            data.setdefault("restarts_by_cause", {"failure": restarts})
         # Records written before progress had a key of its own carried it here.
         if isinstance(data, dict) and data.get("progress") is not None:
             data = {**data, "reports_progress": True}
@@ -360,6 +420,11 @@ class JobRecord(BaseModel):
         if isinstance(data, dict) and "token" in data:
             data = {k: v for k, v in data.items() if k != "token"} | {"legacy_token": data["token"]}
         return data
+
+    @property
+    def restarts(self) -> int:
+        """The restarts that spend `max_restarts`: failures (`restarts_by_cause` has the rest)."""
+        return self.restarts_by_cause.failure
 
     @property
     def rdzv_id(self) -> str:
@@ -374,6 +439,7 @@ class JobRecord(BaseModel):
             finished_at=self.finished_at, attempt=self.attempt,
             nodes=sorted(n for n, m in self.members.items() if m.state != "stopped"),
             world_size=self.world_size, restarts=self.restarts,
+            restarts_by_cause=self.restarts_by_cause,
             latest_snapshot=self.latest_snapshot, progress=progress,
             regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
         )
@@ -396,7 +462,12 @@ class JobView(BaseModel):
     attempt: int
     nodes: list[str]
     world_size: int
-    restarts: int
+    restarts: int = Field(..., description="Restarts after a failure of its workers: the ones that "
+                          "count against `spec.max_restarts` (`restarts_by_cause.failure`).")
+    restarts_by_cause: RestartCounts = Field(
+        default_factory=RestartCounts,
+        description="Restarts by cause: failure (as `restarts`), lost_node, preemption, resize. Only "
+                    "failures count against `spec.max_restarts`.")
     latest_snapshot: SnapshotMeta | None = None
     progress: Progress | None = None
     regrouping: bool = Field(False, description="Its group stopped (or has yet to start) and no step of "
@@ -425,6 +496,23 @@ class JobList(BaseModel):
     next: str | None = Field(None, description="Pass as ?after= to get the next page.")
 
 
+class Replay(BaseModel):
+    """On the event of the first step of a group that replaced a stopped one (a fault, a lost
+    node, a planned change): the steps it trains again, for the goodput ledger
+    (service/decide/goodput.py)."""
+
+    from_step: int = Field(..., description="The step the new group resumed from (its restore point).")
+    reached_step: int = Field(..., description="The last step the stopped group reported.")
+    reached_at: float = Field(..., description="When that report was stored.")
+    step_s: float | None = Field(None, description="The stopped group's step time then (seconds), "
+                                 "null if not known.")
+
+    @property
+    def steps(self) -> int:
+        """The steps redone: those the stopped group had made past the restore point."""
+        return max(0, self.reached_step - self.from_step)
+
+
 class EventView(BaseModel):
     seq: int
     time: float
@@ -438,6 +526,24 @@ class EventView(BaseModel):
                                "(its identity in the leader key: host, PID, ...).")
     term: int | None = Field(None, description="With `leader`: its term, the etcd revision at which it "
                              "took the lead; a later lead has a larger one.")
+    replay: Replay | None = Field(None, description="On a job's first step after its group was replaced "
+                                  "(ftrain runtime only): the steps it trains again.")
+
+
+class GoodputView(BaseModel):
+    """Where a job's wall time went (service/decide/goodput.py)."""
+
+    wall_s: float = Field(..., description="From its submission to its end, or to now while it runs.")
+    seconds: dict[str, float] = Field(..., description="The wall time by cause; the parts add up to "
+                                      "`wall_s`: waiting, starting, training, replayed, snapshot, "
+                                      "recovering, hung, resizing, preempted, suspended, stopping, "
+                                      "unrecorded.")
+
+
+class ClusterGoodput(GoodputView):
+    """Every job's goodput added up: `wall_s` is the sum of their wall times."""
+
+    jobs: int = Field(..., description="The jobs counted: those that exist and those retention deleted.")
 
 
 class EventList(BaseModel):
@@ -453,6 +559,10 @@ class NewUser(_Strict):
     name: str = Field(..., min_length=1, max_length=40,
                       description="DNS label: lower-case letters, digits and '-'; not 'admin'.",
                       json_schema_extra={"pattern": DNS_LABEL.pattern, "not": {"const": ADMIN}})
+    team: str | None = Field(None, min_length=1, max_length=40,
+                             description="The team the user belongs to (a DNS label): its quota "
+                                         "and its share of the cluster count the user's jobs.",
+                             json_schema_extra={"pattern": DNS_LABEL.pattern})
 
     @field_validator("name")
     @classmethod
@@ -462,15 +572,72 @@ class NewUser(_Strict):
             raise ValueError(f"{ADMIN!r} is the admin (the server's own user token); choose another name")
         return v
 
+    @field_validator("team")
+    @classmethod
+    def _team_label(cls, v: str | None) -> str | None:
+        return None if v is None else dns_label(v)
 
-class UserRecord(BaseModel):
-    """What etcd holds for a named user: never the token, only its SHA-256."""
+
+MAX_QUOTA = 1_000_000
+
+
+class QuotaPatch(_Strict):
+    """A change of a user's or a team's quota: the fields sent are set, null clears one."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"max_nodes": 2, "max_gpus": 16}], "minProperties": 1})
+
+    max_nodes: JsonInt | None = Field(None, ge=0, le=MAX_QUOTA, description=(
+        "The most nodes its running jobs may hold at once; null: no limit."))
+    max_gpus: JsonInt | None = Field(None, ge=0, le=MAX_QUOTA, description=(
+        "The most GPUs its running jobs may hold at once (a node's GPUs are held with it); "
+        "null: no limit."))
+
+    @model_validator(mode="after")
+    def _some_field(self) -> QuotaPatch:
+        if not self.model_fields_set:
+            raise ValueError("send max_nodes, max_gpus or both (a number, or null to clear it)")
+        return self
+
+    def applied_to(self, record: _Quotas) -> dict[str, int | None]:
+        """The quota fields of `record` with this change made."""
+        return {"max_nodes": record.max_nodes, "max_gpus": record.max_gpus,
+                **self.model_dump(include=self.model_fields_set)}
+
+
+class _Quotas(BaseModel):
+    max_nodes: int | None = Field(None, description="The most nodes its running jobs may hold at "
+                                                    "once (null: no limit).")
+    max_gpus: int | None = Field(None, description="The most GPUs its running jobs may hold at "
+                                                   "once (null: no limit).")
+
+
+class TeamRecord(_Quotas):
+    """What etcd holds for a team: its quota (a team exists as its users name it)."""
+
+    name: str
+
+
+class TeamView(_Quotas):
+    name: str
+    members: list[str] = Field(default_factory=list, description="Its users, by name.")
+    nodes_in_use: int = Field(0, description="Nodes its members' unfinished jobs hold now.")
+    gpus_in_use: int = Field(0, description="The GPUs of those nodes.")
+
+
+class TeamList(BaseModel):
+    items: list[TeamView]
+
+
+class UserRecord(_Quotas):
+    """What etcd holds for a named user (its team and quota): never the token, only its SHA-256."""
 
     name: str
     id: str | None = Field(None, description="Minted at creation, never given again (None: a user "
                                              "stored before ids); its jobs store it.")
     token_sha256: str
     created_at: float
+    team: str | None = None
 
 
 class UserView(BaseModel):
@@ -479,11 +646,39 @@ class UserView(BaseModel):
     admin: bool = False
 
 
+class UserAccount(UserView, _Quotas):
+    """A user as the admin sees it: its team, its quota and what its jobs hold."""
+
+    team: str | None = None
+    nodes_in_use: int | None = Field(None, description="Nodes its unfinished jobs hold now "
+                                                       "(in the list of users).")
+    gpus_in_use: int | None = Field(None, description="The GPUs of those nodes.")
+
+
 class UserList(BaseModel):
-    items: list[UserView]
+    items: list[UserAccount]
+
+
+class QueuedJob(BaseModel):
+    position: int = Field(..., description="1: the next to start, as the scheduler orders the "
+                                           "queue now (priority, then fair share, then age).")
+    id: str
+    name: str
+    owner: str
+    team: str | None = None
+    priority: int
+    nodes_min: int
+    nodes_max: int
+    created_at: float
+    waiting: str | None = Field(None, description="What it waits for, as of this read.")
+
+
+class QueueView(BaseModel):
+    items: list[QueuedJob]
 
 
 class UserCreated(UserView):
+    team: str | None = None
     token: str = Field(..., description="The user's token: shown this once, stored only hashed.")
 
 
@@ -491,7 +686,11 @@ class NodeState(str, enum.Enum):
     READY = "READY"
     DRAINING = "DRAINING"  # drained, still holding a job's work
     DRAINED = "DRAINED"  # drained and idle (views only: the record says DRAINING)
-    QUARANTINED = "QUARANTINED"  # a health check failed, or failures followed it (no new work)
+    QUARANTINED = "QUARANTINED"  # sick (a failed health check, or failures that follow it): no work
+
+    def takes_no_work(self) -> bool:
+        """Out of service: given no new work, and its job goes on without it."""
+        return self in (NodeState.DRAINING, NodeState.QUARANTINED)
 
 
 class NodeRecord(BaseModel):
@@ -514,12 +713,13 @@ class NodeRecord(BaseModel):
 class NodeView(BaseModel):
     name: str
     state: NodeState
+    reason: str | None = Field(None, description="Why the node is QUARANTINED (a failed health check "
+                               "and its output, or failures that followed it across jobs); "
+                               "`ftrain undrain` puts it back in service.")
     nproc_per_node: int
     gpus: int = Field(0, description="GPUs this node's workers may use.")
     gpu_model: str | None = Field(None, description="Their model (null without GPUs).")
     address: str | None
-    reason: str | None = Field(None, description="Why the node is QUARANTINED: its failed health "
-                               "check's output, or the jobs whose workers failed on it (docs/health.md).")
     registered_at: float
     job: str | None = Field(None, description="The unfinished job this node belongs to, if any: it "
                                               "works on it, or has finished its part of it.")

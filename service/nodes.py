@@ -14,12 +14,11 @@ its agent restarted, or after an etcd pause in which its lease lapsed) comes bac
 until an undrain deletes the name's drain, or the leader's retention loop sweeps the drain
 of a node absent for `FTRAIN_DRAIN_KEEP_S` (`sweep_drains`, `service.decide.drains`).
 
-A quarantine is a drain with a reason (`quarantine`): kept under the name the same way, with
-`quarantined: {"reason", "by"}` in the note, and the record QUARANTINED with that reason. It
-comes from the node's own health checks (`by: "check"`: a later passing check clears it, as
-the admin's undrain does) or from failures that followed the node across jobs (`by:
-"failures"`, `service.decide.attribution`: only the admin's undrain clears it; a node that
-passes its own checks may still break jobs).
+A quarantine is a drain with a reason (`quarantine` in the stored drain): a node whose health
+check failed, or whose workers' failures followed it across jobs (`service.decide.attribution`).
+It is QUARANTINED on its record and again at every registration, until an admin's undrain. A
+check that passes later does not clear it: a sick node that passes now and then (a flaky link,
+a GPU that throws errors under load) is exactly what quarantine is for, so a person decides.
 
 Each registration comes with a new node credential; the record keeps only its sha256, and
 the credential is good while the lease it was registered under lives. A heartbeat checks
@@ -39,6 +38,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
+from service.decide import attribution
 from service.decide import drains as decide_drains
 from service.decide.drains import StoredDrain
 from service.errors import NodeNameTaken, NodeNotFound, OutdatedCredential, StoreUnavailable
@@ -47,7 +47,6 @@ from service.keys import Keys
 from service.models import NodeRecord, NodeState
 from service.store import cas
 from service.store.api import Delete, Entry, KeyValue, Put, WatchEvent
-from worker.protocol import HealthReport
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -55,8 +54,6 @@ log = logging.getLogger(__name__)
 # longer than a scheduler pass, and gone by itself after.
 DEPARTURE_KEEP_S = 60
 STOPPED = "its agent stopped"
-BY_CHECK = "check"  # who quarantined a node: its own health check,
-BY_FAILURES = "failures"  # or failures of its workers across jobs
 CONNECTION_CLOSED = "its agent's connection closed"
 
 
@@ -98,30 +95,37 @@ class NodeStore:
     async def register(self, name: str, nproc_per_node: int, address: str | None,
                        ttl_s: int, credential_sha256: str | None = None,
                        reclaim_sha256: str | None = None, gpus: int = 0,
-                       gpu_model: str | None = None, health: HealthReport | None = None) -> int:
+                       gpu_model: str | None = None, quarantine: str | None = None) -> int:
         """Store the node's record under a fresh lease of `ttl_s`; returns the lease id.
 
         `reclaim_sha256`: the digest of the credential the registering agent presents as its
         previous one; if it is the live record's, the name is this node's to take back.
 
+        `quarantine`: why the node is sick (its health check failed): it registers QUARANTINED.
+
         Raises:
             NodeNameTaken: a node of this name is alive, not drained, and not reclaimed.
         """
         granted_at = self.clock()
-        state, reason = await self._state_on_register(name, health)
+        if quarantine is not None:
+            await self._keep_quarantine(name, quarantine)
+        stored = await self.kv.get(self.keys.drain(name))
+        drained = stored is not None
+        why = _quarantine_of(stored)
         lease = await self.kv.grant_lease(ttl_s)
         key = self.keys.node(name)
         record = NodeRecord(name=name, nproc_per_node=nproc_per_node, gpus=gpus, gpu_model=gpu_model,
                             address=address,
                             registered_at=self.clock(), lease_id=lease,
-                            credential_sha256=credential_sha256,
-                            state=state, reason=reason)
+                            credential_sha256=credential_sha256, reason=why,
+                            state=(NodeState.QUARANTINED if why is not None
+                                   else NodeState.DRAINING if drained else NodeState.READY))
         value = record.model_dump_json().encode()
 
         def decide(old: Entry | None) -> cas.Write[Entry | None]:
             if old is not None:  # its key lives with its lease: this node is alive
                 current = NodeRecord.model_validate_json(old.value)
-                if current.state not in (NodeState.DRAINING, NodeState.QUARANTINED) and not _same_node(current, reclaim_sha256):
+                if not current.state.takes_no_work() and not _same_node(current, reclaim_sha256):
                     raise NodeNameTaken(name, current.registered_at, ttl_s)
             return cas.Write({key: old.mod_revision if old else 0}, [Put(key, value, lease)], old)
 
@@ -136,53 +140,6 @@ class NodeStore:
             self.leases.ended(old.lease)
         self._remember(name, credential_sha256, lease)
         return lease
-
-    async def _state_on_register(self, name: str, health: HealthReport | None) -> tuple[NodeState, str | None]:
-        """The state a registering node starts in: what its stored drain or quarantine says,
-        after its health report (a failed one quarantines it, a passing one ends a quarantine
-        its own check made)."""
-        if health is not None and not health.ok:
-            await self._keep_quarantine(name, health.detail, BY_CHECK)
-            return NodeState.QUARANTINED, health.detail
-        entry = await self.kv.get(self.keys.drain(name))
-        if entry is None:
-            return NodeState.READY, None
-        held = _quarantine_of(entry)
-        if held is None:
-            return NodeState.DRAINING, None
-        if health is not None and held.get("by") == BY_CHECK:
-            await self.kv.commit({entry.key: entry.mod_revision}, [Delete(entry.key)])
-            return NodeState.READY, None
-        return NodeState.QUARANTINED, held.get("reason")
-
-    async def quarantine(self, name: str, reason: str, by: str) -> NodeRecord | None:
-        """Take node `name` out of service with `reason` (QUARANTINED: no job is placed on it; a
-        job it works on goes on without it) until an undrain, or (`by` BY_CHECK) a passing
-        check; kept under its name like a drain. None when the node is not registered now."""
-        await self._keep_quarantine(name, reason, by)
-        try:
-            return await self._set_state(name, NodeState.QUARANTINED, reason)
-        except NodeNotFound:
-            return None
-
-    async def report_health(self, name: str, health: HealthReport) -> NodeRecord:
-        """A registered node's health checks between jobs: a failed one quarantines it, a
-        passing one ends a quarantine its own check made (not one failures made, nor a drain)."""
-        _, record = await self._entry(name)  # NodeNotFound: register again
-        if not health.ok:
-            if record.state is NodeState.QUARANTINED and record.reason == health.detail:
-                return record
-            return await self.quarantine(name, health.detail, BY_CHECK) or record
-        entry = await self.kv.get(self.keys.drain(name))
-        held = None if entry is None else _quarantine_of(entry)
-        if entry is None or held is None or held.get("by") != BY_CHECK:
-            return record
-        await self.kv.commit({entry.key: entry.mod_revision}, [Delete(entry.key)])
-        return await self._set_state(name, NodeState.READY)
-
-    async def _keep_quarantine(self, name: str, reason: str, by: str) -> None:
-        note = {"drained_at": round(self.clock(), 3), "quarantined": {"reason": reason, "by": by}}
-        await self.kv.put(self.keys.drain(name), json.dumps(note).encode())
 
     async def heartbeat(self, name: str, lease_id: int | None) -> None:
         """Refresh the node's lease (read from its record when not given); NodeNotFound if gone."""
@@ -323,9 +280,35 @@ class NodeStore:
         admin's drain nothing is kept under its name: the node comes back READY."""
         return await self._set_state(name, NodeState.DRAINING)
 
+    async def quarantine(self, name: str, reason: str) -> NodeRecord:
+        """Mark the node QUARANTINED for `reason` (as a drain: no new work, its job goes on
+        without it), kept under its name until an undrain."""
+        await self._entry(name)  # NodeNotFound: only a registered node is quarantined
+        await self._keep_quarantine(name, reason)
+        return await self._set_state(name, NodeState.QUARANTINED, reason)
+
+    async def _keep_quarantine(self, name: str, reason: str) -> None:
+        note = {"drained_at": round(self.clock(), 3), "quarantine": reason}
+        await self.kv.put(self.keys.drain(name), json.dumps(note).encode())
+
+    async def note_failure(self, name: str, job_id: str, alone: bool) -> str | None:
+        """Note that node `name`'s workers of `job_id` failed (`alone`: the job ran on
+        elsewhere) and quarantine the node if its failures follow it across jobs; why, if so."""
+        own = await self.kv.grant_lease(int(attribution.WINDOW_S))
+        note = {"at": round(self.clock(), 3), "alone": alone}
+        await self.kv.put(self.keys.failure(name, job_id), json.dumps(note).encode(), own)
+        prefix = self.keys.failures(name)
+        failures = [attribution.Failure(name, e.key[len(prefix):], **json.loads(e.value))
+                    async for e in self.kv.scan_prefix(prefix)]
+        why = attribution.blame(failures, name, self.clock())
+        if why is not None:
+            log.warning("node %s quarantined: %s", name, why)
+            await self.quarantine(name, why)
+        return why
+
     async def undrain(self, name: str) -> NodeRecord:
-        """Put a drained node back in service (READY: it may be given work again). The drain
-        is deleted even when the node is not registered now (then NodeNotFound)."""
+        """Put a drained or quarantined node back in service (READY: it may be given work
+        again). The drain is deleted even when the node is not registered now (then NodeNotFound)."""
         await self.kv.delete(self.keys.drain(name))
         return await self._set_state(name, NodeState.READY)
 
@@ -371,6 +354,8 @@ class NodeStore:
             entry, record = read
             if record.state is state and record.reason == reason:
                 return cas.Done(record)
+            if record.state is NodeState.QUARANTINED and state is NodeState.DRAINING:
+                return cas.Done(record)  # an agent's leave: still quarantined, as stored
             record = record.model_copy(update={"state": state, "reason": reason})
             return cas.Write({entry.key: entry.mod_revision},
                              [Put(entry.key, record.model_dump_json().encode(), entry.lease)], record)
@@ -387,6 +372,10 @@ class NodeStore:
         await self.kv.revoke_lease(entry.lease)
         self.leases.ended(entry.lease)
 
+    async def get(self, name: str) -> NodeRecord:
+        """The node's record (NodeNotFound: none of that name is registered)."""
+        return (await self._entry(name))[1]
+
     async def _entry(self, name: str) -> tuple[Entry, NodeRecord]:
         entry = await self.kv.get(self.keys.node(name))
         if entry is None:
@@ -394,13 +383,14 @@ class NodeStore:
         return entry, NodeRecord.model_validate_json(entry.value)
 
 
-def _quarantine_of(entry: Entry) -> dict | None:
-    """The quarantine a stored drain note holds (`{"reason", "by"}`), or None (a plain drain)."""
+def _quarantine_of(stored: Entry | None) -> str | None:
+    """Why a stored drain quarantines its node; None: a plain drain, or none."""
+    if stored is None:
+        return None
     try:
-        held = json.loads(entry.value).get("quarantined")
+        return json.loads(stored.value).get("quarantine")
     except (ValueError, AttributeError):
         return None
-    return held if isinstance(held, dict) else None
 
 
 def _same_node(record: NodeRecord, reclaim_sha256: str | None) -> bool:

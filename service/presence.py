@@ -11,12 +11,24 @@ second signal before the control plane revokes the node's lease: a survivor's re
 broken peer (a worker of a job the node is a member of saw its process group break, or the
 node leaders' ring of connections saw the node's end close: worker/peer_watch.py;
 `suspect`), and then the node is lost at once, the two signals agreeing (`GRACE_S`, 0); or,
-without a report, the drop outlasting `BLIP_S` (1 s: a live agent asks again within
-milliseconds). A drop and a report agree only when
+without a report, the drop outlasting `BLIP_S` (5 s). A drop and a report agree only when
 they are about the same node within `SUSPECT_WINDOW_S`; a blip that also broke the job's
 process group (a partition of the node) costs the node its membership, which it takes back
 by registering again, where waiting a second for it to reconnect would have saved one round:
-the group had to form again anyway. A revoke is exactly what a lapsed lease does (the node
+the group had to form again anyway.
+
+A dead process needs no second signal: it closes every connection it holds at once, where a
+blip (the agent's own timeout, a proxy's cut) closes one. So every agent holds its presence
+request on two connections of their own, half a hold apart (worker/agent.py): while one is
+between two requests the other is held. When a drop leaves no request of the node held here
+and none opened within `RECONNECT_S` (a live agent asks again within milliseconds), although
+this replica held two connections of the node's a moment before (`PAIR_S`), every connection
+of the agent closed: a dead process, lost at once, without a survivor's report. This is what
+confirms the loss of a plain script's node, whose workers report nothing (an NCCL worker
+blocked in a collective with a dead peer prints nothing). An agent whose two connections go to
+two replicas shows each of them one connection: there the blip bound stays.
+
+A revoke is exactly what a lapsed lease does (the node
 record goes, the scheduler treats the node as lost and its jobs move on), only seconds
 sooner. A report alone revokes nothing: a peer whose connection is held is alive (its worker
 died, not its agent); one whose agent is between two presence requests (it asks again within
@@ -58,14 +70,13 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 0.0  # a dropped connection confirmed by a broken-peer report, not back within this: lost
 REASK_S = 0.3  # a suspect whose agent held no presence request here: lost unless it asks within this
-# A dropped connection not back within this is lost without a second signal. A live agent
-# asks again within milliseconds (0.2 s after an error), and a network that loses packets
-# closes nothing (the lease covers it): a close that stays closed is a process that died.
-# Without a second signal (a plain script whose survivors wait in an NCCL collective report
-# no broken peer), this is what a dead agent costs: 5 s made such a job wait 5.9 s.
-BLIP_S = 1.0
+BLIP_S = 5.0  # a dropped connection not back within this is lost without a second signal
 SUSPECT_WINDOW_S = 3.0  # a broken-peer report confirms a drop from this long before it on
+RECONNECT_S = 0.5  # every connection closed and none back within this: a dead process, lost
+PAIR_S = 5.0  # how recently two connections of a node must have been held here for that
 SHARED_POLL_S = 0.2  # how often a drop waiting for a second signal reads the shared suspicions
+REPORTED = "a survivor reported a broken peer"
+ALL_CLOSED = "every connection of its agent closed: a dead process"
 
 
 class Presence:
@@ -83,17 +94,20 @@ class Presence:
         self._holding: dict[str, int] = {}  # node -> its presence requests held here now
         self.replica = secrets.token_hex(8)
         self._opened: dict[str, float] = {}  # node -> when its latest presence request came here
+        self._conns: dict[str, dict[str, float]] = {}  # node -> its connections held here -> when
         self._owned: dict[str, int] = {}  # node -> the lease under which the presence key names us
         self._checks: set[asyncio.Task] = set()
         self._wake: dict[str, set[asyncio.Event]] = {}  # node -> its waiting checks' events (`suspect`)
         self.revoked: list[str] = []  # nodes this replica found lost (for tests and logs)
 
     async def hold(self, name: str, lease: int, receive: Callable[[], Awaitable[dict]],
-                   hold_s: float) -> bool:
-        """Hold node `name`'s presence request for `hold_s`; False if its connection
-        dropped meanwhile (then the check for a second signal is started)."""
+                   hold_s: float, conn: str | None = None) -> bool:
+        """Hold node `name`'s presence request (on connection `conn`, the client's address)
+        for `hold_s`; False if its connection dropped meanwhile (then the check for a second
+        signal is started)."""
         opened = self.clock()
         self._opened[name] = opened
+        self._note_conn(name, conn, opened)
         if self._owned.get(name) != lease:
             value = json.dumps({"replica": self.replica}).encode()
             await self.kv.put(self.keys.presence(name), value, lease=lease)
@@ -109,6 +123,20 @@ class Presence:
             self._holding[name] -= 1
         self._start_check(name, lease, self.clock())
         return False
+
+    def _note_conn(self, name: str, conn: str | None, now: float) -> None:
+        seen = self._conns.setdefault(name, {})
+        if conn is not None:
+            seen[conn] = now
+        for old in [c for c, t in seen.items() if now - t > PAIR_S]:
+            del seen[old]
+
+    def _all_closed(self, name: str, dropped: float) -> bool:
+        """Every connection of `name`'s agent closed at `dropped`: none held here or opened
+        since, `RECONNECT_S` on, where two were held a moment before (a dead process)."""
+        paired = sum(1 for t in self._conns.get(name, {}).values() if dropped - t <= PAIR_S) >= 2
+        return (paired and self.clock() - dropped >= RECONNECT_S and not self._holding.get(name)
+                and self._opened.get(name, 0.0) <= dropped)
 
     def _start_check(self, name: str, lease: int, dropped: float, grace_s: float | None = None) -> None:
         self._spawn(self._check(name, lease, dropped, self.grace_s if grace_s is None else grace_s))
@@ -165,30 +193,37 @@ class Presence:
     def _is_confirmed(self, name: str, dropped: float) -> bool:
         return self._suspected.get(name, float("-inf")) >= dropped - SUSPECT_WINDOW_S
 
-    async def _second_signal(self, name: str, dropped: float, wake: asyncio.Event) -> bool:
+    async def _second_signal(self, name: str, dropped: float, wake: asyncio.Event) -> str | None:
         """Wait for a broken-peer report of `name` (here: at once; through etcd: within
-        `SHARED_POLL_S`) until the drop outlasts `blip_s` or the node asks again; whether one came."""
+        `SHARED_POLL_S`), or for every connection of its agent to be closed (`_all_closed`),
+        until the drop outlasts `blip_s` or the node asks again; the signal that came, if one did."""
         read_at = self.clock()
         while True:
             wake.clear()  # (before the checks: a report while they await wakes the wait below)
             if self._is_confirmed(name, dropped):
-                return True
+                return REPORTED
+            if self._all_closed(name, dropped):
+                return ALL_CLOSED
             now = self.clock()
             if now - dropped >= self.blip_s or self._opened.get(name, 0.0) > dropped:
-                return False  # the bound, or it asked again here (the caller sees which)
+                return None  # the bound, or it asked again here (the caller sees which)
             if now >= read_at:  # a report to another replica confirms it too
                 read_at = now + SHARED_POLL_S
                 if await self._shared_confirms(name, dropped):
-                    return True
+                    return REPORTED
+            until = min(read_at, dropped + self.blip_s)
+            if now < dropped + RECONNECT_S:
+                until = min(until, dropped + RECONNECT_S)
             try:
-                async with asyncio.timeout(max(0.0, min(read_at, dropped + self.blip_s) - self.clock())):
+                async with asyncio.timeout(max(0.0, until - self.clock())):
                     await wake.wait()
             except TimeoutError:
                 pass
 
     async def _check(self, name: str, lease: int, dropped: float, grace_s: float) -> None:
-        """Revoke the node's lease unless it comes back: once a broken-peer report confirms the
-        drop (and `grace_s` has passed since it), or when the drop outlasts `blip_s` unconfirmed."""
+        """Revoke the node's lease unless it comes back: once a broken-peer report or the close
+        of every connection of its agent confirms the drop (and `grace_s` has passed since it),
+        or when the drop outlasts `blip_s` unconfirmed."""
         wake = asyncio.Event()
         self._wake.setdefault(name, set()).add(wake)
         try:
@@ -202,8 +237,7 @@ class Presence:
             await asyncio.sleep(max(0.0, dropped + grace_s - self.clock()))
         if self._opened.get(name, 0.0) > dropped:
             return  # it asked again here
-        signal = ("a survivor reported a broken peer" if confirmed
-                  else f"no second signal, but it outlasted {self.blip_s:g} s")
+        signal = confirmed or f"no second signal, but it outlasted {self.blip_s:g} s"
         try:
             presence = await self.kv.get(self.keys.presence(name))
             if presence is None or json.loads(presence.value).get("replica") != self.replica:

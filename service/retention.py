@@ -6,7 +6,8 @@ records fresh (a page at a time), and for each job still finished deletes its re
 keys, then its record, events, snapshot records and idempotency key (which its record names;
 keys of jobs deleted before records named them are swept once per lead), in transactions of
 at most MAX_TXN_OPS operations, each fenced on the leader's key (`Leadership.fence`; the
-record's also on the job's revision): a replica that lost the lead deletes nothing more.
+record's also on the job's revision): a replica that lost the lead deletes nothing more. The
+same transaction adds the deleted jobs' goodput to the cluster's totals (service.goodput).
 
 Files go after the record: the job's log folder, its secret env file (`Keyring.delete_env`)
 and, when the control plane has a snapshot root (`--snapshot-root`; `ftrain up` sets one),
@@ -35,7 +36,9 @@ import time
 from pathlib import Path
 
 from service.decide.retention import RetentionPolicy, expired, pass_interval_s
+from service.decide.goodput import ledger
 from service.errors import StaleLeader, StoreUnavailable
+from service.goodput import events_of, retire
 from service.job_index import JobIndex
 from service.jobs import JobStore, looks_like_job_id
 from service.keyring import Keyring
@@ -64,9 +67,11 @@ async def prune(jobs: JobStore, logs: LogStore, index: JobIndex, fence: dict[str
     reasons = {e.job_id: e.reason for e in chosen}
     doomed = [(job, revision) for job, revision in await jobs.get_many_with_revisions(list(reasons))
               if job.state.is_terminal()]
+    # Their goodput, added to the deleted jobs' totals as they go (service.goodput).
+    ledgers = {job.id: ledger(job, await events_of(jobs, job.id), jobs.clock()) for job, _ in doomed}
     for job, _ in doomed:
         await delete_rendezvous(jobs.kv, jobs.keys, job.id, fence)
-    deleted = await jobs.delete_finished(doomed, fence)
+    deleted = await jobs.delete_finished(doomed, fence, retire(jobs, ledgers))
     nonces = {job.id: job.token_nonce for job, _ in doomed if job.secret_env_names}
     for job_id in deleted:  # after the record (the module's docstring says why)
         await delete_files(logs, snapshot_root, job_id)

@@ -24,15 +24,18 @@ import asyncio
 import collections
 import contextlib
 import logging
+import operator
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 
 from service.contact import Contact
-from service.decide import attribution, hangs, keep
+from service.decide import hangs, keep, preempt, quotas
 from service.decide.change import Change
+from service.decide.order import queue_key
 from service.decide.scheduling import (
+    Plan,
     SchedulerConfig,
     Settled,
     free_for,
@@ -41,15 +44,17 @@ from service.decide.scheduling import (
     offer_to,
     plan,
     schedule_queue,
+    with_mark,
+    within_quotas,
 )
-from service.decide.state import note
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import EventView, JobRecord, JobState, NodeRecord, NodeState
-from service.nodes import BY_FAILURES, NodeStore, departures
+from service.models import JobRecord, JobState, NodeRecord, Preemption
+from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
+from service.tenancy import Tenancy
 from worker.protocol import MemorySnapshot
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ STALL_MARGIN_S = 1.0
 # At most this many jobs start in one pass (its planning is one step of the event loop; two
 # transactions of `JobStore.write_many`); the rest start in the next pass, 20 ms later.
 MAX_STARTS_PER_PASS = 128
+PREEMPTED = operator.attrgetter("preempt")  # a job giving nodes to one of higher priority (or None)
 
 
 class PassTimes:
@@ -110,9 +116,9 @@ async def active_jobs(jobs: JobStore, index: JobIndex) -> list[JobRecord]:
 
 
 async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], list[JobRecord]]:
-    """The unfinished jobs, oldest first, as the watch-fed index has them, apart: the
-    PENDING ones (lazily: to be read before the next await, and only as far as needed) and
-    the others (those that hold nodes).
+    """The unfinished jobs as the watch-fed index has them, apart: the PENDING ones in queue
+    order (`decide.order`; lazily: to be read before the next await, and only as far as
+    needed) and the others (those that hold nodes), oldest first.
 
     The index has this control plane's own writes at once (`JobIndex.note_written`), so a
     tick sees its last writes; another replica's (a report, a cancel) a watch event later,
@@ -126,7 +132,7 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
     if not index.ready.is_set():
         found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
                        key=lambda j: (j.created_at, j.id))
-        return ([j for j in found if j.state is JobState.PENDING],
+        return (sorted((j for j in found if j.state is JobState.PENDING), key=queue_key),
                 [j for j in found if j.state is not JobState.PENDING])
     pending = (j for j in map(index.get, index.pending_ids())
                if j is not None and j.state is JobState.PENDING)
@@ -139,7 +145,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
                last_reason: dict[str, str], watches: dict[str, hangs.Watch] | None = None,
                contact: Contact | None = None, missing_since: dict[str, float] | None = None,
                fence: dict[str, int] | None = None, settled: Settled | None = None,
-               stall_after_s: float | None = None, ledger: attribution.Ledger | None = None) -> bool:
+               stall_after_s: float | None = None, tenancy: Tenancy | None = None) -> bool:
     """One pass: read, plan, and apply each plan by compare-and-set; then look for hangs.
     Returns whether jobs are left to start that this pass did not (MAX_STARTS_PER_PASS).
 
@@ -149,14 +155,13 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     (`Leadership.fence`): every write compares the leader's key, so a replica that lost the
     lead (its lease lapsed, e.g. cut off from etcd) writes nothing once another may lead.
     `settled` (kept across passes): the jobs whose plan is known to be None still
-    (`decide.scheduling.Settled`).
+    (`decide.scheduling.Settled`). `tenancy`: the teams and quotas (`decide.quotas`; None:
+    none are set).
 
     The memory reports of a job that may fall below its `min` in this pass are read first
     (`decide.keep`: its survivors that hold a copy are held for it), and a free node held for
-    a waiting job is found in the index's map of them (`JobIndex.claims`).
-
-    `ledger` (kept across passes): the lone worker failures of each node, for bad-node
-    attribution (`decide.attribution`); a node they blame is quarantined before planning."""
+    a waiting job is found in the index's map of them (`JobIndex.claims`)."""
+    tenants = None if tenancy is None else await tenancy.current()
     live_nodes = await nodes.live()
     if settled is not None:
         settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
@@ -173,7 +178,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if contact is not None:
             graced = contact.graced(missing_since, now)
     copies: dict[str, list[MemorySnapshot]] = {}
-    for job in others if missing else ():  # (a job falls short when it loses a node)
+    # (a job falls short when it loses a node, or is suspended by a preemption)
+    for job in others if missing else (index.yielding() if from_index else filter(PREEMPTED, others)):
         if keep.may_fall_short(job, live_nodes, graced):
             copies[job.id] = await memory_copies(jobs, job.id)
     # Why each missing member went, where a control plane noted it (service.nodes.departures).
@@ -186,39 +192,19 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         pending = list(pending)
         claims = keep.claims(pending)
     active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
-    if ledger is not None and await attribute(jobs, nodes, ledger, active.values(), live_nodes, fence):
-        # A job record this pass read is older than the event just written: plan in the next
-        # pass, from records (and the node view) that have it and the quarantine.
-        return True
     if settled is not None:
         settled.keep_only(active)
+    # (kept by the index as jobs change: a pass need not look through every running job for them)
+    running = (index.lowest_running_priority(), index.yielding()) if from_index else None
+    # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
+    used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
+        if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
-                           settled, index.revision_of if from_index else None, claims, copies, gone)
+                           settled, index.revision_of if from_index else None, claims, copies, gone,
+                           running, tenants, used)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
-
-
-async def attribute(jobs: JobStore, nodes: NodeStore, ledger: attribution.Ledger,
-                    active: Iterable[JobRecord], live_nodes: dict[str, NodeRecord],
-                    fence: dict[str, int] | None) -> bool:
-    """Quarantine each node that the jobs' lone failures blame (`decide.attribution`), with an
-    event on the job whose failure decided it; returns whether any was."""
-    for name in [n for n in ledger.blamed if n in live_nodes
-                 and live_nodes[n].state is not NodeState.QUARANTINED]:
-        ledger.forget(name)  # undrained by the admin: a fresh start
-    blamed = ledger.note(active, jobs.clock())
-    for b in blamed:
-        log.warning("node %s quarantined: %s", b.node, b.reason)
-        await nodes.quarantine(b.node, b.reason, BY_FAILURES)
-        now = jobs.clock()
-        await jobs.update(b.job_id, lambda job, b=b, now=now: Change(
-            *_one_event(note(job, f"node {b.node} quarantined: {b.reason}", now))), fence)
-    return bool(blamed)
-
-
-def _one_event(noted: tuple[JobRecord, EventView]) -> tuple[JobRecord, list[EventView]]:
-    return noted[0], [noted[1]]
 
 
 async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: Iterable[JobRecord],
@@ -228,7 +214,9 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     revision_of: Callable[[str], int] | None = None,
                     claims: dict[str, JobRecord] | None = None,
                     copies: dict[str, list[MemorySnapshot]] | None = None,
-                    gone: dict[str, str] | None = None) -> bool:
+                    gone: dict[str, str] | None = None,
+                    running: tuple[int | None, list[JobRecord]] | None = None,
+                    tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -244,7 +232,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
-                           settled, MAX_STARTS_PER_PASS, claims, copies, gone)
+                           settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
+                           tenants=tenants, shares=used)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -263,12 +252,21 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
             if reserved is None:
                 reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
-            def decide(current: JobRecord, reserved: dict[str, str] = reserved) -> Change | None:
+            def decide(current: JobRecord, reserved: dict[str, str] = reserved,
+                       mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
                 # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job).
-                free = offer_to(current, free_for(current, held, live_nodes), reserved)
-                again = plan(current, live_nodes, free, jobs.clock(), cfg, graced,
+                # (as members, or held for a waiting job), and what its quotas do not leave it.
+                # A victim marked in this pass is marked again on it, if the mark still holds
+                # there (`decide.preempt`).
+                now = jobs.clock()
+                marked = preempt.remark(current, mark, now) \
+                    if mark is not None and preempt.still_applies(current, mark) else None
+                free = within_quotas(current, offer_to(current, free_for(current, held, live_nodes),
+                                                       reserved), active.values(), live_nodes, tenants)
+                again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
+                if marked is not None:
+                    again = with_mark(marked, again)
                 return None if again is None else Change(again.job, again.events)
 
             try:
@@ -294,6 +292,11 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+def _new_mark(p: Plan, original: JobRecord) -> Preemption | None:
+    """The preemption `p` marks its job with in this pass (None: none new)."""
+    return p.job.preempt if p.job.preempt is not None and original.preempt is None else None
 
 
 async def memory_copies(jobs: JobStore, job_id: str) -> list[MemorySnapshot]:
@@ -482,19 +485,22 @@ async def keep_lead(leadership: Leadership, every_s: float, wake: asyncio.Event 
 
 async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Leadership,
               interval_s: float, cfg: SchedulerConfig | None = None,
-              passes: PassTimes | None = None, contact: Contact | None = None) -> None:
-    """Schedule while this replica leads (`keep_lead`): on every change and at least every
-    `interval_s`; in a new term, once the job index has the writes of the term before."""
+              passes: PassTimes | None = None, contact: Contact | None = None,
+              tenancy: Tenancy | None = None) -> None:
+    """Schedule while this replica leads (`keep_lead`): on every change (of a job, a node, a
+    quota) and at least every `interval_s`; in a new term, once the job index has the writes
+    of the term before."""
     cfg = cfg or SchedulerConfig()
     passes = passes if passes is not None else PassTimes()
     wake = asyncio.Event()
     index.wake_on_change(wake)
+    if tenancy is not None:
+        tenancy.wake_on_change(wake)
     every_s = min(1.0, leadership.ttl_s / 4)
     # Node changes wake the scheduler once the node view has them (NodeStore.follow).
     helpers = [asyncio.create_task(nodes.follow(wake)),
                asyncio.create_task(keep_lead(leadership, every_s, wake))]
     last_reason: dict[str, str] = {}
-    ledger = attribution.Ledger(cfg.attribution_window_s)
     watches: dict[str, hangs.Watch] = {}
     watches_term: int | None = None  # the term whose passes keep `watches`
     last_settle = 0.0
@@ -513,7 +519,8 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
             # (`view_changes`, not `version`: the version is the count of the view the last
             # pass copied, which a skipped pass never updates, so a node registering after
             # skipped passes looked like no change at all and waited for the interval.)
-            seen = (fence and fence.term, index.changes, nodes.view_changes)
+            seen = (fence and fence.term, index.changes, nodes.view_changes,
+                    tenancy and tenancy.changes)
             # Until the interval's pass is due (it runs for the clocks of planned changes and
             # hangs, however many wake-ups come meanwhile): nothing to plan when woken by new
             # PENDING jobs only while no node was free (each submission woke a pass over
@@ -544,7 +551,7 @@ async def run(jobs: JobStore, nodes: NodeStore, index: JobIndex, leadership: Lea
                         watches_term = fence.term
                     if await tick(jobs, nodes, index, cfg, last_reason, watches, contact,
                                   missing_since, fence, settled=settled,
-                                  stall_after_s=interval_s + STALL_MARGIN_S, ledger=ledger):
+                                  stall_after_s=interval_s + STALL_MARGIN_S, tenancy=tenancy):
                         wake.set()  # jobs left to start: another pass after the gap
                     elif not settled.ready_left:
                         last = seen  # as it was before the pass: a change during it runs the next

@@ -4,6 +4,8 @@ Built by whoever starts the app (`ftrain serve`, `ftrain up`, a test) and passed
 `create_app(settings)`; nothing reads them at import time.
 """
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -61,20 +63,19 @@ class Settings(BaseSettings, Timeouts):
         1.0, ge=0, description="A user request over that number waits up to this long for a place "
         "(in order of arrival) before its 429; 0: 429 at once.")
     presence_blip_s: float = Field(
-        1.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
-        "node even without a second signal (a survivor's broken-peer report makes it at once); a live "
-        "agent asks again within milliseconds, so a close that lasts is a dead process "
-        "(service/presence.py).")
+        5.0, gt=0, description="An agent's dropped presence connection not back within this is a lost "
+        "node even without a second signal (a survivor's broken-peer report makes it 1 s); a shorter "
+        "network blip costs nothing (service/presence.py).")
     scheduler_interval_s: float = Field(0.5, gt=0, description="Scheduler tick when nothing changes.")
+    queue_policy: Literal["priority", "fifo"] = Field(
+        "priority", description="How waiting jobs are served: \"priority\" (higher priority first, "
+        "then fair share, then age; a higher-priority job may preempt: docs/scheduling.md) or "
+        "\"fifo\" (submission order, nothing preempted). Quotas hold under both.")
     memory_hold_s: float = Field(
         120.0, ge=0, le=300,
         description="A job that lost a node and waits for another holds the survivors that keep its "
                     "memory copy this long: no other job is given them (service/decide/keep.py). At "
                     "most 300 s, the time an agent keeps the copy of a job it left; 0: no hold.")
-    attribution_window_s: float = Field(
-        3600.0, ge=0, description="A node whose workers fail in two different jobs within this "
-        "many seconds, while those jobs' other nodes do not, is QUARANTINED until an undrain "
-        "(docs/health.md); 0: off.")
     gc_freeze_s: float = Field(
         1.0, ge=0, description="Objects that live this long are left out of the garbage collector's "
                                "passes (its full passes paused the API for hundreds of ms with "

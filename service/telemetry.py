@@ -13,12 +13,14 @@ one), so two control planes in one process (tests) do not mix their figures.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.decide.quotas import Tenants, held_nodes
 from service.models import JobRecord, JobState
 
 # A fast worker restart recovers in seconds, a lost node in tens, an outage in minutes.
@@ -32,8 +34,9 @@ REQUEST_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class Telemetry:
     """The metrics of one control plane; `observe_job` is fed every job change its index sees."""
 
-    def __init__(self, jobs_now, scheduler_passes) -> None:
-        """`jobs_now()`: the jobs as the index has them; `scheduler_passes`: its PassTimes."""
+    def __init__(self, jobs_now, scheduler_passes, tenants_now=lambda: None) -> None:
+        """`jobs_now()`: the jobs as the index has them; `scheduler_passes`: its PassTimes;
+        `tenants_now()`: the users' teams (`decide.quotas.Tenants`, None: not known yet)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.recovery_s = Histogram(
@@ -58,6 +61,7 @@ class Telemetry:
             "ftrain_etcd_request_seconds", "One etcd call of this replica (watches excluded), "
             "failures included.", buckets=REQUEST_BUCKETS_S, registry=r)
         r.register(_Jobs(jobs_now))
+        r.register(_Tenants(jobs_now, tenants_now))
         r.register(_Passes(scheduler_passes))
         self._recovering_since: dict[str, float] = {}
 
@@ -86,6 +90,11 @@ class Telemetry:
         """Publish the user requests refused by `limit` (`service.admission.UserLimit`) and
         how many it serves at once now."""
         self.registry.register(_Admission(limit))
+
+    def count_goodput(self, book, clock) -> None:
+        """Publish the jobs' seconds by cause and the nodes' by state (`service.goodput`'s
+        book, refreshed before each render: `routes.health.metrics`)."""
+        self.registry.register(_Goodput(book, clock))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -126,6 +135,27 @@ class _Admission(Collector):
         yield now
 
 
+class _Goodput(Collector):
+    """Where the jobs' wall time went, and the nodes' (`service.goodput.GoodputBook`)."""
+
+    def __init__(self, book, clock) -> None:
+        self._book = book
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = CounterMetricFamily("ftrain_job_seconds", "Jobs' wall time by cause (the goodput "
+                                   "ledger), deleted jobs' included.", labels=["cause"])
+        for cause, s in self._book.totals(self._clock()).items():
+            jobs.add_metric([cause], s)
+        yield jobs
+        nodes = CounterMetricFamily("ftrain_node_seconds", "Nodes' time by state (busy, idle, "
+                                    "draining, drained, quarantined), as this replica sampled it.",
+                                    labels=["node", "state"])
+        for (node, state), s in sorted(self._book.node_seconds.items()):
+            nodes.add_metric([node, state], s)
+        yield nodes
+
+
 class _Jobs(Collector):
     def __init__(self, jobs_now) -> None:
         self._jobs_now = jobs_now
@@ -139,6 +169,33 @@ class _Jobs(Collector):
         for state, n in counts.items():
             family.add_metric([state.value], n)
         yield family
+
+
+class _Tenants(Collector):
+    """Per user and per team: the nodes their unfinished jobs hold and the jobs that wait
+    (a user in no team counts in no team's figures)."""
+
+    def __init__(self, jobs_now, tenants_now) -> None:
+        self._jobs_now = jobs_now
+        self._tenants_now = tenants_now
+
+    def collect(self) -> Iterator[Metric]:
+        tenants = self._tenants_now() or Tenants()
+        figures = {kind: {"user": collections.Counter(), "team": collections.Counter()} for kind in ("nodes", "waiting")}
+        for job in self._jobs_now():
+            kind, n = ("waiting", 1) if job.state is JobState.PENDING else ("nodes", len(held_nodes(job)))
+            if n:
+                figures[kind]["user"][job.owner] += n
+                if (team := tenants.team(job.owner)) is not None:
+                    figures[kind]["team"][team] += n
+        for who in ("user", "team"):
+            for kind, name, what in (("nodes", "nodes_in_use", "Nodes held by the unfinished jobs"),
+                                     ("waiting", "jobs_waiting", "Jobs waiting (PENDING)")):
+                family = GaugeMetricFamily(f"ftrain_{who}_{name}", f"{what} of each {who}.",
+                                           labels=[who])
+                for label, n in sorted(figures[kind][who].items()):
+                    family.add_metric([label], n)
+                yield family
 
 
 class _Passes(Collector):

@@ -73,11 +73,12 @@ class UserStore:
         self._revs: dict[str, int] = {}  # token digest -> the revision its entry came at
         self._ready = False  # loaded and followed: `_names` may answer
 
-    async def add(self, name: str) -> tuple[UserRecord, str]:
-        """A new user and its token (returned this once); Conflict if the name is taken."""
+    async def add(self, name: str, team: str | None = None) -> tuple[UserRecord, str]:
+        """A new user (in `team`, if given) and its token (returned this once); Conflict if
+        the name is taken."""
         token = secrets.token_urlsafe(32)
         user = UserRecord(name=name, id=new_user_id(), token_sha256=token_digest(token),
-                          created_at=self.clock())
+                          created_at=self.clock(), team=team)
         user_key, token_key = self.keys.user(name), self.keys.user_token(user.token_sha256)
         if not await self.kv.commit({user_key: 0, token_key: 0},
                                     [Put(user_key, user.model_dump_json().encode()),

@@ -40,3 +40,32 @@ def test_every_relative_link_points_at_an_existing_file_and_heading(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+# How the project was built is git's to say, not the product's: no tracked file names its
+# work items, work periods or the machines lent to measure it.
+NARRATION = re.compile(r"\b[Ii]ssue \d+\b|\b[Ss]top \d+\b|\bfinal code\b|\bnvidia-h[12]00-x\d\b")
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".js", ".html", ".css", ".sh", ".txt", ".json", ""}
+
+
+PRODUCT = ["service", "worker", "ftrain", "tests", "docs", "bench", "examples", "docker", "deploy", ".ci"]
+TOP_FILES = ["README.md", "CHANGELOG.md", "Makefile", "pyproject.toml"]
+
+
+def product_files() -> list[Path]:
+    out = [REPO / f for f in TOP_FILES]
+    for top in PRODUCT:
+        out += [p for p in (REPO / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                and "vendor" not in p.parts and p.suffix in TEXT_SUFFIXES]
+    return out
+
+
+def test_no_product_file_narrates_how_the_project_was_built():
+    found = []
+    for path in product_files():
+        if path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if NARRATION.search(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)

@@ -43,9 +43,9 @@ from .end_record import EndRecord, EndRecords, recover
 from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
 from .log_shipper import LogShipper
-from .node_link import NameInUse, NodeForgotten, NodeLink, lock_name
 from .health import HealthChecks
-from .protocol import Assignment, HealthReport
+from .node_link import PRESENCE_CONNECTIONS, NameInUse, NodeForgotten, NodeLink, lock_name
+from .protocol import Assignment
 from .run_as import RunAs
 from .torchrun import CouldNotStart, Torchrun
 
@@ -59,6 +59,9 @@ log = logging.getLogger("ftrain.agent")
 # worker still saying its last words when it ends is waited for, up to 2.5 s from the SIGTERM
 # (worker/torchrun.py `_let_them_finish_last_words`).
 REPLACE_GRACE_S = 0.3
+# SIGTERM-to-SIGKILL grace of a group stopped for good (a cancel's own comes with it): a plain
+# script saves on SIGTERM within it.
+STOP_GRACE_S = 5.0
 # How often a node that runs a group looks for its exit.
 RUNNING_CHECK_S = 0.5
 # An agent told to stop (SIGTERM) waits, while its node leaves, for the control plane to let
@@ -80,8 +83,9 @@ class NodeAgent:
     def __init__(self, server: str, token: str | None, name: str, nproc_per_node: int = 1,
                  data_dir: str | Path = ".ftrain", address: str | None = None,
                  run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-                 keep_logs_s: float = log_retention.MAX_AGE_S, checks: HealthChecks | None = None):
+                 keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None):
         self.server = ",".join(server_urls(server))  # one URL or several, comma-separated
+        self.health = health or HealthChecks()
         self.name = name
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -105,25 +109,22 @@ class NodeAgent:
         self._leave_by: float | None = None  # after a stop signal with a group: the leave's deadline
         self._gone = threading.Event()  # the loop has ended: the presence thread ends too
         self._in_idle_poll = False  # where the stop signal's handler may cut in (`_beat`)
-        self.checks = checks
-        self._unsent_health: HealthReport | None = None  # checked, for the next registration
-        self._checked_at = time.monotonic()
-        self._check_after_job = False
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         """Heartbeat and reconcile until `shutdown`; then stop everything and leave."""
         link = self.link
         self.prune_logs()
-        threading.Thread(target=self.hold_presence, name="presence", daemon=True).start()
+        link.health = self.health.run()  # before it registers: a sick node never gets a job
+        for connection in range(PRESENCE_CONNECTIONS):
+            threading.Thread(target=self.hold_presence, args=(connection,), name=f"presence-{connection}",
+                             daemon=True).start()
         while not self._shutdown.is_set() or self._leaving():
             beat_started, known_before = time.monotonic(), link.known
             try:
                 if not link.registered:
                     group = self.torchrun.group
-                    running = self.still_running() if group is None else group.key
-                    link.register(running=running, health=self._health_to_register(running))
-                    self._unsent_health = None
+                    link.register(running=self.still_running() if group is None else group.key)
                 link.send_reports()
                 # The heartbeat long-polls: an idle node learns of its job, a running one of a
                 # new attempt (a lost peer's node), as soon as the control plane decides it; a
@@ -144,7 +145,6 @@ class NodeAgent:
             except _Stopping:
                 break
             self.check_exit()
-            self.check_health_between_jobs()
             self.torchrun.handing_over()  # what rank 0 left to this agent: made as soon as it is there
             self.keep_end()
             self.torchrun.kill_stopped_workers()
@@ -169,36 +169,6 @@ class NodeAgent:
         self.shipper.close()
         link.close()
 
-    def _health_to_register(self, running: tuple[str, int] | None) -> HealthReport | None:
-        """The health checks' report for a registration: run once per registration (not again
-        for each retry), and not while this node still runs a job's workers (None)."""
-        if self.checks is None or running is not None:
-            return None
-        if self._unsent_health is None:
-            self._unsent_health = self.checks.run()
-            self._checked_at = time.monotonic()
-        return self._unsent_health
-
-    def check_health_between_jobs(self) -> None:
-        """Run the health checks on an idle node (no group, no assignment) after a job has
-        ended here, and every `interval_s` while idle, and tell the control plane: a failed
-        check quarantines the node, a passing one ends a quarantine its checks made. The lease
-        is kept alive meanwhile (the checks take seconds)."""
-        c = self.checks
-        if c is None or self.torchrun.group is not None or self.link.known is not None \
-                or not self.link.registered or self._shutdown.is_set():
-            return
-        if not self._check_after_job and time.monotonic() - self._checked_at < c.interval_s:
-            return
-        self._check_after_job = False
-        with self._beating_meanwhile():
-            report = c.run()
-        self._checked_at = time.monotonic()
-        try:
-            self.link.report_health(report)
-        except (HttpError, NodeForgotten) as exc:  # (forgotten: its registration checks again)
-            log.warning("could not report node %s's health checks: %s", self.name, exc)
-
     def _leaving(self) -> bool:
         """After a stop signal: whether the loop goes on because the node is leaving. A node
         that runs a group leaves as a drained one does (`NodeLink.leave`): its job stops at a
@@ -221,14 +191,17 @@ class NodeAgent:
                      self.name, g.job_id, grace_s)
         return time.monotonic() < self._leave_by
 
-    def hold_presence(self) -> None:
-        """A thread's loop: keep a presence request open while registered (service/presence.py)."""
+    def hold_presence(self, connection: int) -> None:
+        """A thread's loop: keep a presence request open on `connection` while registered
+        (service/presence.py). The second starts half a hold after the first, so that one is
+        held while the other is between two requests."""
+        self._gone.wait(connection * self.link.timeouts.presence_hold_s / PRESENCE_CONNECTIONS)
         while not self._gone.is_set():  # held while the node leaves, too
             if not self.link.registered:
                 self._gone.wait(0.1)
                 continue
             try:
-                self.link.hold_presence()
+                self.link.hold_presence(connection)
             except HttpError:  # no answer, or 404 (the loop registers again): soon again
                 self._gone.wait(0.2)
 
@@ -267,7 +240,7 @@ class NodeAgent:
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):
-            if g.key == key:  # a cancel: give a plain script time to save on SIGTERM
+            if g.key == key:  # a cancel or a preemption: give a plain script time to save on SIGTERM
                 self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
                 # blocked in an NCCL collective with a dead peer and never see SIGTERM), and
@@ -300,12 +273,22 @@ class NodeAgent:
         if g is None:
             return
         self.finished.add(g.key)
-        self._check_after_job = True
         outcome = g.outcome()
         self._keep_end_of(g, outcome)
         self.link.report(g.job_id, g.attempt, *outcome)
         self.shipper.flush()
         self.prune_logs()
+        threading.Thread(target=self.check_health, name="health", daemon=True).start()
+
+    def check_health(self) -> None:
+        """Between jobs: run the checks again and send what they found (worker/health.py)."""
+        report = self.health.run()
+        if report is None:
+            return
+        try:
+            self.link.send_health(report)
+        except HttpError as exc:  # sent again with its next registration
+            log.warning("could not send the health checks' result: %s", exc)
 
     # ------------------------------------------------------------------ an end owed across a restart
     def still_running(self) -> tuple[str, int] | None:
@@ -347,7 +330,7 @@ class NodeAgent:
         g = self.torchrun.group
         log_retention.prune(self.data_dir / "logs", () if g is None else (g.job_id,), *self.keep_logs)
 
-    def stop_group(self, why: str, grace_s: float = 5.0) -> None:
+    def stop_group(self, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""
         with self._beating_meanwhile():
             self.torchrun.stop(why, grace_s)
@@ -404,7 +387,7 @@ def take_from_environ(name: str) -> str | None:
 def main(server: str, token: str | None, name: str | None = None, nproc_per_node: int = 1,
          data_dir: str | Path = ".ftrain", address: str | None = None,
          run_as: RunAs | None = None, keep_logs_jobs: int = log_retention.KEEP_JOBS,
-         keep_logs_s: float = log_retention.MAX_AGE_S, checks: HealthChecks | None = None) -> int | None:
+         keep_logs_s: float = log_retention.MAX_AGE_S, health: HealthChecks | None = None) -> int | None:
     # What the agent and the job's processes create (logs, the job's output, snapshots)
     # is their user's alone unless they say otherwise.
     os.umask(0o077)
@@ -413,7 +396,7 @@ def main(server: str, token: str | None, name: str | None = None, nproc_per_node
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     try:
         agent = NodeAgent(server, token, name or socket.gethostname(), nproc_per_node, data_dir, address,
-                          run_as, keep_logs_jobs, keep_logs_s, checks)
+                          run_as, keep_logs_jobs, keep_logs_s, health)
     except NameInUse as exc:
         log.error("%s", exc)
         return 2

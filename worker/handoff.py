@@ -60,6 +60,7 @@ from pydantic import ValidationError
 from . import safe_files
 from .links import CommitUnreachable, Fenced, LinkError, ServiceLink
 from .protocol import CommitRequest, ProgressReport
+from .sharded import MANIFEST
 
 log = logging.getLogger("ftrain.handoff")
 
@@ -218,11 +219,12 @@ def _whole(req: CommitRequest, path: Path) -> str | None:
     """Why the file of `req` cannot be committed (gone, another size, another checksum: a
     group that torchrun restarted in the same attempt wrote that step again), or None."""
     algo, _, want = req.checksum.partition(":")
+    sharded = req.shards is not None  # a directory: its checksum is its manifest's (worker/sharded.py)
     try:
         digest = hashlib.new(algo)
-        with safe_files.open_reader(path) as f:
+        with safe_files.open_reader(path / MANIFEST if sharded else path) as f:
             size = os.fstat(f.fileno()).st_size
-            if size != req.size:
+            if not sharded and size != req.size:
                 return f"its file is {size} bytes, {req.size} were written"
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
@@ -243,7 +245,10 @@ def _delete_pruned(paths: list[str], directory: Path) -> None:
         if os.path.normpath(path.parent) != os.path.normpath(directory) or path.name.startswith("."):
             continue
         try:
-            safe_files.unlink(path)
+            if safe_files.is_dir(path):  # a sharded snapshot
+                safe_files.remove_flat_folder(path)
+            else:
+                safe_files.unlink(path)
         except OSError as exc:
             log.warning("could not delete pruned snapshot %s: %s", path, exc)
 

@@ -165,7 +165,8 @@ class ServiceLink:
         """The commit of `written` as this worker sends it (or leaves it to its agent: worker/handoff.py)."""
         return CommitRequest(step=written.step, path=written.path, size=written.size,
                              checksum=written.checksum, attempt=self.attempt, control_id=control_id,
-                             stall_s=round(stall_s, 6), write_s=round(written.write_s, 6))
+                             stall_s=round(stall_s, 6), write_s=round(written.write_s, 6),
+                             shards=written.shards)
 
     def commit(self, written: snap.WrittenSnapshot, stall_s: float, control_id: int | None) -> list[str]:
         return self.commit_request(self.request_of(written, stall_s, control_id))
@@ -311,7 +312,8 @@ class LocalLink:
         data = self._read()
         items = {i["step"]: i for i in data["items"]}
         items[written.step] = {"step": written.step, "path": written.path, "size": written.size,
-                               "checksum": written.checksum, "bad": False, "stall_s": stall_s}
+                               "checksum": written.checksum, "bad": False, "stall_s": stall_s,
+                               "shards": written.shards}
         latest = data["latest"]
         if latest is None or written.step >= latest:
             latest = written.step

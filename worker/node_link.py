@@ -49,6 +49,7 @@ log = logging.getLogger("ftrain.agent")
 # Each request's timeout; a heartbeat's is its long-poll wait plus this, a presence request's
 # the control plane's hold of it plus this.
 REQUEST_TIMEOUT_S = 5.0
+PRESENCE_CONNECTIONS = 2  # presence requests held side by side, each on its own connection
 # How often an agent that is not registered tries again (it has no control plane's interval yet).
 REGISTER_RETRY_S = 1.0
 # A reason longer than the control plane takes would have the whole report refused.
@@ -119,8 +120,10 @@ class NodeLink:
         # Registration goes with the node token; every other call with the node's credential.
         self._enrol = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         self.client = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
-        # The presence request has a connection (and thread) of its own (hold_presence).
-        self._presence = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
+        # The presence request has two connections (and threads) of its own (hold_presence):
+        # a dead process closes both at once, a blip one (service/presence.py).
+        self._presence = [ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
+                          for _ in range(PRESENCE_CONNECTIONS)]
         # So has the lease's keep-alive while the agent's loop is busy stopping a group (keep_alive).
         self._keep_alive = ControlPlaneClient(self.server, token, timeout=REQUEST_TIMEOUT_S)
         # The control plane's timing contract, from its last registration's reply; until one
@@ -128,10 +131,11 @@ class NodeLink:
         self.timeouts = Timeouts()
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
+        self.health: HealthReport | None = None  # the latest health checks, sent when it registers
         self.registered = False
         self.reports: list[ReportRequest] = []
 
-    def register(self, running: tuple[str, int] | None = None, health: HealthReport | None = None) -> None:
+    def register(self, running: tuple[str, int] | None = None) -> None:
         """Register this node (again); its credential, heartbeat interval and lease come back.
 
         `running`: the (job id, attempt) whose workers this agent still runs, when it
@@ -146,11 +150,12 @@ class NodeLink:
                                   gpus=found.count, gpu_model=found.model,
                                   running=None if running is None else RunningGroup(job_id=running[0],
                                                                                     attempt=running[1]),
-                                  previous_credential=self._read_credential(), health=health)
+                                  previous_credential=self._read_credential(), health=self.health)
         reply = RegisterReply.model_validate(self._enrol.call("POST", "/v1/nodes/register", request))
         if reply.credential is not None:  # an older control plane issues none: keep the node token
             self.client.set_token(reply.credential)
-            self._presence.set_token(reply.credential)
+            for presence in self._presence:
+                presence.set_token(reply.credential)
             self._keep_alive.set_token(reply.credential)
             self._write_credential(reply.credential)
         self.timeouts = reply.timeouts
@@ -185,17 +190,6 @@ class NodeLink:
         a = HeartbeatReply.model_validate(got).assignment
         self.known = None if a is None else Known(job_id=a.job_id, attempt=a.attempt, action=a.action)
         return a
-
-    def report_health(self, health: HealthReport) -> None:
-        """Tell the control plane what this node's health checks found between jobs (a failed
-        one quarantines it); raises `HttpError` (NodeForgotten: register again)."""
-        try:
-            self.client.call("POST", f"/v1/nodes/{self.name}/health", health)
-        except ApiError as exc:
-            if node_forgotten(exc):
-                self.registered = False
-                raise NodeForgotten(exc.detail) from exc
-            raise
 
     def keep_alive(self) -> None:
         """A heartbeat that only keeps the node's lease alive: no wait, and its answer (the
@@ -280,18 +274,26 @@ class NodeLink:
             log.warning("could not keep the node credential in %s (%s): a restarted agent will "
                         "wait for this one's lease to lapse", self.credential_file, exc)
 
-    def hold_presence(self) -> None:
-        """One presence request: the control plane holds it `presence_hold_s` (a second).
-        While one is held, this process's death closes the connection, and the control plane
-        treats the node as lost a second later instead of when its lease lapses
-        (service/presence.py). Called in a loop by a thread of its own (the agent's)."""
-        self._presence.call("GET", f"/v1/nodes/{self.name}/presence",
-                            timeout=self.timeouts.presence_hold_s + REQUEST_TIMEOUT_S)
+    def send_health(self, report: HealthReport) -> None:
+        """Tell the control plane what this node's checks found between jobs (failing: the
+        node is QUARANTINED)."""
+        self.health = report
+        self.client.call("POST", f"/v1/nodes/{self.name}/health", report)
+
+    def hold_presence(self, connection: int = 0) -> None:
+        """One presence request on connection `connection` (of PRESENCE_CONNECTIONS): the
+        control plane holds it `presence_hold_s` (a second). While they are held, this
+        process's death closes both connections, and the control plane treats the node as lost
+        at once instead of when its lease lapses (service/presence.py). Called in a loop by a
+        thread of its own per connection (the agent's)."""
+        self._presence[connection].call("GET", f"/v1/nodes/{self.name}/presence",
+                                        timeout=self.timeouts.presence_hold_s + REQUEST_TIMEOUT_S)
 
     def close(self) -> None:
         self._enrol.close()
         self.client.close()
-        self._presence.close()
+        for presence in self._presence:
+            presence.close()
         self._keep_alive.close()
 
 

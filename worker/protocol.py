@@ -77,16 +77,23 @@ class RunningGroup(JsonBody):
     attempt: JsonInt = Field(..., ge=0)
 
 
-HEALTH_DETAIL_MAX_CHARS = 2000
+class HealthCheck(JsonBody):
+    name: str = Field(..., max_length=64, description="devices, matmul, memory, collective, or own "
+                                                      "(the operator's --health-check).")
+    ok: JsonBool
+    detail: str = Field("", max_length=4096, description="What it found; the own check's output.")
 
 
 class HealthReport(JsonBody):
-    """What a node's health checks found (`worker/health.py`): at registration and between jobs."""
+    """A node's health checks (worker/health.py): run when it registers and between jobs."""
 
-    ok: JsonBool = Field(..., description="Every check passed: the node may be given work.")
-    detail: str = Field("", max_length=HEALTH_DETAIL_MAX_CHARS,
-                        description="Why not, when a check failed: the check's name and its output "
-                                    "(the tail of the operator's --health-check command's).")
+    ok: JsonBool = Field(..., description="Every check passed; false: the node is QUARANTINED.")
+    checks: list[HealthCheck] = Field(default_factory=list, max_length=16)
+
+    def reason(self) -> str:
+        """What failed, for the node's quarantine."""
+        failed = [c for c in self.checks if not c.ok]
+        return "health check failed: " + "; ".join(f"{c.name}: {c.detail}".rstrip(": ") for c in failed)
 
 
 class RegisterRequest(JsonBody):
@@ -100,8 +107,8 @@ class RegisterRequest(JsonBody):
                           "lapsed (say, while no control plane could hear it); null: nothing (a new "
                           "agent). A member that matches keeps its place instead of being stopped.")
     health: HealthReport | None = Field(
-        None, description="The node's health checks, run just before it registers; null: not run "
-                          "(the agent still runs a job's workers). A failed one registers it QUARANTINED.")
+        None, description="The node's health checks, run before it registers; failing: it "
+                          "registers QUARANTINED. Null: none were run.")
     previous_credential: str | None = Field(
         None, max_length=256,
         description="The credential this node's last registration returned (its agent keeps it "
@@ -475,6 +482,10 @@ class ControlAction(str, enum.Enum):
     CHECKPOINT_STOP = "checkpoint_stop"  # snapshot, commit, then exit 0 (cancel)
 
 
+SHARDS_DOC = ("A sharded snapshot (an FSDP2 model): `path` is a directory holding this many ranks' "
+              "shards (torch.distributed.checkpoint), loadable at any world size; none: one file.")
+
+
 class SnapshotRecord(SnapshotMeta):
     """A committed snapshot as stored under `keys.snapshot(job, step)`."""
 
@@ -484,6 +495,7 @@ class SnapshotRecord(SnapshotMeta):
     control_id: int | None = Field(None, description="The planned change this snapshot answered.")
     stall_s: float | None = Field(None, description="How long the training loop stalled for it.")
     write_s: float | None = Field(None, description="Background write and fsync time.")
+    shards: int | None = Field(None, description=SHARDS_DOC)
 
     def meta(self) -> SnapshotMeta:
         return SnapshotMeta(**self.model_dump(include=set(SnapshotMeta.model_fields)))
@@ -498,6 +510,7 @@ class CommitRequest(JsonBody):
     control_id: JsonInt | None = Field(None, ge=1, description="Acknowledges this control request.")
     stall_s: JsonFloat | None = Field(None, ge=0)
     write_s: JsonFloat | None = Field(None, ge=0)
+    shards: JsonInt | None = Field(None, ge=1, le=1_000_000, description=SHARDS_DOC)
 
 
 class CommitResult(BaseModel):

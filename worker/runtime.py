@@ -95,6 +95,7 @@ import torch.distributed as dist
 
 from . import handoff
 from . import rng as rng_module
+from . import sharded
 from . import snapshot as snap
 from .control import ControlChannel
 from .data import ResumableSampler
@@ -146,6 +147,9 @@ from .tiers.disk import DiskTier
 from .tiers.memory import MEMORY_EVERY_MAX, MEMORY_PLAN_REMAKES, MemoryTier, Prefetch  # noqa: F401
 from .tiers.peer import PeerTier
 from .tiers.restore import choose
+from .tiers.sharded import ShardedDiskTier
+
+full_model_state = sharded.full_model_state  # the whole model's state_dict, FSDP2 or not (`runtime.` users)
 
 log = logging.getLogger("ftrain.runtime")
 
@@ -343,13 +347,19 @@ class Runtime:
         """Register what a snapshot holds and load the latest good one; returns the step.
 
         `extra` objects need `state_dict()` and `load_state_dict()` (a GradScaler, an EMA).
+        An FSDP2 model (`fully_shard`) is snapshotted by every rank's shards instead
+        (worker/tiers/sharded.py).
         """
+        if sharded.is_sharded(model):
+            self._shard_snapshots()
         self._state = {"model": _unwrap(model), "optimizer": optimizer, "scheduler": scheduler,
                        "sampler": sampler, **{f"extra.{k}": v for k, v in extra.items()}}
         # What each node's memory tier holds (verified; its first rank reports it under this
         # attempt); then the control plane decides the restore point (service/decide/restore.py)
         # and rank 0 broadcasts it. The gather is the barrier after which every report is in,
         # and tells ranks whose node lacks the chosen copy which rank sends it.
+        if isinstance(self.disk, ShardedDiskTier):
+            self.disk.prepare(self._state)
         with self._phase("read_memory_s"):
             mine = self.memory.newest() if self.memory is not None else None
         with self._phase("gather_s"):
@@ -376,6 +386,23 @@ class Runtime:
         if self.memory is not None:
             self.memory.start_reports()
         return self.step
+
+    def _shard_snapshots(self) -> None:
+        """An FSDP2 model: every rank saves its own shards to disk (DCP), and the memory tier,
+        which holds a node's one whole copy of a replicated state, is not used."""
+        if self.disk is not None and not isinstance(self.disk, ShardedDiskTier):
+            self.disk = ShardedDiskTier(self.disk)
+        if self.memory is not None:
+            log.info("rank %d: the model is sharded (FSDP2): snapshots are every rank's shards on disk; "
+                     "the memory tier is off", self.rank)
+            if self.at_failure is not None:
+                self.at_failure.put_back_sigterm()
+                self.at_failure.release()
+            self.memory.close()
+            self.memory = self.at_failure = None
+            self.peer = PeerTier(self.worker, None)
+            self.schedule = CopySchedule(None)
+            self.marks.stop()
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -566,7 +593,7 @@ class Runtime:
             dist.gather_object(rng, rngs, dst=0)
         else:
             rngs = [rng]
-        if not self.is_chief:
+        if not self.is_chief and not self.disk.every_rank_saves:
             return True
         return self.disk.save(self._state, self.step, rngs, control_id=control_id, blocking=blocking,
                               began=began)

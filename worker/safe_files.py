@@ -191,6 +191,20 @@ def unlink(path: str | Path, missing_ok: bool = True) -> None:
             raise
 
 
+def remove_flat_folder(path: str | Path) -> None:
+    """Remove the folder `path` and the names directly in it (a sharded snapshot holds no
+    folders); a link anywhere is removed as a name, never followed. Gone already: fine."""
+    parent, name = _split(path)
+    try:
+        with folder(parent) as pfd:
+            with folder(name, dir_fd=pfd) as fd:
+                for entry in os.listdir(fd):
+                    os.unlink(entry, dir_fd=fd)
+            os.rmdir(name, dir_fd=pfd)
+    except FileNotFoundError:
+        pass
+
+
 def listdir(path: str | Path, *, dir_fd: int | None = None) -> list[str]:
     """The names in folder `path`, reached through no link."""
     with folder(path, dir_fd=dir_fd) as fd:

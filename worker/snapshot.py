@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 CHECKSUM_ALGO = "sha256"
 _TMP_MARK = ".pt.tmp-"
+SHARDED_TMP_MARK = ".dcp.tmp-"  # worker/sharded.py's TMP_MARK
 
 
 class SnapshotCorrupt(Exception):
@@ -54,6 +56,15 @@ class WrittenSnapshot:
     size: int
     checksum: str
     write_s: float
+    shards: int | None = None  # a sharded snapshot (a directory, worker/sharded.py): the ranks that wrote it
+
+
+class PendingSnapshot:
+    """A snapshot whose writing someone else started (every rank's shards: worker/sharded.py);
+    `AsyncWriter` completes it in its thread in place of `write_atomic`."""
+
+    def complete(self, directory: Path, step: int) -> WrittenSnapshot:
+        raise NotImplementedError
 
 
 def snapshot_name(step: int) -> str:
@@ -132,7 +143,7 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -161,7 +172,7 @@ def write_atomic(state: Any, directory: str | Path, step: int) -> WrittenSnapsho
         if writer is not None and writer.error is not None and not isinstance(exc, OSError):
             raise writer.error from exc  # the storage error, not torch's wrapping of it
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return WrittenSnapshot(step=step, path=str(final), size=writer.size,
                            checksum=f"{CHECKSUM_ALGO}:{writer.digest.hexdigest()}",
                            write_s=time.perf_counter() - start)
@@ -239,6 +250,9 @@ def cleanup_temporaries(directory: str | Path) -> list[Path]:
         if p.name.startswith(".step-") and _TMP_MARK in p.name:
             p.unlink(missing_ok=True)
             removed.append(p)
+        elif p.name.startswith(".step-") and SHARDED_TMP_MARK in p.name:  # every rank's, a directory
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
     return removed
 
 
@@ -249,7 +263,10 @@ def delete_files(paths: list[str], directory: str | Path | None = None) -> None:
         if directory is not None and not p.is_absolute():
             p = Path(directory) / p
         try:
-            p.unlink()
+            if p.is_dir() and not p.is_symlink():  # a sharded snapshot (worker/sharded.py)
+                shutil.rmtree(p)
+            else:
+                p.unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:  # pruning is housekeeping: never stop training for it
@@ -407,7 +424,10 @@ class AsyncWriter:
     # ------------------------------------------------------------------ the writer thread
     def _run(self, host_state: Any, step: int, stall_s: float, control_id: int | None) -> None:
         try:
-            written = write_atomic(host_state, self.directory, step)
+            if isinstance(host_state, PendingSnapshot):
+                written = host_state.complete(self.directory, step)
+            else:
+                written = write_atomic(host_state, self.directory, step)
         except OSError as exc:
             self.failed_step, self.failures = step, self.failures + 1
             log.warning("snapshot of step %d not saved: %s; training goes on, the next save "

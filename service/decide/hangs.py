@@ -109,6 +109,7 @@ def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float
                                   f"({restarts} of {job.spec.max_restarts})", now)
     members = {n: MemberStatus(nproc=m.nproc) for n, m in job.members.items() if m.is_live()}
     changed = changed.model_copy(update={
-        "attempt": job.attempt + 1, "restarts": restarts, "members": members, "rounds": 0,
+        "attempt": job.attempt + 1, "restarts_by_cause": job.restarts_by_cause.plus("failure"),
+        "members": members, "rounds": 0,
         "round_nodes": 0, "world_size": 0, "group": None, "regrouping": True})
     return Change(changed, [event])

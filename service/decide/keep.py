@@ -26,13 +26,14 @@ The hold is bounded (`SchedulerConfig.memory_hold_s`: FTRAIN_MEMORY_HOLD_S, 120 
 at most 300), because a job that
 waits for nodes that never come must not idle other jobs' nodes for ever: it starts when
 the job goes to PENDING and is not renewed while it waits, and covers at most `min - 1`
-nodes (the survivors of a job short of its `min`). 120 s covers a lost node's agent coming
+nodes (the survivors of a job short of its `min`). A job suspended by a preemption notes its
+copy as well, to prefer those nodes when it resumes, but holds none of them: they go to the job
+of higher priority that took them (`decide.preempt`). 120 s covers a lost node's agent coming
 back or a replacement registering (seconds to a couple of minutes) and stays well inside the
 agent's 5 minutes, so a held node still has the copy when the job comes back for it; past
 it, the node is free like any other (the job still prefers it while it is free). A node
 whose agent registered again since the job let it go holds nothing (an agent removes its
-leftovers when it starts) and is not held. Jobs have no priorities yet; when they do, a
-higher-priority job should be allowed to take a held node.
+leftovers when it starts) and is not held.
 
 A pass goes through the job index's map of node -> the PENDING job whose copy it last kept
 (`JobIndex.claims`: one entry per kept node, bounded by the number of nodes; `claims` builds
@@ -44,17 +45,21 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from service.models import JobRecord, JobState, KeptCopies, NodeRecord, NodeState
+from service.models import JobRecord, JobState, KeptCopies, NodeRecord
 from worker.protocol import MemorySnapshot
 
 
 def may_fall_short(job: JobRecord, nodes: Mapping[str, NodeRecord], graced: frozenset[str]) -> bool:
-    """`job` may fall below its `min` in this pass (a live member's node is gone or draining):
-    the one case in which its members' memory reports are read (`kept_for`)."""
+    """`job` may fall below its `min` in this pass (a live member's node is gone or draining, or
+    it is suspended by a preemption and rank 0 has snapshotted for it: `decide.preempt`): the
+    one case in which its members' memory reports are read (`kept_for`)."""
     if not job.state.is_active() or job.state is JobState.CANCELLING:
         return False
+    c = job.control
+    if job.preempt is not None and job.preempt.suspend and c is not None and job.control_acked >= c.id:
+        return True
     live = [n for n, m in job.members.items() if m.is_live()]
-    staying = [n for n in live if (n in nodes and nodes[n].state is not NodeState.DRAINING)
+    staying = [n for n in live if (n in nodes and not nodes[n].state.takes_no_work())
                or (n not in nodes and n in graced)]
     return len(staying) < len(live) and len(staying) < job.spec.nodes.min
 

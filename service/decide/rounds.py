@@ -67,7 +67,7 @@ def decide_round(job: JobRecord, report: RoundReport, last_lines: Sequence[str],
         changed = changed.model_copy(update={"stopping": spent.stops_workers})
         return Change(changed, [event])
     if restarted:
-        update["restarts"] = job.restarts + 1
+        update["restarts_by_cause"] = job.restarts_by_cause.plus("failure")
     changed = job.model_copy(update=update)
     events = []
     if restarted:

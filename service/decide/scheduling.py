@@ -7,9 +7,11 @@ is tested with a table of cases and a fixed `now`. `schedule` plans every job, p
 ones first; the loop that applies the plans is `service.scheduler`.
 
 Gang scheduling: a PENDING job starts only when `nodes.min` nodes are free and takes up
-to `nodes.max`. A running job below `max` is given free nodes (scale-up) once no
-pending job can use them. Only nodes with what the job asks of each (`gpus_per_node`:
-`placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
+to `nodes.max`; waiting jobs are offered nodes in priority order, then oldest first
+(`decide.order`), and one of higher priority that cannot start takes nodes from running jobs
+of lower priority (`decide.preempt`: they shrink or are suspended, `_yield_nodes`). A running
+job below `max` is given free nodes (scale-up) once no pending job can use them. Only nodes
+with what the job asks of each (`gpus_per_node`: `placement.fits`) are taken. A lost node (its lease lapsed) leaves the job; if fewer than
 `min` remain, the job goes back to PENDING, keeping its snapshots, and the survivors are
 released; those that hold its memory copy are held for it a while (`keep`: it is offered
 them first, and no other job is). Not a member in `graced`, though: after an outage in
@@ -31,12 +33,15 @@ one has, the job is ending and none of the above changes its membership any more
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import keep, outcome
+from service.decide import keep, outcome, preempt, quotas
+from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
+from service.decide.shares import served
 from service.decide.state import note, transition
 from service.models import (
     Control,
@@ -50,7 +55,6 @@ from service.models import (
 from worker.protocol import ControlAction, MemorySnapshot, Timeouts
 
 S = JobState
-_LEAVING = (NodeState.DRAINING, NodeState.QUARANTINED)
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,9 @@ class SchedulerConfig:
     # A job that went back to PENDING holds the survivors that keep its memory copy this long
     # (no other job is given them); shorter than the agent's MEMORY_KEEP_S. `decide.keep` says why.
     memory_hold_s: float = 120.0
-    # Bad-node attribution's window (`decide.attribution`): lone failures in two different
-    # jobs within it quarantine the node; 0: off.
-    attribution_window_s: float = 3600.0
+    # The queue policy (`Settings.queue_policy`): "fifo" serves the queue in submission order
+    # (no priority, fair share or preemption), "priority" as `decide.order` says.
+    fifo: bool = False
 
 
 @dataclass
@@ -138,6 +142,13 @@ def _request_control(d: _Draft, action: ControlAction, reason: str) -> None:
     d.update(control=Control(id=next_id, action=action, reason=reason, requested_at=d.now))
 
 
+# At most this many waiting jobs look for victims in one pass (`schedule_queue`): the queue is
+# in priority order, so these are the ones of highest priority that cannot start.
+MAX_PREEMPTORS = 8
+
+_PRIORITY = operator.attrgetter("spec.priority")
+_PREEMPTED = operator.attrgetter("preempt")  # (a Preemption is truthy, None is not)
+
 LAPSED = "its lease lapsed"  # why a node went, when no other reason was noted (`plan`'s `gone`)
 
 
@@ -173,8 +184,10 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     # (a finished member is not lost: nothing of the job runs there any more; nor yet one
     # whose lease lapsed while no control plane could hear it: `graced`).
     members = dict(job.members)
+    lost_any = False
     for name in sorted(members):
         if members[name].is_live() and name not in nodes and name not in graced:
+            lost_any = True
             why = (gone or {}).get(name, LAPSED)
             stopped = members[name].model_copy(update={"state": "stopped", "reason": "node lost"})
             if d.job.state is not S.CANCELLING:
@@ -183,6 +196,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             d.update(members=dict(members))
             # while re-forming, the loss is what the job now waits on: its reason says so
             d.note(f"node {name} lost ({why})", as_reason=is_regrouping(d.job))
+    if lost_any and d.job.state is not S.CANCELLING:  # one restart of the group, however many went
+        d.update(restarts_by_cause=d.job.restarts_by_cause.plus("lost_node"))
 
     states = {m.state for m in d.job.members.values()}
 
@@ -206,10 +221,12 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     if outcome.finished_members(d.job.members):
         # Ending: the others are finishing; nothing of the job is restarted, moved or added.
         return d.result(job)
+    if d.job.preempt is not None:
+        _yield_nodes(d, nodes, cfg, copies)
+        return d.result(job)
 
     # Drains: a member on a draining node leaves at a step boundary.
-    # (a quarantined one too: its workers failed in other jobs, or its checks fail)
-    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state in _LEAVING]
+    draining = [n for n in live_members(d.job) if n in nodes and nodes[n].state.takes_no_work()]
     if draining:
         if uses_runtime(d.job) and d.job.control is None:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"draining {', '.join(draining)}")
@@ -218,9 +235,11 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             # peer leaving (it is in no collective), and a fresh rendezvous forms at once.
             members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                        if m.is_live() and n not in draining}
-            d.regroup(f"node(s) {', '.join(draining)} drained; the others go on from the last snapshot",
+            gone = ("quarantined" if all(nodes[n].state is NodeState.QUARANTINED for n in draining)
+                    else "drained")
+            d.regroup(f"node(s) {', '.join(draining)} {gone}; the others go on from the last snapshot",
                       planned=True, members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
-                      round_nodes=0, world_size=0)
+                      round_nodes=0, world_size=0, restarts_by_cause=d.job.restarts_by_cause.plus("resize"))
 
     live = live_members(d.job)
     lost = [n for n in job.members if job.members[n].is_live() and n not in nodes and n not in graced]
@@ -253,15 +272,54 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             for name in joining:
                 members[name] = MemberStatus(nproc=nodes[name].nproc_per_node)
             d.regroup(f"node(s) {', '.join(joining)} joined; scaling up", planned=True,
-                      members=members, control=None)
+                      members=members, control=None, restarts_by_cause=d.job.restarts_by_cause.plus("resize"))
     elif d.job.control is not None and d.job.control.action is ControlAction.CHECKPOINT_PAUSE \
             and not draining and _control_done(d.job, now, cfg.control_ack_timeout_s):
         # The nodes it paused for went elsewhere: restart the group from the snapshot it took.
         d.regroup("the planned change was called off; restarting from the committed snapshot",
                   planned=True, control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
+                  restarts_by_cause=d.job.restarts_by_cause.plus("resize"),
                   members={n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
                            if m.is_live()})
     return d.result(job)
+
+
+def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfig,
+                 copies: Sequence[MemorySnapshot]) -> None:
+    """Give the nodes of `d.job.preempt` to the job of higher priority that takes them
+    (`decide.preempt`): a runtime job at a step boundary (rank 0 snapshots first), a plain
+    script once its workers stopped (SIGTERM, then `spec.preempt_grace_s`); then go on on the
+    others under a new attempt (a shrink), or back to PENDING with the state kept (a suspension)."""
+    job, pre = d.job, d.job.preempt
+    assert pre is not None
+    live = live_members(job)
+    if uses_runtime(job):
+        if job.control is None and any(job.members[n].state == "running" for n in live):
+            _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"preempted by {pre.describe()}")
+        if not _control_done(d.job, d.now, cfg.control_ack_timeout_s):
+            return
+        staying = [n for n in live if n not in pre.leave and n in nodes]
+    else:
+        if live:  # SIGTERM and the grace (`Assignment.cancel_grace_s` is the spec's preempt_grace_s)
+            if not job.stopping:
+                d.update(stopping=True)
+            return
+        staying = sorted(n for n, m in job.members.items() if m.state == "stopped"
+                         and n not in pre.leave and n in nodes)
+    counts = d.job.restarts_by_cause.plus("preemption")
+    if pre.suspend or len(staying) < job.spec.nodes.min:
+        kept = keep.kept_for(live, copies, nodes, d.now, cfg.memory_hold_s)
+        d.move(S.PENDING, f"suspended: its nodes went to {pre.describe()}; waiting for nodes "
+               "(its snapshots are kept; it resumes from where it stopped)",
+               members={}, world_size=0, round_nodes=0, control=None, group=None, group_round=None,
+               regrouping=False, stopping=False, preempt=None, restarts_by_cause=counts,
+               # its copy is preferred when it resumes, but not held from the job that took the nodes
+               kept=None if kept is None else kept.model_copy(update={"until": d.now}))
+        return
+    d.regroup(f"gave node(s) {', '.join(pre.leave)} to {pre.describe()}; the others go on from the "
+              "last snapshot", planned=True, control=None, attempt=d.job.attempt + 1, rounds=0,
+              round_nodes=0, world_size=0, stopping=False, preempt=None, restarts_by_cause=counts,
+              members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in staying})
 
 
 def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
@@ -286,11 +344,11 @@ def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
         d.move(spent.state, why(spent.reason), control=None, stopping=spent.stops_workers)
         return True
     restarts = d.job.restarts + 1
-    # (not on a node quarantined meanwhile: failures followed it here from other jobs)
-    crashed_here = {n for n, _ in crashes if n in nodes and nodes[n].state is not NodeState.QUARANTINED}
+    crashed_here = {n for n, _ in crashes if n in nodes}
     again = [n for n, m in d.job.members.items() if m.is_live() or n in crashed_here]
     d.regroup(why(f"restarting the workers ({restarts} of {d.job.spec.max_restarts})"),
-              planned=False, attempt=d.job.attempt + 1, restarts=restarts, rounds=0, round_nodes=0,
+              planned=False, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
+              restarts_by_cause=d.job.restarts_by_cause.plus("failure"),
               world_size=0, control=None,
               members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in sorted(again)})
     return False
@@ -326,14 +384,25 @@ def offer_to(job: JobRecord, free: Sequence[str], held: Mapping[str, str]) -> li
     return keep.prefer(job, [n for n in free if held.get(n, job.id) == job.id])
 
 
+def within_quotas(job: JobRecord, free: Sequence[str], active: Iterable[JobRecord],
+                  nodes: Mapping[str, NodeRecord], tenants: quotas.Tenants | None) -> Sequence[str]:
+    """`free` as far as `job`'s owner's quotas let it take them, the `active` jobs holding
+    what they hold: a decision on a re-read record (`offer_to`)."""
+    if tenants is None or not (tenants.users or tenants.teams):
+        return free
+    holding = itertools.chain((j for j in active if j.id != job.id), [job])
+    return quotas.trim(job, free, nodes, quotas.limits(job.owner, quotas.usage(holding, nodes, tenants)))
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
-             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None) -> list[Plan]:
-    """Plans for every job, pending jobs (oldest first) served before scale-ups."""
+             copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
+             tenants: quotas.Tenants | None = None) -> list[Plan]:
+    """Plans for every job, pending jobs (by priority, fair share and age) served before scale-ups."""
     order = sorted(jobs, key=lambda j: (j.created_at, j.id))
-    return schedule_queue((j for j in order if j.state is S.PENDING),
+    return schedule_queue(sorted((j for j in order if j.state is S.PENDING), key=lambda j: queue_key(j, cfg.fifo)),
                           [j for j in order if j.state is not S.PENDING], nodes, now, cfg, graced,
-                          claims=keep.claims(order), copies=copies)
+                          claims=keep.claims(order), copies=copies, tenants=tenants)
 
 
 def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
@@ -341,13 +410,22 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    graced: frozenset[str] = frozenset(), settled: Settled | None = None,
                    max_starts: int | None = None, claims: Mapping[str, JobRecord] | None = None,
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
-                   gone: Mapping[str, str] | None = None) -> list[Plan]:
-    """`schedule`, with the queue given apart: `pending` (PENDING jobs, oldest first) and
-    `others` (the other unfinished jobs, oldest first).
+                   gone: Mapping[str, str] | None = None,
+                   running: tuple[int | None, Iterable[JobRecord]] | None = None,
+                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None) -> list[Plan]:
+    """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
+    `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
+    node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
+    share of the cluster now, age), and each job is offered only the nodes its owner's and
+    team's quotas leave it (`quotas.trim`; `tenants`: who is in which team and the quotas;
+    None: no quotas, fair share by user). `shares`: what `others` hold (the caller's own
+    count, taken over by the pass; None: counted here when needed).
 
-    `pending` is read only while some free node is READY: past that no pending job can start
-    (`plan` would return None for each), so a pass costs the jobs that hold nodes and the
-    pending ones that might start, not the whole queue (bench/scheduler_pass.py). `settled`
+    `pending` is read only while some free node is READY, or while the waiting jobs read may
+    preempt (their priority is above the lowest of the running jobs that may give nodes, at
+    most MAX_PREEMPTORS of them: `decide.preempt`): past that no pending job can start (`plan`
+    would return None for each), so a pass costs the jobs that hold nodes and the pending ones
+    that might start, not the whole queue (bench/scheduler_pass.py). `settled`
     (kept across passes by the caller) skips the others whose plan is known to be None
     still (`Settled`). With `max_starts`, at most that many pending jobs start (a pass is
     one step of the event loop that answers the requests: a thousand starts at once kept
@@ -358,7 +436,9 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     node held for a waiting job is offered to that job only, first, and counts as ready for
     no other (so it does not make the pass read the queue), and a job that holds free nodes
     is planned before the rest of the queue (`keep.holding`). `copies`: job id -> its members'
-    memory reports, for the jobs that may fall below their `min` (`plan`).
+    memory reports, for the jobs that may fall below their `min` (`plan`). `running`: the lowest
+    priority among `others` and those of them giving nodes up (`JobRecord.preempt`), as the job
+    index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
     """
     free = free_nodes(others, nodes)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
@@ -366,6 +446,25 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
     plans = []
     copies = copies or {}
+    tenants = tenants or quotas.Tenants()
+    limited = bool(tenants.users or tenants.teams)
+    used = shares  # (else counted once a job may start or grow: `usage`)
+
+    def usage() -> quotas.Usage:
+        nonlocal used
+        if used is None:
+            used = quotas.usage(others, nodes, tenants, gpus=quotas.counts_gpus(tenants))
+        return used
+
+    limits: dict[str, list[quotas.Limit]] = {}  # owner -> its quotas, until the usage changes
+
+    def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
+        """`free` as far as `job`'s owner's quotas let it take them."""
+        if not limited:
+            return free
+        if (applying := limits.get(job.owner)) is None:
+            applying = limits[job.owner] = quotas.limits(job.owner, usage())
+        return quotas.trim(job, free, nodes, applying)
 
     free_set = set(free) if claims else set()  # (to find a kept node past its hold: still first)
 
@@ -384,6 +483,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     def take(p: Plan, job: JobRecord) -> None:
         nonlocal offered
         plans.append(p)
+        before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
+        if before != after:  # (the shares and quotas of the jobs planned after it see the change)
+            limits.clear()
+            usage().add(job.owner, len(after) - len(before),
+                        sum(nodes[n].gpus for n in after - before if n in nodes)
+                        - sum(nodes[n].gpus for n in before - after if n in nodes))
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
             offered = [n for n in offered if n not in taken]
@@ -392,22 +497,100 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             ready.difference_update(taken)
             free_set.difference_update(taken)
 
+    # Preemption (`decide.preempt`): the lowest priority that runs (of all: a bound that needs no
+    # look at their members), the nodes leaving for each waiting job, and the jobs that may give
+    # nodes (found only when a waiting job looks for victims).
+    floor, yielding = running if running is not None else \
+        (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
+    if cfg.fifo:  # nothing preempts
+        floor, yielding = None, ()
+    leaving = preempt.coming(yielding)
+    victims: preempt.Victims | None = None  # made at the first waiting job that looks for victims
+    marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
+    claims_left = MAX_PREEMPTORS
+
+    def claim(job: JobRecord) -> None:
+        """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
+        the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
+        nonlocal offered, victims
+        usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
+        need = job.spec.nodes.min - len(usable) - len(leaving.get(job.id, ()))
+        if need > 0 and (victims is None or job.spec.priority > (victims.below or 0)):
+            # (in queue order the first to ask has the highest priority, but for a job held for)
+            victims = preempt.Victims(others, now, below=job.spec.priority,
+                                      taken=None if victims is None else victims.taken)
+        takes = victims.choose(job, need, nodes) if need > 0 and victims is not None else []
+        if need > 0 and not takes:
+            return
+        for t in takes:
+            marked[t.victim.id] = preempt.mark(t, job, now)
+            leaving.setdefault(job.id, []).extend(t.leave)
+        if takes:
+            waiter, event = preempt.noted_on_waiter(job, takes, now)
+            plans.append(Plan(waiter, [event], event.reason))
+        kept_back = set(usable[:job.spec.nodes.min])
+        offered = [n for n in offered if n not in kept_back]
+        ready.difference_update(kept_back)
+
     # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
     first = keep.holding(held, claims) if held else []
-    queue = itertools.chain(first, (j for j in pending if j.id not in held.values())) if first \
-        else iter(pending)
-    while ready and (max_starts is None or len(plans) < max_starts) \
-            and (job := next(queue, None)) is not None:
-        p = plan(job, nodes, offer(job), now, cfg, graced)
+    first_ids = {j.id for j in first}
+
+    def may_start(job: JobRecord) -> bool:
+        """Enough READY nodes are free for its `min`, or it holds some of its own (`keep`)."""
+        return job.kept is not None or job.spec.nodes.min <= len(ready)
+
+    def may_preempt(job: JobRecord) -> bool:
+        """It outranks a running job, or nodes are already leaving for it."""
+        return (floor is not None and job.spec.priority > floor) or job.id in leaving
+
+    def quota_allows(job: JobRecord) -> bool:
+        """Its owner's node quotas leave room for its `min` (preempting for a job its quota
+        would then hold back frees nodes for nobody)."""
+        if not limited:
+            return True
+        if (applying := limits.get(job.owner)) is None:
+            applying = limits[job.owner] = quotas.limits(job.owner, usage())
+        left = min((lim.left for lim in applying if lim.what == "nodes"), default=None)
+        return left is None or left >= job.spec.nodes.min
+
+    def waiting() -> Iterator[JobRecord]:  # (read only once the loop asks: a generator)
+        held_for = set(held.values())
+        rest = (j for j in pending if j.id not in held_for)
+        if not ready:  # only preemption can start one: in queue order, read only as far as needed
+            yield from rest
+            return
+        yield from served((j for j in rest if may_start(j) or may_preempt(j)), usage(), cfg.fifo)
+
+    queue = itertools.chain(first, waiting())
+    while max_starts is None or len(plans) < max_starts:
+        if not ready and not (claims_left and (floor is not None or leaving)):
+            break
+        if (job := next(queue, None)) is None:
+            break
+        p = None
+        if ready and may_start(job):
+            free = within(job, offer(job))
+            if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
+                p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
+        elif claims_left and may_preempt(job) and quota_allows(job):
+            claims_left -= 1
+            claim(job)
+        elif not ready and job.id not in first_ids and not may_preempt(job):
+            break  # (in priority order: no later job may preempt)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
-        if settled is not None and settled.known(job, graced, ready, nodes):
+        mark = marked.get(job.id)
+        if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job, nodes, offered, now, cfg, graced, copies.get(job.id, ()), gone)
+        p = plan(job if mark is None else mark[0], nodes, within(job, offered) if ready else offered,
+                 now, cfg, graced, copies.get(job.id, ()), gone)
+        if mark is not None:
+            p = with_mark(mark, p)
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:
@@ -415,6 +598,15 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     if settled is not None:
         settled.ready_left = bool(ready)
     return plans
+
+
+def with_mark(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
+    """The plan of a job marked as a preemption's victim in this pass (`mark`: its record so
+    marked, and the event), made on that record (`p`, None if it changes nothing more)."""
+    record, event = mark
+    if p is None:
+        return Plan(record, [event], event.reason)
+    return Plan(p.job, [event, *p.events], f"{event.reason}; {p.reason}")
 
 
 class Settled:
@@ -438,7 +630,7 @@ class Settled:
         seen = self._seen.get(job.id)
         if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
             return False
-        room = job.spec.nodes.max - len(live_members(job))
+        room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
         return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:

@@ -31,7 +31,7 @@ from service.decide.metrics import add_point, merged, split
 from service.decide.recovery import first_step
 from service.decide.state import note
 from service.errors import Conflict, InvalidField, SnapshotNotFound, StaleAttempt
-from service.models import EventView, JobRecord, MetricHistory, Progress
+from service.models import EventView, JobRecord, MetricHistory, Progress, Replay
 from service.store.api import Delete, Put
 from worker.protocol import (
     MAX_METRICS,
@@ -106,9 +106,11 @@ def decide_commit(job: JobRecord, records: Records, req: CommitRequest, now: flo
         raise InvalidField("path", why)
     rec = SnapshotRecord(step=req.step, path=req.path, size=req.size, checksum=req.checksum,
                          time=now, attempt=req.attempt, control_id=req.control_id,
-                         stall_s=req.stall_s, write_s=req.write_s)
+                         stall_s=req.stall_s, write_s=req.write_s, shards=req.shards)
     records = {**records, req.step: rec}
     update: dict = {}
+    if req.stall_s:  # the goodput ledger's `snapshot` (decide.goodput): the job's total
+        update["snapshot_stall_s"] = job.snapshot_stall_s + req.stall_s
     latest = job.latest_snapshot
     if latest is None or req.step >= latest.step:
         latest = rec.meta()
@@ -182,6 +184,8 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     first = not job.reports_progress
     # The first step of a group that replaced a stopped one: "training again" (`recovery`).
     resumed = first_step(job, report.attempt, report.group, report.step, now)
+    if resumed is not None and stored is not None:
+        resumed = with_replay(resumed, job, stored, report.step, now)
     if (stored is not None and stored.time is not None and not first and resumed is None and not report.final
             and 0 <= now - stored.time < min_interval_s):
         return ProgressDecision(stored, write=False)
@@ -207,6 +211,23 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
     return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
                             job=changed if changed is not job else None,
                             events=[] if resumed is None else resumed.events)
+
+
+def with_replay(resumed: Change, job: JobRecord, stored: Progress, step: int, now: float) -> Change:
+    """`resumed` (the first step of a group that replaced a stopped one, `step`) with the steps
+    it trains again on its event: those the stopped group had reported (`stored`, its last
+    report) past the point the new group resumed from (the attempt's restore point; else the
+    step before its first). The goodput ledger counts them as replayed (decide.goodput)."""
+    point = job.restore
+    if point is not None and point.attempt == job.attempt:
+        from_step = point.step or 0
+    else:
+        from_step = max(0, step - 1)
+    reached_at = stored.time if stored.time is not None else now  # (a report stored before times)
+    replay = Replay(from_step=from_step, reached_step=stored.step, reached_at=reached_at,
+                    step_s=round(1.0 / stored.steps_per_s, 6) if stored.steps_per_s else None)
+    events = [e.model_copy(update={"replay": replay}) for e in resumed.events]
+    return Change(resumed.job, events, resumed.ops)
 
 
 def decide_memory(job: JobRecord, node: str, report: MemoryReport, now: float) -> MemorySnapshot:

@@ -1,5 +1,6 @@
 """Why a PENDING job waits, in words: the nodes it asks for against those registered, those
-that fit it, those free, and the jobs that hold the rest.
+that fit it, the quota of its user or team that it would exceed, those free, and the jobs
+that hold the rest.
 
 Asked when a job is read (`GET /v1/jobs/{id}`, the job list, `ftrain status`), not written to
 the job's record: what a waiting job waits on changes with every node and every other job,
@@ -10,18 +11,20 @@ that holds it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from service.decide.placement import fits
+from service.decide.quotas import Limit, blocking
 from service.models import JobRecord, JobState, NodeRecord, NodeState
 
 MAX_HOLDERS_NAMED = 3
 
 
 def why_waiting(job: JobRecord, nodes: Mapping[str, NodeRecord],
-                holders: Mapping[str, JobRecord]) -> str | None:
+                holders: Mapping[str, JobRecord], applying: Sequence[Limit] = ()) -> str | None:
     """What `job` waits for (None unless it is PENDING): `nodes` are the live nodes by name,
-    `holders` node -> the unfinished job that holds it."""
+    `holders` node -> the unfinished job that holds it, `applying` the quotas of its owner
+    with their use (`quotas.limits`)."""
     if job.state is not JobState.PENDING:
         return None
     need = job.spec.nodes.min
@@ -38,6 +41,9 @@ def why_waiting(job: JobRecord, nodes: Mapping[str, NodeRecord],
     if len(ready) < need:
         return (f"needs {asked}; {len(fitting) - len(ready)} of the {len(fitting)} that fit are "
                 f"draining: it starts when enough are undrained or join")
+    if (quota := blocking(job, [nodes[n] for n in ready], applying)) is not None:
+        return (f"needs {asked}; {quota.words()}: it starts when {quota.who}'s jobs give "
+                f"{quota.what} back or the quota is raised")
     free = [n for n in ready if n not in holders]
     if len(free) >= need:
         return f"needs {asked}; {len(free)} are free: it starts at the scheduler's next pass"

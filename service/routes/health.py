@@ -4,6 +4,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.deps import ContextDep
 from service.errors import StoreUnavailable
+from service.routes.goodput import refresh_goodput
 
 router = APIRouter(tags=["health"])
 
@@ -27,7 +28,10 @@ async def readyz(ctx: ContextDep):
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(ctx: ContextDep) -> PlainTextResponse:
-    """Prometheus metrics of this replica (no etcd read): jobs by state, restarts, recovery
-    time, snapshot stall/write/commit, heartbeat and etcd latency, scheduler passes
-    (`service.telemetry`)."""
+    """Prometheus metrics of this replica: jobs by state, restarts, recovery time, snapshot
+    stall/write/commit, heartbeat and etcd latency, scheduler passes (`service.telemetry`), and
+    the jobs' seconds by cause and the nodes' by state (`service.goodput`: etcd is read for the
+    events of jobs that changed since the last scrape)."""
+    await refresh_goodput(ctx)
     return PlainTextResponse(ctx.telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
@@ -16,15 +17,17 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
-from service.decide import keep
+from service.decide import keep, quotas
 from service.decide.cancel import decide_cancel
 from service.decide.waiting import why_waiting
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
 from service.errors import Conflict, JobNotFound, StoreUnavailable
+from service.goodput import job_goodput
 from service.keyring import new_nonce
 from service.models import (
     CancelResult,
     EventList,
+    GoodputView,
     JobList,
     JobRecord,
     JobSpec,
@@ -165,16 +168,31 @@ def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord]) -> st
     from the index: the job a node works for, or the waiting job it is held for."""
     if job.state is not JobState.PENDING:
         return None
+    return why_waiting(job, nodes, holders_of(ctx, nodes, job.id), quota_limits(ctx, job.owner, nodes))
+
+
+def holders_of(ctx: Context, nodes: dict[str, NodeRecord], waiting: str | None = None) -> dict[str, JobRecord]:
+    """node -> the job it works for, or the waiting job it is held for (other than `waiting`),
+    as the index has them."""
     now = ctx.jobs.clock()
     holders = {}
     for name, node in nodes.items():
         holder = ctx.index.job_of_node(name)
-        if holder is None and (kept := ctx.index.keeper(name)) is not None and kept.id != job.id \
+        if holder is None and (kept := ctx.index.keeper(name)) is not None and kept.id != waiting \
                 and keep.holds(kept, node, now):
             holder = kept
         if holder is not None:
             holders[name] = holder
-    return why_waiting(job, nodes, holders)
+    return holders
+
+
+def quota_limits(ctx: Context, owner: str, nodes: Mapping[str, NodeRecord]) -> list[quotas.Limit]:
+    """The quotas that apply to `owner`'s jobs, with what the unfinished jobs hold now
+    (`decide.quotas.limits`; none while the teams and quotas are not loaded)."""
+    tenants = ctx.tenancy.tenants()
+    if tenants is None or not (owner in tenants.users or tenants.team(owner) in tenants.teams):
+        return []
+    return quotas.limits(owner, quotas.usage(ctx.index.jobs(), nodes, tenants))
 
 
 async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:
@@ -216,6 +234,15 @@ async def cancel(job_id: str, ctx: ContextDep, caller: CallerDep, response: Resp
 async def events(job_id: str, ctx: ContextDep) -> EventList:
     """Every state change of the job (and notable moments of its life), oldest first."""
     return EventList(items=await ctx.jobs.events(job_id))
+
+
+@router.get("/{job_id}/goodput", response_model=GoodputView)
+async def goodput(job_id: str, ctx: ContextDep) -> GoodputView:
+    """Where the job's wall time went, by cause (waiting for nodes, starting, training, steps
+    replayed after a fault, snapshot stalls, recovering, hung, ...): the parts add up to
+    `wall_s`, up to now while it runs (docs/goodput.md)."""
+    g = await job_goodput(ctx.jobs, job_id)
+    return GoodputView(wall_s=round(g.wall_s, 3), seconds={c: round(s, 3) for c, s in g.seconds.items()})
 
 
 @router.get("/{job_id}/metrics", response_model=MetricHistory)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response, status
 from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide import keep
+from service.decide.attribution import failed_alone
 from service.decide.liveness import broken_peer_suspects
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
@@ -62,12 +63,10 @@ async def register(req: RegisterRequest, ctx: ContextDep) -> RegisterReply:
     timeouts = ctx.settings.timeouts
     credential, digest = new_node_credential(req.name)
     reclaim = None if req.previous_credential is None else credential_digest(req.previous_credential)
+    sick = req.health.reason() if req.health is not None and not req.health.ok else None
     lease = await ctx.nodes.register(req.name, req.nproc_per_node, req.address, timeouts.node_ttl_s,
                                      digest, reclaim, gpus=req.gpus, gpu_model=req.gpu_model,
-                                     health=req.health)
-    if req.health is not None and not req.health.ok:
-        log.warning("node %s registered QUARANTINED: its health check failed: %s", req.name,
-                    req.health.detail.splitlines()[0] if req.health.detail else "(no output)")
+                                     quarantine=sick)
     # A (re)starting agent runs nothing: whatever it held before is gone; an agent whose
     # lease lapsed and that still runs its member's attempt keeps it. (The index may lag by a
     # watch event; the scheduler's node bookkeeping covers what it misses.)
@@ -165,7 +164,9 @@ def _assignment(ctx: Context, job: JobRecord) -> tuple[bytes, bool]:
         nproc_per_node=spec.nproc_per_node, nodes_min=spec.nodes.min, nodes_max=spec.nodes.max,
         job_token=ctx.job_token(job), snapshot_root=ctx.settings.snapshot_root,
         snapshot_every=spec.snapshot.every_steps, snapshot_keep=spec.snapshot.keep,
-        global_batch_size=spec.global_batch_size, cancel_grace_s=ctx.settings.cancel_grace_s,
+        global_batch_size=spec.global_batch_size,
+        # (a plain script preempted gets its spec's grace to save: `decide.preempt`)
+        cancel_grace_s=ctx.settings.cancel_grace_s if job.preempt is None else spec.preempt_grace_s,
     )).model_dump_json().encode(), not missing
 
 
@@ -181,8 +182,21 @@ async def presence(name: str, request: Request, ctx: ContextDep, digest: NodeSel
     connection that drops while held and is not back soon is a lost node (service/presence.py).
     404: no node of this name is alive (register again)."""
     lease = await ctx.nodes.lease_of(name, digest)
-    await ctx.presence.hold(name, lease, request.receive, ctx.settings.presence_hold_s)
+    conn = f"{request.client.host}:{request.client.port}" if request.client else None
+    await ctx.presence.hold(name, lease, request.receive, ctx.settings.presence_hold_s, conn)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/v1/nodes/{name}/health", response_model=NodeView)
+async def health(name: str, req: HealthReport, ctx: ContextDep, digest: NodeSelf) -> NodeView:
+    """The node's health checks, run between jobs: a failing one QUARANTINES the node (no job
+    is placed on it) until an admin's undrain; a passing one changes nothing (service/nodes.py)."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
+    if req.ok:
+        return _view(await ctx.nodes.get(name), _holders(ctx), ctx)
+    log.warning("node %s quarantined: %s", name, req.reason())
+    return _view(await ctx.nodes.quarantine(name, req.reason()), _holders(ctx), ctx)
 
 
 @router.post("/v1/nodes/{name}/report", response_model=ReportReply)
@@ -194,21 +208,14 @@ async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSel
     job = await ctx.jobs.update(req.job_id, lambda job: decide_report(
         job, name, req.attempt, req.state, req.exit_code, req.reason, now))
     accepted = is_recorded(job, name, req.attempt, req.state)
+    if accepted and req.state == "failed":  # bad-node attribution (service.decide.attribution)
+        alone = failed_alone({n: m.state for n, m in job.members.items()}, name)
+        try:
+            await ctx.nodes.note_failure(name, req.job_id, alone)
+        except NodeNotFound:
+            pass  # gone meanwhile: nothing to quarantine
     return ReportReply(accepted=accepted,
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
-
-
-@router.post("/v1/nodes/{name}/health", response_model=NodeView)
-async def health(name: str, req: HealthReport, ctx: ContextDep, digest: NodeSelf) -> NodeView:
-    """The node's health checks between jobs: a failed one QUARANTINES it (no job is placed on
-    it), a passing one ends a quarantine its own checks made (docs/health.md). 404: register again."""
-    if digest is not None:
-        await verify_node(ctx, name, digest)
-    before = (await ctx.nodes.current()).get(name)
-    record = await ctx.nodes.report_health(name, req)
-    if record.state is NodeState.QUARANTINED and (before is None or before.reason != record.reason):
-        log.warning("node %s QUARANTINED: its health check failed: %s", name, record.reason)
-    return _view(record, _holders(ctx), ctx)
 
 
 @router.post("/v1/jobs/{job_id}/rounds", response_model=ReportReply)
@@ -258,7 +265,7 @@ def _view(record: NodeRecord, holders: dict[str, tuple[str, str]], ctx: Context)
     held_for = waiting.id if waiting is not None and keep.holds(waiting, record, ctx.jobs.clock()) else None
     return NodeView(name=record.name, state=state, nproc_per_node=record.nproc_per_node,
                     gpus=record.gpus, gpu_model=record.gpu_model, address=record.address,
-                    reason=record.reason, registered_at=record.registered_at,
+                    registered_at=record.registered_at, reason=record.reason,
                     job=job_id, member_state=part, held_for=held_for)
 
 
@@ -279,8 +286,7 @@ async def drain(name: str, ctx: ContextDep) -> NodeView:
 
 @router.post("/v1/nodes/{name}/undrain", response_model=NodeView, dependencies=[AdminAuth])
 async def undrain(name: str, ctx: ContextDep) -> NodeView:
-    """Put a drained or quarantined node back in service: READY, it may be given work again
-    (a node whose own check still fails is quarantined again by its next check). The admin's."""
+    """Put a drained node back in service: READY, it may be given work again. The admin's."""
     return _view(await ctx.nodes.undrain(name), _holders(ctx), ctx)
 
 

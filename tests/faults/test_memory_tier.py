@@ -21,6 +21,7 @@ from tests.helpers.faults import (
     events_of,
     local_steps,
     runs,
+    steps_lost,
     state_letter,
     train_spec,
     wait_workers,
@@ -32,19 +33,6 @@ from worker import memory as mem
 pytestmark = pytest.mark.integration
 
 EVERY_STEP = {"FTRAIN_MEMORY_EVERY": "1"}
-
-
-def steps_lost(api, job_id: str, last: int, restarts: int = 1) -> int:
-    """Check that every run trained on from where it started, to `last` at the end; return
-    how many steps the restarts retrained (those logged before one, from its start on). A
-    killed node's last lines may never have been shipped: a step it trained and did not
-    log is not counted as lost."""
-    got = runs(api, job_id)
-    assert len(got) == restarts + 1 and got[0][0] == 0, got
-    for start, steps in got:
-        assert steps == list(range(start + 1, start + 1 + len(steps))), (start, steps)
-    assert got[-1][1][-1] == last, got
-    return sum(max(0, max(before[1]) - after[0]) for before, after in zip(got, got[1:]))
 
 
 def wait_logged_step(api, job_id: str, step: int) -> None:

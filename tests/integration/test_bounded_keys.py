@@ -110,10 +110,13 @@ def test_memory_reports_go_with_a_member_and_with_the_job_and_finished_jobs_leav
             # After the retention and the node leases: only what lives on, by prefix.
             def settled() -> dict[str, list[str]] | None:
                 kinds = by_prefix(etcd_keys(etcd.endpoint))
-                return kinds if kinds.keys() <= {"leader", "contact", "compacted", "drains"} else None
+                return kinds if kinds.keys() <= {"leader", "contact", "compacted", "drains", "goodput"} \
+                    else None
 
             left = wait_for(settled, 60, "every finished job's keys and every node's to go")
             assert left.pop("drains") == ["b"]  # a drain outlives its node (FTRAIN_DRAIN_KEEP_S)
+            # the deleted jobs' goodput, added up in one key (service.goodput)
+            assert left.pop("goodput") == [""]
             assert left == {"leader": [""], "contact": [""]} or \
                 left == {"leader": [""], "contact": [""], "compacted": [""]}, left
             assert api.get("/v1/jobs").json()["items"] == []

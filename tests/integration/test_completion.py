@@ -1,4 +1,4 @@
-"""Issue 10: every job ends. Nodes of one job finish at different moments, and that is not
+"""Every job ends. Nodes of one job finish at different moments, and that is not
 a node lost; a job whose training stops advancing is restarted after
 `hang_timeout_s`, then fails once its restarts are spent."""
 

@@ -203,6 +203,12 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         after = points(page, "loss")
         wait_points(page, after)
         assert job(api, job_id)["restarts"] == 1
+        # where its time went, as a bar on its page: training, and the recovery among its parts
+        page.wait_for_selector("#goodput .goodput-bar [data-cause='recovering']")
+        shown = page.eval_on_selector_all("#goodput .goodput-bar [data-cause]",
+                                          "els => els.map(e => e.dataset.cause)")
+        assert {"waiting", "starting", "training", "recovering"} <= set(shown), shown
+        assert "recovering" in page.inner_text("#goodput .goodput-key")
 
         # the restart is marked on both curves, at the step where the group stopped (the
         # history's newest point when the job went RECOVERING), its title naming the cause
@@ -254,6 +260,9 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         assert fail["text"][0] != cancel["text"][0] and fail["text"][0] not in "FC", looks  # the sign
         # and the list says why the failed one failed
         page.click("a[data-nav='jobs']")
+        # above it, where every job's time went, added up
+        page.wait_for_selector("#goodput-totals .goodput-bar [data-cause='recovering']")
+        assert "all jobs: " in page.inner_text("#goodput-jobs")
         assert "max_restarts=0" in page.inner_text(f'tr[data-job="{failed}"] [data-why]')
         if shots:
             page.screenshot(path=str(Path(shots) / "dashboard-ended-jobs.png"))
@@ -291,6 +300,10 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
     assert got["ftrain_snapshot_stall_seconds_count"] >= 1
     assert got["ftrain_snapshot_commit_seconds_count"] >= 1
     assert got["ftrain_node_heartbeat_seconds_count"] >= 1 and got["ftrain_etcd_request_seconds_count"] >= 1
+    # where the jobs' time went, and the node's
+    assert got['ftrain_job_seconds_total{cause="training"}'] > 0
+    assert got['ftrain_job_seconds_total{cause="recovering"}'] > 0
+    assert got['ftrain_node_seconds_total{node="n0",state="busy"}'] > 0
 
 
 def test_dashboard_marks_a_scale_up_and_a_drain_on_the_curves(control_plane, api, agents):
@@ -336,3 +349,23 @@ def test_dashboard_marks_a_scale_up_and_a_drain_on_the_curves(control_plane, api
         if os.environ.get("FTRAIN_SCREENSHOTS"):
             page.screenshot(path=str(Path(os.environ["FTRAIN_SCREENSHOTS"]) / "dashboard-resized-job.png"))
         api.post(f"/v1/jobs/{job_id}/cancel").raise_for_status()
+
+
+def test_jobs_page_shows_the_queue_in_the_order_jobs_will_start_with_why_each_waits(control_plane, api):
+    users = {}
+    for name in ("ann", "bob"):
+        resp = api.post("/v1/users", json={"name": name})
+        assert resp.status_code == 201, resp.text
+        users[name] = resp.json()["token"]
+    submitted = []
+    for owner in ("ann", "ann", "bob"):  # no node yet: all three wait
+        with control_plane.client(users[owner]) as client:
+            submitted.append(submit(client, {"name": f"of-{owner}", "command": ["true"]}))
+    with dashboard(control_plane) as page:
+        sign_in(page, control_plane)
+        page.wait_for_selector(f'[data-queued="{submitted[2]}"]')
+        order = page.eval_on_selector_all("#queue tbody tr", "els => els.map(e => e.dataset.queued)")
+        # bob's job comes before ann's second: once ann's first starts, ann holds more
+        assert order == [submitted[0], submitted[2], submitted[1]]
+        why = page.text_content(f'[data-queued="{submitted[1]}"] [data-waiting]')
+        assert "the cluster has 0 registered" in why

@@ -1,4 +1,4 @@
-"""Issue 3: real agents run real torchrun workers; faults are real signals."""
+"""Real agents run real torchrun workers; faults are real signals."""
 
 from __future__ import annotations
 

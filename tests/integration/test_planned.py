@@ -1,4 +1,4 @@
-"""Issue 4: planned membership changes (a join, a drain, a cancel) lose no step.
+"""Planned membership changes (a join, a drain, a cancel) lose no step.
 
 The job runs the runtime example on real agents. Before the change, the scheduler asks
 rank 0 (through the job's control endpoint) to snapshot at a step boundary; the group

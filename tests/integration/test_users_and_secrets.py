@@ -1,4 +1,4 @@
-"""Issue 11: named users own their jobs; secrets are kept out of etcd, the API and the logs.
+"""Named users own their jobs; secrets are kept out of etcd, the API and the logs.
 
 Real etcd, control plane, agent and torchrun workers. The etcd checks read every key of the
 keyspace as it is after the job ran.

@@ -52,13 +52,13 @@ def test_concurrent_counters_lose_no_increment(etcd):
         job, _ = await stores[0].create(JobSpec(name="count", command=["true"]))
 
         def bump(j):
-            return Change(j.model_copy(update={"restarts": j.restarts + 1}))
+            return Change(j.model_copy(update={"rounds": j.rounds + 1}))
 
         await asyncio.gather(*(s.update(job.id, bump) for s in stores for _ in range(10)))
         final = await stores[0].get(job.id)
         for c in clients:
             await c.close()
-        return final.restarts
+        return final.rounds
 
     assert asyncio.run(main()) == 40
 

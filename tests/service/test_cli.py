@@ -72,6 +72,28 @@ def test_submit_yaml_then_list_status_cancel_events(ftrain, tmp_path):
     assert lines[-1].split()[2:] == ["CANCELLED", "admin", "cancelled", "by", "admin"]
 
 
+def test_goodput_shows_where_a_job_s_time_went_and_metrics_count_it(ftrain, control_plane, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(SPEC_YAML.replace("min: 1", "min: 2"))  # no node: it waits for nodes
+    job_id = ftrain("submit", str(spec), "-q").output.strip()
+    ftrain("cancel", job_id)
+    result = json.loads(ftrain("goodput", job_id, "--json").output)
+    assert result["wall_s"] > 0 and all(s >= 0 for s in result["seconds"].values())
+    assert sum(result["seconds"].values()) == pytest.approx(result["wall_s"], rel=0.02, abs=0.01)
+    assert result["seconds"]["waiting"] == pytest.approx(result["wall_s"], abs=0.01)
+    lines = ftrain("goodput", job_id).output.splitlines()
+    assert lines[0].split() == ["CAUSE", "TIME", "SHARE"]
+    assert [line.split()[0] for line in lines[1:]] == ["waiting", "wall"]
+    assert lines[1].split()[2] == "100.0%"
+    result = ftrain("goodput", "nope-123456", expect_ok=False)
+    assert result.exit_code == 1 and "job nope-123456 not found" in result.output
+    with control_plane.client("user") as api:
+        text = api.get("/metrics").text
+    waiting = [line for line in text.splitlines()
+               if line.startswith('ftrain_job_seconds_total{cause="waiting"}')]
+    assert len(waiting) == 1 and float(waiting[0].split()[-1]) > 0
+
+
 def test_users_add_prints_the_token_once_then_list_and_remove(ftrain, tmp_path):
     added = ftrain("users", "add", "alice")
     token = added.stdout.strip()

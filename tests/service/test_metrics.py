@@ -9,7 +9,7 @@ import tempfile
 
 from service import scheduler
 from service.context import Context
-from service.models import JobSpec, JobState
+from service.models import JobSpec, JobState, RestartCounts
 from service.routes.health import metrics
 from service.settings import Settings
 from service.store.memory import MemoryStore
@@ -71,7 +71,8 @@ def test_the_index_feeds_jobs_by_state_restarts_and_recovery_time():
         pending = make_job(JobState.PENDING).model_copy(update={"id": "job-2"})
         # a worker fault at t=100 (RECOVERING, one restart), training again at t=103.5
         versions = [base.model_copy(update={"updated_at": 90.0})] + [
-            base.model_copy(update={"state": state, "restarts": 1, "updated_at": at})
+            base.model_copy(update={"state": state, "restarts_by_cause": RestartCounts(failure=1),
+                                    "updated_at": at})
             for state, at in ((JobState.RECOVERING, 100.0), (JobState.RUNNING, 103.5),
                               (JobState.SUCCEEDED, 110.0))]
         try:

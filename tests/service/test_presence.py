@@ -10,7 +10,7 @@ import asyncio
 from service.keys import Keys
 from service.nodes import NodeStore
 from service.settings import Settings
-from service.presence import REASK_S, Presence
+from service.presence import REASK_S, RECONNECT_S, Presence
 from service.store.memory import MemoryStore
 
 KEYS = Keys("/t")
@@ -200,5 +200,70 @@ def test_a_shared_report_older_than_the_window_confirms_nothing():
         assert await kv.get(KEYS.node("n1")) is not None and a.revoked == []  # a blip still
         await settle(a)  # lost at the blip bound
         assert a.revoked == ["n1"]
+
+    asyncio.run(main())
+
+
+def _held_until(event: asyncio.Event):
+    async def receive():
+        await event.wait()
+        return {"type": "http.disconnect"}
+    return receive
+
+
+async def _two_held(p: Presence, lease: int, dead: asyncio.Event, blip: asyncio.Event):
+    """The agent's two presence connections held (`a` dropping at `blip`, `b` at `dead`)."""
+    a = asyncio.create_task(p.hold("n1", lease, _held_until(blip), HOLD_S, conn="10.0.0.2:5001"))
+    b = asyncio.create_task(p.hold("n1", lease, _held_until(dead), HOLD_S, conn="10.0.0.2:5002"))
+    await asyncio.sleep(0.01)
+    return a, b
+
+
+def test_every_connection_of_an_agent_closing_is_a_dead_process_lost_without_a_report():
+    async def main():
+        kv, nodes, lease, _ = await setup()
+        p = Presence(kv, KEYS, blip_s=30.0)  # the bound is far: only the closes can tell
+        died = asyncio.Event()
+        held = await _two_held(p, lease, died, died)
+        t0 = p.clock()
+        died.set()  # the process died: the kernel closed both
+        assert [await h for h in held] == [False, False]
+        await asyncio.sleep(RECONNECT_S / 2)
+        assert await kv.get(KEYS.node("n1")) is not None  # a live agent may still ask again
+        await settle(p)
+        assert p.clock() - t0 < 5 * RECONNECT_S, "lost only at the blip bound"
+        assert await kv.get(KEYS.node("n1")) is None and p.revoked == ["n1"]
+
+    asyncio.run(main())
+
+
+def test_one_of_two_connections_closing_is_a_blip_while_the_other_is_held():
+    async def main():
+        kv, nodes, lease, _ = await setup()
+        p = Presence(kv, KEYS, blip_s=4 * RECONNECT_S)
+        blip, never = asyncio.Event(), asyncio.Event()
+        a, b = await _two_held(p, lease, never, blip)
+        blip.set()  # the agent's own timeout, or a proxy's cut, on one connection
+        assert not await a
+        await asyncio.sleep(2 * RECONNECT_S)
+        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+        b.cancel()
+        await settle(p)  # no report, not back: the blip bound, as before
+        assert p.revoked == ["n1"]
+
+    asyncio.run(main())
+
+
+def test_a_single_connection_closing_waits_for_the_blip_bound():
+    """An agent seen on one connection here (its other one on another replica, or none) may
+    be alive: its drop alone is a blip until the bound."""
+    async def main():
+        kv, nodes, lease, _ = await setup()
+        p = Presence(kv, KEYS, blip_s=4 * RECONNECT_S)
+        assert not await p.hold("n1", lease, receive_dropped, HOLD_S, conn="10.0.0.2:5001")
+        await asyncio.sleep(2 * RECONNECT_S)
+        assert await kv.get(KEYS.node("n1")) is not None and p.revoked == []
+        await settle(p)
+        assert p.revoked == ["n1"]
 
     asyncio.run(main())

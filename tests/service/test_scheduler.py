@@ -237,11 +237,15 @@ def test_a_pass_reads_the_pending_queue_only_while_a_ready_node_is_free():
             read.append(j.id)
             yield j
 
+    busy = job(S.RUNNING, members={"a": "running", "b": "running"}, mn=2, mx=2, jid="r", created=1.0)
     ns = nodes("a", "b", "c", draining=("c",))
+    assert schedule_queue(pending(), [busy], ns, NOW, CFG) == []
+    # No READY node is free: only the queue's head is read, to see whether it may preempt
+    # (it may not: its priority is the running job's), and not one job more.
+    assert read == ["p0"]
     plans = schedule_queue(pending(), [], ns, NOW, CFG)
     assert [(p.job.id, list(p.job.members)) for p in plans] == [("p0", ["a"]), ("p1", ["b"])]
-    assert read == ["p0", "p1"]  # not the 998 that no node is free for
-    # The same plans as over the whole list.
+    # (a free node reads the whole queue: fair share must see every owner's first job)
     assert [p.job for p in schedule(queue, ns, NOW, CFG)] == [p.job for p in plans]
 
 

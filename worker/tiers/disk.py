@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import handoff
+from .. import handoff, sharded
 from .. import snapshot as snap
 from ..links import ServiceLink
 from .api import SNAPSHOT_FORMAT, Found, SnapshotTier, Worker
@@ -29,6 +29,7 @@ class DiskTier(SnapshotTier):
     """Snapshot files, committed; see the module docstring."""
 
     name = "disk"
+    every_rank_saves = False  # rank 0 saves the whole state (a sharded tier: every rank its shards)
 
     def __init__(self, worker: Worker, directory: Path | None, writer: snap.AsyncWriter | None):
         self.worker = worker
@@ -79,14 +80,26 @@ class DiskTier(SnapshotTier):
         for item in sorted(items, key=lambda i: i.step, reverse=True):
             if item.bad or item.step > latest:
                 continue
+            if not self.takes(item.path):
+                log.warning("snapshot at step %d (%s) is not of this model's layout (%s); skipped", item.step,
+                            item.path, "sharded" if self.every_rank_saves else "one file")
+                continue
             path = self.resolve(item.path)
             try:
-                snap.verify(path, item.checksum, item.size)
+                self.verify(path, item.checksum, item.size)
                 return Found(item.step, str(path))
             except snap.SnapshotCorrupt as exc:
                 log.warning("snapshot at step %d is corrupt, trying the one before: %s", item.step, exc)
                 link.report_corrupt(item.step, str(exc))
         return None
+
+    def takes(self, path: str) -> bool:
+        """Whether a committed snapshot is of this tier's layout: one file (a directory is a
+        sharded snapshot, worker/tiers/sharded.py)."""
+        return not sharded.is_snapshot_dir(path)
+
+    def verify(self, path: Path, checksum: str, size: int | None) -> None:
+        snap.verify(path, checksum, size)
 
     def load(self, found: Found) -> dict:
         """The snapshot's state (the file in this rank's view of the snapshot directory,

@@ -68,7 +68,8 @@ function stateNote(job) {
 // CANCELLED above all) are told apart by colour alone; the same badge everywhere.
 const STATE_SIGN = {
   PENDING: "○", STARTING: "▷", RUNNING: "▶", RECOVERING: "↻", CANCELLING: "⊘",
-  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○", QUARANTINED: "⚠",
+  SUCCEEDED: "✓", FAILED: "✕", CANCELLED: "⊘", READY: "●", DRAINING: "◐", DRAINED: "○",
+  QUARANTINED: "⚠",
 };
 function badge(state, text = state) {
   const sign = STATE_SIGN[state] ? `<span class="sign" aria-hidden="true">${STATE_SIGN[state]}</span>` : "";
@@ -105,6 +106,23 @@ function progressCell(job) {
   const bar = pct != null
     ? `<div class="bar${done ? " done" : ""}" role="progressbar" aria-valuenow="${pct}"><span data-width="${pct}"></span></div>` : "";
   return `<div class="progress">${bar}<span class="label" data-progress>${esc(parts.join(" · "))}</span></div>`;
+}
+
+// Where a job's (or every job's) wall time went: one bar, a part per cause (GET .../goodput),
+// each part's width its share, and a key with the seconds and the share of each. The parts add
+// up to the wall time; causes at 0 s are left out.
+function goodputBar(g) {
+  const wall = g.wall_s || 0;
+  const parts = Object.entries(g.seconds).filter(([, s]) => s > 0);
+  if (!wall || !parts.length) return '<span class="muted">no time yet</span>';
+  const pct = s => 100 * s / wall;
+  const share = s => `${pct(s).toFixed(pct(s) < 10 ? 1 : 0)}%`;
+  const bar = parts.map(([c, s]) => `<span class="gp-${esc(c)}" data-cause="${esc(c)}" data-seconds="${s}"
+      data-width="${pct(s)}" title="${esc(c)}: ${duration(s)} (${share(s)})"></span>`).join("");
+  const key = parts.map(([c, s]) => `<li data-cause="${esc(c)}"><span class="swatch gp-${esc(c)}"></span>${esc(c)}
+      <span class="muted">${s < 60 ? s.toFixed(1) + "s" : duration(s)} · ${share(s)}</span></li>`).join("");
+  return `<div class="goodput-bar" role="img" aria-label="wall time by cause">${bar}</div>
+    <ul class="goodput-key">${key}</ul>`;
 }
 
 // The page's Content-Security-Policy takes no inline style (a `style=` attribute in HTML is
@@ -190,12 +208,21 @@ function stopCurrent() {
 function jobsView() {
   view.innerHTML = `
     <h1>Jobs</h1>
+    <section id="queue-panel" hidden>
+      <h2>Queue <span class="muted">(the order waiting jobs will start in)</span></h2>
+      <div class="panel"><table id="queue">
+        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Waiting for</th></tr></thead>
+        <tbody></tbody></table></div>
+    </section>
+    <div class="panel"><h2>Where the time went <span class="muted" id="goodput-jobs"></span></h2>
+      <div id="goodput-totals" data-goodput></div></div>
     <div class="panel"><table id="jobs">
       <thead><tr><th>Job</th><th>State</th><th>Progress</th><th>Nodes in use</th><th>Restarts</th>
         <th>Duration</th><th>Owner</th><th>Submitted</th></tr></thead>
       <tbody></tbody></table></div>`;
   const body = view.querySelector("#jobs tbody");
   const stop = poll(async () => {
+    await showQueue();
     const items = [];
     let after = null;
     do {  // every page: a shared queue is short; finished jobs expire
@@ -204,6 +231,10 @@ function jobsView() {
       after = page.next;
     } while (after && items.length < 5000);
     items.reverse();  // newest first
+    const totals = await api("v1/goodput");
+    view.querySelector("#goodput-totals").innerHTML = goodputBar(totals);
+    view.querySelector("#goodput-jobs").textContent =
+      `(all jobs: ${totals.jobs}, ${duration(totals.wall_s)} in all)`;
     body.innerHTML = items.length ? items.map(job => `
       <tr data-job="${esc(job.id)}">
         <td><a href="#/jobs/${encodeURIComponent(job.id)}">${esc(job.name)}</a><br><span class="mono muted">${esc(job.id)}</span></td>
@@ -218,6 +249,22 @@ function jobsView() {
       : `<tr><td colspan="8" class="empty">No jobs yet. Submit one with <span class="mono">ftrain submit job.json</span> or <span class="mono">POST /v1/jobs</span>.</td></tr>`;
   }, 2000);
   return { stop };
+}
+
+// The waiting jobs in the scheduler's order (priority, fair share, age), each with why it
+// waits: shown above the jobs while any job waits.
+async function showQueue() {
+  const queue = (await api("v1/queue?limit=50")).items;
+  view.querySelector("#queue-panel").hidden = !queue.length;
+  view.querySelector("#queue tbody").innerHTML = queue.map(q => `
+    <tr data-queued="${esc(q.id)}">
+      <td>${q.position}</td>
+      <td><a href="#/jobs/${encodeURIComponent(q.id)}">${esc(q.name)}</a><br><span class="mono muted">${esc(q.id)}</span></td>
+      <td>${esc(q.owner)}${q.team ? `<br><span class="muted">team ${esc(q.team)}</span>` : ""}</td>
+      <td>${q.priority}</td>
+      <td>${q.nodes_min}–${q.nodes_max}</td>
+      <td class="muted" data-waiting>${esc(q.waiting || "")}</td>
+    </tr>`).join("");
 }
 
 // ------------------------------------------------------------------ one job
@@ -251,6 +298,7 @@ function jobView(jobId) {
       <span class="spacer"></span><button class="danger" id="cancel" hidden>Cancel job</button></h1>
     <p class="reason" id="job-reason"></p>
     <div class="panel"><div class="facts" id="facts"></div></div>
+    <div class="panel"><h2>Where the time went</h2><div id="goodput" data-goodput></div></div>
     <div class="grid">
       <div class="panel"><div class="chart" id="chart-loss" data-chart="loss"></div></div>
       <div class="panel"><div class="chart" id="chart-speed" data-chart="samples_per_s"></div></div>
@@ -405,11 +453,12 @@ function jobView(jobId) {
 
   const id = encodeURIComponent(jobId);
   const stopPoll = poll(async () => {
-    const [j, events, metrics, snaps] = await Promise.all([
+    const [j, events, metrics, snaps, goodput] = await Promise.all([
       api(`v1/jobs/${id}`), api(`v1/jobs/${id}/events`), api(`v1/jobs/${id}/metrics`),
-      api(`v1/jobs/${id}/snapshots`)]);
+      api(`v1/jobs/${id}/snapshots`), api(`v1/jobs/${id}/goodput`)]);
     marks = regroupMarks(events.items, metrics);
     showJob(j); showEvents(events.items); showMetrics(metrics); showSnapshots(snaps);
+    $("goodput").innerHTML = goodputBar(goodput);
   }, 1000);
   followLogs();
   const onResize = () => {
@@ -456,7 +505,7 @@ function nodesView() {
     body.innerHTML = nodes.length ? nodes.map(n => `
       <tr data-node="${esc(n.name)}">
         <td class="mono">${esc(n.name)}</td><td>${badge(n.state)}${n.reason
-          ? `<div class="muted" data-reason title="${esc(n.reason)}">${esc(n.reason.split("\n")[0])}</div>` : ""}</td><td>${n.nproc_per_node}</td>
+          ? `<br><span class="muted" data-reason>${esc(n.reason)}</span>` : ""}</td><td>${n.nproc_per_node}</td>
         <td data-gpus>${gpusCell(n)}</td>
         <td>${n.job ? `<a href="#/jobs/${encodeURIComponent(n.job)}">${esc(n.job)}</a> <span class="muted">${esc(n.member_state || "")}</span>`
           : n.held_for ? `<span class="muted">held for</span> <a href="#/jobs/${encodeURIComponent(n.held_for)}">${esc(n.held_for)}</a>`

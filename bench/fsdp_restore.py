@@ -1,0 +1,227 @@
+"""What sharded snapshots of an FSDP2 model cost the training loop and its restore, against
+the same script saving torch.distributed.checkpoint (DCP) itself under plain torchrun.
+
+For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` over
+`--nproc` ranks (gloo on CPU, NCCL on GPUs), three runs of `--steps` steps each:
+
+- `none`: no snapshots: the step time every other run is compared with;
+- `ftrain`: the runtime (its local twin: a snapshot folder and its index), a sharded
+  snapshot every `--every` steps (worker/tiers/sharded.py: each rank's shards by
+  `dcp.async_save`, checksums, rank 0's commit once every rank's shards are whole);
+- `dcp`: the script's own `dcp.async_save` every `--every` steps over a gloo group, waited
+  for before the next (what a tuned script does under torchrun, with no checksum or commit);
+
+each reporting its mean step time (the snapshot's cost as % of the step time against
+`none`) and the training thread's stall per snapshot (median). Then a restart of each
+(`ftrain`, `dcp`) at the same world size, timed from a fresh model and optimizer to the
+state loaded: ftrain's `rt.restore` (the newest committed snapshot verified, then DCP's
+load) against the script's own `get_state_dict` + `dcp.load` + `set_state_dict`.
+
+Restore from the memory tier: sharded models do not have one yet (the runtime turns it off
+for them), so the table says n/a there.
+
+    python bench/fsdp_restore.py                                  # CPU, small: a smoke figure
+    python bench/fsdp_restore.py --nproc 2 --dim 2048 --depth 16 --heads 16 --every 10 \\
+        --steps 60 --dir /mnt/shared/bench                         # two GPUs, ~0.8B parameters
+
+Rank 0 of each run writes its figures as JSON; this script prints the table and writes
+bench/fsdp_restore.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------- one rank's run
+
+def _rank(args: argparse.Namespace) -> None:
+    """One rank of a run under torchrun (`--role rank`)."""
+    sys.path.insert(0, str(REPO))
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_fsdp import TinyTransformer, shard, synthetic_tokens  # noqa: E402
+
+    from ftrain import runtime  # noqa: E402
+
+    began = time.perf_counter()
+    torch.manual_seed(0)
+    rt = None
+    if args.mode == "ftrain":
+        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2)
+        device = rt.device
+    else:
+        use_cuda = torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank()
+    net = TinyTransformer(args.vocab, args.length, args.dim, args.heads, args.depth)
+    model = shard(net, device)
+    params = sum(p.numel() for p in net.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = synthetic_tokens(max(args.batch, 64), args.length, args.vocab, 0)
+
+    restore_s = _restore(args, rt, model, optimizer, began)
+    if args.restore_only:
+        _report(args, rank, {"restore_s": restore_s})
+        if rt is not None:
+            rt.finish()
+        return
+    group = dist.new_group(backend="gloo") if args.mode == "dcp" else None
+    pending = None
+    times, stalls = [], []
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        batch = data[: args.batch].to(device)
+        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, args.vocab),
+                                                 batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss.item()  # the end of a step as a loop sees it
+        s0 = time.perf_counter()
+        if rt is not None:
+            rt.step_done(loss=loss)
+            if step % args.every == 0:
+                stalls.append(rt.stalls_s[-1])
+        elif args.mode == "dcp" and step % args.every == 0:
+            pending = _own_dcp_save(args, model, optimizer, step, pending, group)
+            stalls.append(time.perf_counter() - s0)
+        times.append(time.perf_counter() - t0)
+    if rt is not None:
+        rt.finish()
+    elif pending is not None:
+        pending.result()
+    warm = times[min(3, len(times) - 1):]
+    _report(args, rank, {"params": params, "step_s": statistics.mean(warm),
+                         "stall_s": statistics.median(stalls) if stalls else 0.0, "snapshots": len(stalls)})
+
+
+def _own_dcp_save(args, model, optimizer, step: int, pending, group):
+    """The script's own snapshot: wait for the previous one, then DCP's async save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if pending is not None:
+        pending.result()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return dcp.async_save({"model": model_sd, "optimizer": optim_sd},
+                          checkpoint_id=os.path.join(args.dir, f"own-{step}"), process_group=group)
+
+
+def _restore(args, rt, model, optimizer, began: float) -> float | None:
+    """A restart's restore, timed: ftrain's `rt.restore`, or the script's own DCP load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not args.restore_only:
+        if rt is not None:
+            rt.restore(model=model, optimizer=optimizer)
+        return None
+    t0 = time.perf_counter()
+    if rt is not None:
+        rt.restore(model=model, optimizer=optimizer)
+    else:
+        newest = max(Path(args.dir).glob("own-*"), key=lambda p: int(p.name.split("-")[1]))
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(newest))
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return time.perf_counter() - t0
+
+
+def _report(args, rank: int, figures: dict) -> None:
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(figures))
+
+
+# ---------------------------------------------------------------------------- the driver
+
+def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: bool = False) -> dict:
+    result = directory / f"result-{mode}-{int(restore_only)}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+           "--master-port", str(args.port), __file__, "--role", "rank", "--mode", mode,
+           "--dir", str(directory / mode), "--result", str(result), "--steps", str(args.steps),
+           "--every", str(args.every), "--dim", str(args.dim), "--depth", str(args.depth),
+           "--heads", str(args.heads), "--vocab", str(args.vocab), "--length", str(args.length),
+           "--batch", str(args.batch)] + (["--restore-only"] if restore_only else [])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", default="driver", choices=["driver", "rank"])
+    p.add_argument("--mode", default="none", choices=["none", "ftrain", "dcp"])
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs on a GPU host)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=5, help="steps between snapshots")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--dir", help="snapshot folder (shared by the ranks); default: a temporary one")
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=29655)
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--out", default=str(REPO / "bench" / "fsdp_restore.json"))
+    args = p.parse_args()
+    if args.role == "rank":
+        _rank(args)
+        return
+
+    directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ftrain-fsdp-bench-"))
+    try:
+        none = _run(args, "none", directory)
+        runs = {mode: _run(args, mode, directory) for mode in ("ftrain", "dcp")}
+        restores = {mode: _run(args, mode, directory, restore_only=True)["restore_s"] for mode in runs}
+    finally:
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    base = none["step_s"]
+    rows = {mode: {**got, "cost_pct": 100 * (got["step_s"] - base) / base, "restore_s": restores[mode]}
+            for mode, got in runs.items()}
+    out = {"when": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
+           "device": _device(), "nproc": args.nproc, "params": none["params"], "every": args.every,
+           "steps": args.steps, "step_s_none": base, "runs": rows, "restore_from_memory_s": None}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"{none['params'] / 1e6:.1f}M parameters, {args.nproc} ranks on {out['device']}, a snapshot every "
+          f"{args.every} steps; step without snapshots {base * 1e3:.1f} ms")
+    print(f"{'run':<8} {'step ms':>9} {'cost %':>7} {'stall ms':>9} {'restore s':>10}")
+    for mode, row in rows.items():
+        print(f"{mode:<8} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} "
+              f"{row['restore_s']:>10.3f}")
+    print("restore from memory: n/a (no memory tier for sharded models yet)")
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+if __name__ == "__main__":
+    main()

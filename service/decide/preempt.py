@@ -1,0 +1,193 @@
+"""Preemption: a waiting job of higher priority takes nodes from running jobs of lower priority.
+
+A waiting job that the free nodes cannot start (fewer than its `nodes.min` fit it) looks for
+victims among the running jobs of strictly lower priority (`choose`): first it takes the
+nodes of those above their `min` (they shrink to no less than `min`), then, if that is not
+enough, whole jobs (they are suspended). Victims are taken lowest priority first, then the
+one with the least work since its last snapshot (the least to redo should the snapshot at
+the step boundary not come), then the newest. Nothing is taken unless the nodes that free
+up (with those free now and those already leaving for it) start the job: a preemption that
+cannot start anything would only cost the victims.
+
+A victim is marked (`JobRecord.preempt`, `mark`) and gives its nodes up the way a drain
+does (`scheduling.plan`, `yield_nodes`): a job on the ftrain runtime is asked for a snapshot
+at its next step boundary (`checkpoint_pause`), and once rank 0 has committed it the job
+goes on without the nodes it gives (a shrink: a new attempt on the rest, resumed from that
+snapshot, 0 steps lost) or goes back to PENDING (a suspension: its snapshot on disk, and its
+memory copy noted in `kept` so that it prefers those nodes when it resumes, though they are
+not held from the job that took them). A plain script (no runtime) is stopped: SIGTERM, then
+`spec.preempt_grace_s` to save before SIGKILL (`Assignment.cancel_grace_s`); then it starts
+again on the nodes it keeps, or waits. Either way the victim counts a restart of cause
+"preemption" (`RestartCounts`), not a failure.
+
+Never for an equal or lower priority; so a job suspended by a preemption never takes its
+nodes back from the job that took them (its priority is lower), and two jobs of one
+priority never preempt each other. While its victims give their nodes up, the waiting job
+keeps the free nodes that fit it from every job of lower priority (`scheduling.schedule_queue`),
+so that what one victim frees is not handed back to it, or to another job, as a scale-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from service.decide.placement import fits
+from service.decide.state import note
+from service.models import EventView, JobRecord, JobState, NodeRecord, Preemption
+
+S = JobState
+
+
+_MAY_GIVE = frozenset((S.STARTING, S.RUNNING, S.RECOVERING))
+_LIVE = frozenset(("assigned", "running"))  # `MemberStatus.is_live`
+
+
+@dataclass(frozen=True)
+class Take:
+    """What one victim gives the waiting job: `leave` (its nodes that go), all of them if `suspend`."""
+
+    victim: JobRecord
+    leave: tuple[str, ...]
+    suspend: bool
+
+
+def live(job: JobRecord) -> list[str]:
+    return sorted(n for n, m in job.members.items() if m.is_live())
+
+
+def is_candidate(job: JobRecord) -> bool:
+    """`job` may be preempted: it holds nodes and runs (or starts, or recovers), and is not
+    already giving nodes up, stopping, cancelled or ending (a finished member: it is let end)."""
+    if job.preempt is not None or job.stopping or job.state not in _MAY_GIVE:
+        return False
+    states = {m.state for m in job.members.values()}
+    return "succeeded" not in states and not states.isdisjoint(_LIVE)
+
+
+def work_since_snapshot(job: JobRecord, now: float) -> float:
+    """Seconds of work since its last committed snapshot (since it was submitted, with none)."""
+    snap = job.latest_snapshot
+    since = snap.time if snap is not None and snap.time is not None else job.created_at
+    return max(0.0, now - since)
+
+
+def victim_key(job: JobRecord, now: float) -> tuple[int, float, float, str]:
+    """Victims in the order they are taken: lowest priority, least work since a snapshot, newest."""
+    return (job.spec.priority, work_since_snapshot(job, now), -job.created_at, job.id)
+
+
+def coming(jobs: Iterable[JobRecord]) -> dict[str, list[str]]:
+    """waiting job id -> the nodes its victims are giving up (marked, not yet gone)."""
+    found: dict[str, list[str]] = {}
+    for j in jobs:
+        if j.preempt is not None and j.state.is_active():
+            found.setdefault(j.preempt.by, []).extend(n for n in j.preempt.leave if j.members.get(n)
+                                                      and j.members[n].is_live())
+    return found
+
+
+def _spare(job: JobRecord, members: list[str], fit) -> list[str]:
+    """The nodes `job` can give while staying at its `min`, that fit: group rank 0's node last
+    (the node that holds the group's rank 0 stays, where it can)."""
+    leader = (job.group or "").split("/")[0]
+    ordered = sorted((n for n in members if fit(n)), key=lambda n: (n == leader, n))
+    return ordered[:max(0, len(members) - job.spec.nodes.min)]
+
+
+class Victims:
+    """The running jobs that may be preempted (`is_candidate`), in the order victims are taken
+    (`victim_key`): sorted once for a scheduler pass (built only when a waiting job looks for
+    victims), then asked for each waiting job that does (`choose`), at a cost that grows with
+    the victims it takes, not with every running job, save when too few nodes run below it."""
+
+    def __init__(self, jobs: Iterable[JobRecord], now: float, below: int | None = None,
+                 taken: set[str] | None = None):
+        """`below`: only jobs of a lower priority than this are looked at (the priority of the
+        waiting job that asks: in queue order, the highest that will); `taken`: the ids of jobs
+        taken already in this pass."""
+        self.below = below
+        if below is not None:
+            jobs = [j for j in jobs if j.spec.priority < below]
+        self.order = sorted((j for j in jobs if is_candidate(j)), key=lambda j: victim_key(j, now))
+        self.live = {j.id: live(j) for j in self.order}
+        self.shrinkable = [j for j in self.order if len(self.live[j.id]) > j.spec.nodes.min]
+        self.priorities = [j.spec.priority for j in self.order]  # ascending: lowest priority first
+        # nodes held by order[:i], for each i: what all the jobs below a priority hold
+        self.held = list(itertools.accumulate((len(self.live[j.id]) for j in self.order), initial=0))
+        self.taken: set[str] = taken if taken is not None else set()  # by an earlier `choose` of this pass
+
+    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord]) -> list[Take]:
+        """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
+        start; [] when none is needed or not enough can be taken (then none is taken)."""
+        if need <= 0:
+            return []
+        prio = waiter.spec.priority
+        below = bisect.bisect_left(self.priorities, prio)  # the candidates of lower priority: a prefix
+        if self.held[below] < need:  # (an upper bound: taken jobs and nodes that do not fit included)
+            return []
+        cache: dict[str, bool] = {}
+
+        def fit(n: str) -> bool:
+            if n not in cache:
+                cache[n] = n in nodes and fits(waiter.spec, nodes[n])
+            return cache[n]
+
+        takes: dict[str, Take] = {}
+        got = 0
+        for j in self.shrinkable:  # first shrink those above their min
+            if got >= need or j.spec.priority >= prio:
+                break
+            if j.id not in self.taken and (give := _spare(j, self.live[j.id], fit)[:need - got]):
+                takes[j.id] = Take(j, tuple(sorted(give)), suspend=False)
+                got += len(give)
+        for j in itertools.islice(self.order, below):  # then suspend whole jobs
+            if got >= need:
+                break
+            if j.id in self.taken:
+                continue
+            members = self.live[j.id]
+            extra = sum(1 for n in members if fit(n)) - (len(takes[j.id].leave) if j.id in takes else 0)
+            if extra > 0:
+                takes[j.id] = Take(j, tuple(members), suspend=True)
+                got += extra
+        if got < need:
+            return []
+        self.taken.update(takes)
+        return list(takes.values())
+
+
+def choose(waiter: JobRecord, need: int, candidates: Iterable[JobRecord], nodes: Mapping[str, NodeRecord],
+           now: float) -> list[Take]:
+    """`Victims(candidates, now).choose(waiter, need, nodes)`: for one waiting job."""
+    return Victims(candidates, now).choose(waiter, need, nodes)
+
+
+def mark(take: Take, waiter: JobRecord, now: float) -> tuple[JobRecord, EventView]:
+    """The victim once told to give its nodes up to `waiter`, with its event."""
+    p = Preemption(by=waiter.id, by_priority=waiter.spec.priority, leave=list(take.leave),
+                   suspend=take.suspend, requested_at=now)
+    return remark(take.victim, p, now)
+
+
+def remark(victim: JobRecord, p: Preemption, now: float) -> tuple[JobRecord, EventView]:
+    """`victim` marked with `p` (made on another record of it: `mark`)."""
+    what = ("suspended (its state kept: it waits for nodes and resumes where it stopped)" if p.suspend
+            else f"giving up node(s) {', '.join(p.leave)}")
+    changed = victim.model_copy(update={"preempt": p})
+    return note(changed, f"preempted by {p.describe()}: {what}", now, as_reason=True)
+
+
+def still_applies(victim: JobRecord, p: Preemption) -> bool:
+    """`p`, decided on an older record of `victim`, may be marked on this one."""
+    return is_candidate(victim) and set(p.leave) <= set(live(victim)) \
+        and (not p.suspend or set(p.leave) == set(live(victim)))
+
+
+def noted_on_waiter(waiter: JobRecord, takes: Sequence[Take], now: float) -> tuple[JobRecord, EventView]:
+    """The waiting job's event: whom it preempts, and how."""
+    parts = [f"job {t.victim.id} (priority {t.victim.spec.priority}): "
+             + ("suspending it" if t.suspend else f"taking node(s) {', '.join(t.leave)}") for t in takes]
+    return note(waiter, "preempting " + "; ".join(parts), now, as_reason=True)

@@ -1,0 +1,79 @@
+"""Preemption with real processes: a job of higher priority takes nodes from a running one of
+lower priority, which shrinks at a step boundary (the ftrain runtime: 0 steps lost), then is
+suspended at its `min` and resumed; a plain script gets SIGTERM and its spec's grace. Real
+etcd, control plane, agents, torchrun and gloo DDP (examples/train.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers.elastic import events, job, log_items, submit, wait_nodes, wait_state
+from tests.helpers.faults import SnapshotWatch, check_steps, train_spec
+from tests.helpers.processes import REPO, wait_for
+
+pytestmark = pytest.mark.integration
+SAVES = REPO / "tests" / "scripts" / "saves_on_sigterm.py"
+SAVING = re.compile(r"^saving ([\d.]+) s after SIGTERM")
+
+
+def reasons(api, job_id: str) -> list[str]:
+    return [e["reason"] for e in events(api, job_id)]
+
+
+def test_a_higher_priority_job_shrinks_then_suspends_a_runtime_job_losing_no_step(control_plane, api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    # Snapshots only at the preemptions' step boundaries: a resume from anywhere else would lose steps.
+    low = submit(api, train_spec("low", 200, every=100_000, mn=1, mx=2, delay_s=0.03))
+    with SnapshotWatch(control_plane, low) as watch:
+        wait_for(lambda: (j := job(api, low))["world_size"] == 2
+                 and (j["progress"] or {}).get("step", 0) >= 5,
+                 120, "the low-priority job to train on both nodes")
+        # (long enough to still run when the next one comes: then "low" is at its min)
+        high_a = submit(api, train_spec("high-a", 150, mn=1, mx=1, priority=10, delay_s=0.03))
+        wait_for(lambda: job(api, high_a)["state"] == "RUNNING" and len(job(api, low)["nodes"]) == 1, 120,
+                 "the high-priority job to run on the node the other gave up")
+        high_b = submit(api, train_spec("high-b", 30, mn=1, mx=1, priority=10, delay_s=0.03))
+        wait_for(lambda: "suspended" in job(api, low)["reason"] or job(api, low)["state"] == "PENDING", 120,
+                 "the low-priority job, at its min, to be suspended")
+        for high in (high_a, high_b):
+            assert wait_state(api, high, ("SUCCEEDED", "FAILED"), timeout_s=180)["state"] == "SUCCEEDED"
+        done = wait_state(api, low, ("SUCCEEDED", "FAILED"), timeout_s=240)
+        assert done["state"] == "SUCCEEDED", reasons(api, low)
+        trace = check_steps(api, low, watch=watch)
+    # 0 steps lost: every resume starts from the last step made before it (rank 0 snapshotted there).
+    assert len(trace.resumes) >= 2, trace.resumes
+    assert all(resumed >= last for _, resumed, last in trace.resumes), trace.resumes
+    assert trace.steps[-1] == 200
+    said = reasons(api, low)
+    assert any(r.startswith(f"preempted by job {high_a} (priority 10): giving up node(s)")
+               for r in said), said
+    assert any(r.startswith(f"preempted by job {high_b} (priority 10): suspended") for r in said), said
+    assert any(r.startswith(f"preempting job {low} (priority 0): taking node(s)")
+               for r in reasons(api, high_a))
+    assert f"preempting job {low} (priority 0): suspending it" in reasons(api, high_b)
+    by_cause = done["restarts_by_cause"]
+    assert (by_cause["preemption"], by_cause["failure"], by_cause["lost_node"]) == (2, 0, 0), by_cause
+    assert done["restarts"] == 0  # (failures only: what max_restarts bounds)
+
+
+def test_a_preempted_plain_script_gets_sigterm_and_its_grace_then_runs_again(api, agents):
+    agents(1)
+    wait_nodes(api, 1)
+    grace_s = 6.0  # more than the cancel grace (5 s): the spec's is the one given
+    low = submit(api, {"name": "plain", "command": ["python", str(SAVES), "--steps", "60"],
+                       "preempt_grace_s": grace_s, "max_restarts": 0})
+    wait_for(lambda: any(i["line"] == "step 3" for i in log_items(api, low)), 60, "the plain script to step")
+    quick = ["python", str(REPO / "tests" / "scripts" / "exit_with.py"), "0"]
+    high = submit(api, {"name": "urgent", "command": quick, "priority": 5})
+    assert wait_state(api, high, ("SUCCEEDED", "FAILED"), timeout_s=90)["state"] == "SUCCEEDED"
+    lines = [i["line"] for i in log_items(api, low) if i["attempt"] == 1]
+    assert any(x.startswith("SIGTERM at step") for x in lines), lines[-5:]
+    saved_for = max(float(m.group(1)) for x in lines if (m := SAVING.match(x)))
+    assert saved_for >= grace_s - 1.0, f"stopped {saved_for} s after SIGTERM; its grace is {grace_s} s"
+    assert f"preempted by job {high} (priority 5): suspended" in " ".join(reasons(api, low))
+    done = wait_state(api, low, ("SUCCEEDED", "FAILED"), timeout_s=120)
+    assert done["state"] == "SUCCEEDED", reasons(api, low)
+    assert done["restarts_by_cause"] == {"failure": 0, "lost_node": 0, "preemption": 1, "resize": 0}

@@ -1,0 +1,229 @@
+"""Sharded snapshots: an FSDP2 model and its optimizer saved by every rank's own shards with
+torch.distributed.checkpoint (DCP), and loaded at any world size.
+
+A sharded snapshot is a directory in the job's snapshot folder:
+
+    <dir>/.step-<step>.dcp.tmp-<token>/      every rank writes into it (DCP's FileSystemWriter)
+        __<rank>_<n>.distcp                  each rank's shards of the model and optimizer
+        .metadata                            DCP's index, written by rank 0 once every rank's
+                                             writes are done (its last collective gathers them)
+        ftrain-sums-<rank>.json              each rank: its own files' sizes and sha256
+        ftrain-state.pt                      rank 0: step, world size, every rank's RNG states,
+                                             scheduler, sampler, extras (small, weights-only)
+        ftrain-manifest.json                 rank 0, last: every file above, size and sha256
+    rename -> <dir>/step-<step:012d>.dcp ; fsync(dir)
+
+Rank 0 commits it to the control plane (path, total size, sha256 of the manifest) only once
+the manifest lists every rank's sums: a committed snapshot holds every rank's shards whole.
+A restore verifies the manifest's checksum and each file's size and sha256 against it (a
+damaged one is reported and skipped for the one before, as for a snapshot file), and DCP's
+load plans put each shard where the new world's ranks want it: 2 ranks' snapshot loads into
+1 or 4.
+
+The write runs off the training thread: `dcp.async_save` copies the shards to host memory on
+the training thread (the stall) and writes them from a thread, over a gloo group of its own
+(a collective from that thread on the training's group would interleave with the training's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import snapshot as snap
+
+SUFFIX = ".dcp"
+TMP_MARK = snap.SHARDED_TMP_MARK
+MANIFEST = "ftrain-manifest.json"
+STATE_FILE = "ftrain-state.pt"
+SUMS = "ftrain-sums-{rank}.json"
+# How long rank 0 waits for the other ranks' sums once its own write is done: they finished
+# writing before DCP's last collective returned, so this is only their hashing.
+SUMS_WAIT_S = 600.0
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded with FSDP2 (`fully_shard`): its parameters are DTensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch before 2.4
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def snapshot_name(step: int) -> str:
+    return f"step-{step:012d}{SUFFIX}"
+
+
+def is_snapshot_dir(path: str | Path) -> bool:
+    return Path(path).name.endswith(SUFFIX)
+
+
+def model_and_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """The model's and optimizer's sharded state dicts (DTensors), as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def full_model_state(model: torch.nn.Module) -> dict:
+    """The whole model's state_dict on the CPU: gathered from every rank's shards for an FSDP2
+    model (a collective: every rank calls it), the plain state_dict for any other."""
+    if not is_sharded(model):
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        return {k: v.detach().cpu() for k, v in inner.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def start_save(state: dict, tmp: Path, group: Any) -> Future:
+    """Every rank: copy its shards to host memory (here) and write them from a thread (DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+
+
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
+    """Every rank: its shards of `path`'s model and optimizer, resharded for this world (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
+
+    state = model_and_optimizer(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.new(snap.CHECKSUM_ALGO)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return f"{snap.CHECKSUM_ALGO}:{digest.hexdigest()}"
+
+
+def _write_json(path: Path, data: Any) -> bytes:
+    """Atomically (temporary file, fsync, rename); returns the bytes written."""
+    body = json.dumps(data, indent=1, sort_keys=True).encode()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return body
+
+
+def write_own_sums(tmp: Path, rank: int) -> None:
+    """Every rank, once its DCP write is done: its own shard files' sizes and checksums."""
+    files = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    _write_json(tmp / SUMS.format(rank=rank), files)
+
+
+def _wait_for_sums(tmp: Path, world_size: int, timeout_s: float) -> dict[str, list]:
+    """Rank 0: every rank's sums (each written atomically), merged; OSError at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    files: dict[str, list] = {}
+    for rank in range(world_size):
+        path = tmp / SUMS.format(rank=rank)
+        while not path.exists():
+            if time.monotonic() >= deadline:
+                raise OSError(f"rank {rank} did not report its shards of {tmp.name} within {timeout_s:g} s")
+            time.sleep(0.01)
+        files.update(json.loads(path.read_text()))
+    return files
+
+
+@dataclass
+class ShardedSave(snap.PendingSnapshot):
+    """Rank 0's part of one sharded snapshot, completed by `AsyncWriter`'s thread: its own
+    DCP write awaited, every rank's sums gathered, the small state written, the manifest
+    written last, the directory renamed into place."""
+
+    future: Future
+    tmp: Path
+    world_size: int
+    small_state: dict
+    sums_wait_s: float = SUMS_WAIT_S
+
+    def complete(self, directory: Path, step: int) -> snap.WrittenSnapshot:
+        began = time.perf_counter()
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            try:
+                self.future.result()
+            except CheckpointException as exc:  # a rank's storage refused: this snapshot is lost, not the run
+                raise OSError(f"the shards of step {step} were not all written: {exc}") from exc
+            write_own_sums(self.tmp, 0)
+            files = _wait_for_sums(self.tmp, self.world_size, self.sums_wait_s)
+            state_file = snap.write_atomic(self.small_state, self.tmp, step)
+            os.replace(state_file.path, self.tmp / STATE_FILE)
+            for name in (".metadata", STATE_FILE):
+                files[name] = [(self.tmp / name).stat().st_size, _sha256(self.tmp / name)]
+            body = _write_json(self.tmp / MANIFEST, {"step": step, "world_size": self.world_size,
+                                                      "files": files})
+            final = directory / snapshot_name(step)
+            if final.exists():  # an uncommitted write of this step by an earlier group
+                shutil.rmtree(final)
+            os.replace(self.tmp, final)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        snap.fsync_dir(directory)
+        digest = hashlib.new(snap.CHECKSUM_ALGO, body).hexdigest()
+        size = len(body) + sum(size for size, _ in files.values())
+        return snap.WrittenSnapshot(step=step, path=str(final), size=size,
+                                    checksum=f"{snap.CHECKSUM_ALGO}:{digest}",
+                                    write_s=time.perf_counter() - began, shards=self.world_size)
+
+
+def verify(path: Path, checksum: str, size: int | None = None,
+           hash_file: Callable[[Path], str] = _sha256) -> None:
+    """Raise SnapshotCorrupt unless the directory's manifest has this checksum and every file it
+    lists is there with its size and checksum."""
+    try:
+        body = (path / MANIFEST).read_bytes()
+        actual = f"{snap.CHECKSUM_ALGO}:{hashlib.new(snap.CHECKSUM_ALGO, body).hexdigest()}"
+        if actual != checksum:
+            raise snap.SnapshotCorrupt(f"{path}/{MANIFEST} has checksum {actual}, the commit said {checksum}")
+        files = json.loads(body)["files"]
+        total = len(body)
+        for name, (want_size, want_sum) in sorted(files.items()):
+            file = path / name
+            got = file.stat().st_size
+            if got != want_size:
+                raise snap.SnapshotCorrupt(f"{file} is {got} bytes, the manifest says {want_size}")
+            if hash_file(file) != want_sum:
+                raise snap.SnapshotCorrupt(f"{file} does not match its checksum in the manifest")
+            total += got
+    except OSError as exc:
+        raise snap.SnapshotCorrupt(f"cannot read {path}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise snap.SnapshotCorrupt(f"{path}/{MANIFEST} is not a manifest: {exc}") from exc
+    if size is not None and total != size:
+        raise snap.SnapshotCorrupt(f"{path} holds {total} bytes, the commit said {size}")
+
+
+def checkpoint_group(backend: str | None = None) -> Any:
+    """A gloo group for DCP's writes from a thread (every rank calls it, at the same point)."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend=backend or "gloo")
