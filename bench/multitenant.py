@@ -124,7 +124,10 @@ class Arm:
         agents: list[NodeAgentProc] = []
         try:
             cp.start()
-            agents = [NodeAgentProc(cp, f"n{i}", self.root / f"n{i}").start() for i in range(self.nodes)]
+            # The trace's workers train on CPU (gloo): on a GPU host the ranks of the 4 nodes
+            # (8, arms side by side) would share its GPUs, which NCCL refuses.
+            agents = [NodeAgentProc(cp, f"n{i}", self.root / f"n{i}", env={"CUDA_VISIBLE_DEVICES": ""}).start()
+                      for i in range(self.nodes)]
             with cp.client("user") as admin:
                 wait_for(lambda: len(admin.get("/v1/nodes").json()["items"]) == self.nodes, 120,
                          f"{self.nodes} nodes to register")
@@ -187,7 +190,8 @@ class Arm:
     def figures(self) -> dict:
         return {"utilization": self.utilization(), **self.high_priority_wait(), **self.lost(),
                 "jain_p0": self.jain(), "makespan_s": round(self.ended_at - self.started_at, 1),
-                "failed": sorted(j["spec"]["name"] for j in self.jobs.values() if j["state"] != "SUCCEEDED")}
+                "failed": sorted(f"{j['spec']['name']}: {j['state']} ({j['reason']})"
+                                 for j in self.jobs.values() if j["state"] != "SUCCEEDED")}
 
     def _intervals(self):
         for (t, nodes), (t_next, _) in zip(self.samples, self.samples[1:]):
