@@ -92,6 +92,10 @@ def rows(j: str, attempt: int, lone: str,
         ("GET", f"/v1/jobs/{j}/logs", None, {"user", "named"}),
         ("GET", "/v1/nodes", None, {"user", "named"}),
         ("GET", "/v1/users", None, {"user"}),  # the admin only
+        ("GET", "/v1/queue", None, {"user", "named"}),
+        ("GET", "/v1/teams", None, {"user"}),  # the admin only
+        ("PATCH", "/v1/teams/vision", {"max_nodes": 4}, {"user"}),  # the admin only
+        ("PATCH", "/v1/users/alice", {"max_nodes": 4}, {"user"}),  # the admin only
         ("GET", f"/v1/jobs/{j}/snapshots", None, {"user", "named", "job_j"}),
         # nodes
         ("POST", "/v1/nodes/register", {"name": "newcomer"}, {"bootstrap"}),
