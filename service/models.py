@@ -154,6 +154,12 @@ class JobSpec(_Strict):
         None, ge=2, le=MAX_HANG_TIMEOUT_S,
         description="Restart the workers (as a worker failure) when rank 0, having reported "
                     "progress through the runtime, does not advance its step for this long.")
+    straggler_factor: JsonFloat = Field(
+        1.3, ge=1.05, le=100,
+        description="Flag a rank whose compute time per step is at least this many times the median "
+                    "of the other ranks' over `straggler_window_s` (runtime scripts; docs/stragglers.md).")
+    straggler_window_s: JsonFloat = Field(
+        60.0, ge=2, le=3600, description="The window over which a straggler is judged, in seconds.")
 
     @field_validator("name")
     @classmethod
@@ -286,6 +292,16 @@ class Control(BaseModel):
     requested_at: float
 
 
+class Straggler(BaseModel):
+    """A rank flagged as slower than the job's others (service/decide/stragglers.py)."""
+
+    rank: int
+    node: str | None = None
+    factor: float = Field(..., description="Its compute time per step over the median of the other "
+                          "ranks', over the window.")
+    since: float = Field(..., description="When it was flagged.")
+
+
 class JobRecord(BaseModel):
     """What etcd holds for a job (one key; every write is a CAS on its mod_revision)."""
 
@@ -349,6 +365,8 @@ class JobRecord(BaseModel):
     # While PENDING after losing a node: the survivors that hold its memory copy, kept for it a
     # while (service.decide.keep); None once it starts again.
     kept: KeptCopies | None = None
+    # The ranks of the group that trains now flagged as stragglers (cleared with the group).
+    stragglers: list[Straggler] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -376,6 +394,7 @@ class JobRecord(BaseModel):
             world_size=self.world_size, restarts=self.restarts,
             latest_snapshot=self.latest_snapshot, progress=progress,
             regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
+            stragglers=self.stragglers,
         )
 
 
@@ -403,6 +422,8 @@ class JobView(BaseModel):
                              "the new one has been seen yet: at the start (state STARTING), after a fault "
                              "(state RECOVERING) or for a planned change (a node joining, a drain: state "
                              "RUNNING); `reason` says which.")
+    stragglers: list[Straggler] = Field(default_factory=list, description="Ranks of the group that "
+                                        "trains now that are slower than the others (docs/stragglers.md).")
     waiting: str | None = Field(None, description="PENDING only: what it waits for, as of this read (the "
                                 "nodes it needs against those registered, fitting and free, and the jobs "
                                 "holding the rest).")
