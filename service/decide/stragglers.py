@@ -106,17 +106,17 @@ def observe(stored: Progress | None, group: str, ranks_now: list[RankTime], now:
     Returns a Progress carrying only those fields (`ranks`, `ranks_since`, `ranks_of`,
     `straggler_samples`), for the caller to merge."""
     before = stored if stored is not None and stored.ranks_of == group else None
-    if not ranks_now:  # a report without step times (between rank 0's gathers): nothing new
-        if before is None:
-            return Progress(step=0), []
-        found = flagged(before.straggler_samples, before.ranks_since, now, window_s)
-        return _fields(before.ranks, before.ranks_since, group, before.straggler_samples), _named(found, before.ranks)
-    figures = None if before is None else per_step(before.ranks, ranks_now)
-    if before is None or figures is None:
+    if before is None:  # this group's first step times (or none yet)
+        return (_fields(ranks_now, now, group, []) if ranks_now else Progress(step=0)), []
+    figures = per_step(before.ranks, ranks_now) if ranks_now else {}
+    if figures is None:
         return _fields(ranks_now, now, group, []), []
-    kept = window(before.straggler_samples, now, window_s) + [StragglerSample(time=now, over=over(figures, factor))]
-    found = flagged(kept, before.ranks_since, now, window_s)
-    return _fields(ranks_now, before.ranks_since, group, kept), _named(found, ranks_now)
+    ranks, samples = before.ranks, before.straggler_samples
+    if figures:  # else the same sums again (rank 0 reports more often than it gathers): no interval
+        ranks = ranks_now
+        samples = window(samples, now, window_s) + [StragglerSample(time=now, over=over(figures, factor))]
+    found = flagged(samples, before.ranks_since, now, window_s)
+    return _fields(ranks, before.ranks_since, group, samples), _named(found, ranks)
 
 
 def _fields(ranks: list[RankTime], since: float | None, group: str, samples: list[StragglerSample]) -> Progress:

@@ -1,0 +1,69 @@
+"""Stragglers on real agents: the runtime example on two nodes (gloo DDP), one of its ranks
+sleeping half as long again per step, is flagged by node and rank within the window: an
+event, the job's `stragglers`, a metric and a mark on the dashboard's job page. The same job
+with every rank at the same pace is never flagged."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.elastic import events, job, submit, wait_nodes
+from tests.helpers.processes import REPO, wait_for
+
+pytestmark = pytest.mark.integration
+WINDOW_S = 8.0
+
+
+def spec(name: str, *extra: str) -> dict:
+    return {"name": name, "working_dir": str(REPO),
+            "command": ["python", "examples/train.py", "--steps", "100000", "--step-delay", "0.25",
+                        "--width", "32", *extra],
+            "nodes": {"min": 2, "max": 2}, "snapshot": {"every_steps": 25, "keep": 2},
+            "straggler_window_s": WINDOW_S}
+
+
+def timed_for(api, job_id: str, seconds: float) -> dict:
+    """Wait until the job's ranks have been timed for `seconds`; the job then."""
+    def long_enough():
+        j = job(api, job_id)
+        p = j["progress"] or {}
+        return p.get("ranks_since") is not None and p["time"] - p["ranks_since"] >= seconds and j
+    return wait_for(long_enough, 120, f"job {job_id}'s ranks to be timed for {seconds:g} s")
+
+
+def test_a_rank_half_as_slow_again_is_flagged_by_node_and_rank(api, agents, control_plane):
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, spec("slow", "--slow-rank", "1", "--slow-by", "1.5"))
+    j = timed_for(api, job_id, 0)
+    flagged = wait_for(lambda: (j := job(api, job_id))["stragglers"] and j, 60 + WINDOW_S,
+                       f"job {job_id} to flag a straggler")
+    node_of_rank_1 = next(r["node"] for r in flagged["progress"]["ranks"] if r["rank"] == 1)
+    assert node_of_rank_1 in ("n0", "n1")
+    [s] = flagged["stragglers"]
+    assert (s["rank"], s["node"]) == (1, node_of_rank_1) and s["factor"] >= 1.3
+    # Flagged within the window of the ranks being first timed, give or take a report.
+    assert s["since"] - j["progress"]["ranks_since"] <= WINDOW_S + 4
+    lines = [e["reason"] for e in events(api, job_id) if e["reason"].startswith("straggler")]
+    assert lines and f"rank 1 on node {node_of_rank_1}" in lines[0]
+    metrics = api.get("/metrics").text
+    assert f'ftrain_job_straggler_factor{{job="{job_id}",node="{node_of_rank_1}",rank="1"}}' in metrics
+    from tests.integration.test_dashboard import dashboard, sign_in  # skips without playwright
+
+    with dashboard(control_plane) as page:
+        sign_in(page, control_plane)
+        page.goto(f"{control_plane.url}/ui/#/jobs/{job_id}")
+        page.wait_for_selector('#facts [data-straggler-rank="1"]')
+        assert f"on {node_of_rank_1}" in page.inner_text("#facts .straggler")
+    api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_a_healthy_job_is_not_flagged(api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, spec("even"))
+    j = timed_for(api, job_id, 2.5 * WINDOW_S)
+    assert j["stragglers"] == []
+    assert not [e for e in events(api, job_id) if e["reason"].startswith("straggler")]
+    assert len(j["progress"]["ranks"]) == 2 and all(r["steps"] > 0 for r in j["progress"]["ranks"])
+    api.post(f"/v1/jobs/{job_id}/cancel")
