@@ -367,6 +367,9 @@ class JobRecord(BaseModel):
     kept: KeptCopies | None = None
     # The ranks of the group that trains now flagged as stragglers (cleared with the group).
     stragglers: list[Straggler] = Field(default_factory=list)
+    # The attempt last taken for hung: its nodes report their workers' stacks before they stop
+    # them (`service.decide.hangs.decide_stacks`).
+    hung_attempt: int | None = None
 
     @model_validator(mode="before")
     @classmethod

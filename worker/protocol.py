@@ -193,10 +193,16 @@ class Assignment(BaseModel):
     snapshot_keep: int
     global_batch_size: int | None
     cancel_grace_s: float
+    # The attempt the control plane took for hung: before its group is stopped, the agent
+    # collects every worker's Python stacks and reports them (`StacksReport`, worker/stacks.py).
+    stacks_of: int | None = None
 
 
 class HeartbeatReply(BaseModel):
     assignment: Assignment | None
+    # With no assignment: the attempt this node runs (its `known`) ended taken for hung; the
+    # agent collects its workers' stacks before it stops them (as `Assignment.stacks_of`).
+    hung: Known | None = None
 
 
 class ReportRequest(JsonBody):
@@ -205,6 +211,23 @@ class ReportRequest(JsonBody):
     state: Literal["running", "succeeded", "failed", "stopped"]
     exit_code: JsonInt | None = None
     reason: str | None = Field(None, max_length=8000)
+
+
+MAX_STACKS_CHARS = 64 * 1024  # of one rank's dump (worker.stacks.MAX_DUMP_BYTES)
+
+
+class RankStacks(JsonBody):
+    rank: JsonInt = Field(..., ge=0)
+    text: str = Field("", max_length=MAX_STACKS_CHARS, description="faulthandler's dump of every "
+                      "thread ('' where the worker gave none).")
+
+
+class StacksReport(JsonBody):
+    """A node's workers' Python stacks, for an attempt the control plane took for hung."""
+
+    job_id: str = Field(..., max_length=100)
+    attempt: JsonInt = Field(..., ge=0)
+    ranks: list[RankStacks] = Field(default_factory=list, max_length=1024)
 
 
 class ReportReply(BaseModel):

@@ -96,6 +96,7 @@ import torch.distributed as dist
 from . import handoff
 from . import rng as rng_module
 from . import snapshot as snap
+from . import stacks
 from .control import ControlChannel
 from .data import ResumableSampler
 from .env import (
@@ -728,6 +729,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
          memory_every: int | None = None, env: Mapping[str, str] | None = None) -> Runtime:
     """Set up this worker from its environment (see the module docstring); arguments win."""
     env = os.environ if env is None else env
+    stacks.register(env)  # a worker exec'd without the fork server (whose workers have it already)
     distributed = "RANK" in env and "WORLD_SIZE" in env
     rank = int(env.get("RANK", 0))
     local_rank = int(env.get("LOCAL_RANK", 0))
