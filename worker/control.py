@@ -3,7 +3,8 @@ control endpoint, every 0.5 s, and sends the progress reports, worker/progress.p
 every step all ranks agree on it ("decide once, broadcast"): one broadcast of rank 0's
 decision (`agree`), so every rank acts at the same step; every few seconds that broadcast is
 an all-reduce that also brings rank 0 every rank's step times (worker/step_timing.py).
-`checkpoint_stop` snapshots there and exits 0; `checkpoint_pause` snapshots there and waits to be restarted by its agent.
+`checkpoint_stop` snapshots there and exits 0; `checkpoint_pause` snapshots there and waits
+to be restarted by its agent.
 """
 
 from __future__ import annotations

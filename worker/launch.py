@@ -41,11 +41,8 @@ import time
 PR_SET_PDEATHSIG = 1
 # worker.env.FTRAIN_FORK_SERVER_SOCKET: this file imports only the standard library (see there).
 FORK_SERVER_SOCKET_ENV = "FTRAIN_FORK_SERVER_SOCKET"
-# worker.stacks.STACKS_SIGNAL: the node agent's "dump your stacks" (this file imports only the
-# standard library; tests/worker/test_stacks.py checks they agree).
-STACKS_SIGNAL = signal.SIGRTMIN + 6
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2, signal.SIGCONT, STACKS_SIGNAL)
+             signal.SIGUSR2, signal.SIGCONT)
 
 
 def signal_name(sig):

@@ -3,13 +3,14 @@
 A worker stuck in a collective (or a loop) cannot be asked anything in Python: its main
 thread may sit in C++ for good, so a Python signal handler would never run. `faulthandler`
 dumps every thread's stack from the signal handler itself, in C, whatever the threads are
-doing. So each worker registers STACKS_SIGNAL (`register`, from the fork server's worker and
-from `runtime.init`) with its output going to STACKS_FILE in its folder of output files
-(that of TORCHELASTIC_ERROR_FILE, where the launcher leaves its note); when the control plane
-takes an attempt for hung, the node agent sends the signal to each worker (through its
-launcher, which forwards it: worker/launch.py) and reads the files back (`read_dumps`) before
-it stops the group. A worker exec'd without the fork server that never called `runtime.init`
-has no handler: the signal ends it (the group is being restarted anyway), with no stacks.
+doing. So each worker registers STACKS_SIGNAL (`register`: the fork server does it for every
+worker it forks, plain scripts included, and `runtime.init` for a worker started without it)
+with its output going to STACKS_FILE in its folder of output files (that of
+TORCHELASTIC_ERROR_FILE, where the launcher leaves its note), whose first line names the
+worker's pid. When the control plane takes an attempt for hung, the node agent signals each
+pid it finds in those files (`pids`), and only those, then reads the dumps back (`read_dumps`)
+before it stops the group. A worker that registered nothing (exec'd without the fork server,
+never calling `runtime.init`) is not signalled, and has no stacks.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from pathlib import Path
 
 from . import safe_files
 
-# A real-time signal: nothing else uses it, and worker/launch.py forwards it (its own copy of
-# the number, checked by tests/worker/test_stacks.py).
+# A real-time signal: nothing else uses it.
 STACKS_SIGNAL = signal.SIGRTMIN + 6
+HEADER = "ftrain-stacks pid="  # the file's first line: the worker that writes it
 STACKS_FILE = "ftrain-stacks.txt"
 MAX_DUMP_BYTES = 64 * 1024  # of one worker's dump read back (a dump of 100 threads is ~40 KiB)
 
@@ -43,32 +44,42 @@ def register(env: dict[str, str] | os._Environ) -> bool:
     except OSError:
         return False
     f = os.fdopen(fd, "w")
+    f.write(f"{HEADER}{os.getpid()}\n")  # faulthandler writes after it, at the file's offset
+    f.flush()
     faulthandler.register(STACKS_SIGNAL, file=f, all_threads=True, chain=False)
     _files.append(f)
     return True
 
 
+def pids(files: dict[int, Path]) -> dict[int, int]:
+    """rank -> the pid of the worker that registered its STACKS_FILE (those that did)."""
+    out = {}
+    for rank, path in files.items():
+        first = _read(path).partition("\n")[0]
+        if first.startswith(HEADER) and first[len(HEADER):].isdigit():
+            out[rank] = int(first[len(HEADER):])
+    return out
+
+
 def read_dumps(files: dict[int, Path], wait_s: float) -> dict[int, str]:
     """Each rank's dump (rank -> its STACKS_FILE), once written: a file is taken when it has
-    stopped growing, and after `wait_s` whatever is there ('' for none)."""
+    stopped growing past its first line, and after `wait_s` whatever is there ('' for none)."""
     deadline = time.monotonic() + wait_s
     sizes: dict[int, int] = {}
     done: dict[int, str] = {}
     while True:
         for rank, path in files.items():
-            if rank in done:
+            text = _read(path) if rank not in done else None
+            if text is None:
                 continue
-            try:
-                size = os.stat(path).st_size
-            except OSError:
-                size = 0
-            if size and sizes.get(rank) == size:
-                done[rank] = _read(path)
-            sizes[rank] = size
+            dump = text.partition("\n")[2] if text.startswith(HEADER) else text
+            if dump and sizes.get(rank) == len(dump):
+                done[rank] = dump
+            sizes[rank] = len(dump)
         if len(done) == len(files) or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    return {rank: done[rank] if rank in done else _read(path) for rank, path in files.items()}
+    return {rank: done.get(rank, "") for rank in files}
 
 
 def _read(path: Path) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .protocol import RankTime
 from .tiers.memory import MEMORY_EVERY_MAX, MemoryTier
@@ -219,21 +220,21 @@ class StepClock:
     def hook(self, inner: Callable | None = None, state: Any = None) -> Callable:
         """A DDP communication hook that runs `inner` (by default torch's all-reduce, what DDP
         does without a hook) and notes when each bucket is ready and its all-reduce done."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        run = inner or default_hooks.allreduce_hook
+        def done(f):
+            self._done = self._now()
+            return f.value() if inner is not None else f.value()[0]
 
         def timed(hook_state, bucket):  # unannotated: DDP refuses a hook annotated otherwise than its own
             self._ready = self._now()
-            fut = run(hook_state, bucket)
+            if inner is not None:
+                return inner(hook_state, bucket).then(done)
+            # torch's allreduce_hook, with its own callback (that takes the result out of the
+            # list) made one with ours: a Python callback costs the step a GIL hand-over.
+            group = hook_state if hook_state is not None else dist.group.WORLD
+            tensor = bucket.buffer().div_(dist.get_world_size(group))
+            return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(done)
 
-            def done(f):
-                self._done = self._now()
-                return f.value()
-
-            return fut.then(done)
-
-        timed.__name__ = getattr(run, "__name__", "timed")
+        timed.__name__ = getattr(inner, "__name__", "timed")
         return timed
 
     def _now(self) -> float | torch.cuda.Event:

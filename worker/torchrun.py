@@ -76,7 +76,6 @@ from .procs import (
     descendants,
     is_alive,
     is_fork_server,
-    is_launcher,
     is_standby,
     kill_all,
     pdeathsig_argv,
@@ -579,12 +578,13 @@ class Torchrun:
 
     def collect_stacks(self, g: WorkerGroup, wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
         """Every worker's Python stacks (rank -> faulthandler's dump; '' where none came), for
-        an attempt taken for hung: STACKS_SIGNAL to each launcher, which forwards it to its
-        worker (worker/stacks.py), and the dumps read from the workers' folders."""
+        an attempt taken for hung: STACKS_SIGNAL to each worker of the group that registered
+        it (worker/stacks.py), and the dumps read from the workers' folders."""
         files = {rank: path.parent / stacks.STACKS_FILE
                  for (_local, stream), (path, rank) in g.worker_files.items() if stream == "stderr"}
-        for pid in self.group_tree(g):
-            if is_launcher(cmdline(pid)):
+        tree = set(self.group_tree(g))
+        for pid in stacks.pids(files).values():
+            if pid in tree:  # this group's worker, not a pid a job's user wrote there
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, stacks.STACKS_SIGNAL)
         return stacks.read_dumps(files, wait_s)

@@ -5,6 +5,8 @@ with every rank at the same pace is never flagged."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers.elastic import events, job, submit, wait_nodes
@@ -14,12 +16,12 @@ pytestmark = pytest.mark.integration
 WINDOW_S = 8.0
 
 
-def spec(name: str, *extra: str) -> dict:
+def spec(name: str, *extra: str, window_s: float = WINDOW_S) -> dict:
     return {"name": name, "working_dir": str(REPO),
             "command": ["python", "examples/train.py", "--steps", "100000", "--step-delay", "0.25",
                         "--width", "32", *extra],
             "nodes": {"min": 2, "max": 2}, "snapshot": {"every_steps": 25, "keep": 2},
-            "straggler_window_s": WINDOW_S}
+            "straggler_window_s": window_s}
 
 
 def timed_for(api, job_id: str, seconds: float) -> dict:
@@ -66,4 +68,18 @@ def test_a_healthy_job_is_not_flagged(api, agents):
     assert j["stragglers"] == []
     assert not [e for e in events(api, job_id) if e["reason"].startswith("straggler")]
     assert len(j["progress"]["ranks"]) == 2 and all(r["steps"] > 0 for r in j["progress"]["ranks"])
+    api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FTRAIN_TEST_SLOW"), reason="slow (minutes): set FTRAIN_TEST_SLOW=1 to run it")
+def test_a_healthy_job_is_not_flagged_over_three_default_windows(api, agents):
+    """The default window (60 s), with snapshots every 25 steps, for three windows."""
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, spec("even-long", window_s=60.0))
+    wait_for(lambda: (p := job(api, job_id)["progress"] or {}).get("ranks_since")
+             and p["time"] - p["ranks_since"] >= 180, 240, "three windows of step times")
+    assert job(api, job_id)["stragglers"] == []
+    assert not [e for e in events(api, job_id) if e["reason"].startswith("straggler")]
     api.post(f"/v1/jobs/{job_id}/cancel")

@@ -12,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from worker import launch, stacks
+from worker import stacks
 from worker.procs import is_alive
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def test_the_launcher_forwards_the_stacks_signal():
-    assert launch.STACKS_SIGNAL == stacks.STACKS_SIGNAL
-    assert stacks.STACKS_SIGNAL in launch.FORWARDED
 
 
 def test_register_needs_the_workers_folder_of_output_files():
@@ -45,13 +40,16 @@ def test_a_worker_stuck_in_sleep_dumps_every_thread_and_lives_on(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
+        files = {3: tmp_path / stacks.STACKS_FILE, 4: tmp_path / "missing"}
+        assert stacks.pids(files) == {3: proc.pid}  # the agent signals the pids named there only
         os.kill(proc.pid, stacks.STACKS_SIGNAL)
         # 3 s for all: one that never comes (rank 4) is waited for that long
-        dumps = stacks.read_dumps({3: tmp_path / stacks.STACKS_FILE, 4: tmp_path / "missing"}, 3.0)
+        dumps = stacks.read_dumps(files, 3.0)
         assert is_alive(proc.pid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert dumps[4] == ""
     assert [x.split(" 0x")[0] for x in dumps[3].splitlines() if " 0x" in x] == ["Thread", "Current thread"]
+    assert not dumps[3].startswith(stacks.HEADER)
     assert "line 8 in stuck" in dumps[3] and "in <module>" in dumps[3]
