@@ -318,6 +318,8 @@ class NodeAgent:
         job's log and to the control plane (its events), before the group is stopped."""
         with self._beating_meanwhile():
             dumps = self.torchrun.collect_stacks(g)
+        if not dumps:  # no worker's output files found: nothing to say
+            return
         now = time.time()
         for rank, text in sorted(dumps.items()):
             lines = text.splitlines() or ["(no stacks: the worker did not answer)"]

@@ -143,8 +143,8 @@ def flag(job: JobRecord, found: list[Straggling], now: float) -> tuple[JobRecord
         events.append(event)
     for rank in sorted(old.keys() - new.keys()):
         where = f" on node {old[rank].node}" if old[rank].node else ""
-        job, event = note(job, f"straggler cleared: rank {rank}{where} is no longer "
-                               f"{spec.straggler_factor:g}x slower than the others", now)
+        job, event = note(job, f"straggler cleared: rank {rank}{where} is no longer flagged (it "
+                               f"caught up, or its group was replaced)", now)
         events.append(event)
     kept = [old[r] if r in old else Straggler(rank=r, node=s.node, factor=s.factor, since=now)
             for r, s in sorted(new.items())]
