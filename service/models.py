@@ -160,6 +160,9 @@ class JobSpec(_Strict):
                     "of the other ranks' over `straggler_window_s` (runtime scripts; docs/stragglers.md).")
     straggler_window_s: JsonFloat = Field(
         60.0, ge=2, le=3600, description="The window over which a straggler is judged, in seconds.")
+    straggler_action: Literal["report", "replace"] = Field(
+        "report", description="'report': flag a straggler (an event, `stragglers`, a metric); "
+                              "'replace': also swap its node for a free one at a step boundary.")
 
     @field_validator("name")
     @classmethod
@@ -370,6 +373,9 @@ class JobRecord(BaseModel):
     # The attempt last taken for hung: its nodes report their workers' stacks before they stop
     # them (`service.decide.hangs.decide_stacks`).
     hung_attempt: int | None = None
+    # Nodes swapped out of the job as stragglers (`straggler_action: replace`): not taken back
+    # while it runs (the last REPLACED_KEPT).
+    replaced: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

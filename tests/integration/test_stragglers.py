@@ -16,12 +16,12 @@ pytestmark = pytest.mark.integration
 WINDOW_S = 8.0
 
 
-def spec(name: str, *extra: str, window_s: float = WINDOW_S) -> dict:
+def spec(name: str, *extra: str, window_s: float = WINDOW_S, **fields) -> dict:
     return {"name": name, "working_dir": str(REPO),
             "command": ["python", "examples/train.py", "--steps", "100000", "--step-delay", "0.25",
                         "--width", "32", *extra],
             "nodes": {"min": 2, "max": 2}, "snapshot": {"every_steps": 25, "keep": 2},
-            "straggler_window_s": window_s}
+            "straggler_window_s": window_s, **fields}
 
 
 def timed_for(api, job_id: str, seconds: float) -> dict:
@@ -82,4 +82,26 @@ def test_a_healthy_job_is_not_flagged_over_default_windows(api, agents):
              and p["time"] - p["ranks_since"] >= 150, 240, "150 s of step times")
     assert job(api, job_id)["stragglers"] == []
     assert not [e for e in events(api, job_id) if e["reason"].startswith("straggler")]
+    api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_a_straggler_node_is_replaced_by_a_free_one_losing_no_step(api, agents):
+    """`straggler_action: replace`: the ranks on n1 sleep half as long again; n2 comes free
+    after the job started. n1 is swapped for n2 at a step boundary (the planned change that a
+    drain makes), and the group resumes from exactly the step it paused at."""
+    from tests.integration.test_planned import rank0, starts, stop_before
+
+    agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, spec("swap", "--slow-node", "n1", straggler_action="replace"))
+    timed_for(api, job_id, 0)
+    agents(1)
+    wait_nodes(api, 3)
+    wait_for(lambda: any(e["reason"].startswith("straggler node n1 replaced by n2") for e in events(api, job_id)),
+             60 + WINDOW_S, "n1 to be replaced by n2")
+    wait_for(lambda: len(starts(api, job_id)) >= 2, 60, "the group to start again")
+    j = job(api, job_id)
+    assert sorted(j["nodes"]) == ["n0", "n2"] and j["restarts"] == 0
+    index, resumed, world = starts(api, job_id)[1]
+    assert world == 2 and resumed == stop_before(rank0(api, job_id), index) > 0
     api.post(f"/v1/jobs/{job_id}/cancel")
