@@ -55,6 +55,11 @@ def main() -> None:
     p.add_argument("--out", help="rank 0 saves the final model state_dict here")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this long per step (to watch it, or to give a test time to strike)")
+    p.add_argument("--slow-rank", type=int, default=None,
+                   help="this rank sleeps --slow-by times --step-delay per step: a straggler to see flagged")
+    p.add_argument("--slow-node", default=None,
+                   help="the ranks on this node (its name) sleep --slow-by times --step-delay per step")
+    p.add_argument("--slow-by", type=float, default=1.5)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per control poll
@@ -84,7 +89,8 @@ def main() -> None:
         if rt.is_chief:
             print(f"step={rt.step} loss={loss.item():.6f}", flush=True)
         if args.step_delay:
-            time.sleep(args.step_delay)
+            slow = rt.rank == args.slow_rank or (args.slow_node is not None and rt.node == args.slow_node)
+            time.sleep(args.step_delay * (args.slow_by if slow else 1.0))
 
     rt.finish()
     if rt.is_chief and args.out:

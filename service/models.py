@@ -164,6 +164,15 @@ class JobSpec(_Strict):
         description="When preempted, a script that does not use the ftrain runtime gets SIGTERM and "
                     "this long to save before its workers are stopped (a runtime script snapshots at "
                     "a step boundary instead).")
+    straggler_factor: JsonFloat = Field(
+        1.3, ge=1.05, le=100,
+        description="Flag a rank whose compute time per step is at least this many times the median "
+                    "of the other ranks' over `straggler_window_s` (runtime scripts; docs/stragglers.md).")
+    straggler_window_s: JsonFloat = Field(
+        60.0, ge=2, le=3600, description="The window over which a straggler is judged, in seconds.")
+    straggler_action: Literal["report", "replace"] = Field(
+        "report", description="'report': flag a straggler (an event, `stragglers`, a metric); "
+                              "'replace': also swap its node for a free one at a step boundary.")
 
     @field_validator("name")
     @classmethod
@@ -336,6 +345,16 @@ class Control(BaseModel):
     requested_at: float
 
 
+class Straggler(BaseModel):
+    """A rank flagged as slower than the job's others (service/decide/stragglers.py)."""
+
+    rank: int
+    node: str | None = None
+    factor: float = Field(..., description="Its compute time per step over the median of the other "
+                          "ranks', over the window.")
+    since: float = Field(..., description="When it was flagged.")
+
+
 class JobRecord(BaseModel):
     """What etcd holds for a job (one key; every write is a CAS on its mod_revision)."""
 
@@ -404,6 +423,14 @@ class JobRecord(BaseModel):
     # The training loop's stalls for the snapshots it committed, added up (each commit reports its
     # own; the snapshot records themselves are pruned to `keep`): the goodput ledger's `snapshot`.
     snapshot_stall_s: float = 0.0
+    # The ranks of the group that trains now flagged as stragglers (cleared with the group).
+    stragglers: list[Straggler] = Field(default_factory=list)
+    # The attempt last taken for hung: its nodes report their workers' stacks before they stop
+    # them (`service.decide.hangs.decide_stacks`).
+    hung_attempt: int | None = None
+    # Nodes swapped out of the job as stragglers (`straggler_action: replace`): not taken back
+    # while it runs (the last REPLACED_KEPT).
+    replaced: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -442,6 +469,7 @@ class JobRecord(BaseModel):
             restarts_by_cause=self.restarts_by_cause,
             latest_snapshot=self.latest_snapshot, progress=progress,
             regrouping=self.regrouping or self.state in (JobState.STARTING, JobState.RECOVERING),
+            stragglers=self.stragglers,
         )
 
 
@@ -474,6 +502,8 @@ class JobView(BaseModel):
                              "the new one has been seen yet: at the start (state STARTING), after a fault "
                              "(state RECOVERING) or for a planned change (a node joining, a drain: state "
                              "RUNNING); `reason` says which.")
+    stragglers: list[Straggler] = Field(default_factory=list, description="Ranks of the group that "
+                                        "trains now that are slower than the others (docs/stragglers.md).")
     waiting: str | None = Field(None, description="PENDING only: what it waits for, as of this read (the "
                                 "nodes it needs against those registered, fitting and free, and the jobs "
                                 "holding the rest).")

@@ -169,6 +169,16 @@ class _Jobs(Collector):
         for state, n in counts.items():
             family.add_metric([state.value], n)
         yield family
+        yield self._stragglers()
+
+    def _stragglers(self) -> Metric:
+        family = GaugeMetricFamily("ftrain_job_straggler_factor", "Ranks flagged as stragglers: each "
+                                   "one's compute time per step over the median of its job's other "
+                                   "ranks' (docs/stragglers.md).", labels=["job", "node", "rank"])
+        for job in self._jobs_now():
+            for s in job.stragglers:
+                family.add_metric([job.id, s.node or "", str(s.rank)], s.factor)
+        return family
 
 
 class _Tenants(Collector):

@@ -45,7 +45,7 @@ from .http import HttpError, server_urls
 from .log_shipper import LogShipper
 from .health import HealthChecks
 from .node_link import PRESENCE_CONNECTIONS, NameInUse, NodeForgotten, NodeLink, lock_name
-from .protocol import Assignment
+from .protocol import Assignment, LogLineIn
 from .run_as import RunAs
 from .torchrun import CouldNotStart, Torchrun
 
@@ -232,6 +232,9 @@ class NodeAgent:
         g = self.torchrun.group
         if a is None:
             if g is not None:
+                hung = self.link.hung
+                if hung is not None and (hung.job_id, hung.attempt) == g.key:
+                    self.report_stacks(g)
                 self.stop_group("no longer assigned")
             self.torchrun.stop_fork_server()
             # Kept a while: a job that lost a node went back to PENDING and let this one go;
@@ -240,6 +243,8 @@ class NodeAgent:
             return
         key = (a.job_id, a.attempt)
         if g is not None and (g.key != key or a.action == "stop"):
+            if a.stacks_of == g.attempt and a.job_id == g.job_id:
+                self.report_stacks(g)
             if g.key == key:  # a cancel or a preemption: give a plain script time to save on SIGTERM
                 self.stop_group("stop requested", grace_s=a.cancel_grace_s)
             else:  # a new attempt replaces this one: nothing to wait for (workers may be
@@ -329,6 +334,21 @@ class NodeAgent:
         """Delete the local output of jobs this node no longer runs, past the count or age kept."""
         g = self.torchrun.group
         log_retention.prune(self.data_dir / "logs", () if g is None else (g.job_id,), *self.keep_logs)
+
+    def report_stacks(self, g) -> None:
+        """The control plane took `g`'s attempt for hung: every worker's Python stacks into the
+        job's log and to the control plane (its events), before the group is stopped."""
+        with self._beating_meanwhile():
+            dumps = self.torchrun.collect_stacks(g)
+        if not dumps:  # no worker's output files found: nothing to say
+            return
+        now = time.time()
+        for rank, text in sorted(dumps.items()):
+            lines = text.splitlines() or ["(no stacks: the worker did not answer)"]
+            for line in [f"ftrain: rank {rank}'s stacks (the job was taken for hung):", *lines]:
+                self.shipper.add(g.job_id, g.attempt, LogLineIn(rank=rank, stream="stderr", time=now, line=line))
+        self.shipper.flush()
+        self.link.report_stacks(g.job_id, g.attempt, dumps)
 
     def stop_group(self, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""

@@ -1,8 +1,10 @@
 """The control channel: rank 0 hears the control plane's word on its job (a thread polls its
 control endpoint, every 0.5 s, and sends the progress reports, worker/progress.py), and
 every step all ranks agree on it ("decide once, broadcast"): one broadcast of rank 0's
-decision (`agree`), so every rank acts at the same step. `checkpoint_stop` snapshots there
-and exits 0; `checkpoint_pause` snapshots there and waits to be restarted by its agent.
+decision (`agree`), so every rank acts at the same step; every few seconds that broadcast is
+an all-reduce that also brings rank 0 every rank's step times (worker/step_timing.py).
+`checkpoint_stop` snapshots there and exits 0; `checkpoint_pause` snapshots there and waits
+to be restarted by its agent.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from .links import ControlRequest, LinkError, ServiceLink
 from .progress import Progress
+from .step_timing import SUMS, StepClock
 from .tiers.api import Worker
 
 log = logging.getLogger("ftrain.runtime")
@@ -82,20 +85,53 @@ class ControlChannel:
         if progress.unreported():
             progress.report(final=True)
 
-    def agree(self, decide_copy: Callable[[], int], marks_off: bool) -> tuple[str, int, int, bool]:
+    def agree(self, decide_copy: Callable[[], int], marks_off: bool,
+              clock: StepClock | None = None) -> tuple[str, int, int, bool]:
         """Rank 0 decides from what its poller last heard, and whether the memory tier copies
         this step (`decide_copy`) and the step marks stop; every rank gets the same answer:
-        (action, control id, copy, marks off)."""
+        (action, control id, copy, marks off). With a `clock`, rank 0 also says whether the
+        next step's answer carries every rank's step times (`StepClock`): that one is an
+        all-reduce in place of the broadcast, so the figures cost no collective of their own."""
         worker = self.worker
         code, control_id, copy = 0, 0, 0
+        gather_next = 0
         if worker.is_chief:
             ctl = self.request
             if ctl.id > self.handled and ctl.action in ACTIONS:
                 code, control_id = ACTIONS[ctl.action], ctl.id
             copy = decide_copy()
+            gather_next = int(clock is not None and clock.gather_due())
         off = int(marks_off)
         if worker.distributed:
-            t = torch.tensor([code, control_id, copy, off], dtype=torch.int64, device=worker.device)
-            dist.broadcast(t, src=0)
-            code, control_id, copy, off = (int(v) for v in t.tolist())
+            began = time.perf_counter()
+            if clock is not None and clock.gathering:
+                words = self._all_reduce([code, control_id, copy, off, gather_next], clock)
+            else:
+                t = torch.tensor([code, control_id, copy, off, gather_next], dtype=torch.int64,
+                                 device=worker.device)
+                dist.broadcast(t, src=0)
+                words = [int(v) for v in t.tolist()]
+            code, control_id, copy, off, gather_next = words
+            if clock is not None:
+                clock.boundary_waited(time.perf_counter() - began)
+        if clock is not None:
+            clock.gathering = bool(gather_next)
         return ACTION_NAMES.get(code, "none"), control_id, copy, bool(off)
+
+    def _all_reduce(self, words: list[int], clock: StepClock) -> list[int]:
+        """The decision (rank 0's words; the others add zeros) and every rank's step-time sums
+        (each rank in its own slots), summed over the group: every rank gets the decision,
+        rank 0 keeps the sums."""
+        worker = self.worker
+        n = len(words)
+        t = torch.zeros(n + SUMS * worker.world_size, dtype=torch.float64)
+        if worker.is_chief:
+            t[:n] = torch.tensor(words, dtype=torch.float64)
+        at = n + SUMS * worker.rank
+        t[at:at + SUMS] = torch.tensor(clock.sums(), dtype=torch.float64)
+        t = t.to(worker.device)
+        dist.all_reduce(t)
+        values = t.tolist()
+        if worker.is_chief:
+            clock.take(values[n:])
+        return [int(v) for v in values[:n]]

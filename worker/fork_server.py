@@ -596,6 +596,10 @@ def become_worker(request: Request) -> None:
     threads = request.env.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+    # Its stacks on the agent's signal, plain scripts' too (preloaded with the runtime).
+    stacks = sys.modules.get("ftrain.worker.stacks")
+    if stacks is not None:
+        stacks.register(os.environ)
 
 
 def _die_with(pidfd: int) -> None:

@@ -37,6 +37,7 @@ from .protocol import (
     MemoryCorrupt,
     MemoryReport,
     ProgressReport,
+    RankTime,
     ReportReply,
     RestorePoint,
     RestoreRequest,
@@ -97,7 +98,7 @@ class Link(Protocol):
     def report_corrupt(self, step: int, reason: str) -> None: ...
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> int | None: ...
+                        total_steps: int | None = None, ranks: list[RankTime] | None = None) -> int | None: ...
     def control(self) -> ControlRequest: ...
     def report_memory(self, node: str, step: int) -> None: ...
     def restore_point(self, held: int | None) -> RestorePoint: ...
@@ -189,10 +190,10 @@ class ServiceLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> int | None:
+                        total_steps: int | None = None, ranks: list[RankTime] | None = None) -> int | None:
         """The step the control plane holds after it (a report within its rate limit of the
         stored one is answered, not stored)."""
-        body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps)
+        body = self.progress_request(step, loss, samples_per_s, final, metrics, total_steps, ranks)
         # The final one is awaited by the worker's end (`ControlChannel.stop`, worker/control.py, 5 s): it must
         # fail within that when no control plane answers (a stopped one never does), so that
         # it is left to the node agent (worker/handoff.py) rather than lost with the process.
@@ -201,10 +202,10 @@ class ServiceLink:
 
     def progress_request(self, step: int, loss: float | None, samples_per_s: float | None,
                          final: bool = False, metrics: dict[str, float] | None = None,
-                         total_steps: int | None = None) -> ProgressReport:
+                         total_steps: int | None = None, ranks: list[RankTime] | None = None) -> ProgressReport:
         # int(): the report's numbers are strict (a script's step may be a numpy integer)
         return ProgressReport(step=int(step), loss=loss, samples_per_s=samples_per_s, attempt=self.attempt,
-                              group=self.group, final=final, metrics=metrics or {},
+                              group=self.group, final=final, metrics=metrics or {}, ranks=ranks or [],
                               total_steps=None if total_steps is None else int(total_steps))
 
     def send_progress(self, body: ProgressReport, retry_s: float = 0.0,
@@ -337,7 +338,7 @@ class LocalLink:
 
     def report_progress(self, step: int, loss: float | None, samples_per_s: float | None,
                         final: bool = False, metrics: dict[str, float] | None = None,
-                        total_steps: int | None = None) -> int | None:
+                        total_steps: int | None = None, ranks: list[RankTime] | None = None) -> int | None:
         return None
 
     def control(self) -> ControlRequest:

@@ -36,11 +36,14 @@ from .protocol import (
     HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
+    MAX_STACKS_CHARS,
     Known,
+    RankStacks,
     RegisterReply,
     RegisterRequest,
     ReportRequest,
     RunningGroup,
+    StacksReport,
     Timeouts,
 )
 
@@ -132,6 +135,7 @@ class NodeLink:
         self.lease_id: int | None = None
         self.known: Known | None = None  # the assignment last heard of, for the long poll
         self.health: HealthReport | None = None  # the latest health checks, sent when it registers
+        self.hung: Known | None = None  # the attempt it ran, ended taken for hung (`HeartbeatReply.hung`)
         self.registered = False
         self.reports: list[ReportRequest] = []
 
@@ -187,7 +191,9 @@ class NodeLink:
                 self.registered = False
                 raise NodeForgotten(exc.detail) from exc
             raise
-        a = HeartbeatReply.model_validate(got).assignment
+        reply = HeartbeatReply.model_validate(got)
+        a = reply.assignment
+        self.hung = reply.hung
         self.known = None if a is None else Known(job_id=a.job_id, attempt=a.attempt, action=a.action)
         return a
 
@@ -203,6 +209,17 @@ class NodeLink:
         """Queue a report of a job attempt's state on this node (sent by `send_reports`)."""
         self.reports.append(ReportRequest(job_id=job_id, attempt=attempt, state=state, exit_code=code,
                                           reason=_fit(reason, REPORT_REASON_MAX_CHARS)))
+
+    def report_stacks(self, job_id: str, attempt: int, dumps: dict[int, str]) -> None:
+        """Send the workers' stacks of an attempt taken for hung (one try: the group is being
+        restarted, and the dumps are in the job's log as well)."""
+        body = StacksReport(job_id=job_id, attempt=attempt, ranks=[
+            RankStacks(rank=r, text=text[-MAX_STACKS_CHARS:]) for r, text in sorted(dumps.items())])
+        try:
+            self.client.call("POST", f"/v1/nodes/{self.name}/stacks", body)
+        except HttpError as exc:
+            log.warning("the stacks of job %s attempt %d did not reach the control plane: %s",
+                        job_id, attempt, exc)
 
     def ending(self) -> tuple[str, int] | None:
         """The (job id, attempt) whose end this node has yet to deliver (its last queued report

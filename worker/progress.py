@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .links import LinkError, ServiceLink
-from .protocol import MAX_METRICS, METRIC_NAME
+from .protocol import MAX_METRICS, METRIC_NAME, RankTime
 from .tiers.api import Worker
 
 log = logging.getLogger("ftrain.runtime")
@@ -34,6 +34,7 @@ class Progress:
         self._refused: set[str] = set()  # scalars warned about (not reported)
         self._last: tuple[int | None, float | None] = (None, None)  # (samples, time) last reported
         self.reported: int | None = None  # the step last reported (and stored)
+        self.ranks: list[RankTime] = []  # every rank's step times, as last gathered (worker/step_timing.py)
 
     def step_done(self, step: int, loss: float | torch.Tensor | None, samples: int) -> bool:
         """Note a step (rank 0); True if it is the run's first (reported at once)."""
@@ -59,8 +60,8 @@ class Progress:
         self._last = (samples, at)
         loss_value, metrics = self.loss_and_metrics()
         try:
-            held = link.report_progress(step, loss_value, rate, final=final,
-                                        metrics=metrics, total_steps=self.total_steps)
+            held = link.report_progress(step, loss_value, rate, final=final, metrics=metrics,
+                                        total_steps=self.total_steps, ranks=self.ranks)
             if held is None or held == step:  # else not stored (the rate limit): the final one goes
                 self.reported = step
         except LinkError as exc:

@@ -215,10 +215,16 @@ class Assignment(BaseModel):
     snapshot_keep: int
     global_batch_size: int | None
     cancel_grace_s: float
+    # The attempt the control plane took for hung: before its group is stopped, the agent
+    # collects every worker's Python stacks and reports them (`StacksReport`, worker/stacks.py).
+    stacks_of: int | None = None
 
 
 class HeartbeatReply(BaseModel):
     assignment: Assignment | None
+    # With no assignment: the attempt this node runs (its `known`) ended taken for hung; the
+    # agent collects its workers' stacks before it stops them (as `Assignment.stacks_of`).
+    hung: Known | None = None
 
 
 class ReportRequest(JsonBody):
@@ -227,6 +233,23 @@ class ReportRequest(JsonBody):
     state: Literal["running", "succeeded", "failed", "stopped"]
     exit_code: JsonInt | None = None
     reason: str | None = Field(None, max_length=8000)
+
+
+MAX_STACKS_CHARS = 64 * 1024  # of one rank's dump (worker.stacks.MAX_DUMP_BYTES)
+
+
+class RankStacks(JsonBody):
+    rank: JsonInt = Field(..., ge=0)
+    text: str = Field("", max_length=MAX_STACKS_CHARS, description="faulthandler's dump of every "
+                      "thread ('' where the worker gave none).")
+
+
+class StacksReport(JsonBody):
+    """A node's workers' Python stacks, for an attempt the control plane took for hung."""
+
+    job_id: str = Field(..., max_length=100)
+    attempt: JsonInt = Field(..., ge=0)
+    ranks: list[RankStacks] = Field(default_factory=list, max_length=1024)
 
 
 class ReportReply(BaseModel):
@@ -461,6 +484,30 @@ class SnapshotMeta(BaseModel):
     attempt: int | None = None
 
 
+MAX_RANKS_TIMED = 4096  # the most ranks whose step times one progress report carries
+
+
+class RankTime(JsonBody):
+    """One rank's step time since its group started (after its warm-up steps), summed: what
+    rank 0 gathers from every rank and reports with its progress (worker/step_timing.py)."""
+
+    rank: JsonInt = Field(..., ge=0)
+    node: str | None = Field(None, max_length=64, description="The node the rank runs on.")
+    steps: JsonInt = Field(..., ge=0, description="Steps timed so far.")
+    compute_s: JsonFloat = Field(..., ge=0, description="Seconds of those steps not spent waiting "
+                                 "in collectives (nor in the runtime's own snapshot copies).")
+    wait_s: JsonFloat = Field(..., ge=0, description="Seconds of those steps spent waiting in "
+                              "collectives (the gradient all-reduce, the step's control broadcast).")
+
+
+class StragglerSample(BaseModel):
+    """One interval between two stored reports: the ranks whose compute time per step was at
+    least the job's straggler factor times the median of the others' (`over`: rank -> ratio)."""
+
+    time: float
+    over: dict[int, float] = Field(default_factory=dict)
+
+
 class Progress(BaseModel):
     step: int = Field(..., ge=0)
     loss: float | None = None
@@ -472,6 +519,14 @@ class Progress(BaseModel):
     eta_s: float | None = Field(None, description="Seconds to total_steps at steps_per_s, as of `time`.")
     metrics: dict[str, float] = Field(default_factory=dict,
                                       description="The latest value of each scalar the script logs.")
+    ranks: list[RankTime] = Field(default_factory=list, description="Each rank's step time, split "
+                                  "into compute and waiting in collectives (summed since its group "
+                                  "started), as last reported.")
+    ranks_since: float | None = Field(None, description="When the group whose `ranks` these are "
+                                      "was first timed here.")
+    ranks_of: str | None = Field(None, description="That group: '<attempt>:<group>'.")
+    straggler_samples: list[StragglerSample] = Field(
+        default_factory=list, description="The intervals of the straggler window (service/decide/stragglers.py).")
 
 
 class ControlAction(str, enum.Enum):
@@ -641,6 +696,8 @@ class ProgressReport(JsonBody):
     attempt: JsonInt | None = Field(None, ge=0, description="If given, a stale attempt is refused.")
     group: str | None = Field(None, max_length=200, description="FTRAIN_GROUP of the reporter: the "
                               "rendezvous round its group formed in ('<node>/<round>').")
+    ranks: list[RankTime] = Field(default_factory=list, max_length=MAX_RANKS_TIMED,
+                                  description="Every rank's step time, gathered by rank 0.")
     final: JsonBool = Field(False, description="Rank 0's last report of its run (its script is "
                               "ending): stored whatever the rate limit, so a finished job shows its "
                               "last step.")

@@ -97,6 +97,7 @@ from . import handoff
 from . import rng as rng_module
 from . import sharded
 from . import snapshot as snap
+from . import stacks
 from .control import ControlChannel
 from .data import ResumableSampler
 from .env import (
@@ -141,6 +142,7 @@ from .step_timing import (  # noqa: F401 - the budget's figures, for `runtime.` 
     MEMORY_AIM,
     MEMORY_BUDGET,
     CopySchedule,
+    StepClock,
 )
 from .tiers.api import SNAPSHOT_FORMAT, Found, Worker, load_into  # noqa: F401
 from .tiers.disk import DiskTier
@@ -269,6 +271,7 @@ class Runtime:
         self.peer = PeerTier(worker, memory)
         self.schedule = CopySchedule(memory.every if memory is not None else None)
         self.marks = StepMarks(worker.device.type == "cuda")
+        self.clock = StepClock(worker.device.type == "cuda", worker.world_size)
         self.at_failure = FailureFlush(worker, memory, self.marks, last_words) if memory is not None else None
         self.progress = progress if progress is not None else Progress(worker)
         self.control = control if control is not None else ControlChannel(worker, self.progress)
@@ -317,8 +320,13 @@ class Runtime:
         self.progress.total_steps = steps
 
     # -------------------------------------------------------------- set-up
-    def wrap(self, model: torch.nn.Module, sync_batchnorm: bool = False, **ddp_kwargs) -> torch.nn.Module:
-        """Move `model` to this worker's device; under a process group, wrap it in DDP."""
+    def wrap(self, model: torch.nn.Module, sync_batchnorm: bool = False, comm_hook: Any = None,
+             comm_state: Any = None, **ddp_kwargs) -> torch.nn.Module:
+        """Move `model` to this worker's device; under a process group, wrap it in DDP.
+
+        DDP takes one communication hook: the runtime's times the gradient all-reduce (each
+        rank's wait in it, for stragglers: worker/step_timing.py) and runs `comm_hook` (with
+        `comm_state`) inside, where a script would have called `register_comm_hook`."""
         if sync_batchnorm and self.distributed:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
@@ -328,6 +336,7 @@ class Runtime:
         began = time.perf_counter()  # DDP's first collective: NCCL's communicator is made here
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
         self.phases_s["ddp_s"] = time.perf_counter() - began
+        wrapped.register_comm_hook(comm_state, self.clock.hook(comm_hook))
         return wrapped
 
     def sampler(self, num_samples: int, batch_size: int | None = None, *, seed: int = 0,
@@ -363,8 +372,11 @@ class Runtime:
         with self._phase("read_memory_s"):
             mine = self.memory.newest() if self.memory is not None else None
         with self._phase("gather_s"):
-            # The node leaders' peer-watch addresses travel with the same gather.
-            addresses = self.peer.gather(mine, self._start_peer_watch() if self.distributed else None)
+            # The node leaders' peer-watch addresses, and each rank's node (its step times are
+            # reported by node), travel with the same gather.
+            got = self.peer.gather(mine, (self._start_peer_watch() if self.distributed else None, self.node))
+            addresses = [address for address, _node in got]
+            self.clock.nodes = [node for _address, node in got]
             if self._peer_watch is not None:
                 self._peer_watch.join(addresses, self.rank)
         with self._phase("choose_s"):
@@ -503,6 +515,7 @@ class Runtime:
             self._obey(action, control_id)
         elif self.snapshot_every and self.step % self.snapshot_every == 0:
             self.snapshot()
+        self.clock.own_work_done()
 
     def log(self, step: int | None = None, **scalars: float | torch.Tensor) -> None:
         """Note scalars of this step (`rt.log(lr=..., grad_norm=...)`); rank 0 reports the
@@ -518,7 +531,10 @@ class Runtime:
         def decide_copy() -> int:
             return self.schedule.decide(self.step, self.memory) if self.memory is not None else COPY_NONE
 
-        action, control_id, copy, marks_off = self.control.agree(decide_copy, self.marks.off)
+        action, control_id, copy, marks_off = self.control.agree(decide_copy, self.marks.off, self.clock)
+        self.clock.step_ended()
+        if self.is_chief:
+            self.progress.ranks = self.clock.gathered
         if marks_off and self.marks.on:  # rank 0 found the marks too dear (`CopySchedule.plan_next`)
             self.marks.stop()
         return action, control_id, copy
@@ -740,6 +756,7 @@ def init(*, backend: str | None = None, timeout_s: float = 60.0, snapshot_dir: s
          memory_every: int | None = None, env: Mapping[str, str] | None = None) -> Runtime:
     """Set up this worker from its environment (see the module docstring); arguments win."""
     env = os.environ if env is None else env
+    stacks.register(env)  # a worker exec'd without the fork server (whose workers have it already)
     distributed = "RANK" in env and "WORLD_SIZE" in env
     rank = int(env.get("RANK", 0))
     local_rank = int(env.get("LOCAL_RANK", 0))

@@ -1,4 +1,5 @@
-"""Step timing, and the memory tier's copy interval picked from it.
+"""Step timing: the memory tier's copy interval picked from it, and each rank's step time
+split into compute and waiting (`StepClock`, for stragglers).
 
 With FTRAIN_MEMORY_EVERY unset, rank 0 spaces the memory tier's copies so that they cost at
 most MEMORY_BUDGET of the step time: after each copy it waits ceil(cost / room) steps, the
@@ -12,8 +13,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
+from .protocol import RankTime
 from .tiers.memory import MEMORY_EVERY_MAX, MemoryTier
 
 if TYPE_CHECKING:
@@ -164,3 +170,129 @@ class CopySchedule:
                     (marks.mark_s or 0.0) * 1e3 if marks.on else 0.0, MEMORY_BUDGET * 100)
             if loud:
                 self.told_interval = (k, now)
+
+
+# Straggler figures (docs/stragglers.md): a process's first steps (DDP's bucket rebuild, the
+# allocator's first sizes, a restore's aftermath) are not timed; rank 0 gathers every rank's
+# sums at most this often, with the step's control decision (`ControlChannel.agree`).
+WARMUP_STEPS = 5
+GATHER_EVERY_S = 2.0
+SUMS = 3  # what each rank sends in a gather: steps, compute_s, wait_s
+
+
+class StepClock:
+    """Each rank's step time, split into compute and waiting in collectives.
+
+    The boundary is the step's control broadcast (`ControlChannel.agree`), where every rank
+    meets every step (on a GPU its `.tolist()` waits for the device, so the host clock there
+    is the step's true end). From one boundary to the next, less the runtime's own work after
+    it (snapshot and memory-tier copies: not the node's speed), is the step; of it, the
+    waits are the gradient all-reduce's and the broadcast's own:
+
+    - the all-reduce: a DDP communication hook (`hook`) notes when the step's last bucket of
+      gradients is ready (its backward is done with them) and when its all-reduce completes;
+      the time between is what this rank waited for the others (a fast rank waits long, the
+      slow one hardly). On a GPU, CUDA events on the streams give the same two moments, read
+      once the boundary's sync has passed; host times there would only say when work was
+      queued.
+    - the broadcast, on a CPU (on a GPU its time is the device's queue draining, compute).
+
+    No collective of its own: rank 0 asks every `GATHER_EVERY_S` for the next step's
+    decision to be an all-reduce that carries every rank's sums (`ControlChannel.agree`).
+    """
+
+    def __init__(self, cuda: bool, world_size: int):
+        self.cuda = cuda
+        self.world_size = world_size
+        self.steps = 0  # steps timed (after the warm-up)
+        self.compute_s = 0.0
+        self.wait_s = 0.0
+        self.seen = 0  # steps seen, warm-up included
+        self.mark: float | None = None  # the end of the last step's boundary (and own work)
+        self._ready: float | torch.cuda.Event | None = None  # this step's last bucket ready
+        self._done: float | torch.cuda.Event | None = None  # its last all-reduce done
+        self._boundary_s = 0.0  # this step's wait in the control broadcast
+        self.gathering = False  # this step's decision carries every rank's sums (rank 0 asked)
+        self.last_gather = time.monotonic()
+        self.nodes: list[str | None] = []  # each rank's node (gathered at the restore)
+        self.gathered: list[RankTime] = []  # rank 0: every rank's sums, as last gathered
+
+    def hook(self, inner: Callable | None = None, state: Any = None) -> Callable:
+        """A DDP communication hook that runs `inner` (by default torch's all-reduce, what DDP
+        does without a hook) and notes when each bucket is ready and its all-reduce done."""
+        def done(f):
+            self._done = self._now()
+            return f.value() if inner is not None else f.value()[0]
+
+        def timed(hook_state, bucket):  # unannotated: DDP refuses a hook annotated otherwise than its own
+            self._ready = self._now()
+            if inner is not None:
+                return inner(hook_state, bucket).then(done)
+            # torch's allreduce_hook, with its own callback (that takes the result out of the
+            # list) made one with ours: a Python callback costs the step a GIL hand-over.
+            group = hook_state if hook_state is not None else dist.group.WORLD
+            tensor = bucket.buffer().div_(dist.get_world_size(group))
+            return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(done)
+
+        timed.__name__ = getattr(inner, "__name__", "timed")
+        return timed
+
+    def _now(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def boundary_waited(self, seconds: float) -> None:
+        """The step's control broadcast took `seconds` (a wait on a CPU)."""
+        if not self.cuda:
+            self._boundary_s = seconds
+
+    def step_ended(self, now: float | None = None) -> None:
+        """At the boundary (after the broadcast): add the step to the sums."""
+        now = time.perf_counter() if now is None else now
+        self.seen += 1
+        waited = self._boundary_s + self._reduce_wait_s()
+        if self.mark is not None and self.seen > WARMUP_STEPS:
+            took = now - self.mark
+            self.steps += 1
+            self.wait_s += min(waited, took)
+            self.compute_s += max(0.0, took - waited)
+        self._ready = self._done = None
+        self._boundary_s = 0.0
+        self.mark = now
+
+    def own_work_done(self) -> None:
+        """The runtime's own work after the boundary (copies, a snapshot) is not the step's."""
+        self.mark = time.perf_counter()
+
+    def _reduce_wait_s(self) -> float:
+        ready, done = self._ready, self._done
+        if ready is None or done is None:
+            return 0.0
+        if isinstance(ready, float) and isinstance(done, float):
+            return max(0.0, done - ready)
+        if isinstance(ready, torch.cuda.Event) and isinstance(done, torch.cuda.Event) \
+                and ready.query() and done.query():
+            return max(0.0, ready.elapsed_time(done) / 1e3)
+        return 0.0
+
+    def sums(self) -> list[float]:
+        return [float(self.steps), self.compute_s, self.wait_s]
+
+    def gather_due(self) -> bool:
+        """Rank 0: whether the next step's decision carries the sums (every GATHER_EVERY_S)."""
+        now = time.monotonic()
+        if now - self.last_gather < GATHER_EVERY_S:
+            return False
+        self.last_gather = now
+        return True
+
+    def take(self, values: list[float]) -> None:
+        """Rank 0: every rank's sums, as the gather's all-reduce summed them (each its own slots)."""
+        self.gathered = [
+            RankTime(rank=r, node=self.nodes[r] if r < len(self.nodes) else None,
+                     steps=int(values[SUMS * r]), compute_s=round(values[SUMS * r + 1], 6),
+                     wait_s=round(values[SUMS * r + 2], 6))
+            for r in range(self.world_size)]

@@ -24,6 +24,7 @@ torch restarts the group instead of the other ranks waiting out a collective's t
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import gpus, memory_dirs, safe_files
+from . import gpus, memory_dirs, safe_files, stacks
 from .env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -110,6 +111,9 @@ TORCHRUN_MAX_RESTARTS = 1_000_000
 # A worker stopped (SIGSTOP, a debugger gone away) for this long is killed, so that torch
 # restarts the group instead of the others waiting out the collective's timeout.
 STOPPED_WORKER_GRACE_S = 3.0
+# How long the agent waits for its workers' stack dumps (a hung attempt) before it stops them:
+# faulthandler writes from the signal handler, in milliseconds, even in a stuck collective.
+STACKS_WAIT_S = 2.0
 # How long a group's end waits for its output to be shipped (`Torchrun.draining`).
 DRAIN_S = 60.0
 # How long a node without an assignment keeps the memory tier of the job it left (`park_memory`).
@@ -571,6 +575,19 @@ class Torchrun:
                     rank=None, stream="stderr", time=time.time(),
                     line=f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"))
                 kill_all([pid])
+
+    def collect_stacks(self, g: WorkerGroup, wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
+        """Every worker's Python stacks (rank -> faulthandler's dump; '' where none came), for
+        an attempt taken for hung: STACKS_SIGNAL to each worker of the group that registered
+        it (worker/stacks.py), and the dumps read from the workers' folders."""
+        files = {rank: path.parent / stacks.STACKS_FILE
+                 for (_local, stream), (path, rank) in g.worker_files.items() if stream == "stderr"}
+        tree = set(self.group_tree(g))
+        for pid in stacks.pids(files).values():
+            if pid in tree:  # this group's worker, not a pid a job's user wrote there
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, stacks.STACKS_SIGNAL)
+        return stacks.read_dumps(files, wait_s)
 
     def stop(self, why: str, grace_s: float = 5.0) -> None:
         """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left (at once

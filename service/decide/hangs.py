@@ -27,17 +27,25 @@ declare the job hung before the progress reports it could not take meanwhile lan
 watch notes when it was last looked at (`seen_at`), and a gap between two looks longer than
 the scheduler's passes allow (`stall_after_s`: its interval plus a second) is the control
 plane's own stall: the clock is moved on by the part beyond that (`unheard`).
+
+Before a hung attempt's group is stopped, its stacks are collected: the change names the
+attempt (`hung_attempt`), each node's agent sends its workers a signal on which faulthandler
+dumps every thread's Python stack (worker/stacks.py), ships the dumps to the job's log and
+reports them (`decide_stacks`): an event per node naming, for each rank, where its main thread
+is, and which ranks had not reached a collective while others wait in one.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from service.decide import outcome
 from service.decide.change import Change
 from service.decide.recovery import is_regrouping, regroup
-from service.decide.state import transition
+from service.decide.state import note, transition
 from service.models import JobRecord, JobState, MemberStatus
+from worker.protocol import StacksReport
 
 S = JobState
 
@@ -94,6 +102,7 @@ def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float
     if timeout is None or step is None or not is_watched(job) or now - advanced_at < timeout:
         return None
     what = f"no progress for {timeout:g} s (hang_timeout_s={timeout:g})"
+    job = job.model_copy(update={"hung_attempt": job.attempt})  # its nodes report their stacks first
     done = outcome.finished_members(job.members)
     if done:
         reason = (f"{what} after node(s) {', '.join(done)} finished; finished nodes are not run "
@@ -112,4 +121,53 @@ def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float
         "attempt": job.attempt + 1, "restarts_by_cause": job.restarts_by_cause.plus("failure"),
         "members": members, "rounds": 0,
         "round_nodes": 0, "world_size": 0, "group": None, "regrouping": True})
+    return Change(changed, [event])
+
+
+# A frame of faulthandler's dump: `  File "/x/train.py", line 88 in main`.
+FRAME = re.compile(r'^\s*File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$')
+THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
+# Where a rank waits for its peers: torch.distributed's calls, and DDP's backward (its
+# gradient all-reduce is waited for inside it).
+COLLECTIVE_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/distributed.py")
+STACKS_DETAIL_CHARS = 16_000  # of the dumps kept in the event (all of them are in the job's log)
+
+
+def main_frames(dump: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames (path, line, function), innermost first: faulthandler lists
+    threads newest first, so the main thread, the oldest, is the last."""
+    threads: list[list[tuple[str, int, str]]] = []
+    for line in dump.splitlines():
+        if THREAD.match(line):
+            threads.append([])
+        elif (m := FRAME.match(line)) and threads:
+            threads[-1].append((m["path"], int(m["line"]), m["func"].strip()))
+    return threads[-1] if threads else []
+
+
+def where(frames: list[tuple[str, int, str]]) -> tuple[bool | None, str]:
+    """Whether the main thread waits in a collective (None: no stacks), and where it is."""
+    if not frames:
+        return None, "no stacks (the worker did not answer)"
+    for path, line, func in frames:
+        if any(p in path for p in COLLECTIVE_PATHS):
+            return True, f"in a collective: {func} ({path.rsplit('/', 1)[-1]}:{line})"
+    path, line, func = frames[0]
+    return False, f"not in a collective: {func} ({path.rsplit('/', 1)[-1]}:{line})"
+
+
+def decide_stacks(job: JobRecord, node: str, report: StacksReport, now: float) -> Change | None:
+    """An event with `node`'s workers' stacks of the attempt taken for hung; None if the report
+    is of another attempt or from a node that was not the job's."""
+    if report.attempt != job.hung_attempt or (node not in job.members and node not in job.former_members):
+        return None
+    found = {r.rank: where(main_frames(r.text)) for r in report.ranks}
+    parts = [f"rank {rank} {at}" for rank, (_, at) in sorted(found.items())]
+    behind = [rank for rank, (waits, _) in sorted(found.items()) if waits is False]
+    line = f"stacks of hung attempt {report.attempt} on node {node}: " + "; ".join(parts)
+    if behind and any(waits for waits, _ in found.values()):
+        line += f" (did not reach the collective: rank {', '.join(map(str, behind))})"
+    dumps = "\n".join(f"rank {r.rank}:\n{r.text or '(none)'}" for r in report.ranks)
+    changed, event = note(job, line, now)
+    event = event.model_copy(update={"detail": dumps[:STACKS_DETAIL_CHARS]})
     return Change(changed, [event])

@@ -241,6 +241,19 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                       planned=True, members=members, control=None, attempt=d.job.attempt + 1, rounds=0,
                       round_nodes=0, world_size=0, restarts_by_cause=d.job.restarts_by_cause.plus("resize"))
 
+    swap = None if draining else straggler_swap(d.job, nodes, free)
+    if swap is not None:
+        slow, fresh = swap
+        _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"replacing straggler node {slow} with {fresh}")
+        if _control_done(d.job, now, cfg.control_ack_timeout_s):
+            members = {n: MemberStatus(nproc=m.nproc) for n, m in d.job.members.items()
+                       if m.is_live() and n != slow}
+            members[fresh] = MemberStatus(nproc=nodes[fresh].nproc_per_node)
+            d.regroup(f"straggler node {slow} replaced by {fresh}; the group goes on from the step it "
+                      "paused at", planned=True, members=members, control=None, attempt=d.job.attempt + 1,
+                      rounds=0, round_nodes=0, world_size=0, stragglers=[],
+                      replaced=[*d.job.replaced, slow][-REPLACED_KEPT:])
+
     live = live_members(d.job)
     lost = [n for n in job.members if job.members[n].is_live() and n not in nodes and n not in graced]
     if lost and len(live) >= d.job.spec.nodes.min and d.job.round_nodes > len(live):
@@ -263,8 +276,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
     room = max(d.job.spec.nodes.max - len(live), 0)
     # (the first `room` of them, not all: a full job would list every free node on every pass)
     joining = list(itertools.islice((n for n in free if nodes[n].state is NodeState.READY
-                                     and fits(job.spec, nodes[n])), room))
-    if joining and not draining:
+                                     and fits(job.spec, nodes[n]) and n not in d.job.replaced), room))
+    if joining and not draining and swap is None:
         if uses_runtime(d.job) and "running" in states:
             _request_control(d, ControlAction.CHECKPOINT_PAUSE, f"node(s) {', '.join(joining)} joining")
         if not uses_runtime(d.job) or _control_done(d.job, now, cfg.control_ack_timeout_s):
@@ -274,7 +287,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
             d.regroup(f"node(s) {', '.join(joining)} joined; scaling up", planned=True,
                       members=members, control=None, restarts_by_cause=d.job.restarts_by_cause.plus("resize"))
     elif d.job.control is not None and d.job.control.action is ControlAction.CHECKPOINT_PAUSE \
-            and not draining and _control_done(d.job, now, cfg.control_ack_timeout_s):
+            and not draining and swap is None and _control_done(d.job, now, cfg.control_ack_timeout_s):
         # The nodes it paused for went elsewhere: restart the group from the snapshot it took.
         d.regroup("the planned change was called off; restarting from the committed snapshot",
                   planned=True, control=None, attempt=d.job.attempt + 1, rounds=0, round_nodes=0,
@@ -320,6 +333,22 @@ def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfi
               "last snapshot", planned=True, control=None, attempt=d.job.attempt + 1, rounds=0,
               round_nodes=0, world_size=0, stopping=False, preempt=None, restarts_by_cause=counts,
               members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in staying})
+
+
+REPLACED_KEPT = 16  # straggler nodes a job remembers not to take back
+
+
+def straggler_swap(job: JobRecord, nodes: Mapping[str, NodeRecord], free: list[str]) -> tuple[str, str] | None:
+    """(a straggler's node, a free node to take its place) for a job that asks for it
+    (`straggler_action: replace`, docs/stragglers.md); None while there is none, or no free
+    node that fits. The first flagged rank's node, if it is a live member."""
+    if job.spec.straggler_action != "replace" or job.state is not S.RUNNING:
+        return None
+    live = set(live_members(job))
+    slow = next((s.node for s in job.stragglers if s.node in live), None)
+    fresh = next((n for n in free if n in nodes and nodes[n].state is NodeState.READY
+                  and fits(job.spec, nodes[n]) and n not in job.replaced and n != slow), None)
+    return None if slow is None or fresh is None else (slow, fresh)
 
 
 def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from service.decide import stragglers
 from service.decide.change import Change
 from service.decide.metrics import add_point, merged, split
 from service.decide.recovery import first_step
@@ -199,18 +200,23 @@ def decide_progress(job: JobRecord, stored: Progress | None, report: ProgressRep
         percent = round(min(100.0, 100.0 * report.step / total), 2)
         if speed:
             eta = round(max(0, total - report.step) / speed, 1)
+    timed, found = stragglers.observe(stored, f"{report.attempt}:{report.group}", report.ranks, now,
+                                      job.spec.straggler_factor, job.spec.straggler_window_s)
     progress = Progress(step=report.step, loss=report.loss, samples_per_s=report.samples_per_s, time=now,
                         total_steps=total, steps_per_s=None if speed is None else round(speed, 4),
-                        percent=percent, eta_s=eta, metrics=report.metrics)
+                        percent=percent, eta_s=eta, metrics=report.metrics, ranks=timed.ranks,
+                        ranks_since=timed.ranks_since, ranks_of=timed.ranks_of,
+                        straggler_samples=timed.straggler_samples)
     values = {"loss": report.loss, "samples_per_s": report.samples_per_s, **report.metrics}
     added = add_point(merged(body, tail), report.step, now, values, metric_points, MAX_METRICS + 2)
     new_body, new_tail = (None, None) if added is None else split(body, added)
     changed = job if resumed is None else resumed.job
     if first:
         changed = changed.model_copy(update={"reports_progress": True})
+    changed, flags = stragglers.flag(changed, found, now)
     return ProgressDecision(progress, write=True, body=new_body, tail=new_tail,
                             job=changed if changed is not job else None,
-                            events=[] if resumed is None else resumed.events)
+                            events=([] if resumed is None else resumed.events) + flags)
 
 
 def with_replay(resumed: Change, job: JobRecord, stored: Progress, step: int, now: float) -> Change:

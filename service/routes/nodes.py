@@ -13,6 +13,8 @@ from service.api_contract import AuthFirstRoute
 from service.context import Context
 from service.decide import keep
 from service.decide.attribution import failed_alone
+from service.decide.change import Change
+from service.decide.hangs import decide_stacks
 from service.decide.liveness import broken_peer_suspects
 from service.decide.members import decide_registered, decide_report, is_recorded
 from service.decide.rounds import decide_round
@@ -47,6 +49,7 @@ from worker.protocol import (
     ReportReply,
     ReportRequest,
     RoundReport,
+    StacksReport,
 )
 
 router = APIRouter(tags=["nodes"], route_class=AuthFirstRoute)
@@ -122,7 +125,7 @@ async def heartbeat_answer(ctx: Context, name: str, digest: str | None,
             lambda: _known_of(ctx.index.job_of_node(name)) != known, req.wait_s), receive)
     job = ctx.index.job_of_node(name)
     if job is None:
-        return _IDLE
+        return _hung_or_idle(ctx, req.known if req is not None else None)
     made = ctx.assignments.get(job.id)
     if made is not None and made[0] is job:  # the same record: the same answer
         return made[1]
@@ -167,7 +170,17 @@ def _assignment(ctx: Context, job: JobRecord) -> tuple[bytes, bool]:
         global_batch_size=spec.global_batch_size,
         # (a plain script preempted gets its spec's grace to save: `decide.preempt`)
         cancel_grace_s=ctx.settings.cancel_grace_s if job.preempt is None else spec.preempt_grace_s,
+        stacks_of=job.hung_attempt,
     )).model_dump_json().encode(), not missing
+
+
+def _hung_or_idle(ctx: Context, known: Known | None) -> bytes:
+    """No assignment; but where the attempt the node runs ended taken for hung (the job failed
+    of it), the node is told, so that it collects its workers' stacks before it stops them."""
+    ended = ctx.index.get(known.job_id) if known is not None else None
+    if ended is None or known is None or ended.hung_attempt != known.attempt:
+        return _IDLE
+    return HeartbeatReply(assignment=None, hung=known).model_dump_json().encode()
 
 
 def _known_of(job: JobRecord | None) -> Known | None:
@@ -216,6 +229,25 @@ async def report(name: str, req: ReportRequest, ctx: ContextDep, digest: NodeSel
             pass  # gone meanwhile: nothing to quarantine
     return ReportReply(accepted=accepted,
                        detail="recorded" if accepted else "stale report for an earlier attempt, ignored")
+
+
+@router.post("/v1/nodes/{name}/stacks", response_model=ReportReply)
+async def stacks(name: str, req: StacksReport, ctx: ContextDep, digest: NodeSelf) -> ReportReply:
+    """The node's workers' Python stacks, for an attempt taken for hung: an event of the job."""
+    if digest is not None:
+        await verify_node(ctx, name, digest)
+    now = ctx.jobs.clock()
+    recorded = False
+
+    def decide(job: JobRecord) -> Change | None:
+        nonlocal recorded
+        change = decide_stacks(job, name, req, now)
+        recorded = change is not None
+        return change
+
+    await ctx.jobs.update(req.job_id, decide)
+    return ReportReply(accepted=recorded, detail="recorded" if recorded else
+                       "not an attempt taken for hung, or not this node's: ignored")
 
 
 @router.post("/v1/jobs/{job_id}/rounds", response_model=ReportReply)

@@ -21,7 +21,7 @@ VALID = {
     "JobSpec": {"name": "a", "command": ["python"], "nodes": {"min": 1, "max": 2}, "nproc_per_node": 1,
                 "gpus_per_node": 1, "max_restarts": 0, "snapshot": {"every_steps": 5, "keep": 2},
                 "global_batch_size": 8, "hang_timeout_s": 60.0, "priority": 5,
-                "preempt_grace_s": 10.0},
+                "preempt_grace_s": 10.0, "straggler_factor": 1.5, "straggler_window_s": 30.0},
     "NewUser": {"name": "ann", "team": "ml"},
     "QuotaPatch": {"max_nodes": 2, "max_gpus": 8},
     "HealthReport": {"ok": False, "checks": [{"name": "own", "ok": False, "detail": "disk full"}]},
@@ -49,7 +49,9 @@ VALID = {
     "BrokenPeer": {"attempt": 1, "node": "n0"},
     "RunFinished": {"attempt": 1, "node": "n0"},
     "ProgressReport": {"step": 3, "loss": 0.5, "samples_per_s": 2.0, "total_steps": 9,
-                       "metrics": {"lr": 0.1}, "attempt": 1, "final": False},
+                       "metrics": {"lr": 0.1}, "attempt": 1, "final": False,
+                       "ranks": [{"rank": 0, "node": "n0", "steps": 4, "compute_s": 0.5, "wait_s": 0.25}]},
+    "StacksReport": {"job_id": "j", "attempt": 1, "ranks": [{"rank": 0, "text": "x"}]},
     "LogShipment": {"node": "n0", "attempt": 1, "lines": [{"rank": 0, "line": "x", "time": 1.5, "round": 2}]},
 }
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service.decide.hangs import Watch, decide_hang, is_watched, observe, unheard
+from service.decide.hangs import Watch, decide_hang, decide_stacks, is_watched, main_frames, observe, unheard, where
 from service.models import Control, ControlAction, JobSpec, JobState, MemberStatus
+from worker.protocol import RankStacks, StacksReport
 from tests.service.records import NOW, make_job
 
 S = JobState
@@ -50,6 +51,7 @@ def test_a_hang_restarts_the_workers_under_a_new_attempt_and_counts_as_a_failure
     assert new.members == {"a": MemberStatus(), "b": MemberStatus()}  # assigned afresh
     assert (new.rounds, new.round_nodes, new.world_size, new.stopping) == (0, 0, 0, False)
     assert not is_watched(new)  # until the new group forms
+    assert new.hung_attempt == 1  # its nodes collect their workers' stacks before they stop them
 
 
 @pytest.mark.parametrize("restarts,max_restarts", [(1, 1), (0, 0), (5, 3)])
@@ -60,6 +62,7 @@ def test_a_hang_once_the_restarts_are_spent_fails_the_job(restarts, max_restarts
     assert new.reason == (f"{WHAT}; workers failed {restarts + 1} times "
                           f"(max_restarts={max_restarts})")
     assert [e.state for e in change.events] == [S.FAILED]
+    assert new.hung_attempt == 1
 
 
 def test_a_hang_after_a_node_finished_fails_the_job_it_cannot_restart():
@@ -147,3 +150,61 @@ def test_a_stall_of_the_control_plane_is_not_counted_by_the_hang_clock():
     assert decide_hang(JOB, 7, watch.since, NOW) is None
     later = observe(watch, JOB, 7, NOW + 0.5, stall_after_s=1.5)  # passes come round: it counts
     assert later.since == NOW - 2.5 and decide_hang(JOB, 7, later.since, NOW + 0.5) is not None
+
+
+# ------------------------------------------------------------------ the stacks of a hung attempt
+
+WAITING = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/torch/distributed/distributed_c10d.py", line 2730 in broadcast
+  File "/venv/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/job/worker/control.py", line 118 in agree
+  File "/job/train.py", line 30 in main
+  File "/job/train.py", line 40 in <module>
+"""
+BEHIND = """Current thread 0x00007f0000000003 (most recent call first):
+  File "/job/train.py", line 33 in main
+  File "/job/train.py", line 40 in <module>
+"""
+
+
+@pytest.mark.parametrize("dump,expected", [
+    (WAITING, (True, "in a collective: broadcast (distributed_c10d.py:2730)")),
+    (BEHIND, (False, "not in a collective: main (train.py:33)")),
+    ("", (None, "no stacks (the worker did not answer)")),
+])
+def test_where_says_whether_the_main_thread_waits_in_a_collective(dump, expected):
+    assert where(main_frames(dump)) == expected
+
+
+def test_main_frames_are_the_last_threads_innermost_first():
+    assert main_frames(BEHIND) == [("/job/train.py", 33, "main"), ("/job/train.py", 40, "<module>")]
+
+
+def stacks_of(attempt=1, **texts):
+    return StacksReport(job_id="j-abc123", attempt=attempt,
+                        ranks=[RankStacks(rank=int(k[1:]), text=v) for k, v in texts.items()])
+
+
+def test_the_stacks_of_a_hung_attempt_are_an_event_naming_the_ranks_behind():
+    job = hung(hung_attempt=1)
+    change = decide_stacks(job, "a", stacks_of(r0=WAITING, r1=BEHIND, r2=""), NOW)
+    [event] = change.events
+    assert event.reason == (
+        "stacks of hung attempt 1 on node a: rank 0 in a collective: broadcast (distributed_c10d.py:2730); "
+        "rank 1 not in a collective: main (train.py:33); rank 2 no stacks (the worker did not answer) "
+        "(did not reach the collective: rank 1)")
+    assert event.detail == f"rank 0:\n{WAITING}\nrank 1:\n{BEHIND}\nrank 2:\n(none)"
+    assert change.job.event_seq == job.event_seq + 1 and change.job.state is job.state
+
+
+@pytest.mark.parametrize("job,node,attempt", [
+    (hung(), "a", 1),  # not taken for hung
+    (hung(hung_attempt=1), "a", 0),  # another attempt's
+    (hung(hung_attempt=1), "z", 1),  # not the job's node
+])
+def test_stacks_not_of_the_hung_attempt_are_ignored(job, node, attempt):
+    assert decide_stacks(job, node, stacks_of(attempt, r0=WAITING), NOW) is None

@@ -21,6 +21,7 @@ from service.models import (
     MemberStatus,
     NodeRecord,
     NodeState,
+    Straggler,
 )
 
 S = JobState
@@ -324,3 +325,33 @@ def test_a_lost_member_is_said_lost_the_way_it_went():
                        ({"b": "its agent stopped"}, "node b lost (its agent stopped)")]:
         p = plan(j, nodes("a"), [], NOW, CFG, gone=gone)
         assert said in [e.reason for e in p.events], p.events
+
+
+# Stragglers (`straggler_action: replace`): the flagged rank's node is swapped for a free one at
+# a step boundary (a planned change, as a drain), and not taken back.
+
+def straggling(action="replace", **kw) -> JobRecord:
+    j = job(S.RUNNING, {"a": "running", "b": "running"}, mn=2, mx=2, reports_progress=True,
+            stragglers=[Straggler(rank=1, node="b", factor=1.5, since=NOW - 5)], **kw)
+    return j.model_copy(update={"spec": j.spec.model_copy(update={"straggler_action": action})})
+
+
+def test_a_straggler_node_is_replaced_by_a_free_one_at_a_step_boundary():
+    j = straggling()
+    asked = plan(j, nodes("a", "b", "c"), ["c"], NOW, CFG)
+    assert asked.job.control.action is ControlAction.CHECKPOINT_PAUSE and sorted(asked.job.members) == ["a", "b"]
+    acked = asked.job.model_copy(update={"control_acked": asked.job.control.id})
+    p = plan(acked, nodes("a", "b", "c"), ["c"], NOW, CFG)
+    assert sorted(p.job.members) == ["a", "c"] and p.job.attempt == j.attempt + 1
+    assert p.job.state is S.RUNNING and p.job.stragglers == [] and p.job.replaced == ["b"]
+    assert p.job.restarts == 0 and p.reason.startswith("straggler node b replaced by c")
+
+
+def test_a_straggler_is_only_reported_without_replace_or_a_free_node():
+    assert plan(straggling("report"), nodes("a", "b", "c"), ["c"], NOW, CFG) is None
+    assert plan(straggling(), nodes("a", "b"), [], NOW, CFG) is None
+
+
+def test_a_replaced_node_is_not_taken_back_by_a_scale_up():
+    j = job(S.RUNNING, {"a": "running"}, mn=1, mx=2, replaced=["b"])
+    assert plan(j, nodes("a", "b"), ["b"], NOW, CFG) is None

@@ -263,7 +263,8 @@ class RecordingLink:
     def __init__(self):
         self.reports: list[dict] = []
 
-    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None):
+    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None,
+                        ranks=None):
         self.reports.append({"step": step, "loss": loss, "final": final, "metrics": metrics,
                              "total_steps": total_steps})
 
@@ -291,7 +292,8 @@ class RateLimitedLink(RecordingLink):
         super().__init__()
         self.rt, self.held = rt, 0
 
-    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None):
+    def report_progress(self, step, loss, samples_per_s, final=False, metrics=None, total_steps=None,
+                        ranks=None):
         super().report_progress(step, loss, samples_per_s, final, metrics, total_steps)
         if final:
             self.held = step

@@ -324,6 +324,15 @@ function jobView(jobId) {
     catch (e) { banner(`Cancel failed: ${e.message}`); $("cancel").disabled = false; }
   });
 
+  // Ranks flagged as slower than the others (docs/stragglers.md): node, rank and factor.
+  function stragglersCell(j) {
+    const s = j.stragglers || [];
+    if (!s.length) return `<span class="muted" data-stragglers="0">none</span>`;
+    return `<span class="straggler" data-stragglers="${s.length}">` + s.map(x =>
+      `<span data-straggler-rank="${x.rank}">rank ${x.rank}${x.node ? ` on ${esc(x.node)}` : ""} ` +
+      `(${num(x.factor, 3)}×)</span>`).join(", ") + "</span>";
+  }
+
   function showJob(j) {
     job = j;
     document.title = `${j.name} · ftrain`;
@@ -343,6 +352,7 @@ function jobView(jobId) {
       ["World size", j.world_size],
       ["Attempt", j.attempt],
       ["Restarts", `${j.restarts} of ${j.spec.max_restarts}`],
+      ["Stragglers", stragglersCell(j)],
       ["Duration", jobDuration(j)],
       ["Owner", esc(j.owner)],
       ["Submitted", when(j.created_at)],
