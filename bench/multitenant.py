@@ -47,7 +47,6 @@ sys.path.insert(0, str(REPO))
 from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, rank0_lines, wait_for  # noqa: E402
 
 USERS = {"ana": "vision", "ben": "vision", "chloe": "language"}
-PRIORITIES = (0, 0, 0, 0, 0, 0, 0, 5, 5, 10)  # drawn from: 70% 0, 20% 5, 10% 10
 SHAPES = ((1, 1), (1, 2), (2, 2), (1, 4), (2, 4))  # (min, max) nodes
 STEP_DELAY_S = 0.2
 EPOCH_DELAY_S = 2.0
@@ -76,8 +75,11 @@ def trace(jobs: int, minutes: float, seed: int) -> list[Arrival]:
     users = list(USERS)
     out = []
     turns: dict[int, int] = {}  # priority -> jobs of it so far: users take turns within each
-    for i in range(jobs):
-        priority = rng.choice(PRIORITIES)
+    # 10% of priority 10 (at least one), 20% of priority 5, the rest 0, in a seeded order
+    high, mid = max(1, round(jobs / 10)), round(jobs / 5)
+    priorities = [10] * high + [5] * mid + [0] * (jobs - high - mid)
+    rng.shuffle(priorities)
+    for i, priority in enumerate(priorities):
         turns[priority] = turns.get(priority, 0) + 1
         user = users[turns[priority] % len(users)]
         lo, hi = rng.choice(SHAPES)
