@@ -308,8 +308,11 @@ class NodeStore:
 
     async def undrain(self, name: str) -> NodeRecord:
         """Put a drained or quarantined node back in service (READY: it may be given work
-        again). The drain is deleted even when the node is not registered now (then NodeNotFound)."""
+        again). The drain, and the failures noted against the node (`note_failure`: the admin
+        vouches for it, so one more failure does not quarantine it again at once), are deleted
+        even when the node is not registered now (then NodeNotFound)."""
         await self.kv.delete(self.keys.drain(name))
+        await self.kv.delete_prefix(self.keys.failures(name))
         return await self._set_state(name, NodeState.READY)
 
     async def sweep_drains(self, fence: dict[str, int], keep_s: float) -> list[str]:

@@ -39,6 +39,10 @@ def test_failures_alone_in_two_jobs_quarantine_the_node_until_undrain_across_reg
         await nodes.undrain("n1")
         record = await nodes.get("n1")
         assert (record.state, record.reason) == (NodeState.READY, None)
+        # The admin vouched for it: its failures are forgotten, so one more in another job
+        # does not quarantine it again at once.
+        assert await nodes.note_failure("n1", "job-d", alone=True) is None
+        assert (await nodes.get("n1")).state is NodeState.READY
 
     asyncio.run(main())
 
