@@ -101,3 +101,6 @@ TORCH_ELASTIC_WORKER_IDENTICAL = "TORCH_ELASTIC_WORKER_IDENTICAL"
 # What torchrun sets for each worker: its restart count, which names the folder of its output
 # files under --log-dir (worker/output.py).
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+# The error file torchrun names for each worker, in its folder of output files: the folder
+# where a worker's stacks are dumped (worker/stacks.py).
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"

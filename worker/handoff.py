@@ -60,7 +60,7 @@ from pydantic import ValidationError
 from . import safe_files
 from .links import CommitUnreachable, Fenced, LinkError, ServiceLink
 from .protocol import CommitRequest, ProgressReport
-from .sharded import MANIFEST
+from .protocol import SHARDED_MANIFEST as MANIFEST
 
 log = logging.getLogger("ftrain.handoff")
 

@@ -537,6 +537,9 @@ class ControlAction(str, enum.Enum):
     CHECKPOINT_STOP = "checkpoint_stop"  # snapshot, commit, then exit 0 (cancel)
 
 
+# A sharded snapshot's manifest, written last by rank 0 (worker/sharded.py); the agent's
+# hand-over checks a sharded snapshot by it (worker/handoff.py), without importing torch.
+SHARDED_MANIFEST = "ftrain-manifest.json"
 SHARDS_DOC = ("A sharded snapshot (an FSDP2 model): `path` is a directory holding this many ranks' "
               "shards (torch.distributed.checkpoint), loadable at any world size; none: one file.")
 

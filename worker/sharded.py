@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 
 from . import snapshot as snap
+from .protocol import SHARDED_MANIFEST
 
 SUFFIX = ".dcp"
 TMP_MARK = snap.SHARDED_TMP_MARK
-MANIFEST = "ftrain-manifest.json"
+MANIFEST = SHARDED_MANIFEST
 STATE_FILE = "ftrain-state.pt"
 SUMS = "ftrain-sums-{rank}.json"
 # How long rank 0 waits for the other ranks' sums once its own write is done: they finished

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from . import safe_files
+from .env import TORCHELASTIC_ERROR_FILE
 
 # A real-time signal: nothing else uses it.
 STACKS_SIGNAL = signal.SIGRTMIN + 6
@@ -35,7 +36,7 @@ _files: list = []  # the open dump files (faulthandler keeps only their descript
 def register(env: dict[str, str] | os._Environ) -> bool:
     """Dump every thread's stack into STACKS_FILE on STACKS_SIGNAL; False where this process
     has no folder of output files (not a worker of torchrun's, e.g. the local twin)."""
-    error_file = env.get("TORCHELASTIC_ERROR_FILE")
+    error_file = env.get(TORCHELASTIC_ERROR_FILE)
     if not error_file or _files:
         return bool(_files)
     try:

@@ -379,7 +379,7 @@ def test_service_link_commit_refused_with_409_is_fenced(server):
         link.commit(written, stall_s=0.01, control_id=None)
     assert len(script.seen) == 1
     assert script.seen[0][2] == {"step": 4, "path": "/s/4.pt", "size": 1, "checksum": "c", "attempt": 1,
-                                 "control_id": None, "stall_s": 0.01, "write_s": 0.5}
+                                 "control_id": None, "stall_s": 0.01, "write_s": 0.5, "shards": None}
 
 
 def test_service_link_commit_without_an_answer_is_worth_retrying_and_a_4xx_is_not(server, monkeypatch):
