@@ -54,8 +54,10 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
     cp = control_plane
     credentials = {NODE: register(cp, NODE), SPARE: register(cp, SPARE)}
     with cp.client("user") as api:
+        # The highest priority: Schemathesis submits jobs of every priority, and a preemption
+        # would move this job to a new attempt, whose old rendezvous is then rightly 410 Gone.
         job = api.post("/v1/jobs", json={"name": "st-job", "command": ["python", "-c", "pass"],
-                                         "max_restarts": 1000}).json()
+                                         "max_restarts": 1000, "priority": 1000}).json()
 
     def assignment():
         got = httpx.post(f"{cp.url}/v1/nodes/{NODE}/heartbeat", timeout=5,
