@@ -23,8 +23,8 @@ async def follow_prefix(kv: KeyValue, prefix: str, load: Callable[[], Awaitable[
     event (with the key past `prefix`), `notify` after the load and after each event.
 
     A watch is started from the revision of the last event applied, not after it: a
-    session that ended between two events of one transaction must not lose the second
-    (applying one twice is harmless). A session that ends quietly watches on from there;
+    watch stream that ended between two events of one transaction must not lose the second
+    (applying one twice is harmless). A watch stream that ends quietly watches on from there;
     a compacted history loads again at once; a broken watch (etcd away) clears `ready`
     and loads again half a second later.
     """
@@ -41,7 +41,7 @@ async def follow_prefix(kv: KeyValue, prefix: str, load: Callable[[], Awaitable[
                 revision = ev.mod_revision
                 if notify is not None:
                     await notify()
-            continue  # the session ended quietly: watch on from where it was
+            continue  # the watch stream ended quietly: watch on from where it was
         except HistoryCompacted as exc:  # not an outage: load again at once
             log.debug("%s: %s", what, exc.message)
             revision = None
