@@ -53,16 +53,30 @@ class Keyring:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         path = root / "key"
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            os.chmod(path, 0o600)
-            key = bytes.fromhex(path.read_text().strip())
-        else:
-            key = secrets.token_bytes(KEY_BYTES)
-            with os.fdopen(fd, "w") as f:
-                f.write(key.hex() + "\n")
+        if not path.exists():
+            cls._make_key(path)
+        os.chmod(path, 0o600)
+        key = bytes.fromhex(path.read_text().strip())
         return cls(key, root)
+
+    @staticmethod
+    def _make_key(path: Path) -> None:
+        """Make the key file `path` whole or not at all: written under a private name, then
+        linked into place, so that replicas started together all read one complete key (an
+        O_EXCL create would let a second replica read the first one's still empty file)."""
+        draft = path.with_name(f".key.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_bytes(KEY_BYTES).hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(draft, path)
+            except FileExistsError:
+                pass  # another replica made it first: its key is the one
+        finally:
+            draft.unlink()
 
     @classmethod
     def ephemeral(cls) -> Keyring:

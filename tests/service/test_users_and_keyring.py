@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from pydantic import ValidationError
@@ -40,6 +42,21 @@ def test_a_job_token_is_the_same_from_every_load_of_the_secret_dir_and_differs_p
     assert first.job_token("j-abc123", "n2") != token  # a reused id with a new nonce
     assert first.job_token("j-abc124", "n1") != token
     assert Keyring.load(tmp_path / "other").job_token("j-abc123", "n1") != token
+
+
+def test_replicas_that_start_together_read_one_whole_key(tmp_path):
+    # Replicas of `ftrain up --replicas N` load the secret dir at the same moment: none may
+    # read a key file another is still writing, and all must derive the same tokens.
+    start = threading.Barrier(16)
+
+    def load():
+        start.wait()
+        return Keyring.load(tmp_path).job_token("job-1", "nonce")
+
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(lambda _: load(), range(16)))
+    assert len(set(tokens)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key"]  # no draft is left behind
 
 
 def test_the_secret_dir_is_0700_and_its_files_0600(tmp_path):
