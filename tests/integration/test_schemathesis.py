@@ -34,6 +34,14 @@ def register(cp, name: str) -> str:
     return got.json()["credential"]
 
 
+def failures_first(report: str, limit: int = 30000) -> str:
+    """Schemathesis's report for an assertion message: its failures (each with the request
+    that reproduces it) first, then the summary; a long report is cut in its middle."""
+    start = report.find("= FAILURES =")
+    failures = report[start:start + limit // 2] if start >= 0 else ""
+    return failures + "\n[...]\n" + report[-(limit - len(failures)):]
+
+
 def keep_alive(cp, credentials: dict[str, str], stop: threading.Event) -> None:
     """Heartbeat the nodes (their leases are the credentials' life) until `stop`."""
     with httpx.Client(base_url=cp.url, timeout=5) as http:
@@ -76,6 +84,8 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
             # Hypothesis's check that generating a case is fast: on 2 cores shared with other
             # runs (load 40-100) a pattern-heavy body (a heartbeat's) failed it, no finding of ours
             "--suppress-health-check", "too_slow",
+            # a failure names its seed; FTRAIN_SCHEMATHESIS_SEED replays that run's cases
+            *(["--seed", seed] if (seed := os.environ.get("FTRAIN_SCHEMATHESIS_SEED")) else []),
             ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS,  # the tokens of its security schemes:
            "FTRAIN_ST_USER_TOKEN": cp.user_token, "FTRAIN_ST_NODE_TOKEN": cp.node_token,
@@ -96,6 +106,6 @@ def test_schemathesis_all_checks_find_nothing(control_plane, tmp_path):
         stop.set()
         beats.join()
     text = report.read_text()
-    assert done.returncode == 0, text[-30000:]
+    assert done.returncode == 0, failures_first(text)
     # every operation got past its authentication (Schemathesis warns of those that did not)
-    assert "returned only 401/403" not in text, text[-30000:]
+    assert "returned only 401/403" not in text, failures_first(text)
