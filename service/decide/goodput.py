@@ -15,7 +15,8 @@ Then three corrections move time out of `training`, which the events alone canno
   is `recovering`, or `hung` when the fault was a hang.
 - replayed: the new group redoes the steps from its restore point to the step the stopped
   group had reached (`Replay.steps`), at the stopped group's step time: that much of the
-  training after the first step is `replayed`.
+  training after the first step is `replayed`, but never more than the new group trained
+  before it stopped in turn (that estimate never takes a later fault's detection).
 - snapshot stalls: the stall each commit reported, added up on the job record
   (`JobRecord.snapshot_stall_s`), is `snapshot`.
 
@@ -110,9 +111,16 @@ def ledger(job: JobRecord, events: Sequence[EventView], now: float) -> Goodput:
     events = sorted(events, key=lambda e: e.seq)
     after = causes(events)
     segments = _segments(events, after, start, end)
-    for event, lost_to in zip(events, _stops(events, after), strict=True):
-        if event.replay is not None:
-            _replayed(segments, event, lost_to)
+    replays = [(e, lost_to) for e, lost_to in zip(events, _stops(events, after), strict=True)
+               if e.replay is not None]
+    # Detections first: a stopped group's last report is a fact, a replay's length an estimate
+    # (the stopped group's step time), which must not run into the next fault's detection.
+    for event, lost_to in replays:
+        if lost_to is not None:
+            _move_window(segments, event.replay.reached_at, event.time, lost_to)
+    for event, _ in replays:
+        if event.replay.step_s:
+            _move_amount(segments, event.time, event.replay.steps * event.replay.step_s, "replayed")
     seconds = dict.fromkeys(CAUSES, 0.0)
     for seg in segments:
         seconds[seg.cause] = seconds.get(seg.cause, 0.0) + (seg.end - seg.start)
@@ -166,18 +174,6 @@ def _lost_to(stop: tuple[EventView, str | None] | None) -> str | None:
     return next((c for text, c in STOP_CAUSES if text in reason), "recovering")
 
 
-def _replayed(segments: list[_Segment], event: EventView, lost_to: str | None) -> None:
-    """Apply the corrections of `event` (the new group's first step): the time from the stopped
-    group's last report to the fault becomes `lost_to` (None: none was lost), and the steps it
-    redoes become `replayed`."""
-    replay = event.replay
-    assert replay is not None
-    if lost_to is not None:
-        _move_window(segments, replay.reached_at, event.time, lost_to)
-    if replay.step_s:
-        _move_amount(segments, event.time, replay.steps * replay.step_s, "replayed")
-
-
 def _move_window(segments: list[_Segment], start: float, end: float, to: str) -> None:
     """Training time within [start, end] becomes `to`."""
     i = max(0, bisect_right(segments, start, key=lambda seg: seg.start) - 1)
@@ -189,11 +185,15 @@ def _move_window(segments: list[_Segment], start: float, end: float, to: str) ->
 
 
 def _move_amount(segments: list[_Segment], start: float, amount: float, to: str) -> None:
-    """The first `amount` seconds of training from `start` on become `to`."""
+    """The first `amount` seconds of training from `start` on become `to`, up to the end of
+    that training (the group that trained then stopped: what it did not redo, no later group
+    redid for it)."""
     i = max(0, bisect_right(segments, start, key=lambda seg: seg.start) - 1)
     j, moved = i, []
     while j < len(segments) and amount > 0:
         seg = segments[j]
+        if seg.cause != "training" and seg.end > start:
+            break
         lo = max(seg.start, start)
         hi = min(seg.end, lo + amount) if seg.cause == "training" else lo
         amount -= max(0.0, hi - lo)

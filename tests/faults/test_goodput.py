@@ -90,15 +90,18 @@ def test_goodput_of_a_job_through_a_worker_sigkill_and_a_lost_node_adds_up(contr
     assert seconds["recovering"] == pytest.approx(restarts + detections, abs=0.05), (seconds, events)
 
     # replayed: the steps each new group redid, from where rank 0 says it resumed to the step
-    # its stopped group had reported, at that group's step time
+    # its stopped group had reported, at that group's step time; never more than the new group
+    # trained before its own stop (its last report, or the fault if that came first)
     assert [r["replay"]["from_step"] for r in again] == [resumed for _, resumed, _ in trace.resumes], \
         (again, trace.resumes)
     # The worker's kill left both agents shipping rank 0's lines: its stopped group reported no
     # step past the last it printed (rank 0 reports a step just before it prints it). (Rank 0's
     # last lines on the lost node may be lost with its agent.)
     assert again[0]["replay"]["reached_step"] <= trace.resumes[0][2] + 1, (again, trace.resumes)
-    redone = sum(max(0, r["replay"]["reached_step"] - r["replay"]["from_step"]) * r["replay"]["step_s"]
-                 for r in again)
+    lives = [min(after["replay"]["reached_at"], fault_before(events, after)["time"]) - r["time"]
+             for r, after in zip(again, again[1:])] + [float("inf")]
+    redone = sum(min(life, max(0, r["replay"]["reached_step"] - r["replay"]["from_step"]) * r["replay"]["step_s"])
+                 for r, life in zip(again, lives, strict=True))
     assert again[0]["replay"]["reached_step"] - again[0]["replay"]["from_step"] >= 30, again
     assert seconds["replayed"] == pytest.approx(redone, abs=0.05) and redone > 0, (seconds, again)
     print(f"\ngoodput | wall {wall:.1f} s | " + " | ".join(f"{c} {s:.2f}" for c, s in seconds.items() if s))

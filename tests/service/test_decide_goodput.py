@@ -115,15 +115,32 @@ def test_a_cancel_is_stopping_until_the_job_ends():
         {"waiting": 5, "starting": 3, "training": 12, "stopping": 2}
 
 
-def test_replayed_time_never_exceeds_the_training_there_was_and_skips_other_causes():
-    # 100 steps of 1 s redone, but the job trained 3 s, then failed again, then 4 s more.
+def test_replayed_time_never_exceeds_the_training_of_the_group_that_redid_it():
+    # 100 steps of 1 s to redo, but the new group trained 3 s, then failed again: the 4 s
+    # after that are the next group's own training.
     replay = Replay(from_step=0, reached_step=100, reached_at=T0 + 19, step_s=1.0)
     events = START + [ev(4, 20, S.RECOVERING, "node b is restarting its workers"),
                       ev(5, 22, S.RUNNING, "training again: world size 2 on 2 node(s), step 1", replay),
                       ev(6, 25, S.RECOVERING, "node b is restarting its workers"),
                       ev(7, 27, S.RUNNING, "training again: world size 2 on 2 node(s), step 1")]
     assert check(job_at(), events, now=T0 + 31) == \
-        {"waiting": 5, "starting": 3, "training": 11, "recovering": 1 + 2 + 2, "replayed": 3 + 4}
+        {"waiting": 5, "starting": 3, "training": 11 + 4, "recovering": 1 + 2 + 2, "replayed": 3}
+
+
+def test_a_replay_estimate_longer_than_its_group_leaves_the_next_fault_its_detection():
+    # The new group redoes 41 steps at the stopped group's 0.1 s (4.1 s from t=23), but runs
+    # faster: it reports its last step at t=26.5 and a node is lost at t=27. The 0.5 s from
+    # that report to the loss is the loss's detection (recovering), not replayed.
+    first = Replay(from_step=0, reached_step=41, reached_at=T0 + 19, step_s=0.1)
+    second = Replay(from_step=0, reached_step=43, reached_at=T0 + 26.5, step_s=0.08)
+    events = START + [ev(4, 20, S.RECOVERING, "node b is restarting its workers"),
+                      ev(5, 23, S.RUNNING, "training again: world size 2 on 2 node(s), step 1", first),
+                      ev(6, 27, S.RUNNING, "node b lost (its agent's connection closed)"),
+                      ev(7, 27, S.RECOVERING, "node(s) b lost: restarting the 1 remaining node(s)"),
+                      ev(8, 28, S.RUNNING, "training again: world size 1 on 1 node(s), step 1", second)]
+    seconds = check(job_at(), events, now=T0 + 40)
+    assert seconds["recovering"] == pytest.approx((23 - 19) + (28 - 26.5))
+    assert seconds["replayed"] == pytest.approx(3.5 + 43 * 0.08)
 
 
 def test_clock_skew_between_replicas_never_makes_a_part_negative():
