@@ -119,8 +119,10 @@ async def list_jobs(
     views = await ctx.jobs.views(page)
     if any(v.state is JobState.PENDING for v in views):
         nodes = await ctx.nodes.current()
+        # read once for the page: each waiting job's words cost O(nodes), not O(nodes + jobs)
+        holders, used = holders_of(ctx, nodes), quota_usage(ctx, nodes)
         for job, view in zip(page, views, strict=True):
-            view.waiting = waiting_of(ctx, job, nodes)
+            view.waiting = waiting_of(ctx, job, nodes, holders, used)
     return JobList(items=views, next=page[-1].id if more and page else None)
 
 
@@ -163,12 +165,38 @@ async def with_waiting(ctx: Context, view: JobView) -> JobView:
     return view
 
 
-def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord]) -> str | None:
+def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord],
+               holders: Mapping[str, JobRecord] | None = None,
+               used: quotas.Usage | None = None) -> str | None:
     """What `job` waits for (`decide.waiting.why_waiting`), the holders of the nodes taken
-    from the index: the job a node works for, or the waiting job it is held for."""
+    from the index: the job a node works for, or the waiting job it is held for. `holders`
+    (`holders_of`) and `used` (`quota_usage`): read once by a caller that asks for many jobs."""
     if job.state is not JobState.PENDING:
         return None
-    return why_waiting(job, nodes, holders_of(ctx, nodes, job.id), quota_limits(ctx, job.owner, nodes))
+    holders = holders_of(ctx, nodes) if holders is None else holders
+    used = quota_usage(ctx, nodes) if used is None else used
+    limits = quotas.limits(job.owner, used) if used is not None and applies(ctx, job.owner) else []
+    return why_waiting(job, nodes, HeldFrom(holders, job.id), limits)
+
+
+class HeldFrom(Mapping[str, JobRecord]):
+    """`holders` as one waiting job sees them: a node held for that job itself is not held
+    from it."""
+
+    def __init__(self, holders: Mapping[str, JobRecord], job_id: str):
+        self._holders, self._job_id = holders, job_id
+
+    def __getitem__(self, node: str) -> JobRecord:
+        holder = self._holders[node]
+        if holder.id == self._job_id:
+            raise KeyError(node)
+        return holder
+
+    def __iter__(self):
+        return (n for n, h in self._holders.items() if h.id != self._job_id)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def holders_of(ctx: Context, nodes: dict[str, NodeRecord], waiting: str | None = None) -> dict[str, JobRecord]:
@@ -186,13 +214,22 @@ def holders_of(ctx: Context, nodes: dict[str, NodeRecord], waiting: str | None =
     return holders
 
 
-def quota_limits(ctx: Context, owner: str, nodes: Mapping[str, NodeRecord]) -> list[quotas.Limit]:
-    """The quotas that apply to `owner`'s jobs, with what the unfinished jobs hold now
-    (`decide.quotas.limits`; none while the teams and quotas are not loaded)."""
+def applies(ctx: Context, owner: str) -> bool:
+    """Some quota is set on `owner` or its team."""
     tenants = ctx.tenancy.tenants()
-    if tenants is None or not (owner in tenants.users or tenants.team(owner) in tenants.teams):
-        return []
-    return quotas.limits(owner, quotas.usage(ctx.index.jobs(), nodes, tenants))
+    return tenants is not None and (owner in tenants.users or tenants.team(owner) in tenants.teams)
+
+
+def quota_usage(ctx: Context, nodes: Mapping[str, NodeRecord]) -> quotas.Usage | None:
+    """What the unfinished jobs hold now, by user and team (None while the teams and quotas
+    are not loaded, or none is set): from the index's counts, as a scheduler pass has them,
+    unless a GPU quota asks for the GPUs held."""
+    tenants = ctx.tenancy.tenants()
+    if tenants is None or not (tenants.users or tenants.teams):
+        return None
+    if quotas.counts_gpus(tenants):
+        return quotas.usage(ctx.index.jobs(), nodes, tenants)
+    return quotas.usage_of(ctx.index.held(), tenants)
 
 
 async def status_from_index(ctx: Context, job_id: str, seen: int | None) -> tuple[bytes, int] | None:

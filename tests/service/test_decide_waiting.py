@@ -63,3 +63,19 @@ def test_a_draining_node_is_not_counted_as_free():
     nodes = {"a": node("a"), "b": node("b", state=NodeState.DRAINING)}
     assert why_waiting(pending(2, 2), nodes, {}) == (
         "needs 2 node(s); 1 of the 2 that fit are draining: it starts when enough are undrained or join")
+
+
+def test_a_node_held_for_the_waiting_job_itself_is_free_to_it():
+    # A job list reads the nodes' holders once for every waiting job on its page; a node kept
+    # for one of them (its memory copy) is held from the others but free to that job.
+    from service.routes.jobs import HeldFrom
+
+    job = pending(2, 2).model_copy(update={"id": "kept-for"})
+    other = make_job(S.PENDING, mn=1, mx=1).model_copy(update={"id": "other"})
+    holders = {"a": job, "b": other}
+    nodes = {n: node(n) for n in ("a", "b", "c")}
+    assert dict(HeldFrom(holders, job.id)) == {"b": other}
+    assert why_waiting(job, nodes, HeldFrom(holders, job.id)) == \
+        "needs 2 node(s); 2 are free: it starts at the scheduler's next pass"
+    assert why_waiting(other, nodes, HeldFrom(holders, other.id)).startswith(
+        "needs 1 node(s); 2 are free")
