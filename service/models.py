@@ -689,6 +689,19 @@ class UserList(BaseModel):
     items: list[UserAccount]
 
 
+class WouldPreempt(BaseModel):
+    """A running job that a waiting one takes nodes from if it is the next to start."""
+
+    job_id: str
+    priority: int
+    how: Literal["shrink", "suspend"] = Field(..., description="shrink: it gives up `nodes` and goes "
+                                                               "on on the rest; suspend: it gives up "
+                                                               "every node and waits, its state kept.")
+    nodes: list[str] = Field(..., description="The nodes it gives up.")
+    under_way: bool = Field(False, description="The preemption is already going on (the job is "
+                                               "giving these nodes up now).")
+
+
 class QueuedJob(BaseModel):
     position: int = Field(..., description="1: the next to start, as the scheduler orders the "
                                            "queue now (priority, then fair share, then age).")
@@ -701,6 +714,10 @@ class QueuedJob(BaseModel):
     nodes_max: int
     created_at: float
     waiting: str | None = Field(None, description="What it waits for, as of this read.")
+    would_preempt: list[WouldPreempt] = Field(
+        default_factory=list, description="The running jobs it would take nodes from if it were the "
+                                          "next to start, as the scheduler chooses them now (empty: "
+                                          "none, it does not outrank enough of them, or it needs none).")
 
 
 class QueueView(BaseModel):

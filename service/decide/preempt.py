@@ -119,9 +119,11 @@ class Victims:
         self.held = list(itertools.accumulate((len(self.live[j.id]) for j in self.order), initial=0))
         self.taken: set[str] = taken if taken is not None else set()  # by an earlier `choose` of this pass
 
-    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord]) -> list[Take]:
+    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord],
+               record: bool = True) -> list[Take]:
         """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
-        start; [] when none is needed or not enough can be taken (then none is taken)."""
+        start; [] when none is needed or not enough can be taken (then none is taken). Without
+        `record` the victims are not counted as taken (what `waiter` would take, were it next)."""
         if need <= 0:
             return []
         prio = waiter.spec.priority
@@ -155,8 +157,35 @@ class Victims:
                 got += extra
         if got < need:
             return []
-        self.taken.update(takes)
+        if record:
+            self.taken.update(takes)
         return list(takes.values())
+
+
+def shortfall(waiter: JobRecord, usable: int, leaving: int) -> int:
+    """How many more nodes `waiter` must take from running jobs to start: its `min` less the
+    `usable` free nodes (READY, fitting it) and the `leaving` ones its victims already give up."""
+    return waiter.spec.nodes.min - usable - leaving
+
+
+def giving_to(jobs: Iterable[JobRecord]) -> dict[str, list[Take]]:
+    """waiting job id -> what the jobs marked for it are giving up (a preemption under way)."""
+    found: dict[str, list[Take]] = {}
+    for j in jobs:
+        if j.preempt is not None and j.state.is_active():
+            found.setdefault(j.preempt.by, []).append(Take(j, tuple(j.preempt.leave), j.preempt.suspend))
+    return found
+
+
+def would_take(waiter: JobRecord, usable: int, under_way: Sequence[Take], victims: Victims,
+               nodes: Mapping[str, NodeRecord]) -> list[Take]:
+    """What `waiter` takes from running jobs if it is the next to start: the preemption under
+    way for it, then what `victims.choose` gives it for the rest it lacks (nothing more where
+    that is not enough to start it). `victims` is not changed."""
+    leaving = sum(1 for t in under_way for n in t.leave if n in t.victim.members
+                  and t.victim.members[n].is_live())
+    more = victims.choose(waiter, shortfall(waiter, usable, leaving), nodes, record=False)
+    return [*under_way, *more]
 
 
 def choose(waiter: JobRecord, need: int, candidates: Iterable[JobRecord], nodes: Mapping[str, NodeRecord],

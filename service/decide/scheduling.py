@@ -543,7 +543,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
         nonlocal offered, victims
         usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
-        need = job.spec.nodes.min - len(usable) - len(leaving.get(job.id, ()))
+        need = preempt.shortfall(job, len(usable), len(leaving.get(job.id, ())))
         if need > 0 and (victims is None or job.spec.priority > (victims.below or 0)):
             # (in queue order the first to ask has the highest priority, but for a job held for)
             victims = preempt.Victims(others, now, below=job.spec.priority,
@@ -581,8 +581,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             return True
         if (applying := limits.get(job.owner)) is None:
             applying = limits[job.owner] = quotas.limits(job.owner, usage())
-        left = min((lim.left for lim in applying if lim.what == "nodes"), default=None)
-        return left is None or left >= job.spec.nodes.min
+        return quotas.leaves_room_for_min(job, applying)
 
     def waiting() -> Iterator[JobRecord]:  # (read only once the loop asks: a generator)
         held_for = set(held.values())

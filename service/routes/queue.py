@@ -3,7 +3,9 @@
 The order is the scheduler's own (`decide.shares.fair_queue`: priority, then the owner's
 share of the cluster, then age), played forward: each job ahead is counted as holding its
 `min` nodes when the next one's turn comes, as a pass that starts it would. The reasons are
-`decide.waiting`'s, as `GET /v1/jobs/{id}` gives them, against what is held now.
+`decide.waiting`'s, as `GET /v1/jobs/{id}` gives them, against what is held now. What each
+would preempt is `decide.preempt.would_take` on the running jobs of now, each job taken as if
+it were the next to start (so two jobs may name the same victim).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import copy
 from fastapi import APIRouter, Query
 
 from service.api_contract import AuthFirstRoute
-from service.decide import quotas
+from service.decide import preempt, quotas
+from service.decide.placement import fits
 from service.decide.order import queue_key
 from service.decide.shares import served
 from service.decide.waiting import why_waiting
 from service.deps import ContextDep, UserAuth
-from service.models import JobState, QueuedJob, QueueView
+from service.models import JobRecord, JobState, NodeRecord, NodeState, QueuedJob, QueueView, WouldPreempt
 from service.routes.jobs import holders_of
 
 router = APIRouter(prefix="/v1/queue", tags=["jobs"], dependencies=[UserAuth], route_class=AuthFirstRoute)
@@ -37,14 +40,29 @@ async def queue(ctx: ContextDep, limit: int = Query(100, ge=1, le=1000,
     items = []
     fifo = ctx.settings.queue_policy == "fifo"
     waiting = sorted((j for j in jobs if j.state is JobState.PENDING), key=lambda j: queue_key(j, fifo))
+    victims = preempt.Victims((j for j in jobs if j.state is not JobState.PENDING), ctx.jobs.clock())
+    under_way = preempt.giving_to(jobs)
     for position, job in enumerate(served(waiting, ahead, fifo), 1):
         if position > limit:
             break
         mine = holders if job.kept is None else {n: h for n, h in holders.items() if h.id != job.id}
+        applying = quotas.limits(job.owner, used)
+        may_preempt = not fifo and quotas.leaves_room_for_min(job, applying)
+        takes = preempt.would_take(job, len(usable(job, nodes, mine)), under_way.get(job.id, []), victims,
+                                   nodes) if may_preempt else []
         items.append(QueuedJob(
             position=position, id=job.id, name=job.spec.name, owner=job.owner,
             team=tenants.team(job.owner), priority=job.spec.priority, nodes_min=job.spec.nodes.min,
             nodes_max=job.spec.nodes.max, created_at=job.created_at,
-            waiting=why_waiting(job, nodes, mine, quotas.limits(job.owner, used))))
+            waiting=why_waiting(job, nodes, mine, applying), would_preempt=[
+                WouldPreempt(job_id=t.victim.id, priority=t.victim.spec.priority,
+                             how="suspend" if t.suspend else "shrink", nodes=list(t.leave),
+                             under_way=t.victim.preempt is not None) for t in takes]))
         ahead.add(job.owner, job.spec.nodes.min, 0)
     return QueueView(items=items)
+
+
+def usable(job: JobRecord, nodes: dict[str, NodeRecord], holders: dict[str, JobRecord]) -> list[str]:
+    """The free nodes `job` could start on now: READY, held by no job, with what it asks of each."""
+    return [n for n, node in nodes.items() if n not in holders and node.state is NodeState.READY
+            and fits(job.spec, node)]

@@ -211,7 +211,7 @@ function jobsView() {
     <section id="queue-panel" hidden>
       <h2>Queue <span class="muted">(the order waiting jobs will start in)</span></h2>
       <div class="panel"><table id="queue">
-        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Waiting for</th></tr></thead>
+        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Would preempt</th><th>Waiting for</th></tr></thead>
         <tbody></tbody></table></div>
     </section>
     <div class="panel"><h2>Where the time went <span class="muted" id="goodput-jobs"></span></h2>
@@ -263,8 +263,17 @@ async function showQueue() {
       <td>${esc(q.owner)}${q.team ? `<br><span class="muted">team ${esc(q.team)}</span>` : ""}</td>
       <td>${q.priority}</td>
       <td>${q.nodes_min}–${q.nodes_max}</td>
+      <td data-preempts>${wouldPreempt(q.would_preempt || [])}</td>
       <td class="muted" data-waiting>${esc(q.waiting || "")}</td>
     </tr>`).join("");
+}
+
+// The running jobs a waiting one takes nodes from if it is next: how (shrink or suspend), which nodes.
+function wouldPreempt(takes) {
+  if (!takes.length) return `<span class="muted">–</span>`;
+  return takes.map(t => `<a href="#/jobs/${encodeURIComponent(t.job_id)}" class="mono">${esc(t.job_id)}</a>`
+    + ` ${t.how === "suspend" ? "suspend" : "shrink"} <span class="mono muted">${esc(t.nodes.join(", "))}</span>`
+    + (t.under_way ? ` <span class="muted">(under way)</span>` : "")).join("<br>");
 }
 
 // ------------------------------------------------------------------ one job
