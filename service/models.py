@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import re
+import typing
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -303,6 +304,7 @@ class KeptCopies(BaseModel):
 
 
 RestartCause = Literal["failure", "lost_node", "preemption", "resize"]
+RESTART_CAUSES: tuple[RestartCause, ...] = typing.get_args(RestartCause)
 
 
 class RestartCounts(BaseModel):
