@@ -32,6 +32,7 @@ MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
 # torchrun stops its workers on SIGTERM with SIGKILL 30 s later (torch's `PContext.close`): a
 # longer grace would not be given.
 MAX_PREEMPT_GRACE_S = 30
+MAX_DURATION_S = 365 * 24 * 3600  # a job's `max_duration_s`, at most (a year)
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
@@ -165,6 +166,12 @@ class JobSpec(_Strict):
         description="When preempted, a script that does not use the ftrain runtime gets SIGTERM and "
                     "this long to save before its workers are stopped (a runtime script snapshots at "
                     "a step boundary instead).")
+    max_duration_s: JsonFloat | None = Field(
+        None, gt=0, le=MAX_DURATION_S,
+        description="The longest one run of the job may take, from its start (or its resumption "
+                    "after a suspension): a job still running past it is stopped and FAILED. "
+                    "Declaring it lets the job start on nodes a job of higher priority waits for "
+                    "when it ends before that job could start anyway (backfill: docs/scheduling.md).")
     straggler_factor: JsonFloat = Field(
         1.3, ge=1.05, le=100,
         description="Flag a rank whose compute time per step is at least this many times the median "
@@ -390,6 +397,8 @@ class JobRecord(BaseModel):
     # acknowledge planned changes. The reports themselves live under `keys.progress(id)`.
     reports_progress: bool = False
     finished_at: float | None = None
+    # When its current run started (left PENDING): `spec.max_duration_s` counts from here.
+    started_at: float | None = None
     # Planned membership changes: the request to rank 0, and the id it last acknowledged
     # (by committing a snapshot with that control id) with the step it stopped at.
     control: Control | None = None

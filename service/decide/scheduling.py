@@ -37,7 +37,8 @@ import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import keep, outcome, preempt, quotas
+from service.decide import backfill, keep, outcome, preempt, quotas
+from service.decide.backfill import ends_by
 from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
@@ -177,7 +178,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
                    control=None, stopping=False, group=None, group_round=None, regrouping=True,
-                   stopped_group=None, kept=None)
+                   stopped_group=None, kept=None, started_at=now)
         return d.result(job)
 
     # Active: STARTING, RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
@@ -211,6 +212,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                 d.update(stopping=True)
         return d.result(job)
 
+    if _past_max_duration(d):
+        return d.result(job)
     if _restart_after_a_crash(d, nodes):
         return d.result(job)
     ended = outcome.by_members(d.job.members)
@@ -349,6 +352,17 @@ def straggler_swap(job: JobRecord, nodes: Mapping[str, NodeRecord], free: list[s
     fresh = next((n for n in free if n in nodes and nodes[n].state is NodeState.READY
                   and fits(job.spec, nodes[n]) and n not in job.replaced and n != slow), None)
     return None if slow is None or fresh is None else (slow, fresh)
+
+
+def _past_max_duration(d: _Draft) -> bool:
+    """A job still running past its `max_duration_s` is stopped and FAILED (True: it ended)."""
+    end = ends_by(d.job)
+    if end is None or d.now < end:
+        return False
+    limit = d.job.spec.max_duration_s
+    d.move(S.FAILED, f"ran past its max_duration_s={limit:g} (started {d.now - d.job.started_at:.0f} s "
+           "ago); its workers are stopped", control=None, stopping=True)
+    return True
 
 
 def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
@@ -538,9 +552,10 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
     claims_left = MAX_PREEMPTORS
 
-    def claim(job: JobRecord) -> None:
+    def claim(job: JobRecord) -> bool:
         """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
-        the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
+        the free ones that fit it from those jobs meanwhile (none, if it cannot be started so:
+        False)."""
         nonlocal offered, victims
         usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
         need = preempt.shortfall(job, len(usable), len(leaving.get(job.id, ())))
@@ -550,7 +565,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                                       taken=None if victims is None else victims.taken)
         takes = victims.choose(job, need, nodes) if need > 0 and victims is not None else []
         if need > 0 and not takes:
-            return
+            return False
         for t in takes:
             marked[t.victim.id] = preempt.mark(t, job, now)
             leaving.setdefault(job.id, []).extend(t.leave)
@@ -560,6 +575,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         kept_back = set(usable[:job.spec.nodes.min])
         offered = [n for n in offered if n not in kept_back]
         ready.difference_update(kept_back)
+        return True
 
     # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
@@ -583,13 +599,49 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             applying = limits[job.owner] = quotas.limits(job.owner, usage())
         return quotas.leaves_room_for_min(job, applying)
 
+    # Backfill (`decide.backfill`): the first job, in queue order, that waits for nodes no
+    # preemption gives it, and when it could start; a job behind it starts on free nodes that
+    # fit it only if it cannot delay that start.
+    head: JobRecord | None = None
+    start: list[float | None] = []  # (found once a job may backfill: `planned_start`)
+
+    def waits_for_nodes(job: JobRecord) -> None:
+        """`job` cannot start on the free nodes nor preempt for them: the head, if it is first."""
+        nonlocal head
+        if cfg.fifo or (head is not None and queue_key(head) <= queue_key(job)) or not quota_allows(job):
+            return
+        head = job
+
+    def backfilled(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
+        """`free` as far as `job` may take it while the head waits (all of it, with no head)."""
+        if head is None or head is job or not free:
+            return free
+        if not start:
+            running = {j.id: j for j in others} | {q.job.id: q.job for q in plans}
+            start.append(backfill.planned_start(head, ready, running.values(), nodes, now))
+        return backfill.may_take(job, free, head, start[0], nodes, now)
+
+    def offer_others(job: JobRecord) -> Sequence[str]:
+        """`offered` as a running job may grow onto it (`plan`'s free nodes for it)."""
+        free = within(job, offered) if ready else offered
+        if len(live_members(job)) >= job.spec.nodes.max:  # (no growth: a scale-up is all it limits)
+            return free
+        return backfilled(job, free)
+
     def waiting() -> Iterator[JobRecord]:  # (read only once the loop asks: a generator)
         held_for = set(held.values())
         rest = (j for j in pending if j.id not in held_for)
         if not ready:  # only preemption can start one: in queue order, read only as far as needed
             yield from rest
             return
-        yield from served((j for j in rest if may_start(j) or may_preempt(j)), usage(), cfg.fifo)
+
+        def offered_to(j: JobRecord) -> bool:
+            if may_start(j) or may_preempt(j):
+                return True
+            if head is None:  # (in queue order: the first such is the head)
+                waits_for_nodes(j)
+            return False
+        yield from served(filter(offered_to, rest), usage(), cfg.fifo)
 
     queue = itertools.chain(first, waiting())
     while max_starts is None or len(plans) < max_starts:
@@ -597,25 +649,32 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             break
         if (job := next(queue, None)) is None:
             break
-        p = None
+        p, held_back = None, False
         if ready and may_start(job):
-            free = within(job, offer(job))
+            mine = within(job, offer(job))
+            free = backfilled(job, mine)
+            held_back = len(free) < len(mine)  # (then it waits behind the head: it preempts nobody)
             if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
                 p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
+        elif held_back:
+            continue
         elif claims_left and may_preempt(job) and quota_allows(job):
             claims_left -= 1
-            claim(job)
+            if not claim(job) and ready:
+                waits_for_nodes(job)
         elif not ready and job.id not in first_ids and not may_preempt(job):
             break  # (in priority order: no later job may preempt)
+        elif ready and job.state is S.PENDING:  # (too few of the free nodes fit it)
+            waits_for_nodes(job)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
         mark = marked.get(job.id)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job if mark is None else mark[0], nodes, within(job, offered) if ready else offered,
+        p = plan(job if mark is None else mark[0], nodes, offer_others(job),
                  now, cfg, graced, copies.get(job.id, ()), gone)
         if mark is not None:
             p = with_mark(mark, p)
@@ -641,7 +700,7 @@ class Settled:
     """The unfinished jobs (not PENDING) whose last plan was None, and on what it was made.
 
     `plan` of a RUNNING or RECOVERING job with no planned change pending (`control` None)
-    reads no clock: it depends on the record, the live nodes, `graced`, and the free nodes
+    reads no clock (unless it has a `max_duration_s`): it depends on the record, the live nodes, `graced`, and the free nodes
     only where one that is READY and fits could join (below `max`). So while the record is
     the same object, the node view the same version (`nodes_version`, set by the caller for
     each pass; None: unknown, nothing is skipped) and no such node free, its plan is None
@@ -664,7 +723,7 @@ class Settled:
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
         if settled and self.nodes_version is not None and job.control is None \
-                and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
+                and job.spec.max_duration_s is None and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
             self._seen[job.id] = (job, self.nodes_version, graced)
         else:
             self._seen.pop(job.id, None)
