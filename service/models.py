@@ -342,6 +342,10 @@ class Preemption(BaseModel):
     leave: list[str] = Field(..., description="The nodes it gives up.")
     suspend: bool = False
     requested_at: float
+    # A give-back to a starved user of the same priority (`decide.giveback`), not a preemption
+    # by priority: its restart counts as a resize.
+    fair_share: bool = False
+    for_user: str | None = None
 
     def describe(self) -> str:
         return f"job {self.by} (priority {self.by_priority})"

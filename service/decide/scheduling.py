@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import backfill, keep, outcome, preempt, quotas
+from service.decide import backfill, giveback, keep, outcome, preempt, quotas
 from service.decide.backfill import ends_by
 from service.decide.order import queue_key
 from service.decide.placement import fits
@@ -322,7 +322,7 @@ def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfi
             return
         staying = sorted(n for n, m in job.members.items() if m.state == "stopped"
                          and n not in pre.leave and n in nodes)
-    counts = d.job.restarts_by_cause.plus("preemption")
+    counts = d.job.restarts_by_cause.plus("resize" if pre.fair_share else "preemption")
     if pre.suspend or len(staying) < job.spec.nodes.min:
         kept = keep.kept_for(live, copies, nodes, d.now, cfg.memory_hold_s)
         d.move(S.PENDING, f"suspended: its nodes went to {pre.describe()}; waiting for nodes "
@@ -455,7 +455,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
                    gone: Mapping[str, str] | None = None,
                    running: tuple[int | None, Iterable[JobRecord]] | None = None,
-                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None) -> list[Plan]:
+                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None,
+                   waiting_owners: Collection[str] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
     node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
@@ -482,6 +483,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     memory reports, for the jobs that may fall below their `min` (`plan`). `running`: the lowest
     priority among `others` and those of them giving nodes up (`JobRecord.preempt`), as the job
     index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
+    `waiting_owners`: the users with a PENDING job (`JobIndex.waiting_owners`), for the fair-share
+    give-back (`decide.giveback`); None: found from `pending` where it is a list, else none.
+
+    While the queue's head waits for nodes that no preemption gives it, a job behind it takes
+    (and a running job grows onto) free nodes that fit the head only if it cannot delay its
+    start (`decide.backfill`).
     """
     free = free_nodes(others, nodes)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
@@ -551,6 +558,14 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     victims: preempt.Victims | None = None  # made at the first waiting job that looks for victims
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
     claims_left = MAX_PREEMPTORS
+    # Fair-share give-back (`decide.giveback`): the owners with a job waiting and no node, while
+    # some running job could give nodes back (looked for only while such an owner waits).
+    if waiting_owners is None and isinstance(pending, Sequence):  # (a lazy queue is not read for it)
+        waiting_owners = {j.owner for j in pending}
+    starving = giveback.starved(waiting_owners, usage()) if waiting_owners and not cfg.fifo else set()
+    donors = giveback.donors(others) if starving else []
+    if not donors:
+        starving = set()
 
     def claim(job: JobRecord) -> bool:
         """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
@@ -562,15 +577,21 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         if need > 0 and (victims is None or job.spec.priority > (victims.below or 0)):
             # (in queue order the first to ask has the highest priority, but for a job held for)
             victims = preempt.Victims(others, now, below=job.spec.priority,
-                                      taken=None if victims is None else victims.taken)
+                                      taken=set(marked) if victims is None else victims.taken)
         takes = victims.choose(job, need, nodes) if need > 0 and victims is not None else []
+        fair = need > 0 and not takes and job.owner in starving
+        if fair:  # (its owner's first job in queue order: the one the give-back is for)
+            starving.discard(job.owner)
+            takes = giveback.choose(job, need, donors, usage(), nodes, now, taken=marked)
         if need > 0 and not takes:
             return False
         for t in takes:
-            marked[t.victim.id] = preempt.mark(t, job, now)
+            marked[t.victim.id] = preempt.mark(t, job, now, fair_share=fair)
             leaving.setdefault(job.id, []).extend(t.leave)
+            if victims is not None:
+                victims.taken.add(t.victim.id)
         if takes:
-            waiter, event = preempt.noted_on_waiter(job, takes, now)
+            waiter, event = preempt.noted_on_waiter(job, takes, now, fair_share=fair)
             plans.append(Plan(waiter, [event], event.reason))
         kept_back = set(usable[:job.spec.nodes.min])
         offered = [n for n in offered if n not in kept_back]
@@ -587,8 +608,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         return job.kept is not None or job.spec.nodes.min <= len(ready)
 
     def may_preempt(job: JobRecord) -> bool:
-        """It outranks a running job, or nodes are already leaving for it."""
-        return (floor is not None and job.spec.priority > floor) or job.id in leaving
+        """It outranks a running job, nodes are already leaving for it, or its owner is starved."""
+        return (floor is not None and job.spec.priority > floor) or job.id in leaving or job.owner in starving
 
     def quota_allows(job: JobRecord) -> bool:
         """Its owner's node quotas leave room for its `min` (preempting for a job its quota
@@ -664,8 +685,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             claims_left -= 1
             if not claim(job) and ready:
                 waits_for_nodes(job)
-        elif not ready and job.id not in first_ids and not may_preempt(job):
-            break  # (in priority order: no later job may preempt)
+        elif not ready and job.id not in first_ids and not may_preempt(job) and not starving:
+            break  # (in priority order: no later job may preempt; a starved owner's may be further on)
         elif ready and job.state is S.PENDING:  # (too few of the free nodes fit it)
             waits_for_nodes(job)
     if ready and max_starts is not None and len(plans) >= max_starts:
