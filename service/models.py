@@ -715,6 +715,8 @@ class WouldPreempt(BaseModel):
     nodes: list[str] = Field(..., description="The nodes it gives up.")
     under_way: bool = Field(False, description="The preemption is already going on (the job is "
                                                "giving these nodes up now).")
+    fair_share: bool = Field(False, description="A give-back by fair share to a user holding no node, "
+                                                "from a job of the same priority (docs/scheduling.md).")
 
 
 class QueuedJob(BaseModel):

@@ -12,8 +12,9 @@ No thrash:
   `shares.share_key`) of a job that gives keeps at least as many nodes as the starved user's
   share once it has started, so the one that gave is never starved by it and never takes the
   nodes back;
-- a job that started less than SETTLE_S ago gives nothing back (the job that just received
-  nodes by fair share is not shrunk for the next starved user at the next pass);
+- a job that started less than `settle_s` ago (SETTLE_S by default; the control plane's
+  `fair_share_settle_s`) gives nothing back (the job that just received nodes by fair share
+  is not shrunk for the next starved user at the next pass);
 - as with preemption, nothing is taken unless it starts the waiting job.
 
 Pure: the caller gives the running jobs and the shares of its pass.
@@ -45,7 +46,8 @@ def donors(running: Iterable[JobRecord]) -> list[JobRecord]:
 
 
 def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usage,
-           nodes: Mapping[str, NodeRecord], now: float, taken: Collection[str] = ()) -> list[Take]:
+           nodes: Mapping[str, NodeRecord], now: float, taken: Collection[str] = (),
+           settle_s: float = SETTLE_S) -> list[Take]:
     """The shrinks of running jobs of `waiter`'s priority that give it the `need` nodes it lacks
     to start (the owner holding most first, then as preemption orders victims); [] when none is
     needed or not enough can be given (then none is). `taken`: ids of jobs already taken in this
@@ -53,7 +55,7 @@ def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usa
     if need <= 0:
         return []
     mine = share_key(waiter, used)[0] + waiter.spec.nodes.min  # the starved side's share, once started
-    donors = sorted((j for j in running if _may_give(j, waiter, now, taken)),
+    donors = sorted((j for j in running if _may_give(j, waiter, now - settle_s, taken)),
                     key=lambda j: (-share_key(j, used)[0], victim_key(j, now)))
     given: Counter = Counter()  # nodes taken from each donor's side (team, else owner)
     takes, got = [], 0
@@ -72,7 +74,7 @@ def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usa
     return takes if got >= need else []
 
 
-def _may_give(job: JobRecord, waiter: JobRecord, now: float, taken: Collection[str]) -> bool:
+def _may_give(job: JobRecord, waiter: JobRecord, settled_by: float, taken: Collection[str]) -> bool:
     return (job.spec.priority == waiter.spec.priority and job.owner != waiter.owner
             and job.id not in taken and is_candidate(job) and len(live(job)) > job.spec.nodes.min
-            and job.started_at is not None and now - job.started_at >= SETTLE_S)
+            and job.started_at is not None and job.started_at <= settled_by)

@@ -71,6 +71,8 @@ class SchedulerConfig:
     # The queue policy (`Settings.queue_policy`): "fifo" serves the queue in submission order
     # (no priority, fair share or preemption), "priority" as `decide.order` says.
     fifo: bool = False
+    # A running job gives nodes back by fair share only once it has run this long (`decide.giveback`).
+    fair_share_settle_s: float = giveback.SETTLE_S
 
 
 @dataclass
@@ -582,7 +584,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         fair = need > 0 and not takes and job.owner in starving
         if fair:  # (its owner's first job in queue order: the one the give-back is for)
             starving.discard(job.owner)
-            takes = giveback.choose(job, need, donors, usage(), nodes, now, taken=marked)
+            takes = giveback.choose(job, need, donors, usage(), nodes, now, taken=marked,
+                                    settle_s=cfg.fair_share_settle_s)
         if need > 0 and not takes:
             return False
         for t in takes:

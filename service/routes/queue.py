@@ -15,7 +15,7 @@ import copy
 from fastapi import APIRouter, Query
 
 from service.api_contract import AuthFirstRoute
-from service.decide import preempt, quotas
+from service.decide import giveback, preempt, quotas
 from service.decide.placement import fits
 from service.decide.order import queue_key
 from service.decide.shares import served
@@ -40,7 +40,10 @@ async def queue(ctx: ContextDep, limit: int = Query(100, ge=1, le=1000,
     items = []
     fifo = ctx.settings.queue_policy == "fifo"
     waiting = sorted((j for j in jobs if j.state is JobState.PENDING), key=lambda j: queue_key(j, fifo))
-    victims = preempt.Victims((j for j in jobs if j.state is not JobState.PENDING), ctx.jobs.clock())
+    running = [j for j in jobs if j.state is not JobState.PENDING]
+    victims = preempt.Victims(running, ctx.jobs.clock())
+    starving = set() if fifo else giveback.starved({j.owner for j in waiting}, used)
+    donors = giveback.donors(running) if starving else []
     under_way = preempt.giving_to(jobs)
     for position, job in enumerate(served(waiting, ahead, fifo), 1):
         if position > limit:
@@ -48,18 +51,30 @@ async def queue(ctx: ContextDep, limit: int = Query(100, ge=1, le=1000,
         mine = holders if job.kept is None else {n: h for n, h in holders.items() if h.id != job.id}
         applying = quotas.limits(job.owner, used)
         may_preempt = not fifo and quotas.leaves_room_for_min(job, applying)
-        takes = preempt.would_take(job, len(usable(job, nodes, mine)), under_way.get(job.id, []), victims,
-                                   nodes) if may_preempt else []
+        free = len(usable(job, nodes, mine))
+        takes, fair = [], False
+        if may_preempt:
+            takes = preempt.would_take(job, free, under_way.get(job.id, []), victims, nodes)
+            if not takes and job.owner in starving:  # (as the scheduler's `claim`)
+                takes, fair = giveback.choose(job, preempt.shortfall(job, free, 0), donors, used, nodes,
+                                              ctx.jobs.clock(), settle_s=ctx.settings.fair_share_settle_s), True
         items.append(QueuedJob(
             position=position, id=job.id, name=job.spec.name, owner=job.owner,
             team=tenants.team(job.owner), priority=job.spec.priority, nodes_min=job.spec.nodes.min,
             nodes_max=job.spec.nodes.max, created_at=job.created_at,
-            waiting=why_waiting(job, nodes, mine, applying), would_preempt=[
-                WouldPreempt(job_id=t.victim.id, priority=t.victim.spec.priority,
-                             how="suspend" if t.suspend else "shrink", nodes=list(t.leave),
-                             under_way=t.victim.preempt is not None) for t in takes]))
+            waiting=why_waiting(job, nodes, mine, applying),
+            would_preempt=[shown(t, fair) for t in takes]))
         ahead.add(job.owner, job.spec.nodes.min, 0)
     return QueueView(items=items)
+
+
+def shown(take: preempt.Take, fair: bool) -> WouldPreempt:
+    """`take` as the queue shows it (`fair`: a fair-share give-back, unless one is under way)."""
+    under_way = take.victim.preempt
+    return WouldPreempt(job_id=take.victim.id, priority=take.victim.spec.priority,
+                        how="suspend" if take.suspend else "shrink", nodes=list(take.leave),
+                        under_way=under_way is not None,
+                        fair_share=under_way.fair_share if under_way is not None else fair)
 
 
 def usable(job: JobRecord, nodes: dict[str, NodeRecord], holders: dict[str, JobRecord]) -> list[str]:

@@ -193,7 +193,7 @@ def test_the_queue_says_whom_a_waiting_job_preempts_and_how(control_plane):
             takes = wait_for(lambda: (t := shown()) and t[0]["under_way"] and t, 20,
                              "the queue to show the preemption under way")
             assert takes == [{"job_id": low, "priority": 0, "how": "shrink", "under_way": True,
-                              "nodes": takes[0]["nodes"]}]
+                              "fair_share": False, "nodes": takes[0]["nodes"]}]
             assert takes[0]["nodes"] in (["w1"], ["w2"])
 
             env = {**os.environ, "FTRAIN_SERVER": cp.url, "FTRAIN_TOKEN": cp.user_token}
