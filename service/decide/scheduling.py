@@ -724,7 +724,8 @@ class Settled:
     """The unfinished jobs (not PENDING) whose last plan was None, and on what it was made.
 
     `plan` of a RUNNING or RECOVERING job with no planned change pending (`control` None)
-    reads no clock (unless it has a `max_duration_s`): it depends on the record, the live nodes, `graced`, and the free nodes
+    reads no clock (unless it has a `max_duration_s`): it depends on the record, the live nodes,
+    `graced`, and the free nodes
     only where one that is READY and fits could join (below `max`). So while the record is
     the same object, the node view the same version (`nodes_version`, set by the caller for
     each pass; None: unknown, nothing is skipped) and no such node free, its plan is None

@@ -56,8 +56,9 @@ async def queue(ctx: ContextDep, limit: int = Query(100, ge=1, le=1000,
         if may_preempt:
             takes = preempt.would_take(job, free, under_way.get(job.id, []), victims, nodes)
             if not takes and job.owner in starving:  # (as the scheduler's `claim`)
-                takes, fair = giveback.choose(job, preempt.shortfall(job, free, 0), donors, used, nodes,
-                                              ctx.jobs.clock(), settle_s=ctx.settings.fair_share_settle_s), True
+                takes = giveback.choose(job, preempt.shortfall(job, free, 0), donors, used, nodes,
+                                        ctx.jobs.clock(), settle_s=ctx.settings.fair_share_settle_s)
+                fair = True
         items.append(QueuedJob(
             position=position, id=job.id, name=job.spec.name, owner=job.owner,
             team=tenants.team(job.owner), priority=job.spec.priority, nodes_min=job.spec.nodes.min,

@@ -103,17 +103,21 @@ def test_a_running_job_grows_onto_nodes_the_head_waits_for_only_if_it_cannot_del
     (2, [], NOW),  # enough free now
     (3, [job("r1", 0, ["c"], limit=300, started=800.0)], 1100.0),  # "c" comes back at its declared end
     (3, [job("r1", 0, ["c"])], NOW),  # no bound: it may end at any moment
-    (3, [job("r1", 0, ["c"], limit=300, started=800.0), job("r2", 0, ["d"], limit=150, started=900.0)], 1050.0),
-    (4, [job("r1", 0, ["c"], limit=300, started=800.0), job("r2", 0, ["d"], limit=150, started=900.0)], 1100.0),
+    (3, [job("r1", 0, ["c"], limit=300, started=800.0),
+         job("r2", 0, ["d"], limit=150, started=900.0)], 1050.0),  # the first back is enough
+    (4, [job("r1", 0, ["c"], limit=300, started=800.0),
+         job("r2", 0, ["d"], limit=150, started=900.0)], 1100.0),  # both are needed
     (3, [job("r1", 0, ["c"], limit=50, started=800.0)], NOW),  # past its end already
 ])
 def test_planned_start_counts_the_running_jobs_declared_ends(mn, running, start):
     names = ["a", "b", *(n for j in running for n in j.members)]
-    assert backfill.planned_start(job("head", 5, mn=mn, mx=mn), ["a", "b"], running, nodes(*names), NOW) == start
+    head = job("head", 5, mn=mn, mx=mn)
+    assert backfill.planned_start(head, ["a", "b"], running, nodes(*names), NOW) == start
 
 
 def test_planned_start_is_none_when_too_few_nodes_fit_ever():
-    assert backfill.planned_start(job("head", 5, mn=4, mx=4), ["a"], [job("r", 0, ["b"])], nodes("a", "b"), NOW) is None
+    head = job("head", 5, mn=4, mx=4)
+    assert backfill.planned_start(head, ["a"], [job("r", 0, ["b"])], nodes("a", "b"), NOW) is None
 
 
 # ------------------------------------------------------------------ max_duration_s

@@ -29,11 +29,12 @@ def nodes(*names: str) -> dict[str, NodeRecord]:
 
 
 def job(jid: str, owner: str, members=(), mn=1, mx=3, prio=0, created=1.0, started=LONG_AGO) -> JobRecord:
-    return JobRecord(id=jid, owner=owner, spec=JobSpec(name=jid, command=["true"], nodes={"min": mn, "max": mx},
-                                                       priority=prio),
+    spec = JobSpec(name=jid, command=["true"], nodes={"min": mn, "max": mx}, priority=prio)
+    return JobRecord(id=jid, owner=owner, spec=spec,
                      state=S.RUNNING if members else S.PENDING, created_at=created, updated_at=created,
                      attempt=1 if members else 0, started_at=started if members else None,
-                     members={n: MemberStatus(state="running") for n in members}, reports_progress=bool(members))
+                     members={n: MemberStatus(state="running") for n in members},
+                     reports_progress=bool(members))
 
 
 def marks(plans) -> dict[str, tuple[list[str], bool]]:
@@ -50,15 +51,16 @@ def test_a_starved_users_job_takes_a_node_from_an_elastic_job_of_its_priority():
     by_id = {p.job.id: p for p in plans}
     assert by_id["ann-sweep"].events[0].reason == ("giving node(s) a back to user bob (fair share: it holds "
                                                    "no node), for job bob-job (priority 0)")
-    assert by_id["bob-job"].reason == "by fair share (its user holds no node), from job ann-sweep (priority 0): " \
-                                      "taking node(s) a"
+    assert by_id["bob-job"].reason == ("by fair share (its user holds no node), from job ann-sweep "
+                                       "(priority 0): taking node(s) a")
     victim = by_id["ann-sweep"].job
     assert victim.control is not None and victim.control.action is ControlAction.CHECKPOINT_PAUSE
 
 
 @pytest.mark.parametrize("why, waiting, running, cfg", [
     ("at its min", BOB, [job("ann-sweep", "ann", ["a", "b", "c"], mn=3)], CFG),
-    ("a higher priority than the starved job's", BOB, [job("ann-sweep", "ann", ["a", "b", "c"], prio=1)], CFG),
+    ("a higher priority than the starved job's", BOB,
+     [job("ann-sweep", "ann", ["a", "b", "c"], prio=1)], CFG),
     ("the starved user holds a node", BOB, [ANN, job("bob-other", "bob", ["d"], mx=1)], CFG),
     ("it started just now", BOB, [job("ann-sweep", "ann", ["a", "b", "c"], started=NOW - 5)], CFG),
     ("the shares would turn round", job("bob-job", "bob", mn=2, mx=2, created=5.0),
@@ -82,11 +84,13 @@ def test_a_team_counts_as_one_side_of_the_shares():
 
 def test_a_lower_priority_job_is_preempted_first_not_given_back():
     low = job("low", "carol", ["d"], mn=1, mx=1, prio=-1)
-    assert marks(schedule_queue([BOB], [ANN, low], nodes("a", "b", "c", "d"), NOW, CFG)) == {"low": (["d"], False)}
+    plans = schedule_queue([BOB], [ANN, low], nodes("a", "b", "c", "d"), NOW, CFG)
+    assert marks(plans) == {"low": (["d"], False)}
 
 
 def test_the_job_that_gave_shrinks_at_a_step_boundary_and_counts_a_resize():
-    marked = next(p.job for p in schedule_queue([BOB], [ANN], nodes("a", "b", "c"), NOW, CFG) if p.job.id == "ann-sweep")
+    plans = schedule_queue([BOB], [ANN], nodes("a", "b", "c"), NOW, CFG)
+    marked = next(p.job for p in plans if p.job.id == "ann-sweep")
     acked = marked.model_copy(update={"control_acked": marked.control.id})  # rank 0 snapshotted
     p = plan(acked, nodes("a", "b", "c"), [], NOW + 1, CFG)
     assert sorted(p.job.members) == ["b", "c"] and p.job.preempt is None and p.job.state is S.RUNNING
@@ -106,5 +110,6 @@ def test_the_job_given_nodes_is_not_shrunk_back_for_the_next_starved_user():
 
 def test_one_pass_gives_back_to_a_starved_user_behind_others_in_the_queue_with_no_node_free():
     ann_waiting = [job(f"ann-{i}", "ann", created=2.0 + i) for i in range(5)]
-    plans = schedule_queue([*ann_waiting, BOB], [ANN], nodes("a", "b", "c"), NOW, CFG, waiting_owners={"ann", "bob"})
+    plans = schedule_queue([*ann_waiting, BOB], [ANN], nodes("a", "b", "c"), NOW, CFG,
+                           waiting_owners={"ann", "bob"})
     assert marks(plans) == {"ann-sweep": (["a"], True)}

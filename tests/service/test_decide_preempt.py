@@ -141,11 +141,14 @@ def test_what_a_waiting_job_would_preempt_counts_the_preemption_under_way():
     other = job("other", 0, ["c", "d"], mn=1, mx=2, created=2.0)
     high = job("high", 10, mn=2, mx=2, created=5.0)
     under_way = preempt.giving_to([giving, other])["high"]
-    shown = preempt.would_take(high, 0, under_way, preempt.Victims([giving, other], NOW), nodes("a", "b", "c", "d"))
-    assert [(t.victim.id, t.leave, t.suspend) for t in shown] == [("low", ("a",), False), ("other", ("c",), False)]
+    victims = preempt.Victims([giving, other], NOW)
+    shown = preempt.would_take(high, 0, under_way, victims, nodes("a", "b", "c", "d"))
+    assert [(t.victim.id, t.leave, t.suspend) for t in shown] == [("low", ("a",), False),
+                                                                  ("other", ("c",), False)]
     # one that need not preempt (enough nodes free), or outranks no one, would take nothing
     assert preempt.would_take(high, 2, [], preempt.Victims([other], NOW), nodes("c", "d")) == []
-    assert preempt.would_take(job("low2", 0, mn=1), 0, [], preempt.Victims([other], NOW), nodes("c", "d")) == []
+    outranks_none = job("low2", 0, mn=1)
+    assert preempt.would_take(outranks_none, 0, [], preempt.Victims([other], NOW), nodes("c", "d")) == []
 
 
 def test_the_pass_reads_the_queue_only_as_far_as_jobs_may_preempt():

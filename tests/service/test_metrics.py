@@ -119,7 +119,8 @@ def test_metrics_give_each_jobs_restarts_by_cause():
             await cancel_and_wait(index)
             shutil.rmtree(log_root, ignore_errors=True)
         by_cause = {k: v for k, v in got.items() if k.startswith("ftrain_job_restarts_by_cause_total")}
+        expected = (("failure", 1), ("lost_node", 2), ("preemption", 3), ("resize", 0))
         assert by_cause == {f'ftrain_job_restarts_by_cause_total{{cause="{cause}",job="job-1"}}': n
-                            for cause, n in (("failure", 1), ("lost_node", 2), ("preemption", 3), ("resize", 0))}
+                            for cause, n in expected}
 
     asyncio.run(main())
