@@ -113,3 +113,15 @@ def test_one_pass_gives_back_to_a_starved_user_behind_others_in_the_queue_with_n
     plans = schedule_queue([*ann_waiting, BOB], [ANN], nodes("a", "b", "c"), NOW, CFG,
                            waiting_owners={"ann", "bob"})
     assert marks(plans) == {"ann-sweep": (["a"], True)}
+
+
+def test_the_job_index_keeps_the_users_with_waiting_jobs():
+    from service.job_index import JobIndex
+    index = JobIndex(None, None)  # type: ignore[arg-type]  (applying records touches no store)
+    for j in (BOB, job("bob-2", "bob", created=6.0), ANN):
+        index._apply(j, j.id)
+    assert index.waiting_owners() == ["bob"]
+    index._apply(BOB.model_copy(update={"state": S.CANCELLED}), BOB.id)
+    assert index.waiting_owners() == ["bob"]  # its other job still waits
+    index._apply(None, "bob-2")
+    assert index.waiting_owners() == []
