@@ -509,6 +509,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         return used
 
     limits: dict[str, list[quotas.Limit]] = {}  # owner -> its quotas, until the usage changes
+    allowed: dict[tuple[str, int], bool] = {}  # (owner, min) -> `quota_allows`, as long
 
     def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
         """`free` as far as `job`'s owner's quotas let it take them."""
@@ -538,6 +539,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
         if before != after:  # (the shares and quotas of the jobs planned after it see the change)
             limits.clear()
+            allowed.clear()
             usage().add(job.owner, len(after) - len(before),
                         sum(nodes[n].gpus for n in after - before if n in nodes)
                         - sum(nodes[n].gpus for n in before - after if n in nodes))
@@ -619,9 +621,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         would then hold back frees nodes for nobody)."""
         if not limited:
             return True
-        if (applying := limits.get(job.owner)) is None:
-            applying = limits[job.owner] = quotas.limits(job.owner, usage())
-        return quotas.leaves_room_for_min(job, applying)
+        key = (job.owner, job.spec.nodes.min)
+        if (room := allowed.get(key)) is None:  # (asked of every job a full quota holds back)
+            if (applying := limits.get(job.owner)) is None:
+                applying = limits[job.owner] = quotas.limits(job.owner, usage())
+            room = allowed[key] = quotas.leaves_room_for_min(job, applying)
+        return room
 
     # Backfill (`decide.backfill`): the first job, in queue order, that waits for nodes no
     # preemption gives it, and when it could start; a job behind it starts on free nodes that
