@@ -81,3 +81,12 @@ def may_take(job: JobRecord, free: Sequence[str], head: JobRecord, start: float 
 def _fits(job: JobRecord, name: str, nodes: Mapping[str, NodeRecord]) -> bool:
     node = nodes.get(name)
     return node is not None and node.state is NodeState.READY and fits(job.spec, node)
+
+
+def held_back(job: JobRecord, head: JobRecord, start: float, now: float) -> str:
+    """Why `job` waits while nodes that would start it are free: they are kept for `head`."""
+    when = ("at any moment (a job holding the rest may end at any time)" if start <= now
+            else f"in {start - now:.0f} s, as the running jobs declare their ends")
+    return (f"needs {job.spec.nodes.min} node(s); the free ones are kept for job {head.id} (priority "
+            f"{head.spec.priority}), ahead of it, which waits for more and could start {when}: it starts "
+            "once that one has, or at once with a max_duration_s that ends before then")
