@@ -33,7 +33,8 @@ async def start(ctx: Context) -> None:
         scheduler.run(ctx.jobs, ctx.nodes, ctx.index, leadership, ctx.settings.scheduler_interval_s,
                       SchedulerConfig(control_ack_timeout_s=ctx.settings.control_ack_timeout_s,
                                       memory_hold_s=ctx.settings.memory_hold_s,
-                                      fifo=ctx.settings.queue_policy == "fifo"),
+                                      fifo=ctx.settings.queue_policy == "fifo",
+                                      fair_share_settle_s=ctx.settings.fair_share_settle_s),
                       passes=ctx.scheduler_passes, contact=ctx.contact, tenancy=ctx.tenancy),
         name="scheduler"))
     ctx.tasks.append(asyncio.create_task(

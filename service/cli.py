@@ -841,8 +841,14 @@ def queue_cmd(client: FtrainClient, as_json: bool, limit: int) -> None:
         click.echo("no job is waiting")
         return
     _table([[str(q["position"]), q["id"], q["name"], q["owner"], q.get("team") or "-", str(q["priority"]),
-             f"{q['nodes_min']}-{q['nodes_max']}", _one_line(q.get("waiting") or "")] for q in items],
-           ["#", "ID", "NAME", "OWNER", "TEAM", "PRIO", "NODES", "WAITING"])
+             f"{q['nodes_min']}-{q['nodes_max']}", _preempts_cell(q.get("would_preempt") or []),
+             _one_line(q.get("waiting") or "")] for q in items],
+           ["#", "ID", "NAME", "OWNER", "TEAM", "PRIO", "NODES", "WOULD PREEMPT", "WAITING"])
+
+
+def _preempts_cell(takes: list[dict]) -> str:
+    """'JOB shrink n1,n2; JOB2 suspend n3' (what a waiting job takes if it is next), or '-'."""
+    return "; ".join(f"{t['job_id']} {t['how']} {','.join(t['nodes'])}" for t in takes) or "-"
 
 
 @main.command()

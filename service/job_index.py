@@ -73,6 +73,7 @@ class JobIndex:
         # the others (which hold nodes), oldest first.
         self._pending: list[QueueKey] = []
         self._held: Counter[str] = Counter()  # user -> nodes held (`held`)
+        self._waiting: Counter[str] = Counter()  # user -> its PENDING jobs (`waiting_owners`)
         self._running: list[SortKey] = []
         # Of those others: how many run at each priority, and the ones giving nodes up to a
         # preemption (`decide.preempt`), so a scheduler pass need not look through them all.
@@ -308,6 +309,8 @@ class JobIndex:
         old = self._jobs.pop(job_id, None)
         self._queue(job_id, old, job)
         self._count_held(old, job)
+        self._count_waiting(old, -1)
+        self._count_waiting(job, 1)
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
@@ -339,6 +342,17 @@ class JobIndex:
                 del self._held[old.owner]
         if (now := len(quotas.held_nodes(new))):
             self._held[new.owner] += now
+
+    def _count_waiting(self, job: JobRecord | None, by: int) -> None:
+        if job is not None and job.state is JobState.PENDING:
+            self._waiting[job.owner] += by
+            if not self._waiting[job.owner]:
+                del self._waiting[job.owner]
+
+    def waiting_owners(self) -> list[str]:
+        """The users with a PENDING job (kept as jobs change: a pass finds the starved users,
+        `decide.giveback`, without reading the queue)."""
+        return list(self._waiting)
 
     def held(self) -> dict[str, int]:
         """user -> the nodes its unfinished jobs hold (kept as jobs change: a scheduler pass
@@ -410,6 +424,7 @@ class JobIndex:
         self._views.clear()
         self._by_node.clear()
         self._held.clear()
+        self._waiting.clear()
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         self._pending = sorted(queue_key(j, self.fifo) for j in jobs.values() if j.state is JobState.PENDING)
@@ -421,6 +436,7 @@ class JobIndex:
         for job_id, job in jobs.items():
             self._jobs[job_id] = job
             self._count_held(None, job)
+            self._count_waiting(job, 1)
             if job.state.is_active():
                 self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
         return revision

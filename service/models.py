@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import re
+import typing
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,6 +32,7 @@ MAX_HANG_TIMEOUT_S = 7 * 24 * 3600
 # torchrun stops its workers on SIGTERM with SIGKILL 30 s later (torch's `PContext.close`): a
 # longer grace would not be given.
 MAX_PREEMPT_GRACE_S = 30
+MAX_DURATION_S = 365 * 24 * 3600  # a job's `max_duration_s`, at most (a year)
 # Size limits of a spec, in UTF-8 bytes, so that one job record (the spec and a few KiB of
 # state) stays far below etcd's 1.5 MiB request limit and 16 records fit one page of a
 # read (service.jobs.JOB_PAGE_SIZE) well under gRPC's 4 MiB reply cap.
@@ -164,6 +166,12 @@ class JobSpec(_Strict):
         description="When preempted, a script that does not use the ftrain runtime gets SIGTERM and "
                     "this long to save before its workers are stopped (a runtime script snapshots at "
                     "a step boundary instead).")
+    max_duration_s: JsonFloat | None = Field(
+        None, gt=0, le=MAX_DURATION_S,
+        description="The longest one run of the job may take, from its start (or its resumption "
+                    "after a suspension): a job still running past it is stopped and FAILED. "
+                    "Declaring it lets the job start on nodes a job of higher priority waits for "
+                    "when it ends before that job could start anyway (backfill: docs/scheduling.md).")
     straggler_factor: JsonFloat = Field(
         1.3, ge=1.05, le=100,
         description="Flag a rank whose compute time per step is at least this many times the median "
@@ -303,6 +311,7 @@ class KeptCopies(BaseModel):
 
 
 RestartCause = Literal["failure", "lost_node", "preemption", "resize"]
+RESTART_CAUSES: tuple[RestartCause, ...] = typing.get_args(RestartCause)
 
 
 class RestartCounts(BaseModel):
@@ -333,6 +342,10 @@ class Preemption(BaseModel):
     leave: list[str] = Field(..., description="The nodes it gives up.")
     suspend: bool = False
     requested_at: float
+    # A give-back to a starved user of the same priority (`decide.giveback`), not a preemption
+    # by priority: its restart counts as a resize.
+    fair_share: bool = False
+    for_user: str | None = None
 
     def describe(self) -> str:
         return f"job {self.by} (priority {self.by_priority})"
@@ -388,6 +401,8 @@ class JobRecord(BaseModel):
     # acknowledge planned changes. The reports themselves live under `keys.progress(id)`.
     reports_progress: bool = False
     finished_at: float | None = None
+    # When its current run started (left PENDING): `spec.max_duration_s` counts from here.
+    started_at: float | None = None
     # Planned membership changes: the request to rank 0, and the id it last acknowledged
     # (by committing a snapshot with that control id) with the step it stopped at.
     control: Control | None = None
@@ -689,6 +704,21 @@ class UserList(BaseModel):
     items: list[UserAccount]
 
 
+class WouldPreempt(BaseModel):
+    """A running job that a waiting one takes nodes from if it is the next to start."""
+
+    job_id: str
+    priority: int
+    how: Literal["shrink", "suspend"] = Field(..., description="shrink: it gives up `nodes` and goes "
+                                                               "on on the rest; suspend: it gives up "
+                                                               "every node and waits, its state kept.")
+    nodes: list[str] = Field(..., description="The nodes it gives up.")
+    under_way: bool = Field(False, description="The preemption is already going on (the job is "
+                                               "giving these nodes up now).")
+    fair_share: bool = Field(False, description="A give-back by fair share to a user holding no node, "
+                                                "from a job of the same priority (docs/scheduling.md).")
+
+
 class QueuedJob(BaseModel):
     position: int = Field(..., description="1: the next to start, as the scheduler orders the "
                                            "queue now (priority, then fair share, then age).")
@@ -701,6 +731,10 @@ class QueuedJob(BaseModel):
     nodes_max: int
     created_at: float
     waiting: str | None = Field(None, description="What it waits for, as of this read.")
+    would_preempt: list[WouldPreempt] = Field(
+        default_factory=list, description="The running jobs it would take nodes from if it were the "
+                                          "next to start, as the scheduler chooses them now (empty: "
+                                          "none, it does not outrank enough of them, or it needs none).")
 
 
 class QueueView(BaseModel):

@@ -201,7 +201,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
         if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           running, tenants, used)
+                           running, tenants, used, index.waiting_owners() if from_index else None)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -216,7 +216,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     copies: dict[str, list[MemorySnapshot]] | None = None,
                     gone: dict[str, str] | None = None,
                     running: tuple[int | None, list[JobRecord]] | None = None,
-                    tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None) -> bool:
+                    tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None,
+                    waiting_owners: list[str] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -233,7 +234,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
                            settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
-                           tenants=tenants, shares=used)
+                           tenants=tenants, shares=used, waiting_owners=waiting_owners)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}

@@ -71,6 +71,11 @@ class Settings(BaseSettings, Timeouts):
         "priority", description="How waiting jobs are served: \"priority\" (higher priority first, "
         "then fair share, then age; a higher-priority job may preempt: docs/scheduling.md) or "
         "\"fifo\" (submission order, nothing preempted). Quotas hold under both.")
+    fair_share_settle_s: float = Field(
+        60.0, ge=0, le=3600,
+        description="A running job gives nodes back to a starved user by fair share only once it "
+        "has run this long since it started or resumed (so the job that just received them is not "
+        "shrunk again at once: docs/scheduling.md).")
     memory_hold_s: float = Field(
         120.0, ge=0, le=300,
         description="A job that lost a node and waits for another holds the survivors that keep its "

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.decide.quotas import Tenants, held_nodes
-from service.models import JobRecord, JobState
+from service.models import RESTART_CAUSES, JobRecord, JobState
 
 # A fast worker restart recovers in seconds, a lost node in tens, an outage in minutes.
 RECOVERY_BUCKETS_S = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300, 600)
@@ -169,7 +169,22 @@ class _Jobs(Collector):
         for state, n in counts.items():
             family.add_metric([state.value], n)
         yield family
+        yield self._restarts_by_cause()
         yield self._stragglers()
+
+    def _restarts_by_cause(self) -> Metric:
+        """Each job's restarts by cause (`RestartCounts`), for the jobs that restarted: a
+        counter of the job's own record, so any replica gives the same figures."""
+        family = CounterMetricFamily("ftrain_job_restarts_by_cause", "A job's restarts by cause "
+                                     "(failure, lost_node, preemption, resize; only failures spend "
+                                     "max_restarts), for the jobs the index holds that restarted.",
+                                     labels=["job", "cause"])
+        for job in self._jobs_now():
+            counts = job.restarts_by_cause
+            if counts.total():
+                for cause in RESTART_CAUSES:
+                    family.add_metric([job.id, cause], getattr(counts, cause))
+        return family
 
     def _stragglers(self) -> Metric:
         family = GaugeMetricFamily("ftrain_job_straggler_factor", "Ranks flagged as stragglers: each "

@@ -22,7 +22,9 @@ again on the nodes it keeps, or waits. Either way the victim counts a restart of
 
 Never for an equal or lower priority; so a job suspended by a preemption never takes its
 nodes back from the job that took them (its priority is lower), and two jobs of one
-priority never preempt each other. While its victims give their nodes up, the waiting job
+priority never preempt each other. (A job of one priority does give nodes back to a starved
+user's job of that priority, by fair share, the same way: `decide.giveback`, marked
+`fair_share`, a shrink only, never below `min`.) While its victims give their nodes up, the waiting job
 keeps the free nodes that fit it from every job of lower priority (`scheduling.schedule_queue`),
 so that what one victim frees is not handed back to it, or to another job, as a scale-up.
 """
@@ -89,7 +91,7 @@ def coming(jobs: Iterable[JobRecord]) -> dict[str, list[str]]:
     return found
 
 
-def _spare(job: JobRecord, members: list[str], fit) -> list[str]:
+def spare(job: JobRecord, members: list[str], fit) -> list[str]:
     """The nodes `job` can give while staying at its `min`, that fit: group rank 0's node last
     (the node that holds the group's rank 0 stays, where it can)."""
     leader = (job.group or "").split("/")[0]
@@ -119,9 +121,11 @@ class Victims:
         self.held = list(itertools.accumulate((len(self.live[j.id]) for j in self.order), initial=0))
         self.taken: set[str] = taken if taken is not None else set()  # by an earlier `choose` of this pass
 
-    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord]) -> list[Take]:
+    def choose(self, waiter: JobRecord, need: int, nodes: Mapping[str, NodeRecord],
+               record: bool = True) -> list[Take]:
         """The victims whose nodes give `waiter` the `need` more nodes (that fit it) it lacks to
-        start; [] when none is needed or not enough can be taken (then none is taken)."""
+        start; [] when none is needed or not enough can be taken (then none is taken). Without
+        `record` the victims are not counted as taken (what `waiter` would take, were it next)."""
         if need <= 0:
             return []
         prio = waiter.spec.priority
@@ -140,7 +144,7 @@ class Victims:
         for j in self.shrinkable:  # first shrink those above their min
             if got >= need or j.spec.priority >= prio:
                 break
-            if j.id not in self.taken and (give := _spare(j, self.live[j.id], fit)[:need - got]):
+            if j.id not in self.taken and (give := spare(j, self.live[j.id], fit)[:need - got]):
                 takes[j.id] = Take(j, tuple(sorted(give)), suspend=False)
                 got += len(give)
         for j in itertools.islice(self.order, below):  # then suspend whole jobs
@@ -155,8 +159,35 @@ class Victims:
                 got += extra
         if got < need:
             return []
-        self.taken.update(takes)
+        if record:
+            self.taken.update(takes)
         return list(takes.values())
+
+
+def shortfall(waiter: JobRecord, usable: int, leaving: int) -> int:
+    """How many more nodes `waiter` must take from running jobs to start: its `min` less the
+    `usable` free nodes (READY, fitting it) and the `leaving` ones its victims already give up."""
+    return waiter.spec.nodes.min - usable - leaving
+
+
+def giving_to(jobs: Iterable[JobRecord]) -> dict[str, list[Take]]:
+    """waiting job id -> what the jobs marked for it are giving up (a preemption under way)."""
+    found: dict[str, list[Take]] = {}
+    for j in jobs:
+        if j.preempt is not None and j.state.is_active():
+            found.setdefault(j.preempt.by, []).append(Take(j, tuple(j.preempt.leave), j.preempt.suspend))
+    return found
+
+
+def would_take(waiter: JobRecord, usable: int, under_way: Sequence[Take], victims: Victims,
+               nodes: Mapping[str, NodeRecord]) -> list[Take]:
+    """What `waiter` takes from running jobs if it is the next to start: the preemption under
+    way for it, then what `victims.choose` gives it for the rest it lacks (nothing more where
+    that is not enough to start it). `victims` is not changed."""
+    leaving = sum(1 for t in under_way for n in t.leave if n in t.victim.members
+                  and t.victim.members[n].is_live())
+    more = victims.choose(waiter, shortfall(waiter, usable, leaving), nodes, record=False)
+    return [*under_way, *more]
 
 
 def choose(waiter: JobRecord, need: int, candidates: Iterable[JobRecord], nodes: Mapping[str, NodeRecord],
@@ -165,10 +196,12 @@ def choose(waiter: JobRecord, need: int, candidates: Iterable[JobRecord], nodes:
     return Victims(candidates, now).choose(waiter, need, nodes)
 
 
-def mark(take: Take, waiter: JobRecord, now: float) -> tuple[JobRecord, EventView]:
-    """The victim once told to give its nodes up to `waiter`, with its event."""
+def mark(take: Take, waiter: JobRecord, now: float, fair_share: bool = False) -> tuple[JobRecord, EventView]:
+    """The victim once told to give its nodes up to `waiter`, with its event (`fair_share`: a
+    give-back to a starved user, `decide.giveback`)."""
     p = Preemption(by=waiter.id, by_priority=waiter.spec.priority, leave=list(take.leave),
-                   suspend=take.suspend, requested_at=now)
+                   suspend=take.suspend, requested_at=now, fair_share=fair_share,
+                   for_user=waiter.owner if fair_share else None)
     return remark(take.victim, p, now)
 
 
@@ -177,6 +210,9 @@ def remark(victim: JobRecord, p: Preemption, now: float) -> tuple[JobRecord, Eve
     what = ("suspended (its state kept: it waits for nodes and resumes where it stopped)" if p.suspend
             else f"giving up node(s) {', '.join(p.leave)}")
     changed = victim.model_copy(update={"preempt": p})
+    if p.fair_share:
+        return note(changed, f"giving node(s) {', '.join(p.leave)} back to user {p.for_user} (fair share: it "
+                             f"holds no node), for {p.describe()}", now, as_reason=True)
     return note(changed, f"preempted by {p.describe()}: {what}", now, as_reason=True)
 
 
@@ -186,8 +222,10 @@ def still_applies(victim: JobRecord, p: Preemption) -> bool:
         and (not p.suspend or set(p.leave) == set(live(victim)))
 
 
-def noted_on_waiter(waiter: JobRecord, takes: Sequence[Take], now: float) -> tuple[JobRecord, EventView]:
-    """The waiting job's event: whom it preempts, and how."""
+def noted_on_waiter(waiter: JobRecord, takes: Sequence[Take], now: float,
+                    fair_share: bool = False) -> tuple[JobRecord, EventView]:
+    """The waiting job's event: whom it preempts (or takes nodes from by `fair_share`), and how."""
     parts = [f"job {t.victim.id} (priority {t.victim.spec.priority}): "
              + ("suspending it" if t.suspend else f"taking node(s) {', '.join(t.leave)}") for t in takes]
-    return note(waiter, "preempting " + "; ".join(parts), now, as_reason=True)
+    what = "by fair share (its user holds no node), from " if fair_share else "preempting "
+    return note(waiter, what + "; ".join(parts), now, as_reason=True)

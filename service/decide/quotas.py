@@ -157,6 +157,12 @@ def trim(job: JobRecord, offered: Sequence[str], nodes: Mapping[str, NodeRecord]
     return taken
 
 
+def leaves_room_for_min(job: JobRecord, applying: Sequence[Limit]) -> bool:
+    """Its owner's node quotas (`applying`: its `limits`) leave room for its `min` nodes."""
+    left = min((lim.left for lim in applying if lim.what == "nodes"), default=None)
+    return left is None or left >= job.spec.nodes.min
+
+
 def blocking(job: JobRecord, fitting: Sequence[NodeRecord], applying: Sequence[Limit]) -> Limit | None:
     """The quota that keeps `job` from starting (its `min` nodes, the ones with fewest GPUs of
     `fitting` for a GPU quota), or None."""

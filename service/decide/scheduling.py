@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from service.decide import keep, outcome, preempt, quotas
+from service.decide import backfill, giveback, keep, outcome, preempt, quotas
+from service.decide.backfill import ends_by
 from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
@@ -70,6 +71,8 @@ class SchedulerConfig:
     # The queue policy (`Settings.queue_policy`): "fifo" serves the queue in submission order
     # (no priority, fair share or preemption), "priority" as `decide.order` says.
     fifo: bool = False
+    # A running job gives nodes back by fair share only once it has run this long (`decide.giveback`).
+    fair_share_settle_s: float = giveback.SETTLE_S
 
 
 @dataclass
@@ -177,7 +180,7 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                    attempt=job.attempt + 1, world_size=0, round_nodes=0, rounds=0,
                    members={n: MemberStatus(nproc=nodes[n].nproc_per_node) for n in chosen},
                    control=None, stopping=False, group=None, group_round=None, regrouping=True,
-                   stopped_group=None, kept=None)
+                   stopped_group=None, kept=None, started_at=now)
         return d.result(job)
 
     # Active: STARTING, RUNNING, RECOVERING or CANCELLING. First, forget members whose node is gone
@@ -211,6 +214,8 @@ def plan(job: JobRecord, nodes: dict[str, NodeRecord], free: list[str], now: flo
                 d.update(stopping=True)
         return d.result(job)
 
+    if _past_max_duration(d):
+        return d.result(job)
     if _restart_after_a_crash(d, nodes):
         return d.result(job)
     ended = outcome.by_members(d.job.members)
@@ -319,7 +324,7 @@ def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfi
             return
         staying = sorted(n for n, m in job.members.items() if m.state == "stopped"
                          and n not in pre.leave and n in nodes)
-    counts = d.job.restarts_by_cause.plus("preemption")
+    counts = d.job.restarts_by_cause.plus("resize" if pre.fair_share else "preemption")
     if pre.suspend or len(staying) < job.spec.nodes.min:
         kept = keep.kept_for(live, copies, nodes, d.now, cfg.memory_hold_s)
         d.move(S.PENDING, f"suspended: its nodes went to {pre.describe()}; waiting for nodes "
@@ -349,6 +354,17 @@ def straggler_swap(job: JobRecord, nodes: Mapping[str, NodeRecord], free: list[s
     fresh = next((n for n in free if n in nodes and nodes[n].state is NodeState.READY
                   and fits(job.spec, nodes[n]) and n not in job.replaced and n != slow), None)
     return None if slow is None or fresh is None else (slow, fresh)
+
+
+def _past_max_duration(d: _Draft) -> bool:
+    """A job still running past its `max_duration_s` is stopped and FAILED (True: it ended)."""
+    end = ends_by(d.job)
+    if end is None or d.now < end:
+        return False
+    limit = d.job.spec.max_duration_s
+    d.move(S.FAILED, f"ran past its max_duration_s={limit:g} (started {d.now - d.job.started_at:.0f} s "
+           "ago); its workers are stopped", control=None, stopping=True)
+    return True
 
 
 def _restart_after_a_crash(d: _Draft, nodes: Mapping[str, NodeRecord]) -> bool:
@@ -441,7 +457,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
                    gone: Mapping[str, str] | None = None,
                    running: tuple[int | None, Iterable[JobRecord]] | None = None,
-                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None) -> list[Plan]:
+                   tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None,
+                   waiting_owners: Collection[str] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
     node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
@@ -468,6 +485,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     memory reports, for the jobs that may fall below their `min` (`plan`). `running`: the lowest
     priority among `others` and those of them giving nodes up (`JobRecord.preempt`), as the job
     index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
+    `waiting_owners`: the users with a PENDING job (`JobIndex.waiting_owners`), for the fair-share
+    give-back (`decide.giveback`); None: found from `pending` where it is a list, else none.
+
+    While the queue's head waits for nodes that no preemption gives it, a job behind it takes
+    (and a running job grows onto) free nodes that fit the head only if it cannot delay its
+    start (`decide.backfill`).
     """
     free = free_nodes(others, nodes)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
@@ -486,6 +509,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         return used
 
     limits: dict[str, list[quotas.Limit]] = {}  # owner -> its quotas, until the usage changes
+    allowed: dict[tuple[str, int], bool] = {}  # (owner, min) -> `quota_allows`, as long
 
     def within(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
         """`free` as far as `job`'s owner's quotas let it take them."""
@@ -515,6 +539,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
         if before != after:  # (the shares and quotas of the jobs planned after it see the change)
             limits.clear()
+            allowed.clear()
             usage().add(job.owner, len(after) - len(before),
                         sum(nodes[n].gpus for n in after - before if n in nodes)
                         - sum(nodes[n].gpus for n in before - after if n in nodes))
@@ -537,29 +562,46 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     victims: preempt.Victims | None = None  # made at the first waiting job that looks for victims
     marked: dict[str, tuple[JobRecord, EventView]] = {}  # victim id -> its record marked, the event
     claims_left = MAX_PREEMPTORS
+    # Fair-share give-back (`decide.giveback`): the owners with a job waiting and no node, while
+    # some running job could give nodes back (looked for only while such an owner waits).
+    if waiting_owners is None and isinstance(pending, Sequence):  # (a lazy queue is not read for it)
+        waiting_owners = {j.owner for j in pending}
+    starving = giveback.starved(waiting_owners, usage()) if waiting_owners and not cfg.fifo else set()
+    donors = giveback.donors(others) if starving else []
+    if not donors:
+        starving = set()
 
-    def claim(job: JobRecord) -> None:
+    def claim(job: JobRecord) -> bool:
         """`job` cannot start on the free nodes: take nodes from jobs of lower priority, and keep
-        the free ones that fit it from those jobs meanwhile (none, if it cannot be started so)."""
+        the free ones that fit it from those jobs meanwhile (none, if it cannot be started so:
+        False)."""
         nonlocal offered, victims
         usable = [n for n in offer(job) if nodes[n].state is NodeState.READY and fits(job.spec, nodes[n])]
-        need = job.spec.nodes.min - len(usable) - len(leaving.get(job.id, ()))
+        need = preempt.shortfall(job, len(usable), len(leaving.get(job.id, ())))
         if need > 0 and (victims is None or job.spec.priority > (victims.below or 0)):
             # (in queue order the first to ask has the highest priority, but for a job held for)
             victims = preempt.Victims(others, now, below=job.spec.priority,
-                                      taken=None if victims is None else victims.taken)
+                                      taken=set(marked) if victims is None else victims.taken)
         takes = victims.choose(job, need, nodes) if need > 0 and victims is not None else []
+        fair = need > 0 and not takes and job.owner in starving
+        if fair:  # (its owner's first job in queue order: the one the give-back is for)
+            starving.discard(job.owner)
+            takes = giveback.choose(job, need, donors, usage(), nodes, now, taken=marked,
+                                    settle_s=cfg.fair_share_settle_s)
         if need > 0 and not takes:
-            return
+            return False
         for t in takes:
-            marked[t.victim.id] = preempt.mark(t, job, now)
+            marked[t.victim.id] = preempt.mark(t, job, now, fair_share=fair)
             leaving.setdefault(job.id, []).extend(t.leave)
+            if victims is not None:
+                victims.taken.add(t.victim.id)
         if takes:
-            waiter, event = preempt.noted_on_waiter(job, takes, now)
+            waiter, event = preempt.noted_on_waiter(job, takes, now, fair_share=fair)
             plans.append(Plan(waiter, [event], event.reason))
         kept_back = set(usable[:job.spec.nodes.min])
         offered = [n for n in offered if n not in kept_back]
         ready.difference_update(kept_back)
+        return True
 
     # A waiting job that holds free nodes (its memory copy) comes first: it ran until it lost
     # a node, and its held nodes stay idle for every other job until it starts or the hold ends.
@@ -571,18 +613,49 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         return job.kept is not None or job.spec.nodes.min <= len(ready)
 
     def may_preempt(job: JobRecord) -> bool:
-        """It outranks a running job, or nodes are already leaving for it."""
-        return (floor is not None and job.spec.priority > floor) or job.id in leaving
+        """It outranks a running job, nodes are already leaving for it, or its owner is starved."""
+        return (floor is not None and job.spec.priority > floor) or job.id in leaving or job.owner in starving
 
     def quota_allows(job: JobRecord) -> bool:
         """Its owner's node quotas leave room for its `min` (preempting for a job its quota
         would then hold back frees nodes for nobody)."""
         if not limited:
             return True
-        if (applying := limits.get(job.owner)) is None:
-            applying = limits[job.owner] = quotas.limits(job.owner, usage())
-        left = min((lim.left for lim in applying if lim.what == "nodes"), default=None)
-        return left is None or left >= job.spec.nodes.min
+        key = (job.owner, job.spec.nodes.min)
+        if (room := allowed.get(key)) is None:  # (asked of every job a full quota holds back)
+            if (applying := limits.get(job.owner)) is None:
+                applying = limits[job.owner] = quotas.limits(job.owner, usage())
+            room = allowed[key] = quotas.leaves_room_for_min(job, applying)
+        return room
+
+    # Backfill (`decide.backfill`): the first job, in queue order, that waits for nodes no
+    # preemption gives it, and when it could start; a job behind it starts on free nodes that
+    # fit it only if it cannot delay that start.
+    head: JobRecord | None = None
+    start: list[float | None] = []  # (found once a job may backfill: `planned_start`)
+
+    def waits_for_nodes(job: JobRecord) -> None:
+        """`job` cannot start on the free nodes nor preempt for them: the head, if it is first."""
+        nonlocal head
+        if cfg.fifo or (head is not None and queue_key(head) <= queue_key(job)) or not quota_allows(job):
+            return
+        head = job
+
+    def backfilled(job: JobRecord, free: Sequence[str]) -> Sequence[str]:
+        """`free` as far as `job` may take it while the head waits (all of it, with no head)."""
+        if head is None or head is job or not free:
+            return free
+        if not start:
+            running = {j.id: j for j in others} | {q.job.id: q.job for q in plans}
+            start.append(backfill.planned_start(head, ready, running.values(), nodes, now))
+        return backfill.may_take(job, free, head, start[0], nodes, now)
+
+    def offer_others(job: JobRecord) -> Sequence[str]:
+        """`offered` as a running job may grow onto it (`plan`'s free nodes for it)."""
+        free = within(job, offered) if ready else offered
+        if len(live_members(job)) >= job.spec.nodes.max:  # (no growth: a scale-up is all it limits)
+            return free
+        return backfilled(job, free)
 
     def waiting() -> Iterator[JobRecord]:  # (read only once the loop asks: a generator)
         held_for = set(held.values())
@@ -590,7 +663,14 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         if not ready:  # only preemption can start one: in queue order, read only as far as needed
             yield from rest
             return
-        yield from served((j for j in rest if may_start(j) or may_preempt(j)), usage(), cfg.fifo)
+
+        def offered_to(j: JobRecord) -> bool:
+            if may_start(j) or may_preempt(j):
+                return True
+            if head is None:  # (in queue order: the first such is the head)
+                waits_for_nodes(j)
+            return False
+        yield from served(filter(offered_to, rest), usage(), cfg.fifo)
 
     queue = itertools.chain(first, waiting())
     while max_starts is None or len(plans) < max_starts:
@@ -598,25 +678,32 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             break
         if (job := next(queue, None)) is None:
             break
-        p = None
+        p, held_back = None, False
         if ready and may_start(job):
-            free = within(job, offer(job))
+            mine = within(job, offer(job))
+            free = backfilled(job, mine)
+            held_back = len(free) < len(mine)  # (then it waits behind the head: it preempts nobody)
             if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
                 p = plan(job, nodes, free, now, cfg, graced)
         if p is not None:
             take(p, job)
+        elif held_back:
+            continue
         elif claims_left and may_preempt(job) and quota_allows(job):
             claims_left -= 1
-            claim(job)
-        elif not ready and job.id not in first_ids and not may_preempt(job):
-            break  # (in priority order: no later job may preempt)
+            if not claim(job) and ready:
+                waits_for_nodes(job)
+        elif not ready and job.id not in first_ids and not may_preempt(job) and not starving:
+            break  # (in priority order: no later job may preempt; a starved owner's may be further on)
+        elif ready and job.state is S.PENDING:  # (too few of the free nodes fit it)
+            waits_for_nodes(job)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
         mark = marked.get(job.id)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job if mark is None else mark[0], nodes, within(job, offered) if ready else offered,
+        p = plan(job if mark is None else mark[0], nodes, offer_others(job),
                  now, cfg, graced, copies.get(job.id, ()), gone)
         if mark is not None:
             p = with_mark(mark, p)
@@ -642,7 +729,8 @@ class Settled:
     """The unfinished jobs (not PENDING) whose last plan was None, and on what it was made.
 
     `plan` of a RUNNING or RECOVERING job with no planned change pending (`control` None)
-    reads no clock: it depends on the record, the live nodes, `graced`, and the free nodes
+    reads no clock (unless it has a `max_duration_s`): it depends on the record, the live nodes,
+    `graced`, and the free nodes
     only where one that is READY and fits could join (below `max`). So while the record is
     the same object, the node view the same version (`nodes_version`, set by the caller for
     each pass; None: unknown, nothing is skipped) and no such node free, its plan is None
@@ -665,7 +753,7 @@ class Settled:
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
         if settled and self.nodes_version is not None and job.control is None \
-                and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
+                and job.spec.max_duration_s is None and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
             self._seen[job.id] = (job, self.nodes_version, graced)
         else:
             self._seen.pop(job.id, None)

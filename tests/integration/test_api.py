@@ -89,6 +89,8 @@ def test_list_filters_by_state_and_paginates(api):
     ({**SPEC, "snapshot": {"every_steps": 0}}, "snapshot.every_steps"),
     ({**SPEC, "snapshot": {"keep": 0}}, "snapshot.keep"),
     ({**SPEC, "hang_timeout_s": 0}, "hang_timeout_s"),
+    ({**SPEC, "max_duration_s": 0}, "max_duration_s"),
+    ({**SPEC, "max_duration_s": "an hour"}, "max_duration_s"),
     ({**SPEC, "env": {"BAD-NAME": "x"}}, "env"),
     ({**SPEC, "env": {"RANK": "3"}}, "env"),
     ({**SPEC, "env": {f"V{i}": "x" for i in range(200)}}, "env"),

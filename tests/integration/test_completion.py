@@ -69,3 +69,19 @@ def test_a_job_that_stops_making_progress_is_restarted_once_then_fails(api, agen
     assert [x for x in lines if x.startswith("hanging")] == ["hanging at step=3 attempt=1",
                                                              "hanging at step=3 attempt=2"]
     wait_for(lambda: not worker_pids(agent, script), 15, "the hung workers to be stopped")
+
+
+def test_a_job_still_running_past_its_max_duration_is_stopped_and_failed(api, agents):
+    """max_duration_s=4 on a job that would train far longer: it is FAILED with a reason that
+    names the bound, and its workers are stopped (the node is free for the next job)."""
+    (agent,) = agents(1)
+    wait_nodes(api, 1)
+    job_id = submit(api, job_spec("bounded", "--steps", "100000", mn=1, mx=1, max_duration_s=4))
+    wait_state(api, job_id, ("RUNNING",), timeout_s=60)
+    done = wait_state(api, job_id, TERMINAL, timeout_s=60)
+    assert done["state"] == "FAILED", events(api, job_id)
+    assert done["reason"].startswith("ran past its max_duration_s=4 (started "), done["reason"]
+    assert done["reason"].endswith("; its workers are stopped")
+    wait_for(lambda: not worker_pids(agent), 15, "the bounded job's workers to be stopped")
+    after = submit(api, job_spec("after", "--steps", "2", mn=1, mx=1))
+    assert wait_state(api, after, TERMINAL, timeout_s=60)["state"] == "SUCCEEDED"

@@ -203,6 +203,9 @@ def test_dashboard_follows_a_job_through_a_worker_sigkill_and_cancels_it(control
         after = points(page, "loss")
         wait_points(page, after)
         assert job(api, job_id)["restarts"] == 1
+        # the job's page counts its restarts by cause: one failure (the SIGKILL)
+        page.wait_for_selector("#facts [data-restarts] [data-cause='failure']")
+        assert page.inner_text("#facts [data-restarts]") == "1 (1 failure)"
         # where its time went, as a bar on its page: training, and the recovery among its parts
         page.wait_for_selector("#goodput .goodput-bar [data-cause='recovering']")
         shown = page.eval_on_selector_all("#goodput .goodput-bar [data-cause]",

@@ -77,3 +77,38 @@ def test_a_preempted_plain_script_gets_sigterm_and_its_grace_then_runs_again(api
     done = wait_state(api, low, ("SUCCEEDED", "FAILED"), timeout_s=120)
     assert done["state"] == "SUCCEEDED", reasons(api, low)
     assert done["restarts_by_cause"] == {"failure": 0, "lost_node": 0, "preemption": 1, "resize": 0}
+
+
+@pytest.mark.parametrize("control_plane", [{"FTRAIN_FAIR_SHARE_SETTLE_S": "2"}], indirect=True)
+def test_fair_share_gives_a_starved_user_a_node_from_a_runtime_job_losing_no_step(control_plane, api, agents):
+    tokens = {}
+    for name in ("ann", "bob"):
+        resp = api.post("/v1/users", json={"name": name})
+        assert resp.status_code == 201, resp.text
+        tokens[name] = resp.json()["token"]
+    agents(2)
+    wait_nodes(api, 2)
+    with control_plane.client(tokens["ann"]) as ann, control_plane.client(tokens["bob"]) as bob:
+        # Snapshots only at the give-back's step boundary: a resume from anywhere else would lose steps.
+        sweep = submit(ann, train_spec("sweep", 150, every=100_000, mn=1, mx=2, delay_s=0.03))
+        with SnapshotWatch(control_plane, sweep) as watch:
+            wait_for(lambda: (j := job(api, sweep))["world_size"] == 2
+                     and (j["progress"] or {}).get("step", 0) >= 5,
+                     120, "ann's job to train on both nodes")
+            mine = submit(bob, train_spec("bobs", 20, mn=1, mx=1, delay_s=0.03))  # priority 0, as ann's
+            wait_for(lambda: job(api, mine)["state"] in ("RUNNING", "SUCCEEDED"), 120,
+                     "bob's job to run on the node ann's job gives back")
+            assert wait_state(api, mine, ("SUCCEEDED", "FAILED"), timeout_s=180)["state"] == "SUCCEEDED"
+            done = wait_state(api, sweep, ("SUCCEEDED", "FAILED"), timeout_s=240)
+            assert done["state"] == "SUCCEEDED", reasons(api, sweep)
+            trace = check_steps(api, sweep, watch=watch)
+    # 0 steps lost: the shrink resumed from the step where rank 0 snapshotted at the boundary.
+    assert trace.resumes and all(resumed >= last for _, resumed, last in trace.resumes), trace.resumes
+    assert trace.steps[-1] == 150
+    said = reasons(api, sweep)
+    assert any(r.startswith("giving node(s) ") and "back to user bob (fair share" in r for r in said), said
+    assert any(r.startswith(f"by fair share (its user holds no node), from job {sweep} (priority 0)")
+               for r in reasons(api, mine))
+    by_cause = done["restarts_by_cause"]
+    assert (by_cause["preemption"], by_cause["failure"], by_cause["lost_node"]) == (0, 0, 0), by_cause
+    assert by_cause["resize"] >= 1

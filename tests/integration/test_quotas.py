@@ -171,3 +171,51 @@ def test_a_user_quota_holds_a_job_back_until_the_users_running_job_ends(control_
 
             assert wait_state(alice, first, ("SUCCEEDED", "FAILED"), 120)["state"] == "SUCCEEDED"
             assert wait_state(alice, second, ("SUCCEEDED", "FAILED"), 120)["state"] == "SUCCEEDED"
+
+
+def test_the_queue_says_whom_a_waiting_job_preempts_and_how(control_plane):
+    cp = control_plane
+    nodes = Beats(cp)
+    with cp.client() as admin:
+        ann, bob = (cp.client(add_user(admin, n)) for n in ("ann", "bob"))
+        with ann, bob:
+            low = submit(ann, {"name": "low", "command": ["true"], "nodes": {"min": 1, "max": 2}})
+            nodes.enrol("w1", "w2")
+            wait_for(lambda: list(nodes.beat().values()) == [low, low], 20, "ann's job to take both nodes")
+            high = submit(bob, {"name": "high", "command": ["true"], "nodes": {"min": 1, "max": 1},
+                                "priority": 10})
+
+            def shown() -> list[dict]:
+                nodes.beat()
+                item = next(q for q in admin.get("/v1/queue").json()["items"] if q["id"] == high)
+                return item["would_preempt"]
+
+            takes = wait_for(lambda: (t := shown()) and t[0]["under_way"] and t, 20,
+                             "the queue to show the preemption under way")
+            assert takes == [{"job_id": low, "priority": 0, "how": "shrink", "under_way": True,
+                              "fair_share": False, "nodes": takes[0]["nodes"]}]
+            assert takes[0]["nodes"] in (["w1"], ["w2"])
+
+            env = {**os.environ, "FTRAIN_SERVER": cp.url, "FTRAIN_TOKEN": cp.user_token}
+            out = subprocess.run([sys.executable, "-m", "service.cli", "queue"], capture_output=True,
+                                 text=True, env=env, timeout=60)
+            assert f"{low} shrink {takes[0]['nodes'][0]}" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_job_behind_one_waiting_for_more_nodes_starts_only_if_it_ends_in_time(control_plane):
+    cp = control_plane
+    nodes = Beats(cp)
+    with cp.client() as admin:
+        def spec(name: str, n: int, **extra) -> dict:
+            return {"name": name, "command": ["true"], "nodes": {"min": n, "max": n}, **extra}
+
+        nodes.enrol("w1", "w2", "w3")
+        holder = submit(admin, spec("holder", 1, max_duration_s=3600))
+        wait_for(lambda: holder in nodes.beat().values(), 20, "the holder to take a node")
+        big = submit(admin, spec("big", 3))  # waits for the holder's: in about an hour, as it declares
+        small, quick = submit(admin, spec("small", 1)), submit(admin, spec("quick", 1, max_duration_s=60))
+        wait_for(lambda: quick in nodes.beat().values(), 20, "the job that ends in time to start")
+        assert small not in nodes.beat().values() and list(nodes.beat().values()).count(None) == 1
+        queued = {q["id"]: q for q in admin.get("/v1/queue").json()["items"]}
+        assert list(queued) == [big, small]
+        assert f"the free ones are kept for job {big} (priority 0)" in queued[small]["waiting"]

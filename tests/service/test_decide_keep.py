@@ -129,7 +129,13 @@ def test_a_waiting_jobs_kept_node_goes_to_it_first_and_to_no_other_job_while_the
 def test_a_running_job_below_its_max_is_not_scaled_up_onto_a_held_node():
     running = job(S.RUNNING, {"x": "running"}, mn=1, mx=2, jid="run")
     assert schedule([running, WAITING], nodes("x", "s"), NOW, CFG) == []
-    grown = schedule([running, WAITING], nodes("x", "s"), 1110.0, CFG)  # the hold ended
+    # The hold ended: the node is free like any other, so the waiting job, first in the queue,
+    # keeps it from a job that could hold it past its start (`decide.backfill`), not from one
+    # that ends before it could start anyway.
+    assert schedule([running, WAITING], nodes("x", "s"), 1110.0, CFG) == []
+    bounded = running.model_copy(update={"spec": running.spec.model_copy(update={"max_duration_s": 60.0}),
+                                         "started_at": 1100.0})
+    grown = schedule([bounded, WAITING], nodes("x", "s"), 1110.0, CFG)
     assert [sorted(p.job.members) for p in grown] == [["s", "x"]]
 
 

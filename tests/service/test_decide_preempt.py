@@ -118,6 +118,39 @@ def test_a_pass_marks_the_victim_and_notes_both_jobs():
     assert plans["high"].events[0].reason == "preempting job low (priority 0): taking node(s) a"
 
 
+@pytest.mark.parametrize("waiter, free, running", [
+    (job("high", 10, mn=1, mx=1, created=5.0), 0, [job("low", 0, ["a", "b"], mn=1, mx=2)]),
+    (job("high", 10, mn=3, mx=3, created=5.0), 1,
+     [job("low", 0, ["a", "b"], mn=1, mx=2), job("at-min", 1, ["c"], mn=1, mx=1)]),
+    (job("high", 10, mn=2, mx=2, created=5.0), 0, [job("low", 0, ["a", "b"], mn=2, mx=2)]),
+])
+def test_what_a_waiting_job_would_preempt_is_what_the_pass_marks(waiter, free, running):
+    names = [n for j in running for n in j.members] + [f"free{i}" for i in range(free)]
+    victims = preempt.Victims(running, NOW)
+    shown = preempt.would_take(waiter, free, [], victims, nodes(*names))
+    plans = schedule_queue([waiter], running, nodes(*names), NOW, CFG)
+    marked = [(p.job.id, tuple(p.job.preempt.leave), p.job.preempt.suspend) for p in plans if p.job.preempt]
+    assert shown and sorted((t.victim.id, t.leave, t.suspend) for t in shown) == sorted(marked)
+    assert not victims.taken  # a preview takes nothing: the next job may name the same victims
+    assert preempt.would_take(waiter, free, [], victims, nodes(*names)) == shown
+
+
+def test_what_a_waiting_job_would_preempt_counts_the_preemption_under_way():
+    giving = job("low", 0, ["a", "b"], mn=1, mx=2).model_copy(update={"preempt": Preemption(
+        by="high", by_priority=10, leave=["a"], requested_at=NOW)})
+    other = job("other", 0, ["c", "d"], mn=1, mx=2, created=2.0)
+    high = job("high", 10, mn=2, mx=2, created=5.0)
+    under_way = preempt.giving_to([giving, other])["high"]
+    victims = preempt.Victims([giving, other], NOW)
+    shown = preempt.would_take(high, 0, under_way, victims, nodes("a", "b", "c", "d"))
+    assert [(t.victim.id, t.leave, t.suspend) for t in shown] == [("low", ("a",), False),
+                                                                  ("other", ("c",), False)]
+    # one that need not preempt (enough nodes free), or outranks no one, would take nothing
+    assert preempt.would_take(high, 2, [], preempt.Victims([other], NOW), nodes("c", "d")) == []
+    outranks_none = job("low2", 0, mn=1)
+    assert preempt.would_take(outranks_none, 0, [], preempt.Victims([other], NOW), nodes("c", "d")) == []
+
+
 def test_the_pass_reads_the_queue_only_as_far_as_jobs_may_preempt():
     running = [job("r", 5, ["a"])]
     read = []

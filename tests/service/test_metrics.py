@@ -99,3 +99,28 @@ def test_the_index_feeds_jobs_by_state_restarts_and_recovery_time():
         assert done["ftrain_job_restarts_total"] == 1
 
     asyncio.run(main())
+
+
+def test_metrics_give_each_jobs_restarts_by_cause():
+    async def main():
+        log_root = tempfile.mkdtemp(prefix="ftrain-test-logs-")
+        ctx = Context.wire(Settings(log_root=log_root), MemoryStore())
+        index = asyncio.create_task(ctx.index.run())
+        counts = RestartCounts(failure=1, lost_node=2, preemption=3)
+        restarted = make_job(JobState.RUNNING).model_copy(update={"id": "job-1", "restarts_by_cause": counts})
+        steady = make_job(JobState.RUNNING).model_copy(update={"id": "job-2"})
+        try:
+            await ctx.index.wait_ready(5)
+            for j in (restarted, steady):
+                await ctx.kv.put(ctx.keys.job(j.id), j.model_dump_json().encode())
+            assert await ctx.index.wait_until(lambda: ctx.index.get("job-2") == steady, 5)
+            got = parse(await metrics(ctx))
+        finally:
+            await cancel_and_wait(index)
+            shutil.rmtree(log_root, ignore_errors=True)
+        by_cause = {k: v for k, v in got.items() if k.startswith("ftrain_job_restarts_by_cause_total")}
+        expected = (("failure", 1), ("lost_node", 2), ("preemption", 3), ("resize", 0))
+        assert by_cause == {f'ftrain_job_restarts_by_cause_total{{cause="{cause}",job="job-1"}}': n
+                            for cause, n in expected}
+
+    asyncio.run(main())

@@ -211,7 +211,7 @@ function jobsView() {
     <section id="queue-panel" hidden>
       <h2>Queue <span class="muted">(the order waiting jobs will start in)</span></h2>
       <div class="panel"><table id="queue">
-        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Waiting for</th></tr></thead>
+        <thead><tr><th>#</th><th>Job</th><th>Owner</th><th>Priority</th><th>Nodes</th><th>Would preempt</th><th>Waiting for</th></tr></thead>
         <tbody></tbody></table></div>
     </section>
     <div class="panel"><h2>Where the time went <span class="muted" id="goodput-jobs"></span></h2>
@@ -241,7 +241,7 @@ function jobsView() {
         <td>${badge(job.state)}${stateNote(job)}</td>
         <td>${progressCell(job)}</td>
         <td>${nodesInUse(job)}</td>
-        <td>${job.restarts}</td>
+        <td data-restarts>${restartsCell(job)}</td>
         <td>${jobDuration(job)}</td>
         <td>${esc(job.owner)}</td>
         <td class="muted">${when(job.created_at)}</td>
@@ -263,8 +263,27 @@ async function showQueue() {
       <td>${esc(q.owner)}${q.team ? `<br><span class="muted">team ${esc(q.team)}</span>` : ""}</td>
       <td>${q.priority}</td>
       <td>${q.nodes_min}–${q.nodes_max}</td>
+      <td data-preempts>${wouldPreempt(q.would_preempt || [])}</td>
       <td class="muted" data-waiting>${esc(q.waiting || "")}</td>
     </tr>`).join("");
+}
+
+// A job's restarts in all and by cause (only failures spend max_restarts): "3 (1 failure, 2 preemption)".
+const RESTART_CAUSES = { failure: "failure", lost_node: "lost node", preemption: "preemption", resize: "resize" };
+function restartsCell(j) {
+  const by = j.restarts_by_cause || { failure: j.restarts };
+  const parts = Object.entries(RESTART_CAUSES).filter(([c]) => by[c])
+    .map(([c, words]) => `<span data-cause="${c}">${by[c]} ${words}</span>`);
+  const total = Object.keys(RESTART_CAUSES).reduce((n, c) => n + (by[c] || 0), 0);
+  return parts.length ? `${total} <span class="muted">(${parts.join(", ")})</span>` : "0";
+}
+
+// The running jobs a waiting one takes nodes from if it is next: how (shrink or suspend), which nodes.
+function wouldPreempt(takes) {
+  if (!takes.length) return `<span class="muted">–</span>`;
+  return takes.map(t => `<a href="#/jobs/${encodeURIComponent(t.job_id)}" class="mono">${esc(t.job_id)}</a>`
+    + ` ${t.how === "suspend" ? "suspend" : "shrink"} <span class="mono muted">${esc(t.nodes.join(", "))}</span>`
+    + (t.under_way ? ` <span class="muted">(under way)</span>` : "")).join("<br>");
 }
 
 // ------------------------------------------------------------------ one job
@@ -351,7 +370,8 @@ function jobView(jobId) {
       [TERMINAL.has(j.state) ? "Ran on" : "Nodes in use", j.nodes.length ? esc(j.nodes.join(", ")) : "none"],
       ["World size", j.world_size],
       ["Attempt", j.attempt],
-      ["Restarts", `${j.restarts} of ${j.spec.max_restarts}`],
+      ["Restarts", `<span data-restarts>${restartsCell(j)}</span><br><span class="muted">`
+        + `${j.restarts} of ${j.spec.max_restarts} failures allowed</span>`],
       ["Stragglers", stragglersCell(j)],
       ["Duration", jobDuration(j)],
       ["Owner", esc(j.owner)],

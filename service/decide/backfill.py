@@ -1,0 +1,92 @@
+"""Backfill: which jobs may start on free nodes while a job ahead of them waits for more.
+
+When the queue's head (the first waiting job, in queue order, that the free nodes cannot
+start and that no preemption starts either) waits for nodes, the nodes free now are not left
+idle for it, nor handed out blindly: a job behind it starts on them (or a running job grows
+onto them) only if it cannot delay the head's start (`may_backfill`):
+
+- it has a lower priority than the head: the head takes the nodes back by preemption
+  (`decide.preempt`) as soon as enough can be taken to start it;
+- the nodes it takes do not fit the head (too few GPUs for it);
+- or it ends, by its declared `max_duration_s` (enforced: `scheduling.plan` fails a job that
+  runs past it), before the head could start anyway (`planned_start`).
+
+When the head could start is counted from what the running jobs declare, as SLURM's backfill
+counts from time limits: a job with a `max_duration_s` gives its nodes back by then, one with
+none may end at any moment, so its nodes count as coming back now (a job of the head's
+priority or above without a `max_duration_s` never backfills in front of it). A job that ends
+earlier than it declared may let the head start earlier than planned, never later.
+
+Under the `fifo` queue policy nothing is held for the head (the jobs behind it start on what
+is free, as they always did). Pure: the caller gives the nodes and jobs of its pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from service.decide.placement import fits
+from service.decide.quotas import held_nodes
+from service.models import JobRecord, JobState, NodeRecord, NodeState
+
+
+def ends_by(job: JobRecord) -> float | None:
+    """When `job`'s run must have ended (`spec.max_duration_s` from its start); None: no bound."""
+    limit = job.spec.max_duration_s
+    if limit is None or job.started_at is None:
+        return None
+    return job.started_at + limit
+
+
+def planned_start(head: JobRecord, free: Iterable[str], running: Iterable[JobRecord],
+                  nodes: Mapping[str, NodeRecord], now: float) -> float | None:
+    """The earliest moment `head` could start on its own: the `free` nodes (READY) that fit it,
+    and the ones the `running` jobs hold, each given back at its `ends_by` (now, for a job with
+    no bound). None: the nodes registered that fit it are too few for it ever to start."""
+    need = head.spec.nodes.min - sum(1 for n in free if _fits(head, n, nodes))
+    if need <= 0:
+        return now
+    releases = sorted((max(now, ends_by(j) or now), k) for j in running
+                      if (k := sum(1 for n in held_nodes(j) if _fits(head, n, nodes))))
+    for at, k in releases:
+        need -= k
+        if need <= 0:
+            return at
+    return None
+
+
+def may_backfill(job: JobRecord, takes: Sequence[str], head: JobRecord, start: float | None,
+                 nodes: Mapping[str, NodeRecord], now: float) -> bool:
+    """`job` may take `takes` (free nodes) while `head` waits to start at `start`
+    (`planned_start`): it cannot delay that start (the module's docstring says how)."""
+    if job.spec.priority < head.spec.priority or start is None:
+        return True
+    if not any(_fits(head, n, nodes) for n in takes):
+        return True
+    limit = job.spec.max_duration_s
+    # (a waiting job's run would start now: a suspended one's last start does not count)
+    end = ends_by(job) if job.state is not JobState.PENDING else None if limit is None else now + limit
+    return end is not None and end <= start
+
+
+def may_take(job: JobRecord, free: Sequence[str], head: JobRecord, start: float | None,
+             nodes: Mapping[str, NodeRecord], now: float) -> Sequence[str]:
+    """The nodes of `free` that `job` (a running job that may grow) may take while `head`
+    waits: all of them where it may backfill, else only those that do not fit the head."""
+    if may_backfill(job, free, head, start, nodes, now):
+        return free
+    return [n for n in free if not _fits(head, n, nodes)]
+
+
+def _fits(job: JobRecord, name: str, nodes: Mapping[str, NodeRecord]) -> bool:
+    node = nodes.get(name)
+    return node is not None and node.state is NodeState.READY and fits(job.spec, node)
+
+
+def held_back(job: JobRecord, head: JobRecord, start: float, now: float) -> str:
+    """Why `job` waits while nodes that would start it are free: they are kept for `head`."""
+    when = ("at any moment (a job holding the rest may end at any time)" if start <= now
+            else f"in {start - now:.0f} s, as the running jobs declare their ends")
+    return (f"needs {job.spec.nodes.min} node(s); the free ones are kept for job {head.id} (priority "
+            f"{head.spec.priority}), ahead of it, which waits for more and could start {when}: it starts "
+            "once that one has, or at once with a max_duration_s that ends before then")
