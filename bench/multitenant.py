@@ -191,6 +191,7 @@ class Arm:
 
     def figures(self) -> dict:
         return {"utilization": self.utilization(), **self.high_priority_wait(), **self.lost(),
+                **self.restarts(),
                 "jain_p0": self.jain(), "makespan_s": round(self.ended_at - self.started_at, 1),
                 "failed": sorted(f"{j['spec']['name']}: {j['state']} ({j['reason']})"
                                  for j in self.jobs.values() if j["state"] != "SUCCEEDED")}
@@ -218,6 +219,15 @@ class Arm:
         p95 = waits[min(len(waits) - 1, round(0.95 * (len(waits) - 1)))]
         return {"p10_wait_p50_s": round(statistics.median(waits), 2), "p10_wait_p95_s": round(p95, 2),
                 "p10_jobs": len(waits)}
+
+    def restarts(self) -> dict:
+        """The trace's restarts by cause, added up over its jobs (what each arm paid in
+        stopped and restarted groups)."""
+        total: dict[str, int] = {}
+        for j in self.jobs.values():
+            for cause, n in (j.get("restarts_by_cause") or {}).items():
+                total[cause] = total.get(cause, 0) + n
+        return {f"restarts_{cause}": n for cause, n in sorted(total.items())}
 
     def lost(self) -> dict:
         steps = epochs = 0
@@ -287,6 +297,9 @@ def report(figures: dict[str, dict], args) -> str:
              f"{'figure':44} {'FIFO':>10} {'ftrain':>10} {'ftrain/FIFO':>12}"]
     for label, key in rows:
         lines.append(f"{label:44} {str(f[key]):>10} {str(o[key]):>10} {ratio(o[key], f[key]):>12}")
+    for key in sorted(k for k in {**f, **o} if k.startswith("restarts_")):
+        label = "restarts: " + key.removeprefix("restarts_").replace("_", " ")
+        lines.append(f"{label:44} {f.get(key, 0):>10} {o.get(key, 0):>10}")
     lines.append(f"{'priority-10 jobs':44} {f['p10_jobs']:>10} {o['p10_jobs']:>10}")
     lines.append(f"jobs not SUCCEEDED: FIFO {f['failed'] or 'none'}, ftrain {o['failed'] or 'none'}")
     return "\n".join(lines)
