@@ -15,18 +15,27 @@ enqueued collective is behind the others' never reached the one they wait in.
 The dump must be taken from inside the worker, while its main thread may sit in C++ for good
 (a collective that waits for a peer). A Python signal handler would never run there, and
 `faulthandler` writes only stacks. So `start` (called by `stacks.register`: the fork server
-for every worker it forks, `runtime.init` otherwise) runs a small daemon thread that looks for
-a request file (FLIGHT_REQUEST) in the worker's folder of output files every REQUEST_POLL_S
-and answers it with a dump (FLIGHT_FILE): the dump call is C++ that does not need the main
-thread, and the thread gets the GIL because a blocked collective releases it. A request file,
-rather than a signal or a FIFO: a signal's Python handler runs only on the main thread (and
-`signal.set_wakeup_fd`, the one C-level path to another thread, is a single process-wide slot
-that asyncio and user code take over); a FIFO in a folder the job's user can write is what
-the agent's `safe_files` refuses to open (an open can block). The agent writes the request
-with `safe_files.replace_file` like any other file there, and the poll is one stat a quarter
-second. The dump is written under a temporary name and renamed, so the agent never reads half
-of one, and it keeps only the last MAX_ENTRIES entries, so it stays small (the agent reads at
-most MAX_DUMP_BYTES of it, through `safe_files`, never through a link).
+for every worker it forks, `runtime.init` otherwise) listens on an abstract unix socket named
+after the worker's pid (`socket_name`) and runs a small daemon thread that blocks in
+`accept`; for each connection of the agent it sends the dump as JSON and closes it. The dump
+call is C++ that does not need the main thread, and the thread gets the GIL because a blocked
+collective releases it.
+
+Why a socket: the agent must be answered at once. When the control plane takes an attempt
+for hung, torchrun may stop the workers a few tens of milliseconds after the agent asks (the
+attempt's rendezvous ends with it), and a worker that is exiting answers nothing: a request
+file looked for on a timer lost that race, a connection wakes the thread as it arrives. A
+signal cannot wake a thread other than the main one (Python runs handlers there only, and
+`signal.set_wakeup_fd`, the one C-level path, is a single process-wide slot that asyncio and
+user code take over). An abstract socket has no file in a folder the job's user can write, so
+nothing there can be swapped for a link; each side checks the other with SO_PEERCRED: the
+agent that the listener is the pid it asked (a process of this group, from `stacks.pids`),
+the worker that the caller is root or its own user. The dump keeps only the last MAX_ENTRIES
+entries, so it stays small, and the agent reads at most MAX_DUMP_BYTES of it.
+
+A worker already exiting (its interpreter finalizing, where daemon threads no longer run)
+still gives its stacks, from C, but no trace; the hang's event then names the missing ranks
+by the stacks.
 """
 
 from __future__ import annotations
@@ -34,25 +43,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from . import safe_files
 
 log = logging.getLogger(__name__)
 
 BUFFER_SIZE_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DEFAULT_BUFFER_SIZE = "2000"  # entries per process (a ring: the oldest go first)
-FLIGHT_FILE = "ftrain-flight.json"
-FLIGHT_REQUEST = "ftrain-flight.request"
-REQUEST_POLL_S = 0.25
 MAX_ENTRIES = 64  # of the newest, kept in a dump (the last few per group are what tell)
 MAX_DUMP_BYTES = 256 * 1024  # of one worker's dump read back (64 entries are ~40 KiB)
+_CRED = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
-_started: list[threading.Thread] = []
+_listening: list[socket.socket] = []
+
+
+def socket_name(pid: int) -> str:
+    """The abstract unix socket that the worker `pid` answers on."""
+    return f"\0ftrain-flight-{pid}"
 
 
 def default_env(env: dict[str, str]) -> None:
@@ -67,89 +79,95 @@ def is_on(env: Mapping[str, str]) -> bool:
     return any(s.isdigit() and int(s) > 0 for s in sizes)
 
 
-def start(folder: str | Path, env: Mapping[str, str]) -> bool:
-    """Answer the agent's requests for this process's flight recorder in `folder` (a daemon
-    thread, once per process); False where the recorder is off."""
-    if _started or not is_on(env):
-        return bool(_started)
-    folder = Path(folder)
-    for name in (FLIGHT_FILE, FLIGHT_REQUEST):  # an earlier process's, never answered by this one
-        _unlink(folder / name)
-    t = threading.Thread(target=_serve, args=(folder,), name="ftrain-flight-recorder", daemon=True)
-    t.start()
-    _started.append(t)
+def start(env: Mapping[str, str]) -> bool:
+    """Answer the agent's requests for this process's flight recorder (a socket and a daemon
+    thread, once per process); False where the recorder is off or the socket is taken."""
+    if _listening or not is_on(env):
+        return bool(_listening)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(socket_name(os.getpid()))
+        sock.listen(8)
+    except OSError as exc:
+        sock.close()
+        log.warning("the flight recorder's trace will not be given on a hang: %s", exc)
+        return False
+    threading.Thread(target=_serve, args=(sock,), name="ftrain-flight-recorder", daemon=True).start()
+    _listening.append(sock)
     return True
 
 
-def _serve(folder: Path) -> None:
-    request = folder / FLIGHT_REQUEST
+def _serve(sock: socket.socket) -> None:
     while True:
-        time.sleep(REQUEST_POLL_S)
-        if not os.path.lexists(request):
-            continue
-        _unlink(request)
-        try:
-            write_dump(folder / FLIGHT_FILE, dump())
-        except Exception as exc:  # noqa: BLE001 - the worker goes on whatever a dump does
-            log.warning("the flight recorder's dump failed: %s", exc)
+        conn, _ = sock.accept()
+        with conn:
+            if _peer(conn)[1] not in (0, os.getuid()):
+                continue  # only the agent (root, or this worker's user) is answered
+            try:
+                conn.sendall(json.dumps(dump()).encode())
+            except Exception as exc:  # noqa: BLE001 - the worker goes on whatever a dump does
+                log.warning("the flight recorder's dump failed: %s", exc)
+
+
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of the process at the other end of `conn`."""
+    return _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
 
 
 def dump() -> dict[str, Any]:
     """This process's flight-recorder trace (its newest MAX_ENTRIES entries)."""
     from . import torch_internals
 
-    raw = torch_internals.get(torch_internals.FR_DUMP_JSON)(includeCollectives=True, onlyActive=False)
+    raw = torch_internals.get_one(torch_internals.FR_DUMP_JSON)(includeCollectives=True, onlyActive=False)
     trace = json.loads(raw)
     trace["entries"] = trace.get("entries", [])[-MAX_ENTRIES:]
     return trace
 
 
-def write_dump(path: Path, trace: dict[str, Any]) -> None:
-    """`trace` as JSON at `path`, whole or not at all (a temporary name, then a rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(trace, f)
-    os.replace(tmp, path)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 # ------------------------------------------------------------------ the agent's side
-def request(folders: list[Path]) -> None:
-    """Ask the worker of each folder for a dump (a fresh one: an earlier dump is removed)."""
-    for folder in folders:
+def ask(pids: dict[int, int]) -> dict[int, socket.socket]:
+    """Ask each worker (rank -> pid) for its trace: a connection to each that listens as that
+    pid (the kernel queues it at once; `read_dumps` takes the answers)."""
+    asked = {}
+    for rank, pid in pids.items():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            safe_files.unlink(folder / FLIGHT_FILE)
-            safe_files.replace_file(folder / FLIGHT_REQUEST, b"")
+            sock.connect(socket_name(pid))
+            if _peer(sock)[0] != pid:  # another process took the name: not asked
+                raise ConnectionRefusedError(f"the socket of pid {pid} is another process's")
         except OSError as exc:
-            log.debug("no flight-recorder request in %s: %s", folder, exc)
+            log.debug("no flight recorder of rank %d (pid %d): %s", rank, pid, exc)
+            sock.close()
+            continue
+        asked[rank] = sock
+    return asked
 
 
-def read_dumps(files: dict[int, Path], wait_s: float) -> dict[int, dict[str, Any]]:
-    """Each rank's dump (rank -> its FLIGHT_FILE) that came within `wait_s`; the others left out."""
+def read_dumps(asked: dict[int, socket.socket], wait_s: float) -> dict[int, dict[str, Any]]:
+    """Each asked rank's trace that came whole within `wait_s`; the others left out. Closes
+    the connections."""
     deadline = time.monotonic() + wait_s
-    done: dict[int, dict[str, Any]] = {}
-    while True:
-        for rank, path in files.items():
-            if rank not in done and (trace := _read(path)) is not None:
-                done[rank] = trace
-        if len(done) == len(files) or time.monotonic() >= deadline:
-            return done
-        time.sleep(0.05)
+    out = {}
+    for rank, sock in asked.items():
+        with sock:
+            if (trace := _receive(sock, deadline)) is not None:
+                out[rank] = trace
+    return out
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:  # the job's user's folder: never through a link
-        trace = json.loads(safe_files.read_bytes(path, MAX_DUMP_BYTES))
+def _receive(sock: socket.socket, deadline: float) -> dict[str, Any] | None:
+    data = bytearray()
+    try:
+        while len(data) <= MAX_DUMP_BYTES:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                trace = json.loads(data)
+                return trace if isinstance(trace, dict) else None
+            data += chunk
     except (OSError, ValueError):
-        return None
-    return trace if isinstance(trace, dict) else None
+        pass
+    return None
 
 
 def groups(trace: Mapping[str, Any]) -> list[dict[str, Any]]:

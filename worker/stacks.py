@@ -44,7 +44,7 @@ def register(env: dict[str, str] | os._Environ) -> bool:
     if not error_file or _files:
         return bool(_files)
     folder = os.path.dirname(error_file)
-    flight.start(folder, env)
+    flight.start(env)
     try:
         fd = os.open(os.path.join(folder, STACKS_FILE),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

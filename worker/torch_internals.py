@@ -342,6 +342,16 @@ def require() -> None:
 
 
 # ------------------------------------------------------------------ access
+def get_one(use: Private) -> Any:
+    """The attribute `use`, checked alone: for a training worker, which must not import the
+    elastic agent's modules that `require` checks (a thread dumping for a hung worker)."""
+    if (problem := use.problem()) is not None:
+        import torch
+
+        raise TorchChanged(message([(use, problem)], torch.__version__))
+    return getattr(use.owner(), use.attr)
+
+
 def get(use: Private) -> Any:
     """The checked attribute itself (a private class or function of torch)."""
     require()

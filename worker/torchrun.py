@@ -582,25 +582,20 @@ class Torchrun:
     def collect_stacks(self, g: WorkerGroup, wait_s: float = STACKS_WAIT_S) -> tuple[dict[int, str], dict[int, dict]]:
         """Every worker's Python stacks (rank -> faulthandler's dump; '' where none came) and
         flight-recorder trace (rank -> the dump, for those that came), for an attempt taken for
-        hung: a request for the trace in each worker's folder (worker/flight.py), STACKS_SIGNAL
-        to each worker of the group that registered it (worker/stacks.py), and the dumps read
-        from the workers' folders, all within `wait_s`."""
+        hung: each worker of the group that registered (worker/stacks.py) is asked for its trace
+        (worker/flight.py) and sent STACKS_SIGNAL, and the answers are read within `wait_s`."""
         deadline = time.monotonic() + wait_s
-        folders = {rank: path.parent for (_local, stream), (path, rank) in g.worker_files.items() if stream == "stderr"}
-        if g.flight_on:
-            flight.request(list(folders.values()))
-        files = {rank: folder / stacks.STACKS_FILE for rank, folder in folders.items()}
+        files = {rank: path.parent / stacks.STACKS_FILE
+                 for (_local, stream), (path, rank) in g.worker_files.items() if stream == "stderr"}
         tree = set(self.group_tree(g))
-        for pid in stacks.pids(files).values():
-            if pid in tree:  # this group's worker, not a pid a job's user wrote there
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, stacks.STACKS_SIGNAL)
+        # this group's workers, not pids a job's user wrote there
+        pids = {rank: pid for rank, pid in stacks.pids(files).items() if pid in tree}
+        asked = flight.ask(pids) if g.flight_on else {}  # first: answered at once, as torchrun may stop them
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, stacks.STACKS_SIGNAL)
         dumps = stacks.read_dumps(files, wait_s)
-        if not g.flight_on:
-            return dumps, {}
-        traces = flight.read_dumps({rank: folder / flight.FLIGHT_FILE for rank, folder in folders.items()},
-                                   max(0.0, deadline - time.monotonic()))
-        return dumps, traces
+        return dumps, flight.read_dumps(asked, max(0.0, deadline - time.monotonic()))
 
     def stop(self, why: str, grace_s: float = 5.0) -> None:
         """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left (at once

@@ -4,7 +4,6 @@ while its main thread waits in one."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -78,22 +77,22 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
-def test_a_rank_blocked_in_a_collective_dumps_its_trace_on_request(tmp_path):
-    """Rank 1 sleeps in Python; rank 0 waits for it in all_reduce #4. Both answer the request
-    from their thread, and their traces say rank 0 entered #4 and rank 1 did not."""
+def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path):
+    """Rank 1 sleeps in Python; rank 0 waits for it in all_reduce #4. Both answer from their
+    thread, and their traces say rank 0 entered #4 and rank 1 did not."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_FR_BUFFER_SIZE": "2000"}
-    folders = {rank: tmp_path / f"r{rank}" for rank in (0, 1)}
     procs = {}
-    for rank, folder in folders.items():
-        folder.mkdir()
-        procs[rank] = subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port), str(folder)],
+    for rank in (0, 1):
+        (tmp_path / f"r{rank}").mkdir()
+        procs[rank] = subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port), str(tmp_path / f"r{rank}")],
                                        cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         for proc in procs.values():
             assert proc.stdout.readline() == "ready\n"
-        flight.request(list(folders.values()))
-        traces = flight.read_dumps({rank: f / flight.FLIGHT_FILE for rank, f in folders.items()}, 30.0)
+        asked = flight.ask({rank: p.pid for rank, p in procs.items()} | {2: os.getpid()})
+        assert sorted(asked) == [0, 1]  # this process listens on no socket: not asked
+        traces = flight.read_dumps(asked, 30.0)
         assert all(is_alive(p.pid) for p in procs.values())
     finally:
         for proc in procs.values():
@@ -103,5 +102,4 @@ def test_a_rank_blocked_in_a_collective_dumps_its_trace_on_request(tmp_path):
     assert found == {
         0: [{"pg": "default_pg", "last_enqueued": 4, "last_completed": 3, "op": "gloo:all_reduce"}],
         1: [{"pg": "default_pg", "last_enqueued": 3, "last_completed": 3, "op": "gloo:all_reduce"}]}
-    assert not (folders[0] / flight.FLIGHT_REQUEST).exists()  # answered
-    assert json.loads((folders[0] / flight.FLIGHT_FILE).read_text())["entries"][-1]["collective_seq_id"] == 4
+    assert traces[0]["entries"][-1]["collective_seq_id"] == 4
