@@ -140,6 +140,10 @@ THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 # gradient all-reduce is waited for inside it).
 COLLECTIVE_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/distributed.py")
 STACKS_DETAIL_CHARS = 16_000  # of the dumps kept in the event (all of them are in the job's log)
+# Kept on the job record for the nodes that report after (it is written with every change of
+# the job until the next hang): the lowest ranks, a few groups each, ~30 KiB at most.
+MAX_HUNG_RANKS = 256
+MAX_HUNG_GROUPS = 4
 
 
 def main_frames(dump: str) -> list[tuple[str, int, str]]:
@@ -221,6 +225,8 @@ def decide_stacks(job: JobRecord, node: str, report: StacksReport, now: float) -
         behind, what = missing
         line += f" (did not reach {what}: rank {', '.join(map(str, behind))})"
     dumps = "\n".join(f"rank {r.rank}:\n{r.text or '(none)'}" for r in report.ranks)
-    changed, event = note(job.model_copy(update={"hung_ranks": ranks}), line, now)
+    kept = {rank: r.model_copy(update={"collectives": None if r.collectives is None else r.collectives[:MAX_HUNG_GROUPS]})
+            for rank, r in sorted(ranks.items())[:MAX_HUNG_RANKS]}
+    changed, event = note(job.model_copy(update={"hung_ranks": kept}), line, now)
     event = event.model_copy(update={"detail": dumps[:STACKS_DETAIL_CHARS]})
     return Change(changed, [event])

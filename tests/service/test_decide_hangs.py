@@ -277,3 +277,15 @@ def test_the_last_nodes_event_compares_every_nodes_ranks_by_sequence():
         "last entered #5 gloo:all_reduce of group default_pg "
         "(did not reach collective #5 gloo:all_reduce of group default_pg: rank 1)")
     assert sorted(second.job.hung_ranks) == [0, 1]
+
+
+def test_the_ranks_kept_for_later_reports_are_bounded():
+    from service.decide.hangs import MAX_HUNG_GROUPS, MAX_HUNG_RANKS
+
+    job = hung(hung_attempt=1)
+    many = [pg(5, 4, name=f"g{i}") for i in range(MAX_HUNG_GROUPS + 3)]
+    report = StacksReport(job_id="j-abc123", attempt=1, ranks=[
+        RankStacks(rank=r, text="", collectives=many) for r in range(MAX_HUNG_RANKS + 10)])
+    kept = decide_stacks(job, "a", report, NOW).job.hung_ranks
+    assert sorted(kept) == list(range(MAX_HUNG_RANKS))
+    assert all(len(r.collectives) == MAX_HUNG_GROUPS for r in kept.values())
