@@ -44,7 +44,6 @@ def register(env: dict[str, str] | os._Environ) -> bool:
     if not error_file or _files:
         return bool(_files)
     folder = os.path.dirname(error_file)
-    flight.start(env)
     try:
         fd = os.open(os.path.join(folder, STACKS_FILE),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -55,6 +54,7 @@ def register(env: dict[str, str] | os._Environ) -> bool:
     f.flush()
     faulthandler.register(STACKS_SIGNAL, file=f, all_threads=True, chain=False)
     _files.append(f)
+    flight.start(env)  # the agent asks the pids named in STACKS_FILE only
     return True
 
 

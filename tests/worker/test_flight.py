@@ -99,7 +99,8 @@ def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
     found = {rank: flight.groups(t) for rank, t in traces.items()}
-    assert found == {
-        0: [{"pg": "default_pg", "last_enqueued": 4, "last_completed": 3, "op": "gloo:all_reduce"}],
-        1: [{"pg": "default_pg", "last_enqueued": 3, "last_completed": 3, "op": "gloo:all_reduce"}]}
+    # (a completion is recorded by gloo's own thread, a moment after the collective returns)
+    assert {rank: [(g["pg"], g["last_enqueued"], g["op"]) for g in groups] for rank, groups in found.items()} == {
+        0: [("default_pg", 4, "gloo:all_reduce")], 1: [("default_pg", 3, "gloo:all_reduce")]}
+    assert found[0][0]["last_completed"] in (2, 3) and found[1][0]["last_completed"] in (2, 3)
     assert traces[0]["entries"][-1]["collective_seq_id"] == 4
