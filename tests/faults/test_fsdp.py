@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from bench.harness import rank0_lines
-from tests.helpers.elastic import job, job_spec, submit, wait_nodes, wait_state
+from tests.helpers.elastic import job, job_spec, log_items, submit, wait_nodes, wait_state
 from tests.helpers.faults import (
     KEEP_ALL,
     events_of,
@@ -180,7 +180,7 @@ def test_a_worker_sigkill_of_an_fsdp_job_resumes_from_every_ranks_shards_in_memo
     assert any(f"resumes from step {restart} in the memory of n0, n1" in r
                for r in _memory_restores(api, job_id)), events_of(api, job_id)
     lines = [item["line"] for item in rank0_lines(api, job_id)]
-    assert any(f"resumed from memory (step {restart}, every rank's own shards" in line for line in lines)
+    assert any(f"resumed from memory (step {restart}, its own shards" in line for line in lines)
 
 
 @pytest.mark.parametrize("steps", [pytest.param(40, marks=SLOW)])
@@ -206,3 +206,51 @@ def test_an_fsdp_job_with_two_worker_sigkills_ends_bit_for_bit_like_one_without(
     final, clean = torch.load(out), _replay(tmp_path, [(0, 2)], steps)
     assert final.keys() == clean.keys()
     assert [name for name in final if not torch.equal(final[name], clean[name])] == []
+
+
+@pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
+def test_an_fsdp_job_that_loses_a_node_goes_on_from_its_disk_shards_resharded(api, agents, tmp_path, steps):
+    """A node's agent SIGKILLed with its whole tree: the job (1 to 2 nodes) goes on alone. Its
+    survivor's shards in memory were saved by two ranks, so they fit no rank of a group of
+    one: it restores from disk (a snapshot every step here), where DCP reshards."""
+    started = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, fsdp_spec("fsdp-node", steps, mn=1, mx=2, every=1, env=MEMORY_EVERY_STEP))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2 and logged_step(api, job_id) >= 8, 120,
+             "two ranks past step 8")
+    killed = started[1].kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    lines = [item["line"] for item in rank0_lines(api, job_id)]
+    assert any("saved by 2 ranks and the group has 1 now: restoring from disk" in line for line in lines), "\n".join(l for l in lines if "ftrain.runtime" in l and "stall_ms" not in l)
+    assert any(m and m.group(2) == "1" for m in map(START.match, lines))
+
+
+@pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
+def test_an_fsdp_job_that_loses_a_node_resumes_from_the_replica_of_its_shards_on_another(api, agents, tmp_path,
+                                                                                         steps):
+    """Three nodes, a job of two: a member's agent SIGKILLed with its whole tree, the spare
+    takes its place at the same world size. The lost node's shards are in the survivor's
+    memory (each rank keeps a replica of the next node's), which sends them to the rank that
+    now needs them: the job resumes from memory, not from disk."""
+    started = agents(3)
+    wait_nodes(api, 3)
+    job_id = submit(api, fsdp_spec("fsdp-replica", steps, every=DISK_RARELY, env=MEMORY_EVERY_STEP))
+    wait_for(lambda: logged_step(api, job_id) >= 8, 120, "two ranks past step 8")
+    members = job(api, job_id)["nodes"]
+    lost = next(agent for agent in started if agent.name == members[-1])
+    killed = lost.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, f"every process of agent {lost.name} to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert lost.name not in job(api, job_id)["nodes"]
+    assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of" in r for r in _memory_restores(api, job_id)), \
+        events_of(api, job_id)
+    lines = [item["line"] for item in log_items(api, job_id)]
+    assert any(f"resumed from memory (step {restart}, its shards sent by rank" in line for line in lines)

@@ -23,11 +23,14 @@ the memory copies are no use and the group restores from disk, where DCP reshard
 from __future__ import annotations
 
 import logging
+import pickle
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import memory as mem
 from .. import sharded
@@ -76,22 +79,38 @@ def into_template(saved: Any, like: Any, dtensor: type) -> Any:
     return saved
 
 
+SHARD_DIR = "shard-r{rank}"  # a rank's own shards, in its node's memory tier
+REPLICA_DIR = "replica-r{rank}"  # another node's rank's shards, kept on this node
+
+
 class ShardedMemoryTier(MemoryTier):
-    """Every rank's own shards in its node's memory tier; see the module docstring."""
+    """Every rank's own shards in its node's memory tier, and a replica of another node's
+    rank's shards; see the module docstring."""
 
     def __init__(self, worker: Worker, directory: Path, every: int | None):
         super().__init__(worker, directory, every)
-        self.copies: dict[int, tuple] = {}  # step -> this rank's copy of it (`newest`)
-
-    @property
-    def shard_dir(self) -> Path:
-        return self.directory / f"shard-r{self.worker.rank}"
+        self.copies: dict[tuple[int, int], tuple] = {}  # (shard's rank, step) -> a copy read here
+        self.buddy: int | None = None  # the rank (on another node) that keeps this rank's replica
+        self.sources: list[int] = []  # the ranks (on other nodes) whose replicas this rank keeps
+        self.group: Any = None  # a gloo group for the replicas' bytes (CPU tensors, any backend)
+        self.replicas: dict[int, mem.MemoryWriter] = {}  # source rank -> the writer of its replica
+        self.replicate_s: list[float] = []  # per copy: the exchange of replicas, on the training thread
+        self.rng: tuple[int, Any] | None = None  # (step, RNG states) of the shard this rank loaded
 
     def open_writer(self) -> mem.MemoryWriter:
         """Every rank writes its own shards (its own directory in the node's tier)."""
-        self.shard_dir.mkdir(mode=0o700, exist_ok=True)
-        self.writer = mem.MemoryWriter(self.shard_dir, attempt=self.worker.attempt, rank=self.worker.rank)
+        mine = self.directory / SHARD_DIR.format(rank=self.worker.rank)
+        mine.mkdir(mode=0o700, exist_ok=True)
+        self.writer = mem.MemoryWriter(mine, attempt=self.worker.attempt, rank=self.worker.rank)
         return self.writer
+
+    def set_peers(self, nodes: list[Any], group: Any) -> None:
+        """Which rank keeps this rank's replica (the next rank on another node) and whose this
+        rank keeps; none on one node (a lost node takes every copy with it anyway)."""
+        rank = self.worker.rank
+        self.group = group
+        self.buddy = buddy_of(rank, nodes)
+        self.sources = [r for r in range(len(nodes)) if r != rank and buddy_of(r, nodes) == rank]
 
     def start_reports(self) -> None:
         """The node's first rank reports what its own shards' copy holds (one report a node)."""
@@ -107,7 +126,8 @@ class ShardedMemoryTier(MemoryTier):
 
     def save(self, objects: Mapping[str, Any], step: int, rng: Any = None) -> bool:
         """Start the copy of this rank's local state at `step`: the shards (copied off in the
-        writer's thread, before the optimizer's next step) and the small state (now)."""
+        writer's thread, before the optimizer's next step) and the small state (now); then
+        the replicas exchanged with the ranks on other nodes."""
         w = self.writer
         assert w is not None
         dtensor = _dtensor_type()
@@ -123,41 +143,91 @@ class ShardedMemoryTier(MemoryTier):
         # thread meanwhile (the optimizer's step pre-hook waits for it).
         later = {t.untyped_storage().data_ptr() for t in shards + _tensors(local.get("optimizer", {}))}
         w.capture(state, step, later)
+        self._replicate(state, step)
         return not w.disabled
+
+    def _replicate(self, state: dict, step: int) -> None:
+        """Send this rank's state to its buddy and keep the replicas sent here (every rank at
+        the same copy step: the sizes, then the skeletons and bytes, point to point). Its time
+        counts as the copy's stall, so the budget (worker/step_timing.py) sees it."""
+        if self.buddy is None and not self.sources:
+            return
+        began = time.perf_counter()
+        out: list[torch.Tensor] = []
+        if self.buddy is not None:
+            skeleton, flat, packing = mem.pack(state)
+            meta = torch.frombuffer(bytearray(pickle.dumps((skeleton, packing))), dtype=torch.uint8)
+            out = [meta, flat]
+        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
+        self._exchange([torch.tensor([t.numel() for t in out], dtype=torch.int64)] if out else [],
+                       {src: [t] for src, t in sizes.items()})
+        got = {src: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[src].tolist()] for src in self.sources}
+        self._exchange(out, got)
+        for src, (meta_in, flat_in) in got.items():
+            skeleton, packing = pickle.loads(meta_in.numpy().tobytes())
+            self._replica_writer(src).capture_split(skeleton, mem.views(flat_in, packing), step, set())
+        spent = time.perf_counter() - began
+        self.replicate_s.append(spent)
+        if self.writer is not None and self.writer.stalls_s:
+            self.writer.stalls_s[-1] += spent
+
+    def _exchange(self, out: list[torch.Tensor], into: dict[int, list[torch.Tensor]]) -> None:
+        ops = [dist.P2POp(dist.isend, t, self.buddy, self.group) for t in out]
+        ops += [dist.P2POp(dist.irecv, t, src, self.group) for src, ts in into.items() for t in ts]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def _replica_writer(self, src: int) -> mem.MemoryWriter:
+        w = self.replicas.get(src)
+        if w is None:
+            where = self.directory / REPLICA_DIR.format(rank=src)
+            where.mkdir(mode=0o700, exist_ok=True)
+            w = self.replicas[src] = mem.MemoryWriter(where, attempt=self.worker.attempt, rank=self.worker.rank)
+        return w
 
     # -------------------------------------------------------------- restoring
     def newest(self) -> Found | None:
-        """This rank's copies (both slots, verified): Found(the newest step, {step: copy})."""
-        self.copies = {}
-        for slot in (0, 1):
-            got = mem.read_slot(self.shard_dir, slot)
-            if got is not None and got[0].get("rank") == self.worker.rank:
-                self.copies[int(got[0]["step"])] = got
-        held = mem.read_held(self.shard_dir)
-        if held is not None and held.step not in self.copies:
-            self._report_corrupt(held.step)
-        return Found(max(self.copies), dict(self.copies)) if self.copies else None
+        """Nothing yet: which copies a rank reads depends on its node's other ranks, known at
+        the gather (`read_node`)."""
+        return None
 
-    def _report_corrupt(self, step: int) -> None:
+    def read_node(self, index: int, count: int) -> dict[int, dict[int, int]]:
+        """This rank's share (`index` of `count` ranks on the node) of the node's copies, both
+        slots of each, verified: {shard's rank: {step: the world size it was saved at}}."""
+        dirs = sorted(self.directory.glob("shard-r*")) + sorted(self.directory.glob("replica-r*"))
+        self.copies = {}
+        for where in dirs[index::count]:
+            steps = set()
+            for slot in (0, 1):
+                got = mem.read_slot(where, slot)
+                if got is not None and "rank" in got[0]:
+                    self.copies[(int(got[0]["rank"]), int(got[0]["step"]))] = got
+                    steps.add(int(got[0]["step"]))
+            held = mem.read_held(where)
+            if held is not None and held.step not in steps:
+                self._report_corrupt(where, held.step)
+        held_here: dict[int, dict[int, int]] = {}
+        for (shard, step), copy in self.copies.items():
+            held_here.setdefault(shard, {})[step] = int(copy[0]["world_size"])
+        return held_here
+
+    def _report_corrupt(self, where: Path, step: int) -> None:
         worker, link = self.worker, self.worker.link
-        reason = f"rank {worker.rank}'s shards fail their checksum"
-        log.warning("rank %d: memory copy at step %d: %s; falling back to disk", worker.rank, step, reason)
+        reason = f"the shards in {where.name} fail their checksum"
+        log.warning("rank %d: memory copy at step %d: %s; falling back to the next source", worker.rank,
+                    step, reason)
         if link is not None:
             try:
                 link.report_memory_corrupt(worker.node or "local", step, reason)
             except LinkError as exc:
                 log.warning("rank %d: could not report the corrupt memory copy: %s", worker.rank, exc)
 
-    def held_worlds(self) -> dict[int, int]:
-        """{step: the world size it was saved at} of this rank's copies."""
-        return {step: int(copy[0]["world_size"]) for step, copy in self.copies.items()}
-
-    def load_shards(self, step: int, objects: Mapping[str, Any]) -> dict:
-        """This rank's copy of `step`: its shards loaded into the model and optimizer in place;
-        returns the rest of the state (step, rng, scheduler, sampler, extras)."""
+    def load_shards(self, copy: tuple, objects: Mapping[str, Any]) -> dict:
+        """A copy of this rank's shards: loaded into the model and optimizer in place; returns
+        the rest of the state (step, rng, scheduler, sampler, extras)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
 
-        state = mem.unpack(*self.copies[step])
+        state = mem.unpack(*copy)
         model, optimizer = objects["model"], objects.get("optimizer")
         like = sharded.model_and_optimizer(model, optimizer)
         with torch.no_grad():
@@ -167,11 +237,24 @@ class ShardedMemoryTier(MemoryTier):
         else:
             set_state_dict(model, optimizer, model_state_dict=big["model"], optim_state_dict=big["optimizer"])
         self.copies = {}
+        self.rng = (int(state["step"]), state.get("rng"))
         return state
+
+    def rng_of(self, step: int) -> dict | None:
+        """This rank's RNG states of `step`: those kept with the shard it loaded."""
+        return self.rng[1] if self.rng is not None and self.rng[0] == step else super().rng_of(step)
 
     def close(self) -> None:
         self.copies = {}
+        for w in self.replicas.values():
+            w.close()
         super().close()
+
+
+def buddy_of(rank: int, nodes: list[Any]) -> int | None:
+    """The next rank after `rank` (cyclically) on another node than its, or None."""
+    n = len(nodes)
+    return next((other for k in range(1, n) if nodes[other := (rank + k) % n] != nodes[rank]), None)
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -181,36 +264,53 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 class ShardedPeerTier(PeerTier):
-    """The group's view of its ranks' shards in memory: a step is restorable when every rank
-    holds its own shard of it, saved at this world size (see the module docstring)."""
+    """The group's shards in memory: a step is restorable when every rank's shard of it,
+    saved at this world size, is on some node of the group (its own, or a replica); a shard
+    not on its rank's node is sent by the rank that read it (see the module docstring)."""
 
     def __init__(self, worker: Worker, local: ShardedMemoryTier, wire: Wire | None = None):
         super().__init__(worker, local, wire)
         self.local: ShardedMemoryTier = local
         self.objects: Mapping[str, Any] = {}
-        self.complete: int | None = None  # the newest step every rank holds (`gather`)
+        self.complete: int | None = None  # the newest step every shard is held at (`gather`)
+        self.sources: list[int] = []  # shard i's copy of `complete` is read by rank sources[i]
+        self.group: Any = None
 
     def gather(self, mine: Found | None, extra: Any = None) -> list:
-        """Every rank's steps held (and `extra`); then each node's first rank reports the newest
-        step that every rank holds, and a second all-gather is the barrier after which every
-        report is in (rank 0 then asks for the restore point)."""
-        worlds = self.local.held_worlds()
-        if self.worker.distributed:
-            got = self.wire.all_gather_object((worlds, extra))
+        """Every rank's node (and `extra`); then the node's copies, each read and verified by one
+        of its ranks; then the newest step that every shard is held at, which each node's first
+        rank reports, and a barrier after which every report is in (rank 0 then asks for the
+        restore point). Returns every rank's `extra`."""
+        worker = self.worker
+        if worker.distributed:
+            if self.group is None:
+                self.group = sharded.checkpoint_group()
+            got = self.wire.all_gather_object((worker.node, extra))
         else:
-            got = [(worlds, extra)]
-        self.complete = complete_step([g[0] for g in got], self.worker.world_size)
-        if self.complete is None and self.worker.is_chief:
-            saved_at = sorted({w for g in got for w in g[0].values()} - {self.worker.world_size})
-            if saved_at:
-                log.info("the memory tier's shards were saved by %s ranks and the group has %d now: "
-                         "restoring from disk, where DCP reshards them", "/".join(map(str, saved_at)),
-                         self.worker.world_size)
-        self.helds = [self.complete if self.complete is not None else -1] * self.worker.world_size
+            got = [(worker.node, extra)]
+        nodes = [g[0] for g in got]
+        siblings = [r for r, node in enumerate(nodes) if node == nodes[worker.rank]]
+        held = self.local.read_node(siblings.index(worker.rank), len(siblings))
+        helds = self.wire.all_gather_object(held) if worker.distributed else [held]
+        self.complete, self.sources = plan_restore(helds, worker.world_size)
+        if self.complete is None and worker.is_chief:
+            self._say_why_not(helds)
+        self.helds = [self.complete if self.complete is not None else -1] * worker.world_size
         self._report(self.complete)
-        if self.worker.distributed:
+        if worker.distributed:
             self.wire.all_gather_object(None)
+            self.local.set_peers(nodes, self.group)
         return [g[1] for g in got]
+
+    def _say_why_not(self, helds: list[dict[int, dict[int, int]]]) -> None:
+        world = self.worker.world_size
+        saved_at = sorted({w for h in helds for steps in h.values() for w in steps.values()} - {world})
+        if saved_at:
+            log.info("the memory tier's shards were saved by %s ranks and the group has %d now: "
+                     "restoring from disk, where DCP reshards them", "/".join(map(str, saved_at)), world)
+        elif any(helds):
+            log.info("the memory tier holds no step of every rank's shards (a node's copies lost with "
+                     "it, and no replica of them): restoring from disk")
 
     def _report(self, step: int | None) -> None:
         worker, link = self.worker, self.worker.link
@@ -223,21 +323,50 @@ class ShardedPeerTier(PeerTier):
                         "restore point will not count them", worker.rank, step, exc)
 
     def sent(self, step: int) -> bool:
-        return False  # each rank's shard is on its own node
+        return step == self.complete and any(src != i for i, src in enumerate(self.sources))
 
     def where_from(self, step: int, where: Any, mine: Found | None) -> str:
-        return "every rank's own shards in its node's memory"
+        src = self.sources[self.worker.rank] if step == self.complete else self.worker.rank
+        if src == self.worker.rank:
+            return "its own shards in its node's memory"
+        return f"its shards sent by rank {src}, from a copy on that rank's node"
 
     def load(self, found: Found) -> dict:
-        """This rank's own shard of `found.step`, loaded in place (the model and optimizer of
-        `objects`, which the runtime sets before the restore)."""
-        return self.local.load_shards(found.step, self.objects)
+        """Every rank at once: the shards whose copy another rank read are sent to their rank
+        (in the order of the shards' ranks: each send meets its receive), then each rank loads
+        its own in place (into `objects`, which the runtime sets before the restore)."""
+        step, rank = found.step, self.worker.rank
+        assert step == self.complete
+        mine = None
+        for shard, src in enumerate(self.sources):
+            if src == shard == rank:
+                mine = self.local.copies[(shard, step)]
+            elif rank == src:
+                skeleton, flat, packing = self.local.copies[(shard, step)]
+                dist.send_object_list([(skeleton, packing, flat.numel())], dst=shard, group=self.group)
+                dist.send(flat, dst=shard, group=self.group)
+            elif rank == shard:
+                box: list = [None]
+                dist.recv_object_list(box, src=src, group=self.group)
+                skeleton, packing, size = box[0]
+                flat = torch.empty(size, dtype=torch.uint8)
+                dist.recv(flat, src=src, group=self.group)
+                mine = (skeleton, flat, packing)
+        assert mine is not None
+        return self.local.load_shards(mine, self.objects)
 
 
-def complete_step(held: list[dict[int, int]], world_size: int) -> int | None:
-    """The newest step that every rank holds (`held`: each rank's {step: world size saved at}),
-    saved at `world_size` by as many ranks, or None."""
-    if len(held) != world_size or not held:
-        return None
-    common = set.intersection(*({s for s, w in h.items() if w == world_size} for h in held))
-    return max(common) if common else None
+def plan_restore(helds: list[dict[int, dict[int, int]]], world_size: int) -> tuple[int | None, list[int]]:
+    """The newest step whose every shard (0 .. world_size - 1), saved at `world_size`, some rank
+    read (`helds`: each rank's {shard: {step: world size saved at}}), and for each shard the
+    rank that sends it: its own rank where it read it, else the first that did. (None, [])
+    where there is no such step."""
+    def holders(shard: int, step: int) -> list[int]:
+        return [r for r, h in enumerate(helds) if h.get(shard, {}).get(step) == world_size]
+
+    steps = {step for h in helds for per in h.values() for step, w in per.items() if w == world_size}
+    for step in sorted(steps, reverse=True):
+        found = [holders(shard, step) for shard in range(world_size)]
+        if all(found):
+            return step, [shard if shard in got else got[0] for shard, got in enumerate(found)]
+    return None, []
