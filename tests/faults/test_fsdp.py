@@ -209,13 +209,14 @@ def test_an_fsdp_job_with_two_worker_sigkills_ends_bit_for_bit_like_one_without(
 
 
 @pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
-def test_an_fsdp_job_that_loses_a_node_goes_on_from_its_disk_shards_resharded(api, agents, tmp_path, steps):
-    """A node's agent SIGKILLed with its whole tree: the job (1 to 2 nodes) goes on alone. Its
-    survivor's shards in memory were saved by two ranks, so they fit no rank of a group of
-    one: it restores from disk (a snapshot every step here), where DCP reshards."""
+def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_resharded(api, agents, tmp_path,
+                                                                                       steps):
+    """A node's agent SIGKILLed with its whole tree: the job (1 to 2 nodes) goes on alone. The
+    survivor holds its own shards and the replica of the lost node's (disk snapshots are too
+    rare to help): rank 0 joins them and the group of one reshards them from memory."""
     started = agents(2)
     wait_nodes(api, 2)
-    job_id = submit(api, fsdp_spec("fsdp-node", steps, mn=1, mx=2, every=1, env=MEMORY_EVERY_STEP))
+    job_id = submit(api, fsdp_spec("fsdp-node", steps, mn=1, mx=2, every=DISK_RARELY, env=MEMORY_EVERY_STEP))
     wait_for(lambda: job(api, job_id)["world_size"] == 2 and logged_step(api, job_id) >= 8, 120,
              "two ranks past step 8")
     killed = started[1].kill_tree()
@@ -224,8 +225,12 @@ def test_an_fsdp_job_that_loses_a_node_goes_on_from_its_disk_shards_resharded(ap
     done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
     assert done["state"] == "SUCCEEDED", events_of(api, job_id)
     assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of n0" in r for r in _memory_restores(api, job_id)), \
+        events_of(api, job_id)
     lines = [item["line"] for item in rank0_lines(api, job_id)]
-    assert any("saved by 2 ranks and the group has 1 now: restoring from disk" in line for line in lines), "\n".join(l for l in lines if "ftrain.runtime" in l and "stall_ms" not in l)
+    assert any(f"shards of step {restart} were saved by 2 ranks and the group has 1 now: rank 0 joins them"
+               in line for line in lines), "\n".join(line for line in lines if "ftrain.runtime" in line)
     assert any(m and m.group(2) == "1" for m in map(START.match, lines))
 
 

@@ -15,19 +15,38 @@ import torch.multiprocessing as mp
 from tests.helpers.processes import free_port
 from tests.worker.test_sharded_snapshots import _assert_same, _full_states
 from worker import memory as mem
-from worker.tiers.sharded_memory import buddy_of, plan_restore
+from worker.tiers.sharded_memory import buddy_of, plan_reshard, plan_restore
+
+
+def _dim0(helds: list[dict]) -> list[dict]:
+    """Each copy's world size as (world size, its shards dim-0 slices)."""
+    return [{shard: {step: (w, True) for step, w in per.items()} for shard, per in h.items()} for h in helds]
 
 
 @pytest.mark.parametrize("helds,world,expected", [
     ([{0: {5: 2, 4: 2}}, {1: {4: 2}}], 2, (4, [0, 1])),  # rank 1 died mid-copy of step 5
     ([{0: {5: 2}, 1: {5: 2}}, {}], 2, (5, [0, 0])),  # rank 1's node is new: rank 0 holds its replica
     ([{0: {5: 2}}, {0: {5: 2}, 1: {5: 2}}], 2, (5, [0, 1])),  # each shard from its own rank if it can
-    ([{0: {5: 2}, 1: {5: 2}}], 1, (None, [])),  # saved by two ranks: no use to one
+    ([{0: {5: 2}, 1: {5: 2}}], 1, (None, [])),  # saved by two ranks: not at this size
     ([{0: {7: 1}}, {1: {7: 2}}], 2, (None, [])),  # shard 0 of another world
     ([{}, {}], 2, (None, [])),
 ])
 def test_the_restore_takes_the_newest_step_whose_every_shard_some_rank_holds(helds, world, expected):
-    assert plan_restore(helds, world) == expected
+    assert plan_restore(_dim0(helds), world) == expected
+
+
+@pytest.mark.parametrize("helds,world,expected", [
+    ([{0: {5: 2}, 1: {5: 2}}], 1, (5, 2, [0, 0])),  # a node lost: its shards' replica on the survivor
+    ([{0: {5: 1}}, {}], 2, (5, 1, [0])),  # grown from one rank to two
+    ([{0: {5: 2}}], 1, (None, 1, [])),  # the lost node's shards nowhere
+    ([{0: {9: 4}, 1: {9: 4}}, {0: {6: 2}, 1: {6: 2}}], 3, (6, 2, [1, 1])),  # the newest whole one
+])
+def test_at_another_size_the_newest_step_whose_every_old_shard_is_held_is_resharded(helds, world, expected):
+    assert plan_reshard(_dim0(helds), world) == expected
+
+
+def test_shards_that_are_not_dim0_slices_are_not_resharded_from_memory():
+    assert plan_reshard([{0: {5: (2, False)}, 1: {5: (2, False)}}], 1) == (None, 1, [])
 
 
 @pytest.mark.parametrize("rank,nodes,expected", [
@@ -96,14 +115,14 @@ def _run_group(world: int, tmp_path: Path, name: str, until: int) -> dict:
     return torch.load(tmp_path / f"{name}.pt", weights_only=False)
 
 
-def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_and_from_disk_at_another_size(
+def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_same_size_and_another(
         tmp_path: Path) -> None:
     first = _run_group(2, tmp_path, "first", until=4)
     again = _run_group(2, tmp_path, "again", until=6)  # the same world: every rank's shards in memory
-    one = _run_group(1, tmp_path, "one", until=8)  # another world: memory's shards fit no rank
+    one = _run_group(1, tmp_path, "one", until=8)  # another world: the shards joined and resharded
 
     assert (again["start"], again["tier"]) == (4, "memory")
     _assert_same(again["restored"], first["final"], "memory, 2 -> 2")
     assert all(t.dtype == torch.float32 for t in again["restored"]["model"].values())
-    assert (one["start"], one["tier"]) == (6, "disk")  # resharded by DCP
-    _assert_same(one["restored"], again["final"], "disk, 2 -> 1")
+    assert (one["start"], one["tier"]) == (6, "memory")
+    _assert_same(one["restored"], again["final"], "memory, 2 -> 1")

@@ -96,6 +96,7 @@ class ShardedMemoryTier(MemoryTier):
         self.replicas: dict[int, mem.MemoryWriter] = {}  # source rank -> the writer of its replica
         self.replicate_s: list[float] = []  # per copy: the exchange of replicas, on the training thread
         self.rng: tuple[int, Any] | None = None  # (step, RNG states) of the shard this rank loaded
+        self.dim0: bool | None = None  # every shard a dim-0 slice (FSDP2's default): reshardable
 
     def open_writer(self) -> mem.MemoryWriter:
         """Every rank writes its own shards (its own directory in the node's tier)."""
@@ -134,8 +135,10 @@ class ShardedMemoryTier(MemoryTier):
         shards: list[torch.Tensor] = []
         big = sharded.model_and_optimizer(objects["model"], objects.get("optimizer"))
         local = local_shards(big, dtensor, shards)
+        if self.dim0 is None:
+            self.dim0 = all(_is_dim0(p, dtensor) for p in objects["model"].parameters())
         state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": step, "world_size": self.worker.world_size,
-                                 "rank": self.worker.rank, "rng": rng, "sharded": local}
+                                 "rank": self.worker.rank, "rng": rng, "sharded": local, "dim0": self.dim0}
         for name, obj in objects.items():
             if name not in SHARDED_OBJECTS and obj is not None:
                 state[name] = obj.state_dict()
@@ -191,9 +194,10 @@ class ShardedMemoryTier(MemoryTier):
         the gather (`read_node`)."""
         return None
 
-    def read_node(self, index: int, count: int) -> dict[int, dict[int, int]]:
+    def read_node(self, index: int, count: int) -> dict[int, dict[int, tuple[int, bool]]]:
         """This rank's share (`index` of `count` ranks on the node) of the node's copies, both
-        slots of each, verified: {shard's rank: {step: the world size it was saved at}}."""
+        slots of each, verified: {shard's rank: {step: (the world size it was saved at,
+        whether its shards are dim-0 slices)}}."""
         dirs = sorted(self.directory.glob("shard-r*")) + sorted(self.directory.glob("replica-r*"))
         self.copies = {}
         for where in dirs[index::count]:
@@ -206,9 +210,9 @@ class ShardedMemoryTier(MemoryTier):
             held = mem.read_held(where)
             if held is not None and held.step not in steps:
                 self._report_corrupt(where, held.step)
-        held_here: dict[int, dict[int, int]] = {}
+        held_here: dict[int, dict[int, tuple[int, bool]]] = {}
         for (shard, step), copy in self.copies.items():
-            held_here.setdefault(shard, {})[step] = int(copy[0]["world_size"])
+            held_here.setdefault(shard, {})[step] = (int(copy[0]["world_size"]), bool(copy[0].get("dim0")))
         return held_here
 
     def _report_corrupt(self, where: Path, step: int) -> None:
@@ -240,6 +244,25 @@ class ShardedMemoryTier(MemoryTier):
         self.rng = (int(state["step"]), state.get("rng"))
         return state
 
+    def load_full(self, full: dict | None, objects: Mapping[str, Any]) -> None:
+        """Every rank: the whole model and optimizer state that rank 0 put together from the
+        shards of another world size (`full`, None elsewhere), broadcast and sharded for this one."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model, optimizer = objects["model"], objects.get("optimizer")
+        full = full if full is not None else {"model": {}, "optimizer": {}}
+        if optimizer is None:
+            set_model_state_dict(model, full["model"], options=options)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
+                           options=options)
+        self.copies = {}
+
     def rng_of(self, step: int) -> dict | None:
         """This rank's RNG states of `step`: those kept with the shard it loaded."""
         return self.rng[1] if self.rng is not None and self.rng[0] == step else super().rng_of(step)
@@ -255,6 +278,26 @@ def buddy_of(rank: int, nodes: list[Any]) -> int | None:
     """The next rank after `rank` (cyclically) on another node than its, or None."""
     n = len(nodes)
     return next((other for k in range(1, n) if nodes[other := (rank + k) % n] != nodes[rank]), None)
+
+
+def _is_dim0(param: Any, dtensor: type) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return not isinstance(param, dtensor) or tuple(param.placements) == (Shard(0),)
+
+
+def joined(shards: list[Any], like: Any, dtensor: type) -> Any:
+    """The whole state from every old rank's local state (in rank order): each DTensor of
+    `like` (the state's structure now) the old ranks' dim-0 slices one after the other; the
+    rest as the first rank saved it."""
+    first = shards[0]
+    if isinstance(like, dtensor):
+        return torch.cat(shards, dim=0)
+    if isinstance(first, dict) and isinstance(like, dict):
+        return {k: joined([s[k] for s in shards], like.get(k), dtensor) for k in first}
+    if isinstance(first, list) and isinstance(like, list) and len(first) == len(like):
+        return [joined([s[i] for s in shards], like[i], dtensor) for i in range(len(first))]
+    return first
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -274,6 +317,7 @@ class ShardedPeerTier(PeerTier):
         self.objects: Mapping[str, Any] = {}
         self.complete: int | None = None  # the newest step every shard is held at (`gather`)
         self.sources: list[int] = []  # shard i's copy of `complete` is read by rank sources[i]
+        self.saved_world = worker.world_size  # the world size the shards of `complete` were saved at
         self.group: Any = None
 
     def gather(self, mine: Found | None, extra: Any = None) -> list:
@@ -293,8 +337,11 @@ class ShardedPeerTier(PeerTier):
         held = self.local.read_node(siblings.index(worker.rank), len(siblings))
         helds = self.wire.all_gather_object(held) if worker.distributed else [held]
         self.complete, self.sources = plan_restore(helds, worker.world_size)
-        if self.complete is None and worker.is_chief:
-            self._say_why_not(helds)
+        self.saved_world = worker.world_size
+        if self.complete is None:
+            self.complete, self.saved_world, self.sources = plan_reshard(helds, worker.world_size)
+            if worker.is_chief:
+                self._say_why_not(helds)
         self.helds = [self.complete if self.complete is not None else -1] * worker.world_size
         self._report(self.complete)
         if worker.distributed:
@@ -302,9 +349,14 @@ class ShardedPeerTier(PeerTier):
             self.local.set_peers(nodes, self.group)
         return [g[1] for g in got]
 
-    def _say_why_not(self, helds: list[dict[int, dict[int, int]]]) -> None:
+    def _say_why_not(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
         world = self.worker.world_size
-        saved_at = sorted({w for h in helds for steps in h.values() for w in steps.values()} - {world})
+        if self.complete is not None:
+            log.info("the memory tier's shards of step %d were saved by %d ranks and the group has %d now: "
+                     "rank 0 joins them and the group reshards them from memory", self.complete,
+                     self.saved_world, world)
+            return
+        saved_at = sorted({w for h in helds for steps in h.values() for w, _ in steps.values()} - {world})
         if saved_at:
             log.info("the memory tier's shards were saved by %s ranks and the group has %d now: "
                      "restoring from disk, where DCP reshards them", "/".join(map(str, saved_at)), world)
@@ -337,36 +389,91 @@ class ShardedPeerTier(PeerTier):
         its own in place (into `objects`, which the runtime sets before the restore)."""
         step, rank = found.step, self.worker.rank
         assert step == self.complete
+        if self.saved_world != self.worker.world_size:
+            return self._load_resharded(step)
         mine = None
         for shard, src in enumerate(self.sources):
             if src == shard == rank:
                 mine = self.local.copies[(shard, step)]
             elif rank == src:
-                skeleton, flat, packing = self.local.copies[(shard, step)]
-                dist.send_object_list([(skeleton, packing, flat.numel())], dst=shard, group=self.group)
-                dist.send(flat, dst=shard, group=self.group)
+                self._send(self.local.copies[(shard, step)], shard)
             elif rank == shard:
-                box: list = [None]
-                dist.recv_object_list(box, src=src, group=self.group)
-                skeleton, packing, size = box[0]
-                flat = torch.empty(size, dtype=torch.uint8)
-                dist.recv(flat, src=src, group=self.group)
-                mine = (skeleton, flat, packing)
+                mine = self._receive(src)
         assert mine is not None
         return self.local.load_shards(mine, self.objects)
 
+    def _send(self, copy: tuple, dst: int) -> None:
+        skeleton, flat, packing = copy
+        dist.send_object_list([(skeleton, packing, flat.numel())], dst=dst, group=self.group)
+        dist.send(flat, dst=dst, group=self.group)
 
-def plan_restore(helds: list[dict[int, dict[int, int]]], world_size: int) -> tuple[int | None, list[int]]:
-    """The newest step whose every shard (0 .. world_size - 1), saved at `world_size`, some rank
-    read (`helds`: each rank's {shard: {step: world size saved at}}), and for each shard the
-    rank that sends it: its own rank where it read it, else the first that did. (None, [])
-    where there is no such step."""
+    def _receive(self, src: int) -> tuple:
+        box: list = [None]
+        dist.recv_object_list(box, src=src, group=self.group)
+        skeleton, packing, size = box[0]
+        flat = torch.empty(size, dtype=torch.uint8)
+        dist.recv(flat, src=src, group=self.group)
+        return skeleton, flat, packing
+
+    def _load_resharded(self, step: int) -> dict:
+        """Shards of another world size: every old rank's sent to rank 0, which joins them into
+        the whole state (as DDP's memory copy holds it); loaded as a whole state broadcast from
+        rank 0 (`set_state_dict`'s), which each rank shards for this world. Each rank takes the
+        RNG states of the old rank of its number (modulo the old world), as a disk restore does."""
+        rank = self.worker.rank
+        got: dict[int, tuple] = {}
+        for shard, src in enumerate(self.sources):
+            if src == rank == 0:
+                got[shard] = self.local.copies[(shard, step)]
+            elif rank == src:
+                self._send(self.local.copies[(shard, step)], 0)
+            elif rank == 0:
+                got[shard] = self._receive(src)
+        full, rest = None, None
+        if rank == 0:
+            states = [mem.unpack(*got[shard]) for shard in range(self.saved_world)]
+            like = sharded.model_and_optimizer(self.objects["model"], self.objects.get("optimizer"))
+            full = joined([s.pop("sharded") for s in states], like, _dtensor_type())
+            rest = {**states[0], "rngs": [s.get("rng") for s in states]}
+        if self.worker.distributed:
+            box = [rest]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            rest = box[0]
+        self.local.load_full(full, self.objects)
+        rngs = rest.pop("rngs")
+        self.local.rng = (step, rngs[rank % len(rngs)])
+        return rest
+
+
+def plan_restore(helds: list[dict[int, dict[int, tuple[int, bool]]]], world_size: int,
+                 dim0_only: bool = False) -> tuple[int | None, list[int]]:
+    """The newest step whose every shard (0 .. world_size - 1), saved at `world_size` (and, with
+    `dim0_only`, as dim-0 slices), some rank read (`helds`: each rank's {shard: {step: (world
+    size saved at, dim-0 slices)}}), and for each shard the rank that sends it: its own rank
+    where it read it, else the first that did. (None, []) where there is no such step."""
+    def fits(saved: tuple[int, bool] | None) -> bool:
+        return saved is not None and saved[0] == world_size and (saved[1] or not dim0_only)
+
     def holders(shard: int, step: int) -> list[int]:
-        return [r for r, h in enumerate(helds) if h.get(shard, {}).get(step) == world_size]
+        return [r for r, h in enumerate(helds) if fits(h.get(shard, {}).get(step))]
 
-    steps = {step for h in helds for per in h.values() for step, w in per.items() if w == world_size}
+    steps = {step for h in helds for per in h.values() for step, saved in per.items() if fits(saved)}
     for step in sorted(steps, reverse=True):
         found = [holders(shard, step) for shard in range(world_size)]
         if all(found):
             return step, [shard if shard in got else got[0] for shard, got in enumerate(found)]
     return None, []
+
+
+def plan_reshard(helds: list[dict[int, dict[int, tuple[int, bool]]]],
+                 world_size: int) -> tuple[int | None, int, list[int]]:
+    """For a group of another size than the copies': the newest step whose every shard of some
+    other world size is held, as dim-0 slices (which rank 0 can join): (step, that world size,
+    the rank that sends each shard), or (None, world_size, [])."""
+    worlds = {saved[0] for h in helds for per in h.values() for saved in per.values()} - {world_size}
+    best: tuple[int | None, int, list[int]] = (None, world_size, [])
+    for world in sorted(worlds):
+        step, sources = plan_restore(helds, world, dim0_only=True)
+        if step is not None and (best[0] is None or step > best[0]):
+            best = (step, world, sources)
+    return best
