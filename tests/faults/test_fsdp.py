@@ -1,10 +1,13 @@
 """FSDP2 jobs on a real cluster (etcd, the control plane, two node agents, torchrun workers
 over gloo): examples/train_fsdp.py, a transformer sharded with `fully_shard`, whose
-snapshots are every rank's shards (worker/tiers/sharded.py), one every step.
+snapshots are every rank's shards (worker/tiers/sharded.py), on disk and in each node's
+memory tier with a replica on another node (worker/tiers/sharded_memory.py).
 
-A worker SIGKILLed costs at most one step; a job that goes 2 -> 1 -> 2 nodes (a drain, then
-the node back) sees each sample of an epoch once and ends with the very weights of the same
-resizes made under plain torchrun."""
+A worker SIGKILLed costs at most one step, from disk or from memory alone; two of them end
+bit for bit like a run without; a node lost costs at most one step from memory, whether the
+job goes on alone (resharded) or a spare takes its place (the replica sent); a job that goes
+2 -> 1 -> 2 nodes (a drain, then the node back) sees each sample of an epoch once and ends
+with the very weights of the same resizes made under plain torchrun."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The memory tier of an FSDP2 model: every rank's own shards in its node's memory tier.
+"""The memory tier of an FSDP2 model: every rank's own shards in its node's memory tier, and
+a replica of them on another node.
 
 With DDP a node's first rank copies the whole state, which every rank holds. With FSDP2
 each rank holds only its shards of the parameters and of the optimizer's state, so every
@@ -7,17 +8,24 @@ the scheduler, sampler and extras, its RNG states, the step, the world size and 
 goes into a writer of its own, `<node's memory dir>/shard-r<rank>/`, with the same slots,
 checksums, budget and schedule as the DDP copy (worker/memory.py, worker/tiers/memory.py).
 Every rank copies at the steps rank 0 picks, and never skips one (it waits for its own
-previous copy instead), so the ranks' copies are of the same steps.
+previous copy instead), so the ranks' copies are of the same steps. At each copy a rank also
+sends its state to the next rank on another node (point to point, over a gloo group), which
+keeps it as `replica-r<rank>/`: a lost node's shards are still in the group's memory.
 
-A restore from memory needs every rank's shard of one step, and the world size it was
-saved at (a shard is a rank's slice of the model: it fits only the same world). Each rank
-reads and verifies both of its slots (its last two copies: a rank killed mid-copy leaves its
-other ranks' copies a step ahead of its own); the ranks gather which steps they hold, and
-the newest step that every rank holds, saved at this world size, is the group's memory
-copy: each node's first rank reports it to the control plane, which decides the restore
-point as for DDP (service/decide/restore.py), and each rank then loads its own shard in
-place (the DTensors rebuilt on the model's own mesh and placements). At another world size
-the memory copies are no use and the group restores from disk, where DCP reshards.
+A restore reads every copy on each node (split among the node's ranks; both slots of each,
+verified: a rank killed mid-copy leaves its other ranks' copies a step ahead of its own) and
+the ranks gather which (shard, step) each holds:
+
+- the newest step whose every shard, saved at this world size, some rank holds is the
+  group's memory copy: each rank loads its own shard in place (the DTensors' local tensors
+  filled, then `set_state_dict`), sent to it by the rank that read it where that is another;
+- at another world size, the newest step whose every shard of an old world is held (each a
+  dim-0 slice, FSDP2's default) goes to rank 0, which joins the shards into the whole state
+  and loads it with `set_state_dict`'s broadcast from rank 0, sharded for the new world;
+- else there is no memory copy, and the group restores from disk, where DCP reshards.
+
+Each node's first rank reports the agreed step to the control plane, which decides the
+restore point as for DDP (service/decide/restore.py).
 """
 
 from __future__ import annotations
