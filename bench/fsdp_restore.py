@@ -63,8 +63,8 @@ def _rank(args: argparse.Namespace) -> None:
     rt = None
     if args.mode in ("ftrain", "memory"):
         memory = args.memory_dir if args.mode == "memory" else None
-        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2, memory_dir=memory,
-                          memory_every=1 if memory else None)
+        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2,
+                          memory_dir=memory, memory_every=1 if memory else None)
         device = rt.device
     else:
         use_cuda = torch.cuda.is_available()
@@ -215,7 +215,8 @@ def main() -> None:
             for mode, got in runs.items()}
     out = {"when": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
            "device": _device(), "nproc": args.nproc, "params": none["params"], "every": args.every,
-           "steps": args.steps, "step_s_none": base, "runs": rows, "restore_from_memory_s": restores["memory"]}
+           "steps": args.steps, "step_s_none": base, "runs": rows,
+           "restore_from_memory_s": restores["memory"]}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{none['params'] / 1e6:.1f}M parameters, {args.nproc} ranks on {out['device']}, a snapshot every "
           f"{args.every} steps; step without snapshots {base * 1e3:.1f} ms")

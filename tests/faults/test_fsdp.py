@@ -212,8 +212,8 @@ def test_an_fsdp_job_with_two_worker_sigkills_ends_bit_for_bit_like_one_without(
 
 
 @pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
-def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_resharded(api, agents, tmp_path,
-                                                                                       steps):
+def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_resharded(
+        api, agents, tmp_path, steps):
     """A node's agent SIGKILLed with its whole tree: the job (1 to 2 nodes) goes on alone. The
     survivor holds its own shards and the replica of the lost node's (disk snapshots are too
     rare to help): rank 0 joins them and the group of one reshards them from memory."""
@@ -229,8 +229,8 @@ def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_r
     assert done["state"] == "SUCCEEDED", events_of(api, job_id)
     assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
     restart = runs(api, job_id)[1][0]
-    assert any(f"resumes from step {restart} in the memory of n0" in r for r in _memory_restores(api, job_id)), \
-        events_of(api, job_id)
+    assert any(f"resumes from step {restart} in the memory of n0" in r
+               for r in _memory_restores(api, job_id)), events_of(api, job_id)
     lines = [item["line"] for item in rank0_lines(api, job_id)]
     assert any(f"shards of step {restart} were saved by 2 ranks and the group has 1 now: rank 0 joins them"
                in line for line in lines), "\n".join(line for line in lines if "ftrain.runtime" in line)
@@ -238,8 +238,8 @@ def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_r
 
 
 @pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
-def test_an_fsdp_job_that_loses_a_node_resumes_from_the_replica_of_its_shards_on_another(api, agents, tmp_path,
-                                                                                         steps):
+def test_an_fsdp_job_that_loses_a_node_resumes_from_the_replica_of_its_shards_on_another(
+        api, agents, tmp_path, steps):
     """Three nodes, a job of two: a member's agent SIGKILLed with its whole tree, the spare
     takes its place at the same world size. The lost node's shards are in the survivor's
     memory (each rank keeps a replica of the next node's), which sends them to the rank that

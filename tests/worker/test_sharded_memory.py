@@ -72,7 +72,8 @@ def test_a_slot_torn_by_a_writer_killed_mid_copy_reads_as_none_not_as_a_copy(tmp
     assert mem.read_slot(tmp_path, 1 - older) is not None
 
 
-def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str, until: int) -> None:
+def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str,
+           until: int) -> None:
     """One rank: a model sharded in bfloat16 mixed precision, restored, trained to `until`,
     snapshotted on disk there; its full states (restored and final) and where it resumed from."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),

@@ -145,8 +145,9 @@ class ShardedMemoryTier(MemoryTier):
         local = local_shards(big, dtensor, shards)
         if self.dim0 is None:
             self.dim0 = all(_is_dim0(p, dtensor) for p in objects["model"].parameters())
-        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": step, "world_size": self.worker.world_size,
-                                 "rank": self.worker.rank, "rng": rng, "sharded": local, "dim0": self.dim0}
+        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": step, "rank": self.worker.rank,
+                                 "world_size": self.worker.world_size, "rng": rng, "sharded": local,
+                                 "dim0": self.dim0}
         for name, obj in objects.items():
             if name not in SHARDED_OBJECTS and obj is not None:
                 state[name] = obj.state_dict()
@@ -172,7 +173,8 @@ class ShardedMemoryTier(MemoryTier):
         sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
         self._exchange([torch.tensor([t.numel() for t in out], dtype=torch.int64)] if out else [],
                        {src: [t] for src, t in sizes.items()})
-        got = {src: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[src].tolist()] for src in self.sources}
+        got = {src: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[src].tolist()]
+               for src in self.sources}
         self._exchange(out, got)
         for src, (meta_in, flat_in) in got.items():
             skeleton, packing = pickle.loads(meta_in.numpy().tobytes())
@@ -193,7 +195,8 @@ class ShardedMemoryTier(MemoryTier):
         if w is None:
             where = self.directory / REPLICA_DIR.format(rank=src)
             where.mkdir(mode=0o700, exist_ok=True)
-            w = self.replicas[src] = mem.MemoryWriter(where, attempt=self.worker.attempt, rank=self.worker.rank)
+            w = mem.MemoryWriter(where, attempt=self.worker.attempt, rank=self.worker.rank)
+            self.replicas[src] = w
         return w
 
     # -------------------------------------------------------------- restoring
@@ -267,8 +270,8 @@ class ShardedMemoryTier(MemoryTier):
         if optimizer is None:
             set_model_state_dict(model, full["model"], options=options)
         else:
-            set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],
-                           options=options)
+            set_state_dict(model, optimizer, model_state_dict=full["model"],
+                           optim_state_dict=full["optimizer"], options=options)
         self.copies = {}
 
     def rng_of(self, step: int) -> dict | None:
