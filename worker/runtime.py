@@ -390,6 +390,7 @@ class Runtime:
                 chosen = box[0]
         with self._phase("load_s"):
             self._load(chosen, mine)
+        self.peer.close()  # the copies read for the restore: their memory let go
         log.info("rank %d: started and restored in phases (s): %s", self.rank,
                  ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.phases_s.items()))
         if self.memory is not None and self.memory.writer is not None and optimizer is not None:

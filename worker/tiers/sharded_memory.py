@@ -413,6 +413,11 @@ class ShardedPeerTier(PeerTier):
         assert mine is not None
         return self.local.load_shards(mine, self.objects)
 
+    def close(self) -> None:
+        """The copies read for the restore let go (a restore from disk did not load them)."""
+        self.local.copies = {}
+        super().close()
+
     def _send(self, copy: tuple, dst: int) -> None:
         skeleton, flat, packing = copy
         dist.send_object_list([(skeleton, packing, flat.numel())], dst=dst, group=self.group)
