@@ -8,17 +8,17 @@ For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` o
 - `ftrain`: the runtime (its local twin: a snapshot folder and its index), a sharded
   snapshot every `--every` steps (worker/tiers/sharded.py: each rank's shards by
   `dcp.async_save`, checksums, rank 0's commit once every rank's shards are whole);
+- `memory`: as `ftrain`, with the memory tier on (worker/tiers/sharded_memory.py: every
+  rank's own shards in node-local shared memory), a copy every step;
 - `dcp`: the script's own `dcp.async_save` every `--every` steps over a gloo group, waited
   for before the next (what a tuned script does under torchrun, with no checksum or commit);
 
 each reporting its mean step time (the snapshot's cost as % of the step time against
 `none`) and the training thread's stall per snapshot (median). Then a restart of each
-(`ftrain`, `dcp`) at the same world size, timed from a fresh model and optimizer to the
-state loaded: ftrain's `rt.restore` (the newest committed snapshot verified, then DCP's
-load) against the script's own `get_state_dict` + `dcp.load` + `set_state_dict`.
-
-Restore from the memory tier: sharded models do not have one yet (the runtime turns it off
-for them), so the table says n/a there.
+(`ftrain`, `memory`, `dcp`) at the same world size, timed from a fresh model and optimizer
+to the state loaded: ftrain's `rt.restore` from disk (the newest committed snapshot verified,
+then DCP's load) and from memory (every rank's shards read and verified, then loaded in
+place), against the script's own `get_state_dict` + `dcp.load` + `set_state_dict`.
 
     python bench/fsdp_restore.py                                  # CPU, small: a smoke figure
     python bench/fsdp_restore.py --nproc 2 --dim 2048 --depth 16 --heads 16 --every 10 \\
@@ -61,8 +61,10 @@ def _rank(args: argparse.Namespace) -> None:
     began = time.perf_counter()
     torch.manual_seed(0)
     rt = None
-    if args.mode == "ftrain":
-        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2)
+    if args.mode in ("ftrain", "memory"):
+        memory = args.memory_dir if args.mode == "memory" else None
+        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2,
+                          memory_dir=memory, memory_every=1 if memory else None)
         device = rt.device
     else:
         use_cuda = torch.cuda.is_available()
@@ -79,7 +81,7 @@ def _rank(args: argparse.Namespace) -> None:
 
     restore_s = _restore(args, rt, model, optimizer, began)
     if args.restore_only:
-        _report(args, rank, {"restore_s": restore_s})
+        _report(args, rank, {"restore_s": restore_s, "tier": rt.resumed_tier if rt is not None else "disk"})
         if rt is not None:
             rt.finish()
         return
@@ -159,7 +161,8 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
            "--dir", str(directory / mode), "--result", str(result), "--steps", str(args.steps),
            "--every", str(args.every), "--dim", str(args.dim), "--depth", str(args.depth),
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--length", str(args.length),
-           "--batch", str(args.batch)] + (["--restore-only"] if restore_only else [])
+           "--batch", str(args.batch), "--memory-dir", str(args.memory_dir)] + \
+        (["--restore-only"] if restore_only else [])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
@@ -170,7 +173,7 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", default="driver", choices=["driver", "rank"])
-    p.add_argument("--mode", default="none", choices=["none", "ftrain", "dcp"])
+    p.add_argument("--mode", default="none", choices=["none", "ftrain", "memory", "dcp"])
     p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs on a GPU host)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5, help="steps between snapshots")
@@ -182,6 +185,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--dir", help="snapshot folder (shared by the ranks); default: a temporary one")
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--memory-dir", help=argparse.SUPPRESS)
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29655)
     p.add_argument("--timeout-s", type=float, default=1800)
@@ -192,19 +196,27 @@ def main() -> None:
         return
 
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ftrain-fsdp-bench-"))
+    # The memory tier where a node agent puts it: a folder of this run's own in /dev/shm.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    args.memory_dir = tempfile.mkdtemp(prefix="ftrain-fsdp-bench-memory-", dir=shm)
     try:
         none = _run(args, "none", directory)
-        runs = {mode: _run(args, mode, directory) for mode in ("ftrain", "dcp")}
-        restores = {mode: _run(args, mode, directory, restore_only=True)["restore_s"] for mode in runs}
+        runs = {mode: _run(args, mode, directory) for mode in ("ftrain", "memory", "dcp")}
+        restored = {mode: _run(args, mode, directory, restore_only=True) for mode in runs}
     finally:
+        shutil.rmtree(args.memory_dir, ignore_errors=True)
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
+    restores = {mode: got["restore_s"] for mode, got in restored.items()}
+    if restored["memory"]["tier"] != "memory":
+        raise SystemExit(f"the memory run restored from {restored['memory']['tier']}, not from memory")
     base = none["step_s"]
     rows = {mode: {**got, "cost_pct": 100 * (got["step_s"] - base) / base, "restore_s": restores[mode]}
             for mode, got in runs.items()}
     out = {"when": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
            "device": _device(), "nproc": args.nproc, "params": none["params"], "every": args.every,
-           "steps": args.steps, "step_s_none": base, "runs": rows, "restore_from_memory_s": None}
+           "steps": args.steps, "step_s_none": base, "runs": rows,
+           "restore_from_memory_s": restores["memory"]}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{none['params'] / 1e6:.1f}M parameters, {args.nproc} ranks on {out['device']}, a snapshot every "
           f"{args.every} steps; step without snapshots {base * 1e3:.1f} ms")
@@ -212,7 +224,8 @@ def main() -> None:
     for mode, row in rows.items():
         print(f"{mode:<8} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} "
               f"{row['restore_s']:>10.3f}")
-    print("restore from memory: n/a (no memory tier for sharded models yet)")
+    print(f"restore from memory {restores['memory']:.3f} s, from disk {restores['ftrain']:.3f} s: "
+          f"{restores['ftrain'] / restores['memory']:.1f}x faster")
 
 
 def _device() -> str:

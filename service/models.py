@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.keyring import new_nonce
 from worker.env import JOB_KNOBS
 from worker.jsontypes import JsonBody, JsonFloat, JsonInt
-from worker.protocol import ControlAction, Progress, RestorePoint, SnapshotMeta
+from worker.protocol import ControlAction, GroupCollectives, Progress, RestorePoint, SnapshotMeta
 
 ADMIN = "admin"  # the user of the single user token (`ftrain serve --token`)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -274,6 +274,14 @@ class JobSpec(_Strict):
 HOLDING_STATES = frozenset(("assigned", "running", "succeeded"))
 
 
+class HungRank(BaseModel):
+    """What one rank's node reported of it for an attempt taken for hung (its stacks' verdict,
+    its flight recorder's groups), kept until every node's report is in to compare ranks."""
+
+    waits: bool | None = None  # its main thread waits in a collective (None: no stacks)
+    collectives: list[GroupCollectives] | None = None
+
+
 class MemberStatus(BaseModel):
     """One node's part in the current attempt."""
 
@@ -443,6 +451,8 @@ class JobRecord(BaseModel):
     # The attempt last taken for hung: its nodes report their workers' stacks before they stop
     # them (`service.decide.hangs.decide_stacks`).
     hung_attempt: int | None = None
+    # Its ranks as their nodes reported them so far (`decide_stacks` compares all of them).
+    hung_ranks: dict[int, HungRank] = Field(default_factory=dict)
     # Nodes swapped out of the job as stragglers (`straggler_action: replace`): not taken back
     # while it runs (the last REPLACED_KEPT).
     replaced: list[str] = Field(default_factory=list)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import log_retention, memory_dirs
+from . import flight, log_retention, memory_dirs
 from .end_record import EndRecord, EndRecords, recover
 from .env import FTRAIN_LOG_LEVEL
 from .http import HttpError, server_urls
@@ -336,19 +336,24 @@ class NodeAgent:
         log_retention.prune(self.data_dir / "logs", () if g is None else (g.job_id,), *self.keep_logs)
 
     def report_stacks(self, g) -> None:
-        """The control plane took `g`'s attempt for hung: every worker's Python stacks into the
-        job's log and to the control plane (its events), before the group is stopped."""
+        """The control plane took `g`'s attempt for hung: every worker's Python stacks and a line
+        on its flight recorder into the job's log, and both to the control plane (its events),
+        before the group is stopped."""
         with self._beating_meanwhile():
-            dumps = self.torchrun.collect_stacks(g)
+            dumps, traces = self.torchrun.collect_stacks(g)
         if not dumps:  # no worker's output files found: nothing to say
             return
+        found = {rank: flight.groups(trace) for rank, trace in traces.items()}
         now = time.time()
         for rank, text in sorted(dumps.items()):
             lines = text.splitlines() or ["(no stacks: the worker did not answer)"]
-            for line in [f"ftrain: rank {rank}'s stacks (the job was taken for hung):", *lines]:
+            lines = [f"ftrain: rank {rank}'s stacks (the job was taken for hung):", *lines]
+            if g.flight_on:
+                lines.append(flight.summary(rank, found.get(rank)))
+            for line in lines:
                 self.shipper.add(g.job_id, g.attempt, LogLineIn(rank=rank, stream="stderr", time=now, line=line))
         self.shipper.flush()
-        self.link.report_stacks(g.job_id, g.attempt, dumps)
+        self.link.report_stacks(g.job_id, g.attempt, dumps, found)
 
     def stop_group(self, why: str, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the group (SIGTERM, then SIGKILL after `grace_s`) and report it stopped."""

@@ -481,6 +481,42 @@ def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, tor
     return meta["skeleton"], flat, meta["packing"]
 
 
+def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, list] | None:
+    """The copy in `slot` (0 or 1), whichever step it holds, verified; None if it is not whole
+    (a copy was being written into it when its writer died: its bytes fail their checksum, which
+    for the slot `latest.json` does not name is expected, not damage). A writer's two slots hold
+    its last two copies: every rank of a sharded job keeps its own, and the group resumes from
+    the newest step that every rank holds in one of them (worker/tiers/sharded_memory.py)."""
+    directory = Path(directory)
+    try:
+        with open(directory / f"slot{slot}.pkl", "rb") as f:
+            meta = pickle.load(f)
+        flat = torch.empty(meta["size"], dtype=torch.uint8)
+        if _read_parallel(directory / f"slot{slot}.bin", flat) != meta["size"]:
+            return None
+        _verify(flat, meta.get("checksum"), meta["step"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError, CopyCorrupt):
+        return None
+    return meta["skeleton"], flat, meta["packing"]
+
+
+def pack(state: dict) -> tuple[Any, torch.Tensor, list]:
+    """`state` as a copy is kept: (skeleton, its tensors packed into fresh CPU bytes, packing);
+    what a rank sends another over the process group (worker/tiers/sharded_memory.py)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(state, tensors)
+    packing, size = _packing(tensors)
+    flat = torch.zeros(size, dtype=torch.uint8)
+    for src, dst in zip(tensors, _views(flat, packing)):
+        dst.copy_(src)
+    return skeleton, flat, packing
+
+
+def views(flat: torch.Tensor, packing: list) -> list[torch.Tensor]:
+    """The tensors of a packed copy, as views of `flat`."""
+    return _views(flat, packing)
+
+
 def unpack(skeleton: Any, flat: torch.Tensor, packing: list) -> dict:
     """The state a copy holds, its tensors views of `flat` (which this process owns)."""
     return _join(skeleton, _views(flat, packing))

@@ -36,7 +36,9 @@ from .protocol import (
     HealthReport,
     HeartbeatReply,
     HeartbeatRequest,
+    MAX_GROUPS,
     MAX_STACKS_CHARS,
+    GroupCollectives,
     Known,
     RankStacks,
     RegisterReply,
@@ -210,11 +212,15 @@ class NodeLink:
         self.reports.append(ReportRequest(job_id=job_id, attempt=attempt, state=state, exit_code=code,
                                           reason=_fit(reason, REPORT_REASON_MAX_CHARS)))
 
-    def report_stacks(self, job_id: str, attempt: int, dumps: dict[int, str]) -> None:
-        """Send the workers' stacks of an attempt taken for hung (one try: the group is being
-        restarted, and the dumps are in the job's log as well)."""
+    def report_stacks(self, job_id: str, attempt: int, dumps: dict[int, str],
+                      collectives: dict[int, list[dict]] | None = None) -> None:
+        """Send the workers' stacks (and their flight recorders' groups, `flight.groups`, where
+        they came) of an attempt taken for hung (one try: the group is being restarted, and the
+        dumps are in the job's log as well)."""
+        collectives = collectives or {}
         body = StacksReport(job_id=job_id, attempt=attempt, ranks=[
-            RankStacks(rank=r, text=text[-MAX_STACKS_CHARS:]) for r, text in sorted(dumps.items())])
+            RankStacks(rank=r, text=text[-MAX_STACKS_CHARS:], collectives=_groups(collectives.get(r)))
+            for r, text in sorted(dumps.items())])
         try:
             self.client.call("POST", f"/v1/nodes/{self.name}/stacks", body)
         except HttpError as exc:
@@ -329,3 +335,12 @@ def _fit(text: str | None, limit: int) -> str | None:
     marker = "\n[...]\n"
     head = (limit - len(marker)) // 4
     return text[:head] + marker + text[len(text) - (limit - len(marker) - head):]
+
+
+def _groups(found: list[dict] | None) -> list[GroupCollectives] | None:
+    """A rank's flight-recorder groups as the wire carries them (the first MAX_GROUPS, names cut)."""
+    if found is None:
+        return None
+    return [GroupCollectives(pg=g["pg"][:200], last_enqueued=max(-1, g["last_enqueued"]),
+                             last_completed=max(-1, g["last_completed"]),
+                             op=None if g["op"] is None else g["op"][:200]) for g in found[:MAX_GROUPS]]

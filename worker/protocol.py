@@ -238,10 +238,26 @@ class ReportRequest(JsonBody):
 MAX_STACKS_CHARS = 64 * 1024  # of one rank's dump (worker.stacks.MAX_DUMP_BYTES)
 
 
+class GroupCollectives(JsonBody):
+    """Where one process group of a rank's flight recorder stood (worker/flight.py)."""
+
+    pg: str = Field(..., max_length=200, description="the process group's name")
+    last_enqueued: JsonInt = Field(..., ge=-1, description="the sequence number of the last "
+                                   "collective this rank entered in the group (-1: none)")
+    last_completed: JsonInt = Field(-1, ge=-1)
+    op: str | None = Field(None, max_length=200, description="the last entered collective's op")
+
+
+MAX_GROUPS = 64  # process groups of one rank reported
+
+
 class RankStacks(JsonBody):
     rank: JsonInt = Field(..., ge=0)
     text: str = Field("", max_length=MAX_STACKS_CHARS, description="faulthandler's dump of every "
                       "thread ('' where the worker gave none).")
+    collectives: list[GroupCollectives] | None = Field(
+        None, max_length=MAX_GROUPS, description="its flight recorder's process groups (None: no "
+        "dump came, the recorder is off or the worker did not answer)")
 
 
 class StacksReport(JsonBody):

@@ -150,6 +150,7 @@ from .tiers.memory import MEMORY_EVERY_MAX, MEMORY_PLAN_REMAKES, MemoryTier, Pre
 from .tiers.peer import PeerTier
 from .tiers.restore import choose
 from .tiers.sharded import ShardedDiskTier
+from .tiers.sharded_memory import ShardedMemoryTier, ShardedPeerTier
 
 full_model_state = sharded.full_model_state  # the whole model's state_dict, FSDP2 or not (`runtime.` users)
 
@@ -369,6 +370,8 @@ class Runtime:
         # and tells ranks whose node lacks the chosen copy which rank sends it.
         if isinstance(self.disk, ShardedDiskTier):
             self.disk.prepare(self._state)
+        if isinstance(self.peer, ShardedPeerTier):
+            self.peer.objects = self._state
         with self._phase("read_memory_s"):
             mine = self.memory.newest() if self.memory is not None else None
         with self._phase("gather_s"):
@@ -387,6 +390,7 @@ class Runtime:
                 chosen = box[0]
         with self._phase("load_s"):
             self._load(chosen, mine)
+        self.peer.close()  # the copies read for the restore: their memory let go
         log.info("rank %d: started and restored in phases (s): %s", self.rank,
                  ", ".join(f"{k[:-2]} {v:.3f}" for k, v in self.phases_s.items()))
         if self.memory is not None and self.memory.writer is not None and optimizer is not None:
@@ -400,21 +404,24 @@ class Runtime:
         return self.step
 
     def _shard_snapshots(self) -> None:
-        """An FSDP2 model: every rank saves its own shards to disk (DCP), and the memory tier,
-        which holds a node's one whole copy of a replicated state, is not used."""
+        """An FSDP2 model: every rank saves its own shards to disk (DCP) and to its node's memory
+        tier (worker/tiers/sharded_memory.py). The flush at a failure and the step marks, which
+        copy a node's one whole replicated state, are not used."""
         if self.disk is not None and not isinstance(self.disk, ShardedDiskTier):
             self.disk = ShardedDiskTier(self.disk)
-        if self.memory is not None:
-            log.info("rank %d: the model is sharded (FSDP2): snapshots are every rank's shards on disk; "
-                     "the memory tier is off", self.rank)
-            if self.at_failure is not None:
-                self.at_failure.put_back_sigterm()
-                self.at_failure.release()
-            self.memory.close()
-            self.memory = self.at_failure = None
-            self.peer = PeerTier(self.worker, None)
-            self.schedule = CopySchedule(None)
-            self.marks.stop()
+        if self.memory is None or isinstance(self.memory, ShardedMemoryTier):
+            return
+        log.info("rank %d: the model is sharded (FSDP2): snapshots are every rank's shards, on disk "
+                 "and in its node's memory tier", self.rank)
+        if self.at_failure is not None:
+            self.at_failure.put_back_sigterm()
+            self.at_failure.release()
+        self.memory.close()
+        self.at_failure = None
+        self.marks.stop()
+        self.memory = ShardedMemoryTier(self.worker, self.memory.directory, self.memory.every)
+        self.memory.open_writer()
+        self.peer = ShardedPeerTier(self.worker, self.memory)
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -476,9 +483,8 @@ class Runtime:
         if tier == "disk":
             log.info("rank %d: resumed from %s (step %d)", self.rank, self.disk.resolve(where), self.step)
         else:
-            sent = self.peer.sent(step) and (mine is None or mine.step != step)
             log.info("rank %d: resumed from memory (step %d, %s) in %.3f s", self.rank, self.step,
-                     f"sent by rank {where}" if sent else "this node's copy", time.perf_counter() - start)
+                     self.peer.where_from(step, where, mine), time.perf_counter() - start)
 
     # -------------------------------------------------------------- the loop
     def step_done(self, loss: float | torch.Tensor | None = None, samples: int | None = None) -> None:
@@ -552,7 +558,7 @@ class Runtime:
         w = memory.writer
         if w is None:
             return
-        if w.busy():
+        if not memory.ready():
             w.skipped += 1
             self.schedule.missed = self.step
             return

@@ -11,6 +11,9 @@ worker's pid. When the control plane takes an attempt for hung, the node agent s
 pid it finds in those files (`pids`), and only those, then reads the dumps back (`read_dumps`)
 before it stops the group. A worker that registered nothing (exec'd without the fork server,
 never calling `runtime.init`) is not signalled, and has no stacks.
+
+`register` also starts the thread that answers the agent's requests for the worker's
+flight-recorder trace (worker/flight.py), which the agent reads back with the stacks.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import signal
 import time
 from pathlib import Path
 
-from . import safe_files
+from . import flight, safe_files
 from .env import TORCHELASTIC_ERROR_FILE
 
 # A real-time signal: nothing else uses it.
@@ -34,13 +37,15 @@ _files: list = []  # the open dump files (faulthandler keeps only their descript
 
 
 def register(env: dict[str, str] | os._Environ) -> bool:
-    """Dump every thread's stack into STACKS_FILE on STACKS_SIGNAL; False where this process
-    has no folder of output files (not a worker of torchrun's, e.g. the local twin)."""
+    """Dump every thread's stack into STACKS_FILE on STACKS_SIGNAL, and the flight recorder's
+    trace on the agent's request (`flight.start`); False where this process has no folder of
+    output files (not a worker of torchrun's, e.g. the local twin)."""
     error_file = env.get(TORCHELASTIC_ERROR_FILE)
     if not error_file or _files:
         return bool(_files)
+    folder = os.path.dirname(error_file)
     try:
-        fd = os.open(os.path.join(os.path.dirname(error_file), STACKS_FILE),
+        fd = os.open(os.path.join(folder, STACKS_FILE),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return False
@@ -49,6 +54,7 @@ def register(env: dict[str, str] | os._Environ) -> bool:
     f.flush()
     faulthandler.register(STACKS_SIGNAL, file=f, all_threads=True, chain=False)
     _files.append(f)
+    flight.start(env)  # the agent asks the pids named in STACKS_FILE only
     return True
 
 

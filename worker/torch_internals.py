@@ -281,6 +281,9 @@ SHUTDOWN = Private(LOCAL_AGENT, "LocalElasticAgent._shutdown", "stops the worker
                    takes("self", "death_sig"))
 PCONTEXT = Private(LOCAL_AGENT, "LocalElasticAgent._pcontext", "the workers' pids, sent SIGTERM for "
                    "their last words", on_instances=True)
+# A training worker (worker/flight.py).
+FR_DUMP_JSON = Private("torch._C._distributed_c10d", "_dump_fr_trace_json", "the flight recorder's "
+                       "trace of a worker's collectives, dumped when its job is taken for hung")
 # Only for measuring (bench/recovery.py's phase marks, bench/rendezvous.py's keep-alive timing).
 MONITOR_WORKERS = Private(LOCAL_AGENT, "LocalElasticAgent._monitor_workers", "phase mark: workers failed",
                           takes("self", "worker_group"))
@@ -339,6 +342,16 @@ def require() -> None:
 
 
 # ------------------------------------------------------------------ access
+def get_one(use: Private) -> Any:
+    """The attribute `use`, checked alone: for a training worker, which must not import the
+    elastic agent's modules that `require` checks (a thread dumping for a hung worker)."""
+    if (problem := use.problem()) is not None:
+        import torch
+
+        raise TorchChanged(message([(use, problem)], torch.__version__))
+    return getattr(use.owner(), use.attr)
+
+
 def get(use: Private) -> Any:
     """The checked attribute itself (a private class or function of torch)."""
     require()

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import gpus, memory_dirs, safe_files, stacks
+from . import flight, gpus, memory_dirs, safe_files, stacks
 from .env import (
     FTRAIN_ATTEMPT,
     FTRAIN_FORK_SERVER,
@@ -156,6 +156,7 @@ class WorkerGroup:
     handoff: AgentHandoff | None = None  # the commits its rank 0 left to this agent, being made
     # the rounds whose workers' broken peer was reported (once a round: `_report_broken_peer`)
     peer_reported: set = field(default_factory=set)
+    flight_on: bool = False  # its workers record their collectives (worker/flight.py)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -331,6 +332,7 @@ class Torchrun:
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
             "PYTHONUNBUFFERED": "1",
         })
+        flight.default_env(env)  # what a hang's report names the missing ranks by
         if a.global_batch_size:
             env[FTRAIN_GLOBAL_BATCH_SIZE] = str(a.global_batch_size)
         if a.nproc_per_node != "auto":  # the same count on every node (worker/env.py)
@@ -483,7 +485,8 @@ class Torchrun:
         except OSError as exc:
             raise CouldNotStart(f"could not start torchrun in {cwd}: {exc}") from exc
         g = WorkerGroup(a.job_id, a.attempt, proc, secrets=secrets_to_mask(a.secret_env, a.job_token),
-                        outputs=outputs, job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]))
+                        outputs=outputs, job_token=a.job_token, snapshot_dir=Path(env[FTRAIN_SNAPSHOT_DIR]),
+                        flight_on=flight.is_on(env))
         self.follow(g, dirs)
         self.group = g
         log.info("started torchrun (pid %d) for job %s attempt %d", proc.pid, g.job_id, g.attempt)
@@ -576,18 +579,23 @@ class Torchrun:
                     line=f"ftrain: worker pid {pid} was stopped for {now - since:.0f} s; killed"))
                 kill_all([pid])
 
-    def collect_stacks(self, g: WorkerGroup, wait_s: float = STACKS_WAIT_S) -> dict[int, str]:
-        """Every worker's Python stacks (rank -> faulthandler's dump; '' where none came), for
-        an attempt taken for hung: STACKS_SIGNAL to each worker of the group that registered
-        it (worker/stacks.py), and the dumps read from the workers' folders."""
+    def collect_stacks(self, g: WorkerGroup, wait_s: float = STACKS_WAIT_S) -> tuple[dict[int, str], dict[int, dict]]:
+        """Every worker's Python stacks (rank -> faulthandler's dump; '' where none came) and
+        flight-recorder trace (rank -> the dump, for those that came), for an attempt taken for
+        hung: each worker of the group that registered (worker/stacks.py) is asked for its trace
+        (worker/flight.py) and sent STACKS_SIGNAL, and the answers are read within `wait_s`."""
+        deadline = time.monotonic() + wait_s
         files = {rank: path.parent / stacks.STACKS_FILE
                  for (_local, stream), (path, rank) in g.worker_files.items() if stream == "stderr"}
         tree = set(self.group_tree(g))
-        for pid in stacks.pids(files).values():
-            if pid in tree:  # this group's worker, not a pid a job's user wrote there
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, stacks.STACKS_SIGNAL)
-        return stacks.read_dumps(files, wait_s)
+        # this group's workers, not pids a job's user wrote there
+        pids = {rank: pid for rank, pid in stacks.pids(files).items() if pid in tree}
+        asked = flight.ask(pids) if g.flight_on else {}  # first: answered at once, as torchrun may stop them
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, stacks.STACKS_SIGNAL)
+        dumps = stacks.read_dumps(files, wait_s)
+        return dumps, flight.read_dumps(asked, max(0.0, deadline - time.monotonic()))
 
     def stop(self, why: str, grace_s: float = 5.0) -> None:
         """SIGTERM torchrun (it stops its workers), then SIGKILL whatever is left (at once

@@ -30,9 +30,18 @@ plane's own stall: the clock is moved on by the part beyond that (`unheard`).
 
 Before a hung attempt's group is stopped, its stacks are collected: the change names the
 attempt (`hung_attempt`), each node's agent sends its workers a signal on which faulthandler
-dumps every thread's Python stack (worker/stacks.py), ships the dumps to the job's log and
-reports them (`decide_stacks`): an event per node naming, for each rank, where its main thread
-is, and which ranks had not reached a collective while others wait in one.
+dumps every thread's Python stack (worker/stacks.py) and asks each for its flight recorder's
+trace (worker/flight.py), ships both to the job's log and reports them (`decide_stacks`): an
+event per node naming, for each rank, where its main thread is and the last collective it
+entered, and which ranks had not reached the collective the others wait in
+(`not_in_collective`). The ranks are compared across nodes: each report's ranks are kept on
+the job (`hung_ranks`), so the event of the last node to report compares them all.
+
+The flight recorder says it best: every rank numbers the collectives of a process group in
+the order it enters them, so a rank whose last entered collective is behind the number the
+others wait in (entered, not completed) never reached that one. Without recorder dumps (off,
+or not answered), the stacks say it less surely: ranks whose main thread is in
+torch.distributed's code wait in a collective, the others did not reach it.
 """
 
 from __future__ import annotations
@@ -44,8 +53,8 @@ from service.decide import outcome
 from service.decide.change import Change
 from service.decide.recovery import is_regrouping, regroup
 from service.decide.state import note, transition
-from service.models import JobRecord, JobState, MemberStatus
-from worker.protocol import StacksReport
+from service.models import HungRank, JobRecord, JobState, MemberStatus
+from worker.protocol import GroupCollectives, StacksReport
 
 S = JobState
 
@@ -102,7 +111,7 @@ def decide_hang(job: JobRecord, step: int | None, advanced_at: float, now: float
     if timeout is None or step is None or not is_watched(job) or now - advanced_at < timeout:
         return None
     what = f"no progress for {timeout:g} s (hang_timeout_s={timeout:g})"
-    job = job.model_copy(update={"hung_attempt": job.attempt})  # its nodes report their stacks first
+    job = job.model_copy(update={"hung_attempt": job.attempt, "hung_ranks": {}})  # its nodes report their stacks first
     done = outcome.finished_members(job.members)
     if done:
         reason = (f"{what} after node(s) {', '.join(done)} finished; finished nodes are not run "
@@ -131,6 +140,10 @@ THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 # gradient all-reduce is waited for inside it).
 COLLECTIVE_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/distributed.py")
 STACKS_DETAIL_CHARS = 16_000  # of the dumps kept in the event (all of them are in the job's log)
+# Kept on the job record for the nodes that report after (it is written with every change of
+# the job until the next hang): the lowest ranks, a few groups each, ~30 KiB at most.
+MAX_HUNG_RANKS = 256
+MAX_HUNG_GROUPS = 4
 
 
 def main_frames(dump: str) -> list[tuple[str, int, str]]:
@@ -156,18 +169,64 @@ def where(frames: list[tuple[str, int, str]]) -> tuple[bool | None, str]:
     return False, f"not in a collective: {func} ({path.rsplit('/', 1)[-1]}:{line})"
 
 
+def not_in_collective(ranks: dict[int, HungRank]) -> tuple[list[int], str] | None:
+    """The ranks that did not reach the collective the others wait in, and that collective in
+    words; None where the ranks do not show one. By the flight recorders' sequence numbers
+    where they show it, else by the stacks."""
+    return _behind_by_seq(ranks) or _behind_by_stacks(ranks)
+
+
+def _behind_by_seq(ranks: dict[int, HungRank]) -> tuple[list[int], str] | None:
+    by_pg: dict[str, dict[int, GroupCollectives]] = {}
+    for rank, r in ranks.items():
+        for g in r.collectives or []:
+            by_pg.setdefault(g.pg, {})[rank] = g
+    behind: set[int] = set()
+    waited: list[str] = []
+    for pg, groups in sorted(by_pg.items()):
+        top = max(g.last_enqueued for g in groups.values())
+        ahead = [g for g in groups.values() if g.last_enqueued == top]
+        late = [rank for rank, g in groups.items() if g.last_enqueued < top]
+        if late and all(g.last_completed < top for g in ahead):  # the ranks ahead wait in it
+            behind.update(late)
+            op = next((g.op for g in ahead if g.op), None)
+            waited.append(f"collective #{top}{f' {op}' if op else ''} of group {pg}")
+    return (sorted(behind), ", ".join(waited)) if behind else None
+
+
+def _behind_by_stacks(ranks: dict[int, HungRank]) -> tuple[list[int], str] | None:
+    behind = [rank for rank, r in sorted(ranks.items()) if r.waits is False]
+    if behind and any(r.waits for r in ranks.values()):
+        return behind, "the collective"
+    return None
+
+
+def _last_entered(groups: list[GroupCollectives] | None) -> str:
+    if groups is None:
+        return ""
+    if not groups:
+        return ", no collectives recorded"
+    return "".join(f", last entered #{g.last_enqueued}{f' {g.op}' if g.op else ''} of group {g.pg}"
+                   for g in groups)
+
+
 def decide_stacks(job: JobRecord, node: str, report: StacksReport, now: float) -> Change | None:
     """An event with `node`'s workers' stacks of the attempt taken for hung; None if the report
     is of another attempt or from a node that was not the job's."""
     if report.attempt != job.hung_attempt or (node not in job.members and node not in job.former_members):
         return None
     found = {r.rank: where(main_frames(r.text)) for r in report.ranks}
-    parts = [f"rank {rank} {at}" for rank, (_, at) in sorted(found.items())]
-    behind = [rank for rank, (waits, _) in sorted(found.items()) if waits is False]
+    parts = [f"rank {r.rank} {found[r.rank][1]}{_last_entered(r.collectives)}"
+             for r in sorted(report.ranks, key=lambda r: r.rank)]
+    ranks = {**job.hung_ranks, **{r.rank: HungRank(waits=found[r.rank][0], collectives=r.collectives)
+                                  for r in report.ranks}}
     line = f"stacks of hung attempt {report.attempt} on node {node}: " + "; ".join(parts)
-    if behind and any(waits for waits, _ in found.values()):
-        line += f" (did not reach the collective: rank {', '.join(map(str, behind))})"
+    if (missing := not_in_collective(ranks)) is not None:
+        behind, what = missing
+        line += f" (did not reach {what}: rank {', '.join(map(str, behind))})"
     dumps = "\n".join(f"rank {r.rank}:\n{r.text or '(none)'}" for r in report.ranks)
-    changed, event = note(job, line, now)
+    kept = {rank: r.model_copy(update={"collectives": None if r.collectives is None else r.collectives[:MAX_HUNG_GROUPS]})
+            for rank, r in sorted(ranks.items())[:MAX_HUNG_RANKS]}
+    changed, event = note(job.model_copy(update={"hung_ranks": kept}), line, now)
     event = event.model_copy(update={"detail": dumps[:STACKS_DETAIL_CHARS]})
     return Change(changed, [event])

@@ -1,10 +1,13 @@
 """FSDP2 jobs on a real cluster (etcd, the control plane, two node agents, torchrun workers
 over gloo): examples/train_fsdp.py, a transformer sharded with `fully_shard`, whose
-snapshots are every rank's shards (worker/tiers/sharded.py), one every step.
+snapshots are every rank's shards (worker/tiers/sharded.py), on disk and in each node's
+memory tier with a replica on another node (worker/tiers/sharded_memory.py).
 
-A worker SIGKILLed costs at most one step; a job that goes 2 -> 1 -> 2 nodes (a drain, then
-the node back) sees each sample of an epoch once and ends with the very weights of the same
-resizes made under plain torchrun."""
+A worker SIGKILLed costs at most one step, from disk or from memory alone; two of them end
+bit for bit like a run without; a node lost costs at most one step from memory, whether the
+job goes on alone (resharded) or a spare takes its place (the replica sent); a job that goes
+2 -> 1 -> 2 nodes (a drain, then the node back) sees each sample of an epoch once and ends
+with the very weights of the same resizes made under plain torchrun."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 from bench.harness import rank0_lines
-from tests.helpers.elastic import job, job_spec, submit, wait_nodes, wait_state
+from tests.helpers.elastic import job, job_spec, log_items, submit, wait_nodes, wait_state
 from tests.helpers.faults import (
     KEEP_ALL,
     events_of,
@@ -44,11 +47,18 @@ SLOW = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("FTRAIN_TEST_SLO
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
+# The memory tier copies every rank's shards every step (a loaded machine would otherwise
+# space the copies out), and disk snapshots are so rare that what a restart does not retrain
+# can come only from memory.
+MEMORY_EVERY_STEP = {"FTRAIN_MEMORY_EVERY": "1"}
+DISK_RARELY = 1000
+
+
 def fsdp_spec(name: str, steps: int, *args: str, every: int = 1, mn: int = 2, mx: int = 2,
-              delay_s: float = 0.1) -> dict:
+              delay_s: float = 0.1, env: dict | None = None) -> dict:
     return job_spec(name, "--steps", str(steps), "--step-delay", str(delay_s), *args, script=TRAIN_FSDP,
                     mn=mn, mx=mx, nproc_per_node=1, snapshot={"every_steps": every, "keep": KEEP_ALL},
-                    env=ONE_THREAD)
+                    env={**ONE_THREAD, **(env or {})})
 
 
 def logged_step(api, job_id: str) -> int:
@@ -143,3 +153,112 @@ def test_an_fsdp_job_resized_2_1_2_sees_each_sample_once_and_ends_as_the_same_re
     final, replay = torch.load(out), _replay(tmp_path, worlds, steps, *data)
     assert final.keys() == replay.keys()
     assert [name for name in final if not torch.equal(final[name], replay[name])] == []
+
+
+def _memory_restores(api, job_id: str) -> list[str]:
+    """The restore points the control plane decided from the members' memory."""
+    return [e["reason"] for e in events_of(api, job_id) if "in the memory of" in e["reason"]]
+
+
+def _kill_a_worker_past(api, agent, job_id: str, step: int) -> None:
+    """SIGKILL `agent`'s worker once rank 0 logged `step` in the current run."""
+    wait_for(lambda: (got := runs(api, job_id)) and got[-1][1] and got[-1][1][-1] >= step, 120,
+             f"rank 0 past step {step}")
+    victim = wait_workers(agent, 1, script=TRAIN_FSDP)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
+
+
+def test_a_worker_sigkill_of_an_fsdp_job_resumes_from_every_ranks_shards_in_memory(api, agents, tmp_path):
+    started = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, fsdp_spec("fsdp-memory", 24, every=DISK_RARELY, env=MEMORY_EVERY_STEP))
+    _kill_a_worker_past(api, started[1], job_id, 8)
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert done["restarts"] == 1
+    assert steps_lost(api, job_id, 24) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of n0, n1" in r
+               for r in _memory_restores(api, job_id)), events_of(api, job_id)
+    lines = [item["line"] for item in rank0_lines(api, job_id)]
+    assert any(f"resumed from memory (step {restart}, its own shards" in line for line in lines)
+
+
+@pytest.mark.parametrize("steps", [pytest.param(40, marks=SLOW)])
+def test_an_fsdp_job_with_two_worker_sigkills_ends_bit_for_bit_like_one_without(api, agents, tmp_path, steps):
+    """Both restarts resume from the memory tier (disk snapshots are too rare to help) at the
+    same world size; the weights end as those of the same training under plain torchrun,
+    never stopped."""
+    started = agents(2)
+    wait_nodes(api, 2)
+    out = tmp_path / "final.pt"
+    job_id = submit(api, fsdp_spec("fsdp-twice", steps, "--out", str(out), every=DISK_RARELY,
+                                   env=MEMORY_EVERY_STEP))
+    _kill_a_worker_past(api, started[1], job_id, 10)
+    wait_for(lambda: len(runs(api, job_id)) >= 2, 120, "the first restart")
+    _kill_a_worker_past(api, started[0], job_id, 25)
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    steps_lost(api, job_id, steps, restarts=2)  # every run trained on from where it started
+    got = runs(api, job_id)
+    assert all(max(before[1]) - after[0] <= 1 for before, after in zip(got, got[1:])), got
+    assert len(_memory_restores(api, job_id)) >= 2, events_of(api, job_id)
+    final, clean = torch.load(out), _replay(tmp_path, [(0, 2)], steps)
+    assert final.keys() == clean.keys()
+    assert [name for name in final if not torch.equal(final[name], clean[name])] == []
+
+
+@pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
+def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_resharded(
+        api, agents, tmp_path, steps):
+    """A node's agent SIGKILLed with its whole tree: the job (1 to 2 nodes) goes on alone. The
+    survivor holds its own shards and the replica of the lost node's (disk snapshots are too
+    rare to help): rank 0 joins them and the group of one reshards them from memory."""
+    started = agents(2)
+    wait_nodes(api, 2)
+    job_id = submit(api, fsdp_spec("fsdp-node", steps, mn=1, mx=2, every=DISK_RARELY, env=MEMORY_EVERY_STEP))
+    wait_for(lambda: job(api, job_id)["world_size"] == 2 and logged_step(api, job_id) >= 8, 120,
+             "two ranks past step 8")
+    killed = started[1].kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, "every process of agent n1 to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of n0" in r
+               for r in _memory_restores(api, job_id)), events_of(api, job_id)
+    lines = [item["line"] for item in rank0_lines(api, job_id)]
+    assert any(f"shards of step {restart} were saved by 2 ranks and the group has 1 now: rank 0 joins them"
+               in line for line in lines), "\n".join(line for line in lines if "ftrain.runtime" in line)
+    assert any(m and m.group(2) == "1" for m in map(START.match, lines))
+
+
+@pytest.mark.parametrize("steps", [pytest.param(24, marks=SLOW)])
+def test_an_fsdp_job_that_loses_a_node_resumes_from_the_replica_of_its_shards_on_another(
+        api, agents, tmp_path, steps):
+    """Three nodes, a job of two: a member's agent SIGKILLed with its whole tree, the spare
+    takes its place at the same world size. The lost node's shards are in the survivor's
+    memory (each rank keeps a replica of the next node's), which sends them to the rank that
+    now needs them: the job resumes from memory, not from disk."""
+    started = agents(3)
+    wait_nodes(api, 3)
+    job_id = submit(api, fsdp_spec("fsdp-replica", steps, every=DISK_RARELY, env=MEMORY_EVERY_STEP))
+    wait_for(lambda: logged_step(api, job_id) >= 8, 120, "two ranks past step 8")
+    members = job(api, job_id)["nodes"]
+    lost = next(agent for agent in started if agent.name == members[-1])
+    killed = lost.kill_tree()
+    wait_for(lambda: not any(pid_alive(p) for p in killed), 10, f"every process of agent {lost.name} to die")
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert lost.name not in job(api, job_id)["nodes"]
+    assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of" in r for r in _memory_restores(api, job_id)), \
+        events_of(api, job_id)
+    lines = [item["line"] for item in log_items(api, job_id)]
+    assert any(f"resumed from memory (step {restart}, its shards sent by rank" in line for line in lines)

@@ -6,9 +6,19 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service.decide.hangs import Watch, decide_hang, decide_stacks, is_watched, main_frames, observe, unheard, where
-from service.models import Control, ControlAction, JobSpec, JobState, MemberStatus
-from worker.protocol import RankStacks, StacksReport
+from service.decide.hangs import (
+    Watch,
+    decide_hang,
+    decide_stacks,
+    is_watched,
+    main_frames,
+    not_in_collective,
+    observe,
+    unheard,
+    where,
+)
+from service.models import Control, ControlAction, HungRank, JobSpec, JobState, MemberStatus
+from worker.protocol import GroupCollectives, RankStacks, StacksReport
 from tests.service.records import NOW, make_job
 
 S = JobState
@@ -208,3 +218,74 @@ def test_the_stacks_of_a_hung_attempt_are_an_event_naming_the_ranks_behind():
 ])
 def test_stacks_not_of_the_hung_attempt_are_ignored(job, node, attempt):
     assert decide_stacks(job, node, stacks_of(attempt, r0=WAITING), NOW) is None
+
+
+# ------------------------------------------------------------------ the flight recorders' verdict
+
+def pg(enqueued, completed, op="gloo:all_reduce", name="default_pg"):
+    return GroupCollectives(pg=name, last_enqueued=enqueued, last_completed=completed, op=op)
+
+
+def ranks(**kw):
+    return {int(k[1:]): HungRank(waits=w, collectives=c) for k, (w, c) in kw.items()}
+
+
+@pytest.mark.parametrize("found,expected", [
+    # rank 1 entered #4 last, ranks 0 and 2 wait in #5: rank 1 never reached it
+    (ranks(r0=(True, [pg(5, 4)]), r1=(False, [pg(4, 4)]), r2=(True, [pg(5, 4)])),
+     ([1], "collective #5 gloo:all_reduce of group default_pg")),
+    # the sequence numbers win over stacks that say nothing (a rank blocked outside torch's code)
+    (ranks(r0=(False, [pg(7, 6, "gloo:broadcast")]), r1=(False, [pg(6, 6)])),
+     ([1], "collective #7 gloo:broadcast of group default_pg")),
+    # two groups, a rank behind in each
+    (ranks(r0=(True, [pg(5, 4), pg(2, 1, "gloo:barrier", "sub")]), r1=(True, [pg(4, 4), pg(2, 1, None, "sub")]),
+           r2=(True, [pg(5, 4), pg(1, 1, None, "sub")])),
+     ([1, 2], "collective #5 gloo:all_reduce of group default_pg, collective #2 gloo:barrier of group sub")),
+    # all at one number: nobody is behind by the recorder; the stacks name the one outside
+    (ranks(r0=(True, [pg(5, 4)]), r1=(False, [pg(5, 4)])), ([1], "the collective")),
+    # the ranks ahead completed their last collective: they do not wait in it
+    (ranks(r0=(False, [pg(5, 5)]), r1=(False, [pg(4, 4)])), None),
+    # no recorder (off, or no answer): the stacks alone
+    (ranks(r0=(True, None), r1=(False, None), r2=(None, None)), ([1], "the collective")),
+    (ranks(r0=(True, None), r1=(True, [])), None),
+    (ranks(r0=(False, None)), None),
+    ({}, None),
+])
+def test_the_ranks_not_in_the_collective_are_those_behind_in_sequence_else_by_stacks(found, expected):
+    assert not_in_collective(found) == expected
+
+
+def report_of(attempt=1, **texts):
+    """Each rank's (stacks, flight-recorder groups)."""
+    return StacksReport(job_id="j-abc123", attempt=attempt, ranks=[
+        RankStacks(rank=int(k[1:]), text=t, collectives=c) for k, (t, c) in texts.items()])
+
+
+def test_the_last_nodes_event_compares_every_nodes_ranks_by_sequence():
+    """One rank a node: node b's rank 1 sleeps before #5, node a's rank 0 waits in it. The first
+    report alone shows nothing; the second names rank 1 by the numbers node a reported."""
+    job = hung(hung_attempt=1, hung_ranks={9: HungRank(waits=True)})  # another attempt's, dropped below
+    job = decide_hang(job.model_copy(update={"hung_attempt": None}), 7, NOW - 10, NOW).job
+    first = decide_stacks(job, "b", report_of(job.attempt - 1, r1=(BEHIND, [pg(4, 4)])), NOW)
+    [event] = first.events
+    assert event.reason == ("stacks of hung attempt 1 on node b: rank 1 not in a collective: main "
+                            "(train.py:33), last entered #4 gloo:all_reduce of group default_pg")
+    second = decide_stacks(first.job, "a", report_of(job.attempt - 1, r0=(WAITING, [pg(5, 4)])), NOW)
+    [event] = second.events
+    assert event.reason == (
+        "stacks of hung attempt 1 on node a: rank 0 in a collective: broadcast (distributed_c10d.py:2730), "
+        "last entered #5 gloo:all_reduce of group default_pg "
+        "(did not reach collective #5 gloo:all_reduce of group default_pg: rank 1)")
+    assert sorted(second.job.hung_ranks) == [0, 1]
+
+
+def test_the_ranks_kept_for_later_reports_are_bounded():
+    from service.decide.hangs import MAX_HUNG_GROUPS, MAX_HUNG_RANKS
+
+    job = hung(hung_attempt=1)
+    many = [pg(5, 4, name=f"g{i}") for i in range(MAX_HUNG_GROUPS + 3)]
+    report = StacksReport(job_id="j-abc123", attempt=1, ranks=[
+        RankStacks(rank=r, text="", collectives=many) for r in range(MAX_HUNG_RANKS + 10)])
+    kept = decide_stacks(job, "a", report, NOW).job.hung_ranks
+    assert sorted(kept) == list(range(MAX_HUNG_RANKS))
+    assert all(len(r.collectives) == MAX_HUNG_GROUPS for r in kept.values())

@@ -4,6 +4,7 @@ thread's stack into the worker's folder, and the agent reads the dumps back."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,4 +53,6 @@ def test_a_worker_stuck_in_sleep_dumps_every_thread_and_lives_on(tmp_path):
     assert dumps[4] == ""
     assert [x.split(" 0x")[0] for x in dumps[3].splitlines() if " 0x" in x] == ["Thread", "Current thread"]
     assert not dumps[3].startswith(stacks.HEADER)
-    assert "line 8 in stuck" in dumps[3] and "in <module>" in dumps[3]
+    # in stuck(): at its sleep, or just back from the print that said "ready" (the signal may
+    # come before the main thread reaches the sleep)
+    assert re.search(r"line [78] in stuck", dumps[3]) and "in <module>" in dumps[3]

@@ -37,9 +37,16 @@ def test_the_installed_torch_has_every_private_part_ftrain_uses():
             "RendezvousStoreInfo"} <= {use.path for use in ti.USES}
 
 
-def test_every_use_says_why_and_lives_in_a_torch_elastic_module():
-    for use in ti.USES:
-        assert use.why and use.module.startswith("torch.distributed.elastic."), use
+def test_every_use_says_why_and_lives_in_a_torch_distributed_module():
+    for use in ti.USES:  # the elastic agent's, or c10d's bindings (the flight recorder's dump)
+        assert use.why and use.module.startswith(("torch.distributed.elastic.", "torch._C._distributed_c10d")), use
+
+
+def test_one_use_is_checked_alone_with_the_same_message():
+    assert callable(ti.get_one(ti.FR_DUMP_JSON))
+    gone = ti.Private("torch._C._distributed_c10d", "_no_such_dump", "a worker's trace")
+    with pytest.raises(ti.TorchChanged, match="_distributed_c10d._no_such_dump .a worker's trace"):
+        ti.get_one(gone)
 
 
 def test_a_torch_without_delay_is_refused_with_one_message_naming_it():

@@ -13,6 +13,10 @@ before, or for none), and gives that state back. Three tiers:
 - `PeerTier` (`peer.py`): another node's memory copy, sent over the process group to the
   ranks whose node lacks it.
 
+An FSDP2 model's tiers are every rank's: `ShardedDiskTier` (`sharded.py`, DCP) and
+`ShardedMemoryTier` with `ShardedPeerTier` (`sharded_memory.py`: each rank's shards and a
+replica of them on another node).
+
 The tiers differ in who saves (rank 0, each node's first rank, nobody) and how often; the
 runtime decides that (`Runtime.step_done`), the tier only keeps and gives back.
 """

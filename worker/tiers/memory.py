@@ -89,6 +89,12 @@ class MemoryTier(SnapshotTier):
         return self.writer
 
     # -------------------------------------------------------------- saving
+    def ready(self) -> bool:
+        """Whether this rank's writer takes a copy now: not while its previous GPU copy is in
+        flight (skipped: the copies come as often as the link allows)."""
+        assert self.writer is not None
+        return not self.writer.busy()
+
     def save(self, objects: Mapping[str, Any], step: int, rng: Any = None) -> bool:
         """Start the copy of this step into the node's tier: through the `StatePlan`, else the
         full `state_dict()`s. `rng`: this rank's states of the step (None: taken now)."""

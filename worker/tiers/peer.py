@@ -97,6 +97,11 @@ class PeerTier(SnapshotTier):
         """Whether a restore of `step` is sent: some rank's node lacks it."""
         return any(h != step for h in self.helds)
 
+    def where_from(self, step: int, where: Any, mine: Found | None) -> str:
+        """Where this rank's copy of `step` came from, for the log."""
+        sent = self.sent(step) and (mine is None or mine.step != step)
+        return f"sent by rank {where}" if sent else "this node's copy"
+
     def load(self, found: Found) -> dict:
         """The copy of `found.step`, every rank at once: this node's where it holds it, the
         copy rank `found.where` sends where some rank lacks it."""

@@ -1,0 +1,129 @@
+"""The memory tier of FSDP2 models (worker/tiers/sharded_memory.py): the pure choice of the
+step and of who sends each shard, and real groups of 1 or 2 ranks over gloo (spawned
+processes, the runtime's local twin with a memory directory) on a small model sharded with
+`fully_shard` in mixed precision."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.helpers.processes import free_port
+from tests.worker.test_sharded_snapshots import _assert_same, _full_states
+from worker import memory as mem
+from worker.tiers.sharded_memory import buddy_of, plan_reshard, plan_restore
+
+
+def _dim0(helds: list[dict]) -> list[dict]:
+    """Each copy's world size as (world size, its shards dim-0 slices)."""
+    return [{shard: {step: (w, True) for step, w in per.items()} for shard, per in h.items()} for h in helds]
+
+
+@pytest.mark.parametrize("helds,world,expected", [
+    ([{0: {5: 2, 4: 2}}, {1: {4: 2}}], 2, (4, [0, 1])),  # rank 1 died mid-copy of step 5
+    ([{0: {5: 2}, 1: {5: 2}}, {}], 2, (5, [0, 0])),  # rank 1's node is new: rank 0 holds its replica
+    ([{0: {5: 2}}, {0: {5: 2}, 1: {5: 2}}], 2, (5, [0, 1])),  # each shard from its own rank if it can
+    ([{0: {5: 2}, 1: {5: 2}}], 1, (None, [])),  # saved by two ranks: not at this size
+    ([{0: {7: 1}}, {1: {7: 2}}], 2, (None, [])),  # shard 0 of another world
+    ([{}, {}], 2, (None, [])),
+])
+def test_the_restore_takes_the_newest_step_whose_every_shard_some_rank_holds(helds, world, expected):
+    assert plan_restore(_dim0(helds), world) == expected
+
+
+@pytest.mark.parametrize("helds,world,expected", [
+    ([{0: {5: 2}, 1: {5: 2}}], 1, (5, 2, [0, 0])),  # a node lost: its shards' replica on the survivor
+    ([{0: {5: 1}}, {}], 2, (5, 1, [0])),  # grown from one rank to two
+    ([{0: {5: 2}}], 1, (None, 1, [])),  # the lost node's shards nowhere
+    ([{0: {9: 4}, 1: {9: 4}}, {0: {6: 2}, 1: {6: 2}}], 3, (6, 2, [1, 1])),  # the newest whole one
+])
+def test_at_another_size_the_newest_step_whose_every_old_shard_is_held_is_resharded(helds, world, expected):
+    assert plan_reshard(_dim0(helds), world) == expected
+
+
+def test_shards_that_are_not_dim0_slices_are_not_resharded_from_memory():
+    assert plan_reshard([{0: {5: (2, False)}, 1: {5: (2, False)}}], 1) == (None, 1, [])
+
+
+@pytest.mark.parametrize("rank,nodes,expected", [
+    (0, ["a", "b"], 1), (1, ["a", "b"], 0),
+    (1, ["a", "a", "b", "b"], 2), (3, ["a", "a", "b", "b"], 0),
+    (0, ["a", "a"], None), (0, [None], None),
+])
+def test_each_rank_replicates_to_the_next_rank_on_another_node(rank, nodes, expected):
+    assert buddy_of(rank, nodes) == expected
+
+
+def test_a_slot_torn_by_a_writer_killed_mid_copy_reads_as_none_not_as_a_copy(tmp_path: Path) -> None:
+    writer = mem.MemoryWriter(tmp_path)
+    for step in (1, 2):
+        writer.capture({"step": step, "w": torch.full((64,), float(step))}, step, set())
+        writer.wait()
+    writer.close()
+    assert {mem.read_slot(tmp_path, s)[0]["step"] for s in (0, 1)} == {1, 2}
+    older = 0 if mem.read_slot(tmp_path, 0)[0]["step"] == 1 else 1
+    with open(tmp_path / f"slot{older}.bin", "r+b") as f:  # the next copy, half written
+        f.write(b"\x7f" * 32)
+    assert mem.read_slot(tmp_path, older) is None
+    assert mem.read_slot(tmp_path, 1 - older) is not None
+
+
+def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str,
+           until: int) -> None:
+    """One rank: a model sharded in bfloat16 mixed precision, restored, trained to `until`,
+    snapshotted on disk there; its full states (restored and final) and where it resumed from."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from worker import runtime
+
+    rt = runtime.init(snapshot_dir=snapshots, snapshot_every=1000, memory_dir=memory, memory_every=1,
+                      timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    start = rt.restore(model=model, optimizer=optimizer)
+    restored = _full_states(model, optimizer) if start else None
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+    while rt.step < until:
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rt.step_done(loss=loss)
+    assert rt.snapshot(blocking=True)
+    final = _full_states(model, optimizer)
+    rt.finish()
+    if rank == 0:
+        torch.save({"start": start, "tier": rt.resumed_tier, "restored": restored, "final": final},
+                   Path(out, f"{name}.pt"))
+
+
+def _run_group(world: int, tmp_path: Path, name: str, until: int) -> dict:
+    memory = tmp_path / "memory"
+    memory.mkdir(exist_ok=True)
+    mp.spawn(_group, args=(world, free_port(), str(tmp_path / "snapshots"), str(memory), str(tmp_path), name,
+                           until), nprocs=world)
+    return torch.load(tmp_path / f"{name}.pt", weights_only=False)
+
+
+def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_same_size_and_another(
+        tmp_path: Path) -> None:
+    first = _run_group(2, tmp_path, "first", until=4)
+    again = _run_group(2, tmp_path, "again", until=6)  # the same world: every rank's shards in memory
+    one = _run_group(1, tmp_path, "one", until=8)  # another world: the shards joined and resharded
+
+    assert (again["start"], again["tier"]) == (4, "memory")
+    _assert_same(again["restored"], first["final"], "memory, 2 -> 2")
+    assert all(t.dtype == torch.float32 for t in again["restored"]["model"].values())
+    assert (one["start"], one["tier"]) == (6, "memory")
+    _assert_same(one["restored"], again["final"], "memory, 2 -> 1")

@@ -1,0 +1,495 @@
+"""The memory tier of an FSDP2 model: every rank's own shards in its node's memory tier, and
+a replica of them on another node.
+
+With DDP a node's first rank copies the whole state, which every rank holds. With FSDP2
+each rank holds only its shards of the parameters and of the optimizer's state, so every
+rank is a writer: its local state dict (the DTensors' local shards, the optimizer's state,
+the scheduler, sampler and extras, its RNG states, the step, the world size and its rank)
+goes into a writer of its own, `<node's memory dir>/shard-r<rank>/`, with the same slots,
+checksums, budget and schedule as the DDP copy (worker/memory.py, worker/tiers/memory.py).
+Every rank copies at the steps rank 0 picks, and never skips one (it waits for its own
+previous copy instead), so the ranks' copies are of the same steps. At each copy a rank also
+sends its state to the next rank on another node (point to point, over a gloo group), which
+keeps it as `replica-r<rank>/`: a lost node's shards are still in the group's memory.
+
+A restore reads every copy on each node (split among the node's ranks; both slots of each,
+verified: a rank killed mid-copy leaves its other ranks' copies a step ahead of its own) and
+the ranks gather which (shard, step) each holds:
+
+- the newest step whose every shard, saved at this world size, some rank holds is the
+  group's memory copy: each rank loads its own shard in place (the DTensors' local tensors
+  filled, then `set_state_dict`), sent to it by the rank that read it where that is another;
+- at another world size, the newest step whose every shard of an old world is held (each a
+  dim-0 slice, FSDP2's default) goes to rank 0, which joins the shards into the whole state
+  and loads it with `set_state_dict`'s broadcast from rank 0, sharded for the new world;
+- else there is no memory copy, and the group restores from disk, where DCP reshards.
+
+Each node's first rank reports the agreed step to the control plane, which decides the
+restore point as for DDP (service/decide/restore.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import memory as mem
+from .. import sharded
+from ..links import LinkError, ServiceLink
+from .api import SNAPSHOT_FORMAT, Found, Worker
+from .memory import MemoryTier
+from .peer import PeerTier, Wire
+from .sharded import SHARDED_OBJECTS
+
+log = logging.getLogger("ftrain.runtime")
+
+
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def local_shards(state: Any, dtensor: type, found: list[torch.Tensor]) -> Any:
+    """`state` with each DTensor replaced by its local shard (appended to `found`)."""
+    if isinstance(state, dtensor):
+        local = state.to_local()
+        found.append(local)
+        return local
+    if isinstance(state, dict):
+        return {k: local_shards(v, dtensor, found) for k, v in state.items()}
+    if isinstance(state, list):
+        return [local_shards(v, dtensor, found) for v in state]
+    return state
+
+
+def into_template(saved: Any, like: Any, dtensor: type) -> Any:
+    """`saved` (local shards) put into `like` (the model's and optimizer's sharded state now,
+    at the same world size): each DTensor's local shard copied in place, the rest as saved."""
+    if isinstance(like, dtensor):
+        local = like.to_local()
+        if local.shape != saved.shape:
+            raise ValueError(f"a memory shard of shape {tuple(saved.shape)} does not fit this rank's "
+                             f"{tuple(local.shape)}")
+        local.copy_(saved)
+        return like
+    if isinstance(saved, dict) and isinstance(like, dict):
+        return {k: into_template(v, like.get(k), dtensor) for k, v in saved.items()}
+    if isinstance(saved, list) and isinstance(like, list) and len(saved) == len(like):
+        return [into_template(a, b, dtensor) for a, b in zip(saved, like)]
+    return saved
+
+
+SHARD_DIR = "shard-r{rank}"  # a rank's own shards, in its node's memory tier
+REPLICA_DIR = "replica-r{rank}"  # another node's rank's shards, kept on this node
+
+
+class ShardedMemoryTier(MemoryTier):
+    """Every rank's own shards in its node's memory tier, and a replica of another node's
+    rank's shards; see the module docstring."""
+
+    def __init__(self, worker: Worker, directory: Path, every: int | None):
+        super().__init__(worker, directory, every)
+        self.copies: dict[tuple[int, int], tuple] = {}  # (shard's rank, step) -> a copy read here
+        self.buddy: int | None = None  # the rank (on another node) that keeps this rank's replica
+        self.sources: list[int] = []  # the ranks (on other nodes) whose replicas this rank keeps
+        self.group: Any = None  # a gloo group for the replicas' bytes (CPU tensors, any backend)
+        self.replicas: dict[int, mem.MemoryWriter] = {}  # source rank -> the writer of its replica
+        self.replicate_s: list[float] = []  # per copy: the exchange of replicas, on the training thread
+        self.rng: tuple[int, Any] | None = None  # (step, RNG states) of the shard this rank loaded
+        self.dim0: bool | None = None  # every shard a dim-0 slice (FSDP2's default): reshardable
+
+    def open_writer(self) -> mem.MemoryWriter:
+        """Every rank writes its own shards (its own directory in the node's tier)."""
+        mine = self.directory / SHARD_DIR.format(rank=self.worker.rank)
+        mine.mkdir(mode=0o700, exist_ok=True)
+        self.writer = mem.MemoryWriter(mine, attempt=self.worker.attempt, rank=self.worker.rank)
+        return self.writer
+
+    def set_peers(self, nodes: list[Any], group: Any) -> None:
+        """Which rank keeps this rank's replica (the next rank on another node) and whose this
+        rank keeps; none on one node (a lost node takes every copy with it anyway)."""
+        rank = self.worker.rank
+        self.group = group
+        self.buddy = buddy_of(rank, nodes)
+        self.sources = [r for r in range(len(nodes)) if r != rank and buddy_of(r, nodes) == rank]
+
+    def start_reports(self) -> None:
+        """The node's first rank reports what its own shards' copy holds (one report a node)."""
+        if self.worker.local_rank == 0:
+            super().start_reports()
+
+    def ready(self) -> bool:
+        """Every rank copies each step rank 0 picks: its own previous copy is waited for, never
+        skipped (a skipped shard would leave the group without a step that every rank holds)."""
+        assert self.writer is not None
+        self.writer.wait()
+        return True
+
+    def save(self, objects: Mapping[str, Any], step: int, rng: Any = None) -> bool:
+        """Start the copy of this rank's local state at `step`: the shards (copied off in the
+        writer's thread, before the optimizer's next step) and the small state (now); then
+        the replicas exchanged with the ranks on other nodes."""
+        w = self.writer
+        assert w is not None
+        dtensor = _dtensor_type()
+        shards: list[torch.Tensor] = []
+        big = sharded.model_and_optimizer(objects["model"], objects.get("optimizer"))
+        local = local_shards(big, dtensor, shards)
+        if self.dim0 is None:
+            self.dim0 = all(_is_dim0(p, dtensor) for p in objects["model"].parameters())
+        state: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "step": step, "rank": self.worker.rank,
+                                 "world_size": self.worker.world_size, "rng": rng, "sharded": local,
+                                 "dim0": self.dim0}
+        for name, obj in objects.items():
+            if name not in SHARDED_OBJECTS and obj is not None:
+                state[name] = obj.state_dict()
+        # Only the optimizer's step changes the shards and its state: copied in the writer's
+        # thread meanwhile (the optimizer's step pre-hook waits for it).
+        later = {t.untyped_storage().data_ptr() for t in shards + _tensors(local.get("optimizer", {}))}
+        w.capture(state, step, later)
+        self._replicate(state, step)
+        return not w.disabled
+
+    def _replicate(self, state: dict, step: int) -> None:
+        """Send this rank's state to its buddy and keep the replicas sent here (every rank at
+        the same copy step: the sizes, then the skeletons and bytes, point to point). Its time
+        counts as the copy's stall, so the budget (worker/step_timing.py) sees it."""
+        if self.buddy is None and not self.sources:
+            return
+        began = time.perf_counter()
+        out: list[torch.Tensor] = []
+        if self.buddy is not None:
+            skeleton, flat, packing = mem.pack(state)
+            meta = torch.frombuffer(bytearray(pickle.dumps((skeleton, packing))), dtype=torch.uint8)
+            out = [meta, flat]
+        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
+        self._exchange([torch.tensor([t.numel() for t in out], dtype=torch.int64)] if out else [],
+                       {src: [t] for src, t in sizes.items()})
+        got = {src: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[src].tolist()]
+               for src in self.sources}
+        self._exchange(out, got)
+        for src, (meta_in, flat_in) in got.items():
+            skeleton, packing = pickle.loads(meta_in.numpy().tobytes())
+            self._replica_writer(src).capture_split(skeleton, mem.views(flat_in, packing), step, set())
+        spent = time.perf_counter() - began
+        self.replicate_s.append(spent)
+        if self.writer is not None and self.writer.stalls_s:
+            self.writer.stalls_s[-1] += spent
+
+    def _exchange(self, out: list[torch.Tensor], into: dict[int, list[torch.Tensor]]) -> None:
+        ops = [dist.P2POp(dist.isend, t, self.buddy, self.group) for t in out]
+        ops += [dist.P2POp(dist.irecv, t, src, self.group) for src, ts in into.items() for t in ts]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+    def _replica_writer(self, src: int) -> mem.MemoryWriter:
+        w = self.replicas.get(src)
+        if w is None:
+            where = self.directory / REPLICA_DIR.format(rank=src)
+            where.mkdir(mode=0o700, exist_ok=True)
+            w = mem.MemoryWriter(where, attempt=self.worker.attempt, rank=self.worker.rank)
+            self.replicas[src] = w
+        return w
+
+    # -------------------------------------------------------------- restoring
+    def newest(self) -> Found | None:
+        """Nothing yet: which copies a rank reads depends on its node's other ranks, known at
+        the gather (`read_node`)."""
+        return None
+
+    def read_node(self, index: int, count: int) -> dict[int, dict[int, tuple[int, bool]]]:
+        """This rank's share (`index` of `count` ranks on the node) of the node's copies, both
+        slots of each, verified: {shard's rank: {step: (the world size it was saved at,
+        whether its shards are dim-0 slices)}}."""
+        dirs = sorted(self.directory.glob("shard-r*")) + sorted(self.directory.glob("replica-r*"))
+        self.copies = {}
+        for where in dirs[index::count]:
+            steps = set()
+            for slot in (0, 1):
+                got = mem.read_slot(where, slot)
+                if got is not None and "rank" in got[0]:
+                    self.copies[(int(got[0]["rank"]), int(got[0]["step"]))] = got
+                    steps.add(int(got[0]["step"]))
+            held = mem.read_held(where)
+            if held is not None and held.step not in steps:
+                self._report_corrupt(where, held.step)
+        held_here: dict[int, dict[int, tuple[int, bool]]] = {}
+        for (shard, step), copy in self.copies.items():
+            held_here.setdefault(shard, {})[step] = (int(copy[0]["world_size"]), bool(copy[0].get("dim0")))
+        return held_here
+
+    def _report_corrupt(self, where: Path, step: int) -> None:
+        worker, link = self.worker, self.worker.link
+        reason = f"the shards in {where.name} fail their checksum"
+        log.warning("rank %d: memory copy at step %d: %s; falling back to the next source", worker.rank,
+                    step, reason)
+        if link is not None:
+            try:
+                link.report_memory_corrupt(worker.node or "local", step, reason)
+            except LinkError as exc:
+                log.warning("rank %d: could not report the corrupt memory copy: %s", worker.rank, exc)
+
+    def load_shards(self, copy: tuple, objects: Mapping[str, Any]) -> dict:
+        """A copy of this rank's shards: loaded into the model and optimizer in place; returns
+        the rest of the state (step, rng, scheduler, sampler, extras)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
+
+        state = mem.unpack(*copy)
+        model, optimizer = objects["model"], objects.get("optimizer")
+        like = sharded.model_and_optimizer(model, optimizer)
+        with torch.no_grad():
+            big = into_template(state.pop("sharded"), like, _dtensor_type())
+        if optimizer is None:
+            set_model_state_dict(model, big["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=big["model"], optim_state_dict=big["optimizer"])
+        self.copies = {}
+        self.rng = (int(state["step"]), state.get("rng"))
+        return state
+
+    def load_full(self, full: dict | None, objects: Mapping[str, Any]) -> None:
+        """Every rank: the whole model and optimizer state that rank 0 put together from the
+        shards of another world size (`full`, None elsewhere), broadcast and sharded for this one."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model, optimizer = objects["model"], objects.get("optimizer")
+        full = full if full is not None else {"model": {}, "optimizer": {}}
+        if optimizer is None:
+            set_model_state_dict(model, full["model"], options=options)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=full["model"],
+                           optim_state_dict=full["optimizer"], options=options)
+        self.copies = {}
+
+    def rng_of(self, step: int) -> dict | None:
+        """This rank's RNG states of `step`: those kept with the shard it loaded."""
+        return self.rng[1] if self.rng is not None and self.rng[0] == step else super().rng_of(step)
+
+    def close(self) -> None:
+        self.copies = {}
+        for w in self.replicas.values():
+            w.close()
+        super().close()
+
+
+def buddy_of(rank: int, nodes: list[Any]) -> int | None:
+    """The next rank after `rank` (cyclically) on another node than its, or None."""
+    n = len(nodes)
+    return next((other for k in range(1, n) if nodes[other := (rank + k) % n] != nodes[rank]), None)
+
+
+def _is_dim0(param: Any, dtensor: type) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return not isinstance(param, dtensor) or tuple(param.placements) == (Shard(0),)
+
+
+def joined(shards: list[Any], like: Any, dtensor: type) -> Any:
+    """The whole state from every old rank's local state (in rank order): each DTensor of
+    `like` (the state's structure now) the old ranks' dim-0 slices one after the other; the
+    rest as the first rank saved it."""
+    first = shards[0]
+    if isinstance(like, dtensor):
+        return torch.cat(shards, dim=0)
+    if isinstance(first, dict) and isinstance(like, dict):
+        return {k: joined([s[k] for s in shards], like.get(k), dtensor) for k in first}
+    if isinstance(first, list) and isinstance(like, list) and len(first) == len(like):
+        return [joined([s[i] for s in shards], like[i], dtensor) for i in range(len(first))]
+    return first
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    mem._split(state, found)
+    return found
+
+
+class ShardedPeerTier(PeerTier):
+    """The group's shards in memory: a step is restorable when every rank's shard of it,
+    saved at this world size, is on some node of the group (its own, or a replica); a shard
+    not on its rank's node is sent by the rank that read it (see the module docstring)."""
+
+    def __init__(self, worker: Worker, local: ShardedMemoryTier, wire: Wire | None = None):
+        super().__init__(worker, local, wire)
+        self.local: ShardedMemoryTier = local
+        self.objects: Mapping[str, Any] = {}
+        self.complete: int | None = None  # the newest step every shard is held at (`gather`)
+        self.sources: list[int] = []  # shard i's copy of `complete` is read by rank sources[i]
+        self.saved_world = worker.world_size  # the world size the shards of `complete` were saved at
+        self.group: Any = None
+
+    def gather(self, mine: Found | None, extra: Any = None) -> list:
+        """Every rank's node (and `extra`); then the node's copies, each read and verified by one
+        of its ranks; then the newest step that every shard is held at, which each node's first
+        rank reports, and a barrier after which every report is in (rank 0 then asks for the
+        restore point). Returns every rank's `extra`."""
+        worker = self.worker
+        if worker.distributed:
+            if self.group is None:
+                self.group = sharded.checkpoint_group()
+            got = self.wire.all_gather_object((worker.node, extra))
+        else:
+            got = [(worker.node, extra)]
+        nodes = [g[0] for g in got]
+        siblings = [r for r, node in enumerate(nodes) if node == nodes[worker.rank]]
+        held = self.local.read_node(siblings.index(worker.rank), len(siblings))
+        helds = self.wire.all_gather_object(held) if worker.distributed else [held]
+        self.complete, self.sources = plan_restore(helds, worker.world_size)
+        self.saved_world = worker.world_size
+        if self.complete is None:
+            self.complete, self.saved_world, self.sources = plan_reshard(helds, worker.world_size)
+            if worker.is_chief:
+                self._say_why_not(helds)
+        self.helds = [self.complete if self.complete is not None else -1] * worker.world_size
+        self._report(self.complete)
+        if worker.distributed:
+            self.wire.all_gather_object(None)
+            self.local.set_peers(nodes, self.group)
+        return [g[1] for g in got]
+
+    def _say_why_not(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
+        world = self.worker.world_size
+        if self.complete is not None:
+            log.info("the memory tier's shards of step %d were saved by %d ranks and the group has %d now: "
+                     "rank 0 joins them and the group reshards them from memory", self.complete,
+                     self.saved_world, world)
+            return
+        saved_at = sorted({w for h in helds for steps in h.values() for w, _ in steps.values()} - {world})
+        if saved_at:
+            log.info("the memory tier's shards were saved by %s ranks and the group has %d now: "
+                     "restoring from disk, where DCP reshards them", "/".join(map(str, saved_at)), world)
+        elif any(helds):
+            log.info("the memory tier holds no step of every rank's shards (a node's copies lost with "
+                     "it, and no replica of them): restoring from disk")
+
+    def _report(self, step: int | None) -> None:
+        worker, link = self.worker, self.worker.link
+        if step is None or worker.local_rank != 0 or not worker.node or not isinstance(link, ServiceLink):
+            return
+        try:
+            link.report_memory_held(worker.node, step)
+        except LinkError as exc:
+            log.warning("rank %d: could not report this node's shards in memory (step %d): %s; the "
+                        "restore point will not count them", worker.rank, step, exc)
+
+    def sent(self, step: int) -> bool:
+        return step == self.complete and any(src != i for i, src in enumerate(self.sources))
+
+    def where_from(self, step: int, where: Any, mine: Found | None) -> str:
+        src = self.sources[self.worker.rank] if step == self.complete else self.worker.rank
+        if src == self.worker.rank:
+            return "its own shards in its node's memory"
+        return f"its shards sent by rank {src}, from a copy on that rank's node"
+
+    def load(self, found: Found) -> dict:
+        """Every rank at once: the shards whose copy another rank read are sent to their rank
+        (in the order of the shards' ranks: each send meets its receive), then each rank loads
+        its own in place (into `objects`, which the runtime sets before the restore)."""
+        step, rank = found.step, self.worker.rank
+        assert step == self.complete
+        if self.saved_world != self.worker.world_size:
+            return self._load_resharded(step)
+        mine = None
+        for shard, src in enumerate(self.sources):
+            if src == shard == rank:
+                mine = self.local.copies[(shard, step)]
+            elif rank == src:
+                self._send(self.local.copies[(shard, step)], shard)
+            elif rank == shard:
+                mine = self._receive(src)
+        assert mine is not None
+        return self.local.load_shards(mine, self.objects)
+
+    def close(self) -> None:
+        """The copies read for the restore let go (a restore from disk did not load them)."""
+        self.local.copies = {}
+        super().close()
+
+    def _send(self, copy: tuple, dst: int) -> None:
+        skeleton, flat, packing = copy
+        dist.send_object_list([(skeleton, packing, flat.numel())], dst=dst, group=self.group)
+        dist.send(flat, dst=dst, group=self.group)
+
+    def _receive(self, src: int) -> tuple:
+        box: list = [None]
+        dist.recv_object_list(box, src=src, group=self.group)
+        skeleton, packing, size = box[0]
+        flat = torch.empty(size, dtype=torch.uint8)
+        dist.recv(flat, src=src, group=self.group)
+        return skeleton, flat, packing
+
+    def _load_resharded(self, step: int) -> dict:
+        """Shards of another world size: every old rank's sent to rank 0, which joins them into
+        the whole state (as DDP's memory copy holds it); loaded as a whole state broadcast from
+        rank 0 (`set_state_dict`'s), which each rank shards for this world. Each rank takes the
+        RNG states of the old rank of its number (modulo the old world), as a disk restore does."""
+        rank = self.worker.rank
+        got: dict[int, tuple] = {}
+        for shard, src in enumerate(self.sources):
+            if src == rank == 0:
+                got[shard] = self.local.copies[(shard, step)]
+            elif rank == src:
+                self._send(self.local.copies[(shard, step)], 0)
+            elif rank == 0:
+                got[shard] = self._receive(src)
+        full, rest = None, None
+        if rank == 0:
+            states = [mem.unpack(*got[shard]) for shard in range(self.saved_world)]
+            like = sharded.model_and_optimizer(self.objects["model"], self.objects.get("optimizer"))
+            full = joined([s.pop("sharded") for s in states], like, _dtensor_type())
+            rest = {**states[0], "rngs": [s.get("rng") for s in states]}
+        if self.worker.distributed:
+            box = [rest]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            rest = box[0]
+        self.local.load_full(full, self.objects)
+        rngs = rest.pop("rngs")
+        self.local.rng = (step, rngs[rank % len(rngs)])
+        return rest
+
+
+def plan_restore(helds: list[dict[int, dict[int, tuple[int, bool]]]], world_size: int,
+                 dim0_only: bool = False) -> tuple[int | None, list[int]]:
+    """The newest step whose every shard (0 .. world_size - 1), saved at `world_size` (and, with
+    `dim0_only`, as dim-0 slices), some rank read (`helds`: each rank's {shard: {step: (world
+    size saved at, dim-0 slices)}}), and for each shard the rank that sends it: its own rank
+    where it read it, else the first that did. (None, []) where there is no such step."""
+    def fits(saved: tuple[int, bool] | None) -> bool:
+        return saved is not None and saved[0] == world_size and (saved[1] or not dim0_only)
+
+    def holders(shard: int, step: int) -> list[int]:
+        return [r for r, h in enumerate(helds) if fits(h.get(shard, {}).get(step))]
+
+    steps = {step for h in helds for per in h.values() for step, saved in per.items() if fits(saved)}
+    for step in sorted(steps, reverse=True):
+        found = [holders(shard, step) for shard in range(world_size)]
+        if all(found):
+            return step, [shard if shard in got else got[0] for shard, got in enumerate(found)]
+    return None, []
+
+
+def plan_reshard(helds: list[dict[int, dict[int, tuple[int, bool]]]],
+                 world_size: int) -> tuple[int | None, int, list[int]]:
+    """For a group of another size than the copies': the newest step whose every shard of some
+    other world size is held, as dim-0 slices (which rank 0 can join): (step, that world size,
+    the rank that sends each shard), or (None, world_size, [])."""
+    worlds = {saved[0] for h in helds for per in h.values() for saved in per.values()} - {world_size}
+    best: tuple[int | None, int, list[int]] = (None, world_size, [])
+    for world in sorted(worlds):
+        step, sources = plan_restore(helds, world, dim0_only=True)
+        if step is not None and (best[0] is None or step > best[0]):
+            best = (step, world, sources)
+    return best
