@@ -104,3 +104,8 @@ TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 # The error file torchrun names for each worker, in its folder of output files: the folder
 # where a worker's stacks are dumped (worker/stacks.py).
 TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+# The flight recorder's ring of collectives per process (worker/flight.py): torch reads the
+# first, or the NCCL-era second, when a process group is created; 0 records nothing.
+TORCH_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+TORCH_NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"

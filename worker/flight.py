@@ -50,10 +50,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .env import TORCH_FR_BUFFER_SIZE, TORCH_NCCL_TRACE_BUFFER_SIZE
+
 
 log = logging.getLogger(__name__)
 
-BUFFER_SIZE_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+BUFFER_SIZE_VARS = (TORCH_FR_BUFFER_SIZE, TORCH_NCCL_TRACE_BUFFER_SIZE)
 DEFAULT_BUFFER_SIZE = "2000"  # entries per process (a ring: the oldest go first)
 MAX_ENTRIES = 64  # of the newest, kept in a dump (the last few per group are what tell)
 MAX_DUMP_BYTES = 256 * 1024  # of one worker's dump read back (64 entries are ~40 KiB)
