@@ -8,6 +8,7 @@ module, never the tests' helpers.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -37,6 +38,14 @@ REPO = Path(__file__).resolve().parents[1]
 FAST_POLL_S = 0.05
 FAST_POLL_FOR_S = 1.0
 SLOW_POLL_S = 0.2
+
+
+def publish(table: str, figures: dict, out: str | None) -> None:
+    """Print a benchmark's table; with `out`, also write it there with its figures as JSON
+    (the form of the files under docs/measurements/)."""
+    print(table)
+    if out:
+        Path(out).write_text(table + "\n\n" + json.dumps(figures, indent=2) + "\n")
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,

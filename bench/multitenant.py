@@ -27,7 +27,6 @@ Figures, per arm and as ftrain / FIFO:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -44,7 +43,14 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, rank0_lines, wait_for  # noqa: E402
+from bench.harness import (  # noqa: E402
+    ControlPlane,
+    EtcdProcess,
+    NodeAgentProc,
+    publish,
+    rank0_lines,
+    wait_for,
+)
 
 USERS = {"ana": "vision", "ben": "vision", "chloe": "language"}
 SHAPES = ((1, 1), (1, 2), (2, 2), (1, 4), (2, 4))  # (min, max) nodes
@@ -328,10 +334,7 @@ def main() -> None:
             for a in arms:
                 a.run(arrivals)
         figures = {a.name: a.figures() for a in arms}
-    table = report(figures, args)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n\n" + json.dumps(figures, indent=2) + "\n")
+    publish(report(figures, args), figures, args.out)
 
 
 if __name__ == "__main__":

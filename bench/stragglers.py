@@ -20,7 +20,6 @@ over the whole run (0 is right).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, wait_for  # noqa: E402
+from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, publish, wait_for  # noqa: E402
 
 POLL_S = 1.0
 
@@ -139,10 +138,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ftrain-stragglers-") as tmp:
         figures = run(args, Path(tmp))
-    table = report(figures, args)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n\n" + json.dumps(figures, indent=2) + "\n")
+    publish(report(figures, args), figures, args.out)
 
 
 if __name__ == "__main__":

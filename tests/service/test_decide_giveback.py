@@ -14,18 +14,12 @@ from service.models import (
     JobSpec,
     JobState,
     MemberStatus,
-    NodeRecord,
     RestartCounts,
 )
+from tests.service.test_decide_preempt import CFG, NOW, nodes
 
 S = JobState
-NOW = 1000.0
-CFG = SchedulerConfig(control_ack_timeout_s=10, cancel_ack_timeout_s=3)
 LONG_AGO = NOW - giveback.SETTLE_S - 1
-
-
-def nodes(*names: str) -> dict[str, NodeRecord]:
-    return {n: NodeRecord(name=n, registered_at=1.0, lease_id=1) for n in names}
 
 
 def job(jid: str, owner: str, members=(), mn=1, mx=3, prio=0, created=1.0, started=LONG_AGO) -> JobRecord:
