@@ -174,8 +174,10 @@ def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord],
     if job.state is not JobState.PENDING:
         return None
     holders = holders_of(ctx, nodes) if holders is None else holders
-    used = quota_usage(ctx, nodes) if used is None else used
-    limits = quotas.limits(job.owner, used) if used is not None and applies(ctx, job.owner) else []
+    limits: list[quotas.Limit] = []
+    if applies(ctx, job.owner):  # (the use is counted only for an owner some quota holds)
+        used = quota_usage(ctx, nodes) if used is None else used
+        limits = quotas.limits(job.owner, used) if used is not None else []
     return why_waiting(job, nodes, HeldFrom(holders, job.id), limits)
 
 
