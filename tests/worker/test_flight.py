@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from worker import flight
 from worker.procs import is_alive
@@ -56,18 +57,26 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     import torch, torch.distributed as dist
     from worker import stacks
-    rank, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, port, folder, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     assert stacks.register({"TORCHELASTIC_ERROR_FILE": os.path.join(folder, "error.json"),
                             "TORCH_FR_BUFFER_SIZE": "2000"})
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    t = torch.ones(4)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.ones(4, device=device)
     for _ in range(3):
         dist.all_reduce(t)
+    t.sum().item()  # NCCL's collectives are asynchronous: these three are done
     print("ready", flush=True)
     if rank == 1:
         time.sleep(60)  # never reaches the next all_reduce
     dist.all_reduce(t)  # rank 0 waits here, in C++
+    t.sum().item()  # (NCCL: here, for the kernel that waits for rank 1)
 """)
+
+BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs two GPUs"))]
 
 
 def free_port() -> int:
@@ -77,7 +86,8 @@ def free_port() -> int:
 
 
 @pytest.mark.integration
-def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path, backend):
     """Rank 1 sleeps in Python; rank 0 waits for it in all_reduce #4. Both answer from their
     thread, and their traces say rank 0 entered #4 and rank 1 did not."""
     port = free_port()
@@ -85,8 +95,8 @@ def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path):
     procs = {}
     for rank in (0, 1):
         (tmp_path / f"r{rank}").mkdir()
-        procs[rank] = subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port), str(tmp_path / f"r{rank}")],
-                                       cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-c", WORKER, str(rank), str(port), str(tmp_path / f"r{rank}"), backend]
+        procs[rank] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     try:
         for proc in procs.values():
             assert proc.stdout.readline() == "ready\n"
@@ -99,8 +109,8 @@ def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
     found = {rank: flight.groups(t) for rank, t in traces.items()}
-    # (a completion is recorded by gloo's own thread, a moment after the collective returns)
+    # (a completion is recorded by the backend's own thread, a moment after the collective returns)
     assert {rank: [(g["pg"], g["last_enqueued"], g["op"]) for g in groups] for rank, groups in found.items()} == {
-        0: [("default_pg", 4, "gloo:all_reduce")], 1: [("default_pg", 3, "gloo:all_reduce")]}
+        0: [("default_pg", 4, f"{backend}:all_reduce")], 1: [("default_pg", 3, f"{backend}:all_reduce")]}
     assert found[0][0]["last_completed"] in (2, 3) and found[1][0]["last_completed"] in (2, 3)
     assert traces[0]["entries"][-1]["collective_seq_id"] == 4
