@@ -1,9 +1,9 @@
 """Every worker's flight-recorder trace, on the node agent's request, for a job taken for hung.
 
 torch's flight recorder keeps, in each process, a ring of the last collectives its process
-groups were asked for (gloo's and NCCL's alike): each entry's sequence number in its group
-(`collective_seq_id`), its op (`gloo:all_reduce`), and per group the last one enqueued and the
-last one completed. A group records only when TORCH_FR_BUFFER_SIZE (or NCCL's older name,
+groups were asked for (gloo's in one recorder, NCCL's in one of its own: `dump` reads both):
+each entry's sequence number in its group (`collective_seq_id`), its op (`gloo:all_reduce`),
+and per group the last one enqueued and the last one completed. A group records only when TORCH_FR_BUFFER_SIZE (or NCCL's older name,
 TORCH_NCCL_TRACE_BUFFER_SIZE) is above 0 when it is created, so the agent sets a modest
 size in every worker's environment (`default_env`) unless the job's or the node's
 environment sets one; 0 turns it off. Recording costs a few hundred bytes per collective in a
@@ -117,13 +117,34 @@ def _peer(conn: socket.socket) -> tuple[int, int, int]:
 
 
 def dump() -> dict[str, Any]:
-    """This process's flight-recorder trace (its newest MAX_ENTRIES entries)."""
+    """This process's flight-recorder trace: gloo's (and every other CPU backend's) recorder
+    and, where torch has NCCL, NCCL's own, as one trace (the newest MAX_ENTRIES entries)."""
+    import torch.distributed as dist
+
     from . import torch_internals
 
-    raw = torch_internals.get_one(torch_internals.FR_DUMP_JSON)(includeCollectives=True, onlyActive=False)
-    trace = json.loads(raw)
-    trace["entries"] = trace.get("entries", [])[-MAX_ENTRIES:]
-    return trace
+    uses = [torch_internals.FR_DUMP_JSON] + ([torch_internals.NCCL_FR_DUMP_JSON] if dist.is_nccl_available() else [])
+    return merge([json.loads(torch_internals.get_one(use)(includeCollectives=True, onlyActive=False))
+                  for use in uses])
+
+
+def merge(traces: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One trace of a process's recorders: their entries in the order they were created, and per
+    process group the status of the recorder that saw it furthest (a group with a CPU and a
+    CUDA backend is in both)."""
+    entries = sorted((e for t in traces for e in t.get("entries", []) if isinstance(e, dict)),
+                     key=lambda e: _int(e.get("time_created_ns")))
+    status: dict[str, Any] = {}
+    for trace in traces:
+        for pg_id, s in (trace.get("pg_status") or {}).items():
+            seen = status.get(pg_id)
+            if isinstance(s, dict) and (seen is None or _enqueued(s) > _enqueued(seen)):
+                status[pg_id] = s
+    return {"entries": entries[-MAX_ENTRIES:], "pg_status": status}
+
+
+def _enqueued(status: Mapping[str, Any]) -> int:
+    return _int(status.get("last_enqueued_collective"))
 
 
 # ------------------------------------------------------------------ the agent's side

@@ -69,6 +69,7 @@ class Private:
     why: str
     shape: Shape | None = None
     on_instances: bool = False  # set by a method of the class (`self.x = ...`), not on the class
+    nccl_only: bool = False  # compiled only into torch built with NCCL (CUDA): no problem elsewhere
 
     @property
     def label(self) -> str:
@@ -92,6 +93,8 @@ class Private:
 
     def problem(self, import_module: Callable[[str], Any] = importlib.import_module) -> str | None:
         """What is wrong with this part in the torch `import_module` imports, or None."""
+        if self.nccl_only and not _has_nccl(import_module):
+            return None
         try:
             owner = self.owner(import_module)
         except LookupError as exc:
@@ -103,6 +106,13 @@ class Private:
         if value is _MISSING:
             return f"{getattr(owner, '__name__', self.module)} has no {self.attr} any more"
         return None if self.shape is None else self.shape(value)
+
+
+def _has_nccl(import_module: Callable[[str], Any]) -> bool:
+    try:
+        return bool(import_module("torch.distributed").is_nccl_available())
+    except (ImportError, AttributeError):
+        return False
 
 
 # ------------------------------------------------------------------ shapes
@@ -284,6 +294,11 @@ PCONTEXT = Private(LOCAL_AGENT, "LocalElasticAgent._pcontext", "the workers' pid
 # A training worker (worker/flight.py).
 FR_DUMP_JSON = Private("torch._C._distributed_c10d", "_dump_fr_trace_json", "the flight recorder's "
                        "trace of a worker's collectives, dumped when its job is taken for hung")
+# NCCL's groups record into a recorder of their own (with CUDA events), which the one above
+# does not hold: a CPU build has no such function.
+NCCL_FR_DUMP_JSON = Private("torch._C._distributed_c10d", "_dump_nccl_trace_json", "the flight "
+                            "recorder's trace of a worker's NCCL collectives, dumped when its job "
+                            "is taken for hung", nccl_only=True)
 # Only for measuring (bench/recovery.py's phase marks, bench/rendezvous.py's keep-alive timing).
 MONITOR_WORKERS = Private(LOCAL_AGENT, "LocalElasticAgent._monitor_workers", "phase mark: workers failed",
                           takes("self", "worker_group"))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from worker import flight
+from tests.helpers.processes import wait_for
 from worker.procs import is_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +52,23 @@ def test_groups_say_where_each_process_group_stood():
         "ftrain: rank 3's flight recorder (the job was taken for hung): group default_pg: "
         "last enqueued #5 gloo:all_reduce, last completed #4")
     assert flight.summary(3, None).endswith("no dump (the recorder is off, or the worker did not answer)")
+
+
+def test_a_dump_joins_the_cpu_and_the_nccl_recorders():
+    """NCCL's groups record apart from gloo's: one trace of both, entries in the order they were
+    made, and a group in both recorders (a CPU and a CUDA backend) as far as either saw it."""
+    cpu = {"entries": [dict(entry(7, "gloo:all_reduce", ("1", "sub")), time_created_ns=30)],
+           "pg_status": {"0": {"last_enqueued_collective": "2", "last_completed_collective": "2"},
+                         "1": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}}
+    nccl = {"entries": [dict(entry(5, "nccl:all_reduce"), time_created_ns=20),
+                        dict(entry(6, "nccl:all_reduce"), time_created_ns=40)],
+            "pg_status": {"0": {"last_enqueued_collective": "6", "last_completed_collective": "5"}}}
+    trace = flight.merge([cpu, nccl])
+    assert [e["collective_seq_id"] for e in trace["entries"]] == [5, 7, 6]
+    assert flight.groups(trace) == [
+        {"pg": "default_pg", "last_enqueued": 6, "last_completed": 5, "op": "nccl:all_reduce"},
+        {"pg": "sub", "last_enqueued": 7, "last_completed": 6, "op": "gloo:all_reduce"}]
+    assert flight.merge([{}, {}]) == {"entries": [], "pg_status": {}}
 
 
 WORKER = textwrap.dedent("""
@@ -100,9 +118,14 @@ def test_a_rank_blocked_in_a_collective_gives_its_trace_when_asked(tmp_path, bac
     try:
         for proc in procs.values():
             assert proc.stdout.readline() == "ready\n"
-        asked = flight.ask({rank: p.pid for rank, p in procs.items()} | {2: os.getpid()})
-        assert sorted(asked) == [0, 1]  # this process listens on no socket: not asked
-        traces = flight.read_dumps(asked, 30.0)
+        def dumps() -> dict:
+            asked = flight.ask({rank: p.pid for rank, p in procs.items()} | {2: os.getpid()})
+            assert sorted(asked) == [0, 1]  # this process listens on no socket: not asked
+            return flight.read_dumps(asked, 30.0)
+
+        # Rank 0 enters all_reduce #4 a moment after it said "ready": asked again until it has.
+        traces = wait_for(lambda: (got := dumps()) and got[0]["entries"][-1]["collective_seq_id"] == 4 and got,
+                          30, "rank 0 to enter all_reduce #4")
         assert all(is_alive(p.pid) for p in procs.values())
     finally:
         for proc in procs.values():

@@ -150,3 +150,14 @@ def test_the_phase_marks_wrap_torchs_agent_once_however_often_they_are_asked(tmp
     assert calls == ["_start_workers", "_stop_workers"]
     phases = [json.loads(line)["phase"] for line in log_path.read_text().splitlines()]
     assert phases == ["workers_started", "stop_workers", "workers_stopped"]
+
+
+@pytest.mark.parametrize("nccl", [False, True])
+def test_a_part_that_only_nccl_builds_have_is_missed_only_where_torch_has_nccl(nccl):
+    modules = {"torch.distributed": types.SimpleNamespace(is_nccl_available=lambda: nccl),
+               "torch._C._distributed_c10d": types.SimpleNamespace()}
+    use = ti.Private("torch._C._distributed_c10d", "_dump_nccl_trace_json", "a test", nccl_only=True)
+    problem = use.problem(modules.__getitem__)
+    assert (problem is not None) is nccl
+    if nccl:
+        assert "_dump_nccl_trace_json" in problem
