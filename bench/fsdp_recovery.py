@@ -29,6 +29,8 @@ bench/fsdp_restore.py's.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -78,6 +80,8 @@ def _spec(args: argparse.Namespace, trial: int) -> dict:
                "--length", str(args.length), "--global-batch", str(args.global_batch),
                "--samples", str(max(args.samples, args.global_batch))]
     env = {"FTRAIN_MEMORY_EVERY": str(args.memory_every)} if args.memory_every else {}
+    if os.environ.get("PYTHONPATH"):  # where this benchmark found its packages, the job finds them too
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return {"name": f"fsdp-recovery-{trial}", "command": command, "working_dir": str(REPO),
             "nodes": {"min": 1, "max": 2}, "nproc_per_node": 1, "max_restarts": 10,
             "snapshot": {"every_steps": args.every, "keep": 2}, "env": env}
@@ -149,11 +153,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=256, help="the synthetic dataset's sequences (made at "
+                   "every start, so a restart pays for them: keep it small)")
     p.add_argument("--deadline", type=float, default=120, help="seconds the group that goes on may take")
     p.add_argument("--out", help="also write the table and figures here")
     args = p.parse_args()
 
+    # A SIGTERM (a `timeout`, a Ctrl-C's cousin) unwinds like an error: the agents, which run in
+    # sessions of their own, are stopped by the `finally` blocks instead of training on.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     gpus = _gpus()
     root = Path(tempfile.mkdtemp(prefix="ftrain-bench-fsdp-recovery-"))
     etcd = EtcdProcess(root / "etcd-data", log_path=root / "etcd.log")

@@ -73,7 +73,8 @@ def _rank(args: argparse.Namespace) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
-    net = TinyTransformer(args.vocab, args.length, args.dim, args.heads, args.depth)
+    with torch.device(device):  # (as examples/train_fsdp.py: built where it trains)
+        net = TinyTransformer(args.vocab, args.length, args.dim, args.heads, args.depth)
     model = shard(net, device)
     params = sum(p.numel() for p in net.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -163,7 +164,8 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--length", str(args.length),
            "--batch", str(args.batch), "--memory-dir", str(args.memory_dir)] + \
         (["--restore-only"] if restore_only else [])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
