@@ -67,12 +67,23 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(h))
 
 
-def shard(model: TinyTransformer, device: torch.device) -> nn.Module:
-    """Each block a unit of its own (its parameters gathered only while it runs), then the rest."""
+def shard(model: TinyTransformer, device: torch.device, replicas: int = 1) -> nn.Module:
+    """Each block a unit of its own (its parameters gathered only while it runs), then the rest.
+    With `replicas` > 1, HSDP: the ranks form `replicas` groups (consecutive ranks, a node's
+    when each node runs world / replicas of them), each holding the whole model sharded
+    among its ranks, and the groups replicate each other as DDP would."""
     model.to(device)
+    mesh = None
+    if replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        if world % replicas:
+            raise SystemExit(f"--replicate {replicas} does not divide the {world} ranks")
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -88,6 +99,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=1024, help="size of the synthetic dataset")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicate", type=int, default=1,
+                   help="HSDP: this many replicas of the model, each sharded over world / N ranks")
     p.add_argument("--out", help="rank 0 saves the final (full) model state_dict here")
     p.add_argument("--seen", help="each rank appends the sample indices of its steps here (a test's count)")
     p.add_argument("--step-delay", type=float, default=0.0,
@@ -103,7 +116,7 @@ def main() -> None:
     # one CPU thread seconds, and a restart pays them again.
     with torch.device(rt.device):
         net = TinyTransformer(args.vocab, args.length, args.dim, args.heads, args.depth)
-    model = shard(net, rt.device) if rt.distributed else net.to(rt.device)
+    model = shard(net, rt.device, args.replicate) if rt.distributed else net.to(rt.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
     # A global batch: the same samples per step whatever the number of ranks.

@@ -55,9 +55,9 @@ DISK_RARELY = 1000
 
 
 def fsdp_spec(name: str, steps: int, *args: str, every: int = 1, mn: int = 2, mx: int = 2,
-              delay_s: float = 0.1, env: dict | None = None) -> dict:
+              delay_s: float = 0.1, env: dict | None = None, nproc: int = 1) -> dict:
     return job_spec(name, "--steps", str(steps), "--step-delay", str(delay_s), *args, script=TRAIN_FSDP,
-                    mn=mn, mx=mx, nproc_per_node=1, snapshot={"every_steps": every, "keep": KEEP_ALL},
+                    mn=mn, mx=mx, nproc_per_node=nproc, snapshot={"every_steps": every, "keep": KEEP_ALL},
                     env={**ONE_THREAD, **(env or {})})
 
 
@@ -160,11 +160,11 @@ def _memory_restores(api, job_id: str) -> list[str]:
     return [e["reason"] for e in events_of(api, job_id) if "in the memory of" in e["reason"]]
 
 
-def _kill_a_worker_past(api, agent, job_id: str, step: int) -> None:
-    """SIGKILL `agent`'s worker once rank 0 logged `step` in the current run."""
+def _kill_a_worker_past(api, agent, job_id: str, step: int, workers: int = 1) -> None:
+    """SIGKILL one of `agent`'s `workers` once rank 0 logged `step` in the current run."""
     wait_for(lambda: (got := runs(api, job_id)) and got[-1][1] and got[-1][1][-1] >= step, 120,
              f"rank 0 past step {step}")
-    victim = wait_workers(agent, 1, script=TRAIN_FSDP)[0]
+    victim = wait_workers(agent, workers, script=TRAIN_FSDP)[0]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: not pid_alive(victim), 10, "the SIGKILLed worker to die")
 
@@ -262,3 +262,29 @@ def test_an_fsdp_job_that_loses_a_node_resumes_from_the_replica_of_its_shards_on
         events_of(api, job_id)
     lines = [item["line"] for item in log_items(api, job_id)]
     assert any(f"resumed from memory (step {restart}, its shards sent by rank" in line for line in lines)
+
+
+@pytest.mark.parametrize("steps", [pytest.param(60, marks=SLOW)])
+def test_an_hsdp_job_resumes_a_worker_sigkill_from_memory_and_ends_bit_for_bit_like_one_without(
+        api, agents, tmp_path, steps):
+    """HSDP: two nodes of two ranks, the model sharded over each node's ranks and replicated
+    across the nodes (a 2 x 2 mesh). A worker SIGKILLed: the group resumes from every rank's
+    shards in memory, at most one step lost, and ends with the weights of the same run under
+    plain torchrun without the fault."""
+    started = agents(2, nproc=2)
+    wait_nodes(api, 2)
+    out = tmp_path / "final.pt"
+    job_id = submit(api, fsdp_spec("hsdp", steps, "--replicate", "2", "--out", str(out), every=DISK_RARELY,
+                                   env=MEMORY_EVERY_STEP, nproc=2))
+    _kill_a_worker_past(api, started[1], job_id, 8, workers=2)
+
+    done = wait_state(api, job_id, ("SUCCEEDED", "FAILED"), timeout_s=180)
+    assert done["state"] == "SUCCEEDED", events_of(api, job_id)
+    assert steps_lost(api, job_id, steps) <= 1, runs(api, job_id)
+    restart = runs(api, job_id)[1][0]
+    assert any(f"resumes from step {restart} in the memory of" in r for r in _memory_restores(api, job_id)), \
+        events_of(api, job_id)
+    final = torch.load(out)
+    clean = _replay(tmp_path, [(0, 4), (restart, 4)], steps, "--replicate", "2")
+    assert final.keys() == clean.keys()
+    assert [name for name in final if not torch.equal(final[name], clean[name])] == []
