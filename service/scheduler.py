@@ -28,7 +28,7 @@ import operator
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from service.contact import Contact
 from service.decide import hangs, keep, preempt, quotas
@@ -38,14 +38,12 @@ from service.decide.scheduling import (
     Plan,
     SchedulerConfig,
     Settled,
-    free_for,
+    free_again,
     holders,
     live_members,
-    offer_to,
     plan,
     schedule_queue,
     with_mark,
-    within_quotas,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
@@ -254,16 +252,16 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                 reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
             def decide(current: JobRecord, reserved: dict[str, str] = reserved,
-                       mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
-                # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job), and what its quotas do not leave it.
-                # A victim marked in this pass is marked again on it, if the mark still holds
-                # there (`decide.preempt`).
+                       mark: Preemption | None = _new_mark(p, originals[job_id]),
+                       offered: Sequence[str] = p.offered) -> Change | None:
+                # Re-decide on what is stored now, on the free nodes the pass offered it (its
+                # limits: backfill's too) that others do not hold now (as members, or held for a
+                # waiting job) and its quotas leave it (`free_again`). A victim marked in this
+                # pass is marked again on it, if the mark still holds there (`decide.preempt`).
                 now = jobs.clock()
                 marked = preempt.remark(current, mark, now) \
                     if mark is not None and preempt.still_applies(current, mark) else None
-                free = within_quotas(current, offer_to(current, free_for(current, held, live_nodes),
-                                                       reserved), active.values(), live_nodes, tenants)
+                free = free_again(current, offered, held, live_nodes, reserved, active.values(), tenants)
                 again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
                 if marked is not None:

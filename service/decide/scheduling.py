@@ -80,6 +80,10 @@ class Plan:
     job: JobRecord
     events: list[EventView]
     reason: str
+    # The free nodes the pass offered the job, its limits applied (its quotas, backfill for the
+    # queue's head, the nodes held for other jobs): made again on a re-read record, the plan
+    # takes none but these (`free_again`).
+    offered: Sequence[str] = ()
 
 
 class _Draft:
@@ -439,6 +443,18 @@ def within_quotas(job: JobRecord, free: Sequence[str], active: Iterable[JobRecor
     return quotas.trim(job, free, nodes, quotas.limits(job.owner, quotas.usage(holding, nodes, tenants)))
 
 
+def free_again(job: JobRecord, offered: Collection[str], held: dict[str, set[str]],
+               nodes: dict[str, NodeRecord], reserved: Mapping[str, str], active: Iterable[JobRecord],
+               tenants: quotas.Tenants | None) -> Sequence[str]:
+    """The free nodes for a plan of `job` made again on its re-read record (its write lost a
+    race): those the pass `offered` it (`Plan.offered`: the pass's limits on it, backfill's
+    included) that no other job holds now (`free_for`: `held`, `holders`), not held for another
+    waiting job (`offer_to`: `reserved`), as far as its quotas let it now (`within_quotas`)."""
+    offered = set(offered)
+    free = [n for n in free_for(job, held, nodes) if n in offered]
+    return within_quotas(job, offer_to(job, free, reserved), active, nodes, tenants)
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
              copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
@@ -685,6 +701,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             held_back = len(free) < len(mine)  # (then it waits behind the head: it preempts nobody)
             if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
                 p = plan(job, nodes, free, now, cfg, graced)
+                if p is not None:
+                    p.offered = free
         if p is not None:
             take(p, job)
         elif held_back:
@@ -703,10 +721,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         mark = marked.get(job.id)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job if mark is None else mark[0], nodes, offer_others(job),
-                 now, cfg, graced, copies.get(job.id, ()), gone)
+        free = offer_others(job)
+        p = plan(job if mark is None else mark[0], nodes, free, now, cfg, graced, copies.get(job.id, ()), gone)
         if mark is not None:
             p = with_mark(mark, p)
+        if p is not None:
+            p.offered = free
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:
@@ -722,7 +742,7 @@ def with_mark(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
     record, event = mark
     if p is None:
         return Plan(record, [event], event.reason)
-    return Plan(p.job, [event, *p.events], f"{event.reason}; {p.reason}")
+    return Plan(p.job, [event, *p.events], f"{event.reason}; {p.reason}", p.offered)
 
 
 class Settled:

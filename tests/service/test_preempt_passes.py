@@ -49,3 +49,35 @@ def test_a_victim_marked_on_a_record_that_changed_meanwhile_is_marked_again_on_t
             assert (started.state, sorted(started.members)) == (JobState.STARTING, ["n0"])
 
     asyncio.run(main())
+
+
+def test_a_scale_up_made_again_on_a_changed_record_keeps_off_the_nodes_backfill_holds_for_the_head():
+    # The head needs 3 GPU nodes: a and b are free, c is held by a job of its own priority that
+    # may end at any moment. A running job of that priority (no bound) may grow onto "cpu" only:
+    # growing onto a or b could delay the head. Its record changes after the pass read it, so its
+    # plan is made again on the stored one: with the same limit.
+    async def main():
+        ctx = context()
+        async with following(ctx):
+            for name, gpus in (("a", 1), ("b", 1), ("c", 1), ("cpu", 0), ("d", 0)):
+                await ctx.nodes.register(name, 1, None, ttl_s=60, gpus=gpus)
+
+            async def running_on(name: str, node: str, mx: int):
+                job, _ = await ctx.jobs.create(spec(name, 0, 1, mx))
+                return await ctx.jobs.update(job.id, lambda j: Change(j.model_copy(update={
+                    "state": JobState.RUNNING, "attempt": 1, "started_at": 1.0,
+                    "members": {node: MemberStatus(state="running")}})))
+
+            holder, grower = await running_on("holder", "c", 1), await running_on("grower", "d", 3)
+            head, _ = await ctx.jobs.create(JobSpec(name="head", command=["true"], nodes={"min": 3, "max": 3},
+                                                    gpus_per_node=1))
+            # a report lands after the pass read the grower: its write loses its race
+            await ctx.jobs.update(grower.id, lambda j: Change(
+                j.model_copy(update={"members": {"d": MemberStatus(state="running", nproc=1)}})))
+            await scheduler._schedule(ctx.jobs, await ctx.nodes.live(), [head], {holder.id: holder,
+                                      grower.id: grower}, SchedulerConfig(), {}, frozenset())
+            grown = await ctx.jobs.get(grower.id)
+            assert sorted(grown.members) == ["cpu", "d"]
+            assert (await ctx.jobs.get(head.id)).state is JobState.PENDING
+
+    asyncio.run(main())
