@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -44,6 +45,7 @@ from service.decide.scheduling import (
     plan,
     schedule_queue,
     with_mark,
+    withdrawn,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
@@ -197,9 +199,11 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
     used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
         if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
+    # (a victim's mark for a job that no longer waits is withdrawn: `decide.preempt.withdraw`)
+    waits = functools.partial(is_waiting, index) if from_index else {j.id for j in pending}.__contains__
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           running, tenants, used, index.waiting_owners() if from_index else None)
+                           running, tenants, used, index.waiting_owners() if from_index else None, waits)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -215,7 +219,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     gone: dict[str, str] | None = None,
                     running: tuple[int | None, list[JobRecord]] | None = None,
                     tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None,
-                    waiting_owners: list[str] | None = None) -> bool:
+                    waiting_owners: list[str] | None = None,
+                    waits: Callable[[str], bool] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -232,7 +237,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
                            settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
-                           tenants=tenants, shares=used, waiting_owners=waiting_owners)
+                           tenants=tenants, shares=used, waiting_owners=waiting_owners, waits=waits)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -257,10 +262,11 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                 # Re-decide on what is stored now, on the free nodes the pass offered it (its
                 # limits: backfill's too) that others do not hold now (as members, or held for a
                 # waiting job) and its quotas leave it (`free_again`). A victim marked in this
-                # pass is marked again on it, if the mark still holds there (`decide.preempt`).
+                # pass is marked again on it, if the mark still holds there, and one whose
+                # preemptor no longer waits has its mark withdrawn (`decide.preempt`).
                 now = jobs.clock()
                 marked = preempt.remark(current, mark, now) \
-                    if mark is not None and preempt.still_applies(current, mark) else None
+                    if mark is not None and preempt.still_applies(current, mark) else withdrawn(current, waits, now)
                 free = free_again(current, offered, held, live_nodes, reserved, active.values(), tenants)
                 again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
@@ -291,6 +297,12 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+def is_waiting(index: JobIndex, job_id: str) -> bool:
+    """The job is PENDING, as the index has it."""
+    job = index.get(job_id)
+    return job is not None and job.state is JobState.PENDING
 
 
 def _new_mark(p: Plan, original: JobRecord) -> Preemption | None:

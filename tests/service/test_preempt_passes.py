@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from service import scheduler
+from service.decide.cancel import decide_cancel
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
 from service.models import JobSpec, JobState, MemberStatus
@@ -79,5 +80,33 @@ def test_a_scale_up_made_again_on_a_changed_record_keeps_off_the_nodes_backfill_
             grown = await ctx.jobs.get(grower.id)
             assert sorted(grown.members) == ["cpu", "d"]
             assert (await ctx.jobs.get(head.id)).state is JobState.PENDING
+
+    asyncio.run(main())
+
+
+def test_a_victim_whose_preemptor_is_cancelled_meanwhile_starts_again_on_all_its_nodes():
+    async def main():
+        ctx = context()
+        async with following(ctx):
+            low, _ = await ctx.jobs.create(spec("low", 0, 1, 2))
+            for name in ("n0", "n1"):
+                await ctx.nodes.register(name, 1, None, ttl_s=60)
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            high, _ = await ctx.jobs.create(spec("high", 10, 1, 1))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            marked = await ctx.jobs.get(low.id)
+            assert marked.preempt is not None and marked.stopping  # a plain script: SIGTERM, its grace
+            await ctx.jobs.update(high.id, lambda j: decide_cancel(j, ctx.jobs.clock()))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            withdrawn = await ctx.jobs.get(low.id)
+            assert withdrawn.preempt is not None and withdrawn.preempt.leave == []
+            await ctx.jobs.update(low.id, lambda j: Change(
+                j.model_copy(update={"members": {n: MemberStatus(state="stopped") for n in j.members}})))
+            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            again = await ctx.jobs.get(low.id)
+            assert (again.preempt, again.stopping, sorted(again.members)) == (None, False, ["n0", "n1"])
+            reasons = [e.reason for e in await ctx.jobs.events(low.id)]
+            assert f"job {high.id} (priority 10) no longer waits for them: its workers, already told to " \
+                   "stop, start again on all its nodes" in reasons
 
     asyncio.run(main())
