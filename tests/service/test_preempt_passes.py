@@ -1,7 +1,8 @@
-"""Preemption through the scheduler's passes on the in-memory store: the victim's mark is
-written with the pass's other plans, or, where its record changed after the pass read it,
-made again on the stored record (`scheduler._schedule`); the node it gives up goes to the job
-of higher priority in the pass after it let it go."""
+"""Preemption and backfill through the scheduler's passes on the in-memory store: the victim's
+mark is written with the pass's other plans, or, where its record changed after the pass read
+it, made again on the stored record (`scheduler._schedule`), as is a scale-up, with the limits
+the pass put on it; the node a victim gives up goes to the job of higher priority in the pass
+after it let it go; a preemption whose job no longer waits is withdrawn."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from service import scheduler
 from service.decide.cancel import decide_cancel
 from service.decide.change import Change
 from service.decide.scheduling import SchedulerConfig
-from service.models import JobSpec, JobState, MemberStatus
+from service.models import JobRecord, JobSpec, JobState, MemberStatus
 from tests.service.test_stores import context, following
 
 
@@ -19,14 +20,20 @@ def spec(name: str, priority: int, mn: int, mx: int) -> JobSpec:
     return JobSpec(name=name, command=["true"], nodes={"min": mn, "max": mx}, priority=priority)
 
 
+async def running_on_two_nodes(ctx) -> JobRecord:
+    """A plain script of priority 0 (`min` 1, `max` 2), started by a pass on nodes n0 and n1."""
+    low, _ = await ctx.jobs.create(spec("low", 0, 1, 2))
+    for name in ("n0", "n1"):
+        await ctx.nodes.register(name, 1, None, ttl_s=60)
+    await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+    return low
+
+
 def test_a_victim_marked_on_a_record_that_changed_meanwhile_is_marked_again_on_the_stored_one():
     async def main():
         ctx = context()
         async with following(ctx):
-            low, _ = await ctx.jobs.create(spec("low", 0, 1, 2))
-            for name in ("n0", "n1"):
-                await ctx.nodes.register(name, 1, None, ttl_s=60)
-            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            low = await running_on_two_nodes(ctx)
             read = await ctx.jobs.get(low.id)
             assert sorted(read.members) == ["n0", "n1"]
             high, _ = await ctx.jobs.create(spec("high", 10, 1, 1))
@@ -88,10 +95,7 @@ def test_a_victim_whose_preemptor_is_cancelled_meanwhile_starts_again_on_all_its
     async def main():
         ctx = context()
         async with following(ctx):
-            low, _ = await ctx.jobs.create(spec("low", 0, 1, 2))
-            for name in ("n0", "n1"):
-                await ctx.nodes.register(name, 1, None, ttl_s=60)
-            await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
+            low = await running_on_two_nodes(ctx)
             high, _ = await ctx.jobs.create(spec("high", 10, 1, 1))
             await scheduler.tick(ctx.jobs, ctx.nodes, ctx.index, SchedulerConfig(), {})
             marked = await ctx.jobs.get(low.id)
