@@ -23,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import operator
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from service.contact import Contact
 from service.decide import hangs, keep, preempt, quotas
@@ -38,14 +39,13 @@ from service.decide.scheduling import (
     Plan,
     SchedulerConfig,
     Settled,
-    free_for,
+    free_again,
     holders,
     live_members,
-    offer_to,
     plan,
     schedule_queue,
     with_mark,
-    within_quotas,
+    withdrawn,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
@@ -199,9 +199,11 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
     used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
         if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
+    # (a victim's mark for a job that no longer waits is withdrawn: `decide.preempt.withdraw`)
+    waits = functools.partial(is_waiting, index) if from_index else {j.id for j in pending}.__contains__
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           running, tenants, used, index.waiting_owners() if from_index else None)
+                           running, tenants, used, index.waiting_owners() if from_index else None, waits)
     if watches is not None:
         await watch_hangs(jobs, active, watches, fence, stall_after_s)
     return more
@@ -217,7 +219,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     gone: dict[str, str] | None = None,
                     running: tuple[int | None, list[JobRecord]] | None = None,
                     tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None,
-                    waiting_owners: list[str] | None = None) -> bool:
+                    waiting_owners: list[str] | None = None,
+                    waits: Callable[[str], bool] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -234,7 +237,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
                            settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
-                           tenants=tenants, shares=used, waiting_owners=waiting_owners)
+                           tenants=tenants, shares=used, waiting_owners=waiting_owners, waits=waits)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -254,16 +257,17 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                 reserved = keep.reserved(live_nodes, claims or {}, live_nodes, jobs.clock())
 
             def decide(current: JobRecord, reserved: dict[str, str] = reserved,
-                       mark: Preemption | None = _new_mark(p, originals[job_id])) -> Change | None:
-                # Re-decide on what is stored now; the free list excludes nodes others hold
-                # (as members, or held for a waiting job), and what its quotas do not leave it.
-                # A victim marked in this pass is marked again on it, if the mark still holds
-                # there (`decide.preempt`).
+                       mark: Preemption | None = _new_mark(p, originals[job_id]),
+                       offered: Sequence[str] = p.offered) -> Change | None:
+                # Re-decide on what is stored now, on the free nodes the pass offered it (its
+                # limits: backfill's too) that others do not hold now (as members, or held for a
+                # waiting job) and its quotas leave it (`free_again`). A victim marked in this
+                # pass is marked again on it, if the mark still holds there, and one whose
+                # preemptor no longer waits has its mark withdrawn (`decide.preempt`).
                 now = jobs.clock()
                 marked = preempt.remark(current, mark, now) \
-                    if mark is not None and preempt.still_applies(current, mark) else None
-                free = within_quotas(current, offer_to(current, free_for(current, held, live_nodes),
-                                                       reserved), active.values(), live_nodes, tenants)
+                    if mark is not None and preempt.still_applies(current, mark) else withdrawn(current, waits, now)
+                free = free_again(current, offered, held, live_nodes, reserved, active.values(), tenants)
                 again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)
                 if marked is not None:
@@ -293,6 +297,12 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     for job_id in last_reason.keys() - active.keys():  # finished (and in time deleted)
         del last_reason[job_id]
     return starts >= MAX_STARTS_PER_PASS
+
+
+def is_waiting(index: JobIndex, job_id: str) -> bool:
+    """The job is PENDING, as the index has it."""
+    job = index.get(job_id)
+    return job is not None and job.state is JobState.PENDING
 
 
 def _new_mark(p: Plan, original: JobRecord) -> Preemption | None:

@@ -216,6 +216,28 @@ def remark(victim: JobRecord, p: Preemption, now: float) -> tuple[JobRecord, Eve
     return note(changed, f"preempted by {p.describe()}: {what}", now, as_reason=True)
 
 
+def withdraw(victim: JobRecord, now: float) -> tuple[JobRecord, EventView] | None:
+    """`victim` once the job it gives nodes to no longer waits for them (cancelled, ended, or
+    started on others), and its event; None: nothing left to withdraw.
+
+    What has not happened is called off: the mark goes and the job keeps its nodes. What has
+    begun goes on, taking nothing: rank 0 asked to pause snapshots and the group restarts from
+    there on all its nodes (`scheduling.plan`'s called-off change, as for a scale-up whose nodes
+    went elsewhere); a plain script already told to stop (SIGTERM, its grace) starts again on
+    all its nodes (`leave` emptied). A node already given up is not taken back, but is free for
+    a scale-up as any other."""
+    p = victim.preempt
+    if p is None or (victim.stopping and not p.leave and not p.suspend):
+        return None
+    if victim.stopping:
+        changed = victim.model_copy(update={"preempt": p.model_copy(update={"leave": [], "suspend": False})})
+        what = "its workers, already told to stop, start again on all its nodes"
+    else:
+        changed = victim.model_copy(update={"preempt": None})
+        what = "it keeps its nodes"
+    return note(changed, f"{p.describe()} no longer waits for them: {what}", now, as_reason=True)
+
+
 def still_applies(victim: JobRecord, p: Preemption) -> bool:
     """`p`, decided on an older record of `victim`, may be marked on this one."""
     return is_candidate(victim) and set(p.leave) <= set(live(victim)) \

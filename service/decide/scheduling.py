@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from service.decide import backfill, giveback, keep, outcome, preempt, quotas
@@ -80,6 +80,10 @@ class Plan:
     job: JobRecord
     events: list[EventView]
     reason: str
+    # The free nodes the pass offered the job, its limits applied (its quotas, backfill for the
+    # queue's head, the nodes held for other jobs): made again on a re-read record, the plan
+    # takes none but these (`free_again`).
+    offered: Sequence[str] = ()
 
 
 class _Draft:
@@ -334,8 +338,9 @@ def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfi
                # its copy is preferred when it resumes, but not held from the job that took the nodes
                kept=None if kept is None else kept.model_copy(update={"until": d.now}))
         return
-    d.regroup(f"gave node(s) {', '.join(pre.leave)} to {pre.describe()}; the others go on from the "
-              "last snapshot", planned=True, control=None, attempt=d.job.attempt + 1, rounds=0,
+    gave = (f"gave node(s) {', '.join(pre.leave)} to {pre.describe()}; the others go on from the last "
+            "snapshot") if pre.leave else f"{pre.describe()} took none of its nodes; it goes on on all of them"
+    d.regroup(gave, planned=True, control=None, attempt=d.job.attempt + 1, rounds=0,
               round_nodes=0, world_size=0, stopping=False, preempt=None, restarts_by_cause=counts,
               members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in staying})
 
@@ -439,6 +444,18 @@ def within_quotas(job: JobRecord, free: Sequence[str], active: Iterable[JobRecor
     return quotas.trim(job, free, nodes, quotas.limits(job.owner, quotas.usage(holding, nodes, tenants)))
 
 
+def free_again(job: JobRecord, offered: Collection[str], held: dict[str, set[str]],
+               nodes: dict[str, NodeRecord], reserved: Mapping[str, str], active: Iterable[JobRecord],
+               tenants: quotas.Tenants | None) -> Sequence[str]:
+    """The free nodes for a plan of `job` made again on its re-read record (its write lost a
+    race): those the pass `offered` it (`Plan.offered`: the pass's limits on it, backfill's
+    included) that no other job holds now (`free_for`: `held`, `holders`), not held for another
+    waiting job (`offer_to`: `reserved`), as far as its quotas let it now (`within_quotas`)."""
+    offered = set(offered)
+    free = [n for n in free_for(job, held, nodes) if n in offered]
+    return within_quotas(job, offer_to(job, free, reserved), active, nodes, tenants)
+
+
 def schedule(jobs: list[JobRecord], nodes: dict[str, NodeRecord], now: float,
              cfg: SchedulerConfig = SchedulerConfig(), graced: frozenset[str] = frozenset(),
              copies: Mapping[str, Sequence[MemorySnapshot]] | None = None,
@@ -458,7 +475,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    gone: Mapping[str, str] | None = None,
                    running: tuple[int | None, Iterable[JobRecord]] | None = None,
                    tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None,
-                   waiting_owners: Collection[str] | None = None) -> list[Plan]:
+                   waiting_owners: Collection[str] | None = None,
+                   waits: Callable[[str], bool] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
     node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
@@ -487,6 +505,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
     `waiting_owners`: the users with a PENDING job (`JobIndex.waiting_owners`), for the fair-share
     give-back (`decide.giveback`); None: found from `pending` where it is a list, else none.
+    `waits`: whether the job of an id is PENDING (`withdrawn`: a victim's mark for a job that no
+    longer waits is withdrawn); None: found from `pending` where it is a list, else not known.
 
     While the queue's head waits for nodes that no preemption gives it, a job behind it takes
     (and a running job grows onto) free nodes that fit the head only if it cannot delay its
@@ -566,6 +586,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     # some running job could give nodes back (looked for only while such an owner waits).
     if waiting_owners is None and isinstance(pending, Sequence):  # (a lazy queue is not read for it)
         waiting_owners = {j.owner for j in pending}
+    if waits is None and isinstance(pending, Sequence):
+        waits = {j.id for j in pending}.__contains__
     starving = giveback.starved(waiting_owners, usage()) if waiting_owners and not cfg.fifo else set()
     donors = giveback.donors(others) if starving else []
     if not donors:
@@ -685,6 +707,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             held_back = len(free) < len(mine)  # (then it waits behind the head: it preempts nobody)
             if job.state is not S.PENDING or len(free) >= job.spec.nodes.min:
                 p = plan(job, nodes, free, now, cfg, graced)
+                if p is not None:
+                    p.offered = free
         if p is not None:
             take(p, job)
         elif held_back:
@@ -700,13 +724,15 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others:
-        mark = marked.get(job.id)
+        mark = marked.get(job.id) or withdrawn(job, waits, now)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
-        p = plan(job if mark is None else mark[0], nodes, offer_others(job),
-                 now, cfg, graced, copies.get(job.id, ()), gone)
+        free = offer_others(job)
+        p = plan(job if mark is None else mark[0], nodes, free, now, cfg, graced, copies.get(job.id, ()), gone)
         if mark is not None:
             p = with_mark(mark, p)
+        if p is not None:
+            p.offered = free
         if settled is not None:
             settled.note(job, graced, p is None)
         if p is not None:
@@ -716,13 +742,23 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     return plans
 
 
+def withdrawn(job: JobRecord, waits: Callable[[str], bool] | None, now: float) -> tuple[JobRecord, EventView] | None:
+    """`job` with its preemption withdrawn, and the event, where the job it gives nodes to no
+    longer waits (`waits`: whether a job of that id is PENDING; None: not known, nothing is
+    withdrawn) (`preempt.withdraw`); None: nothing to withdraw."""
+    if job.preempt is None or waits is None or waits(job.preempt.by):
+        return None
+    return preempt.withdraw(job, now)
+
+
 def with_mark(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
-    """The plan of a job marked as a preemption's victim in this pass (`mark`: its record so
-    marked, and the event), made on that record (`p`, None if it changes nothing more)."""
+    """The plan of a job marked as a preemption's victim in this pass, or whose mark is withdrawn
+    (`mark`: its record so changed, and the event), made on that record (`p`, None if it changes
+    nothing more)."""
     record, event = mark
     if p is None:
         return Plan(record, [event], event.reason)
-    return Plan(p.job, [event, *p.events], f"{event.reason}; {p.reason}")
+    return Plan(p.job, [event, *p.events], f"{event.reason}; {p.reason}", p.offered)
 
 
 class Settled:

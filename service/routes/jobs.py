@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api_contract import AuthFirstRoute
 from service.context import Context
-from service.decide import keep, quotas
+from service.decide import keep, lineup, quotas
 from service.decide.cancel import decide_cancel
 from service.decide.waiting import why_waiting
 from service.deps import Caller, CallerDep, ContextDep, UserAuth
@@ -121,8 +121,9 @@ async def list_jobs(
         nodes = await ctx.nodes.current()
         # read once for the page: each waiting job's words cost O(nodes), not O(nodes + jobs)
         holders, used = holders_of(ctx, nodes), quota_usage(ctx, nodes)
+        queue = Queue(cluster_of(ctx, nodes, holders))  # (read only if a job's free nodes would start it)
         for job, view in zip(page, views, strict=True):
-            view.waiting = waiting_of(ctx, job, nodes, holders, used)
+            view.waiting = waiting_of(ctx, job, nodes, holders, used, queue)
     return JobList(items=views, next=page[-1].id if more and page else None)
 
 
@@ -167,38 +168,48 @@ async def with_waiting(ctx: Context, view: JobView) -> JobView:
 
 def waiting_of(ctx: Context, job: JobRecord, nodes: dict[str, NodeRecord],
                holders: Mapping[str, JobRecord] | None = None,
-               used: quotas.Usage | None = None) -> str | None:
-    """What `job` waits for (`decide.waiting.why_waiting`), the holders of the nodes taken
-    from the index: the job a node works for, or the waiting job it is held for. `holders`
-    (`holders_of`) and `used` (`quota_usage`): read once by a caller that asks for many jobs."""
+               used: quotas.Usage | None = None, queue: Queue | None = None) -> str | None:
+    """What `job` waits for, as the queue says it (`decide.lineup`): `decide.waiting.why_waiting`,
+    the holders of the nodes taken from the index (the job a node works for, or the waiting job
+    it is held for), unless the free nodes would start it: then the queue is read up to it, to
+    find whether backfill keeps them for a job ahead. `holders` (`holders_of`), `used`
+    (`quota_usage`) and `queue`: read once by a caller that asks for many jobs."""
     if job.state is not JobState.PENDING:
         return None
     holders = holders_of(ctx, nodes) if holders is None else holders
+    if lineup.may_be_held_back(job, nodes, holders, ctx.settings.queue_policy == "fifo"):
+        queue = Queue(cluster_of(ctx, nodes, holders)) if queue is None else queue
+        if (said := queue.waiting(job.id)) is not None:
+            return said
     limits: list[quotas.Limit] = []
     if applies(ctx, job.owner):  # (the use is counted only for an owner some quota holds)
         used = quota_usage(ctx, nodes) if used is None else used
         limits = quotas.limits(job.owner, used) if used is not None else []
-    return why_waiting(job, nodes, HeldFrom(holders, job.id), limits)
+    return why_waiting(job, nodes, lineup.HeldFrom(holders, job.id), limits)
 
 
-class HeldFrom(Mapping[str, JobRecord]):
-    """`holders` as one waiting job sees them: a node held for that job itself is not held
-    from it."""
+class Queue:
+    """The queue's reasons (`decide.lineup`), read only as far as a job asked for, once."""
 
-    def __init__(self, holders: Mapping[str, JobRecord], job_id: str):
-        self._holders, self._job_id = holders, job_id
+    def __init__(self, cluster: lineup.Cluster):
+        self._rest = lineup.lineup(cluster)
+        self._read: dict[str, lineup.Queued] = {}
 
-    def __getitem__(self, node: str) -> JobRecord:
-        holder = self._holders[node]
-        if holder.id == self._job_id:
-            raise KeyError(node)
-        return holder
+    def waiting(self, job_id: str) -> str | None:
+        """What the queue says job `job_id` waits for (None: not in the queue)."""
+        while job_id not in self._read and (q := next(self._rest, None)) is not None:
+            self._read[q.job.id] = q
+        return self._read[job_id].waiting if job_id in self._read else None
 
-    def __iter__(self):
-        return (n for n, h in self._holders.items() if h.id != self._job_id)
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+def cluster_of(ctx: Context, nodes: dict[str, NodeRecord], holders: Mapping[str, JobRecord],
+               tenants: quotas.Tenants | None = None) -> lineup.Cluster:
+    """What the queue is read against (`decide.lineup`): the index's unfinished jobs, `nodes`,
+    `holders` (`holders_of`), `tenants` (None: as the tenancy watch has them)."""
+    jobs = [j for j in ctx.index.jobs() if not j.state.is_terminal()]
+    tenants = tenants or ctx.tenancy.tenants() or quotas.Tenants()
+    return lineup.Cluster(jobs, nodes, holders, quotas.usage(jobs, nodes, tenants), ctx.jobs.clock(),
+                          fifo=ctx.settings.queue_policy == "fifo", settle_s=ctx.settings.fair_share_settle_s)
 
 
 def holders_of(ctx: Context, nodes: dict[str, NodeRecord], waiting: str | None = None) -> dict[str, JobRecord]:

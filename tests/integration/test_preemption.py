@@ -112,3 +112,25 @@ def test_fair_share_gives_a_starved_user_a_node_from_a_runtime_job_losing_no_ste
     by_cause = done["restarts_by_cause"]
     assert (by_cause["preemption"], by_cause["failure"], by_cause["lost_node"]) == (0, 0, 0), by_cause
     assert by_cause["resize"] >= 1
+
+
+def test_a_preemption_whose_job_is_cancelled_in_the_victims_grace_leaves_it_all_its_nodes(api, agents):
+    agents(2)
+    wait_nodes(api, 2)
+    low = submit(api, {"name": "plain", "command": ["python", str(SAVES), "--steps", "60"],
+                       "nodes": {"min": 1, "max": 2}, "preempt_grace_s": 4.0, "max_restarts": 0})
+    wait_for(lambda: len(job(api, low)["nodes"]) == 2 and any(i["line"] == "step 3" for i in log_items(api, low)),
+             60, "the plain script to step on both nodes")
+    quick = ["python", str(REPO / "tests" / "scripts" / "exit_with.py"), "0"]
+    high = submit(api, {"name": "urgent", "command": quick, "priority": 5})
+    wait_for(lambda: any(i["line"].startswith("SIGTERM at step") for i in log_items(api, low)), 60,
+             "the victim's SIGTERM (its grace begins)")
+    assert api.post(f"/v1/jobs/{high}/cancel").status_code == 202
+    assert wait_state(api, high, ("CANCELLED",), timeout_s=30)["state"] == "CANCELLED"
+    done = wait_state(api, low, ("SUCCEEDED", "FAILED"), timeout_s=120)
+    assert done["state"] == "SUCCEEDED", reasons(api, low)
+    said = reasons(api, low)
+    assert f"job {high} (priority 5) no longer waits for them: its workers, already told to stop, start " \
+           "again on all its nodes" in said, said
+    # one restart, on both nodes: not a shrink and then a scale-up
+    assert done["restarts_by_cause"] == {"failure": 0, "lost_node": 0, "preemption": 1, "resize": 0}, said

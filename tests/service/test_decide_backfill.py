@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.decide import backfill
-from service.decide.scheduling import SchedulerConfig, plan, schedule_queue
+from service.decide.scheduling import SchedulerConfig, free_again, holders, plan, schedule_queue
 from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeRecord
 
 S = JobState
@@ -97,6 +97,19 @@ def test_a_running_job_grows_onto_nodes_the_head_waits_for_only_if_it_cannot_del
     plans = schedule_queue([head()], [holder(NOW + 100), grower], nodes("a", "b", "c", "d"), NOW, CFG)
     grown = [p.job for p in plans if p.job.id == grower.id]
     assert (bool(grown) and len(grown[0].members) == 3) is grows
+
+
+def test_a_plan_made_again_on_a_re_read_record_has_the_first_plans_backfill_limit():
+    # The grower may take only the node that does not fit the GPU head; made again on its
+    # re-read record (its write lost a race), its plan takes the same (`free_again`).
+    gpu_head = job("head", 5, mn=3, mx=3, gpus_per_node=1)
+    grower = job("grower", 5, ["d"], mx=3, created=0.7)
+    others = [job("holder", 5, ["c"], created=0.5), grower]
+    free = nodes("a", "b", "c", "cpu", "d", gpus={"a": 1, "b": 1, "c": 1})
+    (p,) = schedule_queue([gpu_head], others, free, NOW, CFG)
+    assert (p.job.id, sorted(p.job.members), list(p.offered)) == ("grower", ["cpu", "d"], ["cpu"])
+    again = free_again(grower, p.offered, holders(others), free, {}, others, None)
+    assert again == ["cpu"] and sorted(plan(grower, free, list(again), NOW, CFG).job.members) == ["cpu", "d"]
 
 
 @pytest.mark.parametrize("mn, running, start", [

@@ -228,6 +228,42 @@ def test_a_plain_script_victim_is_stopped_with_its_grace_then_goes_on_on_the_res
     assert p.job.attempt == 2 and p.job.restarts_by_cause == RestartCounts(preemption=1)
 
 
+# ------------------------------------------------------------------ the job it yields to no longer waits
+
+def test_a_victim_whose_preemptor_no_longer_waits_keeps_its_nodes():
+    # "high" was cancelled (or started elsewhere): it is not in the queue any more
+    victim = marked()
+    (p,) = schedule_queue([], [victim], nodes("a", "b"), NOW, CFG)
+    assert p.job.preempt is None and p.job.control is None and sorted(p.job.members) == ["a", "b"]
+    assert p.job.attempt == victim.attempt and p.job.restarts_by_cause == RestartCounts()
+    assert "job high (priority 10) no longer waits for them: it keeps its nodes" in p.reason
+    # while "high" waits, the victim goes on giving its node up
+    (p,) = schedule_queue([job("high", 10, mn=2, mx=2, created=5.0)], [victim], nodes("a", "b"), NOW, CFG)
+    assert p.job.preempt is not None and p.job.control.action is ControlAction.CHECKPOINT_PAUSE
+
+
+def test_a_runtime_victim_already_asked_to_pause_resumes_on_all_its_nodes_from_that_snapshot():
+    asked = plan(marked(), nodes("a", "b"), [], NOW, CFG).job  # rank 0 may be snapshotting already
+    (p,) = schedule_queue([], [asked], nodes("a", "b"), NOW, CFG)
+    assert p.job.preempt is None and p.job.control is not None  # its pause is not taken back
+    resumed = plan(acked(p.job), nodes("a", "b"), [], NOW, CFG)  # the usual called-off change
+    assert sorted(resumed.job.members) == ["a", "b"] and resumed.job.attempt == 2
+    assert resumed.job.restarts_by_cause.preemption == 0 and "called off" in resumed.reason
+
+
+@pytest.mark.parametrize("suspend", [False, True])
+def test_a_plain_script_victim_already_told_to_stop_starts_again_on_all_its_nodes(suspend):
+    stopping = plan(marked(suspend=suspend, runtime=False), nodes("a", "b"), [], NOW, CFG).job
+    assert stopping.stopping  # SIGTERM and its grace are under way: not taken back
+    (p,) = schedule_queue([], [stopping], nodes("a", "b"), NOW, CFG)
+    assert p.job.stopping and p.job.preempt.leave == [] and not p.job.preempt.suspend
+    assert schedule_queue([], [p.job], nodes("a", "b"), NOW, CFG) == []  # (withdrawn once)
+    stopped = p.job.model_copy(update={"members": {n: MemberStatus(state="stopped") for n in "ab"}})
+    again = plan(stopped, nodes("a", "b"), [], NOW, CFG)
+    assert again.job.state is S.RUNNING and sorted(again.job.members) == ["a", "b"]
+    assert not again.job.stopping and again.job.preempt is None and again.job.attempt == 2
+
+
 # ------------------------------------------------------------------ restarts by cause
 
 def test_restarts_by_cause_lost_node_and_resize_do_not_spend_max_restarts():

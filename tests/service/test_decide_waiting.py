@@ -68,7 +68,7 @@ def test_a_draining_node_is_not_counted_as_free():
 def test_a_node_held_for_the_waiting_job_itself_is_free_to_it():
     # A job list reads the nodes' holders once for every waiting job on its page; a node kept
     # for one of them (its memory copy) is held from the others but free to that job.
-    from service.routes.jobs import HeldFrom
+    from service.decide.lineup import HeldFrom
 
     job = pending(2, 2).model_copy(update={"id": "kept-for"})
     other = make_job(S.PENDING, mn=1, mx=1).model_copy(update={"id": "other"})
