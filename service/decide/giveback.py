@@ -8,12 +8,10 @@ marked, rank 0 snapshots at a step boundary, the job goes on on the rest: 0 step
 the runtime; its restart counts as a resize). Never below a job's `min`, never a suspension.
 
 No thrash:
-- a give-back never turns the shares round: the side of a job that gives keeps at least as
-  many nodes as the starved user's side once it has started, so the one that gave is never
-  starved by it and never takes the nodes back. The sides are the two teams, as fair share
-  counts them (`shares.share_key`); between users of one team, the two users (fair share orders
-  a team's users by their own nodes), so a user starved by a teammate's elastic job gets nodes
-  back from it as from another team's;
+- a give-back never turns the shares round: the owner of a job that gives keeps at least as
+  many nodes as the starved user holds once its job has started (users, as fair share counts
+  shares: `shares.share_key`; a teammate's job gives as another team's does), so the one that
+  gave is never starved by it and never takes the nodes back;
 - a job that started less than `settle_s` ago (SETTLE_S by default; the control plane's
   `fair_share_settle_s`) gives nothing back (the job that just received nodes by fair share
   is not shrunk for the next starved user at the next pass);
@@ -56,34 +54,23 @@ def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usa
     pass."""
     if need <= 0:
         return []
+    mine = share_key(waiter, used)[0] + waiter.spec.nodes.min  # the starved user's share, once started
     donors = sorted((j for j in running if _may_give(j, waiter, now - settle_s, taken)),
-                    key=lambda j: (-_side(j, waiter, used)[1], victim_key(j, now)))
-    given: Counter = Counter()  # nodes taken from each donor's side
+                    key=lambda j: (-share_key(j, used)[0], victim_key(j, now)))
+    given: Counter = Counter()  # nodes taken from each donor's owner
     takes, got = [], 0
     for j in donors:
         if got >= need:
             break
-        side, held = _side(j, waiter, used)
-        mine = _side(waiter, j, used)[1] + waiter.spec.nodes.min  # the starved side's, once started
-        room = held - given[side] - mine  # what it may give without falling below
+        room = share_key(j, used)[0] - given[j.owner] - mine  # what it may give without falling below
         if room <= 0:
             continue
         give = spare(j, live(j), lambda n: n in nodes and fits(waiter.spec, nodes[n]))[:min(need - got, room)]
         if give:
             takes.append(Take(j, tuple(sorted(give)), suspend=False))
-            given[side] += len(give)
+            given[j.owner] += len(give)
             got += len(give)
     return takes if got >= need else []
-
-
-def _side(job: JobRecord, other: JobRecord, used: Usage) -> tuple[str, int]:
-    """The side of the shares `job` is on against `other`, and the nodes that side holds: its
-    team, where the two are in different teams (or either in none); its owner, where they are
-    teammates (fair share orders a team's users by their own nodes: `shares.share_key`)."""
-    team = used.tenants.team(job.owner)
-    if team is not None and team == used.tenants.team(other.owner):
-        return job.owner, used.user_nodes[job.owner]
-    return team or job.owner, share_key(job, used)[0]
 
 
 def _may_give(job: JobRecord, waiter: JobRecord, settled_by: float, taken: Collection[str]) -> bool:
