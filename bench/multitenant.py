@@ -20,7 +20,8 @@ Figures, per arm and as ftrain / FIFO:
 - steps lost by runtime jobs (a run that starts before the step the last one reached) and
   epochs lost by plain scripts, over every restart, preemption and resize;
 - Jain's fairness index of the node-seconds each user's priority-0 jobs held, counted only
-  while every user had a priority-0 job unfinished (1.0: equal shares);
+  while every user had a priority-0 job unfinished (1.0: equal shares), and the same of the
+  two teams' (where users get alike, the team of two holds twice the other: about 0.9);
 - the trace's makespan.
 """
 
@@ -198,7 +199,7 @@ class Arm:
     def figures(self) -> dict:
         return {"utilization": self.utilization(), **self.high_priority_wait(), **self.lost(),
                 **self.restarts(),
-                "jain_p0": self.jain(), "makespan_s": round(self.ended_at - self.started_at, 1),
+                "jain_p0": self.jain(), "jain_p0_teams": self.jain(USERS.get), "makespan_s": round(self.ended_at - self.started_at, 1),
                 "failed": sorted(f"{j['spec']['name']}: {j['state']} ({j['reason']})"
                                  for j in self.jobs.values() if j["state"] != "SUCCEEDED")}
 
@@ -244,17 +245,17 @@ class Arm:
                 steps += replayed(j["rank0"], RUN_START, STEP)
         return {"runtime_steps_lost": steps, "plain_epochs_lost": epochs}
 
-    def jain(self) -> float | None:
+    def jain(self, by=lambda user: user) -> float | None:
         """Jain's index of the node-seconds each user's priority-0 jobs held while every user
-        had one unfinished."""
-        share = dict.fromkeys(USERS, 0.0)
+        had one unfinished; `by`: whose share a user's node-seconds add to (its team's, say)."""
+        share = dict.fromkeys(map(by, USERS), 0.0)
         opened = dict(self.unfinished)
         for (t, nodes), (t_next, _) in zip(self.samples, self.samples[1:]):
             if opened.get(t) != set(USERS):
                 continue
             for job_id in nodes.values():
                 if job_id and job_id in self.submitted and self.submitted[job_id].priority == 0:
-                    share[self.owners[job_id]] += t_next - t
+                    share[by(self.owners[job_id])] += t_next - t
         xs = list(share.values())
         if not any(xs):
             return None
@@ -295,6 +296,7 @@ def report(figures: dict[str, dict], args) -> str:
             ("runtime steps lost", "runtime_steps_lost"),
             ("plain-script epochs lost", "plain_epochs_lost"),
             ("Jain's index, priority-0 node-s per user", "jain_p0"),
+            ("  the same per team (2 users / 1 user)", "jain_p0_teams"),
             ("makespan (s)", "makespan_s")]
     f, o = figures["fifo"], figures["ftrain"]
     lines = [f"multitenant trace: {args.jobs} jobs, {len(USERS)} users in {len(set(USERS.values()))} teams, "

@@ -7,6 +7,8 @@ onto them) only if it cannot delay the head's start (`may_backfill`):
 
 - it has a lower priority than the head: the head takes the nodes back by preemption
   (`decide.preempt`) as soon as enough can be taken to start it;
+- it has a higher priority than the head (a running job growing: a waiting one would be
+  ahead of it): it comes first, and the head could not take the nodes back from it anyway;
 - the nodes it takes do not fit the head (too few GPUs for it);
 - or it ends, by its declared `max_duration_s` (enforced: `scheduling.plan` fails a job that
   runs past it), before the head could start anyway (`planned_start`).
@@ -14,7 +16,7 @@ onto them) only if it cannot delay the head's start (`may_backfill`):
 When the head could start is counted from what the running jobs declare, as SLURM's backfill
 counts from time limits: a job with a `max_duration_s` gives its nodes back by then, one with
 none may end at any moment, so its nodes count as coming back now (a job of the head's
-priority or above without a `max_duration_s` never backfills in front of it). A job that ends
+priority without a `max_duration_s` never backfills in front of it). A job that ends
 earlier than it declared may let the head start earlier than planned, never later.
 
 Under the `fifo` queue policy nothing is held for the head (the jobs behind it start on what
@@ -59,7 +61,7 @@ def may_backfill(job: JobRecord, takes: Sequence[str], head: JobRecord, start: f
                  nodes: Mapping[str, NodeRecord], now: float) -> bool:
     """`job` may take `takes` (free nodes) while `head` waits to start at `start`
     (`planned_start`): it cannot delay that start (the module's docstring says how)."""
-    if job.spec.priority < head.spec.priority or start is None:
+    if job.spec.priority != head.spec.priority or start is None:
         return True
     if not any(_fits(head, n, nodes) for n in takes):
         return True

@@ -8,10 +8,10 @@ marked, rank 0 snapshots at a step boundary, the job goes on on the rest: 0 step
 the runtime; its restart counts as a resize). Never below a job's `min`, never a suspension.
 
 No thrash:
-- a give-back never turns the shares round: the owner (its team, as fair share counts them,
-  `shares.share_key`) of a job that gives keeps at least as many nodes as the starved user's
-  share once it has started, so the one that gave is never starved by it and never takes the
-  nodes back;
+- a give-back never turns the shares round: the owner of a job that gives keeps at least as
+  many nodes as the starved user holds once its job has started (users, as fair share counts
+  shares: `shares.share_key`; a teammate's job gives as another team's does), so the one that
+  gave is never starved by it and never takes the nodes back;
 - a job that started less than `settle_s` ago (SETTLE_S by default; the control plane's
   `fair_share_settle_s`) gives nothing back (the job that just received nodes by fair share
   is not shrunk for the next starved user at the next pass);
@@ -54,22 +54,21 @@ def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usa
     pass."""
     if need <= 0:
         return []
-    mine = share_key(waiter, used)[0] + waiter.spec.nodes.min  # the starved side's share, once started
+    mine = share_key(waiter, used)[0] + waiter.spec.nodes.min  # the starved user's share, once started
     donors = sorted((j for j in running if _may_give(j, waiter, now - settle_s, taken)),
                     key=lambda j: (-share_key(j, used)[0], victim_key(j, now)))
-    given: Counter = Counter()  # nodes taken from each donor's side (team, else owner)
+    given: Counter = Counter()  # nodes taken from each donor's owner
     takes, got = [], 0
     for j in donors:
         if got >= need:
             break
-        side = used.tenants.team(j.owner) or j.owner
-        room = share_key(j, used)[0] - given[side] - mine  # what it may give without falling below
+        room = share_key(j, used)[0] - given[j.owner] - mine  # what it may give without falling below
         if room <= 0:
             continue
         give = spare(j, live(j), lambda n: n in nodes and fits(waiter.spec, nodes[n]))[:min(need - got, room)]
         if give:
             takes.append(Take(j, tuple(sorted(give)), suspend=False))
-            given[side] += len(give)
+            given[j.owner] += len(give)
             got += len(give)
     return takes if got >= need else []
 

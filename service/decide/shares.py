@@ -1,12 +1,15 @@
-"""Fair share: among waiting jobs of one priority, a free node goes to the team (or user)
-holding the smallest share of the cluster now, then to the oldest job.
+"""Fair share: among waiting jobs of one priority, a free node goes to the user holding the
+smallest share of the cluster now, then to the one whose team holds least, then to the oldest job.
 
-The share is counted in nodes held now (`quotas.Usage`): the owner's team's, then the
-owner's own (a user in no team is a team of one), so two teams get alike whatever their
-sizes, and within a team its users get alike. The queue's order is `fair_key`: priority
-first, then `share_key`, then age; `fair_queue` hands the jobs out in that order while the
-shares change under it (a job that starts raises its owner's share, and the next node goes
-to whoever holds least then), at a cost of a heap operation per job handed out.
+The share is counted in nodes held now (`quotas.Usage`): the owner's own, then its team's (a
+user in no team is a team of one). Users get alike whatever their teams, so a team gets as
+much as its users with work to do together: a team of two busy users twice what a team of
+one gets (node-seconds per user at equal priority are what fair share evens out); between
+users holding alike, the one whose team holds less goes first. The queue's order is
+`fair_key`: priority first, then `share_key`, then age; `fair_queue` hands the jobs out in
+that order while the shares change under it (a job that starts raises its owner's share, and
+the next node goes to whoever holds least then), at a cost of a heap operation per job
+handed out.
 
 Pure: the caller owns the `Usage` and adds to it what each job it starts takes.
 """
@@ -21,11 +24,11 @@ from service.models import JobRecord
 
 
 def share_key(job: JobRecord, used: Usage) -> tuple[int, int]:
-    """How much of the cluster `job`'s owner holds now: its team's nodes (its own, in no
-    team), then its own; smaller starts first."""
+    """How much of the cluster `job`'s owner holds now: its own nodes, then its team's (its
+    own, in no team); smaller starts first."""
     team = used.tenants.team(job.owner)
     own = used.user_nodes[job.owner]
-    return (own if team is None else used.team_nodes[team], own)
+    return (own, own if team is None else used.team_nodes[team])
 
 
 def fair_key(job: JobRecord, used: Usage) -> tuple:

@@ -92,6 +92,8 @@ def test_a_head_that_nodes_would_not_start_holds_nothing_back(why):
 @pytest.mark.parametrize("grower, grows", [
     (job("same", 5, ["d"], mx=3, created=0.7), False),  # its own priority, no bound
     (job("short", 5, ["d"], mx=3, created=0.7, limit=150, started=900.0), True),  # ends by NOW + 50
+    # a higher priority than the head's: it comes first (the head could not take its nodes back)
+    (job("higher", 6, ["d"], mx=3, created=0.7), True),
 ])
 def test_a_running_job_grows_onto_nodes_the_head_waits_for_only_if_it_cannot_delay_it(grower, grows):
     plans = schedule_queue([head()], [holder(NOW + 100), grower], nodes("a", "b", "c", "d"), NOW, CFG)

@@ -67,13 +67,23 @@ def test_nothing_is_given_back(why, waiting, running, cfg):
     assert marks(schedule_queue([waiting], running, nodes(*names), NOW, cfg)) == {}, why
 
 
-def test_a_team_counts_as_one_side_of_the_shares():
+def test_users_are_the_sides_of_the_shares_whatever_their_teams():
+    # bob's teammate ann holds 2 nodes, carol (another team) 3: bob, holding none, starts on 1 of
+    # carol's (as users: 1 against 2); the team that then holds 3 against 2 does not stop it
+    carol = job("carol-sweep", "carol", ["a", "b", "c"])
+    tenants = quotas.Tenants(team_of={"ann": "ml", "bob": "ml", "carol": "nlp"})
+    ann_two = job("ann-2", "ann", ["d", "e"], mn=2, mx=2)
+    assert marks(schedule_queue([BOB], [carol, ann_two], nodes(*"abcde"), NOW, CFG, tenants=tenants)) \
+        == {"carol-sweep": (["a"], True)}
+
+
+def test_a_user_starved_by_a_teammate_gets_a_node_back_from_the_teammates_job():
     tenants = quotas.Tenants(team_of={"ann": "ml", "bob": "ml"})
-    # bob's team holds ann's 3 nodes: bob is starved as a user, but its team is not behind ann's
-    assert marks(schedule_queue([BOB], [ANN], nodes("a", "b", "c"), NOW, CFG, tenants=tenants)) == {}
-    other_team = quotas.Tenants(team_of={"ann": "ml", "bob": "vision"})
-    assert marks(schedule_queue([BOB], [ANN], nodes("a", "b", "c"), NOW, CFG, tenants=other_team)) \
+    assert marks(schedule_queue([BOB], [ANN], nodes("a", "b", "c"), NOW, CFG, tenants=tenants)) \
         == {"ann-sweep": (["a"], True)}
+    # and not so far that the teammates swap places: bob's 2-node job would leave ann 1
+    bob_two = job("bob-job", "bob", mn=2, mx=2, created=5.0)
+    assert marks(schedule_queue([bob_two], [ANN], nodes("a", "b", "c"), NOW, CFG, tenants=tenants)) == {}
 
 
 def test_a_lower_priority_job_is_preempted_first_not_given_back():

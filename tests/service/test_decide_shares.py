@@ -33,11 +33,11 @@ def started(plans) -> list[tuple[str, list[str]]]:
 
 # The share key and the order it makes
 
-def test_share_key_counts_the_team_first_then_the_user():
+def test_share_key_counts_the_user_first_then_the_team():
     running = [job("r1", "ann", 1, S.RUNNING, ["a", "b"]), job("r2", "bob", 2, S.RUNNING, ["c"])]
     tenants = Tenants(team_of={"ann": "ml", "bob": "ml"})
     used = quotas.usage(running, nodes("a", "b", "c"), tenants)
-    assert share_key(job("p", "bob", 3), used) == (3, 1)  # team ml holds 3, bob 1
+    assert share_key(job("p", "bob", 3), used) == (1, 3)  # bob holds 1, team ml 3
     assert share_key(job("p", "cy", 3), used) == (0, 0)  # in no team: a team of one
 
 
@@ -87,6 +87,16 @@ def test_team_share_counts_every_member_of_the_team():
     plans = schedule([*running, of_cy_in_ml, of_dee_alone], nodes("a", "b", "c"), NOW, CFG,
                      tenants=tenants)
     assert started(plans) == [("p2", ["c"])]  # team ml holds 2, dee none (cy itself holds none)
+
+
+def test_a_free_node_goes_to_the_user_holding_less_though_its_team_holds_more():
+    # users of a team of two get as much as a user alone: bob, holding none, before carol,
+    # holding 1, though bob's team (ann's 2) holds more than carol's
+    running = [job("r1", "ann", 1, S.RUNNING, ["a", "b"]), job("r2", "carol", 2, S.RUNNING, ["c"])]
+    of_carol, of_bob = job("p1", "carol", 3), job("p2", "bob", 4)
+    tenants = Tenants(team_of={"ann": "ml", "bob": "ml", "carol": "nlp"})
+    plans = schedule([*running, of_carol, of_bob], nodes("a", "b", "c", "d"), NOW, CFG, tenants=tenants)
+    assert started(plans) == [("p2", ["d"])]
 
 
 def test_priority_comes_before_share():
