@@ -458,7 +458,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    gone: Mapping[str, str] | None = None,
                    running: tuple[int | None, Iterable[JobRecord]] | None = None,
                    tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None,
-                   waiting_owners: Collection[str] | None = None) -> list[Plan]:
+                   waiting_owners: Collection[str] | None = None,
+                   holding: Collection[str] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
     node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
@@ -487,12 +488,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     index keeps them (`JobIndex.lowest_running_priority`, `yielding`); None: found from `others`.
     `waiting_owners`: the users with a PENDING job (`JobIndex.waiting_owners`), for the fair-share
     give-back (`decide.giveback`); None: found from `pending` where it is a list, else none.
+    `holding`: the nodes `others` hold (`JobIndex.held_nodes`); None: found from their members.
 
     While the queue's head waits for nodes that no preemption gives it, a job behind it takes
     (and a running job grows onto) free nodes that fit the head only if it cannot delay its
     start (`decide.backfill`).
     """
-    free = free_nodes(others, nodes)
+    free = free_nodes(others, nodes) if holding is None else sorted(nodes.keys() - holding)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
     offered = [n for n in free if n not in held] if held else free  # to a job that holds none of them
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
@@ -699,7 +701,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             waits_for_nodes(job)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
-    for job in others:
+    for job in others if settled is None else settled.unknown(others, graced, marked):
         mark = marked.get(job.id)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
@@ -739,7 +741,9 @@ class Settled:
 
     def __init__(self) -> None:
         self.nodes_version: int | None = None
-        self._seen: dict[str, tuple[JobRecord, int, frozenset[str]]] = {}
+        # job id -> the record, node view version and `graced` its plan was None on, and how
+        # many more nodes it could take (`max` less its live members: <= 0, none could join)
+        self._seen: dict[str, tuple[JobRecord, int, frozenset[str], int]] = {}
         self.ready_left = True  # a READY node was left free by the last pass (unknown: True)
 
     def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
@@ -747,19 +751,27 @@ class Settled:
         seen = self._seen.get(job.id)
         if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
             return False
-        room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
-        return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
+        return seen[3] <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
+
+    def unknown(self, jobs: Iterable[JobRecord], graced: frozenset[str],
+                keep: Collection[str] = ()) -> list[JobRecord]:
+        """`jobs` (in their order) but those `known` whatever nodes are free: at their `max`
+        (their room is none), unless in `keep`. One look at each, no look at its members."""
+        seen, version = self._seen, self.nodes_version
+        return [j for j in jobs if (s := seen.get(j.id)) is None or s[0] is not j or s[1] != version
+                or s[3] > 0 or s[2] != graced or j.id in keep]
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
         if settled and self.nodes_version is not None and job.control is None \
                 and job.spec.max_duration_s is None and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
-            self._seen[job.id] = (job, self.nodes_version, graced)
+            room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
+            self._seen[job.id] = (job, self.nodes_version, graced, room)
         else:
             self._seen.pop(job.id, None)
 
     def keep_only(self, job_ids: Iterable[str]) -> None:
-        """Forget every job but these (the unfinished ones)."""
-        keep = set(job_ids)
+        """Forget every job but these (the unfinished ones; a dict's keys are not copied)."""
+        keep = job_ids.keys() if isinstance(job_ids, Mapping) else set(job_ids)
         for job_id in self._seen.keys() - keep:
             del self._seen[job_id]
