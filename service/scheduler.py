@@ -168,7 +168,8 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     tenants = None if tenancy is None else await tenancy.current()
     live_nodes = await nodes.live()
     if settled is not None:
-        settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
+        # (of the view `live` just copied: no await between)
+        settled.advance(nodes.version, nodes.changed_since(settled.view))
     from_index = index.ready.is_set()  # (then `queue` reads the index, without an await)
     pending, active = await _unfinished(jobs, index)
     others = list(active.values())

@@ -737,14 +737,32 @@ class Settled:
     the same object, the node view the same version (`nodes_version`, set by the caller for
     each pass; None: unknown, nothing is skipped) and no such node free, its plan is None
     again and is not made (a pass over a thousand running jobs costs milliseconds each time
-    a submission wakes it)."""
+    a submission wakes it). Of the node view it reads only its members' records (but for a
+    free node that could join it, or replace a straggler): a new view in which other nodes
+    changed keeps it known (`advance`)."""
 
     def __init__(self) -> None:
         self.nodes_version: int | None = None
+        self.view: int | None = None  # the node view of the last pass (`advance`)
         # job id -> the record, node view version and `graced` its plan was None on, and how
         # many more nodes it could take (`max` less its live members: <= 0, none could join)
         self._seen: dict[str, tuple[JobRecord, int, frozenset[str], int]] = {}
+        self._on: dict[str, set[str]] = {}  # node -> the jobs of `_seen` it is a member of
+        self._on_any: set[str] = set()  # those that may replace a straggler with any free node
         self.ready_left = True  # a READY node was left free by the last pass (unknown: True)
+
+    def advance(self, version: int | None, changed: Collection[str] | None) -> None:
+        """This pass plans on the node view of `version` (`NodeStore.version`); `changed`: the
+        nodes whose records changed since the last pass's view (`NodeStore.changed_since`;
+        None: not known, and nothing is known of this view). Known, only the jobs with a
+        member among them (or a straggler to replace) are forgotten: the others' plans read
+        none of their records, and stay known on this view."""
+        if version is None or changed is None or self.nodes_version is None:
+            self.nodes_version = version
+        elif changed:
+            for job_id in {*self._on_any, *(j for n in changed for j in self._on.get(n, ()))}:
+                self._forget(job_id)
+        self.view = version
 
     def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
               nodes: dict[str, NodeRecord]) -> bool:
@@ -766,12 +784,29 @@ class Settled:
         if settled and self.nodes_version is not None and job.control is None \
                 and job.spec.max_duration_s is None and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
             room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
+            self._forget(job.id)
             self._seen[job.id] = (job, self.nodes_version, graced, room)
+            for n in job.members:
+                self._on.setdefault(n, set()).add(job.id)
+            if job.spec.straggler_action == "replace":
+                self._on_any.add(job.id)
         else:
-            self._seen.pop(job.id, None)
+            self._forget(job.id)
 
     def keep_only(self, job_ids: Iterable[str]) -> None:
         """Forget every job but these (the unfinished ones; a dict's keys are not copied)."""
         keep = job_ids.keys() if isinstance(job_ids, Mapping) else set(job_ids)
         for job_id in self._seen.keys() - keep:
-            del self._seen[job_id]
+            self._forget(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        seen = self._seen.pop(job_id, None)
+        if seen is None:
+            return
+        for n in seen[0].members:
+            jobs = self._on.get(n)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._on[n]
+        self._on_any.discard(job_id)
