@@ -72,10 +72,10 @@ async def departures(kv: KeyValue, keys: Keys, names: list[str]) -> dict[str, st
     """Why each of these nodes went, where a departure was noted (`note_departure`)."""
     entries = await kv.get_many([keys.departure(n) for n in names])
     return {n: json.loads(e.value)["why"] for n, e in zip(names, entries, strict=True) if e is not None}
+MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts again (reads refill it)
 # Node changes whose names the view remembers (`NodeStore.changed_since`): a scheduler pass
 # after a few of them re-plans only the jobs on those nodes, not every running job.
 CHANGES_KEPT = 10_000
-MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts again (reads refill it)
 
 
 class NodeStore:

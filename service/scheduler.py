@@ -203,7 +203,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     else:
         pending = list(pending)
         claims = keep.claims(pending)
-    # (`active`: PENDING jobs hold no node, no member is missing)
+    # (`active`: the jobs that hold nodes; a PENDING job holds none, so none of it is missing)
     if settled is not None:
         settled.keep_only(active)
     # (kept by the index as jobs change: a pass need not look through every running job for them)
