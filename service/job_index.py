@@ -31,7 +31,7 @@ import bisect
 import heapq
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, KeysView
 
 from service.decide import keep, quotas
 from service.decide.order import QueueKey, queue_key
@@ -75,10 +75,18 @@ class JobIndex:
         self._held: Counter[str] = Counter()  # user -> nodes held (`held`)
         self._waiting: Counter[str] = Counter()  # user -> its PENDING jobs (`waiting_owners`)
         self._running: list[SortKey] = []
+        # Their records by id, oldest first (`running`), remade only when a job starts or
+        # leaves them (None: to be remade); and the nodes they hold and those their live
+        # members are on, counted per node (`held_nodes`, `member_nodes`): kept as jobs
+        # change, so a scheduler pass reads them without a look at every running job's members.
+        self._running_jobs: dict[str, JobRecord] | None = {}
+        self._holding: Counter[str] = Counter()
+        self._live: Counter[str] = Counter()
         # Of those others: how many run at each priority, and the ones giving nodes up to a
         # preemption (`decide.preempt`), so a scheduler pass need not look through them all.
         self._priorities: Counter[int] = Counter()
         self._yielding: set[str] = set()
+        self._hang_watched: set[str] = set()  # those with a hang timeout (`hang_watched`)
         self._gone: OrderedDict[str, SortKey] = OrderedDict()
         self._revs: dict[str, int] = {}  # job id -> the mod_revision of its record here
         self._progress: dict[str, bytes] = {}  # job id -> its progress key's value
@@ -128,6 +136,28 @@ class JobIndex:
     def running_ids(self) -> list[str]:
         """The unfinished jobs that are not PENDING (they hold nodes), oldest first."""
         return [job_id for _, job_id in self._running]
+
+    def running(self) -> dict[str, JobRecord]:
+        """The unfinished jobs that are not PENDING, by id, oldest first (`running_ids`'
+        records): a copy, the caller's to change."""
+        if self._running_jobs is None:
+            jobs = self._jobs
+            self._running_jobs = {job_id: jobs[job_id] for _, job_id in self._running}
+        return dict(self._running_jobs)
+
+    def held_nodes(self) -> set[str]:
+        """The nodes those jobs hold (`quotas.held_nodes`: live or finished members), as a set
+        of its own (`decide.scheduling.free_nodes` of `running` without reading their members)."""
+        return set(self._holding)
+
+    def member_nodes(self) -> KeysView[str]:
+        """The nodes of those jobs' live members (`decide.scheduling.live_members`): a view,
+        to be read before the next await."""
+        return self._live.keys()
+
+    def hang_watched(self) -> set[str]:
+        """The ids of those jobs with a hang timeout (`spec.hang_timeout_s`), as a set of its own."""
+        return set(self._hang_watched)
 
     def lowest_running_priority(self) -> int | None:
         """The lowest priority among the unfinished jobs that are not PENDING (None: none)."""
@@ -372,11 +402,18 @@ class JobIndex:
                 del was[i]
         if now is not None and (was is not now or new_place != old_place):
             bisect.insort(now, new_place)
+        if was is self._running and now is self._running and new_place == old_place:
+            if self._running_jobs is not None:
+                self._running_jobs[job_id] = new  # (in its place: the order is the same)
+        elif self._running in (was, now):
+            self._running_jobs = None  # (a job started or left them: remade when next read)
 
     def _count_running(self, job: JobRecord | None, by: int) -> None:
         """Add (1) or take (-1) `job` to the aggregates of the others (`_priorities`, `_yielding`)."""
         if job is None or not by:
             return
+        _count(self._holding, quotas.held_nodes(job), by)
+        _count(self._live, [n for n, m in job.members.items() if m.is_live()], by)
         prio = job.spec.priority
         self._priorities[prio] += by
         if self._priorities[prio] <= 0:
@@ -385,6 +422,10 @@ class JobIndex:
             self._yielding.add(job.id)
         elif by < 0:
             self._yielding.discard(job.id)
+        if by > 0 and job.spec.hang_timeout_s is not None:
+            self._hang_watched.add(job.id)
+        elif by < 0:
+            self._hang_watched.discard(job.id)
 
     def _queue_of(self, job: JobRecord | None) -> list | None:
         if job is None or job.state.is_terminal():
@@ -430,7 +471,8 @@ class JobIndex:
         self._pending = sorted(queue_key(j, self.fifo) for j in jobs.values() if j.state is JobState.PENDING)
         self._running = [p for p in self._order
                          if jobs[p[1]].state is not JobState.PENDING and not jobs[p[1]].state.is_terminal()]
-        self._priorities, self._yielding = Counter(), set()
+        self._priorities, self._yielding, self._hang_watched = Counter(), set(), set()
+        self._running_jobs, self._holding, self._live = None, Counter(), Counter()
         for _, job_id in self._running:
             self._count_running(jobs[job_id], 1)
         for job_id, job in jobs.items():
@@ -478,3 +520,11 @@ class JobIndex:
     def _progress_event(self, ev: WatchEvent, job_id: str) -> None:
         if ev.value is None or ev.mod_revision >= self._progress_revs.get(job_id, 0):
             self._set_progress(job_id, ev.value, ev.mod_revision)
+
+
+def _count(counts: Counter[str], keys: Iterable[str], by: int) -> None:
+    """Add `by` to the count of each of `keys`; a count that falls to 0 goes."""
+    for key in keys:
+        counts[key] += by
+        if counts[key] <= 0:
+            del counts[key]

@@ -32,6 +32,7 @@ the request path by a `LeaseKeeper` (`service.heartbeats`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import secrets
@@ -72,6 +73,9 @@ async def departures(kv: KeyValue, keys: Keys, names: list[str]) -> dict[str, st
     entries = await kv.get_many([keys.departure(n) for n in names])
     return {n: json.loads(e.value)["why"] for n, e in zip(names, entries, strict=True) if e is not None}
 MAX_VERIFIED = 100_000  # names in the heartbeat map; past it the map starts again (reads refill it)
+# Node changes whose names the view remembers (`NodeStore.changed_since`): a scheduler pass
+# after a few of them re-plans only the jobs on those nodes, not every running job.
+CHANGES_KEPT = 10_000
 
 
 class NodeStore:
@@ -90,6 +94,10 @@ class NodeStore:
         # while there is no view), so a scheduler pass knows the nodes did not change.
         self.version: int | None = None
         self._changes = 0
+        # (count, name) of the view's last changes, and the count of its last load: which
+        # nodes changed between two versions (`changed_since`)
+        self._changed: collections.deque[tuple[int, str]] = collections.deque(maxlen=CHANGES_KEPT)
+        self._loaded_at = 0
         self._verified: dict[str, tuple[str, int]] = {}  # name -> (credential digest, lease)
 
     async def register(self, name: str, nproc_per_node: int, address: str | None,
@@ -222,6 +230,22 @@ class NodeStore:
         else etcd; `version` is left as the last pass set it."""
         return dict(self._live) if self._live is not None else await self.list()
 
+    def changed_since(self, version: int | None) -> set[str] | None:
+        """The names of the nodes whose records changed (or went) between the view of
+        `version` and the one `live` copied last; None where that is not known (no view,
+        a load between them, or more changes than are kept)."""
+        if version is None or self.version is None or self._live is None or version < self._loaded_at:
+            return None
+        if self._changed and self._changed[0][0] > version + 1:
+            return None  # (the log does not reach back to it)
+        names = set()
+        for count, name in reversed(self._changed):
+            if count <= version:
+                break
+            if count <= self.version:
+                names.add(name)
+        return names
+
     @property
     def view_changes(self) -> int:
         """How many times the watch-fed view has changed so far (`follow`), whether or not a
@@ -239,6 +263,7 @@ class NodeStore:
                                             async for e in self.kv.scan_prefix(prefix)]}
                 self._live = live
                 self._changes += 1
+                self._loaded_at = self._changes
                 wake.set()
                 while True:  # from `revision` itself: a change during the load is replayed
                     async for event in self.kv.watch_prefix(prefix, revision):
@@ -249,6 +274,7 @@ class NodeStore:
                             live[record.name] = record
                         revision = event.mod_revision
                         self._changes += 1
+                        self._changed.append((self._changes, event.key[len(prefix):]))
                         wake.set()
             except asyncio.CancelledError:
                 self._live = None

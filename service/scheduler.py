@@ -29,7 +29,7 @@ import operator
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from service.contact import Contact
 from service.decide import hangs, keep, preempt, quotas
@@ -129,16 +129,20 @@ async def queue(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], l
     A new leader plans on the index once it has the last leader's writes (`run`,
     `JobIndex.catch_up`). Until the index is ready: every unfinished job as etcd has it now.
     """
+    pending, others = await _unfinished(jobs, index)
+    return pending, list(others.values())
+
+
+async def _unfinished(jobs: JobStore, index: JobIndex) -> tuple[Iterable[JobRecord], dict[str, JobRecord]]:
+    """`queue`, with the others by id (a dict of the caller's own, oldest first)."""
     if not index.ready.is_set():
         found = sorted([j async for j in jobs.scan() if not j.state.is_terminal()],
                        key=lambda j: (j.created_at, j.id))
         return (sorted((j for j in found if j.state is JobState.PENDING), key=queue_key),
-                [j for j in found if j.state is not JobState.PENDING])
+                {j.id: j for j in found if j.state is not JobState.PENDING})
     pending = (j for j in map(index.get, index.pending_ids())
                if j is not None and j.state is JobState.PENDING)
-    others = [j for j in map(index.get, index.running_ids())
-              if j is not None and not j.state.is_terminal()]
-    return pending, others
+    return pending, index.running()
 
 
 async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: SchedulerConfig,
@@ -164,11 +168,17 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     tenants = None if tenancy is None else await tenancy.current()
     live_nodes = await nodes.live()
     if settled is not None:
-        settled.nodes_version = nodes.version  # of the view `live` just copied (no await between)
+        # (of the view `live` just copied: no await between)
+        settled.advance(nodes.version, nodes.changed_since(settled.view))
     from_index = index.ready.is_set()  # (then `queue` reads the index, without an await)
-    pending, others = await queue(jobs, index)
+    pending, active = await _unfinished(jobs, index)
+    others = list(active.values())
+    # What the index counts of them, read with them (no await between): the nodes they hold,
+    # those with a hang timeout (its spec is fixed), and their live members' nodes.
+    holding, hang_ids = (index.held_nodes(), index.hang_watched()) if from_index else (None, None)
     graced: frozenset[str] = frozenset()
-    missing = {n for j in others for n in live_members(j) if n not in live_nodes}
+    missing = index.member_nodes() - live_nodes.keys() if from_index else \
+        {n for j in others for n in live_members(j) if n not in live_nodes}
     if missing_since is not None:
         now = jobs.clock()
         for name in missing_since.keys() - missing:
@@ -185,13 +195,15 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     # Why each missing member went, where a control plane noted it (service.nodes.departures).
     gone = await departures(nodes.kv, nodes.keys, sorted(missing - graced)) if missing - graced else {}
     if copies and from_index:  # the index may have moved meanwhile: the queue as it is now
-        pending, others = await queue(jobs, index)
+        pending, active = await _unfinished(jobs, index)
+        others = list(active.values())
+        holding, hang_ids = index.held_nodes(), index.hang_watched()
     if from_index:
         claims = index.claims()
     else:
         pending = list(pending)
         claims = keep.claims(pending)
-    active = {j.id: j for j in others}  # (PENDING jobs hold no node: no member is missing)
+    # (`active`: the jobs that hold nodes; a PENDING job holds none, so none of it is missing)
     if settled is not None:
         settled.keep_only(active)
     # (kept by the index as jobs change: a pass need not look through every running job for them)
@@ -203,9 +215,10 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     waits = functools.partial(is_waiting, index) if from_index else {j.id for j in pending}.__contains__
     more = await _schedule(jobs, live_nodes, pending, active, cfg, last_reason, graced, fence,
                            settled, index.revision_of if from_index else None, claims, copies, gone,
-                           running, tenants, used, index.waiting_owners() if from_index else None, waits)
+                           running, tenants, used, index.waiting_owners() if from_index else None,
+                           waits, holding)
     if watches is not None:
-        await watch_hangs(jobs, active, watches, fence, stall_after_s)
+        await watch_hangs(jobs, active, watches, fence, stall_after_s, hang_ids)
     return more
 
 
@@ -220,7 +233,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                     running: tuple[int | None, list[JobRecord]] | None = None,
                     tenants: quotas.Tenants | None = None, used: quotas.Usage | None = None,
                     waiting_owners: list[str] | None = None,
-                    waits: Callable[[str], bool] | None = None) -> bool:
+                    waits: Callable[[str], bool] | None = None,
+                    holding: Collection[str] | None = None) -> bool:
     """Plan (on the queue as read: `pending` is consumed here, before any await) and apply
     each plan; `active` (the jobs that hold nodes, by id) takes in the changes made. Returns
     whether it started as many jobs as a pass may (more may wait).
@@ -230,14 +244,17 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
     one's revision), so that a pass that starts a thousand jobs does not make three thousand
     round trips; a plan whose transaction lost, or made on a record read otherwise, goes
     through `JobStore.update`, which re-reads the job and decides again. (`revision_of` is
-    asked before any await: the records and their revisions are the index's of one moment.)"""
-    originals: dict[str, JobRecord] = {j.id: j for j in active.values()}
+    asked before any await: the records and their revisions are the index's of one moment.)
+    `holding`: the nodes the jobs of `active` hold, as the index counts them
+    (`JobIndex.held_nodes`; None: found from their members)."""
+    originals: dict[str, JobRecord] = dict(active)
     for j in (claims or {}).values():  # a job held for is planned on this record (`keep.holding`)
         originals[j.id] = j
     queue = (j for j in pending if _note(originals, j))
     plans = schedule_queue(queue, list(active.values()), live_nodes, jobs.clock(), cfg, graced,
                            settled, MAX_STARTS_PER_PASS, claims, copies, gone, running=running,
-                           tenants=tenants, shares=used, waiting_owners=waiting_owners, waits=waits)
+                           tenants=tenants, shares=used, waiting_owners=waiting_owners, waits=waits,
+                           holding=holding)
     reserved: dict[str, str] | None = None  # node -> the waiting job it is held for (`decide.keep`)
     starts = sum(1 for p in plans if originals[p.job.id].state is JobState.PENDING)
     held = holders(active.values()) if plans else {}
@@ -329,12 +346,16 @@ async def progress_steps(jobs: JobStore, watched: list[JobRecord]) -> list[int |
 
 async def watch_hangs(jobs: JobStore, active: dict[str, JobRecord],
                       watches: dict[str, hangs.Watch], fence: dict[str, int] | None = None,
-                      stall_after_s: float | None = None) -> None:
+                      stall_after_s: float | None = None, hang_ids: Collection[str] | None = None) -> None:
     """Advance the hang clock of each job that has one; restart (or fail) the jobs that hang.
     `stall_after_s`: a gap between two passes longer than this is this control plane's own
-    stall, which the clocks do not count (`hangs.unheard`)."""
+    stall, which the clocks do not count (`hangs.unheard`). `hang_ids`: the jobs of `active`
+    with a hang timeout (`JobIndex.hang_watched`; None: found from every job)."""
+    # (oldest first, as `active` has them)
+    jobs_with = active.values() if hang_ids is None else \
+        sorted((active[i] for i in hang_ids if i in active), key=lambda j: (j.created_at, j.id))
     # (A PENDING job is never watched: its clock starts afresh when it runs, `hangs.observe`.)
-    watched = [j for j in active.values() if j.spec.hang_timeout_s is not None
+    watched = [j for j in jobs_with if j.spec.hang_timeout_s is not None
                and not j.state.is_terminal() and j.state is not JobState.PENDING]
     for job_id in watches.keys() - {j.id for j in watched}:
         del watches[job_id]

@@ -476,7 +476,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                    running: tuple[int | None, Iterable[JobRecord]] | None = None,
                    tenants: quotas.Tenants | None = None, shares: quotas.Usage | None = None,
                    waiting_owners: Collection[str] | None = None,
-                   waits: Callable[[str], bool] | None = None) -> list[Plan]:
+                   waits: Callable[[str], bool] | None = None,
+                   holding: Collection[str] | None = None) -> list[Plan]:
     """`schedule`, with the queue given apart: `pending` (PENDING jobs, in queue order:
     `decide.order.queue_key`) and `others` (the other unfinished jobs, oldest first). While a
     node is free the queue is served in `shares.fair_queue`'s order (priority, the owner's
@@ -507,12 +508,13 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     give-back (`decide.giveback`); None: found from `pending` where it is a list, else none.
     `waits`: whether the job of an id is PENDING (`withdrawn`: a victim's mark for a job that no
     longer waits is withdrawn); None: found from `pending` where it is a list, else not known.
+    `holding`: the nodes `others` hold (`JobIndex.held_nodes`); None: found from their members.
 
     While the queue's head waits for nodes that no preemption gives it, a job behind it takes
     (and a running job grows onto) free nodes that fit the head only if it cannot delay its
     start (`decide.backfill`).
     """
-    free = free_nodes(others, nodes)
+    free = free_nodes(others, nodes) if holding is None else sorted(nodes.keys() - holding)
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
     offered = [n for n in free if n not in held] if held else free  # to a job that holds none of them
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
@@ -723,7 +725,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             waits_for_nodes(job)
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
-    for job in others:
+    for job in others if settled is None else settled.unknown(others, graced, marked):
         mark = marked.get(job.id) or withdrawn(job, waits, now)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
@@ -771,31 +773,77 @@ class Settled:
     the same object, the node view the same version (`nodes_version`, set by the caller for
     each pass; None: unknown, nothing is skipped) and no such node free, its plan is None
     again and is not made (a pass over a thousand running jobs costs milliseconds each time
-    a submission wakes it)."""
+    a submission wakes it). Of the node view it reads only its members' records (but for a
+    free node that could join it, or replace a straggler): a new view in which other nodes
+    changed keeps it known (`advance`)."""
 
     def __init__(self) -> None:
         self.nodes_version: int | None = None
-        self._seen: dict[str, tuple[JobRecord, int, frozenset[str]]] = {}
+        self.view: int | None = None  # the node view of the last pass (`advance`)
+        # job id -> the record, node view version and `graced` its plan was None on, and how
+        # many more nodes it could take (`max` less its live members: <= 0, none could join)
+        self._seen: dict[str, tuple[JobRecord, int, frozenset[str], int]] = {}
+        self._on: dict[str, set[str]] = {}  # node -> the jobs of `_seen` it is a member of
+        self._on_any: set[str] = set()  # those that may replace a straggler with any free node
         self.ready_left = True  # a READY node was left free by the last pass (unknown: True)
+
+    def advance(self, version: int | None, changed: Collection[str] | None) -> None:
+        """This pass plans on the node view of `version` (`NodeStore.version`); `changed`: the
+        nodes whose records changed since the last pass's view (`NodeStore.changed_since`;
+        None: not known, and nothing is known of this view). Known, only the jobs with a
+        member among them (or a straggler to replace) are forgotten: the others' plans read
+        none of their records, and stay known on this view."""
+        if version is None or changed is None or self.nodes_version is None:
+            self.nodes_version = version
+        elif changed:
+            for job_id in {*self._on_any, *(j for n in changed for j in self._on.get(n, ()))}:
+                self._forget(job_id)
+        self.view = version
 
     def known(self, job: JobRecord, graced: frozenset[str], ready: set[str],
               nodes: dict[str, NodeRecord]) -> bool:
         seen = self._seen.get(job.id)
         if seen is None or seen[0] is not job or seen[1] != self.nodes_version or seen[2] != graced:
             return False
-        room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
-        return room <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
+        return seen[3] <= 0 or not any(fits(job.spec, nodes[n]) for n in ready)
+
+    def unknown(self, jobs: Iterable[JobRecord], graced: frozenset[str],
+                keep: Collection[str] = ()) -> list[JobRecord]:
+        """`jobs` (in their order) but those `known` whatever nodes are free: at their `max`
+        (their room is none), unless in `keep` or a preemption's victim (its mark may be
+        withdrawn: `withdrawn`). One look at each, no look at its members."""
+        seen, version = self._seen, self.nodes_version
+        return [j for j in jobs if (s := seen.get(j.id)) is None or s[0] is not j or s[1] != version
+                or s[3] > 0 or s[2] != graced or j.id in keep or j.preempt is not None]
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""
         if settled and self.nodes_version is not None and job.control is None \
                 and job.spec.max_duration_s is None and job.state in (S.STARTING, S.RUNNING, S.RECOVERING):
-            self._seen[job.id] = (job, self.nodes_version, graced)
+            room = job.spec.nodes.max - sum(1 for m in job.members.values() if m.is_live())
+            self._forget(job.id)
+            self._seen[job.id] = (job, self.nodes_version, graced, room)
+            for n in job.members:
+                self._on.setdefault(n, set()).add(job.id)
+            if job.spec.straggler_action == "replace":
+                self._on_any.add(job.id)
         else:
-            self._seen.pop(job.id, None)
+            self._forget(job.id)
 
     def keep_only(self, job_ids: Iterable[str]) -> None:
-        """Forget every job but these (the unfinished ones)."""
-        keep = set(job_ids)
+        """Forget every job but these (the unfinished ones; a dict's keys are not copied)."""
+        keep = job_ids.keys() if isinstance(job_ids, Mapping) else set(job_ids)
         for job_id in self._seen.keys() - keep:
-            del self._seen[job_id]
+            self._forget(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        seen = self._seen.pop(job_id, None)
+        if seen is None:
+            return
+        for n in seen[0].members:
+            jobs = self._on.get(n)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._on[n]
+        self._on_any.discard(job_id)
