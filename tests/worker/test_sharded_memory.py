@@ -127,3 +127,66 @@ def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_s
     assert all(t.dtype == torch.float32 for t in again["restored"]["model"].values())
     assert (one["start"], one["tier"]) == (6, "memory")
     _assert_same(one["restored"], again["final"], "memory, 2 -> 1")
+
+
+def _two_nodes(rank: int, world: int, port: int, root: str, steps: int) -> None:
+    """One rank on a node of its own (its own memory folder): a sharded model trained `steps`
+    steps with a copy at each; which threads exchanged the replicas, and the tier's timings."""
+    import threading
+
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), FTRAIN_NODE=f"node-{rank}")
+    from torch.distributed.fsdp import fully_shard
+
+    from worker import runtime
+
+    on_training_thread: list[bool] = []
+    exchange = ShardedMemoryTier._exchange
+
+    def watched(self, *args, **kwargs):
+        on_training_thread.append(threading.current_thread() is threading.main_thread())
+        return exchange(self, *args, **kwargs)
+
+    ShardedMemoryTier._exchange = watched
+    memory = Path(root, f"node-{rank}")
+    memory.mkdir(exist_ok=True)
+    rt = runtime.init(snapshot_dir=str(Path(root, "snapshots")), snapshot_every=1000, memory_dir=str(memory),
+                      memory_every=1, timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt.restore(model=model, optimizer=optimizer)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    while rt.step < steps:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rt.step_done(loss=loss)
+    tier = rt.memory
+    assert isinstance(tier, ShardedMemoryTier)
+    rt.finish()
+    torch.save({"on_training_thread": on_training_thread, "copies": len(tier.writer.stalls_s),
+                "replicate_s": tier.replicate_s, "waits_s": getattr(tier, "replica_waits_s", None), "buddy": tier.buddy},
+               Path(root, f"rank{rank}.pt"))
+
+
+def test_replicas_are_exchanged_off_the_training_thread_from_the_slots_bytes(tmp_path: Path) -> None:
+    mp.spawn(_two_nodes, args=(2, free_port(), str(tmp_path), 4), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["buddy"] == 1 - rank
+        assert got["on_training_thread"] and not any(got["on_training_thread"]), \
+            "the replicas were exchanged on the training thread (its time the copy's stall)"
+        # One exchange per copy, timed on its own thread; the training thread's waits for the
+        # previous one (before each later copy) are what the copy's stall counts of it.
+        assert len(got["replicate_s"]) == got["copies"] >= 4
+        assert len(got["waits_s"]) == got["copies"] - 1
+        own = mem.read_copy(tmp_path / f"node-{rank}" / f"shard-r{rank}")
+        replica = mem.read_copy(tmp_path / f"node-{1 - rank}" / f"replica-r{rank}")  # verified
+        assert own is not None and replica is not None
+        assert (replica[0]["rank"], replica[0]["step"]) == (rank, own[0]["step"]) == (rank, 4)
+        assert torch.equal(replica[1], own[1])
