@@ -72,6 +72,35 @@ def test_a_slot_torn_by_a_writer_killed_mid_copy_reads_as_none_not_as_a_copy(tmp
     assert mem.read_slot(tmp_path, 1 - older) is not None
 
 
+
+def test_a_replica_is_a_copy_only_once_received_whole_and_committed_under_its_senders_checksum(
+        tmp_path: Path) -> None:
+    (tmp_path / "own").mkdir()
+    (tmp_path / "replica").mkdir()
+    sender, kept = mem.MemoryWriter(tmp_path / "own"), mem.MemoryWriter(tmp_path / "replica")
+    sent: list[tuple[dict, torch.Tensor]] = []
+    sender.on_done = lambda meta, buf: sent.append((meta, buf.clone()))
+    for step in (1, 2):
+        sender.capture({"step": step, "w": torch.full((256,), float(step))}, step, set())
+        sender.wait()
+    (first, first_bytes), (second, second_bytes) = sent
+    slot, into = kept.free_slot(first["packing"], first["size"])
+    into.copy_(first_bytes)
+    kept.commit(first, slot)
+    slot, into = kept.free_slot(second["packing"], second["size"])
+    into[:128].copy_(second_bytes[:128])  # the receiver died here: half of step 2 in its free slot
+    assert mem.read_slot(tmp_path / "replica", slot) is None
+    assert mem.read_copy(tmp_path / "replica")[0]["step"] == 1
+    into.copy_(second_bytes)
+    into[-1] ^= 0xFF  # whole, but a byte torn in transit: the sender's checksum catches it
+    kept.commit(second, slot)
+    with pytest.raises(mem.CopyCorrupt):
+        mem.read_copy(tmp_path / "replica")
+    into.copy_(second_bytes)
+    assert mem.read_copy(tmp_path / "replica")[0]["step"] == 2
+    sender.close()
+    kept.close()
+
 def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str,
            until: int) -> None:
     """One rank: a model sharded in bfloat16 mixed precision, restored, trained to `until`,
