@@ -686,6 +686,11 @@ class MemoryWriter:
             self._finish(*pending)
             self._raise_error()
 
+    @property
+    def on_device(self) -> bool:
+        """The last copy took the GPU path (its copy on the copy engine, not a core)."""
+        return self._on_device
+
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
         time alone (the copy and its checksum run on the GPU) plus the commit (on the training

@@ -219,3 +219,21 @@ def test_replicas_are_exchanged_off_the_training_thread_from_the_slots_bytes(tmp
         assert own is not None and replica is not None
         assert (replica[0]["rank"], replica[0]["step"]) == (rank, own[0]["step"]) == (rank, 4)
         assert torch.equal(replica[1], own[1])
+
+
+def test_off_a_gpu_the_exchange_of_replicas_counts_in_the_copys_cost(tmp_path: Path) -> None:
+    """Its thread takes a core as the copy thread does; on a GPU host only the training
+    thread's wait for it counts (in the stall)."""
+    from worker.tiers.api import Worker
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    tier = ShardedMemoryTier(Worker(rank=0, local_rank=0, world_size=2, distributed=False,
+                                    device=torch.device("cpu"), link=None), tmp_path, None)
+    w = tier.open_writer()
+    w.stalls_s[:], w.copies_s[:], tier.rng_s = [0.001], [0.010], 0.0
+    assert tier.last_cost_s() == pytest.approx(0.011)
+    tier.replicate_s[:] = [0.030]
+    assert tier.last_cost_s() == pytest.approx(0.041)
+    w._on_device, w.commits_s[:] = True, [0.0005]
+    assert tier.last_cost_s() == pytest.approx(0.0015)
+    tier.close()

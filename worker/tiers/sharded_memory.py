@@ -8,9 +8,14 @@ the scheduler, sampler and extras, its RNG states, the step, the world size and 
 goes into a writer of its own, `<node's memory dir>/shard-r<rank>/`, with the same slots,
 checksums, budget and schedule as the DDP copy (worker/memory.py, worker/tiers/memory.py).
 Every rank copies at the steps rank 0 picks, and never skips one (it waits for its own
-previous copy instead), so the ranks' copies are of the same steps. At each copy a rank also
-sends its state to the next rank on another node (point to point, over a gloo group), which
-keeps it as `replica-r<rank>/`: a lost node's shards are still in the group's memory.
+previous copy instead), so the ranks' copies are of the same steps. Each copy also goes to
+the next rank on another node, which keeps it as `replica-r<rank>/`: a lost node's shards are
+still in the group's memory. That exchange runs on a thread of the tier's own, over a gloo
+group only it uses (every rank exchanges the same copy steps in the same order): once a copy
+is committed, the thread sends the slot's bytes (the model is not read again) and receives
+the copies sent to this rank straight into their replicas' free slots, each committed under
+its sender's checksum (a replica half received or torn in transit reads as none). The next
+copy waits for the exchange only if it is not over, and that wait is the copy's stall.
 
 A restore reads every copy on each node (split among the node's ranks; both slots of each,
 verified: a rank killed mid-copy leaves its other ranks' copies a step ahead of its own) and
@@ -151,6 +156,15 @@ class ShardedMemoryTier(MemoryTier):
     def wait(self) -> None:
         super().wait()
         self._wait_exchange(stall=False)
+
+    def last_cost_s(self) -> float:
+        """The copy's cost, and off a GPU the last exchange of replicas too: its thread takes a
+        core, as the copy thread does (on a GPU host the exchange holds no core of the
+        training's: what it costs is the training thread's wait for it, in the stall)."""
+        cost = super().last_cost_s()
+        if self.replicate_s and self.writer is not None and not self.writer.on_device:
+            cost += self.replicate_s[-1]
+        return cost
 
     def _wait_exchange(self, stall: bool = True) -> None:
         """The training thread waits for the last exchange of replicas if it is not over; the
