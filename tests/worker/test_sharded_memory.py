@@ -198,7 +198,8 @@ def _two_nodes(rank: int, world: int, port: int, root: str, steps: int) -> None:
     tier = rt.memory
     assert isinstance(tier, ShardedMemoryTier)
     rt.finish()
-    torch.save({"on_training_thread": on_training_thread, "copies": len(tier.writer.stalls_s),
+    torch.save({"on_training_thread": on_training_thread, "stalls_s": tier.writer.stalls_s,
+                "copies": len(tier.writer.stalls_s),
                 "replicate_s": tier.replicate_s, "waits_s": getattr(tier, "replica_waits_s", None), "buddy": tier.buddy},
                Path(root, f"rank{rank}.pt"))
 
@@ -214,6 +215,7 @@ def test_replicas_are_exchanged_off_the_training_thread_from_the_slots_bytes(tmp
         # previous one (before each later copy) are what the copy's stall counts of it.
         assert len(got["replicate_s"]) == got["copies"] >= 4
         assert len(got["waits_s"]) == got["copies"] - 1
+        assert all(stall >= wait for stall, wait in zip(got["stalls_s"][1:], got["waits_s"]))
         own = mem.read_copy(tmp_path / f"node-{rank}" / f"shard-r{rank}")
         replica = mem.read_copy(tmp_path / f"node-{1 - rank}" / f"replica-r{rank}")  # verified
         assert own is not None and replica is not None

@@ -117,6 +117,7 @@ class ShardedMemoryTier(MemoryTier):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (metadata, slot bytes or None, done)
         self._exchanged: threading.Event | None = None  # set once the last copy's exchange is over
         self._thread: threading.Thread | None = None
+        self._waited = 0.0  # the training thread's wait for the last exchange, before this copy
         self.rng: tuple[int, Any] | None = None  # (step, RNG states) of the shard this rank loaded
         self.dim0: bool | None = None  # every shard a dim-0 slice (FSDP2's default): reshardable
 
@@ -150,7 +151,7 @@ class ShardedMemoryTier(MemoryTier):
         before the one it sends)."""
         assert self.writer is not None
         self.writer.wait()
-        self._wait_exchange()
+        self._waited = self._wait_exchange()
         return True
 
     def wait(self) -> None:
@@ -166,19 +167,18 @@ class ShardedMemoryTier(MemoryTier):
             cost += self.replicate_s[-1]
         return cost
 
-    def _wait_exchange(self, stall: bool = True) -> None:
-        """The training thread waits for the last exchange of replicas if it is not over; the
-        wait counts as the last copy's stall, so the budget (worker/step_timing.py) sees it."""
+    def _wait_exchange(self, stall: bool = True) -> float:
+        """The training thread waits for the last exchange of replicas if it is not over (its
+        time: counted in the next copy's stall, `save`, so the budget sees it at once)."""
         done, self._exchanged = self._exchanged, None
         if done is None:
-            return
+            return 0.0
         began = time.perf_counter()
         done.wait()
         waited = time.perf_counter() - began
         if stall:
             self.replica_waits_s.append(waited)
-            if self.writer is not None and self.writer.stalls_s:
-                self.writer.stalls_s[-1] += waited
+        return waited
 
     def save(self, objects: Mapping[str, Any], step: int, rng: Any = None) -> bool:
         """Start the copy of this rank's local state at `step`: the shards (copied off in the
@@ -207,6 +207,9 @@ class ShardedMemoryTier(MemoryTier):
         w.capture(state, step, later)
         if len(w.stalls_s) == copies:  # no copy started (the tier off): the exchange sends none
             self._copied({"step": step}, None)
+        else:  # the wait for the last exchange (`ready`) is this copy's stall
+            w.stalls_s[-1] += self._waited
+        self._waited = 0.0
         return not w.disabled
 
     def _copied(self, meta: dict, buf: torch.Tensor | None) -> None:
