@@ -500,23 +500,6 @@ def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, lis
     return meta["skeleton"], flat, meta["packing"]
 
 
-def pack(state: dict) -> tuple[Any, torch.Tensor, list]:
-    """`state` as a copy is kept: (skeleton, its tensors packed into fresh CPU bytes, packing);
-    what a rank sends another over the process group (worker/tiers/sharded_memory.py)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors)
-    packing, size = _packing(tensors)
-    flat = torch.zeros(size, dtype=torch.uint8)
-    for src, dst in zip(tensors, _views(flat, packing)):
-        dst.copy_(src)
-    return skeleton, flat, packing
-
-
-def views(flat: torch.Tensor, packing: list) -> list[torch.Tensor]:
-    """The tensors of a packed copy, as views of `flat`."""
-    return _views(flat, packing)
-
-
 def unpack(skeleton: Any, flat: torch.Tensor, packing: list) -> dict:
     """The state a copy holds, its tensors views of `flat` (which this process owns)."""
     return _join(skeleton, _views(flat, packing))
