@@ -150,6 +150,11 @@ class CopySchedule:
                 k = MEMORY_EVERY_MAX
             elif cost > room:
                 k = min(MEMORY_EVERY_MAX, math.ceil(cost / room))
+            # A copy that comes before the last one's exchange of replicas is over waits for
+            # it: the copies come no more often than that link lets them (the commit's step,
+            # then the exchange's).
+            if tier.link_busy_s():
+                k = max(k, min(MEMORY_EVERY_MAX, 1 + math.ceil(tier.link_busy_s() / self.step_s)))
         self._tell(k, cost, marks)
         self.interval = k
         self.next = step + k

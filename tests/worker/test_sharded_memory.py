@@ -239,3 +239,28 @@ def test_off_a_gpu_the_exchange_of_replicas_counts_in_the_copys_cost(tmp_path: P
     w._on_device, w.commits_s[:] = True, [0.0005]
     assert tier.last_cost_s() == pytest.approx(0.0015)
     tier.close()
+
+
+def test_without_a_fixed_interval_copies_come_no_sooner_than_the_last_exchange_of_replicas_ends(
+        tmp_path: Path) -> None:
+    """A GPU host: the copy costs the training thread 1 ms of a 450 ms step (a copy every
+    step), but its exchange of replicas took 3 s: the next copy would wait for it. One every
+    1 + 7 steps (the commit's step, then the exchange's)."""
+    from types import SimpleNamespace
+
+    from worker.step_timing import CopySchedule
+    from worker.tiers.api import Worker
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    tier = ShardedMemoryTier(Worker(rank=0, local_rank=0, world_size=2, distributed=False,
+                                    device=torch.device("cpu"), link=None), tmp_path, None)
+    w = tier.open_writer()
+    w._on_device, w.stalls_s[:], w.commits_s[:], tier.rng_s = True, [0.0005], [0.0005], 0.0
+    schedule, marks = CopySchedule(None), SimpleNamespace(on=False, off=False, mark_s=None)
+    schedule.step_s = schedule.quiet_s = 0.45
+    schedule.plan_next(10, tier, marks, on_gpu=True)
+    assert schedule.interval == 1
+    tier.replicate_s.append(3.0)
+    schedule.plan_next(11, tier, marks, on_gpu=True)
+    assert (schedule.interval, schedule.next) == (8, 19)
+    tier.close()

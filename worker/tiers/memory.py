@@ -136,6 +136,11 @@ class MemoryTier(SnapshotTier):
         assert self.writer is not None
         return self.writer.last_cost_s() + self.rng_s
 
+    def link_busy_s(self) -> float:
+        """How long the last copy kept a link busy after it was whole (a sharded model's
+        exchange of replicas); the next copy would wait for it. None here."""
+        return 0.0
+
     def keep_rng(self, step: int, rng: dict) -> None:
         """Write this step's RNG states into the rank's ring (worker/memory.RngKeeper)."""
         if self.rng_keeper is None:

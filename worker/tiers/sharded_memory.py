@@ -167,6 +167,10 @@ class ShardedMemoryTier(MemoryTier):
             cost += self.replicate_s[-1]
         return cost
 
+    def link_busy_s(self) -> float:
+        """The last exchange of replicas: the next copy waits for it if it comes sooner."""
+        return self.replicate_s[-1] if self.replicate_s else 0.0
+
     def _wait_exchange(self, stall: bool = True) -> float:
         """The training thread waits for the last exchange of replicas if it is not over (its
         time: counted in the next copy's stall, `save`, so the budget sees it at once)."""
