@@ -147,8 +147,8 @@ class ShardedMemoryTier(MemoryTier):
     def ready(self) -> bool:
         """Every rank copies each step rank 0 picks: its own previous copy is waited for, never
         skipped (a skipped shard would leave the group without a step that every rank holds),
-        and so is the previous copy's exchange of replicas (the next copy takes the slot
-        before the one it sends)."""
+        and so is the previous copy's exchange of replicas if it is not over (the replicas
+        are then never more than one copy behind, and the exchanges never pile up)."""
         assert self.writer is not None
         self.writer.wait()
         self._waited = self._wait_exchange()
