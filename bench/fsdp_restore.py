@@ -9,7 +9,10 @@ For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` o
   snapshot every `--every` steps (worker/tiers/sharded.py: each rank's shards by
   `dcp.async_save`, checksums, rank 0's commit once every rank's shards are whole);
 - `memory`: as `ftrain`, with the memory tier on (worker/tiers/sharded_memory.py: every
-  rank's own shards in node-local shared memory), a copy every step;
+  rank's own shards in node-local shared memory), a copy every step; each rank as if on a
+  node of its own (its own memory folder and `FTRAIN_NODE`), so that each keeps a replica of
+  another's shards, as on a cluster; it also reports the copy's stall on the training thread
+  and the exchange of replicas (medians);
 - `dcp`: the script's own `dcp.async_save` every `--every` steps over a gloo group, waited
   for before the next (what a tuned script does under torchrun, with no checksum or commit);
 
@@ -62,7 +65,7 @@ def _rank(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     rt = None
     if args.mode in ("ftrain", "memory"):
-        memory = args.memory_dir if args.mode == "memory" else None
+        memory = _as_a_node(args.memory_dir) if args.mode == "memory" else None
         rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2,
                           memory_dir=memory, memory_every=1 if memory else None)
         device = rt.device
@@ -112,8 +115,32 @@ def _rank(args: argparse.Namespace) -> None:
     elif pending is not None:
         pending.result()
     warm = times[min(3, len(times) - 1):]
-    _report(args, rank, {"params": params, "step_s": statistics.mean(warm),
-                         "stall_s": statistics.median(stalls) if stalls else 0.0, "snapshots": len(stalls)})
+    figures = {"params": params, "step_s": statistics.mean(warm),
+               "stall_s": statistics.median(stalls) if stalls else 0.0, "snapshots": len(stalls)}
+    if rt is not None and rt.memory is not None:
+        figures.update(_memory_figures(rt.memory, warm_from=min(3, len(times) - 1)))
+    _report(args, rank, figures)
+
+
+def _as_a_node(memory_dir: str) -> str:
+    """Each rank as if on a node of its own (its own memory folder and node name), so that the
+    memory tier keeps a replica of each rank's shards on another rank's node, as on a cluster."""
+    rank = os.environ["RANK"]
+    os.environ["FTRAIN_NODE"] = f"bench-node-{rank}"
+    mine = Path(memory_dir, f"node-{rank}")
+    mine.mkdir(exist_ok=True)
+    return str(mine)
+
+
+def _memory_figures(tier, warm_from: int) -> dict:
+    """The memory tier's copies past the first few: the training thread's stall per copy, and
+    the exchange of replicas (on the thread that does it, where the tier has one)."""
+    def median(values: list) -> float:
+        values = values[warm_from:]
+        return statistics.median(values) if values else 0.0
+
+    return {"copy_stall_s": median(tier.writer.stalls_s if tier.writer is not None else []),
+            "replicate_s": median(getattr(tier, "replicate_s", []))}
 
 
 def _own_dcp_save(args, model, optimizer, step: int, pending, group):
@@ -226,6 +253,9 @@ def main() -> None:
     for mode, row in rows.items():
         print(f"{mode:<8} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} "
               f"{row['restore_s']:>10.3f}")
+    memory = rows["memory"]
+    print(f"memory tier: the training thread's stall per copy {memory.get('copy_stall_s', 0) * 1e3:.1f} ms, "
+          f"an exchange of replicas {memory.get('replicate_s', 0) * 1e3:.1f} ms (medians)")
     print(f"restore from memory {restores['memory']:.3f} s, from disk {restores['ftrain']:.3f} s: "
           f"{restores['ftrain'] / restores['memory']:.1f}x faster")
 

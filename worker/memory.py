@@ -500,23 +500,6 @@ def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, lis
     return meta["skeleton"], flat, meta["packing"]
 
 
-def pack(state: dict) -> tuple[Any, torch.Tensor, list]:
-    """`state` as a copy is kept: (skeleton, its tensors packed into fresh CPU bytes, packing);
-    what a rank sends another over the process group (worker/tiers/sharded_memory.py)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors)
-    packing, size = _packing(tensors)
-    flat = torch.zeros(size, dtype=torch.uint8)
-    for src, dst in zip(tensors, _views(flat, packing)):
-        dst.copy_(src)
-    return skeleton, flat, packing
-
-
-def views(flat: torch.Tensor, packing: list) -> list[torch.Tensor]:
-    """The tensors of a packed copy, as views of `flat`."""
-    return _views(flat, packing)
-
-
 def unpack(skeleton: Any, flat: torch.Tensor, packing: list) -> dict:
     """The state a copy holds, its tensors views of `flat` (which this process owns)."""
     return _join(skeleton, _views(flat, packing))
@@ -590,6 +573,9 @@ class MemoryWriter:
         self.checksums_s: list[float] = []  # per copy: the checksum's time on the copy thread
         self.stale = False  # a copy's `check` failed: the runtime's plan no longer holds the state
         self._view_cache: dict[tuple, tuple] = {}  # buffer name -> (buffer, views of it)
+        # Called once each copy this writer started has ended, from the thread that ended it:
+        # (its metadata, the slot's bytes if it was committed, else None).
+        self.on_done: Callable[[dict, torch.Tensor | None], None] | None = None
 
     def _mapped(self, slot: int, packing: list, size: int) -> torch.Tensor:
         known = self._maps.get(slot)
@@ -682,6 +668,11 @@ class MemoryWriter:
             pending[3][1].synchronize()
             self._finish(*pending)
             self._raise_error()
+
+    @property
+    def on_device(self) -> bool:
+        """The last copy took the GPU path (its copy on the copy engine, not a core)."""
+        return self._on_device
 
     def last_cost_s(self) -> float:
         """What the last copy cost the training loop: on the GPU path the training thread's
@@ -814,6 +805,7 @@ class MemoryWriter:
 
     def _finish(self, deferred: list, meta: dict, slot: int, event, started: float,
                 check: Callable[[], bool] | None = None) -> None:
+        committed: int | None = None
         try:
             buf = self._maps[slot][1]
             if event is not None and event[0] == "staged":
@@ -847,20 +839,37 @@ class MemoryWriter:
             if check is not None and not check():
                 self.stale = True  # the runtime makes its plan again; this copy is not committed
                 return
-            with open(self.directory / f".slot{slot}.pkl.tmp", "wb") as f:
-                _dump(meta, f)
-            os.replace(self.directory / f".slot{slot}.pkl.tmp", self.directory / f"slot{slot}.pkl")
-            now = time.time()
-            _write_json(self.directory / LATEST, {"slot": slot, "step": meta["step"], "attempt": self.attempt,
-                                                  "rank": self.rank, "time": now})
-            self._latest_slot = slot
-            self.held = Held(meta["step"], self.attempt, self.rank, now)
+            self.commit(meta, slot)
+            committed = slot
             self.copies_s.append(time.perf_counter() - started)
             if event is not None and event[0] == "staged":
                 self.commits_s.append(time.perf_counter() - committing)
                 self.commits_cpu_s.append(time.thread_time() - self.commit_thread_cpu)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
+        finally:
+            if self.on_done is not None:
+                self.on_done(meta, None if committed is None else self._maps[committed][1])
+
+    def commit(self, meta: dict, slot: int) -> None:
+        """Name `slot` (whole; `meta`: its step, packing, skeleton and checksum) the newest copy:
+        its .pkl, then `latest.json` (renamed in, so a reader sees the old copy or the new)."""
+        with open(self.directory / f".slot{slot}.pkl.tmp", "wb") as f:
+            _dump(meta, f)
+        os.replace(self.directory / f".slot{slot}.pkl.tmp", self.directory / f"slot{slot}.pkl")
+        now = time.time()
+        _write_json(self.directory / LATEST, {"slot": slot, "step": meta["step"], "attempt": self.attempt,
+                                              "rank": self.rank, "time": now})
+        self._latest_slot = slot
+        self.held = Held(meta["step"], self.attempt, self.rank, now)
+
+    def free_slot(self, packing: list, size: int) -> tuple[int, torch.Tensor]:
+        """The slot `latest.json` does not name, mapped for a copy of `size` bytes: where a copy
+        made elsewhere (another node's rank's, checksummed there) is received, then `commit`ted
+        under its sender's checksum (a reader verifies the bytes: a copy torn in transit, or
+        half received when this process died, reads as none)."""
+        slot = 1 if self._latest_slot == 0 else 0
+        return slot, self._mapped(slot, packing, size)
 
     def _serve(self) -> None:
         """The copy thread: each copy's second half (`_finish`), in order, until `close`."""

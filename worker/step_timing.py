@@ -129,8 +129,6 @@ class CopySchedule:
         if self.every:
             self.interval = self.every
             return
-        w = tier.writer
-        assert w is not None
         marks_room = MARKS_SHARE * MEMORY_BUDGET * (self.step_s or 0.0)
         if marks.on and on_gpu and self.step_s and marks.mark_s \
                 and step >= MARKS_PROBE_STEPS and marks.mark_s > marks_room:
@@ -139,7 +137,7 @@ class CopySchedule:
             log.info("memory tier: no step marks (last words) from step %d: they cost %.2f ms of a "
                      "%.2f ms step, more than %.1f%%; a fault costs up to the copy interval",
                      step, marks.mark_s * 1e3, self.step_s * 1e3, MARKS_SHARE * MEMORY_BUDGET * 100)
-        cost = w.last_cost_s() + tier.rng_s  # every rank's RNG capture comes with a copy
+        cost = tier.last_cost_s()
         if self.copy_cost_s is not None:  # what the copies cost the steps beside them
             cost = max(cost, self.copy_cost_s)
         k = 1
@@ -152,6 +150,11 @@ class CopySchedule:
                 k = MEMORY_EVERY_MAX
             elif cost > room:
                 k = min(MEMORY_EVERY_MAX, math.ceil(cost / room))
+            # A copy that comes before the last one's exchange of replicas is over waits for
+            # it: the copies come no more often than that link lets them (the commit's step,
+            # then the exchange's).
+            if tier.link_busy_s():
+                k = max(k, min(MEMORY_EVERY_MAX, 1 + math.ceil(tier.link_busy_s() / self.step_s)))
         self._tell(k, cost, marks)
         self.interval = k
         self.next = step + k

@@ -72,6 +72,35 @@ def test_a_slot_torn_by_a_writer_killed_mid_copy_reads_as_none_not_as_a_copy(tmp
     assert mem.read_slot(tmp_path, 1 - older) is not None
 
 
+
+def test_a_replica_is_a_copy_only_once_received_whole_and_committed_under_its_senders_checksum(
+        tmp_path: Path) -> None:
+    (tmp_path / "own").mkdir()
+    (tmp_path / "replica").mkdir()
+    sender, kept = mem.MemoryWriter(tmp_path / "own"), mem.MemoryWriter(tmp_path / "replica")
+    sent: list[tuple[dict, torch.Tensor]] = []
+    sender.on_done = lambda meta, buf: sent.append((meta, buf.clone()))
+    for step in (1, 2):
+        sender.capture({"step": step, "w": torch.full((256,), float(step))}, step, set())
+        sender.wait()
+    (first, first_bytes), (second, second_bytes) = sent
+    slot, into = kept.free_slot(first["packing"], first["size"])
+    into.copy_(first_bytes)
+    kept.commit(first, slot)
+    slot, into = kept.free_slot(second["packing"], second["size"])
+    into[:128].copy_(second_bytes[:128])  # the receiver died here: half of step 2 in its free slot
+    assert mem.read_slot(tmp_path / "replica", slot) is None
+    assert mem.read_copy(tmp_path / "replica")[0]["step"] == 1
+    into.copy_(second_bytes)
+    into[-1] ^= 0xFF  # whole, but a byte torn in transit: the sender's checksum catches it
+    kept.commit(second, slot)
+    with pytest.raises(mem.CopyCorrupt):
+        mem.read_copy(tmp_path / "replica")
+    into.copy_(second_bytes)
+    assert mem.read_copy(tmp_path / "replica")[0]["step"] == 2
+    sender.close()
+    kept.close()
+
 def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str,
            until: int) -> None:
     """One rank: a model sharded in bfloat16 mixed precision, restored, trained to `until`,
@@ -127,3 +156,111 @@ def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_s
     assert all(t.dtype == torch.float32 for t in again["restored"]["model"].values())
     assert (one["start"], one["tier"]) == (6, "memory")
     _assert_same(one["restored"], again["final"], "memory, 2 -> 1")
+
+
+def _two_nodes(rank: int, world: int, port: int, root: str, steps: int) -> None:
+    """One rank on a node of its own (its own memory folder): a sharded model trained `steps`
+    steps with a copy at each; which threads exchanged the replicas, and the tier's timings."""
+    import threading
+
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), FTRAIN_NODE=f"node-{rank}")
+    from torch.distributed.fsdp import fully_shard
+
+    from worker import runtime
+
+    on_training_thread: list[bool] = []
+    exchange = ShardedMemoryTier._exchange
+
+    def watched(self, *args, **kwargs):
+        on_training_thread.append(threading.current_thread() is threading.main_thread())
+        return exchange(self, *args, **kwargs)
+
+    ShardedMemoryTier._exchange = watched
+    memory = Path(root, f"node-{rank}")
+    memory.mkdir(exist_ok=True)
+    rt = runtime.init(snapshot_dir=str(Path(root, "snapshots")), snapshot_every=1000, memory_dir=str(memory),
+                      memory_every=1, timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt.restore(model=model, optimizer=optimizer)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    while rt.step < steps:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        rt.step_done(loss=loss)
+    tier = rt.memory
+    assert isinstance(tier, ShardedMemoryTier)
+    rt.finish()
+    torch.save({"on_training_thread": on_training_thread, "stalls_s": tier.writer.stalls_s,
+                "copies": len(tier.writer.stalls_s),
+                "replicate_s": tier.replicate_s, "waits_s": getattr(tier, "replica_waits_s", None), "buddy": tier.buddy},
+               Path(root, f"rank{rank}.pt"))
+
+
+def test_replicas_are_exchanged_off_the_training_thread_from_the_slots_bytes(tmp_path: Path) -> None:
+    mp.spawn(_two_nodes, args=(2, free_port(), str(tmp_path), 4), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["buddy"] == 1 - rank
+        assert got["on_training_thread"] and not any(got["on_training_thread"]), \
+            "the replicas were exchanged on the training thread (its time the copy's stall)"
+        # One exchange per copy, timed on its own thread; the training thread's waits for the
+        # previous one (before each later copy) are what the copy's stall counts of it.
+        assert len(got["replicate_s"]) == got["copies"] >= 4
+        assert len(got["waits_s"]) == got["copies"] - 1
+        assert all(stall >= wait for stall, wait in zip(got["stalls_s"][1:], got["waits_s"]))
+        own = mem.read_copy(tmp_path / f"node-{rank}" / f"shard-r{rank}")
+        replica = mem.read_copy(tmp_path / f"node-{1 - rank}" / f"replica-r{rank}")  # verified
+        assert own is not None and replica is not None
+        assert (replica[0]["rank"], replica[0]["step"]) == (rank, own[0]["step"]) == (rank, 4)
+        assert torch.equal(replica[1], own[1])
+
+
+def test_off_a_gpu_the_exchange_of_replicas_counts_in_the_copys_cost(tmp_path: Path) -> None:
+    """Its thread takes a core as the copy thread does; on a GPU host only the training
+    thread's wait for it counts (in the stall)."""
+    from worker.tiers.api import Worker
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    tier = ShardedMemoryTier(Worker(rank=0, local_rank=0, world_size=2, distributed=False,
+                                    device=torch.device("cpu"), link=None), tmp_path, None)
+    w = tier.open_writer()
+    w.stalls_s[:], w.copies_s[:], tier.rng_s = [0.001], [0.010], 0.0
+    assert tier.last_cost_s() == pytest.approx(0.011)
+    tier.replicate_s[:] = [0.030]
+    assert tier.last_cost_s() == pytest.approx(0.041)
+    w._on_device, w.commits_s[:] = True, [0.0005]
+    assert tier.last_cost_s() == pytest.approx(0.0015)
+    tier.close()
+
+
+def test_without_a_fixed_interval_copies_come_no_sooner_than_the_last_exchange_of_replicas_ends(
+        tmp_path: Path) -> None:
+    """A GPU host: the copy costs the training thread 1 ms of a 450 ms step (a copy every
+    step), but its exchange of replicas took 3 s: the next copy would wait for it. One every
+    1 + 7 steps (the commit's step, then the exchange's)."""
+    from types import SimpleNamespace
+
+    from worker.step_timing import CopySchedule
+    from worker.tiers.api import Worker
+    from worker.tiers.sharded_memory import ShardedMemoryTier
+
+    tier = ShardedMemoryTier(Worker(rank=0, local_rank=0, world_size=2, distributed=False,
+                                    device=torch.device("cpu"), link=None), tmp_path, None)
+    w = tier.open_writer()
+    w._on_device, w.stalls_s[:], w.commits_s[:], tier.rng_s = True, [0.0005], [0.0005], 0.0
+    schedule, marks = CopySchedule(None), SimpleNamespace(on=False, off=False, mark_s=None)
+    schedule.step_s = schedule.quiet_s = 0.45
+    schedule.plan_next(10, tier, marks, on_gpu=True)
+    assert schedule.interval == 1
+    tier.replicate_s.append(3.0)
+    schedule.plan_next(11, tier, marks, on_gpu=True)
+    assert (schedule.interval, schedule.next) == (8, 19)
+    tier.close()

@@ -130,6 +130,17 @@ class MemoryTier(SnapshotTier):
                 self.plans = MEMORY_PLAN_REMAKES  # not a state a plan can follow
         return self.plan
 
+    def last_cost_s(self) -> float:
+        """What the last copy cost the training loop (`MemoryWriter.last_cost_s`), with the
+        ranks' RNG capture, which comes with every copy."""
+        assert self.writer is not None
+        return self.writer.last_cost_s() + self.rng_s
+
+    def link_busy_s(self) -> float:
+        """How long the last copy kept a link busy after it was whole (a sharded model's
+        exchange of replicas); the next copy would wait for it. None here."""
+        return 0.0
+
     def keep_rng(self, step: int, rng: dict) -> None:
         """Write this step's RNG states into the rank's ring (worker/memory.RngKeeper)."""
         if self.rng_keeper is None:

@@ -8,9 +8,14 @@ the scheduler, sampler and extras, its RNG states, the step, the world size and 
 goes into a writer of its own, `<node's memory dir>/shard-r<rank>/`, with the same slots,
 checksums, budget and schedule as the DDP copy (worker/memory.py, worker/tiers/memory.py).
 Every rank copies at the steps rank 0 picks, and never skips one (it waits for its own
-previous copy instead), so the ranks' copies are of the same steps. At each copy a rank also
-sends its state to the next rank on another node (point to point, over a gloo group), which
-keeps it as `replica-r<rank>/`: a lost node's shards are still in the group's memory.
+previous copy instead), so the ranks' copies are of the same steps. Each copy also goes to
+the next rank on another node, which keeps it as `replica-r<rank>/`: a lost node's shards are
+still in the group's memory. That exchange runs on a thread of the tier's own, over a gloo
+group only it uses (every rank exchanges the same copy steps in the same order): once a copy
+is committed, the thread sends the slot's bytes (the model is not read again) and receives
+the copies sent to this rank straight into their replicas' free slots, each committed under
+its sender's checksum (a replica half received or torn in transit reads as none). The next
+copy waits for the exchange only if it is not over, and that wait is the copy's stall.
 
 A restore reads every copy on each node (split among the node's ranks; both slots of each,
 verified: a rank killed mid-copy leaves its other ranks' copies a step ahead of its own) and
@@ -31,7 +36,8 @@ restore point as for DDP (service/decide/restore.py).
 from __future__ import annotations
 
 import logging
-import pickle
+import queue
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -87,6 +93,9 @@ def into_template(saved: Any, like: Any, dtensor: type) -> Any:
     return saved
 
 
+# How long closing the tier waits for the exchange of replicas in flight (a peer already gone
+# leaves it to the group's timeout).
+CLOSE_WAIT_S = 60.0
 SHARD_DIR = "shard-r{rank}"  # a rank's own shards, in its node's memory tier
 REPLICA_DIR = "replica-r{rank}"  # another node's rank's shards, kept on this node
 
@@ -100,9 +109,15 @@ class ShardedMemoryTier(MemoryTier):
         self.copies: dict[tuple[int, int], tuple] = {}  # (shard's rank, step) -> a copy read here
         self.buddy: int | None = None  # the rank (on another node) that keeps this rank's replica
         self.sources: list[int] = []  # the ranks (on other nodes) whose replicas this rank keeps
-        self.group: Any = None  # a gloo group for the replicas' bytes (CPU tensors, any backend)
+        self.group: Any = None  # the replica thread's own gloo group (None: every rank on one node)
         self.replicas: dict[int, mem.MemoryWriter] = {}  # source rank -> the writer of its replica
-        self.replicate_s: list[float] = []  # per copy: the exchange of replicas, on the training thread
+        self.replicate_s: list[float] = []  # per copy: its exchange of replicas, on the replica thread
+        self.replica_waits_s: list[float] = []  # per copy: the training thread's wait for the last one
+        self.replica_error: str | None = None  # why the replicas stopped (a peer gone mid-exchange)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (metadata, slot bytes or None, done)
+        self._exchanged: threading.Event | None = None  # set once the last copy's exchange is over
+        self._thread: threading.Thread | None = None
+        self._waited = 0.0  # the training thread's wait for the last exchange, before this copy
         self.rng: tuple[int, Any] | None = None  # (step, RNG states) of the shard this rank loaded
         self.dim0: bool | None = None  # every shard a dim-0 slice (FSDP2's default): reshardable
 
@@ -111,15 +126,18 @@ class ShardedMemoryTier(MemoryTier):
         mine = self.directory / SHARD_DIR.format(rank=self.worker.rank)
         mine.mkdir(mode=0o700, exist_ok=True)
         self.writer = mem.MemoryWriter(mine, attempt=self.worker.attempt, rank=self.worker.rank)
+        self.writer.on_done = self._copied
         return self.writer
 
-    def set_peers(self, nodes: list[Any], group: Any) -> None:
+    def set_peers(self, nodes: list[Any]) -> None:
         """Which rank keeps this rank's replica (the next rank on another node) and whose this
-        rank keeps; none on one node (a lost node takes every copy with it anyway)."""
+        rank keeps; none on one node (a lost node takes every copy with it anyway). Every rank
+        calls it at the same point (the group for the replicas is made here)."""
         rank = self.worker.rank
-        self.group = group
         self.buddy = buddy_of(rank, nodes)
         self.sources = [r for r in range(len(nodes)) if r != rank and buddy_of(r, nodes) == rank]
+        if self.group is None and len(set(nodes)) > 1:
+            self.group = sharded.checkpoint_group()
 
     def start_reports(self) -> None:
         """The node's first rank reports what its own shards' copy holds (one report a node)."""
@@ -128,15 +146,48 @@ class ShardedMemoryTier(MemoryTier):
 
     def ready(self) -> bool:
         """Every rank copies each step rank 0 picks: its own previous copy is waited for, never
-        skipped (a skipped shard would leave the group without a step that every rank holds)."""
+        skipped (a skipped shard would leave the group without a step that every rank holds),
+        and so is the previous copy's exchange of replicas if it is not over (the replicas
+        are then never more than one copy behind, and the exchanges never pile up)."""
         assert self.writer is not None
         self.writer.wait()
+        self._waited = self._wait_exchange()
         return True
+
+    def wait(self) -> None:
+        super().wait()
+        self._wait_exchange(stall=False)
+
+    def last_cost_s(self) -> float:
+        """The copy's cost, and off a GPU the last exchange of replicas too: its thread takes a
+        core, as the copy thread does (on a GPU host the exchange holds no core of the
+        training's: what it costs is the training thread's wait for it, in the stall)."""
+        cost = super().last_cost_s()
+        if self.replicate_s and self.writer is not None and not self.writer.on_device:
+            cost += self.replicate_s[-1]
+        return cost
+
+    def link_busy_s(self) -> float:
+        """The last exchange of replicas: the next copy waits for it if it comes sooner."""
+        return self.replicate_s[-1] if self.replicate_s else 0.0
+
+    def _wait_exchange(self, stall: bool = True) -> float:
+        """The training thread waits for the last exchange of replicas if it is not over (its
+        time: counted in the next copy's stall, `save`, so the budget sees it at once)."""
+        done, self._exchanged = self._exchanged, None
+        if done is None:
+            return 0.0
+        began = time.perf_counter()
+        done.wait()
+        waited = time.perf_counter() - began
+        if stall:
+            self.replica_waits_s.append(waited)
+        return waited
 
     def save(self, objects: Mapping[str, Any], step: int, rng: Any = None) -> bool:
         """Start the copy of this rank's local state at `step`: the shards (copied off in the
-        writer's thread, before the optimizer's next step) and the small state (now); then
-        the replicas exchanged with the ranks on other nodes."""
+        writer's thread, before the optimizer's next step) and the small state (now). Once
+        it is whole, the replica thread exchanges it with the ranks on other nodes (`_copied`)."""
         w = self.writer
         assert w is not None
         dtensor = _dtensor_type()
@@ -154,35 +205,75 @@ class ShardedMemoryTier(MemoryTier):
         # Only the optimizer's step changes the shards and its state: copied in the writer's
         # thread meanwhile (the optimizer's step pre-hook waits for it).
         later = {t.untyped_storage().data_ptr() for t in shards + _tensors(local.get("optimizer", {}))}
+        if self.group is not None:
+            self._exchanged = threading.Event()  # before the capture: its copy may end at once
+        copies = len(w.stalls_s)
         w.capture(state, step, later)
-        self._replicate(state, step)
+        if len(w.stalls_s) == copies:  # no copy started (the tier off): the exchange sends none
+            self._copied({"step": step}, None)
+        else:  # the wait for the last exchange (`ready`) is this copy's stall
+            w.stalls_s[-1] += self._waited
+        self._waited = 0.0
         return not w.disabled
 
-    def _replicate(self, state: dict, step: int) -> None:
-        """Send this rank's state to its buddy and keep the replicas sent here (every rank at
-        the same copy step: the sizes, then the skeletons and bytes, point to point). Its time
-        counts as the copy's stall, so the budget (worker/step_timing.py) sees it."""
-        if self.buddy is None and not self.sources:
+    def _copied(self, meta: dict, buf: torch.Tensor | None) -> None:
+        """A copy of this rank's ended (the writer's `on_done`, on whichever thread ended it):
+        its exchange handed to the replica thread, with the slot's bytes if it was committed.
+        Every rank hands over one exchange per copy step, so the ranks' exchanges pair up."""
+        if self.group is None or self._exchanged is None:
             return
-        began = time.perf_counter()
-        out: list[torch.Tensor] = []
-        if self.buddy is not None:
-            skeleton, flat, packing = mem.pack(state)
-            meta = torch.frombuffer(bytearray(pickle.dumps((skeleton, packing))), dtype=torch.uint8)
-            out = [meta, flat]
-        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
-        self._exchange([torch.tensor([t.numel() for t in out], dtype=torch.int64)] if out else [],
-                       {src: [t] for src, t in sizes.items()})
-        got = {src: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[src].tolist()]
-               for src in self.sources}
-        self._exchange(out, got)
-        for src, (meta_in, flat_in) in got.items():
-            skeleton, packing = pickle.loads(meta_in.numpy().tobytes())
-            self._replica_writer(src).capture_split(skeleton, mem.views(flat_in, packing), step, set())
-        spent = time.perf_counter() - began
-        self.replicate_s.append(spent)
-        if self.writer is not None and self.writer.stalls_s:
-            self.writer.stalls_s[-1] += spent
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="ftrain-memory-replica", daemon=True)
+            self._thread.start()
+        self._jobs.put((meta, buf, self._exchanged))
+
+    def _serve(self) -> None:
+        """The replica thread: each copy's exchange, in order, until `close`. A failed one (a
+        peer gone) ends the replicas: a later exchange could pair with the wrong step's."""
+        while (job := self._jobs.get()) is not None:
+            meta, buf, done = job
+            began = time.perf_counter()
+            try:
+                if self.replica_error is None:
+                    self._replicate(meta, buf)
+            except Exception as exc:  # noqa: BLE001 - training goes on; restores use the rest
+                self.replica_error = str(exc)
+                log.warning("rank %d: the exchange of memory replicas failed (%s); no more replicas "
+                            "this run (a lost node restores from the disk tier)", self.worker.rank, exc)
+            finally:
+                self.replicate_s.append(time.perf_counter() - began)
+                done.set()
+
+    def _replicate(self, meta: dict, buf: torch.Tensor | None) -> None:
+        """Send this rank's copy (the committed slot's bytes, checksummed; none if the copy was
+        not committed) to its buddy, and receive the sources' into their replica writers'
+        free slots, each committed under its sender's checksum once whole: the sizes, then the
+        metadata, then the bytes, point to point over the replica thread's group."""
+        head = mem.freeze(meta) if buf is not None and self.buddy is not None else b""
+        out = [torch.frombuffer(bytearray(head), dtype=torch.uint8), buf] if head else []
+        sizes = {src: [torch.zeros(2, dtype=torch.int64)] for src in self.sources}
+        self._exchange([torch.tensor([len(head), buf.numel() if head else 0], dtype=torch.int64)]
+                       if self.buddy is not None else [], sizes)
+        sent = {src: [int(n) for n in got[0].tolist()] for src, got in sizes.items()}
+        heads = {src: [torch.empty(n[0], dtype=torch.uint8)] for src, n in sent.items() if n[0]}
+        self._exchange(out[:1], heads)
+        metas = {src: mem.thaw(t[0].numpy().tobytes()) for src, t in heads.items()}
+        slots = {src: self._free_slot(src, m) for src, m in metas.items()}
+        self._exchange(out[1:], {src: [into[:sent[src][1]]] for src, (_, into) in slots.items()})
+        for src, (slot, _) in slots.items():
+            if slot is not None:
+                self._replica_writer(src).commit(metas[src], slot)
+
+    def _free_slot(self, src: int, meta: dict) -> tuple[int | None, torch.Tensor]:
+        """Where `src`'s copy is received: its replica writer's free slot, or where the node's
+        tier has no room for it, memory of this process's, let go after (the bytes must still
+        be received, or the sender's exchange would wait for good)."""
+        try:
+            return self._replica_writer(src).free_slot(meta["packing"], meta["size"])
+        except OSError as exc:
+            log.warning("rank %d: no room for rank %d's replica (%.0f MiB) in %s: %s; it is not kept",
+                        self.worker.rank, src, meta["size"] / 2**20, self.directory, exc)
+            return None, torch.empty(meta["size"], dtype=torch.uint8)
 
     def _exchange(self, out: list[torch.Tensor], into: dict[int, list[torch.Tensor]]) -> None:
         ops = [dist.P2POp(dist.isend, t, self.buddy, self.group) for t in out]
@@ -278,8 +369,26 @@ class ShardedMemoryTier(MemoryTier):
         """This rank's RNG states of `step`: those kept with the shard it loaded."""
         return self.rng[1] if self.rng is not None and self.rng[0] == step else super().rng_of(step)
 
+    def flush(self, objects: Mapping[str, Any], step: int, missed: bool) -> None:
+        """At the end: the last copy whole and its replicas exchanged (every rank's last copy
+        step is the same: `ready` skips none), then the writer's buffers freed."""
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - the end of the job must not fail for it
+            log.warning("memory tier: the last copy failed (%s); the disk tier still holds", exc)
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+
     def close(self) -> None:
+        """The replica thread ends after the exchange in flight (a peer already gone fails it
+        at the group's timeout: the thread is a daemon, and holds the bytes it sends)."""
         self.copies = {}
+        if self._thread is not None:
+            self._jobs.put(None)
+            if self._exchanged is None or self._exchanged.wait(CLOSE_WAIT_S):
+                self._thread.join(CLOSE_WAIT_S)
+            self._thread = None
         for w in self.replicas.values():
             w.close()
         super().close()
@@ -357,7 +466,7 @@ class ShardedPeerTier(PeerTier):
         self._report(self.complete)
         if worker.distributed:
             self.wire.all_gather_object(None)
-            self.local.set_peers(nodes, self.group)
+            self.local.set_peers(nodes)
         return [g[1] for g in got]
 
     def _say_why_not(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
