@@ -188,7 +188,9 @@ def test_a_leader_cut_from_etcd_stops_before_another_leads_and_the_job_trains_on
               f"{last_a - cut_at:+.2f} s; B's terms in the events: {b_terms}; B stopped leading: "
               f"{[(round(t - cut_at, 2), term, why) for t, term, why in _stops(b)]}")
         assert stop_a < lead_b, (stopped, led)
-        assert [term for _, term in _leads(a)] == [term_a]
+        # A may stop on a lease it could not confirm in time (a loaded machine) and lead again
+        # in the same term when the lease turns out alive: no term of A's but its first.
+        assert {term for _, term in _leads(a)} == {term_a}
     finally:
         for proc in started:
             proc.stop()
