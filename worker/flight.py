@@ -119,13 +119,11 @@ def _peer(conn: socket.socket) -> tuple[int, int, int]:
 def dump() -> dict[str, Any]:
     """This process's flight-recorder trace: gloo's (and every other CPU backend's) recorder
     and, where torch has NCCL, NCCL's own, as one trace (the newest MAX_ENTRIES entries)."""
-    import torch.distributed as dist
-
     from . import torch_internals
 
-    uses = [torch_internals.FR_DUMP_JSON] + ([torch_internals.NCCL_FR_DUMP_JSON] if dist.is_nccl_available() else [])
+    uses = (torch_internals.FR_DUMP_JSON, torch_internals.NCCL_FR_DUMP_JSON)
     return merge([json.loads(torch_internals.get_one(use)(includeCollectives=True, onlyActive=False))
-                  for use in uses])
+                  for use in uses if use.applies()])
 
 
 def merge(traces: list[Mapping[str, Any]]) -> dict[str, Any]:

@@ -91,9 +91,13 @@ class Private:
                 raise LookupError(f"{self.module} has no {part}")
         return obj
 
+    def applies(self, import_module: Callable[[str], Any] = importlib.import_module) -> bool:
+        """Whether the installed torch has this part at all (an NCCL-only one: where torch has NCCL)."""
+        return not self.nccl_only or _has_nccl(import_module)
+
     def problem(self, import_module: Callable[[str], Any] = importlib.import_module) -> str | None:
         """What is wrong with this part in the torch `import_module` imports, or None."""
-        if self.nccl_only and not _has_nccl(import_module):
+        if not self.applies(import_module):
             return None
         try:
             owner = self.owner(import_module)
