@@ -49,6 +49,7 @@ from bench.harness import (  # noqa: E402
     publish,
     rank0_lines,
     runs,
+    stop_agents,
     wait_for,
 )
 
@@ -116,10 +117,11 @@ def trial(stack: tuple, args: argparse.Namespace, i: int, root: Path, gpus: int)
         before = len(runs(api, job_id))
         wait_for(lambda: len(got := runs(api, job_id)) > before and got[-1][1], args.deadline,
                  "the group that goes on to log a step")
-        return _figures(api, job_id, killed_at, before)
+        figures = _figures(api, job_id, killed_at, before)
+        api.post(f"/v1/jobs/{job_id}/cancel")  # measured: the rest of its steps are not needed
+        return figures
     finally:
-        for agent in agents:
-            agent.stop()
+        stop_agents(agents)
 
 
 def _figures(api, job_id: str, killed_at: float, runs_before: int) -> dict:
@@ -127,11 +129,10 @@ def _figures(api, job_id: str, killed_at: float, runs_before: int) -> dict:
     got = runs(api, job_id)
     furthest = max(step for _, steps in got[:runs_before] for step in steps)
     start = got[runs_before][0]
-    first_after = next(item["time"] for item in lines if item["time"] > killed_at and STEP_LINE.match(item["line"])
-                       and int(STEP_LINE.match(item["line"]).group(1)) == got[runs_before][1][0])
+    first_after = next(item["time"] for item in lines if item["time"] > killed_at
+                       and (m := STEP_LINE.match(item["line"])) and int(m.group(1)) == got[runs_before][1][0])
     restored = [item["line"] for item in lines if item["time"] > killed_at
                 and any(word in item["line"] for word in ("restored", "resumed", "joins them"))]
-    api.post(f"/v1/jobs/{job_id}/cancel")
     return {"step_s": statistics.median(_step_times(lines, killed_at) or [0.0]),
             "time_s": round(first_after - killed_at, 3), "steps_lost": furthest - start,
             "resumed_from": start, "furthest": furthest,

@@ -50,6 +50,7 @@ from bench.harness import (  # noqa: E402
     NodeAgentProc,
     publish,
     rank0_lines,
+    stop_agents,
     wait_for,
 )
 
@@ -143,10 +144,7 @@ class Arm:
                 tokens = {u: self._add_user(admin, u, team) for u, team in USERS.items()}
                 self._drive(cp, admin, tokens, arrivals)
         finally:
-            for a in agents:
-                a.ask_to_stop()
-            for a in agents:
-                a.stop()
+            stop_agents(agents)
             cp.stop()
             etcd.stop()
 

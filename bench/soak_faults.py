@@ -222,10 +222,9 @@ class HourSoak:
 
     def stop_cluster(self) -> dict:
         """Stop the agents, then look for what they left; then the control planes and etcd."""
-        for ag in self.agents:
-            ag.ask_to_stop()
-        for ag in self.agents:
-            ag.stop()
+        from bench.harness import stop_agents
+
+        stop_agents(self.agents)
         time.sleep(1)
         alive = sorted(p for p in self.seen_pids if _alive(p))
         shm_left = sorted(n for n in set(_shm()) - self.shm_before if ".hour-" in n)  # this soak's nodes

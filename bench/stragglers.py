@@ -31,7 +31,14 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.harness import ControlPlane, EtcdProcess, NodeAgentProc, publish, wait_for  # noqa: E402
+from bench.harness import (  # noqa: E402
+    ControlPlane,
+    EtcdProcess,
+    NodeAgentProc,
+    publish,
+    stop_agents,
+    wait_for,
+)
 
 POLL_S = 1.0
 
@@ -73,10 +80,7 @@ def run(args, root: Path) -> dict:
             healthy = api.post("/v1/jobs", json=spec("healthy", args.step_delay)).json()
             return watch(api, slow, healthy, args.minutes * 60)
     finally:
-        for a in agents:
-            a.ask_to_stop()
-        for a in agents:
-            a.stop()
+        stop_agents(agents)
         cp.stop()
         etcd.stop()
 

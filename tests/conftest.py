@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.helpers.netns import fabric_up, netns_unavailable
-from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc
+from tests.helpers.processes import ControlPlane, EtcdProcess, NodeAgentProc, stop_agents
 
 TESTS = Path(__file__).resolve().parent
 PROCESS_DIRS = {"integration", "faults"}
@@ -141,10 +141,7 @@ def agents(control_plane, tmp_path):
         return new
 
     yield start
-    for agent in started:  # told at once, then waited for: each ends its own way out
-        agent.ask_to_stop()
-    for agent in started:
-        agent.stop()
+    stop_agents(started)
     # On a shared control plane the next test's agents take the same names: a node this test
     # quarantined (its faults followed it across jobs: service/decide/attribution.py) is
     # undrained, which also forgets its failures.

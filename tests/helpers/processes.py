@@ -14,6 +14,7 @@ from bench.harness import NodeAgentProc as NodeAgentProc
 from bench.harness import descendants as descendants
 from bench.harness import free_port as free_port
 from bench.harness import pid_alive as pid_alive
+from bench.harness import stop_agents as stop_agents
 from bench.harness import stop_tree as stop_tree
 from bench.harness import wait_for as wait_for
 
