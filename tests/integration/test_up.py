@@ -84,21 +84,20 @@ def start_up(tmp_path):
     started: list[Up] = []
 
     def start(data_dir: Path | None = None, port: int | None = None, nodes: int = 0,
-              extra: tuple[str, ...] = (), launch: bool = True) -> Up:
-        for tries_left in reversed(range(3)):
-            up = Up(data_dir or tmp_path / "data", port or free_port(), nodes, extra)
-            started.append(up)
-            if not launch:
-                return up
-            try:
-                return up.start()
-            except AssertionError as exc:
-                # A port the test chose free was taken by another process before `up` bound
-                # it (tests run side by side): the test's race, not `up`'s; again on another.
-                if port is not None or not tries_left or "address already in use" not in str(exc):
-                    raise
-                up.kill()
-        raise AssertionError("unreachable")
+              extra: tuple[str, ...] = (), launch: bool = True, tries: int = 3) -> Up:
+        up = Up(data_dir or tmp_path / "data", port or free_port(), nodes, extra)
+        started.append(up)
+        if not launch:
+            return up
+        try:
+            return up.start()
+        except AssertionError as exc:
+            # A port the test chose free was taken by another process before `up` bound it
+            # (tests run side by side): the test's race, not `up`'s; again on another.
+            if port is not None or tries == 1 or "address already in use" not in str(exc):
+                raise
+            up.kill()
+            return start(data_dir, port, nodes, extra, launch, tries - 1)
 
     yield start
     for up in started:
