@@ -8,8 +8,10 @@ For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` o
 - `ftrain`: the runtime (its local twin: a snapshot folder and its index), a sharded
   snapshot every `--every` steps (worker/tiers/sharded.py: each rank's shards by
   `dcp.async_save`, checksums, rank 0's commit once every rank's shards are whole);
-- `memory`: as `ftrain`, with the memory tier on (worker/tiers/sharded_memory.py: every
-  rank's own shards in node-local shared memory), a copy every step; each rank as if on a
+- `memory`: the runtime with its memory tier alone, no disk snapshot (worker/tiers/sharded_memory.py:
+  every rank's own shards in node-local shared memory), a copy at the interval the tier picks to
+  stay within its budget, and `memory/N` a copy every N steps for each `--memory-every N`
+  (1: every step, what an agent SIGKILL loses at most one step to); each rank as if on a
   node of its own (its own memory folder and `FTRAIN_NODE`), so that each keeps a replica of
   another's shards, as on a cluster; it also reports the copy's stall on the training thread
   and the exchange of replicas (medians);
@@ -66,8 +68,10 @@ def _rank(args: argparse.Namespace) -> None:
     rt = None
     if args.mode in ("ftrain", "memory"):
         memory = _as_a_node(args.memory_dir) if args.mode == "memory" else None
-        rt = runtime.init(snapshot_dir=args.dir, snapshot_every=args.every, snapshot_keep=2,
-                          memory_dir=memory, memory_every=1 if memory else None)
+        rt = runtime.init(snapshot_dir=args.dir, snapshot_keep=2,
+                          # (the memory runs: the tier alone, its cost and its restore, no disk snapshot)
+                          snapshot_every=args.every if args.mode == "ftrain" else args.steps + 1,
+                          memory_dir=memory, memory_every=sum(args.memory_every) or None)
         device = rt.device
     else:
         use_cuda = torch.cuda.is_available()
@@ -104,7 +108,7 @@ def _rank(args: argparse.Namespace) -> None:
         s0 = time.perf_counter()
         if rt is not None:
             rt.step_done(loss=loss)
-            if step % args.every == 0:
+            if args.mode == "ftrain" and step % args.every == 0:
                 stalls.append(rt.stalls_s[-1])
         elif args.mode == "dcp" and step % args.every == 0:
             pending = _own_dcp_save(args, model, optimizer, step, pending, group)
@@ -139,17 +143,22 @@ def _memory_figures(tier, warm_from: int) -> dict:
         values = values[warm_from:]
         return statistics.median(values) if values else 0.0
 
-    return {"copy_stall_s": median(tier.writer.stalls_s if tier.writer is not None else []),
+    stalls = tier.writer.stalls_s if tier.writer is not None else []
+    return {"copy_stall_s": median(stalls), "copies": len(stalls),
             "replicate_s": median(getattr(tier, "replicate_s", []))}
 
 
 def _own_dcp_save(args, model, optimizer, step: int, pending, group):
     """The script's own snapshot: wait for the previous one, then DCP's async save."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if pending is not None:
         pending.result()
+        if dist.get_rank() == 0:  # the newest whole checkpoint is kept, older ones removed (keep 2, as ftrain's)
+            for old in sorted(Path(args.dir).glob("own-*"), key=lambda p: int(p.name.split("-")[1]))[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return dcp.async_save({"model": model_sd, "optimizer": optim_sd},
                           checkpoint_id=os.path.join(args.dir, f"own-{step}"), process_group=group)
@@ -183,13 +192,16 @@ def _report(args, rank: int, figures: dict) -> None:
 # ---------------------------------------------------------------------------- the driver
 
 def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: bool = False) -> dict:
-    result = directory / f"result-{mode}-{int(restore_only)}.json"
+    """One run under torchrun; `mode` `memory/N` is the memory tier with a copy every N steps."""
+    mode, _, every = mode.partition("/")
+    result = directory / f"result-{mode}{every}-{int(restore_only)}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
            "--master-port", str(args.port), __file__, "--role", "rank", "--mode", mode,
            "--dir", str(directory / mode), "--result", str(result), "--steps", str(args.steps),
            "--every", str(args.every), "--dim", str(args.dim), "--depth", str(args.depth),
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--length", str(args.length),
-           "--batch", str(args.batch), "--memory-dir", str(args.memory_dir)] + \
+           "--batch", str(args.batch), "--memory-dir", str(args.memory_dir),
+           "--memory-every", *([every] if every else [])] + \
         (["--restore-only"] if restore_only else [])
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -215,6 +227,8 @@ def main() -> None:
     p.add_argument("--dir", help="snapshot folder (shared by the ranks); default: a temporary one")
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--memory-dir", help=argparse.SUPPRESS)
+    p.add_argument("--memory-every", type=int, nargs="*", default=[], metavar="N",
+                   help="also run the memory tier with a copy every N steps (beside the interval it picks)")
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=29655)
     p.add_argument("--timeout-s", type=float, default=1800)
@@ -225,13 +239,16 @@ def main() -> None:
         return
 
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ftrain-fsdp-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
     # The memory tier where a node agent puts it: a folder of this run's own in /dev/shm.
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     args.memory_dir = tempfile.mkdtemp(prefix="ftrain-fsdp-bench-memory-", dir=shm)
     try:
         none = _run(args, "none", directory)
-        runs = {mode: _run(args, mode, directory) for mode in ("ftrain", "memory", "dcp")}
-        restored = {mode: _run(args, mode, directory, restore_only=True) for mode in runs}
+        modes = ["ftrain", *(f"memory/{n}" for n in args.memory_every if n > 0), "memory", "dcp"]
+        runs = {mode: _run(args, mode, directory) for mode in modes}
+        # (the memory tier holds the copies of the last memory run: the interval the tier picks)
+        restored = {mode: _run(args, mode, directory, restore_only=True) for mode in ("ftrain", "memory", "dcp")}
     finally:
         shutil.rmtree(args.memory_dir, ignore_errors=True)
         if not args.dir:
@@ -240,7 +257,7 @@ def main() -> None:
     if restored["memory"]["tier"] != "memory":
         raise SystemExit(f"the memory run restored from {restored['memory']['tier']}, not from memory")
     base = none["step_s"]
-    rows = {mode: {**got, "cost_pct": 100 * (got["step_s"] - base) / base, "restore_s": restores[mode]}
+    rows = {mode: {**got, "cost_pct": 100 * (got["step_s"] - base) / base, "restore_s": restores.get(mode)}
             for mode, got in runs.items()}
     out = {"when": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
            "device": _device(), "nproc": args.nproc, "params": none["params"], "every": args.every,
@@ -249,13 +266,15 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{none['params'] / 1e6:.1f}M parameters, {args.nproc} ranks on {out['device']}, a snapshot every "
           f"{args.every} steps; step without snapshots {base * 1e3:.1f} ms")
-    print(f"{'run':<8} {'step ms':>9} {'cost %':>7} {'stall ms':>9} {'restore s':>10}")
+    print(f"{'run':<10} {'step ms':>9} {'cost %':>7} {'stall ms':>9} {'restore s':>10}")
     for mode, row in rows.items():
-        print(f"{mode:<8} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} "
-              f"{row['restore_s']:>10.3f}")
-    memory = rows["memory"]
-    print(f"memory tier: the training thread's stall per copy {memory.get('copy_stall_s', 0) * 1e3:.1f} ms, "
-          f"an exchange of replicas {memory.get('replicate_s', 0) * 1e3:.1f} ms (medians)")
+        restore = f"{row['restore_s']:>10.3f}" if row["restore_s"] is not None else f"{'-':>10}"
+        print(f"{mode:<10} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} {restore}")
+    for mode, row in rows.items():
+        if mode.startswith("memory"):
+            print(f"{mode}: {row['copies']} copies in {args.steps} steps; the training thread's stall per copy "
+                  f"{row['copy_stall_s'] * 1e3:.1f} ms, an exchange of replicas {row['replicate_s'] * 1e3:.1f} ms "
+                  f"(medians)")
     print(f"restore from memory {restores['memory']:.3f} s, from disk {restores['ftrain']:.3f} s: "
           f"{restores['ftrain'] / restores['memory']:.1f}x faster")
 
