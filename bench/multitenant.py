@@ -28,6 +28,7 @@ Figures, per arm and as ftrain / FIFO:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -197,7 +198,8 @@ class Arm:
     def figures(self) -> dict:
         return {"utilization": self.utilization(), **self.high_priority_wait(), **self.lost(),
                 **self.restarts(),
-                "jain_p0": self.jain(), "jain_p0_teams": self.jain(USERS.get), "makespan_s": round(self.ended_at - self.started_at, 1),
+                "jain_p0": self.jain(), "jain_p0_teams": self.jain(USERS.get), "p0_node_s": self.p0_node_s(),
+                "makespan_s": round(self.ended_at - self.started_at, 1),
                 "failed": sorted(f"{j['spec']['name']}: {j['state']} ({j['reason']})"
                                  for j in self.jobs.values() if j["state"] != "SUCCEEDED")}
 
@@ -243,9 +245,9 @@ class Arm:
                 steps += replayed(j["rank0"], RUN_START, STEP)
         return {"runtime_steps_lost": steps, "plain_epochs_lost": epochs}
 
-    def jain(self, by=lambda user: user) -> float | None:
-        """Jain's index of the node-seconds each user's priority-0 jobs held while every user
-        had one unfinished; `by`: whose share a user's node-seconds add to (its team's, say)."""
+    def p0_node_s(self, by=lambda user: user) -> dict[str, float]:
+        """The node-seconds each user's priority-0 jobs held while every user had one
+        unfinished; `by`: whose share a user's node-seconds add to (its team's, say)."""
         share = dict.fromkeys(map(by, USERS), 0.0)
         opened = dict(self.unfinished)
         for (t, nodes), (t_next, _) in zip(self.samples, self.samples[1:]):
@@ -254,7 +256,11 @@ class Arm:
             for job_id in nodes.values():
                 if job_id and job_id in self.submitted and self.submitted[job_id].priority == 0:
                     share[by(self.owners[job_id])] += t_next - t
-        xs = list(share.values())
+        return {who: round(x, 1) for who, x in share.items()}
+
+    def jain(self, by=lambda user: user) -> float | None:
+        """Jain's index of `p0_node_s` (1.0: equal shares)."""
+        xs = list(self.p0_node_s(by).values())
         if not any(xs):
             return None
         return round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4)
@@ -307,6 +313,8 @@ def report(figures: dict[str, dict], args) -> str:
         label = "restarts: " + key.removeprefix("restarts_").replace("_", " ")
         lines.append(f"{label:44} {f.get(key, 0):>10} {o.get(key, 0):>10}")
     lines.append(f"{'priority-10 jobs':44} {f['p10_jobs']:>10} {o['p10_jobs']:>10}")
+    for user in USERS:
+        lines.append(f"{'priority-0 node-s of ' + user:44} {f['p0_node_s'][user]:>10} {o['p0_node_s'][user]:>10}")
     lines.append(f"jobs not SUCCEEDED: FIFO {f['failed'] or 'none'}, ftrain {o['failed'] or 'none'}")
     return "\n".join(lines)
 
@@ -318,12 +326,14 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="the trace's length (job sizes scale with it)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--parallel", action="store_true", help="run both arms at once")
+    p.add_argument("--only", choices=["fifo", "ftrain"], help="run one arm and print its figures (no table)")
     p.add_argument("--out", help="also write the table and the figures (JSON) here")
     args = p.parse_args()
     arrivals = trace(args.jobs, args.minutes, args.seed)
     with tempfile.TemporaryDirectory(prefix="ftrain-multitenant-") as tmp:
         arms = [Arm("fifo", "fifo", args.nodes, Path(tmp) / "fifo"),
                 Arm("ftrain", "priority", args.nodes, Path(tmp) / "ftrain")]
+        arms = [a for a in arms if args.only in (None, a.name)]
         if args.parallel:
             threads = [threading.Thread(target=a.run, args=(arrivals,)) for a in arms]
             for t in threads:
@@ -334,7 +344,7 @@ def main() -> None:
             for a in arms:
                 a.run(arrivals)
         figures = {a.name: a.figures() for a in arms}
-    publish(report(figures, args), figures, args.out)
+    publish(report(figures, args) if not args.only else json.dumps(figures, indent=1), figures, args.out)
 
 
 if __name__ == "__main__":
