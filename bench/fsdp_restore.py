@@ -205,10 +205,14 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
         (["--restore-only"] if restore_only else [])
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    began = time.monotonic()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(result.read_text())
+    got = json.loads(result.read_text())
+    print(f"  {mode}{'/' + every if every else ''} {'restore' if restore_only else 'run'} done in "
+          f"{time.monotonic() - began:.0f} s: {got}", file=sys.stderr, flush=True)
+    return got
 
 
 def main() -> None:
