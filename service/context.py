@@ -79,7 +79,8 @@ class Context:
         unless one is given)."""
         keys = Keys(settings.etcd_prefix.rstrip("/"))
         jobs = JobStore(kv, keys)
-        index = JobIndex(kv, keys, fifo=settings.queue_policy == "fifo")
+        index = JobIndex(kv, keys, fifo=settings.queue_policy == "fifo", clock=jobs.clock,
+                         half_life_s=settings.fair_share_half_life_s)
         jobs.written = index.note_written  # a replica reads its own writes at once
         ctx = cls(settings=settings, kv=kv, keys=keys, jobs=jobs,
                   nodes=NodeStore(kv, keys, ttl_s=settings.node_ttl_s),

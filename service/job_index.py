@@ -30,10 +30,11 @@ import asyncio
 import bisect
 import heapq
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, KeysView
 
-from service.decide import keep, quotas
+from service.decide import keep, ledger, quotas
 from service.decide.order import QueueKey, queue_key
 from service.errors import StoreUnavailable
 from service.follow import follow_prefix
@@ -60,10 +61,14 @@ class JobIndex:
     """Which jobs exist and in what order, which are unfinished, and which job each node
     works for; kept current by a watch."""
 
-    def __init__(self, kv: KeyValue, keys: Keys, fifo: bool = False):
+    def __init__(self, kv: KeyValue, keys: Keys, fifo: bool = False,
+                 clock: Callable[[], float] = time.time, half_life_s: float = ledger.HALF_LIFE_S):
         self._kv = kv
         self._keys = keys
         self.fifo = fifo  # the queue in submission order (`Settings.queue_policy`)
+        self.clock = clock
+        # The node-seconds each (user, priority) has held, fed every change (`decide.ledger`).
+        self.ledger = ledger.Ledger(half_life_s)
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
         # node -> the PENDING job whose memory copy it last kept (`keeper`): at most one a node
@@ -341,6 +346,7 @@ class JobIndex:
         self._count_held(old, job)
         self._count_waiting(old, -1)
         self._count_waiting(job, 1)
+        self.ledger.change(old, job, self.clock())
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
@@ -388,6 +394,12 @@ class JobIndex:
         """user -> the nodes its unfinished jobs hold (kept as jobs change: a scheduler pass
         reads the shares of the cluster without going over every running job)."""
         return dict(self._held)
+
+    def shares(self, tenants: quotas.Tenants) -> quotas.Usage:
+        """What the unfinished jobs hold by user and team (`held`), and the node-seconds each
+        user has had at each priority (`ledger`): the shares fair share orders the queue by."""
+        return quotas.usage_of(self._held, tenants, held_at=self.ledger.held(),
+                               past=self.ledger.used(self.clock()))
 
     def _queue(self, job_id: str, old: JobRecord | None, new: JobRecord | None) -> None:
         """Move the job between the sorted lists of unfinished jobs (`_pending`, `_running`)."""
@@ -466,6 +478,7 @@ class JobIndex:
         self._by_node.clear()
         self._held.clear()
         self._waiting.clear()
+        self.ledger.recount(jobs.values(), self.clock())
         self._kept = {n: j.id for n, j in keep.claims(jobs.values()).items()}
         self._order = sorted((job.created_at, job_id) for job_id, job in jobs.items())
         self._pending = sorted(queue_key(j, self.fifo) for j in jobs.values() if j.state is JobState.PENDING)

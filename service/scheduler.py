@@ -209,7 +209,7 @@ async def tick(jobs: JobStore, nodes: NodeStore, index: JobIndex, cfg: Scheduler
     # (kept by the index as jobs change: a pass need not look through every running job for them)
     running = (index.lowest_running_priority(), index.yielding()) if from_index else None
     # The shares of the cluster, as the index counts them (GPUs are not: counted by the pass)
-    used = quotas.usage_of(index.held(), tenants or quotas.Tenants()) \
+    used = index.shares(tenants or quotas.Tenants()) \
         if from_index and not (tenants and quotas.counts_gpus(tenants)) else None
     # (a victim's mark for a job that no longer waits is withdrawn: `decide.preempt.withdraw`)
     waits = functools.partial(is_waiting, index) if from_index else {j.id for j in pending}.__contains__

@@ -76,6 +76,10 @@ class Settings(BaseSettings, Timeouts):
         description="A running job gives nodes back to a starved user by fair share only once it "
         "has run this long since it started or resumed (so the job that just received them is not "
         "shrunk again at once: docs/scheduling.md).")
+    fair_share_half_life_s: float = Field(
+        3600.0, gt=0,
+        description="Fair share orders a priority's waiting jobs by the node-seconds their owners' "
+        "jobs of that priority have held; what was held this long ago counts half (docs/scheduling.md).")
     memory_hold_s: float = Field(
         120.0, ge=0, le=300,
         description="A job that lost a node and waits for another holds the survivors that keep its "

@@ -9,9 +9,9 @@ the runtime; its restart counts as a resize). Never below a job's `min`, never a
 
 No thrash:
 - a give-back never turns the shares round: the owner of a job that gives keeps at least as
-  many nodes as the starved user holds once its job has started (users, as fair share counts
-  shares: `shares.share_key`; a teammate's job gives as another team's does), so the one that
-  gave is never starved by it and never takes the nodes back;
+  many nodes as the starved user holds once its job has started (nodes held now, by user; a
+  teammate's job gives as another team's does), so the one that gave is never starved by it
+  and never takes the nodes back;
 - a job that started less than `settle_s` ago (SETTLE_S by default; the control plane's
   `fair_share_settle_s`) gives nothing back (the job that just received nodes by fair share
   is not shrunk for the next starved user at the next pass);
@@ -28,7 +28,6 @@ from collections.abc import Collection, Iterable, Mapping
 from service.decide.placement import fits
 from service.decide.preempt import Take, is_candidate, live, spare, victim_key
 from service.decide.quotas import Usage
-from service.decide.shares import share_key
 from service.models import JobRecord, NodeRecord
 
 # A job gives nodes back by fair share only once it has run this long since it (re)started.
@@ -54,15 +53,15 @@ def choose(waiter: JobRecord, need: int, running: Iterable[JobRecord], used: Usa
     pass."""
     if need <= 0:
         return []
-    mine = share_key(waiter, used)[0] + waiter.spec.nodes.min  # the starved user's share, once started
+    mine = used.user_nodes[waiter.owner] + waiter.spec.nodes.min  # the starved user's share, once started
     donors = sorted((j for j in running if _may_give(j, waiter, now - settle_s, taken)),
-                    key=lambda j: (-share_key(j, used)[0], victim_key(j, now)))
+                    key=lambda j: (-used.user_nodes[j.owner], victim_key(j, now)))
     given: Counter = Counter()  # nodes taken from each donor's owner
     takes, got = [], 0
     for j in donors:
         if got >= need:
             break
-        room = share_key(j, used)[0] - given[j.owner] - mine  # what it may give without falling below
+        room = used.user_nodes[j.owner] - given[j.owner] - mine  # what it may give without falling below
         if room <= 0:
             continue
         give = spare(j, live(j), lambda n: n in nodes and fits(waiter.spec, nodes[n]))[:min(need - got, room)]

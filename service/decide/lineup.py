@@ -94,7 +94,7 @@ def lineup(c: Cluster) -> Iterator[Queued]:
                 and len(backfill.may_take(job, free_nodes, head, start, c.nodes, c.now)) < job.spec.nodes.min:
             held_back = backfill.held_back(job, head, start, c.now)
         yield Queued(job, position, takes, fair, held_back, mine, applying, c.nodes)
-        ahead.add(job.owner, job.spec.nodes.min, 0)
+        ahead.add(job.owner, job.spec.nodes.min, 0, job.spec.priority)
 
 
 def may_be_held_back(job: JobRecord, nodes: Mapping[str, NodeRecord], holders: Mapping[str, JobRecord],

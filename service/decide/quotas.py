@@ -42,18 +42,25 @@ class Tenants:
 
 @dataclass
 class Usage:
-    """What the unfinished jobs hold now: nodes and GPUs by user and by team."""
+    """What the unfinished jobs hold now: nodes and GPUs by user and by team; and, for fair
+    share (`decide.shares`), the nodes by (user, priority) and the node-seconds each (user,
+    priority) has held (`decide.ledger`; empty where no ledger is kept)."""
 
     tenants: Tenants
     user_nodes: Counter = field(default_factory=Counter)
     user_gpus: Counter = field(default_factory=Counter)
     team_nodes: Counter = field(default_factory=Counter)
     team_gpus: Counter = field(default_factory=Counter)
+    held_at: Counter = field(default_factory=Counter)
+    past: Mapping[tuple[str, int], float] = field(default_factory=dict)
 
-    def add(self, owner: str, nodes: int, gpus: int) -> None:
-        """`owner`'s jobs took `nodes` more nodes with `gpus` GPUs (negative: gave them back)."""
+    def add(self, owner: str, nodes: int, gpus: int, priority: int | None = None) -> None:
+        """`owner`'s jobs (of `priority`) took `nodes` more nodes with `gpus` GPUs (negative:
+        gave them back)."""
         self.user_nodes[owner] += nodes
         self.user_gpus[owner] += gpus
+        if priority is not None:
+            self.held_at[owner, priority] += nodes
         if (team := self.tenants.team(owner)) is not None:
             self.team_nodes[team] += nodes
             self.team_gpus[team] += gpus
@@ -72,21 +79,27 @@ def usage(jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], tenants: T
     Without `gpus`, GPUs are not counted (no GPU quota is set: a pass saves the lookups)."""
     user_nodes: Counter = Counter()
     user_gpus: Counter = Counter()
+    held_at: Counter = Counter()
     for job in jobs:  # (kept to plain loops: it goes over every running job)
         if not job.state.is_active():
             continue
         held = held_nodes(job)
         if held:
             user_nodes[job.owner] += len(held)
+            held_at[job.owner, job.spec.priority] += len(held)
             if gpus:
                 user_gpus[job.owner] += sum(nodes[n].gpus for n in held if n in nodes)
-    return usage_of(user_nodes, tenants, user_gpus)
+    return usage_of(user_nodes, tenants, user_gpus, held_at)
 
 
 def usage_of(user_nodes: Mapping[str, int], tenants: Tenants,
-             user_gpus: Mapping[str, int] | None = None) -> Usage:
-    """The `Usage` of these counts by user (the job index keeps the nodes': `JobIndex.held`)."""
-    used = Usage(tenants, Counter(user_nodes), Counter(user_gpus or {}))
+             user_gpus: Mapping[str, int] | None = None,
+             held_at: Mapping[tuple[str, int], int] | None = None,
+             past: Mapping[tuple[str, int], float] | None = None) -> Usage:
+    """The `Usage` of these counts by user (the job index keeps the nodes': `JobIndex.held`),
+    with the nodes by (user, priority) and their node-seconds (`JobIndex.ledger`)."""
+    used = Usage(tenants, Counter(user_nodes), Counter(user_gpus or {}), held_at=Counter(held_at or {}),
+                 past=past or {})
     for owner, team in tenants.team_of.items():
         used.team_nodes[team] += used.user_nodes[owner]
         used.team_gpus[team] += used.user_gpus[owner]

@@ -564,7 +564,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             allowed.clear()
             usage().add(job.owner, len(after) - len(before),
                         sum(nodes[n].gpus for n in after - before if n in nodes)
-                        - sum(nodes[n].gpus for n in before - after if n in nodes))
+                        - sum(nodes[n].gpus for n in before - after if n in nodes), job.spec.priority)
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
             offered = [n for n in offered if n not in taken]

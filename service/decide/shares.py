@@ -1,15 +1,20 @@
-"""Fair share: among waiting jobs of one priority, a free node goes to the user holding the
-smallest share of the cluster now, then to the one whose team holds least, then to the oldest job.
+"""Fair share: among waiting jobs of one priority, a free node goes to the user whose jobs of
+that priority have held least (node-seconds, decayed: `decide.ledger`), then to the one
+holding least of the cluster now, then to the one whose team holds least, then to the oldest job.
 
-The share is counted in nodes held now (`quotas.Usage`): the owner's own, then its team's (a
-user in no team is a team of one). Users get alike whatever their teams, so a team gets as
-much as its users with work to do together: a team of two busy users twice what a team of
-one gets (node-seconds per user at equal priority are what fair share evens out); between
-users holding alike, the one whose team holds less goes first. The queue's order is
-`fair_key`: priority first, then `share_key`, then age; `fair_queue` hands the jobs out in
-that order while the shares change under it (a job that starts raises its owner's share, and
-the next node goes to whoever holds least then), at a cost of a heap operation per job
-handed out.
+A node a user's jobs of that priority hold now counts as `HORIZON_S` of use already: the
+user that has held least is served first, but not with every free node of a pass (each job
+that starts in the pass raises its owner's count, and the next node goes to whoever counts
+least then), and a user that holds much now is not served before one that holds little on
+the strength of a few seconds less of history. Without a ledger (`Usage.past` empty) the
+order is the nodes held now, as it was.
+
+Users get alike whatever their teams, so a team gets as much as its users with work to do
+together: a team of two busy users twice what a team of one gets (node-seconds per user at
+equal priority are what fair share evens out); between users alike, the one whose team holds
+less goes first. The queue's order is `fair_key`: priority first, then `share_key`, then
+age; `fair_queue` hands the jobs out in that order while the shares change under it, at a
+cost of a heap operation per job handed out.
 
 Pure: the caller owns the `Usage` and adds to it what each job it starts takes.
 """
@@ -23,12 +28,19 @@ from service.decide.quotas import Usage
 from service.models import JobRecord
 
 
-def share_key(job: JobRecord, used: Usage) -> tuple[int, int]:
-    """How much of the cluster `job`'s owner holds now: its own nodes, then its team's (its
+# A node held now counts as this many seconds of use already (see above).
+HORIZON_S = 60.0
+
+
+def share_key(job: JobRecord, used: Usage) -> tuple[float, int, int]:
+    """How much `job`'s owner has had: node-seconds at `job`'s priority (decayed, with what it
+    holds now at that priority as `HORIZON_S` more), then its nodes now, then its team's (its
     own, in no team); smaller starts first."""
+    key = (job.owner, job.spec.priority)
     team = used.tenants.team(job.owner)
     own = used.user_nodes[job.owner]
-    return (own, own if team is None else used.team_nodes[team])
+    had = used.past.get(key, 0.0) + used.held_at[key] * HORIZON_S
+    return (had, own, own if team is None else used.team_nodes[team])
 
 
 def fair_key(job: JobRecord, used: Usage) -> tuple:

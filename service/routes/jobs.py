@@ -208,7 +208,9 @@ def cluster_of(ctx: Context, nodes: dict[str, NodeRecord], holders: Mapping[str,
     `holders` (`holders_of`), `tenants` (None: as the tenancy watch has them)."""
     jobs = [j for j in ctx.index.jobs() if not j.state.is_terminal()]
     tenants = tenants or ctx.tenancy.tenants() or quotas.Tenants()
-    return lineup.Cluster(jobs, nodes, holders, quotas.usage(jobs, nodes, tenants), ctx.jobs.clock(),
+    used = quotas.usage(jobs, nodes, tenants)
+    used.past = ctx.index.ledger.used(ctx.jobs.clock())  # (fair share's node-seconds, as the scheduler has them)
+    return lineup.Cluster(jobs, nodes, holders, used, ctx.jobs.clock(),
                           fifo=ctx.settings.queue_policy == "fifo", settle_s=ctx.settings.fair_share_settle_s)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from service.decide import quotas
 from service.decide.quotas import Quota, Tenants
 from service.decide.scheduling import SchedulerConfig, schedule, schedule_queue
-from service.decide.shares import fair_key, fair_queue, share_key
+from service.decide.shares import HORIZON_S, fair_key, fair_queue, share_key
 from service.decide.waiting import why_waiting
 from service.models import JobRecord, JobSpec, JobState, MemberStatus, NodeRecord
 
@@ -37,8 +37,19 @@ def test_share_key_counts_the_user_first_then_the_team():
     running = [job("r1", "ann", 1, S.RUNNING, ["a", "b"]), job("r2", "bob", 2, S.RUNNING, ["c"])]
     tenants = Tenants(team_of={"ann": "ml", "bob": "ml"})
     used = quotas.usage(running, nodes("a", "b", "c"), tenants)
-    assert share_key(job("p", "bob", 3), used) == (1, 3)  # bob holds 1, team ml 3
-    assert share_key(job("p", "cy", 3), used) == (0, 0)  # in no team: a team of one
+    # bob: 1 node at priority 0 now (a minute of use already), holds 1, team ml 3
+    assert share_key(job("p", "bob", 3), used) == (HORIZON_S, 1, 3)
+    assert share_key(job("p", "cy", 3), used) == (0, 0, 0)  # in no team: a team of one
+    # at another priority bob has had nothing yet; he holds what he holds
+    assert share_key(job("p", "bob", 3, priority=5), used) == (0, 1, 3)
+
+
+def test_share_key_counts_node_seconds_had_before_nodes_held_now():
+    tenants = Tenants(team_of={"ann": "ml", "bob": "ml"})
+    used = quotas.usage_of({"bob": 1}, tenants, held_at={("bob", 0): 1},
+                           past={("ann", 0): 500.0, ("bob", 0): 100.0, ("cy", 0): 400.0})
+    order = sorted([job("pa", "ann", 1), job("pb", "bob", 2), job("pc", "cy", 3)], key=lambda j: fair_key(j, used))
+    assert [j.id for j in order] == ["pb", "pc", "pa"]  # bob: 100 + 60 for his node now
 
 
 def test_fair_key_orders_by_priority_then_share_then_age():
