@@ -91,6 +91,17 @@ def coming(jobs: Iterable[JobRecord]) -> dict[str, list[str]]:
     return found
 
 
+def staying(jobs: Iterable[JobRecord]) -> set[str]:
+    """The nodes plain scripts giving nodes up keep while their workers are stopped on all of
+    them (SIGTERM, then the grace; `scheduling._yield_nodes` starts them again on these): a
+    stopped member holds no node, yet these are not free. (Offered as free, such a node went to
+    the waiting job, which then no longer waited; the preemption was withdrawn and the script
+    started again on all its nodes, that one too: two jobs on one node.)"""
+    return {n for j in jobs if j.preempt is not None and j.stopping and not j.preempt.suspend
+            and j.state.is_active() for n, m in j.members.items()
+            if m.state == "stopped" and n not in j.preempt.leave}
+
+
 def spare(job: JobRecord, members: list[str], fit) -> list[str]:
     """The nodes `job` can give while staying at its `min`, that fit: group rank 0's node last
     (the node that holds the group's rank 0 stays, where it can)."""

@@ -514,7 +514,14 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     (and a running job grows onto) free nodes that fit the head only if it cannot delay its
     start (`decide.backfill`).
     """
+    # Preemption (`decide.preempt`): the lowest priority that runs (of all: a bound that needs no
+    # look at their members) and the jobs giving nodes up.
+    floor, yielding = running if running is not None else \
+        (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
+    yielding = list(yielding)
     free = free_nodes(others, nodes) if holding is None else sorted(nodes.keys() - holding)
+    if kept_by_victims := preempt.staying(yielding):
+        free = [n for n in free if n not in kept_by_victims]
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
     offered = [n for n in free if n not in held] if held else free  # to a job that holds none of them
     ready = {n for n in offered if nodes[n].state is NodeState.READY}
@@ -573,11 +580,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             ready.difference_update(taken)
             free_set.difference_update(taken)
 
-    # Preemption (`decide.preempt`): the lowest priority that runs (of all: a bound that needs no
-    # look at their members), the nodes leaving for each waiting job, and the jobs that may give
-    # nodes (found only when a waiting job looks for victims).
-    floor, yielding = running if running is not None else \
-        (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
+    # The nodes leaving for each waiting job, and the jobs that may give nodes (found only when
+    # a waiting job looks for victims).
     if cfg.fifo:  # nothing preempts
         floor, yielding = None, ()
     leaving = preempt.coming(yielding)

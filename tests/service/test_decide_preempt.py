@@ -264,6 +264,22 @@ def test_a_plain_script_victim_already_told_to_stop_starts_again_on_all_its_node
     assert not again.job.stopping and again.job.preempt is None and again.job.attempt == 2
 
 
+def test_a_plain_script_victim_keeps_the_nodes_it_stays_on_while_its_workers_are_stopped():
+    # Marked to give up "b", told to stop: "a" stopped first, "b" still stopping. A stopped
+    # member holds no node, but "a" is not free: given to the waiting job, that job no longer
+    # waited, the preemption was withdrawn and the script started again on "a" too.
+    stopping = plan(marked(runtime=False), nodes("a", "b"), [], NOW, CFG).job
+    part = stopping.model_copy(update={"members": {"a": MemberStatus(state="stopped"),
+                                                   "b": MemberStatus(state="running")}})
+    high = job("high", 10, mn=1, mx=1, created=5.0)
+    assert [p for p in schedule_queue([high], [part], nodes("a", "b"), NOW, CFG)
+            if p.job.id == "high" and p.job.state is S.STARTING] == []
+    # once "b" has stopped too, "high" starts on it, and the script goes on on "a"
+    stopped = part.model_copy(update={"members": {n: MemberStatus(state="stopped") for n in "ab"}})
+    plans = {p.job.id: p.job for p in schedule_queue([high], [stopped], nodes("a", "b"), NOW, CFG)}
+    assert list(plans["high"].members) == ["b"] and list(plans["v"].members) == ["a"]
+
+
 # ------------------------------------------------------------------ restarts by cause
 
 def test_restarts_by_cause_lost_node_and_resize_do_not_spend_max_restarts():
