@@ -115,13 +115,27 @@ def trial(stack: tuple, args: argparse.Namespace, i: int, root: Path, gpus: int)
         killed_at = time.time()
         agents[1].kill_tree()
         before = len(runs(api, job_id))
-        wait_for(lambda: len(got := runs(api, job_id)) > before and got[-1][1], args.deadline,
-                 "the group that goes on to log a step")
+        try:
+            wait_for(lambda: len(got := runs(api, job_id)) > before and got[-1][1], args.deadline,
+                     "the group that goes on to log a step")
+        except AssertionError:
+            _say_where_it_is(api, job_id, killed_at)
+            raise
         figures = _figures(api, job_id, killed_at, before)
         api.post(f"/v1/jobs/{job_id}/cancel")  # measured: the rest of its steps are not needed
         return figures
     finally:
         stop_agents(agents)
+
+
+def _say_where_it_is(api, job_id: str, since: float) -> None:
+    """The job's events and its log's lines since the fault (what the group that goes on did)."""
+    for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]:
+        if e["time"] >= since - 1:
+            print(f"event +{e['time'] - since:.1f} s {e['state']}: {e.get('reason', '')}", file=sys.stderr)
+    for item in rank0_lines(api, job_id):
+        if item["time"] >= since:
+            print(f"log +{item['time'] - since:.1f} s {item['line'][:300]}", file=sys.stderr)
 
 
 def _figures(api, job_id: str, killed_at: float, runs_before: int) -> dict:

@@ -263,7 +263,7 @@ def main() -> None:
     base = none["step_s"]
     rows = {mode: {**got, "cost_pct": 100 * (got["step_s"] - base) / base, "restore_s": restores.get(mode)}
             for mode, got in runs.items()}
-    out = {"when": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpus": os.cpu_count(),
+    out = {"when": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
            "device": _device(), "nproc": args.nproc, "params": none["params"], "every": args.every,
            "steps": args.steps, "step_s_none": base, "runs": rows,
            "restore_from_memory_s": restores["memory"]}
