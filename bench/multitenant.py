@@ -2,7 +2,8 @@
 against first come, first served, on one trace in one run.
 
     .venv/bin/python bench/multitenant.py [--nodes 4] [--jobs 30] [--minutes 10] [--seed 1]
-                                          [--parallel] [--out FILE]
+                                          [--parallel] [--only ARM] [--out FILE]
+                                          [--records FILE]
 
 Each arm starts its own etcd, control plane and `--nodes` node agents (real processes; the
 workers do gloo DDP steps), makes three users in two teams, and submits the same trace as
@@ -193,6 +194,12 @@ class Arm:
         self.unfinished.append((t, {self.owners[j] for j in open_jobs if self.submitted[j].priority == 0}))
         return len(open_jobs)
 
+    def records(self) -> dict:
+        return {"started_at": self.started_at, "ended_at": self.ended_at, "samples": self.samples,
+                "unfinished": [(t, sorted(users)) for t, users in self.unfinished],
+                "jobs": {job_id: {**j, "user": self.owners[job_id], "at_s": self.submitted[job_id].at_s}
+                         for job_id, j in self.jobs.items()}}
+
     # --- figures ---
 
     def figures(self) -> dict:
@@ -328,6 +335,8 @@ def main() -> None:
     p.add_argument("--parallel", action="store_true", help="run both arms at once")
     p.add_argument("--only", choices=["fifo", "ftrain"], help="run one arm and print its figures (no table)")
     p.add_argument("--out", help="also write the table and the figures (JSON) here")
+    p.add_argument("--records", help="write each arm's raw records here (JSON: the node samples, every "
+                   "job with its events and rank 0's lines), to see where its node-seconds went")
     args = p.parse_args()
     arrivals = trace(args.jobs, args.minutes, args.seed)
     with tempfile.TemporaryDirectory(prefix="ftrain-multitenant-") as tmp:
@@ -344,6 +353,8 @@ def main() -> None:
             for a in arms:
                 a.run(arrivals)
         figures = {a.name: a.figures() for a in arms}
+    if args.records:
+        Path(args.records).write_text(json.dumps({a.name: a.records() for a in arms}))
     publish(report(figures, args) if not args.only else json.dumps(figures, indent=1), figures, args.out)
 
 

@@ -505,6 +505,22 @@ def unpack(skeleton: Any, flat: torch.Tensor, packing: list) -> dict:
     return _join(skeleton, _views(flat, packing))
 
 
+def owned(obj: Any) -> Any:
+    """`obj` with every tensor that is a view of a copy's packed bytes (`unpack`'s) made a
+    tensor of its own. A view keeps the whole copy alive, and pickling one (a broadcast of
+    objects, `torch.save`) writes the whole copy: an optimizer's step counter, 8 bytes, would
+    carry a rank's every shard with it, once per parameter."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size() else obj
+    if isinstance(obj, dict):
+        return {k: owned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [owned(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(owned(v) for v in obj)
+    return obj
+
+
 def load(directory: str | Path, step: int | None = None) -> dict | None:
     """The newest whole copy's state (of `step`, if given), or None."""
     got = read_copy(directory, step)

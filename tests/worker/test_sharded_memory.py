@@ -6,6 +6,7 @@ processes, the runtime's local twin with a memory directory) on a small model sh
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 from tests.helpers.processes import free_port
 from tests.worker.test_sharded_snapshots import _assert_same, _full_states
 from worker import memory as mem
-from worker.tiers.sharded_memory import buddy_of, plan_reshard, plan_restore
+from worker.tiers.sharded_memory import buddy_of, joined, plan_reshard, plan_restore
 
 
 def _dim0(helds: list[dict]) -> list[dict]:
@@ -47,6 +48,18 @@ def test_at_another_size_the_newest_step_whose_every_old_shard_is_held_is_reshar
 
 def test_shards_that_are_not_dim0_slices_are_not_resharded_from_memory():
     assert plan_reshard([{0: {5: (2, False)}, 1: {5: (2, False)}}], 1) == (None, 1, [])
+
+
+def test_a_joined_state_holds_no_view_of_the_copies_it_was_joined_from() -> None:
+    class Sharded:  # stands for DTensor: the leaves that are joined
+        pass
+
+    copies = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2)]
+    shards = [{"w": c[64:96].view(torch.float32), "step": c[:4].view(torch.float32).view([])} for c in copies]
+    whole = joined(shards, {"w": Sharded(), "step": None}, Sharded)
+    assert whole["w"].numel() == 16
+    # The step counter, a view of a 1 MiB copy, pickles as its 4 bytes, not as the copy.
+    assert len(pickle.dumps(whole["step"])) < 4096 < len(pickle.dumps(shards[0]["step"]))
 
 
 @pytest.mark.parametrize("rank,nodes,expected", [
@@ -121,6 +134,10 @@ def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: s
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     start = rt.restore(model=model, optimizer=optimizer)
     restored = _full_states(model, optimizer) if start else None
+    # The optimizer's step counters (plain tensors) own their bytes: a view of the copy they
+    # were read from would keep it alive, and a broadcast of them would pickle all of it.
+    views = [k for st in optimizer.state.values() for k, v in st.items()
+             if type(v) is torch.Tensor and v.untyped_storage().nbytes() > v.numel() * v.element_size()]
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
     while rt.step < until:
@@ -133,7 +150,7 @@ def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: s
     final = _full_states(model, optimizer)
     rt.finish()
     if rank == 0:
-        torch.save({"start": start, "tier": rt.resumed_tier, "restored": restored, "final": final},
+        torch.save({"start": start, "tier": rt.resumed_tier, "restored": restored, "final": final, "views": views},
                    Path(out, f"{name}.pt"))
 
 
@@ -156,6 +173,7 @@ def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_s
     assert all(t.dtype == torch.float32 for t in again["restored"]["model"].values())
     assert (one["start"], one["tier"]) == (6, "memory")
     _assert_same(one["restored"], again["final"], "memory, 2 -> 1")
+    assert again["views"] == one["views"] == []
 
 
 def _two_nodes(rank: int, world: int, port: int, root: str, steps: int) -> None:

@@ -90,7 +90,7 @@ def into_template(saved: Any, like: Any, dtensor: type) -> Any:
         return {k: into_template(v, like.get(k), dtensor) for k, v in saved.items()}
     if isinstance(saved, list) and isinstance(like, list) and len(saved) == len(like):
         return [into_template(a, b, dtensor) for a, b in zip(saved, like)]
-    return saved
+    return mem.owned(saved)  # an optimizer's step counter: not a view that holds the whole copy
 
 
 # How long closing the tier waits for the exchange of replicas in flight (a peer already gone
@@ -334,10 +334,12 @@ class ShardedMemoryTier(MemoryTier):
         from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
 
         state = mem.unpack(*copy)
+        big = state.pop("sharded")
+        state = mem.owned(state)  # what the runtime keeps (RNG states...) holds not the copy
         model, optimizer = objects["model"], objects.get("optimizer")
         like = sharded.model_and_optimizer(model, optimizer)
         with torch.no_grad():
-            big = into_template(state.pop("sharded"), like, _dtensor_type())
+            big = into_template(big, like, _dtensor_type())
         if optimizer is None:
             set_model_state_dict(model, big["model"])
         else:
@@ -417,7 +419,9 @@ def joined(shards: list[Any], like: Any, dtensor: type) -> Any:
         return {k: joined([s[k] for s in shards], like.get(k), dtensor) for k in first}
     if isinstance(first, list) and isinstance(like, list) and len(first) == len(like):
         return [joined([s[i] for s in shards], like[i], dtensor) for i in range(len(first))]
-    return first
+    # An optimizer's step counter, a view of the first rank's copy: made its own, or the
+    # broadcast of the whole state pickles that copy once per parameter.
+    return mem.owned(first)
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -559,7 +563,7 @@ class ShardedPeerTier(PeerTier):
             states = [mem.unpack(*got[shard]) for shard in range(self.saved_world)]
             like = sharded.model_and_optimizer(self.objects["model"], self.objects.get("optimizer"))
             full = joined([s.pop("sharded") for s in states], like, _dtensor_type())
-            rest = {**states[0], "rngs": [s.get("rng") for s in states]}
+            rest = mem.owned({**states[0], "rngs": [s.get("rng") for s in states]})  # broadcast next
         if self.worker.distributed:
             box = [rest]
             dist.broadcast_object_list(box, src=0, group=self.group)
