@@ -481,6 +481,17 @@ def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, tor
     return meta["skeleton"], flat, meta["packing"]
 
 
+def slot_meta(directory: str | Path, slot: int) -> dict | None:
+    """What the copy in `slot` says of itself (step, rank, world size, size, checksum), without
+    reading its bytes; None if there is none. Its bytes may still be torn: `read_slot` tells."""
+    try:
+        with open(Path(directory) / f"slot{slot}.pkl", "rb") as f:
+            meta = pickle.load(f)
+        return meta if isinstance(meta, dict) and "step" in meta else None
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+        return None
+
+
 def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, list] | None:
     """The copy in `slot` (0 or 1), whichever step it holds, verified; None if it is not whole
     (a copy was being written into it when its writer died: its bytes fail their checksum, which

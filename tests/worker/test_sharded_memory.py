@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,24 @@ def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_s
     assert (one["start"], one["tier"]) == (6, "memory")
     _assert_same(one["restored"], again["final"], "memory, 2 -> 1")
     assert again["views"] == one["views"] == []
+
+
+def test_a_copy_whose_bytes_are_torn_is_passed_over_for_the_step_every_shard_holds_whole(
+        tmp_path: Path) -> None:
+    _run_group(2, tmp_path, "first", until=4)
+    # Rank 1's copy of step 4 torn, as by its writer killed while overwriting the slot: only the
+    # chosen step's copies are read, so this is found once step 4 is chosen, and the group
+    # chooses again: step 3, in every rank's other slot.
+    where = tmp_path / "memory" / "shard-r1"
+    slot = next(s for s in (0, 1) if mem.slot_meta(where, s)["step"] == 4)
+    with open(where / f"slot{slot}.bin", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    shutil.rmtree(tmp_path / "snapshots")  # the disk's step 4 would be chosen over memory's 3
+    again = _run_group(2, tmp_path, "again", until=6)
+    assert (again["start"], again["tier"]) == (3, "memory")
 
 
 def _two_nodes(rank: int, world: int, port: int, root: str, steps: int) -> None:

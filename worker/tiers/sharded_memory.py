@@ -17,9 +17,12 @@ the copies sent to this rank straight into their replicas' free slots, each comm
 its sender's checksum (a replica half received or torn in transit reads as none). The next
 copy waits for the exchange only if it is not over, and that wait is the copy's stall.
 
-A restore reads every copy on each node (split among the node's ranks; both slots of each,
-verified: a rank killed mid-copy leaves its other ranks' copies a step ahead of its own) and
-the ranks gather which (shard, step) each holds:
+A restore lists every copy on each node (split among the node's ranks; both slots of each,
+by the metadata each slot's writer committed: a rank killed mid-copy leaves its other ranks'
+copies a step ahead of its own) and the ranks gather which (shard, step) each holds; once the
+step is chosen (below), only its copies are read, each by the rank that sends it, and
+verified; a torn one (its writer killed while overwriting the slot) counts as none, and the
+ranks choose again without it:
 
 - the newest step whose every shard, saved at this world size, some rank holds is the
   group's memory copy: each rank loads its own shard in place (the DTensors' local tensors
@@ -107,6 +110,7 @@ class ShardedMemoryTier(MemoryTier):
     def __init__(self, worker: Worker, directory: Path, every: int | None):
         super().__init__(worker, directory, every)
         self.copies: dict[tuple[int, int], tuple] = {}  # (shard's rank, step) -> a copy read here
+        self.listed: dict[tuple[int, int], tuple[Path, int]] = {}  # (shard's rank, step) -> (dir, slot)
         self.buddy: int | None = None  # the rank (on another node) that keeps this rank's replica
         self.sources: list[int] = []  # the ranks (on other nodes) whose replicas this rank keeps
         self.group: Any = None  # the replica thread's own gloo group (None: every rank on one node)
@@ -293,29 +297,41 @@ class ShardedMemoryTier(MemoryTier):
     # -------------------------------------------------------------- restoring
     def newest(self) -> Found | None:
         """Nothing yet: which copies a rank reads depends on its node's other ranks, known at
-        the gather (`read_node`)."""
+        the gather (`list_node`)."""
         return None
 
-    def read_node(self, index: int, count: int) -> dict[int, dict[int, tuple[int, bool]]]:
+    def list_node(self, index: int, count: int) -> dict[int, dict[int, tuple[int, bool]]]:
         """This rank's share (`index` of `count` ranks on the node) of the node's copies, both
-        slots of each, verified: {shard's rank: {step: (the world size it was saved at,
-        whether its shards are dim-0 slices)}}."""
+        slots of each, by what each says of itself (their bytes are read only for the step the
+        group restores: `read`): {shard's rank: {step: (the world size it was saved at, whether
+        its shards are dim-0 slices)}}."""
         dirs = sorted(self.directory.glob("shard-r*")) + sorted(self.directory.glob("replica-r*"))
-        self.copies = {}
-        for where in dirs[index::count]:
-            steps = set()
-            for slot in (0, 1):
-                got = mem.read_slot(where, slot)
-                if got is not None and "rank" in got[0]:
-                    self.copies[(int(got[0]["rank"]), int(got[0]["step"]))] = got
-                    steps.add(int(got[0]["step"]))
-            held = mem.read_held(where)
-            if held is not None and held.step not in steps:
-                self._report_corrupt(where, held.step)
+        self.copies, self.listed = {}, {}
         held_here: dict[int, dict[int, tuple[int, bool]]] = {}
-        for (shard, step), copy in self.copies.items():
-            held_here.setdefault(shard, {})[step] = (int(copy[0]["world_size"]), bool(copy[0].get("dim0")))
+        for where in dirs[index::count]:
+            for slot in (0, 1):
+                meta = mem.slot_meta(where, slot)
+                said = meta.get("skeleton") if meta is not None else None
+                if not isinstance(said, dict) or "rank" not in said:
+                    continue
+                shard, step = int(said["rank"]), int(said["step"])
+                self.listed[(shard, step)] = (where, slot)
+                held_here.setdefault(shard, {})[step] = (int(said["world_size"]), bool(said.get("dim0")))
         return held_here
+
+    def read(self, shard: int, step: int) -> bool:
+        """Read and verify the copy of `shard` at `step` that `list_node` found here (kept for
+        the load); False if its bytes fail their checksum (a writer killed mid-copy tore it, or
+        damage: reported where it is the copy its writer last committed)."""
+        where, slot = self.listed[(shard, step)]
+        got = mem.read_slot(where, slot)
+        if got is not None and (int(got[0]["rank"]), int(got[0]["step"])) == (shard, step):
+            self.copies[(shard, step)] = got
+            return True
+        held = mem.read_held(where)
+        if held is not None and held.step == step:
+            self._report_corrupt(where, step)
+        return False
 
     def _report_corrupt(self, where: Path, step: int) -> None:
         worker, link = self.worker, self.worker.link
@@ -458,20 +474,36 @@ class ShardedPeerTier(PeerTier):
             got = [(worker.node, extra)]
         nodes = [g[0] for g in got]
         siblings = [r for r, node in enumerate(nodes) if node == nodes[worker.rank]]
-        held = self.local.read_node(siblings.index(worker.rank), len(siblings))
+        held = self.local.list_node(siblings.index(worker.rank), len(siblings))
         helds = self.wire.all_gather_object(held) if worker.distributed else [held]
-        self.complete, self.sources = plan_restore(helds, worker.world_size)
-        self.saved_world = worker.world_size
-        if self.complete is None:
-            self.complete, self.saved_world, self.sources = plan_reshard(helds, worker.world_size)
-            if worker.is_chief:
-                self._say_why_not(helds)
+        while True:
+            self._plan(helds)
+            # Only the copies of the chosen step are read, each by the rank that sends it:
+            # one copy per shard, not every slot of every node's writers and replicas.
+            torn = [shard for shard, src in enumerate(self.sources)
+                    if src == worker.rank and not self.local.read(shard, self.complete)]
+            torns = self.wire.all_gather_object(torn) if worker.distributed else [torn]
+            if not any(torns):
+                break
+            for rank, shards in enumerate(torns):  # those copies are none: plan again without them
+                for shard in shards:
+                    helds[rank][shard].pop(self.complete)
+        if worker.is_chief and (self.saved_world != worker.world_size or self.complete is None):
+            self._say_why_not(helds)
         self.helds = [self.complete if self.complete is not None else -1] * worker.world_size
         self._report(self.complete)
         if worker.distributed:
             self.wire.all_gather_object(None)
             self.local.set_peers(nodes)
         return [g[1] for g in got]
+
+    def _plan(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
+        """The step to restore (`complete`), the world size it was saved at, and who sends each
+        shard: at this world size if some step is whole, else resharded from another."""
+        self.complete, self.sources = plan_restore(helds, self.worker.world_size)
+        self.saved_world = self.worker.world_size
+        if self.complete is None:
+            self.complete, self.saved_world, self.sources = plan_reshard(helds, self.worker.world_size)
 
     def _say_why_not(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
         world = self.worker.world_size
