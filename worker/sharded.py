@@ -92,11 +92,41 @@ def full_model_state(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def start_save(state: dict, tmp: Path, group: Any) -> Future:
-    """Every rank: copy its shards to host memory (here) and write them from a thread (DCP)."""
+def stager(device: torch.device) -> Any:
+    """DCP's stager that copies a rank's shards to host memory off the training thread, into
+    buffers it keeps from one snapshot to the next (page-locked on a GPU, where the copy runs
+    on a stream of its own); None where this torch has none (the copy is then the stall)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # pragma: no cover - torch before 2.9
+        return None
+    on_gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=on_gpu))
+
+
+def start_save(state: dict, tmp: Path, group: Any, staging: Any = None) -> tuple[Future | None, Future]:
+    """Every rank: copy its shards to host memory and write them from a thread (DCP). Returns
+    (staged, written): `staged` is done once the copy is (None: it was done here, `staging` None
+    or not asynchronous); the state must not change before then."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+    if staging is None:
+        return None, dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+    got = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=staging)
+    if isinstance(got, Future):
+        return None, got
+    return got.staging_completion, got.upload_completion
+
+
+def own_buffers(state: dict, model: torch.nn.Module) -> dict:
+    """`state` (`model_and_optimizer`'s) with the model's entries that are not parameters
+    (buffers: a forward pass may change them, BatchNorm's running statistics) copied now, so
+    that a copy made while the next step's forward runs holds them as they were at the step."""
+    params = {name for name, _ in model.named_parameters()}
+    state["model"] = {k: v.detach().clone() if k not in params and isinstance(v, torch.Tensor) else v
+                      for k, v in state["model"].items()}
+    return state
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
