@@ -7,8 +7,7 @@ For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` o
 - `none`: no snapshots: the step time every other run is compared with;
 - `ftrain`: the runtime (its local twin: a snapshot folder and its index), a sharded
   snapshot every `--every` steps (worker/tiers/sharded.py: each rank's shards by
-  `dcp.async_save` with the stager below, checksums, rank 0's commit once every rank's
-  shards are whole);
+  `dcp.async_save`, checksums, rank 0's commit once every rank's shards are whole);
 - `memory`: the runtime with its memory tier alone, no disk snapshot (worker/tiers/sharded_memory.py:
   every rank's own shards in node-local shared memory), a copy at the interval the tier picks to
   stay within its budget, and `memory/N` a copy every N steps for each `--memory-every N`
@@ -16,16 +15,11 @@ For a transformer of examples/train_fsdp.py's kind, sharded with `fully_shard` o
   node of its own (its own memory folder and `FTRAIN_NODE`), so that each keeps a replica of
   another's shards, as on a cluster; it also reports the copy's stall on the training thread
   and the exchange of replicas (medians);
-- `dcp`: the script's own `dcp.async_save` every `--every` steps over a gloo group, as a
-  tuned script does under torchrun (torchtitan's "async_with_pinned_mem"): copied to
-  page-locked host buffers kept from one save to the next, on a thread (and a CUDA stream) of
-  DCP's stager, waited for before the optimizer's next step; the write waited for before the
-  next save; no checksum or commit;
+- `dcp`: the script's own `dcp.async_save` every `--every` steps over a gloo group, waited
+  for before the next (what a tuned script does under torchrun, with no checksum or commit);
 
 each reporting its mean step time (the snapshot's cost as % of the step time against
-`none`), the training thread's stall per snapshot when it is taken, and the optimizer's
-wait for the copy to host memory to end (ftrain's disk tier and `dcp` copy the same way;
-medians). Then a restart of each
+`none`) and the training thread's stall per snapshot (median). Then a restart of each
 (`ftrain`, `memory`, `dcp`) at the same world size, timed from a fresh model and optimizer
 to the state loaded: ftrain's `rt.restore` from disk (the newest committed snapshot verified,
 then DCP's load) and from memory (every rank's shards read and verified, then loaded in
@@ -100,7 +94,6 @@ def _rank(args: argparse.Namespace) -> None:
             rt.finish()
         return
     group = dist.new_group(backend="gloo") if args.mode == "dcp" else None
-    own = _OwnDcp(args, device) if args.mode == "dcp" else None
     pending = None
     times, stalls = [], []
     for step in range(1, args.steps + 1):
@@ -110,8 +103,6 @@ def _rank(args: argparse.Namespace) -> None:
                                                  batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if own is not None:
-            own.wait_staged()
         optimizer.step()
         loss.item()  # the end of a step as a loop sees it
         s0 = time.perf_counter()
@@ -119,20 +110,17 @@ def _rank(args: argparse.Namespace) -> None:
             rt.step_done(loss=loss)
             if args.mode == "ftrain" and step % args.every == 0:
                 stalls.append(rt.stalls_s[-1])
-        elif own is not None and step % args.every == 0:
-            pending = own.save(model, optimizer, step, pending, group)
+        elif args.mode == "dcp" and step % args.every == 0:
+            pending = _own_dcp_save(args, model, optimizer, step, pending, group)
             stalls.append(time.perf_counter() - s0)
         times.append(time.perf_counter() - t0)
-    waits = own.waits_s if own is not None else getattr(rt.disk, "staged_waits_s", []) if rt is not None else []
     if rt is not None:
         rt.finish()
     elif pending is not None:
         pending.result()
-        own.close()
     warm = times[min(3, len(times) - 1):]
     figures = {"params": params, "step_s": statistics.mean(warm),
-               "stall_s": statistics.median(stalls) if stalls else 0.0, "snapshots": len(stalls),
-               "copy_wait_s": statistics.median(waits) if waits else 0.0}
+               "stall_s": statistics.median(stalls) if stalls else 0.0, "snapshots": len(stalls)}
     if rt is not None and rt.memory is not None:
         figures.update(_memory_figures(rt.memory, warm_from=min(3, len(times) - 1)))
     _report(args, rank, figures)
@@ -160,50 +148,20 @@ def _memory_figures(tier, warm_from: int) -> dict:
             "replicate_s": median(getattr(tier, "replicate_s", []))}
 
 
-class _OwnDcp:
-    """The script's own snapshots, tuned as a careful script would (torchtitan's
-    "async_with_pinned_mem"): DCP's async save with a stager that copies to page-locked host
-    buffers it keeps, on a stream and a thread of its own, waited for before the optimizer
-    changes what it copies; the previous write waited for before the next."""
+def _own_dcp_save(args, model, optimizer, step: int, pending, group):
+    """The script's own snapshot: wait for the previous one, then DCP's async save."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    def __init__(self, args, device) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        on_gpu = device.type == "cuda"
-        self.args, self.device = args, device
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=on_gpu))
-        self.staged = None
-        self.waits_s: list[float] = []
-
-    def wait_staged(self) -> None:
-        if self.staged is not None:
-            began = time.perf_counter()
-            self.staged.result()
-            self.waits_s.append(time.perf_counter() - began)
-            self.staged = None
-
-    def save(self, model, optimizer, step: int, pending, group):
-        import torch
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        if pending is not None:
-            pending.result()
-            if dist.get_rank() == 0:  # the newest whole checkpoint is kept, older ones removed (keep 2, as ftrain's)
-                for old in sorted(Path(self.args.dir).glob("own-*"), key=lambda p: int(p.name.split("-")[1]))[:-1]:
-                    shutil.rmtree(old, ignore_errors=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        got = dcp.async_save({"model": model_sd, "optimizer": optim_sd}, async_stager=self.stager,
-                             checkpoint_id=os.path.join(self.args.dir, f"own-{step}"), process_group=group)
-        self.staged = got.staging_completion
-        return got.upload_completion
-
-    def close(self) -> None:
-        self.stager.close()
+    if pending is not None:
+        pending.result()
+        if dist.get_rank() == 0:  # the newest whole checkpoint is kept, older ones removed (keep 2, as ftrain's)
+            for old in sorted(Path(args.dir).glob("own-*"), key=lambda p: int(p.name.split("-")[1]))[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return dcp.async_save({"model": model_sd, "optimizer": optim_sd},
+                          checkpoint_id=os.path.join(args.dir, f"own-{step}"), process_group=group)
 
 
 def _restore(args, rt, model, optimizer, began: float) -> float | None:
@@ -312,11 +270,10 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{none['params'] / 1e6:.1f}M parameters, {args.nproc} ranks on {out['device']}, a snapshot every "
           f"{args.every} steps; step without snapshots {base * 1e3:.1f} ms")
-    print(f"{'run':<10} {'step ms':>9} {'cost %':>7} {'stall ms':>9} {'copy wait ms':>13} {'restore s':>10}")
+    print(f"{'run':<10} {'step ms':>9} {'cost %':>7} {'stall ms':>9} {'restore s':>10}")
     for mode, row in rows.items():
         restore = f"{row['restore_s']:>10.3f}" if row["restore_s"] is not None else f"{'-':>10}"
-        print(f"{mode:<10} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} "
-              f"{row.get('copy_wait_s', 0.0) * 1e3:>13.1f} {restore}")
+        print(f"{mode:<10} {row['step_s'] * 1e3:>9.1f} {row['cost_pct']:>7.1f} {row['stall_s'] * 1e3:>9.1f} {restore}")
     for mode, row in rows.items():
         if mode.startswith("memory"):
             print(f"{mode}: {row['copies']} copies in {args.steps} steps; the training thread's stall per copy "

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .. import sharded
@@ -44,19 +43,13 @@ class ShardedDiskTier(DiskTier):
         self.group: Any = None
         self.token = ""
         self._own: threading.Thread | None = None  # a rank other than 0: its sums being written
-        self._staging: Any = None  # DCP's stager, kept: its host buffers serve every snapshot
-        self._staged: Any = None  # the last save's copy to host memory, until it is done
-        self.staged_waits_s: list[float] = []  # the optimizer's waits for it (part of the stall)
+        self.host = sharded.HostShards()  # the host buffers every snapshot's copy goes into
 
     def prepare(self, objects: Mapping[str, Any]) -> None:
         """Every rank, at the restore: the objects it saves, the gloo group DCP writes over
         from its thread, and one temporary-directory token every rank writes into."""
         self.objects = objects
         worker = self.worker
-        self._staging = sharded.stager(worker.device)
-        optimizer = objects.get("optimizer")
-        if self._staging is not None and optimizer is not None:
-            optimizer.register_step_pre_hook(self.guard)
         token = f"{worker.attempt}-{secrets.token_hex(4)}"
         if worker.distributed:
             self.group = sharded.checkpoint_group()
@@ -103,13 +96,8 @@ class ShardedDiskTier(DiskTier):
         tmp = self.directory / f".{sharded.snapshot_name(step)}{sharded.TMP_MARK}{self.token}"
         tmp.mkdir(mode=0o700, parents=True, exist_ok=True)  # the job's user alone reads its shards
         big = {name: objects[name] for name in SHARDED_OBJECTS}
-        state = sharded.model_and_optimizer(big["model"], big["optimizer"])
-        staging = self._staging if big["optimizer"] is not None else None  # no hook to guard the copy
-        if staging is not None:
-            state = sharded.own_buffers(state, big["model"])
-            if self.worker.device.type == "cuda":  # the stager's stream copies what this one has made
-                torch.cuda.current_stream(self.worker.device).synchronize()
-        self._staged, future = sharded.start_save(state, tmp, self.group, staging)
+        future = sharded.start_save(sharded.model_and_optimizer(big["model"], big["optimizer"]), tmp, self.group,
+                                    self.host)
         stall_s = time.perf_counter() - start
         self.stalls_s.append(stall_s)
         self.waits_s.append(waited_s)
@@ -129,15 +117,6 @@ class ShardedDiskTier(DiskTier):
         self.writer.submit(pending, step, stall_s, control_id, blocking=blocking)
         return not (blocking and self.writer.failed_step == step)
 
-    def guard(self, *_args: Any, **_kwargs: Any) -> None:
-        """An optimizer step pre-hook: the last save's copy of the shards to host memory is whole
-        before the optimizer changes them (it ran beside this step's forward and backward)."""
-        staged, self._staged = self._staged, None
-        if staged is not None:
-            began = time.perf_counter()
-            staged.result()
-            self.staged_waits_s.append(time.perf_counter() - began)
-
     def _finish_own(self, future: Any, tmp: Path, step: int) -> None:
         """A rank other than 0: its write awaited, its sums written for rank 0's manifest."""
         try:
@@ -156,13 +135,10 @@ class ShardedDiskTier(DiskTier):
         super().wait()
 
     def close(self) -> None:
-        """This rank's write finished (rank 0 waits for its sums), then as `DiskTier.close`; the
-        stager's host buffers let go."""
+        """This rank's write finished (rank 0 waits for its sums), then as `DiskTier.close`."""
         self._wait_own()
         super().close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self.host.close()
 
     # -------------------------------------------------------------- restoring
     def takes(self, path: str) -> bool:
