@@ -234,6 +234,8 @@ def main() -> None:
     p.add_argument("--memory-every", type=int, nargs="*", default=[], metavar="N",
                    help="also run the memory tier with a copy every N steps (beside the interval it picks)")
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--memory-only", action="store_true",
+                   help="only the memory tier's run and its restore (a quick look at the restore from memory)")
     p.add_argument("--port", type=int, default=29655)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--out", default=str(REPO / "bench" / "fsdp_restore.json"))
@@ -248,6 +250,12 @@ def main() -> None:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     args.memory_dir = tempfile.mkdtemp(prefix="ftrain-fsdp-bench-memory-", dir=shm)
     try:
+        if args.memory_only:
+            ran = _run(args, "memory", directory)
+            got = _run(args, "memory", directory, restore_only=True)
+            print(f"memory tier alone: step {ran['step_s'] * 1e3:.1f} ms, {ran['copies']} copies in {args.steps} "
+                  f"steps; restore from memory {got['restore_s']:.3f} s ({got['tier']})")
+            return
         none = _run(args, "none", directory)
         modes = ["ftrain", *(f"memory/{n}" for n in args.memory_every if n > 0), "memory", "dcp"]
         runs = {mode: _run(args, mode, directory) for mode in modes}
