@@ -93,8 +93,6 @@ def into_template(saved: Any, like: Any, dtensor: type) -> Any:
         return {k: into_template(v, like.get(k), dtensor) for k, v in saved.items()}
     if isinstance(saved, list) and isinstance(like, list) and len(saved) == len(like):
         return [into_template(a, b, dtensor) for a, b in zip(saved, like)]
-    if isinstance(saved, torch.Tensor) and isinstance(like, torch.Tensor) and saved.device != like.device:
-        return saved.to(like.device)  # an optimizer's step counter, where the optimizer keeps it
     return mem.owned(saved)  # an optimizer's step counter: not a view that holds the whole copy
 
 
@@ -321,25 +319,12 @@ class ShardedMemoryTier(MemoryTier):
                 held_here.setdefault(shard, {})[step] = (int(said["world_size"]), bool(said.get("dim0")))
         return held_here
 
-    def read(self, shard: int, step: int, device: torch.device | None = None) -> bool:
+    def read(self, shard: int, step: int) -> bool:
         """Read and verify the copy of `shard` at `step` that `list_node` found here (kept for
         the load); False if its bytes fail their checksum (a writer killed mid-copy tore it, or
-        damage: reported where it is the copy its writer last committed). `device`: a GPU this
-        rank loads the copy into itself (`to_device`); else it is read into host memory."""
+        damage: reported where it is the copy its writer last committed)."""
         where, slot = self.listed[(shard, step)]
-        got = None
-        if device is not None and device.type == "cuda":
-            try:
-                got = to_device(where, slot, device)
-                if got is None:  # no room on the GPU for it
-                    got = mem.read_slot(where, slot)
-            except mem.CopyCorrupt:
-                got = None
-            except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
-                log.info("rank %d: the memory copy goes through host memory (%s)", self.worker.rank, exc)
-                got = mem.read_slot(where, slot)
-        else:
-            got = mem.read_slot(where, slot)
+        got = mem.read_slot(where, slot)
         if got is not None and (int(got[0]["rank"]), int(got[0]["step"])) == (shard, step):
             self.copies[(shard, step)] = got
             return True
@@ -366,7 +351,7 @@ class ShardedMemoryTier(MemoryTier):
 
         state = mem.unpack(*copy)
         big = state.pop("sharded")
-        state = mem.owned(_on_host(state))  # what the runtime keeps (RNG states...) holds not the copy
+        state = mem.owned(state)  # what the runtime keeps (RNG states...) holds not the copy
         model, optimizer = objects["model"], objects.get("optimizer")
         like = sharded.model_and_optimizer(model, optimizer)
         with torch.no_grad():
@@ -425,58 +410,6 @@ class ShardedMemoryTier(MemoryTier):
         for w in self.replicas.values():
             w.close()
         super().close()
-
-
-def to_device(where: Path, slot: int, device: torch.device) -> tuple[dict, torch.Tensor, list] | None:
-    """A slot's copy straight onto the GPU: the file mapped (private: nothing this process does
-    writes it), page-locked for CUDA where it lets us, copied in one transfer at the link's
-    speed, and verified there (`sum64` gives the same sums on any device). Read into host memory
-    first, a 12 GB copy of an H200's rank took seconds more than the transfer. None: no room on
-    the GPU for it beside the state it goes into (the caller reads it into host memory); raises
-    CopyCorrupt when its bytes fail their checksum."""
-    meta = mem.slot_meta(where, slot)
-    if meta is None:
-        return None
-    size = int(meta["size"])
-    free, _total = torch.cuda.mem_get_info(device)
-    if free < 2 * size:
-        return None
-    mapped = torch.from_file(str(where / f"slot{slot}.bin"), shared=False, size=size, dtype=torch.uint8)
-    registered: list = []
-
-    def register() -> None:  # in a thread: CUDA keeps a refused call's error per thread
-        try:
-            registered.append(int(torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), size, 1)) == 0)
-        except (RuntimeError, AttributeError):
-            registered.append(False)
-
-    t = threading.Thread(target=register, name="memory-restore-register")
-    t.start()
-    t.join()
-    flat = torch.empty(size, dtype=torch.uint8, device=device)
-    try:
-        flat.copy_(mapped, non_blocking=registered == [True])
-        torch.cuda.current_stream(device).synchronize()
-    finally:
-        if registered == [True]:
-            torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
-        del mapped
-    mem._verify(flat, meta.get("checksum"), int(meta["step"]))
-    return meta["skeleton"], flat, meta["packing"]
-
-
-def _on_host(obj: Any) -> Any:
-    """`obj` with its tensors on the CPU (the small state of a copy loaded onto a GPU: RNG
-    states, step counters, the scheduler's)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _on_host(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_on_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_on_host(v) for v in obj)
-    return obj
 
 
 def buddy_of(rank: int, nodes: list[Any]) -> int | None:
@@ -547,10 +480,8 @@ class ShardedPeerTier(PeerTier):
             self._plan(helds)
             # Only the copies of the chosen step are read, each by the rank that sends it:
             # one copy per shard, not every slot of every node's writers and replicas.
-            own = self.saved_world == worker.world_size  # a rank's own shard is loaded where it is read
             torn = [shard for shard, src in enumerate(self.sources)
-                    if src == worker.rank and not self.local.read(
-                        shard, self.complete, worker.device if own and shard == worker.rank else None)]
+                    if src == worker.rank and not self.local.read(shard, self.complete)]
             torns = self.wire.all_gather_object(torn) if worker.distributed else [torn]
             if not any(torns):
                 break
