@@ -654,16 +654,17 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         """Enough READY nodes are free for its `min`, or it holds some of its own (`keep`)."""
         return job.kept is not None or job.spec.nodes.min <= len(ready)
 
-    lenders: list[set[int]] = []  # (found once asked) the priorities of running borrowers
+    lenders: list[JobRecord] | None = None  # (found once asked) the borrowers that may give back
 
     def may_preempt(job: JobRecord) -> bool:
         """It outranks a running job, nodes are already leaving for it, its owner is starved, or
-        jobs of its priority borrowed nodes (`decide.backfill`: it may take them back)."""
+        a job it may take back from borrowed nodes (`decide.backfill`, `preempt.may_take_back`)."""
+        nonlocal lenders
         if (floor is not None and job.spec.priority > floor) or job.id in leaving or job.owner in starving:
             return True
-        if not lenders:
-            lenders.append({j.spec.priority for j in others if j.borrowed is not None})
-        return job.spec.priority in lenders[0]
+        if lenders is None:
+            lenders = [j for j in others if j.borrowed is not None and preempt.is_candidate(j)]
+        return any(preempt.may_take_back(job, b) for b in lenders)
 
     def quota_allows(job: JobRecord) -> bool:
         """Its owner's node quotas leave room for its `min` (preempting for a job its quota

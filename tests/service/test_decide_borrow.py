@@ -183,3 +183,14 @@ def test_a_borrower_that_goes_back_to_pending_for_a_lost_node_is_no_longer_a_bor
     b = b.model_copy(update={"members": {"d": MemberStatus(state="running")}})
     plans = by_id(schedule([*busy(), head(), b], nodes("a", "b", "c"), NOW, CFG))  # d is lost
     assert plans["borrower"].state is S.PENDING and plans["borrower"].borrowed is None
+
+
+def test_a_plan_made_again_on_a_re_read_record_marks_the_borrower_too():
+    from service.decide.scheduling import lent, plan
+    first = next(p for p in schedule_queue([head(), pending_runtime("small")], busy(), nodes(*FOUR), NOW, CFG)
+                 if p.job.id == "small")
+    assert first.loan is not None and list(first.offered) == ["d"]
+    reread = pending_runtime("small").model_copy(update={"event_seq": 7})  # (its write lost a race)
+    again = lent(plan(reread, nodes(*FOUR), list(first.offered), NOW + 1, CFG), reread, first.loan, NOW + 1)
+    assert again.job.state is S.STARTING and again.job.borrowed is not None
+    assert again.job.borrowed.nodes == ["d"] and again.job.borrowed.head == "head"
