@@ -194,3 +194,10 @@ def test_a_plan_made_again_on_a_re_read_record_marks_the_borrower_too():
     again = lent(plan(reread, nodes(*FOUR), list(first.offered), NOW + 1, CFG), reread, first.loan, NOW + 1)
     assert again.job.state is S.STARTING and again.job.borrowed is not None
     assert again.job.borrowed.nodes == ["d"] and again.job.borrowed.head == "head"
+
+
+def test_the_heads_waiting_reason_names_the_borrower_in_front_of_it():
+    from service.decide.waiting import why_waiting
+    held = [*busy(), borrower()]
+    why = why_waiting(head(), nodes(*FOUR), {n: j for j in held for n in j.members})
+    assert "job borrower (RUNNING, borrowed in front of this job: d)" in why
