@@ -359,6 +359,21 @@ class Preemption(BaseModel):
         return f"job {self.by} (priority {self.by_priority})"
 
 
+class Borrow(BaseModel):
+    """On a job of the ftrain runtime that took free nodes kept for the queue's head, a waiting
+    job of its priority (`service.decide.backfill`): it gives `nodes` back (a shrink, else a
+    suspension, 0 steps lost) once that job, or another of its priority ahead of it in the queue,
+    could start with them (`service.decide.preempt`)."""
+
+    head: str = Field(..., description="The id of the waiting job the nodes were kept for.")
+    priority: int
+    nodes: list[str] = Field(..., description="The kept nodes it took.")
+    since: float
+
+    def describe(self) -> str:
+        return f"job {self.head} (priority {self.priority})"
+
+
 class Control(BaseModel):
     id: int
     action: ControlAction
@@ -443,6 +458,9 @@ class JobRecord(BaseModel):
     kept: KeptCopies | None = None
     # While a job of higher priority takes some or all of its nodes (`decide.preempt`).
     preempt: Preemption | None = None
+    # While it runs on free nodes kept for a waiting job of its priority (`decide.backfill`); gone
+    # once it gives them back, goes back to PENDING, ends, or that job no longer waits.
+    borrowed: Borrow | None = None
     # The training loop's stalls for the snapshots it committed, added up (each commit reports its
     # own; the snapshot records themselves are pruned to `keep`): the goodput ledger's `snapshot`.
     snapshot_stall_s: float = 0.0

@@ -44,13 +44,14 @@ from service.decide.scheduling import (
     live_members,
     plan,
     schedule_queue,
+    lent,
     with_mark,
     withdrawn,
 )
 from service.errors import FtrainError, StaleLeader, StoreUnavailable
 from service.job_index import JobIndex
 from service.jobs import JobStore
-from service.models import JobRecord, JobState, NodeRecord, Preemption
+from service.models import Borrow, JobRecord, JobState, NodeRecord, Preemption
 from service.nodes import NodeStore, departures
 from service.rendezvous import delete_rendezvous
 from service.store.api import Fence, KeyValue, Put
@@ -275,7 +276,7 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
 
             def decide(current: JobRecord, reserved: dict[str, str] = reserved,
                        mark: Preemption | None = _new_mark(p, originals[job_id]),
-                       offered: Sequence[str] = p.offered) -> Change | None:
+                       offered: Sequence[str] = p.offered, loan: Borrow | None = p.loan) -> Change | None:
                 # Re-decide on what is stored now, on the free nodes the pass offered it (its
                 # limits: backfill's too) that others do not hold now (as members, or held for a
                 # waiting job) and its quotas leave it (`free_again`). A victim marked in this
@@ -289,6 +290,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                              (copies or {}).get(current.id, ()), gone)
                 if marked is not None:
                     again = with_mark(marked, again)
+                if loan is not None:  # (it is marked borrower of the kept nodes it takes: `decide.backfill`)
+                    again = lent(again, current, loan, now)
                 return None if again is None else Change(again.job, again.events)
 
             try:

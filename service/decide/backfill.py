@@ -19,6 +19,19 @@ none may end at any moment, so its nodes count as coming back now (a job of the 
 priority without a `max_duration_s` never backfills in front of it). A job that ends
 earlier than it declared may let the head start earlier than planned, never later.
 
+A job of the head's priority on the ftrain runtime (`may_borrow`: it reported progress
+through it, so it gives nodes up at a step boundary with 0 steps lost) may take the kept nodes
+anyway, as a borrower: the pass marks it (`JobRecord.borrowed`: the head's id and the kept
+nodes it took, `lend`) when it starts on them or grows onto them. Once the head (or a job of
+that priority ahead of the borrower in queue order) could start with the borrowed nodes, it
+takes them back as a preemption takes nodes (`decide.preempt`, after the victims of lower
+priority): the borrower shrinks off them where it stays at its `min`, else is suspended, and
+counts a restart of cause "preemption". A plain script never borrows: giving back would cost it
+the work since its last save. The mark goes when the borrower goes back to PENDING or ends
+(`state.transition`), gives the nodes back by a shrink, or when the job it borrowed in front of
+no longer waits (it started without them, or ended: `released`); from then on the borrower is
+an ordinary job, which no job of its priority takes nodes from.
+
 Under the `fifo` queue policy nothing is held for the head (the jobs behind it start on what
 is free, as they always did). Pure: the caller gives the nodes and jobs of its pass.
 """
@@ -29,7 +42,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from service.decide.placement import fits
 from service.decide.quotas import held_nodes
-from service.models import JobRecord, JobState, NodeRecord, NodeState
+from service.decide.state import note, uses_runtime
+from service.models import Borrow, EventView, JobRecord, JobState, NodeRecord, NodeState
 
 
 def ends_by(job: JobRecord) -> float | None:
@@ -80,6 +94,50 @@ def may_take(job: JobRecord, free: Sequence[str], head: JobRecord, start: float 
     return [n for n in free if not _fits(head, n, nodes)]
 
 
+def may_borrow(job: JobRecord, head: JobRecord) -> bool:
+    """`job` may take the free nodes kept for `head` as a borrower (the module's docstring):
+    it is of `head`'s priority and on the ftrain runtime, so it gives them back at a step
+    boundary, 0 steps lost (a plain script would lose the work since its last save)."""
+    return job.spec.priority == head.spec.priority and uses_runtime(job)
+
+
+def loan(job: JobRecord, free: Sequence[str], allowed: Sequence[str], head: JobRecord,
+         now: float) -> Borrow | None:
+    """The nodes of `free` that `job` takes only as a borrower in front of `head` (those
+    `may_take` did not allow it), offered as a loan; None: it takes none so, or may borrow none."""
+    kept = [n for n in free if n not in allowed] if len(allowed) < len(free) else []
+    if not kept or not may_borrow(job, head):
+        return None
+    return Borrow(head=head.id, priority=head.spec.priority, nodes=kept, since=now)
+
+
+def lend(before: JobRecord, after: JobRecord, offer: Borrow, now: float) -> tuple[JobRecord, EventView] | None:
+    """`after` (the next record of `before`) marked as borrowing the nodes of the loan `offer` it
+    took (a start on them, or a scale-up onto them), and its event; None: it took none of them."""
+    was = {n for n, m in before.members.items() if m.is_live()}
+    took = [n for n in offer.nodes if n not in was and n in after.members and after.members[n].is_live()]
+    if not took:
+        return None
+    prior = after.borrowed if after.borrowed is not None and after.borrowed.head == offer.head else None
+    borrowed = offer.model_copy(update={"nodes": sorted({*took, *(prior.nodes if prior else ())}),
+                                        "since": prior.since if prior else now})
+    return note(after.model_copy(update={"borrowed": borrowed}),
+                f"borrowed node(s) {', '.join(took)}, kept for {offer.describe()}, which waits for more: "
+                "it gives them back at a step boundary (0 steps lost) once that job can start with them",
+                now)
+
+
+def released(job: JobRecord, now: float) -> tuple[JobRecord, EventView] | None:
+    """`job` once the job it borrowed nodes in front of no longer waits (it started without
+    them, or ended): the nodes are its own (an ordinary job's), and its event; None: none borrowed."""
+    b = job.borrowed
+    if b is None:
+        return None
+    return note(job.model_copy(update={"borrowed": None}),
+                f"{b.describe()} no longer waits for node(s) {', '.join(b.nodes)}: they are no longer borrowed",
+                now)
+
+
 def _fits(job: JobRecord, name: str, nodes: Mapping[str, NodeRecord]) -> bool:
     node = nodes.get(name)
     return node is not None and node.state is NodeState.READY and fits(job.spec, node)
@@ -91,4 +149,6 @@ def held_back(job: JobRecord, head: JobRecord, start: float, now: float) -> str:
             else f"in {start - now:.0f} s, as the running jobs declare their ends")
     return (f"needs {job.spec.nodes.min} node(s); the free ones are kept for job {head.id} (priority "
             f"{head.spec.priority}), ahead of it, which waits for more and could start {when}: it starts "
-            "once that one has, or at once with a max_duration_s that ends before then")
+            "once that one has, or at once with a max_duration_s that ends before then (a job that has "
+            "reported progress through the ftrain runtime borrows them, and gives them back when that "
+            "one can start)")

@@ -7,7 +7,8 @@ of the cluster, then age), played forward: each job ahead is counted as holding 
 nodes when the next one's turn comes, as a pass that starts it would. The reasons are
 `decide.waiting`'s, against what is held now, but for a job that the free nodes would start
 while the first job that waits for more (the head, `decide.backfill`) is ahead of it: the
-nodes are kept for that one unless it cannot delay it, and its reason says so. What each
+nodes are kept for that one unless it cannot delay it or may borrow them (a job on the ftrain
+runtime of its priority), and its reason says so. What each
 would preempt is `decide.preempt.would_take` on the running jobs of now, each job taken as if
 it were the next to start (so two jobs may name the same victim).
 
@@ -91,7 +92,8 @@ def lineup(c: Cluster) -> Iterator[Queued]:
             start = backfill.planned_start(job, free_nodes, running, c.nodes, c.now)
             head = job if start is not None else None
         elif may_preempt and head is not None and free >= job.spec.nodes.min \
-                and len(backfill.may_take(job, free_nodes, head, start, c.nodes, c.now)) < job.spec.nodes.min:
+                and len(backfill.may_take(job, free_nodes, head, start, c.nodes, c.now)) < job.spec.nodes.min \
+                and not backfill.may_borrow(job, head):
             held_back = backfill.held_back(job, head, start, c.now)
         yield Queued(job, position, takes, fair, held_back, mine, applying, c.nodes)
         ahead.add(job.owner, job.spec.nodes.min, 0, job.spec.priority)

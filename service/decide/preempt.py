@@ -20,9 +20,15 @@ not held from the job that took them). A plain script (no runtime) is stopped: S
 again on the nodes it keeps, or waits. Either way the victim counts a restart of cause
 "preemption" (`RestartCounts`), not a failure.
 
-Never for an equal or lower priority; so a job suspended by a preemption never takes its
-nodes back from the job that took them (its priority is lower), and two jobs of one
-priority never preempt each other. (A job of one priority does give nodes back to a starved
+Never for a lower priority, and for an equal one only from a borrower: a job on the ftrain
+runtime that took free nodes kept for a waiting job of its priority (`decide.backfill`,
+`JobRecord.borrowed`). Such a job is taken from after every victim of lower priority, and only
+by the job it borrowed in front of or one of its priority ahead of it in queue order
+(`may_take_back`); it gives back its borrowed nodes (a shrink, where it stays at its `min`
+without them) or is suspended, a restart of cause "preemption", and its events say it gives
+back what it borrowed. A job suspended by a preemption never takes its nodes back from the job
+that took them (its priority is lower, or it was behind), and two jobs of one priority that
+did not borrow never preempt each other. (A job of one priority does give nodes back to a starved
 user's job of that priority, by fair share, the same way: `decide.giveback`, marked
 `fair_share`, a shrink only, never below `min`.) While its victims give their nodes up, the waiting job
 keeps the free nodes that fit it from every job of lower priority (`scheduling.schedule_queue`),
@@ -36,6 +42,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.state import note
 from service.models import EventView, JobRecord, JobState, NodeRecord, Preemption
@@ -122,8 +129,9 @@ class Victims:
         waiting job that asks: in queue order, the highest that will); `taken`: the ids of jobs
         taken already in this pass."""
         self.below = below
-        if below is not None:
-            jobs = [j for j in jobs if j.spec.priority < below]
+        if below is not None:  # (and the borrowers of that priority: `may_take_back`)
+            jobs = [j for j in jobs if j.spec.priority < below
+                    or (j.spec.priority == below and j.borrowed is not None)]
         self.order = sorted((j for j in jobs if is_candidate(j)), key=lambda j: victim_key(j, now))
         self.live = {j.id: live(j) for j in self.order}
         self.shrinkable = [j for j in self.order if len(self.live[j.id]) > j.spec.nodes.min]
@@ -141,7 +149,8 @@ class Victims:
             return []
         prio = waiter.spec.priority
         below = bisect.bisect_left(self.priorities, prio)  # the candidates of lower priority: a prefix
-        if self.held[below] < need:  # (an upper bound: taken jobs and nodes that do not fit included)
+        upto = bisect.bisect_right(self.priorities, prio)  # and those of its own (borrowers are taken)
+        if self.held[upto] < need:  # (an upper bound: taken jobs and nodes that do not fit included)
             return []
         cache: dict[str, bool] = {}
 
@@ -168,11 +177,44 @@ class Victims:
             if extra > 0:
                 takes[j.id] = Take(j, tuple(members), suspend=True)
                 got += extra
+        if got < need:  # then take back what borrowers of its priority borrowed
+            got += self._take_back(waiter, need - got, itertools.islice(self.order, below, upto), takes, fit)
         if got < need:
             return []
         if record:
             self.taken.update(takes)
         return list(takes.values())
+
+
+    def _take_back(self, waiter: JobRecord, need: int, same: Iterable[JobRecord], takes: dict[str, Take],
+                   fit) -> int:
+        """Takes (into `takes`) from the borrowers among `same` (candidates of `waiter`'s priority)
+        that it may take back from (`may_take_back`) until `need` nodes that fit it are got: the
+        nodes they borrowed, where they stay at their `min` without them, else every node (a
+        suspension). Returns how many it got."""
+        got = 0
+        for j in same:
+            if got >= need:
+                break
+            if j.id in self.taken or not may_take_back(waiter, j):
+                continue
+            members = self.live[j.id]
+            give = [n for n in members if n in j.borrowed.nodes and fit(n)][:need - got]
+            if give and len(members) - len(give) >= j.spec.nodes.min:
+                takes[j.id] = Take(j, tuple(sorted(give)), suspend=False)
+                got += len(give)
+            elif (extra := sum(1 for n in members if fit(n))) > 0:
+                takes[j.id] = Take(j, tuple(members), suspend=True)
+                got += extra
+        return got
+
+
+def may_take_back(waiter: JobRecord, borrower: JobRecord) -> bool:
+    """`waiter` may take nodes back from `borrower`, a job of its priority that borrowed nodes
+    kept for a waiting job (`decide.backfill`): it is that job, or ahead of it in queue order."""
+    b = borrower.borrowed
+    return b is not None and borrower.spec.priority == waiter.spec.priority \
+        and (b.head == waiter.id or queue_key(waiter) < queue_key(borrower))
 
 
 def shortfall(waiter: JobRecord, usable: int, leaving: int) -> int:
@@ -224,7 +266,15 @@ def remark(victim: JobRecord, p: Preemption, now: float) -> tuple[JobRecord, Eve
     if p.fair_share:
         return note(changed, f"giving node(s) {', '.join(p.leave)} back to user {p.for_user} (fair share: it "
                              f"holds no node), for {p.describe()}", now, as_reason=True)
+    if gives_back(victim, p):
+        return note(changed, f"giving back the node(s) it borrowed while they were kept for "
+                             f"{victim.borrowed.describe()}: {p.describe()} takes them; {what}", now, as_reason=True)
     return note(changed, f"preempted by {p.describe()}: {what}", now, as_reason=True)
+
+
+def gives_back(victim: JobRecord, p: Preemption) -> bool:
+    """`victim` gives nodes to a job of its own priority by `p`: it borrowed them (`may_take_back`)."""
+    return victim.borrowed is not None and not p.fair_share and p.by_priority == victim.spec.priority
 
 
 def withdraw(victim: JobRecord, now: float) -> tuple[JobRecord, EventView] | None:

@@ -43,8 +43,9 @@ from service.decide.order import queue_key
 from service.decide.placement import fits
 from service.decide.recovery import is_regrouping, regroup
 from service.decide.shares import served
-from service.decide.state import note, transition
+from service.decide.state import note, transition, uses_runtime
 from service.models import (
+    Borrow,
     Control,
     EventView,
     JobRecord,
@@ -84,6 +85,9 @@ class Plan:
     # queue's head, the nodes held for other jobs): made again on a re-read record, the plan
     # takes none but these (`free_again`).
     offered: Sequence[str] = ()
+    # The free nodes kept for the queue's head that the pass lets the job borrow (`decide.backfill`):
+    # the plan marks it borrower of those it takes (`lent`), on a re-read record too.
+    loan: Borrow | None = None
 
 
 class _Draft:
@@ -126,11 +130,6 @@ class _Draft:
 def live_members(job: JobRecord) -> list[str]:
     """Members whose workers run or are about to (not finished, failed or stopped)."""
     return sorted(n for n, m in job.members.items() if m.is_live())
-
-
-def uses_runtime(job: JobRecord) -> bool:
-    """The job's rank 0 talks to the control plane (it reported progress), so it can ack."""
-    return job.reports_progress
 
 
 def _control_done(job: JobRecord, now: float, timeout_s: float) -> bool:
@@ -329,20 +328,30 @@ def _yield_nodes(d: _Draft, nodes: Mapping[str, NodeRecord], cfg: SchedulerConfi
         staying = sorted(n for n, m in job.members.items() if m.state == "stopped"
                          and n not in pre.leave and n in nodes)
     counts = d.job.restarts_by_cause.plus("resize" if pre.fair_share else "preemption")
+    back = "back (it borrowed them)" if preempt.gives_back(job, pre) else ""
     if pre.suspend or len(staying) < job.spec.nodes.min:
         kept = keep.kept_for(live, copies, nodes, d.now, cfg.memory_hold_s)
-        d.move(S.PENDING, f"suspended: its nodes went to {pre.describe()}; waiting for nodes "
+        went = f"gave its nodes {back} to" if back else "its nodes went to"
+        d.move(S.PENDING, f"suspended: {went} {pre.describe()}; waiting for nodes "
                "(its snapshots are kept; it resumes from where it stopped)",
                members={}, world_size=0, round_nodes=0, control=None, group=None, group_round=None,
                regrouping=False, stopping=False, preempt=None, restarts_by_cause=counts,
                # its copy is preferred when it resumes, but not held from the job that took the nodes
                kept=None if kept is None else kept.model_copy(update={"until": d.now}))
         return
-    gave = (f"gave node(s) {', '.join(pre.leave)} to {pre.describe()}; the others go on from the last "
-            "snapshot") if pre.leave else f"{pre.describe()} took none of its nodes; it goes on on all of them"
+    gave = (f"gave node(s) {', '.join(pre.leave)} {back + ' ' if back else ''}to {pre.describe()}; the others "
+            "go on from the last snapshot") if pre.leave else f"{pre.describe()} took none of its nodes; it goes on on all of them"
     d.regroup(gave, planned=True, control=None, attempt=d.job.attempt + 1, rounds=0,
               round_nodes=0, world_size=0, stopping=False, preempt=None, restarts_by_cause=counts,
+              borrowed=_still_borrowed(job, staying),
               members={n: MemberStatus(nproc=d.job.members[n].nproc) for n in staying})
+
+
+def _still_borrowed(job: JobRecord, staying: Collection[str]) -> Borrow | None:
+    """What `job` still borrows once it goes on on `staying` alone (None: nothing)."""
+    b = job.borrowed
+    rest = [] if b is None else [n for n in b.nodes if n in staying]
+    return b.model_copy(update={"nodes": rest}) if rest else None
 
 
 REPLACED_KEPT = 16  # straggler nodes a job remembers not to take back
@@ -512,7 +521,8 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
 
     While the queue's head waits for nodes that no preemption gives it, a job behind it takes
     (and a running job grows onto) free nodes that fit the head only if it cannot delay its
-    start (`decide.backfill`).
+    start, or as a borrower that gives them back when the head can start with them
+    (`decide.backfill`).
     """
     # Preemption (`decide.preempt`): the lowest priority that runs (of all: a bound that needs no
     # look at their members) and the jobs giving nodes up.
@@ -562,8 +572,12 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             return mine + offered if mine else offered  # (a held node is not in `offered`)
         return mine + [n for n in offered if n not in steps]
 
+    loans: dict[str, Borrow] = {}  # job id -> the kept nodes it may borrow (`backfilled`)
+
     def take(p: Plan, job: JobRecord) -> None:
         nonlocal offered
+        if (offer := loans.get(job.id)) is not None:
+            p = lent(p, job, offer, now)
         plans.append(p)
         before, after = set(quotas.held_nodes(job)), set(quotas.held_nodes(p.job))
         if before != after:  # (the shares and quotas of the jobs planned after it see the change)
@@ -640,9 +654,17 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         """Enough READY nodes are free for its `min`, or it holds some of its own (`keep`)."""
         return job.kept is not None or job.spec.nodes.min <= len(ready)
 
+    lenders: list[JobRecord] | None = None  # (found once asked) the borrowers that may give back
+
     def may_preempt(job: JobRecord) -> bool:
-        """It outranks a running job, nodes are already leaving for it, or its owner is starved."""
-        return (floor is not None and job.spec.priority > floor) or job.id in leaving or job.owner in starving
+        """It outranks a running job, nodes are already leaving for it, its owner is starved, or
+        a job it may take back from borrowed nodes (`decide.backfill`, `preempt.may_take_back`)."""
+        nonlocal lenders
+        if (floor is not None and job.spec.priority > floor) or job.id in leaving or job.owner in starving:
+            return True
+        if lenders is None:
+            lenders = [j for j in others if j.borrowed is not None and preempt.is_candidate(j)]
+        return any(preempt.may_take_back(job, b) for b in lenders)
 
     def quota_allows(job: JobRecord) -> bool:
         """Its owner's node quotas leave room for its `min` (preempting for a job its quota
@@ -676,7 +698,11 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         if not start:
             running = {j.id: j for j in others} | {q.job.id: q.job for q in plans}
             start.append(backfill.planned_start(head, ready, running.values(), nodes, now))
-        return backfill.may_take(job, free, head, start[0], nodes, now)
+        allowed = backfill.may_take(job, free, head, start[0], nodes, now)
+        if (offer := backfill.loan(job, free, allowed, head, now)) is None:
+            return allowed
+        loans[job.id] = offer
+        return free
 
     def offer_others(job: JobRecord) -> Sequence[str]:
         """`offered` as a running job may grow onto it (`plan`'s free nodes for it)."""
@@ -751,10 +777,27 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
 def withdrawn(job: JobRecord, waits: Callable[[str], bool] | None, now: float) -> tuple[JobRecord, EventView] | None:
     """`job` with its preemption withdrawn, and the event, where the job it gives nodes to no
     longer waits (`waits`: whether a job of that id is PENDING; None: not known, nothing is
-    withdrawn) (`preempt.withdraw`); None: nothing to withdraw."""
-    if job.preempt is None or waits is None or waits(job.preempt.by):
+    withdrawn) (`preempt.withdraw`); else with its borrowed nodes its own, where the job it
+    borrowed them in front of no longer waits (`backfill.released`); None: nothing to withdraw."""
+    if waits is None:
         return None
-    return preempt.withdraw(job, now)
+    if job.preempt is not None and not waits(job.preempt.by):
+        return preempt.withdraw(job, now)
+    if job.borrowed is not None and not waits(job.borrowed.head):
+        return backfill.released(job, now)
+    return None
+
+
+def lent(p: Plan | None, before: JobRecord, offer: Borrow, now: float) -> Plan | None:
+    """`p` (the plan of `before`) with the job marked borrower of the nodes of `offer` it takes
+    (`backfill.lend`), and the loan kept on the plan for a plan made again on a re-read record."""
+    if p is None:
+        return None
+    p.loan = offer
+    marked = backfill.lend(before, p.job, offer, now)
+    if marked is None:
+        return p
+    return Plan(marked[0], [*p.events, marked[1]], p.reason, p.offered, offer)
 
 
 def with_mark(mark: tuple[JobRecord, EventView], p: Plan | None) -> Plan:
@@ -815,10 +858,11 @@ class Settled:
                 keep: Collection[str] = ()) -> list[JobRecord]:
         """`jobs` (in their order) but those `known` whatever nodes are free: at their `max`
         (their room is none), unless in `keep` or a preemption's victim (its mark may be
-        withdrawn: `withdrawn`). One look at each, no look at its members."""
+        withdrawn: `withdrawn`) or a borrower (its loan may end, as well). One look at each, no look at its members."""
         seen, version = self._seen, self.nodes_version
         return [j for j in jobs if (s := seen.get(j.id)) is None or s[0] is not j or s[1] != version
-                or s[3] > 0 or s[2] != graced or j.id in keep or j.preempt is not None]
+                or s[3] > 0 or s[2] != graced or j.id in keep or j.preempt is not None
+                or j.borrowed is not None]
 
     def note(self, job: JobRecord, graced: frozenset[str], settled: bool) -> None:
         """What the plan of `job` was made on, if it was None (`settled`) and reads no clock."""

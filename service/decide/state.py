@@ -19,6 +19,12 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 }
 
 
+def uses_runtime(job: JobRecord) -> bool:
+    """The job's rank 0 talks to the control plane (it reported progress), so it can ack a
+    planned change at a step boundary (`decide.scheduling`) and lose no step giving nodes up."""
+    return job.reports_progress
+
+
 def can_transition(current: JobState, target: JobState) -> bool:
     return target in ALLOWED[current]
 
@@ -39,6 +45,8 @@ def transition(job: JobRecord, target: JobState, reason: str, now: float) -> tup
         "updated_at": now,
         "event_seq": seq,
         "finished_at": now if target.is_terminal() else job.finished_at,
+        # (nodes borrowed in front of a waiting job are given back with every node it leaves)
+        "borrowed": None if target is S.PENDING or target.is_terminal() else job.borrowed,
     })
     return changed, EventView(seq=seq, time=now, state=target, reason=line, detail=detail)
 

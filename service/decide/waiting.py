@@ -48,20 +48,23 @@ def why_waiting(job: JobRecord, nodes: Mapping[str, NodeRecord],
     if len(free) >= need:
         return f"needs {asked}; {len(free)} are free: it starts at the scheduler's next pass"
     return (f"needs {asked}; {len(free)} of the {len(ready)} that fit are free, "
-            f"{_held_by(ready, holders)}")
+            f"{_held_by(ready, holders, job.id)}")
 
 
-def _held_by(ready: list[str], holders: Mapping[str, JobRecord]) -> str:
-    """'the others are held by job X (RUNNING: n0, n1) and ...', the first few jobs named."""
+def _held_by(ready: list[str], holders: Mapping[str, JobRecord], waiter: str) -> str:
+    """'the others are held by job X (RUNNING: n0, n1) and ...', the first few jobs named (a
+    borrower in front of `waiter` first, said to be one)."""
     by_job: dict[str, list[str]] = {}
-    states: dict[str, JobState] = {}
+    states: dict[str, str] = {}
     for n in ready:
         holder = holders.get(n)
         if holder is not None:
             by_job.setdefault(holder.id, []).append(n)
-            states[holder.id] = holder.state
-    named = [f"job {j} ({states[j].value}: {', '.join(ns)})"
-             for j, ns in list(by_job.items())[:MAX_HOLDERS_NAMED]]
+            lent = holder.borrowed is not None and holder.borrowed.head == waiter
+            # (a borrower gives the nodes back once they would start this job: `decide.backfill`)
+            states[holder.id] = holder.state.value + (", borrowed in front of this job" if lent else "")
+    first = sorted(by_job.items(), key=lambda item: "borrowed" not in states[item[0]])  # (stable)
+    named = [f"job {j} ({states[j]}: {', '.join(ns)})" for j, ns in first[:MAX_HOLDERS_NAMED]]
     more = len(by_job) - len(named)
     tail = f" and {more} more job(s)" if more > 0 else ""
     return "the others are held by " + ", ".join(named) + tail
