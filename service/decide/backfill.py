@@ -20,14 +20,17 @@ priority without a `max_duration_s` never backfills in front of it). A job that 
 earlier than it declared may let the head start earlier than planned, never later.
 
 A job of the head's priority on the ftrain runtime (`may_borrow`: it reported progress
-through it, so it gives nodes up at a step boundary with 0 steps lost) may take the kept nodes
-anyway, as a borrower: the pass marks it (`JobRecord.borrowed`: the head's id and the kept
+through it, so it gives nodes up at a step boundary with 0 steps lost), or one that has never
+run (most jobs of a queue: whether they use the runtime shows at their first progress
+report), may take the kept nodes anyway, as a borrower: the pass marks it (`JobRecord.borrowed`: the head's id and the kept
 nodes it took, `lend`) when it starts on them or grows onto them. Once the head (or a job of
 that priority ahead of the borrower in queue order) could start with the borrowed nodes, it
 takes them back as a preemption takes nodes (`decide.preempt`, after the victims of lower
 priority): the borrower shrinks off them where it stays at its `min`, else is suspended, and
-counts a restart of cause "preemption". A plain script never borrows: giving back would cost it
-the work since its last save. The mark goes when the borrower goes back to PENDING or ends
+counts a restart of cause "preemption". A job known to be a plain script (it ran and never
+reported progress) never borrows: giving back would cost it the work since its last save; one
+that borrowed before it was known gives back as a preempted script does (SIGTERM, then its
+`preempt_grace_s` to save). The mark goes when the borrower goes back to PENDING or ends
 (`state.transition`), gives the nodes back by a shrink, or when the job it borrowed in front of
 no longer waits (it started without them, or ended: `released`); from then on the borrower is
 an ordinary job, which no job of its priority takes nodes from.
@@ -97,8 +100,9 @@ def may_take(job: JobRecord, free: Sequence[str], head: JobRecord, start: float 
 def may_borrow(job: JobRecord, head: JobRecord) -> bool:
     """`job` may take the free nodes kept for `head` as a borrower (the module's docstring):
     it is of `head`'s priority and on the ftrain runtime, so it gives them back at a step
-    boundary, 0 steps lost (a plain script would lose the work since its last save)."""
-    return job.spec.priority == head.spec.priority and uses_runtime(job)
+    boundary, 0 steps lost, or it has never run, so nothing says yet that it is not (a plain
+    script would lose the work since its last save)."""
+    return job.spec.priority == head.spec.priority and (uses_runtime(job) or job.attempt == 0)
 
 
 def loan(job: JobRecord, free: Sequence[str], allowed: Sequence[str], head: JobRecord,

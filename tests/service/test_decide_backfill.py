@@ -22,10 +22,12 @@ def nodes(*names: str, gpus: dict[str, int] | None = None) -> dict[str, NodeReco
 
 def job(jid: str, prio: int = 0, members=(), mn=1, mx=1, created=1.0, limit=None, started=None,
         **spec) -> JobRecord:
+    """A job that has run before and reported no progress (a plain script, as far as the
+    scheduler knows): it never borrows kept nodes (tests/service/test_decide_borrow.py)."""
     return JobRecord(id=jid, spec=JobSpec(name=jid, command=["true"], nodes={"min": mn, "max": mx},
                                           priority=prio, max_duration_s=limit, **spec),
                      state=S.RUNNING if members else S.PENDING, created_at=created, updated_at=created,
-                     attempt=1 if members else 0, started_at=started,
+                     attempt=1, started_at=started,
                      members={n: MemberStatus(state="running") for n in members})
 
 

@@ -46,9 +46,10 @@ def apply(jobs: list[JobRecord], plans) -> list[JobRecord]:
     return [changed.get(j.id, j) for j in jobs]
 
 
-@pytest.mark.parametrize("runtime, starts", [(True, True), (False, False)])
-def test_a_runtime_job_behind_a_waiting_head_borrows_the_free_node_a_plain_script_does_not(runtime, starts):
-    waiter = pending_runtime("small") if runtime else job("small", 0, mn=1, mx=1, created=2.0)
+@pytest.mark.parametrize("kind, starts", [("runtime", True), ("never run", True), ("plain script", False)])
+def test_a_runtime_job_or_one_never_run_borrows_the_free_node_a_known_plain_script_does_not(kind, starts):
+    waiter = (pending_runtime("small") if kind == "runtime" else
+              job("small", 0, mn=1, mx=1, created=2.0).model_copy(update={"attempt": 1 if kind == "plain script" else 0}))
     plans = by_id(schedule_queue([head(), waiter], busy(), nodes(*FOUR), NOW, CFG))
     if not starts:
         assert plans == {}
@@ -81,7 +82,8 @@ def test_a_running_runtime_job_grows_onto_the_kept_node_as_a_borrower():
 def test_a_plain_scripts_waiting_reason_says_the_runtime_would_borrow():
     from service.decide.lineup import Cluster, lineup
     from service.decide.quotas import Tenants, usage
-    plain, runner = job("plain", 0, mn=1, mx=1, created=2.0), pending_runtime("runner", created=3.0)
+    plain = job("plain", 0, mn=1, mx=1, created=2.0).model_copy(update={"attempt": 1})  # it ran: known plain
+    runner = pending_runtime("runner", created=3.0)
     jobs = [*busy(), head(), plain, runner]
     holders = {n: j for j in busy() for n in j.members}
     ns = nodes(*FOUR)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from service.decide.change import Change
 from service import scheduler
 from service.decide.scheduling import SchedulerConfig
 from service.models import JobSpec, JobState
@@ -34,6 +35,8 @@ def test_a_job_held_back_for_the_head_says_so_in_its_own_view_as_in_the_queue():
             big, _ = await ctx.jobs.create(spec("big", 3))
             clock.now += 1  # (created in this order: the queue's age order)
             small, _ = await ctx.jobs.create(spec("small", 1))
+            # ... a plain script that ran before (a job that never ran would borrow the node)
+            await ctx.jobs.update(small.id, lambda j: Change(j.model_copy(update={"attempt": 1})))
             await ctx.index.catch_up(5)
             queued = {q.id: q.waiting for q in (await queue_routes.queue(ctx, limit=100)).items}
             assert list(queued) == [big.id, small.id]
