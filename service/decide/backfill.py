@@ -23,7 +23,9 @@ A job of the head's priority on the ftrain runtime (`may_borrow`: it reported pr
 through it, so it gives nodes up at a step boundary with 0 steps lost), or one that has never
 run (most jobs of a queue: whether they use the runtime shows at their first progress
 report), may take the kept nodes anyway, as a borrower: the pass marks it (`JobRecord.borrowed`: the head's id and the kept
-nodes it took, `lend`) when it starts on them or grows onto them. Once the head (or a job of
+nodes it took, `lend`) when it starts on them (a waiting job only: a running one growing onto
+them would take back, pass after pass, the node fair share gives a starved job of its
+priority). Once the head (or a job of
 that priority ahead of the borrower in queue order) could start with the borrowed nodes, it
 takes them back as a preemption takes nodes (`decide.preempt`, after the victims of lower
 priority): the borrower shrinks off them where it stays at its `min`, else is suspended, and

@@ -699,7 +699,9 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
             running = {j.id: j for j in others} | {q.job.id: q.job for q in plans}
             start.append(backfill.planned_start(head, ready, running.values(), nodes, now))
         allowed = backfill.may_take(job, free, head, start[0], nodes, now)
-        if (offer := backfill.loan(job, free, allowed, head, now)) is None:
+        # Only a waiting job borrows: a running one growing onto a kept node would take back
+        # each node fair share gives a starved job of its priority, over and over.
+        if job.state is not JobState.PENDING or (offer := backfill.loan(job, free, allowed, head, now)) is None:
             return allowed
         loans[job.id] = offer
         return free

@@ -67,16 +67,18 @@ def test_the_borrowers_start_event_says_it_borrowed_the_node_and_gives_it_back()
                for e in events), events
 
 
-def test_a_running_runtime_job_grows_onto_the_kept_node_as_a_borrower():
-    grower = job("grower", 0, ["c"], mn=1, mx=2, created=2.0)
-    others = [*busy()[:2], grower]
-    plans = by_id(schedule_queue([head()], others, nodes(*FOUR), NOW, CFG))
-    grown = plans["grower"]  # (its rank 0 is asked for a snapshot first: no member joins yet)
-    assert "d" not in grown.members and grown.borrowed is None
-    acked = grown.model_copy(update={"control_acked": grown.control.id})
-    grown = by_id(schedule_queue([head()], [*busy()[:2], acked], nodes(*FOUR), NOW + 1, CFG))["grower"]
-    assert sorted(grown.members) == ["c", "d"]
-    assert grown.borrowed is not None and grown.borrowed.nodes == ["d"] and grown.borrowed.head == "head"
+def test_a_running_job_does_not_grow_onto_a_kept_node():
+    """Only a waiting job borrows: a running job growing onto kept nodes took back, at every
+    pass, the node fair share had just given a starved job of its priority (1,369 resizes of one
+    job in the multi-team benchmark)."""
+    grower = job("grower", 0, ["c"], mn=1, mx=2, created=2.0).model_copy(update={"reports_progress": True})
+    for at in (NOW, NOW + 1):  # (a scale-up asks rank 0 for a snapshot first: acknowledged here)
+        plans = by_id(schedule_queue([head()], [*busy()[:2], grower], nodes(*FOUR), at, CFG))
+        if "grower" in plans:
+            grower = plans["grower"]
+            if grower.control is not None:
+                grower = grower.model_copy(update={"control_acked": grower.control.id})
+        assert "d" not in grower.members and grower.borrowed is None
 
 
 def test_a_plain_scripts_waiting_reason_says_the_runtime_would_borrow():
