@@ -71,6 +71,10 @@ class JobIndex:
         self.ledger = ledger.Ledger(half_life_s)
         self._jobs: dict[str, JobRecord] = {}
         self._by_node: dict[str, str] = {}
+        # node -> the other active jobs that list it as a live member too (records that
+        # disagree: the scheduler never assigns a node twice, but should it, the job whose
+        # entry `_by_node` lost gets the node back once the other lets it go: `_hold`, `_let_go`)
+        self._shadowed: dict[str, set[str]] = {}
         # node -> the PENDING job whose memory copy it last kept (`keeper`): at most one a node
         self._kept: dict[str, str] = {}
         self._order: list[SortKey] = []  # every job in self._jobs, sorted
@@ -350,8 +354,7 @@ class JobIndex:
         self._note_kept(old, job, job_id)
         if old is not None:
             for n in old.members:
-                if self._by_node.get(n) == job_id:
-                    del self._by_node[n]
+                self._let_go(n, job_id)
             if job is None or job.created_at != old.created_at:
                 place = (old.created_at, job_id)
                 i = bisect.bisect_left(self._order, place)
@@ -366,10 +369,37 @@ class JobIndex:
             if job.state.is_active():
                 for n, m in job.members.items():
                     if m.is_live():
-                        self._by_node[n] = job_id
+                        self._hold(n, job_id)
         if not echo:
             for observe in self._observers:
                 observe(old, job)
+
+    def _hold(self, node: str, job_id: str) -> None:
+        """`node` is a live member of `job_id` (the job its heartbeats are answered with)."""
+        other = self._by_node.get(node)
+        if other is not None and other != job_id:
+            log.error("node %s is a live member of two jobs, %s and %s; it runs %s until %s lets it go",
+                      node, other, job_id, job_id, job_id)
+            self._shadowed.setdefault(node, set()).add(other)
+        self._by_node[node] = job_id
+
+    def _let_go(self, node: str, job_id: str) -> None:
+        """`job_id`'s record no longer lists `node` as it did: the node is the job's that
+        `_hold` shadowed there and still lists it live, if any, else no job's."""
+        shadowed = self._shadowed.get(node)
+        if shadowed is not None:
+            shadowed.discard(job_id)
+        if self._by_node.get(node) != job_id:
+            return
+        del self._by_node[node]
+        while shadowed:
+            other = self._jobs.get(shadowed.pop())
+            if other is not None and other.state.is_active() and (m := other.members.get(node)) is not None \
+                    and m.is_live():
+                self._by_node[node] = other.id
+                break
+        if not shadowed:
+            self._shadowed.pop(node, None)
 
     def _count_held(self, old: JobRecord | None, new: JobRecord | None) -> None:
         if (was := len(quotas.held_nodes(old))):
@@ -476,6 +506,7 @@ class JobIndex:
         self._revs = revs
         self._views.clear()
         self._by_node.clear()
+        self._shadowed.clear()
         self._held.clear()
         self._waiting.clear()
         self.ledger.recount(jobs.values(), self.clock())
@@ -493,7 +524,9 @@ class JobIndex:
             self._count_held(None, job)
             self._count_waiting(job, 1)
             if job.state.is_active():
-                self._by_node.update((n, job_id) for n, m in job.members.items() if m.is_live())
+                for n, m in job.members.items():
+                    if m.is_live():
+                        self._hold(n, job_id)
         return revision
 
     async def run(self) -> None:

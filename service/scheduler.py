@@ -284,7 +284,8 @@ async def _schedule(jobs: JobStore, live_nodes: dict[str, NodeRecord], pending: 
                 # preemptor no longer waits has its mark withdrawn (`decide.preempt`).
                 now = jobs.clock()
                 marked = preempt.remark(current, mark, now) \
-                    if mark is not None and preempt.still_applies(current, mark) else withdrawn(current, waits, now)
+                    if mark is not None and preempt.still_applies(current, mark) \
+                    else withdrawn(current, waits, now, lambda n: bool(held.get(n, set()) - {current.id}))
                 free = free_again(current, offered, held, live_nodes, reserved, active.values(), tenants)
                 again = plan(current if marked is None else marked[0], live_nodes, free, now, cfg, graced,
                              (copies or {}).get(current.id, ()), gone)

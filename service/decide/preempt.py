@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from service.decide.order import queue_key
@@ -277,22 +277,29 @@ def gives_back(victim: JobRecord, p: Preemption) -> bool:
     return victim.borrowed is not None and not p.fair_share and p.by_priority == victim.spec.priority
 
 
-def withdraw(victim: JobRecord, now: float) -> tuple[JobRecord, EventView] | None:
+def withdraw(victim: JobRecord, now: float, elsewhere: Callable[[str], bool] = lambda n: False
+             ) -> tuple[JobRecord, EventView] | None:
     """`victim` once the job it gives nodes to no longer waits for them (cancelled, ended, or
     started on others), and its event; None: nothing left to withdraw.
 
     What has not happened is called off: the mark goes and the job keeps its nodes. What has
-    begun goes on, taking nothing: rank 0 asked to pause snapshots and the group restarts from
-    there on all its nodes (`scheduling.plan`'s called-off change, as for a scale-up whose nodes
-    went elsewhere); a plain script already told to stop (SIGTERM, its grace) starts again on
-    all its nodes (`leave` emptied). A node already given up is not taken back, but is free for
-    a scale-up as any other."""
+    begun goes on, taking nothing more: rank 0 asked to pause snapshots and the group restarts
+    from there on all its nodes (`scheduling.plan`'s called-off change, as for a scale-up whose
+    nodes went elsewhere); a plain script already told to stop (SIGTERM, its grace) starts again
+    on the nodes it still has: `leave` keeps only those of its stopped members that another job
+    holds now (`elsewhere`: often the job it stopped for, which started on them and so no longer
+    waits). A node already given up is not taken back, but is free for a scale-up as any other."""
     p = victim.preempt
-    if p is None or (victim.stopping and not p.leave and not p.suspend):
+    if p is None:
         return None
     if victim.stopping:
-        changed = victim.model_copy(update={"preempt": p.model_copy(update={"leave": [], "suspend": False})})
-        what = "its workers, already told to stop, start again on all its nodes"
+        gone = sorted(n for n, m in victim.members.items() if m.state == "stopped" and elsewhere(n))
+        if not p.suspend and p.leave == gone:  # (withdrawn already, or what it gave is all that went)
+            return None
+        changed = victim.model_copy(update={"preempt": p.model_copy(update={"leave": gone, "suspend": False})})
+        what = (f"its workers, already told to stop, start again on the node(s) it still has "
+                f"({', '.join(gone)} went to another job)" if gone
+                else "its workers, already told to stop, start again on all its nodes")
     else:
         changed = victim.model_copy(update={"preempt": None})
         what = "it keeps its nodes"

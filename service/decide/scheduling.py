@@ -530,6 +530,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
         (min(map(_PRIORITY, others), default=None), filter(_PREEMPTED, others))
     yielding = list(yielding)
     free = free_nodes(others, nodes) if holding is None else sorted(nodes.keys() - holding)
+    unheld = set(free)  # (less the nodes the pass's plans take: `take`) what no job holds
     if kept_by_victims := preempt.staying(yielding):
         free = [n for n in free if n not in kept_by_victims]
     held = keep.reserved(set(free), claims, nodes, now) if claims else {}
@@ -588,6 +589,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
                         - sum(nodes[n].gpus for n in before - after if n in nodes), job.spec.priority)
         taken = set(live_members(p.job)) - set(live_members(job))
         if taken:
+            unheld.difference_update(taken)
             offered = [n for n in offered if n not in taken]
             for n in taken:
                 held.pop(n, None)
@@ -758,7 +760,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     if ready and max_starts is not None and len(plans) >= max_starts:
         offered, ready = [], set()  # the rest of the queue first: no scale-up takes its nodes
     for job in others if settled is None else settled.unknown(others, graced, marked):
-        mark = marked.get(job.id) or withdrawn(job, waits, now)
+        mark = marked.get(job.id) or withdrawn(job, waits, now, lambda n: n not in unheld)
         if mark is None and settled is not None and settled.known(job, graced, ready, nodes):
             continue
         free = offer_others(job)
@@ -776,15 +778,16 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
     return plans
 
 
-def withdrawn(job: JobRecord, waits: Callable[[str], bool] | None, now: float) -> tuple[JobRecord, EventView] | None:
+def withdrawn(job: JobRecord, waits: Callable[[str], bool] | None, now: float,
+              elsewhere: Callable[[str], bool] = lambda n: False) -> tuple[JobRecord, EventView] | None:
     """`job` with its preemption withdrawn, and the event, where the job it gives nodes to no
     longer waits (`waits`: whether a job of that id is PENDING; None: not known, nothing is
-    withdrawn) (`preempt.withdraw`); else with its borrowed nodes its own, where the job it
+    withdrawn) (`preempt.withdraw`; `elsewhere`: whether another job holds a node now); else with its borrowed nodes its own, where the job it
     borrowed them in front of no longer waits (`backfill.released`); None: nothing to withdraw."""
     if waits is None:
         return None
     if job.preempt is not None and not waits(job.preempt.by):
-        return preempt.withdraw(job, now)
+        return preempt.withdraw(job, now, elsewhere)
     if job.borrowed is not None and not waits(job.borrowed.head):
         return backfill.released(job, now)
     return None

@@ -280,6 +280,31 @@ def test_a_plain_script_victim_keeps_the_nodes_it_stays_on_while_its_workers_are
     assert list(plans["high"].members) == ["b"] and list(plans["v"].members) == ["a"]
 
 
+def test_a_plain_script_whose_suspension_is_withdrawn_does_not_start_again_on_the_node_its_preemptor_took():
+    # Suspended for "high" (1 node), told to stop: "a" stopped first and "high" started on it,
+    # so "high" no longer waits and the suspension is withdrawn. The script goes on only where
+    # no other job is: started again on "a" too, two jobs held one node, and the agent ran one.
+    stopping = plan(marked(suspend=True, runtime=False, mn=1), nodes("a", "b"), [], NOW, CFG).job
+    part = stopping.model_copy(update={"members": {"a": MemberStatus(state="stopped"),
+                                                   "b": MemberStatus(state="running")}})
+    high = job("high", 10, mn=1, mx=1, created=5.0)
+    started = {p.job.id: p.job for p in schedule_queue([high], [part], nodes("a", "b"), NOW, CFG)}["high"]
+    assert list(started.members) == ["a"]
+    (p,) = schedule_queue([], [started, part], nodes("a", "b"), NOW, CFG)
+    assert p.job.id == "v" and p.job.preempt.leave == ["a"] and not p.job.preempt.suspend
+    assert "start again on the node(s) it still has (a went to another job)" in p.reason
+    stopped = p.job.model_copy(update={"members": {n: MemberStatus(state="stopped") for n in "ab"}})
+    plans = {q.job.id: q.job for q in schedule_queue([], [started, stopped], nodes("a", "b"), NOW, CFG)}
+    assert list(plans["v"].members) == ["b"] and plans["v"].state is S.RUNNING
+    # where what is left is below its min, it waits for nodes instead
+    two = stopping.model_copy(update={"spec": stopping.spec.model_copy(update={"nodes": stopping.spec.nodes.model_copy(
+        update={"min": 2})}), "members": part.members})
+    (p,) = schedule_queue([], [started, two], nodes("a", "b"), NOW, CFG)
+    stopped = p.job.model_copy(update={"members": {n: MemberStatus(state="stopped") for n in "ab"}})
+    plans = {q.job.id: q.job for q in schedule_queue([], [started, stopped], nodes("a", "b"), NOW, CFG)}
+    assert plans["v"].state is S.PENDING and plans["v"].members == {}
+
+
 # ------------------------------------------------------------------ restarts by cause
 
 def test_restarts_by_cause_lost_node_and_resize_do_not_spend_max_restarts():

@@ -110,3 +110,18 @@ def test_a_settled_victim_at_its_max_still_has_its_mark_withdrawn_when_the_preem
     assert settled.unknown([marked], frozenset()) == [marked]
     plans = schedule_queue([], [marked], nodes("n1"), NOW, CFG, settled=settled, waits=lambda _: False)
     assert [p.job.preempt for p in plans] == [None]
+
+
+def test_a_node_two_records_list_as_live_is_the_other_jobs_once_one_lets_it_go(caplog):
+    """Records that disagree (two jobs list one node as a live member) answer the node's
+    heartbeats with the later one, and say so; once that one ends, the node runs the other,
+    not nothing (its assignment was lost, and the job waited without workers)."""
+    index = JobIndex(None, None)  # type: ignore[arg-type]
+    index._apply(job("first", "ann", 1, S.STARTING, ["n1", "n2"], mx=2), "first", 1)
+    index._apply(job("second", "bob", 2, S.RUNNING, ["n2", "n3"], mx=2), "second", 2)
+    assert index.job_of_node("n2").id == "second" and index.job_of_node("n1").id == "first"
+    assert "node n2 is a live member of two jobs, first and second" in caplog.text
+    index._apply(job("second", "bob", 2, S.SUCCEEDED, ["n2", "n3"], mx=2), "second", 3)
+    assert index.job_of_node("n2").id == "first" and index.job_of_node("n3") is None
+    index._apply(job("first", "ann", 1, S.RUNNING, ["n1"], mx=2), "first", 4)  # it let n2 go too
+    assert index.job_of_node("n2") is None and index._shadowed == {}
