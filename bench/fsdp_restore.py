@@ -87,7 +87,17 @@ def _rank(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = synthetic_tokens(max(args.batch, 64), args.length, args.vocab, 0)
 
-    restore_s = _restore(args, rt, model, optimizer, began)
+    if args.profile and args.restore_only:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        restore_s = profile.runcall(_restore, args, rt, model, optimizer, began)
+        with open(Path(args.profile, f"restore-{args.mode}-rank{rank}.txt"), "w") as f:
+            for order in ("cumulative", "tottime"):
+                pstats.Stats(profile, stream=f).sort_stats(order).print_stats(30)
+    else:
+        restore_s = _restore(args, rt, model, optimizer, began)
     if args.restore_only:
         _report(args, rank, {"restore_s": restore_s, "tier": rt.resumed_tier if rt is not None else "disk"})
         if rt is not None:
@@ -202,7 +212,7 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--length", str(args.length),
            "--batch", str(args.batch), "--memory-dir", str(args.memory_dir),
            "--memory-every", *([every] if every else [])] + \
-        (["--restore-only"] if restore_only else [])
+        (["--restore-only"] if restore_only else []) + (["--profile", args.profile] if args.profile else [])
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     began = time.monotonic()
@@ -212,6 +222,9 @@ def _run(args: argparse.Namespace, mode: str, directory: Path, restore_only: boo
     got = json.loads(result.read_text())
     print(f"  {mode}{'/' + every if every else ''} {'restore' if restore_only else 'run'} done in "
           f"{time.monotonic() - began:.0f} s: {got}", file=sys.stderr, flush=True)
+    for line in done.stderr.splitlines() if restore_only else ():  # (the runtime's: where its restore went)
+        if "restored in phases" in line:
+            print(f"    {line.strip()}", file=sys.stderr, flush=True)
     return got
 
 
@@ -236,6 +249,8 @@ def main() -> None:
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory-only", action="store_true",
                    help="only the memory tier's run and its restore (a quick look at the restore from memory)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="profile each restore (cProfile, rank by rank) into DIR/restore-<run>-rank<r>.txt")
     p.add_argument("--port", type=int, default=29655)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--out", default=str(REPO / "bench" / "fsdp_restore.json"))

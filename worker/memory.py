@@ -257,14 +257,19 @@ def checksum(buf: torch.Tensor) -> str:
     return _sum64_text(sum64(buf))
 
 
-def _verify(flat: torch.Tensor, expected: str | None, step: int) -> None:
+def _verify(flat: torch.Tensor, expected: str | None, step: int, summed: list | None = None) -> None:
+    """Raises `CopyCorrupt` unless `flat`'s checksum is `expected`; `summed`: its `sum64`, where
+    the read took it already (`_read_parallel`)."""
     if expected is None:
         return  # written before copies had checksums
     algorithm = expected.partition(":")[0]
     if algorithm not in ("sum64", "crc32", "xxh3_64"):
         raise CopyCorrupt(step, f"unknown checksum {expected!r}")
     try:
-        got = checksum(flat) if algorithm == "sum64" else _digest(memoryview(flat.numpy()), algorithm)
+        if algorithm == "sum64":
+            got = _sum64_text(summed[0]) if summed else checksum(flat)
+        else:
+            got = _digest(memoryview(flat.numpy()), algorithm)
     except ImportError:
         log.warning("memory copy at step %d has an xxh3 checksum and xxhash is not installed here; "
                     "not verified", step)
@@ -427,15 +432,18 @@ def read_held(directory: str | Path) -> Held | None:
 READ_CHUNK = 64 << 20
 
 
-def _read_parallel(path: Path, into: torch.Tensor) -> int:
+def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -> int:
     """Read the file into `into` (fresh memory) in chunks on several threads: faulting in
-    fresh pages is most of a read from tmpfs, and it scales with cores."""
+    fresh pages is most of a read from tmpfs, and it scales with cores. With `summed` (a list),
+    each thread also takes the `sum64` of its chunk while its bytes are in cache, and the
+    whole file's pair is appended to `summed` (a 12 GB copy: verified in the read's time, not
+    in 2.7 s more on one core after it)."""
     view = memoryview(into.numpy())
     size = len(view)
     chunks = [(off, min(READ_CHUNK, size - off)) for off in range(0, size, READ_CHUNK)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        def read(chunk: tuple[int, int]) -> int:
+        def read(chunk: tuple[int, int]) -> tuple[int, tuple[int, int] | None]:
             off, n = chunk
             done = 0
             while done < n:
@@ -443,15 +451,24 @@ def _read_parallel(path: Path, into: torch.Tensor) -> int:
                 if got == 0:
                     break
                 done += got
-            return done
+            pair = sum64(into[off:off + done]) if summed is not None and done % 8 == 0 else None
+            return done, pair
 
         workers = min(8, os.cpu_count() or 1, len(chunks))
         if workers <= 1:
-            return sum(map(read, chunks))
-        with ThreadPoolExecutor(workers) as pool:
-            return sum(pool.map(read, chunks))
+            got = list(map(read, chunks))
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                got = list(pool.map(read, chunks))
     finally:
         os.close(fd)
+    total = sum(n for n, _ in got)
+    if summed is not None and total == size and all(pair is not None for _, pair in got):
+        whole, before = (0, 0), 0
+        for n, pair in got:
+            whole, before = sum64_join(whole, pair, before), before + n
+        summed.append(whole)
+    return total
 
 
 def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, torch.Tensor, list] | None:
@@ -468,8 +485,8 @@ def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, tor
             meta = pickle.load(f)
         if meta["step"] != int(latest["step"]):
             return None
-        flat = torch.empty(meta["size"], dtype=torch.uint8)
-        if _read_parallel(directory / f"slot{slot}.bin", flat) != meta["size"]:
+        flat, summed = torch.empty(meta["size"], dtype=torch.uint8), []
+        if _read_parallel(directory / f"slot{slot}.bin", flat, summed) != meta["size"]:
             return None
         # Two copies finished while this one was read would have overwritten the slot.
         now = json.loads((directory / LATEST).read_text())
@@ -477,7 +494,7 @@ def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, tor
             return None
     except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
         return None
-    _verify(flat, meta.get("checksum"), meta["step"])
+    _verify(flat, meta.get("checksum"), meta["step"], summed)
     return meta["skeleton"], flat, meta["packing"]
 
 
@@ -502,10 +519,10 @@ def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, lis
     try:
         with open(directory / f"slot{slot}.pkl", "rb") as f:
             meta = pickle.load(f)
-        flat = torch.empty(meta["size"], dtype=torch.uint8)
-        if _read_parallel(directory / f"slot{slot}.bin", flat) != meta["size"]:
+        flat, summed = torch.empty(meta["size"], dtype=torch.uint8), []
+        if _read_parallel(directory / f"slot{slot}.bin", flat, summed) != meta["size"]:
             return None
-        _verify(flat, meta.get("checksum"), meta["step"])
+        _verify(flat, meta.get("checksum"), meta["step"], summed)
     except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError, CopyCorrupt):
         return None
     return meta["skeleton"], flat, meta["packing"]

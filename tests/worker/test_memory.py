@@ -343,6 +343,34 @@ def test_a_copy_read_back_in_many_chunks_is_whole(tmp_path, monkeypatch):
     assert _equal(got["model"], model.state_dict()) and _equal(got["optimizer"], opt.state_dict())
 
 
+def test_a_copy_read_in_many_chunks_is_verified_by_the_sums_its_threads_took(tmp_path, monkeypatch):
+    """Each reading thread sums its chunk; joined, the pair is the whole copy's: a changed
+    byte in a later chunk fails it, and so do two words swapped across chunks."""
+    monkeypatch.setattr(mem, "READ_CHUNK", 1000)
+    model, opt = _model_and_opt()
+    _step(model, opt, 0)
+    writer = mem.MemoryWriter(tmp_path)
+    writer.capture(_state(model, opt, 1), 1, set())
+    writer.wait()
+    slot = mem.json.loads((tmp_path / mem.LATEST).read_text())["slot"]
+    data = (tmp_path / f"slot{slot}.bin").read_bytes()
+    flat, summed = torch.empty(len(data), dtype=torch.uint8), []
+    assert mem._read_parallel(tmp_path / f"slot{slot}.bin", flat, summed) == len(data) > 3000
+    assert summed == [mem.sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8))]
+    swapped = bytearray(data)
+    a, b = next((i, i + 2000) for i in range(0, len(data) - 2008, 8) if data[i:i + 8] != data[i + 2000:i + 2008])
+    swapped[a:a + 8], swapped[b:b + 8] = data[b:b + 8], data[a:a + 8]
+    (tmp_path / f"slot{slot}.bin").write_bytes(bytes(swapped))
+    with pytest.raises(mem.CopyCorrupt):
+        mem.read_copy(tmp_path)
+    flipped = bytearray(data)
+    flipped[2500] ^= 0xFF
+    (tmp_path / f"slot{slot}.bin").write_bytes(bytes(flipped))
+    with pytest.raises(mem.CopyCorrupt):
+        mem.read_copy(tmp_path)
+    assert mem.read_slot(tmp_path, slot) is None
+
+
 @pytest.fixture
 def shm_dir():
     base = mem.SHM_ROOT if mem.SHM_ROOT.is_dir() else None

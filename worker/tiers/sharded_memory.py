@@ -347,19 +347,29 @@ class ShardedMemoryTier(MemoryTier):
     def load_shards(self, copy: tuple, objects: Mapping[str, Any]) -> dict:
         """A copy of this rank's shards: loaded into the model and optimizer in place; returns
         the rest of the state (step, rng, scheduler, sampler, extras)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         state = mem.unpack(*copy)
         big = state.pop("sharded")
         state = mem.owned(state)  # what the runtime keeps (RNG states...) holds not the copy
         model, optimizer = objects["model"], objects.get("optimizer")
         like = sharded.model_and_optimizer(model, optimizer)
+        if missing := sorted(like["model"].keys() - big["model"].keys()):
+            raise RuntimeError(f"the memory copy holds no {', '.join(missing[:5])} of the model")
+        dtensor = _dtensor_type()
         with torch.no_grad():
-            big = into_template(big, like, _dtensor_type())
+            big = into_template(big, like, dtensor)
+        # The model's shards are in place already (`into_template` wrote into its parameters):
+        # loading them again costs a DTensor copy of each, ~1 s at 1B parameters. The rest (a
+        # buffer, a module left unsharded) and the optimizer's state are loaded.
+        rest = {k: v for k, v in big["model"].items() if not isinstance(v, dtensor)}
+        options = StateDictOptions(strict=False)
         if optimizer is None:
-            set_model_state_dict(model, big["model"])
+            if rest:
+                set_model_state_dict(model, rest, options=options)
         else:
-            set_state_dict(model, optimizer, model_state_dict=big["model"], optim_state_dict=big["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=rest, optim_state_dict=big["optimizer"],
+                           options=options)
         self.copies = {}
         self.rng = (int(state["step"]), state.get("rng"))
         return state
