@@ -430,6 +430,7 @@ def read_held(directory: str | Path) -> Held | None:
 
 
 READ_CHUNK = 64 << 20
+READ_THREADS = 16  # (at most; no more than the cores)
 
 
 def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -> int:
@@ -454,7 +455,7 @@ def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -
             pair = sum64(into[off:off + done]) if summed is not None and done % 8 == 0 else None
             return done, pair
 
-        workers = min(8, os.cpu_count() or 1, len(chunks))
+        workers = min(READ_THREADS, os.cpu_count() or 1, len(chunks))
         if workers <= 1:
             got = list(map(read, chunks))
         else:
