@@ -83,6 +83,7 @@ from typing import Any
 import torch
 
 from .memory_gpu import GpuStaging
+from .snapshot import map_tensors
 from .memory_dirs import (  # noqa: F401 - the agent's side, named here too
     OWNER_FILE,
     SHM_ROOT,
@@ -539,15 +540,11 @@ def owned(obj: Any) -> Any:
     tensor of its own. A view keeps the whole copy alive, and pickling one (a broadcast of
     objects, `torch.save`) writes the whole copy: an optimizer's step counter, 8 bytes, would
     carry a rank's every shard with it, once per parameter."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone() if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size() else obj
-    if isinstance(obj, dict):
-        return {k: owned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [owned(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(owned(v) for v in obj)
-    return obj
+    return map_tensors(obj, _own)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
 
 
 def load(directory: str | Path, step: int | None = None) -> dict | None:

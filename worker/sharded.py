@@ -116,21 +116,16 @@ class HostShards:
     def close(self) -> None:
         self.buffers = []
 
-    def _walk(self, x: Any) -> Any:
+    def _walk(self, state: Any) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if isinstance(x, DTensor):
-            return DTensor.from_local(self._host(x.to_local()), x.device_mesh, x.placements,
-                                      shape=x.shape, stride=x.stride(), run_check=False)
-        if isinstance(x, torch.Tensor):
+        def host(x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                return DTensor.from_local(self._host(x.to_local()), x.device_mesh, x.placements,
+                                          shape=x.shape, stride=x.stride(), run_check=False)
             return self._host(x.detach())
-        if isinstance(x, dict):
-            return {k: self._walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [self._walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(self._walk(v) for v in x)
-        return x
+
+        return snap.map_tensors(state, host)
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         i, self._next = self._next, self._next + 1

@@ -71,18 +71,28 @@ def snapshot_name(step: int) -> str:
     return f"step-{step:012d}.pt"
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`obj` (dicts, lists and tuples of tensors and plain values) with `fn` of each tensor in
+    its place, taken in order; the rest as it is."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    return obj  # ints, floats, strings, numpy RNG states (immutable enough: copied by pickle)
+
+
 def to_host(obj: Any) -> Any:
     """A deep copy of `obj` whose tensors live in host memory and share nothing with it."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_host(v) for v in obj)
-    return obj  # ints, floats, strings, numpy RNG states (immutable enough: copied by pickle)
+    return map_tensors(obj, _host_copy)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
 
 class HostStaging:

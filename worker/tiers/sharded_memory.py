@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from .. import memory as mem
 from .. import sharded
+from .. import snapshot as snap
 from ..links import LinkError, ServiceLink
 from .api import SNAPSHOT_FORMAT, Found, Worker
 from .memory import MemoryTier
@@ -68,15 +69,13 @@ def _dtensor_type() -> type:
 
 def local_shards(state: Any, dtensor: type, found: list[torch.Tensor]) -> Any:
     """`state` with each DTensor replaced by its local shard (appended to `found`)."""
-    if isinstance(state, dtensor):
-        local = state.to_local()
-        found.append(local)
-        return local
-    if isinstance(state, dict):
-        return {k: local_shards(v, dtensor, found) for k, v in state.items()}
-    if isinstance(state, list):
-        return [local_shards(v, dtensor, found) for v in state]
-    return state
+    def local(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, dtensor):
+            return t
+        found.append(shard := t.to_local())
+        return shard
+
+    return snap.map_tensors(state, local)
 
 
 def into_template(saved: Any, like: Any, dtensor: type) -> Any:
