@@ -248,7 +248,7 @@ def main() -> None:
                    help="also run the memory tier with a copy every N steps (beside the interval it picks)")
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory-only", action="store_true",
-                   help="only the memory tier's run and its restore (a quick look at the restore from memory)")
+                   help="only the memory tier's run (beside one without snapshots) and its restore")
     p.add_argument("--profile", metavar="DIR",
                    help="profile each restore (cProfile, rank by rank) into DIR/restore-<run>-rank<r>.txt")
     p.add_argument("--port", type=int, default=29655)
@@ -266,10 +266,13 @@ def main() -> None:
     args.memory_dir = tempfile.mkdtemp(prefix="ftrain-fsdp-bench-memory-", dir=shm)
     try:
         if args.memory_only:
+            none = _run(args, "none", directory)
             ran = _run(args, "memory", directory)
             got = _run(args, "memory", directory, restore_only=True)
-            print(f"memory tier alone: step {ran['step_s'] * 1e3:.1f} ms, {ran['copies']} copies in {args.steps} "
-                  f"steps; restore from memory {got['restore_s']:.3f} s ({got['tier']})")
+            cost = 100 * (ran["step_s"] - none["step_s"]) / none["step_s"]
+            print(f"memory tier alone: step {ran['step_s'] * 1e3:.1f} ms against {none['step_s'] * 1e3:.1f} ms "
+                  f"without ({cost:+.1f}%), {ran['copies']} copies in {args.steps} steps; restore from memory "
+                  f"{got['restore_s']:.3f} s ({got['tier']})")
             return
         none = _run(args, "none", directory)
         modes = ["ftrain", *(f"memory/{n}" for n in args.memory_every if n > 0), "memory", "dcp"]

@@ -36,6 +36,14 @@ MEMORY_BUDGET = 0.05
 # about half the time (5.7%, 5.7%, 6.4% by means in three runs).
 MEMORY_AIM = 0.8
 COPY_COSTS_KEPT = 16  # the copies whose cost to the steps beside them the interval is picked from
+# A copy's cost to the steps beside it is read against the steps with no copy at work; where
+# copies come back to back (a GPU copy that spans the steps to the next), none is, and the
+# copies read as free: a copy every step cost a 1B-parameter model's step 10% on an H200. So
+# no copy starts until a step with none at work has been timed (the process's first
+# QUIET_WARMUP_STEPS steps not counted: its allocator's and kernels' first runs), and again
+# after every QUIET_PROBE_COPIES copies.
+QUIET_WARMUP_STEPS = 2
+QUIET_PROBE_COPIES = 8
 # With the copy interval picked by the runtime (no FTRAIN_MEMORY_EVERY), a GPU job's step marks
 # stay on while they cost at most this share of MEMORY_BUDGET of the step (measured over the
 # first MARKS_PROBE_STEPS steps at least): on shorter steps, a lost step costs less than the
@@ -64,6 +72,8 @@ class CopySchedule:
         self.copy_costs: list[float] = []
         self.told_interval: tuple[int, float] | None = None  # the interval the log last heard of, when
         self.last_step_t: float | None = None
+        self.steps_timed = 0  # steps whose period was read
+        self.copies_unprobed = 0  # copies started since the last step timed with none at work
 
     def time_step(self, tier: MemoryTier, now: float | None = None) -> None:
         """The step period (moving average), and what a copy costs the steps it runs beside:
@@ -75,9 +85,11 @@ class CopySchedule:
         now = time.perf_counter() if now is None else now
         if self.last_step_t is not None:
             took = now - self.last_step_t
+            self.steps_timed += 1
             self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
-            if self.copy_work is None:
+            if self.copy_work is None and self.steps_timed > QUIET_WARMUP_STEPS:
                 self.quiet_s = took if self.quiet_s is None else 0.8 * self.quiet_s + 0.2 * took
+                self.copies_unprobed = 0
             else:
                 if self.quiet_s is not None:
                     self.copy_work += took - self.quiet_s
@@ -111,12 +123,16 @@ class CopySchedule:
         if tier.writer.busy():  # the GPU's previous copy is in flight: skipped (see finish)
             tier.writer.skipped += 1
             return COPY_SKIPPED
+        if not self.every and self.copy_work is None \
+                and (self.quiet_s is None or self.copies_unprobed >= QUIET_PROBE_COPIES):
+            return COPY_NONE  # this step is timed with no copy at work (it stays due: the next copies)
         return COPY
 
     def started(self) -> None:
         """Rank 0 started a copy: its cost to the steps beside it is timed from here."""
         if self.copy_work is None:
             self.copy_work, self.copy_ending = 0.0, False
+            self.copies_unprobed += 1
 
     def plan_next(self, step: int, tier: MemoryTier, marks: StepMarks, on_gpu: bool) -> None:
         """Without a fixed interval: copy again after as many steps as keep the copies'

@@ -649,3 +649,37 @@ def test_on_a_gpu_the_training_thread_commits_a_whole_copy_at_its_next_step(shm_
     assert rt.memory.writer._thread is None and rt.memory.writer.commits_cpu_s
     rt.finish()
     assert mem.read_held(shm_dir).step == 2
+
+
+def test_copies_back_to_back_still_have_their_cost_read_against_steps_with_none_at_work(monkeypatch):
+    """A GPU copy that runs beside the step after it, each time it is due again: before, no
+    step was ever timed with no copy at work, so the copies' cost read as nothing and one came
+    every step (a 1B model's step 10% slower on an H200). The schedule times a step with none
+    at work before the first copy and after every QUIET_PROBE_COPIES copies, and spaces the
+    copies by their cost: 30 ms beside a 100 ms step, for 4 ms a step, one every 8 steps."""
+    from types import SimpleNamespace
+
+    from worker import step_timing as st
+
+    clock = [100.0]
+    monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
+    busy = [False]
+    writer = SimpleNamespace(busy=lambda: busy[0], skipped=0)
+    tier = SimpleNamespace(writer=writer, last_cost_s=lambda: 0.001, link_busy_s=lambda: 0.0)
+    marks = SimpleNamespace(on=False, off=False, mark_s=None)
+    schedule = st.CopySchedule(None)
+    copied = []
+    for step in range(1, 301):
+        if schedule.decide(step, tier) == st.COPY:
+            schedule.started()
+            schedule.plan_next(step, tier, marks, on_gpu=True)
+            copied.append(step)
+            busy[0] = True  # beside the next step
+        clock[0] += 0.100 + (0.030 if busy[0] else 0.0)
+        busy[0] = False
+    assert copied[0] > st.QUIET_WARMUP_STEPS + 1  # not before a quiet step was timed
+    assert schedule.quiet_s == pytest.approx(0.100, rel=1e-6)
+    assert schedule.copy_cost_s == pytest.approx(0.030, rel=1e-6)  # (the first, back to back, left the window)
+    assert schedule.interval == math.ceil(0.030 / (st.MEMORY_AIM * st.MEMORY_BUDGET * 0.100)) == 8
+    extra = 0.030 * len(copied) / (0.100 * 300)
+    assert extra <= st.MEMORY_BUDGET
