@@ -41,7 +41,8 @@ COPY_COSTS_KEPT = 16  # the copies whose cost to the steps beside them the inter
 # copies read as free: a copy every step cost a 1B-parameter model's step 10% on an H200. So
 # no copy starts until a step with none at work has been timed (the process's first
 # QUIET_WARMUP_STEPS steps not counted: its allocator's and kernels' first runs), and again
-# after every QUIET_PROBE_COPIES copies.
+# after every QUIET_PROBE_COPIES copies. The process's first copy sets up its buffers (on a GPU
+# it page-locks them: seconds for 12 GB); its cost is not what the next copies cost.
 QUIET_WARMUP_STEPS = 2
 QUIET_PROBE_COPIES = 8
 # With the copy interval picked by the runtime (no FTRAIN_MEMORY_EVERY), a GPU job's step marks
@@ -74,6 +75,7 @@ class CopySchedule:
         self.last_step_t: float | None = None
         self.steps_timed = 0  # steps whose period was read
         self.copies_unprobed = 0  # copies started since the last step timed with none at work
+        self.copies_timed = 0  # copies whose steps were timed to the end
 
     def time_step(self, tier: MemoryTier, now: float | None = None) -> None:
         """The step period (moving average), and what a copy costs the steps it runs beside:
@@ -87,15 +89,18 @@ class CopySchedule:
             took = now - self.last_step_t
             self.steps_timed += 1
             self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
-            if self.copy_work is None and self.steps_timed > QUIET_WARMUP_STEPS:
-                self.quiet_s = took if self.quiet_s is None else 0.8 * self.quiet_s + 0.2 * took
-                self.copies_unprobed = 0
+            if self.copy_work is None:
+                if self.steps_timed > QUIET_WARMUP_STEPS:
+                    self.quiet_s = took if self.quiet_s is None else 0.8 * self.quiet_s + 0.2 * took
+                    self.copies_unprobed = 0
             else:
                 if self.quiet_s is not None:
                     self.copy_work += took - self.quiet_s
                 w = tier.writer
                 if self.copy_ending:  # the step after the copy's commit: its cost is all in
-                    if self.quiet_s is not None:
+                    self.copies_timed += 1
+                    # (the first sets up its buffers: 12 GB page-locked once cost seconds)
+                    if self.quiet_s is not None and self.copies_timed > 1:
                         # Each copy's own figure is its steps' noise as much as its cost (one
                         # 10M copy on an H100 read -2 to +4.6 ms): the mean of the last few.
                         self.copy_costs.append(max(0.0, self.copy_work))
