@@ -362,11 +362,16 @@ class Preemption(BaseModel):
 class Borrow(BaseModel):
     """On a job of the ftrain runtime that took free nodes kept for the queue's head, a waiting
     job of its priority (`service.decide.backfill`): it gives `nodes` back (a shrink, else a
-    suspension, 0 steps lost) once that job, or another of its priority ahead of it in the queue,
-    could start with them (`service.decide.preempt`)."""
+    suspension, 0 steps lost) once that job, or another of its priority ahead of that job in the
+    queue, could start with them (`service.decide.preempt`): the jobs that could have taken them
+    while they were free."""
 
     head: str = Field(..., description="The id of the waiting job the nodes were kept for.")
     priority: int
+    head_created_at: float | None = Field(
+        None, description="When that job was submitted: its place in the queue, where only it and "
+        "the jobs of its priority ahead of it take the nodes back (None, on a record of before: "
+        "the jobs ahead of the borrower).")
     nodes: list[str] = Field(..., description="The kept nodes it took.")
     since: float
 

@@ -114,7 +114,8 @@ def loan(job: JobRecord, free: Sequence[str], allowed: Sequence[str], head: JobR
     kept = [n for n in free if n not in allowed] if len(allowed) < len(free) else []
     if not kept or not may_borrow(job, head):
         return None
-    return Borrow(head=head.id, priority=head.spec.priority, nodes=kept, since=now)
+    return Borrow(head=head.id, priority=head.spec.priority, nodes=kept, since=now,
+                  head_created_at=head.created_at)
 
 
 def lend(before: JobRecord, after: JobRecord, offer: Borrow, now: float) -> tuple[JobRecord, EventView] | None:

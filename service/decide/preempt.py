@@ -23,8 +23,8 @@ again on the nodes it keeps, or waits. Either way the victim counts a restart of
 Never for a lower priority, and for an equal one only from a borrower: a job on the ftrain
 runtime that took free nodes kept for a waiting job of its priority (`decide.backfill`,
 `JobRecord.borrowed`). Such a job is taken from after every victim of lower priority, and only
-by the job it borrowed in front of or one of its priority ahead of it in queue order
-(`may_take_back`); it gives back its borrowed nodes (a shrink, where it stays at its `min`
+by the job it borrowed in front of or one of its priority ahead of that job in queue order
+(`may_take_back`: those that could have taken the nodes free); it gives back its borrowed nodes (a shrink, where it stays at its `min`
 without them) or is suspended, a restart of cause "preemption", and its events say it gives
 back what it borrowed. A job suspended by a preemption never takes its nodes back from the job
 that took them (its priority is lower, or it was behind), and two jobs of one priority that
@@ -211,10 +211,17 @@ class Victims:
 
 def may_take_back(waiter: JobRecord, borrower: JobRecord) -> bool:
     """`waiter` may take nodes back from `borrower`, a job of its priority that borrowed nodes
-    kept for a waiting job (`decide.backfill`): it is that job, or ahead of it in queue order."""
+    kept for a waiting job (`decide.backfill`): it is that job, or ahead of it in queue order,
+    one that could have taken them while they were free. (A job between the two took a
+    borrowed node back the moment the borrower started on it, which it could not take free:
+    the borrower suspended a tenth of a second after its start.)"""
     b = borrower.borrowed
-    return b is not None and borrower.spec.priority == waiter.spec.priority \
-        and (b.head == waiter.id or queue_key(waiter) < queue_key(borrower))
+    if b is None or borrower.spec.priority != waiter.spec.priority:
+        return False
+    if b.head == waiter.id:
+        return True
+    head = queue_key(borrower) if b.head_created_at is None else (-b.priority, b.head_created_at, b.head)
+    return queue_key(waiter) < head
 
 
 def shortfall(waiter: JobRecord, usable: int, leaving: int) -> int:

@@ -34,7 +34,8 @@ def borrower(jid: str = "borrower", prio: int = 0, members=("d",), lent=("d",), 
              mn: int = 1, created: float = 2.0) -> JobRecord:
     """A running runtime job that borrowed `lent` in front of `for_head`."""
     return job(jid, prio, list(members), mn=mn, mx=len(members), created=created).model_copy(
-        update={"borrowed": Borrow(head=for_head, priority=prio, nodes=list(lent), since=NOW - 60)})
+        update={"borrowed": Borrow(head=for_head, priority=prio, nodes=list(lent), since=NOW - 60,
+                                   head_created_at=1.0)})  # (`head()`'s)
 
 
 def by_id(plans) -> dict[str, JobRecord]:
@@ -56,7 +57,7 @@ def test_a_runtime_job_or_one_never_run_borrows_the_free_node_a_known_plain_scri
         return
     small = plans["small"]
     assert small.state is S.STARTING and sorted(small.members) == ["d"]
-    assert small.borrowed == Borrow(head="head", priority=0, nodes=["d"], since=NOW)
+    assert small.borrowed == Borrow(head="head", priority=0, nodes=["d"], since=NOW, head_created_at=1.0)
     assert "head" not in plans
 
 
@@ -146,7 +147,9 @@ def test_a_job_of_the_heads_priority_that_did_not_borrow_is_never_taken_from():
 
 @pytest.mark.parametrize("waiter, takes", [
     (job("head", 5, mn=1, mx=1, created=1.0), True),  # the job it borrowed in front of
-    (job("older", 5, mn=1, mx=1, created=0.5), True),  # a job of its priority ahead of it in the queue
+    (job("older", 5, mn=1, mx=1, created=0.5), True),  # a job of its priority ahead of that one in the queue
+    # behind that one, ahead of the borrower: it could not take the node free, nor takes it back
+    (job("between", 5, mn=1, mx=1, created=1.5), False),
     (job("newer", 5, mn=1, mx=1, created=9.0), False),  # behind it
     (job("lower", 0, mn=1, mx=1, created=0.1), False),  # a lower priority: never
 ])
