@@ -134,3 +134,32 @@ def test_a_preemption_whose_job_is_cancelled_in_the_victims_grace_leaves_it_all_
            "again on all its nodes" in said, said
     # one restart, on both nodes: not a shrink and then a scale-up
     assert done["restarts_by_cause"] == {"failure": 0, "lost_node": 0, "preemption": 1, "resize": 0}, said
+
+
+def test_a_borrower_gives_the_kept_node_back_at_a_step_boundary_losing_no_step(control_plane, api, agents):
+    """A 2-node job waits behind a job holding one node; the free node is kept for it, and a
+    1-node runtime job of its priority submitted after it borrows that node. Once the holder
+    is cancelled the waiting job could start with both: the borrower gives its node back at
+    a step boundary (0 steps lost), the waiting job runs, and the borrower resumes after."""
+    agents(2)
+    wait_nodes(api, 2)
+    holder = submit(api, train_spec("holder", 100_000, every=100_000, delay_s=0.05))
+    wait_for(lambda: job(api, holder)["state"] == "RUNNING", 120, "the holder to run")
+    head = submit(api, train_spec("head", 20, every=100_000, mn=2, mx=2, delay_s=0.03))
+    borrower = submit(api, train_spec("borrower", 150, every=100_000, delay_s=0.03))
+    with SnapshotWatch(control_plane, borrower) as watch:
+        wait_for(lambda: (job(api, borrower)["progress"] or {}).get("step", 0) >= 5, 120,
+                 "the job behind the waiting one to train on the node kept for it")
+        assert job(api, head)["state"] == "PENDING"
+        assert any(f"kept for job {head}" in r and "borrowed" in r for r in reasons(api, borrower))
+        assert api.post(f"/v1/jobs/{holder}/cancel").status_code == 202
+        assert wait_state(api, head, ("SUCCEEDED", "FAILED"), timeout_s=180)["state"] == "SUCCEEDED"
+        done = wait_state(api, borrower, ("SUCCEEDED", "FAILED"), timeout_s=240)
+        assert done["state"] == "SUCCEEDED", reasons(api, borrower)
+        trace = check_steps(api, borrower, watch=watch)
+    assert len(trace.resumes) >= 1, trace.resumes
+    assert all(resumed >= last for _, resumed, last in trace.resumes), trace.resumes  # 0 steps lost
+    assert trace.steps[-1] == 150
+    said = reasons(api, borrower)
+    assert any(r.startswith("giving back the node(s) it borrowed") and f"job {head}" in r for r in said), said
+    assert done["restarts_by_cause"]["preemption"] == 1 and done["restarts"] == 0, done["restarts_by_cause"]
