@@ -13,7 +13,9 @@ and plans the whole queue (every job's quota checked) and starts nothing, the wo
 fair share and quotas. With `--priorities K`, the waiting jobs' priorities go round 0..K-1
 above the running jobs' 0, so the jobs at the head of the queue preempt (bench agents never
 stop their workers: the victims stay marked, and later passes find the nodes already leaving
-for them).
+for them). The heap is frozen before the passes are timed (`gc.freeze`), as the control plane
+does every second (service.gc_pauses); `--no-gc-freeze` times them with the collector going
+through every record, as a process without that would.
 
 What bench/api.py's submissions phase makes of the control plane: every node holds a job
 (the first submissions took them all) and every later submission waits PENDING, while each
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -95,8 +98,11 @@ async def main(args) -> None:
             await ctx.users.add(owner)
             await ctx.tenancy.set_user_quota(owner, QuotaPatch(max_nodes=held))
         kept["tenancy"] = ctx.tenancy
+    if args.gc_freeze:  # what the control plane does every second (service.gc_pauses)
+        gc.freeze()
     print(f"{args.nodes} nodes ({args.free} free), {running} jobs running, {args.users} users"
-          f"{' at their quotas' if args.quota else ''}; {args.passes} passes per row")
+          f"{' at their quotas' if args.quota else ''}; {args.passes} passes per row"
+          f"{'' if args.gc_freeze else '; the heap not frozen (--no-gc-freeze)'}")
     print(f"{'pending':>8}{'pass p50 ms':>13}{'pass p99 ms':>13}{'pass max ms':>13}{'submit+pass ms':>16}")
     pending = 0
     for target in args.pending:
@@ -104,6 +110,8 @@ async def main(args) -> None:
             await create(waiting(pending))
             pending += 1
         await asyncio.sleep(0)
+        if args.gc_freeze:
+            gc.freeze()
         times = [await one_pass() for _ in range(args.passes)]
         # One submission followed by the pass it wakes, as under a stream of submissions.
         t = time.process_time()
@@ -127,6 +135,9 @@ if __name__ == "__main__":
     ap.add_argument("--passes", type=int, default=20)
     ap.add_argument("--users", type=int, default=1, help="Owners the jobs are spread over.")
     ap.add_argument("--free", type=int, default=0, help="Nodes left free (waiting jobs ask for one more).")
+    ap.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                    help="Freeze the heap before timing, as the control plane does every second "
+                         "(service.gc_pauses, FTRAIN_GC_FREEZE_S): its collections then skip the records.")
     ap.add_argument("--quota", action="store_true", help="Every user at its quota (waiting jobs ask for one node).")
     ap.add_argument("--priorities", type=int, default=1,
                     help="waiting jobs' priorities go round 0..K-1 (running ones: 0); 1: all 0")
