@@ -258,7 +258,7 @@ def checksum(buf: torch.Tensor) -> str:
     return _sum64_text(sum64(buf))
 
 
-def _verify(flat: torch.Tensor, expected: str | None, step: int, summed: list | None = None) -> None:
+def _verify(flat: torch.Tensor, expected: str | None, step: int, summed: tuple[int, int] | None = None) -> None:
     """Raises `CopyCorrupt` unless `flat`'s checksum is `expected`; `summed`: its `sum64`, where
     the read took it already (`_read_parallel`)."""
     if expected is None:
@@ -268,7 +268,7 @@ def _verify(flat: torch.Tensor, expected: str | None, step: int, summed: list | 
         raise CopyCorrupt(step, f"unknown checksum {expected!r}")
     try:
         if algorithm == "sum64":
-            got = _sum64_text(summed[0]) if summed else checksum(flat)
+            got = _sum64_text(summed) if summed is not None else checksum(flat)
         else:
             got = _digest(memoryview(flat.numpy()), algorithm)
     except ImportError:
@@ -434,12 +434,12 @@ READ_CHUNK = 64 << 20
 READ_THREADS = 16  # (at most; no more than the cores)
 
 
-def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -> int:
+def _read_parallel(path: Path, into: torch.Tensor) -> tuple[int, tuple[int, int] | None]:
     """Read the file into `into` (fresh memory) in chunks on several threads: faulting in
-    fresh pages is most of a read from tmpfs, and it scales with cores. With `summed` (a list),
-    each thread also takes the `sum64` of its chunk while its bytes are in cache, and the
-    whole file's pair is appended to `summed` (a 12 GB copy: verified in the read's time, not
-    in 2.7 s more on one core after it)."""
+    fresh pages is most of a read from tmpfs, and it scales with cores. Each thread also takes
+    the `sum64` of its chunk while its bytes are in cache (a 12 GB copy: verified in the read's
+    time, not in 2.7 s more on one core after it). Returns the bytes read and the whole file's
+    `sum64` (None where it was not read whole)."""
     view = memoryview(into.numpy())
     size = len(view)
     chunks = [(off, min(READ_CHUNK, size - off)) for off in range(0, size, READ_CHUNK)]
@@ -453,7 +453,7 @@ def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -
                 if got == 0:
                     break
                 done += got
-            pair = sum64(into[off:off + done]) if summed is not None and done % 8 == 0 else None
+            pair = sum64(into[off:off + done]) if done % 8 == 0 else None
             return done, pair
 
         workers = min(READ_THREADS, os.cpu_count() or 1, len(chunks))
@@ -465,12 +465,12 @@ def _read_parallel(path: Path, into: torch.Tensor, summed: list | None = None) -
     finally:
         os.close(fd)
     total = sum(n for n, _ in got)
-    if summed is not None and total == size and all(pair is not None for _, pair in got):
-        whole, before = (0, 0), 0
-        for n, pair in got:
-            whole, before = sum64_join(whole, pair, before), before + n
-        summed.append(whole)
-    return total
+    if total != size or any(pair is None for _, pair in got):
+        return total, None
+    whole, before = (0, 0), 0
+    for n, pair in got:
+        whole, before = sum64_join(whole, pair, before), before + n
+    return total, whole
 
 
 def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, torch.Tensor, list] | None:
@@ -487,8 +487,9 @@ def read_copy(directory: str | Path, step: int | None = None) -> tuple[dict, tor
             meta = pickle.load(f)
         if meta["step"] != int(latest["step"]):
             return None
-        flat, summed = torch.empty(meta["size"], dtype=torch.uint8), []
-        if _read_parallel(directory / f"slot{slot}.bin", flat, summed) != meta["size"]:
+        flat = torch.empty(meta["size"], dtype=torch.uint8)
+        size, summed = _read_parallel(directory / f"slot{slot}.bin", flat)
+        if size != meta["size"]:
             return None
         # Two copies finished while this one was read would have overwritten the slot.
         now = json.loads((directory / LATEST).read_text())
@@ -521,8 +522,9 @@ def read_slot(directory: str | Path, slot: int) -> tuple[dict, torch.Tensor, lis
     try:
         with open(directory / f"slot{slot}.pkl", "rb") as f:
             meta = pickle.load(f)
-        flat, summed = torch.empty(meta["size"], dtype=torch.uint8), []
-        if _read_parallel(directory / f"slot{slot}.bin", flat, summed) != meta["size"]:
+        flat = torch.empty(meta["size"], dtype=torch.uint8)
+        size, summed = _read_parallel(directory / f"slot{slot}.bin", flat)
+        if size != meta["size"]:
             return None
         _verify(flat, meta.get("checksum"), meta["step"], summed)
     except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError, CopyCorrupt):
