@@ -378,8 +378,8 @@ class JobIndex:
         """`node` is a live member of `job_id` (the job its heartbeats are answered with)."""
         other = self._by_node.get(node)
         if other is not None and other != job_id:
-            log.error("node %s is a live member of two jobs, %s and %s; it runs %s until %s lets it go",
-                      node, other, job_id, job_id, job_id)
+            log.error("node %s is a live member of two jobs, %s and %s; it runs %s, then %s once %s lets "
+                      "it go", node, other, job_id, job_id, other, job_id)
             self._shadowed.setdefault(node, set()).add(other)
         self._by_node[node] = job_id
 
@@ -389,17 +389,16 @@ class JobIndex:
         shadowed = self._shadowed.get(node)
         if shadowed is not None:
             shadowed.discard(job_id)
-        if self._by_node.get(node) != job_id:
-            return
-        del self._by_node[node]
-        while shadowed:
-            other = self._jobs.get(shadowed.pop())
-            if other is not None and other.state.is_active() and (m := other.members.get(node)) is not None \
-                    and m.is_live():
-                self._by_node[node] = other.id
-                break
-        if not shadowed:
-            self._shadowed.pop(node, None)
+        if self._by_node.get(node) == job_id:
+            del self._by_node[node]
+            while shadowed:
+                other = self._jobs.get(shadowed.pop())
+                if other is not None and other.state.is_active() and (m := other.members.get(node)) is not None \
+                        and m.is_live():
+                    self._by_node[node] = other.id
+                    break
+        if shadowed is not None and not shadowed:
+            del self._shadowed[node]
 
     def _count_held(self, old: JobRecord | None, new: JobRecord | None) -> None:
         if (was := len(quotas.held_nodes(old))):

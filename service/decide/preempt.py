@@ -284,8 +284,7 @@ def gives_back(victim: JobRecord, p: Preemption) -> bool:
     return victim.borrowed is not None and not p.fair_share and p.by_priority == victim.spec.priority
 
 
-def withdraw(victim: JobRecord, now: float, elsewhere: Callable[[str], bool] = lambda n: False
-             ) -> tuple[JobRecord, EventView] | None:
+def withdraw(victim: JobRecord, now: float, elsewhere: Callable[[str], bool]) -> tuple[JobRecord, EventView] | None:
     """`victim` once the job it gives nodes to no longer waits for them (cancelled, ended, or
     started on others), and its event; None: nothing left to withdraw.
 

@@ -779,7 +779,7 @@ def schedule_queue(pending: Iterable[JobRecord], others: Sequence[JobRecord],
 
 
 def withdrawn(job: JobRecord, waits: Callable[[str], bool] | None, now: float,
-              elsewhere: Callable[[str], bool] = lambda n: False) -> tuple[JobRecord, EventView] | None:
+              elsewhere: Callable[[str], bool]) -> tuple[JobRecord, EventView] | None:
     """`job` with its preemption withdrawn, and the event, where the job it gives nodes to no
     longer waits (`waits`: whether a job of that id is PENDING; None: not known, nothing is
     withdrawn) (`preempt.withdraw`; `elsewhere`: whether another job holds a node now); else with its borrowed nodes its own, where the job it

@@ -125,3 +125,8 @@ def test_a_node_two_records_list_as_live_is_the_other_jobs_once_one_lets_it_go(c
     assert index.job_of_node("n2").id == "first" and index.job_of_node("n3") is None
     index._apply(job("first", "ann", 1, S.RUNNING, ["n1"], mx=2), "first", 4)  # it let n2 go too
     assert index.job_of_node("n2") is None and index._shadowed == {}
+    # the job shadowed there ends first: nothing is kept for the node
+    index._apply(job("third", "ann", 3, S.RUNNING, ["n4"], mx=2), "third", 5)
+    index._apply(job("fourth", "bob", 4, S.RUNNING, ["n4"], mx=2), "fourth", 6)
+    index._apply(job("third", "ann", 3, S.SUCCEEDED, ["n4"], mx=2), "third", 7)
+    assert index.job_of_node("n4").id == "fourth" and index._shadowed == {}
