@@ -6,7 +6,8 @@ steps it lost.
         --global-batch 16 --trials 2                                  # two GPUs, ~0.8B parameters
 
 Per trial: a real etcd and control plane (shared by the trials), two fresh node agents (one
-GPU each on a GPU host), and examples/train_fsdp.py submitted as a job of 1 to 2 nodes with
+GPU each on a GPU host; on a host of one GPU they share it, NCCL told they are two hosts),
+and examples/train_fsdp.py submitted as a job of 1 to 2 nodes with
 the runtime: every rank's shards in its node's memory tier (on the tier's own schedule, or
 every `--memory-every` steps) with a replica on the other node, and on disk every
 `--every` steps. Once rank 0 has logged `--kill-at` steps at world size 2, the second
@@ -75,6 +76,18 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _gpu_env(name: str, k: int, gpus: int) -> dict | None:
+    """The k-th node's GPU. On a host of one GPU both nodes share it, and NCCL is told they are
+    two hosts (`NCCL_HOSTID`: it refuses two ranks of one host on one GPU), so their traffic
+    goes through its socket transport on loopback, as between two machines."""
+    if not gpus:
+        return None
+    env = {"CUDA_VISIBLE_DEVICES": str(k % gpus)}
+    if gpus < 2:
+        env.update(NCCL_HOSTID=name, NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
+    return env
+
+
 def _spec(args: argparse.Namespace, trial: int) -> dict:
     command = ["python", str(TRAIN_FSDP), "--steps", str(args.steps), "--dim", str(args.dim),
                "--depth", str(args.depth), "--heads", str(args.heads), "--vocab", str(args.vocab),
@@ -97,21 +110,25 @@ def _step_times(lines: list[dict], until: float) -> list[float]:
 
 def trial(stack: tuple, args: argparse.Namespace, i: int, root: Path, gpus: int) -> dict:
     cp, api = stack
-    agents = [NodeAgentProc(cp, f"t{i}-n{k}", root / f"t{i}-n{k}",
-                            env={"CUDA_VISIBLE_DEVICES": str(k % gpus)} if gpus else None).start()
+    agents = [NodeAgentProc(cp, f"t{i}-n{k}", root / f"t{i}-n{k}", env=_gpu_env(f"t{i}-n{k}", k, gpus)).start()
               for k in range(2)]
     try:
         names = {a.name for a in agents}
         wait_for(lambda: names <= {n["name"] for n in api.get("/v1/nodes").json()["items"]}, 60,
                  "both agents registered")
         job_id = api.post("/v1/jobs", json=_spec(args, i)).raise_for_status().json()["id"]
+        submitted_at = time.time()
 
         def at_kill_step() -> bool:
             got = runs(api, job_id)
             world = api.get(f"/v1/jobs/{job_id}").json()["world_size"]
             return world == 2 and bool(got) and bool(got[-1][1]) and got[-1][1][-1] >= args.kill_at
 
-        wait_for(at_kill_step, args.deadline + 600, f"step {args.kill_at} at world size 2")
+        try:
+            wait_for(at_kill_step, args.start_deadline, f"step {args.kill_at} at world size 2")
+        except AssertionError:
+            _say_where_it_is(api, job_id, submitted_at)
+            raise
         killed_at = time.time()
         agents[1].kill_tree()
         before = len(runs(api, job_id))
@@ -129,7 +146,8 @@ def trial(stack: tuple, args: argparse.Namespace, i: int, root: Path, gpus: int)
 
 
 def _say_where_it_is(api, job_id: str, since: float) -> None:
-    """The job's events and its log's lines since the fault (what the group that goes on did)."""
+    """The job's events and its log's lines since `since` (the fault: what the group that goes
+    on did; the submission: how far the job got)."""
     for e in api.get(f"/v1/jobs/{job_id}/events").json()["items"]:
         if e["time"] >= since - 1:
             print(f"event +{e['time'] - since:.1f} s {e['state']}: {e.get('reason', '')}", file=sys.stderr)
@@ -171,6 +189,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=256, help="the synthetic dataset's sequences (made at "
                    "every start, so a restart pays for them: keep it small)")
     p.add_argument("--deadline", type=float, default=120, help="seconds the group that goes on may take")
+    p.add_argument("--start-deadline", type=float, default=720,
+                   help="seconds the job may take from its submission to the step it is killed at")
     p.add_argument("--out", help="also write the table and figures here")
     args = p.parse_args()
 
@@ -195,7 +215,8 @@ def main() -> None:
 
 
 def _table(args: argparse.Namespace, rows: list[dict], gpus: int, params: int) -> str:
-    where = f"{gpus} GPU(s), NCCL" if gpus else "CPU, gloo"
+    where = ("2 nodes sharing 1 GPU, NCCL over loopback sockets" if gpus == 1 else f"{gpus} GPU(s), NCCL"
+             if gpus else "CPU, gloo")
     head = (f"FSDP2 job of 1 to 2 nodes ({where}; {params / 1e6:.1f}M parameters, "
             f"{args.global_batch}x{args.length} tokens a step), the second node's agent SIGKILLed "
             f"at step {args.kill_at}\n")

@@ -234,6 +234,8 @@ def test_an_fsdp_job_that_loses_a_node_goes_on_alone_from_its_shards_in_memory_r
     lines = [item["line"] for item in rank0_lines(api, job_id)]
     assert any(f"shards of step {restart} were saved by 2 ranks and the group has 1 now: rank 0 joins them"
                in line for line in lines), "\n".join(line for line in lines if "ftrain.runtime" in line)
+    assert any(f"resumed from memory (step {restart}, the shards of its 2 ranks, joined on rank 0 and resharded)"
+               in line for line in lines), "\n".join(line for line in lines if "ftrain.runtime" in line)
     assert any(m and m.group(2) == "1" for m in map(START.match, lines))
 
 

@@ -301,3 +301,72 @@ def test_without_a_fixed_interval_copies_come_no_sooner_than_the_last_exchange_o
     schedule.plan_next(11, tier, marks, on_gpu=True)
     assert (schedule.interval, schedule.next) == (8, 19)
     tier.close()
+
+
+def _optimizer_load(rank: int, port: int) -> None:
+    """One rank of a group of one: an AdamW state saved as local shards, installed into a fresh
+    optimizer directly; then saved states the direct load must refuse, leaving no state."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from worker import sharded
+    from worker.tiers.sharded_memory import local_shards
+
+    dist.init_process_group("gloo")
+
+    def sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        fully_shard(model[0])
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    model, optimizer = sharded_model()
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 5e-3  # as a scheduler leaves it
+    saved = local_shards(sharded.model_and_optimizer(model, optimizer), DTensor, [])["optimizer"]
+    saved = mem.owned(pickle.loads(pickle.dumps(saved)))  # plain tensors, as a copy holds them
+
+    fresh_model, fresh = sharded_model()
+    assert sharded.load_local_optimizer_state(fresh, saved)
+    assert fresh.param_groups[0]["lr"] == 5e-3
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        want, got = optimizer.state[p], fresh.state[q]
+        assert want.keys() == got.keys()
+        for key in want:
+            assert type(got[key]) is type(want[key]), key
+            if isinstance(want[key], DTensor):
+                assert got[key].placements == want[key].placements
+                assert torch.equal(got[key].to_local(), want[key].to_local()), key
+            else:
+                assert torch.equal(got[key], want[key]), key
+    # With the parameters too, it trains on as the one it was saved from, bit for bit.
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), fresh_model.parameters()):
+            q.to_local().copy_(p.to_local())
+    x = torch.randn(8, 6)
+    for m, o in ((model, optimizer), (fresh_model, fresh)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+    first = saved["param_groups"][0]["params"][0]
+    odd = {**saved, "state": {**saved["state"], first: {**saved["state"][first], "row": torch.zeros(3)}}}
+    fewer_groups = {**saved, "param_groups": []}
+    stranger = {**saved, "state": {**saved["state"], "not.a.parameter": {"step": torch.tensor(1.0)}}}
+    for refused in (odd, fewer_groups, stranger):
+        _, again = sharded_model()
+        assert not sharded.load_local_optimizer_state(again, refused)
+        assert not again.state and again.param_groups[0]["lr"] == 1e-2
+    dist.destroy_process_group()
+
+
+def test_an_optimizers_state_is_made_from_its_local_shards_or_left_for_torchs_load() -> None:
+    mp.spawn(_optimizer_load, args=(free_port(),), nprocs=1)

@@ -25,8 +25,9 @@ verified; a torn one (its writer killed while overwriting the slot) counts as no
 ranks choose again without it:
 
 - the newest step whose every shard, saved at this world size, some rank holds is the
-  group's memory copy: each rank loads its own shard in place (the DTensors' local tensors
-  filled, then `set_state_dict`), sent to it by the rank that read it where that is another;
+  group's memory copy: each rank loads its own shard (the parameters' local tensors filled
+  in place, the optimizer's state made from its shards: `load_local_optimizer_state`), sent
+  to it by the rank that read it where that is another;
 - at another world size, the newest step whose every shard of an old world is held (each a
   dim-0 slice, FSDP2's default) goes to rank 0, which joins the shards into the whole state
   and loads it with `set_state_dict`'s broadcast from rank 0, sharded for the new world;
@@ -346,29 +347,37 @@ class ShardedMemoryTier(MemoryTier):
     def load_shards(self, copy: tuple, objects: Mapping[str, Any]) -> dict:
         """A copy of this rank's shards: loaded into the model and optimizer in place; returns
         the rest of the state (step, rng, scheduler, sampler, extras)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         state = mem.unpack(*copy)
         big = state.pop("sharded")
         state = mem.owned(state)  # what the runtime keeps (RNG states...) holds not the copy
         model, optimizer = objects["model"], objects.get("optimizer")
-        like = sharded.model_and_optimizer(model, optimizer)
-        if missing := sorted(like["model"].keys() - big["model"].keys()):
+        like = get_model_state_dict(model)
+        if missing := sorted(like.keys() - big["model"].keys()):
             raise RuntimeError(f"the memory copy holds no {', '.join(missing[:5])} of the model")
         dtensor = _dtensor_type()
         with torch.no_grad():
-            big = into_template(big, like, dtensor)
-        # The model's shards are in place already (`into_template` wrote into its parameters):
+            saved_model = into_template(big["model"], like, dtensor)
+        # The model's shards are in place now (`into_template` wrote into its parameters):
         # loading them again costs a DTensor copy of each, ~1 s at 1B parameters. The rest (a
-        # buffer, a module left unsharded) and the optimizer's state are loaded.
-        rest = {k: v for k, v in big["model"].items() if not isinstance(v, dtensor)}
+        # buffer, a module left unsharded) is loaded, and the optimizer's state.
+        rest = {k: v for k, v in saved_model.items() if not isinstance(v, dtensor)}
         options = StateDictOptions(strict=False)
-        if optimizer is None:
-            if rest:
-                set_model_state_dict(model, rest, options=options)
-        else:
-            set_state_dict(model, optimizer, model_state_dict=rest, optim_state_dict=big["optimizer"],
-                           options=options)
+        if rest:
+            set_model_state_dict(model, rest, options=options)
+        if optimizer is not None and not sharded.load_local_optimizer_state(optimizer, big.get("optimizer", {})):
+            # Saved in a shape the direct load does not know: torch's way (it makes the state
+            # by a step with zero gradients, which the shards then overwrite in place).
+            like_optim = sharded.model_and_optimizer(model, optimizer)["optimizer"]
+            with torch.no_grad():
+                saved_optim = into_template(big.get("optimizer", {}), like_optim, dtensor)
+            set_state_dict(model, optimizer, model_state_dict={}, optim_state_dict=saved_optim, options=options)
         self.copies = {}
         self.rng = (int(state["step"]), state.get("rng"))
         return state
@@ -543,6 +552,8 @@ class ShardedPeerTier(PeerTier):
         return step == self.complete and any(src != i for i, src in enumerate(self.sources))
 
     def where_from(self, step: int, where: Any, mine: Found | None) -> str:
+        if step == self.complete and self.saved_world != self.worker.world_size:
+            return f"the shards of its {self.saved_world} ranks, joined on rank 0 and resharded"
         src = self.sources[self.worker.rank] if step == self.complete else self.worker.rank
         if src == self.worker.rank:
             return "its own shards in its node's memory"
@@ -586,10 +597,12 @@ class ShardedPeerTier(PeerTier):
         return skeleton, flat, packing
 
     def _load_resharded(self, step: int) -> dict:
-        """Shards of another world size: every old rank's sent to rank 0, which joins them into
-        the whole state (as DDP's memory copy holds it); loaded as a whole state broadcast from
-        rank 0 (`set_state_dict`'s), which each rank shards for this world. Each rank takes the
-        RNG states of the old rank of its number (modulo the old world), as a disk restore does."""
+        """Shards of another world size: every old rank's sent to rank 0, which puts each
+        parameter's and state's old dim-0 slices together on its device and scatters the new
+        world's slices from there (`load_joined`); torch's way (the whole state joined in host
+        memory, loaded with `set_state_dict`'s broadcast) where the state holds what that
+        does not know. Each rank takes the RNG states of the old rank of its number (modulo
+        the old world), as a disk restore does."""
         rank = self.worker.rank
         got: dict[int, tuple] = {}
         for shard, src in enumerate(self.sources):
@@ -599,20 +612,116 @@ class ShardedPeerTier(PeerTier):
                 self._send(self.local.copies[(shard, step)], 0)
             elif rank == 0:
                 got[shard] = self._receive(src)
-        full, rest = None, None
+        olds, rest, plan = None, None, None
+        model, optimizer = self.objects["model"], self.objects.get("optimizer")
         if rank == 0:
             states = [mem.unpack(*got[shard]) for shard in range(self.saved_world)]
-            like = sharded.model_and_optimizer(self.objects["model"], self.objects.get("optimizer"))
-            full = joined([s.pop("sharded") for s in states], like, _dtensor_type())
-            rest = mem.owned({**states[0], "rngs": [s.get("rng") for s in states]})  # broadcast next
+            olds = [s.pop("sharded") for s in states]
+            rest = mem.owned({**states[0], "rngs": [s.get("rng") for s in states]})
+            plan = joined_plan(olds, model, optimizer)
         if self.worker.distributed:
-            box = [rest]
+            box = [(rest, plan)]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            rest = box[0]
-        self.local.load_full(full, self.objects)
+            rest, plan = box[0]
+        if plan is not None:
+            load_joined(olds, plan, model, optimizer)
+            self.local.copies = {}
+        else:
+            full = None
+            if rank == 0:
+                like = sharded.model_and_optimizer(model, optimizer)
+                full = joined(olds, like, _dtensor_type())
+            self.local.load_full(full, self.objects)
         rngs = rest.pop("rngs")
         self.local.rng = (step, rngs[rank % len(rngs)])
         return rest
+
+
+
+def joined_plan(olds: list[dict], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
+    """Rank 0, for `load_joined`: what every rank needs to know of the old ranks' local states
+    (`olds`) besides the slices, which only rank 0 holds: the model's entries that are not
+    sharded, the optimizer's parameter groups, its scalar states (step counters), and which of
+    its states are dim-0 slices to join. None where the states do not fit that (a state of
+    another shape, a parameter missing, groups that do not pair up): torch's way then."""
+    dtensor = _dtensor_type()
+    params = _model_entries(model)
+    first = olds[0]
+    if missing := sorted(params.keys() - first["model"].keys()):
+        raise RuntimeError(f"the memory copy holds no {', '.join(missing[:5])} of the model")
+    plan: dict[str, Any] = {"model_rest": {k: mem.owned(v) for k, v in first["model"].items()
+                                           if not isinstance(params.get(k), dtensor)},
+                            "groups": None, "sliced": [], "scalars": {}}
+    saved = first.get("optimizer")
+    if optimizer is None or not saved:
+        return plan
+    by_name = sharded.optimizer_params(optimizer, saved.get("param_groups"))
+    if by_name is None:
+        return None
+    for name, values in saved.get("state", {}).items():
+        param = by_name.get(name)
+        if param is None or not isinstance(values, dict):
+            return None
+        for key, value in values.items():
+            if (isinstance(param, dtensor) and isinstance(value, torch.Tensor) and key != "step"
+                    and value.dim() > 0):
+                rows = sum(old["optimizer"]["state"][name][key].shape[0] for old in olds)
+                if (rows, *value.shape[1:]) != tuple(param.shape):
+                    return None
+                plan["sliced"].append((name, key, value.dtype))
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, dtensor):
+                return None
+            else:
+                plan["scalars"][(name, key)] = mem.owned(value)
+    plan["groups"] = saved["param_groups"]
+    return plan
+
+
+def load_joined(olds: list[dict] | None, plan: dict, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer | None) -> None:
+    """Every rank, at once: each sharded parameter and optimizer state put together on rank 0's
+    device from the old ranks' dim-0 slices (`olds`, rank 0's; None elsewhere) and scattered
+    from there as this world's shards (`distribute_tensor`): the parameters' local shards
+    filled in place, the optimizer's state made from its shards and loaded with
+    `Optimizer.load_state_dict`. Nothing is joined in host memory, and the optimizer's state
+    is not first made by a step with zero gradients, as `set_state_dict` makes it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    dtensor = _dtensor_type()
+
+    def scattered(part: str, name: str, key: str | None, like: Any, dtype: torch.dtype) -> Any:
+        whole = torch.empty(like.shape, dtype=dtype, device=like.to_local().device)
+        if olds is not None:
+            at = 0
+            for old in olds:
+                piece = old[part][name] if key is None else old[part]["state"][name][key]
+                whole[at:at + piece.shape[0]].copy_(piece)
+                at += piece.shape[0]
+        return distribute_tensor(whole, like.device_mesh, like.placements)
+
+    with torch.no_grad():
+        for name, param in sorted(_model_entries(model).items()):
+            if isinstance(param, dtensor):
+                param.to_local().copy_(scattered("model", name, None, param, param.dtype).to_local())
+    if plan["model_rest"]:
+        set_model_state_dict(model, plan["model_rest"], options=StateDictOptions(strict=False))
+    if optimizer is None or plan["groups"] is None:
+        return
+    by_name = sharded.optimizer_params(optimizer, plan["groups"])
+    assert by_name is not None  # rank 0 paired them, and every rank's optimizer is the same
+    state: dict[str, dict] = {}
+    for (name, key), value in plan["scalars"].items():
+        state.setdefault(name, {})[key] = value
+    for name, key, dtype in plan["sliced"]:
+        state.setdefault(name, {})[key] = scattered("optimizer", name, key, by_name[name], dtype)
+    sharded.load_named_optimizer_state(optimizer, state, plan["groups"])
+
+
+def _model_entries(model: torch.nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
 
 
 def plan_restore(helds: list[dict[int, dict[int, tuple[int, bool]]]], world_size: int,
