@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.helpers.processes import free_port
 from tests.worker.test_sharded_snapshots import _assert_same, _full_states
 from worker import memory as mem
-from worker.tiers.sharded_memory import buddy_of, joined, plan_reshard, plan_restore
+from worker.tiers.sharded_memory import buddy_of, joined, plan_newest, plan_reshard, plan_restore
 
 
 def _dim0(helds: list[dict]) -> list[dict]:
@@ -45,6 +45,17 @@ def test_the_restore_takes_the_newest_step_whose_every_shard_some_rank_holds(hel
 ])
 def test_at_another_size_the_newest_step_whose_every_old_shard_is_held_is_resharded(helds, world, expected):
     assert plan_reshard(_dim0(helds), world) == expected
+
+
+@pytest.mark.parametrize("helds,world,expected", [
+    # Grown back to two: step 3 of the two ranks (shards and replicas), step 6 of one rank since.
+    ([{0: {3: 2, 6: 1}, 1: {3: 2}}, {0: {3: 2}, 1: {3: 2}}], 2, (6, 1, [0])),
+    ([{0: {6: 2}}, {1: {6: 2}, 0: {6: 1}}], 2, (6, 2, [0, 1])),  # a tie: this world size's, no resharding
+    ([{0: {7: 2}, 1: {7: 2}}, {0: {5: 1}}], 2, (7, 2, [0, 0])),  # this size's is newer (rank 0 holds both)
+    ([{0: {7: 4}}, {}], 2, (None, 2, [])),  # neither whole
+])
+def test_the_restore_takes_the_newest_whole_step_whatever_world_size_saved_it(helds, world, expected):
+    assert plan_newest(_dim0(helds), world) == expected
 
 
 def test_shards_that_are_not_dim0_slices_are_not_resharded_from_memory():
@@ -116,11 +127,18 @@ def test_a_replica_is_a_copy_only_once_received_whole_and_committed_under_its_se
     kept.close()
 
 def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: str, name: str,
-           until: int) -> None:
+           until: int, disk: bool = True, nodes: int = 1) -> None:
     """One rank: a model sharded in bfloat16 mixed precision, restored, trained to `until`,
-    snapshotted on disk there; its full states (restored and final) and where it resumed from."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+    snapshotted on disk there (with `disk`); its full states (restored and final) and where it
+    resumed from. With `nodes`, the ranks are spread over that many nodes (as few as the world
+    allows), each with a memory tier of its own."""
+    per_node = max(1, world // nodes)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if nodes > 1:
+        os.environ["FTRAIN_NODE"] = node = f"n{rank // per_node}"
+        Path(memory, node).mkdir(exist_ok=True)
+        memory = str(Path(memory, node))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from worker import runtime
@@ -147,7 +165,7 @@ def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: s
         loss.backward()
         optimizer.step()
         rt.step_done(loss=loss)
-    assert rt.snapshot(blocking=True)
+    assert not disk or rt.snapshot(blocking=True)
     final = _full_states(model, optimizer)
     rt.finish()
     if rank == 0:
@@ -155,11 +173,11 @@ def _group(rank: int, world: int, port: int, snapshots: str, memory: str, out: s
                    Path(out, f"{name}.pt"))
 
 
-def _run_group(world: int, tmp_path: Path, name: str, until: int) -> dict:
+def _run_group(world: int, tmp_path: Path, name: str, until: int, disk: bool = True, nodes: int = 1) -> dict:
     memory = tmp_path / "memory"
     memory.mkdir(exist_ok=True)
     mp.spawn(_group, args=(world, free_port(), str(tmp_path / "snapshots"), str(memory), str(tmp_path), name,
-                           until), nprocs=world)
+                           until, disk, nodes), nprocs=world)
     return torch.load(tmp_path / f"{name}.pt", weights_only=False)
 
 
@@ -175,6 +193,25 @@ def test_a_mixed_precision_fsdp_group_resumes_from_its_shards_in_memory_at_the_s
     assert (one["start"], one["tier"]) == (6, "memory")
     _assert_same(one["restored"], again["final"], "memory, 2 -> 1")
     assert again["views"] == one["views"] == []
+
+
+@pytest.mark.parametrize("worlds", [(2, 1, 2), (4, 2, 4)])
+def test_a_group_resized_and_grown_back_resumes_from_the_newest_shards_in_memory_whatever_their_world(
+        tmp_path: Path, worlds: tuple[int, int, int]) -> None:
+    """Two nodes, no disk snapshot at all: every restore is the memory tier's. Grown back, the
+    group still holds whole copies of an older step saved at its own size (the first group's
+    shards and their replicas on the other node), and the newer copy saved at the smaller size:
+    it resumes from the newer, resharded."""
+    first, smaller, again = worlds
+    before = _run_group(first, tmp_path, "before", until=3, disk=False, nodes=2)
+    shrunk = _run_group(smaller, tmp_path, "shrunk", until=6, disk=False, nodes=2)
+    grown = _run_group(again, tmp_path, "grown", until=8, disk=False, nodes=2)
+
+    assert before["start"] == 0
+    assert (shrunk["start"], shrunk["tier"]) == (3, "memory")
+    _assert_same(shrunk["restored"], before["final"], f"memory, {first} -> {smaller}")
+    assert (grown["start"], grown["tier"]) == (6, "memory")
+    _assert_same(grown["restored"], shrunk["final"], f"memory, {smaller} -> {again}")
 
 
 def test_a_copy_whose_bytes_are_torn_is_passed_over_for_the_step_every_shard_holds_whole(

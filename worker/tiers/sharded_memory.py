@@ -24,13 +24,14 @@ step is chosen (below), only its copies are read, each by the rank that sends it
 verified; a torn one (its writer killed while overwriting the slot) counts as none, and the
 ranks choose again without it:
 
-- the newest step whose every shard, saved at this world size, some rank holds is the
-  group's memory copy: each rank loads its own shard (the parameters' local tensors filled
-  in place, the optimizer's state made from its shards: `load_local_optimizer_state`), sent
-  to it by the rank that read it where that is another;
-- at another world size, the newest step whose every shard of an old world is held (each a
-  dim-0 slice, FSDP2's default) goes to rank 0, which joins the shards into the whole state
-  and loads it with `set_state_dict`'s broadcast from rank 0, sharded for the new world;
+- the group's memory copy is the newest step whose every shard, saved at some world size,
+  some rank holds (this world size's wins a tie: `plan_newest`);
+- saved at this world size, each rank loads its own shard (the parameters' local tensors
+  filled in place, the optimizer's state made from its shards: `load_local_optimizer_state`),
+  sent to it by the rank that read it where that is another;
+- saved at another world size (each shard a dim-0 slice, FSDP2's default), the shards go to
+  rank 0, which puts each parameter's and state's slices together on its device and scatters
+  the new world's slices from there (`load_joined`);
 - else there is no memory copy, and the group restores from disk, where DCP reshards.
 
 Each node's first rank reports the agreed step to the control plane, which decides the
@@ -517,11 +518,8 @@ class ShardedPeerTier(PeerTier):
 
     def _plan(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
         """The step to restore (`complete`), the world size it was saved at, and who sends each
-        shard: at this world size if some step is whole, else resharded from another."""
-        self.complete, self.sources = plan_restore(helds, self.worker.world_size)
-        self.saved_world = self.worker.world_size
-        if self.complete is None:
-            self.complete, self.saved_world, self.sources = plan_reshard(helds, self.worker.world_size)
+        shard (`plan_newest`)."""
+        self.complete, self.saved_world, self.sources = plan_newest(helds, self.worker.world_size)
 
     def _say_why_not(self, helds: list[dict[int, dict[int, tuple[int, bool]]]]) -> None:
         world = self.worker.world_size
@@ -722,6 +720,20 @@ def _model_entries(model: torch.nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model)
+
+
+def plan_newest(helds: list[dict[int, dict[int, tuple[int, bool]]]],
+                world_size: int) -> tuple[int | None, int, list[int]]:
+    """The newest step the group can restore from memory: (step, the world size its shards were
+    saved at, the rank that sends each shard), or (None, world_size, []). A step saved at this
+    world size wins a tie (each rank loads its own shard); a newer one of another size is
+    resharded: a group grown back still holds whole copies of the step before it shrank (the
+    shards and their replicas on the other nodes), older than what the smaller group saved."""
+    same, sources = plan_restore(helds, world_size)
+    other = plan_reshard(helds, world_size)
+    if same is not None and (other[0] is None or same >= other[0]):
+        return same, world_size, sources
+    return other
 
 
 def plan_restore(helds: list[dict[int, dict[int, tuple[int, bool]]]], world_size: int,
