@@ -24,7 +24,7 @@ from tests.helpers.processes import free_port
 from worker import sharded
 from worker import snapshot as snap
 
-SAMPLES, GLOBAL_BATCH = 48, 6  # 8 steps an epoch
+SAMPLES, GLOBAL_BATCH = 96, 12  # 8 steps an epoch; a batch splits over 1, 2, 3 or 4 ranks
 
 
 def _full_states(model, optimizer) -> dict:
@@ -104,21 +104,24 @@ def _assert_same(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def test_resizes_2_1_2_restore_every_parameter_and_optimizer_state_and_each_sample_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("worlds", [(2, 1, 2), (4, 2, 4)])
+def test_resizes_restore_every_parameter_and_optimizer_state_and_each_sample_once(
+        tmp_path: Path, worlds: tuple[int, int, int]) -> None:
+    big, small, _ = worlds
     directory, out = tmp_path / "snapshots", tmp_path / "out"
     out.mkdir()
-    two = _run_group(2, directory, out, "two", until=3)
-    one = _run_group(1, directory, out, "one", until=11)  # across the epoch's end (8 steps)
-    again = _run_group(2, directory, out, "again", until=16)
+    two = _run_group(big, directory, out, "two", until=3)
+    one = _run_group(small, directory, out, "one", until=11)  # across the epoch's end (8 steps)
+    again = _run_group(big, directory, out, "again", until=16)
 
     assert (one["start"], again["start"]) == (3, 11)
-    _assert_same(one["restored"], two["final"], "2 -> 1")
-    _assert_same(again["restored"], one["final"], "1 -> 2")
+    _assert_same(one["restored"], two["final"], f"{big} -> {small}")
+    _assert_same(again["restored"], one["final"], f"{small} -> {big}")
     assert again["final"]["optimizer"]["state"], "the optimizer's state is restored, not begun anew"
 
     # Each step's global batch: the union of the ranks' samples of it, each step made once.
     steps: dict[int, list[int]] = {}
-    for name, world in (("two", 2), ("one", 1), ("again", 2)):
+    for name, world in (("two", big), ("one", small), ("again", big)):
         for rank in range(world):
             for step, indices in json.loads((out / f"{name}-seen-{rank}.json").read_text()):
                 steps.setdefault(step, []).extend(indices)
@@ -130,7 +133,7 @@ def test_resizes_2_1_2_restore_every_parameter_and_optimizer_state_and_each_samp
 
     # The snapshots are directories of shards, committed with the ranks that wrote them.
     index = json.loads((directory / "snapshots.json").read_text())
-    assert [(i["step"], i["shards"]) for i in index["items"]] == [(3, 2), (11, 1), (16, 2)]
+    assert [(i["step"], i["shards"]) for i in index["items"]] == [(3, big), (11, small), (16, big)]
     assert all(Path(i["path"]).is_dir() for i in index["items"])
 
 
