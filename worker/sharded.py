@@ -7,15 +7,15 @@ A sharded snapshot is a directory in the job's snapshot folder:
         __<rank>_<n>.distcp                  each rank's shards of the model and optimizer
         .metadata                            DCP's index, written by rank 0 once every rank's
                                              writes are done (its last collective gathers them)
-        ftrain-sums-<rank>.json              each rank: its own files' sizes and sha256
+        ftrain-sums-<rank>.json              each rank: its own files' sizes and SHA-256 tree sums
         ftrain-state.pt                      rank 0: step, world size, every rank's RNG states,
                                              scheduler, sampler, extras (small, weights-only)
-        ftrain-manifest.json                 rank 0, last: every file above, size and sha256
+        ftrain-manifest.json                 rank 0, last: every file above, size and tree sum
     rename -> <dir>/step-<step:012d>.dcp ; fsync(dir)
 
 Rank 0 commits it to the control plane (path, total size, sha256 of the manifest) only once
 the manifest lists every rank's sums: a committed snapshot holds every rank's shards whole.
-A restore verifies the manifest's checksum and each file's size and sha256 against it (a
+A restore verifies the manifest's checksum and each file's size and sum against it (a
 damaged one is reported and skipped for the one before, as for a snapshot file), and DCP's
 load plans put each shard where the new world's ranks want it: 2 ranks' snapshot loads into
 1 or 4.
@@ -32,8 +32,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,11 +256,57 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: 
 
 
 def _sha256(path: Path) -> str:
+    """The file's SHA-256 in one pass (the sums of manifests written before tree sums)."""
     digest = hashlib.new(snap.CHECKSUM_ALGO)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return f"{snap.CHECKSUM_ALGO}:{digest.hexdigest()}"
+
+
+TREE_CHUNK = 64 << 20
+TREE_ALGO = f"{snap.CHECKSUM_ALGO}-tree-64MiB"
+HASH_THREADS = 16  # at most; no more than the cores
+
+
+def tree_sum(path: Path) -> str:
+    """The file's SHA-256 tree sum: the SHA-256 of its 64 MiB chunks' SHA-256 digests, one
+    after the other, the chunks hashed by up to HASH_THREADS threads at once (hashlib lets go
+    of the GIL while it hashes). One SHA-256 of a whole file is one core's pass: 10.7 s of a
+    25 s restore of a 12 GB shard on an H200 host, and as long again before its commit."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+
+    def chunk(start: int) -> bytes:
+        digest = hashlib.new(snap.CHECKSUM_ALGO)
+        at, end = start, min(start + TREE_CHUNK, size)
+        while at < end:
+            data = os.pread(fd, min(1 << 22, end - at), at)
+            if not data:
+                raise OSError(f"{path} ended at byte {at} of {size}")
+            digest.update(data)
+            at += len(data)
+        return digest.digest()
+
+    try:
+        starts = range(0, size, TREE_CHUNK)
+        threads = max(1, min(HASH_THREADS, os.cpu_count() or 1, len(starts)))
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftrain-sum") as pool:
+            digests = list(pool.map(chunk, starts))
+    finally:
+        os.close(fd)
+    return f"{TREE_ALGO}:{hashlib.new(snap.CHECKSUM_ALGO, b''.join(digests)).hexdigest()}"
+
+
+def _matches(path: Path, want: str) -> bool:
+    """Whether the file has the sum `want`, taken the way `want` names (a tree sum, or one
+    SHA-256 of the whole file in manifests written before tree sums)."""
+    algo = want.partition(":")[0]
+    if algo == TREE_ALGO:
+        return tree_sum(path) == want
+    if algo == snap.CHECKSUM_ALGO:
+        return _sha256(path) == want
+    raise snap.SnapshotCorrupt(f"{path}: the manifest's sum {want[:40]!r} is of no kind this version knows")
 
 
 def _write_json(path: Path, data: Any) -> bytes:
@@ -278,7 +323,7 @@ def _write_json(path: Path, data: Any) -> bytes:
 
 def write_own_sums(tmp: Path, rank: int) -> None:
     """Every rank, once its DCP write is done: its own shard files' sizes and checksums."""
-    files = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    files = {p.name: [p.stat().st_size, tree_sum(p)] for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
     _write_json(tmp / SUMS.format(rank=rank), files)
 
 
@@ -322,7 +367,7 @@ class ShardedSave(snap.PendingSnapshot):
             state_file = snap.write_atomic(self.small_state, self.tmp, step)
             os.replace(state_file.path, self.tmp / STATE_FILE)
             for name in (".metadata", STATE_FILE):
-                files[name] = [(self.tmp / name).stat().st_size, _sha256(self.tmp / name)]
+                files[name] = [(self.tmp / name).stat().st_size, tree_sum(self.tmp / name)]
             body = _write_json(self.tmp / MANIFEST, {"step": step, "world_size": self.world_size,
                                                       "files": files})
             final = directory / snapshot_name(step)
@@ -340,8 +385,7 @@ class ShardedSave(snap.PendingSnapshot):
                                     write_s=time.perf_counter() - began, shards=self.world_size)
 
 
-def verify(path: Path, checksum: str, size: int | None = None,
-           hash_file: Callable[[Path], str] = _sha256) -> None:
+def verify(path: Path, checksum: str, size: int | None = None) -> None:
     """Raise SnapshotCorrupt unless the directory's manifest has this checksum and every file it
     lists is there with its size and checksum."""
     try:
@@ -356,7 +400,7 @@ def verify(path: Path, checksum: str, size: int | None = None,
             got = file.stat().st_size
             if got != want_size:
                 raise snap.SnapshotCorrupt(f"{file} is {got} bytes, the manifest says {want_size}")
-            if hash_file(file) != want_sum:
+            if not _matches(file, want_sum):
                 raise snap.SnapshotCorrupt(f"{file} does not match its checksum in the manifest")
             total += got
     except OSError as exc:

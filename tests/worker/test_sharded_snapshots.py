@@ -180,3 +180,52 @@ def test_a_sharded_snapshot_is_not_complete_until_every_rank_has_reported_its_sh
     (final / "__1_0.distcp").write_bytes(b"rank 1's shardz")
     with pytest.raises(snap.SnapshotCorrupt, match="__1_0.distcp does not match"):
         sharded.verify(final, written.checksum, written.size)
+
+
+def test_a_tree_sum_changes_with_any_byte_and_with_the_order_of_its_chunks(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(sharded, "TREE_CHUNK", 1024)
+    data = os.urandom(4 * 1024 + 500)  # 5 chunks, the last one short
+    file = tmp_path / "__0_0.distcp"
+    file.write_bytes(data)
+    whole = sharded.tree_sum(file)
+    assert whole.startswith(f"{sharded.TREE_ALGO}:")
+    assert sharded.tree_sum(file) == whole
+    flipped = bytearray(data)
+    flipped[3 * 1024 + 5] ^= 1
+    file.write_bytes(flipped)
+    assert sharded.tree_sum(file) != whole
+    file.write_bytes(data[1024:2048] + data[:1024] + data[2048:])  # two chunks swapped
+    assert sharded.tree_sum(file) != whole
+    file.write_bytes(data[:-1])
+    assert sharded.tree_sum(file) != whole
+
+
+def _manifest_dir(tmp_path: Path, sums) -> tuple[Path, str]:
+    """A snapshot directory of one file whose manifest gives it the sum `sums(file)`."""
+    import hashlib
+
+    directory = tmp_path / "step-000000000001.dcp"
+    directory.mkdir()
+    file = directory / "__0_0.distcp"
+    file.write_bytes(b"shard bytes" * 1000)
+    body = json.dumps({"step": 1, "world_size": 1, "files": {file.name: [file.stat().st_size, sums(file)]}}).encode()
+    (directory / sharded.MANIFEST).write_bytes(body)
+    return directory, f"sha256:{hashlib.sha256(body).hexdigest()}"
+
+
+def test_a_manifest_of_whole_file_sums_still_verifies_and_one_of_an_unknown_kind_does_not(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    directory, checksum = _manifest_dir(tmp_path / "old", sharded._sha256)
+    sharded.verify(directory, checksum)
+    (directory / "__0_0.distcp").write_bytes(b"shard bytez" * 1000)
+    with pytest.raises(snap.SnapshotCorrupt, match="does not match its checksum"):
+        sharded.verify(directory, checksum)
+
+    (tmp_path / "new").mkdir()
+    directory, checksum = _manifest_dir(tmp_path / "new", sharded.tree_sum)
+    sharded.verify(directory, checksum)
+
+    (tmp_path / "odd").mkdir()
+    directory, checksum = _manifest_dir(tmp_path / "odd", lambda f: "md5:0123")
+    with pytest.raises(snap.SnapshotCorrupt, match="of no kind this version knows"):
+        sharded.verify(directory, checksum)
