@@ -252,6 +252,8 @@ def main() -> None:
     p.add_argument("--restore-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory-only", action="store_true",
                    help="only the memory tier's run (beside one without snapshots) and its restore")
+    p.add_argument("--disk-only", action="store_true",
+                   help="only ftrain's sharded disk snapshots and their restore")
     p.add_argument("--profile", metavar="DIR",
                    help="profile each restore (cProfile, rank by rank) into DIR/restore-<run>-rank<r>.txt")
     p.add_argument("--port", type=int, default=29655)
@@ -276,6 +278,12 @@ def main() -> None:
             print(f"memory tier alone: step {ran['step_s'] * 1e3:.1f} ms against {none['step_s'] * 1e3:.1f} ms "
                   f"without ({cost:+.1f}%), {ran['copies']} copies in {args.steps} steps; restore from memory "
                   f"{got['restore_s']:.3f} s ({got['tier']})")
+            return
+        if args.disk_only:
+            ran = _run(args, "ftrain", directory)
+            got = _run(args, "ftrain", directory, restore_only=True)
+            print(f"ftrain's sharded disk snapshots: {ran['snapshots']} in {args.steps} steps, a stall of "
+                  f"{ran['stall_s']:.1f} s each; restore from disk {got['restore_s']:.3f} s ({got['tier']})")
             return
         none = _run(args, "none", directory)
         modes = ["ftrain", *(f"memory/{n}" for n in args.memory_every if n > 0), "memory", "dcp"]
