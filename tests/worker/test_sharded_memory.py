@@ -394,6 +394,20 @@ def _optimizer_load(rank: int, port: int) -> None:
     for p, q in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
 
+    # What rank 0 tells every rank before a resharded load: the states to join, or torch's way.
+    from worker.tiers.sharded_memory import joined_plan
+
+    whole = local_shards(sharded.model_and_optimizer(model, optimizer), DTensor, [])
+    plan = joined_plan([whole], fresh_model, fresh)
+    assert plan is not None
+    assert {(name, key) for name, key, _ in plan["sliced"]} == {
+        (name, key) for name, values in saved["state"].items() for key in values if key != "step"}
+    assert {key for _, key in plan["scalars"]} == {"step"}
+    lacking = {**whole, "optimizer": {**whole["optimizer"], "state": {}}}
+    assert joined_plan([whole, lacking], fresh_model, fresh) is None  # an old rank without a state
+    with pytest.raises(RuntimeError, match="holds no"):
+        joined_plan([{**whole, "model": {}}], fresh_model, fresh)
+
     first = saved["param_groups"][0]["params"][0]
     odd = {**saved, "state": {**saved["state"], first: {**saved["state"][first], "row": torch.zeros(3)}}}
     fewer_groups = {**saved, "param_groups": []}

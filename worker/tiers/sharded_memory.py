@@ -616,11 +616,16 @@ class ShardedPeerTier(PeerTier):
             states = [mem.unpack(*got[shard]) for shard in range(self.saved_world)]
             olds = [s.pop("sharded") for s in states]
             rest = mem.owned({**states[0], "rngs": [s.get("rng") for s in states]})
-            plan = joined_plan(olds, model, optimizer)
+            try:
+                plan = joined_plan(olds, model, optimizer)
+            except RuntimeError as exc:  # every rank raises it, not rank 0 alone (the rest would wait)
+                plan = {"error": str(exc)}
         if self.worker.distributed:
             box = [(rest, plan)]
             dist.broadcast_object_list(box, src=0, group=self.group)
             rest, plan = box[0]
+        if plan is not None and "error" in plan:
+            raise RuntimeError(plan["error"])
         if plan is not None:
             load_joined(olds, plan, model, optimizer)
             self.local.copies = {}
@@ -663,7 +668,10 @@ def joined_plan(olds: list[dict], model: torch.nn.Module, optimizer: torch.optim
         for key, value in values.items():
             if (isinstance(param, dtensor) and isinstance(value, torch.Tensor) and key != "step"
                     and value.dim() > 0):
-                rows = sum(old["optimizer"]["state"][name][key].shape[0] for old in olds)
+                try:
+                    rows = sum(old["optimizer"]["state"][name][key].shape[0] for old in olds)
+                except (KeyError, TypeError, AttributeError):  # an old rank without this state
+                    return None
                 if (rows, *value.shape[1:]) != tuple(param.shape):
                     return None
                 plan["sliced"].append((name, key, value.dtype))
