@@ -148,7 +148,8 @@ def test_control_plane_restart_does_not_disturb_training(control_plane, api, age
         done = wait_state(again, job_id, ("SUCCEEDED", "FAILED"), timeout_s=120)
         assert done["state"] == "SUCCEEDED", events(again, job_id)
         assert done["restarts"] == 0 and done["world_size"] == 2
-        assert "RECOVERING" not in [e["state"] for e in events(again, job_id)]
+        evs = events(again, job_id)
+        assert "RECOVERING" not in [e["state"] for e in evs], evs
         logged = [s for s, _ in steps(again, job_id)]
         assert logged[-1] == 120 and logged == sorted(logged)
 
