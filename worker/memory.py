@@ -75,7 +75,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +82,7 @@ from typing import Any
 import torch
 
 from .memory_gpu import GpuStaging
-from .snapshot import map_tensors
+from .snapshot import map_tensors, over_chunks
 from .memory_dirs import (  # noqa: F401 - the agent's side, named here too
     OWNER_FILE,
     SHM_ROOT,
@@ -431,7 +430,6 @@ def read_held(directory: str | Path) -> Held | None:
 
 
 READ_CHUNK = 64 << 20
-READ_THREADS = 16  # (at most; no more than the cores)
 
 
 def _read_parallel(path: Path, into: torch.Tensor) -> tuple[int, tuple[int, int] | None]:
@@ -442,11 +440,9 @@ def _read_parallel(path: Path, into: torch.Tensor) -> tuple[int, tuple[int, int]
     `sum64` (None where it was not read whole)."""
     view = memoryview(into.numpy())
     size = len(view)
-    chunks = [(off, min(READ_CHUNK, size - off)) for off in range(0, size, READ_CHUNK)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        def read(chunk: tuple[int, int]) -> tuple[int, tuple[int, int] | None]:
-            off, n = chunk
+        def read(off: int, n: int) -> tuple[int, tuple[int, int] | None]:
             done = 0
             while done < n:
                 got = os.preadv(fd, [view[off + done:off + n]], off + done)
@@ -456,12 +452,7 @@ def _read_parallel(path: Path, into: torch.Tensor) -> tuple[int, tuple[int, int]
             pair = sum64(into[off:off + done]) if done % 8 == 0 else None
             return done, pair
 
-        workers = min(READ_THREADS, os.cpu_count() or 1, len(chunks))
-        if workers <= 1:
-            got = list(map(read, chunks))
-        else:
-            with ThreadPoolExecutor(workers) as pool:
-                got = list(pool.map(read, chunks))
+        got = over_chunks(size, READ_CHUNK, read)
     finally:
         os.close(fd)
     total = sum(n for n, _ in got)

@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,22 @@ class PendingSnapshot:
 
 def snapshot_name(step: int) -> str:
     return f"step-{step:012d}.pt"
+
+
+IO_THREADS = 16  # at most; no more than the cores
+
+
+def over_chunks(size: int, chunk: int, fn: Callable[[int, int], Any]) -> list:
+    """`fn(offset, length)` of each `chunk`-byte range of `size` bytes, in order, on up to
+    IO_THREADS threads (no more than the cores or the ranges): reading a file of gigabytes
+    into fresh memory, or hashing it, scales with cores (`os.pread` and hashlib let go of
+    the GIL)."""
+    spans = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+    workers = min(IO_THREADS, os.cpu_count() or 1, len(spans))
+    if workers <= 1:
+        return [fn(off, n) for off, n in spans]
+    with ThreadPoolExecutor(workers, thread_name_prefix="ftrain-io") as pool:
+        return list(pool.map(fn, *zip(*spans)))
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
