@@ -666,19 +666,18 @@ def joined_plan(olds: list[dict], model: torch.nn.Module, optimizer: torch.optim
         if param is None or not isinstance(values, dict):
             return None
         for key, value in values.items():
-            if (isinstance(param, dtensor) and isinstance(value, torch.Tensor) and key != "step"
-                    and value.dim() > 0):
-                try:
-                    rows = sum(old["optimizer"]["state"][name][key].shape[0] for old in olds)
-                except (KeyError, TypeError, AttributeError):  # an old rank without this state
-                    return None
-                if (rows, *value.shape[1:]) != tuple(param.shape):
-                    return None
-                plan["sliced"].append((name, key, value.dtype))
-            elif isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(param, dtensor):
-                return None
-            else:
+            if not (isinstance(param, dtensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
                 plan["scalars"][(name, key)] = mem.owned(value)
+                continue
+            if key == "step":  # a step counter that is not a scalar: not a slice to join
+                return None
+            try:
+                rows = sum(old["optimizer"]["state"][name][key].shape[0] for old in olds)
+            except (KeyError, TypeError, AttributeError):  # an old rank without this state
+                return None
+            if (rows, *value.shape[1:]) != tuple(param.shape):
+                return None
+            plan["sliced"].append((name, key, value.dtype))
     plan["groups"] = saved["param_groups"]
     return plan
 
